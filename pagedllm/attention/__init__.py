@@ -1,0 +1,1 @@
+"""Attention over the paged KV cache: step metadata, the forward context and the backends."""

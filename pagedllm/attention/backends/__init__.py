@@ -1,0 +1,1 @@
+"""Attention backends. Each exposes `build_metadata(common)` and `forward(...)`."""

@@ -1,0 +1,132 @@
+"""Paged attention with torch's scaled_dot_product_attention (portable reference backend).
+
+New K/V are first written to their slots in the paged cache; then each request's queries attend
+to its context gathered from the cache through its block table. Requests are batched in two
+groups so SDPA runs once per group per layer, never per token:
+
+    decode group  (query_len == 1):  q [G, H, 1, D]     x  K/V gathered [G, KVH, S_max, D]
+    prefill group (query_len  > 1):  q [G, H, Q_max, D] x  K/V gathered [G, KVH, S_max, D]
+
+with a boolean mask [G, 1, Q_max, S_max] allowing key position <= query position (causal, offset
+by the cached context) and < seq_len. The gather indices and masks are built once per step in
+`build_metadata` and shared by every layer. Padding exists only inside a group and is dropped
+before the output is scattered back to the flat token order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from pagedllm.attention.metadata import CommonAttentionMetadata
+
+
+@dataclass(frozen=True)
+class _RequestGroup:
+    """Rows batched into one SDPA call.
+
+    query_index: [G, Q_max] int64, flat token index of each (padded) query.
+    kv_slots: [G, S_max] int64, cache slot of each (padded) key position.
+    attn_mask: [G, 1, Q_max, S_max] bool, True = attend.
+    valid: [G * Q_max] bool, which padded queries are real.
+    out_index: [num_valid] int64, flat token index of each real query (in `valid` order).
+    """
+
+    query_index: torch.Tensor
+    kv_slots: torch.Tensor
+    attn_mask: torch.Tensor
+    valid: torch.Tensor
+    out_index: torch.Tensor
+
+
+@dataclass(frozen=True)
+class TorchSDPAMetadata:
+    common: CommonAttentionMetadata
+    groups: tuple[_RequestGroup, ...]
+
+
+def _build_group(common: CommonAttentionMetadata, rows: np.ndarray) -> _RequestGroup:
+    device = common.seq_lens.device
+    qsl = common.query_start_loc_cpu
+    query_lens = (qsl[1:] - qsl[:-1])[rows]
+    seq_lens = common.seq_lens_cpu[rows]
+    q_max, s_max = int(query_lens.max()), int(seq_lens.max())
+    rows_t = torch.from_numpy(rows).to(device)
+    q_lens_t = torch.from_numpy(query_lens.astype(np.int64)).to(device)
+    seq_lens_t = common.seq_lens[rows_t].long()
+
+    qi = torch.arange(q_max, device=device)
+    valid_2d = qi[None, :] < q_lens_t[:, None]                                  # [G, Q_max]
+    q_start = common.query_start_loc[rows_t].long()
+    query_index = torch.where(valid_2d, q_start[:, None] + qi[None, :], 0)
+    q_pos = (seq_lens_t - q_lens_t)[:, None] + qi[None, :]                      # [G, Q_max]
+
+    kpos = torch.arange(s_max, device=device)
+    kv_valid = kpos[None, :] < seq_lens_t[:, None]                              # [G, S_max]
+    bs = common.block_size
+    block_ids = common.block_table[rows_t][:, kpos // bs].long()                # [G, S_max]
+    kv_slots = torch.where(kv_valid, block_ids * bs + kpos % bs, 0)
+    mask = kv_valid[:, None, :]
+    if common.causal:
+        mask = mask & (kpos[None, None, :] <= q_pos[:, :, None])
+    valid = valid_2d.reshape(-1)
+    return _RequestGroup(query_index=query_index, kv_slots=kv_slots,
+                         attn_mask=mask[:, None, :, :], valid=valid,
+                         out_index=query_index.reshape(-1)[valid])
+
+
+class TorchSDPABackend:
+    """Reference paged attention on any device torch supports."""
+
+    name = "torch_sdpa"
+
+    @staticmethod
+    def build_metadata(common: CommonAttentionMetadata) -> TorchSDPAMetadata:
+        qsl = common.query_start_loc_cpu
+        query_lens = qsl[1:] - qsl[:-1]
+        is_decode = query_lens == 1
+        groups = []
+        for rows in (np.nonzero(is_decode)[0], np.nonzero(~is_decode)[0]):
+            if len(rows):
+                groups.append(_build_group(common, rows))
+        return TorchSDPAMetadata(common=common, groups=tuple(groups))
+
+    @staticmethod
+    def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, metadata: TorchSDPAMetadata,
+                scale: float) -> torch.Tensor:
+        """Write new K/V to the cache and attend.
+
+        Args:
+            query: [num_tokens, num_heads, head_size].
+            key, value: [num_tokens, num_kv_heads, head_size] for the new tokens.
+            kv_cache: [2, num_blocks, block_size, num_kv_heads, head_size].
+            metadata: from `build_metadata`.
+            scale: softmax scale (usually head_size ** -0.5).
+
+        Returns:
+            [num_tokens, num_heads, head_size] attention output (padded tokens are zero).
+        """
+        common = metadata.common
+        n = common.num_actual_tokens
+        num_kv_heads, head_size = kv_cache.shape[-2], kv_cache.shape[-1]
+        key_cache = kv_cache[0].view(-1, num_kv_heads, head_size)
+        value_cache = kv_cache[1].view(-1, num_kv_heads, head_size)
+        slots = common.slot_mapping[:n]
+        key_cache.index_copy_(0, slots, key[:n].to(key_cache.dtype))
+        value_cache.index_copy_(0, slots, value[:n].to(value_cache.dtype))
+
+        out = torch.zeros_like(query)
+        num_heads = query.shape[1]
+        for g in metadata.groups:
+            q = query[g.query_index].transpose(1, 2)                 # [G, H, Q, D]
+            k = key_cache[g.kv_slots].transpose(1, 2).to(q.dtype)    # [G, KVH, S, D]
+            v = value_cache[g.kv_slots].transpose(1, 2).to(q.dtype)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.attn_mask, scale=scale,
+                                               enable_gqa=num_heads != num_kv_heads)
+            o = o.transpose(1, 2).reshape(-1, num_heads, head_size)  # [G * Q, H, D]
+            out[g.out_index] = o[g.valid]
+        return out

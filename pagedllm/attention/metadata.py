@@ -1,0 +1,50 @@
+"""CommonAttentionMetadata: the per-step facts every attention backend starts from.
+
+Tokens of all scheduled requests are flattened into one batch (no padding to a rectangle):
+
+    request:          r0          r1     r2
+    tokens:      [t t t t t]   [t t t]   [t]        num_actual_tokens = 9
+    query_start_loc = [0, 5, 8, 9]                  (int32, [num_reqs + 1])
+    seq_lens        = [ctx0 + 5, ctx1 + 3, ctx2 + 1] (int32, [num_reqs]; ctx = num_computed_tokens)
+
+Query i of request r sits at position `seq_lens[r] - query_len[r] + i` and attends to positions
+`[0, that position]` of the same request, read through `block_table[r]`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class CommonAttentionMetadata:
+    """Per-step attention inputs shared by all layers.
+
+    Attributes:
+        query_start_loc: [num_reqs + 1] int32 on the device, cumulative query lengths.
+        query_start_loc_cpu: the same as a numpy array.
+        seq_lens: [num_reqs] int32 on the device, context + query length per request.
+        seq_lens_cpu: the same as a numpy array.
+        block_table: [num_reqs, max_num_blocks] int32 on the device.
+        slot_mapping: [num_actual_tokens] int64 on the device, KV slot of each new token
+            (`block_id * block_size + offset`; -1 = do not write).
+        num_reqs, num_actual_tokens, max_query_len, max_seq_len: ints.
+        block_size: tokens per KV block.
+        causal: False for encoder-only models.
+    """
+
+    query_start_loc: torch.Tensor
+    query_start_loc_cpu: np.ndarray
+    seq_lens: torch.Tensor
+    seq_lens_cpu: np.ndarray
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    num_reqs: int
+    num_actual_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+    causal: bool = True

@@ -1,0 +1,16 @@
+"""Choose the attention backend from the platform (the only place that decides)."""
+
+from __future__ import annotations
+
+from pagedllm.attention.backends.torch_sdpa import TorchSDPABackend
+from pagedllm.platforms import current_platform
+
+_BACKENDS = {TorchSDPABackend.name: TorchSDPABackend}
+
+
+def get_attention_backend():
+    """The backend class for `current_platform` (raises ValueError for an unknown name)."""
+    name = current_platform.attention_backend_name()
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; available: {sorted(_BACKENDS)}")
+    return _BACKENDS[name]

@@ -1,0 +1,272 @@
+"""Engine configuration: frozen dataclasses validated once at start-up.
+
+`EngineConfig` groups the Model/Cache/Scheduler/Parallel configs. Every config is frozen after
+validation; a value learned at run time (the number of KV blocks, the EOS id) is returned by whoever
+learns it and passed explicitly, never written back into a config. Validation errors are
+`ValueError`s that name the offending field.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+_DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
+_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
+                  "half": "float16"}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which checkpoint to run and how.
+
+    Attributes:
+        model: local checkpoint folder or Hugging Face hub id.
+        tokenizer: tokenizer folder or hub id (defaults to `model`).
+        dtype: "auto" (the platform's preferred dtype), "float32", "bfloat16" or "float16".
+        max_model_len: context length in tokens (prompt + output); None = the model's
+            `max_position_embeddings`.
+        seed: seed for requests without their own seed.
+        revision: hub revision.
+        trust_remote_code: passed to transformers when reading config/tokenizer.
+    """
+
+    model: str
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+    revision: str | None = None
+    trust_remote_code: bool = False
+
+    def __post_init__(self) -> None:
+        dtype = _DTYPE_ALIASES.get(str(self.dtype).replace("torch.", ""), str(self.dtype).replace("torch.", ""))
+        if dtype not in _DTYPE_NAMES:
+            raise ValueError(f"dtype must be one of {_DTYPE_NAMES}, got {self.dtype!r}")
+        object.__setattr__(self, "dtype", dtype)
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache settings.
+
+    Attributes:
+        block_size: tokens per KV block.
+        kv_cache_memory_bytes: explicit KV budget in bytes (all layers, K and V); overrides
+            `gpu_memory_utilization`.
+        gpu_memory_utilization: fraction of the device's total memory the engine may use (weights,
+            activations and KV); the KV cache gets what remains after a profile run.
+        num_gpu_blocks_override: force the number of blocks (tests).
+        enable_prefix_caching: reuse KV blocks of identical prompt prefixes.
+        cache_dtype: "auto" (= model dtype) or a dtype name.
+    """
+
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
+    cache_dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
+            raise ValueError(
+                f"num_gpu_blocks_override must be >= 2, got {self.num_gpu_blocks_override}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous-batching limits.
+
+    Attributes:
+        max_num_batched_tokens: token budget of one step (all requests together).
+        max_num_seqs: most requests in one step.
+        enable_chunked_prefill: split prompts longer than the remaining budget over several steps.
+        long_prefill_token_threshold: cap on one request's prefill chunk (0 = no cap), so one long
+            prompt cannot take the whole budget from waiting requests.
+    """
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be >= 0")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Parallel layout. Only the single-process layout exists so far (issue #11)."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str = "uni"
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size != 1 or self.pipeline_parallel_size != 1:
+            raise ValueError("tensor/pipeline parallelism is not implemented yet (issue #11); "
+                             "use tensor_parallel_size=1 and pipeline_parallel_size=1")
+        if self.distributed_executor_backend != "uni":
+            raise ValueError(f"distributed_executor_backend {self.distributed_executor_backend!r} "
+                             "is not implemented yet (issue #11); use 'uni'")
+
+
+@dataclass(frozen=True)
+class HFModelInfo:
+    """Facts read once from the checkpoint's config.json that the scheduler side needs."""
+
+    architectures: tuple[str, ...]
+    max_position_embeddings: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    raw: dict[str, Any] = field(repr=False, default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """All configs of one engine, validated against each other.
+
+    `model_path` is the resolved local folder of the checkpoint (hub ids resolved by
+    `model_loader.hub.resolve_model_path`). `max_model_len` is the effective context length.
+    """
+
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    parallel_config: ParallelConfig
+    model_path: str
+    tokenizer_path: str
+    max_model_len: int
+
+    def __post_init__(self) -> None:
+        sc = self.scheduler_config
+        if not sc.enable_chunked_prefill and sc.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({sc.max_num_batched_tokens}) is smaller than "
+                f"max_model_len ({self.max_model_len}) and chunked prefill is off: long prompts "
+                "could never be scheduled. Raise max_num_batched_tokens or enable chunked prefill.")
+
+    @property
+    def max_num_blocks_per_req(self) -> int:
+        bs = self.cache_config.block_size
+        return (self.max_model_len + bs - 1) // bs
+
+
+def read_hf_config(model_path: str) -> dict[str, Any]:
+    """Read `config.json` of a local checkpoint folder.
+
+    Raises:
+        FileNotFoundError: naming the missing file.
+        ValueError: naming the file when it is not valid JSON.
+    """
+    path = Path(model_path) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint config not found: {path}")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"corrupt checkpoint config {path}: {e}") from e
+
+
+def _eos_ids(model_path: str, hf: dict[str, Any]) -> tuple[int, ...]:
+    ids: list[int] = []
+    gen_path = Path(model_path) / "generation_config.json"
+    sources = [hf.get("eos_token_id")]
+    if gen_path.is_file():
+        try:
+            sources.insert(0, json.loads(gen_path.read_text()).get("eos_token_id"))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"corrupt generation config {gen_path}: {e}") from e
+    for src in sources:
+        for i in (src if isinstance(src, list) else [src]):
+            if isinstance(i, int) and i not in ids:
+                ids.append(i)
+    return tuple(ids)
+
+
+def hf_model_info(model_path: str) -> HFModelInfo:
+    """Summarise a checkpoint's config.json (and generation_config.json for EOS ids)."""
+    hf = read_hf_config(model_path)
+    text = hf.get("text_config", hf)
+    return HFModelInfo(
+        architectures=tuple(hf.get("architectures") or ()),
+        max_position_embeddings=int(text.get("max_position_embeddings", 2048)),
+        vocab_size=int(text["vocab_size"]),
+        eos_token_ids=_eos_ids(model_path, hf),
+        bos_token_id=text.get("bos_token_id"),
+        raw=hf,
+    )
+
+
+def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str = "auto",
+                         max_model_len: int | None = None, seed: int = 0,
+                         revision: str | None = None, trust_remote_code: bool = False,
+                         block_size: int = 16, kv_cache_memory_bytes: int | None = None,
+                         gpu_memory_utilization: float = 0.9,
+                         num_gpu_blocks_override: int | None = None,
+                         enable_prefix_caching: bool = True,
+                         max_num_batched_tokens: int | None = None, max_num_seqs: int = 128,
+                         enable_chunked_prefill: bool = True,
+                         long_prefill_token_threshold: int = 0,
+                         tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+                         distributed_executor_backend: str = "uni") -> EngineConfig:
+    """Build and validate an `EngineConfig` from flat engine arguments (vLLM's names).
+
+    Resolves `model` to a local folder (hub ids through the huggingface_hub cache). Raises
+    `ValueError` naming the field for invalid values, `FileNotFoundError` for missing files.
+    """
+    from pagedllm.model_loader.hub import resolve_model_path
+
+    model_config = ModelConfig(model=model, tokenizer=tokenizer, dtype=dtype,
+                               max_model_len=max_model_len, seed=seed, revision=revision,
+                               trust_remote_code=trust_remote_code)
+    model_path = resolve_model_path(model, revision)
+    tokenizer_path = resolve_model_path(tokenizer, revision) if tokenizer else model_path
+    info = hf_model_info(model_path)
+    eff_len = max_model_len or info.max_position_embeddings
+    if max_model_len is not None and max_model_len > info.max_position_embeddings:
+        raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's "
+                         f"max_position_embeddings ({info.max_position_embeddings})")
+    if max_num_batched_tokens is None:
+        max_num_batched_tokens = max(2048, max_num_seqs) if enable_chunked_prefill else max(
+            eff_len, max_num_seqs)
+    return EngineConfig(
+        model_config=model_config,
+        cache_config=CacheConfig(block_size=block_size, kv_cache_memory_bytes=kv_cache_memory_bytes,
+                                 gpu_memory_utilization=gpu_memory_utilization,
+                                 num_gpu_blocks_override=num_gpu_blocks_override,
+                                 enable_prefix_caching=enable_prefix_caching),
+        scheduler_config=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
+                                         max_num_seqs=max_num_seqs,
+                                         enable_chunked_prefill=enable_chunked_prefill,
+                                         long_prefill_token_threshold=long_prefill_token_threshold),
+        parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
+                                       pipeline_parallel_size=pipeline_parallel_size,
+                                       distributed_executor_backend=distributed_executor_backend),
+        model_path=model_path,
+        tokenizer_path=tokenizer_path,
+        max_model_len=eff_len,
+    )
+
+
+__all__ = ["ModelConfig", "CacheConfig", "SchedulerConfig", "ParallelConfig", "EngineConfig",
+           "HFModelInfo", "create_engine_config", "hf_model_info", "read_hf_config"]

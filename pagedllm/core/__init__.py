@@ -1,0 +1,1 @@
+"""Scheduler side of the engine: plain Python and numpy, never torch or model code."""

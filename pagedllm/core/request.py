@@ -1,0 +1,97 @@
+"""Request: the scheduler's record of one sequence (prompt, outputs, progress, block hashes).
+
+Invariant: `num_computed_tokens <= num_tokens`; tokens in `[0, num_computed_tokens)` have their KV
+in the cache. `block_hashes[i]` is the chained hash of full block i of `all_token_ids`, extended
+whenever tokens are appended.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+
+from pagedllm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    # Everything after this is finished.
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH_CAPPED = 4
+    FINISHED_ABORTED = 5
+
+    @staticmethod
+    def is_finished(status: RequestStatus) -> bool:
+        return status > RequestStatus.PREEMPTED
+
+    @staticmethod
+    def get_finished_reason(status: RequestStatus) -> str | None:
+        return _FINISH_REASONS.get(status)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Request:
+    """One generation request as the scheduler tracks it.
+
+    Args:
+        request_id: unique id.
+        prompt_token_ids: non-empty list of token ids.
+        sampling_params: validated `SamplingParams` (stop ids already include EOS).
+        max_tokens: effective output limit in tokens (already capped by max_model_len).
+        block_hasher: maps a request to the hashes of its full blocks (None: no prefix caching).
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int],
+                 sampling_params: SamplingParams, max_tokens: int,
+                 block_hasher: Callable[[Request], list[bytes]] | None = None,
+                 arrival_time: float | None = None) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.max_tokens = max_tokens
+        self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.num_computed_tokens = 0
+        # Prompt tokens found in the prefix cache when the request was first scheduled (-1 = not
+        # scheduled yet).
+        self.num_cached_tokens = -1
+        self.num_preemptions = 0
+        self._block_hasher = block_hasher
+        self.block_hashes: list[bytes] = []
+        self._update_block_hashes()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def is_finished(self) -> bool:
+        return RequestStatus.is_finished(self.status)
+
+    def get_finished_reason(self) -> str | None:
+        return RequestStatus.get_finished_reason(self.status)
+
+    def append_output_token_ids(self, token_ids: list[int]) -> None:
+        self.output_token_ids.extend(token_ids)
+        self.all_token_ids.extend(token_ids)
+        self._update_block_hashes()
+
+    def _update_block_hashes(self) -> None:
+        if self._block_hasher is not None:
+            self.block_hashes.extend(self._block_hasher(self))

@@ -1,0 +1,90 @@
+"""Plain dataclasses that cross the scheduler -> worker boundary (they pickle; no tensors)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the worker has not seen, or one resumed after preemption (sent whole again).
+
+    `prompt_token_ids` + `output_token_ids` are all the request's tokens so far; `block_ids` its
+    blocks; `num_computed_tokens` the tokens already in those blocks (prefix-cache hits).
+    """
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """Requests the worker already holds: their new blocks and progress (parallel lists)."""
+
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    """What to compute in one step.
+
+    Attributes:
+        scheduled_new_reqs: requests new to the worker (incl. resumed after preemption).
+        scheduled_cached_reqs: requests the worker already holds.
+        num_scheduled_tokens: req_id -> tokens to compute this step.
+        total_num_scheduled_tokens: sum of the above.
+        finished_req_ids: requests finished (or aborted) since the last step: the worker drops them.
+        preempted_req_ids: requests preempted this step: the worker drops them (they return later
+            as new requests).
+    """
+
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    finished_req_ids: set[str]
+    preempted_req_ids: set[str]
+
+    @classmethod
+    def make_empty(cls) -> SchedulerOutput:
+        return cls([], CachedRequestData(), {}, 0, set(), set())
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What the worker sends back after a step.
+
+    `sampled_token_ids[i]` belongs to `req_ids[i]`; an empty list means nothing was sampled (a
+    partial prefill chunk).
+    """
+
+    req_ids: list[str]
+    req_id_to_index: dict[str, int]
+    sampled_token_ids: list[list[int]]
+
+
+@dataclass
+class EngineCoreOutput:
+    """Per-request delta of one step for the front end."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

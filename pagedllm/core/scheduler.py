@@ -1,0 +1,255 @@
+"""Scheduler: continuous batching under a token budget, chunked prefill, preemption by recompute.
+
+There are no prefill/decode modes. Each request has `num_computed_tokens`; a step gives it
+`num_tokens - num_computed_tokens` more tokens (capped by the budget), so a decode is 1 token, a
+prompt is many, and a long prompt is split over steps (chunked prefill) and batched with decodes.
+Running requests are served first, in admission order; when blocks run out the most recently
+admitted running request is preempted (its blocks freed, it goes back to the front of the waiting
+queue and is recomputed later; its tokens so far are kept, so nothing is lost).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from pagedllm.config import CacheConfig, SchedulerConfig
+from pagedllm.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
+from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.sched_output import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
+                                        NewRequestData, SchedulerOutput)
+
+
+@dataclass
+class SchedulerStats:
+    """A snapshot of the scheduler's state for logging and metrics."""
+
+    num_running_reqs: int
+    num_waiting_reqs: int
+    kv_cache_usage: float
+    num_blocks: int
+    num_free_blocks: int
+    num_cached_blocks: int
+    prefix_cache_stats: PrefixCacheStats
+    num_preemptions: int
+
+
+class Scheduler:
+    """Decide what each step computes.
+
+    Args:
+        scheduler_config: token and sequence budgets.
+        cache_config: block size and prefix caching.
+        max_model_len: context length in tokens.
+        num_blocks: KV blocks available (measured by the worker).
+    """
+
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 max_model_len: int, num_blocks: int) -> None:
+        self.config = scheduler_config
+        self.max_model_len = max_model_len
+        self.block_size = cache_config.block_size
+        self.kv_cache_manager = KVCacheManager(num_blocks, cache_config.block_size,
+                                               cache_config.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # Ids the worker must drop at the next step.
+        self.finished_req_ids: set[str] = set()
+        self.num_preemptions = 0
+
+    # ----------------------------------------------------------------- requests in and out
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        needed = -(-min(request.num_tokens + request.max_tokens, self.max_model_len)
+                   // self.block_size)
+        usable = self.kv_cache_manager.num_blocks - 1
+        if needed > usable:
+            raise ValueError(f"request needs up to {needed} KV blocks ({request.num_tokens} prompt "
+                             f"tokens + max_tokens {request.max_tokens}) but the KV cache has only "
+                             f"{usable}; lower max_tokens or give the cache more memory")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: str | Iterable[str],
+                        finished_status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        """Finish (abort) requests from outside, e.g. a stop string or a client disconnect.
+
+        Unknown or already finished ids are ignored.
+        """
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = finished_status
+            self._free_request(request)
+
+    def _free_request(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        self.finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ----------------------------------------------------------------- one step
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's requests and tokens, allocate their blocks, advance their
+        `num_computed_tokens` (as if the step succeeds)."""
+        token_budget = self.config.max_num_batched_tokens
+        num_scheduled_tokens: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached = CachedRequestData()
+        preempted: set[str] = set()
+
+        req_index = 0
+        while req_index < len(self.running) and token_budget > 0:
+            request = self.running[req_index]
+            num_new_tokens = self._num_new_tokens(request, request.num_computed_tokens,
+                                                  token_budget)
+            if num_new_tokens == 0:
+                req_index += 1
+                continue
+            while True:
+                new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+                if new_block_ids is not None:
+                    break
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.add(victim.request_id)
+                if victim is request:
+                    break
+            if new_block_ids is None:
+                break
+            cached.req_ids.append(request.request_id)
+            cached.new_block_ids.append(new_block_ids)
+            cached.num_computed_tokens.append(request.num_computed_tokens)
+            num_scheduled_tokens[request.request_id] = num_new_tokens
+            token_budget -= num_new_tokens
+            req_index += 1
+
+        # Admit waiting requests only if nothing had to be preempted this step.
+        while (not preempted and self.waiting and token_budget > 0
+               and len(self.running) < self.config.max_num_seqs):
+            request = self.waiting[0]
+            hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
+            num_new_tokens = self._num_new_tokens(request, num_hit_tokens, token_budget)
+            if num_new_tokens == 0:
+                break
+            new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new_tokens,
+                                                                 hit_blocks, num_hit_tokens)
+            if new_block_ids is None:
+                break
+            self.waiting.popleft()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            self.kv_cache_manager.record_prefix_lookup(request.num_tokens, num_hit_tokens)
+            new_reqs.append(NewRequestData(
+                req_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
+                output_token_ids=list(request.output_token_ids),
+                sampling_params=request.sampling_params, block_ids=new_block_ids,
+                num_computed_tokens=num_hit_tokens))
+            num_scheduled_tokens[request.request_id] = num_new_tokens
+            token_budget -= num_new_tokens
+
+        out = SchedulerOutput(
+            scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled_tokens,
+            total_num_scheduled_tokens=sum(num_scheduled_tokens.values()),
+            finished_req_ids=self.finished_req_ids, preempted_req_ids=preempted)
+        self.finished_req_ids = set()
+        for req_id, n in num_scheduled_tokens.items():
+            self.requests[req_id].num_computed_tokens += n
+        return out
+
+    def _num_new_tokens(self, request: Request, num_computed: int, token_budget: int) -> int:
+        """Tokens to compute for `request` this step (0 = cannot schedule it now)."""
+        n = request.num_tokens - num_computed
+        threshold = self.config.long_prefill_token_threshold
+        if threshold:
+            n = min(n, threshold)
+        if n > token_budget and not self.config.enable_chunked_prefill:
+            return 0
+        return min(n, token_budget)
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           model_runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Append sampled tokens, apply stop conditions, free finished requests.
+
+        Returns one `EngineCoreOutput` per request that got tokens or finished this step.
+        """
+        outputs: list[EngineCoreOutput] = []
+        finished: list[Request] = []
+        for req_id, index in model_runner_output.req_id_to_index.items():
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                continue
+            new_token_ids = model_runner_output.sampled_token_ids[index]
+            if not new_token_ids:
+                continue
+            accepted: list[int] = []
+            for token_id in new_token_ids:
+                accepted.append(token_id)
+                request.append_output_token_ids([token_id])
+                if self._check_stop(request, token_id):
+                    break
+            if request.is_finished():
+                finished.append(request)
+            outputs.append(EngineCoreOutput(
+                request_id=req_id, new_token_ids=accepted,
+                finish_reason=request.get_finished_reason(), stop_reason=request.stop_reason,
+                num_cached_tokens=max(request.num_cached_tokens, 0)))
+        for request in finished:
+            self.running.remove(request)
+            self._free_request(request)
+        return outputs
+
+    def _check_stop(self, request: Request, token_id: int) -> bool:
+        params = request.sampling_params
+        if (token_id in params.all_stop_token_ids
+                and request.num_output_tokens >= params.min_tokens):
+            request.status = RequestStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                request.stop_reason = token_id
+            return True
+        if (request.num_output_tokens >= request.max_tokens
+                or request.num_tokens >= self.max_model_len):
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False
+
+    # ----------------------------------------------------------------- stats
+    def reset_prefix_cache(self) -> int:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def make_stats(self) -> SchedulerStats:
+        pool = self.kv_cache_manager.block_pool
+        return SchedulerStats(
+            num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=pool.get_usage(), num_blocks=pool.num_blocks,
+            num_free_blocks=pool.get_num_free_blocks(),
+            num_cached_blocks=pool.num_cached_blocks(),
+            prefix_cache_stats=self.kv_cache_manager.prefix_cache_stats,
+            num_preemptions=self.num_preemptions)

@@ -1,0 +1,1 @@
+"""Process groups and collectives for tensor/pipeline parallelism (issue #11)."""

@@ -1,0 +1,80 @@
+"""InputProcessor: prompt (text, token ids or a dict of either) -> validated EngineCoreRequest.
+
+Everything that can be wrong with one request is found here and raised as a ValueError naming
+the problem, before the request touches the engine.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from pagedllm.engine.engine_core import EngineCoreRequest
+from pagedllm.sampling_params import SamplingParams
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+class InputProcessor:
+    """Tokenize and validate prompts.
+
+    Args:
+        tokenizer: transformers tokenizer of the model.
+        max_model_len: context length in tokens.
+        vocab_size: the model's vocabulary size (token ids must be below it).
+        eos_token_ids: the model's EOS ids (added to each request's stop ids unless ignore_eos).
+    """
+
+    def __init__(self, tokenizer, max_model_len: int, vocab_size: int,
+                 eos_token_ids: tuple[int, ...]) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+
+    def process(self, request_id: str, prompt: PromptType,
+                params: SamplingParams) -> tuple[EngineCoreRequest, str | None]:
+        """Returns the core request and the prompt text (None for token-id prompts).
+
+        Raises:
+            ValueError: empty prompt, token ids outside the vocabulary, a prompt longer than
+                max_model_len, or a malformed prompt object.
+        """
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params)}")
+        prompt_text, token_ids = self._tokenize(prompt)
+        if not token_ids:
+            raise ValueError("the prompt is empty (no tokens)")
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary "
+                             f"[0, {self.vocab_size})")
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(f"the prompt has {len(token_ids)} tokens, more than max_model_len "
+                             f"({self.max_model_len})")
+        params.update_from_generation_config(self.eos_token_ids)
+        room = max(1, self.max_model_len - len(token_ids))
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        return (EngineCoreRequest(request_id, token_ids, params, max_tokens, time.monotonic()),
+                prompt_text)
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            return prompt, list(self.tokenizer(prompt).input_ids)
+        if isinstance(prompt, (list, tuple)):
+            return None, self._check_ids(prompt)
+        raise ValueError(f"a prompt must be a string, a list of token ids or a dict, "
+                         f"got {type(prompt).__name__}")
+
+    @staticmethod
+    def _check_ids(ids) -> list[int]:
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError("prompt token ids must be ints")
+        return list(ids)

@@ -1,0 +1,103 @@
+"""LLMEngine: the synchronous front end: tokenizer + InputProcessor + EngineCore + OutputProcessor.
+
+    add_request(prompt, params) -> step() -> [RequestOutput, ...] until no request is left.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from typing import Any
+
+from transformers import AutoTokenizer
+
+from pagedllm.config import EngineConfig, create_engine_config, hf_model_info
+from pagedllm.core.scheduler import SchedulerStats
+from pagedllm.engine.engine_core import EngineCore
+from pagedllm.engine.input_processor import InputProcessor, PromptType
+from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.logger import init_logger
+from pagedllm.models.registry import resolve_model_class
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False):
+    """The checkpoint's tokenizer via transformers (raises FileNotFoundError naming the folder)."""
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise FileNotFoundError(f"could not load a tokenizer from {path}: {e}") from e
+
+
+class LLMEngine:
+    """Synchronous engine.
+
+    Args:
+        config: a validated `EngineConfig` (see `from_engine_args` for flat arguments).
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        init_logger()
+        info = hf_model_info(config.model_path)
+        resolve_model_class(info.architectures)  # unsupported architecture: fail before loading
+        self.config = config
+        self.tokenizer = load_tokenizer(config.tokenizer_path,
+                                        config.model_config.trust_remote_code)
+        eos_ids = info.eos_token_ids or ((self.tokenizer.eos_token_id,)
+                                         if self.tokenizer.eos_token_id is not None else ())
+        self.engine_core = EngineCore(config)
+        self.input_processor = InputProcessor(self.tokenizer, config.max_model_len,
+                                              info.vocab_size, tuple(eos_ids))
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+        logger.info("engine ready: model %s, max_model_len %d, %d KV blocks of %d tokens",
+                    config.model_path, config.max_model_len, self.engine_core.num_blocks - 1,
+                    config.cache_config.block_size)
+
+    @classmethod
+    def from_engine_args(cls, model: str, **kwargs: Any) -> LLMEngine:
+        return cls(create_engine_config(model, **kwargs))
+
+    def next_request_id(self) -> str:
+        return str(next(self._ids))
+
+    def add_request(self, request_id: str, prompt: PromptType,
+                    params: SamplingParams) -> None:
+        """Validate, tokenize and queue one request.
+
+        Raises:
+            ValueError: for an invalid request (it is not queued; others are unaffected).
+        """
+        if request_id in self.output_processor.request_states:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        core_req, prompt_text = self.input_processor.process(request_id, prompt, params)
+        self.engine_core.add_request(core_req)
+        self.output_processor.add_request(request_id, prompt_text, core_req.prompt_token_ids,
+                                          params)
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        self.engine_core.abort_requests(ids)
+        self.output_processor.abort_requests(ids)
+
+    def step(self) -> list[RequestOutput]:
+        outputs = self.engine_core.step()
+        request_outputs, to_abort = self.output_processor.process_outputs(outputs)
+        if to_abort:
+            self.engine_core.abort_requests(to_abort)
+        return request_outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.engine_core.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.engine_core.scheduler.get_num_unfinished_requests()
+
+    def reset_prefix_cache(self) -> int:
+        return self.engine_core.reset_prefix_cache()
+
+    def get_stats(self) -> SchedulerStats:
+        return self.engine_core.get_stats()

@@ -1,0 +1,136 @@
+"""LLM: offline batch generation (vLLM's `LLM` class).
+
+    llm = LLM("path/to/checkpoint")
+    outputs = llm.generate(["Hello"], SamplingParams(max_tokens=16))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from pagedllm.core.scheduler import SchedulerStats
+from pagedllm.engine.input_processor import PromptType
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+
+class GenerateError(ValueError):
+    """Some requests of a `generate` call were invalid; the valid ones still ran.
+
+    Attributes:
+        errors: {input index: message} of the rejected requests.
+        outputs: one entry per input: the RequestOutput, or None for a rejected request.
+    """
+
+    def __init__(self, errors: dict[int, str], outputs: list[RequestOutput | None]) -> None:
+        details = "; ".join(f"request {i}: {msg}" for i, msg in sorted(errors.items()))
+        super().__init__(f"{len(errors)} of {len(outputs)} requests were rejected ({details})")
+        self.errors = errors
+        self.outputs = outputs
+
+
+class LLM:
+    """Offline generation over the paged-KV engine.
+
+    Args:
+        model: checkpoint folder or hub id; None = the shipped default model.
+        **engine_args: engine arguments by vLLM's names (dtype, max_model_len, block_size,
+            max_num_seqs, max_num_batched_tokens, enable_prefix_caching, kv_cache_memory_bytes,
+            gpu_memory_utilization, seed, ...).
+    """
+
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        if model is None:
+            from pagedllm.assets import default_model_path
+            model = default_model_path()
+        self.llm_engine = LLMEngine.from_engine_args(model, **engine_args)
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in input order.
+
+        Args:
+            prompts: a string, a list of token ids, a dict {"prompt"| "prompt_token_ids"}, or a
+                list of any of these.
+            sampling_params: one for all prompts, or one per prompt (default SamplingParams()).
+            use_tqdm: show a progress bar.
+
+        Raises:
+            GenerateError (a ValueError): after the valid requests have finished, if any request
+                was invalid; it carries the outputs of the others.
+            ValueError: if the number of sampling params does not match the prompts.
+        """
+        prompts = self._as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} "
+                                 "prompts; give one, or one per prompt")
+        engine = self.llm_engine
+        index_of: dict[str, int] = {}
+        errors: dict[int, str] = {}
+        for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+            req_id = engine.next_request_id()
+            try:
+                engine.add_request(req_id, prompt, params)
+            except ValueError as e:
+                errors[i] = str(e)
+                continue
+            index_of[req_id] = i
+        outputs: list[RequestOutput | None] = [None] * len(prompts)
+        with tqdm(total=len(index_of), disable=not use_tqdm, desc="Processed prompts",
+                  dynamic_ncols=True) as bar:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        outputs[index_of[out.request_id]] = out
+                        bar.update(1)
+        if errors:
+            raise GenerateError(errors, outputs)
+        return outputs  # type: ignore[return-value]
+
+    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template: str | None = None) -> list[RequestOutput]:
+        """Render conversation(s) with the tokenizer's chat template, then `generate`.
+
+        Raises:
+            ValueError: if the tokenizer has no chat template and none is given.
+        """
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        tokenizer = self.get_tokenizer()
+        if chat_template is None and not getattr(tokenizer, "chat_template", None):
+            raise ValueError("the tokenizer has no chat template; pass chat_template=...")
+        prompts = [{"prompt_token_ids": list(tokenizer.apply_chat_template(
+            conv, tokenize=True, add_generation_prompt=add_generation_prompt,
+            chat_template=chat_template, return_dict=False))} for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every prefix-cache entry; returns how many blocks were uncached."""
+        return self.llm_engine.reset_prefix_cache()
+
+    def get_stats(self) -> SchedulerStats:
+        return self.llm_engine.get_stats()
+
+    @staticmethod
+    def _as_prompt_list(prompts) -> list[PromptType]:
+        if isinstance(prompts, (str, dict)):
+            return [prompts]
+        prompts = list(prompts)
+        if prompts and all(isinstance(t, int) for t in prompts):
+            return [prompts]
+        return prompts

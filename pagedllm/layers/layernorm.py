@@ -1,0 +1,33 @@
+"""RMSNorm (Zhang & Sennrich 2019), optionally fused with the residual add."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedllm.layers.linear import default_weight_loader
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * weight, computed in float32 as HF Llama does.
+
+    forward(x) -> y; forward(x, residual) -> (y, x + residual) where the sum is the new residual.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.weight.weight_loader = default_weight_loader
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        orig = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(orig)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x

@@ -1,0 +1,137 @@
+"""Linear layers with tensor-parallel sharding and per-parameter weight loaders.
+
+Column-parallel layers split the output dimension across ranks, row-parallel ones the input
+dimension (followed by an all-reduce, visible in `RowParallelLinear.forward`). Fused layers
+(`QKVParallelLinear`, `MergedColumnParallelLinear`) hold several checkpoint tensors in one weight;
+their `weight_loader(param, loaded, shard_id)` copies each into its rows.
+
+    QKV weight rows:  [ q: num_heads*head_size | k: num_kv_heads*head_size | v: same as k ]
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.distributed.parallel_state import (get_tensor_model_parallel_rank,
+                                                 get_tensor_model_parallel_world_size,
+                                                 tensor_model_parallel_all_reduce)
+
+
+def _param(shape: tuple[int, ...], loader) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(shape), requires_grad=False)
+    p.weight_loader = loader
+    return p
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    """Copy a whole checkpoint tensor into `param` (shapes must match).
+
+    Raises:
+        ValueError: on a shape mismatch, naming both shapes.
+    """
+    if param.shape != loaded.shape:
+        raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint "
+                         f"{tuple(loaded.shape)}")
+    param.data.copy_(loaded)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W split by output rows across tensor-parallel ranks.
+
+    Args:
+        input_size, output_size: full (unsharded) sizes.
+        bias: add a bias.
+    """
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        super().__init__()
+        self.tp_rank = get_tensor_model_parallel_rank()
+        self.tp_size = get_tensor_model_parallel_world_size()
+        if output_size % self.tp_size:
+            raise ValueError(f"output size {output_size} not divisible by tp size {self.tp_size}")
+        self.output_size_per_partition = output_size // self.tp_size
+        self.weight = _param((self.output_size_per_partition, input_size), self.weight_loader)
+        self.bias = _param((self.output_size_per_partition,), self.weight_loader) if bias else None
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        shard = param.shape[0]
+        default_weight_loader(param, loaded.narrow(0, self.tp_rank * shard, shard))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input in one weight (e.g. gate_up_proj).
+
+    Args:
+        output_sizes: full output size of each merged projection, in order.
+    """
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
+        self.output_sizes = output_sizes
+        super().__init__(input_size, sum(output_sizes), bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard_id: int | None = None) -> None:
+        if shard_id is None:
+            raise ValueError("merged linear layers need a shard id for each checkpoint tensor")
+        size = self.output_sizes[shard_id] // self.tp_size
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        part = loaded.narrow(0, self.tp_rank * size, size)
+        default_weight_loader(param.data.narrow(0, offset, size), part)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused Q, K and V projections; KV heads are replicated when fewer than ranks."""
+
+    def __init__(self, hidden_size: int, head_size: int, total_num_heads: int,
+                 total_num_kv_heads: int, bias: bool = False) -> None:
+        tp_size = get_tensor_model_parallel_world_size()
+        if total_num_heads % tp_size:
+            raise ValueError(f"{total_num_heads} attention heads not divisible by tp {tp_size}")
+        self.head_size = head_size
+        self.num_heads = total_num_heads // tp_size
+        self.num_kv_heads = max(1, total_num_kv_heads // tp_size)
+        self.num_kv_head_replicas = max(1, tp_size // total_num_kv_heads)
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_size * tp_size
+        super().__init__(hidden_size, out, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard_id: str | None = None) -> None:
+        q_size = self.num_heads * self.head_size
+        kv_size = self.num_kv_heads * self.head_size
+        offset, size, rank = {"q": (0, q_size, self.tp_rank),
+                              "k": (q_size, kv_size, self.tp_rank // self.num_kv_head_replicas),
+                              "v": (q_size + kv_size, kv_size,
+                                    self.tp_rank // self.num_kv_head_replicas)}[shard_id]
+        part = loaded.narrow(0, rank * size, size)
+        default_weight_loader(param.data.narrow(0, offset, size), part)
+
+
+class RowParallelLinear(nn.Module):
+    """y = all_reduce(x_shard W_shard^T) + b with W split by input columns across ranks."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        super().__init__()
+        self.tp_rank = get_tensor_model_parallel_rank()
+        self.tp_size = get_tensor_model_parallel_world_size()
+        if input_size % self.tp_size:
+            raise ValueError(f"input size {input_size} not divisible by tp size {self.tp_size}")
+        self.input_size_per_partition = input_size // self.tp_size
+        self.weight = _param((output_size, self.input_size_per_partition), self.weight_loader)
+        self.bias = _param((output_size,), default_weight_loader) if bias else None
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        shard = param.shape[1]
+        default_weight_loader(param, loaded.narrow(1, self.tp_rank * shard, shard))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if self.tp_size > 1:
+            y = tensor_model_parallel_all_reduce(y)
+        if self.bias is not None:
+            y = y + self.bias
+        return y

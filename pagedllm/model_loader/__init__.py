@@ -1,0 +1,1 @@
+"""Locate checkpoints (local or hub cache) and load their weights into our model classes."""

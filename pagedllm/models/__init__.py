@@ -1,0 +1,1 @@
+"""Model families. One file per family; models hold no engine features."""

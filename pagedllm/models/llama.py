@@ -1,0 +1,184 @@
+"""Llama-family decoder: Llama, Mistral, Qwen2 (qkv bias) and Qwen3 (q/k RMSNorm).
+
+    embed -> [ RMSNorm -> attention (RoPE, GQA) -> +res -> RMSNorm -> SwiGLU MLP -> +res ] x L
+          -> RMSNorm -> LM head
+
+The families differ only in config facts read here: attention bias, q/k norm, head_dim,
+tied embeddings, RoPE scaling. Forward takes the flat token batch (no padding).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from pagedllm.layers.activation import SiluAndMul
+from pagedllm.layers.attention import Attention
+from pagedllm.layers.layernorm import RMSNorm
+from pagedllm.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
+                                    RowParallelLinear, default_weight_loader)
+from pagedllm.layers.rotary_embedding import RotaryEmbedding, rope_parameters_from_hf
+from pagedllm.layers.vocab_embedding import LMHead, VocabEmbedding
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str,
+                 bias: bool = False) -> None:
+        super().__init__()
+        if hidden_act != "silu":
+            raise ValueError(f"unsupported hidden_act {hidden_act!r}; only 'silu' is implemented")
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, layer_idx: int, qk_norm: bool, qkv_bias: bool,
+                 o_bias: bool) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        total_heads = config.num_attention_heads
+        total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
+        self.head_size = getattr(config, "head_dim", None) or hidden // total_heads
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_size, total_heads, total_kv_heads,
+                                          qkv_bias)
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.q_size = self.num_heads * self.head_size
+        self.kv_size = self.num_kv_heads * self.head_size
+        self.o_proj = RowParallelLinear(total_heads * self.head_size, hidden, o_bias)
+        self.rotary_emb = RotaryEmbedding(self.head_size, config.max_position_embeddings,
+                                          rope_parameters_from_hf(config.to_dict()))
+        self.q_norm = RMSNorm(self.head_size, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_size, config.rms_norm_eps) if qk_norm else None
+        self.attn = Attention(self.num_heads, self.head_size, self.num_kv_heads,
+                              self.head_size ** -0.5, f"model.layers.{layer_idx}.self_attn")
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        n = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(n, self.num_heads, self.head_size)
+        k = k.reshape(n, self.num_kv_heads, self.head_size)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q.reshape(n, -1), k.reshape(n, -1), v))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int, family: type[LlamaForCausalLM]) -> None:
+        super().__init__()
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        qkv_bias = attention_bias if family.qkv_bias is None else family.qkv_bias
+        self.self_attn = LlamaAttention(config, layer_idx, family.qk_norm, qkv_bias,
+                                        attention_bias)
+        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
+                            bool(getattr(config, "mlp_bias", False)))
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, family: type[LlamaForCausalLM]) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, family)
+                                    for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """Causal LM over the flat token batch.
+
+    forward(input_ids [n] int64, positions [n] int64) -> hidden [n, hidden_size];
+    compute_logits(hidden [m, hidden_size]) -> [m, vocab_size] float32.
+    """
+
+    qk_norm = False
+    # None: follow the config's `attention_bias`; Qwen2 always has q/k/v bias (and no o bias).
+    qkv_bias: bool | None = None
+    # (our parameter, checkpoint name, shard id)
+    stacked_params_mapping = (("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"),
+                              ("qkv_proj", "v_proj", "v"), ("gate_up_proj", "gate_proj", 0),
+                              ("gate_up_proj", "up_proj", 1))
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, type(self))
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size,
+                              tie_to=self.model.embed_tokens if self.tie_word_embeddings else None)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden)
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load checkpoint tensors by HF name; returns the names of parameters that were set.
+
+        Raises:
+            ValueError: for a tensor whose name matches no parameter, or a shape mismatch.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            for param_name, ckpt_name, shard_id in self.stacked_params_mapping:
+                if f".{ckpt_name}." in name:
+                    target = name.replace(ckpt_name, param_name)
+                    param = params.get(target)
+                    if param is None:
+                        raise ValueError(f"checkpoint tensor {name} has no matching parameter")
+                    param.weight_loader(param, tensor, shard_id)
+                    break
+            else:
+                target = name
+                param = params.get(target)
+                if param is None:
+                    raise ValueError(f"checkpoint tensor {name} has no matching parameter")
+                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+            loaded.add(target)
+        return loaded
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    pass
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    qkv_bias = True
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    qk_norm = True

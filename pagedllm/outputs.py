@@ -1,0 +1,52 @@
+"""User-facing results: RequestOutput and CompletionOutput (vLLM's shapes and names)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence of a request.
+
+    Attributes:
+        index: index of this sequence among the request's `n` outputs.
+        text: detokenized output (stop string removed unless include_stop_str_in_output).
+        token_ids: generated token ids (a stop token id is included, text is not).
+        cumulative_logprob: None until logprobs are supported (issue #7).
+        finish_reason: None while running, then "stop" (EOS, stop token or stop string),
+            "length" (max_tokens or max_model_len) or "abort".
+        stop_reason: the stop string or stop token id that ended it; None for EOS or length.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """The state of one request as the user sees it.
+
+    Attributes:
+        request_id: the engine's id for the request.
+        prompt: the prompt text (None when the prompt was given as token ids).
+        prompt_token_ids: prompt token ids.
+        outputs: one `CompletionOutput` per sequence.
+        finished: whether the request is done.
+        num_cached_tokens: prompt tokens served from the prefix cache.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)

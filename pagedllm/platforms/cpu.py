@@ -1,0 +1,68 @@
+"""CPU platform: bf16 where the CPU has native bf16 math (AVX512-BF16 or AMX), fp32 otherwise."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from pagedllm.platforms.interface import Platform
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _available_memory_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30
+
+
+def _total_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 16 << 30
+
+
+class CpuPlatform(Platform):
+    device_type = "cpu"
+
+    def __init__(self) -> None:
+        flags = _cpu_flags()
+        self.has_native_bf16 = bool({"avx512_bf16", "amx_bf16"} & flags)
+
+    def preferred_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.has_native_bf16 else torch.float32
+
+    def supported_dtypes(self) -> tuple[torch.dtype, ...]:
+        return (torch.float32, torch.bfloat16, torch.float16)
+
+    def mem_get_info(self) -> tuple[int, int]:
+        return _available_memory_bytes(), _total_memory_bytes()
+
+    def init_device(self) -> None:
+        """One intra-op thread per core this process may use."""
+        n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        torch.set_num_threads(max(1, n or 1))
+
+    def kv_cache_budget_bytes(self, memory_utilization: float) -> int:
+        """`memory_utilization` of the memory available now, capped at PAGEDLLM_CPU_KVCACHE_SPACE
+        GiB (default 4, like vLLM's VLLM_CPU_KVCACHE_SPACE): on a CPU the KV cache shares RAM
+        with everything else on the machine."""
+        cap_gib = float(os.environ.get("PAGEDLLM_CPU_KVCACHE_SPACE", "4"))
+        free, _ = self.mem_get_info()
+        return int(min(free * memory_utilization, cap_gib * 2**30))

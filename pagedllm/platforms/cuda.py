@@ -1,0 +1,41 @@
+"""CUDA platform: bf16 by default, memory from the CUDA caching allocator."""
+
+from __future__ import annotations
+
+import torch
+
+from pagedllm.platforms.interface import Platform
+
+
+class CudaPlatform(Platform):
+    device_type = "cuda"
+
+    def preferred_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+    def supported_dtypes(self) -> tuple[torch.dtype, ...]:
+        return (torch.float32, torch.bfloat16, torch.float16)
+
+    def mem_get_info(self) -> tuple[int, int]:
+        return torch.cuda.mem_get_info()
+
+    def init_device(self) -> None:
+        torch.cuda.set_device(torch.cuda.current_device())
+        torch.cuda.reset_peak_memory_stats()
+
+    def kv_cache_budget_bytes(self, memory_utilization: float) -> int:
+        """Total memory x utilization, minus what this process's peak (weights + profile run) and
+        other processes already use."""
+        free, total = torch.cuda.mem_get_info()
+        used_by_others = total - free - torch.cuda.memory_reserved()
+        return int(total * memory_utilization - used_by_others - torch.cuda.max_memory_allocated())
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize()
+
+    def peak_memory_bytes(self) -> int:
+        return torch.cuda.max_memory_allocated()
+
+    def seed_everything(self, seed: int) -> None:
+        torch.manual_seed(seed)
+        torch.cuda.manual_seed_all(seed)

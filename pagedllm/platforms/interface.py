@@ -1,0 +1,66 @@
+"""Platform interface: everything that differs between device kinds lives behind this object.
+
+The rest of the engine asks `current_platform` for the device, the default dtype, memory figures and
+the attention backend; it never checks `torch.cuda` itself.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+
+class Platform(ABC):
+    """One kind of device (CPU, CUDA)."""
+
+    device_type: str = ""
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(self.device_type)
+
+    @abstractmethod
+    def preferred_dtype(self) -> torch.dtype:
+        """Dtype used for dtype='auto'."""
+
+    @abstractmethod
+    def supported_dtypes(self) -> tuple[torch.dtype, ...]:
+        """Dtypes the platform can run the model in."""
+
+    @abstractmethod
+    def mem_get_info(self) -> tuple[int, int]:
+        """(free, total) memory in bytes available to the engine."""
+
+    def init_device(self) -> None:
+        """Prepare the device for this process (threads, current device)."""
+
+    @abstractmethod
+    def kv_cache_budget_bytes(self, memory_utilization: float) -> int:
+        """Bytes the KV cache may take, measured after the model is loaded and profiled."""
+
+    def synchronize(self) -> None:
+        """Wait for queued device work (no-op where execution is synchronous)."""
+
+    def peak_memory_bytes(self) -> int:
+        """Peak memory allocated on the device since start (0 if unknown)."""
+        return 0
+
+    def attention_backend_name(self) -> str:
+        """Name of the attention backend to use on this platform."""
+        return "torch_sdpa"
+
+    def seed_everything(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    def resolve_dtype(self, name: str) -> torch.dtype:
+        """Map a config dtype name to a torch dtype, "auto" to the preferred one.
+
+        Raises:
+            ValueError: if the platform cannot run that dtype.
+        """
+        dtype = self.preferred_dtype() if name == "auto" else getattr(torch, name)
+        if dtype not in self.supported_dtypes():
+            raise ValueError(f"dtype {name} is not supported on {self.device_type}; supported: "
+                             f"{[str(d).removeprefix('torch.') for d in self.supported_dtypes()]}")
+        return dtype

@@ -1,0 +1,1 @@
+"""Token sampling from logits: penalties, temperature, top-k/top-p/min-p, seeded sampling."""

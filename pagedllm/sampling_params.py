@@ -1,0 +1,128 @@
+"""SamplingParams: per-request decoding settings, with vLLM's field names and semantics.
+
+Validation happens in `__post_init__` and raises `ValueError` naming the field, so an invalid request
+is refused before it reaches the engine and never disturbs other requests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+_SAMPLING_EPS = 1e-5
+
+
+class SamplingType(IntEnum):
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request (vLLM semantics).
+
+    Attributes:
+        n: number of output sequences per prompt (only 1 is supported so far, issue #7).
+        temperature: 0 means greedy; must be >= 0.
+        top_p: nucleus mass in (0, 1].
+        top_k: keep the k most likely tokens; 0 or -1 disables.
+        min_p: drop tokens with probability < min_p * p_max; in [0, 1].
+        presence_penalty, frequency_penalty: in [-2, 2], OpenAI semantics, over output tokens.
+        repetition_penalty: > 0; CTRL-style (Keskar et al. 2019) over prompt and output tokens.
+        seed: per-request RNG seed; outputs do not depend on what else is batched.
+        stop: strings that end generation (cut from the text unless include_stop_str_in_output).
+        stop_token_ids: token ids that end generation (kept in token_ids, not in text).
+        ignore_eos: keep generating after EOS.
+        max_tokens: most tokens to generate (None = up to max_model_len).
+        min_tokens: generate at least this many before EOS/stop tokens may end the request.
+        skip_special_tokens, spaces_between_special_tokens: detokenization options.
+        include_stop_str_in_output: keep the matched stop string in the text.
+
+    Raises:
+        ValueError: on any out-of-range field, naming it.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    # Set by the engine from the model's generation config; not a user field.
+    _all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+        if self.temperature < _SAMPLING_EPS:
+            # Greedy: the other sampling knobs have no effect (vLLM does the same).
+            self.temperature = 0.0
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+        self._all_stop_token_ids = set(self.stop_token_ids)
+
+    def _validate(self) -> None:
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n must be an int >= 1, got {self.n!r}")
+        if self.n != 1:
+            raise ValueError("n > 1 is not supported yet (issue #7)")
+        if self.temperature < 0.0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be -1 (disable), 0 (disable) or >= 1, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if not self.repetition_penalty > 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int)
+                                            or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens "
+                             f"({self.max_tokens})")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an int, got {self.seed!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.temperature == 0.0:
+            return SamplingType.GREEDY
+        return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
+
+    @property
+    def all_stop_token_ids(self) -> set[int]:
+        """`stop_token_ids` plus the model's EOS ids (unless ignore_eos), set by the engine."""
+        return self._all_stop_token_ids
+
+    def update_from_generation_config(self, eos_token_ids: tuple[int, ...]) -> None:
+        """Add the model's EOS ids to the stop set (called by the engine when a request arrives)."""
+        if not self.ignore_eos:
+            self._all_stop_token_ids = set(self.stop_token_ids) | set(eos_token_ids)

@@ -1,0 +1,120 @@
+"""Persistent per-request state in fixed slots, and the per-step InputBatch gathered from it.
+
+Requests keep the slot (`req_index`) they got when they arrived until they finish or are
+preempted; a step lists its requests in `idx_mapping` (batch_idx -> req_index), as vLLM's
+runner v2 does, so nothing is condensed or reordered when requests come and go.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagedllm.core.sched_output import NewRequestData
+from pagedllm.worker.block_table import BlockTable
+
+
+class RequestStates:
+    """Token ids, progress and sampling parameters of every live request, by slot.
+
+    Arrays (all numpy, CPU):
+        token_ids_cpu: [max_num_reqs, max_model_len + 1] int32, prompt then output tokens (one
+            spare column: a request that reaches max_model_len still gets its last token).
+        num_tokens, num_prompt_tokens, num_computed_tokens: [max_num_reqs] int32.
+        temperature, top_p, min_p, presence/frequency/repetition penalties: [max_num_reqs] float32.
+        top_k, min_tokens: [max_num_reqs] int32; seeds: [max_num_reqs] int64 (valid where
+        has_seed).
+    """
+
+    def __init__(self, max_num_reqs: int, max_model_len: int, max_num_blocks_per_req: int,
+                 block_size: int) -> None:
+        self.max_num_reqs = max_num_reqs
+        self.max_model_len = max_model_len
+        self.req_id_to_index: dict[str, int] = {}
+        self.free_indices = list(range(max_num_reqs - 1, -1, -1))
+        self.token_ids_cpu = np.zeros((max_num_reqs, max_model_len + 1), dtype=np.int32)
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int32)
+        self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int32)
+        self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int32)
+        self.temperature = np.zeros(max_num_reqs, dtype=np.float32)
+        self.top_p = np.ones(max_num_reqs, dtype=np.float32)
+        self.top_k = np.zeros(max_num_reqs, dtype=np.int32)
+        self.min_p = np.zeros(max_num_reqs, dtype=np.float32)
+        self.presence_penalty = np.zeros(max_num_reqs, dtype=np.float32)
+        self.frequency_penalty = np.zeros(max_num_reqs, dtype=np.float32)
+        self.repetition_penalty = np.ones(max_num_reqs, dtype=np.float32)
+        self.min_tokens = np.zeros(max_num_reqs, dtype=np.int32)
+        self.seeds = np.zeros(max_num_reqs, dtype=np.int64)
+        self.has_seed = np.zeros(max_num_reqs, dtype=bool)
+        self.stop_token_ids: list[list[int]] = [[] for _ in range(max_num_reqs)]
+        self.block_table = BlockTable(max_num_reqs, max_num_blocks_per_req, block_size)
+
+    def add_request(self, req: NewRequestData) -> int:
+        """Give `req` a free slot and fill it; returns the slot."""
+        if not self.free_indices:
+            raise RuntimeError(f"more than max_num_reqs={self.max_num_reqs} live requests")
+        idx = self.free_indices.pop()
+        self.req_id_to_index[req.req_id] = idx
+        tokens = req.prompt_token_ids + req.output_token_ids
+        self.token_ids_cpu[idx, :len(tokens)] = tokens
+        self.num_tokens[idx] = len(tokens)
+        self.num_prompt_tokens[idx] = len(req.prompt_token_ids)
+        self.num_computed_tokens[idx] = req.num_computed_tokens
+        sp = req.sampling_params
+        self.temperature[idx] = sp.temperature
+        self.top_p[idx] = sp.top_p
+        self.top_k[idx] = sp.top_k
+        self.min_p[idx] = sp.min_p
+        self.presence_penalty[idx] = sp.presence_penalty
+        self.frequency_penalty[idx] = sp.frequency_penalty
+        self.repetition_penalty[idx] = sp.repetition_penalty
+        self.min_tokens[idx] = sp.min_tokens
+        self.has_seed[idx] = sp.seed is not None
+        self.seeds[idx] = sp.seed or 0
+        self.stop_token_ids[idx] = sorted(sp.all_stop_token_ids)
+        self.block_table.add_row(req.block_ids, idx)
+        return idx
+
+    def remove_request(self, req_id: str) -> None:
+        idx = self.req_id_to_index.pop(req_id, None)
+        if idx is not None:
+            self.free_indices.append(idx)
+
+    def append_sampled_tokens(self, indices: np.ndarray, token_ids: np.ndarray) -> None:
+        """Append one sampled token to each of the given slots."""
+        self.token_ids_cpu[indices, self.num_tokens[indices]] = token_ids
+        self.num_tokens[indices] += 1
+
+
+@dataclass(frozen=True)
+class InputBatch:
+    """One step's flattened inputs (built by the runner from the SchedulerOutput).
+
+    Attributes:
+        req_ids: [num_reqs] request ids in batch order.
+        idx_mapping: [num_reqs] int64 numpy, batch_idx -> req_index (slot).
+        num_scheduled_tokens: [num_reqs] int32 numpy.
+        query_start_loc_np: [num_reqs + 1] int32 numpy.
+        seq_lens_np: [num_reqs] int32 numpy.
+        input_ids: [num_tokens] int64 (device).
+        positions: [num_tokens] int64 (device).
+        logits_indices: [num_sampled] int64 (device), last token of each sampled request.
+        sampled_batch_idx: [num_sampled] int64 numpy, batch rows that sample this step (rows
+            whose prompt is still partially uncomputed do not).
+    """
+
+    req_ids: list[str]
+    idx_mapping: np.ndarray
+    num_scheduled_tokens: np.ndarray
+    query_start_loc_np: np.ndarray
+    seq_lens_np: np.ndarray
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    logits_indices: torch.Tensor
+    sampled_batch_idx: np.ndarray
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)

@@ -1,0 +1,187 @@
+"""ModelRunner: turns a SchedulerOutput into one forward pass and one sampled token per request.
+
+This file orchestrates only; the parts live elsewhere: request state (`input_batch.py`), slot
+mapping (`block_table.py`), attention metadata (`attention/`), sampling inputs
+(`sampling_inputs.py`), the sampler (`sample/`), KV allocation (`kv_cache.py`).
+
+    execute_model(scheduler_output):  update states -> prepare inputs -> attention metadata
+                                      -> forward over the flat batch -> logits at logits_indices
+    sample_tokens():                  sampler -> append tokens to states -> ModelRunnerOutput
+
+Rows whose prompt is still partially uncomputed after this step are not sampled at all (no logits,
+no RNG use), so seeded outputs do not depend on how a prompt was chunked.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pagedllm.attention.forward_context import set_forward_context
+from pagedllm.attention.metadata import CommonAttentionMetadata
+from pagedllm.config import EngineConfig
+from pagedllm.core.sched_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from pagedllm.model_loader.loader import load_model
+from pagedllm.sample.sampler import Sampler
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.input_batch import InputBatch, RequestStates
+from pagedllm.worker.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
+from pagedllm.worker.sampling_inputs import build_sampling_metadata
+
+
+class ModelRunner:
+    """Owns the model, the KV cache tensors and the persistent request states of one worker.
+
+    Args:
+        config: the engine config.
+        hf_config: the checkpoint's transformers config.
+        device, dtype: where and in what precision the model runs.
+    """
+
+    def __init__(self, config: EngineConfig, hf_config, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        self.config = config
+        self.hf_config = hf_config
+        self.device = device
+        self.dtype = dtype
+        self.block_size = config.cache_config.block_size
+        self.max_num_tokens = config.scheduler_config.max_num_batched_tokens
+        self.max_num_reqs = config.scheduler_config.max_num_seqs
+        self.states = RequestStates(self.max_num_reqs, config.max_model_len,
+                                    config.max_num_blocks_per_req, self.block_size)
+        self.sampler = Sampler(device, config.model_config.seed)
+        self.model = None
+        self.kv_caches: list[torch.Tensor] = []
+        # Persistent input buffers, sliced per step.
+        self.input_ids = torch.zeros(self.max_num_tokens, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(self.max_num_tokens, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.zeros(self.max_num_tokens, dtype=torch.int64, device=device)
+        self._pending: tuple[InputBatch, torch.Tensor] | None = None
+
+    # ----------------------------------------------------------------- set-up
+    def load_model(self) -> None:
+        self.model = load_model(self.config.model_path, self.hf_config, self.dtype, self.device)
+        self.vocab_size = self.hf_config.vocab_size
+
+    def kv_cache_bytes_per_block(self) -> int:
+        return kv_cache_bytes_per_block(self.model.attention_layers(), self.block_size,
+                                        self.dtype)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.kv_caches = allocate_kv_caches(self.model.attention_layers(), num_blocks,
+                                            self.block_size, self.dtype, self.device)
+
+    @torch.inference_mode()
+    def profile_run(self) -> None:
+        """Run the largest batch once (dummy requests over a temporary KV cache) so the memory
+        peak is measured and lazy initialisation happens before serving."""
+        num_tokens = min(self.max_num_tokens, self.max_num_reqs * self.config.max_model_len)
+        per_req = min(self.config.max_model_len, num_tokens)
+        lens = [per_req] * (num_tokens // per_req) + ([num_tokens % per_req]
+                                                     if num_tokens % per_req else [])
+        blocks_per_req = -(-per_req // self.block_size)
+        self.initialize_kv_cache(1 + blocks_per_req * len(lens))
+        params = SamplingParams(temperature=1.0, top_p=0.9, top_k=5, max_tokens=1)
+        reqs = [NewRequestData(f"_profile_{i}", [0] * n, [], params,
+                               list(range(1 + i * blocks_per_req, 1 + (i + 1) * blocks_per_req)),
+                               0) for i, n in enumerate(lens)]
+        out = SchedulerOutput.make_empty()
+        out.scheduled_new_reqs = reqs
+        out.num_scheduled_tokens = {r.req_id: len(r.prompt_token_ids) for r in reqs}
+        out.total_num_scheduled_tokens = num_tokens
+        self.execute_model(out)
+        self.sample_tokens()
+        for r in reqs:
+            self.states.remove_request(r.req_id)
+        self.kv_caches = []
+        for layer in self.model.attention_layers():
+            layer.kv_cache = torch.empty(0)
+
+    # ----------------------------------------------------------------- one step
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for req_id in so.finished_req_ids | so.preempted_req_ids:
+            self.states.remove_request(req_id)
+        for req in so.scheduled_new_reqs:
+            self.states.add_request(req)
+        cached = so.scheduled_cached_reqs
+        for req_id, new_blocks, num_computed in zip(cached.req_ids, cached.new_block_ids,
+                                                    cached.num_computed_tokens):
+            idx = self.states.req_id_to_index[req_id]
+            self.states.block_table.append_row(new_blocks, idx)
+            self.states.num_computed_tokens[idx] = num_computed
+
+    def _prepare_inputs(self, so: SchedulerOutput) -> tuple[InputBatch, CommonAttentionMetadata]:
+        st = self.states
+        req_ids = so.scheduled_cached_reqs.req_ids + [r.req_id for r in so.scheduled_new_reqs]
+        idx_mapping = np.array([st.req_id_to_index[r] for r in req_ids], dtype=np.int64)
+        num_scheduled = np.array([so.num_scheduled_tokens[r] for r in req_ids], dtype=np.int32)
+        n = int(num_scheduled.sum())
+        query_start_loc = np.zeros(len(req_ids) + 1, dtype=np.int32)
+        np.cumsum(num_scheduled, out=query_start_loc[1:])
+        # Token t of the batch belongs to batch row req_indices[t].
+        req_indices = np.repeat(np.arange(len(req_ids)), num_scheduled)
+        rows = idx_mapping[req_indices]
+        num_computed = st.num_computed_tokens[idx_mapping]
+        positions = (num_computed[req_indices]
+                     + np.arange(n) - query_start_loc[req_indices]).astype(np.int64)
+        seq_lens = (num_computed + num_scheduled).astype(np.int32)
+        slot_mapping = st.block_table.compute_slot_mapping(rows, positions)
+
+        self.input_ids[:n].copy_(torch.from_numpy(st.token_ids_cpu[rows, positions]))
+        self.positions[:n].copy_(torch.from_numpy(positions))
+        self.slot_mapping[:n].copy_(torch.from_numpy(slot_mapping))
+
+        sampled_batch_idx = np.nonzero(seq_lens >= st.num_tokens[idx_mapping])[0]
+        logits_indices = torch.from_numpy(
+            (query_start_loc[1:] - 1)[sampled_batch_idx].astype(np.int64)).to(self.device)
+        max_blocks = int(st.block_table.num_blocks_per_row[idx_mapping].max())
+        block_table = torch.from_numpy(
+            st.block_table.block_table_np[idx_mapping, :max_blocks]).to(self.device)
+        common = CommonAttentionMetadata(
+            query_start_loc=torch.from_numpy(query_start_loc).to(self.device),
+            query_start_loc_cpu=query_start_loc,
+            seq_lens=torch.from_numpy(seq_lens).to(self.device), seq_lens_cpu=seq_lens,
+            block_table=block_table, slot_mapping=self.slot_mapping[:n],
+            num_reqs=len(req_ids), num_actual_tokens=n,
+            max_query_len=int(num_scheduled.max()), max_seq_len=int(seq_lens.max()),
+            block_size=self.block_size)
+        batch = InputBatch(req_ids=req_ids, idx_mapping=idx_mapping,
+                           num_scheduled_tokens=num_scheduled,
+                           query_start_loc_np=query_start_loc, seq_lens_np=seq_lens,
+                           input_ids=self.input_ids[:n], positions=self.positions[:n],
+                           logits_indices=logits_indices, sampled_batch_idx=sampled_batch_idx)
+        return batch, common
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
+        """Run the forward pass of one step; logits are kept for `sample_tokens`."""
+        self._update_states(scheduler_output)
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            self._pending = None
+            return
+        batch, common = self._prepare_inputs(scheduler_output)
+        attn_metadata = self.model.attention_layers()[0].backend.build_metadata(common)
+        with set_forward_context(attn_metadata):
+            hidden = self.model(batch.input_ids, batch.positions)
+        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        self._pending = (batch, logits)
+
+    @torch.inference_mode()
+    def sample_tokens(self) -> ModelRunnerOutput:
+        """Sample for the rows of the last `execute_model` and record the tokens."""
+        if self._pending is None:
+            return ModelRunnerOutput([], {}, [])
+        batch, logits = self._pending
+        self._pending = None
+        sampled_rows = batch.idx_mapping[batch.sampled_batch_idx]
+        sampled_token_ids: list[list[int]] = [[] for _ in batch.req_ids]
+        if len(sampled_rows):
+            metadata = build_sampling_metadata(self.states, sampled_rows, logits.shape[-1],
+                                               self.device)
+            tokens = self.sampler(logits, metadata).cpu().numpy()
+            self.states.append_sampled_tokens(sampled_rows, tokens.astype(np.int32))
+            for b, t in zip(batch.sampled_batch_idx.tolist(), tokens.tolist()):
+                sampled_token_ids[b] = [t]
+        return ModelRunnerOutput(req_ids=batch.req_ids,
+                                 req_id_to_index={r: i for i, r in enumerate(batch.req_ids)},
+                                 sampled_token_ids=sampled_token_ids)
