@@ -1,0 +1,77 @@
+"""`pagedllm` command line: generate (offline), serve (OpenAI server), bench."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from pagedllm.entrypoints.cli_args import add_engine_args, engine_kwargs_from_args
+
+
+def _add_generate_parser(subparsers) -> None:
+    p = subparsers.add_parser("generate", help="generate text for one or more prompts")
+    add_engine_args(p)
+    p.add_argument("--prompt", action="append", required=True,
+                   help="prompt text (repeat the flag for a batch)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--stop", action="append", default=None)
+    p.add_argument("--request-seed", type=int, default=None, help="per-request sampling seed")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--chat", action="store_true",
+                   help="render each prompt as a user message with the chat template")
+    p.set_defaults(func=_run_generate)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from pagedllm import LLM, SamplingParams
+
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                                stop=args.stop, seed=args.request_seed,
+                                ignore_eos=args.ignore_eos)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    llm = LLM(**engine_kwargs_from_args(args))
+    start = time.perf_counter()
+    if args.chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params,
+                           use_tqdm=False)
+    else:
+        outputs = llm.generate(args.prompt, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    n_prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    n_gen = sum(len(o.outputs[0].token_ids) for o in outputs)
+    for o in outputs:
+        print(((o.prompt or "") if not args.chat else "") + o.outputs[0].text)
+        print("-" * 40)
+    print(f"prompt tokens: {n_prompt}, generated tokens: {n_gen}, time: {elapsed:.2f} s, "
+          f"{n_gen / elapsed:.1f} tokens/s, finish: "
+          f"{','.join(str(o.outputs[0].finish_reason) for o in outputs)}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedllm", description=__doc__)
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    _add_generate_parser(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""Engine arguments on the command line (vLLM's flag names), shared by `generate`, `serve`, `bench`."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=None,
+                   help="checkpoint folder or Hugging Face hub id (default: the shipped model)")
+    g.add_argument("--tokenizer", default=None)
+    g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", dest="kv_cache_memory_bytes",
+                   type=int, default=None, help="KV cache size in bytes")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=128)
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                   default=True)
+    g.add_argument("--trust-remote-code", action="store_true")
+
+
+_ENGINE_KEYS = ("tokenizer", "dtype", "max_model_len", "seed", "block_size",
+                "kv_cache_memory_bytes", "gpu_memory_utilization", "num_gpu_blocks_override",
+                "enable_prefix_caching", "max_num_batched_tokens", "max_num_seqs",
+                "enable_chunked_prefill", "trust_remote_code")
+
+
+def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """Keyword arguments for `LLM(...)` / `LLMEngine.from_engine_args(...)` (model included)."""
+    kwargs = {k: getattr(args, k) for k in _ENGINE_KEYS}
+    if args.model is None:
+        from pagedllm.assets import default_model_path
+        kwargs["model"] = default_model_path()
+    else:
+        kwargs["model"] = args.model
+    return kwargs

@@ -1,0 +1,115 @@
+"""Bad input: clear errors naming the problem; other requests unaffected."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from pagedllm import LLM, GenerateError, SamplingParams
+from pagedllm.entrypoints.cli import main as cli_main
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_checkpoints):
+    return LLM(str(tiny_checkpoints["llama"]), dtype="float32", kv_cache_memory_bytes=8 << 20,
+               max_model_len=64)
+
+
+def test_unknown_architecture(tiny_checkpoints, tmp_path):
+    path = tmp_path / "ckpt"
+    shutil.copytree(tiny_checkpoints["llama"], path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["architectures"] = ["FancyNewForCausalLM"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="FancyNewForCausalLM.*LlamaForCausalLM"):
+        LLM(str(path), dtype="float32")
+
+
+def test_missing_and_corrupt_weights(tiny_checkpoints, tmp_path):
+    path = tmp_path / "ckpt"
+    shutil.copytree(tiny_checkpoints["llama"], path)
+    (path / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match="model.safetensors"):
+        LLM(str(path), dtype="float32", kv_cache_memory_bytes=1 << 20)
+    (path / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        LLM(str(path), dtype="float32", kv_cache_memory_bytes=1 << 20)
+
+
+def test_missing_folder():
+    with pytest.raises(FileNotFoundError, match="/no/such/model"):
+        LLM("/no/such/model")
+
+
+@pytest.mark.parametrize("kwargs", [dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5),
+                                    dict(max_tokens=0), dict(top_k=-2), dict(min_p=2.0),
+                                    dict(repetition_penalty=0.0), dict(n=0)])
+def test_invalid_sampling_params(kwargs):
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        SamplingParams(**kwargs)
+
+
+def test_bad_request_fails_alone(llm):
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    good = [[5, 6, 7], [8, 9]]
+    with pytest.raises(GenerateError) as info:
+        llm.generate([good[0], list(range(3, 100)), good[1], [], [10**9]], params,
+                     use_tqdm=False)
+    err = info.value
+    assert isinstance(err, ValueError)
+    assert set(err.errors) == {1, 3, 4}
+    assert "max_model_len" in err.errors[1] and "empty" in err.errors[3]
+    assert "vocabulary" in err.errors[4]
+    assert [len(err.outputs[i].outputs[0].token_ids) for i in (0, 2)] == [4, 4]
+    # The engine keeps working and gives the same tokens as before.
+    again = llm.generate(good, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == [err.outputs[0].outputs[0].token_ids,
+                                                       err.outputs[2].outputs[0].token_ids]
+
+
+def test_finish_reasons_and_stop_token_ids(llm):
+    first = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=6,
+                                                     ignore_eos=True), use_tqdm=False)[0]
+    out = first.outputs[0]
+    assert out.finish_reason == "length" and out.stop_reason is None
+    stop_id = out.token_ids[2]
+    stopped = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=6,
+                                                       ignore_eos=True,
+                                                       stop_token_ids=[stop_id]),
+                           use_tqdm=False)[0].outputs[0]
+    first_hit = out.token_ids.index(stop_id)
+    assert stopped.token_ids == out.token_ids[:first_hit + 1]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == stop_id
+    # max_model_len caps generation.
+    long = llm.generate([list(range(3, 60))], SamplingParams(temperature=0.0, max_tokens=50,
+                                                             ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    assert len(long.token_ids) == 64 - 57 and long.finish_reason == "length"
+
+
+def test_stop_string_cut_from_text(llm):
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    text = llm.generate(["hello world"], params, use_tqdm=False)[0].outputs[0].text
+    assert len(text) > 4
+    stop = text[2:4]
+    out = llm.generate(["hello world"], SamplingParams(temperature=0.0, max_tokens=12,
+                                                       ignore_eos=True, stop=[stop]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == text[:text.index(stop)]
+
+
+def test_cli_generate(tiny_checkpoints, capsys):
+    rc = cli_main(["generate", "--model", str(tiny_checkpoints["llama"]), "--dtype", "float32",
+                   "--kv-cache-memory", str(4 << 20), "--prompt", "Once upon a time",
+                   "--max-tokens", "5", "--temperature", "0", "--ignore-eos"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "generated tokens: 5" in out and "tokens/s" in out
+
+
+def test_cli_bad_args(capsys):
+    assert cli_main(["generate", "--model", "/no/such/dir", "--prompt", "x"]) == 1
+    assert "model folder not found" in capsys.readouterr().err
