@@ -38,7 +38,8 @@ class Sampler:
         """logits [B, V] float32 -> sampled token ids [B] int64."""
         logits = logits.float()
         if metadata.min_tokens_rows is not None:
-            logits[metadata.min_tokens_rows, metadata.min_tokens_stop_ids] = float("-inf")
+            logits = logits.index_put((metadata.min_tokens_rows, metadata.min_tokens_stop_ids),
+                                      torch.tensor(float("-inf"), device=logits.device))
         if not metadata.no_penalties:
             logits = apply_penalties(logits, metadata.prompt_token_ids, metadata.output_token_ids,
                                      metadata.presence_penalties, metadata.frequency_penalties,

@@ -1,0 +1,88 @@
+"""Sampler with fixed logits and seeds."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pagedllm.sample.ops.penalties import apply_penalties
+from pagedllm.sample.ops.topk_topp import apply_min_p, apply_top_k_top_p
+from pagedllm.sample.sampler import Sampler
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.input_batch import RequestStates
+from pagedllm.worker.sampling_inputs import build_sampling_metadata
+from pagedllm.core.sched_output import NewRequestData
+
+V = 32
+
+
+def _metadata(params: list[SamplingParams], prompts: list[list[int]] | None = None,
+              outputs: list[list[int]] | None = None):
+    states = RequestStates(len(params), 64, 4, 16)
+    prompts = prompts or [[1, 2, 3]] * len(params)
+    outputs = outputs or [[]] * len(params)
+    for i, sp in enumerate(params):
+        sp.update_from_generation_config((0,))
+        states.add_request(NewRequestData(str(i), prompts[i], outputs[i], sp, [1], 0))
+    rows = np.array([states.req_id_to_index[str(i)] for i in range(len(params))])
+    return build_sampling_metadata(states, rows, V, torch.device("cpu"))
+
+
+def test_greedy_is_argmax():
+    logits = torch.randn(3, V)
+    md = _metadata([SamplingParams(temperature=0.0)] * 3)
+    assert torch.equal(Sampler(torch.device("cpu"))(logits, md), logits.argmax(-1))
+
+
+def test_random_sampling_follows_distribution():
+    probs = torch.tensor([0.5, 0.3, 0.2] + [0.0] * (V - 3))
+    logits = probs.clamp_min(1e-30).log().repeat(4000, 1)
+    md = _metadata([SamplingParams(temperature=1.0)] * 4000)
+    counts = torch.bincount(Sampler(torch.device("cpu"), seed=1)(logits, md), minlength=V)
+    freq = counts.float() / 4000
+    assert torch.allclose(freq[:3], probs[:3], atol=0.03)
+    assert counts[3:].sum() == 0
+
+
+def test_seed_and_position_determine_the_sample():
+    logits = torch.randn(1, V).repeat(3, 1)
+    params = [SamplingParams(temperature=1.0, seed=7), SamplingParams(temperature=1.0, seed=7),
+              SamplingParams(temperature=1.0, seed=8)]
+    sampler = Sampler(torch.device("cpu"))
+    first = [sampler(logits, _metadata([SamplingParams(temperature=1.0, seed=s)] * 3)).tolist()
+             for s in (7, 7)]
+    assert first[0] == first[1]
+    many = {tuple(sampler(logits, _metadata([SamplingParams(temperature=1.0, seed=s)])).tolist())
+            for s in range(20)}
+    assert len(many) > 1
+    assert sampler(logits, _metadata(params))[0] == sampler(logits, _metadata(params))[1]
+
+
+def test_top_k_top_p_min_p():
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]])
+    assert torch.isinf(apply_top_k_top_p(logits, torch.tensor([2]), None)[0, 2:]).all()
+    p = logits.softmax(-1)[0]
+    out = apply_top_k_top_p(logits, None, torch.tensor([float(p[0] + 0.01)]))
+    assert torch.isfinite(out[0, :2]).all() and torch.isinf(out[0, 2:]).all()
+    out = apply_min_p(logits, torch.tensor([0.3]))
+    keep = p >= 0.3 * p.max()
+    assert torch.equal(torch.isfinite(out[0]), keep)
+
+
+def test_penalties_vllm_semantics():
+    logits = torch.tensor([[2.0, -2.0, 1.0, 1.0]])
+    prompt = torch.tensor([[0, 4]])      # token 0 seen in the prompt; 4 = padding
+    output = torch.tensor([[1, 1, 4]])   # token 1 generated twice
+    out = apply_penalties(logits.clone(), prompt, output, torch.tensor([0.5]),
+                          torch.tensor([0.25]), torch.tensor([2.0]))
+    assert out[0].tolist() == pytest.approx([1.0, -4.0 - 0.5 - 0.5, 1.0, 1.0])
+
+
+def test_min_tokens_masks_stop_tokens():
+    logits = torch.zeros(1, V)
+    logits[0, 0] = 100.0      # EOS (id 0) would win
+    md = _metadata([SamplingParams(temperature=0.0, min_tokens=2)])
+    assert Sampler(torch.device("cpu"))(logits, md).item() != 0
+    md = _metadata([SamplingParams(temperature=0.0, min_tokens=2)], outputs=[[5, 6]])
+    assert Sampler(torch.device("cpu"))(logits, md).item() == 0
