@@ -1,8 +1,10 @@
 """pagedllm: LLM inference and serving over a paged KV cache."""
 
+from pagedllm.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedllm.entrypoints.llm import LLM, GenerateError
-from pagedllm.outputs import CompletionOutput, RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
-__all__ = ["LLM", "GenerateError", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "GenerateError", "SamplingParams", "RequestOutputKind", "RequestOutput",
+           "CompletionOutput", "Logprob", "BeamSearchParams", "BeamSearchOutput"]
 __version__ = "0.1.0"

@@ -31,6 +31,8 @@ class ModelConfig:
         seed: seed for requests without their own seed.
         revision: hub revision.
         trust_remote_code: passed to transformers when reading config/tokenizer.
+        logprobs_mode: "raw_logprobs" (model output) or "processed_logprobs" (the distribution
+            tokens are sampled from); see pagedllm/sample/logprobs.py.
     """
 
     model: str
@@ -40,8 +42,12 @@ class ModelConfig:
     seed: int = 0
     revision: str | None = None
     trust_remote_code: bool = False
+    logprobs_mode: str = "raw_logprobs"
 
     def __post_init__(self) -> None:
+        if self.logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
+            raise ValueError("logprobs_mode must be 'raw_logprobs' or 'processed_logprobs', "
+                             f"got {self.logprobs_mode!r}")
         dtype = _DTYPE_ALIASES.get(str(self.dtype).replace("torch.", ""), str(self.dtype).replace("torch.", ""))
         if dtype not in _DTYPE_NAMES:
             raise ValueError(f"dtype must be one of {_DTYPE_NAMES}, got {self.dtype!r}")
@@ -220,7 +226,7 @@ def hf_model_info(model_path: str) -> HFModelInfo:
 def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str = "auto",
                          max_model_len: int | None = None, seed: int = 0,
                          revision: str | None = None, trust_remote_code: bool = False,
-                         block_size: int = 16, kv_cache_memory_bytes: int | None = None,
+                         logprobs_mode: str = "raw_logprobs", block_size: int = 16, kv_cache_memory_bytes: int | None = None,
                          gpu_memory_utilization: float = 0.9,
                          num_gpu_blocks_override: int | None = None,
                          enable_prefix_caching: bool = True,
@@ -238,7 +244,8 @@ def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str
 
     model_config = ModelConfig(model=model, tokenizer=tokenizer, dtype=dtype,
                                max_model_len=max_model_len, seed=seed, revision=revision,
-                               trust_remote_code=trust_remote_code)
+                               trust_remote_code=trust_remote_code,
+                               logprobs_mode=logprobs_mode)
     model_path = resolve_model_path(model, revision)
     tokenizer_path = resolve_model_path(tokenizer, revision) if tokenizer else model_path
     info = hf_model_info(model_path)

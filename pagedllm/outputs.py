@@ -6,6 +6,21 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class Logprob:
+    """One token's log-probability, its rank in the vocabulary (1 = most likely) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per generated token: {token id: Logprob} holding the chosen token and the top-k alternatives.
+SampleLogprobs = list[dict[int, Logprob]]
+# Per prompt token, the same; the first prompt token has None (nothing precedes it).
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
+@dataclass
 class CompletionOutput:
     """One generated sequence of a request.
 
@@ -13,7 +28,8 @@ class CompletionOutput:
         index: index of this sequence among the request's `n` outputs.
         text: detokenized output (stop string removed unless include_stop_str_in_output).
         token_ids: generated token ids (a stop token id is included, text is not).
-        cumulative_logprob: None until logprobs are supported (issue #7).
+        logprobs: per generated token, {token id: Logprob} (when SamplingParams.logprobs is set).
+        cumulative_logprob: sum of the chosen tokens' logprobs (when logprobs is set).
         finish_reason: None while running, then "stop" (EOS, stop token or stop string),
             "length" (max_tokens or max_model_len) or "abort".
         stop_reason: the stop string or stop token id that ended it; None for EOS or length.
@@ -23,6 +39,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None = None
+    logprobs: SampleLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -40,6 +57,7 @@ class RequestOutput:
         prompt_token_ids: prompt token ids.
         outputs: one `CompletionOutput` per sequence.
         finished: whether the request is done.
+        prompt_logprobs: per prompt token (when SamplingParams.prompt_logprobs is set).
         num_cached_tokens: prompt tokens served from the prefix cache.
     """
 
@@ -48,5 +66,6 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)

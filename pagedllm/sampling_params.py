@@ -6,10 +6,25 @@ is refused before it reaches the engine and never disturbs other requests.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import IntEnum
+from enum import Enum, IntEnum
+from typing import Any
 
 _SAMPLING_EPS = 1e-5
+
+
+class RequestOutputKind(Enum):
+    """What each streamed RequestOutput carries: everything so far, only the new part, or only
+    the final result."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
+# A per-request logits processor: (output token ids so far, logits [vocab] float32) -> logits.
+LogitsProcessor = Callable[[list[int], Any], Any]
 
 
 class SamplingType(IntEnum):
@@ -23,7 +38,8 @@ class SamplingParams:
     """How to sample one request (vLLM semantics).
 
     Attributes:
-        n: number of output sequences per prompt (only 1 is supported so far, issue #7).
+        n: number of output sequences per prompt; each is an independent request sharing the
+            prompt's KV blocks through the prefix cache, with seed `seed + i` when seeded.
         temperature: 0 means greedy; must be >= 0.
         top_p: nucleus mass in (0, 1].
         top_k: keep the k most likely tokens; 0 or -1 disables.
@@ -38,6 +54,17 @@ class SamplingParams:
         min_tokens: generate at least this many before EOS/stop tokens may end the request.
         skip_special_tokens, spaces_between_special_tokens: detokenization options.
         include_stop_str_in_output: keep the matched stop string in the text.
+        logprobs: return the sampled token's logprob and rank plus the top-`logprobs`
+            alternatives per generated token (0 = only the sampled token); None = off.
+        prompt_logprobs: the same for every prompt token (the first one gets None).
+        logit_bias: {token id: bias added to its logit} (OpenAI semantics, bias in [-100, 100]).
+        allowed_token_ids: if set, only these tokens can be sampled.
+        bad_words: words whose token sequences are banned where they would complete.
+        truncate_prompt_tokens: keep only the last k prompt tokens.
+        detokenize: False = return token ids only (text stays empty; stop strings unavailable).
+        output_kind: CUMULATIVE, DELTA or FINAL_ONLY (for streaming).
+        logits_processors: callables `(output_token_ids, logits [vocab]) -> logits` applied to
+            this request's logits before sampling, in order.
 
     Raises:
         ValueError: on any out-of-range field, naming it.
@@ -60,8 +87,18 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    # Set by the engine from the model's generation config; not a user field.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
+    detokenize: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    logits_processors: list[LogitsProcessor] | None = None
+    # Set by the engine (generation config, tokenizer); not user fields.
     _all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+    _bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -80,8 +117,6 @@ class SamplingParams:
     def _validate(self) -> None:
         if not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"n must be an int >= 1, got {self.n!r}")
-        if self.n != 1:
-            raise ValueError("n > 1 is not supported yet (issue #7)")
         if self.temperature < 0.0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -110,6 +145,32 @@ class SamplingParams:
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
+        for name, minimum in (("logprobs", 0), ("prompt_logprobs", 0),
+                              ("truncate_prompt_tokens", 1)):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < minimum):
+                raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+        if self.logit_bias is not None:
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError, AttributeError) as e:
+                raise ValueError(f"logit_bias must map token ids to numbers: {e}") from e
+            if any(not -100.0 <= v <= 100.0 for v in self.logit_bias.values()):
+                raise ValueError("logit_bias values must be in [-100, 100]")
+            if any(k < 0 for k in self.logit_bias):
+                raise ValueError("logit_bias keys must be non-negative token ids")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids or any(not isinstance(t, int) or t < 0
+                                                 for t in self.allowed_token_ids):
+                raise ValueError("allowed_token_ids must be a non-empty list of token ids")
+        if self.bad_words is not None and any(not isinstance(w, str) or not w.strip()
+                                               for w in self.bad_words):
+            raise ValueError("bad_words must be non-empty strings")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+        if self.logits_processors is not None and not all(callable(p)
+                                                          for p in self.logits_processors):
+            raise ValueError("logits_processors must be callables")
 
     @property
     def sampling_type(self) -> SamplingType:

@@ -55,9 +55,11 @@ class KVCacheManager:
         """Longest run of cached full blocks that prefixes the request's tokens.
 
         At most `num_tokens - 1` tokens count as hits: the last token is always recomputed so that
-        its logits exist. Returns (blocks, num_computed_tokens).
+        its logits exist. A request that wants prompt logprobs gets no hits (the logprobs of
+        cached positions were never computed), though its blocks are still cached for others.
+        Returns (blocks, num_computed_tokens).
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVCacheBlock] = []

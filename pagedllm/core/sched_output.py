@@ -63,16 +63,38 @@ class SchedulerOutput:
 
 
 @dataclass
+class LogprobsLists:
+    """Logprobs of n consecutive tokens of one request (plain lists; they cross processes).
+
+    token_ids[i][0] is the i-th token itself, token_ids[i][1:] its top-k alternatives (k may be 0);
+    logprobs[i] are their logprobs (same layout); ranks[i] is the rank of the token itself in the
+    whole vocabulary (1 = most likely).
+    """
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+
+    def slice(self, start: int, end: int) -> LogprobsLists:
+        return LogprobsLists(self.token_ids[start:end], self.logprobs[start:end],
+                             self.ranks[start:end])
+
+
+@dataclass
 class ModelRunnerOutput:
     """What the worker sends back after a step.
 
     `sampled_token_ids[i]` belongs to `req_ids[i]`; an empty list means nothing was sampled (a
-    partial prefill chunk).
+    partial prefill chunk). `logprobs[req_id]` covers the sampled tokens of requests that asked
+    for logprobs; `prompt_logprobs_dict[req_id]` the prompt tokens whose logprobs were computed
+    this step (the next prompt positions, in order).
     """
 
     req_ids: list[str]
     req_id_to_index: dict[str, int]
     sampled_token_ids: list[list[int]]
+    logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    prompt_logprobs_dict: dict[str, tuple[int, LogprobsLists]] = field(default_factory=dict)
 
 
 @dataclass
@@ -84,6 +106,8 @@ class EngineCoreOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    new_logprobs: LogprobsLists | None = None
+    new_prompt_logprobs: tuple[int, LogprobsLists] | None = None
 
     @property
     def finished(self) -> bool:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
@@ -202,12 +202,16 @@ class Scheduler:
         """
         outputs: list[EngineCoreOutput] = []
         finished: list[Request] = []
+        prompt_logprobs = model_runner_output.prompt_logprobs_dict
         for req_id, index in model_runner_output.req_id_to_index.items():
             request = self.requests.get(req_id)
             if request is None or request.is_finished():
                 continue
             new_token_ids = model_runner_output.sampled_token_ids[index]
             if not new_token_ids:
+                if req_id in prompt_logprobs:
+                    outputs.append(EngineCoreOutput(req_id, [],
+                                                    new_prompt_logprobs=prompt_logprobs[req_id]))
                 continue
             accepted: list[int] = []
             for token_id in new_token_ids:
@@ -217,10 +221,13 @@ class Scheduler:
                     break
             if request.is_finished():
                 finished.append(request)
+            logprobs = model_runner_output.logprobs.get(req_id)
             outputs.append(EngineCoreOutput(
                 request_id=req_id, new_token_ids=accepted,
                 finish_reason=request.get_finished_reason(), stop_reason=request.stop_reason,
-                num_cached_tokens=max(request.num_cached_tokens, 0)))
+                num_cached_tokens=max(request.num_cached_tokens, 0),
+                new_logprobs=logprobs.slice(0, len(accepted)) if logprobs else None,
+                new_prompt_logprobs=prompt_logprobs.get(req_id)))
         for request in finished:
             self.running.remove(request)
             self._free_request(request)
@@ -251,5 +258,5 @@ class Scheduler:
             kv_cache_usage=pool.get_usage(), num_blocks=pool.num_blocks,
             num_free_blocks=pool.get_num_free_blocks(),
             num_cached_blocks=pool.num_cached_blocks(),
-            prefix_cache_stats=self.kv_cache_manager.prefix_cache_stats,
+            prefix_cache_stats=replace(self.kv_cache_manager.prefix_cache_stats),
             num_preemptions=self.num_preemptions)

@@ -45,6 +45,9 @@ class InputProcessor:
         prompt_text, token_ids = self._tokenize(prompt)
         if not token_ids:
             raise ValueError("the prompt is empty (no tokens)")
+        if params.truncate_prompt_tokens is not None:
+            token_ids = token_ids[-params.truncate_prompt_tokens:]
+        self._check_params(params)
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary "
@@ -57,6 +60,22 @@ class InputProcessor:
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         return (EngineCoreRequest(request_id, token_ids, params, max_tokens, time.monotonic()),
                 prompt_text)
+
+    def _check_params(self, params: SamplingParams) -> None:
+        """Checks that need the model or the tokenizer; fills the bad words' token ids."""
+        ids = list(params.logit_bias or ()) + list(params.allowed_token_ids or ())
+        if any(t >= self.vocab_size for t in ids):
+            raise ValueError(f"logit_bias / allowed_token_ids name token ids outside the "
+                             f"vocabulary [0, {self.vocab_size})")
+        if not params.detokenize and params.stop:
+            raise ValueError("stop strings need detokenize=True")
+        params._bad_words_token_ids = []
+        for word in params.bad_words or ():
+            # As vLLM: ban the word both as is and with a leading space.
+            for variant in (word.strip(), " " + word.strip()):
+                seq = self.tokenizer(variant, add_special_tokens=False).input_ids
+                if seq and seq not in params._bad_words_token_ids:
+                    params._bad_words_token_ids.append(seq)
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):

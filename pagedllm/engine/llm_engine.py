@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 from typing import Any
@@ -15,7 +16,7 @@ from pagedllm.config import EngineConfig, create_engine_config, hf_model_info
 from pagedllm.core.scheduler import SchedulerStats
 from pagedllm.engine.engine_core import EngineCore
 from pagedllm.engine.input_processor import InputProcessor, PromptType
-from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.engine.output_processor import OutputProcessor, ParentRequest
 from pagedllm.logger import init_logger
 from pagedllm.models.registry import resolve_model_class
 from pagedllm.outputs import RequestOutput
@@ -53,6 +54,8 @@ class LLMEngine:
                                               info.vocab_size, tuple(eos_ids))
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+        # Parent request id -> child request ids (n > 1).
+        self._parents: dict[str, list[str]] = {}
         logger.info("engine ready: model %s, max_model_len %d, %d KV blocks of %d tokens",
                     config.model_path, config.max_model_len, self.engine_core.num_blocks - 1,
                     config.cache_config.block_size)
@@ -68,18 +71,39 @@ class LLMEngine:
                     params: SamplingParams) -> None:
         """Validate, tokenize and queue one request.
 
+        With `params.n > 1` the request becomes n child requests ("{i}_{request_id}", seed
+        `seed + i`) that share the prompt's full KV blocks through the prefix cache; their outputs
+        are gathered into one RequestOutput under `request_id`.
+
         Raises:
             ValueError: for an invalid request (it is not queued; others are unaffected).
         """
-        if request_id in self.output_processor.request_states:
+        if request_id in self.output_processor.request_states or request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         core_req, prompt_text = self.input_processor.process(request_id, prompt, params)
-        self.engine_core.add_request(core_req)
-        self.output_processor.add_request(request_id, prompt_text, core_req.prompt_token_ids,
-                                          params)
+        if params.n == 1:
+            self.engine_core.add_request(core_req)
+            self.output_processor.add_request(request_id, prompt_text,
+                                              core_req.prompt_token_ids, params)
+            return
+        parent = ParentRequest(request_id, prompt_text, core_req.prompt_token_ids, params.n,
+                               params.output_kind)
+        child_ids = [f"{i}_{request_id}" for i in range(params.n)]
+        for i, child_id in enumerate(child_ids):
+            child_params = copy.copy(params)
+            child_params.n = 1
+            if params.seed is not None:
+                child_params.seed = params.seed + i
+            child = copy.copy(core_req)
+            child.request_id, child.sampling_params = child_id, child_params
+            self.engine_core.add_request(child)
+            self.output_processor.add_request(child_id, prompt_text, core_req.prompt_token_ids,
+                                              child_params, parent, i)
+        self._parents[request_id] = child_ids
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        ids = [c for r in ids for c in self._parents.pop(r, [r])]
         self.engine_core.abort_requests(ids)
         self.output_processor.abort_requests(ids)
 
@@ -88,6 +112,9 @@ class LLMEngine:
         request_outputs, to_abort = self.output_processor.process_outputs(outputs)
         if to_abort:
             self.engine_core.abort_requests(to_abort)
+        for out in request_outputs:
+            if out.finished:
+                self._parents.pop(out.request_id, None)
         return request_outputs
 
     def has_unfinished_requests(self) -> bool:

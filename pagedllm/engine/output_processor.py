@@ -1,46 +1,84 @@
-"""OutputProcessor: EngineCoreOutputs (token deltas) -> RequestOutputs (text, stop strings).
+"""OutputProcessor: EngineCoreOutputs (token deltas) -> RequestOutputs.
 
-Detokenizes each request incrementally, applies stop strings (a match finishes the request with
-finish_reason "stop" and stop_reason the string; the caller must then abort it in the core), and
-keeps the cumulative outputs.
+Per request it detokenizes incrementally, applies stop strings (a match finishes the request with
+finish_reason "stop" and stop_reason the string; the caller must then abort it in the core),
+collects logprobs and prompt logprobs, and emits outputs per `output_kind` (cumulative, delta or
+final only). Requests with n > 1 are n child requests in the core; their parent here gathers the
+children's CompletionOutputs (by index) into one RequestOutput.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from pagedllm.core.sched_output import EngineCoreOutput
+from pagedllm.core.sched_output import EngineCoreOutput, LogprobsLists
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
-from pagedllm.outputs import CompletionOutput, RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.outputs import (CompletionOutput, Logprob, PromptLogprobs, RequestOutput,
+                              SampleLogprobs)
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+
+
+@dataclass
+class ParentRequest:
+    """The user's request when n > 1: child request ids and their latest outputs by index."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    n: int
+    output_kind: RequestOutputKind
+    outputs: dict[int, CompletionOutput] = field(default_factory=dict)
+    finished_children: set[int] = field(default_factory=set)
+    prompt_logprobs: PromptLogprobs | None = None
+    num_cached_tokens: int = 0
 
 
 @dataclass
 class RequestState:
     request_id: str
+    index: int
     prompt: str | None
     prompt_token_ids: list[int]
-    detokenizer: IncrementalDetokenizer
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer | None
+    parent: ParentRequest | None = None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: SampleLogprobs | None = None
+    cumulative_logprob: float | None = None
+    prompt_logprobs: PromptLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    sent_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 class OutputProcessor:
-    """Per-request detokenization and output assembly for the front end."""
+    """Per-request detokenization, logprobs and output assembly for the front end."""
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self.request_states: dict[str, RequestState] = {}
+        self._token_text: dict[int, str] = {}
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams) -> None:
-        detok = IncrementalDetokenizer(
-            self.tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
-            spaces_between_special_tokens=params.spaces_between_special_tokens,
-            stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
-        self.request_states[request_id] = RequestState(request_id, prompt, prompt_token_ids,
-                                                       detok)
+                    params: SamplingParams, parent: ParentRequest | None = None,
+                    index: int = 0) -> None:
+        detok = None
+        if params.detokenize:
+            detok = IncrementalDetokenizer(
+                self.tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
+                spaces_between_special_tokens=params.spaces_between_special_tokens,
+                stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
+        state = RequestState(request_id, index, prompt, prompt_token_ids, params, detok, parent)
+        if params.logprobs is not None:
+            state.logprobs, state.cumulative_logprob = [], 0.0
+        if params.prompt_logprobs is not None:
+            state.prompt_logprobs = [None]
+        self.request_states[request_id] = state
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.request_states)
@@ -58,25 +96,96 @@ class OutputProcessor:
             if state is None:
                 continue
             state.num_cached_tokens = out.num_cached_tokens
-            stop_str = state.detokenizer.update(out.new_token_ids)
-            if stop_str is not None:
-                state.finish_reason, state.stop_reason = "stop", stop_str
-                if not out.finished:
+            if out.new_prompt_logprobs is not None and state.prompt_logprobs is not None:
+                self._add_prompt_logprobs(state, *out.new_prompt_logprobs)
+            if out.new_token_ids:
+                self._add_tokens(state, out)
+                if state.finished and not out.finished:
                     to_abort.append(out.request_id)
-            elif out.finished:
+            if out.finished and not state.finished:
                 state.finish_reason, state.stop_reason = out.finish_reason, out.stop_reason
-            request_outputs.append(self._make_output(state))
-            if state.finish_reason is not None:
+            request_output = self._make_output(state)
+            if request_output is not None:
+                request_outputs.append(request_output)
+            if state.finished:
                 del self.request_states[out.request_id]
         return request_outputs, to_abort
 
-    def _make_output(self, state: RequestState) -> RequestOutput:
-        finished = state.finish_reason is not None
-        detok = state.detokenizer
-        completion = CompletionOutput(
-            index=0, text=detok.get_next_output_text(finished, delta=False),
-            token_ids=list(detok.token_ids), finish_reason=state.finish_reason,
-            stop_reason=state.stop_reason)
-        return RequestOutput(request_id=state.request_id, prompt=state.prompt,
-                             prompt_token_ids=state.prompt_token_ids, outputs=[completion],
-                             finished=finished, num_cached_tokens=state.num_cached_tokens)
+    # ----------------------------------------------------------------- accumulation
+    def _add_tokens(self, state: RequestState, out: EngineCoreOutput) -> None:
+        num_new = len(out.new_token_ids)
+        if state.detokenizer is not None:
+            stop_str = state.detokenizer.update(out.new_token_ids)
+            if stop_str is not None:
+                state.finish_reason, state.stop_reason = "stop", stop_str
+        state.token_ids.extend(out.new_token_ids)
+        if state.logprobs is not None and out.new_logprobs is not None:
+            new = self._to_logprob_dicts(out.new_logprobs.slice(0, num_new))
+            state.logprobs.extend(new)
+            state.cumulative_logprob += sum(lp[0] for lp in out.new_logprobs.logprobs[:num_new])
+
+    def _add_prompt_logprobs(self, state: RequestState, start: int,
+                             lists: LogprobsLists) -> None:
+        have = len(state.prompt_logprobs)
+        skip = max(0, have - start)  # positions already received (recompute after preemption)
+        if start > have:
+            raise AssertionError(f"prompt logprobs gap for {state.request_id}: have {have}, "
+                                 f"got from {start}")
+        state.prompt_logprobs.extend(self._to_logprob_dicts(lists.slice(skip, len(lists.ranks))))
+
+    def _decode_token(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id])
+            self._token_text[token_id] = text
+        return text
+
+    def _to_logprob_dicts(self, lists: LogprobsLists) -> list[dict[int, Logprob]]:
+        result = []
+        for ids, lps, rank in zip(lists.token_ids, lists.logprobs, lists.ranks):
+            entry = {tid: Logprob(lp, i, self._decode_token(tid))
+                     for i, (tid, lp) in enumerate(zip(ids[1:], lps[1:]), start=1)}
+            chosen = ids[0]
+            if chosen not in entry:
+                entry[chosen] = Logprob(lps[0], rank, self._decode_token(chosen))
+            else:
+                entry[chosen].rank = rank
+            result.append(entry)
+        return result
+
+    # ----------------------------------------------------------------- output assembly
+    def _completion(self, state: RequestState, delta: bool) -> CompletionOutput:
+        finished = state.finished
+        text = "" if state.detokenizer is None else state.detokenizer.get_next_output_text(
+            finished, delta)
+        start = state.sent_tokens if delta else 0
+        state.sent_tokens = len(state.token_ids)
+        return CompletionOutput(
+            index=state.index, text=text, token_ids=state.token_ids[start:],
+            cumulative_logprob=state.cumulative_logprob,
+            logprobs=None if state.logprobs is None else state.logprobs[start:],
+            finish_reason=state.finish_reason, stop_reason=state.stop_reason)
+
+    def _make_output(self, state: RequestState) -> RequestOutput | None:
+        kind = state.params.output_kind
+        parent = state.parent
+        if kind == RequestOutputKind.FINAL_ONLY and not state.finished:
+            return None
+        completion = self._completion(state, delta=kind == RequestOutputKind.DELTA)
+        if parent is None:
+            return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids,
+                                 [completion], state.finished, state.prompt_logprobs,
+                                 state.num_cached_tokens)
+        parent.outputs[state.index] = completion
+        if state.finished:
+            parent.finished_children.add(state.index)
+        if state.prompt_logprobs is not None and parent.prompt_logprobs is None:
+            parent.prompt_logprobs = state.prompt_logprobs
+        parent.num_cached_tokens = max(parent.num_cached_tokens, state.num_cached_tokens)
+        finished = len(parent.finished_children) == parent.n
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        outputs = ([completion] if kind == RequestOutputKind.DELTA
+                   else [parent.outputs[i] for i in sorted(parent.outputs)])
+        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outputs,
+                             finished, parent.prompt_logprobs, parent.num_cached_tokens)

@@ -7,6 +7,7 @@ import sys
 import time
 
 from pagedllm.entrypoints.cli_args import add_engine_args, engine_kwargs_from_args
+from pagedllm.entrypoints.openai.cli_args import add_serve_parser
 
 
 def _add_generate_parser(subparsers) -> None:
@@ -61,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedllm", description=__doc__)
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_generate_parser(subparsers)
+    add_serve_parser(subparsers)
     return parser
 
 

@@ -12,6 +12,7 @@ from typing import Any
 from tqdm import tqdm
 
 from pagedllm.core.scheduler import SchedulerStats
+from pagedllm.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.outputs import RequestOutput
@@ -118,6 +119,20 @@ class LLM:
             conv, tokenize=True, add_generation_prompt=add_generation_prompt,
             chat_template=chat_template, return_dict=False))} for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def beam_search(self, prompts: Sequence[PromptType],
+                    params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """Beam search per prompt (see entrypoints/beam_search.py for the algorithm and score).
+
+        Raises:
+            ValueError: for an invalid prompt.
+        """
+        ids = []
+        for prompt in self._as_prompt_list(prompts):
+            core_req, _ = self.llm_engine.input_processor.process("beam", prompt,
+                                                                   SamplingParams(max_tokens=1))
+            ids.append(core_req.prompt_token_ids)
+        return run_beam_search(self, ids, params)
 
     def reset_prefix_cache(self) -> int:
         """Drop every prefix-cache entry; returns how many blocks were uncached."""

@@ -22,8 +22,13 @@ class SamplingMetadata:
         presence_penalties, frequency_penalties, repetition_penalties: [B] float32 or None.
         prompt_token_ids: [B, P_max] int64 padded with vocab_size (only with penalties).
         output_token_ids: [B, O_max] int64 padded with vocab_size (only with penalties).
-        min_tokens_rows / min_tokens_stop_ids: [k] int64 pairs (row, token) to mask to -inf
-            because the row has not reached its min_tokens yet.
+        banned_rows / banned_token_ids: [k] int64 pairs (row, token) masked to -inf: stop tokens
+            of rows below min_tokens, and the last token of bad words about to complete.
+        allowed_token_mask: [B, V] bool or None (allowed_token_ids).
+        logit_bias_rows / logit_bias_token_ids / logit_bias_values: [k] pairs and biases, or None.
+        logits_processors: (row, [callable], output token ids) for rows with user processors.
+        max_num_logprobs: largest `logprobs` among the rows (None = no row wants logprobs).
+        logprobs_mode: "raw_logprobs" or "processed_logprobs" (see sample/logprobs.py).
     """
 
     temperature: torch.Tensor
@@ -40,8 +45,15 @@ class SamplingMetadata:
     repetition_penalties: torch.Tensor | None
     prompt_token_ids: torch.Tensor | None
     output_token_ids: torch.Tensor | None
-    min_tokens_rows: torch.Tensor | None
-    min_tokens_stop_ids: torch.Tensor | None
+    banned_rows: torch.Tensor | None
+    banned_token_ids: torch.Tensor | None
+    allowed_token_mask: torch.Tensor | None = None
+    logit_bias_rows: torch.Tensor | None = None
+    logit_bias_token_ids: torch.Tensor | None = None
+    logit_bias_values: torch.Tensor | None = None
+    logits_processors: list = ()
+    max_num_logprobs: int | None = None
+    logprobs_mode: str = "raw_logprobs"
 
     @property
     def no_penalties(self) -> bool:

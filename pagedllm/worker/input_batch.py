@@ -49,6 +49,13 @@ class RequestStates:
         self.seeds = np.zeros(max_num_reqs, dtype=np.int64)
         self.has_seed = np.zeros(max_num_reqs, dtype=bool)
         self.stop_token_ids: list[list[int]] = [[] for _ in range(max_num_reqs)]
+        self.num_logprobs = np.full(max_num_reqs, -1, dtype=np.int32)          # -1 = off
+        self.num_prompt_logprobs = np.full(max_num_reqs, -1, dtype=np.int32)   # -1 = off
+        # Rarely used per-request settings, kept as Python objects by slot.
+        self.logit_bias: list[dict[int, float] | None] = [None] * max_num_reqs
+        self.allowed_token_ids: list[list[int] | None] = [None] * max_num_reqs
+        self.bad_words_token_ids: list[list[list[int]]] = [[] for _ in range(max_num_reqs)]
+        self.logits_processors: list[list | None] = [None] * max_num_reqs
         self.block_table = BlockTable(max_num_reqs, max_num_blocks_per_req, block_size)
 
     def add_request(self, req: NewRequestData) -> int:
@@ -74,6 +81,12 @@ class RequestStates:
         self.has_seed[idx] = sp.seed is not None
         self.seeds[idx] = sp.seed or 0
         self.stop_token_ids[idx] = sorted(sp.all_stop_token_ids)
+        self.num_logprobs[idx] = -1 if sp.logprobs is None else sp.logprobs
+        self.num_prompt_logprobs[idx] = -1 if sp.prompt_logprobs is None else sp.prompt_logprobs
+        self.logit_bias[idx] = sp.logit_bias
+        self.allowed_token_ids[idx] = sp.allowed_token_ids
+        self.bad_words_token_ids[idx] = sp._bad_words_token_ids
+        self.logits_processors[idx] = sp.logits_processors
         self.block_table.add_row(req.block_ids, idx)
         return idx
 

@@ -20,8 +20,10 @@ import torch
 from pagedllm.attention.forward_context import set_forward_context
 from pagedllm.attention.metadata import CommonAttentionMetadata
 from pagedllm.config import EngineConfig
-from pagedllm.core.sched_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from pagedllm.core.sched_output import (LogprobsLists, ModelRunnerOutput, NewRequestData,
+                                        SchedulerOutput)
 from pagedllm.model_loader.loader import load_model
+from pagedllm.sample.logprobs import LogprobsTensors, compute_logprobs
 from pagedllm.sample.sampler import Sampler
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.input_batch import InputBatch, RequestStates
@@ -50,13 +52,14 @@ class ModelRunner:
         self.states = RequestStates(self.max_num_reqs, config.max_model_len,
                                     config.max_num_blocks_per_req, self.block_size)
         self.sampler = Sampler(device, config.model_config.seed)
+        self.logprobs_mode = config.model_config.logprobs_mode
         self.model = None
         self.kv_caches: list[torch.Tensor] = []
         # Persistent input buffers, sliced per step.
         self.input_ids = torch.zeros(self.max_num_tokens, dtype=torch.int64, device=device)
         self.positions = torch.zeros(self.max_num_tokens, dtype=torch.int64, device=device)
         self.slot_mapping = torch.zeros(self.max_num_tokens, dtype=torch.int64, device=device)
-        self._pending: tuple[InputBatch, torch.Tensor] | None = None
+        self._pending: tuple[InputBatch, torch.Tensor, dict] | None = None
 
     # ----------------------------------------------------------------- set-up
     def load_model(self) -> None:
@@ -164,24 +167,60 @@ class ModelRunner:
         with set_forward_context(attn_metadata):
             hidden = self.model(batch.input_ids, batch.positions)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
-        self._pending = (batch, logits)
+        self._pending = (batch, logits, self._compute_prompt_logprobs(batch, hidden))
+
+    def _compute_prompt_logprobs(self, batch: InputBatch, hidden: torch.Tensor
+                                 ) -> dict[str, tuple[int, LogprobsLists]]:
+        """Logprobs of the prompt tokens that follow this step's positions, for requests that
+        asked for prompt logprobs. Position p's hidden state scores prompt token p + 1."""
+        st = self.states
+        out: dict[str, tuple[int, LogprobsLists]] = {}
+        for b in np.nonzero(st.num_prompt_logprobs[batch.idx_mapping] >= 0)[0]:
+            row = batch.idx_mapping[b]
+            start = int(batch.seq_lens_np[b] - batch.num_scheduled_tokens[b])
+            end = min(int(batch.seq_lens_np[b]), int(st.num_prompt_tokens[row]) - 1)
+            if end <= start:
+                continue
+            q0 = int(batch.query_start_loc_np[b])
+            logits = self.model.compute_logits(hidden[q0:q0 + end - start])
+            targets = torch.from_numpy(
+                st.token_ids_cpu[row, start + 1:end + 1].astype(np.int64)).to(self.device)
+            lp = compute_logprobs(logits, targets, int(st.num_prompt_logprobs[row]))
+            # Prompt token index start + 1 is the first one covered.
+            out[batch.req_ids[b]] = (start + 1, _to_lists(lp))
+        return out
 
     @torch.inference_mode()
     def sample_tokens(self) -> ModelRunnerOutput:
         """Sample for the rows of the last `execute_model` and record the tokens."""
         if self._pending is None:
             return ModelRunnerOutput([], {}, [])
-        batch, logits = self._pending
+        batch, logits, prompt_logprobs = self._pending
         self._pending = None
         sampled_rows = batch.idx_mapping[batch.sampled_batch_idx]
         sampled_token_ids: list[list[int]] = [[] for _ in batch.req_ids]
+        logprobs: dict[str, LogprobsLists] = {}
         if len(sampled_rows):
             metadata = build_sampling_metadata(self.states, sampled_rows, logits.shape[-1],
-                                               self.device)
-            tokens = self.sampler(logits, metadata).cpu().numpy()
+                                               self.device, self.logprobs_mode)
+            out = self.sampler(logits, metadata)
+            tokens = out.sampled_token_ids.cpu().numpy()
             self.states.append_sampled_tokens(sampled_rows, tokens.astype(np.int32))
             for b, t in zip(batch.sampled_batch_idx.tolist(), tokens.tolist()):
                 sampled_token_ids[b] = [t]
+            if out.logprobs is not None:
+                lists = _to_lists(out.logprobs)
+                for i, b in enumerate(batch.sampled_batch_idx.tolist()):
+                    k = int(self.states.num_logprobs[sampled_rows[i]])
+                    if k >= 0:
+                        logprobs[batch.req_ids[b]] = LogprobsLists(
+                            [lists.token_ids[i][:k + 1]], [lists.logprobs[i][:k + 1]],
+                            [lists.ranks[i]])
         return ModelRunnerOutput(req_ids=batch.req_ids,
                                  req_id_to_index={r: i for i, r in enumerate(batch.req_ids)},
-                                 sampled_token_ids=sampled_token_ids)
+                                 sampled_token_ids=sampled_token_ids, logprobs=logprobs,
+                                 prompt_logprobs_dict=prompt_logprobs)
+
+
+def _to_lists(t: LogprobsTensors) -> LogprobsLists:
+    return LogprobsLists(t.token_ids.tolist(), t.logprobs.tolist(), t.ranks.tolist())

@@ -19,8 +19,34 @@ def _padded_ids(states: RequestStates, rows: np.ndarray, start: np.ndarray, end:
     return torch.from_numpy(np.where(valid, ids, pad).astype(np.int64)).to(device)
 
 
+def _output_ids(states: RequestStates, row: int) -> list[int]:
+    return states.token_ids_cpu[row, states.num_prompt_tokens[row]:states.num_tokens[row]].tolist()
+
+
+def _banned_pairs(states: RequestStates, rows: np.ndarray,
+                  num_output: np.ndarray) -> tuple[list[int], list[int]]:
+    """(row, token) pairs to mask: stop tokens below min_tokens; bad words about to complete."""
+    out_rows, out_ids = [], []
+    for b in np.nonzero(num_output < states.min_tokens[rows])[0]:
+        stop_ids = states.stop_token_ids[rows[b]]
+        out_rows += [int(b)] * len(stop_ids)
+        out_ids += stop_ids
+    for b, row in enumerate(rows):
+        bad_words = states.bad_words_token_ids[row]
+        if not bad_words:
+            continue
+        past = _output_ids(states, row)
+        for word in bad_words:
+            prefix = word[:-1]
+            if len(prefix) <= len(past) and (not prefix or past[-len(prefix):] == prefix):
+                out_rows.append(b)
+                out_ids.append(word[-1])
+    return out_rows, out_ids
+
+
 def build_sampling_metadata(states: RequestStates, rows: np.ndarray, vocab_size: int,
-                            device: torch.device) -> SamplingMetadata:
+                            device: torch.device,
+                            logprobs_mode: str = "raw_logprobs") -> SamplingMetadata:
     """rows: [B] slots (req_index) sampled this step, in logits row order."""
     temperature = states.temperature[rows]
     greedy = temperature == 0.0
@@ -47,11 +73,29 @@ def build_sampling_metadata(states: RequestStates, rows: np.ndarray, vocab_size:
         output_ids = _padded_ids(states, rows, states.num_prompt_tokens[rows],
                                  states.num_tokens[rows], vocab_size, device)
 
-    mt_rows, mt_ids = [], []
-    for b in np.nonzero(num_output < states.min_tokens[rows])[0]:
-        stop_ids = states.stop_token_ids[rows[b]]
-        mt_rows += [b] * len(stop_ids)
-        mt_ids += stop_ids
+    banned_rows, banned_ids = _banned_pairs(states, rows, num_output)
+
+    def index_tensor(values: list[int]) -> torch.Tensor | None:
+        return torch.tensor(values, dtype=torch.int64, device=device) if values else None
+
+    allowed_mask = None
+    if any(states.allowed_token_ids[r] is not None for r in rows):
+        allowed_mask = torch.ones(len(rows), vocab_size, dtype=torch.bool, device=device)
+        for b, row in enumerate(rows):
+            allowed = states.allowed_token_ids[row]
+            if allowed is not None:
+                allowed_mask[b] = False
+                allowed_mask[b, [t for t in allowed if t < vocab_size]] = True
+    bias_rows, bias_ids, bias_values = [], [], []
+    for b, row in enumerate(rows):
+        for token_id, bias in (states.logit_bias[row] or {}).items():
+            if token_id < vocab_size:
+                bias_rows.append(b)
+                bias_ids.append(token_id)
+                bias_values.append(bias)
+    processors = [(b, states.logits_processors[row], _output_ids(states, row))
+                  for b, row in enumerate(rows) if states.logits_processors[row]]
+    num_logprobs = states.num_logprobs[rows]
     return SamplingMetadata(
         temperature=tensor(temperature),
         all_greedy=bool(greedy.all()),
@@ -67,7 +111,14 @@ def build_sampling_metadata(states: RequestStates, rows: np.ndarray, vocab_size:
         repetition_penalties=tensor(repetition) if use_penalties else None,
         prompt_token_ids=prompt_ids,
         output_token_ids=output_ids,
-        min_tokens_rows=torch.tensor(mt_rows, dtype=torch.int64, device=device) if mt_rows else None,
-        min_tokens_stop_ids=(torch.tensor(mt_ids, dtype=torch.int64, device=device)
-                             if mt_rows else None),
+        banned_rows=index_tensor(banned_rows),
+        banned_token_ids=index_tensor(banned_ids),
+        allowed_token_mask=allowed_mask,
+        logit_bias_rows=index_tensor(bias_rows),
+        logit_bias_token_ids=index_tensor(bias_ids),
+        logit_bias_values=(torch.tensor(bias_values, dtype=torch.float32, device=device)
+                           if bias_rows else None),
+        logits_processors=processors,
+        max_num_logprobs=int(num_logprobs.max()) if np.any(num_logprobs >= 0) else None,
+        logprobs_mode=logprobs_mode,
     )

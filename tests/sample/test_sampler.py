@@ -29,17 +29,21 @@ def _metadata(params: list[SamplingParams], prompts: list[list[int]] | None = No
     return build_sampling_metadata(states, rows, V, torch.device("cpu"))
 
 
+def _sample(logits, md, seed=0):
+    return Sampler(torch.device("cpu"), seed=seed)(logits, md).sampled_token_ids
+
+
 def test_greedy_is_argmax():
     logits = torch.randn(3, V)
     md = _metadata([SamplingParams(temperature=0.0)] * 3)
-    assert torch.equal(Sampler(torch.device("cpu"))(logits, md), logits.argmax(-1))
+    assert torch.equal(_sample(logits, md), logits.argmax(-1))
 
 
 def test_random_sampling_follows_distribution():
     probs = torch.tensor([0.5, 0.3, 0.2] + [0.0] * (V - 3))
     logits = probs.clamp_min(1e-30).log().repeat(4000, 1)
     md = _metadata([SamplingParams(temperature=1.0)] * 4000)
-    counts = torch.bincount(Sampler(torch.device("cpu"), seed=1)(logits, md), minlength=V)
+    counts = torch.bincount(_sample(logits, md, seed=1), minlength=V)
     freq = counts.float() / 4000
     assert torch.allclose(freq[:3], probs[:3], atol=0.03)
     assert counts[3:].sum() == 0
@@ -50,13 +54,14 @@ def test_seed_and_position_determine_the_sample():
     params = [SamplingParams(temperature=1.0, seed=7), SamplingParams(temperature=1.0, seed=7),
               SamplingParams(temperature=1.0, seed=8)]
     sampler = Sampler(torch.device("cpu"))
-    first = [sampler(logits, _metadata([SamplingParams(temperature=1.0, seed=s)] * 3)).tolist()
-             for s in (7, 7)]
+    first = [sampler(logits, _metadata([SamplingParams(temperature=1.0, seed=s)] * 3))
+             .sampled_token_ids.tolist() for s in (7, 7)]
     assert first[0] == first[1]
-    many = {tuple(sampler(logits, _metadata([SamplingParams(temperature=1.0, seed=s)])).tolist())
-            for s in range(20)}
+    many = {tuple(sampler(logits, _metadata([SamplingParams(temperature=1.0, seed=s)]))
+                  .sampled_token_ids.tolist()) for s in range(20)}
     assert len(many) > 1
-    assert sampler(logits, _metadata(params))[0] == sampler(logits, _metadata(params))[1]
+    tokens = sampler(logits, _metadata(params)).sampled_token_ids
+    assert tokens[0] == tokens[1]
 
 
 def test_top_k_top_p_min_p():
@@ -83,6 +88,6 @@ def test_min_tokens_masks_stop_tokens():
     logits = torch.zeros(1, V)
     logits[0, 0] = 100.0      # EOS (id 0) would win
     md = _metadata([SamplingParams(temperature=0.0, min_tokens=2)])
-    assert Sampler(torch.device("cpu"))(logits, md).item() != 0
+    assert _sample(logits, md).item() != 0
     md = _metadata([SamplingParams(temperature=0.0, min_tokens=2)], outputs=[[5, 6]])
-    assert Sampler(torch.device("cpu"))(logits, md).item() == 0
+    assert _sample(logits, md).item() == 0

@@ -83,14 +83,22 @@ class _SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    logprobs: Any = None
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
     def requested_max_tokens(self) -> int | None:
+        raise NotImplementedError
+
+    def num_logprobs(self) -> int | None:
+        """Top alternatives per token to return (0 = the chosen token only); None = no logprobs."""
         raise NotImplementedError
 
     def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
         """Raises ValueError naming the field for an out-of-range value."""
         return SamplingParams(
+            logprobs=self.num_logprobs(), logit_bias=self.logit_bias,
+            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
@@ -110,9 +118,13 @@ class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     echo: bool = False
+    logprobs: int | None = None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class ChatMessage(BaseModel):
@@ -145,16 +157,30 @@ class ChatCompletionRequest(_SamplingRequest):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
+    logprobs: bool = False
+    top_logprobs: int | None = None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None \
             else self.max_tokens
 
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy completions logprobs: parallel lists, one entry per generated token."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
 
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -173,10 +199,24 @@ class ChatResponseMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
 class ChatChoice(BaseModel):
     index: int
     message: ChatResponseMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -190,15 +230,10 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
-class DeltaMessage(BaseModel):
-    role: str | None = None
-    content: str | None = None
-
-
 class ChatStreamChoice(BaseModel):
     index: int
-    delta: DeltaMessage
-    logprobs: None = None
+    delta: dict[str, str]  # {"role": "assistant", "content": ""} first, then {"content": ...}
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 

@@ -1,24 +1,27 @@
 """POST /v1/completions: one engine request per prompt, answered whole or streamed as SSE.
 
-A request with several prompts runs them concurrently; choice `index` is the prompt's position.
-Streaming sends text deltas, one final chunk per choice with its finish_reason, an optional usage
-chunk (`stream_options.include_usage`), then `data: [DONE]`. An error after the stream started is
-sent as an SSE error object (the status line is already gone).
+A request with several prompts runs them concurrently; with `n` sequences per prompt, choice
+`index` = prompt position * n + sequence index (OpenAI's and vLLM's order). Streaming sends text
+deltas, one final chunk per choice with its finish_reason, an optional usage chunk
+(`stream_options.include_usage`), then `data: [DONE]`. An error after the stream started is sent
+as an SSE error object (the status line is already gone).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
 
 from pagedllm.entrypoints.openai.protocol import (CompletionChoice, CompletionChunk,
-                                                  CompletionRequest, CompletionResponse, now_s,
-                                                  random_id)
+                                                  CompletionLogprobs, CompletionRequest,
+                                                  CompletionResponse, now_s, random_id)
 from pagedllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing,
-                                                        OpenAIServingError, error_from_exception,
+                                                        OpenAIServingError, clamp_logprob,
+                                                        error_from_exception,
                                                         merge_async_iterators, sse_event, usage_of)
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -29,6 +32,32 @@ class _PreparedPrompt:
     text: str | None
     token_ids: list[int]
     params: SamplingParams
+
+
+@dataclass
+class _ChoiceProgress:
+    """What a streamed choice has sent so far."""
+
+    echo_chars: int = 0  # length of the echoed prompt
+    num_chars: int = 0  # of the completion text
+    num_tokens: int = 0
+    finished: bool = False
+
+
+def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]],
+                        num_top: int, text_offset: int) -> CompletionLogprobs:
+    """OpenAI's completions logprobs for generated tokens (text offsets from `text_offset`)."""
+    result = CompletionLogprobs()
+    for token_id, entry in zip(token_ids, logprobs):
+        chosen = entry[token_id]
+        token = chosen.decoded_token or ""
+        result.tokens.append(token)
+        result.token_logprobs.append(clamp_logprob(chosen.logprob))
+        result.top_logprobs.append({lp.decoded_token or "": clamp_logprob(lp.logprob)
+                                    for lp in entry.values() if num_top > 0})
+        result.text_offset.append(text_offset)
+        text_offset += len(token)
+    return result
 
 
 class ServingCompletion:
@@ -49,7 +78,7 @@ class ServingCompletion:
             OpenAIServingError: for an invalid request (before any engine work starts).
         """
         model = self.serving.check_model(request.model)
-        self.serving.check_unsupported(request)
+        self.serving.check_logprobs(request, "logprobs")
         prompts = [self._prepare(p, request) for p in self._split_prompts(request.prompt)]
         response_id, created = random_id("cmpl"), now_s()
         generators = [self.serving.async_llm.generate(
@@ -59,46 +88,50 @@ class ServingCompletion:
             return self._stream(request, prompts, generators, response_id, created, model)
         finals: list[RequestOutput | None] = [None] * len(prompts)
         try:
-            async for index, out in merge_async_iterators(generators):
-                finals[index] = out
+            async with aclosing(merge_async_iterators(generators)) as merged:
+                async for index, out in merged:
+                    finals[index] = out
         except Exception as e:  # noqa: BLE001 - mapped to an HTTP error
             raise error_from_exception(e, list(CompletionRequest.model_fields)) from e
         choices = []
-        for index, (prompt, out) in enumerate(zip(prompts, finals)):
-            completion = out.outputs[0]
+        for prompt_index, (prompt, out) in enumerate(zip(prompts, finals)):
             prefix = self._echo_text(prompt) if request.echo else ""
-            choices.append(CompletionChoice(index=index, text=prefix + completion.text,
-                                            finish_reason=completion.finish_reason,
-                                            stop_reason=completion.stop_reason))
+            for completion in out.outputs:
+                choices.append(CompletionChoice(
+                    index=prompt_index * request.n + completion.index,
+                    text=prefix + completion.text,
+                    logprobs=self._logprobs(request, completion, 0, len(prefix)),
+                    finish_reason=completion.finish_reason, stop_reason=completion.stop_reason))
+        choices.sort(key=lambda c: c.index)
         return CompletionResponse(id=response_id, created=created, model=model, choices=choices,
                                   usage=usage_of(finals))
 
     async def _stream(self, request: CompletionRequest, prompts: list[_PreparedPrompt],
                       generators: list, response_id: str, created: int,
                       model: str) -> AsyncIterator[str]:
-        sent_text = [""] * len(prompts)
+        progress = {i: _ChoiceProgress() for i in range(len(prompts) * request.n)}
         finals: list[RequestOutput | None] = [None] * len(prompts)
 
-        def chunk(index: int, text: str, out: RequestOutput | None = None) -> str:
-            completion = out.outputs[0] if out is not None and out.finished else None
+        def chunk(choice: CompletionChoice) -> str:
             return sse_event(CompletionChunk(id=response_id, created=created, model=model,
-                                             choices=[CompletionChoice(
-                                                 index=index, text=text,
-                                                 finish_reason=completion and
-                                                 completion.finish_reason,
-                                                 stop_reason=completion and
-                                                 completion.stop_reason)]))
+                                             choices=[choice]))
         try:
             if request.echo:
-                for index, prompt in enumerate(prompts):
-                    yield chunk(index, self._echo_text(prompt))
-            async for index, out in merge_async_iterators(generators):
-                text = out.outputs[0].text
-                delta, sent_text[index] = text[len(sent_text[index]):], text
-                if delta or out.finished:
-                    yield chunk(index, delta, out)
-                if out.finished:
-                    finals[index] = out
+                for prompt_index, prompt in enumerate(prompts):
+                    for i in range(request.n):
+                        text = self._echo_text(prompt)
+                        progress[prompt_index * request.n + i].echo_chars = len(text)
+                        yield chunk(CompletionChoice(index=prompt_index * request.n + i,
+                                                     text=text))
+            async with aclosing(merge_async_iterators(generators)) as merged:
+                async for prompt_index, out in merged:
+                    for completion in out.outputs:
+                        index = prompt_index * request.n + completion.index
+                        choice = self._next_delta(request, index, completion, progress[index])
+                        if choice is not None:
+                            yield chunk(choice)
+                    if out.finished:
+                        finals[prompt_index] = out
             if request.stream_options is not None and request.stream_options.include_usage:
                 yield sse_event(CompletionChunk(id=response_id, created=created, model=model,
                                                 choices=[], usage=usage_of(finals)))
@@ -107,6 +140,34 @@ class ServingCompletion:
             logger.warning("completion stream %s failed: %s", response_id, error.message)
             yield sse_event(error.to_response())
         yield SSE_DONE
+
+    def _next_delta(self, request: CompletionRequest, index: int, completion: CompletionOutput,
+                    progress: _ChoiceProgress) -> CompletionChoice | None:
+        """The choice chunk carrying what `completion` adds to what was sent; None if nothing."""
+        if progress.finished:
+            return None
+        delta = completion.text[progress.num_chars:]
+        finished = completion.finish_reason is not None
+        if not delta and not finished and len(completion.token_ids) == progress.num_tokens:
+            return None
+        logprobs = self._logprobs(request, completion, progress.num_tokens,
+                                  progress.echo_chars + progress.num_chars)
+        progress.num_chars += len(delta)
+        progress.num_tokens = len(completion.token_ids)
+        progress.finished = finished
+        if not delta and not finished and logprobs is None:
+            return None
+        return CompletionChoice(index=index, text=delta, logprobs=logprobs,
+                                finish_reason=completion.finish_reason,
+                                stop_reason=completion.stop_reason)
+
+    @staticmethod
+    def _logprobs(request: CompletionRequest, completion: CompletionOutput, start: int,
+                  text_offset: int) -> CompletionLogprobs | None:
+        if request.logprobs is None or completion.logprobs is None:
+            return None
+        return completion_logprobs(completion.token_ids[start:], completion.logprobs[start:],
+                                   request.logprobs, text_offset)
 
     def _prepare(self, prompt: str | list[int], request: CompletionRequest) -> _PreparedPrompt:
         if isinstance(prompt, str):

@@ -11,6 +11,7 @@ import asyncio
 import json
 import re
 from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
 from typing import Any
 
 from pydantic import BaseModel
@@ -76,9 +77,20 @@ def sse_event(payload: BaseModel | dict[str, Any] | str) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
+# JSON has no -inf: very unlikely tokens are reported at this floor, as vLLM does.
+MIN_LOGPROB = -9999.0
+# The most alternatives per token a request may ask for (OpenAI allows 20 in chat).
+MAX_TOP_LOGPROBS = 20
+
+
+def clamp_logprob(logprob: float) -> float:
+    return max(logprob, MIN_LOGPROB)
+
+
 def usage_of(outputs: Sequence[RequestOutput]) -> UsageInfo:
+    """Token counts of finished requests (each prompt counted once, every sequence's output)."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(o.outputs[0].token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
                      total_tokens=prompt + completion)
 
@@ -91,8 +103,9 @@ async def merge_async_iterators(iterators: Sequence[AsyncIterator[Any]]
     runs their cleanup (for `AsyncLLM.generate`: aborting the request).
     """
     if len(iterators) == 1:
-        async for item in iterators[0]:
-            yield 0, item
+        async with aclosing(iterators[0]):
+            async for item in iterators[0]:
+                yield 0, item
         return
     merged: asyncio.Queue = asyncio.Queue()
     done = object()
@@ -145,9 +158,12 @@ class OpenAIServing:
         raise OpenAIServingError(f"The model `{model}` does not exist.", 404, param="model",
                                  code="model_not_found")
 
-    def check_unsupported(self, request: Any) -> None:
-        if request.logprobs not in (None, False, 0):
-            raise OpenAIServingError("logprobs are not supported yet", 400, param="logprobs")
+    def check_logprobs(self, request: Any, param: str) -> None:
+        """Raises OpenAIServingError 400 if more than MAX_TOP_LOGPROBS alternatives are asked."""
+        num = request.num_logprobs()
+        if num is not None and not 0 <= num <= MAX_TOP_LOGPROBS:
+            raise OpenAIServingError(f"{param} must be in [0, {MAX_TOP_LOGPROBS}], got {num}",
+                                     400, param=param)
 
     def sampling_params(self, request: Any, num_prompt_tokens: int) -> SamplingParams:
         """SamplingParams for one prompt of `request`, with the context-length check.

@@ -1,0 +1,277 @@
+"""`pagedllm bench {throughput,latency,serve}`: flags, model resolution and the three runners.
+
+Wire into the top-level CLI with `add_bench_parser(subparsers)`; each sub-command sets
+`args.func`, which returns the exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import math
+from typing import Any
+
+from pagedllm.entrypoints.cli_args import add_engine_args, engine_kwargs_from_args
+
+_DTYPE_ALIASES = {"bf16": "bfloat16", "fp32": "float32", "float": "float32", "fp16": "float16",
+                  "half": "float16"}
+
+
+def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register `bench` with the sub-commands `throughput`, `latency` and `serve`."""
+    bench = subparsers.add_parser("bench", help="benchmark the engine (offline or a server)")
+    sub = bench.add_subparsers(dest="bench_command", required=True)
+
+    tp = sub.add_parser("throughput", help="offline throughput of the whole workload at once")
+    add_engine_args(tp)
+    _add_model_args(tp)
+    _add_workload_args(tp, num_prompts=True)
+    tp.add_argument("--compare", action="append", choices=["hf", "llamacpp"], default=[],
+                    help="also run the workload through HF transformers / llama.cpp (repeatable)")
+    tp.add_argument("--hf-batch-size", type=int, default=None,
+                    help="static batch size of the HF baseline (default min(num_prompts, 32))")
+    tp.add_argument("--llamacpp-converter", default=None,
+                    help="path of llama.cpp's convert_hf_to_gguf.py")
+    _add_output_args(tp)
+    tp.set_defaults(func=run_throughput_command)
+
+    lat = sub.add_parser("latency", help="TTFT/TPOT percentiles by stepping the engine")
+    add_engine_args(lat)
+    _add_model_args(lat)
+    _add_workload_args(lat, num_prompts=False)
+    lat.add_argument("--batch-size", type=int, default=1, help="requests per wave (default 1)")
+    lat.add_argument("--num-iters", type=int, default=3, help="timed waves (default 3)")
+    lat.add_argument("--num-iters-warmup", type=int, default=1, help="untimed waves (default 1)")
+    lat.add_argument("--bandwidth-mib", type=int, default=256,
+                     help="buffer size of the memory-bandwidth probe (0 = skip it)")
+    lat.add_argument("--profile", action="store_true",
+                     help="torch.profiler over a few decode steps; print the top ops")
+    lat.add_argument("--profile-steps", type=int, default=8)
+    _add_output_args(lat)
+    lat.set_defaults(func=run_latency_command)
+
+    srv = sub.add_parser("serve", help="drive a running OpenAI-compatible server")
+    srv.add_argument("--base-url", default="http://127.0.0.1:8000")
+    srv.add_argument("--model", default=None,
+                     help="model name sent in requests (default: the server's first model)")
+    srv.add_argument("--api-key", default=None)
+    srv.add_argument("--vocab-size", type=int, default=None,
+                     help="vocabulary for random prompts (default: from --preset, or the "
+                          "config.json of the server's model root)")
+    srv.add_argument("--preset", default=None, help="take the vocabulary size from this preset")
+    srv.add_argument("--request-rate", type=float, default=math.inf,
+                     help="Poisson arrival rate in requests/s (default inf: all at once)")
+    srv.add_argument("--max-concurrency", type=int, default=None)
+    srv.add_argument("--seed", type=int, default=0)
+    _add_workload_args(srv, num_prompts=True)
+    _add_output_args(srv)
+    srv.set_defaults(func=run_serve_command)
+    return bench
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("preset models")
+    g.add_argument("--preset", default=None,
+                   help="random-weight model by name (llama-134m, llama-tiny); wins over --model")
+    g.add_argument("--preset-dir", default=None,
+                   help="preset cache (default $PAGEDLLM_PRESET_DIR or ~/.cache/pagedllm/presets)")
+
+
+def _add_workload_args(p: argparse.ArgumentParser, num_prompts: bool) -> None:
+    g = p.add_argument_group("workload (seeded by --seed)")
+    if num_prompts:
+        g.add_argument("--num-prompts", type=int, default=32)
+    g.add_argument("--input-len", type=int, default=128)
+    g.add_argument("--output-len", type=int, default=128)
+    g.add_argument("--random-input-len", default=None, metavar="LOW:HIGH",
+                   help="uniform prompt lengths in [LOW, HIGH] (overrides --input-len)")
+    g.add_argument("--random-output-len", default=None, metavar="LOW:HIGH",
+                   help="uniform output lengths in [LOW, HIGH] (overrides --output-len)")
+    g.add_argument("--token-low", type=int, default=None,
+                   help="smallest prompt token id (default 300, skipping special/byte tokens)")
+
+
+def _add_output_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--output-json", default=None, help="save the results as JSON here")
+
+
+# ------------------------------------------------------------------ helpers
+def dtype_name(dtype: str | None) -> str:
+    name = str(dtype or "auto").replace("torch.", "")
+    return _DTYPE_ALIASES.get(name, name)
+
+
+def resolve_model(args: argparse.Namespace) -> dict[str, Any]:
+    """Engine kwargs with `model` set: the preset's folder when --preset is given."""
+    if getattr(args, "preset", None):
+        from pagedllm.benchmarks.presets import preset_path
+
+        path = preset_path(args.preset, dtype_name(args.dtype), args.preset_dir)
+        args = argparse.Namespace(**{**vars(args), "model": path})
+    kwargs = engine_kwargs_from_args(args)
+    kwargs["dtype"] = dtype_name(kwargs["dtype"])
+    return kwargs
+
+
+def build_workload(args: argparse.Namespace, vocab_size: int, num_prompts: int):
+    from pagedllm.benchmarks.workload import WorkloadSpec, make_workload, parse_len_range
+
+    spec = WorkloadSpec(num_prompts=num_prompts, vocab_size=vocab_size,
+                        input_len=args.input_len, output_len=args.output_len,
+                        random_input_len=parse_len_range(args.random_input_len),
+                        random_output_len=parse_len_range(args.random_output_len),
+                        seed=args.seed, token_low=args.token_low)
+    return make_workload(spec)
+
+
+def _vocab_size(model_path: str) -> int:
+    from pagedllm.config import hf_model_info
+
+    return hf_model_info(model_path).vocab_size
+
+
+def _finish(args: argparse.Namespace, results: list[dict[str, Any]]) -> int:
+    from pagedllm.benchmarks.report import machine_info, save_json
+
+    info = machine_info()
+    print(f"machine: {info['cpu']}, {info['num_cpus']} CPUs, torch threads "
+          f"{info['torch_threads']}, load average {info['load_avg_1m']}")
+    if args.output_json:
+        save_json(args.output_json, results,
+                  {k: v for k, v in vars(args).items() if k != "func"})
+        print(f"results saved to {args.output_json}")
+    return 0
+
+
+# ------------------------------------------------------------------ runners
+def run_throughput_command(args: argparse.Namespace) -> int:
+    from pagedllm import LLM
+    from pagedllm.benchmarks.report import print_result
+    from pagedllm.benchmarks.throughput import compare, run_throughput
+    from pagedllm.benchmarks.workload import workload_summary
+
+    kwargs = resolve_model(args)
+    model_path = kwargs["model"]
+    requests = build_workload(args, _vocab_size(model_path), args.num_prompts)
+    print_result(workload_summary(requests), "workload")
+    llm = LLM(**kwargs)
+    run_dtype = str(llm.llm_engine.engine_core.executor.worker.dtype) \
+        if hasattr(llm.llm_engine.engine_core.executor, "worker") else kwargs["dtype"]
+    ours, ours_tokens = run_throughput(llm, requests)
+    ours.update(model=model_path, dtype=run_dtype.removeprefix("torch."))
+    print_result(ours, "pagedllm throughput")
+    results = [ours]
+    del llm
+    gc.collect()
+    for baseline in dict.fromkeys(args.compare):
+        figures, tokens = _run_baseline(baseline, args, kwargs, requests)
+        if figures is None:
+            continue
+        print_result(figures, f"{baseline} throughput")
+        ratios = compare(ours, figures, ours_tokens, tokens)
+        print_result(ratios, f"pagedllm / {baseline}")
+        figures["comparison"] = ratios
+        results.append(figures)
+    return _finish(args, results)
+
+
+def _run_baseline(name: str, args: argparse.Namespace, kwargs: dict[str, Any], requests):
+    from pagedllm.platforms import current_platform
+
+    dtype = current_platform.resolve_dtype(kwargs["dtype"])
+    if name == "hf":
+        from pagedllm.benchmarks.hf_baseline import run_hf_throughput
+
+        batch_size = args.hf_batch_size or min(len(requests), 32)
+        figures, tokens = run_hf_throughput(kwargs["model"], requests, dtype, batch_size)
+        figures["dtype"] = str(dtype).removeprefix("torch.")
+        return figures, tokens
+    from pagedllm.benchmarks.llamacpp_baseline import run_llamacpp_throughput
+
+    try:
+        return run_llamacpp_throughput(kwargs["model"], requests,
+                                       str(dtype).removeprefix("torch."),
+                                       args.llamacpp_converter)
+    except RuntimeError as e:
+        print(str(e))
+        return None, None
+
+
+def run_latency_command(args: argparse.Namespace) -> int:
+    import torch
+
+    from pagedllm import LLM
+    from pagedllm.benchmarks.latency import (decode_bytes_per_token, measure_memory_bandwidth,
+                                             roofline, run_latency)
+    from pagedllm.benchmarks.report import print_result
+
+    if args.batch_size < 1 or args.num_iters < 1 or args.num_iters_warmup < 0:
+        raise ValueError("--batch-size and --num-iters must be >= 1, --num-iters-warmup >= 0")
+    kwargs = resolve_model(args)
+    model_path = kwargs["model"]
+    num_prompts = args.batch_size * (args.num_iters + args.num_iters_warmup)
+    requests = build_workload(args, _vocab_size(model_path), num_prompts)
+    llm = LLM(**kwargs)
+    result = run_latency(llm, requests, args.batch_size, args.num_iters_warmup,
+                         profile=args.profile, profile_steps=args.profile_steps)
+    profile_rows = result.pop("profile_top_ops", None)
+    result["model"] = model_path
+    worker = getattr(llm.llm_engine.engine_core.executor, "worker", None)
+    run_dtype = getattr(worker, "dtype", None) or getattr(torch, kwargs["dtype"], torch.float32)
+    result["dtype"] = str(run_dtype).removeprefix("torch.")
+    if args.bandwidth_mib > 0 and result["tpot_ms_mean"] == result["tpot_ms_mean"]:
+        bandwidth = measure_memory_bandwidth(args.bandwidth_mib * 2**20)
+        bytes_info = decode_bytes_per_token(model_path, run_dtype)
+        timed = requests[args.batch_size * args.num_iters_warmup:]
+        mean_ctx = sum(len(r.prompt_token_ids) + r.output_len / 2 for r in timed) / len(timed)
+        result["memory_bandwidth"] = bandwidth
+        result["decode_bytes"] = bytes_info
+        result["roofline"] = roofline(bytes_info, max(bandwidth["copy_gbps"],
+                                                      bandwidth["gemv_gbps"]),
+                                      args.batch_size, mean_ctx, result["tpot_ms_mean"] / 1e3)
+    print_result(result, f"pagedllm latency (batch {args.batch_size})")
+    if profile_rows is not None:
+        result["profile_top_ops"] = profile_rows
+    return _finish(args, [result])
+
+
+def run_serve_command(args: argparse.Namespace) -> int:
+    from pagedllm.benchmarks.report import print_result
+    from pagedllm.benchmarks.serve import run_serve_benchmark
+
+    vocab_size = args.vocab_size or _serve_vocab_size(args)
+    requests = build_workload(args, vocab_size, args.num_prompts)
+    result = asyncio.run(run_serve_benchmark(args.base_url, requests, args.request_rate,
+                                             args.max_concurrency, args.model, args.seed,
+                                             args.api_key))
+    print_result(result, "server benchmark")
+    return _finish(args, [result])
+
+
+def _serve_vocab_size(args: argparse.Namespace) -> int:
+    if args.preset:
+        from pagedllm.benchmarks.presets import PRESETS
+
+        if args.preset not in PRESETS:
+            raise ValueError(f"unknown preset {args.preset!r}; known: {sorted(PRESETS)}")
+        return PRESETS[args.preset]["vocab_size"]
+    import httpx
+
+    from pagedllm.benchmarks.serve import fetch_served_model
+
+    async def root() -> str | None:
+        headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+        async with httpx.AsyncClient(headers=headers, timeout=30) as client:
+            return (await fetch_served_model(client, args.base_url.rstrip("/")))[1]
+
+    path = asyncio.run(root())
+    try:
+        return _vocab_size(path) if path else _missing_vocab()
+    except (FileNotFoundError, OSError, KeyError):
+        return _missing_vocab()
+
+
+def _missing_vocab() -> int:
+    raise ValueError("cannot tell the server model's vocabulary size; pass --vocab-size or "
+                     "--preset")

@@ -1,0 +1,284 @@
+"""Latency: TTFT / TPOT / ITL percentiles by stepping the engine, and a batch-1 roofline.
+
+Requests are added in waves of `batch_size` and stepped to completion by this module's own loop,
+which makes the calls `EngineCore.step` and `LLMEngine.step` make (schedule -> execute_model ->
+sample_tokens -> update_from_output -> process_outputs) and times each, so the share of a step
+spent outside the model forward is measured without touching engine code. Token arrival times are
+taken when `process_outputs` hands a request's tokens back, as a streaming client would see them.
+
+Roofline: a decode step must read every weight once (the embedding table excepted: one row per
+token) plus the KV cache of its context, so memory bandwidth bounds tokens/s at
+batch / ((weight_bytes + kv_bytes) / bandwidth). Bandwidth is measured here with a large torch
+copy (read + write) and an fp32 GEMV loop (read only, what a batch-1 decode does).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import struct
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from pagedllm.benchmarks.report import percentiles
+from pagedllm.benchmarks.throughput import warmup_prompt
+from pagedllm.benchmarks.workload import BenchRequest, sampling_params_for
+
+STEP_PHASES = ("schedule", "execute_model", "sample_tokens", "update_from_output",
+               "process_outputs")
+_DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8, "I32": 4, "I8": 1, "U8": 1}
+
+
+# ------------------------------------------------------------------ bandwidth and roofline
+def measure_memory_bandwidth(num_bytes: int = 256 * 2**20, repeats: int = 5) -> dict[str, float]:
+    """Best-of-`repeats` GB/s (1e9 bytes/s) of a torch copy (read + write counted) and of an fp32
+    GEMV (the matrix read once), on torch's current thread count."""
+    n = num_bytes // 4
+    src = torch.ones(n, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best_copy = min(_timed(lambda: dst.copy_(src)) for _ in range(repeats))
+    del src, dst
+    cols = 4096
+    weight = torch.ones(n // cols, cols, dtype=torch.float32)
+    x = torch.ones(cols, dtype=torch.float32)
+    torch.mv(weight, x)
+    best_gemv = min(_timed(lambda: torch.mv(weight, x)) for _ in range(repeats))
+    return {"copy_gbps": 2 * num_bytes / best_copy / 1e9, "gemv_gbps": num_bytes / best_gemv / 1e9,
+            "buffer_mib": num_bytes / 2**20}
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _safetensors_shapes(model_path: str) -> dict[str, tuple[str, list[int]]]:
+    shapes: dict[str, tuple[str, list[int]]] = {}
+    for path in sorted(Path(model_path).glob("*.safetensors")):
+        with open(path, "rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(header_len))
+        for name, info in header.items():
+            if name != "__metadata__":
+                shapes[name] = (info["dtype"], info["shape"])
+    return shapes
+
+
+def decode_bytes_per_token(model_path: str, dtype: torch.dtype) -> dict[str, Any]:
+    """Bytes of weights one batch-1 decode step reads, in `dtype` (the run's, not the file's),
+    and the KV-cache bytes per context token."""
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    config = config.get("text_config", config)
+    elem = torch.empty((), dtype=dtype).element_size()
+    shapes = _safetensors_shapes(model_path)
+    total = embed = 0
+    for name, (_, shape) in shapes.items():
+        numel = int(np.prod(shape)) if shape else 1
+        total += numel
+        if name.endswith("embed_tokens.weight"):
+            embed += numel
+    tied = bool(config.get("tie_word_embeddings")) or not any("lm_head" in n for n in shapes)
+    read = total if tied else total - embed
+    num_heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // num_heads
+    kv_per_token = (2 * config["num_hidden_layers"] * config.get("num_key_value_heads", num_heads)
+                    * head_dim * elem)
+    return {"num_params": total, "weight_bytes_per_step": read * elem,
+            "kv_bytes_per_context_token": kv_per_token, "dtype": str(dtype).removeprefix("torch.")}
+
+
+def roofline(bytes_info: dict[str, Any], bandwidth_gbps: float, batch_size: int,
+             mean_context_len: float, tpot_s: float) -> dict[str, float]:
+    """Bandwidth-bound decode tokens/s for `batch_size` requests at `mean_context_len`, and where
+    the measured TPOT stands against it."""
+    step_bytes = (bytes_info["weight_bytes_per_step"]
+                  + batch_size * mean_context_len * bytes_info["kv_bytes_per_context_token"])
+    bound_step_s = step_bytes / (bandwidth_gbps * 1e9)
+    return {"bytes_per_decode_step_mb": step_bytes / 1e6,
+            "bandwidth_gbps_used_for_bound": bandwidth_gbps,
+            "roofline_decode_tokens_per_s": batch_size / bound_step_s,
+            "measured_decode_tokens_per_s": batch_size / tpot_s,
+            "fraction_of_roofline": bound_step_s / tpot_s,
+            "achieved_bandwidth_gbps": step_bytes / tpot_s / 1e9}
+
+
+# ------------------------------------------------------------------ the stepping loop
+@dataclass
+class _Timeline:
+    arrival: float
+    token_times: list[float] = field(default_factory=list)
+    num_tokens: int = 0
+
+
+@dataclass
+class StepTimes:
+    """Seconds per phase for every step, split into pure-decode steps and the rest."""
+
+    decode: dict[str, list[float]] = field(
+        default_factory=lambda: {p: [] for p in STEP_PHASES})
+    other: dict[str, list[float]] = field(
+        default_factory=lambda: {p: [] for p in STEP_PHASES})
+
+
+class EngineStepper:
+    """Runs `LLMEngine` steps phase by phase, timing each phase.
+
+    NOTE(bench): when the executor exposes its worker's model runner, `execute_model` and
+    `sample_tokens` are called (and timed) apart; otherwise `executor.execute_model` covers both
+    and `sample_tokens` reads 0.
+    """
+
+    def __init__(self, llm_engine) -> None:
+        self.engine = llm_engine
+        self.core = llm_engine.engine_core
+        worker = getattr(self.core.executor, "worker", None)
+        runner = getattr(worker, "model_runner", None)
+        self.runner = runner if (hasattr(runner, "execute_model")
+                                 and hasattr(runner, "sample_tokens")) else None
+
+    def step(self, times: StepTimes | None = None, profile_labels: bool = False):
+        label = torch.profiler.record_function if profile_labels else _null_label
+        core, engine = self.core, self.engine
+        t0 = time.perf_counter()
+        with label("bench.schedule"):
+            so = core.scheduler.schedule()
+        t1 = time.perf_counter()
+        if self.runner is not None:
+            with label("bench.execute_model"):
+                self.runner.execute_model(so)
+            t2 = time.perf_counter()
+            with label("bench.sample_tokens"):
+                runner_output = self.runner.sample_tokens()
+        else:
+            runner_output = core.executor.execute_model(so)
+            t2 = time.perf_counter()
+        t3 = time.perf_counter()
+        with label("bench.update_from_output"):
+            core_outputs = core.scheduler.update_from_output(so, runner_output)
+        t4 = time.perf_counter()
+        with label("bench.process_outputs"):
+            request_outputs, to_abort = engine.output_processor.process_outputs(core_outputs)
+            if to_abort:
+                core.abort_requests(to_abort)
+        t5 = time.perf_counter()
+        if times is not None:
+            is_decode = so.total_num_scheduled_tokens == len(so.num_scheduled_tokens)
+            bucket = times.decode if is_decode else times.other
+            for phase, dt in zip(STEP_PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
+                bucket[phase].append(dt)
+        return request_outputs, t5
+
+
+def _null_label(_name: str):
+    return contextlib.nullcontext()
+
+
+def run_wave(stepper: EngineStepper, requests: list[BenchRequest], id_prefix: str,
+             times: StepTimes | None, profile_labels: bool = False) -> list[_Timeline]:
+    """Add `requests` at once and step until they finish; per-request token arrival times."""
+    timelines: dict[str, _Timeline] = {}
+    for i, r in enumerate(requests):
+        req_id = f"{id_prefix}-{i}"
+        timelines[req_id] = _Timeline(arrival=time.perf_counter())
+        stepper.engine.add_request(req_id, {"prompt_token_ids": r.prompt_token_ids},
+                                   sampling_params_for(r))
+    while stepper.engine.has_unfinished_requests():
+        outputs, now = stepper.step(times, profile_labels)
+        for out in outputs:
+            tl = timelines.get(out.request_id)
+            if tl is None:
+                continue
+            n = len(out.outputs[0].token_ids)
+            tl.token_times.extend([now] * (n - tl.num_tokens))
+            tl.num_tokens = n
+    return list(timelines.values())
+
+
+def latency_figures(timelines: list[_Timeline], wave_latencies: list[float]) -> dict[str, Any]:
+    ttft = [t.token_times[0] - t.arrival for t in timelines if t.token_times]
+    tpot = [(t.token_times[-1] - t.token_times[0]) / (len(t.token_times) - 1)
+            for t in timelines if len(t.token_times) > 1]
+    itl = [b - a for t in timelines for a, b in zip(t.token_times, t.token_times[1:])]
+    e2e = [t.token_times[-1] - t.arrival for t in timelines if t.token_times]
+    return {**percentiles(ttft, "ttft_ms", 1e3), **percentiles(tpot, "tpot_ms", 1e3),
+            **percentiles(itl, "itl_ms", 1e3), **percentiles(e2e, "e2e_latency_ms", 1e3),
+            **percentiles(wave_latencies, "batch_latency_ms", 1e3)}
+
+
+def step_breakdown(times: StepTimes) -> dict[str, Any]:
+    """Mean ms per phase for decode steps and other (prefill / mixed) steps, and the share of a
+    decode step spent outside `execute_model` (scheduler, sampling, output bookkeeping)."""
+    out: dict[str, Any] = {}
+    for kind, bucket in (("decode", times.decode), ("prefill_or_mixed", times.other)):
+        n = len(bucket["schedule"])
+        if n == 0:
+            continue
+        means = {p: float(np.mean(bucket[p])) * 1e3 for p in STEP_PHASES}
+        total = sum(means.values())
+        out[f"{kind}_steps"] = n
+        out[f"{kind}_step_ms"] = {**{f"{p}_ms": v for p, v in means.items()}, "total_ms": total}
+        out[f"{kind}_share_outside_execute_model"] = (total - means["execute_model"]) / total
+    return out
+
+
+def run_latency(llm, requests: list[BenchRequest], batch_size: int, num_iters_warmup: int = 1,
+                profile: bool = False, profile_steps: int = 8) -> dict[str, Any]:
+    """Run `requests` in waves of `batch_size` (the first `num_iters_warmup` waves untimed).
+
+    Returns latency percentiles, the decode step breakdown and, with `profile`, the top ops of a
+    torch.profiler trace of `profile_steps` decode steps (on one extra wave).
+    """
+    stepper = EngineStepper(llm.llm_engine)
+    run_wave(stepper, [BenchRequest(warmup_prompt(requests), 4)], "warmup", None)
+    waves = [requests[i:i + batch_size] for i in range(0, len(requests), batch_size)]
+    times = StepTimes()
+    timelines: list[_Timeline] = []
+    wave_latencies: list[float] = []
+    for w, wave in enumerate(waves):
+        start = time.perf_counter()
+        tls = run_wave(stepper, wave, f"wave{w}", times if w >= num_iters_warmup else None)
+        if w >= num_iters_warmup:
+            wave_latencies.append(time.perf_counter() - start)
+            timelines.extend(tls)
+    result: dict[str, Any] = {"backend": "pagedllm", "batch_size": batch_size,
+                              "num_timed_requests": len(timelines),
+                              "num_output_tokens": sum(t.num_tokens for t in timelines),
+                              **latency_figures(timelines, wave_latencies),
+                              "step_breakdown": step_breakdown(times)}
+    if profile:
+        result["profile_top_ops"] = profile_decode_steps(stepper, waves[-1], profile_steps)
+    return result
+
+
+def profile_decode_steps(stepper: EngineStepper, wave: list[BenchRequest],
+                         num_steps: int) -> list[dict[str, Any]]:
+    """torch.profiler over `num_steps` decode steps of `wave`; the top 20 ops by self CPU time
+    (the table is also printed)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = stepper.engine
+    for i, r in enumerate(wave):
+        engine.add_request(f"profile-{i}", {"prompt_token_ids": r.prompt_token_ids},
+                           sampling_params_for(r))
+    stepper.step()  # the prefill
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(num_steps):
+            if not engine.has_unfinished_requests():
+                break
+            stepper.step(profile_labels=True)
+    while engine.has_unfinished_requests():
+        stepper.step()
+    averages = prof.key_averages()
+    print(averages.table(sort_by="self_cpu_time_total", row_limit=25))
+    rows = sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)[:20]
+    total = sum(e.self_cpu_time_total for e in averages) or 1
+    return [{"op": e.key, "calls": e.count, "self_cpu_ms_per_step":
+             e.self_cpu_time_total / 1e3 / num_steps,
+             "self_cpu_share": e.self_cpu_time_total / total} for e in rows]

@@ -1,0 +1,153 @@
+"""Named random-weight Llama checkpoints for benchmarks, built once into a cache folder.
+
+`preset_path(name, dtype)` returns `<root>/<name>-<dtype>/` (root: `$PAGEDLLM_PRESET_DIR` or
+`~/.cache/pagedllm/presets`), building it on first use with transformers' `LlamaConfig` /
+`LlamaForCausalLM` + `save_pretrained` and a synthetic byte-level BPE tokenizer of exactly the
+model's vocabulary size. A folder is complete once its `.complete` marker exists; builds go to a
+temporary sibling that is renamed into place, so an interrupted build is never picked up.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "llama-134m": {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12,
+                   "num_key_value_heads": 12, "intermediate_size": 2048, "vocab_size": 32000},
+    "llama-tiny": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                   "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 1024},
+}
+_COMMON_CONFIG: dict[str, Any] = {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+                                  "tie_word_embeddings": False, "rope_theta": 10000.0}
+# Saved weight dtypes; "auto" and float16 requests save float32 (the engine casts on load).
+_SAVE_DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16"}
+_MARKER = ".complete"
+
+BOS_TOKEN, EOS_TOKEN, PAD_TOKEN = "<s>", "</s>", "<pad>"
+_SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN)
+# Characters of the multi-character tokens: lower-case letters and the byte-level space ("Ġ"), so
+# every token above the byte range decodes to printable ASCII.
+_PIECE_CHARS = "abcdefghijklmnopqrstuvwxyz\u0120"
+
+
+def default_preset_root() -> Path:
+    env = os.environ.get("PAGEDLLM_PRESET_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "pagedllm" / "presets"
+
+
+def saved_dtype(dtype: str | None) -> str:
+    return _SAVE_DTYPES.get(str(dtype or "auto").replace("torch.", ""), "float32")
+
+
+def preset_path(name: str, dtype: str | None = "float32", root: str | Path | None = None,
+                seed: int = 0) -> str:
+    """Folder of preset `name` with weights saved in `dtype` (built if missing).
+
+    Raises:
+        KeyError: for an unknown preset, naming the known ones.
+    """
+    if name not in PRESETS:
+        raise KeyError(f"unknown preset {name!r}; known: {sorted(PRESETS)}")
+    save_dtype = saved_dtype(dtype)
+    root = Path(root) if root is not None else default_preset_root()
+    out_dir = root / f"{name}-{save_dtype}"
+    if (out_dir / _MARKER).is_file():
+        return str(out_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
+    os.chmod(tmp_dir, 0o755)
+    try:
+        build_checkpoint(tmp_dir, PRESETS[name], save_dtype, seed)
+        (tmp_dir / _MARKER).write_text(json.dumps({"preset": name, "dtype": save_dtype}))
+        if out_dir.exists():  # a stale, incomplete folder
+            shutil.rmtree(out_dir)
+        os.replace(tmp_dir, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        if (out_dir / _MARKER).is_file():  # a concurrent build won the race
+            return str(out_dir)
+        raise
+    return str(out_dir)
+
+
+def build_checkpoint(out_dir: str | Path, config_kwargs: dict[str, Any], dtype: str = "float32",
+                     seed: int = 0) -> Path:
+    """Save a seeded random-weight `LlamaForCausalLM` plus a matching tokenizer into `out_dir`."""
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    vocab_size = config_kwargs["vocab_size"]
+    write_synthetic_tokenizer(out_dir, vocab_size)
+    bos_id, eos_id, pad_id = range(len(_SPECIAL_TOKENS))
+    config = LlamaConfig(**{**_COMMON_CONFIG, **config_kwargs}, bos_token_id=bos_id,
+                         eos_token_id=eos_id, pad_token_id=pad_id)
+    config.architectures = ["LlamaForCausalLM"]
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(getattr(torch, dtype)).eval()
+    model.generation_config = GenerationConfig(bos_token_id=bos_id, eos_token_id=eos_id,
+                                               pad_token_id=pad_id)
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+def synthetic_vocab(vocab_size: int) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """A byte-level BPE vocabulary of exactly `vocab_size` entries, and its merges.
+
+        ids 0..2     <s> </s> <pad>
+        ids 3..258   the 256 byte-level characters
+        ids 259..    "ab", "abc", "abcd", ...: every piece is its prefix + one character, so each
+                     is reachable by one merge of two earlier tokens
+    """
+    from tokenizers import pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {tok: i for i, tok in enumerate(_SPECIAL_TOKENS)}
+    for ch in alphabet:
+        vocab[ch] = len(vocab)
+    if vocab_size < len(vocab):
+        raise ValueError(f"vocab_size must be >= {len(vocab)}, got {vocab_size}")
+    merges: list[tuple[str, str]] = []
+    for length in itertools.count(2):
+        for chars in itertools.product(_PIECE_CHARS, repeat=length):
+            if len(vocab) >= vocab_size:
+                return vocab, merges
+            piece = "".join(chars)
+            vocab[piece] = len(vocab)
+            merges.append((piece[:-1], piece[-1]))
+    raise AssertionError("unreachable")
+
+
+def write_synthetic_tokenizer(out_dir: str | Path, vocab_size: int) -> Path:
+    """Write tokenizer.json / tokenizer_config.json / special_tokens_map.json for `vocab_size`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+
+    out_dir = Path(out_dir)
+    vocab, merges = synthetic_vocab(vocab_size)
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(list(_SPECIAL_TOKENS))
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS_TOKEN} $A", special_tokens=[(BOS_TOKEN, vocab[BOS_TOKEN])])
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+    special = {"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN}
+    # NOTE(bench): written by hand, as tests/fixtures/tokenizers.py does: transformers 5's
+    # save_pretrained would move fields out of tokenizer_config.json.
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 4096,
+              "clean_up_tokenization_spaces": False, "add_bos_token": True,
+              "add_eos_token": False, "unk_token": None, **special,
+              "added_tokens_decoder": {
+                  str(vocab[t]): {"content": t, "lstrip": False, "normalized": False,
+                                  "rstrip": False, "single_word": False, "special": True}
+                  for t in _SPECIAL_TOKENS}}
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    (out_dir / "special_tokens_map.json").write_text(json.dumps(special, indent=2))
+    return out_dir

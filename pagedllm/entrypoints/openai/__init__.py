@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP server (`pagedllm serve`): app factory, protocol models, handlers."""

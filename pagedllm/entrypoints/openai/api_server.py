@@ -1,0 +1,258 @@
+"""The OpenAI-compatible HTTP server: FastAPI app factory (`build_app`) and `run_server`.
+
+Routes: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions,
+POST /reset_prefix_cache, GET /metrics. Every error is OpenAI's error object with a 4xx/5xx status;
+request validation errors (wrong types, malformed JSON) are 400, as OpenAI answers them. With an
+API key, every route but /health and /metrics needs `Authorization: Bearer <key>`.
+
+Shutdown: uvicorn handles SIGINT/SIGTERM (stop accepting, let open requests finish up to a grace
+period, cancel the rest, which aborts their engine requests); the app's lifespan then stops the
+engine thread. Run as `python -m pagedllm.entrypoints.openai.api_server [serve flags]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import signal
+import sys
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.entrypoints.openai.metrics import METRICS_CONTENT_TYPE, PrometheusStatLogger
+from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
+                                                  ModelCard, ModelList)
+from pagedllm.entrypoints.openai.serving_chat import ServingChat
+from pagedllm.entrypoints.openai.serving_completion import ServingCompletion
+from pagedllm.entrypoints.openai.serving_engine import OpenAIServing, OpenAIServingError
+from pagedllm.logger import init_logger
+
+logger = logging.getLogger(__name__)
+
+_OPEN_PATHS = ("/health", "/metrics")
+# Seconds uvicorn waits for open requests on SIGINT/SIGTERM before cancelling them.
+GRACEFUL_SHUTDOWN_S = 5
+
+
+def _error_response(error: OpenAIServingError) -> JSONResponse:
+    return JSONResponse(error.to_response().model_dump(), status_code=error.status_code)
+
+
+class ApiKeyMiddleware:
+    """Pure ASGI middleware: 401 unless `Authorization: Bearer <api_key>` (open paths excepted).
+
+    Pure ASGI rather than `@app.middleware("http")` so streamed responses and client-disconnect
+    detection pass through untouched.
+    """
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] in _OPEN_PATHS \
+                or scope["method"] == "OPTIONS":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        if secrets.compare_digest(given, self.expected):
+            await self.app(scope, receive, send)
+            return
+        response = _error_response(OpenAIServingError(
+            "Incorrect or missing API key (send `Authorization: Bearer <key>`).", 401,
+            code="invalid_api_key"))
+        await response(scope, receive, send)
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _cancel_on_disconnect(request: Request, handler: Awaitable[Any]) -> Any:
+    """Run `handler`, cancelling it (which aborts its engine requests) if the client goes away.
+
+    Needed for non-streamed answers only: Starlette already stops a streamed response.
+    """
+    task = asyncio.ensure_future(handler)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        return Response(status_code=499)  # nobody reads it: the client is gone
+    return task.result()
+
+
+def _respond(result: Any) -> Response:
+    if isinstance(result, Response):
+        return result
+    if isinstance(result, AsyncIterator):
+        return StreamingResponse(result, media_type="text/event-stream")
+    return JSONResponse(result.model_dump())
+
+
+def _validation_error(exc: RequestValidationError) -> OpenAIServingError:
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":
+        return OpenAIServingError(f"malformed JSON body: {first.get('ctx', {}).get('error', '')}",
+                                  400)
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    details = "; ".join(
+        f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
+        for e in errors)
+    return OpenAIServingError(f"invalid request: {details}", 400, param=loc[0] if loc else None)
+
+
+def build_app(async_llm: AsyncLLM, served_model_names: Sequence[str],
+              metrics: PrometheusStatLogger | None = None, api_key: str | None = None,
+              model_root: str | None = None) -> FastAPI:
+    """The FastAPI app over a (not necessarily started) `AsyncLLM`.
+
+    Args:
+        async_llm: the engine; started in the app's lifespan, shut down when the app stops.
+        served_model_names: names accepted in a request's `model` (the first is reported back).
+        metrics: the stat logger given to `async_llm` (GET /metrics renders it); None: no metrics.
+        api_key: require `Authorization: Bearer <api_key>` on every route but /health, /metrics.
+        model_root: the checkpoint path shown as `root` in /v1/models.
+    """
+    serving = OpenAIServing(async_llm, served_model_names)
+    completions, chats = ServingCompletion(serving), ServingChat(serving)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        async_llm.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(async_llm.shutdown)
+
+    app = FastAPI(title="pagedllm OpenAI-compatible server", lifespan=lifespan)
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+
+    @app.exception_handler(OpenAIServingError)
+    async def _on_serving_error(request: Request, exc: OpenAIServingError) -> JSONResponse:
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error_response(_validation_error(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error_response(OpenAIServingError(str(exc.detail), exc.status_code))
+
+    @app.exception_handler(Exception)
+    async def _on_internal_error(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error in %s", request.url.path)
+        return _error_response(OpenAIServingError(f"internal error: {type(exc).__name__}", 500))
+
+    @app.get("/health")
+    async def health() -> Response:
+        if async_llm.dead_error is not None:
+            return _error_response(OpenAIServingError(str(async_llm.dead_error), 503,
+                                                      code="engine_dead"))
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def list_models() -> JSONResponse:
+        cards = [ModelCard(id=name, root=model_root, max_model_len=async_llm.max_model_len)
+                 for name in served_model_names]
+        return JSONResponse(ModelList(data=cards).model_dump())
+
+    @app.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, request: Request) -> Response:
+        return _respond(await _cancel_on_disconnect(request, completions.create_completion(body)))
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+        return _respond(await _cancel_on_disconnect(request,
+                                                    chats.create_chat_completion(body)))
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> JSONResponse:
+        num_blocks = await async_llm.reset_prefix_cache()
+        return JSONResponse({"num_uncached_blocks": num_blocks})
+
+    @app.get("/metrics")
+    async def get_metrics() -> Response:
+        body = metrics.render() if metrics is not None else b""
+        return Response(body, media_type=METRICS_CONTENT_TYPE)
+
+    return app
+
+
+def run_server(model: str, engine_kwargs: dict[str, Any], host: str = "127.0.0.1",
+               port: int = 8000, api_key: str | None = None,
+               served_model_names: Sequence[str] | None = None,
+               log_level: str = "info") -> None:
+    """Load the model, then serve until SIGINT/SIGTERM.
+
+    Args:
+        model: checkpoint folder or hub id.
+        engine_kwargs: engine arguments (vLLM names) for `LLMEngine.from_engine_args`.
+        served_model_names: names clients use; default `[model]`.
+
+    Raises:
+        ValueError, FileNotFoundError: invalid engine arguments or a missing model (before any
+            port is bound).
+    """
+    init_logger()
+    names = list(served_model_names or [model])
+    metrics = PrometheusStatLogger(names[0])
+    async_llm = AsyncLLM.from_engine_args(model, stat_loggers=[metrics], **engine_kwargs)
+    app = build_app(async_llm, names, metrics=metrics, api_key=api_key, model_root=model)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    logger.info("serving %s as %s on http://%s:%d", model, names, host, port)
+    previous = {sig: signal.signal(sig, _exit_after_graceful_shutdown)
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        uvicorn.Server(config).run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        async_llm.shutdown()
+
+
+def _exit_after_graceful_shutdown(signum: int, frame: Any) -> None:
+    # NOTE(api_server): uvicorn catches SIGINT/SIGTERM itself, shuts down gracefully (lifespan
+    # included, which stops the engine thread), then restores the previous handlers and re-raises
+    # the signal. This handler is that "previous" one, so the process then exits with status 0
+    # instead of dying of the signal a second time.
+    raise SystemExit(0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    from pagedllm.entrypoints.openai.cli_args import add_serve_args, run_serve
+
+    parser = argparse.ArgumentParser(prog="pagedllm-api-server",
+                                     description="OpenAI-compatible server")
+    add_serve_args(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run_serve(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""Prometheus metrics of the server (GET /metrics), with vLLM's metric names under `pagedllm:`.
+
+`PrometheusStatLogger` is an `AsyncLLM` stat logger: the engine thread calls `record` after each
+loop iteration (prometheus_client is thread-safe). It owns its own `CollectorRegistry`, so several
+servers or tests in one process never share or clash over metrics.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
+                               generate_latest)
+
+from pagedllm.core.scheduler import SchedulerStats
+from pagedllm.engine.async_llm import IterationStats
+
+METRICS_CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+# Seconds. Finer at the low end than vLLM's buckets: small models on CPU answer in milliseconds.
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                 7.5, 10.0, 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+                0.75, 1.0, 2.5, 5.0)
+_E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+                60.0, 120.0, 300.0)
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+class PrometheusStatLogger:
+    """Engine metrics for one served model.
+
+    Args:
+        model_name: value of the `model_name` label on every metric.
+    """
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels, registry = ["model_name"], self.registry
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=registry).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, labels, registry=registry).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets,
+                             registry=registry).labels(model_name)
+
+        self.num_requests_running = gauge("pagedllm:num_requests_running",
+                                          "Requests in the running batch.")
+        self.num_requests_waiting = gauge("pagedllm:num_requests_waiting",
+                                          "Requests waiting to be scheduled.")
+        self.kv_cache_usage = gauge("pagedllm:kv_cache_usage_perc",
+                                    "Fraction of KV-cache blocks in use (1 = full).")
+        self.prompt_tokens = counter("pagedllm:prompt_tokens", "Prefilled prompt tokens.")
+        self.generation_tokens = counter("pagedllm:generation_tokens", "Generated tokens.")
+        self.num_preemptions = counter("pagedllm:num_preemptions", "Preemptions (recompute).")
+        self.prefix_cache_queries = counter("pagedllm:prefix_cache_queries",
+                                            "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = counter("pagedllm:prefix_cache_hits",
+                                         "Prompt tokens found in the prefix cache.")
+        self.time_to_first_token = histogram("pagedllm:time_to_first_token_seconds",
+                                             "Arrival to first generated token.", _TTFT_BUCKETS)
+        self.inter_token_latency = histogram("pagedllm:inter_token_latency_seconds",
+                                             "Time between consecutive output tokens.",
+                                             _ITL_BUCKETS)
+        self.e2e_request_latency = histogram("pagedllm:e2e_request_latency_seconds",
+                                             "Arrival to finish (or abort).", _E2E_BUCKETS)
+        success = Counter("pagedllm:request_success", "Finished requests by finish_reason.",
+                          ["model_name", "finished_reason"], registry=registry)
+        self.request_success = {reason: success.labels(model_name, reason)
+                                for reason in FINISH_REASONS}
+        self._success = success
+        self._model_name = model_name
+
+    def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
+        self.num_requests_running.set(scheduler_stats.num_running_reqs)
+        self.num_requests_waiting.set(scheduler_stats.num_waiting_reqs)
+        self.kv_cache_usage.set(scheduler_stats.kv_cache_usage)
+        self.prompt_tokens.inc(iteration_stats.num_prompt_tokens)
+        self.generation_tokens.inc(iteration_stats.num_generation_tokens)
+        self.num_preemptions.inc(iteration_stats.num_preemptions)
+        self.prefix_cache_queries.inc(iteration_stats.prefix_cache_queries)
+        self.prefix_cache_hits.inc(iteration_stats.prefix_cache_hits)
+        for ttft in iteration_stats.time_to_first_tokens_s:
+            self.time_to_first_token.observe(ttft)
+        for itl in iteration_stats.inter_token_latencies_s:
+            self.inter_token_latency.observe(itl)
+        for finished in iteration_stats.finished_requests:
+            self.e2e_request_latency.observe(finished.e2e_latency_s)
+            counter = self.request_success.get(finished.finish_reason)
+            if counter is None:
+                counter = self._success.labels(self._model_name, finished.finish_reason)
+            counter.inc()
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)

@@ -1,0 +1,146 @@
+"""POST /v1/chat/completions: messages -> chat template -> one engine request, whole or streamed.
+
+The conversation is rendered and tokenized by the tokenizer's own chat template
+(`apply_chat_template(..., add_generation_prompt=...)`, the call `LLM.chat` makes), so a served
+chat gives the same tokens as an offline one. Streaming: a first chunk with the assistant role,
+content deltas, a chunk with finish_reason, an optional usage chunk, then `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+from pagedllm.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk,
+                                                  ChatCompletionRequest, ChatCompletionResponse,
+                                                  ChatLogprobs, ChatResponseMessage,
+                                                  ChatStreamChoice, TokenLogprob, TopLogprob,
+                                                  now_s, random_id)
+from pagedllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing,
+                                                        OpenAIServingError, clamp_logprob,
+                                                        error_from_exception, sse_event, usage_of)
+from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+
+logger = logging.getLogger(__name__)
+
+
+def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]],
+                  num_top: int) -> ChatLogprobs:
+    """OpenAI's chat logprobs for generated tokens (`bytes`: UTF-8 of the decoded token text)."""
+    content = []
+    for token_id, entry in zip(token_ids, logprobs):
+        chosen = entry[token_id]
+        ranked = sorted((lp for lp in entry.values() if lp.rank is not None
+                         and lp.rank <= num_top), key=lambda lp: lp.rank)
+        top = [TopLogprob(token=lp.decoded_token or "", logprob=clamp_logprob(lp.logprob),
+                          bytes=list((lp.decoded_token or "").encode())) for lp in ranked]
+        token = chosen.decoded_token or ""
+        content.append(TokenLogprob(token=token, logprob=clamp_logprob(chosen.logprob),
+                                    bytes=list(token.encode()), top_logprobs=top))
+    return ChatLogprobs(content=content)
+
+
+class ServingChat:
+    """Handler of the chat completions endpoint.
+
+    Args:
+        serving: the shared checks and engine handle.
+    """
+
+    def __init__(self, serving: OpenAIServing) -> None:
+        self.serving = serving
+
+    async def create_chat_completion(self, request: ChatCompletionRequest
+                                     ) -> ChatCompletionResponse | AsyncIterator[str]:
+        """A response object, or (stream=True) an iterator of SSE lines.
+
+        Raises:
+            OpenAIServingError: for an invalid request (before any engine work starts).
+        """
+        model = self.serving.check_model(request.model)
+        self.serving.check_logprobs(request, "top_logprobs")
+        token_ids = self.serving.check_token_ids(self._render(request))
+        params = self.serving.sampling_params(request, len(token_ids))
+        response_id, created = random_id("chatcmpl"), now_s()
+        generator = self.serving.async_llm.generate({"prompt_token_ids": token_ids}, params,
+                                                    response_id)
+        if request.stream:
+            return self._stream(request, generator, response_id, created, model)
+        final: RequestOutput | None = None
+        try:
+            async with aclosing(generator):
+                async for out in generator:
+                    final = out
+        except Exception as e:  # noqa: BLE001 - mapped to an HTTP error
+            raise error_from_exception(e, list(ChatCompletionRequest.model_fields)) from e
+        choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
+                              logprobs=self._logprobs(request, c, 0),
+                              finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                   for c in sorted(final.outputs, key=lambda c: c.index)]
+        return ChatCompletionResponse(id=response_id, created=created, model=model,
+                                      usage=usage_of([final]), choices=choices)
+
+    async def _stream(self, request: ChatCompletionRequest, generator: AsyncIterator,
+                      response_id: str, created: int, model: str) -> AsyncIterator[str]:
+        def chunk(choice: ChatStreamChoice) -> str:
+            return sse_event(ChatCompletionChunk(id=response_id, created=created, model=model,
+                                                 choices=[choice]))
+        sent_chars, sent_tokens = [0] * request.n, [0] * request.n
+        done = [False] * request.n
+        final: RequestOutput | None = None
+        try:
+            for index in range(request.n):
+                yield chunk(ChatStreamChoice(index=index,
+                                             delta={"role": "assistant", "content": ""}))
+            async with aclosing(generator):
+                async for out in generator:
+                    final = out
+                    for c in out.outputs:
+                        if done[c.index]:
+                            continue
+                        delta = c.text[sent_chars[c.index]:]
+                        logprobs = self._logprobs(request, c, sent_tokens[c.index])
+                        if logprobs is not None and not logprobs.content:
+                            logprobs = None
+                        sent_chars[c.index] += len(delta)
+                        sent_tokens[c.index] = len(c.token_ids)
+                        done[c.index] = c.finish_reason is not None
+                        if delta or done[c.index] or logprobs is not None:
+                            yield chunk(ChatStreamChoice(
+                                index=c.index, delta={"content": delta}, logprobs=logprobs,
+                                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+            if request.stream_options is not None and request.stream_options.include_usage:
+                yield sse_event(ChatCompletionChunk(id=response_id, created=created, model=model,
+                                                    choices=[], usage=usage_of([final])))
+        except Exception as e:  # noqa: BLE001 - the status line is sent; report in-stream
+            error = error_from_exception(e, list(ChatCompletionRequest.model_fields))
+            logger.warning("chat stream %s failed: %s", response_id, error.message)
+            yield sse_event(error.to_response())
+        yield SSE_DONE
+
+    @staticmethod
+    def _logprobs(request: ChatCompletionRequest, completion: CompletionOutput,
+                  start: int) -> ChatLogprobs | None:
+        if not request.logprobs or completion.logprobs is None:
+            return None
+        return chat_logprobs(completion.token_ids[start:], completion.logprobs[start:],
+                             request.top_logprobs or 0)
+
+    def _render(self, request: ChatCompletionRequest) -> list[int]:
+        """Token ids of the templated conversation. Raises OpenAIServingError 400."""
+        tokenizer = self.serving.tokenizer
+        if not getattr(tokenizer, "chat_template", None):
+            raise OpenAIServingError("the model's tokenizer has no chat template", 400,
+                                     param="messages")
+        if not request.messages:
+            raise OpenAIServingError("messages must not be empty", 400, param="messages")
+        try:
+            conversation = [{"role": m.role, "content": m.text_content()}
+                            for m in request.messages]
+            return list(tokenizer.apply_chat_template(
+                conversation, tokenize=True, add_generation_prompt=request.add_generation_prompt,
+                return_dict=False))
+        except Exception as e:  # noqa: BLE001 - template errors are the request's fault
+            raise OpenAIServingError(f"could not render the messages with the chat template: "
+                                     f"{e}", 400, param="messages") from e
