@@ -118,21 +118,124 @@ class SchedulerConfig:
             raise ValueError("long_prefill_token_threshold must be >= 0")
 
 
+_EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Parallel layout. Only the single-process layout exists so far (issue #11)."""
+    """Parallel layout (see docs/distributed.md).
+
+    Attributes:
+        tensor_parallel_size: ranks that split every layer's heads / hidden units.
+        pipeline_parallel_size: stages that split the layers.
+        distributed_executor_backend: "uni" (one process, world size 1), "mp" (one worker process
+            per rank on this machine) or "ray" (Ray actors, one machine or a cluster); None picks
+            "uni" for a world of 1 and "mp" otherwise.
+    """
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
-    distributed_executor_backend: str = "uni"
+    distributed_executor_backend: str | None = None
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel_size != 1 or self.pipeline_parallel_size != 1:
-            raise ValueError("tensor/pipeline parallelism is not implemented yet (issue #11); "
-                             "use tensor_parallel_size=1 and pipeline_parallel_size=1")
-        if self.distributed_executor_backend != "uni":
-            raise ValueError(f"distributed_executor_backend {self.distributed_executor_backend!r} "
-                             "is not implemented yet (issue #11); use 'uni'")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.pipeline_parallel_size < 1:
+            raise ValueError(
+                f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}")
+        if self.pipeline_parallel_size != 1:
+            raise ValueError("pipeline_parallel_size > 1 is not implemented yet (issue #11); "
+                             "use tensor_parallel_size to split the model across processes")
+        backend = self.distributed_executor_backend
+        if backend is None:
+            backend = "uni" if self.world_size == 1 else "mp"
+            object.__setattr__(self, "distributed_executor_backend", backend)
+        if backend not in _EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of {_EXECUTOR_BACKENDS}, "
+                             f"got {backend!r}")
+        if backend == "uni" and self.world_size != 1:
+            raise ValueError(f"distributed_executor_backend 'uni' runs one process; "
+                             f"tensor_parallel_size x pipeline_parallel_size = {self.world_size} "
+                             "needs 'mp' or 'ray'")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+def _validate_parallel_layout(hf: dict[str, Any], pc: ParallelConfig) -> None:
+    """Check that the model splits over the layout before any process starts.
+
+    Raises:
+        ValueError: naming the config field and the model dimension that does not divide.
+    """
+    text = hf.get("text_config", hf)
+    tp, pp = pc.tensor_parallel_size, pc.pipeline_parallel_size
+    heads = int(text.get("num_attention_heads", 1))
+    kv_heads = int(text.get("num_key_value_heads") or heads)
+    if heads % tp:
+        raise ValueError(f"tensor_parallel_size {tp} does not divide the model's {heads} "
+                         "attention heads")
+    if kv_heads % tp and tp % kv_heads:
+        raise ValueError(f"tensor_parallel_size {tp} must divide, or be a multiple of, the "
+                         f"model's {kv_heads} KV heads")
+    inter = text.get("intermediate_size")
+    if inter is not None and int(inter) % tp:
+        raise ValueError(f"tensor_parallel_size {tp} does not divide the model's "
+                         f"intermediate_size {inter}")
+    layers = int(text.get("num_hidden_layers", 1))
+    if pp > layers:
+        raise ValueError(f"pipeline_parallel_size {pp} exceeds the model's {layers} layers")
+
+
+SPEC_METHODS = ("ngram", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's `speculative_config`).
+
+    Attributes:
+        method: "ngram" (prompt lookup: propose the tokens that followed the last n-gram's
+            previous occurrence) or "draft_model" (a small model with the same tokenizer).
+        num_speculative_tokens: draft tokens proposed per step (k).
+        prompt_lookup_min / prompt_lookup_max: n-gram sizes tried, longest first (ngram).
+        model: the draft model's checkpoint folder or hub id (draft_model).
+    """
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    model: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {SPEC_METHODS}, "
+                             f"got {self.method!r}")
+        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
+            raise ValueError("speculative_config.num_speculative_tokens must be an int >= 1, "
+                             f"got {self.num_speculative_tokens!r}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("speculative_config needs 1 <= prompt_lookup_min <= "
+                             f"prompt_lookup_max, got {self.prompt_lookup_min}, "
+                             f"{self.prompt_lookup_max}")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative_config.model (the draft checkpoint) is required for "
+                             "method 'draft_model'")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SpeculativeConfig:
+        """Build from vLLM-style JSON keys; unknown keys are a ValueError naming them."""
+        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+                 "model"}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown speculative_config keys {sorted(unknown)}; known: "
+                             f"{sorted(known)}")
+        if "method" not in d or "num_speculative_tokens" not in d:
+            raise ValueError("speculative_config needs 'method' and 'num_speculative_tokens'")
+        return cls(**d)
 
 
 @dataclass(frozen=True)
@@ -162,6 +265,9 @@ class EngineConfig:
     model_path: str
     tokenizer_path: str
     max_model_len: int
+    speculative_config: SpeculativeConfig | None = None
+    # Resolved local folder of the draft model (speculative method "draft_model").
+    draft_model_path: str | None = None
 
     def __post_init__(self) -> None:
         sc = self.scheduler_config
@@ -234,7 +340,9 @@ def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str
                          enable_chunked_prefill: bool = True,
                          long_prefill_token_threshold: int = 0,
                          tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-                         distributed_executor_backend: str = "uni") -> EngineConfig:
+                         distributed_executor_backend: str | None = None,
+                         speculative_config: dict[str, Any] | SpeculativeConfig | None = None
+                         ) -> EngineConfig:
     """Build and validate an `EngineConfig` from flat engine arguments (vLLM's names).
 
     Resolves `model` to a local folder (hub ids through the huggingface_hub cache). Raises
@@ -253,6 +361,19 @@ def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str
     if max_model_len is not None and max_model_len > info.max_position_embeddings:
         raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's "
                          f"max_position_embeddings ({info.max_position_embeddings})")
+    if isinstance(speculative_config, dict):
+        speculative_config = SpeculativeConfig.from_dict(speculative_config)
+    draft_path = None
+    if speculative_config is not None and speculative_config.method == "draft_model":
+        draft_path = resolve_model_path(speculative_config.model, None)
+        draft_info = hf_model_info(draft_path)
+        if draft_info.vocab_size != info.vocab_size:
+            raise ValueError(f"draft model vocab size {draft_info.vocab_size} differs from the "
+                             f"target's {info.vocab_size}; they must share a tokenizer")
+    parallel_config = ParallelConfig(tensor_parallel_size=tensor_parallel_size,
+                                     pipeline_parallel_size=pipeline_parallel_size,
+                                     distributed_executor_backend=distributed_executor_backend)
+    _validate_parallel_layout(info.raw, parallel_config)
     if max_num_batched_tokens is None:
         max_num_batched_tokens = max(2048, max_num_seqs) if enable_chunked_prefill else max(
             eff_len, max_num_seqs)
@@ -266,14 +387,15 @@ def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str
                                          max_num_seqs=max_num_seqs,
                                          enable_chunked_prefill=enable_chunked_prefill,
                                          long_prefill_token_threshold=long_prefill_token_threshold),
-        parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
-                                       pipeline_parallel_size=pipeline_parallel_size,
-                                       distributed_executor_backend=distributed_executor_backend),
+        parallel_config=parallel_config,
         model_path=model_path,
         tokenizer_path=tokenizer_path,
         max_model_len=eff_len,
+        speculative_config=speculative_config,
+        draft_model_path=draft_path,
     )
 
 
 __all__ = ["ModelConfig", "CacheConfig", "SchedulerConfig", "ParallelConfig", "EngineConfig",
+           "SpeculativeConfig",
            "HFModelInfo", "create_engine_config", "hf_model_info", "read_hf_config"]

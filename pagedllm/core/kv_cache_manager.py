@@ -79,7 +79,8 @@ class KVCacheManager:
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: list[KVCacheBlock] | None = None,
-                       num_new_computed_tokens: int = 0) -> list[int] | None:
+                       num_new_computed_tokens: int = 0,
+                       num_lookahead_tokens: int = 0) -> list[int] | None:
         """Make room for `num_new_tokens` more tokens after the computed ones.
 
         Args:
@@ -87,6 +88,7 @@ class KVCacheManager:
             num_new_tokens: tokens to be computed this step.
             new_computed_blocks: prefix-cache hits from `get_computed_blocks` (new requests only).
             num_new_computed_tokens: tokens those hits cover.
+            num_lookahead_tokens: extra slots past the new tokens (never cached).
 
         Returns:
             The ids of blocks newly appended to the request (hits first), or None when there are
@@ -95,7 +97,7 @@ class KVCacheManager:
         new_computed_blocks = new_computed_blocks or []
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-        num_required = -(-total // self.block_size)
+        num_required = -(-(total + num_lookahead_tokens) // self.block_size)
         num_new = num_required - len(blocks) - len(new_computed_blocks)
         # Hits that sit in the free queue stop being free once touched.
         num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)

@@ -69,6 +69,8 @@ class Request:
         # scheduled yet).
         self.num_cached_tokens = -1
         self.num_preemptions = 0
+        # Draft tokens proposed for the next step (speculative decoding); not part of the tokens.
+        self.spec_token_ids: list[int] = []
         self._block_hasher = block_hasher
         self.block_hashes: list[bytes] = []
         self._update_block_hashes()
@@ -76,6 +78,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return len(self.all_token_ids) + len(self.spec_token_ids)
 
     @property
     def num_output_tokens(self) -> int:

@@ -48,6 +48,8 @@ class SchedulerOutput:
         finished_req_ids: requests finished (or aborted) since the last step: the worker drops them.
         preempted_req_ids: requests preempted this step: the worker drops them (they return later
             as new requests).
+        scheduled_spec_decode_tokens: req_id -> draft tokens verified this step (they follow the
+            request's tokens; `num_scheduled_tokens` counts them).
     """
 
     scheduled_new_reqs: list[NewRequestData]
@@ -56,6 +58,7 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_req_ids: set[str]
     preempted_req_ids: set[str]
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @classmethod
     def make_empty(cls) -> SchedulerOutput:
@@ -85,7 +88,7 @@ class ModelRunnerOutput:
     """What the worker sends back after a step.
 
     `sampled_token_ids[i]` belongs to `req_ids[i]`; an empty list means nothing was sampled (a
-    partial prefill chunk). `logprobs[req_id]` covers the sampled tokens of requests that asked
+    partial prefill chunk), several tokens = accepted draft tokens plus one. `logprobs[req_id]` covers the sampled tokens of requests that asked
     for logprobs; `prompt_logprobs_dict[req_id]` the prompt tokens whose logprobs were computed
     this step (the next prompt positions, in order).
     """
@@ -95,6 +98,8 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]
     logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     prompt_logprobs_dict: dict[str, tuple[int, LogprobsLists]] = field(default_factory=dict)
+    # Draft tokens proposed for each request's next step (speculative decoding).
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass

@@ -22,6 +22,25 @@ from pagedllm.core.sched_output import (CachedRequestData, EngineCoreOutput, Mod
 
 
 @dataclass
+class SpecDecodingStats:
+    """Speculative decoding counters since start: steps of a request with drafts, draft tokens
+    verified, draft tokens accepted."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per drafted step (accepted drafts + the target's own token)."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+@dataclass
 class SchedulerStats:
     """A snapshot of the scheduler's state for logging and metrics."""
 
@@ -33,6 +52,7 @@ class SchedulerStats:
     num_cached_blocks: int
     prefix_cache_stats: PrefixCacheStats
     num_preemptions: int
+    spec_decoding_stats: SpecDecodingStats
 
 
 class Scheduler:
@@ -43,10 +63,12 @@ class Scheduler:
         cache_config: block size and prefix caching.
         max_model_len: context length in tokens.
         num_blocks: KV blocks available (measured by the worker).
+        num_lookahead_tokens: extra KV slots reserved past each running request's scheduled
+            tokens (a draft model writes KV there while proposing).
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 max_model_len: int, num_blocks: int) -> None:
+                 max_model_len: int, num_blocks: int, num_lookahead_tokens: int = 0) -> None:
         self.config = scheduler_config
         self.max_model_len = max_model_len
         self.block_size = cache_config.block_size
@@ -58,6 +80,8 @@ class Scheduler:
         # Ids the worker must drop at the next step.
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
+        self.num_lookahead_tokens = num_lookahead_tokens
+        self.spec_decoding_stats = SpecDecodingStats()
 
     # ----------------------------------------------------------------- requests in and out
     def add_request(self, request: Request) -> None:
@@ -112,6 +136,7 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         cached = CachedRequestData()
         preempted: set[str] = set()
+        spec_tokens: dict[str, list[int]] = {}
 
         req_index = 0
         while req_index < len(self.running) and token_budget > 0:
@@ -122,7 +147,9 @@ class Scheduler:
                 req_index += 1
                 continue
             while True:
-                new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+                new_block_ids = self.kv_cache_manager.allocate_slots(
+                    request, num_new_tokens,
+                    num_lookahead_tokens=self._lookahead(request, num_new_tokens))
                 if new_block_ids is not None:
                     break
                 victim = self.running.pop()
@@ -132,6 +159,10 @@ class Scheduler:
                     break
             if new_block_ids is None:
                 break
+            num_spec = request.num_computed_tokens + num_new_tokens - request.num_tokens
+            if num_spec > 0:
+                spec_tokens[request.request_id] = request.spec_token_ids[:num_spec]
+            request.spec_token_ids = []
             cached.req_ids.append(request.request_id)
             cached.new_block_ids.append(new_block_ids)
             cached.num_computed_tokens.append(request.num_computed_tokens)
@@ -147,8 +178,9 @@ class Scheduler:
             num_new_tokens = self._num_new_tokens(request, num_hit_tokens, token_budget)
             if num_new_tokens == 0:
                 break
-            new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new_tokens,
-                                                                 hit_blocks, num_hit_tokens)
+            new_block_ids = self.kv_cache_manager.allocate_slots(
+                request, num_new_tokens, hit_blocks, num_hit_tokens,
+                self._lookahead(request, num_hit_tokens + num_new_tokens))
             if new_block_ids is None:
                 break
             self.waiting.popleft()
@@ -170,15 +202,21 @@ class Scheduler:
             scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached,
             num_scheduled_tokens=num_scheduled_tokens,
             total_num_scheduled_tokens=sum(num_scheduled_tokens.values()),
-            finished_req_ids=self.finished_req_ids, preempted_req_ids=preempted)
+            finished_req_ids=self.finished_req_ids, preempted_req_ids=preempted,
+            scheduled_spec_decode_tokens=spec_tokens)
         self.finished_req_ids = set()
         for req_id, n in num_scheduled_tokens.items():
             self.requests[req_id].num_computed_tokens += n
         return out
 
+    def _lookahead(self, request: Request, num_new_tokens: int) -> int:
+        return max(0, min(self.num_lookahead_tokens,
+                          self.max_model_len - request.num_computed_tokens - num_new_tokens))
+
     def _num_new_tokens(self, request: Request, num_computed: int, token_budget: int) -> int:
-        """Tokens to compute for `request` this step (0 = cannot schedule it now)."""
-        n = request.num_tokens - num_computed
+        """Tokens to compute for `request` this step, its draft tokens included (0 = cannot
+        schedule it now). Never past max_model_len."""
+        n = min(request.num_tokens_with_spec, self.max_model_len) - num_computed
         threshold = self.config.long_prefill_token_threshold
         if threshold:
             n = min(n, threshold)
@@ -190,6 +228,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -208,6 +247,15 @@ class Scheduler:
             if request is None or request.is_finished():
                 continue
             new_token_ids = model_runner_output.sampled_token_ids[index]
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
+            if drafts and new_token_ids:
+                # Rejected draft positions are not computed: their KV is overwritten later.
+                num_accepted = len(new_token_ids) - 1
+                request.num_computed_tokens -= len(drafts) - num_accepted
+                stats = self.spec_decoding_stats
+                stats.num_drafts += 1
+                stats.num_draft_tokens += len(drafts)
+                stats.num_accepted_tokens += num_accepted
             if not new_token_ids:
                 if req_id in prompt_logprobs:
                     outputs.append(EngineCoreOutput(req_id, [],
@@ -221,6 +269,8 @@ class Scheduler:
                     break
             if request.is_finished():
                 finished.append(request)
+            else:
+                request.spec_token_ids = model_runner_output.draft_token_ids.get(req_id, [])
             logprobs = model_runner_output.logprobs.get(req_id)
             outputs.append(EngineCoreOutput(
                 request_id=req_id, new_token_ids=accepted,
@@ -259,4 +309,5 @@ class Scheduler:
             num_free_blocks=pool.get_num_free_blocks(),
             num_cached_blocks=pool.num_cached_blocks(),
             prefix_cache_stats=replace(self.kv_cache_manager.prefix_cache_stats),
-            num_preemptions=self.num_preemptions)
+            num_preemptions=self.num_preemptions,
+            spec_decoding_stats=replace(self.spec_decoding_stats))

@@ -13,7 +13,7 @@ from pagedllm.core.kv_cache_utils import get_request_block_hasher
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched_output import EngineCoreOutput
 from pagedllm.core.scheduler import Scheduler, SchedulerStats
-from pagedllm.executor.uniproc import UniProcExecutor
+from pagedllm.executor.abstract import get_executor_class
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -39,11 +39,19 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.executor = UniProcExecutor(config)
-        num_blocks = self.executor.determine_num_blocks()
-        self.executor.initialize_kv_cache(num_blocks)
+        self.executor = get_executor_class(config.parallel_config.distributed_executor_backend)(
+            config)
+        try:
+            num_blocks = self.executor.determine_num_blocks()
+            self.executor.initialize_kv_cache(num_blocks)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        spec = config.speculative_config
+        # A draft model writes KV for the positions it proposes: reserve them.
+        lookahead = spec.num_speculative_tokens if spec and spec.method == "draft_model" else 0
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config,
-                                   config.max_model_len, num_blocks)
+                                   config.max_model_len, num_blocks, lookahead)
         self._block_hasher = (get_request_block_hasher(config.cache_config.block_size)
                               if config.cache_config.enable_prefix_caching else None)
         self.num_blocks = num_blocks

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from typing import Any
 
 
@@ -25,12 +26,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                    default=True)
     g.add_argument("--trust-remote-code", action="store_true")
+    g.add_argument("--speculative-config", type=json.loads, default=None,
+                   help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
+                        '\'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}\'')
+    g.add_argument("--logprobs-mode", default="raw_logprobs",
+                   choices=["raw_logprobs", "processed_logprobs"])
 
 
 _ENGINE_KEYS = ("tokenizer", "dtype", "max_model_len", "seed", "block_size",
                 "kv_cache_memory_bytes", "gpu_memory_utilization", "num_gpu_blocks_override",
                 "enable_prefix_caching", "max_num_batched_tokens", "max_num_seqs",
-                "enable_chunked_prefill", "trust_remote_code")
+                "enable_chunked_prefill", "trust_remote_code", "speculative_config",
+                "logprobs_mode")
 
 
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:

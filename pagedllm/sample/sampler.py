@@ -40,6 +40,18 @@ class SamplerOutput:
     logprobs: LogprobsTensors | None
 
 
+@dataclass(frozen=True)
+class Distributions:
+    """raw: [B, V] model logits; processed: [B, V] logits the token is drawn from (after every
+    edit and, for random rows, temperature/min-p/top-k/top-p); greedy: [B] argmax of the edited
+    logits (None if all rows are random); probs: [B, V] softmax(processed) (None if all greedy)."""
+
+    raw: torch.Tensor
+    processed: torch.Tensor
+    greedy: torch.Tensor | None
+    probs: torch.Tensor | None
+
+
 class Sampler:
     """Sample one token per row. `generator` is the engine's RNG for unseeded rows."""
 
@@ -50,25 +62,44 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """logits [B, V] float32 (not modified) -> SamplerOutput."""
+        dist = self.distributions(logits, metadata)
+        sampled = dist.greedy
+        if dist.probs is not None:
+            random = self.race(dist.probs, metadata)
+            sampled = random if dist.greedy is None else torch.where(
+                metadata.temperature > 0, random, dist.greedy)
+        return SamplerOutput(sampled, self.logprobs(dist, sampled, metadata))
+
+    def distributions(self, logits: torch.Tensor, md: SamplingMetadata) -> Distributions:
         raw = logits.float()
-        logits = self._process(raw, metadata)
-        greedy = None if metadata.all_random else logits.argmax(dim=-1)
-        if metadata.all_greedy:
-            return self._output(greedy, raw, logits, metadata)
-        temperature = metadata.temperature
+        logits = self._process(raw, md)
+        greedy = None if md.all_random else logits.argmax(dim=-1)
+        if md.all_greedy:
+            return Distributions(raw, logits, greedy, None)
+        temperature = md.temperature
         logits = logits / torch.where(temperature > 0, temperature, 1.0)[:, None]
-        if metadata.min_p is not None:
-            logits = apply_min_p(logits, metadata.min_p)
-        logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
-        probs = logits.softmax(dim=-1)
-        q = torch.empty_like(probs).exponential_(generator=self.generator)
-        for row, seed, pos in zip(metadata.seeded_rows, metadata.seeds,
-                                  metadata.output_positions):
-            self._seeded_generator.manual_seed(_mix_seed(seed, pos))
-            q[row].exponential_(generator=self._seeded_generator)
-        random = probs.div(q.clamp_min_(1e-20)).argmax(dim=-1)
-        sampled = random if greedy is None else torch.where(temperature > 0, random, greedy)
-        return self._output(sampled, raw, logits, metadata)
+        if md.min_p is not None:
+            logits = apply_min_p(logits, md.min_p)
+        logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
+        return Distributions(raw, logits, greedy, logits.softmax(dim=-1))
+
+    def noise(self, like: torch.Tensor, md: SamplingMetadata, stream: int = 0,
+              exponential: bool = True) -> torch.Tensor:
+        """i.i.d. Exp(1) (or U[0,1)) noise shaped like `like` ([B, V] or [B]); seeded rows draw
+        from (seed, output position, stream) so they are reproducible alone or batched."""
+        out = torch.empty_like(like, dtype=torch.float32)
+        draw = (lambda t, g: t.exponential_(generator=g)) if exponential else (
+            lambda t, g: t.uniform_(generator=g))
+        draw(out, self.generator)
+        for row, seed, pos in zip(md.seeded_rows, md.seeds, md.output_positions):
+            self._seeded_generator.manual_seed(_mix_seed(seed + stream * 0x5851F42D, pos))
+            draw(out[row], self._seeded_generator)
+        return out
+
+    def race(self, probs: torch.Tensor, md: SamplingMetadata, stream: int = 0) -> torch.Tensor:
+        """Draw one token per row of probs [B, V] (exponential race)."""
+        q = self.noise(probs, md, stream).clamp_min_(1e-20)
+        return probs.div(q).argmax(dim=-1)
 
     @staticmethod
     def _process(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
@@ -89,9 +120,10 @@ class Sampler:
         return logits
 
     @staticmethod
-    def _output(sampled: torch.Tensor, raw: torch.Tensor, processed: torch.Tensor,
-                md: SamplingMetadata) -> SamplerOutput:
+    def logprobs(dist: Distributions, tokens: torch.Tensor,
+                 md: SamplingMetadata) -> LogprobsTensors | None:
+        """Logprobs of `tokens` [B] per the metadata's logprobs_mode (None if no row asked)."""
         if md.max_num_logprobs is None:
-            return SamplerOutput(sampled, None)
-        source = raw if md.logprobs_mode == "raw_logprobs" else processed
-        return SamplerOutput(sampled, compute_logprobs(source, sampled, md.max_num_logprobs))
+            return None
+        source = dist.raw if md.logprobs_mode == "raw_logprobs" else dist.processed
+        return compute_logprobs(source, tokens, md.max_num_logprobs)

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from pagedllm.core.sched_output import NewRequestData
+from pagedllm.spec_decode.metadata import SpecDecodeMetadata
 from pagedllm.worker.block_table import BlockTable
 
 
@@ -95,10 +96,12 @@ class RequestStates:
         if idx is not None:
             self.free_indices.append(idx)
 
-    def append_sampled_tokens(self, indices: np.ndarray, token_ids: np.ndarray) -> None:
-        """Append one sampled token to each of the given slots."""
-        self.token_ids_cpu[indices, self.num_tokens[indices]] = token_ids
-        self.num_tokens[indices] += 1
+    def append_tokens(self, idx: int, token_ids: list[int]) -> None:
+        """Append sampled tokens to slot `idx` (never past the spare last column)."""
+        start = self.num_tokens[idx]
+        end = min(start + len(token_ids), self.max_model_len + 1)
+        self.token_ids_cpu[idx, start:end] = token_ids[:end - start]
+        self.num_tokens[idx] = end
 
 
 @dataclass(frozen=True)
@@ -116,6 +119,8 @@ class InputBatch:
         logits_indices: [num_sampled] int64 (device), last token of each sampled request.
         sampled_batch_idx: [num_sampled] int64 numpy, batch rows that sample this step (rows
             whose prompt is still partially uncomputed do not).
+        spec_decode_metadata: where drafts are verified, when any were scheduled (then
+            logits_indices holds k+1 rows per sampled request with k drafts).
     """
 
     req_ids: list[str]
@@ -127,6 +132,7 @@ class InputBatch:
     positions: torch.Tensor
     logits_indices: torch.Tensor
     sampled_batch_idx: np.ndarray
+    spec_decode_metadata: SpecDecodeMetadata | None = None
 
     @property
     def num_reqs(self) -> int:

@@ -1,12 +1,16 @@
-"""ModelRunner: turns a SchedulerOutput into one forward pass and one sampled token per request.
+"""ModelRunner: turns a SchedulerOutput into one forward pass and the sampled tokens.
 
 This file orchestrates only; the parts live elsewhere: request state (`input_batch.py`), slot
 mapping (`block_table.py`), attention metadata (`attention/`), sampling inputs
-(`sampling_inputs.py`), the sampler (`sample/`), KV allocation (`kv_cache.py`).
+(`sampling_inputs.py`), the sampler and rejection sampler (`sample/`), draft proposers and
+spec-decode metadata (`spec_decode/`), KV allocation (`kv_cache.py`).
 
     execute_model(scheduler_output):  update states -> prepare inputs -> attention metadata
                                       -> forward over the flat batch -> logits at logits_indices
-    sample_tokens():                  sampler -> append tokens to states -> ModelRunnerOutput
+                                      (-> the draft model catches up on the same batch)
+    sample_tokens():                  sampler, or rejection sampler where drafts were scheduled
+                                      -> append tokens to states -> propose drafts
+                                      -> ModelRunnerOutput
 
 Rows whose prompt is still partially uncomputed after this step are not sampled at all (no logits,
 no RNG use), so seeded outputs do not depend on how a prompt was chunked.
@@ -24,8 +28,12 @@ from pagedllm.core.sched_output import (LogprobsLists, ModelRunnerOutput, NewReq
                                         SchedulerOutput)
 from pagedllm.model_loader.loader import load_model
 from pagedllm.sample.logprobs import LogprobsTensors, compute_logprobs
+from pagedllm.sample.rejection_sampler import rejection_sample
 from pagedllm.sample.sampler import Sampler
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.spec_decode.draft_model import DraftModelProposer
+from pagedllm.spec_decode.metadata import SpecDecodeMetadata, build_spec_decode_metadata
+from pagedllm.spec_decode.ngram import NgramProposer
 from pagedllm.worker.input_batch import InputBatch, RequestStates
 from pagedllm.worker.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
 from pagedllm.worker.sampling_inputs import build_sampling_metadata
@@ -60,18 +68,37 @@ class ModelRunner:
         self.positions = torch.zeros(self.max_num_tokens, dtype=torch.int64, device=device)
         self.slot_mapping = torch.zeros(self.max_num_tokens, dtype=torch.int64, device=device)
         self._pending: tuple[InputBatch, torch.Tensor, dict] | None = None
+        self.spec_config = config.speculative_config
+        self.drafter: NgramProposer | DraftModelProposer | None = None
+        if self.spec_config is not None and self.spec_config.method == "ngram":
+            self.drafter = NgramProposer(self.spec_config.num_speculative_tokens,
+                                         self.spec_config.prompt_lookup_min,
+                                         self.spec_config.prompt_lookup_max)
 
     # ----------------------------------------------------------------- set-up
     def load_model(self) -> None:
         self.model = load_model(self.config.model_path, self.hf_config, self.dtype, self.device)
         self.vocab_size = self.hf_config.vocab_size
+        if self.spec_config is not None and self.spec_config.method == "draft_model":
+            from transformers import AutoConfig
+            draft_path = self.config.draft_model_path
+            draft = load_model(draft_path, AutoConfig.from_pretrained(draft_path), self.dtype,
+                               self.device)
+            self.drafter = DraftModelProposer(draft, self.spec_config.num_speculative_tokens,
+                                              self._run_model, self.block_size, self.device)
+
+    def _attention_layers(self) -> list:
+        layers = self.model.attention_layers()
+        if isinstance(self.drafter, DraftModelProposer):
+            layers = layers + self.drafter.model.attention_layers()
+        return layers
 
     def kv_cache_bytes_per_block(self) -> int:
-        return kv_cache_bytes_per_block(self.model.attention_layers(), self.block_size,
-                                        self.dtype)
+        """Bytes of one block over every layer (the draft model's included)."""
+        return kv_cache_bytes_per_block(self._attention_layers(), self.block_size, self.dtype)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.kv_caches = allocate_kv_caches(self.model.attention_layers(), num_blocks,
+        self.kv_caches = allocate_kv_caches(self._attention_layers(), num_blocks,
                                             self.block_size, self.dtype, self.device)
 
     @torch.inference_mode()
@@ -97,7 +124,7 @@ class ModelRunner:
         for r in reqs:
             self.states.remove_request(r.req_id)
         self.kv_caches = []
-        for layer in self.model.attention_layers():
+        for layer in self._attention_layers():
             layer.kv_cache = torch.empty(0)
 
     # ----------------------------------------------------------------- one step
@@ -112,6 +139,12 @@ class ModelRunner:
             idx = self.states.req_id_to_index[req_id]
             self.states.block_table.append_row(new_blocks, idx)
             self.states.num_computed_tokens[idx] = num_computed
+        for req_id, drafts in so.scheduled_spec_decode_tokens.items():
+            # Drafts sit after the request's tokens (not counted in num_tokens) to be gathered
+            # as inputs; accepted ones are written again when appended.
+            idx = self.states.req_id_to_index[req_id]
+            start = self.states.num_tokens[idx]
+            self.states.token_ids_cpu[idx, start:start + len(drafts)] = drafts
 
     def _prepare_inputs(self, so: SchedulerOutput) -> tuple[InputBatch, CommonAttentionMetadata]:
         st = self.states
@@ -135,8 +168,14 @@ class ModelRunner:
         self.slot_mapping[:n].copy_(torch.from_numpy(slot_mapping))
 
         sampled_batch_idx = np.nonzero(seq_lens >= st.num_tokens[idx_mapping])[0]
-        logits_indices = torch.from_numpy(
-            (query_start_loc[1:] - 1)[sampled_batch_idx].astype(np.int64)).to(self.device)
+        last_token_index = (query_start_loc[1:] - 1)[sampled_batch_idx].astype(np.int64)
+        spec = None
+        if so.scheduled_spec_decode_tokens:
+            spec = build_spec_decode_metadata(
+                [so.scheduled_spec_decode_tokens.get(req_ids[b], []) for b in sampled_batch_idx],
+                last_token_index)
+            last_token_index = spec.logits_indices
+        logits_indices = torch.from_numpy(last_token_index).to(self.device)
         max_blocks = int(st.block_table.num_blocks_per_row[idx_mapping].max())
         block_table = torch.from_numpy(
             st.block_table.block_table_np[idx_mapping, :max_blocks]).to(self.device)
@@ -152,8 +191,16 @@ class ModelRunner:
                            num_scheduled_tokens=num_scheduled,
                            query_start_loc_np=query_start_loc, seq_lens_np=seq_lens,
                            input_ids=self.input_ids[:n], positions=self.positions[:n],
-                           logits_indices=logits_indices, sampled_batch_idx=sampled_batch_idx)
+                           logits_indices=logits_indices, sampled_batch_idx=sampled_batch_idx,
+                           spec_decode_metadata=spec)
         return batch, common
+
+    def _run_model(self, model: torch.nn.Module, input_ids: torch.Tensor,
+                   positions: torch.Tensor, common: CommonAttentionMetadata) -> torch.Tensor:
+        """One forward of `model` over a flat batch; the only place the forward context is set."""
+        attn_metadata = model.attention_layers()[0].backend.build_metadata(common)
+        with set_forward_context(attn_metadata):
+            return model(input_ids, positions)
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
@@ -163,9 +210,9 @@ class ModelRunner:
             self._pending = None
             return
         batch, common = self._prepare_inputs(scheduler_output)
-        attn_metadata = self.model.attention_layers()[0].backend.build_metadata(common)
-        with set_forward_context(attn_metadata):
-            hidden = self.model(batch.input_ids, batch.positions)
+        hidden = self._run_model(self.model, batch.input_ids, batch.positions, common)
+        if isinstance(self.drafter, DraftModelProposer):
+            self.drafter.catch_up(batch.input_ids, batch.positions, common)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         self._pending = (batch, logits, self._compute_prompt_logprobs(batch, hidden))
 
@@ -192,7 +239,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample_tokens(self) -> ModelRunnerOutput:
-        """Sample for the rows of the last `execute_model` and record the tokens."""
+        """Sample (or verify drafts) for the rows of the last `execute_model`, record the tokens
+        and propose the next drafts."""
         if self._pending is None:
             return ModelRunnerOutput([], {}, [])
         batch, logits, prompt_logprobs = self._pending
@@ -200,26 +248,77 @@ class ModelRunner:
         sampled_rows = batch.idx_mapping[batch.sampled_batch_idx]
         sampled_token_ids: list[list[int]] = [[] for _ in batch.req_ids]
         logprobs: dict[str, LogprobsLists] = {}
+        drafts: dict[str, list[int]] = {}
         if len(sampled_rows):
-            metadata = build_sampling_metadata(self.states, sampled_rows, logits.shape[-1],
-                                               self.device, self.logprobs_mode)
-            out = self.sampler(logits, metadata)
-            tokens = out.sampled_token_ids.cpu().numpy()
-            self.states.append_sampled_tokens(sampled_rows, tokens.astype(np.int32))
-            for b, t in zip(batch.sampled_batch_idx.tolist(), tokens.tolist()):
-                sampled_token_ids[b] = [t]
-            if out.logprobs is not None:
-                lists = _to_lists(out.logprobs)
-                for i, b in enumerate(batch.sampled_batch_idx.tolist()):
-                    k = int(self.states.num_logprobs[sampled_rows[i]])
-                    if k >= 0:
-                        logprobs[batch.req_ids[b]] = LogprobsLists(
-                            [lists.token_ids[i][:k + 1]], [lists.logprobs[i][:k + 1]],
-                            [lists.ranks[i]])
+            if batch.spec_decode_metadata is None:
+                tokens, lp_lists, lp_rows = self._sample(sampled_rows, logits)
+            else:
+                tokens, lp_lists, lp_rows = self._verify(sampled_rows, logits,
+                                                         batch.spec_decode_metadata)
+            for i, b in enumerate(batch.sampled_batch_idx.tolist()):
+                sampled_token_ids[b] = tokens[i]
+                self.states.append_tokens(sampled_rows[i], tokens[i])
+                k = int(self.states.num_logprobs[sampled_rows[i]])
+                if lp_lists is not None and k >= 0:
+                    lo, hi = lp_rows[i], lp_rows[i] + len(tokens[i])
+                    logprobs[batch.req_ids[b]] = LogprobsLists(
+                        [ids[:k + 1] for ids in lp_lists.token_ids[lo:hi]],
+                        [lps[:k + 1] for lps in lp_lists.logprobs[lo:hi]],
+                        lp_lists.ranks[lo:hi])
+            if self.drafter is not None:
+                drafts = self._propose(batch, sampled_rows)
         return ModelRunnerOutput(req_ids=batch.req_ids,
                                  req_id_to_index={r: i for i, r in enumerate(batch.req_ids)},
                                  sampled_token_ids=sampled_token_ids, logprobs=logprobs,
-                                 prompt_logprobs_dict=prompt_logprobs)
+                                 prompt_logprobs_dict=prompt_logprobs,
+                                 draft_token_ids=drafts)
+
+    def _sample(self, rows: np.ndarray, logits: torch.Tensor):
+        """One token per row. Returns (tokens per row, logprob lists or None, first logprob row
+        of each row)."""
+        metadata = build_sampling_metadata(self.states, rows, logits.shape[-1], self.device,
+                                           self.logprobs_mode)
+        out = self.sampler(logits, metadata)
+        tokens = out.sampled_token_ids.tolist()
+        lp = None if out.logprobs is None else _to_lists(out.logprobs)
+        return [[t] for t in tokens], lp, list(range(len(tokens)))
+
+    def _verify(self, rows: np.ndarray, logits: torch.Tensor, spec: SpecDecodeMetadata):
+        """Rejection-sample the drafts; same returns as `_sample`."""
+        num_logits = np.diff(spec.cu_num_logits)
+        expanded = np.repeat(rows, num_logits)
+        offsets = np.arange(spec.num_logits) - np.repeat(spec.cu_num_logits[:-1], num_logits)
+        metadata = build_sampling_metadata(self.states, expanded, logits.shape[-1], self.device,
+                                           self.logprobs_mode, position_offsets=offsets)
+        tokens, dist, emitted_at_row = rejection_sample(self.sampler, logits, metadata, spec)
+        lp = self.sampler.logprobs(dist, emitted_at_row, metadata)
+        return tokens, None if lp is None else _to_lists(lp), spec.cu_num_logits[:-1].tolist()
+
+    def _propose(self, batch: InputBatch, rows: np.ndarray) -> dict[str, list[int]]:
+        """Draft tokens for the next step of each sampled request that can use them.
+
+        Requests whose sampling depends on the tokens before each position (penalties, bad
+        words, min_tokens not reached, logits processors) get no drafts: verifying them would need
+        per-position sampling state.
+        """
+        st = self.states
+        k = self.spec_config.num_speculative_tokens
+        eligible = ((st.presence_penalty[rows] == 0) & (st.frequency_penalty[rows] == 0)
+                    & (st.repetition_penalty[rows] == 1)
+                    & (st.num_tokens[rows] - st.num_prompt_tokens[rows] >= st.min_tokens[rows])
+                    & np.array([not st.bad_words_token_ids[r] and not st.logits_processors[r]
+                                for r in rows], dtype=bool))
+        max_drafts = np.where(eligible, np.minimum(k, self.config.max_model_len
+                                                   - st.num_tokens[rows]), 0)
+        batch_rows = batch.sampled_batch_idx
+        if isinstance(self.drafter, NgramProposer):
+            proposals = [self.drafter.propose_one(st.token_ids_cpu[r, :st.num_tokens[r]], int(m))
+                         for r, m in zip(rows, max_drafts)]
+        else:
+            last = st.num_tokens[rows] - 1
+            proposals = self.drafter.propose(st.token_ids_cpu[rows, last], last,
+                                             st.block_table.block_table_np[rows], max_drafts)
+        return {batch.req_ids[b]: p for b, p in zip(batch_rows.tolist(), proposals) if p}
 
 
 def _to_lists(t: LogprobsTensors) -> LogprobsLists:

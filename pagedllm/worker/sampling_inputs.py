@@ -45,9 +45,11 @@ def _banned_pairs(states: RequestStates, rows: np.ndarray,
 
 
 def build_sampling_metadata(states: RequestStates, rows: np.ndarray, vocab_size: int,
-                            device: torch.device,
-                            logprobs_mode: str = "raw_logprobs") -> SamplingMetadata:
-    """rows: [B] slots (req_index) sampled this step, in logits row order."""
+                            device: torch.device, logprobs_mode: str = "raw_logprobs",
+                            position_offsets: np.ndarray | None = None) -> SamplingMetadata:
+    """rows: [B] slots (req_index) of the logits rows, in order (a slot repeats when its drafts
+    are verified); position_offsets: [B] how far past the request's next output position each
+    logits row is (0 without speculative decoding)."""
     temperature = states.temperature[rows]
     greedy = temperature == 0.0
 
@@ -58,6 +60,8 @@ def build_sampling_metadata(states: RequestStates, rows: np.ndarray, vocab_size:
     top_k = states.top_k[rows].astype(np.int64)
     min_p = states.min_p[rows]
     num_output = states.num_tokens[rows] - states.num_prompt_tokens[rows]
+    if position_offsets is not None:
+        num_output = num_output + position_offsets
     seeded = np.nonzero(states.has_seed[rows] & ~greedy)[0]
 
     presence = states.presence_penalty[rows]
