@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from enum import Enum, IntEnum
 from typing import Any
 
+from pagedllm.structured_output.params import StructuredOutputsParams
+
 _SAMPLING_EPS = 1e-5
 
 
@@ -65,6 +67,8 @@ class SamplingParams:
         output_kind: CUMULATIVE, DELTA or FINAL_ONLY (for streaming).
         logits_processors: callables `(output_token_ids, logits [vocab]) -> logits` applied to
             this request's logits before sampling, in order.
+        structured_outputs: a `StructuredOutputsParams` (or a dict of its fields): the output
+            must satisfy a JSON schema, regex, choice or grammar.
 
     Raises:
         ValueError: on any out-of-range field, naming it.
@@ -96,11 +100,17 @@ class SamplingParams:
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     logits_processors: list[LogitsProcessor] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     # Set by the engine (generation config, tokenizer); not user fields.
     _all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
     _bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as e:
+                raise ValueError(f"structured_outputs: {e}") from e
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -50,6 +52,9 @@ class SchedulerOutput:
             as new requests).
         scheduled_spec_decode_tokens: req_id -> draft tokens verified this step (they follow the
             request's tokens; `num_scheduled_tokens` counts them).
+        structured_output_request_ids: structured requests that sample this step, in the order
+            of the grammar bitmask's rows (1 + number of drafts rows each).
+        grammar_bitmask: int32 numpy [rows, ceil(vocab / 32)] or None.
     """
 
     scheduled_new_reqs: list[NewRequestData]
@@ -59,6 +64,8 @@ class SchedulerOutput:
     finished_req_ids: set[str]
     preempted_req_ids: set[str]
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    structured_output_request_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: np.ndarray | None = None
 
     @classmethod
     def make_empty(cls) -> SchedulerOutput:

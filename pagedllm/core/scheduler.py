@@ -65,10 +65,13 @@ class Scheduler:
         num_blocks: KV blocks available (measured by the worker).
         num_lookahead_tokens: extra KV slots reserved past each running request's scheduled
             tokens (a draft model writes KV there while proposing).
+        structured_output_manager: grammar state for structured requests (duck-typed: see
+            pagedllm/structured_output/manager.py); None if the engine has none.
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 max_model_len: int, num_blocks: int, num_lookahead_tokens: int = 0) -> None:
+                 max_model_len: int, num_blocks: int, num_lookahead_tokens: int = 0,
+                 structured_output_manager=None) -> None:
         self.config = scheduler_config
         self.max_model_len = max_model_len
         self.block_size = cache_config.block_size
@@ -82,6 +85,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_lookahead_tokens = num_lookahead_tokens
         self.spec_decoding_stats = SpecDecodingStats()
+        self.structured_output_manager = structured_output_manager
 
     # ----------------------------------------------------------------- requests in and out
     def add_request(self, request: Request) -> None:
@@ -94,6 +98,11 @@ class Scheduler:
             raise ValueError(f"request needs up to {needed} KV blocks ({request.num_tokens} prompt "
                              f"tokens + max_tokens {request.max_tokens}) but the KV cache has only "
                              f"{usable}; lower max_tokens or give the cache more memory")
+        if request.sampling_params.structured_outputs is not None:
+            if self.structured_output_manager is None:
+                raise ValueError("this engine has no structured output support")
+            self.structured_output_manager.add_request(request.request_id,
+                                                       request.sampling_params.structured_outputs)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -117,6 +126,8 @@ class Scheduler:
             self._free_request(request)
 
     def _free_request(self, request: Request) -> None:
+        if self.structured_output_manager is not None:
+            self.structured_output_manager.remove_request(request.request_id)
         self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
@@ -170,10 +181,15 @@ class Scheduler:
             token_budget -= num_new_tokens
             req_index += 1
 
-        # Admit waiting requests only if nothing had to be preempted this step.
+        # Admit waiting requests only if nothing had to be preempted this step. Structured
+        # requests whose grammar is still compiling wait without blocking the others.
+        compiling: list[Request] = []
         while (not preempted and self.waiting and token_budget > 0
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
+            if not self._grammar_ready(request):
+                compiling.append(self.waiting.popleft())
+                continue
             hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
             num_new_tokens = self._num_new_tokens(request, num_hit_tokens, token_budget)
             if num_new_tokens == 0:
@@ -198,6 +214,7 @@ class Scheduler:
             num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
 
+        self.waiting.extendleft(reversed(compiling))
         out = SchedulerOutput(
             scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached,
             num_scheduled_tokens=num_scheduled_tokens,
@@ -207,16 +224,40 @@ class Scheduler:
         self.finished_req_ids = set()
         for req_id, n in num_scheduled_tokens.items():
             self.requests[req_id].num_computed_tokens += n
+        self._add_grammar_bitmask(out)
         return out
 
+    def _grammar_ready(self, request: Request) -> bool:
+        return (request.sampling_params.structured_outputs is None
+                or self.structured_output_manager.is_ready(request.request_id))
+
+    def _add_grammar_bitmask(self, out: SchedulerOutput) -> None:
+        """Bitmask rows for the structured requests that sample this step."""
+        rows = [(req_id, out.scheduled_spec_decode_tokens.get(req_id, []))
+                for req_id in out.num_scheduled_tokens
+                if self.requests[req_id].sampling_params.structured_outputs is not None
+                and self.requests[req_id].num_computed_tokens
+                >= self.requests[req_id].num_tokens]
+        if rows:
+            out.structured_output_request_ids = [r for r, _ in rows]
+            out.grammar_bitmask = self.structured_output_manager.grammar_bitmask(rows)
+
+    def _max_kv_tokens(self, request: Request) -> int:
+        """Token slots `add_request` checked the cache can hold for `request` alone.
+
+        NOTE(issue #5): draft tokens and lookahead slots are capped by this too; past it a request
+        could need more blocks than the whole cache, preempt itself and never be readmitted.
+        """
+        return min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
+
     def _lookahead(self, request: Request, num_new_tokens: int) -> int:
-        return max(0, min(self.num_lookahead_tokens,
-                          self.max_model_len - request.num_computed_tokens - num_new_tokens))
+        return max(0, min(self.num_lookahead_tokens, self._max_kv_tokens(request)
+                          - request.num_computed_tokens - num_new_tokens))
 
     def _num_new_tokens(self, request: Request, num_computed: int, token_budget: int) -> int:
         """Tokens to compute for `request` this step, its draft tokens included (0 = cannot
-        schedule it now). Never past max_model_len."""
-        n = min(request.num_tokens_with_spec, self.max_model_len) - num_computed
+        schedule it now). Never past max_model_len nor past prompt + max_tokens."""
+        n = min(request.num_tokens_with_spec, self._max_kv_tokens(request)) - num_computed
         threshold = self.config.long_prefill_token_threshold
         if threshold:
             n = min(n, threshold)
@@ -262,15 +303,23 @@ class Scheduler:
                                                     new_prompt_logprobs=prompt_logprobs[req_id]))
                 continue
             accepted: list[int] = []
+            structured = request.sampling_params.structured_outputs is not None
             for token_id in new_token_ids:
                 accepted.append(token_id)
                 request.append_output_token_ids([token_id])
                 if self._check_stop(request, token_id):
                     break
+                if structured and self.structured_output_manager.accept_tokens(req_id,
+                                                                               [token_id]):
+                    request.status = RequestStatus.FINISHED_STOPPED
+                    break
             if request.is_finished():
                 finished.append(request)
             else:
-                request.spec_token_ids = model_runner_output.draft_token_ids.get(req_id, [])
+                drafts = model_runner_output.draft_token_ids.get(req_id, [])
+                if structured and drafts:
+                    drafts = self.structured_output_manager.validate_tokens(req_id, drafts)
+                request.spec_token_ids = drafts
             logprobs = model_runner_output.logprobs.get(req_id)
             outputs.append(EngineCoreOutput(
                 request_id=req_id, new_token_ids=accepted,

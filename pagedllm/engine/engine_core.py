@@ -8,13 +8,16 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from pagedllm.config import EngineConfig
+from transformers import AutoTokenizer
+
+from pagedllm.config import EngineConfig, hf_model_info
 from pagedllm.core.kv_cache_utils import get_request_block_hasher
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched_output import EngineCoreOutput
 from pagedllm.core.scheduler import Scheduler, SchedulerStats
 from pagedllm.executor.abstract import get_executor_class
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -50,14 +53,26 @@ class EngineCore:
         spec = config.speculative_config
         # A draft model writes KV for the positions it proposes: reserve them.
         lookahead = spec.num_speculative_tokens if spec and spec.method == "draft_model" else 0
+        self.structured_output_manager = StructuredOutputManager(
+            lambda: AutoTokenizer.from_pretrained(
+                config.tokenizer_path, trust_remote_code=config.model_config.trust_remote_code),
+            hf_model_info(config.model_path).vocab_size)
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config,
-                                   config.max_model_len, num_blocks, lookahead)
+                                   config.max_model_len, num_blocks, lookahead,
+                                   self.structured_output_manager)
         self._block_hasher = (get_request_block_hasher(config.cache_config.block_size)
                               if config.cache_config.enable_prefix_caching else None)
         self.num_blocks = num_blocks
 
     def add_request(self, req: EngineCoreRequest) -> None:
-        """Queue a request (raises ValueError if it can never fit the KV cache)."""
+        """Queue a request.
+
+        Raises:
+            ValueError: if it can never fit the KV cache, or its structured-output spec does not
+                parse.
+        """
+        if req.sampling_params.structured_outputs is not None:
+            self.structured_output_manager.validate(req.sampling_params.structured_outputs)
         self.scheduler.add_request(Request(req.request_id, req.prompt_token_ids,
                                            req.sampling_params, req.max_tokens,
                                            self._block_hasher, req.arrival_time))
@@ -82,4 +97,5 @@ class EngineCore:
         return self.scheduler.make_stats()
 
     def shutdown(self) -> None:
+        self.structured_output_manager.shutdown()
         self.executor.shutdown()

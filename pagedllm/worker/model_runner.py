@@ -34,8 +34,10 @@ from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec_decode.draft_model import DraftModelProposer
 from pagedllm.spec_decode.metadata import SpecDecodeMetadata, build_spec_decode_metadata
 from pagedllm.spec_decode.ngram import NgramProposer
+from pagedllm.structured_output.apply import apply_grammar_bitmask
 from pagedllm.worker.input_batch import InputBatch, RequestStates
 from pagedllm.worker.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
+from pagedllm.worker.pipeline_sampler import pipeline_stage_sampler
 from pagedllm.worker.sampling_inputs import build_sampling_metadata
 
 
@@ -59,7 +61,7 @@ class ModelRunner:
         self.max_num_reqs = config.scheduler_config.max_num_seqs
         self.states = RequestStates(self.max_num_reqs, config.max_model_len,
                                     config.max_num_blocks_per_req, self.block_size)
-        self.sampler = Sampler(device, config.model_config.seed)
+        self.sampler = pipeline_stage_sampler(Sampler(device, config.model_config.seed))
         self.logprobs_mode = config.model_config.logprobs_mode
         self.model = None
         self.kv_caches: list[torch.Tensor] = []
@@ -214,7 +216,26 @@ class ModelRunner:
         if isinstance(self.drafter, DraftModelProposer):
             self.drafter.catch_up(batch.input_ids, batch.positions, common)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
+        logits = self._apply_grammar(scheduler_output, batch, logits)
         self._pending = (batch, logits, self._compute_prompt_logprobs(batch, hidden))
+
+    def _apply_grammar(self, so: SchedulerOutput, batch: InputBatch,
+                       logits: torch.Tensor) -> torch.Tensor:
+        """Mask tokens the grammar forbids in the logits rows of structured requests."""
+        if so.grammar_bitmask is None:
+            return logits
+        sampled_pos = {batch.req_ids[b]: i for i, b in enumerate(batch.sampled_batch_idx)}
+        spec = batch.spec_decode_metadata
+        rows = []
+        for req_id in so.structured_output_request_ids:
+            i = sampled_pos[req_id]
+            if spec is None:
+                rows.append(i)
+            else:
+                rows.extend(range(int(spec.cu_num_logits[i]), int(spec.cu_num_logits[i + 1])))
+        return apply_grammar_bitmask(
+            logits, torch.from_numpy(so.grammar_bitmask).to(self.device),
+            torch.tensor(rows, dtype=torch.int64, device=self.device))
 
     def _compute_prompt_logprobs(self, batch: InputBatch, hidden: torch.Tensor
                                  ) -> dict[str, tuple[int, LogprobsLists]]:

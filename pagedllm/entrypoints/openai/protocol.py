@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output.params import StructuredOutputsParams
 
 
 def random_id(prefix: str) -> str:
@@ -59,6 +60,19 @@ class UsageInfo(BaseModel):
     total_tokens: int = 0
 
 
+class JsonSchemaFormat(BaseModel):
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: {"type": "text" | "json_object" | "json_schema", ...}."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _SamplingRequest(BaseModel):
     """Fields shared by completion and chat requests (OpenAI's plus vLLM's extras)."""
 
@@ -86,6 +100,41 @@ class _SamplingRequest(BaseModel):
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    response_format: ResponseFormat | None = None
+    # vLLM's structured output fields: {"json" | "regex" | "choice" | "grammar" | "json_object"}
+    # and the older guided_* spellings.
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The request's output constraint, if any (raises ValueError naming the problem)."""
+        specs: list[dict[str, Any]] = []
+        if self.structured_outputs:
+            specs.append(dict(self.structured_outputs))
+        for name in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{name}")
+            if value is not None:
+                specs.append({name: value})
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            specs.append({"json_object": True})
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise ValueError("response_format: json_schema.schema is required for type "
+                                 "'json_schema'")
+            specs.append({"json": fmt.json_schema.schema_})
+        if not specs:
+            return None
+        if len(specs) > 1:
+            raise ValueError("structured_outputs: give one constraint (response_format, "
+                             "structured_outputs or guided_*), not several")
+        try:
+            return StructuredOutputsParams(**specs[0])
+        except TypeError as e:
+            raise ValueError(f"structured_outputs: {e}") from e
 
     def requested_max_tokens(self) -> int | None:
         raise NotImplementedError
@@ -109,7 +158,8 @@ class _SamplingRequest(BaseModel):
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             max_tokens=max_tokens, min_tokens=self.min_tokens,
             skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output)
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            structured_outputs=self.structured_outputs_params())
 
 
 class CompletionRequest(_SamplingRequest):

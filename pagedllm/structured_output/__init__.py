@@ -1,0 +1,1 @@
+"""Structured output: grammars (JSON schema, regex, choice, EBNF) enforced through token bitmasks."""
