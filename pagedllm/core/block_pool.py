@@ -124,11 +124,14 @@ class BlockPool:
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the pool's bookkeeping is inconsistent."""
-        for block in self.blocks:
+        for block in self.blocks[1:]:
             assert block.ref_cnt >= 0, f"block {block.block_id} ref_cnt {block.ref_cnt}"
             in_free = block.block_id in self.free_block_queue
             assert in_free == (block.ref_cnt == 0), f"block {block.block_id} free/used mismatch"
             if block.block_hash is not None:
                 assert self.cached_block_hash_to_block.get(block.block_hash) is block
         assert all(b.block_hash is not None for b in self.cached_block_hash_to_block.values())
-        assert len(self.free_block_queue) <= self.num_blocks
+        assert self.null_block.block_id not in self.free_block_queue
+        assert self.null_block.block_hash is None
+        num_used = sum(1 for b in self.blocks[1:] if b.ref_cnt > 0)
+        assert len(self.free_block_queue) + num_used == self.num_blocks - 1

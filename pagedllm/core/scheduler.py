@@ -204,8 +204,10 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit_tokens
             if request.num_cached_tokens < 0:
+                # Counted once per request: a resumed request's hits on its own blocks are not
+                # prefix sharing.
                 request.num_cached_tokens = num_hit_tokens
-            self.kv_cache_manager.record_prefix_lookup(request.num_tokens, num_hit_tokens)
+                self.kv_cache_manager.record_prefix_lookup(request.num_tokens, num_hit_tokens)
             new_reqs.append(NewRequestData(
                 req_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
                 output_token_ids=list(request.output_token_ids),

@@ -15,7 +15,10 @@ from pagedllm.core.scheduler import SchedulerStats
 from pagedllm.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.pooling_engine import EmbedPrompt, PoolingEngine, is_pooling_model
 from pagedllm.outputs import RequestOutput
+from pagedllm.pooling.outputs import EmbeddingRequestOutput
+from pagedllm.pooling.params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -41,14 +44,27 @@ class LLM:
         model: checkpoint folder or hub id; None = the shipped default model.
         **engine_args: engine arguments by vLLM's names (dtype, max_model_len, block_size,
             max_num_seqs, max_num_batched_tokens, enable_prefix_caching, kv_cache_memory_bytes,
-            gpu_memory_utilization, seed, ...).
+            gpu_memory_utilization, seed, ...). With runner="pooling" also `pooling_type`
+            ("MEAN" | "CLS" | "LAST") and `normalize`, the model's pooling defaults.
+        runner: "generate", "pooling" (embeddings, `embed`; docs/embeddings.md) or "auto"
+            (pooling for architectures without an LM head, e.g. BertModel).
     """
 
-    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+    def __init__(self, model: str | None = None, runner: str = "auto",
+                 **engine_args: Any) -> None:
         if model is None:
             from pagedllm.assets import default_model_path
             model = default_model_path()
-        self.llm_engine = LLMEngine.from_engine_args(model, **engine_args)
+        if runner not in ("auto", "generate", "pooling"):
+            raise ValueError(f"runner must be 'auto', 'generate' or 'pooling', got {runner!r}")
+        if runner == "auto":
+            runner = "pooling" if is_pooling_model(model, engine_args.get("revision")) \
+                else "generate"
+        self.runner = runner
+        if runner == "pooling":
+            self.llm_engine = PoolingEngine.from_engine_args(model, **engine_args)
+        else:
+            self.llm_engine = LLMEngine.from_engine_args(model, **engine_args)
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
@@ -69,6 +85,7 @@ class LLM:
                 was invalid; it carries the outputs of the others.
             ValueError: if the number of sampling params does not match the prompts.
         """
+        self._require_runner("generate")
         prompts = self._as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -133,6 +150,29 @@ class LLM:
                                                                    SamplingParams(max_tokens=1))
             ids.append(core_req.prompt_token_ids)
         return run_beam_search(self, ids, params)
+
+    def embed(self, prompts: EmbedPrompt | Sequence[EmbedPrompt],
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+              use_tqdm: bool = False) -> list[EmbeddingRequestOutput]:
+        """Embed every prompt (needs runner="pooling"); outputs come back in input order.
+
+        Args:
+            prompts: a string, a list of token ids, a dict, or a list of any of these.
+            pooling_params: one for all prompts or one per prompt; overrides pooling_type,
+                normalize and sets truncate_prompt_tokens.
+            use_tqdm: accepted for vLLM compatibility; no progress bar is shown.
+
+        Raises:
+            ValueError: for an engine not started with runner="pooling", or an invalid prompt
+                (over-long without truncate_prompt_tokens, empty, ids outside the vocabulary).
+        """
+        self._require_runner("pooling")
+        return self.llm_engine.encode(self._as_prompt_list(prompts), pooling_params)
+
+    def _require_runner(self, runner: str) -> None:
+        if self.runner != runner:
+            raise ValueError(f"this LLM was started with runner={self.runner!r}; this call "
+                             f"needs runner={runner!r}")
 
     def reset_prefix_cache(self) -> int:
         """Drop every prefix-cache entry; returns how many blocks were uncached."""

@@ -1,4 +1,4 @@
-"""RMSNorm (Zhang & Sennrich 2019), optionally fused with the residual add."""
+"""RMSNorm (Zhang & Sennrich 2019), optionally fused with the residual add; LayerNorm (BERT)."""
 
 from __future__ import annotations
 
@@ -31,3 +31,21 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
+
+
+class LayerNorm(nn.Module):
+    """(x - mean) / sqrt(var + eps) * weight + bias over the last dim (Ba et al. 2016; BERT).
+
+    forward(x [n, hidden_size]) -> [n, hidden_size], same dtype.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-12) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(hidden_size), requires_grad=False)
+        self.weight.weight_loader = default_weight_loader
+        self.bias.weight_loader = default_weight_loader
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)

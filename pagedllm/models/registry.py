@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from pagedllm.models.bert import BertForMaskedLM, BertModel
 from pagedllm.models.llama import (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
                                    Qwen3ForCausalLM)
 
 _MODELS = {cls.__name__: cls for cls in (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
-                                         Qwen3ForCausalLM)}
+                                         Qwen3ForCausalLM, BertModel, BertForMaskedLM)}
 
 
 def supported_architectures() -> list[str]:

@@ -200,23 +200,36 @@ def build_app(async_llm: AsyncLLM, served_model_names: Sequence[str],
 def run_server(model: str, engine_kwargs: dict[str, Any], host: str = "127.0.0.1",
                port: int = 8000, api_key: str | None = None,
                served_model_names: Sequence[str] | None = None,
-               log_level: str = "info") -> None:
+               log_level: str = "info", runner: str = "auto") -> None:
     """Load the model, then serve until SIGINT/SIGTERM.
 
     Args:
         model: checkpoint folder or hub id.
         engine_kwargs: engine arguments (vLLM names) for `LLMEngine.from_engine_args`.
         served_model_names: names clients use; default `[model]`.
+        runner: "generate", "pooling" (serve /v1/embeddings, see embedding_server.py) or
+            "auto" (pooling for architectures without an LM head).
 
     Raises:
         ValueError, FileNotFoundError: invalid engine arguments or a missing model (before any
             port is bound).
     """
+    from pagedllm.engine.pooling_engine import PoolingEngine, is_pooling_model
+
     init_logger()
     names = list(served_model_names or [model])
-    metrics = PrometheusStatLogger(names[0])
-    async_llm = AsyncLLM.from_engine_args(model, stat_loggers=[metrics], **engine_kwargs)
-    app = build_app(async_llm, names, metrics=metrics, api_key=api_key, model_root=model)
+    if runner == "auto":
+        runner = "pooling" if is_pooling_model(model, engine_kwargs.get("revision")) \
+            else "generate"
+    async_llm = None
+    if runner == "pooling":
+        from pagedllm.entrypoints.openai.embedding_server import build_embedding_app
+        app = build_embedding_app(PoolingEngine.from_engine_args(model, **engine_kwargs), names,
+                                  api_key=api_key, model_root=model)
+    else:
+        metrics = PrometheusStatLogger(names[0])
+        async_llm = AsyncLLM.from_engine_args(model, stat_loggers=[metrics], **engine_kwargs)
+        app = build_app(async_llm, names, metrics=metrics, api_key=api_key, model_root=model)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
     logger.info("serving %s as %s on http://%s:%d", model, names, host, port)
@@ -227,7 +240,8 @@ def run_server(model: str, engine_kwargs: dict[str, Any], host: str = "127.0.0.1
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        async_llm.shutdown()
+        if async_llm is not None:
+            async_llm.shutdown()
 
 
 def _exit_after_graceful_shutdown(signum: int, frame: Any) -> None:

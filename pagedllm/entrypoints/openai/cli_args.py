@@ -20,6 +20,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         "name)")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
+    g.add_argument("--runner", default="auto", choices=["auto", "generate", "pooling"],
+                   help="pooling: serve /v1/embeddings (docs/embeddings.md); auto: pooling for "
+                        "models without an LM head (e.g. BertModel)")
+    g.add_argument("--pooling-type", default=None, choices=["MEAN", "CLS", "LAST"],
+                   help="with --runner pooling: override the model's pooling")
+    g.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --runner pooling: override the model's L2 normalisation")
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -43,6 +50,11 @@ def run_serve(args: argparse.Namespace) -> int:
     model = kwargs.pop("model")
     names = args.served_model_name or [args.model if args.model is not None
                                        else DEFAULT_MODEL_NAME]
+    for key in ("pooling_type", "normalize"):
+        if getattr(args, key) is not None:
+            if args.runner != "pooling":
+                raise ValueError(f"--{key.replace('_', '-')} needs --runner pooling")
+            kwargs[key] = getattr(args, key)
     run_server(model, kwargs, host=args.host, port=args.port, api_key=args.api_key,
-               served_model_names=names, log_level=args.uvicorn_log_level)
+               served_model_names=names, log_level=args.uvicorn_log_level, runner=args.runner)
     return 0
