@@ -219,11 +219,12 @@ class ChatCompletionRequest(_SamplingRequest):
 
 
 class CompletionLogprobs(BaseModel):
-    """OpenAI's legacy completions logprobs: parallel lists, one entry per generated token."""
+    """OpenAI's legacy completions logprobs: parallel lists, one entry per token (with echo, the
+    prompt's tokens first; the very first prompt token has null logprobs)."""
 
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
 
 

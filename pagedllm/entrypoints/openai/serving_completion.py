@@ -9,6 +9,8 @@ as an SSE error object (the status line is already gone).
 
 from __future__ import annotations
 
+import copy
+
 import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -44,11 +46,23 @@ class _ChoiceProgress:
     finished: bool = False
 
 
-def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]],
-                        num_top: int, text_offset: int) -> CompletionLogprobs:
-    """OpenAI's completions logprobs for generated tokens (text offsets from `text_offset`)."""
-    result = CompletionLogprobs()
+def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob] | None],
+                        num_top: int, text_offset: int,
+                        result: CompletionLogprobs | None = None,
+                        decode=None) -> CompletionLogprobs:
+    """OpenAI's completions logprobs for tokens (text offsets from `text_offset`), appended to
+    `result`. An entry of None (the first prompt token) gets null logprobs and its text from
+    `decode(token_id)`."""
+    result = result or CompletionLogprobs()
     for token_id, entry in zip(token_ids, logprobs):
+        if entry is None:
+            token = decode(token_id)
+            result.tokens.append(token)
+            result.token_logprobs.append(None)
+            result.top_logprobs.append(None)
+            result.text_offset.append(text_offset)
+            text_offset += len(token)
+            continue
         chosen = entry[token_id]
         token = chosen.decoded_token or ""
         result.tokens.append(token)
@@ -100,7 +114,8 @@ class ServingCompletion:
                 choices.append(CompletionChoice(
                     index=prompt_index * request.n + completion.index,
                     text=prefix + completion.text,
-                    logprobs=self._logprobs(request, completion, 0, len(prefix)),
+                    logprobs=self._logprobs(request, completion, 0, len(prefix),
+                                            self._prompt_logprobs(request, prompt, out)),
                     finish_reason=completion.finish_reason, stop_reason=completion.stop_reason))
         choices.sort(key=lambda c: c.index)
         return CompletionResponse(id=response_id, created=created, model=model, choices=choices,
@@ -163,11 +178,22 @@ class ServingCompletion:
 
     @staticmethod
     def _logprobs(request: CompletionRequest, completion: CompletionOutput, start: int,
-                  text_offset: int) -> CompletionLogprobs | None:
+                  text_offset: int, prompt_part: CompletionLogprobs | None = None
+                  ) -> CompletionLogprobs | None:
         if request.logprobs is None or completion.logprobs is None:
             return None
+        if prompt_part is not None:
+            text_offset = prompt_part.text_offset[-1] + len(prompt_part.tokens[-1])
         return completion_logprobs(completion.token_ids[start:], completion.logprobs[start:],
-                                   request.logprobs, text_offset)
+                                   request.logprobs, text_offset, copy.deepcopy(prompt_part))
+
+    def _prompt_logprobs(self, request: CompletionRequest, prompt: _PreparedPrompt,
+                         out: RequestOutput) -> CompletionLogprobs | None:
+        """With echo and logprobs: the prompt tokens' logprobs (from prompt_logprobs)."""
+        if not request.echo or request.logprobs is None or out.prompt_logprobs is None:
+            return None
+        return completion_logprobs(prompt.token_ids, out.prompt_logprobs, request.logprobs, 0,
+                                   decode=lambda t: self.serving.tokenizer.decode([t]))
 
     def _prepare(self, prompt: str | list[int], request: CompletionRequest) -> _PreparedPrompt:
         if isinstance(prompt, str):
@@ -175,8 +201,10 @@ class ServingCompletion:
         else:
             text, token_ids = None, list(prompt)
         self.serving.check_token_ids(token_ids)
-        return _PreparedPrompt(text, token_ids,
-                               self.serving.sampling_params(request, len(token_ids)))
+        params = self.serving.sampling_params(request, len(token_ids))
+        if request.echo and request.logprobs is not None:
+            params.prompt_logprobs = request.logprobs
+        return _PreparedPrompt(text, token_ids, params)
 
     def _echo_text(self, prompt: _PreparedPrompt) -> str:
         if prompt.text is not None:

@@ -426,3 +426,22 @@ def test_logprobs(server: Server, offline_llm: LLM) -> None:
         [(t.token, round(t.logprob, 4)) for t in content]
     plain = client.chat.completions.create(**{**kwargs, "logprobs": False})
     assert plain.choices[0].logprobs is None
+
+
+def test_echo_with_prompt_logprobs(server: Server, offline_llm: LLM) -> None:
+    client = server.client()
+    prompt = "Echo my logprobs"
+    resp = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=3,
+                                     temperature=0.0, logprobs=1, echo=True,
+                                     extra_body={"ignore_eos": True})
+    lp = resp.choices[0].logprobs
+    offline = offline_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=3,
+                                                          logprobs=1, prompt_logprobs=1,
+                                                          ignore_eos=True),
+                                   use_tqdm=False)[0]
+    prompt_ids = offline.prompt_token_ids
+    assert len(lp.tokens) == len(prompt_ids) + 3
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    expected = [entry[t].logprob for t, entry in zip(prompt_ids[1:], offline.prompt_logprobs[1:])]
+    assert lp.token_logprobs[1:len(prompt_ids)] == pytest.approx(expected, abs=1e-4)
+    assert resp.choices[0].text.startswith(prompt)
