@@ -9,6 +9,7 @@ learns it and passed explicitly, never written back into a config. Validation er
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -131,11 +132,21 @@ class ParallelConfig:
         distributed_executor_backend: "uni" (one process, world size 1), "mp" (one worker process
             per rank on this machine) or "ray" (Ray actors, one machine or a cluster); None picks
             "uni" for a world of 1 and "mp" otherwise.
+        nnodes, node_rank: `mp` across machines: the ranks are split evenly over `nnodes`
+            machines, node `node_rank` runs ranks [node_rank * L, (node_rank + 1) * L) with
+            L = world_size / nnodes; node 0 runs the engine, the others `pagedllm worker`.
+        master_addr, master_port: torch.distributed rendezvous of rank 0 (default: the
+            MASTER_ADDR / MASTER_PORT environment variables; 127.0.0.1 and a free port on one
+            machine). Needed when nnodes > 1.
     """
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -143,9 +154,6 @@ class ParallelConfig:
         if self.pipeline_parallel_size < 1:
             raise ValueError(
                 f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}")
-        if self.pipeline_parallel_size != 1:
-            raise ValueError("pipeline_parallel_size > 1 is not implemented yet (issue #11); "
-                             "use tensor_parallel_size to split the model across processes")
         backend = self.distributed_executor_backend
         if backend is None:
             backend = "uni" if self.world_size == 1 else "mp"
@@ -157,6 +165,24 @@ class ParallelConfig:
             raise ValueError(f"distributed_executor_backend 'uni' runs one process; "
                              f"tensor_parallel_size x pipeline_parallel_size = {self.world_size} "
                              "needs 'mp' or 'ray'")
+        if self.master_addr is None:
+            object.__setattr__(self, "master_addr", os.environ.get("MASTER_ADDR", "127.0.0.1"))
+        if self.master_port is None and os.environ.get("MASTER_PORT"):
+            object.__setattr__(self, "master_port", int(os.environ["MASTER_PORT"]))
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"need nnodes >= 1 and 0 <= node_rank < nnodes, got nnodes "
+                             f"{self.nnodes}, node_rank {self.node_rank}")
+        if self.nnodes > 1:
+            if backend != "mp":
+                raise ValueError("nnodes > 1 is for distributed_executor_backend 'mp' (Ray "
+                                 f"places its workers itself), got {backend!r}")
+            if self.world_size % self.nnodes:
+                raise ValueError(f"world size {self.world_size} (tensor_parallel_size x "
+                                 f"pipeline_parallel_size) is not divisible by nnodes "
+                                 f"{self.nnodes}")
+            if self.master_port is None:
+                raise ValueError("nnodes > 1 needs master_port (or MASTER_PORT) and master_addr "
+                                 "(or MASTER_ADDR): rank 0's address, reachable from every node")
 
     @property
     def world_size(self) -> int:
@@ -276,6 +302,9 @@ class EngineConfig:
                 f"max_num_batched_tokens ({sc.max_num_batched_tokens}) is smaller than "
                 f"max_model_len ({self.max_model_len}) and chunked prefill is off: long prompts "
                 "could never be scheduled. Raise max_num_batched_tokens or enable chunked prefill.")
+        if self.speculative_config is not None and self.parallel_config.pipeline_parallel_size > 1:
+            raise ValueError("speculative_config is not supported with pipeline_parallel_size > 1 "
+                             "(issue #11); use tensor parallelism")
 
     @property
     def max_num_blocks_per_req(self) -> int:
@@ -315,6 +344,16 @@ def _eos_ids(model_path: str, hf: dict[str, Any]) -> tuple[int, ...]:
     return tuple(ids)
 
 
+def _sliding_window(hf: dict[str, Any]) -> int | None:
+    """The attention window of a sliding-window model (Mistral; Qwen2 with use_sliding_window)."""
+    text = hf.get("text_config", hf)
+    window = text.get("sliding_window")
+    if not isinstance(window, int) or ("use_sliding_window" in text
+                                       and not text["use_sliding_window"]):
+        return None
+    return window
+
+
 def hf_model_info(model_path: str) -> HFModelInfo:
     """Summarise a checkpoint's config.json (and generation_config.json for EOS ids)."""
     hf = read_hf_config(model_path)
@@ -332,7 +371,8 @@ def hf_model_info(model_path: str) -> HFModelInfo:
 def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str = "auto",
                          max_model_len: int | None = None, seed: int = 0,
                          revision: str | None = None, trust_remote_code: bool = False,
-                         logprobs_mode: str = "raw_logprobs", block_size: int = 16, kv_cache_memory_bytes: int | None = None,
+                         logprobs_mode: str = "raw_logprobs", block_size: int = 16,
+                         kv_cache_memory_bytes: int | None = None,
                          gpu_memory_utilization: float = 0.9,
                          num_gpu_blocks_override: int | None = None,
                          enable_prefix_caching: bool = True,
@@ -341,6 +381,8 @@ def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str
                          long_prefill_token_threshold: int = 0,
                          tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
                          distributed_executor_backend: str | None = None,
+                         nnodes: int = 1, node_rank: int = 0, master_addr: str | None = None,
+                         master_port: int | None = None,
                          speculative_config: dict[str, Any] | SpeculativeConfig | None = None
                          ) -> EngineConfig:
     """Build and validate an `EngineConfig` from flat engine arguments (vLLM's names).
@@ -357,10 +399,17 @@ def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str
     model_path = resolve_model_path(model, revision)
     tokenizer_path = resolve_model_path(tokenizer, revision) if tokenizer else model_path
     info = hf_model_info(model_path)
-    eff_len = max_model_len or info.max_position_embeddings
-    if max_model_len is not None and max_model_len > info.max_position_embeddings:
-        raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's "
-                         f"max_position_embeddings ({info.max_position_embeddings})")
+    limit, limit_name = info.max_position_embeddings, "max_position_embeddings"
+    window = _sliding_window(info.raw)
+    if window is not None and window < limit:
+        # NOTE(config): attention is full-context here; past the window a sliding-window model
+        # would attend differently, so the context is capped at the window (as vLLM once did
+        # with disable_sliding_window).
+        limit, limit_name = window, "sliding_window"
+    eff_len = max_model_len or limit
+    if max_model_len is not None and max_model_len > limit:
+        raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's {limit_name} "
+                         f"({limit})")
     if isinstance(speculative_config, dict):
         speculative_config = SpeculativeConfig.from_dict(speculative_config)
     draft_path = None
@@ -372,7 +421,9 @@ def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str
                              f"target's {info.vocab_size}; they must share a tokenizer")
     parallel_config = ParallelConfig(tensor_parallel_size=tensor_parallel_size,
                                      pipeline_parallel_size=pipeline_parallel_size,
-                                     distributed_executor_backend=distributed_executor_backend)
+                                     distributed_executor_backend=distributed_executor_backend,
+                                     nnodes=nnodes, node_rank=node_rank,
+                                     master_addr=master_addr, master_port=master_port)
     _validate_parallel_layout(info.raw, parallel_config)
     if max_num_batched_tokens is None:
         max_num_batched_tokens = max(2048, max_num_seqs) if enable_chunked_prefill else max(
