@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 MODELS_DIR = Path(__file__).parent / "models"
-DEFAULT_MODEL_NAME = "shakespeare-target"
-DEFAULT_DRAFT_MODEL_NAME = "shakespeare-draft"
+DEFAULT_MODEL_NAME = "shakespeare-10m"
+DEFAULT_DRAFT_MODEL_NAME = "shakespeare-draft-2m"
 
 
 def model_path(name: str) -> str:

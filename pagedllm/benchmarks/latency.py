@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pagedllm.benchmarks.report import percentiles
+from pagedllm.benchmarks.report import load_average, percentiles
 from pagedllm.benchmarks.throughput import warmup_prompt
 from pagedllm.benchmarks.workload import BenchRequest, sampling_params_for
 
@@ -251,7 +251,8 @@ def run_latency(llm, requests: list[BenchRequest], batch_size: int, num_iters_wa
                               "num_timed_requests": len(timelines),
                               "num_output_tokens": sum(t.num_tokens for t in timelines),
                               **latency_figures(timelines, wave_latencies),
-                              "step_breakdown": step_breakdown(times)}
+                              "step_breakdown": step_breakdown(times),
+                              "load_avg_1m_after": load_average()}
     if profile:
         result["profile_top_ops"] = profile_decode_steps(stepper, waves[-1], profile_steps)
     return result

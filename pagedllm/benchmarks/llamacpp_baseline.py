@@ -76,8 +76,8 @@ def convert_to_gguf(model_path: str, dtype_name: str, converter: Path) -> Path:
 
 
 def run_llamacpp_throughput(model_path: str, requests: list[BenchRequest], dtype_name: str,
-                            converter: str | None = None,
-                            num_threads: int | None = None) -> tuple[dict[str, Any], list[list[int]]]:
+                            converter: str | None = None, num_threads: int | None = None
+                            ) -> tuple[dict[str, Any], list[list[int]]]:
     """Greedy, EOS ignored (decoding stops after `output_len` tokens), one request at a time.
 
     Raises:

@@ -21,7 +21,7 @@ PERCENTILES = (50, 90, 99)
 
 
 def percentiles(values: list[float], prefix: str, scale: float = 1.0) -> dict[str, float]:
-    """{prefix_mean, prefix_p50, prefix_p90, prefix_p99} of `values` times `scale` (NaN if empty)."""
+    """{prefix_mean, prefix_p50, prefix_p90, prefix_p99} of `values` * `scale` (NaN if empty)."""
     arr = np.asarray(values, dtype=np.float64) * scale
     if arr.size == 0:
         return {f"{prefix}_mean": float("nan"),
@@ -75,6 +75,11 @@ class PeakRSSMonitor:
         self.peak_bytes = max(self.peak_bytes, _current_rss_bytes())
 
 
+def load_average() -> float | None:
+    """1-minute load average: how shared the CPU was while a figure was measured."""
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+
+
 def machine_info() -> dict[str, Any]:
     import torch
 
@@ -89,7 +94,7 @@ def machine_info() -> dict[str, Any]:
         pass
     return {"cpu": cpu_model, "num_cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__, "python": platform.python_version(),
-            "load_avg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+            "load_avg_1m": load_average(),
             "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from pagedllm.benchmarks.report import PeakRSSMonitor, process_peak_rss_bytes
+from pagedllm.benchmarks.report import PeakRSSMonitor, load_average, process_peak_rss_bytes
 from pagedllm.benchmarks.workload import BenchRequest, sampling_params_for
 
 
@@ -39,6 +39,7 @@ def throughput_figures(backend: str, requests: list[BenchRequest],
         "peak_rss_bytes": peak_rss_bytes,
         "peak_rss_gib": peak_rss_bytes / 2**30,
         "process_peak_rss_gib": process_peak_rss_bytes() / 2**30,
+        "load_avg_1m_after": load_average(),
     }
 
 

@@ -6,6 +6,7 @@ import argparse
 import sys
 import time
 
+from pagedllm.benchmarks.cli import add_bench_parser
 from pagedllm.entrypoints.cli_args import add_engine_args, engine_kwargs_from_args
 from pagedllm.entrypoints.openai.cli_args import add_serve_parser
 
@@ -58,11 +59,31 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_worker_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "worker", help="run the ranks of node --node-rank >= 1 of a multi-node layout (give "
+                       "the same engine arguments as on node 0)")
+    add_engine_args(p)
+    p.set_defaults(func=_run_worker)
+
+
+def _run_worker(args: argparse.Namespace) -> int:
+    from pagedllm.config import create_engine_config
+    from pagedllm.logger import init_logger
+    from pagedllm.executor.multiproc import run_headless
+
+    init_logger()
+    kwargs = engine_kwargs_from_args(args)
+    return run_headless(create_engine_config(kwargs.pop("model"), **kwargs))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedllm", description=__doc__)
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_generate_parser(subparsers)
+    _add_worker_parser(subparsers)
     add_serve_parser(subparsers)
+    add_bench_parser(subparsers)
     return parser
 
 

@@ -54,10 +54,23 @@ class CpuPlatform(Platform):
     def mem_get_info(self) -> tuple[int, int]:
         return _available_memory_bytes(), _total_memory_bytes()
 
-    def init_device(self) -> None:
-        """One intra-op thread per core this process may use."""
+    def init_device(self, local_rank: int = 0, local_world_size: int = 1) -> None:
+        """One intra-op thread per core this process may use; worker processes of one machine
+        share its cores evenly. `PAGEDLLM_CPU_THREADS` overrides the count (on a shared host,
+        fewer threads than cores avoids threads waiting on each other).
+
+        Raises:
+            ValueError: if PAGEDLLM_CPU_THREADS is not a positive integer.
+        """
+        override = os.environ.get("PAGEDLLM_CPU_THREADS")
+        if override is not None:
+            if not override.isdigit() or int(override) < 1:
+                raise ValueError(f"PAGEDLLM_CPU_THREADS must be a positive integer, got "
+                                 f"{override!r}")
+            torch.set_num_threads(int(override))
+            return
         n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        torch.set_num_threads(max(1, n or 1))
+        torch.set_num_threads(max(1, (n or 1) // local_world_size))
 
     def kv_cache_budget_bytes(self, memory_utilization: float) -> int:
         """`memory_utilization` of the memory available now, capped at PAGEDLLM_CPU_KVCACHE_SPACE

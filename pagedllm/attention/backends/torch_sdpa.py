@@ -123,8 +123,12 @@ class TorchSDPABackend:
         num_heads = query.shape[1]
         for g in metadata.groups:
             q = query[g.query_index].transpose(1, 2)                 # [G, H, Q, D]
-            k = key_cache[g.kv_slots].transpose(1, 2).to(q.dtype)    # [G, KVH, S, D]
-            v = value_cache[g.kv_slots].transpose(1, 2).to(q.dtype)
+            # NOTE(perf): index_select on flat slots is ~3x faster than advanced indexing on CPU.
+            kv_shape = (*g.kv_slots.shape, num_kv_heads, head_size)
+            flat_slots = g.kv_slots.reshape(-1)
+            k = key_cache.index_select(0, flat_slots).view(kv_shape).transpose(1, 2).to(q.dtype)
+            v = value_cache.index_select(0, flat_slots).view(kv_shape).transpose(1, 2).to(
+                q.dtype)                                              # [G, KVH, S, D]
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.attn_mask, scale=scale,
                                                enable_gqa=num_heads != num_kv_heads)
             o = o.transpose(1, 2).reshape(-1, num_heads, head_size)  # [G * Q, H, D]

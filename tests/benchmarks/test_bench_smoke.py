@@ -1,0 +1,142 @@
+"""Smoke runs of `pagedllm bench` on the llama-tiny preset (a few prompts, seconds each)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pagedllm.benchmarks.cli import add_bench_parser
+from pagedllm.benchmarks.presets import PRESETS, preset_path, synthetic_vocab
+
+KV_BYTES = str(16 * 2**20)
+
+
+@pytest.fixture(scope="module")
+def preset_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("presets")
+    preset_path("llama-tiny", "float32", root)
+    return root
+
+
+def _run(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    add_bench_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+def _load(path: Path) -> list[dict]:
+    return json.loads(path.read_text())["results"]
+
+
+def test_synthetic_vocab_is_exact_and_mergeable():
+    vocab, merges = synthetic_vocab(1000)
+    assert len(vocab) == 1000 and sorted(vocab.values()) == list(range(1000))
+    assert all(a in vocab and b in vocab and a + b in vocab for a, b in merges)
+
+
+def test_preset_folder_loads(preset_dir: Path):
+    from transformers import AutoConfig, AutoTokenizer
+
+    path = preset_path("llama-tiny", "float32", preset_dir)
+    config = AutoConfig.from_pretrained(path)
+    assert config.hidden_size == 64 and config.num_hidden_layers == 2
+    assert len(AutoTokenizer.from_pretrained(path)) == PRESETS["llama-tiny"]["vocab_size"]
+    with pytest.raises(KeyError, match="llama-tiny"):
+        preset_path("no-such-preset", root=preset_dir)
+
+
+def test_throughput_with_hf_comparison(preset_dir: Path, tmp_path: Path):
+    out = tmp_path / "tp.json"
+    rc = _run(["bench", "throughput", "--preset", "llama-tiny", "--preset-dir", str(preset_dir),
+               "--dtype", "float32", "--kv-cache-memory-bytes", KV_BYTES, "--num-prompts", "4",
+               "--random-input-len", "8:24", "--random-output-len", "4:8", "--compare", "hf",
+               "--compare", "llamacpp", "--output-json", str(out)])
+    assert rc == 0
+    results = _load(out)
+    ours, hf = results[0], results[1]
+    assert ours["backend"] == "pagedllm" and hf["backend"] == "hf"
+    assert len(results) == 2 or results[2]["backend"] == "llama.cpp"
+    for r in (ours, hf):
+        assert r["num_wrong_output_lens"] == 0 and r["output_tokens_per_s"] > 0
+        assert r["peak_rss_bytes"] > 0
+    assert ours["num_output_tokens"] == hf["num_output_tokens"]
+    assert hf["comparison"]["output_tokens_per_s_ratio"] > 0
+    # fp32 greedy on the same weights: the engine and HF agree (DESIGN §6).
+    assert hf["comparison"]["greedy_identical_requests"] == "4/4"
+
+
+def test_latency_batch1(preset_dir: Path, tmp_path: Path):
+    out = tmp_path / "lat.json"
+    rc = _run(["bench", "latency", "--preset", "llama-tiny", "--preset-dir", str(preset_dir),
+               "--dtype", "float32", "--kv-cache-memory-bytes", KV_BYTES, "--input-len", "8",
+               "--output-len", "6", "--num-iters", "2", "--bandwidth-mib", "16", "--profile",
+               "--profile-steps", "2", "--output-json", str(out)])
+    assert rc == 0
+    (result,) = _load(out)
+    assert result["num_timed_requests"] == 2 and result["num_output_tokens"] == 12
+    assert 0 < result["ttft_ms_p50"] <= result["ttft_ms_p99"]
+    assert 0 < result["tpot_ms_p50"] <= result["tpot_ms_p99"]
+    breakdown = result["step_breakdown"]
+    assert breakdown["decode_steps"] == 2 * 5
+    assert 0 <= breakdown["decode_share_outside_execute_model"] <= 1
+    assert result["roofline"]["roofline_decode_tokens_per_s"] > 0
+    assert result["decode_bytes"]["num_params"] > 0
+    assert result["profile_top_ops"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("pagedllm.entrypoints.openai.api_server") is None,
+                    reason="the OpenAI server module is not there yet")
+def test_serve_against_a_live_server(preset_dir: Path, tmp_path: Path):
+    import httpx
+
+    port = _free_port()
+    model = preset_path("llama-tiny", "float32", preset_dir)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "pagedllm.entrypoints.openai.api_server", "--model", model,
+         "--port", str(port), "--kv-cache-memory-bytes", KV_BYTES, "--dtype", "float32",
+         "--uvicorn-log-level", "warning"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ})
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{base_url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if server.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"server did not start: {server.stderr.read().decode()[-2000:]}")
+            time.sleep(0.3)
+        out = tmp_path / "serve.json"
+        rc = _run(["bench", "serve", "--base-url", base_url, "--num-prompts", "4",
+                   "--input-len", "8", "--output-len", "5", "--request-rate", "50",
+                   "--max-concurrency", "2", "--output-json", str(out)])
+        assert rc == 0
+        (result,) = _load(out)
+        assert result["num_successful"] == 4, result["first_errors"]
+        assert result["num_output_tokens"] == 4 * 5
+        assert result["ttft_ms_p50"] > 0 and not math.isnan(result["tpot_ms_p50"])
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            server.kill()
