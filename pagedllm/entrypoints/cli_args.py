@@ -26,6 +26,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                    default=True)
     g.add_argument("--trust-remote-code", action="store_true")
+    g.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
+    g.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1)
+    g.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp", "ray"],
+                   help="default: uni for one process, mp (one process per rank) otherwise")
+    g.add_argument("--nnodes", type=int, default=1, help="machines of a multi-node mp layout")
+    g.add_argument("--node-rank", type=int, default=0, help="this machine's index (0 = engine)")
+    g.add_argument("--master-addr", default=None, help="rank 0's address (default $MASTER_ADDR)")
+    g.add_argument("--master-port", type=int, default=None,
+                   help="rank 0's rendezvous port (default $MASTER_PORT)")
     g.add_argument("--speculative-config", type=json.loads, default=None,
                    help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
                         '\'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}\'')
@@ -36,7 +45,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 _ENGINE_KEYS = ("tokenizer", "dtype", "max_model_len", "seed", "block_size",
                 "kv_cache_memory_bytes", "gpu_memory_utilization", "num_gpu_blocks_override",
                 "enable_prefix_caching", "max_num_batched_tokens", "max_num_seqs",
-                "enable_chunked_prefill", "trust_remote_code", "speculative_config",
+                "enable_chunked_prefill", "trust_remote_code", "tensor_parallel_size",
+                "pipeline_parallel_size", "distributed_executor_backend", "nnodes", "node_rank",
+                "master_addr", "master_port", "speculative_config",
                 "logprobs_mode")
 
 

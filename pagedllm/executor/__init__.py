@@ -1,1 +1,2 @@
-"""Executors run the workers: in process (uni) now; multiprocess and Ray arrive with issue #11."""
+"""Executors run the workers: in process (`uniproc`), one process per rank on this machine
+(`multiproc`) or Ray actors (`ray`); `abstract.get_executor_class` picks one by backend name."""

@@ -28,13 +28,17 @@ def _param(shape: tuple[int, ...], loader) -> nn.Parameter:
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     """Copy a whole checkpoint tensor into `param` (shapes must match).
 
+    `loaded` may be a lazy checkpoint tensor (`model_loader.loader.CheckpointTensor`: `shape`,
+    `narrow`, `materialize`); it is read from disk here, after the sharding loaders narrowed it
+    to this rank's slice.
+
     Raises:
         ValueError: on a shape mismatch, naming both shapes.
     """
     if param.shape != loaded.shape:
         raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint "
                          f"{tuple(loaded.shape)}")
-    param.data.copy_(loaded)
+    param.data.copy_(loaded if isinstance(loaded, torch.Tensor) else loaded.materialize())
 
 
 class ColumnParallelLinear(nn.Module):
@@ -92,6 +96,9 @@ class QKVParallelLinear(ColumnParallelLinear):
         tp_size = get_tensor_model_parallel_world_size()
         if total_num_heads % tp_size:
             raise ValueError(f"{total_num_heads} attention heads not divisible by tp {tp_size}")
+        if total_num_kv_heads % tp_size and tp_size % total_num_kv_heads:
+            raise ValueError(f"{total_num_kv_heads} KV heads neither divisible by nor dividing "
+                             f"tp {tp_size}")
         self.head_size = head_size
         self.num_heads = total_num_heads // tp_size
         self.num_kv_heads = max(1, total_num_kv_heads // tp_size)

@@ -1,4 +1,14 @@
-"""Token embedding and LM head (vocab rows; sharding across ranks arrives with issue #11)."""
+"""Token embedding and LM head, vocab-parallel: each tensor-parallel rank holds a slice of rows.
+
+    vocab rows:   [ rank 0: 0 .. P-1 | rank 1: P .. 2P-1 | ... ]   P = ceil(vocab_size / tp_size)
+                  the last slice is zero-padded up to P rows (padded rows are never read back)
+
+The embedding looks up the ids in its slice, zeroes the others and all-reduces (each id is found on
+exactly one rank). The LM head computes the logits of its slice and all-gathers them, so every rank
+holds the full [n, vocab_size] logits and samples identically (same seed, same logits): no token
+broadcast is needed to keep the ranks' request states equal. Both collectives are visible in the
+`forward`/`compute_logits` below.
+"""
 
 from __future__ import annotations
 
@@ -6,23 +16,64 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.distributed.parallel_state import (get_tensor_model_parallel_rank,
+                                                 get_tensor_model_parallel_world_size,
+                                                 tensor_model_parallel_all_gather,
+                                                 tensor_model_parallel_all_reduce)
 from pagedllm.layers.linear import default_weight_loader
 
 
 class VocabEmbedding(nn.Module):
-    """input_ids [num_tokens] int64 -> [num_tokens, embedding_dim]."""
+    """input_ids [num_tokens] int64 -> [num_tokens, embedding_dim], rows split across TP ranks.
+
+    Attributes:
+        num_embeddings: full vocabulary size.
+        num_embeddings_per_partition: rows held here (P above, padding included).
+        vocab_start_index, vocab_end_index: the slice [start, end) of real rows held here.
+    """
 
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim), requires_grad=False)
-        self.weight.weight_loader = default_weight_loader
+        self.tp_rank = get_tensor_model_parallel_rank()
+        self.tp_size = get_tensor_model_parallel_world_size()
+        self.num_embeddings = num_embeddings
+        self.num_embeddings_per_partition = -(-num_embeddings // self.tp_size)
+        self.vocab_start_index = min(num_embeddings,
+                                     self.tp_rank * self.num_embeddings_per_partition)
+        self.vocab_end_index = min(num_embeddings,
+                                   self.vocab_start_index + self.num_embeddings_per_partition)
+        self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim),
+                                   requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        """Copy this rank's rows of the full [vocab_size, dim] checkpoint tensor; zero the padding.
+
+        Raises:
+            ValueError: if the checkpoint tensor's row count is not `num_embeddings`.
+        """
+        if loaded.shape[0] != self.num_embeddings:
+            raise ValueError(f"shape mismatch: vocabulary of {self.num_embeddings} rows vs "
+                             f"checkpoint {tuple(loaded.shape)}")
+        n = self.vocab_end_index - self.vocab_start_index
+        param.data[n:].zero_()
+        default_weight_loader(param.data.narrow(0, 0, n),
+                              loaded.narrow(0, self.vocab_start_index, n))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        outside = (input_ids < self.vocab_start_index) | (input_ids >= self.vocab_end_index)
+        local_ids = (input_ids - self.vocab_start_index).masked_fill_(outside, 0)
+        out = F.embedding(local_ids, self.weight).masked_fill_(outside[:, None], 0.0)
+        return tensor_model_parallel_all_reduce(out)
 
 
 class LMHead(VocabEmbedding):
-    """hidden [n, hidden] -> logits [n, vocab] in float32. `tie_to` shares an embedding's weight."""
+    """hidden [n, hidden] -> logits [n, vocab_size] float32 on every TP rank.
+
+    `tie_to` shares an embedding's (identically sharded) weight.
+    """
 
     def __init__(self, num_embeddings: int, embedding_dim: int,
                  tie_to: VocabEmbedding | None = None) -> None:
@@ -31,4 +82,7 @@ class LMHead(VocabEmbedding):
             self.weight = tie_to.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weight).float()
+        logits = F.linear(hidden, self.weight).float()
+        if self.tp_size == 1:
+            return logits
+        return tensor_model_parallel_all_gather(logits, dim=-1)[:, :self.num_embeddings]

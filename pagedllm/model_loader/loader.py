@@ -2,6 +2,8 @@
 
 Parameters are created empty on the target device in the target dtype and filled through each
 parameter's `weight_loader`; a checkpoint that leaves a parameter unset is an error naming it.
+Tensors reach the loaders lazily (`CheckpointTensor`): a tensor-parallel rank narrows them to its
+shard and only that slice is read from disk (safetensors `get_slice`).
 """
 
 from __future__ import annotations
@@ -58,6 +60,73 @@ def iterate_safetensors(model_path: str) -> Iterator[tuple[str, torch.Tensor]]:
             yield name, tensor
 
 
+class CheckpointTensor:
+    """A checkpoint tensor not read yet; `narrow` selects a slice, `materialize` reads only it.
+
+    Weight loaders treat it like a tensor for `shape` and `narrow(dim, start, length)`;
+    `layers.linear.default_weight_loader` calls `materialize()`, which returns the selected slice
+    converted to `dtype`.
+
+    Raises (from `narrow`): ValueError for a slice outside the tensor. (From `materialize`):
+    ValueError naming the file and tensor when the bytes cannot be read.
+    """
+
+    def __init__(self, path: Path, handle, name: str, dtype: torch.dtype,
+                 shape: tuple[int, ...] | None = None,
+                 index: tuple[slice, ...] | None = None) -> None:
+        self._path, self._handle, self._name, self.dtype = path, handle, name, dtype
+        if shape is None:
+            shape = tuple(handle.get_slice(name).get_shape())
+        self.shape = torch.Size(shape)
+        self._index = index
+
+    def narrow(self, dim: int, start: int, length: int) -> CheckpointTensor:
+        dim = dim % len(self.shape)
+        if start < 0 or length < 0 or start + length > self.shape[dim]:
+            raise ValueError(f"slice [{start}, {start + length}) outside dimension {dim} of "
+                             f"checkpoint tensor {self._name} {tuple(self.shape)}")
+        index = list(self._index or (slice(0, s) for s in self.shape))
+        base = index[dim].start
+        index[dim] = slice(base + start, base + start + length)
+        shape = list(self.shape)
+        shape[dim] = length
+        return CheckpointTensor(self._path, self._handle, self._name, self.dtype, tuple(shape),
+                                tuple(index))
+
+    def materialize(self) -> torch.Tensor:
+        try:
+            if self._index is None:
+                tensor = self._handle.get_tensor(self._name)
+            else:
+                tensor = self._handle.get_slice(self._name)[self._index]
+        except Exception as e:  # safetensors raises its own SafetensorError and OSErrors
+            raise ValueError(f"corrupt checkpoint file {self._path} (tensor {self._name}): "
+                             f"{e}") from e
+        return tensor.to(self.dtype)
+
+
+def iterate_checkpoint_tensors(model_path: str,
+                               dtype: torch.dtype) -> Iterator[tuple[str, CheckpointTensor]]:
+    """Yield (name, lazy tensor) for every tensor of the checkpoint; nothing is read yet.
+
+    Raises:
+        FileNotFoundError: missing weight files, naming them.
+        ValueError: a file whose header is not valid safetensors, naming it.
+    """
+    for path in _safetensors_files(model_path):
+        try:
+            f = safe_open(str(path), framework="pt")
+            names = list(f.keys())
+        except Exception as e:  # safetensors raises its own SafetensorError and OSErrors
+            raise ValueError(f"corrupt checkpoint file {path}: {e}") from e
+        for name in names:
+            try:
+                tensor = CheckpointTensor(path, f, name, dtype)
+            except Exception as e:
+                raise ValueError(f"corrupt checkpoint file {path} (tensor {name}): {e}") from e
+            yield name, tensor
+
+
 @contextmanager
 def _default_dtype(dtype: torch.dtype):
     prev = torch.get_default_dtype()
@@ -78,8 +147,7 @@ def load_model(model_path: str, hf_config, dtype: torch.dtype, device: torch.dev
     with torch.device(device), _default_dtype(dtype):
         model = cls(hf_config)
     try:
-        loaded = model.load_weights(
-            (name, tensor.to(dtype)) for name, tensor in iterate_safetensors(model_path))
+        loaded = model.load_weights(iterate_checkpoint_tensors(model_path, dtype))
     except ValueError as e:
         raise ValueError(f"loading {model_path}: {e}") from e
     missing = {name for name, _ in model.named_parameters()} - loaded

@@ -14,12 +14,15 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from pagedllm.distributed.parallel_state import get_pp_group
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
                                     RowParallelLinear, default_weight_loader)
 from pagedllm.layers.rotary_embedding import RotaryEmbedding, rope_parameters_from_hf
+from pagedllm.layers.pipeline import (MissingLMHead, PPMissingLayer, get_pp_indices,
+                                      recv_intermediate, send_intermediate)
 from pagedllm.layers.vocab_embedding import LMHead, VocabEmbedding
 
 
@@ -94,17 +97,39 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    """The decoder stack of one pipeline stage (all of it without pipeline parallelism).
+
+    The first stage embeds the tokens, the others receive (hidden, residual) from the previous
+    stage; every stage but the last sends its (hidden, residual) on; the last applies the final
+    norm. Layers [start_layer, end_layer) are held here, the others are `PPMissingLayer`s.
+    """
+
     def __init__(self, config, family: type[LlamaForCausalLM]) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, family)
-                                    for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.pp = get_pp_group()
+        self.hidden_size = config.hidden_size
+        self.start_layer, self.end_layer = get_pp_indices(
+            config.num_hidden_layers, self.pp.rank_in_group, self.pp.world_size)
+        self.embed_tokens = (VocabEmbedding(config.vocab_size, config.hidden_size)
+                             if self.pp.is_first_rank else PPMissingLayer())
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, family) if self.start_layer <= i < self.end_layer
+            else PPMissingLayer() for i in range(config.num_hidden_layers))
+        self.norm = (RMSNorm(config.hidden_size, config.rms_norm_eps)
+                     if self.pp.is_last_rank else PPMissingLayer())
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
+        if self.pp.is_first_rank:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            dtype = self.layers[self.start_layer].input_layernorm.weight.dtype
+            hidden, residual = recv_intermediate(self.pp, input_ids.shape[0], self.hidden_size,
+                                                 dtype, input_ids.device)
+        for layer in self.layers[self.start_layer:self.end_layer]:
             hidden, residual = layer(positions, hidden, residual)
+        if not self.pp.is_last_rank:
+            send_intermediate(self.pp, hidden, residual)
+            return hidden
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -129,8 +154,13 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = LlamaModel(config, type(self))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size,
-                              tie_to=self.model.embed_tokens if self.tie_word_embeddings else None)
+        if not self.model.pp.is_last_rank:
+            self.lm_head = MissingLMHead(config.vocab_size)
+        else:
+            # A last stage that is not also the first holds its own copy of a tied embedding.
+            tie = self.tie_word_embeddings and self.model.pp.is_first_rank
+            self.lm_head = LMHead(config.vocab_size, config.hidden_size,
+                                  tie_to=self.model.embed_tokens if tie else None)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
@@ -139,7 +169,8 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head.compute_logits(hidden)
 
     def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
+        return [layer.self_attn.attn
+                for layer in self.model.layers[self.model.start_layer:self.model.end_layer]]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load checkpoint tensors by HF name; returns the names of parameters that were set.
@@ -148,11 +179,19 @@ class LlamaForCausalLM(nn.Module):
             ValueError: for a tensor whose name matches no parameter, or a shape mismatch.
         """
         params = dict(self.named_parameters())
+        elsewhere = tuple(f"{n}." for n, m in self.named_modules() if isinstance(m, PPMissingLayer))
         loaded: set[str] = set()
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
             if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            if (name == "model.embed_tokens.weight" and self.tie_word_embeddings
+                    and "lm_head.weight" in params):
+                # Pipeline parallelism: the last stage's untied copy of the embedding.
+                self.lm_head.weight.weight_loader(self.lm_head.weight, tensor)
+                loaded.add("lm_head.weight")
+            if name.startswith(elsewhere):
                 continue
             for param_name, ckpt_name, shard_id in self.stacked_params_mapping:
                 if f".{ckpt_name}." in name:

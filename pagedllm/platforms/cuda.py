@@ -9,6 +9,9 @@ from pagedllm.platforms.interface import Platform
 
 class CudaPlatform(Platform):
     device_type = "cuda"
+    dist_backend = "nccl"
+    worker_multiproc_method = "spawn"
+    ray_resource_key = "GPU"
 
     def preferred_dtype(self) -> torch.dtype:
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
@@ -19,8 +22,9 @@ class CudaPlatform(Platform):
     def mem_get_info(self) -> tuple[int, int]:
         return torch.cuda.mem_get_info()
 
-    def init_device(self) -> None:
-        torch.cuda.set_device(torch.cuda.current_device())
+    def init_device(self, local_rank: int = 0, local_world_size: int = 1) -> None:
+        """Worker `local_rank` uses visible GPU `local_rank` (Ray actors see one GPU each)."""
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
         torch.cuda.reset_peak_memory_stats()
 
     def kv_cache_budget_bytes(self, memory_utilization: float) -> int:

@@ -15,6 +15,12 @@ class Platform(ABC):
     """One kind of device (CPU, CUDA)."""
 
     device_type: str = ""
+    # torch.distributed backend for tensor/pipeline-parallel groups on this device kind.
+    dist_backend: str = "gloo"
+    # multiprocessing start method of the `mp` executor's worker processes.
+    worker_multiproc_method: str = "forkserver"
+    # Ray resource one rank reserves in the `ray` executor's placement group.
+    ray_resource_key: str = "CPU"
 
     @property
     def device(self) -> torch.device:
@@ -32,8 +38,11 @@ class Platform(ABC):
     def mem_get_info(self) -> tuple[int, int]:
         """(free, total) memory in bytes available to the engine."""
 
-    def init_device(self) -> None:
-        """Prepare the device for this process (threads, current device)."""
+    def init_device(self, local_rank: int = 0, local_world_size: int = 1) -> None:
+        """Prepare the device for this process (threads, current device).
+
+        `local_rank` of `local_world_size` worker processes sharing this machine.
+        """
 
     @abstractmethod
     def kv_cache_budget_bytes(self, memory_utilization: float) -> int:

@@ -2,7 +2,9 @@
 
 The KV cache size comes from a memory budget: explicit `kv_cache_memory_bytes`, or what the
 platform allows after a profile run (`Platform.kv_cache_budget_bytes`). It is returned to the
-engine (never written into a config).
+engine (never written into a config). With tensor/pipeline parallelism each worker process is one
+rank: it joins the torch.distributed world and its TP/PP groups before the model is built, so the
+layers shard themselves (see distributed/parallel_state.py).
 """
 
 from __future__ import annotations
@@ -13,6 +15,10 @@ from transformers import AutoConfig
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.distributed.parallel_state import (destroy_model_parallel, get_pp_group,
+                                                 get_tp_group, init_distributed_environment,
+                                                 initialize_model_parallel)
+from pagedllm.layers.vocab_embedding import VocabEmbedding
 from pagedllm.platforms import current_platform
 from pagedllm.worker.model_runner import ModelRunner
 
@@ -20,14 +26,35 @@ logger = logging.getLogger(__name__)
 
 
 class Worker:
-    """One model replica on one device."""
+    """One rank of the model on one device.
 
-    def __init__(self, config: EngineConfig) -> None:
+    Args:
+        config: the engine config.
+        rank: global rank (pp_rank * tp_size + tp_rank); 0 for the single-process engine.
+        local_rank, local_world_size: index among / number of worker processes on this machine.
+        distributed_init_method: torch.distributed rendezvous ("tcp://host:port" or "env://");
+            needed when the world size (tp * pp) is above 1.
+
+    Raises:
+        ValueError: a world size above 1 without `distributed_init_method`.
+    """
+
+    def __init__(self, config: EngineConfig, rank: int = 0, local_rank: int = 0,
+                 local_world_size: int = 1, distributed_init_method: str | None = None) -> None:
         self.config = config
+        self.rank = rank
         self.platform = current_platform
-        self.device = self.platform.device
         self.dtype = self.platform.resolve_dtype(config.model_config.dtype)
-        self.platform.init_device()
+        self.platform.init_device(local_rank, local_world_size)
+        self.device = self.platform.device
+        pc = config.parallel_config
+        if pc.world_size > 1:
+            if distributed_init_method is None:
+                raise ValueError(f"world size {pc.world_size} needs a distributed_init_method")
+            init_distributed_environment(pc.world_size, rank, distributed_init_method,
+                                         self.platform.dist_backend)
+            initialize_model_parallel(pc.tensor_parallel_size, pc.pipeline_parallel_size,
+                                      self.platform.dist_backend)
         self.platform.seed_everything(config.model_config.seed)
         self.hf_config = AutoConfig.from_pretrained(
             config.model_path, trust_remote_code=config.model_config.trust_remote_code)
@@ -40,7 +67,7 @@ class Worker:
         """Number of KV blocks (the null block included) that fit the memory budget.
 
         Raises:
-            ValueError: if not even one full-length request fits.
+            ValueError: if fewer than 2 blocks (the null block and one usable) fit.
         """
         cc = self.config.cache_config
         bytes_per_block = self.model_runner.kv_cache_bytes_per_block()
@@ -67,6 +94,28 @@ class Worker:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self.model_runner.execute_model(scheduler_output)
         return self.model_runner.sample_tokens()
+
+    def layout_summary(self) -> str:
+        """One line: this rank's place in the layout, its layers, heads, vocab rows and memory."""
+        model = self.model_runner.model
+        tp, pp = get_tp_group(), get_pp_group()
+        attn = model.attention_layers()
+        vocab = next((m for m in model.modules() if isinstance(m, VocabEmbedding)), None)
+        rows = (f"vocab rows [{vocab.vocab_start_index}, {vocab.vocab_end_index})"
+                if vocab is not None else "no vocab rows")
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        kv_bytes = sum(c.numel() * c.element_size() for c in self.model_runner.kv_caches)
+        return (f"rank {self.rank} (tp {tp.rank_in_group}/{tp.world_size}, pp "
+                f"{pp.rank_in_group}/{pp.world_size}): {len(attn)} layers "
+                f"({attn[0].layer_name} .. {attn[-1].layer_name}), {attn[0].num_heads} "
+                f"attention heads and {attn[0].num_kv_heads} KV heads per layer, {rows}; weights "
+                f"{weight_bytes / 2**20:.1f} MiB, KV cache {kv_bytes / 2**20:.1f} MiB, peak "
+                f"device memory {self.platform.peak_memory_bytes() / 2**20:.1f} MiB")
+
+    def shutdown(self) -> None:
+        """Leave the process groups (a no-op for the single-process engine)."""
+        if self.config.parallel_config.world_size > 1:
+            destroy_model_parallel()
 
     @property
     def vocab_size(self) -> int:

@@ -1,0 +1,62 @@
+"""The Executor protocol the EngineCore drives, and the backend name -> class factory.
+
+An executor owns the workers (one per rank) and hides where they live: in the engine process
+(`uni`), in child processes of this machine (`mp`) or in Ray actors (`ray`). Every rank receives
+every SchedulerOutput; the ModelRunnerOutput comes from the driver rank (the first TP rank of the
+last pipeline stage). The KV cache size is the minimum over the ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+
+
+class WorkerDiedError(RuntimeError):
+    """A worker process or actor exited or failed; the engine cannot continue."""
+
+
+class Executor(Protocol):
+    """Runs one engine's workers. `__init__(config)` starts them and loads the model."""
+
+    def determine_num_blocks(self) -> int:
+        """KV blocks that fit on every rank (the minimum over the ranks)."""
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate `num_blocks` KV blocks on every rank."""
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step on every rank; the driver rank's output.
+
+        Raises:
+            WorkerDiedError: a worker died or raised (distributed executors).
+        """
+
+    def shutdown(self) -> None:
+        """Stop the workers (idempotent)."""
+
+
+def get_executor_class(backend: str) -> type:
+    """Executor class of `distributed_executor_backend` ("uni", "mp" or "ray").
+
+    Raises:
+        ValueError: for an unknown backend name.
+    """
+    if backend == "uni":
+        from pagedllm.executor.uniproc import UniProcExecutor
+        return UniProcExecutor
+    if backend == "mp":
+        from pagedllm.executor.multiproc import MultiprocExecutor
+        return MultiprocExecutor
+    if backend == "ray":
+        from pagedllm.executor.ray import RayExecutor
+        return RayExecutor
+    raise ValueError(f"unknown distributed_executor_backend {backend!r}; use 'uni', 'mp' or 'ray'")
+
+
+def driver_rank(config: EngineConfig) -> int:
+    """Global rank whose ModelRunnerOutput the engine uses: TP rank 0 of the last PP stage."""
+    pc = config.parallel_config
+    return (pc.pipeline_parallel_size - 1) * pc.tensor_parallel_size
