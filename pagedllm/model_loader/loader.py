@@ -39,27 +39,6 @@ def _safetensors_files(model_path: str) -> list[Path]:
     return files
 
 
-def iterate_safetensors(model_path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) for every tensor of the checkpoint, file by file (memory-mapped).
-
-    Raises:
-        FileNotFoundError: missing weight files, naming them.
-        ValueError: a file that is not valid safetensors, naming it.
-    """
-    for path in _safetensors_files(model_path):
-        try:
-            f = safe_open(str(path), framework="pt")
-            names = list(f.keys())
-        except Exception as e:  # safetensors raises its own SafetensorError and OSErrors
-            raise ValueError(f"corrupt checkpoint file {path}: {e}") from e
-        for name in names:
-            try:
-                tensor = f.get_tensor(name)
-            except Exception as e:
-                raise ValueError(f"corrupt checkpoint file {path} (tensor {name}): {e}") from e
-            yield name, tensor
-
-
 class CheckpointTensor:
     """A checkpoint tensor not read yet; `narrow` selects a slice, `materialize` reads only it.
 
@@ -103,6 +82,7 @@ class CheckpointTensor:
             raise ValueError(f"corrupt checkpoint file {self._path} (tensor {self._name}): "
                              f"{e}") from e
         return tensor.to(self.dtype)
+
 
 
 def iterate_checkpoint_tensors(model_path: str,

@@ -21,9 +21,9 @@ from torch import nn
 
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.layernorm import LayerNorm
-from pagedllm.layers.linear import (ColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
-                                    default_weight_loader)
+from pagedllm.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedllm.layers.vocab_embedding import VocabEmbedding
+from pagedllm.models.utils import load_named_weight
 
 _ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu,
                 "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
@@ -165,20 +165,7 @@ class BertModel(nn.Module):
             name = name.removeprefix(self.checkpoint_prefix)
             if name.startswith(_SKIPPED_PREFIXES):
                 continue
-            for param_name, ckpt_name, shard_id in self.stacked_params_mapping:
-                if f".{ckpt_name}." in name:
-                    target = name.replace(f".{ckpt_name}.", f".{param_name}.")
-                    param = params.get(target)
-                    if param is None:
-                        raise ValueError(f"checkpoint tensor {name} has no matching parameter")
-                    param.weight_loader(param, tensor, shard_id)
-                    break
-            else:
-                target = name
-                param = params.get(target)
-                if param is None:
-                    raise ValueError(f"checkpoint tensor {name} has no matching parameter")
-                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+            target = load_named_weight(params, name, tensor, self.stacked_params_mapping)
             loaded.add(target)
         return loaded
 

@@ -19,11 +19,12 @@ from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
-                                    RowParallelLinear, default_weight_loader)
+                                    RowParallelLinear)
 from pagedllm.layers.rotary_embedding import RotaryEmbedding, rope_parameters_from_hf
 from pagedllm.layers.pipeline import (MissingLMHead, PPMissingLayer, get_pp_indices,
                                       recv_intermediate, send_intermediate)
 from pagedllm.layers.vocab_embedding import LMHead, VocabEmbedding
+from pagedllm.models.utils import load_named_weight
 
 
 class LlamaMLP(nn.Module):
@@ -193,20 +194,7 @@ class LlamaForCausalLM(nn.Module):
                 loaded.add("lm_head.weight")
             if name.startswith(elsewhere):
                 continue
-            for param_name, ckpt_name, shard_id in self.stacked_params_mapping:
-                if f".{ckpt_name}." in name:
-                    target = name.replace(ckpt_name, param_name)
-                    param = params.get(target)
-                    if param is None:
-                        raise ValueError(f"checkpoint tensor {name} has no matching parameter")
-                    param.weight_loader(param, tensor, shard_id)
-                    break
-            else:
-                target = name
-                param = params.get(target)
-                if param is None:
-                    raise ValueError(f"checkpoint tensor {name} has no matching parameter")
-                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+            target = load_named_weight(params, name, tensor, self.stacked_params_mapping)
             loaded.add(target)
         return loaded
 

@@ -80,7 +80,6 @@ class ModelRunner:
     # ----------------------------------------------------------------- set-up
     def load_model(self) -> None:
         self.model = load_model(self.config.model_path, self.hf_config, self.dtype, self.device)
-        self.vocab_size = self.hf_config.vocab_size
         if self.spec_config is not None and self.spec_config.method == "draft_model":
             from transformers import AutoConfig
             draft_path = self.config.draft_model_path

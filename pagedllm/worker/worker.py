@@ -117,10 +117,6 @@ class Worker:
         if self.config.parallel_config.world_size > 1:
             destroy_model_parallel()
 
-    @property
-    def vocab_size(self) -> int:
-        return self.hf_config.vocab_size
-
     def peak_memory_bytes(self) -> int:
         return self.platform.peak_memory_bytes()
 
