@@ -1,17 +1,20 @@
 """The one forward context: per-step attention metadata, set for the duration of one forward.
 
-Only `worker/model_runner.py` sets it (with `set_forward_context`), only `layers/attention.py` reads
-it. It is frozen and has fixed fields; nothing else may be stored here.
+Only the runners set it (with `set_forward_context`), only `layers/attention.py` reads it. It is
+frozen and has fixed fields; nothing else may be stored here. It is per thread: engine replicas
+that run their steps on different threads of one process (data-parallel serving) each see their
+own.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-_forward_context: ForwardContext | None = None
+_local = threading.local()
 
 
 @dataclass(frozen=True)
@@ -23,16 +26,21 @@ class ForwardContext:
 
 @contextmanager
 def set_forward_context(attn_metadata: Any) -> Iterator[None]:
-    global _forward_context
-    prev = _forward_context
-    _forward_context = ForwardContext(attn_metadata)
+    prev = getattr(_local, "context", None)
+    _local.context = ForwardContext(attn_metadata)
     try:
         yield
     finally:
-        _forward_context = prev
+        _local.context = prev
 
 
 def get_forward_context() -> ForwardContext:
-    if _forward_context is None:
+    """The context of the forward running on this thread.
+
+    Raises:
+        RuntimeError: when called outside `set_forward_context`.
+    """
+    context = getattr(_local, "context", None)
+    if context is None:
         raise RuntimeError("attention called outside set_forward_context()")
-    return _forward_context
+    return context

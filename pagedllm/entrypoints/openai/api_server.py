@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.engine.dp_async_llm import DataParallelAsyncLLM
 from pagedllm.entrypoints.openai.metrics import METRICS_CONTENT_TYPE, PrometheusStatLogger
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                   ModelCard, ModelList)
@@ -118,7 +119,7 @@ def _validation_error(exc: RequestValidationError) -> OpenAIServingError:
     return OpenAIServingError(f"invalid request: {details}", 400, param=loc[0] if loc else None)
 
 
-def build_app(async_llm: AsyncLLM, served_model_names: Sequence[str],
+def build_app(async_llm: AsyncLLM | DataParallelAsyncLLM, served_model_names: Sequence[str],
               metrics: PrometheusStatLogger | None = None, api_key: str | None = None,
               model_root: str | None = None) -> FastAPI:
     """The FastAPI app over a (not necessarily started) `AsyncLLM`.
@@ -200,7 +201,8 @@ def build_app(async_llm: AsyncLLM, served_model_names: Sequence[str],
 def run_server(model: str, engine_kwargs: dict[str, Any], host: str = "127.0.0.1",
                port: int = 8000, api_key: str | None = None,
                served_model_names: Sequence[str] | None = None,
-               log_level: str = "info", runner: str = "auto") -> None:
+               log_level: str = "info", runner: str = "auto",
+               data_parallel_size: int = 1) -> None:
     """Load the model, then serve until SIGINT/SIGTERM.
 
     Args:
@@ -209,6 +211,7 @@ def run_server(model: str, engine_kwargs: dict[str, Any], host: str = "127.0.0.1
         served_model_names: names clients use; default `[model]`.
         runner: "generate", "pooling" (serve /v1/embeddings, see embedding_server.py) or
             "auto" (pooling for architectures without an LM head).
+        data_parallel_size: engine replicas behind this server (see engine/dp_async_llm.py).
 
     Raises:
         ValueError, FileNotFoundError: invalid engine arguments or a missing model (before any
@@ -222,13 +225,20 @@ def run_server(model: str, engine_kwargs: dict[str, Any], host: str = "127.0.0.1
         runner = "pooling" if is_pooling_model(model, engine_kwargs.get("revision")) \
             else "generate"
     async_llm = None
+    if runner == "pooling" and data_parallel_size > 1:
+        raise ValueError("--data-parallel-size > 1 is not supported with --runner pooling")
     if runner == "pooling":
         from pagedllm.entrypoints.openai.embedding_server import build_embedding_app
         app = build_embedding_app(PoolingEngine.from_engine_args(model, **engine_kwargs), names,
                                   api_key=api_key, model_root=model)
     else:
         metrics = PrometheusStatLogger(names[0])
-        async_llm = AsyncLLM.from_engine_args(model, stat_loggers=[metrics], **engine_kwargs)
+        if data_parallel_size > 1:
+            async_llm = DataParallelAsyncLLM.from_engine_args(
+                model, data_parallel_size, stat_loggers=[metrics], **engine_kwargs)
+        else:
+            async_llm = AsyncLLM.from_engine_args(model, stat_loggers=[metrics],
+                                                  **engine_kwargs)
         app = build_app(async_llm, names, metrics=metrics, api_key=api_key, model_root=model)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)

@@ -20,6 +20,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         "name)")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engine replicas behind this server, balanced by queue length")
     g.add_argument("--runner", default="auto", choices=["auto", "generate", "pooling"],
                    help="pooling: serve /v1/embeddings (docs/embeddings.md); auto: pooling for "
                         "models without an LM head (e.g. BertModel)")
@@ -56,5 +58,6 @@ def run_serve(args: argparse.Namespace) -> int:
                 raise ValueError(f"--{key.replace('_', '-')} needs --runner pooling")
             kwargs[key] = getattr(args, key)
     run_server(model, kwargs, host=args.host, port=args.port, api_key=args.api_key,
-               served_model_names=names, log_level=args.uvicorn_log_level, runner=args.runner)
+               served_model_names=names, log_level=args.uvicorn_log_level, runner=args.runner,
+               data_parallel_size=args.data_parallel_size)
     return 0
