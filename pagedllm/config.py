@@ -259,8 +259,11 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"unknown speculative_config keys {sorted(unknown)}; known: "
                              f"{sorted(known)}")
-        if "method" not in d or "num_speculative_tokens" not in d:
-            raise ValueError("speculative_config needs 'method' and 'num_speculative_tokens'")
+        if d.get("method") not in SPEC_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {SPEC_METHODS}, "
+                             f"got {d.get('method')!r}")
+        if "num_speculative_tokens" not in d:
+            raise ValueError("speculative_config needs 'num_speculative_tokens'")
         return cls(**d)
 
 

@@ -7,6 +7,17 @@ import json
 from typing import Any
 
 
+def _json_object(text: str) -> dict[str, Any]:
+    """argparse type: a JSON object (raises ArgumentTypeError with a plain message)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e.msg}): {text!r}") from e
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=None,
@@ -35,7 +46,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--master-addr", default=None, help="rank 0's address (default $MASTER_ADDR)")
     g.add_argument("--master-port", type=int, default=None,
                    help="rank 0's rendezvous port (default $MASTER_PORT)")
-    g.add_argument("--speculative-config", type=json.loads, default=None,
+    g.add_argument("--speculative-config", type=_json_object, default=None,
                    help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
                         '\'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}\'')
     g.add_argument("--logprobs-mode", default="raw_logprobs",

@@ -26,6 +26,9 @@ import numpy as np
 from pagedllm.structured_output.params import StructuredOutputsParams
 
 
+_XGRAMMAR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
+
+
 def _choice_to_regex(choices: list[str]) -> str:
     return "(" + "|".join(re.escape(c) for c in choices) + ")"
 
@@ -77,7 +80,9 @@ class StructuredOutputManager:
             self._grammar(params)
         except (RuntimeError, ValueError, TypeError) as e:
             kind = params.key()[0]
-            raise ValueError(f"invalid structured output {kind}: {str(e).splitlines()[0]}") from e
+            # Drop xgrammar's "[time] /path/file.cc:line: " prefix from its messages.
+            message = _XGRAMMAR_PREFIX.sub("", str(e).splitlines()[0])
+            raise ValueError(f"invalid structured output {kind}: {message}") from e
 
     def add_request(self, req_id: str, params: StructuredOutputsParams) -> None:
         """Start (or reuse) the compile of the request's grammar in the background."""
