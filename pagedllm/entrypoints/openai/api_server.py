@@ -119,6 +119,30 @@ def _validation_error(exc: RequestValidationError) -> OpenAIServingError:
     return OpenAIServingError(f"invalid request: {details}", 400, param=loc[0] if loc else None)
 
 
+def install_auth_and_error_handlers(app: FastAPI, api_key: str | None) -> None:
+    """Bearer-key check (when `api_key` is set) and OpenAI-shaped error bodies for every error
+    class: serving errors, request validation (400), HTTP errors, unhandled exceptions (500)."""
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+
+    @app.exception_handler(OpenAIServingError)
+    async def _on_serving_error(request: Request, exc: OpenAIServingError) -> JSONResponse:
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error_response(_validation_error(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error_response(OpenAIServingError(str(exc.detail), exc.status_code))
+
+    @app.exception_handler(Exception)
+    async def _on_internal_error(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error in %s", request.url.path)
+        return _error_response(OpenAIServingError(f"internal error: {type(exc).__name__}", 500))
+
+
 def build_app(async_llm: AsyncLLM | DataParallelAsyncLLM, served_model_names: Sequence[str],
               metrics: PrometheusStatLogger | None = None, api_key: str | None = None,
               model_root: str | None = None) -> FastAPI:
@@ -143,25 +167,7 @@ def build_app(async_llm: AsyncLLM | DataParallelAsyncLLM, served_model_names: Se
             await asyncio.to_thread(async_llm.shutdown)
 
     app = FastAPI(title="pagedllm OpenAI-compatible server", lifespan=lifespan)
-    if api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
-
-    @app.exception_handler(OpenAIServingError)
-    async def _on_serving_error(request: Request, exc: OpenAIServingError) -> JSONResponse:
-        return _error_response(exc)
-
-    @app.exception_handler(RequestValidationError)
-    async def _on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return _error_response(_validation_error(exc))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return _error_response(OpenAIServingError(str(exc.detail), exc.status_code))
-
-    @app.exception_handler(Exception)
-    async def _on_internal_error(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error in %s", request.url.path)
-        return _error_response(OpenAIServingError(f"internal error: {type(exc).__name__}", 500))
+    install_auth_and_error_handlers(app, api_key)
 
     @app.get("/health")
     async def health() -> Response:

@@ -7,24 +7,18 @@ engine thread to start or stop (embedding calls run in worker threads, see servi
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedllm.engine.pooling_engine import PoolingEngine
-from pagedllm.entrypoints.openai.api_server import (ApiKeyMiddleware, _cancel_on_disconnect,
-                                                    _error_response, _respond,
-                                                    _validation_error)
+from pagedllm.entrypoints.openai.api_server import (_cancel_on_disconnect, _respond,
+                                                    install_auth_and_error_handlers)
 from pagedllm.entrypoints.openai.protocol import ModelCard, ModelList
 from pagedllm.entrypoints.openai.protocol_embedding import EmbeddingRequest
 from pagedllm.entrypoints.openai.serving_embedding import ServingEmbedding
-from pagedllm.entrypoints.openai.serving_engine import OpenAIServingError
 
-logger = logging.getLogger(__name__)
 
 
 def build_embedding_app(engine: PoolingEngine, served_model_names: Sequence[str],
@@ -39,25 +33,7 @@ def build_embedding_app(engine: PoolingEngine, served_model_names: Sequence[str]
     """
     embeddings = ServingEmbedding(engine, served_model_names)
     app = FastAPI(title="pagedllm OpenAI-compatible embedding server")
-    if api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
-
-    @app.exception_handler(OpenAIServingError)
-    async def _on_serving_error(request: Request, exc: OpenAIServingError) -> JSONResponse:
-        return _error_response(exc)
-
-    @app.exception_handler(RequestValidationError)
-    async def _on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return _error_response(_validation_error(exc))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return _error_response(OpenAIServingError(str(exc.detail), exc.status_code))
-
-    @app.exception_handler(Exception)
-    async def _on_internal_error(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error in %s", request.url.path)
-        return _error_response(OpenAIServingError(f"internal error: {type(exc).__name__}", 500))
+    install_auth_and_error_handlers(app, api_key)
 
     @app.get("/health")
     async def health() -> Response:

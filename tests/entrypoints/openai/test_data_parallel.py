@@ -3,47 +3,22 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import subprocess
-import sys
-import time
 
-import httpx
 import pytest
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.dp_async_llm import DataParallelAsyncLLM
+from tests.entrypoints.openai.server_process import running_server
 from tests.entrypoints.openai.test_openai_server import (API_KEY, ENGINE_FLAGS, ENGINE_KWARGS,
-                                                         MODEL_NAME, Server, _free_port)
+                                                         MODEL_NAME, Server)
 
 
 @pytest.fixture(scope="module")
 def dp_server(tiny_llama):
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "pagedllm.entrypoints.openai.api_server",
-                             "--model", str(tiny_llama), "--port", str(port), "--api-key",
-                             API_KEY, "--served-model-name", MODEL_NAME,
-                             "--data-parallel-size", "2", "--uvicorn-log-level", "warning",
-                             *ENGINE_FLAGS], env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    srv = Server(proc, port)
-    deadline = time.monotonic() + 120
-    while True:
-        assert proc.poll() is None, "server exited during start-up"
-        try:
-            if httpx.get(srv.url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline
-        time.sleep(0.25)
-    yield srv
-    proc.send_signal(signal.SIGTERM)
-    try:
-        assert proc.wait(timeout=30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    args = ["--model", str(tiny_llama), "--api-key", API_KEY, "--served-model-name", MODEL_NAME,
+            "--data-parallel-size", "2", "--uvicorn-log-level", "warning", *ENGINE_FLAGS]
+    with running_server(args) as (proc, url):
+        yield Server(proc, int(url.rsplit(":", 1)[1]))
 
 
 def test_dp2_matches_dp1(dp_server, tiny_llama):

@@ -5,12 +5,6 @@ must equal the offline `LLM(..., runner="pooling").embed` on the same checkpoint
 from __future__ import annotations
 
 import base64
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -19,17 +13,11 @@ import openai
 import pytest
 
 from pagedllm import LLM
+from tests.entrypoints.openai.server_process import running_server
 
 API_KEY = "embed-key"
 MODEL_NAME = "minilm"
-STARTUP_TIMEOUT_S = 120
 TEXTS = ["A man is playing a guitar.", "The weather is lovely today " * 8, "x"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -39,32 +27,11 @@ def minilm_path() -> Path:
 
 @pytest.fixture(scope="module")
 def server_url(minilm_path: Path):
-    port = _free_port()
-    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--runner", "pooling",
-           "--model", str(minilm_path), "--port", str(port), "--api-key", API_KEY,
-           "--served-model-name", MODEL_NAME, "--dtype", "float32",
-           "--uvicorn-log-level", "warning"]
-    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1",
-                                      "HF_HUB_OFFLINE": "1"})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while True:
-        assert proc.poll() is None, f"server exited with {proc.returncode} during start-up"
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "server did not become healthy in time"
-        time.sleep(0.25)
-    yield url
-    proc.send_signal(signal.SIGTERM)
-    try:
-        assert proc.wait(timeout=30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    args = ["--runner", "pooling", "--model", str(minilm_path), "--api-key", API_KEY,
+            "--served-model-name", MODEL_NAME, "--dtype", "float32",
+            "--uvicorn-log-level", "warning"]
+    with running_server(args, env={"HF_HUB_OFFLINE": "1"}) as (_, url):
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -8,11 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -21,12 +17,12 @@ import openai
 import pytest
 
 from pagedllm import LLM, SamplingParams
+from tests.entrypoints.openai.server_process import running_server
 
 API_KEY = "test-key"
 MODEL_NAME = "tiny-llama"
 ENGINE_FLAGS = ["--dtype", "float32", "--kv-cache-memory-bytes", "16000000", "--seed", "0"]
 ENGINE_KWARGS = {"dtype": "float32", "kv_cache_memory_bytes": 16_000_000, "seed": 0}
-STARTUP_TIMEOUT_S = 120
 PROMPTS = [f"Prompt number {i}: the quick brown fox" + " jumps" * (i % 5) for i in range(32)]
 
 
@@ -57,39 +53,12 @@ class Server:
         raise KeyError(name)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tiny_llama: Path):
-    port = _free_port()
-    cmd = [sys.executable, "-m", "pagedllm.entrypoints.openai.api_server", "--model",
-           str(tiny_llama), "--port", str(port), "--api-key", API_KEY, "--served-model-name",
-           MODEL_NAME, "--uvicorn-log-level", "warning", *ENGINE_FLAGS]
-    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    srv = Server(proc, port)
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while True:
-        assert proc.poll() is None, f"server exited with {proc.returncode} during start-up"
-        try:
-            if httpx.get(srv.url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "server did not become healthy in time"
-        time.sleep(0.25)
-    yield srv
-    # Graceful shutdown: SIGTERM must stop uvicorn and the engine thread, exit code 0.
-    proc.send_signal(signal.SIGTERM)
-    try:
-        assert proc.wait(timeout=30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    args = ["--model", str(tiny_llama), "--api-key", API_KEY, "--served-model-name", MODEL_NAME,
+            "--uvicorn-log-level", "warning", *ENGINE_FLAGS]
+    with running_server(args) as (proc, url):
+        yield Server(proc, int(url.rsplit(":", 1)[1]))
 
 
 @pytest.fixture(scope="module")
