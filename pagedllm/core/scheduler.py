@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from pagedllm.core.request import Request, RequestStatus
-from pagedllm.core.sched_output import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
+from pagedllm.core.sched_output import (EngineCoreOutput, ModelRunnerOutput,
                                         NewRequestData, SchedulerOutput)
 
 
@@ -142,13 +142,23 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Pick this step's requests and tokens, allocate their blocks, advance their
         `num_computed_tokens` (as if the step succeeds)."""
-        token_budget = self.config.max_num_batched_tokens
-        num_scheduled_tokens: dict[str, int] = {}
-        new_reqs: list[NewRequestData] = []
-        cached = CachedRequestData()
-        preempted: set[str] = set()
-        spec_tokens: dict[str, list[int]] = {}
+        out = SchedulerOutput.make_empty()
+        token_budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        # Admit waiting requests only if nothing had to be preempted this step.
+        if not out.preempted_req_ids:
+            self._schedule_waiting(out, token_budget)
+        out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
+        out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
+        for req_id, n in out.num_scheduled_tokens.items():
+            self.requests[req_id].num_computed_tokens += n
+        self._add_grammar_bitmask(out)
+        return out
 
+    def _schedule_running(self, out: SchedulerOutput, token_budget: int) -> int:
+        """Schedule running requests in admission order (decodes, prefill chunks, drafts),
+        preempting the most recently admitted ones when blocks run out. Returns the budget left.
+        """
+        cached = out.scheduled_cached_reqs
         req_index = 0
         while req_index < len(self.running) and token_budget > 0:
             request = self.running[req_index]
@@ -165,26 +175,30 @@ class Scheduler:
                     break
                 victim = self.running.pop()
                 self._preempt(victim)
-                preempted.add(victim.request_id)
+                out.preempted_req_ids.add(victim.request_id)
                 if victim is request:
                     break
             if new_block_ids is None:
                 break
             num_spec = request.num_computed_tokens + num_new_tokens - request.num_tokens
             if num_spec > 0:
-                spec_tokens[request.request_id] = request.spec_token_ids[:num_spec]
+                out.scheduled_spec_decode_tokens[request.request_id] = \
+                    request.spec_token_ids[:num_spec]
             request.spec_token_ids = []
             cached.req_ids.append(request.request_id)
             cached.new_block_ids.append(new_block_ids)
             cached.num_computed_tokens.append(request.num_computed_tokens)
-            num_scheduled_tokens[request.request_id] = num_new_tokens
+            out.num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
             req_index += 1
+        return token_budget
 
-        # Admit waiting requests only if nothing had to be preempted this step. Structured
-        # requests whose grammar is still compiling wait without blocking the others.
+    def _schedule_waiting(self, out: SchedulerOutput, token_budget: int) -> None:
+        """Admit waiting requests in order (prefix-cache hits count as computed) while budget,
+        sequence slots and blocks last. Structured requests whose grammar is still compiling
+        wait without blocking the others."""
         compiling: list[Request] = []
-        while (not preempted and self.waiting and token_budget > 0
+        while (self.waiting and token_budget > 0
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
             if not self._grammar_ready(request):
@@ -208,26 +222,14 @@ class Scheduler:
                 # prefix sharing.
                 request.num_cached_tokens = num_hit_tokens
                 self.kv_cache_manager.record_prefix_lookup(request.num_tokens, num_hit_tokens)
-            new_reqs.append(NewRequestData(
+            out.scheduled_new_reqs.append(NewRequestData(
                 req_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
                 output_token_ids=list(request.output_token_ids),
                 sampling_params=request.sampling_params, block_ids=new_block_ids,
                 num_computed_tokens=num_hit_tokens))
-            num_scheduled_tokens[request.request_id] = num_new_tokens
+            out.num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
-
         self.waiting.extendleft(reversed(compiling))
-        out = SchedulerOutput(
-            scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached,
-            num_scheduled_tokens=num_scheduled_tokens,
-            total_num_scheduled_tokens=sum(num_scheduled_tokens.values()),
-            finished_req_ids=self.finished_req_ids, preempted_req_ids=preempted,
-            scheduled_spec_decode_tokens=spec_tokens)
-        self.finished_req_ids = set()
-        for req_id, n in num_scheduled_tokens.items():
-            self.requests[req_id].num_computed_tokens += n
-        self._add_grammar_bitmask(out)
-        return out
 
     def _grammar_ready(self, request: Request) -> bool:
         return (request.sampling_params.structured_outputs is None
