@@ -15,6 +15,16 @@ from pagedllm.sampling_params import SamplingParams
 PromptType = str | list[int] | dict[str, Any]
 
 
+def check_prompt_token_ids(token_ids: list[int], vocab_size: int) -> None:
+    """Raises ValueError for an empty prompt or ids outside [0, vocab_size)."""
+    if not token_ids:
+        raise ValueError("the prompt is empty (no tokens)")
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary "
+                         f"[0, {vocab_size})")
+
+
 class InputProcessor:
     """Tokenize and validate prompts.
 
@@ -43,15 +53,10 @@ class InputProcessor:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params)}")
         prompt_text, token_ids = self._tokenize(prompt)
-        if not token_ids:
-            raise ValueError("the prompt is empty (no tokens)")
         if params.truncate_prompt_tokens is not None:
             token_ids = token_ids[-params.truncate_prompt_tokens:]
+        check_prompt_token_ids(token_ids, self.vocab_size)
         self._check_params(params)
-        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary "
-                             f"[0, {self.vocab_size})")
         if len(token_ids) > self.max_model_len:
             raise ValueError(f"the prompt has {len(token_ids)} tokens, more than max_model_len "
                              f"({self.max_model_len})")

@@ -23,6 +23,7 @@ import numpy as np
 from transformers import AutoConfig
 
 from pagedllm.config import EngineConfig, create_engine_config, hf_model_info
+from pagedllm.engine.input_processor import check_prompt_token_ids
 from pagedllm.engine.llm_engine import load_tokenizer
 from pagedllm.logger import init_logger
 from pagedllm.model_loader.hub import resolve_model_path
@@ -157,12 +158,7 @@ class PoolingEngine:
         else:
             raise ValueError(f"a prompt must be a string, a list of token ids or a dict, "
                              f"got {type(prompt).__name__}")
-        if not ids:
-            raise ValueError("the prompt is empty (no tokens)")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary "
-                             f"[0, {self.vocab_size})")
+        check_prompt_token_ids(ids, self.vocab_size)
         if len(ids) > self.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens, more than this model's maximum "
                              f"length (max_model_len) of {self.max_model_len}; shorten it or "
