@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from pagedllm.attention.backends.cpu_paged import CpuPagedBackend
 from pagedllm.attention.backends.torch_sdpa import TorchSDPABackend
 from pagedllm.platforms import current_platform
 
-_BACKENDS = {TorchSDPABackend.name: TorchSDPABackend}
+_BACKENDS = {b.name: b for b in (TorchSDPABackend, CpuPagedBackend)}
 
 
 def get_attention_backend():

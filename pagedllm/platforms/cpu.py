@@ -79,3 +79,12 @@ class CpuPlatform(Platform):
         cap_gib = float(os.environ.get("PAGEDLLM_CPU_KVCACHE_SPACE", "4"))
         free, _ = self.mem_get_info()
         return int(min(free * memory_utilization, cap_gib * 2**30))
+
+    def attention_backend_name(self) -> str:
+        """The native paged kernel when it builds here (`PAGEDLLM_ATTENTION_BACKEND` overrides),
+        else torch's SDPA over gathered blocks."""
+        name = os.environ.get("PAGEDLLM_ATTENTION_BACKEND")
+        if name:
+            return name
+        from pagedllm.kernels import cpu_kernels
+        return "cpu_paged" if cpu_kernels() is not None else "torch_sdpa"

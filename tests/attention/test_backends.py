@@ -1,4 +1,5 @@
-"""Paged SDPA backend against dense causal attention on random mixed batches."""
+"""Both paged attention backends against dense causal attention on random mixed batches
+(decodes, first prefill chunks, later chunks over a cached context; MHA, GQA and MQA)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from pagedllm.attention.backends.cpu_paged import CpuPagedBackend
 from pagedllm.attention.backends.torch_sdpa import TorchSDPABackend
 from pagedllm.attention.metadata import CommonAttentionMetadata
 
@@ -21,15 +23,25 @@ def _dense(q, k, v, scale):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-@pytest.mark.parametrize("seed", range(5))
-def test_matches_dense(seed):
+BACKENDS = [TorchSDPABackend,
+            pytest.param(CpuPagedBackend, marks=pytest.mark.skipif(
+                not CpuPagedBackend.is_available(), reason="CPU kernels did not build"))]
+SHAPES = [(4, 2, 8, 4), (6, 6, 64, 16), (8, 1, 16, 8)]  # (heads, kv heads, head size, block size)
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.name)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("seed", range(3))
+def test_matches_dense(backend, shape, dtype, seed):
     rng = np.random.default_rng(seed)
-    H, KVH, D, bs, num_blocks = 4, 2, 8, 4, 64
-    num_reqs = 5
-    ctx = rng.integers(0, 20, num_reqs)                # cached tokens per request
+    H, KVH, D, bs = shape
+    num_blocks = 80
+    num_reqs = 6
+    ctx = rng.integers(0, 40, num_reqs) * (rng.random(num_reqs) < 0.7)  # cached tokens
     q_lens = np.where(rng.random(num_reqs) < 0.5, 1, rng.integers(1, 12, num_reqs))
     seq_lens = ctx + q_lens
-    kv_cache = torch.zeros(2, num_blocks, bs, KVH, D)
+    kv_cache = torch.zeros(2, num_blocks, bs, KVH, D, dtype=dtype)
     perm = rng.permutation(np.arange(1, num_blocks))
     max_blocks = int(-(-seq_lens.max() // bs))
     block_table = np.zeros((num_reqs, max_blocks), dtype=np.int32)
@@ -38,8 +50,8 @@ def test_matches_dense(seed):
         nb = -(-seq_lens[r] // bs)
         block_table[r, :nb] = perm[used:used + nb]
         used += nb
-        full_k.append(torch.randn(seq_lens[r], KVH, D))
-        full_v.append(torch.randn(seq_lens[r], KVH, D))
+        full_k.append(torch.randn(seq_lens[r], KVH, D).to(dtype))
+        full_v.append(torch.randn(seq_lens[r], KVH, D).to(dtype))
         for p in range(ctx[r]):  # pre-fill the cached context
             b, o = block_table[r, p // bs], p % bs
             kv_cache[0, b, o], kv_cache[1, b, o] = full_k[r][p], full_v[r][p]
@@ -52,10 +64,15 @@ def test_matches_dense(seed):
         seq_lens_cpu=seq_lens.astype(np.int32), block_table=torch.from_numpy(block_table),
         slot_mapping=torch.from_numpy(slots), num_reqs=num_reqs, num_actual_tokens=int(qsl[-1]),
         max_query_len=int(q_lens.max()), max_seq_len=int(seq_lens.max()), block_size=bs)
-    qs = [torch.randn(q_lens[r], H, D) for r in range(num_reqs)]
+    qs = [torch.randn(q_lens[r], H, D).to(dtype) for r in range(num_reqs)]
     new_k = torch.cat([full_k[r][ctx[r]:] for r in range(num_reqs)])
     new_v = torch.cat([full_v[r][ctx[r]:] for r in range(num_reqs)])
-    out = TorchSDPABackend.forward(torch.cat(qs), new_k, new_v, kv_cache,
-                                   TorchSDPABackend.build_metadata(common), D ** -0.5)
-    want = torch.cat([_dense(qs[r], full_k[r], full_v[r], D ** -0.5) for r in range(num_reqs)])
-    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    out = backend.forward(torch.cat(qs), new_k, new_v, kv_cache,
+                          backend.build_metadata(common), D ** -0.5)
+    assert out.dtype == dtype
+    want = torch.cat([_dense(qs[r].float(), full_k[r].float(), full_v[r].float(), D ** -0.5)
+                      for r in range(num_reqs)])
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), want, atol=tol, rtol=tol)
+    # the new tokens' K/V landed in their slots
+    torch.testing.assert_close(kv_cache[0].view(-1, KVH, D)[common.slot_mapping], new_k)

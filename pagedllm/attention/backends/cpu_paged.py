@@ -1,0 +1,138 @@
+"""Paged attention for the CPU with a native kernel that reads the KV cache in place.
+
+Per step the requests are split in two:
+
+- requests whose whole sequence is new this step (a first prefill chunk with no cached prefix):
+  their keys are exactly the new keys, so they go to torch's SDPA (flash attention on the CPU)
+  directly on the new q/k/v, one call per request, nothing read from the cache;
+- every other request (decodes, later prefill chunks, prefix-cache hits): the C++ kernel in
+  `pagedllm/kernels/csrc/cpu_attention.cpp`, parallel over (query token, KV head), which walks the
+  request's block table and reads K/V rows where they lie, with a block-wise online softmax.
+
+Compared with `torch_sdpa` this removes the gather of each request's context into a padded copy
+(read + write + read of the whole KV per layer), and the padding of a decode batch to its longest
+sequence. The KV cache may be float32 or bfloat16; for another dtype (float16) the backend falls
+back to `torch_sdpa` for the step.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from pagedllm.attention.backends.torch_sdpa import TorchSDPABackend, TorchSDPAMetadata
+from pagedllm.attention.metadata import CommonAttentionMetadata
+from pagedllm.kernels import cpu_kernels
+
+
+@dataclass
+class CpuPagedMetadata:
+    """Per-step inputs of the kernel, built once and shared by all layers.
+
+    Attributes:
+        common: the step's CommonAttentionMetadata.
+        query_start_loc, seq_lens: [num_reqs + 1] / [num_reqs] int32 numpy (kernel inputs).
+        kernel_rows: [R] int32 numpy, requests the kernel handles.
+        fresh_rows: requests whose sequence is entirely new this step (token range start, end).
+    """
+
+    common: CommonAttentionMetadata
+    query_start_loc: np.ndarray
+    seq_lens: np.ndarray
+    kernel_rows: np.ndarray
+    fresh_rows: tuple[tuple[int, int], ...]
+    _sdpa: TorchSDPAMetadata | None = field(default=None, repr=False)
+
+    def sdpa_metadata(self) -> TorchSDPAMetadata:
+        """The torch_sdpa metadata for the same step (built on first use, for the fallback)."""
+        if self._sdpa is None:
+            self._sdpa = TorchSDPABackend.build_metadata(self.common)
+        return self._sdpa
+
+
+def _ptr(t: torch.Tensor | np.ndarray) -> int:
+    return t.data_ptr() if isinstance(t, torch.Tensor) else t.ctypes.data
+
+
+class CpuPagedBackend:
+    """Paged attention on the CPU through the native kernel (needs `cpu_kernels()`)."""
+
+    name = "cpu_paged"
+
+    @staticmethod
+    def is_available() -> bool:
+        return cpu_kernels() is not None
+
+    @staticmethod
+    def build_metadata(common: CommonAttentionMetadata) -> CpuPagedMetadata:
+        qsl = np.ascontiguousarray(common.query_start_loc_cpu[:common.num_reqs + 1],
+                                   dtype=np.int32)
+        seq_lens = np.ascontiguousarray(common.seq_lens_cpu[:common.num_reqs], dtype=np.int32)
+        query_lens = qsl[1:] - qsl[:-1]
+        fresh = (query_lens == seq_lens) & (query_lens > 1)
+        kernel_rows = np.nonzero(~fresh)[0].astype(np.int32)
+        fresh_rows = tuple((int(qsl[r]), int(qsl[r + 1])) for r in np.nonzero(fresh)[0])
+        return CpuPagedMetadata(common=common, query_start_loc=qsl, seq_lens=seq_lens,
+                                kernel_rows=kernel_rows, fresh_rows=fresh_rows)
+
+    @staticmethod
+    def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, metadata: CpuPagedMetadata,
+                scale: float) -> torch.Tensor:
+        """Write new K/V to the cache and attend.
+
+        Args:
+            query: [num_tokens, num_heads, head_size].
+            key, value: [num_tokens, num_kv_heads, head_size] for the new tokens.
+            kv_cache: [2, num_blocks, block_size, num_kv_heads, head_size], float32 or bfloat16
+                (other dtypes go through torch_sdpa).
+            metadata: from `build_metadata`.
+            scale: softmax scale (usually head_size ** -0.5).
+
+        Returns:
+            [num_tokens, num_heads, head_size] in query's dtype (padded tokens are zero).
+        """
+        if kv_cache.dtype not in (torch.float32, torch.bfloat16):
+            return TorchSDPABackend.forward(query, key, value, kv_cache,
+                                            metadata.sdpa_metadata(), scale)
+        common = metadata.common
+        n = common.num_actual_tokens
+        num_heads, head_size = query.shape[1], query.shape[2]
+        num_kv_heads = kv_cache.shape[-2]
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        flat_k = key_cache.view(-1, num_kv_heads, head_size)
+        flat_v = value_cache.view(-1, num_kv_heads, head_size)
+        slots = common.slot_mapping[:n]
+        flat_k.index_copy_(0, slots, key[:n].to(kv_cache.dtype))
+        flat_v.index_copy_(0, slots, value[:n].to(kv_cache.dtype))
+
+        out = torch.empty(query.shape, dtype=torch.float32)
+        out[n:] = 0
+        rep = num_heads // num_kv_heads
+        for start, end in metadata.fresh_rows:
+            q = query[start:end].transpose(0, 1)                          # [H, L, D]
+            k = key[start:end].transpose(0, 1)                            # [KVH, L, D]
+            v = value[start:end].transpose(0, 1)
+            if rep > 1:
+                k = k.repeat_interleave(rep, dim=0)
+                v = v.repeat_interleave(rep, dim=0)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=common.causal, scale=scale)
+            out[start:end] = o.transpose(0, 1)
+
+        rows = metadata.kernel_rows
+        if len(rows):
+            lib = cpu_kernels()
+            fn = lib.paged_attention_f32 if kv_cache.dtype == torch.float32 \
+                else lib.paged_attention_bf16
+            q32 = query.to(torch.float32).contiguous()
+            block_table = common.block_table
+            assert block_table.dtype == torch.int32 and block_table.stride(1) == 1
+            fn(_ptr(q32), _ptr(key_cache), _ptr(value_cache), _ptr(block_table),
+               block_table.stride(0), _ptr(metadata.query_start_loc), _ptr(metadata.seq_lens),
+               _ptr(rows), ctypes.c_int(len(rows)), _ptr(out), num_heads, num_kv_heads,
+               head_size, common.block_size, ctypes.c_float(scale), int(common.causal))
+        return out if query.dtype == torch.float32 else out.to(query.dtype)

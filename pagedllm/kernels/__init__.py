@@ -1,0 +1,110 @@
+"""Native CPU kernels, compiled on first use with the system C++ compiler and loaded with ctypes.
+
+The sources live in `csrc/`. `cpu_kernels()` compiles them once per (source, compiler flags, CPU
+flags) into a cache directory (`$PAGEDLLM_KERNEL_CACHE`, default `~/.cache/pagedllm/kernels`) and
+returns the loaded library, or None when they cannot be used (no compiler, a failed build, or
+`PAGEDLLM_CPU_KERNELS=0`); callers then fall back to the portable torch path. Building needs only
+g++ with OpenMP (seconds, no torch headers): the library shares the OpenMP runtime torch loaded.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+KERNELS_VERSION = 1  # must equal pagedllm_cpu_kernels_version() in the sources
+_SOURCES = ("cpu_attention.cpp",)
+_CXXFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+
+_lock = threading.Lock()
+_loaded: dict[str, ctypes.CDLL | None] = {}
+
+
+def _cpu_flags_line() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line
+    except OSError:
+        pass
+    return ""
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("PAGEDLLM_KERNEL_CACHE")
+    return Path(root) if root else Path.home() / ".cache" / "pagedllm" / "kernels"
+
+
+def _build(compiler: str, target: Path) -> None:
+    """Compile the sources into `target`, atomically (concurrent processes may race here)."""
+    csrc = Path(__file__).parent / "csrc"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / ".lock", "w") as lock_file:
+        fcntl.flock(lock_file, fcntl.LOCK_EX)
+        if target.exists():
+            return
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            out = Path(tmp) / target.name
+            cmd = [compiler, *_CXXFLAGS, *(str(csrc / s) for s in _SOURCES), "-o", str(out)]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
+            os.replace(out, target)
+
+
+def cpu_kernels() -> ctypes.CDLL | None:
+    """The compiled CPU kernel library, or None when unavailable (the reason is logged once)."""
+    with _lock:
+        if "cpu" not in _loaded:
+            _loaded["cpu"] = _load()
+        return _loaded["cpu"]
+
+
+def _load() -> ctypes.CDLL | None:
+    if os.environ.get("PAGEDLLM_CPU_KERNELS", "1") == "0":
+        logger.info("CPU kernels disabled by PAGEDLLM_CPU_KERNELS=0")
+        return None
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        logger.warning("no C++ compiler found: using the portable torch attention path")
+        return None
+    csrc = Path(__file__).parent / "csrc"
+    digest = hashlib.sha256()
+    for part in (compiler, " ".join(_CXXFLAGS), _cpu_flags_line()):
+        digest.update(part.encode())
+    for s in _SOURCES:
+        digest.update((csrc / s).read_bytes())
+    target = _cache_dir() / digest.hexdigest()[:16] / "libpagedllm_cpu.so"
+    try:
+        import torch  # noqa: F401  (load torch's OpenMP runtime first, so the library shares it)
+        if not target.exists():
+            logger.info("compiling CPU kernels into %s", target)
+            _build(compiler, target)
+        lib = ctypes.CDLL(str(target))
+        version = lib.pagedllm_cpu_kernels_version()
+        if version != KERNELS_VERSION:
+            raise RuntimeError(f"kernel ABI version {version}, expected {KERNELS_VERSION}")
+    except (OSError, RuntimeError) as e:
+        logger.warning("CPU kernels unavailable (%s): using the portable torch attention path", e)
+        return None
+    _declare(lib)
+    return lib
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+    for name in ("paged_attention_f32", "paged_attention_bf16"):
+        fn = getattr(lib, name)
+        fn.restype = None
+        fn.argtypes = [p, p, p, p, i64, p, p, p, i32, p, i32, i32, i32, i32, f32, i32]
