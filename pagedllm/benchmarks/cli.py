@@ -31,6 +31,8 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                     help="also run the workload through HF transformers / llama.cpp (repeatable)")
     tp.add_argument("--hf-batch-size", type=int, default=None,
                     help="static batch size of the HF baseline (default min(num_prompts, 32))")
+    tp.add_argument("--llamacpp-batch-size", type=int, default=None,
+                    help="sequences llama.cpp decodes together (default min(num_prompts, 64))")
     tp.add_argument("--llamacpp-converter", default=None,
                     help="path of llama.cpp's convert_hf_to_gguf.py")
     _add_output_args(tp)
@@ -195,9 +197,10 @@ def _run_baseline(name: str, args: argparse.Namespace, kwargs: dict[str, Any], r
     from pagedllm.benchmarks.llamacpp_baseline import run_llamacpp_throughput
 
     try:
-        return run_llamacpp_throughput(kwargs["model"], requests,
-                                       str(dtype).removeprefix("torch."),
-                                       args.llamacpp_converter)
+        return run_llamacpp_throughput(
+            kwargs["model"], requests, str(dtype).removeprefix("torch."),
+            args.llamacpp_converter,
+            batch_size=args.llamacpp_batch_size or min(len(requests), 64))
     except RuntimeError as e:
         print(str(e))
         return None, None

@@ -4,8 +4,8 @@ Never a hard dependency: without `llama_cpp`, `llamacpp_unavailable_reason()` sa
 it and the comparison is skipped. The checkpoint is converted to GGUF with llama.cpp's
 `convert_hf_to_gguf.py` (shipped in llama-cpp-python's source distribution under
 vendor/llama.cpp/), found via `--llamacpp-converter`, `$PAGEDLLM_LLAMACPP_CONVERTER` or next to the
-installed package. llama-cpp-python's high-level API decodes one sequence at a time, so requests
-run sequentially (batch 1): its figures are a batch-1 baseline, not a batched one.
+installed package. Sequences are batched through llama.cpp's low-level `llama_decode` API
+(continuous batching over `n_seq_max` slots), so the comparison is batched on both sides.
 """
 
 from __future__ import annotations
@@ -76,12 +76,20 @@ def convert_to_gguf(model_path: str, dtype_name: str, converter: Path) -> Path:
 
 
 def run_llamacpp_throughput(model_path: str, requests: list[BenchRequest], dtype_name: str,
-                            converter: str | None = None, num_threads: int | None = None
-                            ) -> tuple[dict[str, Any], list[list[int]]]:
-    """Greedy, EOS ignored (decoding stops after `output_len` tokens), one request at a time.
+                            converter: str | None = None, num_threads: int | None = None,
+                            batch_size: int = 32) -> tuple[dict[str, Any], list[list[int]]]:
+    """Greedy, EOS ignored (decoding stops after `output_len` tokens), with up to `batch_size`
+    sequences decoded together.
+
+    llama.cpp's own batched API (`llama_decode` over a `llama_batch` whose tokens carry sequence
+    ids, as in its `batched` example and llama-server's slots) runs continuous batching: each
+    step carries one token for every decoding sequence plus prompt chunks of newly admitted ones,
+    up to `n_batch` tokens; a finished sequence's KV is dropped (`llama_memory_seq_rm`) and the
+    next request takes its slot. Flash attention on, KV cache in llama.cpp's default f16.
 
     Raises:
-        RuntimeError: llama_cpp missing, no converter found, or conversion failed.
+        RuntimeError: llama_cpp missing, no converter found, conversion failed, or a decode
+            call failed.
     """
     reason = llamacpp_unavailable_reason()
     if reason is not None:
@@ -90,35 +98,115 @@ def run_llamacpp_throughput(model_path: str, requests: list[BenchRequest], dtype
     if found is None:
         raise RuntimeError("llama.cpp comparison skipped: convert_hf_to_gguf.py not found.\n"
                            + INSTALL_HINT.split("\n", 1)[1])
-    from llama_cpp import Llama
-
     gguf_path = convert_to_gguf(model_path, dtype_name, found)
-    n_ctx = max(len(r.prompt_token_ids) + r.output_len for r in requests) + 8
+    batch_size = max(1, min(batch_size, len(requests)))
+    max_len = max(len(r.prompt_token_ids) + r.output_len for r in requests) + 8
     with PeakRSSMonitor() as mem:
-        llm = Llama(model_path=str(gguf_path), n_ctx=n_ctx, n_batch=min(n_ctx, 2048),
-                    n_threads=num_threads or os.cpu_count(), verbose=False)
-        _generate(llm, requests[0].prompt_token_ids[:16], 4)
-        outputs, ttfts = [], []
-        start = time.perf_counter()
-        for r in requests:
-            t0 = time.perf_counter()
-            tokens, first = _generate(llm, r.prompt_token_ids, r.output_len)
-            ttfts.append(first - t0)
-            outputs.append(tokens)
-        elapsed = time.perf_counter() - start
+        runner = _BatchedLlamaCpp(str(gguf_path), batch_size, max_len,
+                                  num_threads or os.cpu_count() or 1)
+        try:
+            runner.generate([requests[0].prompt_token_ids[:16]], [4])  # warm-up
+            start = time.perf_counter()
+            outputs, ttfts = runner.generate([r.prompt_token_ids for r in requests],
+                                             [r.output_len for r in requests])
+            elapsed = time.perf_counter() - start
+        finally:
+            runner.close()
     figures = throughput_figures("llama.cpp", requests, outputs, elapsed, mem.peak_bytes)
-    figures.update(batch_size=1, gguf=str(gguf_path), **percentiles(ttfts, "ttft_ms", 1e3))
+    figures.update(batch_size=batch_size, gguf=str(gguf_path),
+                   **percentiles(ttfts, "ttft_ms", 1e3))
     return figures, outputs
 
 
-def _generate(llm, prompt: list[int], num_tokens: int) -> tuple[list[int], float]:
-    tokens: list[int] = []
-    first = time.perf_counter()
-    for token in llm.generate(prompt, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0,
-                              reset=True):
-        if not tokens:
-            first = time.perf_counter()
-        tokens.append(int(token))
-        if len(tokens) >= num_tokens:
-            break
-    return tokens, first
+class _BatchedLlamaCpp:
+    """A llama.cpp context with `num_slots` sequences, driven through the low-level API."""
+
+    N_BATCH = 2048  # tokens per llama_decode call
+
+    def __init__(self, gguf_path: str, num_slots: int, max_len: int, num_threads: int) -> None:
+        import llama_cpp as lc
+
+        self.lc = lc
+        lc.llama_backend_init()
+        self.model = lc.llama_model_load_from_file(gguf_path.encode(),
+                                                   lc.llama_model_default_params())
+        if not self.model:
+            raise RuntimeError(f"llama.cpp could not load {gguf_path}")
+        params = lc.llama_context_default_params()
+        params.n_ctx = num_slots * max_len          # split evenly between the sequences
+        params.n_batch = self.N_BATCH
+        params.n_ubatch = 512
+        params.n_seq_max = num_slots
+        params.n_threads = params.n_threads_batch = num_threads
+        params.flash_attn_type = 1                  # LLAMA_FLASH_ATTN_TYPE_ENABLED
+        params.no_perf = True
+        self.ctx = lc.llama_init_from_model(self.model, params)
+        if not self.ctx:
+            raise RuntimeError("llama.cpp could not create a context")
+        self.memory = lc.llama_get_memory(self.ctx)
+        self.n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self.model))
+        self.num_slots = num_slots
+        self.batch = lc.llama_batch_init(self.N_BATCH, 0, 1)
+
+    def close(self) -> None:
+        lc = self.lc
+        lc.llama_batch_free(self.batch)
+        lc.llama_free(self.ctx)
+        lc.llama_model_free(self.model)
+
+    def generate(self, prompts: list[list[int]], output_lens: list[int]
+                 ) -> tuple[list[list[int]], list[float]]:
+        """Greedy tokens per prompt, and each prompt's time to first token (seconds)."""
+        import numpy as np
+
+        lc, batch = self.lc, self.batch
+        start = time.perf_counter()
+        outputs: list[list[int]] = [[] for _ in prompts]
+        ttfts = [0.0] * len(prompts)
+        waiting = list(range(len(prompts)))[::-1]
+        slots: list[dict | None] = [None] * self.num_slots   # request, fed (prompt tokens)
+        while waiting or any(slots):
+            for seq_id in range(self.num_slots):
+                if slots[seq_id] is None and waiting:
+                    lc.llama_memory_seq_rm(self.memory, seq_id, -1, -1)
+                    slots[seq_id] = {"req": waiting.pop(), "fed": 0}
+            n, sample_at = 0, []
+            for seq_id, slot in enumerate(slots):    # decodes first, then prompt chunks
+                if slot is not None and slot["fed"] == len(prompts[slot["req"]]):
+                    out = outputs[slot["req"]]
+                    self._add(n, out[-1], slot["fed"] + len(out) - 1, seq_id, True)
+                    sample_at.append((seq_id, n))
+                    n += 1
+            for seq_id, slot in enumerate(slots):
+                if slot is None or slot["fed"] == len(prompts[slot["req"]]):
+                    continue
+                prompt = prompts[slot["req"]]
+                take = min(len(prompt) - slot["fed"], self.N_BATCH - n)
+                for i in range(slot["fed"], slot["fed"] + take):
+                    last = i == len(prompt) - 1
+                    self._add(n, prompt[i], i, seq_id, last)
+                    if last:
+                        sample_at.append((seq_id, n))
+                    n += 1
+                slot["fed"] += take
+                if n == self.N_BATCH:
+                    break
+            batch.n_tokens = n
+            if lc.llama_decode(self.ctx, batch) != 0:
+                raise RuntimeError("llama_decode failed")
+            for seq_id, i in sample_at:
+                logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(self.ctx, i),
+                                               shape=(self.n_vocab,))
+                req = slots[seq_id]["req"]
+                if not outputs[req]:
+                    ttfts[req] = time.perf_counter() - start
+                outputs[req].append(int(logits.argmax()))
+                if len(outputs[req]) >= output_lens[req]:
+                    slots[seq_id] = None
+        return outputs, ttfts
+
+    def _add(self, i: int, token: int, pos: int, seq_id: int, logits: bool) -> None:
+        b = self.batch
+        b.token[i], b.pos[i], b.n_seq_id[i] = token, pos, 1
+        b.seq_id[i][0] = seq_id
+        b.logits[i] = logits
