@@ -21,6 +21,7 @@ from pagedllm.distributed.parallel_state import (get_tensor_model_parallel_rank,
                                                  tensor_model_parallel_all_gather,
                                                  tensor_model_parallel_all_reduce)
 from pagedllm.layers.linear import default_weight_loader
+from pagedllm.platforms import current_platform
 
 
 class VocabEmbedding(nn.Module):
@@ -82,7 +83,7 @@ class LMHead(VocabEmbedding):
             self.weight = tie_to.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight).float()
+        logits = current_platform.linear(hidden, self.weight).float()
         if self.tp_size == 1:
             return logits
         return tensor_model_parallel_all_gather(logits, dim=-1)[:, :self.num_embeddings]

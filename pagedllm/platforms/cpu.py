@@ -80,6 +80,27 @@ class CpuPlatform(Platform):
         free, _ = self.mem_get_info()
         return int(min(free * memory_utilization, cap_gib * 2**30))
 
+    # Row counts up to which the native kernel beats torch's GEMM (measured on an AVX2 EPYC:
+    # MKL's fp32 GEMM wins from about 128 rows; torch's bf16 GEMM without native bf16 math loses at
+    # every size, with it (AVX512-BF16/AMX through oneDNN) it wins beyond GEMV sizes).
+    _KERNEL_MAX_ROWS_F32 = 64
+    _KERNEL_MAX_ROWS_BF16_NATIVE = 16
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+        """The native kernel (`pagedllm/kernels/csrc/cpu_linear.cpp`) for bf16 weights without
+        native bf16 math, and for decode-sized batches; torch's GEMM otherwise."""
+        from pagedllm.kernels.ops import cpu_linear, cpu_linear_supported
+
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if weight.dtype == torch.bfloat16:
+            use = not self.has_native_bf16 or rows <= self._KERNEL_MAX_ROWS_BF16_NATIVE
+        else:
+            use = weight.dtype == torch.float32 and rows <= self._KERNEL_MAX_ROWS_F32
+        if use and cpu_linear_supported(x, weight):
+            return cpu_linear(x, weight, bias)
+        return torch.nn.functional.linear(x, weight, bias)
+
     def attention_backend_name(self) -> str:
         """The native paged kernel when it builds here (`PAGEDLLM_ATTENTION_BACKEND` overrides),
         else torch's SDPA over gathered blocks."""

@@ -59,6 +59,12 @@ class Platform(ABC):
         """Name of the attention backend to use on this platform."""
         return "torch_sdpa"
 
+    def linear(self, x: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+        """y = x @ weight^T + bias for the model's linear layers ([..., K] x [N, K] -> [..., N]);
+        platforms with a faster kernel for some shapes override this."""
+        return torch.nn.functional.linear(x, weight, bias)
+
     def seed_everything(self, seed: int) -> None:
         torch.manual_seed(seed)
 

@@ -90,6 +90,9 @@ def test_latency_batch1(preset_dir: Path, tmp_path: Path):
     breakdown = result["step_breakdown"]
     assert breakdown["decode_steps"] == 2 * 5
     assert 0 <= breakdown["decode_share_outside_execute_model"] <= 1
+    assert breakdown["decode_step_ms"]["prepare_inputs_ms"] > 0
+    assert (breakdown["decode_share_outside_execute_model"]
+            < breakdown["decode_share_outside_forward"] <= 1)
     assert result["roofline"]["roofline_decode_tokens_per_s"] > 0
     assert result["decode_bytes"]["num_params"] > 0
     assert result["profile_top_ops"]

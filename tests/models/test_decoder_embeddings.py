@@ -39,6 +39,7 @@ def test_mean_and_last_unnormalized_match_hf(llm: LLM, hf_hidden) -> None:
     mean = llm.embed(PROMPTS, PoolingParams(pooling_type="MEAN", normalize=False))
     last = [llm.embed(p, PoolingParams(pooling_type="LAST", normalize=False))[0]
             for p in PROMPTS]
+    # fp32 with another summation order (the engine's CPU linear kernel): ~1e-5 apart
     for h, m, l in zip(hf_hidden, mean, last):
-        np.testing.assert_allclose(m.outputs.embedding, h.mean(0).numpy(), atol=1e-5)
-        np.testing.assert_allclose(l.outputs.embedding, h[-1].numpy(), atol=1e-5)
+        np.testing.assert_allclose(m.outputs.embedding, h.mean(0).numpy(), atol=5e-5)
+        np.testing.assert_allclose(l.outputs.embedding, h[-1].numpy(), atol=5e-5)

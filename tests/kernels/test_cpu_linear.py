@@ -1,0 +1,55 @@
+"""The native CPU linear kernel against torch's F.linear (fp32 and bf16 weights)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedllm.kernels import cpu_kernels
+from pagedllm.kernels.ops import cpu_linear, cpu_linear_supported
+from pagedllm.platforms.cpu import CpuPlatform
+
+pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="CPU kernels did not build")
+
+
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 33])
+@pytest.mark.parametrize("n,k", [(1, 8), (7, 16), (130, 64), (96, 776)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_f_linear(wdtype, m, n, k, bias):
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    w = torch.randn(n, k, generator=g).to(wdtype)
+    b = torch.randn(n, generator=g) if bias else None
+    # a row-strided view of a wider tensor, as the fused QKV split produces
+    x = torch.randn(m, k + 8, generator=g)[:, 4:4 + k]
+    got = cpu_linear(x, w, b)
+    want = F.linear(x, w.float(), b)
+    assert got.shape == (m, n) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_bf16_activations_and_leading_dims():
+    w = torch.randn(24, 32).bfloat16()
+    x = torch.randn(2, 3, 32).bfloat16()
+    got = cpu_linear(x, w)
+    assert got.shape == (2, 3, 24) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), F.linear(x.float(), w.float()), atol=0.1, rtol=0.02)
+
+
+def test_unsupported_shapes_are_refused():
+    w = torch.randn(4, 12)                                   # K not a multiple of 8
+    assert not cpu_linear_supported(torch.randn(2, 12), w)
+    with pytest.raises(ValueError, match="does not support"):
+        cpu_linear(torch.randn(2, 12), w)
+    assert not cpu_linear_supported(torch.randn(2, 16), torch.randn(4, 16).half())
+
+
+def test_platform_falls_back_to_torch():
+    platform = CpuPlatform()
+    w = torch.randn(4, 12)
+    x = torch.randn(200, 12)
+    torch.testing.assert_close(platform.linear(x, w), F.linear(x, w))
+    x = torch.randn(2, 16)
+    w = torch.randn(4, 16)
+    torch.testing.assert_close(platform.linear(x, w), F.linear(x, w), atol=1e-5, rtol=1e-5)
