@@ -11,9 +11,11 @@ installed package. Sequences are batched through llama.cpp's low-level `llama_de
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -60,19 +62,61 @@ def find_converter(explicit: str | None = None) -> Path | None:
 def convert_to_gguf(model_path: str, dtype_name: str, converter: Path) -> Path:
     """`<model_path>/model-<outtype>.gguf`, converted once.
 
+    The converter recognises a byte-level BPE tokenizer only by the hash of known models'
+    pre-tokenizers, so a checkpoint with another tokenizer (the synthetic one of `--preset`) is
+    converted from a stand-in directory: the same config and weights with a Llama-2-style
+    byte-fallback BPE vocabulary of the same size. The benchmark feeds token ids, never text, so
+    both engines see the same inputs.
+
     Raises:
-        RuntimeError: with the converter's output when it fails (e.g. a tokenizer it does not
-            recognise).
+        RuntimeError: with the converter's output when it fails.
     """
     outtype = _GGUF_OUTTYPES.get(dtype_name, "f32")
     out = Path(model_path) / f"model-{outtype}.gguf"
     if out.is_file():
         return out
-    proc = subprocess.run([sys.executable, str(converter), model_path, "--outfile", str(out),
-                           "--outtype", outtype], capture_output=True, text=True)
-    if proc.returncode != 0 or not out.is_file():
-        raise RuntimeError(f"GGUF conversion failed ({converter}):\n{proc.stderr[-2000:]}")
+    err = _run_converter(converter, Path(model_path), out, outtype)
+    if err is not None and ("pre-tokenizer was not recognized" in err
+                            or "Cannot find Llama BPE tokenizer" in err):
+        with tempfile.TemporaryDirectory() as tmp:
+            err = _run_converter(converter, _stand_in_vocab_dir(Path(model_path), Path(tmp)),
+                                 out, outtype)
+    if err is not None:
+        raise RuntimeError(f"GGUF conversion failed ({converter}):\n{err[-2000:]}")
     return out
+
+
+def _run_converter(converter: Path, model_dir: Path, out: Path, outtype: str) -> str | None:
+    """None on success, else the converter's stderr."""
+    proc = subprocess.run([sys.executable, str(converter), str(model_dir), "--outfile", str(out),
+                           "--outtype", outtype], capture_output=True, text=True)
+    return None if proc.returncode == 0 and out.is_file() else proc.stderr
+
+
+def _stand_in_vocab_dir(model_dir: Path, tmp: Path) -> Path:
+    """`tmp` with links to the checkpoint's config and weights and a Llama-2-style tokenizer
+    (BPE with byte fallback: <unk> <s> </s>, the 256 byte tokens, then filler pieces) of the
+    config's vocab_size."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    for f in model_dir.iterdir():
+        if f.suffix in (".json", ".safetensors") and not f.name.startswith("tokenizer") \
+                and f.name != "special_tokens_map.json":
+            (tmp / f.name).symlink_to(f.resolve())
+    vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"<0x{b:02X}>": 3 + b for b in range(256)})
+    vocab.update({f"\u2581p{i}": i for i in range(len(vocab), vocab_size)})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"),
+                                           normalizers.Replace(" ", "\u2581")])
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    tok.save(str(tmp / "tokenizer.json"))
+    (tmp / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+         "unk_token": "<unk>", "add_bos_token": True, "model_max_length": 4096}))
+    return tmp
 
 
 def run_llamacpp_throughput(model_path: str, requests: list[BenchRequest], dtype_name: str,
@@ -127,6 +171,9 @@ class _BatchedLlamaCpp:
         import llama_cpp as lc
 
         self.lc = lc
+        # llama.cpp logs every load and context to stderr; keep the benchmark's output readable
+        self._quiet = lc.llama_log_callback(lambda level, text, user_data: None)
+        lc.llama_log_set(self._quiet, None)
         lc.llama_backend_init()
         self.model = lc.llama_model_load_from_file(gguf_path.encode(),
                                                    lc.llama_model_default_params())

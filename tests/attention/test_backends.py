@@ -26,18 +26,19 @@ def _dense(q, k, v, scale):
 BACKENDS = [TorchSDPABackend,
             pytest.param(CpuPagedBackend, marks=pytest.mark.skipif(
                 not CpuPagedBackend.is_available(), reason="CPU kernels did not build"))]
-SHAPES = [(4, 2, 8, 4), (6, 6, 64, 16), (8, 1, 16, 8)]  # (heads, kv heads, head size, block size)
+# (heads, kv heads, head size, block size)
+SHAPES = [(4, 2, 8, 4), (6, 6, 64, 16), (8, 1, 16, 8), (12, 12, 16, 4), (14, 7, 8, 4)]
 
 
 @pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.name)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("num_reqs", [1, 6])  # few tokens: the kernel splits the KV heads
 @pytest.mark.parametrize("seed", range(3))
-def test_matches_dense(backend, shape, dtype, seed):
+def test_matches_dense(backend, shape, dtype, num_reqs, seed):
     rng = np.random.default_rng(seed)
     H, KVH, D, bs = shape
     num_blocks = 80
-    num_reqs = 6
     ctx = rng.integers(0, 40, num_reqs) * (rng.random(num_reqs) < 0.7)  # cached tokens
     q_lens = np.where(rng.random(num_reqs) < 0.5, 1, rng.integers(1, 12, num_reqs))
     seq_lens = ctx + q_lens

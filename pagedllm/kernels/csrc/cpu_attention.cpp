@@ -169,9 +169,10 @@ void paged_attention(const float* query, const T* key_cache, const T* value_cach
   const int64_t num_tokens = static_cast<int64_t>(item_tok.size());
   if (num_tokens == 0) return;
   const int64_t wanted = 4 * static_cast<int64_t>(omp_get_max_threads());
-  const int num_chunks = static_cast<int>(
+  const int max_chunks = static_cast<int>(
       std::min<int64_t>(num_kv_heads, (wanted + num_tokens - 1) / num_tokens));
-  const int chunk_kv_heads = (num_kv_heads + num_chunks - 1) / num_chunks;
+  const int chunk_kv_heads = (num_kv_heads + max_chunks - 1) / max_chunks;
+  const int num_chunks = (num_kv_heads + chunk_kv_heads - 1) / chunk_kv_heads;  // none empty
   const int64_t num_items = num_tokens * num_chunks;
   const int64_t kv_row_stride = static_cast<int64_t>(num_kv_heads) * head_size;
   const int max_heads = chunk_kv_heads * rep;
