@@ -80,7 +80,7 @@ inline void micro(const float* x, int64_t ldx, const T* w, int64_t K, float* y, 
 template <int MB, typename T>
 void rows_block(const float* x, int64_t ldx, int64_t m0, int64_t m1, const T* w, int64_t K,
                 int64_t n0, int64_t n1, float* y, int64_t ldy) {
-  constexpr int NB = MB >= 4 ? 2 : 4;
+  constexpr int NB = MB >= 6 ? 2 : (MB >= 3 ? 3 : 4);
   for (int64_t m = m0; m + MB <= m1; m += MB) {
     int64_t n = n0;
     for (; n + NB <= n1; n += NB)
@@ -95,12 +95,17 @@ void linear(const float* x, int64_t ldx, int64_t M, int64_t K, const T* w, int64
   // Tiles of N small enough that a tile of w stays in L2 while all of x streams past it.
   const int64_t tile = std::max<int64_t>(8, std::min<int64_t>(64, N / (8 * omp_get_max_threads())));
   const int64_t num_tiles = (N + tile - 1) / tile;
-  const int64_t m4 = M - M % 4;
+  const int64_t m6 = M - M % 6;
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t t = 0; t < num_tiles; ++t) {
     const int64_t n0 = t * tile, n1 = std::min(N, n0 + tile);
-    rows_block<4>(x, ldx, 0, m4, w, K, n0, n1, y, ldy);
-    for (int64_t m = m4; m < M; ++m) rows_block<1>(x, ldx, m, m + 1, w, K, n0, n1, y, ldy);
+    rows_block<6>(x, ldx, 0, m6, w, K, n0, n1, y, ldy);
+    if (M - m6 >= 3) {
+      rows_block<3>(x, ldx, m6, m6 + 3, w, K, n0, n1, y, ldy);
+      for (int64_t m = m6 + 3; m < M; ++m) rows_block<1>(x, ldx, m, m + 1, w, K, n0, n1, y, ldy);
+    } else {
+      for (int64_t m = m6; m < M; ++m) rows_block<1>(x, ldx, m, m + 1, w, K, n0, n1, y, ldy);
+    }
     if (bias != nullptr)
       for (int64_t m = 0; m < M; ++m)
         for (int64_t n = n0; n < n1; ++n) y[m * ldy + n] += bias[n];
