@@ -53,7 +53,24 @@ inline void micro(const float* x, int64_t ldx, const T* w, int64_t K, float* y, 
   __m256 acc[MB][NB];
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; k += 8) {
+  int64_t k = 0;
+  if constexpr (MB == 1) {
+    // GEMV: a second accumulator set halves the FMA dependency chains' share of the time, and
+    // the next rows of w are prefetched while these stream in (the rows are short: K values).
+    __m256 acc2[NB];
+    for (int j = 0; j < NB; ++j) acc2[j] = _mm256_setzero_ps();
+    for (; k + 16 <= K; k += 16) {
+      for (int j = 0; j < NB; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(w + (j + NB) * K + k), _MM_HINT_T0);
+      const __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
+      for (int j = 0; j < NB; ++j) {
+        acc[0][j] = _mm256_fmadd_ps(x0, load8(w + j * K + k), acc[0][j]);
+        acc2[j] = _mm256_fmadd_ps(x1, load8(w + j * K + k + 8), acc2[j]);
+      }
+    }
+    for (int j = 0; j < NB; ++j) acc[0][j] = _mm256_add_ps(acc[0][j], acc2[j]);
+  }
+  for (; k < K; k += 8) {
     __m256 wv[NB];
     for (int j = 0; j < NB; ++j) wv[j] = load8(w + j * K + k);
     for (int i = 0; i < MB; ++i) {
