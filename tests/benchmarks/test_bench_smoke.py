@@ -143,3 +143,22 @@ def test_serve_against_a_live_server(preset_dir: Path, tmp_path: Path):
             server.wait(timeout=15)
         except subprocess.TimeoutExpired:
             server.kill()
+
+
+def test_llamacpp_stand_in_vocab_keeps_config_weights_and_vocab_size(preset_dir: Path,
+                                                                     tmp_path: Path):
+    """The directory handed to llama.cpp's converter when it does not know the tokenizer: the
+    same config and weights, and a Llama-2-style vocabulary (what its LlamaHfVocab accepts) of
+    the model's vocab size."""
+    from transformers import AutoTokenizer
+
+    from pagedllm.benchmarks.llamacpp_baseline import _stand_in_vocab_dir
+
+    model_dir = Path(preset_path("llama-tiny", "float32", preset_dir))
+    out = _stand_in_vocab_dir(model_dir, tmp_path)
+    assert (out / "config.json").resolve() == (model_dir / "config.json").resolve()
+    assert any(f.suffix == ".safetensors" for f in out.iterdir())
+    tok_json = json.loads((out / "tokenizer.json").read_text())
+    assert tok_json["model"]["type"] == "BPE" and tok_json["model"]["byte_fallback"]
+    assert tok_json["decoder"]["type"] == "Sequence"
+    assert len(AutoTokenizer.from_pretrained(out)) == PRESETS["llama-tiny"]["vocab_size"]

@@ -133,3 +133,27 @@ def test_seeded_sampling_is_batch_invariant(llama_path):
     other = _engine_tokens(llm, prompts[:1], [SamplingParams(temperature=1.0, seed=999,
                                                              max_tokens=12, ignore_eos=True)])
     assert other[0] != batched[0]
+
+
+@pytest.mark.parametrize("arch", ["llama", "llama_mqa_tied_llama3"])
+def test_cpu_paged_attention_matches_torch_sdpa(tiny_checkpoints, arch, monkeypatch):
+    """The native CPU attention kernel against the portable backend, end to end: chunked
+    prefill (64-token budget), decodes, and prefix-cache hits from repeated prompts."""
+    from pagedllm.attention.backends.cpu_paged import CpuPagedBackend
+    from pagedllm.layers.attention import Attention
+
+    if not CpuPagedBackend.is_available():
+        pytest.skip("CPU kernels did not build")
+    path = str(tiny_checkpoints[arch])
+    vocab_size = AutoModelForCausalLM.from_pretrained(path).config.vocab_size
+    prompts = _prompts(vocab_size)
+    prompts += prompts[-4:]
+    tokens = {}
+    for name in ("torch_sdpa", "cpu_paged"):
+        monkeypatch.setenv("PAGEDLLM_ATTENTION_BACKEND", name)
+        llm = LLM(path, dtype="float32", kv_cache_memory_bytes=32 << 20,
+                  max_num_batched_tokens=64)
+        model = llm.llm_engine.engine_core.executor.worker.model_runner.model
+        assert {m.backend.name for m in model.modules() if isinstance(m, Attention)} == {name}
+        tokens[name] = _engine_tokens(llm, prompts, GREEDY)
+    assert tokens["cpu_paged"] == tokens["torch_sdpa"]
