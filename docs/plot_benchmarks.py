@@ -2,8 +2,9 @@
 
     python docs/plot_benchmarks.py results/*.json -o docs/benchmarks.png
 
-Throughput results become a bar chart of output tokens/s per backend (one group per JSON file);
-latency and serve results become grouped bars of TTFT and TPOT at p50/p90/p99.
+Throughput results become grouped bars of output tokens/s, one group per JSON file (workload) and
+one colour per backend; latency and serve results become grouped bars of TTFT and TPOT at
+p50/p90/p99.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ def load(paths: list[Path]) -> tuple[list[tuple[str, dict]], list[tuple[str, dic
     for path in paths:
         for result in json.loads(path.read_text())["results"]:
             label = _label(path, result)
-            if "ttft_ms_p50" in result:
+            if "tpot_ms_p50" in result:
                 latency.append((label, result))
             if "output_tokens_per_s" in result:
                 throughput.append((label, result))
@@ -45,14 +46,24 @@ def plot(paths: list[Path], out: Path) -> Path:
     axes = list(axes[0])
     if throughput:
         ax = axes.pop(0)
-        labels = [lbl for lbl, _ in throughput]
-        values = [r["output_tokens_per_s"] for _, r in throughput]
-        bars = ax.bar(range(len(values)), values, color="tab:blue")
-        ax.bar_label(bars, fmt="%.1f")
+        groups = list(dict.fromkeys(lbl.split(":", 1)[0] for lbl, _ in throughput))
+        backends = list(dict.fromkeys(r.get("backend", "?") for _, r in throughput))
+        width = 0.8 / len(backends)
+        for i, backend in enumerate(backends):
+            xs, values = [], []
+            for j, group in enumerate(groups):
+                for lbl, r in throughput:
+                    if lbl == f"{group}:{backend}":
+                        xs.append(j + i * width)
+                        values.append(r["output_tokens_per_s"])
+            bars = ax.bar(xs, values, width, label=backend)
+            ax.bar_label(bars, fmt="%.0f", fontsize=7)
         ax.margins(y=0.12)
-        ax.set_xticks(range(len(values)), labels, rotation=20, ha="right")
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(groups))], groups, rotation=20,
+                      ha="right")
         ax.set_ylabel("output tokens/s")
         ax.set_title("throughput (higher is better)")
+        ax.legend(fontsize=8)
     for metric in ("ttft", "tpot") if latency else ():
         ax = axes.pop(0)
         width = 0.8 / len(latency)
