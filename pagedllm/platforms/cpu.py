@@ -80,21 +80,29 @@ class CpuPlatform(Platform):
         free, _ = self.mem_get_info()
         return int(min(free * memory_utilization, cap_gib * 2**30))
 
-    # Row counts up to which the native kernel beats torch's GEMM (measured on an AVX2 EPYC:
-    # MKL's fp32 GEMM wins from about 128 rows; torch's bf16 GEMM without native bf16 math loses at
-    # every size, with it (AVX512-BF16/AMX through oneDNN) it wins beyond GEMV sizes).
+    # Where the native kernel beats torch (measured on an AVX2 EPYC, llama-134m shapes): MKL's
+    # fp32 GEMM wins from about 128 rows; torch's bf16 GEMM without native bf16 math loses at
+    # every size, but from ~512 rows widening the weight to fp32 and calling MKL wins by 5-25%;
+    # with native bf16 (AVX512-BF16/AMX through oneDNN) torch wins beyond GEMV sizes.
     _KERNEL_MAX_ROWS_F32 = 64
     _KERNEL_MAX_ROWS_BF16_NATIVE = 16
+    _WIDEN_MIN_ROWS_BF16 = 512
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
-        """The native kernel (`pagedllm/kernels/csrc/cpu_linear.cpp`) for bf16 weights without
-        native bf16 math, and for decode-sized batches; torch's GEMM otherwise."""
+        """The native kernel (`pagedllm/kernels/csrc/cpu_linear.cpp`) where it is faster (see
+        the thresholds above), torch's GEMM otherwise."""
         from pagedllm.kernels.ops import cpu_linear, cpu_linear_supported
 
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if weight.dtype == torch.bfloat16:
-            use = not self.has_native_bf16 or rows <= self._KERNEL_MAX_ROWS_BF16_NATIVE
+        if weight.dtype == torch.bfloat16 and not self.has_native_bf16:
+            if rows >= self._WIDEN_MIN_ROWS_BF16:
+                return torch.nn.functional.linear(
+                    x.float(), weight.float(), None if bias is None else bias.float()
+                ).to(x.dtype)
+            use = True
+        elif weight.dtype == torch.bfloat16:
+            use = rows <= self._KERNEL_MAX_ROWS_BF16_NATIVE
         else:
             use = weight.dtype == torch.float32 and rows <= self._KERNEL_MAX_ROWS_F32
         if use and cpu_linear_supported(x, weight):

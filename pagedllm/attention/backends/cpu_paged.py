@@ -114,14 +114,16 @@ class CpuPagedBackend:
         out[n:] = 0
         rep = num_heads // num_kv_heads
         for start, end in metadata.fresh_rows:
-            q = query[start:end].transpose(0, 1)                          # [H, L, D]
-            k = key[start:end].transpose(0, 1)                            # [KVH, L, D]
-            v = value[start:end].transpose(0, 1)
+            # NOTE(perf): 4-D inputs: torch's CPU flash-attention kernel takes only [B, H, L, D];
+            # 3-D ones fall back to the math path, 4x slower at 512 tokens.
+            q = query[start:end].transpose(0, 1)[None]                    # [1, H, L, D]
+            k = key[start:end].transpose(0, 1)[None]                      # [1, KVH, L, D]
+            v = value[start:end].transpose(0, 1)[None]
             if rep > 1:
-                k = k.repeat_interleave(rep, dim=0)
-                v = v.repeat_interleave(rep, dim=0)
+                k = k.repeat_interleave(rep, dim=1)
+                v = v.repeat_interleave(rep, dim=1)
             o = F.scaled_dot_product_attention(q, k, v, is_causal=common.causal, scale=scale)
-            out[start:end] = o.transpose(0, 1)
+            out[start:end] = o[0].transpose(0, 1)
 
         rows = metadata.kernel_rows
         if len(rows):
