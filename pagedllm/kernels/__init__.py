@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 
 KERNELS_VERSION = 1  # must equal pagedllm_cpu_kernels_version() in the sources
 _SOURCES = ("cpu_attention.cpp", "cpu_linear.cpp")
+_HEADERS = ("cpu_vec.h",)
 _CXXFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 
 _lock = threading.Lock()
@@ -83,7 +84,7 @@ def _load() -> ctypes.CDLL | None:
     digest = hashlib.sha256()
     for part in (compiler, " ".join(_CXXFLAGS), _cpu_flags_line()):
         digest.update(part.encode())
-    for s in _SOURCES:
+    for s in (*_SOURCES, *_HEADERS):
         digest.update((csrc / s).read_bytes())
     target = _cache_dir() / digest.hexdigest()[:16] / "libpagedllm_cpu.so"
     try:

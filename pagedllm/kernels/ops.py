@@ -18,14 +18,15 @@ def cpu_linear_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.shape[-1] == weight.shape[1] and cpu_kernels() is not None)
 
 
-def cpu_linear(x: torch.Tensor, weight: torch.Tensor,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
+def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               checked: bool = False) -> torch.Tensor:
     """y = x @ weight^T + bias with the native kernel (weights widened in registers).
 
     Args:
         x: [..., K] float32 or bfloat16 (computed in float32).
         weight: [N, K] float32 or bfloat16, contiguous, K % 8 == 0 (see `cpu_linear_supported`).
         bias: [N] or None.
+        checked: the caller already saw `cpu_linear_supported(x, weight)` return True.
 
     Returns:
         [..., N] in x's dtype.
@@ -33,7 +34,7 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor,
     Raises:
         ValueError: if the operands are not supported (check `cpu_linear_supported` first).
     """
-    if not cpu_linear_supported(x, weight):
+    if not checked and not cpu_linear_supported(x, weight):
         raise ValueError(f"cpu_linear does not support x {tuple(x.shape)} {x.dtype} with weight "
                          f"{tuple(weight.shape)} {weight.dtype}")
     lead = x.shape[:-1]

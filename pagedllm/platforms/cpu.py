@@ -106,7 +106,7 @@ class CpuPlatform(Platform):
         else:
             use = weight.dtype == torch.float32 and rows <= self._KERNEL_MAX_ROWS_F32
         if use and cpu_linear_supported(x, weight):
-            return cpu_linear(x, weight, bias)
+            return cpu_linear(x, weight, bias, checked=True)
         return torch.nn.functional.linear(x, weight, bias)
 
     def attention_backend_name(self) -> str:

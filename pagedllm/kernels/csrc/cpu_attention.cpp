@@ -23,55 +23,30 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <vector>
 
 #include <omp.h>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define PAGEDLLM_AVX2 1
-#endif
+#include "cpu_vec.h"
 
 namespace {
 
-inline float load(const float* p, int64_t i) { return p[i]; }
-
-inline float load(const uint16_t* p, int64_t i) {
-  uint32_t bits = static_cast<uint32_t>(p[i]) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
+using namespace pagedllm;
 
 template <typename T>
 inline float dot_scalar(const float* __restrict a, const T* __restrict b, int n) {
   float s = 0.f;
-  for (int d = 0; d < n; ++d) s += a[d] * load(b, d);
+  for (int d = 0; d < n; ++d) s += a[d] * to_float(b[d]);
   return s;
 }
 
 template <typename T>
 inline void axpy_scalar(float* __restrict acc, float w, const T* __restrict v, int n) {
-  for (int d = 0; d < n; ++d) acc[d] += w * load(v, d);
+  for (int d = 0; d < n; ++d) acc[d] += w * to_float(v[d]);
 }
 
 #ifdef PAGEDLLM_AVX2
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-
-inline __m256 load8(const uint16_t* p) {  // bfloat16 -> float32: the bits move up 16 places
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 template <typename T>
 inline float dot(const float* __restrict a, const T* __restrict b, int n) {
   if (n % 16 != 0) return dot_scalar(a, b, n);
