@@ -47,7 +47,7 @@ def _cache_dir() -> Path:
     return Path(root) if root else Path.home() / ".cache" / "pagedllm" / "kernels"
 
 
-def _build(compiler: str, target: Path) -> None:
+def _build(compiler: str, flags: tuple[str, ...], target: Path) -> None:
     """Compile the sources into `target`, atomically (concurrent processes may race here)."""
     csrc = Path(__file__).parent / "csrc"
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -57,7 +57,7 @@ def _build(compiler: str, target: Path) -> None:
             return
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             out = Path(tmp) / target.name
-            cmd = [compiler, *_CXXFLAGS, *(str(csrc / s) for s in _SOURCES), "-o", str(out)]
+            cmd = [compiler, *flags, *(str(csrc / s) for s in _SOURCES), "-o", str(out)]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode != 0:
                 raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
@@ -76,29 +76,42 @@ def _load() -> ctypes.CDLL | None:
     if os.environ.get("PAGEDLLM_CPU_KERNELS", "1") == "0":
         logger.info("CPU kernels disabled by PAGEDLLM_CPU_KERNELS=0")
         return None
+    try:
+        return build_cpu_kernels()
+    except (OSError, RuntimeError) as e:
+        logger.warning("CPU kernels unavailable (%s): using the portable torch paths", e)
+        return None
+
+
+def build_cpu_kernels(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """Compile (once per source, flags and CPU) and load the kernel library.
+
+    `extra_flags` are appended to the compiler flags (the tests build a variant without AVX2,
+    `("-mno-avx2", "-mno-fma")`, to check the portable code path).
+
+    Raises:
+        RuntimeError: no C++ compiler, a failed build, or a library of another ABI version.
+        OSError: the cache directory cannot be written or the library cannot be loaded.
+    """
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
-        logger.warning("no C++ compiler found: using the portable torch attention path")
-        return None
+        raise RuntimeError("no C++ compiler found (set CXX or install g++)")
+    flags = (*_CXXFLAGS, *extra_flags)
     csrc = Path(__file__).parent / "csrc"
     digest = hashlib.sha256()
-    for part in (compiler, " ".join(_CXXFLAGS), _cpu_flags_line()):
+    for part in (compiler, " ".join(flags), _cpu_flags_line()):
         digest.update(part.encode())
     for s in (*_SOURCES, *_HEADERS):
         digest.update((csrc / s).read_bytes())
     target = _cache_dir() / digest.hexdigest()[:16] / "libpagedllm_cpu.so"
-    try:
-        import torch  # noqa: F401  (load torch's OpenMP runtime first, so the library shares it)
-        if not target.exists():
-            logger.info("compiling CPU kernels into %s", target)
-            _build(compiler, target)
-        lib = ctypes.CDLL(str(target))
-        version = lib.pagedllm_cpu_kernels_version()
-        if version != KERNELS_VERSION:
-            raise RuntimeError(f"kernel ABI version {version}, expected {KERNELS_VERSION}")
-    except (OSError, RuntimeError) as e:
-        logger.warning("CPU kernels unavailable (%s): using the portable torch attention path", e)
-        return None
+    import torch  # noqa: F401  (load torch's OpenMP runtime first, so the library shares it)
+    if not target.exists():
+        logger.info("compiling CPU kernels into %s", target)
+        _build(compiler, flags, target)
+    lib = ctypes.CDLL(str(target))
+    version = lib.pagedllm_cpu_kernels_version()
+    if version != KERNELS_VERSION:
+        raise RuntimeError(f"kernel ABI version {version}, expected {KERNELS_VERSION}")
     _declare(lib)
     return lib
 
