@@ -50,10 +50,10 @@ def preset_path(name: str, dtype: str | None = "float32", root: str | Path | Non
     """Folder of preset `name` with weights saved in `dtype` (built if missing).
 
     Raises:
-        KeyError: for an unknown preset, naming the known ones.
+        ValueError: for an unknown preset, naming the known ones.
     """
     if name not in PRESETS:
-        raise KeyError(f"unknown preset {name!r}; known: {sorted(PRESETS)}")
+        raise ValueError(f"unknown preset {name!r}; known: {sorted(PRESETS)}")
     save_dtype = saved_dtype(dtype)
     root = Path(root) if root is not None else default_preset_root()
     out_dir = root / f"{name}-{save_dtype}"

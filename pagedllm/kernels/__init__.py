@@ -3,8 +3,9 @@
 The sources live in `csrc/`. `cpu_kernels()` compiles them once per (source, compiler flags, CPU
 flags) into a cache directory (`$PAGEDLLM_KERNEL_CACHE`, default `~/.cache/pagedllm/kernels`) and
 returns the loaded library, or None when they cannot be used (no compiler, a failed build, or
-`PAGEDLLM_CPU_KERNELS=0`); callers then fall back to the portable torch path. Building needs only
-g++ with OpenMP (seconds, no torch headers): the library shares the OpenMP runtime torch loaded.
+`PAGEDLLM_CPU_KERNELS` set to 0/false/off/no); callers then fall back to torch ops. Building
+needs only g++ with OpenMP (seconds, no torch headers; `$CXX` picks another compiler): the
+library shares the OpenMP runtime torch loaded.
 """
 
 from __future__ import annotations
@@ -73,8 +74,9 @@ def cpu_kernels() -> ctypes.CDLL | None:
 
 
 def _load() -> ctypes.CDLL | None:
-    if os.environ.get("PAGEDLLM_CPU_KERNELS", "1") == "0":
-        logger.info("CPU kernels disabled by PAGEDLLM_CPU_KERNELS=0")
+    setting = os.environ.get("PAGEDLLM_CPU_KERNELS", "1").strip().lower()
+    if setting in ("0", "false", "off", "no"):
+        logger.info("CPU kernels disabled by PAGEDLLM_CPU_KERNELS=%s", setting)
         return None
     try:
         return build_cpu_kernels()

@@ -14,8 +14,9 @@ def cpu_linear_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     as [N, K] with K a multiple of 8, float32/bfloat16 activations) and the kernels built."""
     return (x.device.type == "cpu" and weight.device.type == "cpu"
             and weight.dtype in _LINEAR_DTYPES and x.dtype in _LINEAR_DTYPES
-            and weight.dim() == 2 and weight.is_contiguous() and weight.shape[1] % 8 == 0
-            and x.shape[-1] == weight.shape[1] and cpu_kernels() is not None)
+            and weight.dim() == 2 and weight.is_contiguous() and weight.shape[1] > 0
+            and weight.shape[1] % 8 == 0 and x.dim() >= 1 and x.shape[-1] == weight.shape[1]
+            and cpu_kernels() is not None)
 
 
 def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -25,7 +26,7 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     Args:
         x: [..., K] float32 or bfloat16 (computed in float32).
         weight: [N, K] float32 or bfloat16, contiguous, K % 8 == 0 (see `cpu_linear_supported`).
-        bias: [N] or None.
+        bias: [N] on the CPU, or None.
         checked: the caller already saw `cpu_linear_supported(x, weight)` return True.
 
     Returns:
@@ -35,8 +36,14 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         ValueError: if the operands are not supported (check `cpu_linear_supported` first).
     """
     if not checked and not cpu_linear_supported(x, weight):
-        raise ValueError(f"cpu_linear does not support x {tuple(x.shape)} {x.dtype} with weight "
-                         f"{tuple(weight.shape)} {weight.dtype}")
+        raise ValueError(
+            f"cpu_linear does not support x {tuple(x.shape)} {x.dtype} with weight "
+            f"{tuple(weight.shape)} {weight.dtype} (needs CPU tensors, float32/bfloat16, a "
+            f"contiguous [N, K] weight with K a positive multiple of 8 matching x's last dim, "
+            f"and the built kernels)")
+    if bias is not None and (bias.shape != (weight.shape[0],) or bias.device.type != "cpu"):
+        raise ValueError(f"cpu_linear: bias must be a CPU tensor of shape ({weight.shape[0]},), "
+                         f"got {tuple(bias.shape)} on {bias.device}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).to(torch.float32)
     if x2.stride(1) != 1:

@@ -60,12 +60,13 @@ class CpuPlatform(Platform):
         fewer threads than cores avoids threads waiting on each other).
 
         Raises:
-            ValueError: if PAGEDLLM_CPU_THREADS is not a positive integer.
+            ValueError: if PAGEDLLM_CPU_THREADS is not an integer in [1, 1024].
         """
         override = os.environ.get("PAGEDLLM_CPU_THREADS")
         if override is not None:
-            if not override.isdigit() or int(override) < 1:
-                raise ValueError(f"PAGEDLLM_CPU_THREADS must be a positive integer, got "
+            # NOTE: torch itself crashes on absurd counts (set_num_threads(99999) then a matmul).
+            if not override.isdigit() or not 1 <= int(override) <= 1024:
+                raise ValueError(f"PAGEDLLM_CPU_THREADS must be an integer in [1, 1024], got "
                                  f"{override!r}")
             torch.set_num_threads(int(override))
             return
@@ -75,8 +76,19 @@ class CpuPlatform(Platform):
     def kv_cache_budget_bytes(self, memory_utilization: float) -> int:
         """`memory_utilization` of the memory available now, capped at PAGEDLLM_CPU_KVCACHE_SPACE
         GiB (default 4, like vLLM's VLLM_CPU_KVCACHE_SPACE): on a CPU the KV cache shares RAM
-        with everything else on the machine."""
-        cap_gib = float(os.environ.get("PAGEDLLM_CPU_KVCACHE_SPACE", "4"))
+        with everything else on the machine.
+
+        Raises:
+            ValueError: if PAGEDLLM_CPU_KVCACHE_SPACE is not a positive number.
+        """
+        raw = os.environ.get("PAGEDLLM_CPU_KVCACHE_SPACE", "4")
+        try:
+            cap_gib = float(raw)
+        except ValueError:
+            cap_gib = float("nan")
+        if not cap_gib > 0:
+            raise ValueError(f"PAGEDLLM_CPU_KVCACHE_SPACE must be a positive number of GiB, got "
+                             f"{raw!r}")
         free, _ = self.mem_get_info()
         return int(min(free * memory_utilization, cap_gib * 2**30))
 

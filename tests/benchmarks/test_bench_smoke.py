@@ -52,7 +52,7 @@ def test_preset_folder_loads(preset_dir: Path):
     config = AutoConfig.from_pretrained(path)
     assert config.hidden_size == 64 and config.num_hidden_layers == 2
     assert len(AutoTokenizer.from_pretrained(path)) == PRESETS["llama-tiny"]["vocab_size"]
-    with pytest.raises(KeyError, match="llama-tiny"):
+    with pytest.raises(ValueError, match="llama-tiny"):
         preset_path("no-such-preset", root=preset_dir)
 
 

@@ -53,3 +53,15 @@ def test_platform_falls_back_to_torch():
     x = torch.randn(2, 16)
     w = torch.randn(4, 16)
     torch.testing.assert_close(platform.linear(x, w), F.linear(x, w), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bias_shape", [(4,), (32,), (3, 16)])
+def test_bad_bias_is_refused(bias_shape):
+    """A bias of the wrong shape must fail loudly, never read past its end."""
+    with pytest.raises(ValueError, match="bias must be"):
+        cpu_linear(torch.randn(3, 32), torch.randn(16, 32), torch.randn(*bias_shape))
+
+
+def test_empty_and_scalar_inputs_are_refused():
+    assert not cpu_linear_supported(torch.randn(3, 0), torch.randn(16, 0))
+    assert not cpu_linear_supported(torch.tensor(1.0), torch.randn(16, 8))

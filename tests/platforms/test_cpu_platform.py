@@ -1,0 +1,37 @@
+"""CpuPlatform's environment settings: bad values fail with a message naming the variable."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.platforms.cpu import CpuPlatform
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "abc", "1.5", "99999"])
+def test_bad_thread_counts_are_refused(monkeypatch, value):
+    monkeypatch.setenv("PAGEDLLM_CPU_THREADS", value)
+    with pytest.raises(ValueError, match="PAGEDLLM_CPU_THREADS"):
+        CpuPlatform().init_device()
+
+
+def test_thread_count_override(monkeypatch):
+    before = torch.get_num_threads()
+    monkeypatch.setenv("PAGEDLLM_CPU_THREADS", "1")
+    try:
+        CpuPlatform().init_device()
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("value", ["abc", "-1", "0", "nan"])
+def test_bad_kv_cache_space_is_refused(monkeypatch, value):
+    monkeypatch.setenv("PAGEDLLM_CPU_KVCACHE_SPACE", value)
+    with pytest.raises(ValueError, match="PAGEDLLM_CPU_KVCACHE_SPACE"):
+        CpuPlatform().kv_cache_budget_bytes(0.9)
+
+
+def test_kv_cache_space_caps_the_budget(monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_CPU_KVCACHE_SPACE", "0.5")
+    assert CpuPlatform().kv_cache_budget_bytes(0.9) <= 2**29
