@@ -24,7 +24,8 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     """y = x @ weight^T + bias with the native kernel (weights widened in registers).
 
     Args:
-        x: [..., K] float32 or bfloat16 (computed in float32).
+        x: [..., K] float32 or bfloat16 (computed in float32; with a bf16 weight, bf16
+            activations are read and written as bf16 by the kernel, rounded to nearest even).
         weight: [N, K] float32 or bfloat16, contiguous, K % 8 == 0 (see `cpu_linear_supported`).
         bias: [N] on the CPU, or None.
         checked: the caller already saw `cpu_linear_supported(x, weight)` return True.
@@ -45,15 +46,19 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         raise ValueError(f"cpu_linear: bias must be a CPU tensor of shape ({weight.shape[0]},), "
                          f"got {tuple(bias.shape)} on {bias.device}")
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1]).to(torch.float32)
+    n = weight.shape[0]
+    b = None if bias is None else bias.to(torch.float32).contiguous()
+    lib = cpu_kernels()
+    if x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16:
+        fn, act_dtype = lib.linear_bf16_act, torch.bfloat16   # no casts around the call
+    else:
+        fn = lib.linear_f32 if weight.dtype == torch.float32 else lib.linear_bf16
+        act_dtype = torch.float32
+    x2 = x.reshape(-1, x.shape[-1]).to(act_dtype)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     m, k = x2.shape
-    n = weight.shape[0]
-    y = torch.empty(m, n, dtype=torch.float32)
-    b = None if bias is None else bias.to(torch.float32).contiguous()
-    lib = cpu_kernels()
-    fn = lib.linear_f32 if weight.dtype == torch.float32 else lib.linear_bf16
+    y = torch.empty(m, n, dtype=act_dtype)
     fn(x2.data_ptr(), x2.stride(0), m, k, weight.data_ptr(), n,
        None if b is None else b.data_ptr(), y.data_ptr(), n)
     return y.view(*lead, n).to(x.dtype)

@@ -29,12 +29,19 @@ def test_matches_f_linear(wdtype, m, n, k, bias):
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
-def test_bf16_activations_and_leading_dims():
-    w = torch.randn(24, 32).bfloat16()
-    x = torch.randn(2, 3, 32).bfloat16()
-    got = cpu_linear(x, w)
-    assert got.shape == (2, 3, 24) and got.dtype == torch.bfloat16
-    torch.testing.assert_close(got.float(), F.linear(x.float(), w.float()), atol=0.1, rtol=0.02)
+@pytest.mark.parametrize("m", [1, 4, 7, 33])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_activations_in_and_out(m, bias):
+    """bf16 x with a bf16 weight: the kernel reads and writes bf16 (fp32 math, rounded to
+    nearest even), within one bf16 rounding of F.linear in fp32."""
+    g = torch.Generator().manual_seed(m)
+    w = torch.randn(40, 64, generator=g).bfloat16()
+    x = torch.randn(2, m, 64, generator=g).bfloat16()
+    b = torch.randn(40, generator=g) if bias else None
+    got = cpu_linear(x, w, b)
+    assert got.shape == (2, m, 40) and got.dtype == torch.bfloat16
+    want = F.linear(x.float(), w.float(), b)
+    torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=8e-3)
 
 
 def test_unsupported_shapes_are_refused():

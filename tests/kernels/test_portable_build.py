@@ -39,6 +39,10 @@ def test_linear(use_portable, wdtype, m, n, k):
         return
     torch.testing.assert_close(ops.cpu_linear(x, w, b), F.linear(x, w.float(), b),
                                atol=1e-4, rtol=1e-4)
+    if wdtype == torch.bfloat16:                       # bf16 activations in and out
+        got = ops.cpu_linear(x.bfloat16(), w, b)
+        torch.testing.assert_close(got.float(), F.linear(x.bfloat16().float(), w.float(), b),
+                                   atol=1e-2, rtol=8e-3)
 
 
 @pytest.mark.parametrize("shape", backend_tests.SHAPES, ids=str)

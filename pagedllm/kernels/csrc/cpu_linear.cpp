@@ -1,12 +1,13 @@
-// y = x @ w^T (+ bias) for the CPU, with the weight in bfloat16 or float32 and x, y in float32.
+// y = x @ w^T (+ bias) for the CPU: weight in bfloat16 or float32; x and y in float32, or both
+// in bfloat16 (a bf16 model's activations, so no casts around the call); math in float32.
 //
 // Why: on CPUs without native bf16 math (AVX2), torch's bf16 GEMM/GEMV runs far below memory
 // bandwidth, so bf16 weights (half the bytes of fp32, hence up to twice the decode speed) only pay
 // off with a kernel that widens them in registers: a bf16 value is the upper half of a float32,
 // so widening is a 16-bit shift. This is the approach of llama.cpp's ggml bf16 dot products.
 //
-// Layout: x [M, K] (row stride ldx), w [N, K] contiguous (a torch nn.Linear weight), bias [N] or
-// null, y [M, N] (row stride ldy). Register blocking: MB rows of x times NB rows of w per
+// Layout: x [M, K] (row stride ldx), w [N, K] contiguous (a torch nn.Linear weight), bias [N]
+// float32 or null, y [M, N] (row stride ldy). Register blocking: MB rows of x times NB rows of w per
 // micro-kernel call, each a K-long dot product accumulated in 8-lane vectors. Threads split the
 // N axis into tiles (OpenMP, sharing torch's runtime).
 
@@ -23,8 +24,9 @@ using namespace pagedllm;
 
 #ifdef PAGEDLLM_AVX2
 // y[i][j] = dot(x[i], w[j]) for i < MB, j < NB; K a multiple of 8.
-template <int MB, int NB, typename T>
-inline void micro(const float* x, int64_t ldx, const T* w, int64_t K, float* y, int64_t ldy) {
+template <int MB, int NB, typename T, typename TX, typename TY>
+inline void micro(const TX* x, int64_t ldx, const T* w, int64_t K, const float* bias, TY* y,
+                  int64_t ldy) {
   __m256 acc[MB][NB];
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_setzero_ps();
@@ -37,7 +39,7 @@ inline void micro(const float* x, int64_t ldx, const T* w, int64_t K, float* y, 
     for (; k + 16 <= K; k += 16) {
       for (int j = 0; j < NB; ++j)
         _mm_prefetch(reinterpret_cast<const char*>(w + (j + NB) * K + k), _MM_HINT_T0);
-      const __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
+      const __m256 x0 = load8(x + k), x1 = load8(x + k + 8);
       for (int j = 0; j < NB; ++j) {
         acc[0][j] = _mm256_fmadd_ps(x0, load8(w + j * K + k), acc[0][j]);
         acc2[j] = _mm256_fmadd_ps(x1, load8(w + j * K + k + 8), acc2[j]);
@@ -49,41 +51,46 @@ inline void micro(const float* x, int64_t ldx, const T* w, int64_t K, float* y, 
     __m256 wv[NB];
     for (int j = 0; j < NB; ++j) wv[j] = load8(w + j * K + k);
     for (int i = 0; i < MB; ++i) {
-      const __m256 xv = _mm256_loadu_ps(x + i * ldx + k);
+      const __m256 xv = load8(x + i * ldx + k);
       for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
     }
   }
   for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < NB; ++j) y[i * ldy + j] = hsum(acc[i][j]);
+    for (int j = 0; j < NB; ++j)
+      store(hsum(acc[i][j]) + (bias != nullptr ? bias[j] : 0.f), y + i * ldy + j);
 }
 #else
-template <int MB, int NB, typename T>
-inline void micro(const float* x, int64_t ldx, const T* w, int64_t K, float* y, int64_t ldy) {
+template <int MB, int NB, typename T, typename TX, typename TY>
+inline void micro(const TX* x, int64_t ldx, const T* w, int64_t K, const float* bias, TY* y,
+                  int64_t ldy) {
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NB; ++j) {
-      float s = 0.f;
-      for (int64_t k = 0; k < K; ++k) s += x[i * ldx + k] * to_float(w[j * K + k]);
-      y[i * ldy + j] = s;
+      float s = bias != nullptr ? bias[j] : 0.f;
+      for (int64_t k = 0; k < K; ++k) s += to_float(x[i * ldx + k]) * to_float(w[j * K + k]);
+      store(s, y + i * ldy + j);
     }
 }
 #endif
 
-// All M rows of x against w rows [n0, n1).
-template <int MB, typename T>
-void rows_block(const float* x, int64_t ldx, int64_t m0, int64_t m1, const T* w, int64_t K,
-                int64_t n0, int64_t n1, float* y, int64_t ldy) {
+// Rows [m0, m1) of x against w rows [n0, n1).
+template <int MB, typename T, typename TX, typename TY>
+void rows_block(const TX* x, int64_t ldx, int64_t m0, int64_t m1, const T* w, int64_t K,
+                int64_t n0, int64_t n1, const float* bias, TY* y, int64_t ldy) {
   constexpr int NB = MB >= 6 ? 2 : (MB >= 3 ? 3 : 4);
   for (int64_t m = m0; m + MB <= m1; m += MB) {
     int64_t n = n0;
     for (; n + NB <= n1; n += NB)
-      micro<MB, NB>(x + m * ldx, ldx, w + n * K, K, y + m * ldy + n, ldy);
-    for (; n < n1; ++n) micro<MB, 1>(x + m * ldx, ldx, w + n * K, K, y + m * ldy + n, ldy);
+      micro<MB, NB>(x + m * ldx, ldx, w + n * K, K, bias != nullptr ? bias + n : nullptr,
+                    y + m * ldy + n, ldy);
+    for (; n < n1; ++n)
+      micro<MB, 1>(x + m * ldx, ldx, w + n * K, K, bias != nullptr ? bias + n : nullptr,
+                   y + m * ldy + n, ldy);
   }
 }
 
-template <typename T>
-void linear(const float* x, int64_t ldx, int64_t M, int64_t K, const T* w, int64_t N,
-            const float* bias, float* y, int64_t ldy) {
+template <typename T, typename TX, typename TY>
+void linear(const TX* x, int64_t ldx, int64_t M, int64_t K, const T* w, int64_t N,
+            const float* bias, TY* y, int64_t ldy) {
   // Tiles of N small enough that a tile of w stays in L2 while all of x streams past it.
   const int64_t tile = std::max<int64_t>(8, std::min<int64_t>(64, N / (8 * omp_get_max_threads())));
   const int64_t num_tiles = (N + tile - 1) / tile;
@@ -91,16 +98,13 @@ void linear(const float* x, int64_t ldx, int64_t M, int64_t K, const T* w, int64
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t t = 0; t < num_tiles; ++t) {
     const int64_t n0 = t * tile, n1 = std::min(N, n0 + tile);
-    rows_block<6>(x, ldx, 0, m6, w, K, n0, n1, y, ldy);
+    rows_block<6>(x, ldx, 0, m6, w, K, n0, n1, bias, y, ldy);
+    int64_t m = m6;
     if (M - m6 >= 3) {
-      rows_block<3>(x, ldx, m6, m6 + 3, w, K, n0, n1, y, ldy);
-      for (int64_t m = m6 + 3; m < M; ++m) rows_block<1>(x, ldx, m, m + 1, w, K, n0, n1, y, ldy);
-    } else {
-      for (int64_t m = m6; m < M; ++m) rows_block<1>(x, ldx, m, m + 1, w, K, n0, n1, y, ldy);
+      rows_block<3>(x, ldx, m6, m6 + 3, w, K, n0, n1, bias, y, ldy);
+      m += 3;
     }
-    if (bias != nullptr)
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t n = n0; n < n1; ++n) y[m * ldy + n] += bias[n];
+    for (; m < M; ++m) rows_block<1>(x, ldx, m, m + 1, w, K, n0, n1, bias, y, ldy);
   }
 }
 
@@ -111,12 +115,18 @@ extern "C" {
 // K must be a multiple of 8 (checked by the caller).
 void linear_bf16(const float* x, int64_t ldx, int64_t M, int64_t K, const uint16_t* w, int64_t N,
                  const float* bias, float* y, int64_t ldy) {
-  linear<uint16_t>(x, ldx, M, K, w, N, bias, y, ldy);
+  linear(x, ldx, M, K, w, N, bias, y, ldy);
 }
 
 void linear_f32(const float* x, int64_t ldx, int64_t M, int64_t K, const float* w, int64_t N,
                 const float* bias, float* y, int64_t ldy) {
-  linear<float>(x, ldx, M, K, w, N, bias, y, ldy);
+  linear(x, ldx, M, K, w, N, bias, y, ldy);
+}
+
+// bfloat16 activations in and out (bfloat16 weight).
+void linear_bf16_act(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint16_t* w,
+                     int64_t N, const float* bias, uint16_t* y, int64_t ldy) {
+  linear(x, ldx, M, K, w, N, bias, y, ldy);
 }
 
 }  // extern "C"

@@ -21,6 +21,20 @@ inline float to_float(uint16_t v) {
   return f;
 }
 
+inline void store(float v, float* p) { *p = v; }
+
+// float32 -> bfloat16 with round-to-nearest-even (NaN stays a quiet NaN), as torch rounds.
+inline void store(float v, uint16_t* p) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  if ((bits & 0x7fffffffu) > 0x7f800000u) {
+    *p = static_cast<uint16_t>((bits >> 16) | 0x40u);
+    return;
+  }
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  *p = static_cast<uint16_t>(bits >> 16);
+}
+
 #ifdef PAGEDLLM_AVX2
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 
