@@ -8,10 +8,13 @@ last pipeline stage). The KV cache size is the minimum over the ranks.
 
 from __future__ import annotations
 
-from typing import Protocol
+import logging
+from typing import Any, Protocol
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
 
 
 class WorkerDiedError(RuntimeError):
@@ -36,6 +39,33 @@ class Executor(Protocol):
 
     def shutdown(self) -> None:
         """Stop the workers (idempotent)."""
+
+
+class DistributedExecutorBase:
+    """The Executor steps for executors whose workers answer `collective_rpc` (mp and Ray).
+
+    Subclasses set `driver_rank` and implement `collective_rpc(method, args, reply_rank)`, which
+    calls `method(*args)` on every rank and returns the answers by rank (only `reply_rank`'s
+    when given), raising WorkerDiedError when a worker died or raised.
+    """
+
+    driver_rank: int
+
+    def collective_rpc(self, method: str, args: tuple = (),
+                       reply_rank: int | None = None) -> list[Any]:
+        raise NotImplementedError
+
+    def determine_num_blocks(self) -> int:
+        return min(self.collective_rpc("determine_num_blocks"))
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.collective_rpc("initialize_kv_cache", (num_blocks,))
+        for line in self.collective_rpc("layout_summary"):
+            logger.info("%s", line)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.collective_rpc("execute_model", (scheduler_output,),
+                                   reply_rank=self.driver_rank)[self.driver_rank]
 
 
 def get_executor_class(backend: str) -> type:

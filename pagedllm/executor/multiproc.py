@@ -32,8 +32,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from pagedllm.config import EngineConfig
-from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from pagedllm.executor.abstract import WorkerDiedError, driver_rank
+from pagedllm.executor.abstract import DistributedExecutorBase, WorkerDiedError, driver_rank
 from pagedllm.platforms import current_platform
 
 logger = logging.getLogger(__name__)
@@ -171,7 +170,7 @@ def _serve_relayed_calls(worker, rank: int, control) -> None:
         dist.gather_object(_call(worker, rank, box[0]), None, dst=0, group=control)
 
 
-class MultiprocExecutor:
+class MultiprocExecutor(DistributedExecutorBase):
     """Start the worker processes of this node (all ranks when nnodes == 1), load the model.
 
     The start method is the platform's `worker_multiproc_method`: "forkserver" on CPU (workers
@@ -265,18 +264,6 @@ class MultiprocExecutor:
     def _fail(self, message: str) -> None:
         self.shutdown()
         raise WorkerDiedError(message)
-
-    def determine_num_blocks(self) -> int:
-        return min(self.collective_rpc("determine_num_blocks"))
-
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.collective_rpc("initialize_kv_cache", (num_blocks,))
-        for line in self.collective_rpc("layout_summary"):
-            logger.info("%s", line)
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.collective_rpc("execute_model", (scheduler_output,),
-                                   reply_rank=self.driver_rank)[self.driver_rank]
 
     def shutdown(self) -> None:
         """Ask the workers to leave their groups and exit; terminate those that do not."""

@@ -20,8 +20,8 @@ import socket
 from typing import Any
 
 from pagedllm.config import EngineConfig
-from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from pagedllm.executor.abstract import WorkerDiedError, driver_rank
+from pagedllm.core.sched_output import SchedulerOutput
+from pagedllm.executor.abstract import DistributedExecutorBase, WorkerDiedError, driver_rank
 from pagedllm.platforms import current_platform
 
 logger = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ class RayWorkerWrapper:
         return result if reply else None
 
 
-class RayExecutor:
+class RayExecutor(DistributedExecutorBase):
     """Start one actor per rank in a placement group and load the model.
 
     Raises:
@@ -138,18 +138,6 @@ class RayExecutor:
                                                       reply_rank is None or rank == reply_rank,
                                                       *args)
                           for rank, actor in enumerate(self.actors)], method)
-
-    def determine_num_blocks(self) -> int:
-        return min(self.collective_rpc("determine_num_blocks"))
-
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.collective_rpc("initialize_kv_cache", (num_blocks,))
-        for line in self.collective_rpc("layout_summary"):
-            logger.info("%s", line)
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.collective_rpc("execute_model", (scheduler_output,),
-                                   reply_rank=self.driver_rank)[self.driver_rank]
 
     def shutdown(self) -> None:
         """Kill the actors, free the placement group, stop Ray if this executor started it."""
