@@ -83,9 +83,11 @@ class Worker:
         if num_blocks < 2:
             raise ValueError(f"KV cache budget holds {num_blocks} blocks of {bytes_per_block} "
                              "bytes; at least 2 are needed. Give the cache more memory.")
-        logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %s)", num_blocks - 1,
-                    cc.block_size, (num_blocks - 1) * cc.block_size,
-                    num_blocks * bytes_per_block / 2**20, str(self.dtype).removeprefix("torch."))
+        attn = self.model_runner.model.attention_layers()
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %s); attention "
+                    "backend %s", num_blocks - 1, cc.block_size, (num_blocks - 1) * cc.block_size,
+                    num_blocks * bytes_per_block / 2**20, str(self.dtype).removeprefix("torch."),
+                    attn[0].backend.name if attn else "-")
         return num_blocks
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
