@@ -29,7 +29,8 @@ _HEADERS = ("cpu_vec.h",)
 _CXXFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 
 _lock = threading.Lock()
-_loaded: dict[str, ctypes.CDLL | None] = {}
+_NOT_LOADED = object()
+_library: ctypes.CDLL | None | object = _NOT_LOADED
 
 
 def _cpu_flags_line() -> str:
@@ -67,10 +68,11 @@ def _build(compiler: str, flags: tuple[str, ...], target: Path) -> None:
 
 def cpu_kernels() -> ctypes.CDLL | None:
     """The compiled CPU kernel library, or None when unavailable (the reason is logged once)."""
+    global _library
     with _lock:
-        if "cpu" not in _loaded:
-            _loaded["cpu"] = _load()
-        return _loaded["cpu"]
+        if _library is _NOT_LOADED:
+            _library = _load()
+        return _library
 
 
 def _load() -> ctypes.CDLL | None:

@@ -6,6 +6,8 @@ import os
 
 import torch
 
+from pagedllm.kernels import cpu_kernels
+from pagedllm.kernels.ops import cpu_linear, cpu_linear_supported
 from pagedllm.platforms.interface import Platform
 
 
@@ -104,8 +106,6 @@ class CpuPlatform(Platform):
                bias: torch.Tensor | None = None) -> torch.Tensor:
         """The native kernel (`pagedllm/kernels/csrc/cpu_linear.cpp`) where it is faster (see
         the thresholds above), torch's GEMM otherwise."""
-        from pagedllm.kernels.ops import cpu_linear, cpu_linear_supported
-
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         if weight.dtype == torch.bfloat16 and not self.has_native_bf16:
             if rows >= self._WIDEN_MIN_ROWS_BF16:
@@ -127,5 +127,4 @@ class CpuPlatform(Platform):
         name = os.environ.get("PAGEDLLM_ATTENTION_BACKEND")
         if name:
             return name
-        from pagedllm.kernels import cpu_kernels
         return "cpu_paged" if cpu_kernels() is not None else "torch_sdpa"
