@@ -23,9 +23,9 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-KERNELS_VERSION = 2  # must equal pagedllm_cpu_kernels_version() in the sources
-_SOURCES = ("cpu_attention.cpp", "cpu_linear.cpp")
-_HEADERS = ("cpu_vec.h",)
+KERNELS_VERSION = 3  # must equal pagedllm_cpu_kernels_version() in the sources
+_SOURCES = ("cpu_attention.cpp", "cpu_linear.cpp", "cpu_decoder.cpp")
+_HEADERS = ("cpu_vec.h", "attention_kernel.h", "linear_kernel.h")
 _CXXFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 
 _lock = threading.Lock()
@@ -130,3 +130,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         fn = getattr(lib, name)
         fn.restype = None
         fn.argtypes = [p, i64, i64, i64, p, i64, p, p, i64]
+    lib.decoder_layers.restype = None
+    lib.decoder_layers.argtypes = [p, i32, p, p, i32, i32, i32]
+    lib.add_rms_norm.restype = None
+    lib.add_rms_norm.argtypes = [p, p, i64, i64, p, f32, p, i32]

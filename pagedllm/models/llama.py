@@ -14,6 +14,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from pagedllm.attention.forward_context import get_forward_context
 from pagedllm.distributed.parallel_state import get_pp_group
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.attention import Attention
@@ -24,6 +25,7 @@ from pagedllm.layers.rotary_embedding import RotaryEmbedding, rope_parameters_fr
 from pagedllm.layers.pipeline import (MissingLMHead, PPMissingLayer, get_pp_indices,
                                       recv_intermediate, send_intermediate)
 from pagedllm.layers.vocab_embedding import LMHead, VocabEmbedding
+from pagedllm.models.fused_decoder import FusedDecoder, add_rms_norm
 from pagedllm.models.utils import load_named_weight
 
 
@@ -118,6 +120,13 @@ class LlamaModel(nn.Module):
             else PPMissingLayer() for i in range(config.num_hidden_layers))
         self.norm = (RMSNorm(config.hidden_size, config.rms_norm_eps)
                      if self.pp.is_last_rank else PPMissingLayer())
+        self._fused: FusedDecoder | None | bool = False  # False: not decided yet
+
+    def _fused_decoder(self) -> FusedDecoder | None:
+        if self._fused is False:
+            layers = list(self.layers[self.start_layer:self.end_layer])
+            self._fused = FusedDecoder(layers) if FusedDecoder.supports(layers) else None
+        return self._fused
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if self.pp.is_first_rank:
@@ -126,6 +135,10 @@ class LlamaModel(nn.Module):
             dtype = self.layers[self.start_layer].input_layernorm.weight.dtype
             hidden, residual = recv_intermediate(self.pp, input_ids.shape[0], self.hidden_size,
                                                  dtype, input_ids.device)
+        fused = self._fused_decoder()
+        if fused is not None and fused.applies(input_ids.shape[0],
+                                               get_forward_context().attn_metadata):
+            return self._forward_fused(fused, positions, hidden, residual)
         for layer in self.layers[self.start_layer:self.end_layer]:
             hidden, residual = layer(positions, hidden, residual)
         if not self.pp.is_last_rank:
@@ -133,6 +146,20 @@ class LlamaModel(nn.Module):
             return hidden
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    def _forward_fused(self, fused: FusedDecoder, positions: torch.Tensor, hidden: torch.Tensor,
+                       residual: torch.Tensor | None) -> torch.Tensor:
+        """The same stack through the native fused decoder (see `models/fused_decoder.py`)."""
+        if residual is None:   # the embeddings start the residual stream
+            residual, delta = hidden.contiguous(), None
+        else:
+            residual, delta = residual.contiguous(), hidden.float().contiguous()
+        delta = fused(positions, residual, delta, get_forward_context().attn_metadata)
+        if not self.pp.is_last_rank:
+            hidden = delta.to(residual.dtype)
+            send_intermediate(self.pp, hidden, residual)
+            return hidden
+        return add_rms_norm(residual, delta, self.norm.weight, self.norm.eps)
 
 
 class LlamaForCausalLM(nn.Module):

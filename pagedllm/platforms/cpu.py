@@ -102,22 +102,24 @@ class CpuPlatform(Platform):
     _KERNEL_MAX_ROWS_BF16_NATIVE = 16
     _WIDEN_MIN_ROWS_BF16 = 512
 
+    def native_linear_max_rows(self, dtype: torch.dtype) -> int:
+        if cpu_kernels() is None:
+            return 0
+        if dtype == torch.bfloat16:
+            return (self._KERNEL_MAX_ROWS_BF16_NATIVE if self.has_native_bf16
+                    else self._WIDEN_MIN_ROWS_BF16 - 1)
+        return self._KERNEL_MAX_ROWS_F32 if dtype == torch.float32 else 0
+
     def linear(self, x: torch.Tensor, weight: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
         """The native kernel (`pagedllm/kernels/csrc/cpu_linear.cpp`) where it is faster (see
         the thresholds above), torch's GEMM otherwise."""
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if weight.dtype == torch.bfloat16 and not self.has_native_bf16:
-            if rows >= self._WIDEN_MIN_ROWS_BF16:
-                return torch.nn.functional.linear(
-                    x.float(), weight.float(), None if bias is None else bias.float()
-                ).to(x.dtype)
-            use = True
-        elif weight.dtype == torch.bfloat16:
-            use = rows <= self._KERNEL_MAX_ROWS_BF16_NATIVE
-        else:
-            use = weight.dtype == torch.float32 and rows <= self._KERNEL_MAX_ROWS_F32
-        if use and cpu_linear_supported(x, weight):
+        if (weight.dtype == torch.bfloat16 and not self.has_native_bf16
+                and rows >= self._WIDEN_MIN_ROWS_BF16):
+            return torch.nn.functional.linear(
+                x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
+        if rows <= self.native_linear_max_rows(weight.dtype) and cpu_linear_supported(x, weight):
             return cpu_linear(x, weight, bias, checked=True)
         return torch.nn.functional.linear(x, weight, bias)
 

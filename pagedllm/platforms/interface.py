@@ -65,6 +65,11 @@ class Platform(ABC):
         platforms with a faster kernel for some shapes override this."""
         return torch.nn.functional.linear(x, weight, bias)
 
+    def native_linear_max_rows(self, dtype: torch.dtype) -> int:
+        """Most rows for which `linear` uses this platform's own kernel for `dtype` weights (0:
+        never); the fused decoder path (`models/fused_decoder.py`) runs up to that many tokens."""
+        return 0
+
     def seed_everything(self, seed: int) -> None:
         torch.manual_seed(seed)
 

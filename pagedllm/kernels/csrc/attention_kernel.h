@@ -1,0 +1,234 @@
+// Paged attention for the CPU (the kernel behind `cpu_attention.cpp` and the attention step of the
+// fused decoder layer in `cpu_decoder.cpp`). See cpu_attention.cpp for the algorithm and layouts.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include <omp.h>
+
+#include "cpu_vec.h"
+
+namespace pagedllm {
+
+template <typename T>
+inline float dot_scalar(const float* __restrict a, const T* __restrict b, int n) {
+  float s = 0.f;
+  for (int d = 0; d < n; ++d) s += a[d] * to_float(b[d]);
+  return s;
+}
+
+template <typename T>
+inline void axpy_scalar(float* __restrict acc, float w, const T* __restrict v, int n) {
+  for (int d = 0; d < n; ++d) acc[d] += w * to_float(v[d]);
+}
+
+#ifdef PAGEDLLM_AVX2
+template <typename T>
+inline float dot(const float* __restrict a, const T* __restrict b, int n) {
+  if (n % 16 != 0) return dot_scalar(a, b, n);
+  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+  for (int d = 0; d < n; d += 16) {
+    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), load8(b + d), s0);
+    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), load8(b + d + 8), s1);
+  }
+  return hsum(_mm256_add_ps(s0, s1));
+}
+
+template <typename T>
+inline void axpy(float* __restrict acc, float w, const T* __restrict v, int n) {
+  if (n % 8 != 0) return axpy_scalar(acc, w, v, n);
+  const __m256 wv = _mm256_set1_ps(w);
+  for (int d = 0; d < n; d += 8)
+    _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(wv, load8(v + d), _mm256_loadu_ps(acc + d)));
+}
+// exp(x) for 8 lanes: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by the degree-6 polynomial of the
+// Cephes library's expf (S. Moshier), 2^n put into the exponent bits. Relative error ~1e-7.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// s[j] = exp(s[j] - m) for j < n; returns the sum.
+inline float exp_shift_sum(float* s, int n, float m) {
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256 acc = _mm256_setzero_ps();
+  int j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
+    _mm256_storeu_ps(s + j, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  float sum = hsum(acc);
+  for (; j < n; ++j) {
+    s[j] = std::exp(s[j] - m);
+    sum += s[j];
+  }
+  return sum;
+}
+#else
+inline float exp_shift_sum(float* s, int n, float m) {
+  float sum = 0.f;
+  for (int j = 0; j < n; ++j) {
+    s[j] = std::exp(s[j] - m);
+    sum += s[j];
+  }
+  return sum;
+}
+
+template <typename T>
+inline float dot(const float* __restrict a, const T* __restrict b, int n) {
+  return dot_scalar(a, b, n);
+}
+
+template <typename T>
+inline void axpy(float* __restrict acc, float w, const T* __restrict v, int n) {
+  axpy_scalar(acc, w, v, n);
+}
+#endif
+
+// The work items of one call: (query token, chunk of KV heads). A chunk reads whole K/V rows of a
+// block (contiguous memory); all KV heads form one chunk unless there are too few tokens to give
+// every thread work.
+struct AttentionPlan {
+  std::vector<int32_t> item_row, item_tok;  // per query token: its request and token index
+  int chunk_kv_heads = 0, num_chunks = 0;
+  int64_t num_items = 0;
+};
+
+inline AttentionPlan plan_attention(const int32_t* query_start_loc, const int32_t* rows,
+                                    int num_rows, int num_kv_heads, int num_threads) {
+  AttentionPlan p;
+  for (int i = 0; i < num_rows; ++i) {
+    const int r = rows[i];
+    for (int t = query_start_loc[r]; t < query_start_loc[r + 1]; ++t) {
+      p.item_row.push_back(r);
+      p.item_tok.push_back(t);
+    }
+  }
+  const int64_t num_tokens = static_cast<int64_t>(p.item_tok.size());
+  if (num_tokens == 0) return p;
+  const int64_t wanted = 4 * static_cast<int64_t>(num_threads);
+  const int max_chunks = static_cast<int>(
+      std::min<int64_t>(num_kv_heads, (wanted + num_tokens - 1) / num_tokens));
+  p.chunk_kv_heads = (num_kv_heads + max_chunks - 1) / max_chunks;
+  p.num_chunks = (num_kv_heads + p.chunk_kv_heads - 1) / p.chunk_kv_heads;  // none empty
+  p.num_items = num_tokens * p.num_chunks;
+  return p;
+}
+
+// The shapes and step inputs of one attention call. query [num_tokens, q_row_stride] holds the
+// heads at [0, num_heads * head_size) of each row, unscaled; out rows are num_heads * head_size
+// apart.
+template <typename T, typename TQ>
+struct AttentionArgs {
+  const TQ* query;
+  int64_t q_row_stride;
+  const T* key_cache;
+  const T* value_cache;
+  const int32_t* block_table;
+  int64_t block_table_stride;
+  const int32_t* query_start_loc;
+  const int32_t* seq_lens;
+  float* out;
+  int num_heads, num_kv_heads, head_size, block_size;
+  float scale;
+  int causal;
+};
+
+// The work-sharing loop over the plan's items, to be called by every thread of an enclosing
+// OpenMP parallel region (an orphaned `omp for`, ending with a barrier).
+template <typename T, typename TQ>
+void attention_items(const AttentionArgs<T, TQ>& a, const AttentionPlan& plan) {
+  if (plan.num_items == 0) return;
+  const int head_size = a.head_size, block_size = a.block_size, num_heads = a.num_heads;
+  const int num_kv_heads = a.num_kv_heads, rep = num_heads / num_kv_heads;
+  const int chunk_kv_heads = plan.chunk_kv_heads, num_chunks = plan.num_chunks;
+  const int64_t kv_row_stride = static_cast<int64_t>(num_kv_heads) * head_size;
+  const int max_heads = chunk_kv_heads * rep;
+  std::vector<float> q(static_cast<size_t>(max_heads) * head_size);
+  std::vector<float> acc(static_cast<size_t>(max_heads) * head_size);
+  std::vector<float> scores(static_cast<size_t>(max_heads) * block_size);
+  std::vector<float> m(max_heads), l(max_heads);
+
+#pragma omp for schedule(dynamic, 1)
+  for (int64_t item = 0; item < plan.num_items; ++item) {
+    const int64_t tok_idx = item / num_chunks;
+    const int kv0 = static_cast<int>(item % num_chunks) * chunk_kv_heads;
+    const int kv1 = std::min(num_kv_heads, kv0 + chunk_kv_heads);
+    const int nh = (kv1 - kv0) * rep;  // query heads of this item: kv0 * rep + [0, nh)
+    const int r = plan.item_row[tok_idx];
+    const int t = plan.item_tok[tok_idx];
+    const int q_len = a.query_start_loc[r + 1] - a.query_start_loc[r];
+    const int seq_len = a.seq_lens[r];
+    const int pos = seq_len - q_len + (t - a.query_start_loc[r]);
+    const int ctx_end = a.causal ? pos + 1 : seq_len;
+    const int32_t* table = a.block_table + static_cast<int64_t>(r) * a.block_table_stride;
+    const TQ* q_src = a.query + static_cast<int64_t>(t) * a.q_row_stride +
+                      static_cast<int64_t>(kv0) * rep * head_size;
+
+    for (int h = 0; h < nh; ++h) {
+      for (int d = 0; d < head_size; ++d)
+        q[h * head_size + d] = to_float(q_src[h * head_size + d]) * a.scale;
+      m[h] = -std::numeric_limits<float>::infinity();
+      l[h] = 0.f;
+    }
+    std::fill(acc.begin(), acc.begin() + static_cast<int64_t>(nh) * head_size, 0.f);
+
+    for (int start = 0; start < ctx_end; start += block_size) {
+      const int n = std::min(block_size, ctx_end - start);
+      const int64_t base =
+          static_cast<int64_t>(table[start / block_size]) * block_size * kv_row_stride +
+          static_cast<int64_t>(kv0) * head_size;
+      for (int j = 0; j < n; ++j) {
+        const T* k = a.key_cache + base + j * kv_row_stride;
+        for (int h = 0; h < nh; ++h)
+          scores[h * block_size + j] = dot(&q[h * head_size], k + (h / rep) * head_size,
+                                           head_size);
+      }
+      for (int h = 0; h < nh; ++h) {
+        float* s = &scores[h * block_size];
+        float block_max = s[0];
+        for (int j = 1; j < n; ++j) block_max = std::max(block_max, s[j]);
+        const float m_new = std::max(m[h], block_max);
+        const float correction = std::exp(m[h] - m_new);  // exp(-inf) = 0 on the first block
+        l[h] = l[h] * correction + exp_shift_sum(s, n, m_new);
+        m[h] = m_new;
+        if (correction != 1.f) {
+          float* acc_h = &acc[h * head_size];
+          for (int d = 0; d < head_size; ++d) acc_h[d] *= correction;
+        }
+      }
+      for (int j = 0; j < n; ++j) {
+        const T* v = a.value_cache + base + j * kv_row_stride;
+        for (int h = 0; h < nh; ++h)
+          axpy(&acc[h * head_size], scores[h * block_size + j], v + (h / rep) * head_size,
+               head_size);
+      }
+    }
+
+    float* dst = a.out + (static_cast<int64_t>(t) * num_heads + kv0 * rep) * head_size;
+    for (int h = 0; h < nh; ++h) {
+      const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
+      for (int d = 0; d < head_size; ++d) dst[h * head_size + d] = acc[h * head_size + d] * inv;
+    }
+  }
+}
+
+}  // namespace pagedllm

@@ -1,0 +1,243 @@
+// One Llama-family decoder layer in one call, for steps of few tokens (decode).
+//
+// Why: at batch 1 a decoder layer is ~25 small operations (two RMSNorms, four linears, RoPE, the
+// KV write, attention, SiLU*mul, residual adds). Issued one by one from Python each costs a few
+// microseconds of dispatch plus an OpenMP fork/join, which together took longer than streaming
+// the weights. Here the whole layer is one OpenMP parallel region whose phases are separated by
+// the implicit barriers of their work-sharing loops, as llama.cpp's graph executor separates its
+// nodes (ggml's thread pool). The math is the module path's (pagedllm/models/llama.py):
+//
+//   residual += delta (the previous layer's output);  x = rms_norm(residual) * input_norm
+//   q, k, v = x @ Wqkv^T (+ b);  [q, k = per-head rms_norm (Qwen3)];  q, k = rope(q, k)
+//   key_cache[slot], value_cache[slot] = k, v;  a = paged_attention(q)
+//   residual += a @ Wo^T (+ b);  x = rms_norm(residual) * post_attention_norm
+//   delta = (silu(x @ Wgate^T) * (x @ Wup^T)) @ Wdown^T (+ b)
+//
+// The residual stream, weights and KV cache are in the model dtype T (float32 or bfloat16); the
+// intermediate activations stay in float32 (one rounding fewer than the module path per step).
+// RMSNorm: Zhang & Sennrich (2019); RoPE: Su et al. (2021), GPT-NeoX layout (the halves of a head
+// are rotated together), as HF Llama.
+
+#include <cmath>
+#include <cstdint>
+
+#include <omp.h>
+
+#include "attention_kernel.h"
+#include "linear_kernel.h"
+
+namespace {
+
+using namespace pagedllm;
+
+// Field order and types are mirrored by ctypes structures in pagedllm/kernels/fused.py.
+struct DecoderLayerWeights {
+  const void* input_norm;      // [hidden] T
+  const void* post_norm;       // [hidden] T
+  const void* qkv;             // [q_size + 2 * kv_size, hidden] T
+  const float* qkv_bias;       // [q_size + 2 * kv_size] or null
+  const void* q_norm;          // [head_size] T or null (per-head RMSNorm, Qwen3)
+  const void* k_norm;          // [head_size] T or null
+  const void* o;               // [hidden, q_size] T
+  const float* o_bias;         // [hidden] or null
+  const void* gate_up;         // [2 * intermediate, hidden] T (gate rows, then up rows)
+  const float* gate_up_bias;   // [2 * intermediate] or null
+  const void* down;            // [hidden, intermediate] T
+  const float* down_bias;      // [hidden] or null
+  void* key_cache;             // [num_blocks, block_size, num_kv_heads, head_size] T
+  void* value_cache;           // same
+  const float* cos_cache;      // [max_position, head_size / 2]
+  const float* sin_cache;      // same
+  int64_t hidden_size, num_heads, num_kv_heads, head_size, intermediate_size;
+  float eps, scale;
+};
+
+struct DecoderStep {
+  int64_t num_tokens;
+  const int64_t* positions;        // [num_tokens]
+  const int64_t* slot_mapping;     // [num_tokens]; negative: do not write
+  const int32_t* block_table;      // [num_reqs, block_table_stride]
+  int64_t block_table_stride;
+  const int32_t* query_start_loc;  // [num_reqs + 1]
+  const int32_t* seq_lens;         // [num_reqs]
+  int32_t num_reqs, block_size, causal, pad_;
+  void* residual;                  // [num_tokens, hidden] T, updated in place
+  float* delta;                    // [num_tokens, hidden]: in, the previous layer's output; out
+  float* normed;                   // [num_tokens, hidden] scratch
+  float* qkv_out;                  // [num_tokens, q_size + 2 * kv_size] scratch
+  float* attn_out;                 // [num_tokens, q_size] scratch
+  float* gate_up_out;              // [num_tokens, 2 * intermediate] scratch
+  float* act;                      // [num_tokens, intermediate] scratch
+};
+
+// residual[m] (+= delta[m] if add) then normed[m] = rms_norm(residual[m]) * w, for one row.
+template <typename T>
+inline void add_rms_norm_row(T* residual, const float* delta, bool add, const T* w, float eps,
+                             int64_t n, float* normed) {
+  float ss = 0.f;
+  for (int64_t i = 0; i < n; ++i) {
+    float r = to_float(residual[i]);
+    if (add) {
+      store(r + delta[i], residual + i);
+      r = to_float(residual[i]);  // the stream keeps the model dtype, as the module path does
+    }
+    normed[i] = r;
+    ss += r * r;
+  }
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i) normed[i] = normed[i] * inv * to_float(w[i]);
+}
+
+// x[0..d) = rms_norm(x) * w (in place), float32.
+template <typename T>
+inline void rms_norm_inplace(float* x, const T* w, float eps, int64_t d) {
+  float ss = 0.f;
+  for (int64_t i = 0; i < d; ++i) ss += x[i] * x[i];
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(d) + eps);
+  for (int64_t i = 0; i < d; ++i) x[i] = x[i] * inv * to_float(w[i]);
+}
+
+// GPT-NeoX rotation of one head in place: [x1 | x2] -> [x1 cos - x2 sin | x2 cos + x1 sin].
+inline void rope_inplace(float* x, const float* cos, const float* sin, int64_t half) {
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = x[i], x2 = x[i + half];
+    x[i] = x1 * cos[i] - x2 * sin[i];
+    x[i + half] = x2 * cos[i] + x1 * sin[i];
+  }
+}
+
+inline float silu(float g) { return g / (1.f + std::exp(-g)); }
+
+template <typename T>
+void decoder_layer(const DecoderLayerWeights& w, const DecoderStep& s, bool add_delta,
+                   const AttentionPlan& plan) {
+  const int64_t M = s.num_tokens, H = w.hidden_size, D = w.head_size;
+  const int64_t q_size = w.num_heads * D, kv_size = w.num_kv_heads * D;
+  const int64_t qkv_size = q_size + 2 * kv_size, I = w.intermediate_size;
+  T* residual = static_cast<T*>(s.residual);
+  T* key_cache = static_cast<T*>(w.key_cache);
+  T* value_cache = static_cast<T*>(w.value_cache);
+  const AttentionArgs<T, float> attn{s.qkv_out, qkv_size, key_cache, value_cache, s.block_table,
+                                     s.block_table_stride, s.query_start_loc, s.seq_lens,
+                                     s.attn_out, static_cast<int>(w.num_heads),
+                                     static_cast<int>(w.num_kv_heads), static_cast<int>(D),
+                                     s.block_size, w.scale, s.causal};
+  const int64_t act_chunk = 256;
+  const int64_t act_chunks = (I + act_chunk - 1) / act_chunk;
+
+#pragma omp parallel
+  {
+#pragma omp for
+    for (int64_t m = 0; m < M; ++m)
+      add_rms_norm_row(residual + m * H, s.delta + m * H, add_delta,
+                       static_cast<const T*>(w.input_norm), w.eps, H, s.normed + m * H);
+
+    linear_tiles(s.normed, H, M, H, static_cast<const T*>(w.qkv), qkv_size, w.qkv_bias,
+                 s.qkv_out, qkv_size);
+
+    // q/k norm, RoPE, and the KV-cache write: one (token, head) per iteration.
+    const int64_t heads = w.num_heads + w.num_kv_heads;
+#pragma omp for
+    for (int64_t item = 0; item < M * heads; ++item) {
+      const int64_t m = item / heads, h = item % heads;
+      float* row = s.qkv_out + m * qkv_size;
+      const float* cos = w.cos_cache + s.positions[m] * (D / 2);
+      const float* sin = w.sin_cache + s.positions[m] * (D / 2);
+      if (h < w.num_heads) {
+        float* q = row + h * D;
+        if (w.q_norm != nullptr) rms_norm_inplace(q, static_cast<const T*>(w.q_norm), w.eps, D);
+        rope_inplace(q, cos, sin, D / 2);
+        continue;
+      }
+      const int64_t kh = h - w.num_heads;
+      float* k = row + q_size + kh * D;
+      const float* v = row + q_size + kv_size + kh * D;
+      if (w.k_norm != nullptr) rms_norm_inplace(k, static_cast<const T*>(w.k_norm), w.eps, D);
+      rope_inplace(k, cos, sin, D / 2);
+      const int64_t slot = s.slot_mapping[m];
+      if (slot < 0) continue;
+      T* kc = key_cache + (slot * w.num_kv_heads + kh) * D;
+      T* vc = value_cache + (slot * w.num_kv_heads + kh) * D;
+      for (int64_t d = 0; d < D; ++d) {
+        store(k[d], kc + d);
+        store(v[d], vc + d);
+      }
+    }
+
+    attention_items(attn, plan);
+
+    linear_tiles(s.attn_out, q_size, M, q_size, static_cast<const T*>(w.o), H, w.o_bias, s.delta,
+                 H);
+
+#pragma omp for
+    for (int64_t m = 0; m < M; ++m)
+      add_rms_norm_row(residual + m * H, s.delta + m * H, true,
+                       static_cast<const T*>(w.post_norm), w.eps, H, s.normed + m * H);
+
+    linear_tiles(s.normed, H, M, H, static_cast<const T*>(w.gate_up), 2 * I, w.gate_up_bias,
+                 s.gate_up_out, 2 * I);
+
+#pragma omp for
+    for (int64_t item = 0; item < M * act_chunks; ++item) {
+      const int64_t m = item / act_chunks, i0 = (item % act_chunks) * act_chunk;
+      const int64_t i1 = std::min(I, i0 + act_chunk);
+      const float* gate = s.gate_up_out + m * 2 * I;
+      float* out = s.act + m * I;
+      for (int64_t i = i0; i < i1; ++i) out[i] = silu(gate[i]) * gate[I + i];
+    }
+
+    linear_tiles(s.act, I, M, I, static_cast<const T*>(w.down), H, w.down_bias, s.delta, H);
+  }
+}
+
+template <typename T>
+void add_rms_norm_rows(T* residual, const float* delta, int64_t num_tokens, int64_t hidden,
+                  const T* weight, float eps, T* out) {
+#pragma omp parallel
+  {
+    std::vector<float> normed(hidden);
+#pragma omp for
+    for (int64_t m = 0; m < num_tokens; ++m) {
+      add_rms_norm_row(residual + m * hidden, delta + m * hidden, delta != nullptr, weight, eps,
+                       hidden, normed.data());
+      for (int64_t i = 0; i < hidden; ++i) store(normed[i], out + m * hidden + i);
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Runs the layers [0, num_layers) of `layers` over one step. On entry `step->residual` holds the
+// stream (the embeddings, add_delta_first = 0; or a previous stage's residual with its output in
+// `step->delta`, add_delta_first = 1); on return the last layer's output is in `step->delta`,
+// not yet added to the residual. `dtype`: 0 float32, 1 bfloat16 (weights, stream and KV cache).
+void decoder_layers(const DecoderLayerWeights* layers, int num_layers, const DecoderStep* step,
+                    const int32_t* attention_rows, int num_attention_rows, int add_delta_first,
+                    int dtype) {
+  const AttentionPlan plan =
+      plan_attention(step->query_start_loc, attention_rows, num_attention_rows,
+                     static_cast<int>(layers[0].num_kv_heads), omp_get_max_threads());
+  for (int l = 0; l < num_layers; ++l) {
+    const bool add = l > 0 || add_delta_first != 0;
+    if (dtype == 0)
+      decoder_layer<float>(layers[l], *step, add, plan);
+    else
+      decoder_layer<uint16_t>(layers[l], *step, add, plan);
+  }
+}
+
+// out = rms_norm(residual + delta) * weight and residual += delta (delta may be null), rows of
+// `hidden` values; `dtype` as above for residual, weight and out.
+void add_rms_norm(void* residual, const float* delta, int64_t num_tokens, int64_t hidden,
+                  const void* weight, float eps, void* out, int dtype) {
+  if (dtype == 0)
+    add_rms_norm_rows(static_cast<float*>(residual), delta, num_tokens, hidden,
+                 static_cast<const float*>(weight), eps, static_cast<float*>(out));
+  else
+    add_rms_norm_rows(static_cast<uint16_t*>(residual), delta, num_tokens, hidden,
+                 static_cast<const uint16_t*>(weight), eps, static_cast<uint16_t*>(out));
+}
+
+}  // extern "C"

@@ -1,0 +1,209 @@
+"""The CPU fused decoder path of the Llama family: all decoder layers of a step in one native call.
+
+For steps of few tokens (decode, speculative verification, short prefill continuations) a layer
+run module by module is ~25 torch operations and five native calls, each paying Python dispatch
+and an OpenMP fork/join; at batch 1 that overhead exceeded the time spent streaming the weights.
+`decoder_layers` in `pagedllm/kernels/csrc/cpu_decoder.cpp` runs each layer as one parallel
+region instead (see its header for the math, which is the module path's).
+
+`FusedDecoder.applies(...)` decides per step; the module path (`llama.py`) remains the reference
+and runs everything else: long fresh prefills (torch's flash attention is faster there), tensor
+parallelism (the row-parallel all-reduce sits between the native phases), other KV/weight dtypes,
+and `PAGEDLLM_CPU_FUSED_DECODER=0`. Tests compare both paths.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import torch
+
+from pagedllm.attention.backends.cpu_paged import CpuPagedMetadata
+from pagedllm.kernels import cpu_kernels
+from pagedllm.platforms import current_platform
+
+_p, _i32, _i64, _f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+class DecoderLayerWeights(ctypes.Structure):
+    """Mirror of `DecoderLayerWeights` in cpu_decoder.cpp (same field order and types)."""
+
+    _fields_ = [(name, _p) for name in (
+        "input_norm", "post_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_bias",
+        "gate_up", "gate_up_bias", "down", "down_bias", "key_cache", "value_cache", "cos_cache",
+        "sin_cache")] + [(name, _i64) for name in (
+            "hidden_size", "num_heads", "num_kv_heads", "head_size", "intermediate_size")] + [
+        ("eps", _f32), ("scale", _f32)]
+
+
+class DecoderStep(ctypes.Structure):
+    """Mirror of `DecoderStep` in cpu_decoder.cpp."""
+
+    _fields_ = [("num_tokens", _i64), ("positions", _p), ("slot_mapping", _p),
+                ("block_table", _p), ("block_table_stride", _i64), ("query_start_loc", _p),
+                ("seq_lens", _p), ("num_reqs", _i32), ("block_size", _i32), ("causal", _i32),
+                ("pad_", _i32), ("residual", _p), ("delta", _p), ("normed", _p),
+                ("qkv_out", _p), ("attn_out", _p), ("gate_up_out", _p), ("act", _p)]
+
+
+def fused_decoder_enabled() -> bool:
+    """False when `PAGEDLLM_CPU_FUSED_DECODER` is 0/false/off/no (the module path runs)."""
+    setting = os.environ.get("PAGEDLLM_CPU_FUSED_DECODER", "1").strip().lower()
+    return setting not in ("0", "false", "off", "no")
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class FusedDecoder:
+    """Runs the decoder layers `layers` (LlamaDecoderLayer modules of one pipeline stage) through
+    `decoder_layers`. Built once per model; the per-layer structures are built on the first call
+    after the KV caches are bound (and rebuilt if they are rebound).
+
+    Raises:
+        ValueError (from `build`): if the layers cannot take this path; callers check `supports`.
+    """
+
+    def __init__(self, layers) -> None:
+        self.layers = list(layers)
+        first = self.layers[0]
+        attn = first.self_attn
+        self.dtype = attn.qkv_proj.weight.dtype
+        self.hidden_size = first.input_layernorm.weight.shape[0]
+        self.q_size, self.kv_size = attn.q_size, attn.kv_size
+        self.head_size = attn.head_size
+        self.intermediate_size = first.mlp.down_proj.weight.shape[1]
+        self._structs: ctypes.Array | None = None
+        self._keepalive: list[torch.Tensor] = []
+        self._cache_ptr = 0
+
+    @staticmethod
+    def supports(layers) -> bool:
+        """Whether these layers can ever take the fused path (checked once per model)."""
+        if not layers or cpu_kernels() is None or not fused_decoder_enabled():
+            return False
+        first = layers[0]
+        attn = first.self_attn
+        weight = attn.qkv_proj.weight
+        return (weight.device.type == "cpu" and weight.dtype in _DTYPE_CODES
+                and attn.qkv_proj.tp_size == 1 and attn.head_size % 2 == 0
+                and all(size % 8 == 0 for size in (first.input_layernorm.weight.shape[0],
+                                                   attn.q_size,
+                                                   first.mlp.down_proj.weight.shape[1])))
+
+    def applies(self, num_tokens: int, metadata) -> bool:
+        """Whether this step takes the fused path: the paged kernel handles every request (no
+        fresh prefill), no padding, the KV cache in the weights' dtype, and few enough tokens
+        that the native linear kernel is the one the module path would use too."""
+        kv_cache = self.layers[0].self_attn.attn.kv_cache
+        return (isinstance(metadata, CpuPagedMetadata) and not metadata.fresh_rows
+                and metadata.common.num_actual_tokens == num_tokens
+                and kv_cache.dtype == self.dtype and kv_cache.dim() == 5
+                and num_tokens <= current_platform.native_linear_max_rows(self.dtype))
+
+    def _build(self) -> ctypes.Array:
+        structs = (DecoderLayerWeights * len(self.layers))()
+        keep: list[torch.Tensor] = []
+
+        def bias32(linear) -> int | None:
+            if linear.bias is None:
+                return None
+            b = linear.bias.detach().to(torch.float32).contiguous()
+            keep.append(b)
+            return b.data_ptr()
+
+        for s, layer in zip(structs, self.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            rope = attn.rotary_emb
+            cache = attn.attn.kv_cache
+            for t in (attn.qkv_proj.weight, attn.o_proj.weight, mlp.gate_up_proj.weight,
+                      mlp.down_proj.weight, cache):
+                if not t.is_contiguous():
+                    raise ValueError("fused decoder: weights and KV cache must be contiguous")
+            s.input_norm = _ptr(layer.input_layernorm.weight)
+            s.post_norm = _ptr(layer.post_attention_layernorm.weight)
+            s.qkv, s.qkv_bias = _ptr(attn.qkv_proj.weight), bias32(attn.qkv_proj)
+            s.q_norm = _ptr(attn.q_norm.weight) if attn.q_norm is not None else None
+            s.k_norm = _ptr(attn.k_norm.weight) if attn.k_norm is not None else None
+            s.o, s.o_bias = _ptr(attn.o_proj.weight), bias32(attn.o_proj)
+            s.gate_up, s.gate_up_bias = _ptr(mlp.gate_up_proj.weight), bias32(mlp.gate_up_proj)
+            s.down, s.down_bias = _ptr(mlp.down_proj.weight), bias32(mlp.down_proj)
+            s.key_cache, s.value_cache = _ptr(cache[0]), _ptr(cache[1])
+            s.cos_cache, s.sin_cache = _ptr(rope.cos_cache), _ptr(rope.sin_cache)
+            s.hidden_size, s.head_size = self.hidden_size, attn.head_size
+            s.num_heads, s.num_kv_heads = attn.num_heads, attn.num_kv_heads
+            s.intermediate_size = self.intermediate_size
+            s.eps, s.scale = layer.input_layernorm.eps, attn.attn.scale
+        self._keepalive = keep
+        return structs
+
+    def __call__(self, positions: torch.Tensor, residual: torch.Tensor,
+                 delta: torch.Tensor | None, metadata: CpuPagedMetadata) -> torch.Tensor:
+        """Run the layers over one step.
+
+        Args:
+            positions: [n] int64.
+            residual: [n, hidden_size] in the model dtype, contiguous: the stream entering the
+                first layer; updated in place.
+            delta: [n, hidden_size] float32, output of the layer before (added to `residual`
+                first), or None (the first stage: `residual` holds the embeddings).
+            metadata: the step's `CpuPagedMetadata` (`applies` returned True).
+
+        Returns:
+            [n, hidden_size] float32: the last layer's output, not yet added to `residual`.
+        """
+        cache_ptr = self.layers[0].self_attn.attn.kv_cache.data_ptr()
+        if self._structs is None or cache_ptr != self._cache_ptr:
+            self._structs, self._cache_ptr = self._build(), cache_ptr
+        common = metadata.common
+        n, hidden = residual.shape
+        inter = self.intermediate_size
+        qkv = self.q_size + 2 * self.kv_size
+        sizes = (hidden, qkv, self.q_size, 2 * inter, inter)
+        out = delta if delta is not None else torch.empty(n, hidden, dtype=torch.float32)
+        scratch = torch.empty(n * sum(sizes), dtype=torch.float32)
+        ptrs, offset = [], scratch.data_ptr()
+        for size in sizes:
+            ptrs.append(offset)
+            offset += n * size * 4
+        block_table = common.block_table
+        if block_table.dtype != torch.int32 or block_table.stride(1) != 1:
+            raise ValueError("fused decoder: the block table must be int32 with unit column stride")
+        positions = positions if positions.dtype == torch.int64 else positions.long()
+        slots = common.slot_mapping[:n]
+        step = DecoderStep(
+            num_tokens=n, positions=positions.data_ptr(), slot_mapping=slots.data_ptr(),
+            block_table=block_table.data_ptr(), block_table_stride=block_table.stride(0),
+            query_start_loc=metadata.query_start_loc.ctypes.data,
+            seq_lens=metadata.seq_lens.ctypes.data, num_reqs=common.num_reqs,
+            block_size=common.block_size, causal=int(common.causal), residual=residual.data_ptr(),
+            delta=out.data_ptr(), normed=ptrs[0], qkv_out=ptrs[1], attn_out=ptrs[2],
+            gate_up_out=ptrs[3], act=ptrs[4])
+        rows = metadata.kernel_rows
+        cpu_kernels().decoder_layers(ctypes.addressof(self._structs), len(self.layers),
+                                     ctypes.addressof(step),
+                                     rows.ctypes.data, len(rows), int(delta is not None),
+                                     _DTYPE_CODES[self.dtype])
+        return out
+
+
+def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> torch.Tensor:
+    """residual += delta (in place, model dtype) and return rms_norm(residual) * weight.
+
+    Args:
+        residual: [n, hidden] float32 or bfloat16, contiguous.
+        delta: [n, hidden] float32 contiguous, or None.
+        weight: [hidden], residual's dtype.
+
+    Returns:
+        [n, hidden] in residual's dtype.
+    """
+    out = torch.empty_like(residual)
+    cpu_kernels().add_rms_norm(residual.data_ptr(), _ptr(delta), residual.shape[0],
+                               residual.shape[1], weight.data_ptr(), eps, out.data_ptr(),
+                               _DTYPE_CODES[residual.dtype])
+    return out

@@ -1,0 +1,148 @@
+"""The CPU fused decoder path (`models/fused_decoder.py`) against the module path and HF."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.attention.forward_context import set_forward_context
+from pagedllm.core.sched_output import NewRequestData, SchedulerOutput
+from pagedllm.kernels import cpu_kernels
+from pagedllm.models.fused_decoder import FusedDecoder, add_rms_norm
+
+pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="CPU kernels did not build")
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+ARCHS = ["llama", "llama_mqa_tied_llama3", "qwen2", "qwen3"]
+
+
+def _step(runner, req: NewRequestData, num_tokens: int) -> torch.Tensor:
+    """Run one scheduled step of `req` through the model; logits of every scheduled token."""
+    so = SchedulerOutput.make_empty()
+    so.scheduled_new_reqs = [req]
+    so.num_scheduled_tokens = {req.req_id: num_tokens}
+    so.total_num_scheduled_tokens = num_tokens
+    runner._update_states(so)
+    batch, common = runner._prepare_inputs(so)
+    meta = runner.model.attention_layers()[0].backend.build_metadata(common)
+    with torch.inference_mode(), set_forward_context(meta):
+        hidden = runner.model(batch.input_ids, batch.positions)
+        logits = runner.model.compute_logits(hidden)
+    runner.states.remove_request(req.req_id)
+    return logits
+
+
+def _continuation_logits(llm: LLM, tokens: list[int], prefix: int, fused: bool) -> torch.Tensor:
+    """Prefill tokens[:prefix] (a fresh prefill: the module path), then run tokens[prefix:] as a
+    continuation over the cached prefix (the step the fused path takes), with the fused path on
+    or off. Returns the continuation's logits [len(tokens) - prefix, vocab]."""
+    runner = llm.llm_engine.engine_core.executor.worker.model_runner
+    model = runner.model.model
+    decoder = model._fused_decoder()
+    assert decoder is not None
+    calls = []
+    original = FusedDecoder.__call__
+
+    def counting(self, *args, **kwargs):
+        calls.append(args[1].shape[0])
+        return original(self, *args, **kwargs)
+
+    blocks = list(range(1, 1 + -(-len(tokens) // runner.block_size)))
+    _step(runner, NewRequestData("prefill", tokens, [], GREEDY, blocks, 0), prefix)
+    model._fused = decoder if fused else None
+    FusedDecoder.__call__ = counting
+    try:
+        logits = _step(runner, NewRequestData("continue", tokens, [], GREEDY, blocks, prefix),
+                       len(tokens) - prefix)
+    finally:
+        FusedDecoder.__call__ = original
+        model._fused = decoder
+    assert calls == ([len(tokens) - prefix] if fused else [])
+    return logits
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fused_decoder_matches_module_path_and_hf_fp32(tiny_checkpoints, arch):
+    path = str(tiny_checkpoints[arch])
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    llm = LLM(path, dtype="float32", kv_cache_memory_bytes=8 << 20)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(3, hf.config.vocab_size, (61,), generator=g).tolist()
+    fused = _continuation_logits(llm, tokens, 37, fused=True)
+    module = _continuation_logits(llm, tokens, 37, fused=False)
+    with torch.inference_mode():
+        want = hf(torch.tensor([tokens])).logits[0, 37:]
+    torch.testing.assert_close(fused, module, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(fused, want, atol=2e-4, rtol=2e-4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_fused_decoder_bf16_is_as_accurate_as_module_path(tiny_checkpoints, arch):
+    """bf16: the fused path rounds less often than the module path, so it is compared by its
+    error against HF in float32, which must not exceed the module path's."""
+    path = str(tiny_checkpoints[arch])
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    llm = LLM(path, dtype="bfloat16", kv_cache_memory_bytes=8 << 20)
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(3, hf.config.vocab_size, (50,), generator=g).tolist()
+    fused = _continuation_logits(llm, tokens, 30, fused=True)
+    module = _continuation_logits(llm, tokens, 30, fused=False)
+    with torch.inference_mode():
+        want = hf(torch.tensor([tokens])).logits[0, 30:]
+    fused_err = (fused - want).abs().max().item()
+    module_err = (module - want).abs().max().item()
+    assert fused_err <= 1.25 * module_err + 1e-3, (fused_err, module_err)
+    agree = (fused.argmax(-1) == want.argmax(-1)).float().mean().item()
+    assert agree >= 0.9
+
+
+def test_generation_with_fused_decoder_equals_without(tiny_checkpoints, monkeypatch):
+    """End to end: batched decode, chunked prefill continuations and prefix-cache hits give the
+    same greedy tokens with the fused path as with `PAGEDLLM_CPU_FUSED_DECODER=0`."""
+    path = str(tiny_checkpoints["llama"])
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 200, (n,), generator=g).tolist() for n in (5, 17, 40, 90, 130)]
+    prompts += prompts[-2:]
+    got = {}
+    for setting in ("1", "0"):
+        monkeypatch.setenv("PAGEDLLM_CPU_FUSED_DECODER", setting)
+        llm = LLM(path, dtype="float32", kv_cache_memory_bytes=16 << 20,
+                  max_num_batched_tokens=48)
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        got[setting] = [o.outputs[0].token_ids for o in outputs]
+        model = llm.llm_engine.engine_core.executor.worker.model_runner.model.model
+        assert (model._fused is not None) == (setting == "1")
+    assert got["1"] == got["0"]
+
+
+def test_fused_decoder_skips_fresh_prefill(tiny_checkpoints):
+    llm = LLM(str(tiny_checkpoints["llama"]), dtype="float32", kv_cache_memory_bytes=8 << 20)
+    runner = llm.llm_engine.engine_core.executor.worker.model_runner
+    decoder = runner.model.model._fused_decoder()
+    calls = []
+    original = FusedDecoder.__call__
+    FusedDecoder.__call__ = lambda self, *a, **k: calls.append(1) or original(self, *a, **k)
+    try:
+        _step(runner, NewRequestData("fresh", list(range(3, 40)), [], GREEDY, [1, 2, 3], 0), 37)
+    finally:
+        FusedDecoder.__call__ = original
+    assert decoder is not None and calls == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_matches_torch(dtype):
+    g = torch.Generator().manual_seed(3)
+    residual = torch.randn(5, 48, generator=g).to(dtype)
+    delta = torch.randn(5, 48, generator=g)
+    weight = (torch.rand(48, generator=g) + 0.5).to(dtype)
+    want_residual = (residual.float() + delta).to(dtype)
+    x = want_residual.float()
+    want = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * weight.float()).to(dtype)
+    out = add_rms_norm(residual, delta, weight, 1e-6)
+    assert torch.equal(residual, want_residual)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out, want, atol=tol, rtol=tol)
+    plain = add_rms_norm(want_residual.clone(), None, weight, 1e-6)
+    torch.testing.assert_close(plain, want, atol=tol, rtol=tol)
