@@ -67,6 +67,8 @@ class FusedDecoder:
         ValueError (from `build`): if the layers cannot take this path; callers check `supports`.
     """
 
+    MAX_SCRATCH_BYTES = 256 << 20  # larger steps run the module path
+
     def __init__(self, layers) -> None:
         self.layers = list(layers)
         first = self.layers[0]
@@ -76,6 +78,11 @@ class FusedDecoder:
         self.q_size, self.kv_size = attn.q_size, attn.kv_size
         self.head_size = attn.head_size
         self.intermediate_size = first.mlp.down_proj.weight.shape[1]
+        # float32 scratch per token: normed, qkv, attention output, gate_up, act (+ the output).
+        self._scratch_sizes = (self.hidden_size, self.q_size + 2 * self.kv_size, self.q_size,
+                               2 * self.intermediate_size, self.intermediate_size)
+        self._max_tokens = self.MAX_SCRATCH_BYTES // (4 * (sum(self._scratch_sizes)
+                                                           + self.hidden_size))
         self._structs: ctypes.Array | None = None
         self._keepalive: list[torch.Tensor] = []
         self._cache_ptr = 0
@@ -95,14 +102,15 @@ class FusedDecoder:
                                                    first.mlp.down_proj.weight.shape[1])))
 
     def applies(self, num_tokens: int, metadata) -> bool:
-        """Whether this step takes the fused path: the paged kernel handles every request (no
-        fresh prefill), no padding, the KV cache in the weights' dtype, and few enough tokens
-        that the native linear kernel is the one the module path would use too."""
+        """Whether this step takes the fused path: the `cpu_paged` attention backend, no padded
+        tokens, the KV cache in the weights' dtype, and at most the platform's
+        `fused_decoder_max_tokens` (and at most MAX_SCRATCH_BYTES of scratch)."""
         kv_cache = self.layers[0].self_attn.attn.kv_cache
-        return (isinstance(metadata, CpuPagedMetadata) and not metadata.fresh_rows
+        return (isinstance(metadata, CpuPagedMetadata)
                 and metadata.common.num_actual_tokens == num_tokens
                 and kv_cache.dtype == self.dtype and kv_cache.dim() == 5
-                and num_tokens <= current_platform.native_linear_max_rows(self.dtype))
+                and num_tokens <= min(self._max_tokens,
+                                      current_platform.fused_decoder_max_tokens(self.dtype)))
 
     def _build(self) -> ctypes.Array:
         structs = (DecoderLayerWeights * len(self.layers))()
@@ -160,13 +168,10 @@ class FusedDecoder:
             self._structs, self._cache_ptr = self._build(), cache_ptr
         common = metadata.common
         n, hidden = residual.shape
-        inter = self.intermediate_size
-        qkv = self.q_size + 2 * self.kv_size
-        sizes = (hidden, qkv, self.q_size, 2 * inter, inter)
         out = delta if delta is not None else torch.empty(n, hidden, dtype=torch.float32)
-        scratch = torch.empty(n * sum(sizes), dtype=torch.float32)
+        scratch = torch.empty(n * sum(self._scratch_sizes), dtype=torch.float32)
         ptrs, offset = [], scratch.data_ptr()
-        for size in sizes:
+        for size in self._scratch_sizes:
             ptrs.append(offset)
             offset += n * size * 4
         block_table = common.block_table
@@ -182,7 +187,7 @@ class FusedDecoder:
             block_size=common.block_size, causal=int(common.causal), residual=residual.data_ptr(),
             delta=out.data_ptr(), normed=ptrs[0], qkv_out=ptrs[1], attn_out=ptrs[2],
             gate_up_out=ptrs[3], act=ptrs[4])
-        rows = metadata.kernel_rows
+        rows = metadata.all_rows
         cpu_kernels().decoder_layers(ctypes.addressof(self._structs), len(self.layers),
                                      ctypes.addressof(step),
                                      rows.ctypes.data, len(rows), int(delta is not None),

@@ -65,9 +65,9 @@ class Platform(ABC):
         platforms with a faster kernel for some shapes override this."""
         return torch.nn.functional.linear(x, weight, bias)
 
-    def native_linear_max_rows(self, dtype: torch.dtype) -> int:
-        """Most rows for which `linear` uses this platform's own kernel for `dtype` weights (0:
-        never); the fused decoder path (`models/fused_decoder.py`) runs up to that many tokens."""
+    def fused_decoder_max_tokens(self, dtype: torch.dtype) -> int:
+        """Most tokens of a step that the fused decoder path (`models/fused_decoder.py`) takes
+        for a model of `dtype`; 0: never (the platform has no such kernel)."""
         return 0
 
     def seed_everything(self, seed: int) -> None:

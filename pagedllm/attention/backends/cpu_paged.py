@@ -37,6 +37,8 @@ class CpuPagedMetadata:
         common: the step's CommonAttentionMetadata.
         query_start_loc, seq_lens: [num_reqs + 1] / [num_reqs] int32 numpy (kernel inputs).
         kernel_rows: [R] int32 numpy, requests the kernel handles.
+        all_rows: [num_reqs] int32 numpy, every request (the fused decoder path attends to all
+            of them with the kernel).
         fresh_rows: requests whose sequence is entirely new this step (token range start, end).
     """
 
@@ -44,6 +46,7 @@ class CpuPagedMetadata:
     query_start_loc: np.ndarray
     seq_lens: np.ndarray
     kernel_rows: np.ndarray
+    all_rows: np.ndarray
     fresh_rows: tuple[tuple[int, int], ...]
     _sdpa: TorchSDPAMetadata | None = field(default=None, repr=False)
 
@@ -77,7 +80,9 @@ class CpuPagedBackend:
         kernel_rows = np.nonzero(~fresh)[0].astype(np.int32)
         fresh_rows = tuple((int(qsl[r]), int(qsl[r + 1])) for r in np.nonzero(fresh)[0])
         return CpuPagedMetadata(common=common, query_start_loc=qsl, seq_lens=seq_lens,
-                                kernel_rows=kernel_rows, fresh_rows=fresh_rows)
+                                kernel_rows=kernel_rows,
+                                all_rows=np.arange(common.num_reqs, dtype=np.int32),
+                                fresh_rows=fresh_rows)
 
     @staticmethod
     def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -83,20 +83,26 @@ void rows_block(const TX* x, int64_t ldx, int64_t m0, int64_t m1, const T* w, in
 template <typename T, typename TX, typename TY>
 void linear_tiles(const TX* x, int64_t ldx, int64_t M, int64_t K, const T* w, int64_t N,
                   const float* bias, TY* y, int64_t ldy) {
-  // Tiles of N small enough that a tile of w stays in L2 while all of x streams past it.
+  // Work items are (block of x rows, tile of w rows). A tile of w is small enough to stay in L2
+  // while the rows of x stream past it; x is cut into blocks so that a block of x stays in L2
+  // too when M is large (a prefill), instead of streaming all of x from L3 for every tile.
   const int64_t tile = std::max<int64_t>(8, std::min<int64_t>(64, N / (8 * omp_get_num_threads())));
   const int64_t num_tiles = (N + tile - 1) / tile;
-  const int64_t m6 = M - M % 6;
+  constexpr int64_t kRowBlock = 96;  // a multiple of the 6- and 3-row micro-kernels
+  const int64_t num_row_blocks = (M + kRowBlock - 1) / kRowBlock;
 #pragma omp for schedule(dynamic, 1)
-  for (int64_t t = 0; t < num_tiles; ++t) {
+  for (int64_t item = 0; item < num_row_blocks * num_tiles; ++item) {
+    const int64_t t = item % num_tiles, b = item / num_tiles;
     const int64_t n0 = t * tile, n1 = std::min(N, n0 + tile);
-    rows_block<6>(x, ldx, 0, m6, w, K, n0, n1, bias, y, ldy);
-    int64_t m = m6;
-    if (M - m6 >= 3) {
-      rows_block<3>(x, ldx, m6, m6 + 3, w, K, n0, n1, bias, y, ldy);
+    const int64_t r0 = b * kRowBlock, r1 = std::min(M, r0 + kRowBlock);
+    const int64_t r6 = r0 + (r1 - r0) / 6 * 6;
+    rows_block<6>(x, ldx, r0, r6, w, K, n0, n1, bias, y, ldy);
+    int64_t m = r6;
+    if (r1 - r6 >= 3) {
+      rows_block<3>(x, ldx, r6, r6 + 3, w, K, n0, n1, bias, y, ldy);
       m += 3;
     }
-    for (; m < M; ++m) rows_block<1>(x, ldx, m, m + 1, w, K, n0, n1, bias, y, ldy);
+    for (; m < r1; ++m) rows_block<1>(x, ldx, m, m + 1, w, K, n0, n1, bias, y, ldy);
   }
 }
 
