@@ -83,7 +83,7 @@ class LMHead(VocabEmbedding):
             self.weight = tie_to.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = current_platform.linear(hidden, self.weight).float()
+        logits = current_platform.linear(hidden, self.weight, out_dtype=torch.float32)
         if self.tp_size == 1:
             return logits
         return tensor_model_parallel_all_gather(logits, dim=-1)[:, :self.num_embeddings]

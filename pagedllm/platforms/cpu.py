@@ -121,18 +121,24 @@ class CpuPlatform(Platform):
             return self._native_linear_max_rows(dtype)
         return 1 << 30
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """The native kernel (`pagedllm/kernels/csrc/cpu_linear.cpp`) where it is faster (see
-        the thresholds above), torch's GEMM otherwise."""
+        the thresholds above), torch's GEMM otherwise. float32 output from bfloat16 operands
+        (the LM head's logits) comes straight from the kernel's float32 accumulators."""
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         if (weight.dtype == torch.bfloat16 and not self.has_native_bf16
                 and rows >= self._WIDEN_MIN_ROWS_BF16):
-            return torch.nn.functional.linear(
-                x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
+            y = torch.nn.functional.linear(x.float(), weight.float(),
+                                           None if bias is None else bias.float())
+            return y.to(out_dtype or x.dtype)
         if rows <= self._native_linear_max_rows(weight.dtype) and cpu_linear_supported(x, weight):
-            return cpu_linear(x, weight, bias, checked=True)
-        return torch.nn.functional.linear(x, weight, bias)
+            if out_dtype == torch.float32:
+                return cpu_linear(x.float(), weight, bias, checked=True)
+            y = cpu_linear(x, weight, bias, checked=True)
+        else:
+            y = torch.nn.functional.linear(x, weight, bias)
+        return y if out_dtype is None else y.to(out_dtype)
 
     def attention_backend_name(self) -> str:
         """The native paged kernel when it builds here (`PAGEDLLM_ATTENTION_BACKEND` overrides),

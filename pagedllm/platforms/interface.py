@@ -59,11 +59,13 @@ class Platform(ABC):
         """Name of the attention backend to use on this platform."""
         return "torch_sdpa"
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
-        """y = x @ weight^T + bias for the model's linear layers ([..., K] x [N, K] -> [..., N]);
-        platforms with a faster kernel for some shapes override this."""
-        return torch.nn.functional.linear(x, weight, bias)
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """y = x @ weight^T + bias for the model's linear layers ([..., K] x [N, K] -> [..., N]),
+        in `out_dtype` (default x's dtype; the LM head asks for float32 logits); platforms with a
+        faster kernel for some shapes override this."""
+        y = torch.nn.functional.linear(x, weight, bias)
+        return y if out_dtype is None else y.to(out_dtype)
 
     def fused_decoder_max_tokens(self, dtype: torch.dtype) -> int:
         """Most tokens of a step that the fused decoder path (`models/fused_decoder.py`) takes

@@ -35,3 +35,16 @@ def test_bad_kv_cache_space_is_refused(monkeypatch, value):
 def test_kv_cache_space_caps_the_budget(monkeypatch):
     monkeypatch.setenv("PAGEDLLM_CPU_KVCACHE_SPACE", "0.5")
     assert CpuPlatform().kv_cache_budget_bytes(0.9) <= 2**29
+
+
+@pytest.mark.parametrize("rows", [1, 7, 40, 600])
+def test_linear_float32_out_from_bf16_operands(rows):
+    """The LM head's path: bf16 hidden and weight in, float32 logits out, without a bf16 rounding
+    of the result (every row count: kernel, torch, and widened-GEMM regimes)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, 64, generator=g).to(torch.bfloat16)
+    w = torch.randn(96, 64, generator=g).to(torch.bfloat16)
+    y = CpuPlatform().linear(x, w, out_dtype=torch.float32)
+    assert y.dtype == torch.float32 and y.shape == (rows, 96)
+    torch.testing.assert_close(y, x.float() @ w.float().T, atol=1e-4, rtol=1e-4)
+    assert CpuPlatform().linear(x, w).dtype == torch.bfloat16
