@@ -110,11 +110,10 @@ class CpuPlatform(Platform):
         return self._KERNEL_MAX_ROWS_F32 if dtype == torch.float32 else 0
 
     def fused_decoder_max_tokens(self, dtype: torch.dtype) -> int:
-        """Every step size on AVX2-class CPUs: there the native kernels beat torch's at all sizes
-        (measured with llama-134m, bf16 and fp32, 1 to 1024 tokens: 1.1-1.5x the module path,
-        whose large GEMMs are MKL's). With AVX-512, MKL/oneDNN GEMMs outrun the AVX2 kernels on
-        large steps, so the fused path keeps to the GEMV regime where the kernel is used anyway.
-        """
+        """Every step size on AVX2-class CPUs, where the native kernels beat torch's GEMMs at
+        all sizes measured (llama-134m, 1-2048 tokens); with AVX-512, MKL/oneDNN GEMMs outrun
+        the AVX2 kernels on large steps, so the fused path keeps to the GEMV sizes where the
+        kernel is used anyway."""
         if cpu_kernels() is None or dtype not in (torch.float32, torch.bfloat16):
             return 0
         if self.has_avx512:

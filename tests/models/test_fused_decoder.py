@@ -151,3 +151,24 @@ def test_add_rms_norm_matches_torch(dtype):
     torch.testing.assert_close(out, want, atol=tol, rtol=tol)
     plain = add_rms_norm(want_residual.clone(), None, weight, 1e-6)
     torch.testing.assert_close(plain, want, atol=tol, rtol=tol)
+
+
+def test_large_step_with_a_long_fresh_prompt_runs_the_module_path(tiny_checkpoints,
+                                                                  monkeypatch):
+    """Flash attention (the module path) wins over long fresh prompts in large steps; shrunk
+    thresholds make the tiny model hit that rule: a 37-token fresh prompt runs the module path,
+    a 37-token continuation of a cached prefix the fused one."""
+    llm = LLM(str(tiny_checkpoints["llama"]), dtype="float32", kv_cache_memory_bytes=8 << 20)
+    runner = llm.llm_engine.engine_core.executor.worker.model_runner
+    decoder = runner.model.model._fused_decoder()
+    monkeypatch.setattr(decoder, "LONG_STEP_TOKENS", 16)
+    monkeypatch.setattr(decoder, "LONG_FRESH_PROMPT_TOKENS", 8)
+    calls = []
+    original = FusedDecoder.__call__
+    monkeypatch.setattr(FusedDecoder, "__call__",
+                        lambda self, *a, **k: calls.append(a[1].shape[0]) or original(self, *a, **k))
+    tokens = list(range(3, 77))
+    _step(runner, NewRequestData("fresh", tokens, [], GREEDY, list(range(1, 6)), 0), 37)
+    assert calls == []
+    _step(runner, NewRequestData("continue", tokens, [], GREEDY, list(range(1, 6)), 37), 37)
+    assert calls == [37]
