@@ -165,8 +165,12 @@ def test_large_step_with_a_long_fresh_prompt_runs_the_module_path(tiny_checkpoin
     monkeypatch.setattr(decoder, "LONG_FRESH_PROMPT_TOKENS", 8)
     calls = []
     original = FusedDecoder.__call__
-    monkeypatch.setattr(FusedDecoder, "__call__",
-                        lambda self, *a, **k: calls.append(a[1].shape[0]) or original(self, *a, **k))
+
+    def counting(self, *args, **kwargs):
+        calls.append(args[1].shape[0])
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(FusedDecoder, "__call__", counting)
     tokens = list(range(3, 77))
     _step(runner, NewRequestData("fresh", tokens, [], GREEDY, list(range(1, 6)), 0), 37)
     assert calls == []
