@@ -27,7 +27,8 @@ BACKENDS = [TorchSDPABackend,
             pytest.param(CpuPagedBackend, marks=pytest.mark.skipif(
                 not CpuPagedBackend.is_available(), reason="CPU kernels did not build"))]
 # (heads, kv heads, head size, block size)
-SHAPES = [(4, 2, 8, 4), (6, 6, 64, 16), (8, 1, 16, 8), (12, 12, 16, 4), (14, 7, 8, 4)]
+SHAPES = [(4, 2, 8, 4), (6, 6, 64, 16), (8, 1, 16, 8), (12, 12, 16, 4), (14, 7, 8, 4),
+          (4, 2, 128, 16), (6, 3, 40, 8)]
 
 
 @pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.name)

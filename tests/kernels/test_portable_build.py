@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 import pagedllm.attention.backends.cpu_paged as cpu_paged
 import pagedllm.kernels.ops as ops
+import pagedllm.models.fused_decoder as fused_decoder
 from pagedllm.attention.backends.cpu_paged import CpuPagedBackend
 from pagedllm.kernels import build_cpu_kernels, cpu_kernels
 from tests.attention import test_backends as backend_tests
@@ -25,6 +26,7 @@ def portable_lib():
 def use_portable(portable_lib, monkeypatch):
     monkeypatch.setattr(ops, "cpu_kernels", lambda: portable_lib)
     monkeypatch.setattr(cpu_paged, "cpu_kernels", lambda: portable_lib)
+    monkeypatch.setattr(fused_decoder, "cpu_kernels", lambda: portable_lib)
 
 
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16], ids=str)
@@ -50,3 +52,21 @@ def test_linear(use_portable, wdtype, m, n, k):
 @pytest.mark.parametrize("num_reqs", [1, 6])
 def test_attention(use_portable, shape, dtype, num_reqs):
     backend_tests.test_matches_dense(CpuPagedBackend, shape, dtype, num_reqs, seed=0)
+
+
+def test_fused_decoder(use_portable, tiny_checkpoints):
+    """The fused decoder layer built without AVX2 against HF, on a cached-prefix continuation."""
+    from transformers import AutoModelForCausalLM
+
+    from pagedllm import LLM
+    from tests.models.test_fused_decoder import _continuation_logits
+
+    path = str(tiny_checkpoints["qwen3"])
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    llm = LLM(path, dtype="float32", kv_cache_memory_bytes=8 << 20)
+    tokens = torch.randint(3, hf.config.vocab_size, (45,),
+                           generator=torch.Generator().manual_seed(0)).tolist()
+    got = _continuation_logits(llm, tokens, 29, fused=True)
+    with torch.inference_mode():
+        want = hf(torch.tensor([tokens])).logits[0, 29:]
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)

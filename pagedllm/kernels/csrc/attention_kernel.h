@@ -103,6 +103,61 @@ inline void axpy(float* __restrict acc, float w, const T* __restrict v, int n) {
 }
 #endif
 
+// scores[j] = dot(q, k_j) for the n keys k_j = k + j * stride (head_size values each).
+template <typename T>
+inline void block_scores(const float* q, const T* k, int64_t stride, int n, int head_size,
+                         float* scores) {
+  int j = 0;
+#ifdef PAGEDLLM_AVX2
+  if (head_size % 8 == 0) {
+    // Eight keys at a time, each with its own accumulator, reduced together at the end (three
+    // rounds of horizontal adds for all eight instead of one full reduction per key).
+    for (; j + 8 <= n; j += 8) {
+      __m256 acc[8];
+      for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+      for (int d = 0; d < head_size; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + d);
+        for (int i = 0; i < 8; ++i)
+          acc[i] = _mm256_fmadd_ps(qv, load8(k + (j + i) * stride + d), acc[i]);
+      }
+      const __m256 s01 = _mm256_hadd_ps(acc[0], acc[1]), s23 = _mm256_hadd_ps(acc[2], acc[3]);
+      const __m256 s45 = _mm256_hadd_ps(acc[4], acc[5]), s67 = _mm256_hadd_ps(acc[6], acc[7]);
+      const __m256 s03 = _mm256_hadd_ps(s01, s23), s47 = _mm256_hadd_ps(s45, s67);
+      _mm256_storeu_ps(scores + j, _mm256_add_ps(_mm256_permute2f128_ps(s03, s47, 0x20),
+                                                 _mm256_permute2f128_ps(s03, s47, 0x31)));
+    }
+  }
+#endif
+  for (; j < n; ++j) scores[j] = dot(q, k + j * stride, head_size);
+}
+
+#ifdef PAGEDLLM_AVX2
+// block_values for head_size == 8 * NV: the accumulator stays in NV registers across the rows.
+template <int NV, typename T>
+inline void block_values_in_registers(float* acc, const float* p, const T* v, int64_t stride,
+                                      int n) {
+  __m256 a[NV];
+  for (int i = 0; i < NV; ++i) a[i] = _mm256_loadu_ps(acc + 8 * i);
+  for (int j = 0; j < n; ++j) {
+    const __m256 pj = _mm256_set1_ps(p[j]);
+    const T* row = v + j * stride;
+    for (int i = 0; i < NV; ++i) a[i] = _mm256_fmadd_ps(pj, load8(row + 8 * i), a[i]);
+  }
+  for (int i = 0; i < NV; ++i) _mm256_storeu_ps(acc + 8 * i, a[i]);
+}
+#endif
+
+// acc[0, head_size) += sum_j p[j] * v_j for the n rows v_j = v + j * stride.
+template <typename T>
+inline void block_values(float* acc, const float* p, const T* v, int64_t stride, int n,
+                         int head_size) {
+#ifdef PAGEDLLM_AVX2
+  if (head_size == 64) return block_values_in_registers<8>(acc, p, v, stride, n);
+  if (head_size == 128) return block_values_in_registers<16>(acc, p, v, stride, n);
+#endif
+  for (int j = 0; j < n; ++j) axpy(acc, p[j], v + j * stride, head_size);
+}
+
 // The work items of one call: (query token, chunk of KV heads). A chunk reads whole K/V rows of a
 // block (contiguous memory); all KV heads form one chunk unless there are too few tokens to give
 // every thread work.
@@ -196,12 +251,9 @@ void attention_items(const AttentionArgs<T, TQ>& a, const AttentionPlan& plan) {
       const int64_t base =
           static_cast<int64_t>(table[start / block_size]) * block_size * kv_row_stride +
           static_cast<int64_t>(kv0) * head_size;
-      for (int j = 0; j < n; ++j) {
-        const T* k = a.key_cache + base + j * kv_row_stride;
-        for (int h = 0; h < nh; ++h)
-          scores[h * block_size + j] = dot(&q[h * head_size], k + (h / rep) * head_size,
-                                           head_size);
-      }
+      for (int h = 0; h < nh; ++h)
+        block_scores(&q[h * head_size], a.key_cache + base + (h / rep) * head_size,
+                     kv_row_stride, n, head_size, &scores[h * block_size]);
       for (int h = 0; h < nh; ++h) {
         float* s = &scores[h * block_size];
         float block_max = s[0];
@@ -215,12 +267,9 @@ void attention_items(const AttentionArgs<T, TQ>& a, const AttentionPlan& plan) {
           for (int d = 0; d < head_size; ++d) acc_h[d] *= correction;
         }
       }
-      for (int j = 0; j < n; ++j) {
-        const T* v = a.value_cache + base + j * kv_row_stride;
-        for (int h = 0; h < nh; ++h)
-          axpy(&acc[h * head_size], scores[h * block_size + j], v + (h / rep) * head_size,
-               head_size);
-      }
+      for (int h = 0; h < nh; ++h)
+        block_values(&acc[h * head_size], &scores[h * block_size],
+                     a.value_cache + base + (h / rep) * head_size, kv_row_stride, n, head_size);
     }
 
     float* dst = a.out + (static_cast<int64_t>(t) * num_heads + kv0 * rep) * head_size;
