@@ -63,11 +63,18 @@ class FusedDecoder:
     `decoder_layers`. Built once per model; the per-layer structures are built on the first call
     after the KV caches are bound (and rebuilt if they are rebound).
 
-    Raises:
-        ValueError (from `build`): if the layers cannot take this path; callers check `supports`.
+    Raises (from a call):
+        ValueError: if a weight or the KV cache is not contiguous, or the block table is not
+            int32 with unit column stride.
     """
 
     MAX_SCRATCH_BYTES = 256 << 20  # larger steps run the module path
+    # The paged kernel attends token by token, torch's flash attention (the module path, for
+    # a request whose whole sequence is new) in tiles; over long fresh prompts in a large step
+    # the module path wins (llama-134m, 2048-token steps: fused 1.04-1.07x the module path with
+    # 128-token prompts, 0.74-0.95x with 512-token prompts).
+    LONG_STEP_TOKENS = 512
+    LONG_FRESH_PROMPT_TOKENS = 256
 
     def __init__(self, layers) -> None:
         self.layers = list(layers)
@@ -95,18 +102,15 @@ class FusedDecoder:
         first = layers[0]
         attn = first.self_attn
         weight = attn.qkv_proj.weight
+        norms = [m.weight for layer in layers for m in (layer.input_layernorm,
+                 layer.post_attention_layernorm, layer.self_attn.q_norm, layer.self_attn.k_norm)
+                 if m is not None]
         return (weight.device.type == "cpu" and weight.dtype in _DTYPE_CODES
+                and all(w.dtype == weight.dtype for w in norms)
                 and attn.qkv_proj.tp_size == 1 and attn.head_size % 2 == 0
                 and all(size % 8 == 0 for size in (first.input_layernorm.weight.shape[0],
                                                    attn.q_size,
                                                    first.mlp.down_proj.weight.shape[1])))
-
-    # The paged kernel attends token by token, torch's flash attention (the module path, for
-    # a request whose whole sequence is new) in tiles; over long fresh prompts in a large step
-    # the module path wins (llama-134m, 2048-token steps: fused 1.04-1.07x the module path with
-    # 128-token prompts, 0.74-0.95x with 512-token prompts).
-    LONG_STEP_TOKENS = 512
-    LONG_FRESH_PROMPT_TOKENS = 256
 
     def applies(self, num_tokens: int, metadata) -> bool:
         """Whether this step takes the fused path: the `cpu_paged` attention backend, no padded
@@ -127,12 +131,12 @@ class FusedDecoder:
         structs = (DecoderLayerWeights * len(self.layers))()
         keep: list[torch.Tensor] = []
 
-        def bias32(linear) -> int | None:
-            if linear.bias is None:
+        def f32(t: torch.Tensor | None) -> int | None:
+            """A float32 copy kept alive with the structures (biases, RoPE tables)."""
+            if t is None:
                 return None
-            b = linear.bias.detach().to(torch.float32).contiguous()
-            keep.append(b)
-            return b.data_ptr()
+            keep.append(t.detach().to(torch.float32).contiguous())
+            return keep[-1].data_ptr()
 
         for s, layer in zip(structs, self.layers):
             attn, mlp = layer.self_attn, layer.mlp
@@ -144,14 +148,14 @@ class FusedDecoder:
                     raise ValueError("fused decoder: weights and KV cache must be contiguous")
             s.input_norm = _ptr(layer.input_layernorm.weight)
             s.post_norm = _ptr(layer.post_attention_layernorm.weight)
-            s.qkv, s.qkv_bias = _ptr(attn.qkv_proj.weight), bias32(attn.qkv_proj)
+            s.qkv, s.qkv_bias = _ptr(attn.qkv_proj.weight), f32(attn.qkv_proj.bias)
             s.q_norm = _ptr(attn.q_norm.weight) if attn.q_norm is not None else None
             s.k_norm = _ptr(attn.k_norm.weight) if attn.k_norm is not None else None
-            s.o, s.o_bias = _ptr(attn.o_proj.weight), bias32(attn.o_proj)
-            s.gate_up, s.gate_up_bias = _ptr(mlp.gate_up_proj.weight), bias32(mlp.gate_up_proj)
-            s.down, s.down_bias = _ptr(mlp.down_proj.weight), bias32(mlp.down_proj)
+            s.o, s.o_bias = _ptr(attn.o_proj.weight), f32(attn.o_proj.bias)
+            s.gate_up, s.gate_up_bias = _ptr(mlp.gate_up_proj.weight), f32(mlp.gate_up_proj.bias)
+            s.down, s.down_bias = _ptr(mlp.down_proj.weight), f32(mlp.down_proj.bias)
             s.key_cache, s.value_cache = _ptr(cache[0]), _ptr(cache[1])
-            s.cos_cache, s.sin_cache = _ptr(rope.cos_cache), _ptr(rope.sin_cache)
+            s.cos_cache, s.sin_cache = f32(rope.cos_cache), f32(rope.sin_cache)
             s.hidden_size, s.head_size = self.hidden_size, attn.head_size
             s.num_heads, s.num_kv_heads = attn.num_heads, attn.num_kv_heads
             s.intermediate_size = self.intermediate_size
