@@ -61,7 +61,7 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 class FusedDecoder:
     """Runs the decoder layers `layers` (LlamaDecoderLayer modules of one pipeline stage) through
     `decoder_layers`. Built once per model; the per-layer structures are built on the first call
-    after the KV caches are bound (and rebuilt if they are rebound).
+    and rebuilt whenever a layer's KV cache tensor has been replaced since.
 
     Raises (from a call):
         ValueError: if a weight or the KV cache is not contiguous, or the block table is not
@@ -92,7 +92,10 @@ class FusedDecoder:
                                                            + self.hidden_size))
         self._structs: ctypes.Array | None = None
         self._keepalive: list[torch.Tensor] = []
-        self._cache_ptr = 0
+        # The KV caches the structures point into, held so their memory cannot be reused while
+        # pointed at; a layer bound to another cache (the profiling run's caches are replaced by
+        # the real ones) makes the next call rebuild.
+        self._caches: list[torch.Tensor] = []
 
     @staticmethod
     def supports(layers) -> bool:
@@ -178,9 +181,9 @@ class FusedDecoder:
         Returns:
             [n, hidden_size] float32: the last layer's output, not yet added to `residual`.
         """
-        cache_ptr = self.layers[0].self_attn.attn.kv_cache.data_ptr()
-        if self._structs is None or cache_ptr != self._cache_ptr:
-            self._structs, self._cache_ptr = self._build(), cache_ptr
+        caches = [layer.self_attn.attn.kv_cache for layer in self.layers]
+        if self._structs is None or any(a is not b for a, b in zip(caches, self._caches)):
+            self._structs, self._caches = self._build(), caches
         common = metadata.common
         n, hidden = residual.shape
         out = delta if delta is not None else torch.empty(n, hidden, dtype=torch.float32)

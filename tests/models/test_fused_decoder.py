@@ -176,3 +176,19 @@ def test_large_step_with_a_long_fresh_prompt_runs_the_module_path(tiny_checkpoin
     assert calls == []
     _step(runner, NewRequestData("continue", tokens, [], GREEDY, list(range(1, 6)), 37), 37)
     assert calls == [37]
+
+
+def test_rebinding_any_layers_kv_cache_rebuilds_the_pointers(tiny_checkpoints):
+    """The profiling run's KV caches are replaced by the real ones: a layer other than the first
+    getting a new cache (even if the first one's address is reused) must not leave a pointer to
+    freed memory."""
+    llm = LLM(str(tiny_checkpoints["llama"]), dtype="float32", kv_cache_memory_bytes=8 << 20)
+    runner = llm.llm_engine.engine_core.executor.worker.model_runner
+    decoder = runner.model.model._fused_decoder()
+    tokens = list(range(3, 40))
+    before = _step(runner, NewRequestData("a", tokens, [], GREEDY, [1, 2, 3], 0), len(tokens))
+    attn = decoder.layers[-1].self_attn.attn
+    attn.kv_cache = attn.kv_cache.clone()
+    after = _step(runner, NewRequestData("b", tokens, [], GREEDY, [1, 2, 3], 0), len(tokens))
+    assert decoder._structs[-1].key_cache == attn.kv_cache[0].data_ptr()
+    torch.testing.assert_close(after, before)

@@ -30,7 +30,7 @@ namespace {
 
 using namespace pagedllm;
 
-// Field order and types are mirrored by ctypes structures in pagedllm/kernels/fused.py.
+// Field order and types are mirrored by ctypes structures in pagedllm/models/fused_decoder.py.
 struct DecoderLayerWeights {
   const void* input_norm;      // [hidden] T
   const void* post_norm;       // [hidden] T
