@@ -62,25 +62,12 @@ def test_logits_match_hf(tiny_checkpoints, arch):
 
 
 def _forward_all_logits(llm: LLM, runner, token_ids: list[int]) -> torch.Tensor:
-    from pagedllm.attention.forward_context import set_forward_context
-    from pagedllm.core.sched_output import NewRequestData, SchedulerOutput
+    from pagedllm.core.sched_output import NewRequestData
+    from tests.fixtures.runner_steps import run_step
 
-    n = len(token_ids)
-    bs = runner.block_size
-    num_blocks = -(-n // bs)
+    num_blocks = -(-len(token_ids) // runner.block_size)
     req = NewRequestData("probe", token_ids, [], GREEDY, list(range(1, 1 + num_blocks)), 0)
-    so = SchedulerOutput.make_empty()
-    so.scheduled_new_reqs = [req]
-    so.num_scheduled_tokens = {"probe": n}
-    so.total_num_scheduled_tokens = n
-    runner._update_states(so)
-    batch, common = runner._prepare_inputs(so)
-    meta = runner.model.attention_layers()[0].backend.build_metadata(common)
-    with torch.inference_mode(), set_forward_context(meta):
-        hidden = runner.model(batch.input_ids, batch.positions)
-        logits = runner.model.compute_logits(hidden)
-    runner.states.remove_request("probe")
-    return logits
+    return run_step(runner, req, len(token_ids))
 
 
 @pytest.fixture(scope="module")

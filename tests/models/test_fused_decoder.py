@@ -7,31 +7,15 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.attention.forward_context import set_forward_context
-from pagedllm.core.sched_output import NewRequestData, SchedulerOutput
+from pagedllm.core.sched_output import NewRequestData
 from pagedllm.kernels import cpu_kernels
 from pagedllm.models.fused_decoder import FusedDecoder, add_rms_norm
+from tests.fixtures.runner_steps import run_step
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="CPU kernels did not build")
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 ARCHS = ["llama", "llama_mqa_tied_llama3", "qwen2", "qwen3"]
-
-
-def _step(runner, req: NewRequestData, num_tokens: int) -> torch.Tensor:
-    """Run one scheduled step of `req` through the model; logits of every scheduled token."""
-    so = SchedulerOutput.make_empty()
-    so.scheduled_new_reqs = [req]
-    so.num_scheduled_tokens = {req.req_id: num_tokens}
-    so.total_num_scheduled_tokens = num_tokens
-    runner._update_states(so)
-    batch, common = runner._prepare_inputs(so)
-    meta = runner.model.attention_layers()[0].backend.build_metadata(common)
-    with torch.inference_mode(), set_forward_context(meta):
-        hidden = runner.model(batch.input_ids, batch.positions)
-        logits = runner.model.compute_logits(hidden)
-    runner.states.remove_request(req.req_id)
-    return logits
 
 
 def _continuation_logits(llm: LLM, tokens: list[int], prefix: int, fused: bool) -> torch.Tensor:
@@ -50,11 +34,11 @@ def _continuation_logits(llm: LLM, tokens: list[int], prefix: int, fused: bool) 
         return original(self, *args, **kwargs)
 
     blocks = list(range(1, 1 + -(-len(tokens) // runner.block_size)))
-    _step(runner, NewRequestData("prefill", tokens, [], GREEDY, blocks, 0), prefix)
+    run_step(runner, NewRequestData("prefill", tokens, [], GREEDY, blocks, 0), prefix)
     model._fused = decoder if fused else None
     FusedDecoder.__call__ = counting
     try:
-        logits = _step(runner, NewRequestData("continue", tokens, [], GREEDY, blocks, prefix),
+        logits = run_step(runner, NewRequestData("continue", tokens, [], GREEDY, blocks, prefix),
                        len(tokens) - prefix)
     finally:
         FusedDecoder.__call__ = original
@@ -63,17 +47,23 @@ def _continuation_logits(llm: LLM, tokens: list[int], prefix: int, fused: bool) 
     return logits
 
 
+def _fused_module_and_hf(path: str, dtype: str, seed: int, length: int, prefix: int):
+    """Continuation logits [length - prefix, vocab] of one random prompt: fused path, module
+    path, and HF in float32 over the whole prompt."""
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    llm = LLM(path, dtype=dtype, kv_cache_memory_bytes=8 << 20)
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(3, hf.config.vocab_size, (length,), generator=g).tolist()
+    fused = _continuation_logits(llm, tokens, prefix, fused=True)
+    module = _continuation_logits(llm, tokens, prefix, fused=False)
+    with torch.inference_mode():
+        want = hf(torch.tensor([tokens])).logits[0, prefix:]
+    return fused, module, want
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_fused_decoder_matches_module_path_and_hf_fp32(tiny_checkpoints, arch):
-    path = str(tiny_checkpoints[arch])
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    llm = LLM(path, dtype="float32", kv_cache_memory_bytes=8 << 20)
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(3, hf.config.vocab_size, (61,), generator=g).tolist()
-    fused = _continuation_logits(llm, tokens, 37, fused=True)
-    module = _continuation_logits(llm, tokens, 37, fused=False)
-    with torch.inference_mode():
-        want = hf(torch.tensor([tokens])).logits[0, 37:]
+    fused, module, want = _fused_module_and_hf(str(tiny_checkpoints[arch]), "float32", 0, 61, 37)
     torch.testing.assert_close(fused, module, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(fused, want, atol=2e-4, rtol=2e-4)
 
@@ -83,15 +73,7 @@ def test_fused_decoder_bf16_is_as_accurate_as_module_path(tiny_checkpoints, arch
     """bf16: the fused path rounds less often than the module path, so it is compared by its
     mean error against HF in float32, which must not exceed the module path's (measured over 4
     seeds and 4 variants: 0.03-0.13 for the fused path, 0.9x-0.6x the module path's)."""
-    path = str(tiny_checkpoints[arch])
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    llm = LLM(path, dtype="bfloat16", kv_cache_memory_bytes=8 << 20)
-    g = torch.Generator().manual_seed(1)
-    tokens = torch.randint(3, hf.config.vocab_size, (50,), generator=g).tolist()
-    fused = _continuation_logits(llm, tokens, 30, fused=True)
-    module = _continuation_logits(llm, tokens, 30, fused=False)
-    with torch.inference_mode():
-        want = hf(torch.tensor([tokens])).logits[0, 30:]
+    fused, module, want = _fused_module_and_hf(str(tiny_checkpoints[arch]), "bfloat16", 1, 50, 30)
     fused_err = (fused.float() - want).abs().mean().item()
     module_err = (module.float() - want).abs().mean().item()
     assert fused_err <= min(0.3, 1.1 * module_err), (fused_err, module_err)
@@ -128,10 +110,10 @@ def test_fused_decoder_keeps_to_its_scratch_budget(tiny_checkpoints, monkeypatch
     original = FusedDecoder.__call__
     monkeypatch.setattr(FusedDecoder, "__call__",
                         lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
-    fused = _step(runner, NewRequestData("a", tokens, [], GREEDY, [1, 2, 3], 0), len(tokens))
+    fused = run_step(runner, NewRequestData("a", tokens, [], GREEDY, [1, 2, 3], 0), len(tokens))
     assert calls == [1]
     monkeypatch.setattr(decoder, "_max_tokens", len(tokens) - 1)
-    module = _step(runner, NewRequestData("b", tokens, [], GREEDY, [1, 2, 3], 0), len(tokens))
+    module = run_step(runner, NewRequestData("b", tokens, [], GREEDY, [1, 2, 3], 0), len(tokens))
     assert calls == [1]
     torch.testing.assert_close(fused, module, atol=1e-4, rtol=1e-4)
 
@@ -172,9 +154,9 @@ def test_large_step_with_a_long_fresh_prompt_runs_the_module_path(tiny_checkpoin
 
     monkeypatch.setattr(FusedDecoder, "__call__", counting)
     tokens = list(range(3, 77))
-    _step(runner, NewRequestData("fresh", tokens, [], GREEDY, list(range(1, 6)), 0), 37)
+    run_step(runner, NewRequestData("fresh", tokens, [], GREEDY, list(range(1, 6)), 0), 37)
     assert calls == []
-    _step(runner, NewRequestData("continue", tokens, [], GREEDY, list(range(1, 6)), 37), 37)
+    run_step(runner, NewRequestData("continue", tokens, [], GREEDY, list(range(1, 6)), 37), 37)
     assert calls == [37]
 
 
@@ -186,9 +168,9 @@ def test_rebinding_any_layers_kv_cache_rebuilds_the_pointers(tiny_checkpoints):
     runner = llm.llm_engine.engine_core.executor.worker.model_runner
     decoder = runner.model.model._fused_decoder()
     tokens = list(range(3, 40))
-    before = _step(runner, NewRequestData("a", tokens, [], GREEDY, [1, 2, 3], 0), len(tokens))
+    before = run_step(runner, NewRequestData("a", tokens, [], GREEDY, [1, 2, 3], 0), len(tokens))
     attn = decoder.layers[-1].self_attn.attn
     attn.kv_cache = attn.kv_cache.clone()
-    after = _step(runner, NewRequestData("b", tokens, [], GREEDY, [1, 2, 3], 0), len(tokens))
+    after = run_step(runner, NewRequestData("b", tokens, [], GREEDY, [1, 2, 3], 0), len(tokens))
     assert decoder._structs[-1].key_cache == attn.kv_cache[0].data_ptr()
     torch.testing.assert_close(after, before)
