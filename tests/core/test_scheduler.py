@@ -544,11 +544,13 @@ def test_random_configs_match_reference(seed, num_blocks, budget, max_num_seqs, 
     """Any budget, cache size, chunking and abort pattern: the requests that are not aborted get
     the reference tokens, every step respects the budgets, and all blocks come back."""
     work = random_workload(seed)
-    max_prompt = max(len(p) for p, _ in work)
-    if not chunked:
-        budget = max(budget, max_prompt)
     usable = num_blocks - 1
     work = [(p, m) for p, m in work if -(-(len(p) + m) // BLOCK_SIZE) <= usable]
+    if not chunked:
+        # As the engine's config requires (max_num_batched_tokens >= max_model_len without
+        # chunked prefill): a preempted request resumes by recomputing its prompt and outputs in
+        # one step, so the budget must hold a whole request, not only its prompt.
+        budget = max(budget, max(len(p) + m for p, m in work))
     sched = make_scheduler(num_blocks=num_blocks, caching=caching, max_num_batched_tokens=budget,
                            max_num_seqs=max_num_seqs, chunked=chunked,
                            long_prefill_token_threshold=threshold)
