@@ -75,10 +75,16 @@ def cpu_kernels() -> ctypes.CDLL | None:
         return _library
 
 
+def switched_off(variable: str) -> bool:
+    """Whether the on/off environment switch `variable` is set to 0/false/off/no (any case);
+    unset or any other value means on."""
+    return os.environ.get(variable, "1").strip().lower() in ("0", "false", "off", "no")
+
+
 def _load() -> ctypes.CDLL | None:
-    setting = os.environ.get("PAGEDLLM_CPU_KERNELS", "1").strip().lower()
-    if setting in ("0", "false", "off", "no"):
-        logger.info("CPU kernels disabled by PAGEDLLM_CPU_KERNELS=%s", setting)
+    if switched_off("PAGEDLLM_CPU_KERNELS"):
+        logger.info("CPU kernels disabled by PAGEDLLM_CPU_KERNELS=%s",
+                    os.environ["PAGEDLLM_CPU_KERNELS"])
         return None
     try:
         return build_cpu_kernels()

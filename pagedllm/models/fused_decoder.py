@@ -15,12 +15,11 @@ and `PAGEDLLM_CPU_FUSED_DECODER=0`. Tests compare both paths.
 from __future__ import annotations
 
 import ctypes
-import os
 
 import torch
 
 from pagedllm.attention.backends.cpu_paged import CpuPagedMetadata
-from pagedllm.kernels import cpu_kernels
+from pagedllm.kernels import cpu_kernels, switched_off
 from pagedllm.platforms import current_platform
 
 _p, _i32, _i64, _f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
@@ -50,8 +49,7 @@ class DecoderStep(ctypes.Structure):
 
 def fused_decoder_enabled() -> bool:
     """False when `PAGEDLLM_CPU_FUSED_DECODER` is 0/false/off/no (the module path runs)."""
-    setting = os.environ.get("PAGEDLLM_CPU_FUSED_DECODER", "1").strip().lower()
-    return setting not in ("0", "false", "off", "no")
+    return not switched_off("PAGEDLLM_CPU_FUSED_DECODER")
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
