@@ -280,6 +280,28 @@ class HFModelInfo:
 
 
 @dataclass(frozen=True)
+class RequestLimits:
+    """Caps every request is checked against at admission (vLLM's / OpenAI's values).
+
+    Attributes:
+        max_n: most output sequences per prompt (`n`).
+        max_logprobs: most alternatives per token for `logprobs` / `prompt_logprobs`
+            (vLLM's `max_logprobs`; -1 = up to the vocabulary size).
+        max_logit_bias: most `logit_bias` entries per request (OpenAI allows 300).
+    """
+
+    max_n: int = 128
+    max_logprobs: int = 20
+    max_logit_bias: int = 300
+
+    def __post_init__(self) -> None:
+        for name, minimum in (("max_n", 1), ("max_logprobs", -1), ("max_logit_bias", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """All configs of one engine, validated against each other.
 
@@ -297,6 +319,7 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = None
     # Resolved local folder of the draft model (speculative method "draft_model").
     draft_model_path: str | None = None
+    request_limits: RequestLimits = RequestLimits()
 
     def __post_init__(self) -> None:
         sc = self.scheduler_config
@@ -386,7 +409,8 @@ def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str
                          distributed_executor_backend: str | None = None,
                          nnodes: int = 1, node_rank: int = 0, master_addr: str | None = None,
                          master_port: int | None = None,
-                         speculative_config: dict[str, Any] | SpeculativeConfig | None = None
+                         speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
+                         max_n: int = 128, max_logprobs: int = 20, max_logit_bias: int = 300
                          ) -> EngineConfig:
     """Build and validate an `EngineConfig` from flat engine arguments (vLLM's names).
 
@@ -447,9 +471,11 @@ def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str
         max_model_len=eff_len,
         speculative_config=speculative_config,
         draft_model_path=draft_path,
+        request_limits=RequestLimits(max_n=max_n, max_logprobs=max_logprobs,
+                                     max_logit_bias=max_logit_bias),
     )
 
 
 __all__ = ["ModelConfig", "CacheConfig", "SchedulerConfig", "ParallelConfig", "EngineConfig",
-           "SpeculativeConfig",
+           "SpeculativeConfig", "RequestLimits",
            "HFModelInfo", "create_engine_config", "hf_model_info", "read_hf_config"]

@@ -31,8 +31,10 @@ class CompletionOutput:
         logprobs: per generated token, {token id: Logprob} (when SamplingParams.logprobs is set).
         cumulative_logprob: sum of the chosen tokens' logprobs (when logprobs is set).
         finish_reason: None while running, then "stop" (EOS, stop token or stop string),
-            "length" (max_tokens or max_model_len) or "abort".
+            "length" (max_tokens or max_model_len), "abort", or "error" (something that
+            belongs to this request alone failed inside a step: see `error`).
         stop_reason: the stop string or stop token id that ended it; None for EOS or length.
+        error: with finish_reason "error", what failed (e.g. its logits processor's exception).
     """
 
     index: int
@@ -42,6 +44,7 @@ class CompletionOutput:
     logprobs: SampleLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    error: str | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -69,3 +72,11 @@ class RequestOutput:
     prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def error(self) -> str | None:
+        """What failed, if a sequence ended with finish_reason "error"; else None."""
+        for completion in self.outputs:
+            if completion.finish_reason == "error":
+                return completion.error or "the request failed"
+        return None

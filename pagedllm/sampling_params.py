@@ -6,6 +6,7 @@ is refused before it reaches the engine and never disturbs other requests.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum, IntEnum
@@ -14,6 +15,45 @@ from typing import Any
 from pagedllm.structured_output.params import StructuredOutputsParams
 
 _SAMPLING_EPS = 1e-5
+# Integer fields are stored in int64 (seeds, counts) on the worker side: larger values are refused
+# here rather than overflowing inside a step.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _check_int(name: str, value: Any, minimum: int, message: str | None = None) -> None:
+    """Raises ValueError naming `name` unless `value` is an int (not a bool) in
+    [minimum, INT64_MAX]."""
+    if isinstance(value, bool) or not isinstance(value, int) \
+            or not minimum <= value <= INT64_MAX:
+        bound = f">= {minimum}" if minimum > INT64_MIN else "in the int64 range"
+        raise ValueError(f"{name} {message or f'must be an int {bound}'} (at most {INT64_MAX}), "
+                         f"got {value!r}")
+
+
+def _check_float(name: str, value: Any) -> None:
+    """Raises ValueError naming `name` unless `value` is a finite real number."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+
+
+def _parse_logit_bias(logit_bias: Any) -> dict[int, float]:
+    """{token id (int or decimal string): bias} -> {int: float}; ids >= 0, biases finite in
+    [-100, 100] (OpenAI's range). Raises ValueError naming `logit_bias`."""
+    if not isinstance(logit_bias, dict):
+        raise ValueError(f"logit_bias must map token ids to numbers, got {logit_bias!r}")
+    parsed: dict[int, float] = {}
+    for key, bias in logit_bias.items():
+        try:
+            token_id = key if isinstance(key, int) and not isinstance(key, bool) else int(key)
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
+        _check_int("logit_bias", token_id, 0, message="keys must be token ids (ints >= 0)")
+        _check_float("logit_bias", bias)
+        if not -100.0 <= bias <= 100.0:
+            raise ValueError(f"logit_bias values must be in [-100, 100], got {bias}")
+        parsed[token_id] = float(bias)
+    return parsed
 
 
 class RequestOutputKind(Enum):
@@ -113,7 +153,12 @@ class SamplingParams:
                 raise ValueError(f"structured_outputs: {e}") from e
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.stop is not None and not isinstance(self.stop, (list, tuple)):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
         self.stop = list(self.stop or [])
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
+            raise ValueError(f"stop_token_ids must be a list of token ids, got "
+                             f"{self.stop_token_ids!r}")
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
@@ -125,14 +170,21 @@ class SamplingParams:
         self._all_stop_token_ids = set(self.stop_token_ids)
 
     def _validate(self) -> None:
-        if not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"n must be an int >= 1, got {self.n!r}")
+        for name, lo in (("n", 1), ("max_tokens", 1), ("min_tokens", 0), ("logprobs", 0),
+                         ("prompt_logprobs", 0), ("truncate_prompt_tokens", 1)):
+            value = getattr(self, name)
+            if value is not None or name in ("n", "min_tokens"):
+                _check_int(name, value, lo)
+        _check_int("top_k", self.top_k, 0, message="must be -1 (disable), 0 (disable) or >= 1")
+        if self.seed is not None:
+            _check_int("seed", self.seed, INT64_MIN)
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            _check_float(name, getattr(self, name))
         if self.temperature < 0.0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be -1 (disable), 0 (disable) or >= 1, got {self.top_k}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if not -2.0 <= self.presence_penalty <= 2.0:
@@ -141,46 +193,35 @@ class SamplingParams:
             raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         if not self.repetition_penalty > 0.0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int)
-                                            or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens "
                              f"({self.max_tokens})")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an int, got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
-        for name, minimum in (("logprobs", 0), ("prompt_logprobs", 0),
-                              ("truncate_prompt_tokens", 1)):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < minimum):
-                raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+        for t in self.stop_token_ids:
+            _check_int("stop_token_ids", t, 0, message="must be token ids (ints >= 0)")
         if self.logit_bias is not None:
-            try:
-                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
-            except (TypeError, ValueError, AttributeError) as e:
-                raise ValueError(f"logit_bias must map token ids to numbers: {e}") from e
-            if any(not -100.0 <= v <= 100.0 for v in self.logit_bias.values()):
-                raise ValueError("logit_bias values must be in [-100, 100]")
-            if any(k < 0 for k in self.logit_bias):
-                raise ValueError("logit_bias keys must be non-negative token ids")
+            self.logit_bias = _parse_logit_bias(self.logit_bias)
         if self.allowed_token_ids is not None:
-            if not self.allowed_token_ids or any(not isinstance(t, int) or t < 0
-                                                 for t in self.allowed_token_ids):
+            if not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids:
                 raise ValueError("allowed_token_ids must be a non-empty list of token ids")
-        if self.bad_words is not None and any(not isinstance(w, str) or not w.strip()
-                                               for w in self.bad_words):
-            raise ValueError("bad_words must be non-empty strings")
+            for t in self.allowed_token_ids:
+                _check_int("allowed_token_ids", t, 0, message="must be token ids (ints >= 0)")
+        if self.bad_words is not None and (not isinstance(self.bad_words, (list, tuple)) or any(
+                not isinstance(w, str) or not w.strip() for w in self.bad_words)):
+            raise ValueError("bad_words must be a list of non-empty strings")
+        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
+                     "include_stop_str_in_output", "detokenize"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         if self.logits_processors is not None and not all(callable(p)
                                                           for p in self.logits_processors):
             raise ValueError("logits_processors must be callables")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs,
+                                                                  StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams or a dict")
 
     @property
     def sampling_type(self) -> SamplingType:

@@ -22,6 +22,8 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3
     FINISHED_LENGTH_CAPPED = 4
     FINISHED_ABORTED = 5
+    # The request's own parameters, grammar or logits processors failed inside a step.
+    FINISHED_ERROR = 6
 
     @staticmethod
     def is_finished(status: RequestStatus) -> bool:
@@ -36,6 +38,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 

@@ -107,6 +107,9 @@ class ModelRunnerOutput:
     prompt_logprobs_dict: dict[str, tuple[int, LogprobsLists]] = field(default_factory=dict)
     # Draft tokens proposed for each request's next step (speculative decoding).
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Requests whose own sampling code failed this step (a logits processor raised): req_id ->
+    # message. Nothing was sampled for them; the scheduler finishes them with "error".
+    request_errors: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -120,6 +123,8 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     new_logprobs: LogprobsLists | None = None
     new_prompt_logprobs: tuple[int, LogprobsLists] | None = None
+    # With finish_reason "error": what failed.
+    error: str | None = None
 
     @property
     def finished(self) -> bool:

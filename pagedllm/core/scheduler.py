@@ -86,6 +86,8 @@ class Scheduler:
         self.num_lookahead_tokens = num_lookahead_tokens
         self.spec_decoding_stats = SpecDecodingStats()
         self.structured_output_manager = structured_output_manager
+        # Requests finished with an error outside `update_from_output`, reported by its next call.
+        self._error_outputs: list[EngineCoreOutput] = []
 
     # ----------------------------------------------------------------- requests in and out
     def add_request(self, request: Request) -> None:
@@ -107,10 +109,12 @@ class Scheduler:
         self.waiting.append(request)
 
     def finish_requests(self, request_ids: str | Iterable[str],
-                        finished_status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+                        finished_status: RequestStatus = RequestStatus.FINISHED_ABORTED,
+                        error: str | None = None) -> None:
         """Finish (abort) requests from outside, e.g. a stop string or a client disconnect.
 
-        Unknown or already finished ids are ignored.
+        Unknown or already finished ids are ignored. With `FINISHED_ERROR`, the next
+        `update_from_output` reports each one with finish_reason "error" and `error`.
         """
         if isinstance(request_ids, str):
             request_ids = (request_ids,)
@@ -124,6 +128,10 @@ class Scheduler:
                 self.waiting.remove(request)
             request.status = finished_status
             self._free_request(request)
+            if finished_status == RequestStatus.FINISHED_ERROR:
+                self._error_outputs.append(EngineCoreOutput(
+                    req_id, [], finish_reason="error", error=error,
+                    num_cached_tokens=max(request.num_cached_tokens, 0)))
 
     def _free_request(self, request: Request) -> None:
         if self.structured_output_manager is not None:
@@ -201,7 +209,13 @@ class Scheduler:
         while (self.waiting and token_budget > 0
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
-            if not self._grammar_ready(request):
+            try:
+                ready = self._grammar_ready(request)
+            except Exception as e:  # noqa: BLE001 - its grammar failed: it fails alone
+                self.finish_requests(request.request_id, RequestStatus.FINISHED_ERROR,
+                                     f"its structured output grammar failed to compile: {e}")
+                continue
+            if not ready:
                 compiling.append(self.waiting.popleft())
                 continue
             hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
@@ -282,59 +296,77 @@ class Scheduler:
                            model_runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Append sampled tokens, apply stop conditions, free finished requests.
 
-        Returns one `EngineCoreOutput` per request that got tokens or finished this step.
+        Returns one `EngineCoreOutput` per request that got tokens or finished this step. A
+        failure that belongs to one request (its grammar matcher, a logits processor reported in
+        `request_errors`) finishes that request with finish_reason "error"; the others go on.
         """
         outputs: list[EngineCoreOutput] = []
         finished: list[Request] = []
-        prompt_logprobs = model_runner_output.prompt_logprobs_dict
+        errors = dict(model_runner_output.request_errors)
         for req_id, index in model_runner_output.req_id_to_index.items():
             request = self.requests.get(req_id)
-            if request is None or request.is_finished():
+            if request is None or request.is_finished() or req_id in errors:
                 continue
-            new_token_ids = model_runner_output.sampled_token_ids[index]
-            drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
-            if drafts and new_token_ids:
-                # Rejected draft positions are not computed: their KV is overwritten later.
-                num_accepted = len(new_token_ids) - 1
-                request.num_computed_tokens -= len(drafts) - num_accepted
-                stats = self.spec_decoding_stats
-                stats.num_drafts += 1
-                stats.num_draft_tokens += len(drafts)
-                stats.num_accepted_tokens += num_accepted
-            if not new_token_ids:
-                if req_id in prompt_logprobs:
-                    outputs.append(EngineCoreOutput(req_id, [],
-                                                    new_prompt_logprobs=prompt_logprobs[req_id]))
+            try:
+                out = self._update_request(request, index, scheduler_output, model_runner_output)
+            except Exception as e:  # noqa: BLE001 - its own state failed: it fails alone
+                errors[req_id] = f"{type(e).__name__}: {e}"
+                request.status = RequestStatus.RUNNING  # so finish_requests below frees it
                 continue
-            accepted: list[int] = []
-            structured = request.sampling_params.structured_outputs is not None
-            for token_id in new_token_ids:
-                accepted.append(token_id)
-                request.append_output_token_ids([token_id])
-                if self._check_stop(request, token_id):
-                    break
-                if structured and self.structured_output_manager.accept_tokens(req_id,
-                                                                               [token_id]):
-                    request.status = RequestStatus.FINISHED_STOPPED
-                    break
+            if out is not None:
+                outputs.append(out)
             if request.is_finished():
                 finished.append(request)
-            else:
-                drafts = model_runner_output.draft_token_ids.get(req_id, [])
-                if structured and drafts:
-                    drafts = self.structured_output_manager.validate_tokens(req_id, drafts)
-                request.spec_token_ids = drafts
-            logprobs = model_runner_output.logprobs.get(req_id)
-            outputs.append(EngineCoreOutput(
-                request_id=req_id, new_token_ids=accepted,
-                finish_reason=request.get_finished_reason(), stop_reason=request.stop_reason,
-                num_cached_tokens=max(request.num_cached_tokens, 0),
-                new_logprobs=logprobs.slice(0, len(accepted)) if logprobs else None,
-                new_prompt_logprobs=prompt_logprobs.get(req_id)))
         for request in finished:
             self.running.remove(request)
             self._free_request(request)
+        for req_id, message in errors.items():
+            self.finish_requests(req_id, RequestStatus.FINISHED_ERROR, message)
+        outputs.extend(self._error_outputs)
+        self._error_outputs = []
         return outputs
+
+    def _update_request(self, request: Request, index: int, scheduler_output: SchedulerOutput,
+                        model_runner_output: ModelRunnerOutput) -> EngineCoreOutput | None:
+        """One request's part of `update_from_output` (None: nothing to report)."""
+        req_id = request.request_id
+        prompt_logprobs = model_runner_output.prompt_logprobs_dict
+        new_token_ids = model_runner_output.sampled_token_ids[index]
+        drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
+        if drafts and new_token_ids:
+            # Rejected draft positions are not computed: their KV is overwritten later.
+            num_accepted = len(new_token_ids) - 1
+            request.num_computed_tokens -= len(drafts) - num_accepted
+            stats = self.spec_decoding_stats
+            stats.num_drafts += 1
+            stats.num_draft_tokens += len(drafts)
+            stats.num_accepted_tokens += num_accepted
+        if not new_token_ids:
+            if req_id in prompt_logprobs:
+                return EngineCoreOutput(req_id, [], new_prompt_logprobs=prompt_logprobs[req_id])
+            return None
+        accepted: list[int] = []
+        structured = request.sampling_params.structured_outputs is not None
+        for token_id in new_token_ids:
+            accepted.append(token_id)
+            request.append_output_token_ids([token_id])
+            if self._check_stop(request, token_id):
+                break
+            if structured and self.structured_output_manager.accept_tokens(req_id, [token_id]):
+                request.status = RequestStatus.FINISHED_STOPPED
+                break
+        if not request.is_finished():
+            drafts = model_runner_output.draft_token_ids.get(req_id, [])
+            if structured and drafts:
+                drafts = self.structured_output_manager.validate_tokens(req_id, drafts)
+            request.spec_token_ids = drafts
+        logprobs = model_runner_output.logprobs.get(req_id)
+        return EngineCoreOutput(
+            request_id=req_id, new_token_ids=accepted,
+            finish_reason=request.get_finished_reason(), stop_reason=request.stop_reason,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            new_logprobs=logprobs.slice(0, len(accepted)) if logprobs else None,
+            new_prompt_logprobs=prompt_logprobs.get(req_id))
 
     def _check_stop(self, request: Request, token_id: int) -> bool:
         params = request.sampling_params

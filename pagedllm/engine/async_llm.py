@@ -9,9 +9,18 @@ sampling) is torch ops that release the GIL, so the event loop keeps serving HTT
 computes. Moving the engine core into its own process (vLLM V1's EngineCoreClient over ZMQ) is
 future work; the command/output boundary here is the same one that split would cut along.
 
-Failure rules: a ValueError from `add_request` fails that request only; any exception in the engine
-loop marks the engine dead (`EngineDeadError`) and fails every pending and future request at once,
-so no caller ever waits forever.
+Admission: `add_request` validates the request completely on the caller's side (the
+`InputProcessor`: tokenization, every range and vocabulary check, grammar parsing) and returns only
+once the engine thread has queued it, so a server can answer a bad request with a 4xx before it
+sends any byte of a response. It returns a `RequestStream`; closing the stream (or cancelling the
+caller at any moment, even while `add_request` itself is waiting) aborts the request and frees its
+KV blocks.
+
+Failure rules: a ValueError from admission fails that request only; a failure that belongs to one
+request inside a step (its logits processor, its grammar, its detokenization) ends that request
+with finish_reason "error" and `RequestFailedError` on its stream; any other exception in the
+engine loop marks the engine dead (`EngineDeadError`), fails every pending and future request at
+once (so no caller ever waits forever) and calls the `on_dead` callbacks (the server exits).
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pagedllm.core.scheduler import SchedulerStats
+from pagedllm.engine.engine_core import EngineCoreRequest
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.outputs import RequestOutput
@@ -37,6 +47,82 @@ logger = logging.getLogger(__name__)
 
 class EngineDeadError(RuntimeError):
     """The engine loop stopped (an exception, or shutdown); no request can be served any more."""
+
+
+class RequestFailedError(RuntimeError):
+    """Something that belongs to this request alone failed inside a step (its logits processor,
+    grammar or detokenization); the engine and the other requests go on. `output` is the
+    request's last RequestOutput (finish_reason "error" on the failed sequence)."""
+
+    def __init__(self, message: str, output: RequestOutput) -> None:
+        super().__init__(message)
+        self.output = output
+
+
+class RequestStream:
+    """The outputs of one admitted request, as an async iterator of cumulative RequestOutputs.
+
+    Outputs may be coalesced when the consumer is slower than the engine (each one is
+    cumulative, so only the latest matters); the last one yielded has `finished=True`. Closing
+    the stream (`close()`, idempotent) before that aborts the request. Iterating raises
+    `RequestFailedError` if the request failed alone, `EngineDeadError` if the engine died.
+
+    Args:
+        request_id: the request's id.
+        queue: where the engine's outputs (or an exception) arrive, on the event loop.
+        on_close: called once with `(request_id, finished)` when the stream closes.
+    """
+
+    def __init__(self, request_id: str, queue: asyncio.Queue,
+                 on_close: Callable[[str, bool], None]) -> None:
+        self.request_id = request_id
+        self._queue = queue
+        self._on_close: list[Callable[[str, bool], None]] | None = [on_close]
+        self.finished = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            self.close()
+            raise StopAsyncIteration
+        try:
+            item = await self._queue.get()
+            while not isinstance(item, BaseException) and not item.finished \
+                    and not self._queue.empty():
+                item = self._queue.get_nowait()
+        except BaseException:
+            self.close()  # cancelled while waiting: abort
+            raise
+        if isinstance(item, BaseException):
+            self.finished = True  # nothing left to abort
+            self.close()
+            raise item
+        if item.finished:
+            self.finished = True
+            error = item.error
+            if error is not None:
+                self.close()
+                raise RequestFailedError(error, item)
+        return item
+
+    def close(self) -> None:
+        """Stop listening; aborts the request unless it already finished."""
+        if self._on_close is not None:
+            callbacks, self._on_close = self._on_close, None
+            for callback in reversed(callbacks):
+                callback(self.request_id, self.finished)
+
+    def add_close_callback(self, callback: Callable[[str, bool], None]) -> None:
+        """Also call `callback(request_id, finished)` when the stream closes (first)."""
+        if self._on_close is None:
+            callback(self.request_id, self.finished)
+        else:
+            self._on_close.append(callback)
+
+    async def aclose(self) -> None:
+        self.close()
 
 
 @dataclass
@@ -81,9 +167,8 @@ class _RequestTimes:
 
 @dataclass
 class _AddCommand:
-    request_id: str
-    prompt: PromptType
-    params: SamplingParams
+    request: EngineCoreRequest
+    prompt_text: str | None
     arrival_time: float
     future: concurrent.futures.Future
 
@@ -112,6 +197,7 @@ class AsyncLLM:
 
     def __init__(self, engine: LLMEngine, stat_loggers: Sequence[StatLogger] = ()) -> None:
         self.engine = engine
+        self.input_processor = engine.input_processor
         self.tokenizer = engine.tokenizer
         self.max_model_len: int = engine.config.max_model_len
         self.vocab_size: int = engine.input_processor.vocab_size
@@ -122,6 +208,7 @@ class AsyncLLM:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._executor_shut_down = False
+        self._dead_callbacks: list[Callable[[EngineDeadError], None]] = []
         # Loop-thread state: request id -> queue of RequestOutput | BaseException.
         self._streams: dict[str, asyncio.Queue] = {}
         # Engine-thread state.
@@ -154,42 +241,66 @@ class AsyncLLM:
                                         daemon=True)
         self._thread.start()
 
-    async def generate(self, prompt: PromptType, sampling_params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
-        """Add a request and yield its cumulative outputs until it finishes.
+    async def add_request(self, request_id: str, prompt: PromptType,
+                          sampling_params: SamplingParams) -> RequestStream:
+        """Validate a request completely, queue it, and return its output stream.
 
-        Outputs may be coalesced when the consumer is slower than the engine (each one is
-        cumulative, so only the latest matters); the last one yielded has `finished=True`.
-        Closing or cancelling the iterator before that aborts the request, freeing its KV blocks.
+        Returns once the engine thread has queued the request. Cancelling the caller at any
+        point aborts the request if it was queued.
 
         Raises:
-            ValueError: the request is invalid (other requests are unaffected), or the id is in use.
+            ValueError: the request is invalid (the message starts with the offending field's
+                name where there is one), or the id is in use; nothing was queued.
             EngineDeadError: the engine loop failed or was shut down.
         """
         self.start()
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        stream: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = stream
-        finished = False
+        if self._dead is not None:
+            raise self._dead
+        core_request, prompt_text = self.input_processor.process(request_id, prompt,
+                                                                 sampling_params)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = queue
+        stream = RequestStream(request_id, queue, self._close_stream)
+        future: concurrent.futures.Future = concurrent.futures.Future()
         try:
-            future: concurrent.futures.Future = concurrent.futures.Future()
-            self._put(_AddCommand(request_id, prompt, sampling_params, time.monotonic(), future))
+            self._put(_AddCommand(core_request, prompt_text, time.monotonic(), future))
             await asyncio.wrap_future(future)
-            while not finished:
-                item = await stream.get()
-                while not isinstance(item, BaseException) and not item.finished \
-                        and not stream.empty():
-                    item = stream.get_nowait()
-                if isinstance(item, BaseException):
-                    finished = True  # nothing left to abort
-                    raise item
-                finished = item.finished
-                yield item
+        except BaseException as e:
+            # Refused (nothing to abort) or cancelled (abort: the add may have happened).
+            stream.finished = not isinstance(e, asyncio.CancelledError)
+            stream.close()
+            raise
+        return stream
+
+    async def generate(self, prompt: PromptType, sampling_params: SamplingParams,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        """`add_request`, then yield its outputs until it finishes (see `RequestStream`).
+
+        Closing or cancelling the iterator before the end aborts the request, freeing its KV
+        blocks.
+
+        Raises:
+            ValueError: the request is invalid (other requests are unaffected), or the id is in use.
+            RequestFailedError: the request failed alone inside a step.
+            EngineDeadError: the engine loop failed or was shut down.
+        """
+        stream = await self.add_request(request_id, prompt, sampling_params)
+        try:
+            async for out in stream:
+                yield out
         finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                self.abort(request_id)
+            stream.close()
+
+    def on_dead(self, callback: Callable[[EngineDeadError], None]) -> None:
+        """Call `callback(error)` on the event loop if the engine loop fails (not on shutdown)."""
+        self._dead_callbacks.append(callback)
+
+    def _close_stream(self, request_id: str, finished: bool) -> None:
+        self._streams.pop(request_id, None)
+        if not finished:
+            self.abort(request_id)
 
     def abort(self, request_ids: str | list[str]) -> None:
         """Abort requests (unknown or finished ids are ignored); non-blocking, thread-safe."""
@@ -270,7 +381,7 @@ class AsyncLLM:
             logger.exception("the engine loop failed; failing all pending requests")
             dead = EngineDeadError(f"the engine loop failed: {type(e).__name__}: {e}")
             dead.__cause__ = e
-            self._mark_dead(dead)
+            self._mark_dead(dead, failed=True)
 
     def _process_commands(self, block: bool) -> bool | None:
         """Run queued commands (waiting for one if `block`); None means shut down."""
@@ -289,7 +400,7 @@ class AsyncLLM:
                 self._add(command)
             elif isinstance(command, _AbortCommand):
                 self._abort(command.request_ids, aborted)
-            else:
+            elif command.future.set_running_or_notify_cancel():  # else: the caller gave up
                 try:
                     command.future.set_result(command.fn())
                 except Exception as e:  # noqa: BLE001 - reported to the caller
@@ -299,12 +410,16 @@ class AsyncLLM:
         return did_work
 
     def _add(self, command: _AddCommand) -> None:
+        # A caller cancelled before its request was reached never gets it queued. After this
+        # call the future can no longer be cancelled: a caller cancelled from now on aborts.
+        if not command.future.set_running_or_notify_cancel():
+            return
         try:
-            self.engine.add_request(command.request_id, command.prompt, command.params)
+            self.engine.add_processed_request(command.request, command.prompt_text)
         except Exception as e:  # noqa: BLE001 - an invalid request fails only itself
             command.future.set_exception(e)
             return
-        self._times[command.request_id] = _RequestTimes(command.arrival_time)
+        self._times[command.request.request_id] = _RequestTimes(command.arrival_time)
         command.future.set_result(None)
 
     def _abort(self, request_ids: list[str], iteration: IterationStats) -> None:
@@ -360,10 +475,12 @@ class AsyncLLM:
         for stat_logger in self.stat_loggers:
             stat_logger.record(stats, iteration)
 
-    def _mark_dead(self, error: EngineDeadError) -> None:
-        """Refuse new commands, fail queued ones, and fail every open stream."""
+    def _mark_dead(self, error: EngineDeadError, failed: bool = False) -> None:
+        """Refuse new commands, fail queued ones, and fail every open stream; when the engine
+        `failed` (not a shutdown), also call the on_dead callbacks (once)."""
         with self._command_lock:
-            if self._dead is None:
+            first = self._dead is None
+            if first:
                 self._dead = error
             error = self._dead
             while True:
@@ -371,6 +488,10 @@ class AsyncLLM:
                     command = self._commands.get_nowait()
                 except queue.Empty:
                     break
-                if isinstance(command, (_AddCommand, _CallCommand)):
+                if isinstance(command, (_AddCommand, _CallCommand)) \
+                        and command.future.set_running_or_notify_cancel():
                     command.future.set_exception(error)
         self._call_in_loop(self._fail_streams, error)
+        if first and failed:
+            for callback in self._dead_callbacks:
+                self._call_in_loop(callback, error)

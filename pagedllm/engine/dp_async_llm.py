@@ -12,10 +12,10 @@ on different cores. Replicas in their own processes (or machines) are future wor
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
-from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError, StatLogger
+from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream, StatLogger
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -32,6 +32,7 @@ class DataParallelAsyncLLM:
         self.tokenizer = first.tokenizer
         self.max_model_len = first.max_model_len
         self.vocab_size = first.vocab_size
+        self.input_processor = first.input_processor
         self._in_flight = [0] * len(self.replicas)
         self._replica_of: dict[str, int] = {}
 
@@ -58,18 +59,38 @@ class DataParallelAsyncLLM:
         live = [i for i, r in enumerate(self.replicas) if r.dead_error is None] or [0]
         return min(live, key=lambda i: (self._in_flight[i], i))
 
-    async def generate(self, prompt: PromptType, sampling_params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
-        """As `AsyncLLM.generate`, on the least loaded replica."""
+    async def add_request(self, request_id: str, prompt: PromptType,
+                          sampling_params: SamplingParams) -> RequestStream:
+        """As `AsyncLLM.add_request`, on the least loaded replica (same errors)."""
         index = self.pick_replica()
         self._in_flight[index] += 1
         self._replica_of[request_id] = index
         try:
-            async for out in self.replicas[index].generate(prompt, sampling_params, request_id):
+            stream = await self.replicas[index].add_request(request_id, prompt, sampling_params)
+        except BaseException:
+            self._release(request_id, index)
+            raise
+        stream.add_close_callback(lambda req_id, _: self._release(req_id, index))
+        return stream
+
+    async def generate(self, prompt: PromptType, sampling_params: SamplingParams,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        """As `AsyncLLM.generate`, on the least loaded replica."""
+        stream = await self.add_request(request_id, prompt, sampling_params)
+        try:
+            async for out in stream:
                 yield out
         finally:
-            self._in_flight[index] -= 1
-            self._replica_of.pop(request_id, None)
+            stream.close()
+
+    def on_dead(self, callback: Callable[[EngineDeadError], None]) -> None:
+        """Call `callback(error)` if any replica's engine loop fails."""
+        for replica in self.replicas:
+            replica.on_dead(callback)
+
+    def _release(self, request_id: str, index: int) -> None:
+        self._in_flight[index] -= 1
+        self._replica_of.pop(request_id, None)
 
     def abort(self, request_ids: str | list[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)

@@ -68,11 +68,9 @@ class EngineCore:
         """Queue a request.
 
         Raises:
-            ValueError: if it can never fit the KV cache, or its structured-output spec does not
-                parse.
+            ValueError: if it can never fit the KV cache or its id is in use (the InputProcessor
+                checks both before; this is the scheduler's own guard).
         """
-        if req.sampling_params.structured_outputs is not None:
-            self.structured_output_manager.validate(req.sampling_params.structured_outputs)
         self.scheduler.add_request(Request(req.request_id, req.prompt_token_ids,
                                            req.sampling_params, req.max_tokens,
                                            self._block_hasher, req.arrival_time))

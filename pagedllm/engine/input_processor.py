@@ -1,7 +1,8 @@
 """InputProcessor: prompt (text, token ids or a dict of either) -> validated EngineCoreRequest.
 
-Everything that can be wrong with one request is found here and raised as a ValueError naming
-the problem, before the request touches the engine.
+Everything that can be wrong with one request is found here and raised as a ValueError whose
+message starts with the offending field's name where there is one, before the request touches the
+engine (the server maps that name to the error's `param`).
 """
 
 from __future__ import annotations
@@ -9,8 +10,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from pagedllm.config import RequestLimits
 from pagedllm.engine.engine_core import EngineCoreRequest
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output.manager import build_grammar
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -26,29 +29,43 @@ def check_prompt_token_ids(token_ids: list[int], vocab_size: int) -> None:
 
 
 class InputProcessor:
-    """Tokenize and validate prompts.
+    """Tokenize and validate prompts: the engine's one admission gate.
+
+    Every request, offline (`LLM.generate`) and served, passes `process` once, before it is
+    queued and before any byte of a response is sent. A request that passes cannot fail inside
+    a step because of its own parameters (what still can - a user logits processor - fails that
+    request alone).
 
     Args:
         tokenizer: transformers tokenizer of the model.
         max_model_len: context length in tokens.
         vocab_size: the model's vocabulary size (token ids must be below it).
         eos_token_ids: the model's EOS ids (added to each request's stop ids unless ignore_eos).
+        limits: caps on n, logprobs and logit_bias entries.
+        max_kv_tokens: tokens the whole KV cache holds (a request needing more is refused);
+            None = unchecked.
     """
 
     def __init__(self, tokenizer, max_model_len: int, vocab_size: int,
-                 eos_token_ids: tuple[int, ...]) -> None:
+                 eos_token_ids: tuple[int, ...], limits: RequestLimits = RequestLimits(),
+                 max_kv_tokens: int | None = None) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
+        self.limits = limits
+        self.max_kv_tokens = max_kv_tokens
 
     def process(self, request_id: str, prompt: PromptType,
                 params: SamplingParams) -> tuple[EngineCoreRequest, str | None]:
         """Returns the core request and the prompt text (None for token-id prompts).
 
         Raises:
-            ValueError: empty prompt, token ids outside the vocabulary, a prompt longer than
-                max_model_len, or a malformed prompt object.
+            ValueError: naming the problem: an empty prompt, token ids outside the vocabulary
+                (prompt, stop_token_ids, logit_bias, allowed_token_ids), a prompt longer than
+                max_model_len, a request the KV cache can never hold, a parameter over its cap
+                (n, logprobs, prompt_logprobs, logit_bias), a structured-output spec that does
+                not parse, or a malformed prompt object.
         """
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params)}")
@@ -60,20 +77,41 @@ class InputProcessor:
         if len(token_ids) > self.max_model_len:
             raise ValueError(f"the prompt has {len(token_ids)} tokens, more than max_model_len "
                              f"({self.max_model_len})")
-        params.update_from_generation_config(self.eos_token_ids)
         room = max(1, self.max_model_len - len(token_ids))
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        needed = min(len(token_ids) + max_tokens, self.max_model_len)
+        if self.max_kv_tokens is not None and needed > self.max_kv_tokens:
+            raise ValueError(f"max_tokens: the request needs up to {needed} tokens of KV cache "
+                             f"({len(token_ids)} prompt tokens + {max_tokens} output tokens) but "
+                             f"the cache holds only {self.max_kv_tokens}; lower max_tokens")
+        params.update_from_generation_config(self.eos_token_ids)
         return (EngineCoreRequest(request_id, token_ids, params, max_tokens, time.monotonic()),
                 prompt_text)
 
     def _check_params(self, params: SamplingParams) -> None:
-        """Checks that need the model or the tokenizer; fills the bad words' token ids."""
-        ids = list(params.logit_bias or ()) + list(params.allowed_token_ids or ())
-        if any(t >= self.vocab_size for t in ids):
-            raise ValueError(f"logit_bias / allowed_token_ids name token ids outside the "
-                             f"vocabulary [0, {self.vocab_size})")
+        """Checks that need the model, the tokenizer or the engine's caps; fills the bad words'
+        token ids."""
+        limits = self.limits
+        if params.n > limits.max_n:
+            raise ValueError(f"n must be <= {limits.max_n} (the engine's max_n), got {params.n}")
+        max_logprobs = self.vocab_size if limits.max_logprobs < 0 else limits.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > max_logprobs:
+                raise ValueError(f"{name} must be <= {max_logprobs} (the engine's max_logprobs), "
+                                 f"got {value}")
+        if params.logit_bias is not None and len(params.logit_bias) > limits.max_logit_bias:
+            raise ValueError(f"logit_bias may have at most {limits.max_logit_bias} entries, got "
+                             f"{len(params.logit_bias)}")
+        for name in ("stop_token_ids", "logit_bias", "allowed_token_ids"):
+            bad = [t for t in getattr(params, name) or () if t >= self.vocab_size]
+            if bad:
+                raise ValueError(f"{name} has token ids {bad[:5]} outside the vocabulary "
+                                 f"[0, {self.vocab_size})")
         if not params.detokenize and params.stop:
             raise ValueError("stop strings need detokenize=True")
+        if params.structured_outputs is not None:
+            build_grammar(params.structured_outputs)
         params._bad_words_token_ids = []
         for word in params.bad_words or ():
             # As vLLM: ban the word both as is and with a leading space.
@@ -99,6 +137,7 @@ class InputProcessor:
 
     @staticmethod
     def _check_ids(ids) -> list[int]:
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise ValueError("prompt token ids must be ints")
+        if not isinstance(ids, (list, tuple)) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError("prompt token ids must be a list of ints")
         return list(ids)

@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 
 from pagedllm.config import EngineConfig, create_engine_config, hf_model_info
 from pagedllm.core.scheduler import SchedulerStats
-from pagedllm.engine.engine_core import EngineCore
+from pagedllm.engine.engine_core import EngineCore, EngineCoreRequest
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.output_processor import OutputProcessor, ParentRequest
 from pagedllm.logger import init_logger
@@ -50,8 +50,10 @@ class LLMEngine:
         eos_ids = info.eos_token_ids or ((self.tokenizer.eos_token_id,)
                                          if self.tokenizer.eos_token_id is not None else ())
         self.engine_core = EngineCore(config)
-        self.input_processor = InputProcessor(self.tokenizer, config.max_model_len,
-                                              info.vocab_size, tuple(eos_ids))
+        self.input_processor = InputProcessor(
+            self.tokenizer, config.max_model_len, info.vocab_size, tuple(eos_ids),
+            config.request_limits,
+            max_kv_tokens=(self.engine_core.num_blocks - 1) * config.cache_config.block_size)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         # Parent request id -> child request ids (n > 1).
@@ -78,9 +80,18 @@ class LLMEngine:
         Raises:
             ValueError: for an invalid request (it is not queued; others are unaffected).
         """
+        self.add_processed_request(*self.input_processor.process(request_id, prompt, params))
+
+    def add_processed_request(self, core_req: EngineCoreRequest,
+                              prompt_text: str | None) -> None:
+        """Queue a request that passed `input_processor.process` (as `add_request` does).
+
+        Raises:
+            ValueError: if its id is in use (it is not queued; others are unaffected).
+        """
+        request_id, params = core_req.request_id, core_req.sampling_params
         if request_id in self.output_processor.request_states or request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
-        core_req, prompt_text = self.input_processor.process(request_id, prompt, params)
         if params.n == 1:
             self.engine_core.add_request(core_req)
             self.output_processor.add_request(request_id, prompt_text,
@@ -88,17 +99,26 @@ class LLMEngine:
             return
         parent = ParentRequest(request_id, prompt_text, core_req.prompt_token_ids, params.n,
                                params.output_kind)
-        child_ids = [f"{i}_{request_id}" for i in range(params.n)]
-        for i, child_id in enumerate(child_ids):
-            child_params = copy.copy(params)
-            child_params.n = 1
-            if params.seed is not None:
-                child_params.seed = params.seed + i
-            child = copy.copy(core_req)
-            child.request_id, child.sampling_params = child_id, child_params
-            self.engine_core.add_request(child)
-            self.output_processor.add_request(child_id, prompt_text, core_req.prompt_token_ids,
-                                              child_params, parent, i)
+        child_ids: list[str] = []
+        try:
+            for i in range(params.n):
+                child_id = f"{i}_{request_id}"
+                child_params = copy.copy(params)
+                child_params.n = 1
+                if params.seed is not None:
+                    # seed + i, wrapped into the int64 range the seed was validated in.
+                    child_params.seed = (params.seed + i + 2**63) % 2**64 - 2**63
+                child = copy.copy(core_req)
+                child.request_id, child.sampling_params = child_id, child_params
+                self.engine_core.add_request(child)
+                child_ids.append(child_id)
+                self.output_processor.add_request(child_id, prompt_text,
+                                                  core_req.prompt_token_ids, child_params,
+                                                  parent, i)
+        except BaseException:
+            self.engine_core.abort_requests(child_ids)  # all children or none
+            self.output_processor.abort_requests(child_ids)
+            raise
         self._parents[request_id] = child_ids
 
     def abort_request(self, request_ids: str | list[str]) -> None:

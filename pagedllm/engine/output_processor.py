@@ -9,6 +9,7 @@ children's CompletionOutputs (by index) into one RequestOutput.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 from pagedllm.core.sched_output import EngineCoreOutput, LogprobsLists
@@ -16,6 +17,8 @@ from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.outputs import (CompletionOutput, Logprob, PromptLogprobs, RequestOutput,
                               SampleLogprobs)
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -48,6 +51,7 @@ class RequestState:
     prompt_logprobs: PromptLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    error: str | None = None
     num_cached_tokens: int = 0
     sent_tokens: int = 0
 
@@ -89,27 +93,45 @@ class OutputProcessor:
 
     def process_outputs(self, outputs: list[EngineCoreOutput]
                         ) -> tuple[list[RequestOutput], list[str]]:
-        """Returns (request outputs of this step, ids the core must abort: stop-string hits)."""
+        """Returns (request outputs of this step, ids the core must abort: stop-string hits and
+        requests whose own processing failed here).
+
+        A failure while processing one request (its detokenization, its logprobs) finishes that
+        request with finish_reason "error"; the other requests are unaffected.
+        """
         request_outputs, to_abort = [], []
         for out in outputs:
             state = self.request_states.get(out.request_id)
             if state is None:
                 continue
-            state.num_cached_tokens = out.num_cached_tokens
-            if out.new_prompt_logprobs is not None and state.prompt_logprobs is not None:
-                self._add_prompt_logprobs(state, *out.new_prompt_logprobs)
-            if out.new_token_ids:
-                self._add_tokens(state, out)
+            try:
+                self._update_state(state, out)
                 if state.finished and not out.finished:
                     to_abort.append(out.request_id)
-            if out.finished and not state.finished:
-                state.finish_reason, state.stop_reason = out.finish_reason, out.stop_reason
-            request_output = self._make_output(state)
+                request_output = self._make_output(state)
+            except Exception as e:  # noqa: BLE001 - this request's own failure
+                logger.exception("request %s failed in output processing", out.request_id)
+                if not out.finished:
+                    to_abort.append(out.request_id)
+                state.finish_reason, state.stop_reason = "error", None
+                state.error = f"output processing failed: {type(e).__name__}: {e}"
+                state.detokenizer = None  # what failed may be the detokenizer
+                request_output = self._make_output(state)
             if request_output is not None:
                 request_outputs.append(request_output)
             if state.finished:
                 del self.request_states[out.request_id]
         return request_outputs, to_abort
+
+    def _update_state(self, state: RequestState, out: EngineCoreOutput) -> None:
+        state.num_cached_tokens = out.num_cached_tokens
+        if out.new_prompt_logprobs is not None and state.prompt_logprobs is not None:
+            self._add_prompt_logprobs(state, *out.new_prompt_logprobs)
+        if out.new_token_ids:
+            self._add_tokens(state, out)
+        if out.finished and not state.finished:
+            state.finish_reason, state.stop_reason = out.finish_reason, out.stop_reason
+            state.error = out.error
 
     # ----------------------------------------------------------------- accumulation
     def _add_tokens(self, state: RequestState, out: EngineCoreOutput) -> None:
@@ -164,7 +186,7 @@ class OutputProcessor:
             index=state.index, text=text, token_ids=state.token_ids[start:],
             cumulative_logprob=state.cumulative_logprob,
             logprobs=None if state.logprobs is None else state.logprobs[start:],
-            finish_reason=state.finish_reason, stop_reason=state.stop_reason)
+            finish_reason=state.finish_reason, stop_reason=state.stop_reason, error=state.error)
 
     def _make_output(self, state: RequestState) -> RequestOutput | None:
         kind = state.params.output_kind

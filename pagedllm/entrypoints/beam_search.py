@@ -59,13 +59,25 @@ def beam_search_score(tokens: list[int], cum_logprob: float, eos_token_id: int |
 
 def run_beam_search(llm, prompt_token_ids: list[list[int]],
                     params: BeamSearchParams) -> list[BeamSearchOutput]:
-    """Beam search for each prompt through `llm.generate` (an `LLM`)."""
+    """Beam search for each prompt through `llm.generate` (an `LLM`).
+
+    Raises:
+        ValueError: if 2 * beam_width alternatives exceed the engine's max_logprobs.
+    """
     from pagedllm.sampling_params import SamplingParams
+
+    # 2 * beam_width candidates per beam (never more than the vocabulary has).
+    num_logprobs = min(2 * params.beam_width, llm.llm_engine.input_processor.vocab_size)
+    max_logprobs = llm.llm_engine.config.request_limits.max_logprobs
+    if 0 <= max_logprobs < num_logprobs:
+        raise ValueError(f"beam_width {params.beam_width} needs {num_logprobs} logprobs per "
+                         f"step, more than the engine's max_logprobs ({max_logprobs}); start "
+                         f"the LLM with max_logprobs={num_logprobs} (or -1)")
 
     tokenizer = llm.get_tokenizer()
     eos = llm.llm_engine.input_processor.eos_token_ids
     eos_id = eos[0] if eos else None
-    step_params = SamplingParams(max_tokens=1, logprobs=2 * params.beam_width,
+    step_params = SamplingParams(max_tokens=1, logprobs=num_logprobs,
                                  temperature=params.temperature, ignore_eos=True, detokenize=False)
 
     def score(beam: BeamSearchSequence) -> float:

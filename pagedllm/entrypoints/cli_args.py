@@ -4,7 +4,35 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from typing import Any
+
+
+def bounded_int(low: int, high: int | None = None) -> Callable[[str], int]:
+    """argparse type: an int in [low, high] (no upper bound when `high` is None).
+
+    The returned function raises argparse.ArgumentTypeError with a plain message ("expected an
+    integer from 0 to 65535, got '99999'"), which argparse prints after the flag's name.
+    """
+    wanted = f"an integer >= {low}" if high is None else f"an integer from {low} to {high}"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"expected {wanted}, got {text!r}")
+        return value
+
+    return parse
+
+
+def non_empty(text: str) -> str:
+    """argparse type: a string that is not empty or blank (raises ArgumentTypeError)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
 
 
 def _json_object(text: str) -> dict[str, Any]:
@@ -44,13 +72,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--nnodes", type=int, default=1, help="machines of a multi-node mp layout")
     g.add_argument("--node-rank", type=int, default=0, help="this machine's index (0 = engine)")
     g.add_argument("--master-addr", default=None, help="rank 0's address (default $MASTER_ADDR)")
-    g.add_argument("--master-port", type=int, default=None,
+    g.add_argument("--master-port", type=bounded_int(1, 65535), default=None,
                    help="rank 0's rendezvous port (default $MASTER_PORT)")
     g.add_argument("--speculative-config", type=_json_object, default=None,
                    help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
                         '\'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}\'')
     g.add_argument("--logprobs-mode", default="raw_logprobs",
                    choices=["raw_logprobs", "processed_logprobs"])
+    g.add_argument("--max-logprobs", type=int, default=20,
+                   help="most logprobs alternatives a request may ask for (-1: the vocabulary)")
+    g.add_argument("--max-n", type=int, default=128,
+                   help="most output sequences per prompt (a request's n)")
+    g.add_argument("--max-logit-bias", type=int, default=300,
+                   help="most logit_bias entries per request")
 
 
 _ENGINE_KEYS = ("tokenizer", "dtype", "max_model_len", "seed", "block_size",
@@ -59,7 +93,7 @@ _ENGINE_KEYS = ("tokenizer", "dtype", "max_model_len", "seed", "block_size",
                 "enable_chunked_prefill", "trust_remote_code", "tensor_parallel_size",
                 "pipeline_parallel_size", "distributed_executor_backend", "nnodes", "node_rank",
                 "master_addr", "master_port", "speculative_config",
-                "logprobs_mode")
+                "logprobs_mode", "max_logprobs", "max_n", "max_logit_bias")
 
 
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:

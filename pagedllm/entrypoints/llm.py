@@ -82,8 +82,11 @@ class LLM:
 
         Raises:
             GenerateError (a ValueError): after the valid requests have finished, if any request
-                was invalid; it carries the outputs of the others.
+                was invalid or failed alone inside a step (e.g. its logits processor raised; its
+                output then has finish_reason "error"); it carries the outputs of the others.
             ValueError: if the number of sampling params does not match the prompts.
+            Any exception of the engine itself (e.g. the model forward): the requests of this
+                call are aborted first, so the `LLM` stays usable for the next call.
         """
         self._require_runner("generate")
         prompts = self._as_prompt_list(prompts)
@@ -108,13 +111,22 @@ class LLM:
                 continue
             index_of[req_id] = i
         outputs: list[RequestOutput | None] = [None] * len(prompts)
-        with tqdm(total=len(index_of), disable=not use_tqdm, desc="Processed prompts",
-                  dynamic_ncols=True) as bar:
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    if out.finished:
-                        outputs[index_of[out.request_id]] = out
-                        bar.update(1)
+        try:
+            with tqdm(total=len(index_of), disable=not use_tqdm, desc="Processed prompts",
+                      dynamic_ncols=True) as bar:
+                while engine.has_unfinished_requests():
+                    for out in engine.step():
+                        if out.finished:
+                            outputs[index_of[out.request_id]] = out
+                            bar.update(1)
+        except BaseException:
+            # An engine fault or KeyboardInterrupt: free this call's requests before raising.
+            engine.abort_request([r for r, i in index_of.items() if outputs[i] is None])
+            raise
+        for i in index_of.values():
+            error = outputs[i].error
+            if error is not None:
+                errors[i] = error
         if errors:
             raise GenerateError(errors, outputs)
         return outputs  # type: ignore[return-value]

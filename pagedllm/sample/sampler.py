@@ -10,7 +10,7 @@ tokens never depend on what else is in the batch or on how its prompt was chunke
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,22 +34,27 @@ def _mix_seed(seed: int, position: int) -> int:
 
 @dataclass(frozen=True)
 class SamplerOutput:
-    """sampled_token_ids [B] int64; logprobs for the sampled tokens when any row asked."""
+    """sampled_token_ids [B] int64; logprobs for the sampled tokens when any row asked;
+    failed_rows: {row: message} of rows whose logits processor failed (their token is
+    meaningless and must be discarded)."""
 
     sampled_token_ids: torch.Tensor
     logprobs: LogprobsTensors | None
+    failed_rows: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class Distributions:
     """raw: [B, V] model logits; processed: [B, V] logits the token is drawn from (after every
     edit and, for random rows, temperature/min-p/top-k/top-p); greedy: [B] argmax of the edited
-    logits (None if all rows are random); probs: [B, V] softmax(processed) (None if all greedy)."""
+    logits (None if all rows are random); probs: [B, V] softmax(processed) (None if all greedy);
+    failed_rows: {row: message} of rows whose logits processor failed."""
 
     raw: torch.Tensor
     processed: torch.Tensor
     greedy: torch.Tensor | None
     probs: torch.Tensor | None
+    failed_rows: dict[int, str] = field(default_factory=dict)
 
 
 class Sampler:
@@ -68,20 +73,20 @@ class Sampler:
             random = self.race(dist.probs, metadata)
             sampled = random if dist.greedy is None else torch.where(
                 metadata.temperature > 0, random, dist.greedy)
-        return SamplerOutput(sampled, self.logprobs(dist, sampled, metadata))
+        return SamplerOutput(sampled, self.logprobs(dist, sampled, metadata), dist.failed_rows)
 
     def distributions(self, logits: torch.Tensor, md: SamplingMetadata) -> Distributions:
         raw = logits.float()
-        logits = self._process(raw, md)
+        logits, failed = self._process(raw, md)
         greedy = None if md.all_random else logits.argmax(dim=-1)
         if md.all_greedy:
-            return Distributions(raw, logits, greedy, None)
+            return Distributions(raw, logits, greedy, None, failed)
         temperature = md.temperature
         logits = logits / torch.where(temperature > 0, temperature, 1.0)[:, None]
         if md.min_p is not None:
             logits = apply_min_p(logits, md.min_p)
         logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
-        return Distributions(raw, logits, greedy, logits.softmax(dim=-1))
+        return Distributions(raw, logits, greedy, logits.softmax(dim=-1), failed)
 
     def noise(self, like: torch.Tensor, md: SamplingMetadata, stream: int = 0,
               exponential: bool = True) -> torch.Tensor:
@@ -102,8 +107,11 @@ class Sampler:
         return probs.div(q).argmax(dim=-1)
 
     @staticmethod
-    def _process(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        """Request-specific edits before temperature (each returns a new tensor)."""
+    def _process(logits: torch.Tensor, md: SamplingMetadata
+                 ) -> tuple[torch.Tensor, dict[int, str]]:
+        """Request-specific edits before temperature (each returns a new tensor); also returns
+        the rows whose logits processor failed."""
+        failed: dict[int, str] = {}
         if md.allowed_token_mask is not None:
             logits = apply_allowed_token_mask(logits, md.allowed_token_mask)
         if md.banned_rows is not None:
@@ -112,12 +120,12 @@ class Sampler:
             logits = apply_logit_bias(logits, md.logit_bias_rows, md.logit_bias_token_ids,
                                       md.logit_bias_values)
         if md.logits_processors:
-            logits = apply_logits_processors(logits, md.logits_processors)
+            logits, failed = apply_logits_processors(logits, md.logits_processors)
         if not md.no_penalties:
             logits = apply_penalties(logits, md.prompt_token_ids, md.output_token_ids,
                                      md.presence_penalties, md.frequency_penalties,
                                      md.repetition_penalties)
-        return logits
+        return logits, failed
 
     @staticmethod
     def logprobs(dist: Distributions, tokens: torch.Tensor,

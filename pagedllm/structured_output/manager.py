@@ -1,8 +1,9 @@
 """StructuredOutputManager (engine side): compiles grammars with xgrammar, keeps one matcher per
 structured request, builds each step's token bitmask and advances matchers with accepted tokens.
 
-- Parsing (`validate`) runs when a request arrives, so an invalid schema or grammar is a
-  ValueError for that request alone. Compiling runs on a background thread, cached per distinct
+- Parsing (`build_grammar`) runs at admission (the InputProcessor), so an invalid schema or
+  grammar is a ValueError for that request alone, before it is queued. A compile that still fails
+  later fails that request alone (the scheduler finishes it with "error"). Compiling runs on a background thread, cached per distinct
   spec; the scheduler does not schedule a structured request until its grammar is ready, so a slow
   compile never stalls other requests.
 - The bitmask is int32 [rows, ceil(vocab / 32)] (bit t of a row = token t allowed), one row per
@@ -33,6 +34,32 @@ def _choice_to_regex(choices: list[str]) -> str:
     return "(" + "|".join(re.escape(c) for c in choices) + ")"
 
 
+def build_grammar(params: StructuredOutputsParams):
+    """The xgrammar Grammar of a spec (parsing only, no tokenizer needed).
+
+    Raises:
+        ValueError: the schema, regex or grammar does not parse (message without xgrammar's
+            source-location prefix).
+    """
+    import xgrammar as xgr
+
+    kind, spec = params.key()
+    try:
+        if kind == "json":
+            return xgr.Grammar.from_json_schema(spec, any_whitespace=False)
+        if kind == "json_object":
+            return xgr.Grammar.builtin_json_grammar()
+        if kind == "regex":
+            return xgr.Grammar.from_regex(spec)
+        if kind == "choice":
+            return xgr.Grammar.from_regex(_choice_to_regex(json.loads(spec)))
+        return xgr.Grammar.from_ebnf(spec)
+    except (RuntimeError, ValueError, TypeError) as e:
+        # Drop xgrammar's "[time] /path/file.cc:line: " prefix from its messages.
+        message = _XGRAMMAR_PREFIX.sub("", str(e).splitlines()[0] if str(e) else type(e).__name__)
+        raise ValueError(f"structured_outputs: invalid {kind}: {message}") from e
+
+
 class StructuredOutputManager:
     """Args: a zero-argument function returning the model's HF tokenizer, and the vocabulary size
     (the logits width). xgrammar is imported and the tokenizer read on first use only, so engines
@@ -61,36 +88,13 @@ class StructuredOutputManager:
         return self._compiler
 
     # ----------------------------------------------------------------- grammars
-    def _grammar(self, params: StructuredOutputsParams):
-        xgr = self._xgr
-        kind, spec = params.key()
-        if kind == "json":
-            return xgr.Grammar.from_json_schema(spec, any_whitespace=False)
-        if kind == "json_object":
-            return xgr.Grammar.builtin_json_grammar()
-        if kind == "regex":
-            return xgr.Grammar.from_regex(spec)
-        if kind == "choice":
-            return xgr.Grammar.from_regex(_choice_to_regex(json.loads(spec)))
-        return xgr.Grammar.from_ebnf(spec)
-
-    def validate(self, params: StructuredOutputsParams) -> None:
-        """Parse the spec (fast); raises ValueError naming the problem."""
-        try:
-            self._grammar(params)
-        except (RuntimeError, ValueError, TypeError) as e:
-            kind = params.key()[0]
-            # Drop xgrammar's "[time] /path/file.cc:line: " prefix from its messages.
-            message = _XGRAMMAR_PREFIX.sub("", str(e).splitlines()[0])
-            raise ValueError(f"invalid structured output {kind}: {message}") from e
-
     def add_request(self, req_id: str, params: StructuredOutputsParams) -> None:
         """Start (or reuse) the compile of the request's grammar in the background."""
         key = params.key()
         future = self._compiled.get(key)
         if future is None:
             future = self._executor.submit(lambda: self.compiler.compile_grammar(
-                self._grammar(params)))
+                build_grammar(params)))
             self._compiled[key] = future
         self._pending[req_id] = future
 

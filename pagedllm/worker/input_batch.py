@@ -16,6 +16,8 @@ from pagedllm.core.sched_output import NewRequestData
 from pagedllm.spec_decode.metadata import SpecDecodeMetadata
 from pagedllm.worker.block_table import BlockTable
 
+_INT32_MAX = 2**31 - 1
+
 
 class RequestStates:
     """Token ids, progress and sampling parameters of every live request, by slot.
@@ -73,12 +75,14 @@ class RequestStates:
         sp = req.sampling_params
         self.temperature[idx] = sp.temperature
         self.top_p[idx] = sp.top_p
-        self.top_k[idx] = sp.top_k
+        # int32 slots: a top_k beyond any vocabulary means "all tokens" just as well; min_tokens
+        # beyond max_model_len can never be reached either way.
+        self.top_k[idx] = min(sp.top_k, _INT32_MAX)
         self.min_p[idx] = sp.min_p
         self.presence_penalty[idx] = sp.presence_penalty
         self.frequency_penalty[idx] = sp.frequency_penalty
         self.repetition_penalty[idx] = sp.repetition_penalty
-        self.min_tokens[idx] = sp.min_tokens
+        self.min_tokens[idx] = min(sp.min_tokens, _INT32_MAX)
         self.has_seed[idx] = sp.seed is not None
         self.seeds[idx] = sp.seed or 0
         self.stop_token_ids[idx] = sorted(sp.all_stop_token_ids)

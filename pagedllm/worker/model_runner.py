@@ -269,13 +269,18 @@ class ModelRunner:
         sampled_token_ids: list[list[int]] = [[] for _ in batch.req_ids]
         logprobs: dict[str, LogprobsLists] = {}
         drafts: dict[str, list[int]] = {}
+        errors: dict[str, str] = {}
         if len(sampled_rows):
             if batch.spec_decode_metadata is None:
-                tokens, lp_lists, lp_rows = self._sample(sampled_rows, logits)
+                tokens, lp_lists, lp_rows, failed = self._sample(sampled_rows, logits)
             else:
-                tokens, lp_lists, lp_rows = self._verify(sampled_rows, logits,
-                                                         batch.spec_decode_metadata)
+                tokens, lp_lists, lp_rows, failed = self._verify(sampled_rows, logits,
+                                                                 batch.spec_decode_metadata)
             for i, b in enumerate(batch.sampled_batch_idx.tolist()):
+                if i in failed:
+                    # Its logits processor raised: nothing is recorded, the scheduler ends it.
+                    errors[batch.req_ids[b]] = failed[i]
+                    continue
                 sampled_token_ids[b] = tokens[i]
                 self.states.append_tokens(sampled_rows[i], tokens[i])
                 k = int(self.states.num_logprobs[sampled_rows[i]])
@@ -291,17 +296,17 @@ class ModelRunner:
                                  req_id_to_index={r: i for i, r in enumerate(batch.req_ids)},
                                  sampled_token_ids=sampled_token_ids, logprobs=logprobs,
                                  prompt_logprobs_dict=prompt_logprobs,
-                                 draft_token_ids=drafts)
+                                 draft_token_ids=drafts, request_errors=errors)
 
     def _sample(self, rows: np.ndarray, logits: torch.Tensor):
         """One token per row. Returns (tokens per row, logprob lists or None, first logprob row
-        of each row)."""
+        of each row, {row index: message} of rows whose logits processor failed)."""
         metadata = build_sampling_metadata(self.states, rows, logits.shape[-1], self.device,
                                            self.logprobs_mode)
         out = self.sampler(logits, metadata)
         tokens = out.sampled_token_ids.tolist()
         lp = None if out.logprobs is None else _to_lists(out.logprobs)
-        return [[t] for t in tokens], lp, list(range(len(tokens)))
+        return [[t] for t in tokens], lp, list(range(len(tokens))), out.failed_rows
 
     def _verify(self, rows: np.ndarray, logits: torch.Tensor, spec: SpecDecodeMetadata):
         """Rejection-sample the drafts; same returns as `_sample`."""
@@ -312,7 +317,10 @@ class ModelRunner:
                                            self.logprobs_mode, position_offsets=offsets)
         tokens, dist, emitted_at_row = rejection_sample(self.sampler, logits, metadata, spec)
         lp = self.sampler.logprobs(dist, emitted_at_row, metadata)
-        return tokens, None if lp is None else _to_lists(lp), spec.cu_num_logits[:-1].tolist()
+        request_of_row = np.repeat(np.arange(len(rows)), num_logits)
+        failed = {int(request_of_row[j]): message for j, message in dist.failed_rows.items()}
+        return (tokens, None if lp is None else _to_lists(lp), spec.cu_num_logits[:-1].tolist(),
+                failed)
 
     def _propose(self, batch: InputBatch, rows: np.ndarray) -> dict[str, list[int]]:
         """Draft tokens for the next step of each sampled request that can use them.

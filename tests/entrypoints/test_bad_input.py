@@ -113,3 +113,100 @@ def test_cli_generate(tiny_checkpoints, capsys):
 def test_cli_bad_args(capsys):
     assert cli_main(["generate", "--model", "/no/such/dir", "--prompt", "x"]) == 1
     assert "model folder not found" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------- issue #16: the admission gate
+
+GREEDY4 = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+
+def _still_usable(llm, expected=None):
+    """A normal greedy request still runs (and gives `expected` tokens when given)."""
+    tokens = llm.generate([[5, 6, 7]], GREEDY4, use_tqdm=False)[0].outputs[0].token_ids
+    assert len(tokens) == 4
+    if expected is not None:
+        assert tokens == expected
+    assert not llm.llm_engine.has_unfinished_requests()
+    return tokens
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(seed=2**63), dict(seed=-(2**63) - 1), dict(top_k=2**70), dict(n=2**70),
+    dict(truncate_prompt_tokens=2**70), dict(max_tokens=2**64), dict(min_tokens=-1),
+    dict(temperature=float("nan")), dict(temperature=float("inf")), dict(top_p=float("nan")),
+    dict(logit_bias={1: float("nan")}), dict(logit_bias={"x": 1}), dict(n=True),
+    dict(stop_token_ids=[-1]), dict(stop_token_ids=5), dict(stop=7), dict(ignore_eos="yes"),
+    dict(allowed_token_ids=[2**64])])
+def test_sampling_params_refuse_out_of_range_and_non_finite(kwargs):
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        SamplingParams(**kwargs)
+
+
+def test_int64_edges_run(llm):
+    before = _still_usable(llm)
+    outs = llm.generate([[5, 6, 7]], SamplingParams(seed=2**63 - 1, n=3, top_k=2**62,
+                                                    min_tokens=2, max_tokens=3),
+                        use_tqdm=False)
+    assert len(outs[0].outputs) == 3
+    _still_usable(llm, before)
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(stop_token_ids=[10**6], min_tokens=1), "stop_token_ids"),
+    (dict(logit_bias={10**6: 1.0}), "logit_bias"),
+    (dict(allowed_token_ids=[1, 10**6]), "allowed_token_ids"),
+    (dict(logprobs=10**6), "logprobs"),
+    (dict(prompt_logprobs=21), "prompt_logprobs"),
+    (dict(n=10**9), "n"),
+    (dict(logit_bias={i: 1.0 for i in range(301)}), "logit_bias"),
+    (dict(structured_outputs={"regex": "(a|b"}), "structured_outputs"),
+])
+def test_gate_refuses_alone_and_llm_stays_usable(llm, kwargs, field):
+    before = _still_usable(llm)
+    with pytest.raises(GenerateError) as info:
+        llm.generate([[5, 6, 7], [8, 9]], [GREEDY4, SamplingParams(max_tokens=4, **kwargs)],
+                     use_tqdm=False)
+    assert set(info.value.errors) == {1} and info.value.errors[1].startswith(field)
+    assert info.value.outputs[0].outputs[0].token_ids == before
+    _still_usable(llm, before)
+
+
+def test_logits_processor_failure_fails_its_request_alone(llm):
+    before = _still_usable(llm)
+
+    def broken(output_ids, logits):
+        if len(output_ids) == 2:
+            raise RuntimeError("boom")
+        return logits
+
+    def wrong_shape(output_ids, logits):
+        return logits[:3]
+
+    with pytest.raises(GenerateError) as info:
+        llm.generate([[5, 6, 7]] * 3, [GREEDY4, SamplingParams(max_tokens=4, logits_processors=[
+            broken]), SamplingParams(max_tokens=4, logits_processors=[wrong_shape])],
+                     use_tqdm=False)
+    err = info.value
+    assert set(err.errors) == {1, 2}
+    assert "broken" in err.errors[1] and "boom" in err.errors[1]
+    failed = err.outputs[1].outputs[0]
+    assert failed.finish_reason == "error" and len(failed.token_ids) == 2
+    assert err.outputs[2].outputs[0].finish_reason == "error"
+    assert err.outputs[0].outputs[0].token_ids == before
+    assert llm.get_stats().num_running_reqs == 0
+    _still_usable(llm, before)
+
+
+def test_interrupted_generate_leaves_nothing_running(llm):
+    """An exception that escapes the step (here KeyboardInterrupt from user code) aborts the
+    call's requests, so the next generate neither hangs nor sees them."""
+    before = _still_usable(llm)
+
+    def interrupt(output_ids, logits):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([[5, 6, 7], [8, 9, 10]], [GREEDY4, SamplingParams(
+            max_tokens=4, logits_processors=[interrupt])], use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    _still_usable(llm, before)

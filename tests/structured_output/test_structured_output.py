@@ -88,7 +88,7 @@ def test_invalid_spec_fails_alone(llm, spec):
     with pytest.raises(GenerateError) as info:
         llm.generate(["a", "b"], [good, SamplingParams(max_tokens=5, structured_outputs=spec)],
                      use_tqdm=False)
-    assert 1 in info.value.errors and "invalid structured output" in info.value.errors[1]
+    assert 1 in info.value.errors and "structured_outputs: invalid" in info.value.errors[1]
     assert info.value.outputs[0].finished
 
 

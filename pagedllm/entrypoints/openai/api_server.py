@@ -7,7 +7,10 @@ API key, every route but /health and /metrics needs `Authorization: Bearer <key>
 
 Shutdown: uvicorn handles SIGINT/SIGTERM (stop accepting, let open requests finish up to a grace
 period, cancel the rest, which aborts their engine requests); the app's lifespan then stops the
-engine thread. Run as `python -m pagedllm.entrypoints.openai.api_server [serve flags]`.
+engine thread. If the engine itself dies (the model forward or a worker failed), every pending
+request fails at once, new ones get 503, and the server shuts down and exits with status 1 so a
+supervisor restarts it (as vLLM does). Request bodies over `max_request_body_bytes` get 413.
+Run as `python -m pagedllm.entrypoints.openai.api_server [serve flags]`.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import logging
 import secrets
 import signal
 import sys
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import Awaitable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -34,7 +37,8 @@ from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, Complet
                                                   ModelCard, ModelList)
 from pagedllm.entrypoints.openai.serving_chat import ServingChat
 from pagedllm.entrypoints.openai.serving_completion import ServingCompletion
-from pagedllm.entrypoints.openai.serving_engine import OpenAIServing, OpenAIServingError
+from pagedllm.entrypoints.openai.serving_engine import (OpenAIServing, OpenAIServingError,
+                                                        SSEStream)
 from pagedllm.logger import init_logger
 
 logger = logging.getLogger(__name__)
@@ -42,6 +46,8 @@ logger = logging.getLogger(__name__)
 _OPEN_PATHS = ("/health", "/metrics")
 # Seconds uvicorn waits for open requests on SIGINT/SIGTERM before cancelling them.
 GRACEFUL_SHUTDOWN_S = 5
+# Default cap on a request body (bytes): a prompt of 128k token ids as JSON is about 1 MB.
+MAX_REQUEST_BODY_BYTES = 8 << 20
 
 
 def _error_response(error: OpenAIServingError) -> JSONResponse:
@@ -74,6 +80,49 @@ class ApiKeyMiddleware:
         await response(scope, receive, send)
 
 
+class BodySizeLimitMiddleware:
+    """Pure ASGI middleware: 413 for a request body over `max_bytes`, whether announced by
+    Content-Length or sent chunked (then read up to the limit and replayed to the app)."""
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None:
+            if not length.isdigit() or int(length) > self.max_bytes:
+                await self._refuse(scope, receive, send)
+                return
+            await self.app(scope, receive, send)  # h11 enforces the announced length
+            return
+        messages, size = [], 0
+        while True:
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request":
+                break
+            size += len(message.get("body", b""))
+            if size > self.max_bytes:
+                await self._refuse(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+
+        async def replay() -> dict:
+            return messages.pop(0) if messages else await receive()
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope: dict, receive: Any, send: Any) -> None:
+        response = _error_response(OpenAIServingError(
+            f"the request body is larger than {self.max_bytes} bytes", 413,
+            code="request_too_large"))
+        await response(scope, receive, send)
+
+
 async def _wait_for_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
@@ -95,14 +144,32 @@ async def _cancel_on_disconnect(request: Request, handler: Awaitable[Any]) -> An
             await asyncio.gather(task, return_exceptions=True)
     if task.cancelled():
         return Response(status_code=499)  # nobody reads it: the client is gone
+    if watcher.done() and not watcher.cancelled() and isinstance(task.result(), SSEStream):
+        task.result().close()  # admitted as the client left: nobody will stream it
+        return Response(status_code=499)
     return task.result()
+
+
+class _SSEResponse(StreamingResponse):
+    """A streamed answer that closes its engine streams however the response ends: finished,
+    client gone, cancelled, or failed before the first byte (which aborts what still runs)."""
+
+    def __init__(self, stream: SSEStream) -> None:
+        super().__init__(stream.events, media_type="text/event-stream")
+        self._stream = stream
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._stream.close()
 
 
 def _respond(result: Any) -> Response:
     if isinstance(result, Response):
         return result
-    if isinstance(result, AsyncIterator):
-        return StreamingResponse(result, media_type="text/event-stream")
+    if isinstance(result, SSEStream):
+        return _SSEResponse(result)
     return JSONResponse(result.model_dump())
 
 
@@ -119,11 +186,14 @@ def _validation_error(exc: RequestValidationError) -> OpenAIServingError:
     return OpenAIServingError(f"invalid request: {details}", 400, param=loc[0] if loc else None)
 
 
-def install_auth_and_error_handlers(app: FastAPI, api_key: str | None) -> None:
-    """Bearer-key check (when `api_key` is set) and OpenAI-shaped error bodies for every error
-    class: serving errors, request validation (400), HTTP errors, unhandled exceptions (500)."""
+def install_auth_and_error_handlers(app: FastAPI, api_key: str | None,
+                                    max_request_body_bytes: int = MAX_REQUEST_BODY_BYTES) -> None:
+    """Body-size cap (413), bearer-key check (when `api_key` is set) and OpenAI-shaped error
+    bodies for every error class: serving errors, request validation (400), HTTP errors,
+    unhandled exceptions (500)."""
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)
 
     @app.exception_handler(OpenAIServingError)
     async def _on_serving_error(request: Request, exc: OpenAIServingError) -> JSONResponse:
@@ -145,7 +215,8 @@ def install_auth_and_error_handlers(app: FastAPI, api_key: str | None) -> None:
 
 def build_app(async_llm: AsyncLLM | DataParallelAsyncLLM, served_model_names: Sequence[str],
               metrics: PrometheusStatLogger | None = None, api_key: str | None = None,
-              model_root: str | None = None) -> FastAPI:
+              model_root: str | None = None,
+              max_request_body_bytes: int = MAX_REQUEST_BODY_BYTES) -> FastAPI:
     """The FastAPI app over a (not necessarily started) `AsyncLLM`.
 
     Args:
@@ -154,6 +225,7 @@ def build_app(async_llm: AsyncLLM | DataParallelAsyncLLM, served_model_names: Se
         metrics: the stat logger given to `async_llm` (GET /metrics renders it); None: no metrics.
         api_key: require `Authorization: Bearer <api_key>` on every route but /health, /metrics.
         model_root: the checkpoint path shown as `root` in /v1/models.
+        max_request_body_bytes: larger request bodies get 413.
     """
     serving = OpenAIServing(async_llm, served_model_names)
     completions, chats = ServingCompletion(serving), ServingChat(serving)
@@ -167,7 +239,7 @@ def build_app(async_llm: AsyncLLM | DataParallelAsyncLLM, served_model_names: Se
             await asyncio.to_thread(async_llm.shutdown)
 
     app = FastAPI(title="pagedllm OpenAI-compatible server", lifespan=lifespan)
-    install_auth_and_error_handlers(app, api_key)
+    install_auth_and_error_handlers(app, api_key, max_request_body_bytes)
 
     @app.get("/health")
     async def health() -> Response:
@@ -208,8 +280,12 @@ def run_server(model: str, engine_kwargs: dict[str, Any], host: str = "127.0.0.1
                port: int = 8000, api_key: str | None = None,
                served_model_names: Sequence[str] | None = None,
                log_level: str = "info", runner: str = "auto",
-               data_parallel_size: int = 1) -> None:
-    """Load the model, then serve until SIGINT/SIGTERM.
+               data_parallel_size: int = 1,
+               max_request_body_bytes: int = MAX_REQUEST_BODY_BYTES) -> int:
+    """Load the model, then serve until SIGINT/SIGTERM or until the engine dies.
+
+    Returns the process exit status: 0 after a signal, 1 if the engine died (so a supervisor
+    restarts the server).
 
     Args:
         model: checkpoint folder or hub id.
@@ -218,6 +294,7 @@ def run_server(model: str, engine_kwargs: dict[str, Any], host: str = "127.0.0.1
         runner: "generate", "pooling" (serve /v1/embeddings, see embedding_server.py) or
             "auto" (pooling for architectures without an LM head).
         data_parallel_size: engine replicas behind this server (see engine/dp_async_llm.py).
+        max_request_body_bytes: larger request bodies get 413.
 
     Raises:
         ValueError, FileNotFoundError: invalid engine arguments or a missing model (before any
@@ -245,19 +322,29 @@ def run_server(model: str, engine_kwargs: dict[str, Any], host: str = "127.0.0.1
         else:
             async_llm = AsyncLLM.from_engine_args(model, stat_loggers=[metrics],
                                                   **engine_kwargs)
-        app = build_app(async_llm, names, metrics=metrics, api_key=api_key, model_root=model)
+        app = build_app(async_llm, names, metrics=metrics, api_key=api_key, model_root=model,
+                        max_request_body_bytes=max_request_body_bytes)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    server = uvicorn.Server(config)
+    engine_died: list[BaseException] = []
+    if async_llm is not None:
+        def stop_serving(error: BaseException) -> None:
+            logger.error("the engine died (%s): failing pending requests and shutting down", error)
+            engine_died.append(error)
+            server.should_exit = True
+        async_llm.on_dead(stop_serving)
     logger.info("serving %s as %s on http://%s:%d", model, names, host, port)
     previous = {sig: signal.signal(sig, _exit_after_graceful_shutdown)
                 for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        uvicorn.Server(config).run()
+        server.run()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         if async_llm is not None:
             async_llm.shutdown()
+    return 1 if engine_died else 0
 
 
 def _exit_after_graceful_shutdown(signum: int, frame: Any) -> None:

@@ -1,26 +1,54 @@
-"""`pagedllm serve` flags and runner (the server modules are imported only when serving)."""
+"""`pagedllm serve` flags and runner (the server modules are imported only when serving).
+
+Every flag is checked before the model loads: the value of each by its argparse type (exit
+status 2), then in `check_serve_args` what needs the others or the machine (exit status 1 via
+`pagedllm.entrypoints.cli`): pooling-only flags, local model folders, and that the server can
+listen on --host:--port. The engine validates its own flags when it builds its config, which
+also precedes loading.
+"""
 
 from __future__ import annotations
 
 import argparse
+import errno
+import os
+import socket
 
-from pagedllm.entrypoints.cli_args import add_engine_args, engine_kwargs_from_args
+from pagedllm.entrypoints.cli_args import (add_engine_args, bounded_int, engine_kwargs_from_args,
+                                           non_empty)
+
+_SERVE_USAGE = "%(prog)s [--model MODEL] [--host HOST] [--port PORT] [options] (see --help)"
+
+
+def _api_key(text: str) -> str:
+    """argparse type of --api-key: not empty (that would turn authentication off) and without
+    surrounding whitespace (HTTP clients strip it, so no request could match)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty (omit --api-key to serve without "
+                                         "authentication)")
+    if text != text.strip():
+        raise argparse.ArgumentTypeError("must not start or end with whitespace")
+    return text
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     """Server flags plus the shared engine flags (--model, --dtype, ...)."""
     add_engine_args(parser)
     g = parser.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--api-key", default=None,
+    g.add_argument("--host", type=non_empty, default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1)")
+    g.add_argument("--port", type=bounded_int(0, 65535), default=8000,
+                   help="TCP port, 0..65535 (0: any free port; default 8000)")
+    g.add_argument("--api-key", type=_api_key, default=None,
                    help="require `Authorization: Bearer KEY` (all routes but /health, /metrics)")
-    g.add_argument("--served-model-name", nargs="+", default=None,
+    g.add_argument("--served-model-name", nargs="+", type=non_empty, default=None,
                    help="model name(s) clients use (default: --model, or the shipped model's "
                         "name)")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
-    g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+    g.add_argument("--max-request-body-bytes", type=bounded_int(1), default=8 << 20,
+                   help="larger request bodies get HTTP 413 (default 8 MiB)")
+    g.add_argument("--data-parallel-size", "-dp", type=bounded_int(1), default=1,
                    help="engine replicas behind this server, balanced by queue length")
     g.add_argument("--runner", default="auto", choices=["auto", "generate", "pooling"],
                    help="pooling: serve /v1/embeddings (docs/embeddings.md); auto: pooling for "
@@ -33,18 +61,94 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register `serve` on the `pagedllm` command's subparsers (runs `run_serve`)."""
-    parser = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    parser = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server",
+                                   usage=_SERVE_USAGE)
     add_serve_args(parser)
     parser.set_defaults(func=run_serve)
     return parser
 
 
-def run_serve(args: argparse.Namespace) -> int:
-    """Serve until SIGINT/SIGTERM; returns the exit code (0).
+def check_can_listen(host: str, port: int) -> None:
+    """Check now that a server can listen on `host`:`port`, as uvicorn will after the model
+    loads: asyncio binds every address `host` resolves to (skipping those of a disabled address
+    family), so each is bound here with the same options, then closed.
 
     Raises:
-        ValueError, FileNotFoundError: invalid engine arguments or a missing model.
+        ValueError: "cannot listen on HOST:PORT: REASON": the host does not resolve, the port
+            is in use or privileged, or no address is one of this machine's.
     """
+    where = f"{host}:{port}"
+    try:
+        infos = socket.getaddrinfo(host, port, family=socket.AF_UNSPEC, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ValueError(f"cannot listen on {where}: host {host!r} does not resolve "
+                         f"({e.strerror})") from None
+    not_local: OSError | None = None
+    bound = 0
+    for family, kind, proto, _, address in infos:
+        try:
+            sock = socket.socket(family, kind, proto)
+        except OSError:
+            continue  # an address family this kernel lacks: asyncio skips it too
+        with sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(address)
+            except OSError as e:
+                if e.errno != errno.EADDRNOTAVAIL:
+                    raise ValueError(f"cannot listen on {where}: {e.strerror or e}") from None
+                not_local = e
+                continue
+            bound += 1
+    if not bound:
+        reason = not_local.strerror if not_local is not None else "no usable address"
+        raise ValueError(f"cannot listen on {where}: {reason} (not an address of this "
+                         f"machine)")
+
+
+def _check_local_folder(flag: str, value: str | None) -> None:
+    """FileNotFoundError for a --model/--tokenizer value that is a path (as the engine tells a
+    path from a hub id: it starts with '.', '/' or '~', has more than one '/', or exists) but
+    not a folder; hub ids are left to the engine."""
+    if value is None or os.path.isdir(value):
+        return
+    if value.startswith((".", "/", "~")) or value.count("/") > 1 or os.path.exists(value):
+        what = "is a file, not a checkpoint folder" if os.path.exists(value) else "no such folder"
+        hint = " (a '~' after '=' is not expanded by the shell)" if value.startswith("~") else ""
+        raise FileNotFoundError(f"{flag} {value}: {what}{hint}")
+
+
+def check_serve_args(args: argparse.Namespace) -> None:
+    """The checks of `pagedllm serve`'s flags that argparse cannot make alone, all cheap: run
+    before anything loads.
+
+    Raises:
+        ValueError: a pooling-only flag without --runner pooling, --data-parallel-size > 1
+            with --runner pooling, or a --host/--port the server cannot listen on.
+        FileNotFoundError: --model or --tokenizer is a path but not a folder.
+    """
+    for key in ("pooling_type", "normalize"):
+        if getattr(args, key) is not None and args.runner != "pooling":
+            raise ValueError(f"--{key.replace('_', '-')} needs --runner pooling")
+    if args.runner == "pooling" and args.data_parallel_size > 1:
+        raise ValueError("--data-parallel-size > 1 is not supported with --runner pooling")
+    _check_local_folder("--model", args.model)
+    _check_local_folder("--tokenizer", args.tokenizer)
+    check_can_listen(args.host, args.port)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Check every flag (`check_serve_args`), then serve until SIGINT/SIGTERM (exit code 0) or
+    until the engine dies (exit code 1).
+
+    Raises:
+        ValueError, FileNotFoundError: invalid flags or engine arguments, a missing model, or a
+            --host:--port the server cannot listen on; all before the model loads.
+    """
+    check_serve_args(args)
     from pagedllm.assets import DEFAULT_MODEL_NAME
     from pagedllm.entrypoints.openai.api_server import run_server
 
@@ -54,10 +158,8 @@ def run_serve(args: argparse.Namespace) -> int:
                                        else DEFAULT_MODEL_NAME]
     for key in ("pooling_type", "normalize"):
         if getattr(args, key) is not None:
-            if args.runner != "pooling":
-                raise ValueError(f"--{key.replace('_', '-')} needs --runner pooling")
             kwargs[key] = getattr(args, key)
-    run_server(model, kwargs, host=args.host, port=args.port, api_key=args.api_key,
-               served_model_names=names, log_level=args.uvicorn_log_level, runner=args.runner,
-               data_parallel_size=args.data_parallel_size)
-    return 0
+    return run_server(model, kwargs, host=args.host, port=args.port, api_key=args.api_key,
+                      served_model_names=names, log_level=args.uvicorn_log_level,
+                      runner=args.runner, data_parallel_size=args.data_parallel_size,
+                      max_request_body_bytes=args.max_request_body_bytes)

@@ -1,8 +1,11 @@
 """Pydantic models of the OpenAI API subset we serve (field names and shapes as OpenAI's).
 
-Requests carry vLLM's extra sampling fields (top_k, min_p, repetition_penalty, ignore_eos, ...);
-unknown fields are ignored, as OpenAI's and vLLM's servers do. Turning a request into
-`SamplingParams` lives here so completions and chat share one mapping.
+Requests carry vLLM's extra sampling fields (top_k, min_p, repetition_penalty, ignore_eos, ...).
+An unknown field is refused with a 400 naming it, as OpenAI's API does ("Unrecognized request
+argument"), and so is a known field this server cannot honour (`suffix`, `best_of` other than `n`,
+`tools` unless `tool_choice` is "none"): silently dropping a field that changes what the answer must
+be would return a wrong answer. Floats must be finite (NaN and Infinity are refused). Turning a
+request into `SamplingParams` lives here so completions and chat share one mapping.
 """
 
 from __future__ import annotations
@@ -50,8 +53,16 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-class StreamOptions(BaseModel):
+class _StrictModel(BaseModel):
+    """Unknown fields and non-finite floats are validation errors (400 naming the field)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class StreamOptions(_StrictModel):
     include_usage: bool = False
+    # Every chunk carries the usage so far (vLLM's extension).
+    continuous_usage_stats: bool = False
 
 
 class UsageInfo(BaseModel):
@@ -60,23 +71,22 @@ class UsageInfo(BaseModel):
     total_tokens: int = 0
 
 
-class JsonSchemaFormat(BaseModel):
+class JsonSchemaFormat(_StrictModel):
     name: str | None = None
+    description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(_StrictModel):
     """OpenAI's response_format: {"type": "text" | "json_object" | "json_schema", ...}."""
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class _SamplingRequest(BaseModel):
+class _SamplingRequest(_StrictModel):
     """Fields shared by completion and chat requests (OpenAI's plus vLLM's extras)."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
     n: int = 1
@@ -93,10 +103,16 @@ class _SamplingRequest(BaseModel):
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # Accepted and ignored: they do not change the answer.
     user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
@@ -108,6 +124,22 @@ class _SamplingRequest(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+
+    def check_supported(self) -> None:
+        """Raises ValueError naming a field this server cannot honour (the answer would be
+        wrong if it were dropped)."""
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream: true")
+
+    def structured_outputs_field(self) -> str:
+        """The request field that carries the output constraint (for error messages)."""
+        if self.response_format is not None and self.response_format.type != "text":
+            return "response_format"
+        for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                     "guided_grammar"):
+            if getattr(self, name) is not None:
+                return name
+        return "structured_outputs"
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """The request's output constraint, if any (raises ValueError naming the problem)."""
@@ -158,7 +190,9 @@ class _SamplingRequest(BaseModel):
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             max_tokens=max_tokens, min_tokens=self.min_tokens,
             skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
             structured_outputs=self.structured_outputs_params())
 
 
@@ -169,6 +203,18 @@ class CompletionRequest(_SamplingRequest):
     max_tokens: int | None = 16
     echo: bool = False
     logprobs: int | None = None
+    # Known but not supported: refused unless they leave the answer unchanged.
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.suffix:
+            raise ValueError("suffix is not supported (insertion needs a fill-in-the-middle "
+                             "model and template)")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of is not supported unless equal to n ({self.n}); got "
+                             f"{self.best_of}")
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
@@ -178,9 +224,10 @@ class CompletionRequest(_SamplingRequest):
 
 
 class ChatMessage(BaseModel):
+    # Extra keys (`name`, `tool_call_id`, ...) are passed on to the chat template.
     model_config = ConfigDict(extra="allow")
 
-    role: str
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
 
     def text_content(self) -> str:
@@ -209,6 +256,19 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool = True
     logprobs: bool = False
     top_logprobs: int | None = None
+    # Tool calling is not built yet: refused unless it cannot change the answer.
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.tools and self.tool_choice != "none":
+            raise ValueError("tools are not supported by this server yet (tool calling); send "
+                             'tool_choice: "none" or no tools')
+        if self.tool_choice not in (None, "none"):
+            raise ValueError(f"tool_choice {self.tool_choice!r} is not supported by this server "
+                             "yet (tool calling)")
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None \

@@ -10,16 +10,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
-from contextlib import aclosing
 
 from pagedllm.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk,
                                                   ChatCompletionRequest, ChatCompletionResponse,
                                                   ChatLogprobs, ChatResponseMessage,
                                                   ChatStreamChoice, TokenLogprob, TopLogprob,
                                                   now_s, random_id)
+from pagedllm.engine.async_llm import RequestStream
 from pagedllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing,
-                                                        OpenAIServingError, clamp_logprob,
-                                                        error_from_exception, sse_event, usage_of)
+                                                        OpenAIServingError, SSEStream,
+                                                        clamp_logprob, error_from_exception,
+                                                        sse_event, usage_of, usage_so_far)
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -52,28 +53,30 @@ class ServingChat:
         self.serving = serving
 
     async def create_chat_completion(self, request: ChatCompletionRequest
-                                     ) -> ChatCompletionResponse | AsyncIterator[str]:
-        """A response object, or (stream=True) an iterator of SSE lines.
+                                     ) -> ChatCompletionResponse | SSEStream:
+        """A response object, or (stream=True) the SSE stream.
 
         Raises:
-            OpenAIServingError: for an invalid request (before any engine work starts).
+            OpenAIServingError: for an invalid request (before any byte is sent), a request that
+                failed alone (500) or a dead engine (503).
         """
-        model = self.serving.check_model(request.model)
-        self.serving.check_logprobs(request, "top_logprobs")
-        token_ids = self.serving.check_token_ids(self._render(request))
-        params = self.serving.sampling_params(request, len(token_ids))
+        model = self.serving.check_request(request, "top_logprobs")
+        token_ids, params = self.serving.prepare(
+            request, self.serving.check_token_ids(self._render(request), param="messages"))
         response_id, created = random_id("chatcmpl"), now_s()
-        generator = self.serving.async_llm.generate({"prompt_token_ids": token_ids}, params,
-                                                    response_id)
+        [stream] = await self.serving.admit(request, [({"prompt_token_ids": token_ids}, params)],
+                                            response_id)
         if request.stream:
-            return self._stream(request, generator, response_id, created, model)
+            return SSEStream(self._stream(request, stream, len(token_ids), response_id, created,
+                                          model), [stream])
         final: RequestOutput | None = None
         try:
-            async with aclosing(generator):
-                async for out in generator:
-                    final = out
+            async for out in stream:
+                final = out
         except Exception as e:  # noqa: BLE001 - mapped to an HTTP error
-            raise error_from_exception(e, list(ChatCompletionRequest.model_fields)) from e
+            raise error_from_exception(e, request) from e
+        finally:
+            stream.close()
         choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
                               logprobs=self._logprobs(request, c, 0),
                               finish_reason=c.finish_reason, stop_reason=c.stop_reason)
@@ -81,40 +84,45 @@ class ServingChat:
         return ChatCompletionResponse(id=response_id, created=created, model=model,
                                       usage=usage_of([final]), choices=choices)
 
-    async def _stream(self, request: ChatCompletionRequest, generator: AsyncIterator,
-                      response_id: str, created: int, model: str) -> AsyncIterator[str]:
-        def chunk(choice: ChatStreamChoice) -> str:
-            return sse_event(ChatCompletionChunk(id=response_id, created=created, model=model,
-                                                 choices=[choice]))
+    async def _stream(self, request: ChatCompletionRequest, stream: RequestStream,
+                      num_prompt_tokens: int, response_id: str, created: int,
+                      model: str) -> AsyncIterator[str]:
+        options = request.stream_options
         sent_chars, sent_tokens = [0] * request.n, [0] * request.n
+
+        def chunk(choice: ChatStreamChoice) -> str:
+            usage = None
+            if options is not None and options.continuous_usage_stats:
+                usage = usage_so_far(num_prompt_tokens, sent_tokens[choice.index])
+            return sse_event(ChatCompletionChunk(id=response_id, created=created, model=model,
+                                                 choices=[choice], usage=usage))
         done = [False] * request.n
         final: RequestOutput | None = None
         try:
             for index in range(request.n):
                 yield chunk(ChatStreamChoice(index=index,
                                              delta={"role": "assistant", "content": ""}))
-            async with aclosing(generator):
-                async for out in generator:
-                    final = out
-                    for c in out.outputs:
-                        if done[c.index]:
-                            continue
-                        delta = c.text[sent_chars[c.index]:]
-                        logprobs = self._logprobs(request, c, sent_tokens[c.index])
-                        if logprobs is not None and not logprobs.content:
-                            logprobs = None
-                        sent_chars[c.index] += len(delta)
-                        sent_tokens[c.index] = len(c.token_ids)
-                        done[c.index] = c.finish_reason is not None
-                        if delta or done[c.index] or logprobs is not None:
-                            yield chunk(ChatStreamChoice(
-                                index=c.index, delta={"content": delta}, logprobs=logprobs,
-                                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
-            if request.stream_options is not None and request.stream_options.include_usage:
+            async for out in stream:
+                final = out
+                for c in out.outputs:
+                    if done[c.index]:
+                        continue
+                    delta = c.text[sent_chars[c.index]:]
+                    logprobs = self._logprobs(request, c, sent_tokens[c.index])
+                    if logprobs is not None and not logprobs.content:
+                        logprobs = None
+                    sent_chars[c.index] += len(delta)
+                    sent_tokens[c.index] = len(c.token_ids)
+                    done[c.index] = c.finish_reason is not None
+                    if delta or done[c.index] or logprobs is not None:
+                        yield chunk(ChatStreamChoice(
+                            index=c.index, delta={"content": delta}, logprobs=logprobs,
+                            finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+            if options is not None and options.include_usage:
                 yield sse_event(ChatCompletionChunk(id=response_id, created=created, model=model,
                                                     choices=[], usage=usage_of([final])))
         except Exception as e:  # noqa: BLE001 - the status line is sent; report in-stream
-            error = error_from_exception(e, list(ChatCompletionRequest.model_fields))
+            error = error_from_exception(e, request)
             logger.warning("chat stream %s failed: %s", response_id, error.message)
             yield sse_event(error.to_response())
         yield SSE_DONE

@@ -10,7 +10,6 @@ as an SSE error object (the status line is already gone).
 from __future__ import annotations
 
 import copy
-
 import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -19,10 +18,12 @@ from dataclasses import dataclass
 from pagedllm.entrypoints.openai.protocol import (CompletionChoice, CompletionChunk,
                                                   CompletionLogprobs, CompletionRequest,
                                                   CompletionResponse, now_s, random_id)
+from pagedllm.engine.async_llm import RequestStream
 from pagedllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing,
-                                                        OpenAIServingError, clamp_logprob,
-                                                        error_from_exception,
-                                                        merge_async_iterators, sse_event, usage_of)
+                                                        OpenAIServingError, SSEStream,
+                                                        clamp_logprob, error_from_exception,
+                                                        merge_async_iterators, sse_event,
+                                                        usage_of, usage_so_far)
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -85,28 +86,32 @@ class ServingCompletion:
         self.serving = serving
 
     async def create_completion(self, request: CompletionRequest
-                                ) -> CompletionResponse | AsyncIterator[str]:
-        """A response object, or (stream=True) an iterator of SSE lines.
+                                ) -> CompletionResponse | SSEStream:
+        """A response object, or (stream=True) the SSE stream.
 
         Raises:
-            OpenAIServingError: for an invalid request (before any engine work starts).
+            OpenAIServingError: for an invalid request (before any byte is sent), a request that
+                failed alone (500) or a dead engine (503).
         """
-        model = self.serving.check_model(request.model)
-        self.serving.check_logprobs(request, "logprobs")
+        model = self.serving.check_request(request, "logprobs")
         prompts = [self._prepare(p, request) for p in self._split_prompts(request.prompt)]
         response_id, created = random_id("cmpl"), now_s()
-        generators = [self.serving.async_llm.generate(
-            {"prompt_token_ids": p.token_ids, "prompt": p.text}, p.params, f"{response_id}-{i}")
-            for i, p in enumerate(prompts)]
+        streams = await self.serving.admit(
+            request, [({"prompt_token_ids": p.token_ids, "prompt": p.text}, p.params)
+                      for p in prompts], response_id)
         if request.stream:
-            return self._stream(request, prompts, generators, response_id, created, model)
+            return SSEStream(self._stream(request, prompts, streams, response_id, created, model),
+                             streams)
         finals: list[RequestOutput | None] = [None] * len(prompts)
         try:
-            async with aclosing(merge_async_iterators(generators)) as merged:
+            async with aclosing(merge_async_iterators(streams)) as merged:
                 async for index, out in merged:
                     finals[index] = out
         except Exception as e:  # noqa: BLE001 - mapped to an HTTP error
-            raise error_from_exception(e, list(CompletionRequest.model_fields)) from e
+            raise error_from_exception(e, request) from e
+        finally:
+            for stream in streams:
+                stream.close()
         choices = []
         for prompt_index, (prompt, out) in enumerate(zip(prompts, finals)):
             prefix = self._echo_text(prompt) if request.echo else ""
@@ -122,14 +127,19 @@ class ServingCompletion:
                                   usage=usage_of(finals))
 
     async def _stream(self, request: CompletionRequest, prompts: list[_PreparedPrompt],
-                      generators: list, response_id: str, created: int,
+                      streams: list[RequestStream], response_id: str, created: int,
                       model: str) -> AsyncIterator[str]:
         progress = {i: _ChoiceProgress() for i in range(len(prompts) * request.n)}
         finals: list[RequestOutput | None] = [None] * len(prompts)
+        options = request.stream_options
 
-        def chunk(choice: CompletionChoice) -> str:
+        def chunk(choice: CompletionChoice, prompt_index: int) -> str:
+            usage = None
+            if options is not None and options.continuous_usage_stats:
+                usage = usage_so_far(len(prompts[prompt_index].token_ids),
+                                     progress[choice.index].num_tokens)
             return sse_event(CompletionChunk(id=response_id, created=created, model=model,
-                                             choices=[choice]))
+                                             choices=[choice], usage=usage))
         try:
             if request.echo:
                 for prompt_index, prompt in enumerate(prompts):
@@ -137,21 +147,21 @@ class ServingCompletion:
                         text = self._echo_text(prompt)
                         progress[prompt_index * request.n + i].echo_chars = len(text)
                         yield chunk(CompletionChoice(index=prompt_index * request.n + i,
-                                                     text=text))
-            async with aclosing(merge_async_iterators(generators)) as merged:
+                                                     text=text), prompt_index)
+            async with aclosing(merge_async_iterators(streams)) as merged:
                 async for prompt_index, out in merged:
                     for completion in out.outputs:
                         index = prompt_index * request.n + completion.index
                         choice = self._next_delta(request, index, completion, progress[index])
                         if choice is not None:
-                            yield chunk(choice)
+                            yield chunk(choice, prompt_index)
                     if out.finished:
                         finals[prompt_index] = out
-            if request.stream_options is not None and request.stream_options.include_usage:
+            if options is not None and options.include_usage:
                 yield sse_event(CompletionChunk(id=response_id, created=created, model=model,
                                                 choices=[], usage=usage_of(finals)))
         except Exception as e:  # noqa: BLE001 - the status line is sent; report in-stream
-            error = error_from_exception(e, list(CompletionRequest.model_fields))
+            error = error_from_exception(e, request)
             logger.warning("completion stream %s failed: %s", response_id, error.message)
             yield sse_event(error.to_response())
         yield SSE_DONE
@@ -201,7 +211,9 @@ class ServingCompletion:
         else:
             text, token_ids = None, list(prompt)
         self.serving.check_token_ids(token_ids)
-        params = self.serving.sampling_params(request, len(token_ids))
+        token_ids, params = self.serving.prepare(request, token_ids)
+        if params.truncate_prompt_tokens is not None:
+            text = None  # the prompt text no longer matches the (truncated) ids
         if request.echo and request.logprobs is not None:
             params.prompt_logprobs = request.logprobs
         return _PreparedPrompt(text, token_ids, params)

@@ -1,8 +1,10 @@
 """What completions and chat share: model-name checks, prompt limits, sampling params, errors, SSE.
 
 `OpenAIServing` is composed into `ServingCompletion` and `ServingChat` (no subclassing). Everything
-that can be wrong with a request is raised as `OpenAIServingError` before the request reaches the
-engine, so one bad request never disturbs the others.
+that can be wrong with a request is raised as `OpenAIServingError` (a 4xx whose `param` names the
+field) before any byte of the response is sent: `admit` runs the engine's admission gate
+(`AsyncLLM.add_request`) for every prompt of a request before a handler returns, streaming or not,
+so one bad request never disturbs the others and never gets a 200 followed by an error.
 """
 
 from __future__ import annotations
@@ -12,11 +14,14 @@ import json
 import re
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel
 
-from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError
+from pagedllm.engine.async_llm import (AsyncLLM, EngineDeadError, RequestFailedError,
+                                       RequestStream)
+from pagedllm.engine.input_processor import PromptType
 from pagedllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, UsageInfo
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -52,17 +57,36 @@ class OpenAIServingError(Exception):
                                              param=self.param, code=self.code))
 
 
-def error_from_exception(e: BaseException, fields: Sequence[str] = ()) -> OpenAIServingError:
-    """Map an engine exception to an HTTP error (ValueError -> 400 naming the field if it can)."""
+def error_from_exception(e: BaseException, request: Any = None) -> OpenAIServingError:
+    """Map an engine exception to an HTTP error: ValueError -> 400 whose `param` is the request
+    field the message starts with (engine names mapped to the request's own), a request that
+    failed alone in a step -> 500, a dead engine -> 503."""
     if isinstance(e, OpenAIServingError):
         return e
     if isinstance(e, ValueError):
         match = _LEADING_NAME.match(str(e))
-        param = match.group(1) if match and match.group(1) in fields else None
-        return OpenAIServingError(str(e), 400, param=param)
+        return OpenAIServingError(str(e), 400, param=request_param(
+            match.group(1) if match else None, request))
+    if isinstance(e, RequestFailedError):
+        return OpenAIServingError(f"the request failed: {e}", 500, code="request_failed")
     if isinstance(e, EngineDeadError):
         return OpenAIServingError(str(e), 503, code="engine_dead")
     return OpenAIServingError(f"internal error: {type(e).__name__}: {e}", 500)
+
+
+def request_param(name: str | None, request: Any) -> str | None:
+    """The request field an engine-side field name refers to, or None."""
+    if name is None or request is None:
+        return None
+    if name == "structured_outputs":
+        return request.structured_outputs_field()
+    if name == "prompt" and "messages" in type(request).model_fields:
+        return "messages"
+    if name == "logprobs" and "top_logprobs" in type(request).model_fields:
+        return "top_logprobs"
+    if name == "max_tokens" and getattr(request, "max_completion_tokens", None) is not None:
+        return "max_completion_tokens"
+    return name if name in type(request).model_fields else None
 
 
 def sse_event(payload: BaseModel | dict[str, Any] | str) -> str:
@@ -75,6 +99,22 @@ def sse_event(payload: BaseModel | dict[str, Any] | str) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
+
+
+@dataclass
+class SSEStream:
+    """A streamed answer: its SSE lines and the engine streams behind them.
+
+    The server closes `streams` however the response ends (finished, client gone, or never
+    started), which aborts whatever is still running.
+    """
+
+    events: AsyncIterator[str]
+    streams: list[RequestStream]
+
+    def close(self) -> None:
+        for stream in self.streams:
+            stream.close()
 
 
 # JSON has no -inf: very unlikely tokens are reported at this floor, as vLLM does.
@@ -93,6 +133,12 @@ def usage_of(outputs: Sequence[RequestOutput]) -> UsageInfo:
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
                      total_tokens=prompt + completion)
+
+
+def usage_so_far(num_prompt_tokens: int, num_completion_tokens: int) -> UsageInfo:
+    """Usage of one streamed choice so far (`stream_options.continuous_usage_stats`)."""
+    return UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
+                     total_tokens=num_prompt_tokens + num_completion_tokens)
 
 
 async def merge_async_iterators(iterators: Sequence[AsyncIterator[Any]]
@@ -159,20 +205,47 @@ class OpenAIServing:
                                  code="model_not_found")
 
     def check_logprobs(self, request: Any, param: str) -> None:
-        """Raises OpenAIServingError 400 if more than MAX_TOP_LOGPROBS alternatives are asked."""
+        """Raises OpenAIServingError 400 if more alternatives are asked than the engine's
+        max_logprobs allows (20 by default, OpenAI's limit)."""
         num = request.num_logprobs()
-        if num is not None and not 0 <= num <= MAX_TOP_LOGPROBS:
-            raise OpenAIServingError(f"{param} must be in [0, {MAX_TOP_LOGPROBS}], got {num}",
-                                     400, param=param)
+        limit = self.async_llm.input_processor.limits.max_logprobs
+        if limit < 0:
+            limit = self.async_llm.vocab_size
+        if num is not None and not 0 <= num <= limit:
+            raise OpenAIServingError(f"{param} must be in [0, {limit}], got {num}", 400,
+                                     param=param)
 
-    def sampling_params(self, request: Any, num_prompt_tokens: int) -> SamplingParams:
-        """SamplingParams for one prompt of `request`, with the context-length check.
+    def check_request(self, request: Any, logprobs_param: str) -> str:
+        """The checks every request passes first: fields this server cannot honour, the model
+        name and the logprobs cap. Returns the model name to report.
+
+        Raises:
+            OpenAIServingError: 400 naming the field, or 404 for an unknown model.
+        """
+        try:
+            request.check_supported()
+        except ValueError as e:
+            raise error_from_exception(e, request) from e
+        model = self.check_model(request.model)
+        self.check_logprobs(request, logprobs_param)
+        return model
+
+    def prepare(self, request: Any, token_ids: list[int]) -> tuple[list[int], SamplingParams]:
+        """Validate the sampling fields, truncate the prompt (`truncate_prompt_tokens`) and check
+        the context length. Returns (prompt token ids, SamplingParams).
 
         Raises:
             OpenAIServingError: 400 if prompt + max_tokens exceeds max_model_len, or for any
                 out-of-range sampling field (param names the field).
         """
         max_tokens = request.requested_max_tokens()
+        try:
+            params = request.to_sampling_params(max_tokens)
+        except ValueError as e:
+            raise error_from_exception(e, request) from e
+        if params.truncate_prompt_tokens is not None:
+            token_ids = token_ids[-params.truncate_prompt_tokens:]
+        num_prompt_tokens = len(token_ids)
         param = "max_completion_tokens" if getattr(request, "max_completion_tokens", None) \
             is not None else "max_tokens"
         if num_prompt_tokens >= self.max_model_len or (
@@ -183,25 +256,45 @@ class OpenAIServing:
                 f"you requested {requested} tokens ({num_prompt_tokens} in the prompt, "
                 f"{max_tokens or 0} for the completion). Please reduce the length of the "
                 f"prompt or the completion.", 400,
-                param=param if num_prompt_tokens < self.max_model_len else None)
-        if max_tokens is None:
-            max_tokens = self.max_model_len - num_prompt_tokens
+                param=param if num_prompt_tokens < self.max_model_len else
+                ("messages" if "messages" in type(request).model_fields else "prompt"))
+        if params.max_tokens is None:
+            params.max_tokens = self.max_model_len - num_prompt_tokens
+        return token_ids, params
+
+    async def admit(self, request: Any, prompts: Sequence[tuple[PromptType, SamplingParams]],
+                    request_id: str) -> list[RequestStream]:
+        """Queue every prompt of `request` ("{request_id}-{i}"), all or none.
+
+        Raises:
+            OpenAIServingError: 400 naming the field for a request the engine refuses (nothing
+                stays queued), 503 if the engine is dead.
+        """
+        streams: list[RequestStream] = []
         try:
-            return request.to_sampling_params(max_tokens)
-        except ValueError as e:
-            raise error_from_exception(e, list(type(request).model_fields)) from e
+            for i, (prompt, params) in enumerate(prompts):
+                req_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+                streams.append(await self.async_llm.add_request(req_id, prompt, params))
+        except BaseException as e:
+            for stream in streams:
+                stream.close()
+            if isinstance(e, Exception):
+                raise error_from_exception(e, request) from e
+            raise
+        return streams
 
     def tokenize(self, text: str) -> list[int]:
         # NOTE(serving): the same call the engine's InputProcessor makes, so a text prompt gives the
         # same ids here and offline; done on the event loop (fast tokenizers take microseconds).
         return list(self.tokenizer(text).input_ids)
 
-    def check_token_ids(self, token_ids: list[int]) -> list[int]:
-        """Raises OpenAIServingError 400 for an empty prompt or ids outside the vocabulary."""
+    def check_token_ids(self, token_ids: list[int], param: str = "prompt") -> list[int]:
+        """Raises OpenAIServingError 400 (naming `param`) for an empty prompt or ids outside
+        the vocabulary."""
         if not token_ids:
-            raise OpenAIServingError("the prompt is empty (no tokens)", 400, param="prompt")
+            raise OpenAIServingError("the prompt is empty (no tokens)", 400, param=param)
         bad = [t for t in token_ids if not 0 <= t < self.async_llm.vocab_size]
         if bad:
             raise OpenAIServingError(f"prompt token ids {bad[:5]} are outside the vocabulary "
-                                     f"[0, {self.async_llm.vocab_size})", 400, param="prompt")
+                                     f"[0, {self.async_llm.vocab_size})", 400, param=param)
         return token_ids

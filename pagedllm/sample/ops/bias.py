@@ -23,14 +23,25 @@ def apply_logit_bias(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.
     return logits.index_put((rows, token_ids), bias, accumulate=True)
 
 
-def apply_logits_processors(logits: torch.Tensor,
-                            processors: list[tuple[int, list, list[int]]]) -> torch.Tensor:
+def apply_logits_processors(logits: torch.Tensor, processors: list[tuple[int, list, list[int]]]
+                            ) -> tuple[torch.Tensor, dict[int, str]]:
     """processors: (row, [callable], output token ids) -> each callable maps
-    (output_token_ids, logits[row] [V]) to new logits for that row."""
+    (output_token_ids, logits[row] [V]) to new logits for that row.
+
+    Returns (new logits [B, V], {row: message} of the rows whose processor raised or returned
+    something that does not fit a [V] row). A failed row fails alone: the caller ends that
+    request; the other rows are unaffected.
+    """
     logits = logits.clone()
+    failed: dict[int, str] = {}
     for row, fns, output_ids in processors:
         row_logits = logits[row]
-        for fn in fns:
-            row_logits = fn(output_ids, row_logits)
-        logits[row] = row_logits
-    return logits
+        fn = None
+        try:
+            for fn in fns:
+                row_logits = fn(list(output_ids), row_logits)
+            logits[row] = row_logits
+        except Exception as e:  # noqa: BLE001 - user code: its request fails alone
+            name = getattr(fn, "__name__", type(fn).__name__)
+            failed[row] = f"logits processor {name} failed: {type(e).__name__}: {e}"
+    return logits, failed
