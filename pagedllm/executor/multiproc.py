@@ -16,20 +16,34 @@ the engine waits for every local rank's answer, keeping only the driver's result
 that dies (killed, crashed, out of memory) raises `WorkerDiedError` within a fraction of a second
 and the executor terminates the remaining workers: the engine fails loudly, never hangs. A worker
 whose engine process dies sees its pipe close and exits.
+
+Why a worker failed must reach the engine's caller, in the exception:
+- a Python exception in the worker's code travels over its pipe as ("error", traceback);
+- everything else the worker prints (a crash in C code, the stacks `faulthandler` dumps on a
+  fatal signal, a failure of multiprocessing's own bootstrap) goes to its stderr, which is a pipe
+  to this process: a thread per worker copies it to our stderr and keeps its last lines for the
+  error of a worker that dies (`_StderrTail`);
+- a main module that 'spawn'/'forkserver' cannot import again in the worker (a script read from
+  stdin) is refused before any worker starts (`check_main_reimportable`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import logging
 import multiprocessing as mp
 import os
 import pickle
 import signal
 import socket
+import sys
+import threading
 import traceback
 import weakref
+from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import Any, NoReturn
 
 from pagedllm.config import EngineConfig
 from pagedllm.executor.abstract import DistributedExecutorBase, WorkerDiedError, driver_rank
@@ -39,6 +53,14 @@ logger = logging.getLogger(__name__)
 
 # Seconds a worker gets to exit after "shutdown" before it is terminated, then killed.
 _SHUTDOWN_GRACE_S = 5.0
+# What a dead worker's error quotes of its stderr: at most this many of its last lines / bytes.
+_TAIL_LINES = 25
+_TAIL_BYTES = 16384
+# Seconds to wait for the rest of a dead worker's stderr before quoting what has arrived.
+_TAIL_WAIT_S = 2.0
+# Held while fd 2 is redirected to a starting 'spawn' worker (`_stderr_redirected_to`) and by
+# every `_StderrTail` write to fd 2, so no copy ever lands in a worker's own pipe.
+_STDERR_LOCK = threading.Lock()
 
 
 def get_open_port() -> int:
@@ -58,14 +80,154 @@ def _init_method(config: EngineConfig) -> str:
     return f"tcp://{pc.master_addr}:{pc.master_port or get_open_port()}"
 
 
+def _start_method() -> str:
+    return os.environ.get("PAGEDLLM_WORKER_MULTIPROC_METHOD",
+                          current_platform.worker_multiproc_method)
+
+
+def _main_reimported_as(method: str) -> str | None:
+    """What start method `method` runs again in each worker before our code: "module NAME"
+    (`python -m NAME`), "file PATH" (`python PATH`, PATH as `__main__.__file__` gives it), or
+    None (fork copies the process; `python -c`, the REPL and notebooks have no file, and
+    multiprocessing skips a package's `__main__`)."""
+    if method == "fork":
+        return None
+    main = sys.modules.get("__main__")
+    name = getattr(getattr(main, "__spec__", None), "name", None)
+    if name is not None:
+        return None if name.split(".")[-1] == "__main__" else f"module {name}"
+    path = getattr(main, "__file__", None)
+    return None if path is None else f"file {path}"
+
+
+def check_main_reimportable(method: str) -> None:
+    """Refuse to start workers with `method` when they could not import `__main__` again.
+
+    'spawn' and 'forkserver' run the main module again in every worker (multiprocessing's
+    bootstrap, before any pagedllm code), from `__main__.__file__` when it was not run with
+    `python -m`. A script read from stdin (`python -`) has the file name '<stdin>', so every
+    worker would die in that bootstrap with FileNotFoundError.
+
+    Raises:
+        RuntimeError: `__main__.__file__` names no existing file; the message gives the fixes.
+    """
+    target = _main_reimported_as(method)
+    if target is None or not target.startswith("file "):
+        return
+    path = target[len("file "):]
+    if os.path.isfile(os.path.abspath(path)):
+        return
+    raise RuntimeError(
+        f"cannot start the worker processes with the {method!r} multiprocessing start method: "
+        f"it runs the main module again in each worker from __main__.__file__ = {path!r}, which "
+        f"is not a file (a script read from stdin, `python -`, or built in memory). Save the "
+        f"script to a file and run `python script.py` (creating the engine under `if __name__ "
+        f"== \"__main__\":`), or set PAGEDLLM_WORKER_MULTIPROC_METHOD=fork (only while no CUDA "
+        f"context exists in this process)")
+
+
 def _mp_context():
-    method = os.environ.get("PAGEDLLM_WORKER_MULTIPROC_METHOD",
-                            current_platform.worker_multiproc_method)
+    """The multiprocessing context of the workers (see MultiprocExecutor).
+
+    Raises:
+        RuntimeError: the start method cannot re-import the main module (see
+            `check_main_reimportable`).
+    """
+    method = _start_method()
+    check_main_reimportable(method)
     ctx = mp.get_context(method)
     if method == "forkserver":
         # The server imports torch and the worker once; each worker is then a cheap fork of it.
         ctx.set_forkserver_preload(["pagedllm.worker.worker"])
     return ctx
+
+
+class _StderrTail:
+    """One worker's stderr: a pipe whose reading end a daemon thread copies to this process's
+    fd 2 (where the worker used to write directly), keeping the last `_TAIL_BYTES` for the
+    error raised when the worker dies.
+
+    `writer` is a `Connection` used only for its file descriptor, so that multiprocessing hands
+    it to the worker under every start method; the worker makes it its fd 2
+    (`_worker_main`). The thread ends when every copy of `writer` is closed: the engine's (by
+    `close_writer`, once the worker started) and the worker's (when it exits).
+    """
+
+    def __init__(self, ctx, name: str) -> None:
+        self._reader, self.writer = ctx.Pipe(duplex=False)
+        self._tail = b""
+        self._received = 0  # bytes so far: a position for `printed_since`
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._pump, name=name, daemon=True)
+        self._thread.start()
+
+    def _pump(self) -> None:
+        fd = self._reader.fileno()
+        while chunk := _read_or_eof(fd):
+            with _STDERR_LOCK:
+                _write_fully(2, chunk)
+            with self._lock:
+                self._received += len(chunk)
+                self._tail = (self._tail + chunk)[-_TAIL_BYTES:]
+        self._reader.close()
+
+    def close_writer(self) -> None:
+        """Close the engine's copy of the worker's end (after the worker has started)."""
+        self.writer.close()
+
+    def position(self) -> int:
+        """How many bytes the worker has printed so far."""
+        with self._lock:
+            return self._received
+
+    def printed_since(self, position: int, wait_s: float = _TAIL_WAIT_S) -> str:
+        """The last `_TAIL_LINES` lines the worker printed after `position` ("" if none), after
+        waiting up to `wait_s` seconds for the pipe to close (a dead worker's last words)."""
+        self._thread.join(wait_s)
+        with self._lock:
+            new = self._received - position
+            tail = self._tail[-new:] if new > 0 else b""
+        return "\n".join(tail.decode(errors="replace").splitlines()[-_TAIL_LINES:]).strip("\n")
+
+
+def _read_or_eof(fd: int) -> bytes:
+    try:
+        return os.read(fd, 65536)
+    except OSError:
+        return b""
+
+
+def _write_fully(fd: int, data: bytes) -> None:
+    try:
+        while data:
+            data = data[os.write(fd, data):]
+    except OSError:
+        pass  # our stderr is closed: the text stays in the tail only
+
+
+def _flush_stderr() -> None:
+    if sys.stderr is not None:  # None under pythonw and some embedders
+        sys.stderr.flush()
+
+
+@contextlib.contextmanager
+def _stderr_redirected_to(fd: int):
+    """Make `fd` this process's fd 2 for the duration (under `_STDERR_LOCK`).
+
+    NOTE(spawn): a 'spawn' worker inherits fd 2 when it is created, and multiprocessing's
+    bootstrap (the main module's re-import) runs and fails before the worker could redirect its
+    own stderr; so fd 2 is the worker's pipe while `Process.start()` creates it. Whatever other
+    threads print in those milliseconds goes through that pipe and is still copied to fd 2.
+    """
+    _flush_stderr()
+    with _STDERR_LOCK:
+        saved = os.dup(2)
+        try:
+            os.dup2(fd, 2)
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
 
 
 def _control_group(config: EngineConfig):
@@ -89,19 +251,26 @@ def _call(worker, rank: int, message: tuple) -> tuple[str, Any]:
 
 
 def _worker_main(config: EngineConfig, rank: int, init_method: str, conn: Connection | None,
-                 engine_conns: list[Connection]) -> None:
+                 engine_conns: list[Connection], stderr: Connection | None = None) -> None:
     """Body of a worker process: build the Worker, then serve calls until "shutdown" or EOF.
 
     `conn` is the pipe to the engine (None for the ranks of other nodes, which take their calls
     from rank 0). `engine_conns` are the engine's ends of the pipes created so far: closed here,
-    so that the worker sees EOF (and exits) when the engine process dies.
+    so that the worker sees EOF (and exits) when the engine process dies. `stderr`, when given,
+    becomes this process's fd 2 (a `_StderrTail` of the engine), with `faulthandler` writing
+    there on a fatal signal.
     """
+    if stderr is not None:
+        _flush_stderr()
+        os.dup2(stderr.fileno(), 2)
+        stderr.close()
+        faulthandler.enable()
     for c in engine_conns:
         c.close()
-    from pagedllm.worker.worker import Worker
-
     per_node = _ranks_per_node(config)
     try:
+        from pagedllm.worker.worker import Worker
+
         worker = Worker(config, rank=rank, local_rank=rank % per_node, local_world_size=per_node,
                         distributed_init_method=init_method)
         control = _control_group(config)
@@ -178,10 +347,13 @@ class MultiprocExecutor(DistributedExecutorBase):
     pays the import; a plain "fork" of a process that has already run OpenMP-parallel torch ops
     can hang in the child), "spawn" on CUDA (which cannot be forked once initialised).
     `PAGEDLLM_WORKER_MULTIPROC_METHOD` overrides it. Either way the calling script needs the
-    usual `if __name__ == "__main__":` guard.
+    usual `if __name__ == "__main__":` guard, and must be a file (not stdin) unless it is "fork".
 
     Raises:
-        WorkerDiedError: a worker failed to start or load the model (with its traceback).
+        RuntimeError: the start method cannot re-import the main module (`python -`), before
+            any worker starts.
+        WorkerDiedError: a worker failed to start or load the model (with its traceback, or
+            the last lines it printed when it died without one).
     """
 
     def __init__(self, config: EngineConfig) -> None:
@@ -190,18 +362,32 @@ class MultiprocExecutor(DistributedExecutorBase):
         self.driver_rank = driver_rank(config)
         self._closed = False
         ctx = _mp_context()
+        self._start_method = ctx.get_start_method()
         init_method = _init_method(config)
         self.procs: list[mp.process.BaseProcess] = []
         self.conns: list[Connection] = []
+        self._stderr_tails: list[_StderrTail] = []
+        # Each tail's position at the last answer of every worker: a dead worker's error
+        # quotes only what it printed since (a call's output, or its dying words in between).
+        self._call_positions: list[int] = []
+        if self._start_method == "spawn":
+            # Started now, so that it does not inherit a worker's stderr below.
+            resource_tracker.ensure_running()
         for rank in range(_ranks_per_node(config)):
             parent_conn, child_conn = ctx.Pipe()
+            tail = _StderrTail(ctx, name=f"pagedllm-worker-{rank}-stderr")
             proc = ctx.Process(target=_worker_main, name=f"pagedllm-worker-{rank}", daemon=True,
                                args=(config, rank, init_method, child_conn,
-                                     self.conns + [parent_conn]))
-            proc.start()
+                                     self.conns + [parent_conn], tail.writer))
+            with (_stderr_redirected_to(tail.writer.fileno()) if self._start_method == "spawn"
+                  else contextlib.nullcontext()):
+                proc.start()
             child_conn.close()
+            tail.close_writer()
             self.procs.append(proc)
             self.conns.append(parent_conn)
+            self._stderr_tails.append(tail)
+            self._call_positions.append(0)
         # Workers left alive by a caller that never calls shutdown() are stopped at collection.
         self._finalizer = weakref.finalize(self, _stop_workers, self.procs, self.conns)
         try:
@@ -232,8 +418,7 @@ class MultiprocExecutor(DistributedExecutorBase):
             try:
                 conn.send_bytes(payload)
             except (BrokenPipeError, OSError) as e:
-                self._fail(f"worker rank {rank} is unreachable ({e}); exit code "
-                           f"{self.procs[rank].exitcode}")
+                self._died(rank, method, f"became unreachable during {method} ({e})")
         return self._gather(method)
 
     def _gather(self, method: str) -> list[Any]:
@@ -248,20 +433,38 @@ class MultiprocExecutor(DistributedExecutorBase):
                 try:
                     status, value = conn.recv()
                 except (EOFError, OSError):
-                    self.procs[rank].join(1)
-                    self._fail(f"worker rank {rank} (pid {self.procs[rank].pid}) died during "
-                               f"{method} with exit code {self.procs[rank].exitcode}")
+                    self._died(rank, method)
                 if status == "error":
                     self._fail(f"worker rank {rank} failed in {method}:\n{value}")
                 for r, v in value.items():
                     results[r] = v
             if not answered:
-                rank = sentinels[next(s for s in ready if s in sentinels)]
-                self._fail(f"worker rank {rank} (pid {self.procs[rank].pid}) died during "
-                           f"{method} with exit code {self.procs[rank].exitcode}")
+                self._died(sentinels[next(s for s in ready if s in sentinels)], method)
+        self._call_positions = [tail.position() for tail in self._stderr_tails]
         return results
 
-    def _fail(self, message: str) -> None:
+    def _died(self, rank: int, method: str, how: str | None = None) -> NoReturn:
+        """Fail with the death of worker `rank` during `method`, quoting what it printed."""
+        proc = self.procs[rank]
+        proc.join(1)
+        how = how or f"died during {method}"
+        message = f"worker rank {rank} (pid {proc.pid}) {how} with exit code {proc.exitcode}"
+        printed = self._stderr_tails[rank].printed_since(self._call_positions[rank])
+        reimported = _main_reimported_as(self._start_method)
+        if printed:
+            message += f". What it printed last (since the workers' previous answer):\n{printed}"
+        elif method == "start-up" and proc.exitcode == 1 and reimported is not None:
+            # NOTE(forkserver): a forkserver worker's bootstrap prints to the server's stderr,
+            # which is ours as it was when the server started: not capturable per worker.
+            message += (
+                f". It printed nothing here, so it most likely failed while multiprocessing's "
+                f"{self._start_method!r} start method ran the main module ({reimported}) again "
+                f"in the worker, before any pagedllm code (the traceback is on this process's "
+                f"stderr). A script must create the engine under `if __name__ == "
+                f"\"__main__\":`, so that the worker's import of it does not start another")
+        self._fail(message)
+
+    def _fail(self, message: str) -> NoReturn:
         self.shutdown()
         raise WorkerDiedError(message)
 
