@@ -124,14 +124,17 @@ class CpuPlatform(Platform):
                out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """The native kernel (`pagedllm/kernels/csrc/cpu_linear.cpp`) where it is faster (see
         the thresholds above), torch's GEMM otherwise. float32 output from bfloat16 operands
-        (the LM head's logits) comes straight from the kernel's float32 accumulators."""
+        (the LM head's logits) comes straight from the kernel's float32 accumulators, at every
+        row count (torch's native-bf16 GEMM would round the result to bf16 first)."""
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        float32_from_bf16 = weight.dtype == torch.bfloat16 and out_dtype == torch.float32
         if (weight.dtype == torch.bfloat16 and not self.has_native_bf16
                 and rows >= self._WIDEN_MIN_ROWS_BF16):
             y = torch.nn.functional.linear(x.float(), weight.float(),
                                            None if bias is None else bias.float())
             return y.to(out_dtype or x.dtype)
-        if rows <= self._native_linear_max_rows(weight.dtype) and cpu_linear_supported(x, weight):
+        if (rows <= self._native_linear_max_rows(weight.dtype) or float32_from_bf16) \
+                and cpu_linear_supported(x, weight):
             if out_dtype == torch.float32:
                 return cpu_linear(x.float(), weight, bias, checked=True)
             y = cpu_linear(x, weight, bias, checked=True)
