@@ -1,4 +1,4 @@
-"""`pagedllm bench {throughput,latency,serve}`: flags, model resolution and the three runners.
+"""`pagedllm bench {throughput,latency,serve,soak}`: flags, model resolution and the runners.
 
 Wire into the top-level CLI with `add_bench_parser(subparsers)`; each sub-command sets
 `args.func`, which returns the exit code.
@@ -19,7 +19,7 @@ _DTYPE_ALIASES = {"bf16": "bfloat16", "fp32": "float32", "float": "float32", "fp
 
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Register `bench` with the sub-commands `throughput`, `latency` and `serve`."""
+    """Register `bench` with the sub-commands `throughput`, `latency`, `serve` and `soak`."""
     bench = subparsers.add_parser("bench", help="benchmark the engine (offline or a server)")
     sub = bench.add_subparsers(dest="bench_command", required=True)
 
@@ -69,7 +69,51 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     _add_workload_args(srv, num_prompts=True)
     _add_output_args(srv)
     srv.set_defaults(func=run_serve_command)
+    _add_soak_parser(sub)
     return bench
+
+
+def _add_soak_parser(sub: argparse._SubParsersAction) -> None:
+    soak = sub.add_parser("soak", help="robustness soak of the OpenAI server: valid, invalid and "
+                                       "disconnected requests; exits 1 naming what failed")
+    target = soak.add_argument_group("target (default: start `pagedllm serve` on a free port)")
+    target.add_argument("--url", default=None,
+                        help="soak this running server instead (loopback addresses only)")
+    target.add_argument("--api-key", default=None,
+                        help="sent as `Authorization: Bearer KEY` (and required by a server the "
+                             "soak starts)")
+    target.add_argument("--model", default=None,
+                        help="checkpoint of the started server (default: the shipped model); "
+                             "with --url, the model name sent (default: the server's first)")
+    target.add_argument("--vocab-size", type=int, default=None,
+                        help="with --url: the model's vocabulary (default: from the checkpoint "
+                             "that /v1/models names)")
+    target.add_argument("--dtype", default="float32", help="of the started server")
+    target.add_argument("--kv-cache-memory-bytes", type=int, default=2 * 2**20,
+                        help="of the started server: small, to force preemption (default 2 MiB)")
+    target.add_argument("--max-num-seqs", type=int, default=None,
+                        help="of the started server (default: the server's)")
+    target.add_argument("--serve-arg", action="append", default=[], metavar="FLAG",
+                        help="extra flag for the started server, e.g. --serve-arg=--no-enable-"
+                             "prefix-caching (repeatable)")
+    load = soak.add_argument_group("load and limits")
+    load.add_argument("--num-requests", type=int, default=2000)
+    load.add_argument("--concurrency", type=int, default=64)
+    load.add_argument("--seed", type=int, default=0, help="seed of the request mix")
+    load.add_argument("--request-timeout-s", type=float, default=120.0)
+    load.add_argument("--max-duration-s", type=float, default=1800.0,
+                      help="time limit of the whole run, server start-up included")
+    load.add_argument("--idle-timeout-s", type=float, default=60.0,
+                      help="how long the server may take to report idle gauges after the run")
+    load.add_argument("--rss-drift-limit", type=float, default=0.10,
+                      help="largest RSS growth from after the warm-up to the end (0.10 = 10%%)")
+    load.add_argument("--server-rss-limit-mib", type=int, default=4096,
+                      help="kill a started server whose RSS passes this (a runaway request)")
+    load.add_argument("--skip", action="append", default=[], metavar="TEXT",
+                      help="leave out the invalid cases and disconnect modes whose label "
+                           "contains TEXT, e.g. 'n=10**9' or 'mid_stream' (repeatable)")
+    _add_output_args(soak)
+    soak.set_defaults(func=run_soak_command)
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -255,6 +299,12 @@ def run_serve_command(args: argparse.Namespace) -> int:
                                              args.api_key))
     print_result(result, "server benchmark")
     return _finish(args, [result])
+
+
+def run_soak_command(args: argparse.Namespace) -> int:
+    from pagedllm.benchmarks.soak import run_soak_command as run
+
+    return run(args)
 
 
 def _serve_vocab_size(args: argparse.Namespace) -> int:

@@ -7,6 +7,7 @@ engine (the server maps that name to the error's `param`).
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -69,7 +70,7 @@ class InputProcessor:
         """
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params)}")
-        prompt_text, token_ids = self._tokenize(prompt)
+        prompt_text, token_ids = self._tokenize(prompt, params.truncate_prompt_tokens)
         if params.truncate_prompt_tokens is not None:
             token_ids = token_ids[-params.truncate_prompt_tokens:]
         check_prompt_token_ids(token_ids, self.vocab_size)
@@ -120,7 +121,36 @@ class InputProcessor:
                 if seq and seq not in params._bad_words_token_ids:
                     params._bad_words_token_ids.append(seq)
 
-    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The longest token's text in characters (an upper bound of what one token covers)."""
+        tokens = self.tokenizer.convert_ids_to_tokens(list(range(len(self.tokenizer))))
+        return max((len(t) for t in tokens if t), default=1)
+
+    def max_prompt_chars(self, num_tokens: int) -> int:
+        """Characters beyond which a text surely has more than `num_tokens` tokens (with a 4x
+        margin for normalizers that merge characters)."""
+        return num_tokens * self.max_token_chars * 4
+
+    def tokenize(self, text: str, truncate_prompt_tokens: int | None = None) -> list[int]:
+        """Token ids of a text prompt, refusing a text too long to fit max_model_len before
+        tokenizing it (a multi-megabyte prompt would otherwise cost seconds and memory first).
+        With `truncate_prompt_tokens`, only the text's tail that can hold that many tokens is
+        tokenized.
+
+        Raises:
+            ValueError: (naming `prompt`) the text cannot fit max_model_len tokens.
+        """
+        limit = self.max_prompt_chars(truncate_prompt_tokens or self.max_model_len)
+        if truncate_prompt_tokens is not None:
+            text = text[-limit:]
+        elif len(text) > limit:
+            raise ValueError(f"prompt: {len(text)} characters cannot fit max_model_len "
+                             f"({self.max_model_len}) tokens")
+        return list(self.tokenizer(text).input_ids)
+
+    def _tokenize(self, prompt: PromptType, truncate_prompt_tokens: int | None = None
+                  ) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
@@ -129,7 +159,7 @@ class InputProcessor:
             else:
                 raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, str):
-            return prompt, list(self.tokenizer(prompt).input_ids)
+            return prompt, self.tokenize(prompt, truncate_prompt_tokens)
         if isinstance(prompt, (list, tuple)):
             return None, self._check_ids(prompt)
         raise ValueError(f"a prompt must be a string, a list of token ids or a dict, "

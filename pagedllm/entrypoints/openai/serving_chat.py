@@ -146,6 +146,15 @@ class ServingChat:
         try:
             conversation = [{"role": m.role, "content": m.text_content()}
                             for m in request.messages]
+        except ValueError as e:
+            raise OpenAIServingError(str(e), 400, param="messages") from e
+        num_chars = sum(len(m["content"]) for m in conversation)
+        limit = self.serving.async_llm.input_processor.max_prompt_chars(self.serving.max_model_len)
+        if num_chars > limit:
+            raise OpenAIServingError(f"messages: {num_chars} characters cannot fit max_model_len "
+                                     f"({self.serving.max_model_len}) tokens", 400,
+                                     param="messages")
+        try:
             return list(tokenizer.apply_chat_template(
                 conversation, tokenize=True, add_generation_prompt=request.add_generation_prompt,
                 return_dict=False))

@@ -207,7 +207,7 @@ class ServingCompletion:
 
     def _prepare(self, prompt: str | list[int], request: CompletionRequest) -> _PreparedPrompt:
         if isinstance(prompt, str):
-            text, token_ids = prompt, self.serving.tokenize(prompt)
+            text, token_ids = prompt, self.serving.tokenize(prompt, request)
         else:
             text, token_ids = None, list(prompt)
         self.serving.check_token_ids(token_ids)

@@ -283,10 +283,22 @@ class OpenAIServing:
             raise
         return streams
 
-    def tokenize(self, text: str) -> list[int]:
-        # NOTE(serving): the same call the engine's InputProcessor makes, so a text prompt gives the
-        # same ids here and offline; done on the event loop (fast tokenizers take microseconds).
-        return list(self.tokenizer(text).input_ids)
+    def tokenize(self, text: str, request: Any) -> list[int]:
+        """The ids of a text prompt, by the engine's own `InputProcessor.tokenize` (the same
+        ids as offline), which refuses a text too long for max_model_len before tokenizing it.
+
+        Raises:
+            OpenAIServingError: 400 naming `prompt` for a text that cannot fit.
+        """
+        # NOTE(serving): done on the event loop: fast tokenizers take microseconds for any text
+        # that can fit, and longer ones are refused by their length first.
+        truncate = request.truncate_prompt_tokens
+        if not (isinstance(truncate, int) and 0 < truncate <= self.max_model_len):
+            truncate = None  # an invalid value is refused by `prepare`
+        try:
+            return self.async_llm.input_processor.tokenize(text, truncate)
+        except ValueError as e:
+            raise error_from_exception(e, request) from e
 
     def check_token_ids(self, token_ids: list[int], param: str = "prompt") -> list[int]:
         """Raises OpenAIServingError 400 (naming `param`) for an empty prompt or ids outside

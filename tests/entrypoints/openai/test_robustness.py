@@ -296,3 +296,20 @@ def test_dead_engine_fails_pending_requests_and_exits_nonzero(tiny_llama: Path) 
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_prompt_too_long_to_fit_is_refused_before_tokenizing(server: Server, route: str) -> None:
+    """A text far longer than max_model_len tokens could hold is refused by its length (fast, no
+    memory spike); truncate_prompt_tokens still keeps the tail of a long text."""
+    text = "All the world's a stage. " * 3000  # 75k characters, under the body limit
+    body = {"model": MODEL, "max_tokens": 2}
+    body.update({"prompt": text} if route == "/v1/completions"
+                else {"messages": [{"role": "user", "content": text}]})
+    start = time.monotonic()
+    _assert_400(server.post(route, body), "prompt" if route == "/v1/completions" else "messages")
+    assert time.monotonic() - start < 2
+    if route == "/v1/completions":
+        r = server.post(route, {**body, "truncate_prompt_tokens": 20})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == 20
