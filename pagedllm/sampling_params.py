@@ -37,6 +37,14 @@ def _check_float(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be a finite number, got {value!r}")
 
 
+def check_text(name: str, text: str) -> None:
+    """Raises ValueError naming `name` for text that is not valid Unicode (a lone surrogate)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{name} must be valid Unicode text (it has a lone surrogate)") from None
+
+
 def _parse_logit_bias(logit_bias: Any) -> dict[int, float]:
     """{token id (int or decimal string): bias} -> {int: float}; ids >= 0, biases finite in
     [-100, 100] (OpenAI's range). Raises ValueError naming `logit_bias`."""
@@ -44,10 +52,13 @@ def _parse_logit_bias(logit_bias: Any) -> dict[int, float]:
         raise ValueError(f"logit_bias must map token ids to numbers, got {logit_bias!r}")
     parsed: dict[int, float] = {}
     for key, bias in logit_bias.items():
-        try:
-            token_id = key if isinstance(key, int) and not isinstance(key, bool) else int(key)
-        except (TypeError, ValueError):
-            raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
+        if isinstance(key, str) and key.isascii() and key.isdigit():
+            token_id = int(key)
+        elif isinstance(key, int) and not isinstance(key, bool):
+            token_id = key
+        else:
+            raise ValueError(f"logit_bias keys must be token ids (ints or decimal strings), "
+                             f"got {key!r}")
         _check_int("logit_bias", token_id, 0, message="keys must be token ids (ints >= 0)")
         _check_float("logit_bias", bias)
         if not -100.0 <= bias <= 100.0:
@@ -198,6 +209,8 @@ class SamplingParams:
                              f"({self.max_tokens})")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+        for s in self.stop:
+            check_text("stop", s)
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t, 0, message="must be token ids (ints >= 0)")
         if self.logit_bias is not None:
@@ -210,15 +223,18 @@ class SamplingParams:
         if self.bad_words is not None and (not isinstance(self.bad_words, (list, tuple)) or any(
                 not isinstance(w, str) or not w.strip() for w in self.bad_words)):
             raise ValueError("bad_words must be a list of non-empty strings")
+        for word in self.bad_words or ():
+            check_text("bad_words", word)
         for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
                      "include_stop_str_in_output", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
-        if self.logits_processors is not None and not all(callable(p)
-                                                          for p in self.logits_processors):
-            raise ValueError("logits_processors must be callables")
+        if self.logits_processors is not None and (
+                not isinstance(self.logits_processors, (list, tuple))
+                or not all(callable(p) for p in self.logits_processors)):
+            raise ValueError("logits_processors must be a list of callables")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs,
                                                                   StructuredOutputsParams):
             raise ValueError("structured_outputs must be a StructuredOutputsParams or a dict")

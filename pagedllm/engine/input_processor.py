@@ -13,7 +13,7 @@ from typing import Any
 
 from pagedllm.config import RequestLimits
 from pagedllm.engine.engine_core import EngineCoreRequest
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, check_text
 from pagedllm.structured_output.manager import build_grammar
 
 PromptType = str | list[int] | dict[str, Any]
@@ -141,6 +141,7 @@ class InputProcessor:
         Raises:
             ValueError: (naming `prompt`) the text cannot fit max_model_len tokens.
         """
+        check_text("prompt", text)
         limit = self.max_prompt_chars(truncate_prompt_tokens or self.max_model_len)
         if truncate_prompt_tokens is not None:
             text = text[-limit:]

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,7 +20,7 @@ from pagedllm.engine.pooling_engine import EmbedPrompt, PoolingEngine, is_poolin
 from pagedllm.outputs import RequestOutput
 from pagedllm.pooling.outputs import EmbeddingRequestOutput
 from pagedllm.pooling.params import PoolingParams
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 class GenerateError(ValueError):
@@ -41,7 +42,9 @@ class LLM:
     """Offline generation over the paged-KV engine.
 
     Args:
-        model: checkpoint folder or hub id; None = the shipped default model.
+        model: checkpoint folder, hub id or .gguf file (tokenizer, chat template and special
+            tokens from its metadata unless `tokenizer=` is given); None = the shipped default
+            model.
         **engine_args: engine arguments by vLLM's names (dtype, max_model_len, block_size,
             max_num_seqs, max_num_batched_tokens, enable_prefix_caching, kv_cache_memory_bytes,
             gpu_memory_utilization, seed, ...). With runner="pooling" also `pooling_type`
@@ -105,6 +108,13 @@ class LLM:
         for i, (prompt, params) in enumerate(zip(prompts, params_list)):
             req_id = engine.next_request_id()
             try:
+                if not isinstance(params, SamplingParams):
+                    raise ValueError(f"sampling params must be a SamplingParams, got "
+                                     f"{type(params).__name__}")
+                if params.output_kind != RequestOutputKind.FINAL_ONLY:
+                    # generate returns whole outputs: only the final one is needed (as vLLM).
+                    params = copy.copy(params)
+                    params.output_kind = RequestOutputKind.FINAL_ONLY
                 engine.add_request(req_id, prompt, params)
             except ValueError as e:
                 errors[i] = str(e)

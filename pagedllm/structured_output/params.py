@@ -34,7 +34,13 @@ class StructuredOutputsParams:
                              f"choice, grammar; got {set_fields or 'none'}")
         if self.json is not None and not isinstance(self.json, (dict, str)):
             raise ValueError("structured_outputs.json must be a JSON schema (dict or string)")
-        if self.choice is not None and (not self.choice or not all(
+        if self.json is not None and not isinstance(self.json, str):
+            try:
+                json.dumps(self.json)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"structured_outputs.json must be JSON: {e}") from e
+        if self.choice is not None and (not isinstance(self.choice, (list, tuple))
+                                        or not self.choice or not all(
                 isinstance(c, str) and c for c in self.choice)):
             raise ValueError("structured_outputs.choice must be a non-empty list of non-empty "
                              "strings")

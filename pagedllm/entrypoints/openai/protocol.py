@@ -14,7 +14,8 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output.params import StructuredOutputsParams
@@ -53,10 +54,42 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-class _StrictModel(BaseModel):
-    """Unknown fields and non-finite floats are validation errors (400 naming the field)."""
+def _first_field_with_lone_surrogate(data: Any) -> str | None:
+    """The top-level key of `data` whose value holds a string with a lone UTF-16 surrogate (a
+    valid JSON escape such as "\\ud800" that no tokenizer or UTF-8 encoder accepts), or None."""
+    def bad(value: Any) -> bool:
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+            return False
+        if isinstance(value, dict):
+            return any(bad(k) or bad(v) for k, v in value.items())
+        if isinstance(value, list):
+            return any(bad(v) for v in value)
+        return False
+    if isinstance(data, dict):
+        return next((str(key) if not bad(key) else "body" for key, value in data.items()
+                     if bad(key) or bad(value)), None)
+    return None
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+class _StrictModel(BaseModel):
+    """Unknown fields, values of the wrong JSON type (no coercion: "2" is not an int, false is
+    not a float), non-finite floats and text that is not valid Unicode are validation errors
+    (400 naming the field)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_lone_surrogates(cls, data: Any) -> Any:
+        field = _first_field_with_lone_surrogate(data)
+        if field is not None:
+            raise PydanticCustomError("lone_surrogate", "text must be valid Unicode (a lone "
+                                      "UTF-16 surrogate such as \\ud800 is not)", {"field": field})
+        return data
 
 
 class StreamOptions(_StrictModel):
@@ -144,7 +177,7 @@ class _SamplingRequest(_StrictModel):
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """The request's output constraint, if any (raises ValueError naming the problem)."""
         specs: list[dict[str, Any]] = []
-        if self.structured_outputs:
+        if self.structured_outputs is not None:
             specs.append(dict(self.structured_outputs))
         for name in ("json", "regex", "choice", "grammar"):
             value = getattr(self, f"guided_{name}")
@@ -224,8 +257,8 @@ class CompletionRequest(_SamplingRequest):
 
 
 class ChatMessage(BaseModel):
-    # Extra keys (`name`, `tool_call_id`, ...) are passed on to the chat template.
-    model_config = ConfigDict(extra="allow")
+    # Extra keys (`name`, `tool_call_id`, ...) are allowed (and not used yet).
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
