@@ -24,8 +24,9 @@ class ModelConfig:
     """Which checkpoint to run and how.
 
     Attributes:
-        model: local checkpoint folder or Hugging Face hub id.
-        tokenizer: tokenizer folder or hub id (defaults to `model`).
+        model: local checkpoint folder, Hugging Face hub id or .gguf file.
+        tokenizer: tokenizer folder or hub id (defaults to `model`; a .gguf model's comes from
+            its metadata).
         dtype: "auto" (the platform's preferred dtype), "float32", "bfloat16" or "float16".
         max_model_len: context length in tokens (prompt + output); None = the model's
             `max_position_embeddings`.
@@ -306,7 +307,8 @@ class EngineConfig:
     """All configs of one engine, validated against each other.
 
     `model_path` is the resolved local folder of the checkpoint (hub ids resolved by
-    `model_loader.hub.resolve_model_path`). `max_model_len` is the effective context length.
+    `model_loader.hub.resolve_model_path`; a .gguf file by its checkpoint view, see
+    `model_loader/gguf.py`). `max_model_len` is the effective context length.
     """
 
     model_config: ModelConfig
@@ -370,8 +372,16 @@ def _eos_ids(model_path: str, hf: dict[str, Any]) -> tuple[int, ...]:
     return tuple(ids)
 
 
+# Architectures whose attention layers apply their own sliding windows (models/gemma.py).
+_LAYER_WINDOW_ARCHITECTURES = frozenset({"Gemma2ForCausalLM", "Gemma3ForCausalLM"})
+
+
 def _sliding_window(hf: dict[str, Any]) -> int | None:
-    """The attention window of a sliding-window model (Mistral; Qwen2 with use_sliding_window)."""
+    """The window that caps the context of a sliding-window model whose layers attend over the
+    full context (Mistral; Qwen2 with use_sliding_window); None for the others, and for
+    architectures whose layers apply their own windows (Gemma 2 and 3)."""
+    if _LAYER_WINDOW_ARCHITECTURES & set(hf.get("architectures") or ()):
+        return None
     text = hf.get("text_config", hf)
     window = text.get("sliding_window")
     if not isinstance(window, int) or ("use_sliding_window" in text
@@ -429,7 +439,7 @@ def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str
     limit, limit_name = info.max_position_embeddings, "max_position_embeddings"
     window = _sliding_window(info.raw)
     if window is not None and window < limit:
-        # NOTE(config): attention is full-context here; past the window a sliding-window model
+        # NOTE(config): Llama-family attention is full-context; past the window such a model
         # would attend differently, so the context is capped at the window (as vLLM once did
         # with disable_sliding_window).
         limit, limit_name = window, "sliding_window"

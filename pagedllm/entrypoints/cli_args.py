@@ -49,8 +49,11 @@ def _json_object(text: str) -> dict[str, Any]:
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=None,
-                   help="checkpoint folder or Hugging Face hub id (default: the shipped model)")
-    g.add_argument("--tokenizer", default=None)
+                   help="checkpoint folder, Hugging Face hub id or .gguf file (default: the "
+                        "shipped model)")
+    g.add_argument("--tokenizer", default=None,
+                   help="tokenizer folder or hub id (default: the model's own; a .gguf file's "
+                        "comes from its metadata)")
     g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--seed", type=int, default=0)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-KERNELS_VERSION = 3  # must equal pagedllm_cpu_kernels_version() in the sources
+KERNELS_VERSION = 4  # must equal pagedllm_cpu_kernels_version() in the sources
 _SOURCES = ("cpu_attention.cpp", "cpu_linear.cpp", "cpu_decoder.cpp")
 _HEADERS = ("cpu_vec.h", "attention_kernel.h", "linear_kernel.h")
 _CXXFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
@@ -131,7 +131,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     for name in ("paged_attention_f32", "paged_attention_bf16"):
         fn = getattr(lib, name)
         fn.restype = None
-        fn.argtypes = [p, p, p, p, i64, p, p, p, i32, p, i32, i32, i32, i32, f32, i32]
+        fn.argtypes = [p, p, p, p, i64, p, p, p, i32, p, i32, i32, i32, i32, f32, i32, i32, f32]
     for name in ("linear_bf16", "linear_f32", "linear_bf16_act"):
         fn = getattr(lib, name)
         fn.restype = None

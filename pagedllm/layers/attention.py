@@ -3,7 +3,8 @@
 It owns nothing but its shape and the KV-cache tensor bound to it by the worker
 (`[2, num_blocks, block_size, num_kv_heads, head_size]`). Each call reads the step's metadata from
 the forward context and hands the work to the platform's backend, which writes the new K/V into
-their slots and attends over the request's cached context.
+their slots and attends over the request's cached context. Per-layer variants (a sliding window,
+attention-logit soft-capping) are facts of the layer, passed to the backend with every call.
 """
 
 from __future__ import annotations
@@ -16,16 +17,35 @@ from pagedllm.attention.selector import get_attention_backend
 
 
 class Attention(nn.Module):
-    """q [n, H*D], k/v [n, KVH*D] -> out [n, H*D]."""
+    """q [n, H*D], k/v [n, KVH*D] -> out [n, H*D].
+
+    Args:
+        scale: softmax scale applied to q.k (usually head_size ** -0.5).
+        sliding_window: a query at position p sees only key positions > p - sliding_window (its
+            last `sliding_window` positions, itself included; HF's sliding-window mask); None =
+            the whole causal context.
+        logits_soft_cap: scaled scores s become cap * tanh(s / cap) before the softmax (Gemma 2);
+            None = no capping.
+
+    Raises:
+        ValueError: for a sliding_window < 1 or a logits_soft_cap <= 0.
+    """
 
     def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float,
-                 layer_name: str) -> None:
+                 layer_name: str, sliding_window: int | None = None,
+                 logits_soft_cap: float | None = None) -> None:
         super().__init__()
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"{layer_name}: sliding_window must be >= 1, got {sliding_window}")
+        if logits_soft_cap is not None and not logits_soft_cap > 0:
+            raise ValueError(f"{layer_name}: logits_soft_cap must be > 0, got {logits_soft_cap}")
         self.num_heads = num_heads
         self.head_size = head_size
         self.num_kv_heads = num_kv_heads
         self.scale = scale
         self.layer_name = layer_name
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
         self.backend = get_attention_backend()
         self.kv_cache = torch.empty(0)
 
@@ -35,5 +55,7 @@ class Attention(nn.Module):
         out = self.backend.forward(q.view(n, self.num_heads, self.head_size),
                                    k.view(n, self.num_kv_heads, self.head_size),
                                    v.view(n, self.num_kv_heads, self.head_size),
-                                   self.kv_cache, metadata, self.scale)
+                                   self.kv_cache, metadata, self.scale,
+                                   sliding_window=self.sliding_window,
+                                   logits_soft_cap=self.logits_soft_cap)
         return out.reshape(n, self.num_heads * self.head_size)

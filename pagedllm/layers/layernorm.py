@@ -33,6 +33,33 @@ class RMSNorm(nn.Module):
         return self._norm(x), x
 
 
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: x / sqrt(mean(x^2) + eps) * (1 + weight), all in float32, cast back last.
+
+    The checkpoint stores the zero-centred weight; the product is taken before the cast to the
+    model dtype (Llama's RMSNorm casts first). forward(x) -> y;
+    forward(x, residual) -> (y, x + residual) where the sum is the new residual. Shapes:
+    [..., hidden_size], any float dtype (the output keeps x's dtype).
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(hidden_size), requires_grad=False)
+        self.weight.weight_loader = default_weight_loader
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+
 class LayerNorm(nn.Module):
     """(x - mean) / sqrt(var + eps) * weight + bias over the last dim (Ba et al. 2016; BERT).
 

@@ -1,4 +1,5 @@
-"""Resolve a model argument to a local folder: a path as is, a hub id through huggingface_hub.
+"""Resolve a model argument to a local folder: a path as is, a hub id through huggingface_hub,
+a .gguf file through its cached checkpoint view (model_loader/gguf.py).
 
 Hub ids go through `snapshot_download`, which answers from the local cache when
 `HF_HUB_OFFLINE=1` (or when the network is unreachable and the files are cached). Nothing here runs
@@ -16,12 +17,20 @@ _ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", 
 def resolve_model_path(model: str, revision: str | None = None) -> str:
     """Local folder holding the checkpoint named by `model`.
 
+    A `.gguf` file resolves to its checkpoint view (config, tokenizer and generation config
+    derived from the file's metadata, plus a pointer to the file for the weights).
+
     Raises:
         FileNotFoundError: for a path that does not exist, or a hub id that is neither cached nor
             downloadable, naming it.
+        ValueError: a .gguf file that is invalid or of an unsupported architecture or tensor
+            type, naming it.
     """
     if os.path.isdir(model):
         return str(Path(model).resolve())
+    from pagedllm.model_loader.gguf import is_gguf_path, prepare_gguf_view
+    if is_gguf_path(model):
+        return prepare_gguf_view(model)
     # Hub ids are "name" or "org/name"; anything else can only be a (missing) local path.
     if model.startswith((".", "/", "~")) or model.count("/") > 1 or os.path.exists(model):
         raise FileNotFoundError(f"model folder not found: {model}")

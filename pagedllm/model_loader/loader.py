@@ -1,9 +1,11 @@
-"""Build a model from its HF config and fill it from safetensors files (with or without index).
+"""Build a model from its HF config and fill it from safetensors files (with or without index)
+or from the GGUF file behind a checkpoint view (model_loader/gguf.py).
 
 Parameters are created empty on the target device in the target dtype and filled through each
 parameter's `weight_loader`; a checkpoint that leaves a parameter unset is an error naming it.
-Tensors reach the loaders lazily (`CheckpointTensor`): a tensor-parallel rank narrows them to its
-shard and only that slice is read from disk (safetensors `get_slice`).
+Tensors reach the loaders lazily (`CheckpointTensor`, `GGUFTensor`): a tensor-parallel rank
+narrows them to its shard and only that slice is read from disk (safetensors `get_slice`) or
+dequantized (GGUF rows).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from pagedllm.model_loader.gguf import iterate_gguf_tensors, read_gguf_source
 from pagedllm.models.registry import resolve_model_class
 
 
@@ -120,18 +123,31 @@ def _default_dtype(dtype: torch.dtype):
 def load_model(model_path: str, hf_config, dtype: torch.dtype, device: torch.device) -> nn.Module:
     """Instantiate the registered class for `hf_config.architectures` and load its weights.
 
+    `model_path` is a safetensors checkpoint folder or a GGUF checkpoint view; a GGUF file's
+    tensors are renamed by the model family (`gguf_checkpoint_weights`) and dequantized at load.
+
     Raises:
-        ValueError: unsupported architecture, corrupt files, or weights missing from the checkpoint.
+        ValueError: unsupported architecture or tensor type, corrupt files, or weights missing
+            from the checkpoint.
+        FileNotFoundError: the GGUF file behind a view is gone.
     """
     cls = resolve_model_class(tuple(getattr(hf_config, "architectures", None) or ()))
+    source = read_gguf_source(model_path)
+    if source is not None and not hasattr(cls, "gguf_checkpoint_weights"):
+        raise ValueError(f"{cls.__name__} cannot load GGUF files ({source.path})")
+    checkpoint = model_path if source is None else source.path
     with torch.device(device), _default_dtype(dtype):
         model = cls(hf_config)
     try:
-        loaded = model.load_weights(iterate_checkpoint_tensors(model_path, dtype))
+        if source is None:
+            weights = iterate_checkpoint_tensors(model_path, dtype)
+        else:
+            weights = cls.gguf_checkpoint_weights(hf_config, iterate_gguf_tensors(source, dtype))
+        loaded = model.load_weights(weights)
     except ValueError as e:
-        raise ValueError(f"loading {model_path}: {e}") from e
+        raise ValueError(f"loading {checkpoint}: {e}") from e
     missing = {name for name, _ in model.named_parameters()} - loaded
     if missing:
-        raise ValueError(f"checkpoint {model_path} lacks weights for: {sorted(missing)[:8]}"
+        raise ValueError(f"checkpoint {checkpoint} lacks weights for: {sorted(missing)[:8]}"
                          f"{' ...' if len(missing) > 8 else ''}")
     return model.eval()

@@ -106,7 +106,12 @@ class FusedDecoder:
         norms = [m.weight for layer in layers for m in (layer.input_layernorm,
                  layer.post_attention_layernorm, layer.self_attn.q_norm, layer.self_attn.k_norm)
                  if m is not None]
-        return (weight.device.type == "cpu" and weight.dtype in _DTYPE_CODES
+        # NOTE(fused): the native layer attends over the whole causal context without capping;
+        # layers with a sliding window or soft-capped logits (Gemma) run the module path.
+        plain_attention = all(layer.self_attn.attn.sliding_window is None
+                              and layer.self_attn.attn.logits_soft_cap is None
+                              for layer in layers)
+        return (plain_attention and weight.device.type == "cpu" and weight.dtype in _DTYPE_CODES
                 and all(w.dtype == weight.dtype for w in norms)
                 and attn.qkv_proj.tp_size == 1 and attn.head_size % 2 == 0
                 and all(size % 8 == 0 for size in (first.input_layernorm.weight.shape[0],

@@ -4,12 +4,15 @@
           -> RMSNorm -> LM head
 
 The families differ only in config facts read here: attention bias, q/k norm, head_dim,
-tied embeddings, RoPE scaling. Forward takes the flat token batch (no padding).
+tied embeddings, RoPE scaling. Forward takes the flat token batch (no padding). GGUF files
+(llama.cpp's names and Q/K row order) load through `gguf_checkpoint_weights`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import re
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -162,6 +165,62 @@ class LlamaModel(nn.Module):
         return add_rms_norm(residual, delta, self.norm.weight, self.norm.eps)
 
 
+# llama.cpp's tensor names (GGUF) -> HF checkpoint names; "{}" is the layer index.
+GGUF_TENSOR_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+    "blk.{}.attn_norm": "model.layers.{}.input_layernorm",
+    "blk.{}.attn_q": "model.layers.{}.self_attn.q_proj",
+    "blk.{}.attn_k": "model.layers.{}.self_attn.k_proj",
+    "blk.{}.attn_v": "model.layers.{}.self_attn.v_proj",
+    "blk.{}.attn_output": "model.layers.{}.self_attn.o_proj",
+    "blk.{}.attn_q_norm": "model.layers.{}.self_attn.q_norm",
+    "blk.{}.attn_k_norm": "model.layers.{}.self_attn.k_norm",
+    "blk.{}.ffn_norm": "model.layers.{}.post_attention_layernorm",
+    "blk.{}.ffn_gate": "model.layers.{}.mlp.gate_proj",
+    "blk.{}.ffn_up": "model.layers.{}.mlp.up_proj",
+    "blk.{}.ffn_down": "model.layers.{}.mlp.down_proj",
+}
+_GGUF_LAYER = re.compile(r"blk\.(\d+)\.(.+)")
+
+
+def gguf_to_hf_name(name: str) -> str | None:
+    """HF checkpoint name of a llama.cpp tensor name ("blk.3.attn_q.weight" ->
+    "model.layers.3.self_attn.q_proj.weight"); None for a name outside GGUF_TENSOR_NAMES."""
+    stem, dot, suffix = name.rpartition(".")
+    if not dot or suffix not in ("weight", "bias"):
+        return None
+    layer = _GGUF_LAYER.fullmatch(stem)
+    key = f"blk.{{}}.{layer.group(2)}" if layer else stem
+    target = GGUF_TENSOR_NAMES.get(key)
+    if target is None:
+        return None
+    return f"{target.format(layer.group(1)) if layer else target}.{suffix}"
+
+
+def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row order (its converter's `permute`) for the "llama" architecture.
+
+    The converter reorders each head's rows from HF's rotate-half layout to interleaved pairs,
+    the layout of Meta's original checkpoints (d = head_size):
+
+        HF (ours):  [ x_0 x_1 ... x_{d/2-1} | y_0 y_1 ... y_{d/2-1} ]   (rows of one head)
+        GGUF:       [ x_0 y_0 x_1 y_1 ... x_{d/2-1} y_{d/2-1} ]
+
+    Args:
+        weight: float [num_heads * head_size, ...] (a Q/K weight or bias, heads of this tensor).
+        num_heads: heads in `weight` (KV heads for K).
+
+    Returns:
+        The same shape in HF row order. Rows never leave their head, so TP narrowing by heads
+        may come before or after.
+    """
+    head_size = weight.shape[0] // num_heads
+    return (weight.reshape(num_heads, head_size // 2, 2, *weight.shape[1:]).transpose(1, 2)
+            .reshape(weight.shape))
+
+
 class LlamaForCausalLM(nn.Module):
     """Causal LM over the flat token batch.
 
@@ -169,6 +228,11 @@ class LlamaForCausalLM(nn.Module):
     compute_logits(hidden [m, hidden_size]) -> [m, vocab_size] float32.
     """
 
+    # GGUF `general.architecture` this class loads (llama.cpp writes Mistral and SmolLM2 as
+    # "llama"), and whether llama.cpp's converter interleaved its Q/K rows (see
+    # `unpermute_rope_rows`; it does so for "llama" only).
+    gguf_architecture: str | None = "llama"
+    gguf_interleaved_qk = True
     qk_norm = False
     # None: follow the config's `attention_bias`; Qwen2 always has q/k/v bias (and no o bias).
     qkv_bias: bool | None = None
@@ -225,14 +289,44 @@ class LlamaForCausalLM(nn.Module):
             loaded.add(target)
         return loaded
 
+    @classmethod
+    def gguf_checkpoint_weights(cls, config, weights: Iterable[tuple[str, Any]]
+                                ) -> Iterator[tuple[str, Any]]:
+        """Turn a GGUF file's tensors into HF-named checkpoint tensors for `load_weights`.
+
+        Args:
+            config: the HF config (head counts).
+            weights: (llama.cpp name, lazy GGUF tensor with `map`), as
+                `model_loader.gguf.iterate_gguf_tensors` yields them.
+
+        Raises:
+            ValueError: naming a tensor this family has no parameter for (e.g. Llama 3.1's
+                `rope_freqs.weight`, RoPE frequency factors not supported yet).
+        """
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        for name, tensor in weights:
+            hf_name = gguf_to_hf_name(name)
+            if hf_name is None:
+                raise ValueError(f"GGUF tensor {name} has no counterpart in {cls.__name__}")
+            if cls.gguf_interleaved_qk and ".self_attn.q_proj." in hf_name:
+                tensor = tensor.map(lambda w: unpermute_rope_rows(w, heads))
+            elif cls.gguf_interleaved_qk and ".self_attn.k_proj." in hf_name:
+                tensor = tensor.map(lambda w: unpermute_rope_rows(w, kv_heads))
+            yield hf_name, tensor
+
 
 class MistralForCausalLM(LlamaForCausalLM):
-    pass
+    gguf_architecture = None
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
+    gguf_architecture = "qwen2"
+    gguf_interleaved_qk = False
     qkv_bias = True
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
+    gguf_architecture = "qwen3"
+    gguf_interleaved_qk = False
     qk_norm = True

@@ -3,15 +3,34 @@
 from __future__ import annotations
 
 from pagedllm.models.bert import BertForMaskedLM, BertModel
+from pagedllm.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from pagedllm.models.llama import (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
                                    Qwen3ForCausalLM)
 
 _MODELS = {cls.__name__: cls for cls in (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
-                                         Qwen3ForCausalLM, BertModel, BertForMaskedLM)}
+                                         Qwen3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM,
+                                         BertModel, BertForMaskedLM)}
+
+
+# GGUF `general.architecture` (llama.cpp's names) -> class.
+_GGUF_MODELS = {cls.gguf_architecture: cls for cls in _MODELS.values()
+                if getattr(cls, "gguf_architecture", None)}
 
 
 def supported_architectures() -> list[str]:
     return sorted(_MODELS)
+
+
+def resolve_gguf_architecture(architecture: str | None, path: str = "the GGUF file"):
+    """The class that loads a GGUF file of `architecture` (its `general.architecture`).
+
+    Raises:
+        ValueError: naming the architecture and the file, and listing the supported ones.
+    """
+    if architecture in _GGUF_MODELS:
+        return _GGUF_MODELS[architecture]
+    raise ValueError(f"GGUF architecture {architecture!r} of {path} is not supported; "
+                     f"supported: {sorted(_GGUF_MODELS)}")
 
 
 def resolve_model_class(architectures: tuple[str, ...] | list[str]):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from pagedllm.layers.linear import default_weight_loader
+from pagedllm.layers.pipeline import PPMissingLayer
 
 # (our fused parameter, checkpoint name, shard id)
 StackedParamsMapping = tuple[tuple[str, str, str | int], ...]
@@ -34,3 +35,38 @@ def load_named_weight(params: dict[str, nn.Parameter], name: str, tensor,
         raise ValueError(f"checkpoint tensor {name} has no matching parameter")
     getattr(param, "weight_loader", default_weight_loader)(param, tensor)
     return name
+
+
+def load_causal_lm_weights(model: nn.Module, weights, stacked_params_mapping: StackedParamsMapping,
+                           tie_word_embeddings: bool) -> set[str]:
+    """Load HF-named checkpoint tensors into a decoder-only causal LM laid out as
+    `model.{embed_tokens,layers.N.*,norm}` + `lm_head` (pipeline stages hold `PPMissingLayer`s
+    for the modules of other stages; their tensors are skipped).
+
+    Skips `rotary_emb.inv_freq` buffers and, with tied embeddings, `lm_head.weight`; a last
+    pipeline stage that does not hold the embedding loads its own copy of it into `lm_head`.
+
+    Returns:
+        The names of the parameters that were (partly) set.
+
+    Raises:
+        ValueError: for a tensor whose name matches no parameter, or a shape mismatch.
+    """
+    params = dict(model.named_parameters())
+    elsewhere = tuple(f"{n}." for n, m in model.named_modules() if isinstance(m, PPMissingLayer))
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        if "rotary_emb.inv_freq" in name:
+            continue
+        if name == "lm_head.weight" and tie_word_embeddings:
+            continue
+        if (name == "model.embed_tokens.weight" and tie_word_embeddings
+                and "lm_head.weight" in params):
+            # Pipeline parallelism: the last stage's untied copy of the embedding.
+            lm_head = params["lm_head.weight"]
+            lm_head.weight_loader(lm_head, tensor)
+            loaded.add("lm_head.weight")
+        if name.startswith(elsewhere):
+            continue
+        loaded.add(load_named_weight(params, name, tensor, stacked_params_mapping))
+    return loaded

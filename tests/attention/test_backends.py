@@ -1,5 +1,6 @@
 """Both paged attention backends against dense causal attention on random mixed batches
-(decodes, first prefill chunks, later chunks over a cached context; MHA, GQA and MQA)."""
+(decodes, first prefill chunks, later chunks over a cached context; MHA, GQA and MQA), with and
+without a sliding window and attention-logit soft-capping (Gemma)."""
 
 from __future__ import annotations
 
@@ -12,13 +13,20 @@ from pagedllm.attention.backends.torch_sdpa import TorchSDPABackend
 from pagedllm.attention.metadata import CommonAttentionMetadata
 
 
-def _dense(q, k, v, scale):
-    """q [Q, H, D] at the end of k/v [S, KVH, D]: causal attention, GQA by repetition."""
+def _dense(q, k, v, scale, window=None, soft_cap=None):
+    """q [Q, H, D] at the end of k/v [S, KVH, D]: causal attention, GQA by repetition. A window
+    keeps key positions > query position - window (HF's sliding-window mask); soft_cap maps
+    scores s to cap * tanh(s / cap)."""
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    if soft_cap is not None:
+        scores = soft_cap * torch.tanh(scores / soft_cap)
     n_q, n_k = q.shape[0], k.shape[0]
-    mask = torch.arange(n_k)[None, :] <= (n_k - n_q + torch.arange(n_q))[:, None]
+    k_pos, q_pos = torch.arange(n_k)[None, :], (n_k - n_q + torch.arange(n_q))[:, None]
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask &= k_pos > q_pos - window
     scores = scores.masked_fill(~mask, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
@@ -31,17 +39,14 @@ SHAPES = [(4, 2, 8, 4), (6, 6, 64, 16), (8, 1, 16, 8), (12, 12, 16, 4), (14, 7, 
           (4, 2, 128, 16), (6, 3, 40, 8)]
 
 
-@pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.name)
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("num_reqs", [1, 6])  # few tokens: the kernel splits the KV heads
-@pytest.mark.parametrize("seed", range(3))
-def test_matches_dense(backend, shape, dtype, num_reqs, seed):
+def _run_random_step(backend, shape, dtype, num_reqs, seed, window=None, soft_cap=None,
+                     max_query_len=12):
+    """One random mixed step through `backend`, checked against `_dense` per request."""
     rng = np.random.default_rng(seed)
     H, KVH, D, bs = shape
     num_blocks = 80
     ctx = rng.integers(0, 40, num_reqs) * (rng.random(num_reqs) < 0.7)  # cached tokens
-    q_lens = np.where(rng.random(num_reqs) < 0.5, 1, rng.integers(1, 12, num_reqs))
+    q_lens = np.where(rng.random(num_reqs) < 0.5, 1, rng.integers(1, max_query_len, num_reqs))
     seq_lens = ctx + q_lens
     kv_cache = torch.zeros(2, num_blocks, bs, KVH, D, dtype=dtype)
     perm = rng.permutation(np.arange(1, num_blocks))
@@ -70,11 +75,37 @@ def test_matches_dense(backend, shape, dtype, num_reqs, seed):
     new_k = torch.cat([full_k[r][ctx[r]:] for r in range(num_reqs)])
     new_v = torch.cat([full_v[r][ctx[r]:] for r in range(num_reqs)])
     out = backend.forward(torch.cat(qs), new_k, new_v, kv_cache,
-                          backend.build_metadata(common), D ** -0.5)
+                          backend.build_metadata(common), D ** -0.5, sliding_window=window,
+                          logits_soft_cap=soft_cap)
     assert out.dtype == dtype
-    want = torch.cat([_dense(qs[r].float(), full_k[r].float(), full_v[r].float(), D ** -0.5)
-                      for r in range(num_reqs)])
+    want = torch.cat([_dense(qs[r].float(), full_k[r].float(), full_v[r].float(), D ** -0.5,
+                             window, soft_cap) for r in range(num_reqs)])
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), want, atol=tol, rtol=tol)
     # the new tokens' K/V landed in their slots
     torch.testing.assert_close(kv_cache[0].view(-1, KVH, D)[common.slot_mapping], new_k)
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.name)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("num_reqs", [1, 6])  # few tokens: the kernel splits the KV heads
+@pytest.mark.parametrize("seed", range(3))
+def test_matches_dense(backend, shape, dtype, num_reqs, seed):
+    _run_random_step(backend, shape, dtype, num_reqs, seed)
+
+
+# (heads, kv heads, head size, block size): windows inside one block, across blocks, and
+# longer than every sequence.
+WINDOW_SHAPES = [(4, 2, 16, 4), (6, 3, 32, 16), (3, 1, 8, 8)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.name)
+@pytest.mark.parametrize("shape", WINDOW_SHAPES, ids=str)
+@pytest.mark.parametrize("window,soft_cap", [(1, None), (3, None), (17, None), (100, None),
+                                             (None, 2.0), (5, 3.0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_sliding_window_and_soft_cap_match_dense(backend, shape, window, soft_cap, dtype):
+    # Prefill chunks up to 30 tokens, so fresh requests longer than the window take the kernel.
+    _run_random_step(backend, shape, dtype, 6, 0, window=window, soft_cap=soft_cap,
+                     max_query_len=30)

@@ -13,6 +13,11 @@ Compared with `torch_sdpa` this removes the gather of each request's context int
 (read + write + read of the whole KV per layer), and the padding of a decode batch to its longest
 sequence. The KV cache may be float32 or bfloat16; for another dtype (float16) the backend falls
 back to `torch_sdpa` for the step.
+
+Per-layer attention variants (Gemma): a sliding window and attention-logit soft-capping are
+arguments of the kernel. A fresh request stays on SDPA only where SDPA computes the same thing:
+no soft-capping, and a window (if any) that covers its whole sequence; otherwise the kernel takes
+it too (it reads only the window's blocks). The split is computed once per step and variant.
 """
 
 from __future__ import annotations
@@ -49,12 +54,37 @@ class CpuPagedMetadata:
     all_rows: np.ndarray
     fresh_rows: tuple[tuple[int, int], ...]
     _sdpa: TorchSDPAMetadata | None = field(default=None, repr=False)
+    _splits: dict = field(default_factory=dict, repr=False)
 
     def sdpa_metadata(self) -> TorchSDPAMetadata:
         """The torch_sdpa metadata for the same step (built on first use, for the fallback)."""
         if self._sdpa is None:
             self._sdpa = TorchSDPABackend.build_metadata(self.common)
         return self._sdpa
+
+    def split(self, sliding_window: int | None, soft_capped: bool
+              ) -> tuple[np.ndarray, tuple[tuple[int, int], ...]]:
+        """(kernel_rows, fresh_rows) for a layer with this window / soft-capping: fresh requests
+        that SDPA cannot compute exactly (soft-capped, or longer than the window) move to the
+        kernel. Cached per (window, soft_capped) for the step."""
+        if sliding_window is None and not soft_capped:
+            return self.kernel_rows, self.fresh_rows
+        key = (sliding_window, soft_capped)
+        if key not in self._splits:
+            if soft_capped:
+                moved = list(self.fresh_rows)
+            else:
+                moved = [(a, b) for a, b in self.fresh_rows if b - a > sliding_window]
+            if not moved:
+                self._splits[key] = self.kernel_rows, self.fresh_rows
+            else:
+                starts = self.query_start_loc[:-1]
+                # The last request starting at `a` is the fresh one (it has tokens).
+                moved_rows = np.searchsorted(starts, [a for a, _ in moved], side="right") - 1
+                rows = np.sort(np.concatenate([self.kernel_rows, moved_rows])).astype(np.int32)
+                kept = tuple(r for r in self.fresh_rows if r not in moved)
+                self._splits[key] = rows, kept
+        return self._splits[key]
 
 
 def _ptr(t: torch.Tensor | np.ndarray) -> int:
@@ -86,8 +116,9 @@ class CpuPagedBackend:
 
     @staticmethod
     def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_cache: torch.Tensor, metadata: CpuPagedMetadata,
-                scale: float) -> torch.Tensor:
+                kv_cache: torch.Tensor, metadata: CpuPagedMetadata, scale: float,
+                sliding_window: int | None = None,
+                logits_soft_cap: float | None = None) -> torch.Tensor:
         """Write new K/V to the cache and attend.
 
         Args:
@@ -97,13 +128,18 @@ class CpuPagedBackend:
                 (other dtypes go through torch_sdpa).
             metadata: from `build_metadata`.
             scale: softmax scale (usually head_size ** -0.5).
+            sliding_window: a query at position p attends only to key positions > p - window
+                (HF's sliding-window mask); None = the whole causal context.
+            logits_soft_cap: scores become cap * tanh(score / cap) before the softmax (Gemma 2);
+                None = no capping.
 
         Returns:
             [num_tokens, num_heads, head_size] in query's dtype (padded tokens are zero).
         """
         if kv_cache.dtype not in (torch.float32, torch.bfloat16):
             return TorchSDPABackend.forward(query, key, value, kv_cache,
-                                            metadata.sdpa_metadata(), scale)
+                                            metadata.sdpa_metadata(), scale, sliding_window,
+                                            logits_soft_cap)
         common = metadata.common
         n = common.num_actual_tokens
         num_heads, head_size = query.shape[1], query.shape[2]
@@ -118,7 +154,8 @@ class CpuPagedBackend:
         out = torch.empty(query.shape, dtype=torch.float32)
         out[n:] = 0
         rep = num_heads // num_kv_heads
-        for start, end in metadata.fresh_rows:
+        rows, fresh_rows = metadata.split(sliding_window, logits_soft_cap is not None)
+        for start, end in fresh_rows:
             # NOTE(perf): 4-D inputs: torch's CPU flash-attention kernel takes only [B, H, L, D];
             # 3-D ones fall back to the math path, 4x slower at 512 tokens.
             q = query[start:end].transpose(0, 1)[None]                    # [1, H, L, D]
@@ -130,7 +167,6 @@ class CpuPagedBackend:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=common.causal, scale=scale)
             out[start:end] = o[0].transpose(0, 1)
 
-        rows = metadata.kernel_rows
         if len(rows):
             lib = cpu_kernels()
             fn = lib.paged_attention_f32 if kv_cache.dtype == torch.float32 \
@@ -141,5 +177,6 @@ class CpuPagedBackend:
             fn(_ptr(q32), _ptr(key_cache), _ptr(value_cache), _ptr(block_table),
                block_table.stride(0), _ptr(metadata.query_start_loc), _ptr(metadata.seq_lens),
                _ptr(rows), ctypes.c_int(len(rows)), _ptr(out), num_heads, num_kv_heads,
-               head_size, common.block_size, ctypes.c_float(scale), int(common.causal))
+               head_size, common.block_size, ctypes.c_float(scale), int(common.causal),
+               sliding_window or 0, ctypes.c_float(logits_soft_cap or 0.0))
         return out if query.dtype == torch.float32 else out.to(query.dtype)

@@ -11,13 +11,17 @@ groups so SDPA runs once per group per layer, never per token:
 
 with a boolean mask [G, 1, Q_max, S_max] allowing key position <= query position (causal, offset
 by the cached context) and < seq_len. The gather indices and masks are built once per step in
-`build_metadata` and shared by every layer. Padding exists only inside a group and is dropped
-before the output is scattered back to the flat token order.
+`build_metadata` and shared by every layer; a layer with a sliding window (Gemma's local layers)
+narrows its group masks to key position > query position - window, built on the first such
+layer of the step and cached per window. A layer with attention-logit soft-capping (Gemma 2)
+runs the same computation as explicit matmul / tanh / softmax, since SDPA has no hook between
+the scores and the softmax. Padding exists only inside a group and is dropped before the output
+is scattered back to the flat token order.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -35,6 +39,9 @@ class _RequestGroup:
     attn_mask: [G, 1, Q_max, S_max] bool, True = attend.
     valid: [G * Q_max] bool, which padded queries are real.
     out_index: [num_valid] int64, flat token index of each real query (in `valid` order).
+    window_start: [G, 1, Q_max, 1] int64, position of each query + 1; a window W keeps key
+        positions >= window_start - W. Padded queries hold 0 (their rows keep every key, so no
+        row is fully masked).
     """
 
     query_index: torch.Tensor
@@ -42,6 +49,21 @@ class _RequestGroup:
     attn_mask: torch.Tensor
     valid: torch.Tensor
     out_index: torch.Tensor
+    window_start: torch.Tensor
+    _window_masks: dict[int, torch.Tensor] = field(default_factory=dict, repr=False,
+                                                   compare=False)
+
+    def mask(self, sliding_window: int | None) -> torch.Tensor:
+        """attn_mask, narrowed to the last `sliding_window` positions of each query when set
+        (built once per window and step)."""
+        if sliding_window is None:
+            return self.attn_mask
+        mask = self._window_masks.get(sliding_window)
+        if mask is None:
+            k_pos = torch.arange(self.attn_mask.shape[-1], device=self.attn_mask.device)
+            mask = self.attn_mask & (k_pos >= self.window_start - sliding_window)
+            self._window_masks[sliding_window] = mask
+        return mask
 
 
 @dataclass(frozen=True)
@@ -75,9 +97,20 @@ def _build_group(common: CommonAttentionMetadata, rows: np.ndarray) -> _RequestG
     if common.causal:
         mask = mask & (kpos[None, None, :] <= q_pos[:, :, None])
     valid = valid_2d.reshape(-1)
+    window_start = torch.where(valid_2d, q_pos + 1, 0)[:, None, :, None]
     return _RequestGroup(query_index=query_index, kv_slots=kv_slots,
                          attn_mask=mask[:, None, :, :], valid=valid,
-                         out_index=query_index.reshape(-1)[valid])
+                         out_index=query_index.reshape(-1)[valid], window_start=window_start)
+
+
+def _softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                          scale: float, soft_cap: float) -> torch.Tensor:
+    """softmax(cap * tanh(q k^T * scale / cap), masked) v; q [G, KVH, Q, D], k/v [G, KVH, S, D],
+    mask [G, 1, Q, S] bool (True = attend, no row fully False). Scores in float32."""
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / soft_cap) * soft_cap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(dim=-1), v.float()).to(q.dtype)
 
 
 class TorchSDPABackend:
@@ -98,8 +131,9 @@ class TorchSDPABackend:
 
     @staticmethod
     def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_cache: torch.Tensor, metadata: TorchSDPAMetadata,
-                scale: float) -> torch.Tensor:
+                kv_cache: torch.Tensor, metadata: TorchSDPAMetadata, scale: float,
+                sliding_window: int | None = None,
+                logits_soft_cap: float | None = None) -> torch.Tensor:
         """Write new K/V to the cache and attend.
 
         Args:
@@ -108,6 +142,10 @@ class TorchSDPABackend:
             kv_cache: [2, num_blocks, block_size, num_kv_heads, head_size].
             metadata: from `build_metadata`.
             scale: softmax scale (usually head_size ** -0.5).
+            sliding_window: a query at position p attends only to key positions > p - window
+                (HF's sliding-window mask); None = the whole causal context.
+            logits_soft_cap: scores become cap * tanh(score / cap) before the softmax (Gemma 2);
+                None = no capping.
 
         Returns:
             [num_tokens, num_heads, head_size] attention output (padded tokens are zero).
@@ -131,14 +169,18 @@ class TorchSDPABackend:
             # torch's CPU SDPA with enable_gqa=True was up to 100x slower for decode queries.
             q = query[g.query_index].view(num_rows, q_len, num_kv_heads, rep, head_size)
             q = q.permute(0, 2, 3, 1, 4).reshape(num_rows, num_kv_heads, rep * q_len, head_size)
-            mask = g.attn_mask if q_len == 1 else g.attn_mask.repeat(1, 1, rep, 1)
+            mask = g.mask(sliding_window)
+            mask = mask if q_len == 1 else mask.repeat(1, 1, rep, 1)
             # NOTE(perf): index_select on flat slots is ~3x faster than advanced indexing on CPU.
             kv_shape = (num_rows, -1, num_kv_heads, head_size)
             flat_slots = g.kv_slots.reshape(-1)
             k = key_cache.index_select(0, flat_slots).view(kv_shape).transpose(1, 2).to(q.dtype)
             v = value_cache.index_select(0, flat_slots).view(kv_shape).transpose(1, 2).to(
                 q.dtype)                                              # [G, KVH, S, D]
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+            if logits_soft_cap is None:
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+            else:
+                o = _softcapped_attention(q, k, v, mask, scale, logits_soft_cap)
             o = o.view(num_rows, num_kv_heads, rep, q_len, head_size).permute(0, 3, 1, 2, 4)
             o = o.reshape(-1, num_heads, head_size)                  # [G * Q, H, D]
             out[g.out_index] = o[g.valid]

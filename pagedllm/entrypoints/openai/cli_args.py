@@ -112,11 +112,16 @@ def check_can_listen(host: str, port: int) -> None:
 def _check_local_folder(flag: str, value: str | None) -> None:
     """FileNotFoundError for a --model/--tokenizer value that is a path (as the engine tells a
     path from a hub id: it starts with '.', '/' or '~', has more than one '/', or exists) but
-    not a folder; hub ids are left to the engine."""
+    neither a folder nor a .gguf file; hub ids are left to the engine."""
     if value is None or os.path.isdir(value):
         return
+    if value.lower().endswith(".gguf"):
+        if not os.path.isfile(value):
+            raise FileNotFoundError(f"{flag} {value}: no such GGUF file")
+        return
     if value.startswith((".", "/", "~")) or value.count("/") > 1 or os.path.exists(value):
-        what = "is a file, not a checkpoint folder" if os.path.exists(value) else "no such folder"
+        what = ("is a file, not a checkpoint folder or .gguf file" if os.path.exists(value)
+                else "no such folder")
         hint = " (a '~' after '=' is not expanded by the shell)" if value.startswith("~") else ""
         raise FileNotFoundError(f"{flag} {value}: {what}{hint}")
 

@@ -205,6 +205,12 @@ struct AttentionArgs {
   int num_heads, num_kv_heads, head_size, block_size;
   float scale;
   int causal;
+  // Sliding window: query at position p attends only to key positions > p - window (HF's
+  // `kv_idx > q_idx - sliding_window`: the query and the window - 1 keys before it); 0 = none.
+  int window = 0;
+  // Gemma 2's attention logit soft-capping: score = soft_cap * tanh(score / soft_cap), applied
+  // to the scaled score before the softmax; 0 = none.
+  float soft_cap = 0.f;
 };
 
 // The work-sharing loop over the plan's items, to be called by every thread of an enclosing
@@ -246,14 +252,26 @@ void attention_items(const AttentionArgs<T, TQ>& a, const AttentionPlan& plan) {
     }
     std::fill(acc.begin(), acc.begin() + static_cast<int64_t>(nh) * head_size, 0.f);
 
-    for (int start = 0; start < ctx_end; start += block_size) {
-      const int n = std::min(block_size, ctx_end - start);
+    // Key positions [ctx_begin, ctx_end), walked block by block; with a window the first block
+    // is entered at an offset (n keys from `offset` within it).
+    const int ctx_begin = a.window > 0 ? std::max(0, pos + 1 - a.window) : 0;
+    for (int start = ctx_begin; start < ctx_end;) {
+      const int offset = start % block_size;
+      const int n = std::min(block_size - offset, ctx_end - start);
       const int64_t base =
-          static_cast<int64_t>(table[start / block_size]) * block_size * kv_row_stride +
+          (static_cast<int64_t>(table[start / block_size]) * block_size + offset) *
+              kv_row_stride +
           static_cast<int64_t>(kv0) * head_size;
+      start += n;
       for (int h = 0; h < nh; ++h)
         block_scores(&q[h * head_size], a.key_cache + base + (h / rep) * head_size,
                      kv_row_stride, n, head_size, &scores[h * block_size]);
+      if (a.soft_cap > 0.f) {
+        for (int h = 0; h < nh; ++h) {
+          float* s = &scores[h * block_size];
+          for (int j = 0; j < n; ++j) s[j] = a.soft_cap * std::tanh(s[j] / a.soft_cap);
+        }
+      }
       for (int h = 0; h < nh; ++h) {
         float* s = &scores[h * block_size];
         float block_max = s[0];

@@ -14,8 +14,12 @@
 //   query_start_loc [num_reqs + 1], seq_lens [num_reqs]        int32
 //   rows         [num_rows] int32: the requests to process (the others are left untouched)
 //   out          [num_tokens, num_heads, head_size]            float32
-// Query i of request r sits at position seq_lens[r] - query_len[r] + i; with `causal` it attends to
-// positions [0, that position], otherwise to [0, seq_lens[r]).
+// Query i of request r sits at position p = seq_lens[r] - query_len[r] + i; with `causal` it attends
+// to positions [0, p], otherwise to [0, seq_lens[r]). A sliding `window` > 0 (Mistral, Gemma's local
+// layers) drops the positions <= p - window, so a causal query sees its last `window` positions
+// (itself included), as HF's sliding-window mask does; the blocks before the window are not read.
+// A `soft_cap` > 0 (Gemma 2) maps each scaled score s to soft_cap * tanh(s / soft_cap) before
+// the softmax.
 //
 // Threads: OpenMP, whose runtime is the one torch already loaded (same soname), so the kernel
 // shares torch's thread pool and honours torch.set_num_threads.
@@ -35,13 +39,14 @@ void paged_attention(const float* query, const T* key_cache, const T* value_cach
                      const int32_t* block_table, int64_t block_table_stride,
                      const int32_t* query_start_loc, const int32_t* seq_lens,
                      const int32_t* rows, int num_rows, float* out, int num_heads,
-                     int num_kv_heads, int head_size, int block_size, float scale, int causal) {
+                     int num_kv_heads, int head_size, int block_size, float scale, int causal,
+                     int window, float soft_cap) {
   const AttentionPlan plan = plan_attention(query_start_loc, rows, num_rows, num_kv_heads,
                                             omp_get_max_threads());
   const AttentionArgs<T, float> args{query, static_cast<int64_t>(num_heads) * head_size,
                                      key_cache, value_cache, block_table, block_table_stride,
                                      query_start_loc, seq_lens, out, num_heads, num_kv_heads,
-                                     head_size, block_size, scale, causal};
+                                     head_size, block_size, scale, causal, window, soft_cap};
 #pragma omp parallel
   attention_items(args, plan);
 }
@@ -51,17 +56,17 @@ void paged_attention(const float* query, const T* key_cache, const T* value_cach
 extern "C" {
 
 // ABI version: bump when a signature below changes (checked by the Python loader).
-int pagedllm_cpu_kernels_version() { return 3; }
+int pagedllm_cpu_kernels_version() { return 4; }
 
 void paged_attention_f32(const float* query, const float* key_cache, const float* value_cache,
                          const int32_t* block_table, int64_t block_table_stride,
                          const int32_t* query_start_loc, const int32_t* seq_lens,
                          const int32_t* rows, int num_rows, float* out, int num_heads,
                          int num_kv_heads, int head_size, int block_size, float scale,
-                         int causal) {
+                         int causal, int window, float soft_cap) {
   paged_attention<float>(query, key_cache, value_cache, block_table, block_table_stride,
                          query_start_loc, seq_lens, rows, num_rows, out, num_heads, num_kv_heads,
-                         head_size, block_size, scale, causal);
+                         head_size, block_size, scale, causal, window, soft_cap);
 }
 
 void paged_attention_bf16(const float* query, const uint16_t* key_cache,
@@ -69,10 +74,11 @@ void paged_attention_bf16(const float* query, const uint16_t* key_cache,
                           int64_t block_table_stride, const int32_t* query_start_loc,
                           const int32_t* seq_lens, const int32_t* rows, int num_rows, float* out,
                           int num_heads, int num_kv_heads, int head_size, int block_size,
-                          float scale, int causal) {
+                          float scale, int causal, int window, float soft_cap) {
   paged_attention<uint16_t>(query, key_cache, value_cache, block_table, block_table_stride,
                             query_start_loc, seq_lens, rows, num_rows, out, num_heads,
-                            num_kv_heads, head_size, block_size, scale, causal);
+                            num_kv_heads, head_size, block_size, scale, causal, window,
+                            soft_cap);
 }
 
 }  // extern "C"

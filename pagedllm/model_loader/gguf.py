@@ -1,0 +1,391 @@
+"""GGUF files (llama.cpp's format) as checkpoints: a cached checkpoint *view* plus lazy tensors.
+
+    model.gguf ──(first use)──► <cache>/<key>/  config.json, generation_config.json,
+                                                tokenizer.json, tokenizer_config.json,
+                                                chat_template.jinja,
+                                                gguf.json (the file, its tensor table)
+    load_model(<view>) ──► GGUFTensor per file tensor
+                       ──► model family: HF names, Q/K row order (map)
+                       ──► weight_loader: narrow for TP ──► dequantize to float32, cast
+
+The view is derived once with transformers' own GGUF support (the oracle's reading of the file), so
+everything that takes a checkpoint folder (hf_model_info, tokenizers, the chat template, workers'
+AutoConfig) works unchanged; `gguf.json` points back at the file for the weights and keeps its
+tensor table (name, type, shape, byte offset), so loading memory-maps the data directly instead of
+parsing the metadata again (seconds for a 50k-token vocabulary). Weights are dequantized at load
+(keeping them quantized is the quantization issue's business). This module knows the file
+format, never an architecture's tensor names: those sit with the model family (DESIGN §8, e.g.
+`LlamaForCausalLM.gguf_checkpoint_weights`). Nothing here touches the network.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+VIEW_FORMAT = 1  # bump when the files of a view change
+SOURCE_FILE = "gguf.json"
+
+# GGML tensor types loaded (dequantized with `gguf.quants.dequantize`, checked against independent
+# references in tests/model_loader/test_gguf.py). IQ1_M, TQ*, MXFP4 and the integer types are
+# refused.
+SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K",
+                          "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "IQ3_S",
+                          "IQ3_XXS", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_S")
+
+
+def is_gguf_path(model: str) -> bool:
+    """Whether `model` names a GGUF file (by its `.gguf` suffix; the file need not exist)."""
+    return str(model).lower().endswith(".gguf")
+
+
+@dataclass(frozen=True)
+class GGUFTensorInfo:
+    """Where one tensor lies in a GGUF file.
+
+    Attributes:
+        name: llama.cpp's tensor name ("blk.0.attn_q.weight").
+        tensor_type: GGML type name ("Q4_1").
+        shape: torch order ([out_features, in_features]; GGUF lists dims innermost first).
+        offset: absolute byte offset of the data in the file.
+        n_bytes: bytes of data.
+    """
+
+    name: str
+    tensor_type: str
+    shape: tuple[int, ...]
+    offset: int
+    n_bytes: int
+
+
+@dataclass(frozen=True)
+class GGUFSource:
+    """The GGUF file behind a checkpoint view (the contents of its `gguf.json`).
+
+    Attributes:
+        path: absolute path of the .gguf file.
+        architecture: the file's `general.architecture` (llama.cpp's name, e.g. "llama").
+        size, mtime_ns: the file's size in bytes and modification time when the view was built.
+        tensors: the file's tensors, in file order.
+    """
+
+    path: str
+    architecture: str
+    size: int
+    mtime_ns: int
+    tensors: tuple[GGUFTensorInfo, ...]
+
+    def to_json(self) -> str:
+        return json.dumps({**self.__dict__, "tensors": [t.__dict__ for t in self.tensors]})
+
+    @classmethod
+    def from_json(cls, text: str) -> GGUFSource:
+        """Raises ValueError / TypeError / KeyError on malformed text."""
+        d = json.loads(text)
+        tensors = tuple(GGUFTensorInfo(**{**t, "shape": tuple(t["shape"])})
+                        for t in d.pop("tensors"))
+        return cls(**d, tensors=tensors)
+
+
+def read_gguf_source(model_path: str) -> GGUFSource | None:
+    """The GGUF file a checkpoint view points at; None for an ordinary checkpoint folder.
+
+    Raises:
+        FileNotFoundError: the .gguf file is gone.
+        ValueError: a corrupt `gguf.json`, or a file changed since the view was built (resolve the
+            .gguf path again to rebuild it).
+    """
+    pointer = Path(model_path) / SOURCE_FILE
+    if not pointer.is_file():
+        return None
+    try:
+        source = GGUFSource.from_json(pointer.read_text())
+    except (ValueError, TypeError, KeyError) as e:
+        raise ValueError(f"corrupt GGUF pointer {pointer}: {e}") from e
+    try:
+        stat = os.stat(source.path)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"GGUF file {source.path} (behind {model_path}) not "
+                                "found") from None
+    if (stat.st_size, stat.st_mtime_ns) != (source.size, source.mtime_ns):
+        raise ValueError(f"GGUF file {source.path} changed since its checkpoint view {model_path} "
+                         "was built; load the .gguf path again")
+    return source
+
+
+def gguf_cache_root() -> Path:
+    """Where checkpoint views live: $PAGEDLLM_GGUF_CACHE, else ~/.cache/pagedllm/gguf."""
+    env = os.environ.get("PAGEDLLM_GGUF_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "pagedllm" / "gguf"
+
+
+def _view_key(path: Path, stat: os.stat_result) -> str:
+    import transformers
+
+    # The view is transformers' reading of the file: a new transformers may read it differently.
+    text = f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\0{VIEW_FORMAT}\0{transformers.__version__}"
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def prepare_gguf_view(gguf_file: str) -> str:
+    """The checkpoint view folder of a GGUF file, built on first use and cached.
+
+    The cache key hashes the file's absolute path, size and mtime (and the transformers version),
+    so a changed file gets a new view. The architecture and every tensor type are checked before
+    anything is derived.
+
+    Returns:
+        The absolute path of the view folder.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: not a readable GGUF file, an unsupported architecture or tensor type (naming
+            it), or metadata transformers cannot turn into a config or tokenizer.
+    """
+    path = Path(gguf_file).expanduser().resolve()
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {gguf_file}")
+    stat = path.stat()
+    view = gguf_cache_root() / _view_key(path, stat)
+    if (view / SOURCE_FILE).is_file():
+        return str(view)
+    reader = open_gguf(path)
+    architecture = _metadata(reader, "general.architecture")
+    from pagedllm.models.registry import resolve_gguf_architecture
+    model_cls = resolve_gguf_architecture(architecture, str(path))
+    check_tensor_types(tensor_table(reader), path)
+    tmp = view.parent / f".{view.name}.{os.getpid()}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        _write_view(tmp, path, reader, model_cls.__name__)
+        source = GGUFSource(str(path), architecture, stat.st_size, stat.st_mtime_ns,
+                            tensor_table(reader))
+        (tmp / SOURCE_FILE).write_text(source.to_json())
+        try:
+            os.rename(tmp, view)
+        except OSError:  # another process built the same view first
+            if not (view / SOURCE_FILE).is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(view)
+
+
+def _write_view(folder: Path, path: Path, reader, architecture_name: str) -> None:
+    """config.json, the tokenizer files and generation_config.json of `path`, into `folder`."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    kwargs = {"gguf_file": path.name, "local_files_only": True}
+    try:
+        config = AutoConfig.from_pretrained(str(path.parent), **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), **kwargs)
+    except (OSError, ValueError, KeyError, NotImplementedError) as e:
+        raise ValueError(f"transformers could not read the config or tokenizer of GGUF file "
+                         f"{path}: {e}") from e
+    config.architectures = [architecture_name]
+    arch = _metadata(reader, "general.architecture")
+    # NOTE(gguf): transformers reads head_dim from rope.dimension_count for llama only; the
+    # converter writes the true head size as attention.key_length (Qwen3: 128 != hidden/heads).
+    key_length = _metadata(reader, f"{arch}.attention.key_length")
+    if key_length is not None:
+        config.head_dim = int(key_length)
+    config.save_pretrained(str(folder))
+    tokenizer.save_pretrained(str(folder))
+    (folder / "generation_config.json").write_text(
+        json.dumps(_generation_config(reader), indent=2))
+
+
+# llama.cpp's sampling defaults (general.sampling.*) -> generation_config.json names.
+_SAMPLING_KEYS = {"temp": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
+                  "penalty_repeat": "repetition_penalty"}
+
+
+def _generation_config(reader) -> dict[str, Any]:
+    """BOS/PAD and every end-of-generation id (eos, eot, eom), plus sampling defaults if stated."""
+    gen: dict[str, Any] = {}
+    for key in ("bos", "padding"):
+        value = _metadata(reader, f"tokenizer.ggml.{key}_token_id")
+        if value is not None:
+            gen["bos_token_id" if key == "bos" else "pad_token_id"] = int(value)
+    eos = [int(v) for k in ("eos", "eot", "eom")
+           if (v := _metadata(reader, f"tokenizer.ggml.{k}_token_id")) is not None]
+    if eos:
+        gen["eos_token_id"] = list(dict.fromkeys(eos)) if len(set(eos)) > 1 else eos[0]
+    for key, name in _SAMPLING_KEYS.items():
+        value = _metadata(reader, f"general.sampling.{key}")
+        if value is not None:
+            gen[name] = value
+    return gen
+
+
+def open_gguf(path: str | Path):
+    """A `gguf.GGUFReader` over `path` (memory-mapped; tensors are not read yet).
+
+    Raises:
+        ValueError: naming the file when it is not a valid GGUF file.
+    """
+    from gguf import GGUFReader
+
+    try:
+        return GGUFReader(str(path))
+    except Exception as e:  # the reader raises ValueError, struct errors, IndexError, ...
+        raise ValueError(f"not a valid GGUF file: {path} ({type(e).__name__}: {e})") from e
+
+
+def _metadata(reader, key: str) -> Any:
+    """A scalar or string metadata value of the file, None when absent (arrays are not read)."""
+    from gguf import GGUFValueType
+
+    field = reader.fields.get(key)
+    if field is None or not field.types or field.types[0] == GGUFValueType.ARRAY:
+        return None
+    value = field.parts[field.data[0]]
+    if field.types[0] == GGUFValueType.STRING:
+        return bytes(value).decode("utf-8")
+    return value.tolist()[0]
+
+
+def tensor_table(reader) -> tuple[GGUFTensorInfo, ...]:
+    """The tensors of an open file (`open_gguf`), in file order."""
+    return tuple(GGUFTensorInfo(t.name, t.tensor_type.name,
+                                tuple(int(d) for d in reversed(t.shape.tolist())),
+                                int(t.data_offset), int(t.n_bytes)) for t in reader.tensors)
+
+
+def check_tensor_types(tensors: tuple[GGUFTensorInfo, ...], path: str | Path) -> None:
+    """Raises ValueError naming the first tensor whose type is not in SUPPORTED_TENSOR_TYPES."""
+    for tensor in tensors:
+        if tensor.tensor_type not in SUPPORTED_TENSOR_TYPES:
+            raise ValueError(f"GGUF tensor type {tensor.tensor_type} (tensor {tensor.name} of "
+                             f"{path}) is not supported; supported: "
+                             f"{', '.join(SUPPORTED_TENSOR_TYPES)}")
+
+
+def dequantize(data: np.ndarray, tensor_type: str) -> np.ndarray:
+    """Unpack GGML blocks to float32.
+
+    Args:
+        data: the tensor's bytes as `tensor_data` maps them: [..., row_bytes] uint8 for block
+            types (BF16 included), [..., row] float32/float16 for F32/F16.
+        tensor_type: a GGML type name in SUPPORTED_TENSOR_TYPES.
+
+    Returns:
+        float32 [..., row] (row = elements per row; the leading dims are unchanged).
+    """
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+
+    # NOTE(gguf): a plain ndarray, not a np.memmap: numpy's memmap subclass hooks cost seconds
+    # over the thousands of views gguf's block loops make.
+    out = gguf_dequantize(np.asarray(data), GGMLQuantizationType[tensor_type])
+    return np.asarray(out, dtype=np.float32)
+
+
+def tensor_data(buffer: np.ndarray, info: GGUFTensorInfo) -> np.ndarray:
+    """The bytes of one tensor in `buffer` (the whole file, uint8), shaped as `dequantize` takes
+    them: [*shape] float32/float16 for F32/F16, [*shape[:-1], row_bytes] uint8 otherwise.
+
+    Raises:
+        ValueError: naming the tensor when the file is too short for it.
+    """
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quant_shape_to_byte_shape
+
+    raw = buffer[info.offset:info.offset + info.n_bytes]
+    if raw.size != info.n_bytes:
+        raise ValueError(f"GGUF tensor {info.name} runs past the end of the file")
+    if info.tensor_type in ("F32", "F16"):
+        return raw.view(np.float32 if info.tensor_type == "F32" else np.float16).reshape(
+            info.shape)
+    qtype = GGMLQuantizationType[info.tensor_type]
+    return raw.reshape(quant_shape_to_byte_shape(info.shape, qtype))
+
+
+class GGUFTensor:
+    """A GGUF tensor not read yet; `narrow` selects a slice, `materialize` dequantizes it.
+
+    `shape` is in torch order ([out_features, in_features] for a weight). `map(fn)` adds a
+    function applied to the whole dequantized float32 tensor before any slice is taken (e.g. a
+    model family undoing llama.cpp's Q/K row order). Without a map, a slice along dim 0
+    dequantizes only its rows.
+
+    Raises (from `narrow`): ValueError for a slice outside the tensor. (From `map`): ValueError
+    once narrowed. (From `materialize`): ValueError naming the tensor when its bytes do not
+    unpack.
+    """
+
+    def __init__(self, buffer: np.ndarray, info: GGUFTensorInfo, dtype: torch.dtype,
+                 transforms: tuple[Callable[[torch.Tensor], torch.Tensor], ...] = (),
+                 shape: tuple[int, ...] | None = None,
+                 index: tuple[slice, ...] | None = None) -> None:
+        self._buffer, self._info, self.dtype = buffer, info, dtype
+        self._transforms = transforms
+        self.name = info.name
+        self.shape = torch.Size(info.shape if shape is None else shape)
+        self._index = index
+
+    def narrow(self, dim: int, start: int, length: int) -> GGUFTensor:
+        dim = dim % len(self.shape)
+        if start < 0 or length < 0 or start + length > self.shape[dim]:
+            raise ValueError(f"slice [{start}, {start + length}) outside dimension {dim} of GGUF "
+                             f"tensor {self.name} {tuple(self.shape)}")
+        index = list(self._index or (slice(0, s) for s in self.shape))
+        base = index[dim].start
+        index[dim] = slice(base + start, base + start + length)
+        shape = list(self.shape)
+        shape[dim] = length
+        return GGUFTensor(self._buffer, self._info, self.dtype, self._transforms, tuple(shape),
+                          tuple(index))
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> GGUFTensor:
+        if self._index is not None:
+            raise ValueError(f"GGUF tensor {self.name}: map() must come before narrow()")
+        return GGUFTensor(self._buffer, self._info, self.dtype, self._transforms + (fn,))
+
+    def materialize(self) -> torch.Tensor:
+        info, index = self._info, self._index
+        try:
+            data = tensor_data(self._buffer, info)
+            if index is not None and not self._transforms and len(info.shape) > 1:
+                data, index = data[index[0]], (slice(None),) + index[1:]
+            values = dequantize(data, info.tensor_type)
+        except ValueError as e:  # numpy reshape errors on truncated or odd-sized data
+            raise ValueError(f"GGUF tensor {info.name} ({info.tensor_type}) does not unpack: "
+                             f"{e}") from e
+        tensor = torch.from_numpy(values if values.flags.writeable else values.copy())
+        for fn in self._transforms:
+            tensor = fn(tensor)
+        if index is not None:
+            tensor = tensor[index]
+        return tensor.to(self.dtype).contiguous()
+
+
+def iterate_gguf_tensors(source: GGUFSource,
+                         dtype: torch.dtype) -> Iterator[tuple[str, GGUFTensor]]:
+    """Yield (GGUF name, lazy tensor) for every tensor of the file; nothing is dequantized yet.
+
+    The file is memory-mapped once; its tensor table comes from the view (`source.tensors`).
+
+    Raises:
+        ValueError: an unsupported tensor type, naming it, before any tensor is yielded.
+    """
+    check_tensor_types(source.tensors, source.path)
+    buffer = np.asarray(np.memmap(source.path, dtype=np.uint8, mode="r"))
+    for info in source.tensors:
+        yield info.name, GGUFTensor(buffer, info, dtype)
+
+
+__all__ = ["GGUFSource", "GGUFTensor", "GGUFTensorInfo", "SUPPORTED_TENSOR_TYPES",
+           "check_tensor_types", "dequantize", "gguf_cache_root", "is_gguf_path",
+           "iterate_gguf_tensors", "open_gguf", "prepare_gguf_view", "read_gguf_source",
+           "tensor_data", "tensor_table"]
