@@ -114,12 +114,14 @@ class InputProcessor:
         if params.structured_outputs is not None:
             build_grammar(params.structured_outputs)
         params._bad_words_token_ids = []
-        for word in params.bad_words or ():
-            # As vLLM: ban the word both as is and with a leading space.
-            for variant in (word.strip(), " " + word.strip()):
-                seq = self.tokenizer(variant, add_special_tokens=False).input_ids
-                if seq and seq not in params._bad_words_token_ids:
-                    params._bad_words_token_ids.append(seq)
+        if params.bad_words:
+            # As vLLM: ban each word both as is and with a leading space (one batched call).
+            variants = [v for w in params.bad_words for v in (w.strip(), " " + w.strip())]
+            seen: set[tuple[int, ...]] = set()
+            for seq in self.tokenizer(variants, add_special_tokens=False).input_ids:
+                if seq and tuple(seq) not in seen:
+                    seen.add(tuple(seq))
+                    params._bad_words_token_ids.append(list(seq))
 
     @functools.cached_property
     def max_token_chars(self) -> int:

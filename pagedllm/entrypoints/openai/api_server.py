@@ -179,12 +179,12 @@ def _validation_error(exc: RequestValidationError) -> OpenAIServingError:
     if first.get("type") == "json_invalid":
         return OpenAIServingError(f"malformed JSON body: {first.get('ctx', {}).get('error', '')}",
                                   400)
-    loc = [str(part) for part in first.get("loc", ())][1:]  # after "body"
-    if not loc and "field" in first.get("ctx", {}):
-        loc = [first["ctx"]["field"]]
-    details = "; ".join(
-        f"{'.'.join(str(p) for p in e.get('loc', ())[1:]) or 'body'}: {e.get('msg')}"
-        for e in errors)
+    def where(error: dict) -> list[str]:
+        loc = [str(part) for part in error.get("loc", ())][1:]  # after "body"
+        field = error.get("ctx", {}).get("field")
+        return loc or ([field] if field is not None else [])
+    loc = where(first)
+    details = "; ".join(f"{'.'.join(where(e)) or 'body'}: {e.get('msg')}" for e in errors)
     return OpenAIServingError(f"invalid request: {details}", 400, param=loc[0] if loc else None)
 
 

@@ -54,25 +54,20 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-def _first_field_with_lone_surrogate(data: Any) -> str | None:
-    """The top-level key of `data` whose value holds a string with a lone UTF-16 surrogate (a
-    valid JSON escape such as "\\ud800" that no tokenizer or UTF-8 encoder accepts), or None."""
-    def bad(value: Any) -> bool:
-        if isinstance(value, str):
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError:
-                return True
-            return False
-        if isinstance(value, dict):
-            return any(bad(k) or bad(v) for k, v in value.items())
-        if isinstance(value, list):
-            return any(bad(v) for v in value)
+def _has_lone_surrogate(value: Any) -> bool:
+    """Whether `value` (JSON-like) holds a string with a lone UTF-16 surrogate: a valid JSON
+    escape such as "\\ud800" that no tokenizer or UTF-8 encoder accepts."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
         return False
-    if isinstance(data, dict):
-        return next((str(key) if not bad(key) else "body" for key, value in data.items()
-                     if bad(key) or bad(value)), None)
-    return None
+    if isinstance(value, dict):
+        return any(_has_lone_surrogate(k) or _has_lone_surrogate(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_has_lone_surrogate(v) for v in value)
+    return False
 
 
 class _StrictModel(BaseModel):
@@ -85,10 +80,12 @@ class _StrictModel(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _refuse_lone_surrogates(cls, data: Any) -> Any:
-        field = _first_field_with_lone_surrogate(data)
-        if field is not None:
-            raise PydanticCustomError("lone_surrogate", "text must be valid Unicode (a lone "
-                                      "UTF-16 surrogate such as \\ud800 is not)", {"field": field})
+        message = "text must be valid Unicode (a lone UTF-16 surrogate such as \\ud800 is not)"
+        for key, value in (data.items() if isinstance(data, dict) else ()):
+            if _has_lone_surrogate(key):  # a name that is no field
+                raise PydanticCustomError("lone_surrogate", message)
+            if _has_lone_surrogate(value):
+                raise PydanticCustomError("lone_surrogate", message, {"field": str(key)})
         return data
 
 
@@ -257,7 +254,8 @@ class CompletionRequest(_SamplingRequest):
 
 
 class ChatMessage(BaseModel):
-    # Extra keys (`name`, `tool_call_id`, ...) are allowed (and not used yet).
+    # Extra keys (`name`, `tool_call_id`, ...) are accepted but not used yet (only `role` and
+    # `content` reach the chat template).
     model_config = ConfigDict(extra="allow", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
@@ -296,6 +294,8 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def check_supported(self) -> None:
         super().check_supported()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
         if self.tools and self.tool_choice != "none":
             raise ValueError("tools are not supported by this server yet (tool calling); send "
                              'tool_choice: "none" or no tools')

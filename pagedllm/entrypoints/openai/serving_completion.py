@@ -29,6 +29,10 @@ from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+# Most sequences (prompts x n) one completions request may start: a larger batch would hold the
+# engine for a long time on one client's behalf; clients send several requests instead.
+MAX_SEQUENCES_PER_REQUEST = 1024
+
 
 @dataclass
 class _PreparedPrompt:
@@ -94,7 +98,13 @@ class ServingCompletion:
                 failed alone (500) or a dead engine (503).
         """
         model = self.serving.check_request(request, "logprobs")
-        prompts = [self._prepare(p, request) for p in self._split_prompts(request.prompt)]
+        texts = self._split_prompts(request.prompt)
+        if len(texts) * request.n > MAX_SEQUENCES_PER_REQUEST:
+            raise OpenAIServingError(
+                f"{len(texts)} prompts x n={request.n} would be {len(texts) * request.n} "
+                f"sequences, more than {MAX_SEQUENCES_PER_REQUEST} per request; send several "
+                f"requests", 400, param="n" if request.n > MAX_SEQUENCES_PER_REQUEST else "prompt")
+        prompts = [self._prepare(p, request) for p in texts]
         response_id, created = random_id("cmpl"), now_s()
         streams = await self.serving.admit(
             request, [({"prompt_token_ids": p.token_ids, "prompt": p.text}, p.params)
