@@ -1,4 +1,5 @@
-"""`pagedllm` command line: generate (offline), serve (OpenAI server), bench."""
+"""`pagedllm` command line: generate (offline), serve (OpenAI server), bench, verify (against
+transformers)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import time
 from pagedllm.benchmarks.cli import add_bench_parser
 from pagedllm.entrypoints.cli_args import add_engine_args, engine_kwargs_from_args
 from pagedllm.entrypoints.openai.cli_args import add_serve_parser
+from pagedllm.entrypoints.verify import add_verify_parser
 
 
 def _add_generate_parser(subparsers) -> None:
@@ -84,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_worker_parser(subparsers)
     add_serve_parser(subparsers)
     add_bench_parser(subparsers)
+    add_verify_parser(subparsers)
     return parser
 
 

@@ -16,7 +16,7 @@ never used here.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -32,9 +32,32 @@ from pagedllm.layers.pipeline import (MissingLMHead, PPMissingLayer, get_pp_indi
                                       recv_intermediate, send_intermediate)
 from pagedllm.layers.rotary_embedding import RotaryEmbedding, rope_parameters_from_hf
 from pagedllm.layers.vocab_embedding import LMHead, VocabEmbedding
+from pagedllm.models.llama import gguf_to_hf_name
 from pagedllm.models.utils import load_causal_lm_weights
 
 SLIDING, FULL = "sliding_attention", "full_attention"
+# llama.cpp's tensor names (GGUF) -> HF checkpoint names for Gemma 2/3; "{}" is the layer index.
+# NOTE(gguf): unlike Llama files, `ffn_norm` is the *pre*-feed-forward norm here, and every
+# `*norm.weight` is stored as `1 + weight` (the converter folds Gemma's `(1 + w)` in; transformers'
+# Gemma2TensorProcessor subtracts 1 again). Q/K rows keep HF's order (no permutation).
+GEMMA_GGUF_TENSOR_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+    "blk.{}.attn_norm": "model.layers.{}.input_layernorm",
+    "blk.{}.attn_q": "model.layers.{}.self_attn.q_proj",
+    "blk.{}.attn_k": "model.layers.{}.self_attn.k_proj",
+    "blk.{}.attn_v": "model.layers.{}.self_attn.v_proj",
+    "blk.{}.attn_output": "model.layers.{}.self_attn.o_proj",
+    "blk.{}.attn_q_norm": "model.layers.{}.self_attn.q_norm",
+    "blk.{}.attn_k_norm": "model.layers.{}.self_attn.k_norm",
+    "blk.{}.post_attention_norm": "model.layers.{}.post_attention_layernorm",
+    "blk.{}.ffn_norm": "model.layers.{}.pre_feedforward_layernorm",
+    "blk.{}.post_ffw_norm": "model.layers.{}.post_feedforward_layernorm",
+    "blk.{}.ffn_gate": "model.layers.{}.mlp.gate_proj",
+    "blk.{}.ffn_up": "model.layers.{}.mlp.up_proj",
+    "blk.{}.ffn_down": "model.layers.{}.mlp.down_proj",
+}
 # HF activation name -> torch's GELU `approximate`.
 _GELU_APPROXIMATIONS = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}
 
@@ -238,6 +261,10 @@ class Gemma2ForCausalLM(nn.Module):
         ValueError: for an unsupported activation, rope type, layer type or bidirectional config.
     """
 
+    # GGUF `general.architecture` this class loads (see GEMMA_GGUF_TENSOR_NAMES). None for
+    # Gemma 2: its files' soft-capping keys are not read by transformers' GGUF config mapping,
+    # and no Gemma 2 file was at hand to check against.
+    gguf_architecture: str | None = None
     qk_norm = False
     # Apply the config's attn_logit_softcapping.
     attn_logit_softcapping = True
@@ -286,10 +313,39 @@ class Gemma2ForCausalLM(nn.Module):
         return load_causal_lm_weights(self, weights, self.stacked_params_mapping,
                                       self.tie_word_embeddings)
 
+    @classmethod
+    def gguf_checkpoint_weights(cls, config, weights: Iterable[tuple[str, Any]]
+                                ) -> Iterator[tuple[str, Any]]:
+        """Turn a GGUF file's tensors into HF-named checkpoint tensors for `load_weights`.
+
+        Renames by GEMMA_GGUF_TENSOR_NAMES and subtracts the 1 llama.cpp adds to every norm
+        weight (in float32, before the cast to the model dtype, as transformers does).
+
+        Args:
+            config: the HF config (unused; the family's mapping needs no config facts).
+            weights: (llama.cpp name, lazy GGUF tensor with `map`), as
+                `model_loader.gguf.iterate_gguf_tensors` yields them.
+
+        Raises:
+            ValueError: naming a tensor this family has no parameter for.
+        """
+        for name, tensor in weights:
+            hf_name = gguf_to_hf_name(name, GEMMA_GGUF_TENSOR_NAMES)
+            if hf_name is None:
+                raise ValueError(f"GGUF tensor {name} has no counterpart in {cls.__name__}")
+            if name.endswith("norm.weight"):
+                tensor = tensor.map(_minus_one)
+            yield hf_name, tensor
+
+
+def _minus_one(weight: torch.Tensor) -> torch.Tensor:
+    return weight - 1
+
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
     """Gemma 3 text causal LM (model_type "gemma3_text"); see `Gemma2ForCausalLM` for the API."""
 
+    gguf_architecture = "gemma3"
     qk_norm = True
     # NOTE(gemma3): HF's Gemma3Attention never passes attn_logit_softcapping to its attention
     # (vLLM's Gemma 3 neither); the config field is ignored here too, to stay HF-equal.

@@ -185,15 +185,16 @@ GGUF_TENSOR_NAMES = {
 _GGUF_LAYER = re.compile(r"blk\.(\d+)\.(.+)")
 
 
-def gguf_to_hf_name(name: str) -> str | None:
+def gguf_to_hf_name(name: str, table: dict[str, str] = GGUF_TENSOR_NAMES) -> str | None:
     """HF checkpoint name of a llama.cpp tensor name ("blk.3.attn_q.weight" ->
-    "model.layers.3.self_attn.q_proj.weight"); None for a name outside GGUF_TENSOR_NAMES."""
+    "model.layers.3.self_attn.q_proj.weight"); None for a name outside `table` (a family's
+    GGUF name map, GGUF_TENSOR_NAMES by default)."""
     stem, dot, suffix = name.rpartition(".")
     if not dot or suffix not in ("weight", "bias"):
         return None
     layer = _GGUF_LAYER.fullmatch(stem)
     key = f"blk.{{}}.{layer.group(2)}" if layer else stem
-    target = GGUF_TENSOR_NAMES.get(key)
+    target = table.get(key)
     if target is None:
         return None
     return f"{target.format(layer.group(1)) if layer else target}.{suffix}"
