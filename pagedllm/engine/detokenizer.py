@@ -70,6 +70,7 @@ class IncrementalDetokenizer:
         spaces_between_special_tokens: bool = True,
         stop: Sequence[str] = (),
         include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
     ) -> None:
         stop = (stop,) if isinstance(stop, str) else tuple(stop)
         if any(not isinstance(s, str) or not s for s in stop):
@@ -79,6 +80,9 @@ class IncrementalDetokenizer:
         self.spaces_between_special_tokens = spaces_between_special_tokens
         self.stop = stop
         self.include_stop_str_in_output = include_stop_str_in_output
+        # Stop strings are looked for only in text that tokens after the first `min_tokens`
+        # complete (as vLLM): the request may not end before it has min_tokens tokens.
+        self.min_tokens = min_tokens
         # Streamed output lags `output_text` by this much, so a stop string is never streamed.
         self.stop_buffer_length = max((len(s) for s in stop), default=1) - 1
 
@@ -173,7 +177,8 @@ class IncrementalDetokenizer:
 
     def _check_stop(self, num_chars_before: int) -> str | None:
         """Find the first stop string completed after `num_chars_before`; cut the text at it."""
-        if not self.stop or len(self.output_text) == num_chars_before:
+        if (not self.stop or len(self.output_text) == num_chars_before
+                or len(self.token_ids) <= self.min_tokens):
             return None
         best: tuple[int, int, str] | None = None  # (end, start, stop string)
         for stop_str in self.stop:

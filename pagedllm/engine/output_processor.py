@@ -76,7 +76,8 @@ class OutputProcessor:
             detok = IncrementalDetokenizer(
                 self.tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
                 spaces_between_special_tokens=params.spaces_between_special_tokens,
-                stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
+                stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output,
+                min_tokens=params.min_tokens)
         state = RequestState(request_id, index, prompt, prompt_token_ids, params, detok, parent)
         if params.logprobs is not None:
             state.logprobs, state.cumulative_logprob = [], 0.0

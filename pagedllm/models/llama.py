@@ -24,12 +24,13 @@ from pagedllm.layers.attention import Attention
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
                                     RowParallelLinear)
-from pagedllm.layers.rotary_embedding import RotaryEmbedding, rope_parameters_from_hf
+from pagedllm.layers.rotary_embedding import (RotaryEmbedding, check_rope_freq_factors,
+                                              rope_parameters_from_hf)
 from pagedllm.layers.pipeline import (MissingLMHead, PPMissingLayer, get_pp_indices,
                                       recv_intermediate, send_intermediate)
 from pagedllm.layers.vocab_embedding import LMHead, VocabEmbedding
 from pagedllm.models.fused_decoder import FusedDecoder, add_rms_norm
-from pagedllm.models.utils import load_named_weight
+from pagedllm.models.utils import load_causal_lm_weights
 
 
 class LlamaMLP(nn.Module):
@@ -271,24 +272,8 @@ class LlamaForCausalLM(nn.Module):
         Raises:
             ValueError: for a tensor whose name matches no parameter, or a shape mismatch.
         """
-        params = dict(self.named_parameters())
-        elsewhere = tuple(f"{n}." for n, m in self.named_modules() if isinstance(m, PPMissingLayer))
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
-                continue
-            if name == "lm_head.weight" and self.tie_word_embeddings:
-                continue
-            if (name == "model.embed_tokens.weight" and self.tie_word_embeddings
-                    and "lm_head.weight" in params):
-                # Pipeline parallelism: the last stage's untied copy of the embedding.
-                self.lm_head.weight.weight_loader(self.lm_head.weight, tensor)
-                loaded.add("lm_head.weight")
-            if name.startswith(elsewhere):
-                continue
-            target = load_named_weight(params, name, tensor, self.stacked_params_mapping)
-            loaded.add(target)
-        return loaded
+        return load_causal_lm_weights(self, weights, self.stacked_params_mapping,
+                                      self.tie_word_embeddings)
 
     @classmethod
     def gguf_checkpoint_weights(cls, config, weights: Iterable[tuple[str, Any]]
@@ -300,13 +285,22 @@ class LlamaForCausalLM(nn.Module):
             weights: (llama.cpp name, lazy GGUF tensor with `map`), as
                 `model_loader.gguf.iterate_gguf_tensors` yields them.
 
+        `rope_freqs.weight` (llama.cpp's Llama 3.1+ RoPE factors) is checked against the RoPE
+        scaling of `config` and skipped: the config's scaling is what runs.
+
         Raises:
-            ValueError: naming a tensor this family has no parameter for (e.g. Llama 3.1's
-                `rope_freqs.weight`, RoPE frequency factors not supported yet).
+            ValueError: naming a tensor this family has no parameter for, or when
+                `rope_freqs.weight` differs from the factors the config's RoPE scaling gives.
         """
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         for name, tensor in weights:
+            if name == "rope_freqs.weight":
+                rope = rope_parameters_from_hf(config.to_dict())
+                head_size = getattr(config, "head_dim", None) or config.hidden_size // heads
+                check_rope_freq_factors(tensor.materialize(),
+                                        int(head_size * rope["partial_rotary_factor"]), rope)
+                continue
             hf_name = gguf_to_hf_name(name)
             if hf_name is None:
                 raise ValueError(f"GGUF tensor {name} has no counterpart in {cls.__name__}")

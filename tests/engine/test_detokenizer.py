@@ -320,3 +320,19 @@ def test_decodes_a_bounded_window_per_step(tokenizer):
     assert max(recording.decode_lengths) <= 20
     assert len(recording.decode_lengths) <= 2 * len(ids) + 4
     assert detok.get_next_output_text(finished=True, delta=False).strip() == text.strip()
+
+
+def test_min_tokens_holds_back_stop_strings(tokenizer):
+    """A stop string completed by one of the first min_tokens tokens does not end the request;
+    the first one completed after them does."""
+    ids = _encode(tokenizer, "a\nb\nc\nd\ne\nf\n")
+    reference = IncrementalDetokenizer(tokenizer, [], stop=["\n"])
+    _, stop = _stream(reference, ids, [1] * len(ids))
+    assert stop == "\n" and reference.output_text == "a"
+    for min_tokens in (3, 6):
+        detok = IncrementalDetokenizer(tokenizer, [], stop=["\n"], min_tokens=min_tokens)
+        _, stop = _stream(detok, ids, [1] * len(ids))
+        assert stop == "\n"
+        # It ran past min_tokens tokens; the newlines before are kept in the text.
+        assert len(detok.token_ids) > min_tokens
+        assert detok.output_text.startswith("a\nb") and not detok.output_text.endswith("\n")

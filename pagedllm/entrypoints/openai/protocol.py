@@ -95,10 +95,15 @@ class StreamOptions(_StrictModel):
     continuous_usage_stats: bool = False
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class JsonSchemaFormat(_StrictModel):

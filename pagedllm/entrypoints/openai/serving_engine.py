@@ -22,7 +22,8 @@ from pydantic import BaseModel
 from pagedllm.engine.async_llm import (AsyncLLM, EngineDeadError, RequestFailedError,
                                        RequestStream)
 from pagedllm.engine.input_processor import PromptType
-from pagedllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, UsageInfo
+from pagedllm.entrypoints.openai.protocol import (ErrorInfo, ErrorResponse, PromptTokensDetails,
+                                                  UsageInfo)
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -131,8 +132,10 @@ def usage_of(outputs: Sequence[RequestOutput]) -> UsageInfo:
     """Token counts of finished requests (each prompt counted once, every sequence's output)."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    cached = sum(o.num_cached_tokens for o in outputs)
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
-                     total_tokens=prompt + completion)
+                     total_tokens=prompt + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
 def usage_so_far(num_prompt_tokens: int, num_completion_tokens: int) -> UsageInfo:

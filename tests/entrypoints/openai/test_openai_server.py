@@ -393,8 +393,11 @@ def test_logprobs(server: Server, offline_llm: LLM) -> None:
                 for c in chunk.choices if c.logprobs for t in c.logprobs.content]
     assert [(t.token, round(t.logprob, 4)) for t in streamed] == \
         [(t.token, round(t.logprob, 4)) for t in content]
-    plain = client.chat.completions.create(**{**kwargs, "logprobs": False})
+    plain_kwargs = {k: v for k, v in kwargs.items() if k != "top_logprobs"}
+    plain = client.chat.completions.create(**{**plain_kwargs, "logprobs": False})
     assert plain.choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs"):
+        client.chat.completions.create(**{**kwargs, "logprobs": False})  # as OpenAI and vLLM
 
 
 def test_echo_with_prompt_logprobs(server: Server, offline_llm: LLM) -> None:

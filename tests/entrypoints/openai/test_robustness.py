@@ -313,3 +313,18 @@ def test_prompt_too_long_to_fit_is_refused_before_tokenizing(server: Server, rou
         r = server.post(route, {**body, "truncate_prompt_tokens": 20})
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["prompt_tokens"] == 20
+
+
+def test_usage_reports_prefix_cache_hits(server: Server) -> None:
+    """usage.prompt_tokens_details.cached_tokens: the prompt tokens served from the prefix cache
+    (a repeated prompt hits its full blocks; issue #17)."""
+    body = {"model": MODEL, "prompt": [5 + i % 50 for i in range(40)], "max_tokens": 2,
+            "temperature": 0}
+    first = server.post("/v1/completions", body).json()["usage"]
+    second = server.post("/v1/completions", body).json()["usage"]
+    assert first["prompt_tokens"] == second["prompt_tokens"] == 40
+    assert second["prompt_tokens_details"]["cached_tokens"] == 32  # two full blocks of 16
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=60, json={
+            **body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert events[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
