@@ -1,10 +1,17 @@
 """Rotary position embedding (Su et al. 2021, RoFormer), GPT-NeoX layout as in HF Llama.
 
-Supported scalings: none ("default"), "linear" (Chen et al. 2023, position interpolation) and
-"llama3" (Meta's Llama 3.1 frequency-dependent scaling). cos/sin are precomputed for every position
-up to `max_position` in float32; `forward` gathers them by `positions`.
+Supported scalings: none ("default"), "linear" (Chen et al. 2023, position interpolation),
+"llama3" (Meta's Llama 3.1 frequency-dependent scaling) and "longrope" (Phi-3's LongRoPE, alias
+"su": per-frequency short/long factors and an attention factor folded into cos/sin). cos/sin are
+precomputed for every position up to `max_position` in float32; `forward` gathers them by
+`positions`. With `partial_rotary_factor` < 1 only the first `rotary_dim` channels rotate.
 
-    x = [x1 | x2] (halves of head_size);  out = [x1*cos - x2*sin | x2*cos + x1*sin]
+    x = [x1 | x2 | pass] (x1, x2: halves of rotary_dim);
+    out = [x1*cos - x2*sin | x2*cos + x1*sin | pass]
+
+LongRoPE caches two tables, rows [0, max_position) with the short factors and rows
+[max_position, 2*max_position) with the long ones; the caller picks the long table by adding
+`long_position_offset` to a token's position (see `models/phi3.py` for when).
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
@@ -31,54 +38,152 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Te
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _longrope_factors(params: dict[str, Any]) -> tuple[float, float]:
+    """(scaling factor, attention factor) of LongRoPE as HF's `_compute_longrope_parameters`:
+    the factor defaults to max_position_embeddings / original_max_position_embeddings (Phi-3
+    stores the extended length, not a factor) and the attention factor to
+    sqrt(1 + ln(factor) / ln(original_max_position_embeddings)), 1 when factor <= 1."""
+    original = params["original_max_position_embeddings"]
+    factor = params.get("factor") or params["max_position_embeddings"] / original
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = (1.0 if factor <= 1.0
+                            else math.sqrt(1 + math.log(factor) / math.log(original)))
+    return factor, attention_factor
+
+
+def default_inv_freq(rotary_dim: int, base: float) -> torch.Tensor:
+    """Unscaled RoPE inverse frequencies, float32 [rotary_dim / 2]: base^(-2i/rotary_dim)."""
+    return 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+
+
 def rope_parameters_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     """Read RoPE settings from an HF config dict (transformers 4 `rope_theta`/`rope_scaling` or
-    transformers 5 `rope_parameters`). Returns a dict with `rope_type` and `rope_theta`.
+    transformers 5 `rope_parameters`). Returns a dict with `rope_type`, `rope_theta` and
+    `partial_rotary_factor` (1.0 unless the config sets it); for "longrope" (or its old name
+    "su") also `original_max_position_embeddings` and `max_position_embeddings`, read from the
+    top level of the config when the scaling dict lacks them (Phi-3's spelling).
 
     Raises:
         ValueError: for a rope type this engine does not implement, naming it.
     """
     params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     params.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
+    params.setdefault("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0) or 1.0)
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    if rope_type == "su":
+        rope_type = "longrope"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"unsupported rope type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
+    if rope_type == "longrope":
+        params.setdefault("original_max_position_embeddings",
+                          hf.get("original_max_position_embeddings"))
+        params.setdefault("max_position_embeddings", hf.get("max_position_embeddings"))
     params["rope_type"] = rope_type
     return params
+
+
+def scaled_inv_freq(rotary_dim: int, rope_parameters: dict[str, Any],
+                    long: bool = False) -> torch.Tensor:
+    """The inverse frequencies, float32 [rotary_dim / 2], after the configured scaling (for
+    "longrope", with the long factors when `long`, else the short ones).
+
+    Raises:
+        ValueError: if a LongRoPE factor list does not have rotary_dim / 2 entries.
+    """
+    inv_freq = default_inv_freq(rotary_dim, float(rope_parameters["rope_theta"]))
+    rope_type = rope_parameters["rope_type"]
+    if rope_type == "linear":
+        return inv_freq / float(rope_parameters["factor"])
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, rope_parameters)
+    if rope_type == "longrope":
+        key = "long_factor" if long else "short_factor"
+        ext = torch.tensor(rope_parameters[key], dtype=torch.float32)
+        if ext.shape != inv_freq.shape:
+            raise ValueError(f"longrope {key} has {ext.numel()} entries, expected "
+                             f"{inv_freq.numel()} (rotary_dim / 2)")
+        return inv_freq / ext
+    return inv_freq
+
+
+def check_rope_freq_factors(factors: torch.Tensor, rotary_dim: int,
+                            rope_parameters: dict[str, Any]) -> None:
+    """Check llama.cpp's RoPE frequency factors (a GGUF file's `rope_freqs.weight`, which
+    llama.cpp divides each unscaled frequency by) against the scaling this RoPE computes from
+    the config: factors[i] must equal default_inv_freq[i] / scaled_inv_freq[i] (rtol 1e-4, or
+    twice the resolution of `factors`' dtype when coarser, e.g. bfloat16).
+
+    Args:
+        factors: float [rotary_dim / 2].
+        rotary_dim: rotated channels per head.
+        rope_parameters: from `rope_parameters_from_hf`.
+
+    Raises:
+        ValueError: on a length mismatch, or naming the first differing factor and the config's
+            rope type when the factors describe another scaling.
+    """
+    rtol = max(1e-4, 2 * torch.finfo(factors.dtype).eps)
+    factors = factors.to(torch.float32).flatten()
+    base = default_inv_freq(rotary_dim, float(rope_parameters["rope_theta"]))
+    expected = base / scaled_inv_freq(rotary_dim, rope_parameters)
+    if factors.shape != expected.shape:
+        raise ValueError(f"rope_freqs has {factors.numel()} factors, expected {expected.numel()} "
+                         f"(rotary_dim / 2)")
+    bad = (~torch.isclose(factors, expected, rtol=rtol, atol=0)).nonzero()
+    if bad.numel():
+        i = int(bad[0])
+        raise ValueError(
+            f"GGUF tensor rope_freqs.weight does not match the config's RoPE scaling "
+            f"(rope_type {rope_parameters['rope_type']!r}): factor {i} is {float(factors[i])!r}, "
+            f"the config gives {float(expected[i])!r}; RoPE frequency factors that the config "
+            f"does not describe are not supported")
 
 
 class RotaryEmbedding(nn.Module):
     """Apply RoPE to query and key.
 
     Args:
-        head_size: size of each head (the whole head is rotated).
+        head_size: size of each head; its first `rotary_dim` = int(head_size *
+            partial_rotary_factor) channels are rotated.
         max_position: positions covered by the cache.
         rope_parameters: from `rope_parameters_from_hf`.
+
+    Attributes:
+        long_position_offset: for "longrope", added to a position to select the long-factor
+            table (= max_position); None for the other types.
+        original_max_position: for "longrope", original_max_position_embeddings; else None.
     """
 
     def __init__(self, head_size: int, max_position: int, rope_parameters: dict[str, Any]) -> None:
         super().__init__()
         self.head_size = head_size
-        base = float(rope_parameters["rope_theta"])
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_size, 2, dtype=torch.int64).float()
-                                   / head_size))
-        rope_type = rope_parameters["rope_type"]
-        if rope_type == "linear":
-            inv_freq = inv_freq / float(rope_parameters["factor"])
-        elif rope_type == "llama3":
-            inv_freq = _llama3_inv_freq(inv_freq, rope_parameters)
+        self.rotary_dim = int(head_size * rope_parameters.get("partial_rotary_factor", 1.0))
         t = torch.arange(max_position, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)                             # [max_position, head_size/2]
-        self.register_buffer("cos_cache", freqs.cos(), persistent=False)
-        self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+        tables = [torch.outer(t, scaled_inv_freq(self.rotary_dim, rope_parameters))]
+        scale = 1.0
+        self.long_position_offset: int | None = None
+        self.original_max_position: int | None = None
+        if rope_parameters["rope_type"] == "longrope":
+            _, scale = _longrope_factors(rope_parameters)
+            tables.append(torch.outer(t, scaled_inv_freq(self.rotary_dim, rope_parameters,
+                                                          long=True)))
+            self.long_position_offset = max_position
+            self.original_max_position = int(rope_parameters["original_max_position_embeddings"])
+        freqs = torch.cat(tables)                                   # [rows, rotary_dim/2]
+        # NOTE(rope): HF multiplies cos and sin by the attention factor (LongRoPE's mscale).
+        self.register_buffer("cos_cache", freqs.cos() * scale, persistent=False)
+        self.register_buffer("sin_cache", freqs.sin() * scale, persistent=False)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        rot, rest = x[..., :self.rotary_dim], x[..., self.rotary_dim:]
+        x1, x2 = rot.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor,
                 key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [n] int64; query [n, H, D]; key [n, KVH, D] -> rotated (same shapes/dtype)."""
-        cos = self.cos_cache[positions][:, None, :].to(query.dtype)   # [n, 1, D/2]
+        """positions [n] int64 (plus `long_position_offset` for LongRoPE's long table);
+        query [n, H, D]; key [n, KVH, D] -> rotated (same shapes/dtype)."""
+        cos = self.cos_cache[positions][:, None, :].to(query.dtype)   # [n, 1, rotary_dim/2]
         sin = self.sin_cache[positions][:, None, :].to(query.dtype)
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)

@@ -114,6 +114,9 @@ class FusedDecoder:
         return (plain_attention and weight.device.type == "cpu" and weight.dtype in _DTYPE_CODES
                 and all(w.dtype == weight.dtype for w in norms)
                 and attn.qkv_proj.tp_size == 1 and attn.head_size % 2 == 0
+                # NOTE(fused): the native RoPE rotates whole heads (no partial_rotary_factor).
+                and all(layer.self_attn.rotary_emb.rotary_dim == attn.head_size
+                        for layer in layers)
                 and all(size % 8 == 0 for size in (first.input_layernorm.weight.shape[0],
                                                    attn.q_size,
                                                    first.mlp.down_proj.weight.shape[1])))

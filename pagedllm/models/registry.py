@@ -6,10 +6,11 @@ from pagedllm.models.bert import BertForMaskedLM, BertModel
 from pagedllm.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from pagedllm.models.llama import (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
                                    Qwen3ForCausalLM)
+from pagedllm.models.phi3 import Phi3ForCausalLM
 
 _MODELS = {cls.__name__: cls for cls in (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
-                                         Qwen3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM,
-                                         BertModel, BertForMaskedLM)}
+                                         Qwen3ForCausalLM, Phi3ForCausalLM, Gemma2ForCausalLM,
+                                         Gemma3ForCausalLM, BertModel, BertForMaskedLM)}
 
 
 # GGUF `general.architecture` (llama.cpp's names) -> class.

@@ -18,7 +18,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import hf_model_info
@@ -27,9 +27,10 @@ from pagedllm.entrypoints.openai.cli_args import check_serve_args
 from pagedllm.model_loader.gguf import (SUPPORTED_TENSOR_TYPES, GGUFSource, GGUFTensor,
                                         GGUFTensorInfo, iterate_gguf_tensors, open_gguf,
                                         prepare_gguf_view, read_gguf_source, tensor_table)
-from pagedllm.models.llama import unpermute_rope_rows
+from pagedllm.models.llama import LlamaForCausalLM, unpermute_rope_rows
 from tests.fixtures.checkpoints import make_tiny_checkpoint
-from tests.fixtures.gguf_files import llama_cpp_permute, write_gguf, write_raw_gguf
+from tests.fixtures.gguf_files import (llama_cpp_permute, llama_cpp_rope_factors, write_gguf,
+                                      write_raw_gguf)
 
 MAX_TOKENS = 10
 ENGINE_ARGS = dict(dtype="float32", kv_cache_memory_bytes=8 << 20)
@@ -216,11 +217,54 @@ def test_unsupported_tensor_type_is_named(tmp_path):
 
 
 def test_tensor_without_a_parameter_is_named(checkpoints, tmp_path):
-    path = write_gguf(checkpoints["llama"][0], tmp_path / "rope_freqs.gguf", "F32",
-                      extra_tensors={"rope_freqs.weight": np.ones(8, np.float32)})
-    with pytest.raises(ValueError, match="GGUF tensor rope_freqs.weight has no counterpart in "
-                                         "LlamaForCausalLM"):
+    path = write_gguf(checkpoints["llama"][0], tmp_path / "extra.gguf", "F32",
+                      extra_tensors={"blk.0.attn_sinks.weight": np.ones(8, np.float32)})
+    with pytest.raises(ValueError, match="GGUF tensor blk.0.attn_sinks.weight has no counterpart "
+                                         "in LlamaForCausalLM"):
         LLM(str(path), **ENGINE_ARGS)
+
+
+def _file_tensors(path: Path) -> list[tuple[str, GGUFTensor]]:
+    reader = open_gguf(path)
+    buffer = np.asarray(np.memmap(path, dtype=np.uint8, mode="r"))
+    return [(info.name, GGUFTensor(buffer, info, torch.float32)) for info in tensor_table(reader)]
+
+
+def test_llama3_rope_freqs_are_checked_against_the_config_and_skipped(tiny_checkpoints, tmp_path):
+    """llama.cpp stores Llama 3.1+ RoPE scaling as `rope_freqs.weight` (factors it divides the
+    frequencies by); the loader accepts it when the config's llama3 scaling gives the same
+    factors, and refuses it, naming the mismatch, otherwise."""
+    folder = tiny_checkpoints["llama_mqa_tied_llama3"]
+    config = AutoConfig.from_pretrained(folder)
+    rope = config.rope_parameters
+    head_size = config.hidden_size // config.num_attention_heads
+    factors = llama_cpp_rope_factors(rope, head_size).numpy()
+    path = write_gguf(folder, tmp_path / "llama3.gguf", "F32",
+                      extra_tensors={"rope_freqs.weight": factors})
+    names = [name for name, _ in
+             LlamaForCausalLM.gguf_checkpoint_weights(config, _file_tensors(path))]
+    assert "model.layers.0.self_attn.q_proj.weight" in names
+    assert not any("rope" in name for name in names)
+    # transformers' GGUF reader does not carry llama3 scaling into the config (the view's
+    # config.json has default RoPE), so the engine refuses the file instead of ignoring it.
+    with pytest.raises(ValueError, match=r"rope_freqs.weight does not match the config's RoPE "
+                                         r"scaling \(rope_type 'default'\)"):
+        LLM(str(path), **ENGINE_ARGS)
+    wrong = factors.copy()
+    wrong[-1] *= 2
+    bad = write_gguf(folder, tmp_path / "llama3_bad.gguf", "F32",
+                     extra_tensors={"rope_freqs.weight": wrong})
+    with pytest.raises(ValueError, match=f"factor {len(wrong) - 1} is"):
+        list(LlamaForCausalLM.gguf_checkpoint_weights(config, _file_tensors(bad)))
+
+
+def test_unit_rope_freqs_load_with_default_rope(checkpoints, gguf_file, tmp_path):
+    folder = checkpoints["llama"][0]
+    path = write_gguf(folder, tmp_path / "ones.gguf", "F32",
+                      extra_tensors={"rope_freqs.weight": np.ones(8, np.float32)})
+    prompts = _prompts(AutoConfig.from_pretrained(folder).vocab_size)[:3]
+    want = _engine_greedy(LLM(str(gguf_file("llama", "F32")), **ENGINE_ARGS), prompts)
+    assert _engine_greedy(LLM(str(path), **ENGINE_ARGS), prompts) == want
 
 
 def test_missing_and_corrupt_files(tmp_path):
