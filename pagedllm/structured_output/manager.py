@@ -57,7 +57,8 @@ def build_grammar(params: StructuredOutputsParams):
     except (RuntimeError, ValueError, TypeError) as e:
         # Drop xgrammar's "[time] /path/file.cc:line: " prefix from its messages.
         message = _XGRAMMAR_PREFIX.sub("", str(e).splitlines()[0] if str(e) else type(e).__name__)
-        raise ValueError(f"structured_outputs: invalid {kind}: {message}") from e
+        what = {"json": "JSON schema", "json_object": "JSON object grammar"}.get(kind, kind)
+        raise ValueError(f"structured_outputs: invalid {what}: {message}") from e
 
 
 class StructuredOutputManager:
