@@ -372,14 +372,17 @@ def _eos_ids(model_path: str, hf: dict[str, Any]) -> tuple[int, ...]:
     return tuple(ids)
 
 
-# Architectures whose attention layers apply their own sliding windows (models/gemma.py).
-_LAYER_WINDOW_ARCHITECTURES = frozenset({"Gemma2ForCausalLM", "Gemma3ForCausalLM"})
+# Architectures whose attention layers apply their own sliding windows (models/gemma.py,
+# models/llama.py's `layer_sliding_windows`).
+_LAYER_WINDOW_ARCHITECTURES = frozenset({"Gemma2ForCausalLM", "Gemma3ForCausalLM",
+                                         "MistralForCausalLM", "Qwen2ForCausalLM",
+                                         "Qwen3ForCausalLM"})
 
 
 def _sliding_window(hf: dict[str, Any]) -> int | None:
     """The window that caps the context of a sliding-window model whose layers attend over the
-    full context (Mistral; Qwen2 with use_sliding_window); None for the others, and for
-    architectures whose layers apply their own windows (Gemma 2 and 3)."""
+    full context (Phi-3; a GGUF Mistral loaded as Llama); None for the others, and for
+    architectures whose layers apply their own windows (Gemma 2 and 3, Mistral, Qwen2/3)."""
     if _LAYER_WINDOW_ARCHITECTURES & set(hf.get("architectures") or ()):
         return None
     text = hf.get("text_config", hf)
@@ -439,9 +442,10 @@ def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str
     limit, limit_name = info.max_position_embeddings, "max_position_embeddings"
     window = _sliding_window(info.raw)
     if window is not None and window < limit:
-        # NOTE(config): Llama-family attention is full-context; past the window such a model
-        # would attend differently, so the context is capped at the window (as vLLM once did
-        # with disable_sliding_window).
+        # NOTE(config): these layers (Phi-3's; Llama's, for a Mistral GGUF) attend over the full
+        # context; past the window such a model would attend differently, so the context is
+        # capped at the window (as vLLM once did with disable_sliding_window). Mistral, Qwen2/3
+        # and Gemma apply their windows and are not capped (_LAYER_WINDOW_ARCHITECTURES).
         limit, limit_name = window, "sliding_window"
     eff_len = max_model_len or limit
     if max_model_len is not None and max_model_len > limit:

@@ -10,15 +10,30 @@ import pytest
 from pagedllm.config import CacheConfig, SchedulerConfig, create_engine_config
 
 
-def test_sliding_window_caps_context(tiny_checkpoints, tmp_path):
-    path = tmp_path / "mistral"
-    shutil.copytree(tiny_checkpoints["mistral"], path)
+def _with_window(tiny_checkpoints, tmp_path, variant: str, **extra) -> str:
+    path = tmp_path / variant
+    shutil.copytree(tiny_checkpoints[variant], path)
     cfg = json.loads((path / "config.json").read_text())
-    cfg["sliding_window"] = 64
+    cfg.update(sliding_window=64, **extra)
     (path / "config.json").write_text(json.dumps(cfg))
-    assert create_engine_config(str(path)).max_model_len == 64
+    return str(path)
+
+
+def test_sliding_window_caps_context(tiny_checkpoints, tmp_path):
+    """Phi-3's layers attend over the full context, so its window caps the context."""
+    path = _with_window(tiny_checkpoints, tmp_path, "phi3")
+    assert create_engine_config(path).max_model_len == 64
     with pytest.raises(ValueError, match="sliding_window"):
-        create_engine_config(str(path), max_model_len=128)
+        create_engine_config(path, max_model_len=128)
+
+
+@pytest.mark.parametrize("variant, extra", [("mistral", {}),
+                                            ("qwen2", {"use_sliding_window": True})])
+def test_windowed_layers_do_not_cap_context(tiny_checkpoints, tmp_path, variant, extra):
+    """Mistral and Qwen2 apply their windows per layer: the context is not capped."""
+    path = _with_window(tiny_checkpoints, tmp_path, variant, **extra)
+    assert create_engine_config(path).max_model_len == 1024
+    assert create_engine_config(path, max_model_len=128).max_model_len == 128
 
 
 @pytest.mark.parametrize("make", [lambda: CacheConfig(block_size=12),

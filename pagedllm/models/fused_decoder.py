@@ -83,6 +83,10 @@ class FusedDecoder:
         self.q_size, self.kv_size = attn.q_size, attn.kv_size
         self.head_size = attn.head_size
         self.intermediate_size = first.mlp.down_proj.weight.shape[1]
+        # The smallest sliding window of the layers (Mistral, Qwen2/3), None for none: steps
+        # with a sequence longer than it run the module path (see `applies`).
+        windows = [layer.self_attn.attn.sliding_window for layer in self.layers]
+        self.min_window = min((w for w in windows if w is not None), default=None)
         # float32 scratch per token: normed, qkv, attention output, gate_up, act (+ the output).
         self._scratch_sizes = (self.hidden_size, self.q_size + 2 * self.kv_size, self.q_size,
                                2 * self.intermediate_size, self.intermediate_size)
@@ -107,10 +111,11 @@ class FusedDecoder:
                  layer.post_attention_layernorm, layer.self_attn.q_norm, layer.self_attn.k_norm)
                  if m is not None]
         # NOTE(fused): the native layer attends over the whole causal context without capping;
-        # layers with a sliding window or soft-capped logits (Gemma) run the module path.
-        plain_attention = all(layer.self_attn.attn.sliding_window is None
-                              and layer.self_attn.attn.logits_soft_cap is None
-                              for layer in layers)
+        # layers with soft-capped logits (Gemma) run the module path. Layers with a sliding
+        # window are taken: a window hides nothing from a sequence no longer than it, so
+        # `applies` sends only steps with a longer sequence to the module path (a window >=
+        # max_model_len never does, keeping the fused path whole for such models).
+        plain_attention = all(layer.self_attn.attn.logits_soft_cap is None for layer in layers)
         return (plain_attention and weight.device.type == "cpu" and weight.dtype in _DTYPE_CODES
                 and all(w.dtype == weight.dtype for w in norms)
                 and attn.qkv_proj.tp_size == 1 and attn.head_size % 2 == 0
@@ -125,13 +130,16 @@ class FusedDecoder:
         """Whether this step takes the fused path: the `cpu_paged` attention backend, no padded
         tokens, the KV cache in the weights' dtype, at most the platform's
         `fused_decoder_max_tokens` (and MAX_SCRATCH_BYTES of scratch), and not a large step
-        with a long fresh prompt (see LONG_STEP_TOKENS)."""
+        with a long fresh prompt (see LONG_STEP_TOKENS), and no sequence longer than the
+        layers' smallest sliding window (the native attention has no window)."""
         kv_cache = self.layers[0].self_attn.attn.kv_cache
         if not (isinstance(metadata, CpuPagedMetadata)
                 and metadata.common.num_actual_tokens == num_tokens
                 and kv_cache.dtype == self.dtype and kv_cache.dim() == 5
                 and num_tokens <= min(self._max_tokens,
                                       current_platform.fused_decoder_max_tokens(self.dtype))):
+            return False
+        if self.min_window is not None and int(metadata.seq_lens.max(initial=0)) > self.min_window:
             return False
         return num_tokens <= self.LONG_STEP_TOKENS or all(
             end - start <= self.LONG_FRESH_PROMPT_TOKENS for start, end in metadata.fresh_rows)

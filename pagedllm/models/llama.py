@@ -4,8 +4,10 @@
           -> RMSNorm -> LM head
 
 The families differ only in config facts read here: attention bias, q/k norm, head_dim,
-tied embeddings, RoPE scaling. Forward takes the flat token batch (no padding). GGUF files
-(llama.cpp's names and Q/K row order) load through `gguf_checkpoint_weights`.
+tied embeddings, RoPE scaling, sliding windows (`layer_sliding_windows`: every Mistral layer,
+the Qwen2/Qwen3 layers HF marks "sliding_attention"). Forward takes the flat token batch (no
+padding). GGUF files (llama.cpp's names and Q/K row order) load through
+`gguf_checkpoint_weights`.
 """
 
 from __future__ import annotations
@@ -47,9 +49,41 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
+def layer_sliding_windows(config, family: type[LlamaForCausalLM]) -> list[int | None]:
+    """The sliding window of every layer (None: full causal context), as HF defines it.
+
+    Mistral ("all"): `config.sliding_window` on every layer (None: none). Qwen2/Qwen3
+    ("qwen"): none unless `use_sliding_window`; then `config.sliding_window` on the layers whose
+    `layer_types` entry is "sliding_attention", `layer_types` defaulting to HF's rule: layer i
+    slides when i >= `max_window_layers` (default 28). Llama (None): none.
+
+    NOTE(llama): the window is given to the layer even when it is >= max_model_len (the model is
+    built from the HF config alone and cannot know the engine's length). The fused CPU decoder
+    takes windowed layers and checks per step that no sequence is longer than the smallest
+    window (`FusedDecoder.applies`), so a window that can never matter costs no fused steps.
+    """
+    num_layers = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    if family.sliding_window_rule is None or window is None:
+        return [None] * num_layers
+    if family.sliding_window_rule == "all":
+        return [window] * num_layers
+    if not getattr(config, "use_sliding_window", False):
+        return [None] * num_layers
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:
+        first = getattr(config, "max_window_layers", None)
+        first = 28 if first is None else first
+        layer_types = ["sliding_attention" if i >= first else "full_attention"
+                       for i in range(num_layers)]
+    if len(layer_types) != num_layers:
+        raise ValueError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
+    return [window if kind == "sliding_attention" else None for kind in layer_types]
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, config, layer_idx: int, qk_norm: bool, qkv_bias: bool,
-                 o_bias: bool) -> None:
+                 o_bias: bool, sliding_window: int | None = None) -> None:
         super().__init__()
         hidden = config.hidden_size
         total_heads = config.num_attention_heads
@@ -67,7 +101,8 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_size, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_size, config.rms_norm_eps) if qk_norm else None
         self.attn = Attention(self.num_heads, self.head_size, self.num_kv_heads,
-                              self.head_size ** -0.5, f"model.layers.{layer_idx}.self_attn")
+                              self.head_size ** -0.5, f"model.layers.{layer_idx}.self_attn",
+                              sliding_window=sliding_window)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         n = hidden.shape[0]
@@ -81,12 +116,13 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int, family: type[LlamaForCausalLM]) -> None:
+    def __init__(self, config, layer_idx: int, family: type[LlamaForCausalLM],
+                 sliding_window: int | None = None) -> None:
         super().__init__()
         attention_bias = bool(getattr(config, "attention_bias", False))
         qkv_bias = attention_bias if family.qkv_bias is None else family.qkv_bias
         self.self_attn = LlamaAttention(config, layer_idx, family.qk_norm, qkv_bias,
-                                        attention_bias)
+                                        attention_bias, sliding_window)
         self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
                             bool(getattr(config, "mlp_bias", False)))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -119,8 +155,10 @@ class LlamaModel(nn.Module):
             config.num_hidden_layers, self.pp.rank_in_group, self.pp.world_size)
         self.embed_tokens = (VocabEmbedding(config.vocab_size, config.hidden_size)
                              if self.pp.is_first_rank else PPMissingLayer())
+        windows = layer_sliding_windows(config, family)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, family) if self.start_layer <= i < self.end_layer
+            LlamaDecoderLayer(config, i, family, windows[i])
+            if self.start_layer <= i < self.end_layer
             else PPMissingLayer() for i in range(config.num_hidden_layers))
         self.norm = (RMSNorm(config.hidden_size, config.rms_norm_eps)
                      if self.pp.is_last_rank else PPMissingLayer())
@@ -238,6 +276,8 @@ class LlamaForCausalLM(nn.Module):
     qk_norm = False
     # None: follow the config's `attention_bias`; Qwen2 always has q/k/v bias (and no o bias).
     qkv_bias: bool | None = None
+    # Which layers slide (see `layer_sliding_windows`): None, "all" (Mistral) or "qwen".
+    sliding_window_rule: str | None = None
     # (our parameter, checkpoint name, shard id)
     stacked_params_mapping = (("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"),
                               ("qkv_proj", "v_proj", "v"), ("gate_up_proj", "gate_proj", 0),
@@ -313,15 +353,18 @@ class LlamaForCausalLM(nn.Module):
 
 class MistralForCausalLM(LlamaForCausalLM):
     gguf_architecture = None
+    sliding_window_rule = "all"
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
     gguf_architecture = "qwen2"
     gguf_interleaved_qk = False
     qkv_bias = True
+    sliding_window_rule = "qwen"
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     gguf_architecture = "qwen3"
     gguf_interleaved_qk = False
     qk_norm = True
+    sliding_window_rule = "qwen"
