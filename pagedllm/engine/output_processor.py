@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from pagedllm.core.sched_output import EngineCoreOutput, LogprobsLists
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.engine.logprob_strings import ContextDecoder
 from pagedllm.outputs import (CompletionOutput, Logprob, PromptLogprobs, RequestOutput,
                               SampleLogprobs)
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
@@ -49,6 +50,10 @@ class RequestState:
     logprobs: SampleLogprobs | None = None
     cumulative_logprob: float | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    # Logprob token strings in context (logprob_strings.ContextDecoder): of the generated tokens
+    # after the prompt, and of the prompt tokens from the start.
+    logprob_decoder: ContextDecoder | None = None
+    prompt_logprob_decoder: ContextDecoder | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None
@@ -66,7 +71,6 @@ class OutputProcessor:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self.request_states: dict[str, RequestState] = {}
-        self._token_text: dict[int, str] = {}
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, parent: ParentRequest | None = None,
@@ -79,10 +83,16 @@ class OutputProcessor:
                 stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output,
                 min_tokens=params.min_tokens)
         state = RequestState(request_id, index, prompt, prompt_token_ids, params, detok, parent)
+        decode_args = dict(skip_special_tokens=params.skip_special_tokens,
+                           spaces_between_special_tokens=params.spaces_between_special_tokens)
         if params.logprobs is not None:
             state.logprobs, state.cumulative_logprob = [], 0.0
+            state.logprob_decoder = ContextDecoder(self.tokenizer, prompt_token_ids, **decode_args)
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = [None]
+            if prompt_token_ids:
+                state.prompt_logprob_decoder = ContextDecoder(self.tokenizer, [], **decode_args)
+                state.prompt_logprob_decoder.add(prompt_token_ids[0])
         self.request_states[request_id] = state
 
     def has_unfinished_requests(self) -> bool:
@@ -133,6 +143,14 @@ class OutputProcessor:
         if out.finished and not state.finished:
             state.finish_reason, state.stop_reason = out.finish_reason, out.stop_reason
             state.error = out.error
+        if state.finished and state.logprob_decoder is not None:
+            # Tokens still held (an unfinished character at the end): their text, as the output
+            # text has it, goes to the last token.
+            rest = state.logprob_decoder.flush()
+            state.logprob_decoder = None
+            if rest and state.logprobs:
+                chosen = state.logprobs[-1][state.token_ids[-1]]
+                chosen.decoded_token = (chosen.decoded_token or "") + rest
 
     # ----------------------------------------------------------------- accumulation
     def _add_tokens(self, state: RequestState, out: EngineCoreOutput) -> None:
@@ -143,7 +161,8 @@ class OutputProcessor:
                 state.finish_reason, state.stop_reason = "stop", stop_str
         state.token_ids.extend(out.new_token_ids)
         if state.logprobs is not None and out.new_logprobs is not None:
-            new = self._to_logprob_dicts(out.new_logprobs.slice(0, num_new))
+            new = self._to_logprob_dicts(out.new_logprobs.slice(0, num_new),
+                                         state.logprob_decoder)
             state.logprobs.extend(new)
             state.cumulative_logprob += sum(lp[0] for lp in out.new_logprobs.logprobs[:num_new])
 
@@ -154,25 +173,36 @@ class OutputProcessor:
         if start > have:
             raise AssertionError(f"prompt logprobs gap for {state.request_id}: have {have}, "
                                  f"got from {start}")
-        state.prompt_logprobs.extend(self._to_logprob_dicts(lists.slice(skip, len(lists.ranks))))
+        new = self._to_logprob_dicts(lists.slice(skip, len(lists.ranks)),
+                                     state.prompt_logprob_decoder)
+        state.prompt_logprobs.extend(new)
+        decoder = state.prompt_logprob_decoder
+        if decoder is not None and len(state.prompt_logprobs) >= len(state.prompt_token_ids):
+            rest = decoder.flush()  # text of prompt tokens still held at the prompt's end
+            state.prompt_logprob_decoder = None
+            last = state.prompt_logprobs[-1]
+            if rest and last is not None:
+                chosen = last[state.prompt_token_ids[len(state.prompt_logprobs) - 1]]
+                chosen.decoded_token = (chosen.decoded_token or "") + rest
 
-    def _decode_token(self, token_id: int) -> str:
-        text = self._token_text.get(token_id)
-        if text is None:
-            text = self.tokenizer.decode([token_id])
-            self._token_text[token_id] = text
-        return text
-
-    def _to_logprob_dicts(self, lists: LogprobsLists) -> list[dict[int, Logprob]]:
+    @staticmethod
+    def _to_logprob_dicts(lists: LogprobsLists, decoder: ContextDecoder | None
+                          ) -> list[dict[int, Logprob]]:
+        """Logprob dicts of consecutive positions. Each position's alternatives are decoded in the
+        context of the tokens before it, then its chosen token is appended to `decoder` (whose
+        text for that token becomes the chosen token's string)."""
         result = []
         for ids, lps, rank in zip(lists.token_ids, lists.logprobs, lists.ranks):
-            entry = {tid: Logprob(lp, i, self._decode_token(tid))
-                     for i, (tid, lp) in enumerate(zip(ids[1:], lps[1:]), start=1)}
             chosen = ids[0]
+            entry = {tid: Logprob(lp, i, None if decoder is None or tid == chosen
+                                  else decoder.alternative(tid))
+                     for i, (tid, lp) in enumerate(zip(ids[1:], lps[1:]), start=1)}
+            text = decoder.add(chosen) if decoder is not None else None
             if chosen not in entry:
-                entry[chosen] = Logprob(lps[0], rank, self._decode_token(chosen))
+                entry[chosen] = Logprob(lps[0], rank, text)
             else:
                 entry[chosen].rank = rank
+                entry[chosen].decoded_token = text
             result.append(entry)
         return result
 

@@ -17,6 +17,7 @@ from pagedllm.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChun
                                                   ChatStreamChoice, TokenLogprob, TopLogprob,
                                                   now_s, random_id)
 from pagedllm.engine.async_llm import RequestStream
+from pagedllm.engine.logprob_strings import TokenBytes
 from pagedllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing,
                                                         OpenAIServingError, SSEStream,
                                                         clamp_logprob, error_from_exception,
@@ -27,18 +28,26 @@ logger = logging.getLogger(__name__)
 
 
 def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]],
-                  num_top: int) -> ChatLogprobs:
-    """OpenAI's chat logprobs for generated tokens (`bytes`: UTF-8 of the decoded token text)."""
+                  num_top: int, token_bytes: TokenBytes | None = None) -> ChatLogprobs:
+    """OpenAI's chat logprobs for generated tokens.
+
+    `token`: the token's text in context (`Logprob.decoded_token`: "" for a token that completes no
+    character yet); `bytes`: the token's own raw bytes (`TokenBytes`; without it the UTF-8 of the
+    string), so the chosen tokens' bytes join to the UTF-8 of the text."""
+    def raw(token_id: int, text: str) -> list[int]:
+        return list(token_bytes.get(token_id, text) if token_bytes is not None
+                    else text.encode())
+
     content = []
     for token_id, entry in zip(token_ids, logprobs):
         chosen = entry[token_id]
-        ranked = sorted((lp for lp in entry.values() if lp.rank is not None
-                         and lp.rank <= num_top), key=lambda lp: lp.rank)
+        ranked = sorted(((tid, lp) for tid, lp in entry.items() if lp.rank is not None
+                         and lp.rank <= num_top), key=lambda item: item[1].rank)
         top = [TopLogprob(token=lp.decoded_token or "", logprob=clamp_logprob(lp.logprob),
-                          bytes=list((lp.decoded_token or "").encode())) for lp in ranked]
+                          bytes=raw(tid, lp.decoded_token or "")) for tid, lp in ranked]
         token = chosen.decoded_token or ""
         content.append(TokenLogprob(token=token, logprob=clamp_logprob(chosen.logprob),
-                                    bytes=list(token.encode()), top_logprobs=top))
+                                    bytes=raw(token_id, token), top_logprobs=top))
     return ChatLogprobs(content=content)
 
 
@@ -51,6 +60,7 @@ class ServingChat:
 
     def __init__(self, serving: OpenAIServing) -> None:
         self.serving = serving
+        self._token_bytes: TokenBytes | None = None
 
     async def create_chat_completion(self, request: ChatCompletionRequest
                                      ) -> ChatCompletionResponse | SSEStream:
@@ -127,13 +137,14 @@ class ServingChat:
             yield sse_event(error.to_response())
         yield SSE_DONE
 
-    @staticmethod
-    def _logprobs(request: ChatCompletionRequest, completion: CompletionOutput,
+    def _logprobs(self, request: ChatCompletionRequest, completion: CompletionOutput,
                   start: int) -> ChatLogprobs | None:
         if not request.logprobs or completion.logprobs is None:
             return None
+        if self._token_bytes is None:
+            self._token_bytes = TokenBytes(self.serving.tokenizer)
         return chat_logprobs(completion.token_ids[start:], completion.logprobs[start:],
-                             request.top_logprobs or 0)
+                             request.top_logprobs or 0, self._token_bytes)
 
     def _render(self, request: ChatCompletionRequest) -> list[int]:
         """Token ids of the templated conversation. Raises OpenAIServingError 400."""

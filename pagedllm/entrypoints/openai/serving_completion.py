@@ -19,6 +19,7 @@ from pagedllm.entrypoints.openai.protocol import (CompletionChoice, CompletionCh
                                                   CompletionLogprobs, CompletionRequest,
                                                   CompletionResponse, now_s, random_id)
 from pagedllm.engine.async_llm import RequestStream
+from pagedllm.engine.logprob_strings import token_strings
 from pagedllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing,
                                                         OpenAIServingError, SSEStream,
                                                         clamp_logprob, error_from_exception,
@@ -48,20 +49,23 @@ class _ChoiceProgress:
     echo_chars: int = 0  # length of the echoed prompt
     num_chars: int = 0  # of the completion text
     num_tokens: int = 0
+    token_chars: int = 0  # of the sent tokens' logprob strings (text offsets continue from it)
     finished: bool = False
 
 
 def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob] | None],
                         num_top: int, text_offset: int,
                         result: CompletionLogprobs | None = None,
-                        decode=None) -> CompletionLogprobs:
-    """OpenAI's completions logprobs for tokens (text offsets from `text_offset`), appended to
-    `result`. An entry of None (the first prompt token) gets null logprobs and its text from
-    `decode(token_id)`."""
+                        tokens: list[str] | None = None) -> CompletionLogprobs:
+    """OpenAI's completions logprobs for tokens, appended to `result`.
+
+    A token's string is its text in context (`Logprob.decoded_token`, or `tokens[i]` when given),
+    so the strings join to the text and `text_offset` (from `text_offset`) indexes into it. An
+    entry of None (the first prompt token) gets null logprobs; it needs `tokens`."""
     result = result or CompletionLogprobs()
-    for token_id, entry in zip(token_ids, logprobs):
+    for i, (token_id, entry) in enumerate(zip(token_ids, logprobs)):
         if entry is None:
-            token = decode(token_id)
+            token = tokens[i]
             result.tokens.append(token)
             result.token_logprobs.append(None)
             result.top_logprobs.append(None)
@@ -69,11 +73,14 @@ def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob] 
             text_offset += len(token)
             continue
         chosen = entry[token_id]
-        token = chosen.decoded_token or ""
+        token = tokens[i] if tokens is not None else chosen.decoded_token or ""
         result.tokens.append(token)
         result.token_logprobs.append(clamp_logprob(chosen.logprob))
-        result.top_logprobs.append({lp.decoded_token or "": clamp_logprob(lp.logprob)
-                                    for lp in entry.values() if num_top > 0})
+        top = {lp.decoded_token or "": clamp_logprob(lp.logprob)
+               for tid, lp in entry.items() if num_top > 0 and tid != token_id}
+        if num_top > 0:
+            top[token] = clamp_logprob(chosen.logprob)  # the chosen token under its own string
+        result.top_logprobs.append(top)
         result.text_offset.append(text_offset)
         text_offset += len(token)
     return result
@@ -186,7 +193,9 @@ class ServingCompletion:
         if not delta and not finished and len(completion.token_ids) == progress.num_tokens:
             return None
         logprobs = self._logprobs(request, completion, progress.num_tokens,
-                                  progress.echo_chars + progress.num_chars)
+                                  progress.echo_chars + progress.token_chars)
+        if logprobs is not None:
+            progress.token_chars += sum(len(t) for t in logprobs.tokens)
         progress.num_chars += len(delta)
         progress.num_tokens = len(completion.token_ids)
         progress.finished = finished
@@ -212,8 +221,12 @@ class ServingCompletion:
         """With echo and logprobs: the prompt tokens' logprobs (from prompt_logprobs)."""
         if not request.echo or request.logprobs is None or out.prompt_logprobs is None:
             return None
+        # The prompt tokens' strings in context, decoded as `_echo_text` decodes the ids when no
+        # text was given; with text, they join to it wherever the tokenizer round-trips it.
+        tokens = token_strings(self.serving.tokenizer, prompt.token_ids,
+                               skip_special_tokens=prompt.text is not None)
         return completion_logprobs(prompt.token_ids, out.prompt_logprobs, request.logprobs, 0,
-                                   decode=lambda t: self.serving.tokenizer.decode([t]))
+                                   tokens=tokens)
 
     def _prepare(self, prompt: str | list[int], request: CompletionRequest) -> _PreparedPrompt:
         if isinstance(prompt, str):

@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import transformers
 
 from pagedllm import LLM, SamplingParams
 from tests.entrypoints.openai.server_process import running_server
@@ -417,3 +418,112 @@ def test_echo_with_prompt_logprobs(server: Server, offline_llm: LLM) -> None:
     expected = [entry[t].logprob for t, entry in zip(prompt_ids[1:], offline.prompt_logprobs[1:])]
     assert lp.token_logprobs[1:len(prompt_ids)] == pytest.approx(expected, abs=1e-4)
     assert resp.choices[0].text.startswith(prompt)
+
+
+def _assert_offsets_index_text(lp, text: str) -> None:
+    assert "".join(lp.tokens) == text
+    assert [text[o:o + len(t)] for o, t in zip(lp.text_offset, lp.tokens)] == lp.tokens
+
+
+def test_completion_logprob_strings_join_to_text(server: Server, offline_llm: LLM) -> None:
+    """Issue #17: token strings in context; with echo the BOS adds "" and offsets index the text."""
+    client = server.client()
+    tokenizer = offline_llm.get_tokenizer()
+    common = dict(model=MODEL_NAME, max_tokens=16, temperature=1.0, seed=3, logprobs=2,
+                  extra_body={"ignore_eos": True})
+    for prompt in ["  Leading spaces 🙂 café", " The cat sees 東京", "🚀"]:
+        for echo in (False, True):
+            choice = client.completions.create(prompt=prompt, echo=echo, **common).choices[0]
+            _assert_offsets_index_text(choice.logprobs, choice.text)
+            if echo:
+                assert choice.text.startswith(prompt) and choice.logprobs.tokens[0] == ""
+        ids = tokenizer(prompt).input_ids  # echo of ids: the text of all ids, "<s>" included
+        choice = client.completions.create(prompt=ids, echo=True, **common).choices[0]
+        assert choice.text.startswith("<s>" + prompt)
+        assert choice.logprobs.tokens[0] == "<s>"
+        _assert_offsets_index_text(choice.logprobs, choice.text)
+        text, tokens, offsets = "", [], []
+        for chunk in client.completions.create(prompt=prompt, stream=True, **common):
+            for c in chunk.choices:
+                text += c.text
+                if c.logprobs:
+                    tokens += c.logprobs.tokens
+                    offsets += c.logprobs.text_offset
+        assert "".join(tokens) == text
+        assert [text[o:o + len(t)] for o, t in zip(offsets, tokens)] == tokens
+
+
+def test_chat_logprob_bytes_of_emoji_byte_tokens(server: Server, offline_llm: LLM) -> None:
+    """Issue #17: each byte token of an emoji reports its own bytes, not U+FFFD's."""
+    client = server.client()
+    tokenizer = offline_llm.get_tokenizer()
+    emoji_ids = tokenizer("🙂", add_special_tokens=False).input_ids
+    # byte-level pieces of F0 9F 99 82 (GPT-2's byte-to-character table)
+    assert tokenizer.convert_ids_to_tokens(emoji_ids) == ["ðŁ", "Ļ", "Ĥ"]
+    replacement = list("\ufffd".encode())
+    resp = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "Smile"}], max_tokens=12,
+        temperature=1.0, seed=1, logprobs=True, top_logprobs=3,
+        extra_body={"ignore_eos": True, "allowed_token_ids": emoji_ids})
+    choice = resp.choices[0]
+    content = choice.logprobs.content
+    assert len(content) == 12
+    assert all(t.bytes != replacement for t in content)
+    assert "".join(t.token for t in content) == choice.message.content
+    joined = b"".join(bytes(t.bytes) for t in content)
+    assert joined.decode("utf-8", errors="replace") == choice.message.content
+    assert {bytes(t.bytes) for t in content} <= {b"\xf0\x9f", b"\x99", b"\x82"}
+    assert all(top.bytes != replacement for t in content for top in t.top_logprobs)
+    # Free-running text: the chosen tokens' bytes join to the text's UTF-8.
+    resp = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "  Hi 🙂"}], max_tokens=24,
+        temperature=1.0, seed=2, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    choice = resp.choices[0]
+    joined = b"".join(bytes(t.bytes) for t in choice.logprobs.content)
+    assert joined.decode("utf-8", errors="replace") == choice.message.content
+    assert "".join(t.token for t in choice.logprobs.content) == choice.message.content
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_server(tiny_checkpoints):
+    args = ["--model", str(tiny_checkpoints["mistral"]), "--api-key", API_KEY,
+            "--served-model-name", MODEL_NAME, "--uvicorn-log-level", "warning", *ENGINE_FLAGS]
+    with running_server(args) as (proc, url):
+        yield Server(proc, int(url.rsplit(":", 1)[1]))
+
+
+def test_sentencepiece_logprob_strings_keep_spaces(sentencepiece_server: Server,
+                                                   tiny_checkpoints) -> None:
+    """Issue #17 on a byte-fallback SentencePiece tokenizer: leading spaces kept, echo joins,
+    emoji byte tokens carry their own bytes."""
+    client = sentencepiece_server.client()
+    common = dict(model=MODEL_NAME, max_tokens=16, temperature=1.0, seed=5, logprobs=2,
+                  extra_body={"ignore_eos": True})
+    for prompt in ["  Leading spaces and 🙂", "The cat sees a red apple"]:
+        for echo in (False, True):
+            choice = client.completions.create(prompt=prompt, echo=echo, **common).choices[0]
+            _assert_offsets_index_text(choice.logprobs, choice.text)
+            if echo:
+                assert choice.logprobs.tokens[0] == "" and choice.text.startswith(prompt)
+    spaced = [t for t in choice.logprobs.tokens if t.startswith(" ")]
+    assert spaced, "SentencePiece word pieces keep their leading space"
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_checkpoints["mistral"])
+    rocket = [tokenizer.convert_tokens_to_ids(f"<0x{b:02X}>") for b in "🚀".encode()]
+    cat = tokenizer.convert_tokens_to_ids("▁cat")
+    assert cat != tokenizer.unk_token_id
+    resp = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "Hi 🚀"}], max_tokens=24,
+        temperature=1.0, seed=2, logprobs=True, top_logprobs=2,
+        extra_body={"ignore_eos": True, "allowed_token_ids": rocket + [cat]})
+    choice = resp.choices[0]
+    content = choice.logprobs.content
+    assert {bytes(t.bytes) for t in content} <= {bytes([b]) for b in "🚀".encode()} | {b" cat"}
+    assert all(t.bytes != list("\ufffd".encode()) for t in content)
+    assert "".join(t.token for t in content) == choice.message.content
+    joined = b"".join(bytes(t.bytes) for t in content)
+    # ByteFallback turns a whole run of byte tokens into U+FFFDs when any byte of it is invalid;
+    # where the text has none, the bytes join to its UTF-8.
+    if "\ufffd" not in choice.message.content:
+        assert joined == choice.message.content.encode()
+    assert joined.replace(b"\xf0\x9f\x9a\x80", b"").count(b" cat") == \
+        choice.message.content.replace("🚀", "").count(" cat")
