@@ -32,6 +32,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from pagedllm.model_loader.slicing import narrow_index
+
 VIEW_FORMAT = 1  # bump when the files of a view change
 SOURCE_FILE = "gguf.json"
 
@@ -335,17 +337,9 @@ class GGUFTensor:
         self._index = index
 
     def narrow(self, dim: int, start: int, length: int) -> GGUFTensor:
-        dim = dim % len(self.shape)
-        if start < 0 or length < 0 or start + length > self.shape[dim]:
-            raise ValueError(f"slice [{start}, {start + length}) outside dimension {dim} of GGUF "
-                             f"tensor {self.name} {tuple(self.shape)}")
-        index = list(self._index or (slice(0, s) for s in self.shape))
-        base = index[dim].start
-        index[dim] = slice(base + start, base + start + length)
-        shape = list(self.shape)
-        shape[dim] = length
-        return GGUFTensor(self._buffer, self._info, self.dtype, self._transforms, tuple(shape),
-                          tuple(index))
+        shape, index = narrow_index(self.shape, self._index, dim, start, length,
+                                    f"GGUF tensor {self.name}")
+        return GGUFTensor(self._buffer, self._info, self.dtype, self._transforms, shape, index)
 
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> GGUFTensor:
         if self._index is not None:

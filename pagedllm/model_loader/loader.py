@@ -20,6 +20,7 @@ from safetensors import safe_open
 from torch import nn
 
 from pagedllm.model_loader.gguf import iterate_gguf_tensors, read_gguf_source
+from pagedllm.model_loader.slicing import narrow_index
 from pagedllm.models.registry import resolve_model_class
 
 
@@ -63,17 +64,9 @@ class CheckpointTensor:
         self._index = index
 
     def narrow(self, dim: int, start: int, length: int) -> CheckpointTensor:
-        dim = dim % len(self.shape)
-        if start < 0 or length < 0 or start + length > self.shape[dim]:
-            raise ValueError(f"slice [{start}, {start + length}) outside dimension {dim} of "
-                             f"checkpoint tensor {self._name} {tuple(self.shape)}")
-        index = list(self._index or (slice(0, s) for s in self.shape))
-        base = index[dim].start
-        index[dim] = slice(base + start, base + start + length)
-        shape = list(self.shape)
-        shape[dim] = length
-        return CheckpointTensor(self._path, self._handle, self._name, self.dtype, tuple(shape),
-                                tuple(index))
+        shape, index = narrow_index(self.shape, self._index, dim, start, length,
+                                    f"checkpoint tensor {self._name}")
+        return CheckpointTensor(self._path, self._handle, self._name, self.dtype, shape, index)
 
     def materialize(self) -> torch.Tensor:
         try:

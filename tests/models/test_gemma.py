@@ -55,6 +55,20 @@ def _prompt_logprobs(output) -> list[float]:
     return [step[t].logprob for t, step in zip(ids[1:], output.prompt_logprobs[1:])]
 
 
+def assert_matches_hf(llm: LLM, want_tokens, want_logprobs, want_prompt_logprobs) -> None:
+    """Greedy tokens equal HF's and the logprobs of generated and prompt tokens are within
+    LOGPROB_TOL of HF's (the `hf_reference` triple)."""
+    outputs = llm.generate(_prompts(), _params(prompt_logprobs=True), use_tqdm=False)
+    tokens, logprobs = _tokens_and_logprobs(outputs)
+    assert tokens == want_tokens
+    for got, want in zip(logprobs, want_logprobs):
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=LOGPROB_TOL,
+                                   rtol=0)
+    for output, want in zip(outputs, want_prompt_logprobs):
+        torch.testing.assert_close(torch.tensor(_prompt_logprobs(output)), torch.tensor(want),
+                                   atol=LOGPROB_TOL, rtol=0)
+
+
 @pytest.fixture(scope="module")
 def hf_reference(tiny_checkpoints):
     """variant -> (greedy tokens, their logprobs, prompt-token logprobs) from HF in fp32."""
@@ -95,15 +109,7 @@ def test_greedy_and_logprobs_match_hf(tiny_checkpoints, hf_reference, variant, b
     assert {m.backend.name for m in layers} == {backend}
     assert any(m.sliding_window is not None for m in layers)
     assert any(m.sliding_window is None for m in layers)
-    outputs = llm.generate(_prompts(), _params(prompt_logprobs=True), use_tqdm=False)
-    tokens, logprobs = _tokens_and_logprobs(outputs)
-    assert tokens == want_tokens
-    for got, want in zip(logprobs, want_logprobs):
-        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=LOGPROB_TOL,
-                                   rtol=0)
-    for output, want in zip(outputs, want_prompt_logprobs):
-        torch.testing.assert_close(torch.tensor(_prompt_logprobs(output)), torch.tensor(want),
-                                   atol=LOGPROB_TOL, rtol=0)
+    assert_matches_hf(llm, want_tokens, want_logprobs, want_prompt_logprobs)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -11,7 +11,6 @@ itself (chunked prefill, prefix caching with shared prefixes longer than the win
 from __future__ import annotations
 
 import pytest
-import torch
 import transformers
 
 from pagedllm import LLM
@@ -21,8 +20,7 @@ from pagedllm.models.fused_decoder import FusedDecoder
 from pagedllm.models.llama import (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
                                    Qwen3ForCausalLM, layer_sliding_windows)
 from tests.models import test_gemma as gemma_tests
-from tests.models.test_gemma import (BACKENDS, LOGPROB_TOL, _params, _prompt_logprobs,
-                                     _prompts, _tokens_and_logprobs)
+from tests.models.test_gemma import BACKENDS, _params, assert_matches_hf
 
 # variant -> each layer's window, as HF's config defines it
 WINDOWS = {"mistral_sliding": [8, 8, 8], "qwen2_sliding": [None, 16, 16],
@@ -47,15 +45,7 @@ def test_greedy_and_logprobs_match_hf(tiny_checkpoints, hf_reference, variant, b
     layers = _layers(llm)
     assert {m.backend.name for m in layers} == {backend}
     assert [m.sliding_window for m in layers] == WINDOWS[variant]
-    outputs = llm.generate(_prompts(), _params(prompt_logprobs=True), use_tqdm=False)
-    tokens, logprobs = _tokens_and_logprobs(outputs)
-    assert tokens == want_tokens
-    for got, want in zip(logprobs, want_logprobs):
-        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=LOGPROB_TOL,
-                                   rtol=0)
-    for output, want in zip(outputs, want_prompt_logprobs):
-        torch.testing.assert_close(torch.tensor(_prompt_logprobs(output)), torch.tensor(want),
-                                   atol=LOGPROB_TOL, rtol=0)
+    assert_matches_hf(llm, want_tokens, want_logprobs, want_prompt_logprobs)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
