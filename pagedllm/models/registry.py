@@ -6,11 +6,16 @@ from pagedllm.models.bert import BertForMaskedLM, BertModel
 from pagedllm.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from pagedllm.models.llama import (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
                                    Qwen3ForCausalLM)
+from pagedllm.models.mixtral import MixtralForCausalLM
+from pagedllm.models.olmoe import OlmoeForCausalLM
 from pagedllm.models.phi3 import Phi3ForCausalLM
+from pagedllm.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
 _MODELS = {cls.__name__: cls for cls in (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
                                          Qwen3ForCausalLM, Phi3ForCausalLM, Gemma2ForCausalLM,
-                                         Gemma3ForCausalLM, BertModel, BertForMaskedLM)}
+                                         Gemma3ForCausalLM, BertModel, BertForMaskedLM,
+                                         MixtralForCausalLM, Qwen2MoeForCausalLM,
+                                         Qwen3MoeForCausalLM, OlmoeForCausalLM)}
 
 
 # GGUF `general.architecture` (llama.cpp's names) -> class.

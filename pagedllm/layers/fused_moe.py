@@ -1,0 +1,283 @@
+"""The fused mixture-of-experts layer: top-k routing, expert grouping, grouped expert GEMMs.
+
+One `FusedMoE` holds every local expert of a sparse MLP block as two stacked weights and runs
+them over the flat token batch:
+
+    w13_weight [num_local_experts, 2 * intermediate_per_partition, hidden]   rows: [ w1 | w3 ]
+    w2_weight  [num_local_experts, hidden, intermediate_per_partition]
+
+    router_logits [n, E] -> softmax -> top-k (ids [n, k], weights [n, k])
+    (token, k) pairs --sort by local expert--> rows grouped per expert
+    per expert with rows: silu(x W1^T) * (x W3^T) -> (.) W2^T          (one GEMM pair each)
+    weighted, un-sorted to [n, k, H], summed over k -> all-reduce over TP ranks
+
+Tensor parallelism shards every expert's intermediate dimension like the dense MLP (w1/w3 by
+rows, w2 by columns), so the partial outputs are summed across ranks at the end, as in
+`RowParallelLinear`. `expert_map` (logical expert id -> local slot, -1 where the expert lives
+on another rank) is what expert parallelism will fill in; without it it is the identity.
+The router's own linear layer (the checkpoint's `gate`) belongs to the model's MoE block.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedllm.distributed.parallel_state import (get_tensor_model_parallel_rank,
+                                                 get_tensor_model_parallel_world_size,
+                                                 tensor_model_parallel_all_reduce)
+from pagedllm.layers.activation import SiluAndMul
+from pagedllm.platforms import current_platform
+
+# Checkpoint shard ids of one expert (vLLM's, the names of Mixtral's tensors): gate, down, up;
+# "w13" / "w2" with expert_id=None: a 3-D tensor of all experts (transformers 5's fused
+# `experts.gate_up_proj` [E, 2I, H] and `experts.down_proj` [E, H, I]).
+EXPERT_SHARD_IDS = ("w1", "w2", "w3")
+ALL_EXPERTS_SHARD_IDS = ("w13", "w2")
+
+
+def select_experts(router_logits: torch.Tensor, top_k: int,
+                   renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k routing as Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE define it in transformers:
+    softmax over all experts (float32), the k largest probabilities, and with `renormalize`
+    (HF's `norm_topk_prob`; always on for Mixtral) divided by their sum.
+
+    NOTE(router): Mixtral's original formulation (top-k of the logits, then softmax over
+    those k) is the same function: softmax is monotonic, so the top-k sets agree, and
+    exp(l_i) / sum_{j in top-k} exp(l_j) = p_i / sum_{j in top-k} p_j.
+
+    Args:
+        router_logits: [num_tokens, num_experts], any float dtype.
+        top_k: experts per token, 1 <= top_k <= num_experts.
+        renormalize: make each token's k weights sum to 1.
+
+    Returns:
+        (topk_weights [num_tokens, top_k] float32, topk_ids [num_tokens, top_k] int64),
+        weights in descending order.
+
+    Raises:
+        ValueError: when top_k is outside [1, num_experts].
+    """
+    num_experts = router_logits.shape[-1]
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k {top_k} must be between 1 and the {num_experts} experts")
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    topk_weights, topk_ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+    return topk_weights, topk_ids
+
+
+class FusedMoE(nn.Module):
+    """All local experts of one sparse MLP block (SiLU-gated, no biases).
+
+    Args:
+        num_experts: logical experts of the block (E).
+        top_k: experts per token.
+        hidden_size: model hidden size (H).
+        intermediate_size: every expert's full intermediate size (I), sharded over TP ranks.
+        renormalize: renormalize the top-k weights (see `select_experts`).
+        reduce_results: all-reduce the output over the TP group (turn off only when the
+            caller reduces it together with something else).
+        hidden_act: only "silu" is implemented.
+
+    forward(hidden [n, H], router_logits [n, E]) -> [n, H] in hidden's dtype.
+
+    Raises (construction):
+        ValueError: for another activation, top_k outside [1, E], or an intermediate size the
+            TP size does not divide.
+    """
+
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
+                 renormalize: bool, reduce_results: bool = True,
+                 hidden_act: str = "silu") -> None:
+        super().__init__()
+        if hidden_act != "silu":
+            raise ValueError(f"FusedMoE: unsupported hidden_act {hidden_act!r}; only 'silu' is "
+                             "implemented")
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"FusedMoE: top_k {top_k} must be between 1 and the {num_experts} "
+                             "experts")
+        self.tp_rank = get_tensor_model_parallel_rank()
+        self.tp_size = get_tensor_model_parallel_world_size()
+        if intermediate_size % self.tp_size:
+            raise ValueError(f"FusedMoE: expert intermediate size {intermediate_size} not "
+                             f"divisible by tp size {self.tp_size}")
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.hidden_size = hidden_size
+        self.intermediate_size_per_partition = intermediate_size // self.tp_size
+        self.renormalize = renormalize
+        self.reduce_results = reduce_results
+        # NOTE(ep): expert parallelism (issue #19, next phase) sets a rank's slice here and
+        # fewer local experts; everything below reads the map, never assumes the identity.
+        self.num_local_experts = num_experts
+        self.register_buffer("expert_map", torch.arange(num_experts, dtype=torch.int64),
+                             persistent=False)  # [E] logical id -> local slot or -1
+        inter = self.intermediate_size_per_partition
+        self.w13_weight = nn.Parameter(torch.empty(self.num_local_experts, 2 * inter, hidden_size),
+                                       requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(self.num_local_experts, hidden_size, inter),
+                                      requires_grad=False)
+        self.w13_weight.weight_loader = self.weight_loader
+        self.w2_weight.weight_loader = self.weight_loader
+        self.act_fn = SiluAndMul()
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id: str | None = None,
+                      expert_id: int | None = None) -> None:
+        """Copy one checkpoint tensor into this rank's part of the stacked expert weights.
+
+        Args:
+            param: `w13_weight` or `w2_weight`.
+            loaded: a tensor or lazy checkpoint tensor (`shape`, `narrow`, `materialize`).
+                With `expert_id`: one expert's w1/w3 [I, H] ("w1" gate, "w3" up) or w2 [H, I].
+                Without: all experts at once, "w13" [E, 2I, H] (gate rows then up rows) or
+                "w2" [E, H, I].
+            shard_id: "w1", "w2", "w3" (with expert_id) or "w13", "w2" (without).
+            expert_id: logical expert id; an expert that is not local is skipped.
+
+        Raises:
+            ValueError: for an unknown shard id, a shard id that does not fit `param`, an
+                expert id out of range, or a shape mismatch (naming both shapes).
+        """
+        is_w13 = param is self.w13_weight
+        if expert_id is None:
+            self._load_all_experts(param, loaded, shard_id, is_w13)
+            return
+        if shard_id not in EXPERT_SHARD_IDS:
+            raise ValueError(f"FusedMoE: expert shard id must be one of {EXPERT_SHARD_IDS}, got "
+                             f"{shard_id!r}")
+        if is_w13 != (shard_id != "w2"):
+            raise ValueError(f"FusedMoE: shard id {shard_id!r} does not belong to "
+                             f"{'w13_weight' if is_w13 else 'w2_weight'}")
+        if not 0 <= expert_id < self.num_experts:
+            raise ValueError(f"FusedMoE: expert id {expert_id} outside [0, {self.num_experts})")
+        slot = int(self.expert_map[expert_id])
+        if slot < 0:
+            return
+        self._load_expert(param.data[slot], loaded, shard_id)
+
+    def _load_expert(self, target: torch.Tensor, loaded, shard_id: str) -> None:
+        """One expert's w1/w3 [I, H] or w2 [H, I] into its slot `target` (this rank's shard)."""
+        inter = self.intermediate_size_per_partition
+        if shard_id == "w2":
+            _copy(target, _narrow(loaded, 1, self.tp_rank * inter, inter))
+            return
+        offset = 0 if shard_id == "w1" else inter
+        _copy(target.narrow(0, offset, inter), _narrow(loaded, 0, self.tp_rank * inter, inter))
+
+    def _load_all_experts(self, param: nn.Parameter, loaded, shard_id: str | None,
+                          is_w13: bool) -> None:
+        if shard_id not in ALL_EXPERTS_SHARD_IDS or is_w13 != (shard_id == "w13"):
+            raise ValueError(f"FusedMoE: a tensor of all experts needs shard id 'w13' for "
+                             f"w13_weight or 'w2' for w2_weight, got {shard_id!r}")
+        if len(loaded.shape) != 3 or loaded.shape[0] != self.num_experts:
+            raise ValueError(f"FusedMoE: expected [{self.num_experts}, ...] expert weights, got "
+                             f"shape {tuple(loaded.shape)}")
+        full_inter = self.intermediate_size_per_partition * self.tp_size
+        for expert_id, slot in enumerate(self.expert_map.tolist()):
+            if slot < 0:
+                continue
+            one = _narrow(loaded, 0, expert_id, 1)
+            target = param.data.narrow(0, slot, 1)
+            if shard_id == "w2":
+                self._load_expert(target[0], _Squeezed(one), "w2")
+                continue
+            if loaded.shape[1] != 2 * full_inter:
+                raise ValueError(f"FusedMoE: fused gate_up rows {loaded.shape[1]} != 2 x "
+                                 f"intermediate size {full_inter}")
+            self._load_expert(target[0], _Squeezed(_narrow(one, 1, 0, full_inter)), "w1")
+            self._load_expert(target[0], _Squeezed(_narrow(one, 1, full_inter, full_inter)), "w3")
+
+    def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
+        out = fused_experts(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
+                            self.expert_map, self.act_fn)
+        if self.reduce_results and self.tp_size > 1:
+            out = tensor_model_parallel_all_reduce(out)
+        return out
+
+
+def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.Tensor,
+                  act_fn: nn.Module) -> torch.Tensor:
+    """Run each token through its routed local experts and sum them, weighted.
+
+    The n*k (token, slot) pairs are sorted by local expert (a stable sort, so an expert's rows
+    keep token order); each expert with rows runs two GEMMs over its contiguous block; the
+    weighted rows are scattered back to their (token, slot) places and summed over the k slots
+    of each token (a scatter-add, see NOTE(combine)). Pairs routed to a non-local expert (map
+    entry -1) sort last and are dropped.
+
+        pairs (t, j) -> flat p = t*k + j      order = argsort(local_id[p])
+        sorted rows:  [ expert 0 rows | expert 1 rows | ... | non-local ]
+                        ^ counts[0]     ^ counts[1]
+
+    Args:
+        hidden: [n, H], model dtype.
+        w13: [L, 2*I_p, H] (gate rows, then up rows); w2: [L, H, I_p]; L local experts.
+        topk_weights: [n, k] float32; topk_ids: [n, k] int64 logical expert ids.
+        expert_map: [E] int64, logical id -> local slot or -1.
+        act_fn: gated activation [m, 2*I_p] -> [m, I_p].
+
+    Returns:
+        [n, H] in hidden's dtype (this rank's partial sum under TP).
+    """
+    num_tokens, top_k = topk_ids.shape
+    num_local = w13.shape[0]
+    local_ids = expert_map[topk_ids].flatten()                          # [n*k]
+    local_ids = torch.where(local_ids < 0, num_local, local_ids)
+    order = torch.argsort(local_ids, stable=True)                       # [n*k]
+    counts = torch.bincount(local_ids, minlength=num_local + 1).tolist()
+    num_rows = num_tokens * top_k - counts[num_local]
+    order = order[:num_rows]
+    x = hidden[order // top_k]                                          # [m, H]
+    rows_out = torch.empty_like(x)
+    start = 0
+    for expert, count in enumerate(counts[:num_local]):
+        if count == 0:
+            continue
+        rows = slice(start, start + count)
+        gate_up = current_platform.linear(x[rows], w13[expert])
+        rows_out[rows] = current_platform.linear(act_fn(gate_up), w2[expert])
+        start += count
+    weights = topk_weights.flatten()[order].unsqueeze(1)                # [m, 1] float32
+    # NOTE(combine): the scatter-add back to the tokens is written as an un-sort into the
+    # [n*k, H] pair layout plus a sum over k, not `index_add_`: both give the same sums, but
+    # CPU `index_add_` (scatter_add_) opens a parallel region even for a decode step's few
+    # rows, which cost ~16 ms per layer on a loaded 2-core machine (index_put_ and the sum
+    # stay single-threaded below torch's grain size).
+    pairs = hidden.new_zeros(num_tokens * top_k, hidden.shape[1])      # [n*k, H]
+    pairs[order] = (rows_out.float() * weights).to(hidden.dtype)
+    return pairs.view(num_tokens, top_k, hidden.shape[1]).sum(dim=1)
+
+
+def _narrow(loaded, dim: int, start: int, length: int):
+    if start + length > loaded.shape[dim]:
+        raise ValueError(f"FusedMoE: checkpoint tensor of shape {tuple(loaded.shape)} too small "
+                         f"for [{start}, {start + length}) on dim {dim}")
+    return loaded.narrow(dim, start, length)
+
+
+def _copy(target: torch.Tensor, loaded) -> None:
+    if tuple(target.shape) != tuple(loaded.shape):
+        raise ValueError(f"shape mismatch: expert weight {tuple(target.shape)} vs checkpoint "
+                         f"{tuple(loaded.shape)}")
+    target.copy_(loaded if isinstance(loaded, torch.Tensor) else loaded.materialize())
+
+
+class _Squeezed:
+    """A [1, ...] tensor or lazy checkpoint tensor seen without its leading dimension (narrow
+    stays lazy; the leading dimension is dropped when the slice is read)."""
+
+    def __init__(self, inner) -> None:
+        self._inner = inner
+        self.shape = torch.Size(inner.shape[1:])
+
+    def narrow(self, dim: int, start: int, length: int) -> _Squeezed:
+        return _Squeezed(self._inner.narrow(dim + 1, start, length))
+
+    def materialize(self) -> torch.Tensor:
+        inner = self._inner
+        tensor = inner if isinstance(inner, torch.Tensor) else inner.materialize()
+        return tensor[0]
