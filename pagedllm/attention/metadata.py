@@ -48,3 +48,35 @@ class CommonAttentionMetadata:
     max_seq_len: int
     block_size: int
     causal: bool = True
+
+
+@dataclass(frozen=True)
+class KVCacheGroupsMetadata:
+    """The forward context's metadata for a model whose layers use several KV cache groups
+    (core/kv_cache_groups.py): one backend metadata per group, each built from that group's
+    CommonAttentionMetadata (its own block table and slot mapping; the token layout, query
+    starts and sequence lengths are the same). A layer attends with the metadata of the group of
+    its sliding window. With a single group the forward context holds the backend's metadata
+    itself and this class is not used.
+
+    Attributes:
+        sliding_windows: [num_groups] each group's window (None = full attention).
+        group_metadata: [num_groups] the backend metadata of each group.
+        common: group 0's CommonAttentionMetadata (step facts for readers such as RoPE scaling).
+    """
+
+    sliding_windows: tuple[int | None, ...]
+    group_metadata: tuple[object, ...]
+    common: CommonAttentionMetadata
+
+    def for_layer(self, sliding_window: int | None) -> object:
+        """The metadata of the group of layers with this window.
+
+        Raises:
+            KeyError: if no group has this window.
+        """
+        try:
+            return self.group_metadata[self.sliding_windows.index(sliding_window)]
+        except ValueError:
+            raise KeyError(f"no KV cache group for sliding window {sliding_window} (groups: "
+                           f"{self.sliding_windows})") from None

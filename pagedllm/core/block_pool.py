@@ -73,16 +73,21 @@ class BlockPool:
         return out
 
     def touch(self, blocks: list[KVCacheBlock]) -> None:
-        """Take a reference to prefix-cache hits (removing free ones from the free queue)."""
+        """Take a reference to prefix-cache hits (removing free ones from the free queue). The null
+        block (a sliding-window hit's skipped entries) is left alone."""
         for block in blocks:
+            if block is self.null_block:
+                continue
             if block.ref_cnt == 0:
                 del self.free_block_queue[block.block_id]
             block.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks: list[KVCacheBlock]) -> None:
         """Drop one reference from each block; blocks reaching 0 go to the free queue's tail in
-        the given order (so the first given is evicted first)."""
+        the given order (so the first given is evicted first). The null block is skipped."""
         for block in ordered_blocks:
+            if block is self.null_block:
+                continue
             block.ref_cnt -= 1
             if block.ref_cnt < 0:
                 raise AssertionError(f"block {block.block_id} freed more often than allocated")
@@ -93,13 +98,14 @@ class BlockPool:
                           num_cached_blocks: int, num_full_blocks: int) -> None:
         """Register blocks[num_cached_blocks:num_full_blocks] under their hashes.
 
-        A hash already owned by another block is left to that block (this one stays uncached).
+        A hash already owned by another block is left to that block (this one stays uncached);
+        null entries (blocks a sliding window dropped) are skipped.
         """
         if not self.enable_caching:
             return
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
-            if block.block_hash is not None:
+            if block.block_hash is not None or block is self.null_block:
                 continue
             h = block_hashes[i]
             if h not in self.cached_block_hash_to_block:

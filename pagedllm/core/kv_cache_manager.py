@@ -1,15 +1,20 @@
-"""KVCacheManager: per-request block lists on top of the BlockPool, with prefix-cache lookup.
+"""KVCacheManager: per-request blocks of every KV cache group, with prefix-cache lookup.
 
 The scheduler talks to this class only: `get_computed_blocks` (prefix hits for a new request),
 `allocate_slots` (blocks for the tokens scheduled this step, or None when the cache is full) and
-`free`. Block ids cross to the worker as plain ints.
+`free`. Blocks travel in a `KVCacheBlocks` handle the scheduler passes on unopened; block ids cross
+to the worker as plain ints, one list per group (see core/kv_cache_groups.py for the groups and
+their memory). A model with one attention type has one group, and this is a plain paged manager.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock
+from pagedllm.core.kv_cache_group_manager import KVCacheGroupManager
+from pagedllm.core.kv_cache_groups import KVCacheGroupSpec
 from pagedllm.core.request import Request
 
 
@@ -26,49 +31,103 @@ class PrefixCacheStats:
         return self.hits / self.queries if self.queries else 0.0
 
 
+@dataclass(frozen=True)
+class KVCacheBlocks:
+    """Blocks of one request, one list per KV cache group (an opaque handle for the scheduler)."""
+
+    blocks: tuple[list[KVCacheBlock], ...]
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return tuple([b.block_id for b in group] for group in self.blocks)
+
+
 class KVCacheManager:
-    """Map requests to KV blocks.
+    """Map requests to KV blocks in every group.
 
     Args:
-        num_blocks: blocks in the cache.
+        num_blocks: blocks of group 0 (the null block included).
         block_size: tokens per block.
         enable_caching: prefix caching on/off.
+        kv_cache_groups: the groups (`make_kv_cache_groups`); empty = one full-attention group of
+            `num_blocks` blocks.
+
+    Raises:
+        ValueError: if `kv_cache_groups[0].num_blocks != num_blocks`.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool,
+                 kv_cache_groups: Sequence[KVCacheGroupSpec] = ()) -> None:
+        specs = tuple(kv_cache_groups) or (KVCacheGroupSpec(None, num_blocks),)
+        if specs[0].num_blocks != num_blocks:
+            raise ValueError(f"group 0 has {specs[0].num_blocks} blocks, num_blocks is "
+                             f"{num_blocks}")
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching)
-        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
-        # Number of a request's leading blocks already registered in the prefix cache.
-        self.num_cached_block: dict[str, int] = {}
+        self.kv_cache_groups = specs
+        self.groups = [KVCacheGroupManager(spec, block_size, enable_caching) for spec in specs]
         self.prefix_cache_stats = PrefixCacheStats()
+
+    @property
+    def block_pool(self) -> BlockPool:
+        """Group 0's pool (the only one for a model with one attention type)."""
+        return self.groups[0].block_pool
+
+    @property
+    def req_to_blocks(self) -> dict[str, list[KVCacheBlock]]:
+        """Group 0's blocks of each request."""
+        return self.groups[0].req_to_blocks
 
     @property
     def num_blocks(self) -> int:
         return self.block_pool.num_blocks
 
-    def usage(self) -> float:
-        return self.block_pool.get_usage()
+    @property
+    def num_window_freed_blocks(self) -> int:
+        """Blocks returned to the pools because they left a sliding window (since start)."""
+        return sum(g.num_window_freed_blocks for g in self.groups)
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """Longest run of cached full blocks that prefixes the request's tokens.
+    def usage(self) -> float:
+        """Fraction of usable blocks in use, over all groups."""
+        usable = sum(g.block_pool.num_blocks - 1 for g in self.groups)
+        free = sum(g.block_pool.get_num_free_blocks() for g in self.groups)
+        return 1.0 - free / usable
+
+    def get_num_free_blocks(self) -> int:
+        return sum(g.block_pool.get_num_free_blocks() for g in self.groups)
+
+    def num_cached_blocks(self) -> int:
+        return sum(g.block_pool.num_cached_blocks() for g in self.groups)
+
+    def max_blocks_fit(self, needed: Sequence[int]) -> bool:
+        """Whether a request needing needed[g] blocks at once in group g fits the empty cache."""
+        return all(n <= g.block_pool.num_blocks - 1 for n, g in zip(needed, self.groups))
+
+    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
+        """Longest prefix of the request's tokens whose KV every group has cached.
 
         At most `num_tokens - 1` tokens count as hits: the last token is always recomputed so that
         its logits exist. A request that wants prompt logprobs gets no hits (the logprobs of
         cached positions were never computed), though its blocks are still cached for others.
-        Returns (blocks, num_computed_tokens).
+        A hit of L tokens needs, in a full-attention group, every block before L, and in a
+        sliding group the blocks the query at position L reads; the hit length shrinks until all
+        groups agree. Returns (blocks, num_computed_tokens).
         """
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
-            return [], 0
-        max_hit_blocks = (request.num_tokens - 1) // self.block_size
-        hits: list[KVCacheBlock] = []
-        for block_hash in request.block_hashes[:max_hit_blocks]:
-            block = self.block_pool.get_cached_block(block_hash)
-            if block is None:
+            return self._empty_blocks(), 0
+        num_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hits = [[] for _ in self.groups]
+        while True:
+            for g, group in enumerate(self.groups):
+                hits[g] = group.find_longest_cache_hit(request.block_hashes, num_hit_blocks)
+            shortest = min(len(h) for h in hits)
+            if all(len(h) == shortest for h in hits):
                 break
-            hits.append(block)
-        return hits, len(hits) * self.block_size
+            # A sliding group's hit at a shorter length may need other blocks: search again.
+            num_hit_blocks = shortest
+        return KVCacheBlocks(tuple(hits)), shortest * self.block_size
+
+    def _empty_blocks(self) -> KVCacheBlocks:
+        return KVCacheBlocks(tuple([] for _ in self.groups))
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count one admitted request's prefix-cache lookup (in tokens)."""
@@ -78,60 +137,67 @@ class KVCacheManager:
             self.prefix_cache_stats.hits += num_hit_tokens
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed_blocks: list[KVCacheBlock] | None = None,
+                       new_computed_blocks: KVCacheBlocks | None = None,
                        num_new_computed_tokens: int = 0,
-                       num_lookahead_tokens: int = 0) -> list[int] | None:
-        """Make room for `num_new_tokens` more tokens after the computed ones.
+                       num_lookahead_tokens: int = 0) -> tuple[list[int], ...] | None:
+        """Make room for `num_new_tokens` more tokens after the computed ones, in every group.
+
+        First each sliding group frees the blocks no query of this step or later reads (they
+        lie before the window of the first new token); then, only if every group has enough
+        free blocks, hits are taken and new blocks appended.
 
         Args:
             request: the request (its `num_computed_tokens` is the tokens already in its blocks).
-            num_new_tokens: tokens to be computed this step.
+            num_new_tokens: tokens to be computed this step (draft tokens included).
             new_computed_blocks: prefix-cache hits from `get_computed_blocks` (new requests only).
             num_new_computed_tokens: tokens those hits cover.
             num_lookahead_tokens: extra slots past the new tokens (never cached).
 
         Returns:
-            The ids of blocks newly appended to the request (hits first), or None when there are
-            not enough free blocks (nothing is changed then).
+            Per group, the ids of blocks newly appended to the request (hits first), or None when
+            some group has not enough free blocks (then only window-freed blocks changed).
         """
-        new_computed_blocks = new_computed_blocks or []
-        blocks = self.req_to_blocks.setdefault(request.request_id, [])
-        total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-        num_required = -(-(total + num_lookahead_tokens) // self.block_size)
-        num_new = num_required - len(blocks) - len(new_computed_blocks)
-        # Hits that sit in the free queue stop being free once touched.
-        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if num_new > self.block_pool.get_num_free_blocks() - num_evictable_hits:
-            if not blocks:
-                del self.req_to_blocks[request.request_id]
-            return None
-        self.block_pool.touch(new_computed_blocks)
-        blocks.extend(new_computed_blocks)
-        new_blocks = self.block_pool.get_new_blocks(max(num_new, 0))
-        blocks.extend(new_blocks)
+        rid = request.request_id
+        hits = (new_computed_blocks.blocks if new_computed_blocks is not None
+                else tuple([] for _ in self.groups))
+        num_computed = request.num_computed_tokens + num_new_computed_tokens
+        total = num_computed + num_new_tokens
+        for group in self.groups:
+            group.remove_skipped_blocks(rid, request.num_computed_tokens)
+        num_slots = total + num_lookahead_tokens
+        for group, group_hits in zip(self.groups, hits):
+            if (group.get_num_blocks_to_allocate(rid, num_slots, group_hits)
+                    > group.block_pool.get_num_free_blocks()):
+                return None
+        new_ids = tuple([b.block_id for b in group.allocate(rid, num_slots, group_hits)]
+                        for group, group_hits in zip(self.groups, hits))
         if self.enable_caching:
             # Only blocks whose tokens are all known (and computed by the end of this step) can be
             # cached.
             num_full = min(total, request.num_tokens) // self.block_size
-            num_cached = self.num_cached_block.get(request.request_id,
-                                                   len(new_computed_blocks))
-            if num_full > num_cached:
-                self.block_pool.cache_full_blocks(blocks, request.block_hashes, num_cached,
-                                                  num_full)
-                num_cached = num_full
-            self.num_cached_block[request.request_id] = num_cached
-        return [b.block_id for b in new_computed_blocks + new_blocks]
+            for group in self.groups:
+                group.cache_blocks(rid, request.block_hashes, num_full)
+        return new_ids
 
     def free(self, request: Request) -> None:
-        """Release a request's blocks; its tail blocks become the first eviction candidates."""
-        blocks = self.req_to_blocks.pop(request.request_id, [])
-        self.num_cached_block.pop(request.request_id, None)
-        self.block_pool.free_blocks(list(reversed(blocks)))
+        """Release a request's blocks in every group; its tail blocks are evicted first."""
+        for group in self.groups:
+            group.free(request.request_id)
 
-    def get_block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        return tuple([b.block_id for b in g.req_to_blocks.get(request_id, [])]
+                     for g in self.groups)
+
+    def num_live_blocks(self, request_id: str) -> tuple[int, ...]:
+        """Blocks the request holds in each group (null entries excluded)."""
+        return tuple(g.num_live_blocks(request_id) for g in self.groups)
 
     def reset_prefix_cache(self) -> int:
         """Drop all prefix-cache entries and the hit statistics; returns entries dropped."""
         self.prefix_cache_stats = PrefixCacheStats()
-        return self.block_pool.reset_prefix_cache()
+        return sum(g.block_pool.reset_prefix_cache() for g in self.groups)
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if a pool's bookkeeping is inconsistent."""
+        for group in self.groups:
+            group.block_pool.check_invariants()

@@ -14,23 +14,30 @@ class NewRequestData:
     """A request the worker has not seen, or one resumed after preemption (sent whole again).
 
     `prompt_token_ids` + `output_token_ids` are all the request's tokens so far; `block_ids` its
-    blocks; `num_computed_tokens` the tokens already in those blocks (prefix-cache hits).
+    blocks, one list per KV cache group (a plain list of ints is taken as the blocks of a single
+    group); `num_computed_tokens` the tokens already in those blocks (prefix-cache hits).
     """
 
     req_id: str
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     sampling_params: SamplingParams
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]
     num_computed_tokens: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_ids, tuple):
+            self.block_ids = (list(self.block_ids),)
 
 
 @dataclass
 class CachedRequestData:
-    """Requests the worker already holds: their new blocks and progress (parallel lists)."""
+    """Requests the worker already holds: their new blocks (one list per KV cache group) and
+    progress (parallel lists). Blocks a sliding window dropped are not announced: the worker's
+    table keeps their ids, and the window hides those entries (see ModelRunner)."""
 
     req_ids: list[str] = field(default_factory=list)
-    new_block_ids: list[list[int]] = field(default_factory=list)
+    new_block_ids: list[tuple[list[int], ...]] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
 
     @property

@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from pagedllm.config import CacheConfig, SchedulerConfig
+from pagedllm.core.kv_cache_groups import make_kv_cache_groups, max_blocks_per_request
 from pagedllm.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched_output import (EngineCoreOutput, ModelRunnerOutput,
@@ -67,16 +68,23 @@ class Scheduler:
             tokens (a draft model writes KV there while proposing).
         structured_output_manager: grammar state for structured requests (duck-typed: see
             pagedllm/structured_output/manager.py); None if the engine has none.
+        kv_cache_windows: the KV cache groups' sliding windows (None = full attention), as the
+            worker reports them (`kv_cache_group_windows`); `num_blocks` is group 0's.
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  max_model_len: int, num_blocks: int, num_lookahead_tokens: int = 0,
-                 structured_output_manager=None) -> None:
+                 structured_output_manager=None,
+                 kv_cache_windows: tuple[int | None, ...] = (None,)) -> None:
         self.config = scheduler_config
         self.max_model_len = max_model_len
         self.block_size = cache_config.block_size
+        groups = make_kv_cache_groups(num_blocks, kv_cache_windows, cache_config.block_size,
+                                      scheduler_config.max_num_seqs,
+                                      scheduler_config.max_num_batched_tokens,
+                                      num_lookahead_tokens)
         self.kv_cache_manager = KVCacheManager(num_blocks, cache_config.block_size,
-                                               cache_config.enable_prefix_caching)
+                                               cache_config.enable_prefix_caching, groups)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -93,10 +101,16 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        needed = -(-min(request.num_tokens + request.max_tokens, self.max_model_len)
-                   // self.block_size)
-        usable = self.kv_cache_manager.num_blocks - 1
-        if needed > usable:
+        num_tokens = min(request.num_tokens + request.max_tokens, self.max_model_len)
+        mgr = self.kv_cache_manager
+        needed = [max_blocks_per_request(spec.sliding_window, num_tokens, self.block_size,
+                                         self.config.max_num_batched_tokens,
+                                         self.num_lookahead_tokens)
+                  for spec in mgr.kv_cache_groups]
+        if not mgr.max_blocks_fit(needed):
+            usable = [spec.num_blocks - 1 for spec in mgr.kv_cache_groups]
+            if len(usable) == 1:
+                needed, usable = needed[0], usable[0]
             raise ValueError(f"request needs up to {needed} KV blocks ({request.num_tokens} prompt "
                              f"tokens + max_tokens {request.max_tokens}) but the KV cache has only "
                              f"{usable}; lower max_tokens or give the cache more memory")
@@ -387,12 +401,12 @@ class Scheduler:
         return self.kv_cache_manager.reset_prefix_cache()
 
     def make_stats(self) -> SchedulerStats:
-        pool = self.kv_cache_manager.block_pool
+        mgr = self.kv_cache_manager
         return SchedulerStats(
             num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
-            kv_cache_usage=pool.get_usage(), num_blocks=pool.num_blocks,
-            num_free_blocks=pool.get_num_free_blocks(),
-            num_cached_blocks=pool.num_cached_blocks(),
+            kv_cache_usage=mgr.usage(), num_blocks=mgr.num_blocks,
+            num_free_blocks=mgr.block_pool.get_num_free_blocks(),
+            num_cached_blocks=mgr.num_cached_blocks(),
             prefix_cache_stats=replace(self.kv_cache_manager.prefix_cache_stats),
             num_preemptions=self.num_preemptions,
             spec_decoding_stats=replace(self.spec_decoding_stats))

@@ -59,7 +59,8 @@ class EngineCore:
             hf_model_info(config.model_path).vocab_size)
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config,
                                    config.max_model_len, num_blocks, lookahead,
-                                   self.structured_output_manager)
+                                   self.structured_output_manager,
+                                   kv_cache_windows=self.executor.kv_cache_windows())
         self._block_hasher = (get_request_block_hasher(config.cache_config.block_size)
                               if config.cache_config.enable_prefix_caching else None)
         self.num_blocks = num_blocks

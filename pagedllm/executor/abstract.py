@@ -30,6 +30,9 @@ class Executor(Protocol):
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate `num_blocks` KV blocks on every rank."""
 
+    def kv_cache_windows(self) -> tuple[int | None, ...]:
+        """The KV cache groups' sliding windows (the same on every rank)."""
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on every rank; the driver rank's output.
 
@@ -62,6 +65,12 @@ class DistributedExecutorBase:
         self.collective_rpc("initialize_kv_cache", (num_blocks,))
         for line in self.collective_rpc("layout_summary"):
             logger.info("%s", line)
+
+    def kv_cache_windows(self) -> tuple[int | None, ...]:
+        windows = set(self.collective_rpc("kv_cache_windows"))
+        if len(windows) != 1:
+            raise RuntimeError(f"ranks disagree on the KV cache groups: {sorted(windows)}")
+        return windows.pop()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.collective_rpc("execute_model", (scheduler_output,),

@@ -20,6 +20,9 @@ class UniProcExecutor:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.worker.initialize_kv_cache(num_blocks)
 
+    def kv_cache_windows(self) -> tuple[int | None, ...]:
+        return self.worker.kv_cache_windows()
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)
 

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from pagedllm.attention.forward_context import get_forward_context
+from pagedllm.attention.metadata import KVCacheGroupsMetadata
 from pagedllm.attention.selector import get_attention_backend
 
 
@@ -52,6 +53,8 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         n = q.shape[0]
         metadata = get_forward_context().attn_metadata
+        if isinstance(metadata, KVCacheGroupsMetadata):   # several block tables: take ours
+            metadata = metadata.for_layer(self.sliding_window)
         out = self.backend.forward(q.view(n, self.num_heads, self.head_size),
                                    k.view(n, self.num_kv_heads, self.head_size),
                                    v.view(n, self.num_kv_heads, self.head_size),

@@ -131,7 +131,10 @@ class FusedDecoder:
         tokens, the KV cache in the weights' dtype, at most the platform's
         `fused_decoder_max_tokens` (and MAX_SCRATCH_BYTES of scratch), and not a large step
         with a long fresh prompt (see LONG_STEP_TOKENS), and no sequence longer than the
-        layers' smallest sliding window (the native attention has no window)."""
+        layers' smallest sliding window (the native attention has no window). A model with
+        several KV cache groups gets a `KVCacheGroupsMetadata` (one block table per group; the
+        native call takes one), so it never takes this path; a single sliding group's blocks
+        are all still held while every sequence fits the window."""
         kv_cache = self.layers[0].self_attn.attn.kv_cache
         if not (isinstance(metadata, CpuPagedMetadata)
                 and metadata.common.num_actual_tokens == num_tokens

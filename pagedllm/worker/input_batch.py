@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagedllm.attention.metadata import CommonAttentionMetadata
 from pagedllm.core.sched_output import NewRequestData
 from pagedllm.spec_decode.metadata import SpecDecodeMetadata
 from pagedllm.worker.block_table import BlockTable
@@ -29,10 +30,11 @@ class RequestStates:
         temperature, top_p, min_p, presence/frequency/repetition penalties: [max_num_reqs] float32.
         top_k, min_tokens: [max_num_reqs] int32; seeds: [max_num_reqs] int64 (valid where
         has_seed).
+        block_tables: one BlockTable per KV cache group (`block_table` is group 0's).
     """
 
     def __init__(self, max_num_reqs: int, max_model_len: int, max_num_blocks_per_req: int,
-                 block_size: int) -> None:
+                 block_size: int, num_kv_cache_groups: int = 1) -> None:
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.req_id_to_index: dict[str, int] = {}
@@ -59,10 +61,24 @@ class RequestStates:
         self.allowed_token_ids: list[list[int] | None] = [None] * max_num_reqs
         self.bad_words_token_ids: list[list[list[int]]] = [[] for _ in range(max_num_reqs)]
         self.logits_processors: list[list | None] = [None] * max_num_reqs
-        self.block_table = BlockTable(max_num_reqs, max_num_blocks_per_req, block_size)
+        self.block_tables = [BlockTable(max_num_reqs, max_num_blocks_per_req, block_size)
+                             for _ in range(num_kv_cache_groups)]
+
+    @property
+    def block_table(self) -> BlockTable:
+        """Group 0's block table (the only one for a model with one attention type)."""
+        return self.block_tables[0]
 
     def add_request(self, req: NewRequestData) -> int:
-        """Give `req` a free slot and fill it; returns the slot."""
+        """Give `req` a free slot and fill it; returns the slot.
+
+        Raises:
+            RuntimeError: when every slot is taken.
+            ValueError: when `req.block_ids` has not one list per KV cache group.
+        """
+        if len(req.block_ids) != len(self.block_tables):
+            raise ValueError(f"request {req.req_id!r} has block ids for {len(req.block_ids)} KV "
+                             f"cache groups, the model has {len(self.block_tables)}")
         if not self.free_indices:
             raise RuntimeError(f"more than max_num_reqs={self.max_num_reqs} live requests")
         idx = self.free_indices.pop()
@@ -92,7 +108,8 @@ class RequestStates:
         self.allowed_token_ids[idx] = sp.allowed_token_ids
         self.bad_words_token_ids[idx] = sp._bad_words_token_ids
         self.logits_processors[idx] = sp.logits_processors
-        self.block_table.add_row(req.block_ids, idx)
+        for table, block_ids in zip(self.block_tables, req.block_ids):
+            table.add_row(block_ids, idx)
         return idx
 
     def remove_request(self, req_id: str) -> None:
@@ -125,6 +142,8 @@ class InputBatch:
             whose prompt is still partially uncomputed do not).
         spec_decode_metadata: where drafts are verified, when any were scheduled (then
             logits_indices holds k+1 rows per sampled request with k drafts).
+        group_commons: [num_kv_cache_groups] each group's attention inputs (its block table and
+            slot mapping) when the model has several KV cache groups; empty with one.
     """
 
     req_ids: list[str]
@@ -137,6 +156,7 @@ class InputBatch:
     logits_indices: torch.Tensor
     sampled_batch_idx: np.ndarray
     spec_decode_metadata: SpecDecodeMetadata | None = None
+    group_commons: tuple[CommonAttentionMetadata, ...] = ()
 
     @property
     def num_reqs(self) -> int:

@@ -2,6 +2,8 @@
 
     kv_cache (one per layer): [2, num_blocks, block_size, num_kv_heads, head_size]
                                K = [0], V = [1]; block 0 is the null block (kept zero).
+
+With several KV cache groups (core/kv_cache_groups.py) each layer's `num_blocks` is its group's.
 """
 
 from __future__ import annotations
@@ -29,3 +31,20 @@ def allocate_kv_caches(layers: list[Attention], num_blocks: int, block_size: int
         layer.kv_cache = cache
         caches.append(cache)
     return caches
+
+
+def kv_cache_layer_groups(layers: list[Attention],
+                          windows: tuple[int | None, ...]) -> list[list[Attention]]:
+    """The layers of each KV cache group: group g holds the layers whose `sliding_window` is
+    windows[g]; with one group, every layer (whatever its window).
+
+    Raises:
+        ValueError: if a layer's window is not among `windows`.
+    """
+    if len(windows) == 1:
+        return [list(layers)]
+    unknown = {a.sliding_window for a in layers} - set(windows)
+    if unknown:
+        raise ValueError(f"layers with sliding windows {unknown} have no KV cache group "
+                         f"(groups: {windows})")
+    return [[a for a in layers if a.sliding_window == w] for w in windows]

@@ -14,16 +14,23 @@ spec-decode metadata (`spec_decode/`), KV allocation (`kv_cache.py`).
 
 Rows whose prompt is still partially uncomputed after this step are not sampled at all (no logits,
 no RNG use), so seeded outputs do not depend on how a prompt was chunked.
+
+KV cache groups (core/kv_cache_groups.py): layers of one attention type share a block table; with
+several groups each gets its own slot mapping and attention metadata (`KVCacheGroupsMetadata`).
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 import torch
 
 from pagedllm.attention.forward_context import set_forward_context
-from pagedllm.attention.metadata import CommonAttentionMetadata
+from pagedllm.attention.metadata import CommonAttentionMetadata, KVCacheGroupsMetadata
 from pagedllm.config import EngineConfig
+from pagedllm.core.kv_cache_groups import (KVCacheGroupSpec, kv_cache_group_windows,
+                                           make_kv_cache_groups)
 from pagedllm.core.sched_output import (LogprobsLists, ModelRunnerOutput, NewRequestData,
                                         SchedulerOutput)
 from pagedllm.model_loader.loader import load_model
@@ -36,7 +43,8 @@ from pagedllm.spec_decode.metadata import SpecDecodeMetadata, build_spec_decode_
 from pagedllm.spec_decode.ngram import NgramProposer
 from pagedllm.structured_output.apply import apply_grammar_bitmask
 from pagedllm.worker.input_batch import InputBatch, RequestStates
-from pagedllm.worker.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
+from pagedllm.worker.kv_cache import (allocate_kv_caches, kv_cache_bytes_per_block,
+                                      kv_cache_layer_groups)
 from pagedllm.worker.pipeline_sampler import pipeline_stage_sampler
 from pagedllm.worker.sampling_inputs import build_sampling_metadata
 
@@ -65,10 +73,14 @@ class ModelRunner:
         self.logprobs_mode = config.model_config.logprobs_mode
         self.model = None
         self.kv_caches: list[torch.Tensor] = []
+        # The KV cache groups' windows (set by load_model; one full-attention group until then).
+        self.kv_cache_windows: tuple[int | None, ...] = (None,)
         # Persistent input buffers, sliced per step.
         self.input_ids = torch.zeros(self.max_num_tokens, dtype=torch.int64, device=device)
         self.positions = torch.zeros(self.max_num_tokens, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.zeros(self.max_num_tokens, dtype=torch.int64, device=device)
+        # [num_kv_cache_groups, max_num_tokens]: each group's slot of every token.
+        self.slot_mappings = torch.zeros((1, self.max_num_tokens), dtype=torch.int64,
+                                         device=device)
         self._pending: tuple[InputBatch, torch.Tensor, dict] | None = None
         self.spec_config = config.speculative_config
         self.drafter: NgramProposer | DraftModelProposer | None = None
@@ -87,6 +99,45 @@ class ModelRunner:
                                self.device)
             self.drafter = DraftModelProposer(draft, self.spec_config.num_speculative_tokens,
                                               self._run_model, self.block_size, self.device)
+        self._setup_kv_cache_groups()
+
+    def _setup_kv_cache_groups(self) -> None:
+        """One KV cache group per attention type of the layers, or a single group where
+        several cannot be used.
+
+        NOTE(kv_cache_groups): a draft model shares the target's block table (its proposer writes
+        through group 0's), and pipeline stages hold different layers (their groups would have
+        to be agreed across ranks); both keep one group for all layers: no block leaves a
+        window, the layers still apply their windows in attention.
+        """
+        windows = kv_cache_group_windows(a.sliding_window for a in self._attention_layers())
+        if (isinstance(self.drafter, DraftModelProposer)
+                or self.config.parallel_config.pipeline_parallel_size > 1):
+            windows = (None,)
+        self.kv_cache_windows = windows
+        if len(windows) != len(self.states.block_tables):
+            self.states = RequestStates(self.max_num_reqs, self.config.max_model_len,
+                                        self.config.max_num_blocks_per_req, self.block_size,
+                                        len(windows))
+            self.slot_mappings = torch.zeros((len(windows), self.max_num_tokens),
+                                             dtype=torch.int64, device=self.device)
+
+    @property
+    def slot_mapping(self) -> torch.Tensor:
+        """[max_num_tokens] int64, group 0's slot mapping buffer."""
+        return self.slot_mappings[0]
+
+    def kv_cache_groups(self, num_blocks: int) -> tuple[KVCacheGroupSpec, ...]:
+        """The groups of a cache whose group 0 has `num_blocks` blocks (the scheduler makes the
+        same ones from the same numbers)."""
+        sc = self.config.scheduler_config
+        return make_kv_cache_groups(num_blocks, self.kv_cache_windows, self.block_size,
+                                    sc.max_num_seqs, sc.max_num_batched_tokens,
+                                    self._num_lookahead_tokens())
+
+    def _num_lookahead_tokens(self) -> int:
+        spec = self.spec_config
+        return spec.num_speculative_tokens if spec and spec.method == "draft_model" else 0
 
     def _attention_layers(self) -> list:
         layers = self.model.attention_layers()
@@ -98,9 +149,21 @@ class ModelRunner:
         """Bytes of one block over every layer (the draft model's included)."""
         return kv_cache_bytes_per_block(self._attention_layers(), self.block_size, self.dtype)
 
+    def kv_cache_group_bytes_per_block(self) -> list[int]:
+        """[num_kv_cache_groups] bytes of one block over each group's layers."""
+        return [kv_cache_bytes_per_block(layers, self.block_size, self.dtype) for layers in
+                kv_cache_layer_groups(self._attention_layers(), self.kv_cache_windows)]
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.kv_caches = allocate_kv_caches(self._attention_layers(), num_blocks,
-                                            self.block_size, self.dtype, self.device)
+        """Allocate every group's KV tensors; `num_blocks` is group 0's."""
+        self._allocate_kv_caches(self.kv_cache_groups(num_blocks))
+
+    def _allocate_kv_caches(self, groups: tuple[KVCacheGroupSpec, ...]) -> None:
+        layer_groups = kv_cache_layer_groups(self._attention_layers(), self.kv_cache_windows)
+        self.kv_caches = [cache for spec, layers in zip(groups, layer_groups)
+                          for cache in allocate_kv_caches(layers, spec.num_blocks,
+                                                          self.block_size, self.dtype,
+                                                          self.device)]
 
     @torch.inference_mode()
     def profile_run(self) -> None:
@@ -111,11 +174,15 @@ class ModelRunner:
         lens = [per_req] * (num_tokens // per_req) + ([num_tokens % per_req]
                                                      if num_tokens % per_req else [])
         blocks_per_req = -(-per_req // self.block_size)
-        self.initialize_kv_cache(1 + blocks_per_req * len(lens))
+        num_blocks = 1 + blocks_per_req * len(lens)
+        # Every group as large as group 0 here: the dummy requests hold all their blocks.
+        self._allocate_kv_caches(tuple(KVCacheGroupSpec(w, num_blocks)
+                                       for w in self.kv_cache_windows))
         params = SamplingParams(temperature=1.0, top_p=0.9, top_k=5, max_tokens=1)
-        reqs = [NewRequestData(f"_profile_{i}", [0] * n, [], params,
-                               list(range(1 + i * blocks_per_req, 1 + (i + 1) * blocks_per_req)),
-                               0) for i, n in enumerate(lens)]
+        reqs = [NewRequestData(
+            f"_profile_{i}", [0] * n, [], params,
+            (list(range(1 + i * blocks_per_req, 1 + (i + 1) * blocks_per_req)),)
+            * len(self.kv_cache_windows), 0) for i, n in enumerate(lens)]
         out = SchedulerOutput.make_empty()
         out.scheduled_new_reqs = reqs
         out.num_scheduled_tokens = {r.req_id: len(r.prompt_token_ids) for r in reqs}
@@ -138,7 +205,8 @@ class ModelRunner:
         for req_id, new_blocks, num_computed in zip(cached.req_ids, cached.new_block_ids,
                                                     cached.num_computed_tokens):
             idx = self.states.req_id_to_index[req_id]
-            self.states.block_table.append_row(new_blocks, idx)
+            for table, group_blocks in zip(self.states.block_tables, new_blocks):
+                table.append_row(group_blocks, idx)
             self.states.num_computed_tokens[idx] = num_computed
         for req_id, drafts in so.scheduled_spec_decode_tokens.items():
             # Drafts sit after the request's tokens (not counted in num_tokens) to be gathered
@@ -162,11 +230,10 @@ class ModelRunner:
         positions = (num_computed[req_indices]
                      + np.arange(n) - query_start_loc[req_indices]).astype(np.int64)
         seq_lens = (num_computed + num_scheduled).astype(np.int32)
-        slot_mapping = st.block_table.compute_slot_mapping(rows, positions)
 
         self.input_ids[:n].copy_(torch.from_numpy(st.token_ids_cpu[rows, positions]))
         self.positions[:n].copy_(torch.from_numpy(positions))
-        self.slot_mapping[:n].copy_(torch.from_numpy(slot_mapping))
+        block_tables = self._compute_block_tables(idx_mapping, rows, positions, num_computed)
 
         sampled_batch_idx = np.nonzero(seq_lens >= st.num_tokens[idx_mapping])[0]
         last_token_index = (query_start_loc[1:] - 1)[sampled_batch_idx].astype(np.int64)
@@ -177,29 +244,63 @@ class ModelRunner:
                 last_token_index)
             last_token_index = spec.logits_indices
         logits_indices = torch.from_numpy(last_token_index).to(self.device)
-        max_blocks = int(st.block_table.num_blocks_per_row[idx_mapping].max())
-        block_table = torch.from_numpy(
-            st.block_table.block_table_np[idx_mapping, :max_blocks]).to(self.device)
         common = CommonAttentionMetadata(
             query_start_loc=torch.from_numpy(query_start_loc).to(self.device),
             query_start_loc_cpu=query_start_loc,
             seq_lens=torch.from_numpy(seq_lens).to(self.device), seq_lens_cpu=seq_lens,
-            block_table=block_table, slot_mapping=self.slot_mapping[:n],
+            block_table=block_tables[0], slot_mapping=self.slot_mappings[0, :n],
             num_reqs=len(req_ids), num_actual_tokens=n,
             max_query_len=int(num_scheduled.max()), max_seq_len=int(seq_lens.max()),
             block_size=self.block_size)
+        group_commons = () if len(block_tables) == 1 else tuple(
+            replace(common, block_table=table, slot_mapping=self.slot_mappings[g, :n])
+            for g, table in enumerate(block_tables))
         batch = InputBatch(req_ids=req_ids, idx_mapping=idx_mapping,
                            num_scheduled_tokens=num_scheduled,
                            query_start_loc_np=query_start_loc, seq_lens_np=seq_lens,
                            input_ids=self.input_ids[:n], positions=self.positions[:n],
                            logits_indices=logits_indices, sampled_batch_idx=sampled_batch_idx,
-                           spec_decode_metadata=spec)
+                           spec_decode_metadata=spec, group_commons=group_commons)
         return batch, common
 
+    def _compute_block_tables(self, idx_mapping: np.ndarray, rows: np.ndarray,
+                              positions: np.ndarray, num_computed: np.ndarray
+                              ) -> list[torch.Tensor]:
+        """Each group's slot mapping (into `slot_mappings`) and block table of this step's rows
+        ([num_reqs, max_blocks] int32 on the device).
+
+        A sliding group's entries before the window of the row's first query are set to the
+        null block 0: the scheduler may have freed (and reused) those blocks without telling the
+        worker, so no backend may read them; out-of-window keys are masked anyway.
+        """
+        n = len(positions)
+        tables = []
+        for g, (table, window) in enumerate(zip(self.states.block_tables,
+                                                self.kv_cache_windows)):
+            self.slot_mappings[g, :n].copy_(
+                torch.from_numpy(table.compute_slot_mapping(rows, positions)))
+            max_blocks = int(table.num_blocks_per_row[idx_mapping].max())
+            block_table = table.block_table_np[idx_mapping, :max_blocks]   # a copy
+            if window is not None:
+                # Rows' num_skipped_blocks (core/kv_cache_groups.py), vectorised.
+                skipped = np.maximum(0, (num_computed.astype(np.int64) - window + 1)
+                                     // self.block_size)
+                block_table[np.arange(max_blocks)[None, :] < skipped[:, None]] = 0
+            tables.append(torch.from_numpy(block_table).to(self.device))
+        return tables
+
     def _run_model(self, model: torch.nn.Module, input_ids: torch.Tensor,
-                   positions: torch.Tensor, common: CommonAttentionMetadata) -> torch.Tensor:
-        """One forward of `model` over a flat batch; the only place the forward context is set."""
-        attn_metadata = model.attention_layers()[0].backend.build_metadata(common)
+                   positions: torch.Tensor, common: CommonAttentionMetadata,
+                   group_commons: tuple[CommonAttentionMetadata, ...] = ()) -> torch.Tensor:
+        """One forward of `model` over a flat batch; the only place the forward context is set.
+        With several KV cache groups, `group_commons` holds each group's metadata."""
+        backend = model.attention_layers()[0].backend
+        if group_commons:
+            attn_metadata = KVCacheGroupsMetadata(
+                self.kv_cache_windows, tuple(backend.build_metadata(c) for c in group_commons),
+                common)
+        else:
+            attn_metadata = backend.build_metadata(common)
         with set_forward_context(attn_metadata):
             return model(input_ids, positions)
 
@@ -211,7 +312,8 @@ class ModelRunner:
             self._pending = None
             return
         batch, common = self._prepare_inputs(scheduler_output)
-        hidden = self._run_model(self.model, batch.input_ids, batch.positions, common)
+        hidden = self._run_model(self.model, batch.input_ids, batch.positions, common,
+                                 batch.group_commons)
         if isinstance(self.drafter, DraftModelProposer):
             self.drafter.catch_up(batch.input_ids, batch.positions, common)
         logits = self.model.compute_logits(hidden[batch.logits_indices])

@@ -14,6 +14,7 @@ import logging
 from transformers import AutoConfig
 
 from pagedllm.config import EngineConfig
+from pagedllm.core.kv_cache_groups import KVCacheGroupSpec, num_blocks_for_budget
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.distributed.parallel_state import (destroy_model_parallel, get_pp_group,
                                                  get_tp_group, init_distributed_environment,
@@ -23,6 +24,14 @@ from pagedllm.platforms import current_platform
 from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+
+
+def _describe_group(group: KVCacheGroupSpec, block_size: int) -> str:
+    """'4096 blocks x 16 tokens = 65536 tokens' (+ the group's attention type)."""
+    kind = ("full attention" if group.sliding_window is None
+            else f"sliding window {group.sliding_window}")
+    return (f"{group.num_blocks - 1} blocks x {block_size} tokens = "
+            f"{(group.num_blocks - 1) * block_size} tokens ({kind})")
 
 
 class Worker:
@@ -64,31 +73,41 @@ class Worker:
         self.model_runner.load_model()
 
     def determine_num_blocks(self) -> int:
-        """Number of KV blocks (the null block included) that fit the memory budget.
+        """Number of KV blocks (the null block included) of KV cache group 0 that fit the
+        memory budget together with the other groups' (see core/kv_cache_groups.py).
 
         Raises:
             ValueError: if fewer than 2 blocks (the null block and one usable) fit.
         """
-        cc = self.config.cache_config
-        bytes_per_block = self.model_runner.kv_cache_bytes_per_block()
+        cc, sc = self.config.cache_config, self.config.scheduler_config
+        runner = self.model_runner
+        group_bytes = runner.kv_cache_group_bytes_per_block()
         if cc.num_gpu_blocks_override is not None:
             num_blocks = cc.num_gpu_blocks_override
         else:
             if cc.kv_cache_memory_bytes is not None:
                 budget = cc.kv_cache_memory_bytes
             else:
-                self.model_runner.profile_run()
+                runner.profile_run()
                 budget = self.platform.kv_cache_budget_bytes(cc.gpu_memory_utilization)
-            num_blocks = budget // bytes_per_block
+            num_blocks = num_blocks_for_budget(
+                budget, group_bytes, runner.kv_cache_windows, cc.block_size, sc.max_num_seqs,
+                sc.max_num_batched_tokens, runner._num_lookahead_tokens())
         if num_blocks < 2:
-            raise ValueError(f"KV cache budget holds {num_blocks} blocks of {bytes_per_block} "
+            raise ValueError(f"KV cache budget holds {num_blocks} blocks of {sum(group_bytes)} "
                              "bytes; at least 2 are needed. Give the cache more memory.")
-        attn = self.model_runner.model.attention_layers()
-        logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %s); attention "
-                    "backend %s", num_blocks - 1, cc.block_size, (num_blocks - 1) * cc.block_size,
-                    num_blocks * bytes_per_block / 2**20, str(self.dtype).removeprefix("torch."),
+        attn = runner.model.attention_layers()
+        groups = runner.kv_cache_groups(num_blocks)
+        total_bytes = sum(g.num_blocks * b for g, b in zip(groups, group_bytes))
+        logger.info("KV cache: %s (%.1f MiB, %s); attention backend %s",
+                    "; ".join(_describe_group(g, cc.block_size) for g in groups),
+                    total_bytes / 2**20, str(self.dtype).removeprefix("torch."),
                     attn[0].backend.name if attn else "-")
         return num_blocks
+
+    def kv_cache_windows(self) -> tuple[int | None, ...]:
+        """The KV cache groups' sliding windows (None = full attention), group 0 first."""
+        return self.model_runner.kv_cache_windows
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.model_runner.initialize_kv_cache(num_blocks)

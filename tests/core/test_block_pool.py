@@ -17,7 +17,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
                                  rule)
 
 from pagedllm.core.block_pool import BlockPool
-from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from pagedllm.core.kv_cache_utils import get_request_block_hasher
 from pagedllm.core.request import Request
 from pagedllm.sampling_params import SamplingParams
@@ -113,7 +113,7 @@ def test_manager_frees_tail_blocks_first():
     """A finished request's last block is evicted before its first (its prefix is worth more)."""
     mgr = KVCacheManager(8, BLOCK_SIZE, enable_caching=True)
     req = make_request("a", list(range(12)))
-    ids = mgr.allocate_slots(req, 12)
+    (ids,) = mgr.allocate_slots(req, 12)
     assert len(ids) == 3
     req.num_computed_tokens = 12
     mgr.free(req)
@@ -131,14 +131,14 @@ def test_manager_prefix_hit_and_last_token_recomputed():
     # Same 8 tokens: only the first block can be a hit (the last token must be recomputed).
     b = make_request("b", list(range(8)))
     hits, n = mgr.get_computed_blocks(b)
-    assert n == 4 and len(hits) == 1
+    assert n == 4 and len(hits.blocks[0]) == 1
     # 9 tokens with the same first 8: both blocks hit.
     c = make_request("c", list(range(9)))
     hits, n = mgr.get_computed_blocks(c)
     assert n == 8
-    new_ids = mgr.allocate_slots(c, 1, hits, n)
-    assert new_ids[:2] == [h.block_id for h in hits] and len(new_ids) == 3
-    assert all(h.ref_cnt == 1 for h in hits)
+    (new_ids,) = mgr.allocate_slots(c, 1, hits, n)
+    assert new_ids[:2] == [h.block_id for h in hits.blocks[0]] and len(new_ids) == 3
+    assert all(h.ref_cnt == 1 for h in hits.blocks[0])
     mgr.block_pool.check_invariants()
 
 
@@ -169,7 +169,8 @@ def test_reset_prefix_cache_forgets_hits_and_stats():
     mgr.free(a)
     assert mgr.reset_prefix_cache() == 2
     assert mgr.prefix_cache_stats.queries == 0
-    assert mgr.get_computed_blocks(make_request("b", list(range(9)))) == ([], 0)
+    hits, n = mgr.get_computed_blocks(make_request("b", list(range(9))))
+    assert hits.blocks == ([],) and n == 0
     mgr.block_pool.check_invariants()
 
 
@@ -203,15 +204,17 @@ class KVCacheMachine(RuleBasedStateMachine):
         return sorted(free, key=self.freed_at.__getitem__)
 
     def _allocate(self, req: Request, num_new_tokens: int, hits, num_hit_tokens: int) -> bool:
+        handle = KVCacheBlocks((hits,))
         hit_ids = {b.block_id for b in hits}
         lru = [i for i in self._free_ids_oldest_first() if i not in hit_ids]
         old_hash = {b.block_id: b.block_hash for b in self.pool.blocks}
         held_before = len(self.mgr.req_to_blocks.get(req.request_id, []))
-        new_ids = self.mgr.allocate_slots(req, num_new_tokens, hits, num_hit_tokens)
+        new_ids = self.mgr.allocate_slots(req, num_new_tokens, handle, num_hit_tokens)
         if new_ids is None:
             needed = -(-(req.num_computed_tokens + num_hit_tokens + num_new_tokens) // BLOCK_SIZE)
             assert needed - held_before - len(hits) > len(lru), "refused although blocks were free"
             return False
+        (new_ids,) = new_ids
         assert new_ids[:len(hits)] == [b.block_id for b in hits]
         fresh = new_ids[len(hits):]
         # LRU: the fresh blocks are exactly the least recently freed ones, in that order.
@@ -229,7 +232,8 @@ class KVCacheMachine(RuleBasedStateMachine):
     @rule(tokens=prompts)
     def admit(self, tokens: list[int]) -> None:
         req = make_request(f"r{next(self.ids)}", tokens, self.caching)
-        hits, num_hit_tokens = self.mgr.get_computed_blocks(req)
+        handle, num_hit_tokens = self.mgr.get_computed_blocks(req)
+        (hits,) = handle.blocks
         # Expected hits from the model: the leading hashes still cached, last token excluded.
         expected = 0
         if self.caching:

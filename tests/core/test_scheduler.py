@@ -88,13 +88,13 @@ class FakeWorker:
                 d.pop(req_id, None)
         for new in so.scheduled_new_reqs:
             assert new.req_id not in self.tokens, "new request the worker already holds"
-            self.block_table[new.req_id] = list(new.block_ids)
+            self.block_table[new.req_id] = list(new.block_ids[0])
             self.tokens[new.req_id] = list(new.prompt_token_ids) + list(new.output_token_ids)
             self.num_computed[new.req_id] = new.num_computed_tokens
         cached = so.scheduled_cached_reqs
         for req_id, new_blocks, num_computed in zip(cached.req_ids, cached.new_block_ids,
                                                     cached.num_computed_tokens):
-            self.block_table[req_id].extend(new_blocks)
+            self.block_table[req_id].extend(new_blocks[0])
             assert num_computed == self.num_computed[req_id]
         assert set(so.num_scheduled_tokens) == (set(cached.req_ids)
                                                  | {r.req_id for r in so.scheduled_new_reqs})
@@ -413,7 +413,7 @@ def test_shared_prefix_schedules_only_the_uncached_suffix():
     (new,) = so.scheduled_new_reqs
     assert new.req_id == "b" and new.num_computed_tokens == 40
     assert so.num_scheduled_tokens["b"] == 6
-    assert new.block_ids[:10] == sched.kv_cache_manager.get_block_ids("a")[:10]
+    assert new.block_ids[0][:10] == sched.kv_cache_manager.get_block_ids("a")[0][:10]
     assert sched.requests["b"].num_cached_tokens == 40
     stats = sched.make_stats().prefix_cache_stats
     assert (stats.requests, stats.queries, stats.hits) == (2, 43 + 46, 40)
