@@ -120,6 +120,40 @@ class SchedulerConfig:
             raise ValueError("long_prefill_token_threshold must be >= 0")
 
 
+CUDAGRAPH_MODES = ("NONE", "FULL_DECODE_ONLY")
+
+
+@dataclass(frozen=True)
+class CudaGraphConfig:
+    """CUDA graphs for decode steps (vLLM's `cudagraph_mode`, `cudagraph_capture_sizes` and
+    `enforce_eager`; used only on CUDA, see worker/cuda_graph.py).
+
+    Attributes:
+        cudagraph_mode: "NONE" (always eager) or "FULL_DECODE_ONLY" (steps whose every request
+            decodes one token replay a graph of the whole forward, captured per batch size).
+        enforce_eager: never capture (the mode acts as "NONE").
+        cudagraph_capture_sizes: batch sizes to capture, ascending; None = the default for
+            `max_num_seqs` (1, 2, 4, 8, 16, 24, ... see `worker/cuda_graph.py`).
+    """
+
+    cudagraph_mode: str = "FULL_DECODE_ONLY"
+    enforce_eager: bool = False
+    cudagraph_capture_sizes: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.cudagraph_mode not in CUDAGRAPH_MODES:
+            raise ValueError(f"cudagraph_mode must be one of {CUDAGRAPH_MODES}, got "
+                             f"{self.cudagraph_mode!r}")
+        sizes = self.cudagraph_capture_sizes
+        if sizes is not None:
+            if any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in sizes):
+                raise ValueError(f"cudagraph_capture_sizes must be positive integers, got "
+                                 f"{sizes}")
+            if list(sizes) != sorted(set(sizes)):
+                raise ValueError(f"cudagraph_capture_sizes must be ascending without "
+                                 f"duplicates, got {sizes}")
+
+
 _EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import torch
 
 from pagedllm.platforms.interface import Platform
@@ -43,3 +46,11 @@ class CudaPlatform(Platform):
     def seed_everything(self, seed: int) -> None:
         torch.manual_seed(seed)
         torch.cuda.manual_seed_all(seed)
+
+    def attention_backend_name(self) -> str:
+        """The Triton paged kernels when triton is installed (`PAGEDLLM_ATTENTION_BACKEND`
+        overrides: triton_paged | torch_sdpa), else torch's SDPA over gathered blocks."""
+        name = os.environ.get("PAGEDLLM_ATTENTION_BACKEND")
+        if name:
+            return name
+        return "triton_paged" if importlib.util.find_spec("triton") is not None else "torch_sdpa"
