@@ -21,9 +21,10 @@ import json
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_TOLERANCE = 1e-2
 # Varied on purpose: facts, code, a story, counting, translation, odd whitespace and Unicode.
@@ -128,6 +129,8 @@ def compare_sequence(output_ids: list[int], output_logprobs: list[float],
     Raises:
         ValueError: when the lengths disagree or T == 0.
     """
+    import torch
+
     n = len(output_ids)
     if n == 0 or len(output_logprobs) != n or reference_logprobs.shape[0] != n:
         raise ValueError(f"need T > 0 tokens, logprobs and reference rows, got {n}, "
@@ -167,6 +170,7 @@ def load_reference_model(model: str):
     A .gguf file is read as transformers reads it (`from_pretrained(folder, gguf_file=name)`,
     dequantized). Raises whatever `from_pretrained` raises (OSError, ValueError, ...).
     """
+    import torch
     from transformers import AutoModelForCausalLM
 
     from pagedllm.model_loader.gguf import is_gguf_path
@@ -183,6 +187,8 @@ def load_reference_model(model: str):
 def reference_logprobs(hf_model, prompt_ids: list[int], output_ids: list[int]) -> torch.Tensor:
     """transformers' log_softmax over the vocabulary at each generated position:
     [len(output_ids), vocab] float32, row i conditioned on prompt_ids + output_ids[:i]."""
+    import torch
+
     ids = torch.tensor([prompt_ids + output_ids[:-1]])
     with torch.inference_mode():
         logits = hf_model(ids).logits[0, len(prompt_ids) - 1:]
@@ -190,6 +196,8 @@ def reference_logprobs(hf_model, prompt_ids: list[int], output_ids: list[int]) -
 
 
 def _reference_continuation(hf_model, prefix: list[int], n: int) -> list[int]:
+    import torch
+
     with torch.inference_mode():
         out = hf_model.generate(torch.tensor([prefix]), max_new_tokens=n, do_sample=False,
                                 pad_token_id=0)
