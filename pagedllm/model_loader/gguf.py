@@ -34,7 +34,7 @@ import torch
 
 from pagedllm.model_loader.slicing import narrow_index
 
-VIEW_FORMAT = 1  # bump when the files of a view change
+VIEW_FORMAT = 2  # bump when the files of a view change
 SOURCE_FILE = "gguf.json"
 
 # GGML tensor types loaded (dequantized with `gguf.quants.dequantize`, checked against independent
@@ -138,6 +138,31 @@ def _view_key(path: Path, stat: os.stat_result) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
+def prune_stale_views(root: Path | None = None) -> list[str]:
+    """Delete the checkpoint views that can never be used again: their GGUF file is gone or
+    changed, or they were built by another view format or transformers version (a fresh load
+    builds a new view). Runs whenever a view is built, so the cache holds about one view per
+    GGUF file in use. Unreadable entries are left alone. Returns the deleted folders.
+    """
+    root = gguf_cache_root() if root is None else root
+    deleted = []
+    for view in sorted(root.iterdir()) if root.is_dir() else ():
+        if view.name.startswith(".") or not (view / SOURCE_FILE).is_file():
+            continue
+        try:
+            source = GGUFSource.from_json((view / SOURCE_FILE).read_text())
+        except (OSError, ValueError, TypeError, KeyError):
+            continue
+        try:
+            current = _view_key(Path(source.path), os.stat(source.path)) == view.name
+        except OSError:
+            current = False
+        if not current:
+            shutil.rmtree(view, ignore_errors=True)
+            deleted.append(str(view))
+    return deleted
+
+
 def prepare_gguf_view(gguf_file: str) -> str:
     """The checkpoint view folder of a GGUF file, built on first use and cached.
 
@@ -180,6 +205,7 @@ def prepare_gguf_view(gguf_file: str) -> str:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    prune_stale_views(view.parent)
     return str(view)
 
 
@@ -212,8 +238,14 @@ _SAMPLING_KEYS = {"temp": "temperature", "top_k": "top_k", "top_p": "top_p", "mi
                   "penalty_repeat": "repetition_penalty"}
 
 
+# End-of-turn tokens a file may not declare (Gemma's GGUF files state only <eos>), found by their
+# text as llama.cpp's vocabulary loader does.
+_END_OF_TURN_TEXTS = ("<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>")
+
+
 def _generation_config(reader) -> dict[str, Any]:
-    """BOS/PAD and every end-of-generation id (eos, eot, eom), plus sampling defaults if stated."""
+    """BOS/PAD and every end-of-generation id (eos, eot, eom, and the end-of-turn tokens found by
+    their text), plus sampling defaults if stated."""
     gen: dict[str, Any] = {}
     for key in ("bos", "padding"):
         value = _metadata(reader, f"tokenizer.ggml.{key}_token_id")
@@ -221,6 +253,7 @@ def _generation_config(reader) -> dict[str, Any]:
             gen["bos_token_id" if key == "bos" else "pad_token_id"] = int(value)
     eos = [int(v) for k in ("eos", "eot", "eom")
            if (v := _metadata(reader, f"tokenizer.ggml.{k}_token_id")) is not None]
+    eos += _token_ids(reader, _END_OF_TURN_TEXTS)
     if eos:
         gen["eos_token_id"] = list(dict.fromkeys(eos)) if len(set(eos)) > 1 else eos[0]
     for key, name in _SAMPLING_KEYS.items():
@@ -228,6 +261,15 @@ def _generation_config(reader) -> dict[str, Any]:
         if value is not None:
             gen[name] = value
     return gen
+
+
+def _token_ids(reader, texts: tuple[str, ...]) -> list[int]:
+    """Ids of the vocabulary tokens (`tokenizer.ggml.tokens`) spelled as one of `texts`."""
+    field = reader.fields.get("tokenizer.ggml.tokens")
+    if field is None:
+        return []
+    wanted = {t.encode() for t in texts}
+    return [i for i, part in enumerate(field.data) if bytes(field.parts[part]) in wanted]
 
 
 def open_gguf(path: str | Path):

@@ -25,8 +25,9 @@ from pagedllm.config import hf_model_info
 from pagedllm.entrypoints.cli import build_parser, main as cli_main
 from pagedllm.entrypoints.openai.cli_args import check_serve_args
 from pagedllm.model_loader.gguf import (SUPPORTED_TENSOR_TYPES, GGUFSource, GGUFTensor,
-                                        GGUFTensorInfo, iterate_gguf_tensors, open_gguf,
-                                        prepare_gguf_view, read_gguf_source, tensor_table)
+                                        GGUFTensorInfo, _generation_config,
+                                        iterate_gguf_tensors, open_gguf, prepare_gguf_view,
+                                        prune_stale_views, read_gguf_source, tensor_table)
 from pagedllm.models.llama import LlamaForCausalLM, unpermute_rope_rows
 from tests.fixtures.checkpoints import make_tiny_checkpoint
 from tests.fixtures.gguf_files import (llama_cpp_permute, llama_cpp_rope_factors, write_gguf,
@@ -154,6 +155,28 @@ def test_end_of_generation_ids_and_sampling_defaults_reach_generation_config(che
     assert hf_model_info(view).eos_token_ids == (eos, 2)
     gen = json.loads((Path(view) / "generation_config.json").read_text())
     assert gen["temperature"] == 0.5 and gen["top_k"] == 40
+
+
+def test_end_of_turn_tokens_found_by_their_text(tmp_path):
+    """Gemma's files state only <eos>; <end_of_turn> ends a chat turn too (llama.cpp finds such
+    tokens by their text)."""
+    tokens = ["<pad>", "<eos>", "<bos>", "hello", "<end_of_turn>", "<start_of_turn>"]
+    path = write_raw_gguf(tmp_path / "vocab.gguf", "gemma3",
+                          {"token_embd.weight": (np.zeros((6, 8), np.float32), "F32")},
+                          {"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.eos_token_id": 1})
+    assert _generation_config(open_gguf(path))["eos_token_id"] == [1, 4]
+
+
+def test_stale_views_are_pruned(gguf_file, tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_GGUF_CACHE", str(tmp_path / "cache"))
+    first, second = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    for path in (first, second):
+        path.write_bytes(gguf_file("llama", "Q8_0").read_bytes())
+    old = prepare_gguf_view(str(first))
+    first.unlink()                                       # its view can never be used again
+    kept = prepare_gguf_view(str(second))
+    assert not Path(old).exists() and Path(kept).is_dir()
+    assert prune_stale_views() == []
 
 
 def test_tensor_parallel_gguf_matches_tp1(gguf_file):
