@@ -356,8 +356,14 @@ class EngineConfig:
     # Resolved local folder of the draft model (speculative method "draft_model").
     draft_model_path: str | None = None
     request_limits: RequestLimits = RequestLimits()
+    # The `<think>` format of a reasoning model (`pagedllm/reasoning`): structured output then
+    # constrains only the answer after the reasoning.
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
+        if self.reasoning_parser is not None:
+            from pagedllm.reasoning import get_reasoning_parser
+            get_reasoning_parser(self.reasoning_parser)     # ValueError for an unknown name
         sc = self.scheduler_config
         if not sc.enable_chunked_prefill and sc.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
@@ -457,8 +463,8 @@ def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str
                          nnodes: int = 1, node_rank: int = 0, master_addr: str | None = None,
                          master_port: int | None = None,
                          speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
-                         max_n: int = 128, max_logprobs: int = 20, max_logit_bias: int = 300
-                         ) -> EngineConfig:
+                         max_n: int = 128, max_logprobs: int = 20, max_logit_bias: int = 300,
+                         reasoning_parser: str | None = None) -> EngineConfig:
     """Build and validate an `EngineConfig` from flat engine arguments (vLLM's names).
 
     Resolves `model` to a local folder (hub ids through the huggingface_hub cache). Raises
@@ -521,6 +527,7 @@ def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str
         draft_model_path=draft_path,
         request_limits=RequestLimits(max_n=max_n, max_logprobs=max_logprobs,
                                      max_logit_bias=max_logit_bias),
+        reasoning_parser=reasoning_parser,
     )
 
 

@@ -9,7 +9,8 @@ carries what the server must answer, checked by `soak.py`:
   wrong type          temperature "hot", stop 7       400          the field
   NaN / Infinity      temperature NaN (raw JSON)      400          the field
   unknown field       "frobnicate": 1                 400          "frobnicate"
-  unsupported field   suffix, best_of 3, tools        400          the field ("tools"/"tool_choice")
+  unsupported field   suffix, best_of 3               400          the field
+  bad tools           a named function not in tools   400          "tool_choice"
   bad grammar         guided_regex "(a|b"             400          the field
   messages            [], "hi", role "wizard"         400          "messages"
   malformed JSON      truncated body, a JSON array    400          null
@@ -324,10 +325,11 @@ MUTATIONS: tuple[Mutation, ...] = (
     _field("frobnicate=1", "frobnicate", 1),
     _field("suffix=\"...\"", "suffix", " and so farewell.", (COMPLETIONS,)),
     _field("best_of=3", "best_of", 3, (COMPLETIONS,)),
-    Mutation("tools+tool_choice=required", "tools", (CHAT,),
+    Mutation("tool_choice names a function not in tools", "tools", (CHAT,),
              {"tools": [{"type": "function", "function": {
                  "name": "get_weather", "parameters": {"type": "object", "properties": {}}}}],
-              "tool_choice": "required"}, ("tools", "tool_choice")),
+              "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
+             ("tool_choice",)),
     _field("guided_regex=\"(a|b\"", "guided_regex", "(a|b"),
     _field("response_format json_schema type=objekt", "response_format",
            {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}),

@@ -56,7 +56,7 @@ class EngineCore:
         self.structured_output_manager = StructuredOutputManager(
             lambda: AutoTokenizer.from_pretrained(
                 config.tokenizer_path, trust_remote_code=config.model_config.trust_remote_code),
-            hf_model_info(config.model_path).vocab_size)
+            hf_model_info(config.model_path).vocab_size, config.reasoning_parser)
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config,
                                    config.max_model_len, num_blocks, lookahead,
                                    self.structured_output_manager,

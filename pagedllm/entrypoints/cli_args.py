@@ -7,6 +7,8 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from pagedllm.reasoning import REASONING_PARSERS
+
 
 def bounded_int(low: int, high: int | None = None) -> Callable[[str], int]:
     """argparse type: an int in [low, high] (no upper bound when `high` is None).
@@ -88,6 +90,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="most output sequences per prompt (a request's n)")
     g.add_argument("--max-logit-bias", type=int, default=300,
                    help="most logit_bias entries per request")
+    g.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                   help="the model's <think> format: the server returns reasoning_content apart "
+                        "from content, and structured output constrains only the answer")
 
 
 _ENGINE_KEYS = ("tokenizer", "dtype", "max_model_len", "seed", "block_size",
@@ -96,7 +101,7 @@ _ENGINE_KEYS = ("tokenizer", "dtype", "max_model_len", "seed", "block_size",
                 "enable_chunked_prefill", "trust_remote_code", "tensor_parallel_size",
                 "pipeline_parallel_size", "distributed_executor_backend", "nnodes", "node_rank",
                 "master_addr", "master_port", "speculative_config",
-                "logprobs_mode", "max_logprobs", "max_n", "max_logit_bias")
+                "logprobs_mode", "max_logprobs", "max_n", "max_logit_bias", "reasoning_parser")
 
 
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:

@@ -1,9 +1,10 @@
 """The OpenAI-compatible HTTP server: FastAPI app factory (`build_app`) and `run_server`.
 
 Routes: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions,
-POST /reset_prefix_cache, GET /metrics. Every error is OpenAI's error object with a 4xx/5xx status;
-request validation errors (wrong types, malformed JSON) are 400, as OpenAI answers them. With an
-API key, every route but /health and /metrics needs `Authorization: Bearer <key>`.
+POST /tokenize, POST /detokenize, POST /reset_prefix_cache, GET /metrics (docs/openai_api.md).
+Every error is OpenAI's error object with a 4xx/5xx status; request validation errors (wrong
+types, malformed JSON) are 400, as OpenAI answers them. With an API key, every route but /health
+and /metrics needs `Authorization: Bearer <key>`.
 
 Shutdown: uvicorn handles SIGINT/SIGTERM (stop accepting, let open requests finish up to a grace
 period, cancel the rest, which aborts their engine requests); the app's lifespan then stops the
@@ -34,11 +35,14 @@ from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.dp_async_llm import DataParallelAsyncLLM
 from pagedllm.entrypoints.openai.metrics import METRICS_CONTENT_TYPE, PrometheusStatLogger
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
-                                                  ModelCard, ModelList)
+                                                  TokenizeRequest)
 from pagedllm.entrypoints.openai.serving_chat import ServingChat
 from pagedllm.entrypoints.openai.serving_completion import ServingCompletion
 from pagedllm.entrypoints.openai.serving_engine import (OpenAIServing, OpenAIServingError,
-                                                        SSEStream)
+                                                        SSEStream, error_from_exception)
+from pagedllm.entrypoints.openai.serving_models import model_list, resolve_served_model_names
+from pagedllm.entrypoints.openai.serving_tokenization import (ServingTokenization,
+                                                              add_tokenization_routes)
 from pagedllm.logger import init_logger
 
 logger = logging.getLogger(__name__)
@@ -218,7 +222,9 @@ def install_auth_and_error_handlers(app: FastAPI, api_key: str | None,
 def build_app(async_llm: AsyncLLM | DataParallelAsyncLLM, served_model_names: Sequence[str],
               metrics: PrometheusStatLogger | None = None, api_key: str | None = None,
               model_root: str | None = None,
-              max_request_body_bytes: int = MAX_REQUEST_BODY_BYTES) -> FastAPI:
+              max_request_body_bytes: int = MAX_REQUEST_BODY_BYTES,
+              tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False,
+              reasoning_parser: str | None = None) -> FastAPI:
     """The FastAPI app over a (not necessarily started) `AsyncLLM`.
 
     Args:
@@ -228,9 +234,29 @@ def build_app(async_llm: AsyncLLM | DataParallelAsyncLLM, served_model_names: Se
         api_key: require `Authorization: Bearer <api_key>` on every route but /health, /metrics.
         model_root: the checkpoint path shown as `root` in /v1/models.
         max_request_body_bytes: larger request bodies get 413.
+        tool_call_parser, enable_auto_tool_choice, reasoning_parser: see `ServingChat`.
     """
     serving = OpenAIServing(async_llm, served_model_names)
-    completions, chats = ServingCompletion(serving), ServingChat(serving)
+    completions = ServingCompletion(serving)
+    chats = ServingChat(serving, tool_call_parser=tool_call_parser,
+                        enable_auto_tool_choice=enable_auto_tool_choice,
+                        reasoning_parser=reasoning_parser)
+
+    def render_chat(request: TokenizeRequest) -> list[int]:
+        # NOTE(api_server): the chat handler's own checks and rendering, so /tokenize counts
+        # exactly the prompt /v1/chat/completions would run for these messages and tools.
+        chat_request = ChatCompletionRequest.model_construct(
+            messages=request.messages, add_generation_prompt=request.add_generation_prompt,
+            tools=request.tools, chat_template_kwargs=request.chat_template_kwargs)
+        try:
+            chat_request.check_supported()
+        except ValueError as e:
+            raise error_from_exception(e, request) from e
+        return chats.render_prompt(chat_request)
+    tokenization = ServingTokenization(
+        serving.tokenizer, async_llm.vocab_size, async_llm.max_model_len,
+        async_llm.input_processor.max_prompt_chars(async_llm.max_model_len),
+        serving.check_model, render_chat)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -252,9 +278,8 @@ def build_app(async_llm: AsyncLLM | DataParallelAsyncLLM, served_model_names: Se
 
     @app.get("/v1/models")
     async def list_models() -> JSONResponse:
-        cards = [ModelCard(id=name, root=model_root, max_model_len=async_llm.max_model_len)
-                 for name in served_model_names]
-        return JSONResponse(ModelList(data=cards).model_dump())
+        return JSONResponse(model_list(serving.served_model_names, model_root,
+                                       async_llm.max_model_len).model_dump())
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
@@ -264,6 +289,8 @@ def build_app(async_llm: AsyncLLM | DataParallelAsyncLLM, served_model_names: Se
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
         return _respond(await _cancel_on_disconnect(request,
                                                     chats.create_chat_completion(body)))
+
+    add_tokenization_routes(app, tokenization)
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> JSONResponse:
@@ -283,7 +310,9 @@ def run_server(model: str, engine_kwargs: dict[str, Any], host: str = "127.0.0.1
                served_model_names: Sequence[str] | None = None,
                log_level: str = "info", runner: str = "auto",
                data_parallel_size: int = 1,
-               max_request_body_bytes: int = MAX_REQUEST_BODY_BYTES) -> int:
+               max_request_body_bytes: int = MAX_REQUEST_BODY_BYTES,
+               tool_call_parser: str | None = None,
+               enable_auto_tool_choice: bool = False) -> int:
     """Load the model, then serve until SIGINT/SIGTERM or until the engine dies.
 
     Returns the process exit status: 0 after a signal, 1 if the engine died (so a supervisor
@@ -292,11 +321,14 @@ def run_server(model: str, engine_kwargs: dict[str, Any], host: str = "127.0.0.1
     Args:
         model: checkpoint folder or hub id.
         engine_kwargs: engine arguments (vLLM names) for `LLMEngine.from_engine_args`.
-        served_model_names: names clients use; default `[model]`.
+        served_model_names: names clients use; default `[model]` (serving_models.py has the
+            rule).
         runner: "generate", "pooling" (serve /v1/embeddings, see embedding_server.py) or
             "auto" (pooling for architectures without an LM head).
         data_parallel_size: engine replicas behind this server (see engine/dp_async_llm.py).
         max_request_body_bytes: larger request bodies get 413.
+        tool_call_parser, enable_auto_tool_choice: see `ServingChat` (the reasoning parser is
+            the engine argument `reasoning_parser`).
 
     Raises:
         ValueError, FileNotFoundError: invalid engine arguments or a missing model (before any
@@ -305,7 +337,7 @@ def run_server(model: str, engine_kwargs: dict[str, Any], host: str = "127.0.0.1
     from pagedllm.engine.pooling_engine import PoolingEngine, is_pooling_model
 
     init_logger()
-    names = list(served_model_names or [model])
+    names = resolve_served_model_names(model, served_model_names)
     if runner == "auto":
         runner = "pooling" if is_pooling_model(model, engine_kwargs.get("revision")) \
             else "generate"
@@ -315,7 +347,8 @@ def run_server(model: str, engine_kwargs: dict[str, Any], host: str = "127.0.0.1
     if runner == "pooling":
         from pagedllm.entrypoints.openai.embedding_server import build_embedding_app
         app = build_embedding_app(PoolingEngine.from_engine_args(model, **engine_kwargs), names,
-                                  api_key=api_key, model_root=model)
+                                  api_key=api_key, model_root=model,
+                                  max_request_body_bytes=max_request_body_bytes)
     else:
         metrics = PrometheusStatLogger(names[0])
         if data_parallel_size > 1:
@@ -325,7 +358,10 @@ def run_server(model: str, engine_kwargs: dict[str, Any], host: str = "127.0.0.1
             async_llm = AsyncLLM.from_engine_args(model, stat_loggers=[metrics],
                                                   **engine_kwargs)
         app = build_app(async_llm, names, metrics=metrics, api_key=api_key, model_root=model,
-                        max_request_body_bytes=max_request_body_bytes)
+                        max_request_body_bytes=max_request_body_bytes,
+                        tool_call_parser=tool_call_parser,
+                        enable_auto_tool_choice=enable_auto_tool_choice,
+                        reasoning_parser=engine_kwargs.get("reasoning_parser"))
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
     server = uvicorn.Server(config)

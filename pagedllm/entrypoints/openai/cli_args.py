@@ -16,6 +16,7 @@ import socket
 
 from pagedllm.entrypoints.cli_args import (add_engine_args, bounded_int, engine_kwargs_from_args,
                                            non_empty)
+from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 _SERVE_USAGE = "%(prog)s [--model MODEL] [--host HOST] [--port PORT] [options] (see --help)"
 
@@ -42,8 +43,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--api-key", type=_api_key, default=None,
                    help="require `Authorization: Bearer KEY` (all routes but /health, /metrics)")
     g.add_argument("--served-model-name", nargs="+", type=non_empty, default=None,
-                   help="model name(s) clients use (default: --model, or the shipped model's "
-                        "name)")
+                   help="model name(s) clients use, all accepted in requests (default: "
+                        "--model exactly as given, or shakespeare-10m for the shipped model)")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     g.add_argument("--max-request-body-bytes", type=bounded_int(1), default=8 << 20,
@@ -57,6 +58,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    help="with --runner pooling: override the model's pooling")
     g.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None,
                    help="with --runner pooling: override the model's L2 normalisation")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='allow tool_choice "auto": the model decides whether to call tools, and '
+                        "--tool-call-parser reads the calls from its text")
+    g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="the model family's tool-call format (hermes: Qwen2.5/3, Hermes; "
+                        "llama3_json: Llama 3.1+; mistral: Mistral v0.3+)")
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -140,6 +147,8 @@ def check_serve_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--{key.replace('_', '-')} needs --runner pooling")
     if args.runner == "pooling" and args.data_parallel_size > 1:
         raise ValueError("--data-parallel-size > 1 is not supported with --runner pooling")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     _check_local_folder("--model", args.model)
     _check_local_folder("--tokenizer", args.tokenizer)
     check_can_listen(args.host, args.port)
@@ -154,17 +163,18 @@ def run_serve(args: argparse.Namespace) -> int:
             --host:--port the server cannot listen on; all before the model loads.
     """
     check_serve_args(args)
-    from pagedllm.assets import DEFAULT_MODEL_NAME
     from pagedllm.entrypoints.openai.api_server import run_server
+    from pagedllm.entrypoints.openai.serving_models import resolve_served_model_names
 
     kwargs = engine_kwargs_from_args(args)
     model = kwargs.pop("model")
-    names = args.served_model_name or [args.model if args.model is not None
-                                       else DEFAULT_MODEL_NAME]
+    names = resolve_served_model_names(args.model, args.served_model_name)
     for key in ("pooling_type", "normalize"):
         if getattr(args, key) is not None:
             kwargs[key] = getattr(args, key)
     return run_server(model, kwargs, host=args.host, port=args.port, api_key=args.api_key,
                       served_model_names=names, log_level=args.uvicorn_log_level,
                       runner=args.runner, data_parallel_size=args.data_parallel_size,
-                      max_request_body_bytes=args.max_request_body_bytes)
+                      max_request_body_bytes=args.max_request_body_bytes,
+                      tool_call_parser=args.tool_call_parser,
+                      enable_auto_tool_choice=args.enable_auto_tool_choice)

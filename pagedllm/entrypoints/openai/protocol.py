@@ -2,10 +2,10 @@
 
 Requests carry vLLM's extra sampling fields (top_k, min_p, repetition_penalty, ignore_eos, ...).
 An unknown field is refused with a 400 naming it, as OpenAI's API does ("Unrecognized request
-argument"), and so is a known field this server cannot honour (`suffix`, `best_of` other than `n`,
-`tools` unless `tool_choice` is "none"): silently dropping a field that changes what the answer must
-be would return a wrong answer. Floats must be finite (NaN and Infinity are refused). Turning a
-request into `SamplingParams` lives here so completions and chat share one mapping.
+argument"), and so is a known field this server cannot honour (`suffix`, `best_of` other than `n`):
+silently dropping a field that changes what the answer must be would return a wrong answer.
+Floats must be finite (NaN and Infinity are refused). Turning a request into `SamplingParams`
+lives here so completions and chat share one mapping.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.entrypoints.openai.tool_choice import check_tools, tool_call_schema
 from pagedllm.structured_output.params import StructuredOutputsParams
 
 
@@ -258,13 +259,29 @@ class CompletionRequest(_SamplingRequest):
         return self.logprobs
 
 
+class FunctionCallParam(_StrictModel):
+    name: str
+    arguments: str
+
+
+class ToolCallParam(_StrictModel):
+    """A tool call of an earlier assistant message (`arguments` is JSON text, as OpenAI sends)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+
 class ChatMessage(BaseModel):
-    # Extra keys (`name`, `tool_call_id`, ...) are accepted but not used yet (only `role` and
-    # `content` reach the chat template).
+    # Other keys OpenAI clients send (`refusal`, `audio`, ...) are accepted and not used.
     model_config = ConfigDict(extra="allow", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[ToolCallParam] | None = None
+    reasoning_content: str | None = None
 
     def text_content(self) -> str:
         """The content as one string (text parts joined with newlines, as vLLM does).
@@ -283,6 +300,27 @@ class ChatMessage(BaseModel):
         return "\n".join(texts)
 
 
+class FunctionDefinition(_StrictModel):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatCompletionToolsParam(_StrictModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_StrictModel):
+    name: str
+
+
+class ChatCompletionNamedToolChoiceParam(_StrictModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_SamplingRequest):
     """POST /v1/chat/completions."""
 
@@ -292,21 +330,40 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool = True
     logprobs: bool = False
     top_logprobs: int | None = None
-    # Tool calling is not built yet: refused unless it cannot change the answer.
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
+    tools: list[ChatCompletionToolsParam] | None = None
+    # None: "auto" when tools are given, else "none" (OpenAI's default).
+    tool_choice: Literal["none", "auto", "required"] | ChatCompletionNamedToolChoiceParam | None \
+        = None
+    parallel_tool_calls: bool = True
+    # Extra variables for the chat template (e.g. {"enable_thinking": false} for Qwen3).
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
-        if self.tools and self.tool_choice != "none":
-            raise ValueError("tools are not supported by this server yet (tool calling); send "
-                             'tool_choice: "none" or no tools')
-        if self.tool_choice not in (None, "none"):
-            raise ValueError(f"tool_choice {self.tool_choice!r} is not supported by this server "
-                             "yet (tool calling)")
+        check_tools(self)
+
+    def effective_tool_choice(self) -> str:
+        """"none" | "auto" | "required" | "named"."""
+        if isinstance(self.tool_choice, ChatCompletionNamedToolChoiceParam):
+            return "named"
+        if self.tool_choice is None:
+            return "auto" if self.tools else "none"
+        return self.tool_choice
+
+    def structured_outputs_field(self) -> str:
+        if self.effective_tool_choice() in ("required", "named"):
+            return "tools"      # the constraint is built from the tools' parameter schemas
+        return super().structured_outputs_field()
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The output constraint: a required or named tool choice constrains the output to
+        valid calls (see `tool_choice.py`); otherwise the request's own constraint."""
+        schema = tool_call_schema(self)
+        if schema is None:
+            return super().structured_outputs_params()
+        return StructuredOutputsParams(json=schema)
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None \
@@ -343,9 +400,22 @@ class CompletionResponse(BaseModel):
     usage: UsageInfo | None = None
 
 
+class FunctionCallOutput(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOutput
+
+
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
-    content: str
+    content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class TopLogprob(BaseModel):
@@ -381,7 +451,9 @@ class ChatCompletionResponse(BaseModel):
 
 class ChatStreamChoice(BaseModel):
     index: int
-    delta: dict[str, str]  # {"role": "assistant", "content": ""} first, then {"content": ...}
+    # {"role": "assistant", "content": ""} first, then {"content": ...}, {"reasoning_content":
+    # ...} or {"tool_calls": [...]} (see chat_output.py)
+    delta: dict[str, Any]
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -403,3 +475,56 @@ class CompletionChunk(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+
+
+class TokenizeRequest(_StrictModel):
+    """POST /tokenize in either of vLLM's two forms: `prompt` (a text, the completion form) or
+    `messages` (a conversation rendered by the chat template as /v1/chat/completions renders it;
+    `add_generation_prompt`, `continue_final_message`, `tools` and `chat_template_kwargs` belong
+    to this form only)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[ChatCompletionToolsParam] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    # None: vLLM's default per form, True for `prompt` and False for `messages` (the chat
+    # template places the special tokens itself).
+    add_special_tokens: bool | None = None
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _check_form(self) -> TokenizeRequest:
+        if self.prompt is not None and self.messages is not None:
+            raise PydanticCustomError("tokenize_form", "give either prompt or messages, not both",
+                                      {"field": "messages"})
+        if self.prompt is None and self.messages is None:
+            raise PydanticCustomError("tokenize_form", "prompt (a text) or messages (a "
+                                      "conversation) is required", {"field": "prompt"})
+        for name in ("add_generation_prompt", "continue_final_message", "tools",
+                     "chat_template_kwargs"):
+            if self.prompt is not None and name in self.model_fields_set:
+                raise PydanticCustomError("tokenize_form", f"{name} needs messages, not prompt",
+                                          {"field": name})
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    # With return_token_strs: the tokenizer's own string of each token (e.g. "Ġworld").
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_StrictModel):
+    """POST /detokenize: token ids -> text (special tokens kept, as vLLM decodes them)."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

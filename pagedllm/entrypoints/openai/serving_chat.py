@@ -1,23 +1,32 @@
 """POST /v1/chat/completions: messages -> chat template -> one engine request, whole or streamed.
 
-The conversation is rendered and tokenized by the tokenizer's own chat template
-(`apply_chat_template(..., add_generation_prompt=...)`, the call `LLM.chat` makes), so a served
-chat gives the same tokens as an offline one. Streaming: a first chunk with the assistant role,
-content deltas, a chunk with finish_reason, an optional usage chunk, then `data: [DONE]`.
+The conversation (and the request's `tools`) is rendered and tokenized by the tokenizer's own
+chat template (`apply_chat_template(..., add_generation_prompt=...)`, the call `LLM.chat` makes),
+so a served chat gives the same tokens as an offline one. Each choice's text is read into
+reasoning, content and tool calls by `chat_output.ChoiceOutputParser` (tool modes in
+tool_choice.py). Streaming: a first chunk with the assistant role, then `reasoning_content`,
+`content` and `tool_calls` deltas, a chunk with finish_reason, an optional usage chunk, then
+`data: [DONE]`.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import AsyncIterator
 
+from pagedllm.entrypoints.openai.chat_output import NO_TOOLS, ChoiceOutputParser, ToolMode
 from pagedllm.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk,
                                                   ChatCompletionRequest, ChatCompletionResponse,
                                                   ChatLogprobs, ChatResponseMessage,
-                                                  ChatStreamChoice, TokenLogprob, TopLogprob,
-                                                  now_s, random_id)
+                                                  ChatStreamChoice, FunctionCallOutput,
+                                                  TokenLogprob, ToolCall, TopLogprob, now_s,
+                                                  random_id)
+from pagedllm.entrypoints.openai.tool_choice import template_messages, template_tools
+from pagedllm.entrypoints.openai.tool_parsers import ToolParser, get_tool_parser
 from pagedllm.engine.async_llm import RequestStream
 from pagedllm.engine.logprob_strings import TokenBytes
+from pagedllm.reasoning import ReasoningParser, get_reasoning_parser
 from pagedllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing,
                                                         OpenAIServingError, SSEStream,
                                                         clamp_logprob, error_from_exception,
@@ -56,11 +65,26 @@ class ServingChat:
 
     Args:
         serving: the shared checks and engine handle.
+        tool_call_parser: the format `tool_choice: "auto"` reads calls in (`tool_parsers/`).
+        enable_auto_tool_choice: allow `tool_choice: "auto"` (needs `tool_call_parser`).
+        reasoning_parser: split `reasoning_content` off the output (`pagedllm/reasoning`).
+
+    Raises:
+        ValueError: an unknown parser name, or auto tool choice without a parser.
     """
 
-    def __init__(self, serving: OpenAIServing) -> None:
+    def __init__(self, serving: OpenAIServing, tool_call_parser: str | None = None,
+                 enable_auto_tool_choice: bool = False,
+                 reasoning_parser: str | None = None) -> None:
         self.serving = serving
         self._token_bytes: TokenBytes | None = None
+        if enable_auto_tool_choice and tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+        self.tool_parser: ToolParser | None = (get_tool_parser(tool_call_parser)
+                                               if tool_call_parser else None)
+        self.enable_auto_tool_choice = enable_auto_tool_choice
+        self.reasoning: ReasoningParser | None = (get_reasoning_parser(reasoning_parser)
+                                                  if reasoning_parser else None)
 
     async def create_chat_completion(self, request: ChatCompletionRequest
                                      ) -> ChatCompletionResponse | SSEStream:
@@ -71,14 +95,17 @@ class ServingChat:
                 failed alone (500) or a dead engine (503).
         """
         model = self.serving.check_request(request, "top_logprobs")
+        mode = self._tool_mode(request)
         token_ids, params = self.serving.prepare(
-            request, self.serving.check_token_ids(self._render(request), param="messages"))
+            request, self.serving.check_token_ids(self.render_prompt(request), param="messages"))
+        if mode.parser is not None and mode.parser.needs_special_tokens:
+            params.skip_special_tokens = False      # the parser must see its markers
         response_id, created = random_id("chatcmpl"), now_s()
         [stream] = await self.serving.admit(request, [({"prompt_token_ids": token_ids}, params)],
                                             response_id)
         if request.stream:
-            return SSEStream(self._stream(request, stream, len(token_ids), response_id, created,
-                                          model), [stream])
+            return SSEStream(self._stream(request, mode, stream, len(token_ids), response_id,
+                                          created, model), [stream])
         final: RequestOutput | None = None
         try:
             async for out in stream:
@@ -87,18 +114,49 @@ class ServingChat:
             raise error_from_exception(e, request) from e
         finally:
             stream.close()
-        choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
-                              logprobs=self._logprobs(request, c, 0),
-                              finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+        choices = [self._choice(request, mode, c)
                    for c in sorted(final.outputs, key=lambda c: c.index)]
         return ChatCompletionResponse(id=response_id, created=created, model=model,
                                       usage=usage_of([final]), choices=choices)
 
-    async def _stream(self, request: ChatCompletionRequest, stream: RequestStream,
-                      num_prompt_tokens: int, response_id: str, created: int,
-                      model: str) -> AsyncIterator[str]:
+    def _choice(self, request: ChatCompletionRequest, mode: ToolMode,
+                completion: CompletionOutput) -> ChatChoice:
+        parser = ChoiceOutputParser(mode, self.reasoning)
+        out = parser.result(completion.text)
+        tool_calls = [ToolCall(id=call_id, function=FunctionCallOutput(
+            name=call.name, arguments=call.arguments))
+            for call_id, call in zip(parser.call_ids(len(out.tool_calls)), out.tool_calls)]
+        message = ChatResponseMessage(content=out.content, reasoning_content=out.reasoning,
+                                      tool_calls=tool_calls)
+        return ChatChoice(index=completion.index, message=message,
+                          logprobs=self._logprobs(request, completion, 0),
+                          finish_reason=parser.finish_reason(out, completion.finish_reason),
+                          stop_reason=completion.stop_reason)
+
+    def _tool_mode(self, request: ChatCompletionRequest) -> ToolMode:
+        """How the request's output is read for tool calls. Raises OpenAIServingError 400 for
+        `tool_choice: "auto"` on a server started without auto tool choice."""
+        kind = request.effective_tool_choice()
+        if kind == "none":
+            return NO_TOOLS
+        if kind == "auto":
+            if not self.enable_auto_tool_choice:
+                raise OpenAIServingError(
+                    '"auto" tool choice needs the server started with --enable-auto-tool-choice '
+                    'and --tool-call-parser; send tool_choice "required", a named function or '
+                    '"none"', 400, param="tool_choice")
+            return ToolMode("auto", parser=self.tool_parser,
+                            parallel=request.parallel_tool_calls)
+        if kind == "named":
+            return ToolMode("named", function=request.tool_choice.function.name)
+        return ToolMode("required", parallel=request.parallel_tool_calls)
+
+    async def _stream(self, request: ChatCompletionRequest, mode: ToolMode,
+                      stream: RequestStream, num_prompt_tokens: int, response_id: str,
+                      created: int, model: str) -> AsyncIterator[str]:
         options = request.stream_options
-        sent_chars, sent_tokens = [0] * request.n, [0] * request.n
+        sent_tokens = [0] * request.n
+        parsers = [ChoiceOutputParser(mode, self.reasoning) for _ in range(request.n)]
 
         def chunk(choice: ChatStreamChoice) -> str:
             usage = None
@@ -117,17 +175,23 @@ class ServingChat:
                 for c in out.outputs:
                     if done[c.index]:
                         continue
-                    delta = c.text[sent_chars[c.index]:]
+                    parser = parsers[c.index]
+                    done[c.index] = c.finish_reason is not None
+                    deltas = parser.deltas(c.text, final=done[c.index])
                     logprobs = self._logprobs(request, c, sent_tokens[c.index])
                     if logprobs is not None and not logprobs.content:
                         logprobs = None
-                    sent_chars[c.index] += len(delta)
                     sent_tokens[c.index] = len(c.token_ids)
-                    done[c.index] = c.finish_reason is not None
-                    if delta or done[c.index] or logprobs is not None:
+                    if not deltas and (done[c.index] or logprobs is not None):
+                        deltas = [{"content": ""}]
+                    finish_reason = (parser.finish_reason(parser.result(c.text), c.finish_reason)
+                                     if done[c.index] else None)
+                    for i, delta in enumerate(deltas):
+                        last = i == len(deltas) - 1
                         yield chunk(ChatStreamChoice(
-                            index=c.index, delta={"content": delta}, logprobs=logprobs,
-                            finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                            index=c.index, delta=delta, logprobs=logprobs if i == 0 else None,
+                            finish_reason=finish_reason if last else None,
+                            stop_reason=c.stop_reason if last else None))
             if options is not None and options.include_usage:
                 yield sse_event(ChatCompletionChunk(id=response_id, created=created, model=model,
                                                     choices=[], usage=usage_of([final])))
@@ -146,7 +210,7 @@ class ServingChat:
         return chat_logprobs(completion.token_ids[start:], completion.logprobs[start:],
                              request.top_logprobs or 0, self._token_bytes)
 
-    def _render(self, request: ChatCompletionRequest) -> list[int]:
+    def render_prompt(self, request: ChatCompletionRequest) -> list[int]:
         """Token ids of the templated conversation. Raises OpenAIServingError 400."""
         tokenizer = self.serving.tokenizer
         if not getattr(tokenizer, "chat_template", None):
@@ -155,11 +219,12 @@ class ServingChat:
         if not request.messages:
             raise OpenAIServingError("messages must not be empty", 400, param="messages")
         try:
-            conversation = [{"role": m.role, "content": m.text_content()}
-                            for m in request.messages]
+            conversation = template_messages(request)
         except ValueError as e:
             raise OpenAIServingError(str(e), 400, param="messages") from e
-        num_chars = sum(len(m["content"]) for m in conversation)
+        tools = template_tools(request)
+        num_chars = sum(len(m["content"]) for m in conversation) + (
+            len(json.dumps(tools)) if tools else 0)
         limit = self.serving.async_llm.input_processor.max_prompt_chars(self.serving.max_model_len)
         if num_chars > limit:
             raise OpenAIServingError(f"messages: {num_chars} characters cannot fit max_model_len "
@@ -167,8 +232,9 @@ class ServingChat:
                                      param="messages")
         try:
             return list(tokenizer.apply_chat_template(
-                conversation, tokenize=True, add_generation_prompt=request.add_generation_prompt,
-                return_dict=False))
+                conversation, tools=tools, tokenize=True,
+                add_generation_prompt=request.add_generation_prompt, return_dict=False,
+                **(request.chat_template_kwargs or {})))
         except Exception as e:  # noqa: BLE001 - template errors are the request's fault
             raise OpenAIServingError(f"could not render the messages with the chat template: "
                                      f"{e}", 400, param="messages") from e

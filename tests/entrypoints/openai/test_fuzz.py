@@ -122,7 +122,8 @@ def server(tiny_llama: Path):
 # ---------------------------------------------------------------------------------------------
 
 OPERATIONS = [("GET", "/health"), ("GET", "/v1/models"), ("POST", COMPLETIONS), ("POST", CHAT),
-              ("POST", "/reset_prefix_cache"), ("GET", "/metrics")]
+              ("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/reset_prefix_cache"),
+              ("GET", "/metrics")]
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,150 @@
+"""Tool-call parsers, reasoning splits and the chat output reader, without a model.
+
+Every format is read whole and as a stream fed in pieces of every size: the stream's deltas must
+join to exactly the whole reading (content, reasoning and calls), and must never send text that
+later turns out to be a marker.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pagedllm.entrypoints.openai.chat_output import ChoiceOutputParser, ToolMode
+from pagedllm.entrypoints.openai.tool_parsers import FunctionCall, get_tool_parser
+from pagedllm.reasoning import get_reasoning_parser
+
+WEATHER = FunctionCall("get_weather", json.dumps({"city": "Paris", "days": 3}))
+TIME = FunctionCall("get_time", json.dumps({"zone": "UTC"}))
+
+# (parser, text, expected content, expected calls)
+CASES = [
+    ("hermes", 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": '
+               '{"city": "Paris", "days": 3}}\n</tool_call>\n<tool_call>{"name": "get_time", '
+               '"arguments": {"zone": "UTC"}}</tool_call>', "Let me check.\n", [WEATHER, TIME]),
+    ("hermes", '<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}', None, [TIME]),
+    ("hermes", "No tools needed: 2 < 3 and <tool> is not a marker.",
+     "No tools needed: 2 < 3 and <tool> is not a marker.", []),
+    ("hermes", '<tool_call>{"name": "get_time", "arguments": [1]}</tool_call>',
+     '<tool_call>{"name": "get_time", "arguments": [1]}</tool_call>', []),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}; '
+                    '{"name": "get_time", "parameters": {"zone": "UTC"}}', None, [WEATHER, TIME]),
+    ("llama3_json", '<|python_tag|>{"name": "get_time", "arguments": "{\\"zone\\": \\"UTC\\"}"}',
+     None, [TIME]),
+    ("llama3_json", "The weather is {usually} fine.", "The weather is {usually} fine.", []),
+    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}'
+                ', {"name": "get_time", "arguments": {"zone": "UTC"}}]', None, [WEATHER, TIME]),
+    ("mistral", 'Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 3}'
+                '[TOOL_CALLS]get_time[ARGS]{"zone": "UTC"}', "Sure.", [WEATHER, TIME]),
+    ("mistral", "[TOOL_CALLS] not a call", "[TOOL_CALLS] not a call", []),
+]
+
+
+def _stream(parser: ChoiceOutputParser, text: str, step: int) -> dict:
+    """Feed `text` in pieces of `step` characters; join the deltas like an OpenAI client."""
+    joined: dict = {"reasoning_content": "", "content": "", "tool_calls": {}}
+    cuts = list(range(step, len(text), step)) + [len(text)]
+    for i, cut in enumerate(cuts):
+        for delta in parser.deltas(text[:cut], final=i == len(cuts) - 1):
+            for key in ("reasoning_content", "content"):
+                joined[key] += delta.get(key, "")
+            for call in delta.get("tool_calls", []):
+                entry = joined["tool_calls"].setdefault(call["index"], {"name": "",
+                                                                        "arguments": ""})
+                if "id" in call:
+                    entry["id"] = call["id"]
+                entry["name"] += call.get("function", {}).get("name", "")
+                entry["arguments"] += call.get("function", {}).get("arguments", "")
+    return joined
+
+
+@pytest.mark.parametrize("name,text,content,calls", CASES)
+def test_formats_whole_and_streamed(name: str, text: str, content: str | None,
+                                    calls: list[FunctionCall]) -> None:
+    mode = ToolMode("auto", parser=get_tool_parser(name))
+    out = ChoiceOutputParser(mode).result(text)
+    assert out.content == content
+    assert [(c.name, json.loads(c.arguments)) for c in out.tool_calls] == \
+        [(c.name, json.loads(c.arguments)) for c in calls]
+    for step in (1, 2, 3, 7, len(text)):
+        joined = _stream(ChoiceOutputParser(mode), text, step)
+        assert joined["content"] == (content or "") if calls else joined["content"] == text
+        streamed = [joined["tool_calls"][i] for i in sorted(joined["tool_calls"])]
+        assert [(c["name"], json.loads(c["arguments"])) for c in streamed] == \
+            [(c.name, json.loads(c.arguments)) for c in calls]
+        assert all(c["id"] for c in streamed)
+
+
+def test_content_before_a_marker_is_held_back() -> None:
+    parser = ChoiceOutputParser(ToolMode("auto", parser=get_tool_parser("hermes")))
+    assert parser.deltas("Checking <tool_", final=False) == [{"content": "Checking "}]
+    assert parser.deltas("Checking <tool_c", final=False) == []
+    assert parser.deltas("Checking <toolbox", final=True) == [{"content": "<toolbox"}]
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call() -> None:
+    text = '<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b", ' \
+           '"arguments": {}}</tool_call>'
+    mode = ToolMode("auto", parser=get_tool_parser("hermes"), parallel=False)
+    assert [c.name for c in ChoiceOutputParser(mode).result(text).tool_calls] == ["a"]
+    assert list(_stream(ChoiceOutputParser(mode), text, 5)["tool_calls"]) == [0]
+
+
+def test_required_and_named_modes() -> None:
+    text = '[{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}, ' \
+           '{"name": "get_time", "parameters": {"zone": "UTC"}}]'
+    parser = ChoiceOutputParser(ToolMode("required"))
+    out = parser.result(text)
+    assert out.content is None and [c.name for c in out.tool_calls] == ["get_weather",
+                                                                          "get_time"]
+    assert parser.finish_reason(out, "stop") == "tool_calls"
+    assert parser.finish_reason(out, "length") == "length"
+    joined = _stream(ChoiceOutputParser(ToolMode("required")), text, 4)
+    assert [joined["tool_calls"][i]["name"] for i in (0, 1)] == ["get_weather", "get_time"]
+
+    args = '{"city": "Paris", "days": 3}'
+    named = ChoiceOutputParser(ToolMode("named", function="get_weather"))
+    out = named.result(args)
+    assert out.tool_calls == [FunctionCall("get_weather", args)] and out.content is None
+    assert named.finish_reason(out, "stop") == "stop"       # OpenAI: a forced call stops
+    joined = _stream(ChoiceOutputParser(ToolMode("named", function="get_weather")), args, 3)
+    assert joined["tool_calls"][0]["name"] == "get_weather"
+    assert joined["tool_calls"][0]["arguments"] == args
+
+
+@pytest.mark.parametrize("name,text,reasoning,content", [
+    ("deepseek_r1", "<think>a < b</think>\n\nAnswer", "a < b", "\n\nAnswer"),
+    ("deepseek_r1", "thinking without the opening tag</think>Yes", "thinking without the "
+                                                                   "opening tag", "Yes"),
+    ("deepseek_r1", "still thinking when cut off </thi", "still thinking when cut off </thi",
+     ""),
+    ("qwen3", "<think>plan</think>Done", "plan", "Done"),
+    ("qwen3", "No thinking here </think> at all", None, "No thinking here </think> at all"),
+    ("qwen3", "<thinker", None, "<thinker"),
+])
+def test_reasoning_split_whole_and_streamed(name: str, text: str, reasoning: str | None,
+                                            content: str) -> None:
+    parser = get_reasoning_parser(name)
+    split = parser.split(text)
+    assert (split.reasoning, split.content) == (reasoning, content)
+    for step in (1, 2, 5):
+        joined = _stream(ChoiceOutputParser(reasoning=parser), text, step)
+        assert joined["reasoning_content"] == (reasoning or "")
+        assert joined["content"] == content
+
+
+def test_reasoning_then_tool_call() -> None:
+    text = '<think>I should call it.</think><tool_call>{"name": "get_time", "arguments": ' \
+           '{"zone": "UTC"}}</tool_call>'
+    mode = ToolMode("auto", parser=get_tool_parser("hermes"))
+    out = ChoiceOutputParser(mode, get_reasoning_parser("deepseek_r1")).result(text)
+    assert out.reasoning == "I should call it." and out.content is None
+    assert out.tool_calls == [TIME.__class__("get_time", json.dumps({"zone": "UTC"}))]
+
+
+def test_unknown_parser_names_are_refused() -> None:
+    with pytest.raises(ValueError, match="unknown tool call parser 'nope'.*hermes"):
+        get_tool_parser("nope")
+    with pytest.raises(ValueError, match="unknown reasoning parser 'nope'.*deepseek_r1"):
+        get_reasoning_parser("nope")
