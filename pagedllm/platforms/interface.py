@@ -21,6 +21,11 @@ class Platform(ABC):
     worker_multiproc_method: str = "forkserver"
     # Ray resource one rank reserves in the `ray` executor's placement group.
     ray_resource_key: str = "CPU"
+    # A KV cache sized by a memory fraction stops at what max_num_seqs full-length requests can
+    # use (CPU: the cache shares RAM with everything else; a 10M-parameter model needs megabytes,
+    # not the 4 GiB default cap). Devices with dedicated memory keep the whole fraction, whose
+    # surplus serves as prefix cache.
+    cap_kv_cache_at_need: bool = False
 
     @property
     def device(self) -> torch.device:

@@ -74,7 +74,9 @@ class Worker:
 
     def determine_num_blocks(self) -> int:
         """Number of KV blocks (the null block included) of KV cache group 0 that fit the
-        memory budget together with the other groups' (see core/kv_cache_groups.py).
+        memory budget together with the other groups' (see core/kv_cache_groups.py). Sized by a
+        memory fraction on a platform with `cap_kv_cache_at_need` (the CPU), no more than
+        max_num_seqs requests of max_model_len tokens can use.
 
         Raises:
             ValueError: if fewer than 2 blocks (the null block and one usable) fit.
@@ -93,6 +95,10 @@ class Worker:
             num_blocks = num_blocks_for_budget(
                 budget, group_bytes, runner.kv_cache_windows, cc.block_size, sc.max_num_seqs,
                 sc.max_num_batched_tokens, runner._num_lookahead_tokens())
+            if cc.kv_cache_memory_bytes is None and self.platform.cap_kv_cache_at_need:
+                # Enough for max_num_seqs requests at max_model_len, no more (Platform docs).
+                num_blocks = min(num_blocks,
+                                 1 + sc.max_num_seqs * self.config.max_num_blocks_per_req)
         if num_blocks < 2:
             raise ValueError(f"KV cache budget holds {num_blocks} blocks of {sum(group_bytes)} "
                              "bytes; at least 2 are needed. Give the cache more memory.")

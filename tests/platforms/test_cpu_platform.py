@@ -48,3 +48,15 @@ def test_linear_float32_out_from_bf16_operands(rows):
     assert y.dtype == torch.float32 and y.shape == (rows, 96)
     torch.testing.assert_close(y, x.float() @ w.float().T, atol=1e-4, rtol=1e-4)
     assert CpuPlatform().linear(x, w).dtype == torch.bfloat16
+
+
+def test_kv_cache_sized_by_need_not_by_the_memory_cap(tiny_llama):
+    """Without an explicit budget the CPU cache holds what max_num_seqs requests of
+    max_model_len tokens can use (not 4 GiB for a tiny model); an explicit budget is kept."""
+    from pagedllm import LLM
+
+    llm = LLM(str(tiny_llama), max_num_seqs=4, max_model_len=64, block_size=16)
+    assert llm.llm_engine.engine_core.num_blocks == 1 + 4 * (64 // 16)
+    big = LLM(str(tiny_llama), max_num_seqs=4, max_model_len=64, block_size=16,
+              kv_cache_memory_bytes=64 << 20)
+    assert big.llm_engine.engine_core.num_blocks > 1 + 4 * (64 // 16)
