@@ -140,6 +140,44 @@ def check_rope_freq_factors(factors: torch.Tensor, rotary_dim: int,
             f"does not describe are not supported")
 
 
+# Llama 3.x RoPE scaling as released (factor 8 or 32, low 1, high 4, original 8192), plus the
+# powers of two other models and tests use for the original context.
+_LLAMA3_LOW_HIGH = ((1.0, 4.0), (1.0, 2.0), (1.0, 8.0), (0.5, 4.0), (2.0, 8.0))
+_LLAMA3_ORIGINAL_LENGTHS = tuple(2 ** k for k in range(17, 5, -1))
+
+
+def infer_llama3_rope_parameters(factors: torch.Tensor, rotary_dim: int,
+                                 rope_theta: float) -> dict[str, Any] | None:
+    """The llama3 `rope_parameters` that give llama.cpp's frequency factors (a Llama 3.1+ GGUF
+    file's `rope_freqs.weight`, which the file's metadata does not describe otherwise), or None
+    when no released setting reproduces them.
+
+    The factor is the largest stored factor; low/high frequency factors and the original context
+    are searched over the released settings, and a candidate counts only when every factor matches
+    (`check_rope_freq_factors`). Any parameters that reproduce every factor give the same RoPE,
+    since RoPE reads only the per-frequency values.
+
+    Args:
+        factors: float [rotary_dim / 2].
+        rotary_dim: rotated channels per head.
+        rope_theta: the RoPE base.
+    """
+    factor = float(factors.float().max())
+    if factor <= 1.0:
+        return None
+    for low, high in _LLAMA3_LOW_HIGH:
+        for original in _LLAMA3_ORIGINAL_LENGTHS:
+            params = {"rope_type": "llama3", "rope_theta": rope_theta, "factor": factor,
+                      "low_freq_factor": low, "high_freq_factor": high,
+                      "original_max_position_embeddings": original}
+            try:
+                check_rope_freq_factors(factors, rotary_dim, params)
+            except ValueError:
+                continue
+            return params
+    return None
+
+
 class RotaryEmbedding(nn.Module):
     """Apply RoPE to query and key.
 

@@ -227,10 +227,33 @@ def _write_view(folder: Path, path: Path, reader, architecture_name: str) -> Non
     key_length = _metadata(reader, f"{arch}.attention.key_length")
     if key_length is not None:
         config.head_dim = int(key_length)
+    _add_llama3_rope_scaling(config, reader, path)
     config.save_pretrained(str(folder))
     tokenizer.save_pretrained(str(folder))
     (folder / "generation_config.json").write_text(
         json.dumps(_generation_config(reader), indent=2))
+
+
+def _add_llama3_rope_scaling(config, reader, path: Path) -> None:
+    """Put a Llama 3.1+ file's RoPE scaling into the config: llama.cpp stores it only as the
+    frequency factors `rope_freqs.weight`, which transformers' GGUF reader drops (its config then
+    says default RoPE). The llama3 parameters that reproduce the factors exactly are written;
+    when none do, the config is left as it is and the loader refuses the file, naming the
+    mismatch (models/llama.py checks `rope_freqs.weight` against the config)."""
+    from pagedllm.layers.rotary_embedding import infer_llama3_rope_parameters
+
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    tensor = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if tensor is None or rope.get("rope_type", "default") != "default" or \
+            tensor.tensor_type.name != "F32":
+        return
+    head_dim = getattr(config, "head_dim", None) or (config.hidden_size
+                                                     // config.num_attention_heads)
+    theta = float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+    params = infer_llama3_rope_parameters(torch.from_numpy(np.array(tensor.data, np.float32)),
+                                          head_dim, theta)
+    if params is not None:
+        config.rope_parameters = params
 
 
 # llama.cpp's sampling defaults (general.sampling.*) -> generation_config.json names.

@@ -253,10 +253,10 @@ def _file_tensors(path: Path) -> list[tuple[str, GGUFTensor]]:
     return [(info.name, GGUFTensor(buffer, info, torch.float32)) for info in tensor_table(reader)]
 
 
-def test_llama3_rope_freqs_are_checked_against_the_config_and_skipped(tiny_checkpoints, tmp_path):
+def test_llama3_rope_freqs_become_the_config_scaling(tiny_checkpoints, tmp_path):
     """llama.cpp stores Llama 3.1+ RoPE scaling as `rope_freqs.weight` (factors it divides the
-    frequencies by); the loader accepts it when the config's llama3 scaling gives the same
-    factors, and refuses it, naming the mismatch, otherwise."""
+    frequencies by); the view turns them back into llama3 parameters, and the loader refuses
+    factors that no llama3 setting gives, naming the mismatch."""
     folder = tiny_checkpoints["llama_mqa_tied_llama3"]
     config = AutoConfig.from_pretrained(folder)
     rope = config.rope_parameters
@@ -268,15 +268,22 @@ def test_llama3_rope_freqs_are_checked_against_the_config_and_skipped(tiny_check
              LlamaForCausalLM.gguf_checkpoint_weights(config, _file_tensors(path))]
     assert "model.layers.0.self_attn.q_proj.weight" in names
     assert not any("rope" in name for name in names)
-    # transformers' GGUF reader does not carry llama3 scaling into the config (the view's
-    # config.json has default RoPE), so the engine refuses the file instead of ignoring it.
-    with pytest.raises(ValueError, match=r"rope_freqs.weight does not match the config's RoPE "
-                                         r"scaling \(rope_type 'default'\)"):
-        LLM(str(path), **ENGINE_ARGS)
+    # transformers' GGUF reader drops llama3 scaling from the config; the view puts back the
+    # llama3 parameters that reproduce the factors, so the file runs like the original checkpoint.
+    view = json.loads((Path(prepare_gguf_view(str(path))) / "config.json").read_text())
+    assert view["rope_parameters"]["rope_type"] == "llama3"
+    prompts = _prompts(config.vocab_size)[:3] + [list(range(3, 300))]
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    assert _engine_greedy(LLM(str(path), **ENGINE_ARGS), prompts) == [_hf_greedy(hf, p)
+                                                                     for p in prompts]
+    # Factors no llama3 setting gives: the view keeps default RoPE and the loader refuses.
     wrong = factors.copy()
     wrong[-1] *= 2
     bad = write_gguf(folder, tmp_path / "llama3_bad.gguf", "F32",
                      extra_tensors={"rope_freqs.weight": wrong})
+    with pytest.raises(ValueError, match=r"rope_freqs.weight does not match the config's RoPE "
+                                         r"scaling \(rope_type 'default'\)"):
+        LLM(str(bad), **ENGINE_ARGS)
     with pytest.raises(ValueError, match=f"factor {len(wrong) - 1} is"):
         list(LlamaForCausalLM.gguf_checkpoint_weights(config, _file_tensors(bad)))
 
