@@ -477,7 +477,10 @@ def json_schema_grammar(schema_text: str):
     except json.JSONDecodeError as e:
         raise ValueError(f"not JSON: {e}") from e
     check_json_schema(schema)
-    grammar = xgr.Grammar.from_json_schema(json.dumps(rewrite_formats(schema)),
-                                           any_whitespace=False)
+    rewritten = rewrite_formats(schema)
+    # The original text when nothing changed (keeps number spellings such as 1e400 as written).
+    grammar = xgr.Grammar.from_json_schema(
+        schema_text if rewritten == schema else json.dumps(rewritten, allow_nan=False),
+        any_whitespace=False)
     text, count = fix_string_char_classes(str(grammar))
     return xgr.Grammar.from_ebnf(text) if count else grammar

@@ -152,10 +152,11 @@ def _schemas(seed: int, count: int) -> list[dict]:
     return [generator.schema() for _ in range(count)]
 
 
-@pytest.fixture(scope="module")
-def llm(tiny_checkpoints):
-    return LLM(str(tiny_checkpoints["llama"]), dtype="float32", kv_cache_memory_bytes=32 << 20,
-               max_num_seqs=64)
+@pytest.fixture(scope="module", params=["llama", "mistral"])
+def llm(tiny_checkpoints, request):
+    """Byte-level BPE ("llama") and SentencePiece with byte fallback ("mistral") vocabularies."""
+    return LLM(str(tiny_checkpoints[request.param]), dtype="float32",
+               kv_cache_memory_bytes=32 << 20, max_num_seqs=64)
 
 
 def _check_outputs(llm: LLM, schemas: list[dict], seed: int, max_tokens: int) -> None:
