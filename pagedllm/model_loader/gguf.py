@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 from collections.abc import Callable, Iterator
@@ -228,10 +229,58 @@ def _write_view(folder: Path, path: Path, reader, architecture_name: str) -> Non
     if key_length is not None:
         config.head_dim = int(key_length)
     _add_llama3_rope_scaling(config, reader, path)
+    if arch == "gemma2":
+        _add_gemma2_settings(config, reader)
+    elif arch == "phi3":
+        _add_phi3_settings(config, reader)
     config.save_pretrained(str(folder))
     tokenizer.save_pretrained(str(folder))
     (folder / "generation_config.json").write_text(
         json.dumps(_generation_config(reader), indent=2))
+
+
+def _add_gemma2_settings(config, reader) -> None:
+    """Gemma 2 settings transformers' GGUF reader leaves at its defaults: the attention and final
+    logit soft-caps (`gemma2.attn_logit_softcapping`, `gemma2.final_logit_softcapping`; absent
+    means none), and the query scale, which files do not store: llama.cpp uses
+    hidden_size / num_heads for the 46-layer 27B model and head_dim otherwise, as released."""
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        value = _metadata(reader, f"gemma2.{key}")
+        setattr(config, key, float(value) if value is not None else None)
+    heads = config.num_attention_heads
+    config.query_pre_attn_scalar = (config.hidden_size // heads if config.num_hidden_layers == 46
+                                    else config.head_dim)
+
+
+def _add_phi3_settings(config, reader) -> None:
+    """Phi-3 settings transformers' GGUF reader drops: the sliding window
+    (`phi3.attention.sliding_window`), partial RoPE (`phi3.rope.dimension_count` < head size)
+    and LongRoPE, which llama.cpp stores as the tensors `rope_factors_long/short.weight` plus
+    `phi3.rope.scaling.original_context_length` and `.attn_factor` (kept only when it differs
+    from the factor's default, sqrt(1 + ln(factor) / ln(original)))."""
+    window = _metadata(reader, "phi3.attention.sliding_window")
+    if window is not None:
+        config.sliding_window = int(window)
+    head_dim = getattr(config, "head_dim", None) or (config.hidden_size
+                                                     // config.num_attention_heads)
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    rotary = _metadata(reader, "phi3.rope.dimension_count")
+    if rotary is not None and int(rotary) != head_dim:
+        rope["partial_rotary_factor"] = int(rotary) / head_dim
+    factors = {t.name: np.array(t.data, np.float32).tolist() for t in reader.tensors
+               if t.name in ("rope_factors_long.weight", "rope_factors_short.weight")}
+    original = _metadata(reader, "phi3.rope.scaling.original_context_length")
+    if len(factors) == 2 and original is not None:
+        rope.update(rope_type="longrope", long_factor=factors["rope_factors_long.weight"],
+                    short_factor=factors["rope_factors_short.weight"],
+                    original_max_position_embeddings=int(original))
+        config.original_max_position_embeddings = int(original)
+        attn_factor = _metadata(reader, "phi3.rope.scaling.attn_factor")
+        scale = config.max_position_embeddings / int(original)
+        default = 1.0 if scale <= 1 else math.sqrt(1 + math.log(scale) / math.log(int(original)))
+        if attn_factor is not None and not math.isclose(attn_factor, default, rel_tol=1e-6):
+            rope["attention_factor"] = float(attn_factor)
+    config.rope_parameters = rope
 
 
 def _add_llama3_rope_scaling(config, reader, path: Path) -> None:

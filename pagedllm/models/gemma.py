@@ -261,10 +261,9 @@ class Gemma2ForCausalLM(nn.Module):
         ValueError: for an unsupported activation, rope type, layer type or bidirectional config.
     """
 
-    # GGUF `general.architecture` this class loads (see GEMMA_GGUF_TENSOR_NAMES). None for
-    # Gemma 2: its files' soft-capping keys are not read by transformers' GGUF config mapping,
-    # and no Gemma 2 file was at hand to check against.
-    gguf_architecture: str | None = None
+    # GGUF `general.architecture` this class loads (see GEMMA_GGUF_TENSOR_NAMES). transformers'
+    # GGUF config mapping drops Gemma 2's soft-capping keys; model_loader/gguf.py restores them.
+    gguf_architecture: str | None = "gemma2"
     qk_norm = False
     # Apply the config's attn_logit_softcapping.
     attn_logit_softcapping = True

@@ -16,13 +16,21 @@ The layers are Llama's (RMSNorm, GQA attention, SwiGLU MLP, no biases). What dif
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import numpy as np
 import torch
 
 from pagedllm.attention.forward_context import get_forward_context
 from pagedllm.layers.rotary_embedding import rope_parameters_from_hf
-from pagedllm.models.llama import LlamaForCausalLM
+from pagedllm.models.llama import GGUF_TENSOR_NAMES, LlamaForCausalLM, gguf_to_hf_name
+
+# llama.cpp's Phi-3 files keep the fused tensors: `attn_qkv` and `ffn_up` (gate and up rows).
+PHI3_GGUF_TENSOR_NAMES = {**GGUF_TENSOR_NAMES,
+                          "blk.{}.attn_qkv": "model.layers.{}.self_attn.qkv_proj",
+                          "blk.{}.ffn_up": "model.layers.{}.mlp.gate_up_proj"}
+# LongRoPE factor tensors; the checkpoint view turns them into the config's rope parameters.
+PHI3_GGUF_ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
@@ -42,7 +50,7 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     prefilled in several chunks also rotates its first chunks with the short factors.
     """
 
-    gguf_architecture = None
+    gguf_architecture = "phi3"
 
     def __init__(self, config) -> None:
         super().__init__(config)
@@ -82,6 +90,25 @@ class Phi3ForCausalLM(LlamaForCausalLM):
                 (a fused tensor whose rows do not add up to the config's sizes included).
         """
         return super().load_weights(self._split_fused(weights))
+
+    @classmethod
+    def gguf_checkpoint_weights(cls, config, weights: Iterable[tuple[str, Any]]
+                                ) -> Iterator[tuple[str, Any]]:
+        """Turn a Phi-3 GGUF file's tensors into HF-named checkpoint tensors (fused ones kept
+        fused for `load_weights`; Q/K rows are in HF's order in these files). The LongRoPE
+        factor tensors are skipped: the checkpoint view wrote them into the config
+        (`model_loader/gguf.py`).
+
+        Raises:
+            ValueError: naming a tensor this family has no parameter for.
+        """
+        for name, tensor in weights:
+            if name in PHI3_GGUF_ROPE_FACTORS:
+                continue
+            hf_name = gguf_to_hf_name(name, PHI3_GGUF_TENSOR_NAMES)
+            if hf_name is None:
+                raise ValueError(f"GGUF tensor {name} has no counterpart in {cls.__name__}")
+            yield hf_name, tensor
 
     def _split_fused(self, weights: Iterable[tuple[str, torch.Tensor]]
                      ) -> Iterator[tuple[str, torch.Tensor]]:

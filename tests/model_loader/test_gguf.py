@@ -157,6 +157,34 @@ def test_end_of_generation_ids_and_sampling_defaults_reach_generation_config(che
     assert gen["temperature"] == 0.5 and gen["top_k"] == 40
 
 
+def test_gemma2_file_matches_the_original_checkpoint(tiny_checkpoints, tmp_path):
+    """Gemma 2 files: the soft-caps come from the file's metadata (transformers' reader drops
+    them) and the query scale follows llama.cpp's rule; the fixture caps attention at 4 and the
+    final logits at 8, so a missing cap changes the tokens."""
+    folder = tiny_checkpoints["gemma2"]
+    path = write_gguf(folder, tmp_path / "gemma2.gguf", "F32", "gemma2",
+                      extra_metadata={"tokenizer.ggml.unknown_token_id": 0})
+    view = json.loads((Path(prepare_gguf_view(str(path))) / "config.json").read_text())
+    assert (view["attn_logit_softcapping"], view["final_logit_softcapping"]) == (4.0, 8.0)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    prompts = _prompts(hf.config.vocab_size)
+    llm = LLM(str(path), **ENGINE_ARGS)
+    assert _engine_greedy(llm, prompts) == [_hf_greedy(hf, p) for p in prompts]
+
+
+@pytest.mark.parametrize("variant", ["phi3", "phi3_longrope_partial"])
+def test_phi3_file_matches_the_original_checkpoint(tiny_checkpoints, tmp_path, variant):
+    """Phi-3 files keep the fused qkv / gate_up tensors; LongRoPE comes back from the factor
+    tensors and the original context length (prompts up to 70 tokens run past its 32), partial
+    RoPE from rope.dimension_count."""
+    folder = tiny_checkpoints[variant]
+    path = write_gguf(folder, tmp_path / f"{variant}.gguf", "F32", "phi3")
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    prompts = _prompts(hf.config.vocab_size)
+    llm = LLM(str(path), **ENGINE_ARGS)
+    assert _engine_greedy(llm, prompts) == [_hf_greedy(hf, p) for p in prompts]
+
+
 def test_end_of_turn_tokens_found_by_their_text(tmp_path):
     """Gemma's files state only <eos>; <end_of_turn> ends a chat turn too (llama.cpp finds such
     tokens by their text)."""
