@@ -3,8 +3,8 @@
 A choice is read in one of four tool modes (vLLM's and OpenAI's `tool_choice`):
 
 - `none`: all text is content;
-- `auto`: the server's tool-call parser finds calls in the text (`tool_parsers/`); text before
-  them is content; none found -> all text is content;
+- `auto`: the server's tool-call parser finds calls in the text (`tool_parsers/`); the text
+  around them is content; none found -> all text is content;
 - `required`: the output was constrained to a JSON array `[{"name": ..., "parameters": {...}}]`
   (see `tool_choice.required_schema`), each item a call;
 - `named`: the output was constrained to the named function's parameters; the whole text is that
@@ -101,8 +101,7 @@ class ChoiceOutputParser:
             parsed = self.mode.parser.parse(answer, final=True)
             if parsed.calls:
                 calls = parsed.calls
-                prefix = answer[:parsed.section_start]
-                content = prefix if prefix.strip() else None
+                content = parsed.content if parsed.content.strip() else None
         if not self.mode.parallel:
             calls = calls[:1]
         return ChatOutput(reasoning, content, calls)
@@ -131,22 +130,18 @@ class ChoiceOutputParser:
                 out.extend(self._named_deltas(answer))
             return out
         calls: list[FunctionCall] = []
-        limit = len(answer)
+        content = answer
         if kind == "required":
             calls = required_calls(answer)
-            limit = len(answer) if final and not calls else 0
+            content = answer if final and not calls else ""
         elif kind == "auto":
             parsed = self.mode.parser.parse(answer, final)
-            calls = parsed.calls
-            if parsed.section_start is not None and (calls or not final):
-                limit = parsed.section_start
-            elif not final:
-                limit = len(answer) - self.mode.parser.holdback(answer)
+            calls, content = parsed.calls, parsed.content
         if not self.mode.parallel:
             calls = calls[:1]
-        if limit > self._sent_content:
-            out.append({"content": answer[self._sent_content:limit]})
-            self._sent_content = limit
+        if len(content) > self._sent_content:
+            out.append({"content": content[self._sent_content:]})
+            self._sent_content = len(content)
         new_calls = calls[len(self._call_ids):]
         if new_calls:
             out.append({"tool_calls": [self._call_delta(call) for call in new_calls]})

@@ -55,38 +55,55 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-def _has_lone_surrogate(value: Any) -> bool:
-    """Whether `value` (JSON-like) holds a string with a lone UTF-16 surrogate: a valid JSON
-    escape such as "\\ud800" that no tokenizer or UTF-8 encoder accepts."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return True
-        return False
-    if isinstance(value, dict):
-        return any(_has_lone_surrogate(k) or _has_lone_surrogate(v) for k, v in value.items())
-    if isinstance(value, list):
-        return any(_has_lone_surrogate(v) for v in value)
-    return False
+# Deepest nesting of JSON arrays/objects a request field may have. Real schemas and arguments
+# stay far below; deeper values would exhaust the recursion of the code that walks them (schema
+# compilation, chat templates).
+MAX_JSON_DEPTH = 100
+
+
+def _json_value_problem(value: Any) -> str | None:
+    """Why a JSON-like value cannot be accepted, or None: "lone_surrogate" for a string with a
+    lone UTF-16 surrogate (a valid JSON escape such as "\\ud800" that no tokenizer or UTF-8
+    encoder accepts), "too_deep" for nesting beyond MAX_JSON_DEPTH. Iterative, so any depth is
+    safe to check."""
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return "lone_surrogate"
+        elif isinstance(item, (dict, list)):
+            if depth >= MAX_JSON_DEPTH:
+                return "too_deep"
+            children = (item if isinstance(item, list)
+                        else [part for pair in item.items() for part in pair])
+            stack.extend((child, depth + 1) for child in children)
+    return None
 
 
 class _StrictModel(BaseModel):
     """Unknown fields, values of the wrong JSON type (no coercion: "2" is not an int, false is
-    not a float), non-finite floats and text that is not valid Unicode are validation errors
-    (400 naming the field)."""
+    not a float), non-finite floats, text that is not valid Unicode and values nested deeper
+    than MAX_JSON_DEPTH are validation errors (400 naming the field)."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
     @model_validator(mode="before")
     @classmethod
-    def _refuse_lone_surrogates(cls, data: Any) -> Any:
-        message = "text must be valid Unicode (a lone UTF-16 surrogate such as \\ud800 is not)"
+    def _refuse_bad_json_values(cls, data: Any) -> Any:
+        messages = {
+            "lone_surrogate": "text must be valid Unicode (a lone UTF-16 surrogate such as "
+                              "\\ud800 is not)",
+            "too_deep": f"nested deeper than {MAX_JSON_DEPTH} levels of arrays and objects"}
         for key, value in (data.items() if isinstance(data, dict) else ()):
-            if _has_lone_surrogate(key):  # a name that is no field
-                raise PydanticCustomError("lone_surrogate", message)
-            if _has_lone_surrogate(value):
-                raise PydanticCustomError("lone_surrogate", message, {"field": str(key)})
+            problem = _json_value_problem(key)
+            if problem is not None:     # a name that is no field (and cannot be echoed)
+                raise PydanticCustomError(problem, messages[problem])
+            problem = _json_value_problem(value)
+            if problem is not None:
+                raise PydanticCustomError(problem, messages[problem], {"field": str(key)})
         return data
 
 
@@ -293,9 +310,12 @@ class ChatMessage(BaseModel):
             return self.content or ""
         texts = []
         for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            if part.get("type") != "text":
                 raise ValueError(f"messages: only text content parts are supported, got "
                                  f"{part.get('type')!r}")
+            if not isinstance(part.get("text"), str):
+                raise ValueError("messages: a content part of type 'text' needs a string "
+                                 "'text'")
             texts.append(part["text"])
         return "\n".join(texts)
 
@@ -308,7 +328,7 @@ class FunctionDefinition(_StrictModel):
 
 
 class ChatCompletionToolsParam(_StrictModel):
-    type: Literal["function"] = "function"
+    type: Literal["function"]
     function: FunctionDefinition
 
 
@@ -317,7 +337,7 @@ class NamedFunction(_StrictModel):
 
 
 class ChatCompletionNamedToolChoiceParam(_StrictModel):
-    type: Literal["function"] = "function"
+    type: Literal["function"]
     function: NamedFunction
 
 

@@ -223,18 +223,31 @@ class ServingChat:
         except ValueError as e:
             raise OpenAIServingError(str(e), 400, param="messages") from e
         tools = template_tools(request)
-        num_chars = sum(len(m["content"]) for m in conversation) + (
-            len(json.dumps(tools)) if tools else 0)
         limit = self.serving.async_llm.input_processor.max_prompt_chars(self.serving.max_model_len)
-        if num_chars > limit:
+        num_chars = sum(len(m["content"]) for m in conversation)
+        if num_chars > limit:                    # refused before the template even runs
             raise OpenAIServingError(f"messages: {num_chars} characters cannot fit max_model_len "
                                      f"({self.serving.max_model_len}) tokens", 400,
                                      param="messages")
         try:
-            return list(tokenizer.apply_chat_template(
-                conversation, tools=tools, tokenize=True,
-                add_generation_prompt=request.add_generation_prompt, return_dict=False,
-                **(request.chat_template_kwargs or {})))
+            # NOTE(serving_chat): rendered to text, measured, then tokenized as
+            # apply_chat_template(tokenize=True) does (no special tokens added): the tools are
+            # only counted if the template renders them.
+            text = tokenizer.apply_chat_template(
+                conversation, tools=tools, tokenize=False,
+                add_generation_prompt=request.add_generation_prompt,
+                **(request.chat_template_kwargs or {}))
         except Exception as e:  # noqa: BLE001 - template errors are the request's fault
             raise OpenAIServingError(f"could not render the messages with the chat template: "
                                      f"{e}", 400, param="messages") from e
+        if not isinstance(text, str):
+            raise OpenAIServingError("the chat template did not render text (check "
+                                     "chat_template_kwargs)", 400, param="chat_template_kwargs")
+        if len(text) > limit:
+            raise OpenAIServingError(
+                f"the rendered conversation ({len(text)} characters"
+                f"{', tools included' if tools else ''}) cannot fit max_model_len "
+                f"({self.serving.max_model_len}) tokens", 400,
+                param="tools" if tools and num_chars + len(json.dumps(tools)) > limit
+                else "messages")
+        return tokenizer.encode(text, add_special_tokens=False)

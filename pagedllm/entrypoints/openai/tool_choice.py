@@ -21,10 +21,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
-# Names the server passes to the chat template itself.
-_RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tools", "documents",
-                                       "tokenize", "add_generation_prompt", "return_dict",
-                                       "chat_template", "continue_final_message"})
+# `apply_chat_template`'s own arguments: the server sets them, or they change what it returns.
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
 _CONSTRAINT_FIELDS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice",
                       "guided_grammar")
 _EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
@@ -34,6 +35,11 @@ def check_tools(request) -> None:
     """Raises ValueError naming the problem with the request's tools, tool_choice or
     chat_template_kwargs."""
     names = [tool.function.name for tool in request.tools or ()]
+    for tool in request.tools or ():
+        params = tool.function.parameters
+        if params is not None and params.get("type", "object") != "object":
+            raise ValueError(f"tools: the parameters of {tool.function.name!r} must be an object "
+                             f"schema (type 'object'), got type {params.get('type')!r}")
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
         raise ValueError(f"tools: function names must be unique; repeated: {duplicates}")
@@ -66,9 +72,9 @@ def tool_call_schema(request) -> dict[str, Any] | None:
     """The JSON schema the output must follow for a required or named tool choice; None for
     "none" and "auto".
 
-    Raises:
-        ValueError: two tools define the same `$defs` name differently (required mode hoists
-            every tool's `$defs` to the root so their `$ref`s resolve).
+    In required mode each tool's parameters schema moves whole under the root's `$defs` (as
+    `tool_<i>`) and its local `$ref`s ("#", "#/$defs/x", "#/properties/a", ...) are rewritten to
+    point inside it, so they resolve against the function's schema, not the wrapper array.
     """
     mode = request.effective_tool_choice()
     if mode == "named":
@@ -79,24 +85,32 @@ def tool_call_schema(request) -> dict[str, Any] | None:
         return None
     defs: dict[str, Any] = {}
     branches = []
-    for tool in request.tools:
-        params = dict(parameters_schema(tool.function))
-        for key in ("$defs", "definitions"):
-            for name, definition in (params.pop(key, None) or {}).items():
-                if defs.setdefault(name, definition) != definition:
-                    raise ValueError(f"tools: two functions define $defs {name!r} differently; "
-                                     "rename one for tool_choice 'required'")
+    for i, tool in enumerate(request.tools):
+        key = f"tool_{i}"
+        defs[key] = _rebase_refs(parameters_schema(tool.function), f"#/$defs/{key}")
         branches.append({"type": "object",
                          "properties": {"name": {"type": "string",
                                                  "enum": [tool.function.name]},
-                                        "parameters": params},
+                                        "parameters": {"$ref": f"#/$defs/{key}"}},
                          "required": ["name", "parameters"], "additionalProperties": False})
-    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": branches}}
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": branches},
+                              "$defs": defs}
     if not request.parallel_tool_calls:
         schema["maxItems"] = 1
-    if defs:
-        schema["$defs"] = defs
     return schema
+
+
+def _rebase_refs(schema: Any, root: str) -> Any:
+    """A copy of `schema` whose local `$ref`s ("#...") point below `root` instead of "#"."""
+    if isinstance(schema, list):
+        return [_rebase_refs(item, root) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: _rebase_refs(value, root) for key, value in schema.items()}
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        out["$ref"] = root + ref[1:]
+    return out
 
 
 def template_tools(request) -> list[dict[str, Any]] | None:
@@ -116,6 +130,10 @@ def template_messages(request) -> list[dict[str, Any]]:
     """
     conversation = []
     for i, message in enumerate(request.messages):
+        if message.content is None and message.role != "assistant":
+            raise ValueError(f"messages[{i}]: content is required for role {message.role!r}")
+        if message.tool_call_id is not None and message.role != "tool":
+            raise ValueError(f"messages[{i}]: tool_call_id belongs on tool messages only")
         entry: dict[str, Any] = {"role": message.role, "content": message.text_content()}
         if message.name is not None:
             entry["name"] = message.name
@@ -135,11 +153,18 @@ def template_messages(request) -> list[dict[str, Any]]:
 
 
 def _arguments_object(arguments: str, index: int) -> dict[str, Any]:
+    problem = f"messages[{index}]: tool_calls arguments must be a JSON object"
     try:
-        value = json.loads(arguments)
+        value = json.loads(arguments, parse_constant=_refuse_constant)
     except json.JSONDecodeError as e:
-        raise ValueError(f"messages[{index}]: tool_calls arguments must be a JSON object: "
-                         f"{e.msg}") from e
+        raise ValueError(f"{problem}: {e.msg}") from e
+    except (ValueError, RecursionError):    # NaN/Infinity, integers too long, deep nesting
+        raise ValueError(f"{problem} of finite numbers, nested at most a few hundred "
+                         "levels") from None
     if not isinstance(value, dict):
-        raise ValueError(f"messages[{index}]: tool_calls arguments must be a JSON object")
+        raise ValueError(problem)
     return value
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")

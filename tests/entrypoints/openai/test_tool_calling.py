@@ -157,6 +157,21 @@ def test_auto_tool_choice_reads_calls_from_text(client, end_think) -> None:
                                                                       {"zone": "CET"})]
 
 
+def test_required_resolves_refs_inside_each_function(client, end_think) -> None:
+    """`$ref`s of a function's parameters ("#/definitions/...", "#/properties/...", "#") point
+    into that function's schema, not into the wrapper array of tool_choice "required"."""
+    params = {"type": "object", "definitions": {"n": {"type": "integer", "minimum": 0,
+                                                      "maximum": 9}},
+              "properties": {"a": {"$ref": "#/definitions/n"}, "b": {"$ref": "#/properties/a"},
+                             "c": {"type": "boolean"}},
+              "required": ["a", "b", "c"], "additionalProperties": False}
+    tool = {"type": "function", "function": {"name": "pick", "parameters": params}}
+    _, _, calls, finish = _create(client, False, tools=[tool], tool_choice="required",
+                                  parallel_tool_calls=False, logit_bias=end_think)
+    assert finish == "tool_calls" and calls[0][1] == "pick"
+    jsonschema.validate(json.loads(calls[0][2]), params)
+
+
 def test_structured_output_starts_after_the_reasoning(client, end_think) -> None:
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
               "additionalProperties": False}
@@ -192,6 +207,23 @@ def test_structured_output_starts_after_the_reasoning(client, end_think) -> None
      "messages", "arguments must be a JSON object"),
     ({"extra_body": {"chat_template_kwargs": {"tools": []}}}, "chat_template_kwargs",
      "cannot be overridden"),
+    ({"extra_body": {"chat_template_kwargs": {"return_tensors": "pt"}}},
+     "chat_template_kwargs", "cannot be overridden"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "string"}}}], "tool_choice": "required"}, "tools", "must be an object schema"),
+    ({"tools": TOOLS, "tool_choice": "required", "extra_body": {"chat_template_kwargs": {
+        "x": json.loads("[" * 150 + "]" * 150)}}}, "chat_template_kwargs", "nested deeper"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f",
+                                                     "arguments": "[" * 100000 + "]" * 100000}}]}]},
+     "messages", "arguments must be a JSON object"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"x": NaN}'}}]}]},
+     "messages", "arguments must be a JSON object"),
+    ({"messages": [{"role": "user", "content": None}]}, "messages", "content is required"),
+    ({"messages": [{"role": "user", "content": "hi", "tool_call_id": "c"}]}, "messages",
+     "tool messages only"),
+    ({"tools": [{"function": {"name": "f"}}]}, "tools", "type"),
 ])
 def test_bad_tool_requests_are_refused(client, kwargs, param, message) -> None:
     body = {"model": "tools", "messages": MESSAGES, "max_tokens": 2, **kwargs}

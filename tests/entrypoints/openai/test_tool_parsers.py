@@ -148,3 +148,32 @@ def test_unknown_parser_names_are_refused() -> None:
         get_tool_parser("nope")
     with pytest.raises(ValueError, match="unknown reasoning parser 'nope'.*deepseek_r1"):
         get_reasoning_parser("nope")
+
+
+@pytest.mark.parametrize("text,content,names", [
+    # Text between and after calls is content; a malformed block stays content word for word.
+    ('A <tool_call>{"name": "g", "arguments": {}}</tool_call> mid <tool_call>{"name": "h", '
+     '"arguments": {}}</tool_call> end', "A  mid  end", ["g", "h"]),
+    ('<tool_call>{"name": "g", "arguments": {}}</tool_call><tool_call>{"name": "g", '
+     '"arguments": {}</tool_call>', '<tool_call>{"name": "g", "arguments": {}</tool_call>',
+     ["g"]),
+    ('<tool_call>{"name": "g", "arguments": {}}</tool_call>\n\n', None, ["g"]),
+])
+def test_hermes_keeps_every_piece_of_text(text: str, content: str | None,
+                                          names: list[str]) -> None:
+    mode = ToolMode("auto", parser=get_tool_parser("hermes"))
+    out = ChoiceOutputParser(mode).result(text)
+    assert (out.content, [c.name for c in out.tool_calls]) == (content, names)
+    for step in (1, 4, 9):
+        joined = _stream(ChoiceOutputParser(mode), text, step)
+        assert joined["content"] == (content or "")
+        assert [joined["tool_calls"][i]["name"] for i in sorted(joined["tool_calls"])] == names
+
+
+def test_llama3_and_mistral_keep_unparsed_text() -> None:
+    for name, text, content in [
+            ("llama3_json", '{"name": "g", "parameters": {}}; and then some words',
+             "; and then some words"),
+            ("mistral", '[TOOL_CALLS][{"name": "g", "arguments": {}}] trailing', " trailing")]:
+        out = ChoiceOutputParser(ToolMode("auto", parser=get_tool_parser(name))).result(text)
+        assert ([c.name for c in out.tool_calls], out.content) == (["g"], content)

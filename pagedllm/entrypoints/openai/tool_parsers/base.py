@@ -1,10 +1,11 @@
 """What every tool-call format shares: parsed calls, JSON scanning, and the parser interface.
 
 A `ToolParser` reads a model's output text and finds the tool calls in it. It answers one
-question, `parse(text, final)`: where the tool-call section starts and which calls in it are
-complete. The same call serves a whole response (`final=True`, a last call may lack its closing
-marker) and a stream (`final=False`, only complete calls count), so a streamed answer is always
-the same as the whole one (see `tool_stream.ToolCallStream`).
+question, `parse(text, final)`: which calls are complete, and which text is content. The same
+call serves a whole response (`final=True`: a last call may lack its closing marker, and text
+that fails to parse is content) and a stream (`final=False`: only complete calls count, and text
+that may still become a call is held back). Both parts only grow as the text grows, so a
+streamed answer is always the same as the whole one (see `chat_output.ChoiceOutputParser`).
 """
 
 from __future__ import annotations
@@ -15,8 +16,6 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
-
-from pagedllm.reasoning.parsers import partial_marker_len
 
 _DECODER = json.JSONDecoder()
 
@@ -55,12 +54,11 @@ class ParsedToolCalls:
     """The result of `ToolParser.parse`.
 
     Attributes:
-        section_start: index in the text where the tool-call section starts; None when the text
-            has none (yet).
-        calls: the complete calls in the section, in order.
+        content: the text that is not part of a call (in a stream: so far as decided).
+        calls: the complete calls, in order.
     """
 
-    section_start: int | None = None
+    content: str = ""
     calls: list[FunctionCall] = field(default_factory=list)
 
 
@@ -103,27 +101,21 @@ class ToolParser(ABC):
 
     Attributes:
         name: the `--tool-call-parser` value.
-        markers: strings that open a tool-call section (a stream holds back any suffix that may
-            be the start of one).
         needs_special_tokens: True when a marker is a special token, so outputs must be
             detokenized with `skip_special_tokens=False` for the parser to see it.
     """
 
     name: str = ""
-    markers: tuple[str, ...] = ()
     needs_special_tokens: bool = False
 
     @abstractmethod
     def parse(self, text: str, final: bool) -> ParsedToolCalls:
-        """The section start and the complete calls of `text`.
+        """The content and the complete calls of `text`.
 
         `final`: the text is the whole output, so a last call without its closing marker counts
-        when it decodes; otherwise only calls that can no longer change count."""
-
-    def holdback(self, text: str) -> int:
-        """Characters at the end of `text` a stream must not send yet as content (they may
-        begin a tool-call section)."""
-        return max((partial_marker_len(text, m) for m in self.markers), default=0)
+        when it decodes, and what does not parse is content; otherwise (a stream) only calls
+        that can no longer change count, and text that may still be part of a call is left out
+        of the content."""
 
     def new_call_id(self) -> str:
         """A fresh id for a call this parser found."""

@@ -1,16 +1,16 @@
 """The tool-call formats of the common open model families (vLLM's parser names).
 
 - `hermes` (Hermes, Qwen2.5, Qwen3, QwQ): each call is
-  `<tool_call>{"name": "f", "arguments": {...}}</tool_call>`; text before the first call is the
-  message content.
-- `llama3_json` (Llama 3.1 / 3.2 / 3.3 with JSON tool calling): the whole output is one or more
+  `<tool_call>{"name": "f", "arguments": {...}}</tool_call>`; text around the calls is content.
+- `llama3_json` (Llama 3.1 / 3.2 / 3.3 with JSON tool calling): the output is one or more
   `{"name": "f", "parameters": {...}}` objects separated by ";", optionally after
   `<|python_tag|>`.
 - `mistral` (Mistral / Mixtral instruct v0.3 and later): `[TOOL_CALLS]` followed by a JSON list
   `[{"name": "f", "arguments": {...}}, ...]`, or (tokenizer v11+) by `f[ARGS]{...}`, one
   `[TOOL_CALLS]` per call.
 
-Formats follow the models' chat templates; the parsing code is our own.
+Text that looks like a call but does not parse stays content, word for word. Formats follow the
+models' chat templates; the parsing code is our own.
 """
 
 from __future__ import annotations
@@ -22,104 +22,121 @@ import string
 from pagedllm.entrypoints.openai.tool_parsers.base import (FunctionCall, ParsedToolCalls,
                                                            ToolParser, json_list_items,
                                                            json_values)
+from pagedllm.reasoning.parsers import partial_marker_len
 
 
 class HermesToolParser(ToolParser):
     name = "hermes"
-    markers = ("<tool_call>",)
-    _CLOSE = "</tool_call>"
+    _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 
     def parse(self, text: str, final: bool) -> ParsedToolCalls:
-        start = text.find(self.markers[0])
-        if start < 0:
-            return ParsedToolCalls()
-        result = ParsedToolCalls(section_start=start)
-        pos = start
-        while text.startswith(self.markers[0], pos):
-            body_start = pos + len(self.markers[0])
+        result = ParsedToolCalls()
+        pos = 0
+        while True:
+            start = text.find(self._OPEN, pos)
+            if start < 0:
+                tail = text[pos:]
+                tail = tail[:len(tail) - (0 if final else partial_marker_len(tail, self._OPEN))]
+                result.content += self._gap(tail, result)
+                return result
+            result.content += self._gap(text[pos:start], result)
+            body_start = start + len(self._OPEN)
             close = text.find(self._CLOSE, body_start)
-            if close < 0 and not final:
-                break
-            body = text[body_start:] if close < 0 else text[body_start:close]
-            call = _one_json_call(body, ("arguments",))
-            if call is None:
-                break
-            result.calls.append(call)
             if close < 0:
-                break
+                if final:           # cut off after the call: it counts if it is complete
+                    call = _one_json_call(text[body_start:], ("arguments",))
+                    if call is not None:
+                        result.calls.append(call)
+                    else:
+                        result.content += text[start:]
+                return result       # a stream holds an open call back until it closes
+            call = _one_json_call(text[body_start:close], ("arguments",))
+            if call is not None:
+                result.calls.append(call)
+            else:
+                result.content += text[start:close + len(self._CLOSE)]
             pos = close + len(self._CLOSE)
-            while pos < len(text) and text[pos].isspace():
-                pos += 1
-        return result
+
+    @staticmethod
+    def _gap(text: str, result: ParsedToolCalls) -> str:
+        """Text between or after calls is content unless it is only whitespace (a stream holds
+        such a gap back until something else follows it)."""
+        return text if not result.calls or text.strip() else ""
 
 
 class Llama3JsonToolParser(ToolParser):
     name = "llama3_json"
-    markers = ("<|python_tag|>",)
+    _TAG = "<|python_tag|>"
     needs_special_tokens = True
 
     def parse(self, text: str, final: bool) -> ParsedToolCalls:
         stripped = text.lstrip()
+        if not final and (not stripped or self._TAG.startswith(stripped)):
+            return ParsedToolCalls()            # undecided: a call can only open the output
         offset = len(text) - len(stripped)
-        if stripped.startswith(self.markers[0]):
-            offset += len(self.markers[0])
+        if stripped.startswith(self._TAG):
+            offset += len(self._TAG)
         elif not stripped.startswith("{"):
-            return ParsedToolCalls()
-        result = ParsedToolCalls(section_start=0)
-        for value, _ in json_values(text, offset, ";"):
+            return ParsedToolCalls(content=text)
+        result = ParsedToolCalls()
+        end = offset
+        for value, end_of_value in json_values(text, offset, ";"):
             call = FunctionCall.from_json(value, ("parameters", "arguments"))
             if call is None:
                 break
             result.calls.append(call)
+            end = end_of_value
+        if final:
+            rest = text[end:] if result.calls else text
+            if rest.strip(" \n\t;"):
+                result.content = rest
         return result
-
-    def holdback(self, text: str) -> int:
-        # A call can only open the output: until the first visible character says otherwise,
-        # hold everything back.
-        stripped = text.lstrip()
-        if not stripped or self.markers[0].startswith(stripped):
-            return len(text)
-        return 0
 
 
 class MistralToolParser(ToolParser):
     name = "mistral"
-    markers = ("[TOOL_CALLS]",)
-    needs_special_tokens = True
-    _ARGS = "[ARGS]"
+    _MARKER, _ARGS = "[TOOL_CALLS]", "[ARGS]"
     _NAME = re.compile(r"\s*([A-Za-z0-9_.-]+)")
+    needs_special_tokens = True
 
     def parse(self, text: str, final: bool) -> ParsedToolCalls:
-        marker = self.markers[0]
-        start = text.find(marker)
+        start = text.find(self._MARKER)
         if start < 0:
-            return ParsedToolCalls()
-        result = ParsedToolCalls(section_start=start)
-        pos = start
-        while text.startswith(marker, pos):
-            pos += len(marker)
-            while pos < len(text) and text[pos].isspace():
-                pos += 1
-            if text.startswith("[", pos):                  # [TOOL_CALLS][{...}, {...}]
-                for value, pos in json_list_items(text, pos):
+            keep = len(text) - (0 if final else partial_marker_len(text, self._MARKER))
+            return ParsedToolCalls(content=text[:keep])
+        result = ParsedToolCalls(content=text[:start])
+        pos = self._parse_calls(text, start, result)
+        if final and text[pos:].strip():
+            result.content += text[pos:]        # what does not parse stays content
+        return result
+
+    def _parse_calls(self, text: str, pos: int, result: ParsedToolCalls) -> int:
+        """Append the complete calls from `pos` (a marker); returns where parsing stopped."""
+        while text.startswith(self._MARKER, pos):
+            body = pos + len(self._MARKER)
+            while body < len(text) and text[body].isspace():
+                body += 1
+            if text.startswith("[", body):                  # [TOOL_CALLS][{...}, {...}]
+                end = body
+                for value, end in json_list_items(text, body):
                     call = FunctionCall.from_json(value)
                     if call is None:
-                        return result
+                        return pos if not result.calls else end
                     result.calls.append(call)
-                return result
-            name = self._NAME.match(text, pos)             # [TOOL_CALLS]f[ARGS]{...}
+                closing = text.find("]", end)
+                return pos if end == body else (closing + 1 if closing >= 0 else end)
+            name = self._NAME.match(text, body)             # [TOOL_CALLS]f[ARGS]{...}
             if name is None or not text.startswith(self._ARGS, name.end()):
-                return result
-            values = json_values(text, name.end() + len(self._ARGS), "")
-            decoded = next(values, None)
+                return pos
+            decoded = next(json_values(text, name.end() + len(self._ARGS), ""), None)
             if decoded is None or not isinstance(decoded[0], dict):
-                return result
+                return pos
             result.calls.append(FunctionCall.from_json({"name": name.group(1),
                                                         "arguments": decoded[0]}))
             pos = decoded[1]
             while pos < len(text) and text[pos].isspace():
                 pos += 1
-        return result
+        return pos
 
     def new_call_id(self) -> str:
         # Mistral's chat templates accept only 9 alphanumeric characters as a tool call id.
