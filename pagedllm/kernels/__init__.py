@@ -24,8 +24,8 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 KERNELS_VERSION = 4  # must equal pagedllm_cpu_kernels_version() in the sources
-_SOURCES = ("cpu_attention.cpp", "cpu_linear.cpp", "cpu_decoder.cpp")
-_HEADERS = ("cpu_vec.h", "attention_kernel.h", "linear_kernel.h")
+_SOURCES = ("cpu_attention.cpp", "cpu_linear.cpp", "cpu_decoder.cpp", "cpu_gguf_linear.cpp")
+_HEADERS = ("cpu_vec.h", "attention_kernel.h", "linear_kernel.h", "gguf_blocks.h")
 _CXXFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 
 _lock = threading.Lock()
@@ -140,3 +140,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.decoder_layers.argtypes = [p, i32, p, p, i32, i32, i32]
     lib.add_rms_norm.restype = None
     lib.add_rms_norm.argtypes = [p, p, i64, i64, p, f32, p, i32]
+    for name in ("linear_gguf_f32", "linear_gguf_q8_activations"):
+        fn = getattr(lib, name)
+        fn.restype = i32
+        fn.argtypes = [p, i64, i64, i64, p, i64, i32, p, p, i64]

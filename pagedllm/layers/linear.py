@@ -6,6 +6,10 @@ dimension (followed by an all-reduce, visible in `RowParallelLinear.forward`). F
 their `weight_loader(param, loaded, shard_id)` copies each into its rows.
 
     QKV weight rows:  [ q: num_heads*head_size | k: num_kv_heads*head_size | v: same as k ]
+
+Each layer's weight is created, loaded and applied by its quantization method (`quant_method`,
+layers/quantization/: float weights by default, GGUF blocks after `set_quant_method`); the
+layers keep the sharding: which rows of which checkpoint tensor go where.
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ from torch import nn
 from pagedllm.distributed.parallel_state import (get_tensor_model_parallel_rank,
                                                  get_tensor_model_parallel_world_size,
                                                  tensor_model_parallel_all_reduce)
-from pagedllm.platforms import current_platform
+from pagedllm.layers.quantization.base import (LinearMethodBase, UnquantizedLinearMethod,
+                                               copy_checkpoint_tensor)
 
 
 def _param(shape: tuple[int, ...], loader) -> nn.Parameter:
@@ -35,10 +40,14 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     Raises:
         ValueError: on a shape mismatch, naming both shapes.
     """
-    if param.shape != loaded.shape:
-        raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint "
-                         f"{tuple(loaded.shape)}")
-    param.data.copy_(loaded if isinstance(loaded, torch.Tensor) else loaded.materialize())
+    copy_checkpoint_tensor(param, loaded)
+
+
+def _set_quant_method(layer: nn.Module, method: LinearMethodBase) -> None:
+    """Make `method` create (empty) and apply `layer`'s weight; the bias is unchanged."""
+    layer.quant_method = method
+    method.create_weights(layer, layer.input_size_per_partition,
+                          layer.output_size_per_partition, layer.weight_loader)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -56,15 +65,29 @@ class ColumnParallelLinear(nn.Module):
         if output_size % self.tp_size:
             raise ValueError(f"output size {output_size} not divisible by tp size {self.tp_size}")
         self.output_size_per_partition = output_size // self.tp_size
-        self.weight = _param((self.output_size_per_partition, input_size), self.weight_loader)
+        self.input_size_per_partition = input_size
+        _set_quant_method(self, UnquantizedLinearMethod())
         self.bias = _param((self.output_size_per_partition,), self.weight_loader) if bias else None
 
+    def set_quant_method(self, method: LinearMethodBase) -> None:
+        """Store and apply the weight with `method` (re-created empty; load afterwards)."""
+        _set_quant_method(self, method)
+
+    def _load_rows(self, param: nn.Parameter, part, offset: int | None) -> None:
+        """`part` (this rank's rows of a checkpoint tensor) into rows [offset, ...) of `param`
+        (None: all of it), through the quantization method for the weight."""
+        if param is self.weight:
+            self.quant_method.load_weight(self, part, offset)
+        else:
+            default_weight_loader(param if offset is None else
+                                  param.data.narrow(0, offset, part.shape[0]), part)
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        shard = param.shape[0]
-        default_weight_loader(param, loaded.narrow(0, self.tp_rank * shard, shard))
+        shard = self.output_size_per_partition
+        self._load_rows(param, loaded.narrow(0, self.tp_rank * shard, shard), None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return current_platform.linear(x, self.weight, self.bias)
+        return self.quant_method.apply(self, x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -84,8 +107,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             raise ValueError("merged linear layers need a shard id for each checkpoint tensor")
         size = self.output_sizes[shard_id] // self.tp_size
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
-        part = loaded.narrow(0, self.tp_rank * size, size)
-        default_weight_loader(param.data.narrow(0, offset, size), part)
+        self._load_rows(param, loaded.narrow(0, self.tp_rank * size, size), offset)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -114,8 +136,7 @@ class QKVParallelLinear(ColumnParallelLinear):
                               "k": (q_size, kv_size, self.tp_rank // self.num_kv_head_replicas),
                               "v": (q_size + kv_size, kv_size,
                                     self.tp_rank // self.num_kv_head_replicas)}[shard_id]
-        part = loaded.narrow(0, rank * size, size)
-        default_weight_loader(param.data.narrow(0, offset, size), part)
+        self._load_rows(param, loaded.narrow(0, rank * size, size), offset)
 
 
 class RowParallelLinear(nn.Module):
@@ -128,15 +149,24 @@ class RowParallelLinear(nn.Module):
         if input_size % self.tp_size:
             raise ValueError(f"input size {input_size} not divisible by tp size {self.tp_size}")
         self.input_size_per_partition = input_size // self.tp_size
-        self.weight = _param((output_size, self.input_size_per_partition), self.weight_loader)
+        self.output_size_per_partition = output_size
+        _set_quant_method(self, UnquantizedLinearMethod())
         self.bias = _param((output_size,), default_weight_loader) if bias else None
 
+    def set_quant_method(self, method: LinearMethodBase) -> None:
+        """Store and apply the weight with `method` (re-created empty; load afterwards)."""
+        _set_quant_method(self, method)
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        shard = param.shape[1]
-        default_weight_loader(param, loaded.narrow(1, self.tp_rank * shard, shard))
+        shard = self.input_size_per_partition
+        part = loaded.narrow(1, self.tp_rank * shard, shard)
+        if param is self.weight:
+            self.quant_method.load_weight(self, part, None)
+        else:
+            default_weight_loader(param, part)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = current_platform.linear(x, self.weight)
+        y = self.quant_method.apply(self, x)
         if self.tp_size > 1:
             y = tensor_model_parallel_all_reduce(y)
         if self.bias is not None:

@@ -13,7 +13,8 @@ everything that takes a checkpoint folder (hf_model_info, tokenizers, the chat t
 AutoConfig) works unchanged; `gguf.json` points back at the file for the weights and keeps its
 tensor table (name, type, shape, byte offset), so loading memory-maps the data directly instead of
 parsing the metadata again (seconds for a 50k-token vocabulary). Weights are dequantized at load
-(keeping them quantized is the quantization issue's business). This module knows the file
+(`materialize`), or handed over in their blocks (`materialize_raw`) to linear layers that keep
+them quantized (layers/quantization/gguf.py). This module knows the file
 format, never an architecture's tensor names: those sit with the model family (DESIGN §8, e.g.
 `LlamaForCausalLM.gguf_checkpoint_weights`). Nothing here touches the network.
 """
@@ -476,6 +477,74 @@ class GGUFTensor:
         if index is not None:
             tensor = tensor[index]
         return tensor.to(self.dtype).contiguous()
+
+    @property
+    def tensor_type(self) -> str:
+        """The GGML type name of the tensor in the file ("Q4_1")."""
+        return self._info.tensor_type
+
+    def materialize_raw(self) -> torch.Tensor:
+        """The selected slice still in its GGML block format, for quantized linear layers
+        (`layers/quantization/gguf.py`).
+
+        Returns:
+            [rows, row_bytes] uint8 (a copy): each row the slice's blocks in file order.
+
+        A map (`map`) must only reorder rows (as `unpermute_rope_rows` does): it is applied to
+        the row numbers and the byte rows are gathered in that order. A slice of the input
+        (last) dimension must start and end on block boundaries.
+
+        Raises:
+            ValueError: naming the tensor for a non-block type (F32/F16/BF16) or a tensor that is
+                not 2-D, a map that is not a row permutation, a slice across a block, or bytes
+                that do not unpack.
+        """
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        info = self._info
+        if info.tensor_type in ("F32", "F16", "BF16") or len(info.shape) != 2:
+            raise ValueError(f"GGUF tensor {info.name} ({info.tensor_type}, shape "
+                             f"{info.shape}) is not a 2-D tensor of quantized blocks")
+        block_size, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[info.tensor_type]]
+        rows, cols = (slice(0, info.shape[0]), slice(0, info.shape[1])) \
+            if self._index is None else self._index
+        if cols.start % block_size or cols.stop % block_size:
+            raise ValueError(f"GGUF tensor {info.name} ({info.tensor_type}): columns "
+                             f"[{cols.start}, {cols.stop}) do not fall on {block_size}-weight "
+                             f"block boundaries (a tensor-parallel split of the input dimension "
+                             f"must); load with quantization='none'")
+        try:
+            data = tensor_data(self._buffer, info)
+        except ValueError as e:
+            raise ValueError(f"GGUF tensor {info.name} ({info.tensor_type}) does not unpack: "
+                             f"{e}") from e
+        if self._transforms:
+            data = data[self._row_order().numpy()]
+        data = data[rows, cols.start // block_size * block_bytes:
+                    cols.stop // block_size * block_bytes]
+        return torch.from_numpy(np.array(data, dtype=np.uint8, order="C"))
+
+    def _row_order(self) -> torch.Tensor:
+        """The row permutation of this tensor's maps, found by mapping the row numbers.
+
+        Raises:
+            ValueError: naming the tensor when the maps are not a row permutation.
+        """
+        n = self._info.shape[0]
+        order = torch.arange(n, dtype=torch.float64).unsqueeze(1)
+        try:
+            for fn in self._transforms:
+                order = fn(order)
+        except RuntimeError as e:
+            raise ValueError(f"GGUF tensor {self.name}: its map does not apply to rows: "
+                             f"{e}") from e
+        perm = order.reshape(-1).round().long() if order.shape == (n, 1) else None
+        if perm is None or not torch.equal(perm.sort().values, torch.arange(n)) \
+                or not torch.equal(perm.double(), order.reshape(-1)):
+            raise ValueError(f"GGUF tensor {self.name}: its map is not a row permutation, so "
+                             f"it cannot apply to quantized blocks; load with "
+                             f"quantization='none'")
+        return perm
 
 
 def iterate_gguf_tensors(source: GGUFSource,

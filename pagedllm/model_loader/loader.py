@@ -5,12 +5,15 @@ Parameters are created empty on the target device in the target dtype and filled
 parameter's `weight_loader`; a checkpoint that leaves a parameter unset is an error naming it.
 Tensors reach the loaders lazily (`CheckpointTensor`, `GGUFTensor`): a tensor-parallel rank
 narrows them to its shard and only that slice is read from disk (safetensors `get_slice`) or
-dequantized (GGUF rows).
+dequantized (GGUF rows). With `quantization="gguf"` (the default for a GGUF file on the CPU)
+linear layers keep their GGUF blocks instead (layers/quantization/gguf.py); embeddings and norms
+are dequantized.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,6 +25,8 @@ from torch import nn
 from pagedllm.model_loader.gguf import iterate_gguf_tensors, read_gguf_source
 from pagedllm.model_loader.slicing import narrow_index
 from pagedllm.models.registry import resolve_model_class
+
+logger = logging.getLogger(__name__)
 
 
 def _safetensors_files(model_path: str) -> list[Path]:
@@ -113,30 +118,81 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(prev)
 
 
-def load_model(model_path: str, hf_config, dtype: torch.dtype, device: torch.device) -> nn.Module:
+def _quantization_for(quantization: str | None, source, device: torch.device) -> str:
+    """The linear layers' method name: `quantization` itself, or for None "gguf" for a GGUF
+    file on the CPU with the native kernels built, else "none".
+
+    Raises:
+        ValueError: "gguf" for a non-GGUF checkpoint, another device, or without the kernels.
+    """
+    from pagedllm.kernels import cpu_kernels
+
+    if quantization not in (None, "none", "gguf"):
+        raise ValueError(f"quantization must be None, 'none' or 'gguf', got {quantization!r}")
+    if quantization == "none":
+        return "none"
+    usable = source is not None and torch.device(device).type == "cpu"
+    if quantization == "gguf":
+        if not usable:
+            raise ValueError("quantization='gguf' needs a .gguf model on the CPU")
+        if cpu_kernels() is None:
+            raise ValueError("quantization='gguf' needs the native CPU kernels, which are "
+                             "unavailable here (see the log); use quantization='none'")
+        return "gguf"
+    return "gguf" if usable and cpu_kernels() is not None else "none"
+
+
+def load_model(model_path: str, hf_config, dtype: torch.dtype, device: torch.device,
+               quantization: str | None = None) -> nn.Module:
     """Instantiate the registered class for `hf_config.architectures` and load its weights.
 
     `model_path` is a safetensors checkpoint folder or a GGUF checkpoint view; a GGUF file's
-    tensors are renamed by the model family (`gguf_checkpoint_weights`) and dequantized at load.
+    tensors are renamed by the model family (`gguf_checkpoint_weights`). `quantization`: "none"
+    dequantizes them at load; "gguf" keeps the linear layers' weights in their blocks; None
+    (the default) picks "gguf" for a GGUF file on the CPU, falling back to "none" (logged) when
+    a linear weight's type has no kernel or a fused layer mixes types.
 
     Raises:
-        ValueError: unsupported architecture or tensor type, corrupt files, or weights missing
-            from the checkpoint.
+        ValueError: unsupported architecture or tensor type, corrupt files, weights missing
+            from the checkpoint, or a `quantization` that cannot apply (naming why).
         FileNotFoundError: the GGUF file behind a view is gone.
     """
+    from pagedllm.layers.quantization.gguf import GGUFLayoutUnsupported
+
     cls = resolve_model_class(tuple(getattr(hf_config, "architectures", None) or ()))
     source = read_gguf_source(model_path)
     if source is not None and not hasattr(cls, "gguf_checkpoint_weights"):
         raise ValueError(f"{cls.__name__} cannot load GGUF files ({source.path})")
+    method = _quantization_for(quantization, source, device)
+    if method == "none":
+        return _load(cls, model_path, source, hf_config, dtype, device, "none")
+    try:
+        return _load(cls, model_path, source, hf_config, dtype, device, method)
+    except GGUFLayoutUnsupported as e:
+        if quantization is not None:
+            raise
+        logger.info("GGUF weights dequantized at load: %s", e)
+        return _load(cls, model_path, source, hf_config, dtype, device, "none")
+
+
+def _load(cls, model_path: str, source, hf_config, dtype: torch.dtype, device: torch.device,
+          quantization: str) -> nn.Module:
+    from pagedllm.layers.quantization import quantize_linear_layers
+    from pagedllm.layers.quantization.gguf import GGUFLayoutUnsupported
+
     checkpoint = model_path if source is None else source.path
     with torch.device(device), _default_dtype(dtype):
         model = cls(hf_config)
+    if quantization != "none":
+        quantize_linear_layers(model, quantization)
     try:
         if source is None:
             weights = iterate_checkpoint_tensors(model_path, dtype)
         else:
             weights = cls.gguf_checkpoint_weights(hf_config, iterate_gguf_tensors(source, dtype))
         loaded = model.load_weights(weights)
+    except GGUFLayoutUnsupported as e:
+        raise GGUFLayoutUnsupported(f"loading {checkpoint}: {e}") from e
     except ValueError as e:
         raise ValueError(f"loading {checkpoint}: {e}") from e
     missing = {name for name, _ in model.named_parameters()} - loaded

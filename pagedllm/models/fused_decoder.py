@@ -116,7 +116,11 @@ class FusedDecoder:
         # `applies` sends only steps with a longer sequence to the module path (a window >=
         # max_model_len never does, keeping the fused path whole for such models).
         plain_attention = all(layer.self_attn.attn.logits_soft_cap is None for layer in layers)
-        return (plain_attention and weight.device.type == "cpu" and weight.dtype in _DTYPE_CODES
+        # NOTE(fused): the native layer reads float [out, in] weights; quantized linear layers
+        # (GGUF blocks, layers/quantization/) run the module path.
+        unquantized = not any(getattr(getattr(m, "quant_method", None), "quantized", False)
+                              for layer in layers for m in layer.modules())
+        return (plain_attention and unquantized and weight.device.type == "cpu" and weight.dtype in _DTYPE_CODES
                 and all(w.dtype == weight.dtype for w in norms)
                 and attn.qkv_proj.tp_size == 1 and attn.head_size % 2 == 0
                 # NOTE(fused): the native RoPE rotates whole heads (no partial_rotary_factor).

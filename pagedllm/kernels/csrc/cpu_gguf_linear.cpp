@@ -1,0 +1,270 @@
+// y = x @ W^T (+ bias) with W kept in a GGML block format (Q8_0, Q4_0, Q4_1; gguf_blocks.h),
+// activations and accumulation in float32.
+//
+// Why: a GGUF model's weights are 4-8.5 bits each; dequantized to float32 at load they take 4-8x
+// the memory and, since batch-1 decode streams every weight once per token, 4-8x the time. Here
+// each block is unpacked in registers inside the dot product (as llama.cpp's ggml does), so only
+// the quantized bytes are read from memory. The result equals x @ dequantize(W)^T up to the
+// order of the float32 sums.
+//
+// Layout: x [M, K] float32 (row stride ldx), w [N, row_bytes] uint8 with row_bytes = K / 32 *
+// block bytes (K a multiple of 32), bias [N] float32 or null, y [M, N] float32 (row stride ldy).
+// Register blocking: MB rows of x times NB rows of w per micro-kernel call. Threads split work
+// items (a block of x rows, a tile of w rows) as linear_kernel.h does (OpenMP, sharing torch's
+// runtime).
+//
+// A second entry point, linear_gguf_q8_activations, rounds x to 8 bits per block first (below).
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+#include <omp.h>
+
+#include "gguf_blocks.h"
+
+namespace pagedllm {
+namespace gguf {
+
+#ifdef PAGEDLLM_AVX2
+template <int MB, int NB, typename Q>
+inline void micro(const float* x, int64_t ldx, const uint8_t* w, int64_t row_bytes,
+                  int64_t num_blocks, const float* bias, float* y, int64_t ldy) {
+  // Two accumulator sets at MB == 1 halve the FMA dependency chains; at MB > 1 the rows of x
+  // give independent chains already.
+  constexpr int kSets = MB == 1 ? 2 : 1;
+  __m256 acc[kSets][MB][NB];
+  for (int s = 0; s < kSets; ++s)
+    for (int i = 0; i < MB; ++i)
+      for (int j = 0; j < NB; ++j) acc[s][i][j] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    for (int j = 0; j < NB; ++j) {
+      __m256 wv[4];
+      Q::unpack(w + j * row_bytes + b * Q::kBytes, wv);
+      for (int i = 0; i < MB; ++i) {
+        const float* xp = x + i * ldx + b * kBlock;
+        for (int c = 0; c < 4; ++c) {
+          __m256& a = acc[c % kSets][i][j];
+          a = _mm256_fmadd_ps(_mm256_loadu_ps(xp + 8 * c), wv[c], a);
+        }
+      }
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) {
+      __m256 a = acc[0][i][j];
+      if constexpr (kSets == 2) a = _mm256_add_ps(a, acc[1][i][j]);
+      y[i * ldy + j] = hsum(a) + (bias != nullptr ? bias[j] : 0.f);
+    }
+}
+#else
+template <int MB, int NB, typename Q>
+inline void micro(const float* x, int64_t ldx, const uint8_t* w, int64_t row_bytes,
+                  int64_t num_blocks, const float* bias, float* y, int64_t ldy) {
+  float acc[MB][NB] = {};
+  float wv[kBlock];
+  for (int64_t b = 0; b < num_blocks; ++b)
+    for (int j = 0; j < NB; ++j) {
+      Q::unpack(w + j * row_bytes + b * Q::kBytes, wv);
+      for (int i = 0; i < MB; ++i) {
+        const float* xp = x + i * ldx + b * kBlock;
+        float s = 0.f;
+        for (int k = 0; k < kBlock; ++k) s += xp[k] * wv[k];
+        acc[i][j] += s;
+      }
+    }
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) y[i * ldy + j] = acc[i][j] + (bias != nullptr ? bias[j] : 0.f);
+}
+#endif
+
+// Rows [m0, m1) of x (m1 - m0 a multiple of MB) against w rows [n0, n1).
+template <int MB, typename Q>
+void rows_block(const float* x, int64_t ldx, int64_t m0, int64_t m1, const uint8_t* w,
+                int64_t row_bytes, int64_t num_blocks, int64_t n0, int64_t n1, const float* bias,
+                float* y, int64_t ldy) {
+  constexpr int NB = MB == 1 ? 4 : 2;
+  for (int64_t m = m0; m + MB <= m1; m += MB) {
+    int64_t n = n0;
+    for (; n + NB <= n1; n += NB)
+      micro<MB, NB, Q>(x + m * ldx, ldx, w + n * row_bytes, row_bytes, num_blocks,
+                       bias != nullptr ? bias + n : nullptr, y + m * ldy + n, ldy);
+    for (; n < n1; ++n)
+      micro<MB, 1, Q>(x + m * ldx, ldx, w + n * row_bytes, row_bytes, num_blocks,
+                      bias != nullptr ? bias + n : nullptr, y + m * ldy + n, ldy);
+  }
+}
+
+template <typename Q>
+void linear(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* w, int64_t N,
+            const float* bias, float* y, int64_t ldy) {
+  const int64_t num_blocks = K / kBlock, row_bytes = num_blocks * Q::kBytes;
+  constexpr int64_t kRowBlock = 64;  // rows of x per work item (a multiple of the 4-row kernel)
+  const int64_t num_row_blocks = (M + kRowBlock - 1) / kRowBlock;
+#pragma omp parallel
+  {
+    const int64_t tile =
+        std::max<int64_t>(4, std::min<int64_t>(64, N / (8 * omp_get_num_threads())));
+    const int64_t num_tiles = (N + tile - 1) / tile;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < num_row_blocks * num_tiles; ++item) {
+      const int64_t t = item % num_tiles, rb = item / num_tiles;
+      const int64_t n0 = t * tile, n1 = std::min(N, n0 + tile);
+      const int64_t r0 = rb * kRowBlock, r1 = std::min(M, r0 + kRowBlock);
+      const int64_t r4 = r0 + (r1 - r0) / 4 * 4;
+      rows_block<4, Q>(x, ldx, r0, r4, w, row_bytes, num_blocks, n0, n1, bias, y, ldy);
+      rows_block<1, Q>(x, ldx, r4, r1, w, row_bytes, num_blocks, n0, n1, bias, y, ldy);
+    }
+  }
+}
+
+// --- Activations quantized to 8 bits per block (llama.cpp's Q8_0 activations, as in
+// `ggml_vec_dot_q4_0_q8_0`): integer dot products of 32 weights in a few instructions instead
+// of unpacking to float32. Not exact: each activation is rounded to 1/127 of its block's
+// largest magnitude. Offered by `ops.gguf_linear(..., quantize_activations=True)`; the layers
+// keep float32 activations.
+
+struct ActBlock {  // one block of 32 activations: x[i] ~= d * q[i]
+  float d;
+  int8_t q[kBlock];
+};
+
+inline void quantize_activations(const float* x, int64_t K, ActBlock* out) {
+  for (int64_t b = 0; b < K / kBlock; ++b) {
+    const float* xb = x + b * kBlock;
+    float amax = 0.f;
+    for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+    out[b].d = d;
+    for (int i = 0; i < kBlock; ++i) out[b].q[i] = static_cast<int8_t>(std::lround(xb[i] * id));
+  }
+}
+
+// The 32 weight quants of a Q8_0 / Q4_0 block as int8 (Q4_0: nibble - 8), and its scale.
+template <typename Q>
+inline float weight_quants(const uint8_t* b, int8_t* q) {
+  if constexpr (std::is_same_v<Q, Q8_0>) {
+    std::memcpy(q, b + 2, kBlock);
+  } else {
+    for (int i = 0; i < 16; ++i) {
+      q[i] = static_cast<int8_t>((b[2 + i] & 0x0f) - 8);
+      q[i + 16] = static_cast<int8_t>((b[2 + i] >> 4) - 8);
+    }
+  }
+  return half_to_float(b);
+}
+
+// dot(row of num_blocks weight blocks, quantized activations of one row).
+template <typename Q>
+inline float dot_q8(const uint8_t* wr, const ActBlock* xr, int64_t num_blocks) {
+#ifdef PAGEDLLM_AVX2
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const uint8_t* wb = wr + b * Q::kBytes;
+    __m256i qw;
+    if constexpr (std::is_same_v<Q, Q8_0>) {
+      qw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 2));
+    } else {
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + 2));
+      const __m128i mask = _mm_set1_epi8(0x0f);
+      qw = _mm256_sub_epi8(_mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask),
+                                            _mm_and_si128(raw, mask)), _mm256_set1_epi8(8));
+    }
+    const __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[b].q));
+    // maddubs multiplies unsigned by signed bytes: move w's sign onto x (|w| <= 128,
+    // |x| <= 127, so the pair sums fit in int16).
+    const __m256i prod =
+        _mm256_maddubs_epi16(_mm256_sign_epi8(qw, qw), _mm256_sign_epi8(qx, qw));
+    const __m256i sum = _mm256_madd_epi16(prod, _mm256_set1_epi16(1));
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(half_to_float(wb) * xr[b].d),
+                          _mm256_cvtepi32_ps(sum), acc);
+  }
+  return hsum(acc);
+#else
+  float total = 0.f;
+  int8_t q[kBlock];
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const float d = weight_quants<Q>(wr + b * Q::kBytes, q);
+    int32_t s = 0;
+    for (int i = 0; i < kBlock; ++i) s += static_cast<int32_t>(q[i]) * xr[b].q[i];
+    total += static_cast<float>(s) * (d * xr[b].d);
+  }
+  return total;
+#endif
+}
+
+template <typename Q>
+void linear_q8_activations(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* w,
+                           int64_t N, const float* bias, float* y, int64_t ldy) {
+  const int64_t num_blocks = K / kBlock, row_bytes = num_blocks * Q::kBytes;
+  std::vector<ActBlock> xq(static_cast<size_t>(M * num_blocks));
+#pragma omp parallel
+  {
+#pragma omp for
+    for (int64_t m = 0; m < M; ++m) quantize_activations(x + m * ldx, K, &xq[m * num_blocks]);
+    const int64_t tile =
+        std::max<int64_t>(4, std::min<int64_t>(64, N / (8 * omp_get_num_threads())));
+    const int64_t num_tiles = (N + tile - 1) / tile;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t t = 0; t < num_tiles; ++t)
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = t * tile; n < std::min(N, (t + 1) * tile); ++n) {
+          const float s = dot_q8<Q>(w + n * row_bytes, &xq[m * num_blocks], num_blocks);
+          y[m * ldy + n] = s + (bias != nullptr ? bias[n] : 0.f);
+        }
+  }
+}
+
+}  // namespace gguf
+}  // namespace pagedllm
+
+extern "C" {
+
+// GGML type codes (ggml.h's enum ggml_type) of the block formats taken here.
+enum { kGGMLTypeQ4_0 = 2, kGGMLTypeQ4_1 = 3, kGGMLTypeQ8_0 = 8 };
+
+// Returns 0, or -1 for a type code not taken here (nothing is written then). K must be a
+// multiple of 32 (checked by the caller).
+int linear_gguf_f32(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* w,
+                    int64_t N, int ggml_type, const float* bias, float* y, int64_t ldy) {
+  using namespace pagedllm::gguf;
+  switch (ggml_type) {
+    case kGGMLTypeQ8_0:
+      linear<Q8_0>(x, ldx, M, K, w, N, bias, y, ldy);
+      return 0;
+    case kGGMLTypeQ4_0:
+      linear<Q4_0>(x, ldx, M, K, w, N, bias, y, ldy);
+      return 0;
+    case kGGMLTypeQ4_1:
+      linear<Q4_1>(x, ldx, M, K, w, N, bias, y, ldy);
+      return 0;
+    default:
+      return -1;
+  }
+}
+
+}  // extern "C"
+
+extern "C" {
+
+// Q8_0 / Q4_0 weights with the activations quantized to 8 bits per block first (see
+// `linear_q8_activations`). Returns 0, or -1 for another type (nothing written).
+int linear_gguf_q8_activations(const float* x, int64_t ldx, int64_t M, int64_t K,
+                               const uint8_t* w, int64_t N, int ggml_type, const float* bias,
+                               float* y, int64_t ldy) {
+  using namespace pagedllm::gguf;
+  switch (ggml_type) {
+    case kGGMLTypeQ8_0:
+      linear_q8_activations<Q8_0>(x, ldx, M, K, w, N, bias, y, ldy);
+      return 0;
+    case kGGMLTypeQ4_0:
+      linear_q8_activations<Q4_0>(x, ldx, M, K, w, N, bias, y, ldy);
+      return 0;
+    default:
+      return -1;
+  }
+}
+
+}  // extern "C"

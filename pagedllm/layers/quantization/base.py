@@ -1,0 +1,88 @@
+"""The quantization method of a linear layer (vLLM's `LinearMethodBase` pattern) and the
+unquantized one.
+
+A linear layer (`layers/linear.py`) owns a method object that creates its weight parameter,
+copies checkpoint tensors into it and computes y = x W^T + b from it. The layer keeps the TP
+logic (which rows of which checkpoint tensor go where); the method knows only the storage.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+from torch import nn
+
+from pagedllm.platforms import current_platform
+
+
+class LinearMethodBase(ABC):
+    """How one linear layer stores and applies its weight.
+
+    Attributes:
+        quantized: the weight is not a plain float [out, in] matrix (the fused CPU decoder and
+            other code that reads `layer.weight` as a matrix must not take such a layer).
+    """
+
+    quantized: bool = False
+
+    @abstractmethod
+    def create_weights(self, layer: nn.Module, input_size_per_partition: int,
+                       output_size_per_partition: int, weight_loader) -> None:
+        """Register `layer.weight` for this rank's [output, input] shard (any earlier weight is
+        replaced); `weight_loader` becomes the parameter's `weight_loader`.
+
+        Raises:
+            ValueError: a shard this method cannot store (naming the sizes).
+        """
+
+    @abstractmethod
+    def load_weight(self, layer: nn.Module, loaded, row_offset: int | None) -> None:
+        """Copy a checkpoint tensor, already narrowed to this rank's shard, into rows
+        [row_offset, row_offset + loaded.shape[0]) of `layer.weight` (None: the whole weight).
+
+        `loaded` is a torch tensor or a lazy checkpoint tensor (`shape`, `narrow`,
+        `materialize`, and for GGUF `tensor_type`, `materialize_raw`).
+
+        Raises:
+            ValueError: a shape or format mismatch, naming both sides.
+        """
+
+    @abstractmethod
+    def apply(self, layer: nn.Module, x: torch.Tensor,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+        """y = x W^T + bias for x [..., input_size_per_partition]; returns
+        [..., output_size_per_partition] in x's dtype."""
+
+
+def copy_checkpoint_tensor(param: torch.Tensor, loaded) -> None:
+    """Copy a whole checkpoint tensor (a torch tensor or a lazy one, read here) into `param`.
+
+    Raises:
+        ValueError: on a shape mismatch, naming both shapes.
+    """
+    if param.shape != loaded.shape:
+        raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint "
+                         f"{tuple(loaded.shape)}")
+    param.data.copy_(loaded if isinstance(loaded, torch.Tensor) else loaded.materialize())
+
+
+class UnquantizedLinearMethod(LinearMethodBase):
+    """A float weight [output_size_per_partition, input_size_per_partition] in the default
+    dtype, applied with the platform's linear (`current_platform.linear`)."""
+
+    def create_weights(self, layer: nn.Module, input_size_per_partition: int,
+                       output_size_per_partition: int, weight_loader) -> None:
+        weight = nn.Parameter(torch.empty(output_size_per_partition, input_size_per_partition),
+                              requires_grad=False)
+        weight.weight_loader = weight_loader
+        layer.weight = weight
+
+    def load_weight(self, layer: nn.Module, loaded, row_offset: int | None) -> None:
+        dst = layer.weight if row_offset is None else layer.weight.data.narrow(
+            0, row_offset, loaded.shape[0])
+        copy_checkpoint_tensor(dst, loaded)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+        return current_platform.linear(x, layer.weight, bias)
