@@ -104,6 +104,37 @@ _TP: GroupCoordinator | None = None
 _PP: GroupCoordinator | None = None
 
 
+@dataclass(frozen=True)
+class ExpertParallelLayout:
+    """How MoE layers place their experts (docs/moe.md).
+
+    Attributes:
+        enable_expert_parallel: experts split whole over the expert-parallel (EP) group, which
+            is the tensor-parallel group; otherwise every TP rank holds a slice of every expert.
+        num_redundant_experts: extra physical experts per MoE layer (EPLB replicas).
+        count_expert_load: MoE layers count the tokens routed to each expert (EPLB on).
+    """
+
+    enable_expert_parallel: bool = False
+    num_redundant_experts: int = 0
+    count_expert_load: bool = False
+
+
+# NOTE(issue #19): topology like _TP/_PP: set by the model runner once, before it builds the
+# model, read by `FusedMoE.__init__` only.
+_EP_LAYOUT = ExpertParallelLayout()
+
+
+def set_expert_parallel_layout(layout: ExpertParallelLayout) -> None:
+    """Set the expert layout the MoE layers built after this call use."""
+    global _EP_LAYOUT
+    _EP_LAYOUT = layout
+
+
+def get_expert_parallel_layout() -> ExpertParallelLayout:
+    return _EP_LAYOUT
+
+
 def _single() -> GroupCoordinator:
     return GroupCoordinator((0,), 0, None, None)
 

@@ -13,8 +13,14 @@ them over the flat token batch:
 
 Tensor parallelism shards every expert's intermediate dimension like the dense MLP (w1/w3 by
 rows, w2 by columns), so the partial outputs are summed across ranks at the end, as in
-`RowParallelLinear`. `expert_map` (logical expert id -> local slot, -1 where the expert lives
-on another rank) is what expert parallelism will fill in; without it it is the identity.
+`RowParallelLinear`. With expert parallelism (`ExpertParallelLayout`) each TP rank instead
+holds P / tp *whole* physical experts (P = E logical + R redundant replicas); every rank
+already has every token's hidden state, so each computes its local experts' share for all
+tokens and the same all-reduce sums the shares (see docs/moe.md):
+
+    logical id --(replica = token index % replica count)--> physical id
+               --expert_map--> local slot, or -1 (another rank's expert: pair skipped)
+
 The router's own linear layer (the checkpoint's `gate`) belongs to the model's MoE block.
 """
 
@@ -23,7 +29,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedllm.distributed.parallel_state import (get_tensor_model_parallel_rank,
+import numpy as np
+
+from pagedllm.distributed.eplb.policy import ExpertPlacement, default_placement
+from pagedllm.distributed.parallel_state import (get_expert_parallel_layout,
+                                                 get_tensor_model_parallel_rank,
                                                  get_tensor_model_parallel_world_size,
                                                  tensor_model_parallel_all_reduce)
 from pagedllm.layers.activation import SiluAndMul
@@ -71,6 +81,9 @@ def select_experts(router_logits: torch.Tensor, top_k: int,
 class FusedMoE(nn.Module):
     """All local experts of one sparse MLP block (SiLU-gated, no biases).
 
+    The expert layout (expert parallelism, redundant experts, load counting) comes from
+    `parallel_state.get_expert_parallel_layout()` at construction.
+
     Args:
         num_experts: logical experts of the block (E).
         top_k: experts per token.
@@ -84,8 +97,9 @@ class FusedMoE(nn.Module):
     forward(hidden [n, H], router_logits [n, E]) -> [n, H] in hidden's dtype.
 
     Raises (construction):
-        ValueError: for another activation, top_k outside [1, E], or an intermediate size the
-            TP size does not divide.
+        ValueError: for another activation, top_k outside [1, E], an intermediate size the
+            TP size does not divide (without EP), or physical experts the EP size does not
+            divide.
     """
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
@@ -98,22 +112,45 @@ class FusedMoE(nn.Module):
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"FusedMoE: top_k {top_k} must be between 1 and the {num_experts} "
                              "experts")
+        layout = get_expert_parallel_layout()
         self.tp_rank = get_tensor_model_parallel_rank()
         self.tp_size = get_tensor_model_parallel_world_size()
-        if intermediate_size % self.tp_size:
+        self.use_ep = layout.enable_expert_parallel
+        # Expert parallelism: the EP group is the TP group and experts are not sharded; without
+        # it the EP group is this rank alone and every expert's intermediate dim is sharded.
+        self.ep_rank, self.ep_size = (self.tp_rank, self.tp_size) if self.use_ep else (0, 1)
+        self.moe_tp_rank, self.moe_tp_size = (0, 1) if self.use_ep else (self.tp_rank,
+                                                                          self.tp_size)
+        if intermediate_size % self.moe_tp_size:
             raise ValueError(f"FusedMoE: expert intermediate size {intermediate_size} not "
-                             f"divisible by tp size {self.tp_size}")
+                             f"divisible by tp size {self.moe_tp_size}")
         self.num_experts = num_experts
         self.top_k = top_k
         self.hidden_size = hidden_size
-        self.intermediate_size_per_partition = intermediate_size // self.tp_size
+        self.intermediate_size_per_partition = intermediate_size // self.moe_tp_size
         self.renormalize = renormalize
         self.reduce_results = reduce_results
-        # NOTE(ep): expert parallelism (issue #19, next phase) sets a rank's slice here and
-        # fewer local experts; everything below reads the map, never assumes the identity.
-        self.num_local_experts = num_experts
-        self.register_buffer("expert_map", torch.arange(num_experts, dtype=torch.int64),
-                             persistent=False)  # [E] logical id -> local slot or -1
+        self.num_redundant_experts = layout.num_redundant_experts
+        placement = default_placement(1, num_experts, self.ep_size, self.num_redundant_experts)
+        self.num_physical_experts = placement.num_physical_experts
+        self.num_local_experts = self.num_physical_experts // self.ep_size
+        max_replicas = self.num_redundant_experts + 1
+        self.register_buffer("physical_to_logical_map",
+                             torch.zeros(self.num_physical_experts, dtype=torch.int64),
+                             persistent=False)  # [P] physical id -> logical id
+        self.register_buffer("logical_to_physical_map",
+                             torch.zeros(num_experts, max_replicas, dtype=torch.int64),
+                             persistent=False)  # [E, R + 1] physical copies, -1 padded
+        self.register_buffer("logical_replica_count",
+                             torch.ones(num_experts, dtype=torch.int64),
+                             persistent=False)  # [E]
+        self.register_buffer("expert_map",
+                             torch.zeros(self.num_physical_experts, dtype=torch.int64),
+                             persistent=False)  # [P] physical id -> local slot or -1
+        # [E] int64 tokens routed to each logical expert since the last `take_expert_load`.
+        self.expert_load = (torch.zeros(num_experts, dtype=torch.int64)
+                            if layout.count_expert_load else None)
+        self.set_placement(placement, 0)
         inter = self.intermediate_size_per_partition
         self.w13_weight = nn.Parameter(torch.empty(self.num_local_experts, 2 * inter, hidden_size),
                                        requires_grad=False)
@@ -122,6 +159,47 @@ class FusedMoE(nn.Module):
         self.w13_weight.weight_loader = self.weight_loader
         self.w2_weight.weight_loader = self.weight_loader
         self.act_fn = SiluAndMul()
+
+    def set_placement(self, placement: ExpertPlacement, layer: int) -> None:
+        """Adopt layer `layer` of `placement` as this layer's maps (the weights of the local
+        slots are the caller's business: see worker/eplb_state.py).
+
+        Raises:
+            ValueError: when the placement's expert counts differ from this layer's.
+        """
+        if (placement.num_physical_experts != self.num_physical_experts
+                or placement.num_logical_experts != self.num_experts):
+            raise ValueError(f"FusedMoE: placement of {placement.num_logical_experts} logical / "
+                             f"{placement.num_physical_experts} physical experts, layer has "
+                             f"{self.num_experts} / {self.num_physical_experts}")
+        p2l = torch.from_numpy(placement.physical_to_logical[layer])
+        self.physical_to_logical_map.copy_(p2l)
+        self.logical_to_physical_map.copy_(torch.from_numpy(
+            placement.logical_to_physical[layer]))
+        self.logical_replica_count.copy_(torch.from_numpy(
+            placement.logical_replica_count[layer]))
+        first = self.ep_rank * self.num_local_experts
+        expert_map = torch.full((self.num_physical_experts,), -1, dtype=torch.int64)
+        expert_map[first:first + self.num_local_experts] = torch.arange(self.num_local_experts)
+        self.expert_map.copy_(expert_map)
+
+    def local_logical_ids(self) -> np.ndarray:
+        """[num_local_experts] int64, the logical expert each local slot holds."""
+        first = self.ep_rank * self.num_local_experts
+        return self.physical_to_logical_map[first:first + self.num_local_experts].cpu().numpy()
+
+    def take_expert_load(self) -> torch.Tensor:
+        """[E] int64 tokens routed to each logical expert since the last call (a (token,
+        expert) pair counts once), then zeroes the counter.
+
+        Raises:
+            RuntimeError: when the layer was built without `count_expert_load`.
+        """
+        if self.expert_load is None:
+            raise RuntimeError("FusedMoE: expert loads are counted only with EPLB enabled")
+        load = self.expert_load.clone()
+        self.expert_load.zero_()
+        return load
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id: str | None = None,
                       expert_id: int | None = None) -> None:
@@ -134,7 +212,8 @@ class FusedMoE(nn.Module):
                 Without: all experts at once, "w13" [E, 2I, H] (gate rows then up rows) or
                 "w2" [E, H, I].
             shard_id: "w1", "w2", "w3" (with expert_id) or "w13", "w2" (without).
-            expert_id: logical expert id; an expert that is not local is skipped.
+            expert_id: logical expert id; it is copied into every local slot holding it (none:
+                skipped).
 
         Raises:
             ValueError: for an unknown shard id, a shard id that does not fit `param`, an
@@ -152,19 +231,18 @@ class FusedMoE(nn.Module):
                              f"{'w13_weight' if is_w13 else 'w2_weight'}")
         if not 0 <= expert_id < self.num_experts:
             raise ValueError(f"FusedMoE: expert id {expert_id} outside [0, {self.num_experts})")
-        slot = int(self.expert_map[expert_id])
-        if slot < 0:
-            return
-        self._load_expert(param.data[slot], loaded, shard_id)
+        for slot in np.flatnonzero(self.local_logical_ids() == expert_id).tolist():
+            self._load_expert(param.data[slot], loaded, shard_id)
 
     def _load_expert(self, target: torch.Tensor, loaded, shard_id: str) -> None:
         """One expert's w1/w3 [I, H] or w2 [H, I] into its slot `target` (this rank's shard)."""
         inter = self.intermediate_size_per_partition
         if shard_id == "w2":
-            _copy(target, _narrow(loaded, 1, self.tp_rank * inter, inter))
+            _copy(target, _narrow(loaded, 1, self.moe_tp_rank * inter, inter))
             return
         offset = 0 if shard_id == "w1" else inter
-        _copy(target.narrow(0, offset, inter), _narrow(loaded, 0, self.tp_rank * inter, inter))
+        _copy(target.narrow(0, offset, inter),
+              _narrow(loaded, 0, self.moe_tp_rank * inter, inter))
 
     def _load_all_experts(self, param: nn.Parameter, loaded, shard_id: str | None,
                           is_w13: bool) -> None:
@@ -174,10 +252,8 @@ class FusedMoE(nn.Module):
         if len(loaded.shape) != 3 or loaded.shape[0] != self.num_experts:
             raise ValueError(f"FusedMoE: expected [{self.num_experts}, ...] expert weights, got "
                              f"shape {tuple(loaded.shape)}")
-        full_inter = self.intermediate_size_per_partition * self.tp_size
-        for expert_id, slot in enumerate(self.expert_map.tolist()):
-            if slot < 0:
-                continue
+        full_inter = self.intermediate_size_per_partition * self.moe_tp_size
+        for slot, expert_id in enumerate(self.local_logical_ids().tolist()):
             one = _narrow(loaded, 0, expert_id, 1)
             target = param.data.narrow(0, slot, 1)
             if shard_id == "w2":
@@ -191,11 +267,22 @@ class FusedMoE(nn.Module):
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
-        out = fused_experts(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
-                            self.expert_map, self.act_fn)
+        if self.expert_load is not None:
+            self.expert_load += torch.bincount(topk_ids.flatten(), minlength=self.num_experts)
+        out = fused_experts(hidden, self.w13_weight, self.w2_weight, topk_weights,
+                            self._physical_ids(topk_ids), self.expert_map, self.act_fn)
         if self.reduce_results and self.tp_size > 1:
             out = tensor_model_parallel_all_reduce(out)
         return out
+
+    def _physical_ids(self, topk_ids: torch.Tensor) -> torch.Tensor:
+        """[n, k] logical ids -> physical ids; a logical expert with c copies sends token t's
+        pair to copy t % c, so its load spreads evenly over the copies."""
+        if self.num_redundant_experts == 0:
+            return self.logical_to_physical_map[topk_ids, 0]
+        token_index = torch.arange(topk_ids.shape[0], device=topk_ids.device).unsqueeze(1)
+        replica = token_index % self.logical_replica_count[topk_ids]
+        return self.logical_to_physical_map[topk_ids, replica]
 
 
 def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -216,8 +303,9 @@ def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     Args:
         hidden: [n, H], model dtype.
         w13: [L, 2*I_p, H] (gate rows, then up rows); w2: [L, H, I_p]; L local experts.
-        topk_weights: [n, k] float32; topk_ids: [n, k] int64 logical expert ids.
-        expert_map: [E] int64, logical id -> local slot or -1.
+        topk_weights: [n, k] float32; topk_ids: [n, k] int64 physical expert ids (the
+            logical ids when there are no redundant experts and no rebalance).
+        expert_map: [P] int64, physical id -> local slot or -1.
         act_fn: gated activation [m, 2*I_p] -> [m, I_p].
 
     Returns:

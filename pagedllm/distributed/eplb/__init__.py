@@ -1,0 +1,1 @@
+"""Expert-parallel load balancing (EPLB): the placement policy (pure numpy, `policy.py`)."""

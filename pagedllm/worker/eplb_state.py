@@ -1,0 +1,151 @@
+"""EplbState: the worker side of expert-parallel load balancing (EPLB).
+
+Owns the sliding window of per-layer expert loads and, every `step_interval` steps, applies
+a new placement from the pure-numpy policy (distributed/eplb/policy.py) to this stage's
+`FusedMoE` layers, between two engine steps:
+
+    after each step with a forward:   window[step % window_size] = each layer's take_expert_load()
+    every step_interval steps:        loads = window.sum() all-reduced over the EP group
+                                      placement = rebalance_experts(loads, ep_size, R)
+                                      per layer: all-gather the physical experts over the EP
+                                      group, each rank copies its new slots' experts, set maps
+
+Every rank of the EP (= TP) group runs the same steps on the same loads (the all-reduce makes
+them identical even if routing ever differed), so all ranks reach the same plan. It never
+decides scheduling and never touches requests: running requests see the new weights at the
+next step and produce the same outputs (each expert's weights are only moved, not changed).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+from torch import nn
+
+from pagedllm.config import EPLBConfig
+from pagedllm.distributed.eplb.policy import (ExpertPlacement, imbalance,
+                                              placement_from_physical_to_logical,
+                                              rank_loads, rebalance_experts)
+from pagedllm.distributed.parallel_state import GroupCoordinator, get_tp_group
+from pagedllm.layers.fused_moe import FusedMoE
+
+logger = logging.getLogger(__name__)
+
+
+class EplbState:
+    """Expert-load window and rebalancing of a list of MoE layers.
+
+    Args:
+        layers: this pipeline stage's `FusedMoE` layers (built with `count_expert_load`), all
+            with the same expert counts.
+        config: window_size, step_interval, num_redundant_experts.
+        ep_group: the expert-parallel group (the TP group under expert parallelism).
+
+    Attributes:
+        imbalance_before, imbalance_after: [num_layers] float64 load imbalance (max / mean over
+            EP ranks) of the window's loads under the old and the new placement at the last
+            rebalance (None before the first).
+
+    Raises:
+        ValueError: for no layers, layers of different expert counts, or layers without load
+            counting.
+    """
+
+    def __init__(self, layers: list[FusedMoE], config: EPLBConfig,
+                 ep_group: GroupCoordinator) -> None:
+        if not layers:
+            raise ValueError("EPLB needs at least one MoE layer on this pipeline stage")
+        shapes = {(m.num_experts, m.num_physical_experts, m.ep_size) for m in layers}
+        if len(shapes) != 1:
+            raise ValueError(f"EPLB: MoE layers differ in (experts, physical, ep size): {shapes}")
+        if any(m.expert_load is None for m in layers):
+            raise ValueError("EPLB: MoE layers were built without expert-load counting")
+        self.layers = layers
+        self.config = config
+        self.ep_group = ep_group
+        self.num_logical, self.num_physical, self.ep_size = shapes.pop()
+        # [window_size, num_layers, E] int64 per-step loads, a ring indexed by step % window.
+        self.window = np.zeros((config.window_size, len(layers), self.num_logical), np.int64)
+        self.num_steps = 0
+        self.num_rebalances = 0
+        self.imbalance_before: np.ndarray | None = None
+        self.imbalance_after: np.ndarray | None = None
+
+    @classmethod
+    def from_model(cls, model: nn.Module, config: EPLBConfig) -> EplbState:
+        """Over every `FusedMoE` of `model`, with the EP group of the first layer."""
+        layers = [m for m in model.modules() if isinstance(m, FusedMoE)]
+        group = get_tp_group() if layers and layers[0].use_ep else None
+        return cls(layers, config, group if group is not None else _single_group())
+
+    def reset(self) -> None:
+        """Forget all counted loads (e.g. those of the profile run)."""
+        for layer in self.layers:
+            layer.take_expert_load()
+        self.window[:] = 0
+        self.num_steps = 0
+
+    def step(self) -> bool:
+        """Record the loads of the step that just ran; rebalance when the interval is due.
+        Returns whether it rebalanced."""
+        row = self.num_steps % self.config.window_size
+        loads = torch.stack([layer.take_expert_load() for layer in self.layers])
+        self.window[row] = loads.cpu().numpy()                  # one device -> host copy
+        self.num_steps += 1
+        if self.num_steps % self.config.step_interval:
+            return False
+        self.rebalance()
+        return True
+
+    def current_placement(self) -> ExpertPlacement:
+        p2l = np.stack([m.physical_to_logical_map.cpu().numpy() for m in self.layers])
+        return placement_from_physical_to_logical(p2l, self.num_logical,
+                                                  self.config.num_redundant_experts)
+
+    def window_loads(self) -> np.ndarray:
+        """[num_layers, E] int64 loads of the window summed over the EP group's ranks."""
+        loads = torch.from_numpy(self.window.sum(axis=0))
+        return self.ep_group.all_reduce(loads).numpy()
+
+    @torch.inference_mode()
+    def rebalance(self) -> None:
+        """Compute a placement from the window's loads and move every layer's experts to it
+        (a collective: every EP rank must call it at the same step)."""
+        loads = self.window_loads()
+        old = self.current_placement()
+        new = rebalance_experts(loads, self.ep_size, self.config.num_redundant_experts)
+        for i, layer in enumerate(self.layers):
+            _move_experts(layer, old, new, i, self.ep_group)
+        self.imbalance_before = imbalance(rank_loads(old, loads, self.ep_size))
+        self.imbalance_after = imbalance(rank_loads(new, loads, self.ep_size))
+        self.num_rebalances += 1
+        logger.info("EPLB rebalance %d: mean imbalance (max/mean over %d ranks) %.3f -> %.3f",
+                    self.num_rebalances, self.ep_size, float(self.imbalance_before.mean()),
+                    float(self.imbalance_after.mean()))
+
+
+def _move_experts(layer: FusedMoE, old: ExpertPlacement, new: ExpertPlacement, index: int,
+                  group: GroupCoordinator) -> None:
+    """Give `layer` layer `index` of `new`, rebuilding its local slots from the experts the EP
+    group holds under `old`.
+
+    NOTE(eplb): every rank all-gathers the whole layer's physical experts (transiently one
+    layer's E + R experts per rank, freed before the next layer) and copies the ones its new
+    slots need, taking each logical expert from its first old copy. Simple and correct; sending
+    only the experts that move (point-to-point, as vLLM's rearrangement does) would cut the
+    traffic and the transient memory, and keeping a CPU copy of all experts on every rank
+    would cost the memory expert parallelism exists to save.
+    """
+    first = layer.ep_rank * layer.num_local_experts
+    new_local = new.physical_to_logical[index, first:first + layer.num_local_experts]
+    sources = torch.from_numpy(old.logical_to_physical[index, new_local, 0])
+    for param in (layer.w13_weight, layer.w2_weight):
+        gathered = group.all_gather(param.data, dim=0)          # [P, ...] in physical order
+        param.data.copy_(gathered[sources.to(gathered.device)])
+    layer.set_placement(new, index)
+
+
+def _single_group() -> GroupCoordinator:
+    return GroupCoordinator((0,), 0, None, None)
