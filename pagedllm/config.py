@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,9 @@ class ModelConfig:
         trust_remote_code: passed to transformers when reading config/tokenizer.
         logprobs_mode: "raw_logprobs" (model output) or "processed_logprobs" (the distribution
             tokens are sampled from); see pagedllm/sample/logprobs.py.
+        quantization: how linear weights are kept: None (the checkpoint's own: GGUF blocks for
+            a .gguf file on the CPU where every linear weight's type has a kernel, else
+            float), "gguf" (GGUF blocks, native CPU kernels) or "none" (dequantized at load).
     """
 
     model: str
@@ -45,8 +49,14 @@ class ModelConfig:
     revision: str | None = None
     trust_remote_code: bool = False
     logprobs_mode: str = "raw_logprobs"
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
+        if self.quantization not in (None, "none", "gguf"):
+            raise ValueError(f"quantization must be 'gguf' or 'none' (or None for the "
+                             f"checkpoint's own), got {self.quantization!r}")
+        if self.quantization == "gguf" and not str(self.model).lower().endswith(".gguf"):
+            raise ValueError(f"quantization='gguf' needs a .gguf model, got {self.model!r}")
         if self.logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
             raise ValueError("logprobs_mode must be 'raw_logprobs' or 'processed_logprobs', "
                              f"got {self.logprobs_mode!r}")
@@ -158,6 +168,37 @@ _EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 
 
 @dataclass(frozen=True)
+class EPLBConfig:
+    """Expert-parallel load balancing (vLLM's `eplb_config`; see docs/moe.md).
+
+    Attributes:
+        window_size: engine steps whose expert loads are summed for a rebalance.
+        step_interval: rebalance every this many engine steps (with a forward).
+        num_redundant_experts: extra physical experts per MoE layer (replicas of hot ones).
+    """
+
+    window_size: int = 1000
+    step_interval: int = 3000
+    num_redundant_experts: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("window_size", "step_interval"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"eplb_config.{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_redundant_experts < 0:
+            raise ValueError("eplb_config.num_redundant_experts must be >= 0, got "
+                             f"{self.num_redundant_experts}")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> EPLBConfig:
+        """Raises ValueError for keys that are not fields."""
+        unknown = set(d) - {"window_size", "step_interval", "num_redundant_experts"}
+        if unknown:
+            raise ValueError(f"eplb_config: unknown keys {sorted(unknown)}")
+        return cls(**d)
+
+
+@dataclass(frozen=True)
 class ParallelConfig:
     """Parallel layout (see docs/distributed.md).
 
@@ -173,6 +214,9 @@ class ParallelConfig:
         master_addr, master_port: torch.distributed rendezvous of rank 0 (default: the
             MASTER_ADDR / MASTER_PORT environment variables; 127.0.0.1 and a free port on one
             machine). Needed when nnodes > 1.
+        enable_expert_parallel: MoE experts split whole over the tensor-parallel ranks
+            instead of sharding every expert (docs/moe.md).
+        enable_eplb, eplb_config: rebalance experts over those ranks while serving.
     """
 
     tensor_parallel_size: int = 1
@@ -182,8 +226,15 @@ class ParallelConfig:
     node_rank: int = 0
     master_addr: str | None = None
     master_port: int | None = None
+    enable_expert_parallel: bool = False
+    enable_eplb: bool = False
+    eplb_config: EPLBConfig = EPLBConfig()
 
     def __post_init__(self) -> None:
+        if self.enable_eplb and not self.enable_expert_parallel:
+            raise ValueError("enable_eplb needs enable_expert_parallel")
+        if self.eplb_config.num_redundant_experts and not self.enable_eplb:
+            raise ValueError("eplb_config.num_redundant_experts > 0 needs enable_eplb")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.pipeline_parallel_size < 1:
@@ -244,6 +295,16 @@ def _validate_parallel_layout(hf: dict[str, Any], pc: ParallelConfig) -> None:
     if inter is not None and int(inter) % tp:
         raise ValueError(f"tensor_parallel_size {tp} does not divide the model's "
                          f"intermediate_size {inter}")
+    if pc.enable_expert_parallel:
+        experts = text.get("num_local_experts") or text.get("num_experts")
+        if not experts:
+            raise ValueError("enable_expert_parallel needs a mixture-of-experts model; the "
+                             "config has no num_local_experts / num_experts")
+        physical = int(experts) + pc.eplb_config.num_redundant_experts
+        if physical % tp:
+            raise ValueError(f"tensor_parallel_size {tp} does not divide the {physical} physical "
+                             f"experts ({experts} + eplb_config.num_redundant_experts "
+                             f"{pc.eplb_config.num_redundant_experts}) of expert parallelism")
     layers = int(text.get("num_hidden_layers", 1))
     if pp > layers:
         raise ValueError(f"pipeline_parallel_size {pp} exceeds the model's {layers} layers")
@@ -359,6 +420,8 @@ class EngineConfig:
     # The `<think>` format of a reasoning model (`pagedllm/reasoning`): structured output then
     # constrains only the answer after the reasoning.
     reasoning_parser: str | None = None
+    # CUDA graphs for decode steps (worker/cuda_graph.py); ignored off CUDA.
+    cudagraph_config: CudaGraphConfig = CudaGraphConfig()
 
     def __post_init__(self) -> None:
         if self.reasoning_parser is not None:
@@ -462,9 +525,14 @@ def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str
                          distributed_executor_backend: str | None = None,
                          nnodes: int = 1, node_rank: int = 0, master_addr: str | None = None,
                          master_port: int | None = None,
+                         enable_expert_parallel: bool = False, enable_eplb: bool = False,
+                         eplb_config: dict[str, Any] | EPLBConfig | None = None,
                          speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
                          max_n: int = 128, max_logprobs: int = 20, max_logit_bias: int = 300,
-                         reasoning_parser: str | None = None) -> EngineConfig:
+                         reasoning_parser: str | None = None,
+                         cudagraph_mode: str = "FULL_DECODE_ONLY", enforce_eager: bool = False,
+                         cudagraph_capture_sizes: Sequence[int] | None = None,
+                         quantization: str | None = None) -> EngineConfig:
     """Build and validate an `EngineConfig` from flat engine arguments (vLLM's names).
 
     Resolves `model` to a local folder (hub ids through the huggingface_hub cache). Raises
@@ -475,7 +543,7 @@ def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str
     model_config = ModelConfig(model=model, tokenizer=tokenizer, dtype=dtype,
                                max_model_len=max_model_len, seed=seed, revision=revision,
                                trust_remote_code=trust_remote_code,
-                               logprobs_mode=logprobs_mode)
+                               logprobs_mode=logprobs_mode, quantization=quantization)
     model_path = resolve_model_path(model, revision)
     tokenizer_path = resolve_model_path(tokenizer, revision) if tokenizer else model_path
     info = hf_model_info(model_path)
@@ -504,7 +572,12 @@ def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str
                                      pipeline_parallel_size=pipeline_parallel_size,
                                      distributed_executor_backend=distributed_executor_backend,
                                      nnodes=nnodes, node_rank=node_rank,
-                                     master_addr=master_addr, master_port=master_port)
+                                     master_addr=master_addr, master_port=master_port,
+                                     enable_expert_parallel=enable_expert_parallel,
+                                     enable_eplb=enable_eplb,
+                                     eplb_config=(EPLBConfig.from_dict(eplb_config)
+                                                  if isinstance(eplb_config, dict)
+                                                  else eplb_config or EPLBConfig()))
     _validate_parallel_layout(info.raw, parallel_config)
     if max_num_batched_tokens is None:
         max_num_batched_tokens = max(2048, max_num_seqs) if enable_chunked_prefill else max(
@@ -528,9 +601,13 @@ def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str
         request_limits=RequestLimits(max_n=max_n, max_logprobs=max_logprobs,
                                      max_logit_bias=max_logit_bias),
         reasoning_parser=reasoning_parser,
+        cudagraph_config=CudaGraphConfig(
+            cudagraph_mode=cudagraph_mode, enforce_eager=enforce_eager,
+            cudagraph_capture_sizes=(None if cudagraph_capture_sizes is None
+                                     else tuple(cudagraph_capture_sizes))),
     )
 
 
 __all__ = ["ModelConfig", "CacheConfig", "SchedulerConfig", "ParallelConfig", "EngineConfig",
-           "SpeculativeConfig", "RequestLimits",
+           "EPLBConfig", "SpeculativeConfig", "RequestLimits",
            "HFModelInfo", "create_engine_config", "hf_model_info", "read_hf_config"]

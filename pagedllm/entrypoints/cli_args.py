@@ -57,6 +57,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="tokenizer folder or hub id (default: the model's own; a .gguf file's "
                         "comes from its metadata)")
     g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    g.add_argument("--quantization", default=None, choices=["gguf", "none"],
+                   help="gguf: keep a .gguf file's linear weights in their blocks (native CPU "
+                        "kernels; the default where every type has one); none: dequantize")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--block-size", type=int, default=16)
@@ -79,6 +82,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--master-addr", default=None, help="rank 0's address (default $MASTER_ADDR)")
     g.add_argument("--master-port", type=bounded_int(1, 65535), default=None,
                    help="rank 0's rendezvous port (default $MASTER_PORT)")
+    g.add_argument("--enable-expert-parallel", action="store_true",
+                   help="MoE: split experts whole over the tensor-parallel ranks")
+    g.add_argument("--enable-eplb", action="store_true",
+                   help="MoE: rebalance experts over the expert-parallel ranks while serving")
+    g.add_argument("--eplb-config", type=_json_object, default=None,
+                   help='JSON, e.g. \'{"window_size": 1000, "step_interval": 3000, '
+                        '"num_redundant_experts": 2}\'')
     g.add_argument("--speculative-config", type=_json_object, default=None,
                    help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
                         '\'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}\'')
@@ -93,15 +103,26 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                    help="the model's <think> format: the server returns reasoning_content apart "
                         "from content, and structured output constrains only the answer")
+    g.add_argument("--cudagraph-mode", default="FULL_DECODE_ONLY",
+                   choices=["NONE", "FULL_DECODE_ONLY"],
+                   help="CUDA graphs for steps whose every request decodes one token (CUDA with "
+                        "the triton_paged attention backend only; ignored on CPU)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="never capture CUDA graphs (as --cudagraph-mode NONE)")
+    g.add_argument("--cudagraph-capture-sizes", type=bounded_int(1), nargs="+", default=None,
+                   metavar="N", help="decode batch sizes to capture, ascending (default: 1 2 4 "
+                                     "8 16 24 ... up to --max-num-seqs, at most 512)")
 
 
-_ENGINE_KEYS = ("tokenizer", "dtype", "max_model_len", "seed", "block_size",
+_ENGINE_KEYS = ("tokenizer", "dtype", "quantization", "max_model_len", "seed", "block_size",
                 "kv_cache_memory_bytes", "gpu_memory_utilization", "num_gpu_blocks_override",
                 "enable_prefix_caching", "max_num_batched_tokens", "max_num_seqs",
                 "enable_chunked_prefill", "trust_remote_code", "tensor_parallel_size",
                 "pipeline_parallel_size", "distributed_executor_backend", "nnodes", "node_rank",
-                "master_addr", "master_port", "speculative_config",
-                "logprobs_mode", "max_logprobs", "max_n", "max_logit_bias", "reasoning_parser")
+                "master_addr", "master_port", "enable_expert_parallel", "enable_eplb",
+                "eplb_config", "speculative_config",
+                "logprobs_mode", "max_logprobs", "max_n", "max_logit_bias", "reasoning_parser",
+                "cudagraph_mode", "enforce_eager", "cudagraph_capture_sizes")
 
 
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:

@@ -15,6 +15,11 @@ speculative verification, batches larger than the largest size) runs eagerly. Th
       block_table rows of padding = 0        (the null block: reads zeros, never written)
 
 - `CudaGraphRunner`: capture (largest size first, sharing one memory pool) and replay; CUDA only.
+  The model runner asks it `can_run(common)` and calls `run(input_ids, positions, commons)`,
+  which pads, copies into the buffers, replays and returns the real rows' hidden states.
+  Built with `replay_eagerly=True` it runs the same padded persistent-buffer path without
+  graphs (the CPU test seam: only capture and replay are replaced).
+- `decode_graph_capture_sizes`: whether (and at which sizes) a runner captures at all.
 
 Only attention backends whose launches depend on nothing but device tensors and the padded sizes
 may be captured (`supports_cuda_graphs` on the backend class: `triton_paged`). The runner never
@@ -24,6 +29,7 @@ decides policy here: it asks `cudagraph_batch_size` and passes the result.
 from __future__ import annotations
 
 import bisect
+import logging
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -31,6 +37,8 @@ import torch
 
 from pagedllm.attention.metadata import CommonAttentionMetadata
 from pagedllm.config import CudaGraphConfig
+
+logger = logging.getLogger(__name__)
 
 PAD_SLOT_ID = -1
 # vLLM's cap on the default sizes: beyond it a graph saves little next to the batch's compute.
@@ -80,6 +88,41 @@ def cudagraph_batch_size(capture_sizes: Sequence[int], num_reqs: int, num_tokens
     if num_tokens == 0 or max_query_len != 1 or num_tokens != num_reqs:
         return None
     return pad_to_capture_size(num_tokens, capture_sizes)
+
+
+def decode_graph_capture_sizes(config: CudaGraphConfig, max_num_seqs: int, device: torch.device,
+                               backend: type, model: torch.nn.Module,
+                               world_size: int = 1) -> tuple[int, ...]:
+    """The sizes a model runner captures: `resolve_capture_sizes`, and none (eager only, with
+    the reason logged) off CUDA, with several ranks, or for a model whose forward does host work
+    that a graph would freeze.
+
+    NOTE(cuda_graph): a captured forward must depend on nothing but the persistent device
+    buffers and the padded size. Two forwards here do not: the fused MoE layer counts tokens per
+    expert on the host (`.tolist()`, a sync a capture refuses), and Phi-3's long-context RoPE
+    picks its table from `seq_lens_cpu` (a host array a graph would bake in). Several ranks
+    (collectives, pipeline send/recv inside the forward) are not captured until tested on a
+    multi-GPU machine (issue #20).
+    """
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return ()
+    sizes = resolve_capture_sizes(config, max_num_seqs,
+                                  getattr(backend, "supports_cuda_graphs", False))
+    if not sizes:
+        return ()
+    from pagedllm.layers.fused_moe import FusedMoE
+
+    reason = None
+    if world_size > 1:
+        reason = f"{world_size} ranks"
+    elif any(isinstance(m, FusedMoE) for m in model.modules()):
+        reason = "the fused MoE layer syncs with the host"
+    elif getattr(model, "_original_max_position", None) is not None:
+        reason = "long-context RoPE reads host-side sequence lengths"
+    if reason is not None:
+        logger.info("CUDA graphs off (%s); decode steps run eagerly", reason)
+        return ()
+    return sizes
 
 
 class CudaGraphInputBuffers:
@@ -198,14 +241,37 @@ class CudaGraphRunner:
     `buffers.positions[:padded_size]` with the given metadata (the model runner's closure that
     sets the forward context) and returns the hidden states [padded_size, hidden_size]; the
     graph's output tensor is returned by `replay`, overwritten by the next replay.
+
+    Args:
+        buffers: the persistent inputs every graph reads.
+        capture_sizes: ascending batch sizes to capture (each <= buffers.max_num_seqs).
+        block_size: tokens per KV block.
+        replay_eagerly: capture no graph; `capture` runs each size once over padding and `run`
+            calls the forward over the padded buffers with the step's padded metadata (host
+            fields included, so CPU backends that read them stay correct). For CPU tests of the
+            padding path; a real replay sees the capture-time host fields instead, which is why
+            only backends that read device tensors alone may be captured.
+
+    Raises:
+        ValueError: for capture sizes that are not ascending or exceed the buffers.
     """
 
     def __init__(self, buffers: CudaGraphInputBuffers, capture_sizes: Sequence[int],
-                 block_size: int) -> None:
+                 block_size: int, replay_eagerly: bool = False) -> None:
+        sizes = tuple(capture_sizes)
+        if list(sizes) != sorted(set(sizes)) or (sizes and (
+                sizes[0] < 1 or sizes[-1] > buffers.max_num_seqs)):
+            raise ValueError(f"CudaGraphRunner: capture sizes {sizes} must be ascending, "
+                             f"distinct, in [1, {buffers.max_num_seqs}]")
         self.buffers = buffers
-        self.capture_sizes = tuple(capture_sizes)
+        self.capture_sizes = sizes
         self.block_size = block_size
+        self.replay_eagerly = replay_eagerly
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._forward: Callable[[int, tuple[CommonAttentionMetadata, ...]],
+                                torch.Tensor] | None = None
+        # Padded sizes of the steps `run` served (tests read it to see which path a step took).
+        self.num_runs_by_size: dict[int, int] = {}
 
     def capture(self, forward: Callable[[int, tuple[CommonAttentionMetadata, ...]],
                                         torch.Tensor]) -> None:
@@ -216,6 +282,11 @@ class CudaGraphRunner:
         Raises:
             RuntimeError: without CUDA, or when the buffers are not on a CUDA device.
         """
+        if self.replay_eagerly:
+            for size in sorted(self.capture_sizes, reverse=True):
+                forward(size, self.buffers.prepare_dummy(size, self.block_size))
+            self._forward = forward
+            return
         if not torch.cuda.is_available() or self.buffers.input_ids.device.type != "cuda":
             raise RuntimeError("CUDA graph capture needs a CUDA device and CUDA buffers")
         pool = torch.cuda.graph_pool_handle()
@@ -230,7 +301,46 @@ class CudaGraphRunner:
         torch.cuda.synchronize()
 
     def has_graph(self, padded_size: int) -> bool:
+        """Whether `padded_size` was captured (in eager mode: is a capture size, once captured)."""
+        if self.replay_eagerly:
+            return self._forward is not None and padded_size in self.capture_sizes
         return padded_size in self._graphs
+
+    def padded_size(self, common: CommonAttentionMetadata) -> int | None:
+        """The captured size a step pads to, or None to run it eagerly (not a pure decode step,
+        or more requests than the largest captured size)."""
+        size = cudagraph_batch_size(self.capture_sizes, common.num_reqs,
+                                    common.num_actual_tokens, common.max_query_len)
+        return size if size is not None and self.has_graph(size) else None
+
+    def can_run(self, common: CommonAttentionMetadata) -> bool:
+        """Whether the step of `common` (group 0's metadata) can replay a graph."""
+        return self.padded_size(common) is not None
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
+            commons: Sequence[CommonAttentionMetadata]) -> torch.Tensor:
+        """Pad a pure decode step to its captured size, copy it into the buffers, replay, and
+        return the real rows' hidden states.
+
+        Args:
+            input_ids, positions: [num_reqs] int64 of the step.
+            commons: the step's metadata per KV cache group.
+
+        Returns:
+            [num_reqs, hidden_size], a view of the graph's output (valid until the next run).
+
+        Raises:
+            ValueError: for a step `can_run` refuses.
+        """
+        size = self.padded_size(commons[0])
+        if size is None:
+            raise ValueError(f"CudaGraphRunner.run: no captured size for a step of "
+                             f"{commons[0].num_reqs} requests and "
+                             f"{commons[0].num_actual_tokens} tokens")
+        padded = self.buffers.prepare(input_ids, positions, commons, size)
+        out = self._forward(size, padded) if self.replay_eagerly else self.replay(size)
+        self.num_runs_by_size[size] = self.num_runs_by_size.get(size, 0) + 1
+        return out[:commons[0].num_reqs]
 
     def replay(self, padded_size: int) -> torch.Tensor:
         """Replay the graph of `padded_size` over what `buffers.prepare` copied in; returns its

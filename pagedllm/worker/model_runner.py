@@ -17,6 +17,10 @@ no RNG use), so seeded outputs do not depend on how a prompt was chunked.
 
 KV cache groups (core/kv_cache_groups.py): layers of one attention type share a block table; with
 several groups each gets its own slot mapping and attention metadata (`KVCacheGroupsMetadata`).
+
+CUDA graphs (worker/cuda_graph.py): once the KV cache exists, a `CudaGraphRunner` captures the
+forward (up to hidden states) per decode batch size; pure decode steps replay it, padded, and
+logits, grammar and sampling stay eager on the real rows. Every other step runs eagerly.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ from pagedllm.core.kv_cache_groups import (KVCacheGroupSpec, kv_cache_group_wind
                                            make_kv_cache_groups)
 from pagedllm.core.sched_output import (LogprobsLists, ModelRunnerOutput, NewRequestData,
                                         SchedulerOutput)
+from pagedllm.distributed.parallel_state import (ExpertParallelLayout,
+                                                 set_expert_parallel_layout)
 from pagedllm.model_loader.loader import load_model
 from pagedllm.sample.logprobs import LogprobsTensors, compute_logprobs
 from pagedllm.sample.rejection_sampler import rejection_sample
@@ -42,6 +48,9 @@ from pagedllm.spec_decode.draft_model import DraftModelProposer
 from pagedllm.spec_decode.metadata import SpecDecodeMetadata, build_spec_decode_metadata
 from pagedllm.spec_decode.ngram import NgramProposer
 from pagedllm.structured_output.apply import apply_grammar_bitmask
+from pagedllm.worker.cuda_graph import (CudaGraphInputBuffers, CudaGraphRunner,
+                                        decode_graph_capture_sizes)
+from pagedllm.worker.eplb_state import EplbState
 from pagedllm.worker.input_batch import InputBatch, RequestStates
 from pagedllm.worker.kv_cache import (allocate_kv_caches, kv_cache_bytes_per_block,
                                       kv_cache_layer_groups)
@@ -72,6 +81,9 @@ class ModelRunner:
         self.sampler = pipeline_stage_sampler(Sampler(device, config.model_config.seed))
         self.logprobs_mode = config.model_config.logprobs_mode
         self.model = None
+        self.eplb: EplbState | None = None
+        # Replays pure decode steps (set once the KV cache exists; None = always eager).
+        self.graph_runner: CudaGraphRunner | None = None
         self.kv_caches: list[torch.Tensor] = []
         # The KV cache groups' windows (set by load_model; one full-attention group until then).
         self.kv_cache_windows: tuple[int | None, ...] = (None,)
@@ -91,7 +103,13 @@ class ModelRunner:
 
     # ----------------------------------------------------------------- set-up
     def load_model(self) -> None:
-        self.model = load_model(self.config.model_path, self.hf_config, self.dtype, self.device)
+        pc = self.config.parallel_config
+        set_expert_parallel_layout(ExpertParallelLayout(
+            pc.enable_expert_parallel, pc.eplb_config.num_redundant_experts, pc.enable_eplb))
+        self.model = load_model(self.config.model_path, self.hf_config, self.dtype, self.device,
+                                self.config.model_config.quantization)
+        if pc.enable_eplb:
+            self.eplb = EplbState.from_model(self.model, pc.eplb_config)
         if self.spec_config is not None and self.spec_config.method == "draft_model":
             from transformers import AutoConfig
             draft_path = self.config.draft_model_path
@@ -155,8 +173,37 @@ class ModelRunner:
                 kv_cache_layer_groups(self._attention_layers(), self.kv_cache_windows)]
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Allocate every group's KV tensors; `num_blocks` is group 0's."""
+        """Allocate every group's KV tensors (`num_blocks` is group 0's), then capture the
+        decode CUDA graphs where they apply (`decode_graph_capture_sizes`)."""
+        self.graph_runner = None
         self._allocate_kv_caches(self.kv_cache_groups(num_blocks))
+        sizes = decode_graph_capture_sizes(
+            self.config.cudagraph_config, self.max_num_reqs, self.device,
+            self.model.attention_layers()[0].backend, self.model,
+            self.config.parallel_config.world_size)
+        if sizes:
+            self.set_graph_runner(CudaGraphRunner(self.new_graph_input_buffers(), sizes,
+                                                  self.block_size))
+
+    def new_graph_input_buffers(self) -> CudaGraphInputBuffers:
+        """Persistent decode-graph inputs sized for this runner (max_num_seqs requests, every
+        KV cache group)."""
+        return CudaGraphInputBuffers(self.max_num_reqs, self.config.max_num_blocks_per_req,
+                                     self.device, len(self.kv_cache_windows))
+
+    @torch.inference_mode()
+    def set_graph_runner(self, graph_runner: CudaGraphRunner) -> None:
+        """Capture `graph_runner`'s sizes over the allocated KV cache and replay pure decode
+        steps through it from now on (a `replay_eagerly` runner is the CPU test seam)."""
+        buffers = graph_runner.buffers
+
+        def forward(size: int, commons: tuple[CommonAttentionMetadata, ...]) -> torch.Tensor:
+            return self._run_model(self.model, buffers.input_ids[:size],
+                                   buffers.positions[:size], commons[0],
+                                   commons if len(commons) > 1 else ())
+
+        graph_runner.capture(forward)
+        self.graph_runner = graph_runner
 
     def _allocate_kv_caches(self, groups: tuple[KVCacheGroupSpec, ...]) -> None:
         layer_groups = kv_cache_layer_groups(self._attention_layers(), self.kv_cache_windows)
@@ -194,6 +241,8 @@ class ModelRunner:
         self.kv_caches = []
         for layer in self._attention_layers():
             layer.kv_cache = torch.empty(0)
+        if self.eplb is not None:
+            self.eplb.reset()
 
     # ----------------------------------------------------------------- one step
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -312,13 +361,21 @@ class ModelRunner:
             self._pending = None
             return
         batch, common = self._prepare_inputs(scheduler_output)
-        hidden = self._run_model(self.model, batch.input_ids, batch.positions, common,
-                                 batch.group_commons)
+        if (self.graph_runner is not None and batch.spec_decode_metadata is None
+                and self.graph_runner.can_run(common)):
+            hidden = self.graph_runner.run(batch.input_ids, batch.positions,
+                                           batch.group_commons or (common,))
+        else:
+            hidden = self._run_model(self.model, batch.input_ids, batch.positions, common,
+                                     batch.group_commons)
         if isinstance(self.drafter, DraftModelProposer):
             self.drafter.catch_up(batch.input_ids, batch.positions, common)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         logits = self._apply_grammar(scheduler_output, batch, logits)
         self._pending = (batch, logits, self._compute_prompt_logprobs(batch, hidden))
+        if self.eplb is not None:
+            # Between steps: this step's outputs are computed, the next one sees the new layout.
+            self.eplb.step()
 
     def _apply_grammar(self, so: SchedulerOutput, batch: InputBatch,
                        logits: torch.Tensor) -> torch.Tensor:

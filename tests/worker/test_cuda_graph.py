@@ -197,3 +197,32 @@ def test_capture_and_replay_attention_matches_eager():
         got = runner.replay(size)[:num_reqs]
         torch.testing.assert_close(got, want)
         torch.testing.assert_close(kv_cache, eager_cache)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_engine_greedy_tokens_with_decode_graphs_equal_enforce_eager(tiny_checkpoints, arch):
+    """End to end on a GPU: FULL_DECODE_ONLY (decode batches of 1, 3, 5 padded to 1, 4, 8;
+    9 > 8 eager; gemma3 adds a sliding KV cache group) gives enforce_eager's greedy tokens."""
+    pytest.importorskip("triton")
+    from pagedllm import LLM, SamplingParams
+
+    gen = torch.Generator().manual_seed(0)
+    batches = [[torch.randint(3, 100, (int(n),), generator=gen).tolist()
+                for n in torch.randint(2, 30, (size,), generator=gen)] for size in (1, 3, 5, 9)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    tokens = {}
+    for eager in (True, False):
+        llm = LLM(str(tiny_checkpoints[arch]), dtype="float32", kv_cache_memory_bytes=16 << 20,
+                  max_num_seqs=16, cudagraph_mode="FULL_DECODE_ONLY", enforce_eager=eager,
+                  cudagraph_capture_sizes=[1, 2, 4, 8])
+        runner = llm.llm_engine.engine_core.executor.worker.model_runner
+        assert runner.model.attention_layers()[0].backend.name == "triton_paged"
+        assert (runner.graph_runner is None) == eager
+        tokens[eager] = [[o.outputs[0].token_ids for o in llm.generate(b, params, use_tqdm=False)]
+                         for b in batches]
+        if not eager:
+            assert runner.graph_runner.num_runs_by_size == {1: 7, 4: 7, 8: 7}
+        del llm, runner
+        torch.cuda.empty_cache()
+    assert tokens[False] == tokens[True]
