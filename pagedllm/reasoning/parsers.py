@@ -70,6 +70,14 @@ class ReasoningParser:
             body = body[:len(body) - partial_marker_len(body, self.end)]
         return ReasoningSplit(body, "")
 
+    def num_reasoning_tokens(self, token_ids: list[int], marker_ids: tuple[int, int]) -> int:
+        """Output tokens that belong to the reasoning, its markers included, by the same rule as
+        `split` read on token ids (`marker_ids`: from `marker_token_ids`)."""
+        start, end = marker_ids
+        if not token_ids or (not self.implicit_start and token_ids[0] != start):
+            return 0
+        return token_ids.index(end) + 1 if end in token_ids else len(token_ids)
+
     def marker_token_ids(self, tokenizer) -> tuple[int, int]:
         """(start id, end id) of the markers in the model's vocabulary.
 

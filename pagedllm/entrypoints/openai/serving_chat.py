@@ -19,9 +19,9 @@ from pagedllm.entrypoints.openai.chat_output import NO_TOOLS, ChoiceOutputParser
 from pagedllm.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk,
                                                   ChatCompletionRequest, ChatCompletionResponse,
                                                   ChatLogprobs, ChatResponseMessage,
-                                                  ChatStreamChoice, FunctionCallOutput,
-                                                  TokenLogprob, ToolCall, TopLogprob, now_s,
-                                                  random_id)
+                                                  ChatStreamChoice, CompletionTokensDetails,
+                                                  FunctionCallOutput, TokenLogprob, ToolCall,
+                                                  TopLogprob, UsageInfo, now_s, random_id)
 from pagedllm.entrypoints.openai.tool_choice import template_messages, template_tools
 from pagedllm.entrypoints.openai.tool_parsers import ToolParser, get_tool_parser
 from pagedllm.engine.async_llm import RequestStream
@@ -85,6 +85,7 @@ class ServingChat:
         self.enable_auto_tool_choice = enable_auto_tool_choice
         self.reasoning: ReasoningParser | None = (get_reasoning_parser(reasoning_parser)
                                                   if reasoning_parser else None)
+        self._marker_ids: tuple[int, int] | None = None
 
     async def create_chat_completion(self, request: ChatCompletionRequest
                                      ) -> ChatCompletionResponse | SSEStream:
@@ -117,7 +118,7 @@ class ServingChat:
         choices = [self._choice(request, mode, c)
                    for c in sorted(final.outputs, key=lambda c: c.index)]
         return ChatCompletionResponse(id=response_id, created=created, model=model,
-                                      usage=usage_of([final]), choices=choices)
+                                      usage=self._usage(final), choices=choices)
 
     def _choice(self, request: ChatCompletionRequest, mode: ToolMode,
                 completion: CompletionOutput) -> ChatChoice:
@@ -132,6 +133,18 @@ class ServingChat:
                           logprobs=self._logprobs(request, completion, 0),
                           finish_reason=parser.finish_reason(out, completion.finish_reason),
                           stop_reason=completion.stop_reason)
+
+    def _usage(self, final: RequestOutput) -> UsageInfo:
+        """The request's usage; with a reasoning parser also the reasoning tokens
+        (`completion_tokens_details.reasoning_tokens`, OpenAI's field)."""
+        usage = usage_of([final])
+        if self.reasoning is not None:
+            if self._marker_ids is None:
+                self._marker_ids = self.reasoning.marker_token_ids(self.serving.tokenizer)
+            usage.completion_tokens_details = CompletionTokensDetails(reasoning_tokens=sum(
+                self.reasoning.num_reasoning_tokens(list(c.token_ids), self._marker_ids)
+                for c in final.outputs))
+        return usage
 
     def _tool_mode(self, request: ChatCompletionRequest) -> ToolMode:
         """How the request's output is read for tool calls. Raises OpenAIServingError 400 for
@@ -194,7 +207,7 @@ class ServingChat:
                             stop_reason=c.stop_reason if last else None))
             if options is not None and options.include_usage:
                 yield sse_event(ChatCompletionChunk(id=response_id, created=created, model=model,
-                                                    choices=[], usage=usage_of([final])))
+                                                    choices=[], usage=self._usage(final)))
         except Exception as e:  # noqa: BLE001 - the status line is sent; report in-stream
             error = error_from_exception(e, request)
             logger.warning("chat stream %s failed: %s", response_id, error.message)

@@ -179,8 +179,10 @@ def test_structured_output_starts_after_the_reasoning(client, end_think) -> None
             "response_format": {"type": "json_schema",
                                 "json_schema": {"name": "answer", "schema": schema}}}
     # The reasoning ends at once: the answer is constrained JSON.
-    answer = client.chat.completions.create(logit_bias=end_think, **body).choices[0]
+    response = client.chat.completions.create(logit_bias=end_think, **body)
+    answer = response.choices[0]
     assert answer.message.model_extra["reasoning_content"] == ""
+    assert response.usage.completion_tokens_details.reasoning_tokens == 1   # just </think>
     jsonschema.validate(json.loads(answer.message.content), schema)
     # The reasoning never ends (</think> banned): the output is free reasoning, no answer.
     banned = {k: -100 for k in end_think}
@@ -188,6 +190,7 @@ def test_structured_output_starts_after_the_reasoning(client, end_think) -> None
     choice = thinking.choices[0]
     assert choice.finish_reason == "length" and not choice.message.content
     assert choice.message.model_extra["reasoning_content"]
+    assert thinking.usage.completion_tokens_details.reasoning_tokens == 8
 
 
 @pytest.mark.parametrize("kwargs,param,message", [

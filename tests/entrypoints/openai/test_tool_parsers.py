@@ -177,3 +177,13 @@ def test_llama3_and_mistral_keep_unparsed_text() -> None:
             ("mistral", '[TOOL_CALLS][{"name": "g", "arguments": {}}] trailing', " trailing")]:
         out = ChoiceOutputParser(ToolMode("auto", parser=get_tool_parser(name))).result(text)
         assert ([c.name for c in out.tool_calls], out.content) == (["g"], content)
+
+
+def test_reasoning_tokens_are_counted_by_the_split_rule() -> None:
+    start, end = 7, 8
+    r1, qwen3 = get_reasoning_parser("deepseek_r1"), get_reasoning_parser("qwen3")
+    assert r1.num_reasoning_tokens([1, 2, end, 3], (start, end)) == 3
+    assert r1.num_reasoning_tokens([1, 2, 3], (start, end)) == 3        # never closed
+    assert qwen3.num_reasoning_tokens([start, 1, end, 3], (start, end)) == 3
+    assert qwen3.num_reasoning_tokens([1, end, 3], (start, end)) == 0   # thinking off
+    assert r1.num_reasoning_tokens([], (start, end)) == 0
