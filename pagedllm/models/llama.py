@@ -157,12 +157,17 @@ class LlamaModel(nn.Module):
                              if self.pp.is_first_rank else PPMissingLayer())
         windows = layer_sliding_windows(config, family)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, family, windows[i])
+            self.make_layer(config, i, family, windows[i])
             if self.start_layer <= i < self.end_layer
             else PPMissingLayer() for i in range(config.num_hidden_layers))
         self.norm = (RMSNorm(config.hidden_size, config.rms_norm_eps)
                      if self.pp.is_last_rank else PPMissingLayer())
         self._fused: FusedDecoder | None | bool = False  # False: not decided yet
+
+    def make_layer(self, config, layer_idx: int, family, sliding_window: int | None
+                   ) -> nn.Module:
+        """Decoder layer `layer_idx` (a family's model class may build another kind)."""
+        return LlamaDecoderLayer(config, layer_idx, family, sliding_window)
 
     def _fused_decoder(self) -> FusedDecoder | None:
         if self._fused is False:

@@ -20,15 +20,13 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from pagedllm.distributed.parallel_state import get_pp_group
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.fused_moe import FusedMoE
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import default_weight_loader
-from pagedllm.layers.pipeline import (MissingLMHead, PPMissingLayer, get_pp_indices,
-                                      recv_intermediate, send_intermediate)
-from pagedllm.layers.vocab_embedding import LMHead, VocabEmbedding
-from pagedllm.models.llama import LlamaMLP, layer_sliding_windows
+from pagedllm.layers.pipeline import MissingLMHead, PPMissingLayer
+from pagedllm.layers.vocab_embedding import LMHead
+from pagedllm.models.llama import LlamaDecoderLayer, LlamaMLP, LlamaModel
 from pagedllm.models.utils import load_causal_lm_weights
 from pagedllm.platforms import current_platform
 
@@ -86,63 +84,29 @@ class SparseMoeBlock(nn.Module):
         return out
 
 
-class MoeDecoderLayer(nn.Module):
-    """Pre-norm decoder layer over the family's attention and MLP modules (Llama's residual
-    stream: forward(positions, hidden, residual) -> (hidden, residual))."""
+class MoeDecoderLayer(LlamaDecoderLayer):
+    """Pre-norm decoder layer over the family's attention and MLP modules; the residual stream
+    (`forward`) is Llama's."""
 
     def __init__(self, config, layer_idx: int, family: type[MoeForCausalLM],
                  sliding_window: int | None) -> None:
-        super().__init__()
+        nn.Module.__init__(self)
         self.self_attn = family.make_attention(config, layer_idx, sliding_window)
         self.mlp = family.make_mlp(config, layer_idx)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
-                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            hidden, residual = self.input_layernorm(hidden), hidden
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
 
+class MoeModel(LlamaModel):
+    """The decoder stack of one pipeline stage: `llama.LlamaModel` with the family's layers and
+    no fused CPU decoder (it has no expert kernel: every step takes the module path)."""
 
-class MoeModel(nn.Module):
-    """The decoder stack of one pipeline stage; the stage hand-over is `llama.LlamaModel`'s
-    (layers [start_layer, end_layer) are held here, `PPMissingLayer`s stand for the others)."""
+    def make_layer(self, config, layer_idx: int, family, sliding_window: int | None
+                   ) -> nn.Module:
+        return MoeDecoderLayer(config, layer_idx, family, sliding_window)
 
-    def __init__(self, config, family: type[MoeForCausalLM]) -> None:
-        super().__init__()
-        self.pp = get_pp_group()
-        self.hidden_size = config.hidden_size
-        self.start_layer, self.end_layer = get_pp_indices(
-            config.num_hidden_layers, self.pp.rank_in_group, self.pp.world_size)
-        self.embed_tokens = (VocabEmbedding(config.vocab_size, config.hidden_size)
-                             if self.pp.is_first_rank else PPMissingLayer())
-        windows = layer_sliding_windows(config, family)
-        self.layers = nn.ModuleList(
-            MoeDecoderLayer(config, i, family, windows[i])
-            if self.start_layer <= i < self.end_layer else PPMissingLayer()
-            for i in range(config.num_hidden_layers))
-        self.norm = (RMSNorm(config.hidden_size, config.rms_norm_eps)
-                     if self.pp.is_last_rank else PPMissingLayer())
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        if self.pp.is_first_rank:
-            hidden, residual = self.embed_tokens(input_ids), None
-        else:
-            dtype = self.layers[self.start_layer].input_layernorm.weight.dtype
-            hidden, residual = recv_intermediate(self.pp, input_ids.shape[0], self.hidden_size,
-                                                 dtype, input_ids.device)
-        for layer in self.layers[self.start_layer:self.end_layer]:
-            hidden, residual = layer(positions, hidden, residual)
-        if not self.pp.is_last_rank:
-            send_intermediate(self.pp, hidden, residual)
-            return hidden
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
+    def _fused_decoder(self) -> None:
+        return None
 
 
 class MoeForCausalLM(nn.Module):
