@@ -28,12 +28,12 @@ from pagedllm.layers.attention import Attention
 from pagedllm.layers.layernorm import GemmaRMSNorm
 from pagedllm.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
                                     RowParallelLinear)
-from pagedllm.layers.pipeline import (MissingLMHead, PPMissingLayer, get_pp_indices,
-                                      recv_intermediate, send_intermediate)
+from pagedllm.layers.pipeline import (PPMissingLayer, get_pp_indices, recv_intermediate,
+                                      send_intermediate)
 from pagedllm.layers.rotary_embedding import RotaryEmbedding, rope_parameters_from_hf
-from pagedllm.layers.vocab_embedding import LMHead, VocabEmbedding
+from pagedllm.layers.vocab_embedding import VocabEmbedding
 from pagedllm.models.llama import gguf_to_hf_name
-from pagedllm.models.utils import load_causal_lm_weights
+from pagedllm.models.utils import load_causal_lm_weights, make_lm_head
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 # llama.cpp's tensor names (GGUF) -> HF checkpoint names for Gemma 2/3; "{}" is the layer index.
@@ -282,12 +282,7 @@ class Gemma2ForCausalLM(nn.Module):
         self.model = GemmaModel(config, type(self))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
         self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
-        if not self.model.pp.is_last_rank:
-            self.lm_head = MissingLMHead(config.vocab_size)
-        else:
-            tie = self.tie_word_embeddings and self.model.pp.is_first_rank
-            self.lm_head = LMHead(config.vocab_size, config.hidden_size,
-                                  tie_to=self.model.embed_tokens if tie else None)
+        self.lm_head = make_lm_head(config, self.model, self.tie_word_embeddings)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)

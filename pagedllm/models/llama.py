@@ -28,11 +28,11 @@ from pagedllm.layers.linear import (MergedColumnParallelLinear, QKVParallelLinea
                                     RowParallelLinear)
 from pagedllm.layers.rotary_embedding import (RotaryEmbedding, check_rope_freq_factors,
                                               rope_parameters_from_hf)
-from pagedllm.layers.pipeline import (MissingLMHead, PPMissingLayer, get_pp_indices,
-                                      recv_intermediate, send_intermediate)
-from pagedllm.layers.vocab_embedding import LMHead, VocabEmbedding
+from pagedllm.layers.pipeline import (PPMissingLayer, get_pp_indices, recv_intermediate,
+                                      send_intermediate)
+from pagedllm.layers.vocab_embedding import VocabEmbedding
 from pagedllm.models.fused_decoder import FusedDecoder, add_rms_norm
-from pagedllm.models.utils import load_causal_lm_weights
+from pagedllm.models.utils import load_causal_lm_weights, make_lm_head
 
 
 class LlamaMLP(nn.Module):
@@ -293,13 +293,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = LlamaModel(config, type(self))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if not self.model.pp.is_last_rank:
-            self.lm_head = MissingLMHead(config.vocab_size)
-        else:
-            # A last stage that is not also the first holds its own copy of a tied embedding.
-            tie = self.tie_word_embeddings and self.model.pp.is_first_rank
-            self.lm_head = LMHead(config.vocab_size, config.hidden_size,
-                                  tie_to=self.model.embed_tokens if tie else None)
+        self.lm_head = make_lm_head(config, self.model, self.tie_word_embeddings)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)

@@ -24,10 +24,9 @@ from pagedllm.layers.attention import Attention
 from pagedllm.layers.fused_moe import FusedMoE
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import default_weight_loader
-from pagedllm.layers.pipeline import MissingLMHead, PPMissingLayer
-from pagedllm.layers.vocab_embedding import LMHead
+from pagedllm.layers.pipeline import PPMissingLayer
 from pagedllm.models.llama import LlamaDecoderLayer, LlamaMLP, LlamaModel
-from pagedllm.models.utils import load_causal_lm_weights
+from pagedllm.models.utils import load_causal_lm_weights, make_lm_head
 from pagedllm.platforms import current_platform
 
 # Checkpoint name of one expert's tensor ("model.layers.3.mlp.experts.7.gate_proj.weight") and
@@ -132,12 +131,7 @@ class MoeForCausalLM(nn.Module):
         self.config = config
         self.model = MoeModel(config, type(self))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if not self.model.pp.is_last_rank:
-            self.lm_head = MissingLMHead(config.vocab_size)
-        else:
-            tie = self.tie_word_embeddings and self.model.pp.is_first_rank
-            self.lm_head = LMHead(config.vocab_size, config.hidden_size,
-                                  tie_to=self.model.embed_tokens if tie else None)
+        self.lm_head = make_lm_head(config, self.model, self.tie_word_embeddings)
 
     @classmethod
     def make_attention(cls, config, layer_idx: int, sliding_window: int | None) -> nn.Module:

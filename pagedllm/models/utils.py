@@ -5,10 +5,22 @@ from __future__ import annotations
 from torch import nn
 
 from pagedllm.layers.linear import default_weight_loader
-from pagedllm.layers.pipeline import PPMissingLayer
+from pagedllm.layers.pipeline import MissingLMHead, PPMissingLayer
+from pagedllm.layers.vocab_embedding import LMHead
 
 # (our fused parameter, checkpoint name, shard id)
 StackedParamsMapping = tuple[tuple[str, str, str | int], ...]
+
+
+def make_lm_head(config, model: nn.Module, tie_word_embeddings: bool) -> nn.Module:
+    """The LM head of a decoder stack `model` (with `.pp` and `.embed_tokens`): a placeholder on
+    stages before the last; tied to the embedding when both are on this stage (a last stage that
+    is not also the first holds its own copy of a tied embedding)."""
+    if not model.pp.is_last_rank:
+        return MissingLMHead(config.vocab_size)
+    tie = tie_word_embeddings and model.pp.is_first_rank
+    return LMHead(config.vocab_size, config.hidden_size,
+                  tie_to=model.embed_tokens if tie else None)
 
 
 def load_named_weight(params: dict[str, nn.Parameter], name: str, tensor,
