@@ -97,6 +97,14 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except RuntimeError as e:
+        # A worker process that died (e.g. killed for memory) is reported by its message; other
+        # runtime errors keep their traceback. Imported here: the executor loads torch.
+        from pagedllm.executor.abstract import WorkerDiedError
+        if not isinstance(e, WorkerDiedError):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -41,3 +41,25 @@ def test_public_names_still_import() -> None:
     assert SamplingParams(max_tokens=3).max_tokens == 3
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         pagedllm.nope  # noqa: B018
+
+
+def test_a_dead_worker_is_reported_without_a_traceback(monkeypatch, capsys) -> None:
+    from pagedllm.entrypoints import cli
+    from pagedllm.executor.abstract import WorkerDiedError
+
+    def die(args):
+        raise WorkerDiedError("worker rank 1 died (exit code -9)")
+
+    parser = cli.build_parser()
+    args = parser.parse_args(["generate", "--prompt", "x"])
+    monkeypatch.setattr(cli, "build_parser", lambda: parser)
+    monkeypatch.setattr(parser, "parse_args", lambda argv=None: args)
+    args.func = die
+    assert cli.main([]) == 1
+    assert "error: worker rank 1 died" in capsys.readouterr().err
+
+    def other(args):
+        raise RuntimeError("a bug")
+    args.func = other
+    with pytest.raises(RuntimeError, match="a bug"):
+        cli.main([])
