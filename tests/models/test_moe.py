@@ -176,6 +176,28 @@ def test_chunked_prefill_batching_and_prefix_caching_change_nothing(moe_checkpoi
                                atol=2e-4, rtol=0)
 
 
+def test_ngram_speculative_decoding_and_preemption_change_nothing(moe_checkpoints):
+    """Greedy tokens of a MoE model with n-gram drafts verified in one step (several tokens per
+    request through the expert GEMMs), and with a KV cache so small that requests are preempted
+    and recomputed, equal plain decoding."""
+    rng = random.Random(2)
+    motif = [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(6)]
+    prompts = [motif * 5 + [rng.randrange(VOCAB_LOW, VOCAB_HIGH)] for _ in range(3)] + _prompts()[:3]
+    path = moe_checkpoints("mixtral")
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    want = [list(o.outputs[0].token_ids) for o in _llm(path).generate(prompts, greedy,
+                                                                        use_tqdm=False)]
+    spec = _llm(path, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                          "prompt_lookup_max": 3})
+    assert [list(o.outputs[0].token_ids)
+            for o in spec.generate(prompts, greedy, use_tqdm=False)] == want
+    small = LLM(str(path), dtype="float32", num_gpu_blocks_override=20, block_size=8,
+                max_model_len=128)
+    assert [list(o.outputs[0].token_ids)
+            for o in small.generate(prompts, greedy, use_tqdm=False)] == want
+    assert small.llm_engine.engine_core.scheduler.num_preemptions > 0
+
+
 def test_fused_expert_checkpoint_names_load_the_same(moe_checkpoints, tmp_path):
     """transformers 5's fused `mlp.experts.gate_up_proj` / `down_proj` tensors (written with
     save_original_format=False) load into the same weights as the per-expert names."""
