@@ -80,7 +80,9 @@ class CacheConfig:
             activations and KV); the KV cache gets what remains after a profile run.
         num_gpu_blocks_override: force the number of blocks (tests).
         enable_prefix_caching: reuse KV blocks of identical prompt prefixes.
-        cache_dtype: "auto" (= model dtype) or a dtype name.
+        cache_dtype: the KV cache dtype (engine arg `kv_cache_dtype`, vLLM's name): "auto" (= the
+            model dtype), "int8" (per token and KV head scales) or "fp8_e4m3" (float8 e4m3fn,
+            per-tensor scales); "fp8" is taken as "fp8_e4m3". See docs/benchmarks.md.
     """
 
     block_size: int = 16
@@ -101,6 +103,11 @@ class CacheConfig:
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
             raise ValueError(
                 f"num_gpu_blocks_override must be >= 2, got {self.num_gpu_blocks_override}")
+        if self.cache_dtype == "fp8":
+            object.__setattr__(self, "cache_dtype", "fp8_e4m3")
+        if self.cache_dtype not in ("auto", "int8", "fp8_e4m3"):
+            raise ValueError("kv_cache_dtype must be 'auto', 'int8' or 'fp8_e4m3', got "
+                             f"{self.cache_dtype!r}")
 
 
 @dataclass(frozen=True)
@@ -113,12 +120,16 @@ class SchedulerConfig:
         enable_chunked_prefill: split prompts longer than the remaining budget over several steps.
         long_prefill_token_threshold: cap on one request's prefill chunk (0 = no cap), so one long
             prompt cannot take the whole budget from waiting requests.
+        async_scheduling: schedule step N+1 while step N runs (vLLM's name; see
+            docs/architecture.md). None = on where it helps (CUDA with the uniproc executor),
+            off elsewhere; True with an executor that cannot is an error at engine start.
     """
 
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -532,7 +543,9 @@ def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str
                          reasoning_parser: str | None = None,
                          cudagraph_mode: str = "FULL_DECODE_ONLY", enforce_eager: bool = False,
                          cudagraph_capture_sizes: Sequence[int] | None = None,
-                         quantization: str | None = None) -> EngineConfig:
+                         quantization: str | None = None,
+                         kv_cache_dtype: str = "auto",
+                         async_scheduling: bool | None = None) -> EngineConfig:
     """Build and validate an `EngineConfig` from flat engine arguments (vLLM's names).
 
     Resolves `model` to a local folder (hub ids through the huggingface_hub cache). Raises
@@ -587,11 +600,13 @@ def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str
         cache_config=CacheConfig(block_size=block_size, kv_cache_memory_bytes=kv_cache_memory_bytes,
                                  gpu_memory_utilization=gpu_memory_utilization,
                                  num_gpu_blocks_override=num_gpu_blocks_override,
-                                 enable_prefix_caching=enable_prefix_caching),
+                                 enable_prefix_caching=enable_prefix_caching,
+                                 cache_dtype=kv_cache_dtype),
         scheduler_config=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
                                          max_num_seqs=max_num_seqs,
                                          enable_chunked_prefill=enable_chunked_prefill,
-                                         long_prefill_token_threshold=long_prefill_token_threshold),
+                                         long_prefill_token_threshold=long_prefill_token_threshold,
+                                         async_scheduling=async_scheduling),
         parallel_config=parallel_config,
         model_path=model_path,
         tokenizer_path=tokenizer_path,

@@ -1,4 +1,5 @@
-"""`pagedllm bench {throughput,latency,serve,soak}`: flags, model resolution and the runners.
+"""`pagedllm bench {throughput,latency,perplexity,serve,soak}`: flags, model resolution and the
+runners.
 
 Wire into the top-level CLI with `add_bench_parser(subparsers)`; each sub-command sets
 `args.func`, which returns the exit code.
@@ -19,7 +20,8 @@ _DTYPE_ALIASES = {"bf16": "bfloat16", "fp32": "float32", "float": "float32", "fp
 
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Register `bench` with the sub-commands `throughput`, `latency`, `serve` and `soak`."""
+    """Register `bench` with the sub-commands `throughput`, `latency`, `perplexity`, `serve` and
+    `soak`."""
     bench = subparsers.add_parser("bench", help="benchmark the engine (offline or a server)")
     sub = bench.add_subparsers(dest="bench_command", required=True)
 
@@ -53,6 +55,19 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     _add_output_args(lat)
     lat.set_defaults(func=run_latency_command)
 
+    ppl = sub.add_parser("perplexity", help="perplexity of the model over a text (prompt "
+                                            "logprobs over windows of max_model_len tokens)")
+    add_engine_args(ppl)
+    _add_model_args(ppl)
+    ppl.add_argument("--input-file", default=None,
+                     help="UTF-8 text to score (default: a built-in English passage)")
+    ppl.add_argument("--window", type=int, default=None,
+                     help="tokens per window (default and at most --max-model-len)")
+    ppl.add_argument("--max-windows", type=int, default=None,
+                     help="score only the first N windows (default: all)")
+    _add_output_args(ppl)
+    ppl.set_defaults(func=run_perplexity_command)
+
     srv = sub.add_parser("serve", help="drive a running OpenAI-compatible server")
     srv.add_argument("--base-url", default="http://127.0.0.1:8000")
     srv.add_argument("--model", default=None,
@@ -70,6 +85,8 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     _add_output_args(srv)
     srv.set_defaults(func=run_serve_command)
     _add_soak_parser(sub)
+    from pagedllm.benchmarks.eplb import add_eplb_parser
+    add_eplb_parser(sub)
     return bench
 
 
@@ -285,6 +302,19 @@ def run_latency_command(args: argparse.Namespace) -> int:
     print_result(result, f"pagedllm latency (batch {args.batch_size})")
     if profile_rows is not None:
         result["profile_top_ops"] = profile_rows
+    return _finish(args, [result])
+
+
+def run_perplexity_command(args: argparse.Namespace) -> int:
+    from pagedllm.benchmarks.perplexity import run_perplexity
+    from pagedllm.benchmarks.report import print_result
+
+    if args.max_windows is not None and args.max_windows < 1:
+        raise ValueError("--max-windows must be >= 1")
+    kwargs = resolve_model(args)
+    result = run_perplexity(kwargs, args.input_file, args.window, args.max_windows)
+    result["dtype"] = _run_dtype_name(kwargs["dtype"])
+    print_result(result, "pagedllm perplexity")
     return _finish(args, [result])
 
 

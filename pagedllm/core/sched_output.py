@@ -98,6 +98,27 @@ class LogprobsLists:
 
 
 @dataclass
+class EplbStats:
+    """The MoE layers' expert-load imbalance at a worker's last EPLB rebalance (worker -> engine).
+
+    Imbalance of a layer = max / mean over the EP ranks of the tokens routed to each rank's
+    experts in the window the rebalance used: 1.0 is perfect balance, `ep_size` everything on one
+    rank. `before` scores the window's loads under the placement that served them, `after` under
+    the new placement (what the policy expects, if the next window routes alike).
+
+    Attributes:
+        num_rebalances: rebalances since the worker's start (after the profile run).
+        layer_ids: [num_moe_layers] decoder-layer index of each MoE layer of the reporting stage.
+        imbalance_before, imbalance_after: [num_moe_layers] floats, as above.
+    """
+
+    num_rebalances: int
+    layer_ids: list[int]
+    imbalance_before: list[float]
+    imbalance_after: list[float]
+
+
+@dataclass
 class ModelRunnerOutput:
     """What the worker sends back after a step.
 
@@ -117,6 +138,8 @@ class ModelRunnerOutput:
     # Requests whose own sampling code failed this step (a logits processor raised): req_id ->
     # message. Nothing was sampled for them; the scheduler finishes them with "error".
     request_errors: dict[str, str] = field(default_factory=dict)
+    # Set on the steps after which EPLB rebalanced the experts (None otherwise).
+    eplb_stats: EplbStats | None = None
 
 
 @dataclass

@@ -6,6 +6,17 @@ prompt is many, and a long prompt is split over steps (chunked prefill) and batc
 Running requests are served first, in admission order; when blocks run out the most recently
 admitted running request is preempted (its blocks freed, it goes back to the front of the waiting
 queue and is recomputed later; its tokens so far are kept, so nothing is lost).
+
+Asynchronous scheduling (`async_scheduling`): step N+1 is scheduled before step N's tokens are
+known. Every request that samples in a step gets one *output placeholder* until
+`update_from_output` brings its token, and `_num_new_tokens` counts placeholders as tokens, so a
+decode request is scheduled again for the position of its still unknown token (the worker fills
+that input on the device). A request that stops in step N has already been scheduled in N+1: that
+extra token is computed and dropped (the request is gone when N+1's output arrives). Prefix-cache
+blocks are only published once all their tokens are known (`allocate_slots` caches up to
+`request.num_tokens`, which excludes placeholders), and by then their KV is written by a step
+that runs before any later reader. Requests whose sampling needs their previous tokens on the
+host (see `needs_sync_step`) make the engine run synchronous steps while they live.
 """
 
 from __future__ import annotations
@@ -70,12 +81,15 @@ class Scheduler:
             pagedllm/structured_output/manager.py); None if the engine has none.
         kv_cache_windows: the KV cache groups' sliding windows (None = full attention), as the
             worker reports them (`kv_cache_group_windows`); `num_blocks` is group 0's.
+        async_scheduling: count output placeholders (see the module docstring); the engine
+            then drains in-flight steps before any synchronous one.
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  max_model_len: int, num_blocks: int, num_lookahead_tokens: int = 0,
                  structured_output_manager=None,
-                 kv_cache_windows: tuple[int | None, ...] = (None,)) -> None:
+                 kv_cache_windows: tuple[int | None, ...] = (None,),
+                 async_scheduling: bool = False) -> None:
         self.config = scheduler_config
         self.max_model_len = max_model_len
         self.block_size = cache_config.block_size
@@ -96,6 +110,11 @@ class Scheduler:
         self.structured_output_manager = structured_output_manager
         # Requests finished with an error outside `update_from_output`, reported by its next call.
         self._error_outputs: list[EngineCoreOutput] = []
+        self.async_scheduling = async_scheduling
+        # req_id -> tokens sampled in steps scheduled but not yet through `update_from_output`.
+        self.num_output_placeholders: dict[str, int] = {}
+        # Live requests whose sampling reads their previous tokens on the host.
+        self._num_sync_requests = 0
 
     # ----------------------------------------------------------------- requests in and out
     def add_request(self, request: Request) -> None:
@@ -121,6 +140,8 @@ class Scheduler:
                                                        request.sampling_params.structured_outputs)
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        if request_needs_sync_step(request):
+            self._num_sync_requests += 1
 
     def finish_requests(self, request_ids: str | Iterable[str],
                         finished_status: RequestStatus = RequestStatus.FINISHED_ABORTED,
@@ -153,12 +174,22 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
+        self.num_output_placeholders.pop(request.request_id, None)
+        if request_needs_sync_step(request):
+            self._num_sync_requests -= 1
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.waiting) + len(self.running)
+
+    def needs_sync_step(self) -> bool:
+        """Whether the next step must see every earlier step's tokens before it is scheduled:
+        some live request has structured output (its grammar bitmask needs the last token) or
+        sampling that reads its previous tokens on the host (penalties, bad words, logits
+        processors); see `request_needs_sync_step`."""
+        return self._num_sync_requests > 0
 
     # ----------------------------------------------------------------- one step
     def schedule(self) -> SchedulerOutput:
@@ -172,7 +203,13 @@ class Scheduler:
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
         out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
         for req_id, n in out.num_scheduled_tokens.items():
-            self.requests[req_id].num_computed_tokens += n
+            request = self.requests[req_id]
+            request.num_computed_tokens += n
+            if (self.async_scheduling and request.num_computed_tokens
+                    >= request.num_tokens + self.num_output_placeholders.get(req_id, 0)):
+                # It samples this step; its token is unknown until update_from_output.
+                self.num_output_placeholders[req_id] = (
+                    self.num_output_placeholders.get(req_id, 0) + 1)
         self._add_grammar_bitmask(out)
         return out
 
@@ -202,7 +239,8 @@ class Scheduler:
                     break
             if new_block_ids is None:
                 break
-            num_spec = request.num_computed_tokens + num_new_tokens - request.num_tokens
+            num_spec = (request.num_computed_tokens + num_new_tokens - request.num_tokens
+                        - self.num_output_placeholders.get(request.request_id, 0))
             if num_spec > 0:
                 out.scheduled_spec_decode_tokens[request.request_id] = \
                     request.spec_token_ids[:num_spec]
@@ -289,7 +327,9 @@ class Scheduler:
     def _num_new_tokens(self, request: Request, num_computed: int, token_budget: int) -> int:
         """Tokens to compute for `request` this step, its draft tokens included (0 = cannot
         schedule it now). Never past max_model_len nor past prompt + max_tokens."""
-        n = min(request.num_tokens_with_spec, self._max_kv_tokens(request)) - num_computed
+        n = min(request.num_tokens_with_spec
+                + self.num_output_placeholders.get(request.request_id, 0),
+                self._max_kv_tokens(request)) - num_computed
         threshold = self.config.long_prefill_token_threshold
         if threshold:
             n = min(n, threshold)
@@ -302,6 +342,8 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
+        # Its in-flight tokens still arrive (appended while it waits); it is recomputed later.
+        self.num_output_placeholders.pop(request.request_id, None)
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -325,14 +367,17 @@ class Scheduler:
                 out = self._update_request(request, index, scheduler_output, model_runner_output)
             except Exception as e:  # noqa: BLE001 - its own state failed: it fails alone
                 errors[req_id] = f"{type(e).__name__}: {e}"
-                request.status = RequestStatus.RUNNING  # so finish_requests below frees it
+                # So finish_requests below frees it (from the queue it is in).
+                request.status = (RequestStatus.RUNNING if request in self.running
+                                  else RequestStatus.PREEMPTED)
                 continue
             if out is not None:
                 outputs.append(out)
             if request.is_finished():
                 finished.append(request)
         for request in finished:
-            self.running.remove(request)
+            # With async scheduling a request preempted while its step ran may finish waiting.
+            (self.running if request in self.running else self.waiting).remove(request)
             self._free_request(request)
         for req_id, message in errors.items():
             self.finish_requests(req_id, RequestStatus.FINISHED_ERROR, message)
@@ -346,6 +391,8 @@ class Scheduler:
         req_id = request.request_id
         prompt_logprobs = model_runner_output.prompt_logprobs_dict
         new_token_ids = model_runner_output.sampled_token_ids[index]
+        if new_token_ids and self.num_output_placeholders.get(req_id):
+            self.num_output_placeholders[req_id] -= 1
         drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
         if drafts and new_token_ids:
             # Rejected draft positions are not computed: their KV is overwritten later.
@@ -410,3 +457,15 @@ class Scheduler:
             prefix_cache_stats=replace(self.kv_cache_manager.prefix_cache_stats),
             num_preemptions=self.num_preemptions,
             spec_decoding_stats=replace(self.spec_decoding_stats))
+
+
+def request_needs_sync_step(request: Request) -> bool:
+    """Whether `request`'s next step needs its previous tokens on the host (before it is
+    scheduled or sampled): structured output (the grammar bitmask is built from the accepted
+    tokens), penalties, bad words and logits processors (they read the output token ids).
+    Such requests run under synchronous steps even with `async_scheduling`."""
+    sp = request.sampling_params
+    return (sp.structured_outputs is not None or sp.presence_penalty != 0
+            or sp.frequency_penalty != 0 or sp.repetition_penalty != 1
+            or bool(sp.bad_words) or bool(sp._bad_words_token_ids)
+            or bool(sp.logits_processors))

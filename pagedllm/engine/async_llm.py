@@ -35,6 +35,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from pagedllm.core.sched_output import EplbStats
 from pagedllm.core.scheduler import SchedulerStats
 from pagedllm.engine.engine_core import EngineCoreRequest
 from pagedllm.engine.input_processor import PromptType
@@ -147,6 +148,9 @@ class IterationStats:
     num_preemptions: int = 0
     prefix_cache_queries: int = 0  # tokens looked up
     prefix_cache_hits: int = 0  # tokens found
+    num_eplb_rebalances: int = 0
+    # The imbalance of the last EPLB rebalance when one happened in this iteration, else None.
+    eplb_stats: EplbStats | None = None
 
 
 class StatLogger(Protocol):
@@ -216,6 +220,7 @@ class AsyncLLM:
         self._last_preemptions = 0
         self._last_prefix_queries = 0
         self._last_prefix_hits = 0
+        self._last_eplb_rebalances = 0
 
     @classmethod
     def from_engine_args(cls, model: str, stat_loggers: Sequence[StatLogger] = (),
@@ -472,6 +477,11 @@ class AsyncLLM:
         iteration.prefix_cache_hits = max(0, prefix.hits - self._last_prefix_hits)
         self._last_preemptions = stats.num_preemptions
         self._last_prefix_queries, self._last_prefix_hits = prefix.queries, prefix.hits
+        eplb = self.engine.get_eplb_stats()
+        if eplb is not None and eplb.num_rebalances != self._last_eplb_rebalances:
+            iteration.num_eplb_rebalances = max(0, eplb.num_rebalances - self._last_eplb_rebalances)
+            iteration.eplb_stats = eplb
+            self._last_eplb_rebalances = eplb.num_rebalances
         for stat_logger in self.stat_loggers:
             stat_logger.record(stats, iteration)
 

@@ -1,11 +1,19 @@
 """EngineCore: the scheduler plus the executor; one `step()` = schedule, run, update.
 
 It knows token ids only (no text): the front end (`LLMEngine`) tokenizes and detokenizes.
+
+With `async_scheduling` a step call schedules and launches step N+1 before it waits for step N
+and updates the scheduler with N's tokens (`_step_async`), so at most two steps are in flight and
+the host's scheduling of N+1 and the caller's output processing of N overlap N+1's forward. Steps
+fall back to synchronous (in-flight steps drained first) while a live request needs its previous
+tokens on the host (`Scheduler.needs_sync_step`: structured output, penalties, bad words, logits
+processors); speculative decoding makes every step synchronous. See docs/architecture.md.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import dataclass
 
 from transformers import AutoTokenizer
@@ -13,9 +21,11 @@ from transformers import AutoTokenizer
 from pagedllm.config import EngineConfig, hf_model_info
 from pagedllm.core.kv_cache_utils import get_request_block_hasher
 from pagedllm.core.request import Request, RequestStatus
-from pagedllm.core.sched_output import EngineCoreOutput
+from pagedllm.core.sched_output import (EngineCoreOutput, EplbStats, ModelRunnerOutput,
+                                        SchedulerOutput)
 from pagedllm.core.scheduler import Scheduler, SchedulerStats
 from pagedllm.executor.abstract import get_executor_class
+from pagedllm.platforms import current_platform
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output.manager import StructuredOutputManager
 
@@ -42,8 +52,9 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.executor = get_executor_class(config.parallel_config.distributed_executor_backend)(
-            config)
+        executor_class = get_executor_class(config.parallel_config.distributed_executor_backend)
+        self.async_scheduling = resolve_async_scheduling(config, executor_class)
+        self.executor = executor_class(config)
         try:
             num_blocks = self.executor.determine_num_blocks()
             self.executor.initialize_kv_cache(num_blocks)
@@ -60,10 +71,15 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config,
                                    config.max_model_len, num_blocks, lookahead,
                                    self.structured_output_manager,
-                                   kv_cache_windows=self.executor.kv_cache_windows())
+                                   kv_cache_windows=self.executor.kv_cache_windows(),
+                                   async_scheduling=self.async_scheduling)
+        # Async scheduling: steps launched and not yet through update_from_output, oldest first.
+        self._in_flight: deque[tuple[SchedulerOutput, object]] = deque()
         self._block_hasher = (get_request_block_hasher(config.cache_config.block_size)
                               if config.cache_config.enable_prefix_caching else None)
         self.num_blocks = num_blocks
+        # The last EPLB rebalance the driver worker reported (None: none yet, or EPLB off).
+        self.eplb_stats: EplbStats | None = None
 
     def add_request(self, req: EngineCoreRequest) -> None:
         """Queue a request.
@@ -80,14 +96,71 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def step(self) -> list[EngineCoreOutput]:
+        """Run one step; the outputs of the step that completed (with async scheduling, the
+        previous one: the step just launched runs on)."""
+        if self.async_scheduling:
+            return self._step_async()
         if not self.scheduler.has_unfinished_requests():
             return []
         scheduler_output = self.scheduler.schedule()
         runner_output = self.executor.execute_model(scheduler_output)
+        return self._update(scheduler_output, runner_output)
+
+    def _update(self, scheduler_output: SchedulerOutput,
+                runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        if runner_output.eplb_stats is not None:
+            self.eplb_stats = runner_output.eplb_stats
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
+    def _step_async(self) -> list[EngineCoreOutput]:
+        """Schedule and launch step N+1 (its decodes take step N's tokens on the device), then
+        wait for step N and update the scheduler with it.
+
+        All in-flight steps are waited for when the new step computes nothing (every running
+        request waits for its last token) and before a synchronous step, which is then run by
+        the next call.
+        """
+        if self.scheduler.needs_sync_step() or not self.scheduler.has_unfinished_requests():
+            if self._in_flight:
+                return self._drain()
+            if not self.scheduler.has_unfinished_requests():
+                return []
+            scheduler_output = self.scheduler.schedule()
+            return self._update(scheduler_output,
+                                self.executor.execute_model(scheduler_output))
+        scheduler_output = self.scheduler.schedule()
+        self._in_flight.append((scheduler_output,
+                                self.executor.execute_model(scheduler_output, non_block=True)))
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return self._drain()
+        outputs: list[EngineCoreOutput] = []
+        while len(self._in_flight) > 1:
+            outputs.extend(self._update_oldest())
+        return outputs
+
+    def _update_oldest(self) -> list[EngineCoreOutput]:
+        scheduler_output, future = self._in_flight.popleft()
+        try:
+            runner_output = future.result()
+        except BaseException:
+            # The step failed: the later in-flight steps are moot; wait for them (ignoring their
+            # errors) so that the next call, after the caller aborted its requests, starts clean.
+            while self._in_flight:
+                try:
+                    self._in_flight.popleft()[1].result()
+                except Exception:  # noqa: BLE001 - the first error is the one raised
+                    pass
+            raise
+        return self._update(scheduler_output, runner_output)
+
+    def _drain(self) -> list[EngineCoreOutput]:
+        outputs: list[EngineCoreOutput] = []
+        while self._in_flight:
+            outputs.extend(self._update_oldest())
+        return outputs
+
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
 
     def reset_prefix_cache(self) -> int:
         return self.scheduler.reset_prefix_cache()
@@ -98,3 +171,31 @@ class EngineCore:
     def shutdown(self) -> None:
         self.structured_output_manager.shutdown()
         self.executor.shutdown()
+
+
+def resolve_async_scheduling(config: EngineConfig, executor_class: type) -> bool:
+    """Whether the engine schedules asynchronously (`SchedulerConfig.async_scheduling`).
+
+    None picks it where it helps: CUDA (the device runs step N while the host prepares N+1) with
+    an executor that supports it (`supports_async_scheduling`: uniproc). It stays off on the
+    CPU: there the forward is host work too and measured no faster (docs/architecture.md).
+    Speculative decoding needs each step's tokens to propose the next drafts: every step is
+    then synchronous (logged).
+
+    Raises:
+        ValueError: async_scheduling=True with an executor that cannot (mp, ray).
+    """
+    requested = config.scheduler_config.async_scheduling
+    supported = getattr(executor_class, "supports_async_scheduling", False)
+    backend = config.parallel_config.distributed_executor_backend
+    if requested and not supported:
+        raise ValueError(f"async_scheduling is supported with distributed_executor_backend 'uni' "
+                         f"(one process) only, not {backend!r}; drop --async-scheduling")
+    if requested is None:
+        requested = supported and current_platform.device_type == "cuda"
+    if requested and config.speculative_config is not None:
+        logger.info("async_scheduling: speculative decoding (%s) proposes drafts from each "
+                    "step's tokens; every step runs synchronously",
+                    config.speculative_config.method)
+        return False
+    return bool(requested)

@@ -13,6 +13,7 @@ from typing import Any
 from transformers import AutoTokenizer
 
 from pagedllm.config import EngineConfig, create_engine_config, hf_model_info
+from pagedllm.core.sched_output import EplbStats
 from pagedllm.core.scheduler import SchedulerStats
 from pagedllm.engine.engine_core import EngineCore, EngineCoreRequest
 from pagedllm.engine.input_processor import InputProcessor, PromptType
@@ -148,3 +149,7 @@ class LLMEngine:
 
     def get_stats(self) -> SchedulerStats:
         return self.engine_core.get_stats()
+
+    def get_eplb_stats(self) -> EplbStats | None:
+        """The MoE layers' load imbalance at the last EPLB rebalance (None: none yet)."""
+        return self.engine_core.eplb_stats

@@ -60,6 +60,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", default=None, choices=["gguf", "none"],
                    help="gguf: keep a .gguf file's linear weights in their blocks (native CPU "
                         "kernels; the default where every type has one); none: dequantize")
+    g.add_argument("--kv-cache-dtype", default="auto",
+                   choices=["auto", "int8", "fp8_e4m3", "fp8"],
+                   help="KV cache dtype: auto (the model's), int8 (a scale per token and KV head) "
+                        "or fp8_e4m3 (= fp8; per-tensor scales 1.0); CPU backends only for now")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--block-size", type=int, default=16)
@@ -112,9 +116,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--cudagraph-capture-sizes", type=bounded_int(1), nargs="+", default=None,
                    metavar="N", help="decode batch sizes to capture, ascending (default: 1 2 4 "
                                      "8 16 24 ... up to --max-num-seqs, at most 512)")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule step N+1 while step N runs (default: on with CUDA and one "
+                        "process, off on CPU)")
 
 
 _ENGINE_KEYS = ("tokenizer", "dtype", "quantization", "max_model_len", "seed", "block_size",
+                "kv_cache_dtype",
                 "kv_cache_memory_bytes", "gpu_memory_utilization", "num_gpu_blocks_override",
                 "enable_prefix_caching", "max_num_batched_tokens", "max_num_seqs",
                 "enable_chunked_prefill", "trust_remote_code", "tensor_parallel_size",
@@ -122,7 +130,7 @@ _ENGINE_KEYS = ("tokenizer", "dtype", "quantization", "max_model_len", "seed", "
                 "master_addr", "master_port", "enable_expert_parallel", "enable_eplb",
                 "eplb_config", "speculative_config",
                 "logprobs_mode", "max_logprobs", "max_n", "max_logit_bias", "reasoning_parser",
-                "cudagraph_mode", "enforce_eager", "cudagraph_capture_sizes")
+                "cudagraph_mode", "enforce_eager", "cudagraph_capture_sizes", "async_scheduling")
 
 
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:

@@ -22,7 +22,15 @@ class WorkerDiedError(RuntimeError):
 
 
 class Executor(Protocol):
-    """Runs one engine's workers. `__init__(config)` starts them and loads the model."""
+    """Runs one engine's workers. `__init__(config)` starts them and loads the model.
+
+    `supports_async_scheduling` (class attribute): whether `execute_model` takes
+    `non_block=True` and returns a future whose `result()` is the ModelRunnerOutput, the
+    worker filling each step's inputs from the previous step's tokens on the device (only the
+    uniproc executor does; see engine/engine_core.py).
+    """
+
+    supports_async_scheduling: bool
 
     def determine_num_blocks(self) -> int:
         """KV blocks that fit on every rank (the minimum over the ranks)."""
@@ -53,6 +61,10 @@ class DistributedExecutorBase:
     """
 
     driver_rank: int
+    # NOTE(async_scheduling): the workers would need a non-blocking execute_model RPC and each
+    # rank the previous step's tokens on its device (pipeline stages other than the last never
+    # sample); not built yet, so the engine refuses async scheduling with mp and Ray.
+    supports_async_scheduling = False
 
     def collective_rpc(self, method: str, args: tuple = (),
                        reply_rank: int | None = None) -> list[Any]:

@@ -132,6 +132,12 @@ def _declare(lib: ctypes.CDLL) -> None:
         fn = getattr(lib, name)
         fn.restype = None
         fn.argtypes = [p, p, p, p, i64, p, p, p, i32, p, i32, i32, i32, i32, f32, i32, i32, f32]
+    lib.paged_attention_int8.restype = None
+    lib.paged_attention_int8.argtypes = [p, p, p, p, p, p, i64, p, p, p, i32, p, i32, i32, i32,
+                                         i32, f32, i32, i32, f32]
+    lib.paged_attention_fp8_e4m3.restype = None
+    lib.paged_attention_fp8_e4m3.argtypes = [p, p, p, f32, f32, p, i64, p, p, p, i32, p, i32,
+                                             i32, i32, i32, f32, i32, i32, f32]
     for name in ("linear_bf16", "linear_f32", "linear_bf16_act"):
         fn = getattr(lib, name)
         fn.restype = None
@@ -144,3 +150,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         fn = getattr(lib, name)
         fn.restype = i32
         fn.argtypes = [p, i64, i64, i64, p, i64, i32, p, p, i64]
+    lib.linear_gguf_segments.restype = i32
+    lib.linear_gguf_segments.argtypes = [p, i64, i64, i64, p, i64, p, p, i64]
+    lib.dequantize_rows_gguf.restype = i32
+    lib.dequantize_rows_gguf.argtypes = [p, i64, i32, p, i64, p]

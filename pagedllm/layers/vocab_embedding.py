@@ -8,6 +8,10 @@ exactly one rank). The LM head computes the logits of its slice and all-gathers 
 holds the full [n, vocab_size] logits and samples identically (same seed, same logits): no token
 broadcast is needed to keep the ranks' request states equal. Both collectives are visible in the
 `forward`/`compute_logits` below.
+
+With GGUF quantization (`set_embedding_method`, layers/quantization/gguf.py) the rows stay in
+their GGML blocks: a lookup dequantizes only the selected rows and the LM head (tied or not)
+runs the block GEMV; the method object holds the type, and a tied LM head shares it.
 """
 
 from __future__ import annotations
@@ -43,9 +47,32 @@ class VocabEmbedding(nn.Module):
                                      self.tp_rank * self.num_embeddings_per_partition)
         self.vocab_end_index = min(num_embeddings,
                                    self.vocab_start_index + self.num_embeddings_per_partition)
+        self.embedding_dim = embedding_dim
         self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim),
                                    requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        # None: a float weight; else a `GGUFEmbeddingMethod` (see `set_embedding_method`).
+        self.quant_method = None
+
+    def set_embedding_method(self, method) -> bool:
+        """Store (and look up / project with) the weight by `method` (a `GGUFEmbeddingMethod`);
+        the weight is re-created empty, to be loaded afterwards.
+
+        Returns:
+            False, changing nothing, with tensor parallelism: the zero-padded rows of the last
+            slice have no checkpoint blocks, so the weight stays float.
+        """
+        if self.tp_size > 1:
+            return False
+        method.create_weights(self, self.embedding_dim, self.num_embeddings_per_partition,
+                              self.weight_loader)
+        self.quant_method = method
+        return True
+
+    def tie_embedding_method(self, method, weight: nn.Parameter) -> None:
+        """Share another module's quantized weight and its method (a tied LM head)."""
+        self.quant_method = method
+        self.weight = weight
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         """Copy this rank's rows of the full [vocab_size, dim] checkpoint tensor; zero the padding.
@@ -57,11 +84,16 @@ class VocabEmbedding(nn.Module):
             raise ValueError(f"shape mismatch: vocabulary of {self.num_embeddings} rows vs "
                              f"checkpoint {tuple(loaded.shape)}")
         n = self.vocab_end_index - self.vocab_start_index
+        if self.quant_method is not None:   # tp_size == 1: no padding
+            self.quant_method.load_weight(self, loaded)
+            return
         param.data[n:].zero_()
         default_weight_loader(param.data.narrow(0, 0, n),
                               loaded.narrow(0, self.vocab_start_index, n))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.quant_method is not None:
+            return self.quant_method.embedding(self, input_ids)
         if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)
         outside = (input_ids < self.vocab_start_index) | (input_ids >= self.vocab_end_index)
@@ -83,6 +115,8 @@ class LMHead(VocabEmbedding):
             self.weight = tie_to.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.quant_method is not None:
+            return self.quant_method.logits(self, hidden)
         logits = current_platform.linear(hidden, self.weight, out_dtype=torch.float32)
         if self.tp_size == 1:
             return logits

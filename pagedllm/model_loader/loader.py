@@ -6,8 +6,8 @@ parameter's `weight_loader`; a checkpoint that leaves a parameter unset is an er
 Tensors reach the loaders lazily (`CheckpointTensor`, `GGUFTensor`): a tensor-parallel rank
 narrows them to its shard and only that slice is read from disk (safetensors `get_slice`) or
 dequantized (GGUF rows). With `quantization="gguf"` (the default for a GGUF file on the CPU)
-linear layers keep their GGUF blocks instead (layers/quantization/gguf.py); embeddings and norms
-are dequantized.
+linear layers keep their GGUF blocks instead (layers/quantization/gguf.py), as do the token
+embedding and LM head when their type has a kernel; norms are dequantized.
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ def load_model(model_path: str, hf_config, dtype: torch.dtype, device: torch.dev
     tensors are renamed by the model family (`gguf_checkpoint_weights`). `quantization`: "none"
     dequantizes them at load; "gguf" keeps the linear layers' weights in their blocks; None
     (the default) picks "gguf" for a GGUF file on the CPU, falling back to "none" (logged) when
-    a linear weight's type has no kernel or a fused layer mixes types.
+    a linear weight's type has no kernel (fused layers of mixed types stay quantized).
 
     Raises:
         ValueError: unsupported architecture or tensor type, corrupt files, weights missing

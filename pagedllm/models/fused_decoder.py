@@ -4,7 +4,10 @@ For steps of few tokens (decode, speculative verification, short prefill continu
 run module by module is ~25 torch operations and five native calls, each paying Python dispatch
 and an OpenMP fork/join; at batch 1 that overhead exceeded the time spent streaming the weights.
 `decoder_layers` in `pagedllm/kernels/csrc/cpu_decoder.cpp` runs each layer as one parallel
-region instead (see its header for the math, which is the module path's).
+region instead (see its header for the math, which is the module path's). Linear layers kept
+as GGUF blocks (`layers/quantization/gguf.py`) go in as their quant method's row segments
+(`kernel_segments`: GGML type + bytes per segment) and run on the block kernels of
+`csrc/cpu_gguf_linear.cpp` inside the same parallel region.
 
 `FusedDecoder.applies(...)` decides per step; the module path (`llama.py`) remains the reference
 and runs everything else: long fresh prefills (torch's flash attention is faster there), tensor
@@ -20,6 +23,7 @@ import torch
 
 from pagedllm.attention.backends.cpu_paged import CpuPagedMetadata
 from pagedllm.kernels import cpu_kernels, switched_off
+from pagedllm.kernels.ops import gguf_segment_structs
 from pagedllm.platforms import current_platform
 
 _p, _i32, _i64, _f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
@@ -34,7 +38,7 @@ class DecoderLayerWeights(ctypes.Structure):
         "gate_up", "gate_up_bias", "down", "down_bias", "key_cache", "value_cache", "cos_cache",
         "sin_cache")] + [(name, _i64) for name in (
             "hidden_size", "num_heads", "num_kv_heads", "head_size", "intermediate_size")] + [
-        ("eps", _f32), ("scale", _f32)]
+        ("eps", _f32), ("scale", _f32), ("segments", _p * 4), ("num_segments", _i64 * 4)]
 
 
 class DecoderStep(ctypes.Structure):
@@ -54,6 +58,16 @@ def fused_decoder_enabled() -> bool:
 
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
+
+
+def _linears(layer) -> tuple:
+    """The four linear layers of a decoder layer, in the native order (qkv, o, gate_up, down)."""
+    return (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+            layer.mlp.down_proj)
+
+
+def _is_quantized(linear) -> bool:
+    return getattr(getattr(linear, "quant_method", None), "quantized", False)
 
 
 class FusedDecoder:
@@ -78,11 +92,13 @@ class FusedDecoder:
         self.layers = list(layers)
         first = self.layers[0]
         attn = first.self_attn
-        self.dtype = attn.qkv_proj.weight.dtype
+        # The model dtype: the norms', residual stream's and KV cache's (linear weights may be
+        # GGUF blocks instead).
+        self.dtype = first.input_layernorm.weight.dtype
         self.hidden_size = first.input_layernorm.weight.shape[0]
         self.q_size, self.kv_size = attn.q_size, attn.kv_size
         self.head_size = attn.head_size
-        self.intermediate_size = first.mlp.down_proj.weight.shape[1]
+        self.intermediate_size = first.mlp.down_proj.input_size_per_partition
         # The smallest sliding window of the layers (Mistral, Qwen2/3), None for none: steps
         # with a sequence longer than it run the module path (see `applies`).
         windows = [layer.self_attn.attn.sliding_window for layer in self.layers]
@@ -93,7 +109,7 @@ class FusedDecoder:
         self._max_tokens = self.MAX_SCRATCH_BYTES // (4 * (sum(self._scratch_sizes)
                                                            + self.hidden_size))
         self._structs: ctypes.Array | None = None
-        self._keepalive: list[torch.Tensor] = []
+        self._keepalive: list[torch.Tensor | ctypes.Array] = []
         # The KV caches the structures point into, held so their memory cannot be reused while
         # pointed at; a layer bound to another cache (the profiling run's caches are replaced by
         # the real ones) makes the next call rebuild.
@@ -106,7 +122,7 @@ class FusedDecoder:
             return False
         first = layers[0]
         attn = first.self_attn
-        weight = attn.qkv_proj.weight
+        weight = first.input_layernorm.weight
         norms = [m.weight for layer in layers for m in (layer.input_layernorm,
                  layer.post_attention_layernorm, layer.self_attn.q_norm, layer.self_attn.k_norm)
                  if m is not None]
@@ -116,11 +132,14 @@ class FusedDecoder:
         # `applies` sends only steps with a longer sequence to the module path (a window >=
         # max_model_len never does, keeping the fused path whole for such models).
         plain_attention = all(layer.self_attn.attn.logits_soft_cap is None for layer in layers)
-        # NOTE(fused): the native layer reads float [out, in] weights; quantized linear layers
-        # (GGUF blocks, layers/quantization/) run the module path.
-        unquantized = not any(getattr(getattr(m, "quant_method", None), "quantized", False)
-                              for layer in layers for m in layer.modules())
-        return (plain_attention and unquantized and weight.device.type == "cpu" and weight.dtype in _DTYPE_CODES
+        # NOTE(fused): the native layer reads float [out, in] weights in the model dtype, or GGUF
+        # blocks through the quant method's `kernel_segments` (layers/quantization/gguf.py);
+        # other quantized layers run the module path.
+        linears = [m for layer in layers for m in _linears(layer)]
+        weights_ok = all(hasattr(m.quant_method, "kernel_segments") if _is_quantized(m)
+                         else m.weight.dtype == weight.dtype for m in linears)
+        return (plain_attention and weights_ok and weight.device.type == "cpu"
+                and weight.dtype in _DTYPE_CODES
                 and all(w.dtype == weight.dtype for w in norms)
                 and attn.qkv_proj.tp_size == 1 and attn.head_size % 2 == 0
                 # NOTE(fused): the native RoPE rotates whole heads (no partial_rotary_factor).
@@ -128,7 +147,7 @@ class FusedDecoder:
                         for layer in layers)
                 and all(size % 8 == 0 for size in (first.input_layernorm.weight.shape[0],
                                                    attn.q_size,
-                                                   first.mlp.down_proj.weight.shape[1])))
+                                                   first.mlp.down_proj.input_size_per_partition)))
 
     def applies(self, num_tokens: int, metadata) -> bool:
         """Whether this step takes the fused path: the `cpu_paged` attention backend, no padded
@@ -154,6 +173,11 @@ class FusedDecoder:
     def _build(self) -> ctypes.Array:
         structs = (DecoderLayerWeights * len(self.layers))()
         keep: list[torch.Tensor] = []
+        keep_structs: list[ctypes.Array] = []   # GGUF segment tables pointed at by `structs`
+
+        def float_weight(linear) -> int | None:
+            """A float linear's weight pointer; None for GGUF blocks (read via `segments`)."""
+            return None if _is_quantized(linear) else linear.weight.data_ptr()
 
         def f32(t: torch.Tensor | None) -> int | None:
             """A float32 copy kept alive with the structures (biases, RoPE tables)."""
@@ -166,25 +190,31 @@ class FusedDecoder:
             attn, mlp = layer.self_attn, layer.mlp
             rope = attn.rotary_emb
             cache = attn.attn.kv_cache
-            for t in (attn.qkv_proj.weight, attn.o_proj.weight, mlp.gate_up_proj.weight,
-                      mlp.down_proj.weight, cache):
+            for t in [m.weight for m in _linears(layer) if not _is_quantized(m)] + [cache]:
                 if not t.is_contiguous():
                     raise ValueError("fused decoder: weights and KV cache must be contiguous")
+            for i, linear in enumerate(_linears(layer)):
+                if _is_quantized(linear):
+                    segments = gguf_segment_structs(linear.quant_method.kernel_segments(linear),
+                                                    linear.input_size_per_partition)
+                    keep_structs.append(segments)
+                    s.segments[i] = ctypes.addressof(segments)
+                    s.num_segments[i] = len(segments)
             s.input_norm = _ptr(layer.input_layernorm.weight)
             s.post_norm = _ptr(layer.post_attention_layernorm.weight)
-            s.qkv, s.qkv_bias = _ptr(attn.qkv_proj.weight), f32(attn.qkv_proj.bias)
+            s.qkv, s.qkv_bias = float_weight(attn.qkv_proj), f32(attn.qkv_proj.bias)
             s.q_norm = _ptr(attn.q_norm.weight) if attn.q_norm is not None else None
             s.k_norm = _ptr(attn.k_norm.weight) if attn.k_norm is not None else None
-            s.o, s.o_bias = _ptr(attn.o_proj.weight), f32(attn.o_proj.bias)
-            s.gate_up, s.gate_up_bias = _ptr(mlp.gate_up_proj.weight), f32(mlp.gate_up_proj.bias)
-            s.down, s.down_bias = _ptr(mlp.down_proj.weight), f32(mlp.down_proj.bias)
+            s.o, s.o_bias = float_weight(attn.o_proj), f32(attn.o_proj.bias)
+            s.gate_up, s.gate_up_bias = float_weight(mlp.gate_up_proj), f32(mlp.gate_up_proj.bias)
+            s.down, s.down_bias = float_weight(mlp.down_proj), f32(mlp.down_proj.bias)
             s.key_cache, s.value_cache = _ptr(cache[0]), _ptr(cache[1])
             s.cos_cache, s.sin_cache = f32(rope.cos_cache), f32(rope.sin_cache)
             s.hidden_size, s.head_size = self.hidden_size, attn.head_size
             s.num_heads, s.num_kv_heads = attn.num_heads, attn.num_kv_heads
             s.intermediate_size = self.intermediate_size
             s.eps, s.scale = layer.input_layernorm.eps, attn.attn.scale
-        self._keepalive = keep
+        self._keepalive = keep + keep_structs
         return structs
 
     def __call__(self, positions: torch.Tensor, residual: torch.Tensor,

@@ -19,12 +19,14 @@ next step and produce the same outputs (each expert's weights are only moved, no
 from __future__ import annotations
 
 import logging
+import re
 
 import numpy as np
 import torch
 from torch import nn
 
 from pagedllm.config import EPLBConfig
+from pagedllm.core.sched_output import EplbStats
 from pagedllm.distributed.eplb.policy import (ExpertPlacement, imbalance,
                                               placement_from_physical_to_logical,
                                               rank_loads, rebalance_experts)
@@ -42,6 +44,8 @@ class EplbState:
             with the same expert counts.
         config: window_size, step_interval, num_redundant_experts.
         ep_group: the expert-parallel group (the TP group under expert parallelism).
+        layer_ids: the decoder-layer index of each of `layers` (default 0, 1, ...), for the
+            reported stats.
 
     Attributes:
         imbalance_before, imbalance_after: [num_layers] float64 load imbalance (max / mean over
@@ -49,12 +53,12 @@ class EplbState:
             rebalance (None before the first).
 
     Raises:
-        ValueError: for no layers, layers of different expert counts, or layers without load
-            counting.
+        ValueError: for no layers, layers of different expert counts, layers without load
+            counting, or `layer_ids` of another length than `layers`.
     """
 
     def __init__(self, layers: list[FusedMoE], config: EPLBConfig,
-                 ep_group: GroupCoordinator) -> None:
+                 ep_group: GroupCoordinator, layer_ids: list[int] | None = None) -> None:
         if not layers:
             raise ValueError("EPLB needs at least one MoE layer on this pipeline stage")
         shapes = {(m.num_experts, m.num_physical_experts, m.ep_size) for m in layers}
@@ -62,7 +66,10 @@ class EplbState:
             raise ValueError(f"EPLB: MoE layers differ in (experts, physical, ep size): {shapes}")
         if any(m.expert_load is None for m in layers):
             raise ValueError("EPLB: MoE layers were built without expert-load counting")
+        if layer_ids is not None and len(layer_ids) != len(layers):
+            raise ValueError(f"EPLB: {len(layer_ids)} layer_ids for {len(layers)} MoE layers")
         self.layers = layers
+        self.layer_ids = list(layer_ids) if layer_ids is not None else list(range(len(layers)))
         self.config = config
         self.ep_group = ep_group
         self.num_logical, self.num_physical, self.ep_size = shapes.pop()
@@ -72,20 +79,37 @@ class EplbState:
         self.num_rebalances = 0
         self.imbalance_before: np.ndarray | None = None
         self.imbalance_after: np.ndarray | None = None
+        self._num_reported = 0
 
     @classmethod
     def from_model(cls, model: nn.Module, config: EPLBConfig) -> EplbState:
-        """Over every `FusedMoE` of `model`, with the EP group of the first layer."""
-        layers = [m for m in model.modules() if isinstance(m, FusedMoE)]
+        """Over every `FusedMoE` of `model`, with the EP group of the first layer; each layer's
+        id is the first number in its module name (`model.layers.3.mlp.experts` -> 3)."""
+        named = [(n, m) for n, m in model.named_modules() if isinstance(m, FusedMoE)]
+        layers = [m for _, m in named]
+        numbers = [re.search(r"\d+", n) for n, _ in named]
+        layer_ids = ([int(x.group()) for x in numbers] if all(numbers)
+                     and len({x.group() for x in numbers}) == len(numbers) else None)
         group = get_tp_group() if layers and layers[0].use_ep else None
-        return cls(layers, config, group if group is not None else _single_group())
+        return cls(layers, config, group if group is not None else _single_group(), layer_ids)
 
     def reset(self) -> None:
-        """Forget all counted loads (e.g. those of the profile run)."""
+        """Forget all counted loads and rebalances (e.g. those of the profile run)."""
         for layer in self.layers:
             layer.take_expert_load()
         self.window[:] = 0
         self.num_steps = 0
+        self.num_rebalances = self._num_reported = 0
+        self.imbalance_before = self.imbalance_after = None
+
+    def take_stats(self) -> EplbStats | None:
+        """The imbalance of the last rebalance if one happened since the last call, else None
+        (so each rebalance is reported once)."""
+        if self.num_rebalances == self._num_reported or self.imbalance_before is None:
+            return None
+        self._num_reported = self.num_rebalances
+        return EplbStats(self.num_rebalances, list(self.layer_ids),
+                         self.imbalance_before.tolist(), self.imbalance_after.tolist())
 
     def step(self) -> bool:
         """Record the loads of the step that just ran; rebalance when the interval is due.

@@ -4,30 +4,38 @@
                                K = [0], V = [1]; block 0 is the null block (kept zero).
 
 With several KV cache groups (core/kv_cache_groups.py) each layer's `num_blocks` is its group's.
+The cache dtype is the model's, or int8 / float8_e4m3fn (`kv_cache_dtype`), whose scales live in
+the same allocation after the K/V (layout in attention/backends/kv_quant.py).
 """
 
 from __future__ import annotations
 
 import torch
 
+from pagedllm.attention.backends.kv_quant import (allocate_kv_cache, kv_cache_block_bytes,
+                                                  resolve_kv_cache_dtype)
 from pagedllm.layers.attention import Attention
+
+__all__ = ["allocate_kv_caches", "kv_cache_bytes_per_block", "kv_cache_layer_groups",
+           "resolve_kv_cache_dtype"]
 
 
 def kv_cache_bytes_per_block(layers: list[Attention], block_size: int,
                              dtype: torch.dtype) -> int:
-    """Bytes of one block over all layers (K and V)."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    return sum(2 * block_size * a.num_kv_heads * a.head_size * elem for a in layers)
+    """Bytes of one block over all layers (K and V, and an int8 cache's per-token scales);
+    `dtype` is the cache dtype (see `resolve_kv_cache_dtype`)."""
+    return sum(kv_cache_block_bytes(block_size, a.num_kv_heads, a.head_size, dtype)
+               for a in layers)
 
 
 def allocate_kv_caches(layers: list[Attention], num_blocks: int, block_size: int,
                        dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
-    """Create one KV tensor per attention layer, zero the null block, bind each to its layer."""
+    """Create one KV tensor per attention layer in the cache dtype `dtype` (int8/fp8 with their
+    scales), zero the null block, bind each to its layer."""
     caches = []
     for layer in layers:
-        cache = torch.empty((2, num_blocks, block_size, layer.num_kv_heads, layer.head_size),
-                            dtype=dtype, device=device)
-        cache[:, 0].zero_()
+        cache = allocate_kv_cache(num_blocks, block_size, layer.num_kv_heads, layer.head_size,
+                                  dtype, device)
         layer.kv_cache = cache
         caches.append(cache)
     return caches

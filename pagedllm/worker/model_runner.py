@@ -21,6 +21,13 @@ several groups each gets its own slot mapping and attention metadata (`KVCacheGr
 CUDA graphs (worker/cuda_graph.py): once the KV cache exists, a `CudaGraphRunner` captures the
 forward (up to hidden states) per decode batch size; pure decode steps replay it, padded, and
 logits, grammar and sampling stay eager on the real rows. Every other step runs eagerly.
+
+Asynchronous scheduling (worker/async_output.py): `sample_tokens_async` keeps the sampled ids on
+the device and counts each as a placeholder token of its request (`num_tokens` + 1); the next
+`execute_model` fills those positions of its inputs from the device tensor, and writes earlier
+steps' tokens into `token_ids_cpu` once their host copies are done. Requests whose sampling reads
+their previous tokens on the host, and speculative decoding, only ever run in synchronous steps
+(the engine guarantees it), so `token_ids_cpu` is complete whenever such a step samples.
 """
 
 from __future__ import annotations
@@ -48,12 +55,13 @@ from pagedllm.spec_decode.draft_model import DraftModelProposer
 from pagedllm.spec_decode.metadata import SpecDecodeMetadata, build_spec_decode_metadata
 from pagedllm.spec_decode.ngram import NgramProposer
 from pagedllm.structured_output.apply import apply_grammar_bitmask
+from pagedllm.worker.async_output import AsyncModelRunnerOutput, SampledTokens, start_host_copy
 from pagedllm.worker.cuda_graph import (CudaGraphInputBuffers, CudaGraphRunner,
                                         decode_graph_capture_sizes)
 from pagedllm.worker.eplb_state import EplbState
 from pagedllm.worker.input_batch import InputBatch, RequestStates
 from pagedllm.worker.kv_cache import (allocate_kv_caches, kv_cache_bytes_per_block,
-                                      kv_cache_layer_groups)
+                                      kv_cache_layer_groups, resolve_kv_cache_dtype)
 from pagedllm.worker.pipeline_sampler import pipeline_stage_sampler
 from pagedllm.worker.sampling_inputs import build_sampling_metadata
 
@@ -73,6 +81,8 @@ class ModelRunner:
         self.hf_config = hf_config
         self.device = device
         self.dtype = dtype
+        # The KV cache tensors' dtype: the model's, or int8 / float8_e4m3fn (kv_cache_dtype).
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache_config.cache_dtype, dtype)
         self.block_size = config.cache_config.block_size
         self.max_num_tokens = config.scheduler_config.max_num_batched_tokens
         self.max_num_reqs = config.scheduler_config.max_num_seqs
@@ -94,6 +104,10 @@ class ModelRunner:
         self.slot_mappings = torch.zeros((1, self.max_num_tokens), dtype=torch.int64,
                                          device=device)
         self._pending: tuple[InputBatch, torch.Tensor, dict] | None = None
+        # Async scheduling: sampled tokens not yet in token_ids_cpu (oldest first); the last
+        # entry's are also the inputs the next step takes from the device.
+        self._unwritten_tokens: list[SampledTokens] = []
+        self._last_sampled: SampledTokens | None = None
         self.spec_config = config.speculative_config
         self.drafter: NgramProposer | DraftModelProposer | None = None
         if self.spec_config is not None and self.spec_config.method == "ngram":
@@ -165,11 +179,12 @@ class ModelRunner:
 
     def kv_cache_bytes_per_block(self) -> int:
         """Bytes of one block over every layer (the draft model's included)."""
-        return kv_cache_bytes_per_block(self._attention_layers(), self.block_size, self.dtype)
+        return kv_cache_bytes_per_block(self._attention_layers(), self.block_size,
+                                        self.kv_cache_dtype)
 
     def kv_cache_group_bytes_per_block(self) -> list[int]:
         """[num_kv_cache_groups] bytes of one block over each group's layers."""
-        return [kv_cache_bytes_per_block(layers, self.block_size, self.dtype) for layers in
+        return [kv_cache_bytes_per_block(layers, self.block_size, self.kv_cache_dtype) for layers in
                 kv_cache_layer_groups(self._attention_layers(), self.kv_cache_windows)]
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
@@ -209,7 +224,7 @@ class ModelRunner:
         layer_groups = kv_cache_layer_groups(self._attention_layers(), self.kv_cache_windows)
         self.kv_caches = [cache for spec, layers in zip(groups, layer_groups)
                           for cache in allocate_kv_caches(layers, spec.num_blocks,
-                                                          self.block_size, self.dtype,
+                                                          self.block_size, self.kv_cache_dtype,
                                                           self.device)]
 
     @torch.inference_mode()
@@ -245,7 +260,19 @@ class ModelRunner:
             self.eplb.reset()
 
     # ----------------------------------------------------------------- one step
+    def _write_sampled_tokens(self, wait: bool = False) -> None:
+        """Write the async steps' sampled tokens into `token_ids_cpu`: with `wait` all of them,
+        else those whose host copies are done, except the last step's, which the next inputs
+        take from the device (on the CPU too, so that path is the one tested everywhere).
+        `write_to` skips slots that changed hands."""
+        while self._unwritten_tokens and (wait or (
+                self._unwritten_tokens[0] is not self._last_sampled
+                and self._unwritten_tokens[0].is_ready())):
+            self._unwritten_tokens.pop(0).write_to(self.states.token_ids_cpu,
+                                                  self.states.req_id_to_index)
+
     def _update_states(self, so: SchedulerOutput) -> None:
+        self._write_sampled_tokens()
         for req_id in so.finished_req_ids | so.preempted_req_ids:
             self.states.remove_request(req_id)
         for req in so.scheduled_new_reqs:
@@ -280,8 +307,11 @@ class ModelRunner:
                      + np.arange(n) - query_start_loc[req_indices]).astype(np.int64)
         seq_lens = (num_computed + num_scheduled).astype(np.int32)
 
-        self.input_ids[:n].copy_(torch.from_numpy(st.token_ids_cpu[rows, positions]))
-        self.positions[:n].copy_(torch.from_numpy(positions))
+        self.input_ids[:n].copy_(torch.from_numpy(st.token_ids_cpu[rows, positions]),
+                                 non_blocking=True)
+        self._fill_placeholders(so, req_ids, idx_mapping, num_computed, num_scheduled,
+                                query_start_loc)
+        self.positions[:n].copy_(torch.from_numpy(positions), non_blocking=True)
         block_tables = self._compute_block_tables(idx_mapping, rows, positions, num_computed)
 
         sampled_batch_idx = np.nonzero(seq_lens >= st.num_tokens[idx_mapping])[0]
@@ -292,11 +322,12 @@ class ModelRunner:
                 [so.scheduled_spec_decode_tokens.get(req_ids[b], []) for b in sampled_batch_idx],
                 last_token_index)
             last_token_index = spec.logits_indices
-        logits_indices = torch.from_numpy(last_token_index).to(self.device)
+        logits_indices = torch.from_numpy(last_token_index).to(self.device, non_blocking=True)
         common = CommonAttentionMetadata(
-            query_start_loc=torch.from_numpy(query_start_loc).to(self.device),
+            query_start_loc=torch.from_numpy(query_start_loc).to(self.device, non_blocking=True),
             query_start_loc_cpu=query_start_loc,
-            seq_lens=torch.from_numpy(seq_lens).to(self.device), seq_lens_cpu=seq_lens,
+            seq_lens=torch.from_numpy(seq_lens).to(self.device, non_blocking=True),
+            seq_lens_cpu=seq_lens,
             block_table=block_tables[0], slot_mapping=self.slot_mappings[0, :n],
             num_reqs=len(req_ids), num_actual_tokens=n,
             max_query_len=int(num_scheduled.max()), max_seq_len=int(seq_lens.max()),
@@ -311,6 +342,33 @@ class ModelRunner:
                            logits_indices=logits_indices, sampled_batch_idx=sampled_batch_idx,
                            spec_decode_metadata=spec, group_commons=group_commons)
         return batch, common
+
+    def _fill_placeholders(self, so: SchedulerOutput, req_ids: list[str],
+                           idx_mapping: np.ndarray, num_computed: np.ndarray,
+                           num_scheduled: np.ndarray, query_start_loc: np.ndarray) -> None:
+        """Async scheduling: put the previous step's sampled ids, still on the device, into
+        this step's `input_ids` at the positions they take (a decode's only input token).
+
+        Requests sent whole this step (new or resumed) carry real tokens and are skipped, as
+        are positions outside this step's query.
+        """
+        prev = self._last_sampled
+        if prev is None:
+            return
+        new_ids = {r.req_id for r in so.scheduled_new_reqs}
+        dst, src = [], []
+        for b, req_id in enumerate(req_ids):
+            j = prev.index_of.get(req_id)
+            if j is None or req_id in new_ids or prev.slots[j] != idx_mapping[b]:
+                continue
+            offset = int(prev.positions[j]) - int(num_computed[b])
+            if 0 <= offset < num_scheduled[b]:
+                dst.append(int(query_start_loc[b]) + offset)
+                src.append(j)
+        if dst:
+            # Non-blocking copies: a blocking one would wait for the previous step to finish.
+            index = torch.tensor([dst, src], dtype=torch.int64).to(self.device, non_blocking=True)
+            self.input_ids.index_copy_(0, index[0], prev.token_ids[index[1]])
 
     def _compute_block_tables(self, idx_mapping: np.ndarray, rows: np.ndarray,
                               positions: np.ndarray, num_computed: np.ndarray
@@ -327,7 +385,7 @@ class ModelRunner:
         for g, (table, window) in enumerate(zip(self.states.block_tables,
                                                 self.kv_cache_windows)):
             self.slot_mappings[g, :n].copy_(
-                torch.from_numpy(table.compute_slot_mapping(rows, positions)))
+                torch.from_numpy(table.compute_slot_mapping(rows, positions)), non_blocking=True)
             max_blocks = int(table.num_blocks_per_row[idx_mapping].max())
             block_table = table.block_table_np[idx_mapping, :max_blocks]   # a copy
             if window is not None:
@@ -335,7 +393,7 @@ class ModelRunner:
                 skipped = np.maximum(0, (num_computed.astype(np.int64) - window + 1)
                                      // self.block_size)
                 block_table[np.arange(max_blocks)[None, :] < skipped[:, None]] = 0
-            tables.append(torch.from_numpy(block_table).to(self.device))
+            tables.append(torch.from_numpy(block_table).to(self.device, non_blocking=True))
         return tables
 
     def _run_model(self, model: torch.nn.Module, input_ids: torch.Tensor,
@@ -420,6 +478,9 @@ class ModelRunner:
     def sample_tokens(self) -> ModelRunnerOutput:
         """Sample (or verify drafts) for the rows of the last `execute_model`, record the tokens
         and propose the next drafts."""
+        self._last_sampled = None
+        # A synchronous step after asynchronous ones: sampling may read the earlier tokens.
+        self._write_sampled_tokens(wait=True)
         if self._pending is None:
             return ModelRunnerOutput([], {}, [])
         batch, logits, prompt_logprobs = self._pending
@@ -455,7 +516,54 @@ class ModelRunner:
                                  req_id_to_index={r: i for i, r in enumerate(batch.req_ids)},
                                  sampled_token_ids=sampled_token_ids, logprobs=logprobs,
                                  prompt_logprobs_dict=prompt_logprobs,
-                                 draft_token_ids=drafts, request_errors=errors)
+                                 draft_token_ids=drafts, request_errors=errors,
+                                 eplb_stats=None if self.eplb is None else self.eplb.take_stats())
+
+    @torch.inference_mode()
+    def sample_tokens_async(self) -> AsyncModelRunnerOutput:
+        """Sample for the rows of the last `execute_model` without reading the tokens on the
+        host: each sampled request's `num_tokens` grows by one placeholder, the ids stay on the
+        device for the next step's inputs, and the returned object's `get_output()` waits for
+        their host copy.
+
+        Raises:
+            RuntimeError: when the step verified drafts (speculative decoding runs in
+                synchronous steps only).
+        """
+        if self._pending is None:
+            self._last_sampled = None
+            return AsyncModelRunnerOutput([], np.zeros(0, dtype=np.int64), None, {}, None,
+                                          np.zeros(0, dtype=np.int32), {})
+        batch, logits, prompt_logprobs = self._pending
+        self._pending = None
+        if batch.spec_decode_metadata is not None:
+            raise RuntimeError("a step with draft tokens cannot be sampled asynchronously")
+        sampled_rows = batch.idx_mapping[batch.sampled_batch_idx]
+        failed: dict[int, str] = {}
+        sampled = lp = None
+        if len(sampled_rows):
+            metadata = build_sampling_metadata(self.states, sampled_rows, logits.shape[-1],
+                                               self.device, self.logprobs_mode)
+            out = self.sampler(logits, metadata)
+            failed, lp = out.failed_rows, out.logprobs
+            keep = np.array([i not in failed for i in range(len(sampled_rows))], dtype=bool)
+            rows = sampled_rows[keep]
+            token_ids = out.sampled_token_ids
+            if not keep.all():
+                token_ids = token_ids[torch.from_numpy(np.nonzero(keep)[0]).to(self.device)]
+            (host,), event = start_host_copy([token_ids])
+            sampled = SampledTokens(
+                [batch.req_ids[b] for b in batch.sampled_batch_idx[keep].tolist()],
+                rows.astype(np.int64), self.states.num_tokens[rows].astype(np.int64),
+                token_ids, host, event)
+            # One placeholder token each, written into token_ids_cpu by a later step.
+            self.states.num_tokens[rows] += 1
+            self._unwritten_tokens.append(sampled)
+        self._last_sampled = sampled
+        return AsyncModelRunnerOutput(batch.req_ids, batch.sampled_batch_idx, sampled, failed,
+                                      lp, self.states.num_logprobs[sampled_rows],
+                                      prompt_logprobs,
+                                      None if self.eplb is None else self.eplb.take_stats())
 
     def _sample(self, rows: np.ndarray, logits: torch.Tensor):
         """One token per row. Returns (tokens per row, logprob lists or None, first logprob row

@@ -21,6 +21,7 @@ from pagedllm.distributed.parallel_state import (destroy_model_parallel, get_pp_
                                                  initialize_model_parallel)
 from pagedllm.layers.vocab_embedding import VocabEmbedding
 from pagedllm.platforms import current_platform
+from pagedllm.worker.async_output import AsyncModelRunnerOutput
 from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -107,7 +108,8 @@ class Worker:
         total_bytes = sum(g.num_blocks * b for g, b in zip(groups, group_bytes))
         logger.info("KV cache: %s (%.1f MiB, %s); attention backend %s",
                     "; ".join(_describe_group(g, cc.block_size) for g in groups),
-                    total_bytes / 2**20, str(self.dtype).removeprefix("torch."),
+                    total_bytes / 2**20,
+                    str(runner.kv_cache_dtype).removeprefix("torch."),
                     attn[0].backend.name if attn else "-")
         return num_blocks
 
@@ -121,6 +123,11 @@ class Worker:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self.model_runner.execute_model(scheduler_output)
         return self.model_runner.sample_tokens()
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> AsyncModelRunnerOutput:
+        """As `execute_model`, leaving the sampled tokens on the device (async scheduling)."""
+        self.model_runner.execute_model(scheduler_output)
+        return self.model_runner.sample_tokens_async()
 
     def layout_summary(self) -> str:
         """One line: this rank's place in the layout, its layers, heads, vocab rows and memory."""

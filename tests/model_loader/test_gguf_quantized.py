@@ -1,7 +1,9 @@
 """GGUF linear weights kept in their blocks (`quantization="gguf"`, layers/quantization/gguf.py)
 against the same file dequantized at load (`quantization="none"`, the oracle): greedy tokens on
-tiny Llama files, the layers' storage, the automatic choice and its fallback, the raw slices
-(row maps, tensor-parallel column slices on block boundaries) and the errors."""
+tiny Llama files (one type, and a Q4_K_M-like mix of K-quants inside fused layers), the fused
+CPU decoder on those blocks against the module path, the token embedding / tied LM head kept
+quantized, the layers' storage, the automatic choice and its fallback, the raw slices (row maps,
+tensor-parallel column slices on block boundaries) and the errors."""
 
 from __future__ import annotations
 
@@ -23,7 +25,9 @@ from pagedllm.model_loader.gguf import (GGUFSource, dequantize, iterate_gguf_ten
 from pagedllm.model_loader.loader import load_model
 from pagedllm.models.fused_decoder import FusedDecoder
 from pagedllm.models.llama import unpermute_rope_rows
-from tests.fixtures.gguf_files import write_gguf, write_raw_gguf
+from pagedllm.layers.quantization.gguf import GGUFEmbeddingMethod
+from tests.fixtures.checkpoints import make_tiny_checkpoint
+from tests.fixtures.gguf_files import quantize, write_gguf, write_raw_gguf
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="CPU kernels did not build")
 
@@ -54,11 +58,32 @@ def llama_gguf(tiny_checkpoints, tmp_path_factory):
     return get
 
 
-def _greedy(path, quantization: str | None) -> list[list[int]]:
+# A Q4_K_M-like mix, as llama.cpp's quantizer writes it: Q4_K, with attn_v and ffn_down in Q6_K
+# and the (tied) token embedding in Q6_K; here also a Q5_K gate next to a Q4_K up projection.
+Q4_K_M_TYPES = {"attn_v": "Q6_K", "ffn_down": "Q6_K", "ffn_gate": "Q5_K", "token_embd": "Q6_K"}
+
+
+@pytest.fixture(scope="module")
+def kquant_gguf(byte_level_tokenizer_dir, tmp_path_factory):
+    """A tiny tied-embedding Llama whose sizes fit 256-weight K-quant blocks, as Q4_K_M."""
+    root = tmp_path_factory.mktemp("gguf_kquant")
+    checkpoint = make_tiny_checkpoint(root / "llama256", "LlamaForCausalLM",
+                                      byte_level_tokenizer_dir, hidden_size=256,
+                                      intermediate_size=512, tie_word_embeddings=True)
+    return write_gguf(checkpoint, root / "llama-q4_k_m.gguf", "Q4_K",
+                      tensor_types=Q4_K_M_TYPES)
+
+
+def _greedy(path, quantization: str | None, fused: bool = True) -> list[list[int]]:
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 200, (n,), generator=g).tolist() for n in (1, 5, 17, 40)]
-    llm = LLM(str(path), quantization=quantization, **ENGINE_ARGS)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    patch = pytest.MonkeyPatch()
+    patch.setenv("PAGEDLLM_CPU_FUSED_DECODER", "1" if fused else "0")
+    try:
+        llm = LLM(str(path), quantization=quantization, **ENGINE_ARGS)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    finally:
+        patch.undo()
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
@@ -69,20 +94,51 @@ def _load(path, quantization: str | None):
 
 
 @pytest.mark.parametrize("tensor_type", ["Q8_0", "Q4_0"])
-def test_greedy_equals_the_dequantized_load(llama_gguf, tensor_type):
+def test_greedy_equals_the_dequantized_load_and_the_module_path(llama_gguf, tensor_type):
     path = llama_gguf(tensor_type)
-    assert _greedy(path, "gguf") == _greedy(path, "none")
+    fused = _greedy(path, "gguf")
+    assert fused == _greedy(path, "none")
+    assert fused == _greedy(path, "gguf", fused=False)
 
 
-def test_linear_layers_keep_their_blocks_and_skip_the_fused_decoder(llama_gguf):
+def test_q4_k_m_mix_stays_quantized_and_matches(kquant_gguf):
+    model = _load(kquant_gguf, None)                 # the default for a .gguf file
+    layer = model.model.layers[0]
+    qkv, gate_up, down = layer.self_attn.qkv_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
+    assert qkv.gguf_quant_type is None and qkv.weight.dim() == 1
+    assert [(s.rows, s.tensor_type) for s in qkv.gguf_segments] == [
+        (256, "Q4_K"), (128, "Q4_K"), (128, "Q6_K")]
+    assert qkv.weight.numel() == 384 * 144 + 128 * 210           # no padding between segments
+    assert [s.tensor_type for s in gate_up.gguf_segments] == ["Q5_K", "Q4_K"]
+    assert down.gguf_quant_type == "Q6_K" and down.weight.shape == (256, 2 * 210)
+    embed = model.model.embed_tokens
+    assert isinstance(embed.quant_method, GGUFEmbeddingMethod)
+    assert embed.quant_method.tensor_type == "Q6_K" and embed.weight.dtype == torch.uint8
+    assert model.lm_head.weight is embed.weight and model.lm_head.quant_method is embed.quant_method
+    assert FusedDecoder.supports(list(model.model.layers))
+    plain = _load(kquant_gguf, "none")
+    x = torch.randn(3, 256)
+    for got, want in ((qkv, plain.model.layers[0].self_attn.qkv_proj),
+                      (gate_up, plain.model.layers[0].mlp.gate_up_proj)):
+        torch.testing.assert_close(got(x), want(x), rtol=1e-4, atol=1e-4)
+    ids = torch.tensor([0, 7, 200, 7])
+    torch.testing.assert_close(embed(ids), plain.model.embed_tokens(ids), rtol=0, atol=0)
+    torch.testing.assert_close(model.lm_head.compute_logits(x),
+                               plain.lm_head.compute_logits(x), rtol=1e-4, atol=1e-4)
+    fused = _greedy(kquant_gguf, "gguf")
+    assert fused == _greedy(kquant_gguf, "none")
+    assert fused == _greedy(kquant_gguf, "gguf", fused=False)
+
+
+def test_linear_layers_keep_their_blocks_and_take_the_fused_decoder(llama_gguf):
     model = _load(llama_gguf("Q4_0"), None)          # the default for a .gguf file
     layer = model.model.layers[0]
     qkv, down = layer.self_attn.qkv_proj, layer.mlp.down_proj
     assert qkv.weight.dtype == torch.uint8 and qkv.gguf_quant_type == "Q4_0"
     assert qkv.weight.shape == (qkv.output_size_per_partition, 64 // 32 * 18)
     assert down.weight.shape == (64, 128 // 32 * 18)
-    assert model.model.embed_tokens.weight.dtype == torch.float32
-    assert not FusedDecoder.supports(list(model.model.layers))
+    assert model.model.embed_tokens.weight.dtype == torch.uint8     # token_embd is Q4_0 too
+    assert FusedDecoder.supports(list(model.model.layers))
     plain = _load(llama_gguf("Q4_0"), "none")
     assert plain.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float32
     x = torch.randn(3, 64)
@@ -90,12 +146,21 @@ def test_linear_layers_keep_their_blocks_and_skip_the_fused_decoder(llama_gguf):
                                rtol=1e-5, atol=1e-5)
 
 
-def test_types_without_a_kernel_fall_back_or_are_named(llama_gguf):
-    path = llama_gguf("Q5_1")
+def test_types_without_a_kernel_fall_back_or_are_named(llama_gguf, tiny_checkpoints, tmp_path):
+    path = llama_gguf("BF16")
     model = _load(path, None)
     assert model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float32
-    with pytest.raises(GGUFLayoutUnsupported, match="Q5_1"):
+    with pytest.raises(GGUFLayoutUnsupported, match="BF16"):
         _load(path, "gguf")
+    # A token embedding without a kernel is dequantized alone; the linears keep their blocks.
+    mixed = write_gguf(tiny_checkpoints["llama"], tmp_path / "embd-bf16.gguf", "Q8_0",
+                       tensor_types={"token_embd": "BF16"})
+    model = _load(mixed, "gguf")
+    embed = model.model.embed_tokens
+    assert embed.weight.dtype == torch.float32 and embed.quant_method.tensor_type is None
+    assert model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.uint8
+    ids = torch.tensor([1, 5, 9])
+    torch.testing.assert_close(embed(ids), _load(mixed, "none").model.embed_tokens(ids))
 
 
 def test_quantization_argument_is_checked(tiny_checkpoints):
@@ -134,11 +199,35 @@ def test_raw_slices_follow_row_maps_and_block_boundaries(raw_file):
         raw_file["a.weight"].map(lambda w: w * 2).materialize_raw()
 
 
-def test_fused_layer_with_mixed_types_and_unaligned_shards_are_refused(raw_file):
+def test_fused_layer_of_mixed_types_and_unaligned_shards(raw_file):
     layer = MergedColumnParallelLinear(64, [8, 8])
     layer.set_quant_method(GGUFLinearMethod())
-    layer.weight_loader(layer.weight, raw_file["a.weight"], 0)
-    with pytest.raises(GGUFLayoutUnsupported, match="Q8_0 and Q4_0"):
-        layer.weight_loader(layer.weight, raw_file["b.weight"], 1)
+    layer.weight_loader(layer.weight, raw_file["b.weight"], 1)     # out of order: Q4_0 rows 8..16
+    with pytest.raises(ValueError, match="do not cover"):
+        layer(torch.randn(1, 64))
+    layer.weight_loader(layer.weight, raw_file["a.weight"], 0)     # Q8_0 rows 0..8
+    assert layer.gguf_quant_type is None
+    assert [(s.row_start, s.tensor_type) for s in layer.gguf_segments] == [(0, "Q8_0"),
+                                                                          (8, "Q4_0")]
+    w = torch.cat([raw_file[n].materialize() for n in ("a.weight", "b.weight")])
+    x = torch.randn(5, 64)
+    torch.testing.assert_close(layer(x), x @ w.T, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="block boundaries"):
         RowParallelLinear(48, 8).set_quant_method(GGUFLinearMethod())
+
+
+def test_k_quant_rows_must_fit_the_input_size(raw_file, tmp_path):
+    data = np.random.default_rng(1).standard_normal((4, 256)).astype(np.float32)
+    path = write_raw_gguf(tmp_path / "k.gguf", "llama", {"k.weight": (quantize(data, "Q4_K"),
+                                                                      "Q4_K")})
+    stat = os.stat(path)
+    source = GGUFSource(str(path), "llama", stat.st_size, stat.st_mtime_ns,
+                        tensor_table(open_gguf(path)))
+    tensor = dict(iterate_gguf_tensors(source, torch.float32))["k.weight"]
+    layer = RowParallelLinear(256, 4)
+    layer.set_quant_method(GGUFLinearMethod())
+    layer.weight_loader(layer.weight, tensor)
+    x = torch.randn(2, 256)
+    torch.testing.assert_close(layer(x), x @ tensor.materialize().T, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="block boundaries"):
+        tensor.narrow(1, 0, 128).materialize_raw()

@@ -11,7 +11,8 @@ Per step the requests are split in two:
 
 Compared with `torch_sdpa` this removes the gather of each request's context into a padded copy
 (read + write + read of the whole KV per layer), and the padding of a decode batch to its longest
-sequence. The KV cache may be float32 or bfloat16; for another dtype (float16) the backend falls
+sequence. The KV cache may be float32, bfloat16, int8 or float8_e4m3fn (kv_cache_dtype; the kernel
+dequantizes in its inner loop, see kv_quant.py); for another dtype (float16) the backend falls
 back to `torch_sdpa` for the step.
 
 Per-layer attention variants (Gemma): a sliding window and attention-logit soft-capping are
@@ -29,6 +30,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from pagedllm.attention.backends.kv_quant import kv_cache_scales, write_kv_cache
 from pagedllm.attention.backends.torch_sdpa import TorchSDPABackend, TorchSDPAMetadata
 from pagedllm.attention.metadata import CommonAttentionMetadata
 from pagedllm.kernels import cpu_kernels
@@ -87,6 +89,10 @@ class CpuPagedMetadata:
         return self._splits[key]
 
 
+# Cache dtypes the kernel reads (int8 / fp8 with their scales, see kv_quant.py).
+_KERNEL_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn)
+
+
 def _ptr(t: torch.Tensor | np.ndarray) -> int:
     return t.data_ptr() if isinstance(t, torch.Tensor) else t.ctypes.data
 
@@ -124,8 +130,9 @@ class CpuPagedBackend:
         Args:
             query: [num_tokens, num_heads, head_size].
             key, value: [num_tokens, num_kv_heads, head_size] for the new tokens.
-            kv_cache: [2, num_blocks, block_size, num_kv_heads, head_size], float32 or bfloat16
-                (other dtypes go through torch_sdpa).
+            kv_cache: [2, num_blocks, block_size, num_kv_heads, head_size], float32, bfloat16,
+                or int8 / float8_e4m3fn with their scales (kv_quant.py); other dtypes go through
+                torch_sdpa.
             metadata: from `build_metadata`.
             scale: softmax scale (usually head_size ** -0.5).
             sliding_window: a query at position p attends only to key positions > p - window
@@ -136,20 +143,20 @@ class CpuPagedBackend:
         Returns:
             [num_tokens, num_heads, head_size] in query's dtype (padded tokens are zero).
         """
-        if kv_cache.dtype not in (torch.float32, torch.bfloat16):
+        if kv_cache.dtype not in _KERNEL_CACHE_DTYPES:
             return TorchSDPABackend.forward(query, key, value, kv_cache,
                                             metadata.sdpa_metadata(), scale, sliding_window,
                                             logits_soft_cap)
         common = metadata.common
         n = common.num_actual_tokens
-        num_heads, head_size = query.shape[1], query.shape[2]
+        num_heads = query.shape[1]
         num_kv_heads = kv_cache.shape[-2]
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        flat_k = key_cache.view(-1, num_kv_heads, head_size)
-        flat_v = value_cache.view(-1, num_kv_heads, head_size)
-        slots = common.slot_mapping[:n]
-        flat_k.index_copy_(0, slots, key[:n].to(kv_cache.dtype))
-        flat_v.index_copy_(0, slots, value[:n].to(kv_cache.dtype))
+        # NOTE(kv_quant): with an int8/fp8 cache the fresh requests' SDPA takes the K/V as the
+        # cache holds them (dequantized), so a request attends to the same values whether its
+        # prefix was computed this step or hit in the prefix cache.
+        key_new, value_new = write_kv_cache(kv_cache, key[:n], value[:n],
+                                            common.slot_mapping[:n])
 
         out = torch.empty(query.shape, dtype=torch.float32)
         out[n:] = 0
@@ -159,8 +166,8 @@ class CpuPagedBackend:
             # NOTE(perf): 4-D inputs: torch's CPU flash-attention kernel takes only [B, H, L, D];
             # 3-D ones fall back to the math path, 4x slower at 512 tokens.
             q = query[start:end].transpose(0, 1)[None]                    # [1, H, L, D]
-            k = key[start:end].transpose(0, 1)[None]                      # [1, KVH, L, D]
-            v = value[start:end].transpose(0, 1)[None]
+            k = key_new[start:end].transpose(0, 1)[None]                  # [1, KVH, L, D]
+            v = value_new[start:end].transpose(0, 1)[None]
             if rep > 1:
                 k = k.repeat_interleave(rep, dim=1)
                 v = v.repeat_interleave(rep, dim=1)
@@ -169,14 +176,25 @@ class CpuPagedBackend:
 
         if len(rows):
             lib = cpu_kernels()
-            fn = lib.paged_attention_f32 if kv_cache.dtype == torch.float32 \
-                else lib.paged_attention_bf16
             q32 = query.to(torch.float32).contiguous()
             block_table = common.block_table
             assert block_table.dtype == torch.int32 and block_table.stride(1) == 1
-            fn(_ptr(q32), _ptr(key_cache), _ptr(value_cache), _ptr(block_table),
+            if kv_cache.dtype == torch.float32:
+                fn, caches = lib.paged_attention_f32, (_ptr(key_cache), _ptr(value_cache))
+            elif kv_cache.dtype == torch.bfloat16:
+                fn, caches = lib.paged_attention_bf16, (_ptr(key_cache), _ptr(value_cache))
+            elif kv_cache.dtype == torch.int8:
+                scales = kv_cache_scales(kv_cache)
+                fn = lib.paged_attention_int8
+                caches = (_ptr(key_cache), _ptr(value_cache), _ptr(scales[0]), _ptr(scales[1]))
+            else:
+                k_scale, v_scale = kv_cache_scales(kv_cache).tolist()
+                fn = lib.paged_attention_fp8_e4m3
+                caches = (_ptr(key_cache), _ptr(value_cache), ctypes.c_float(k_scale),
+                          ctypes.c_float(v_scale))
+            fn(_ptr(q32), *caches, _ptr(block_table),
                block_table.stride(0), _ptr(metadata.query_start_loc), _ptr(metadata.seq_lens),
                _ptr(rows), ctypes.c_int(len(rows)), _ptr(out), num_heads, num_kv_heads,
-               head_size, common.block_size, ctypes.c_float(scale), int(common.causal),
+               query.shape[2], common.block_size, ctypes.c_float(scale), int(common.causal),
                sliding_window or 0, ctypes.c_float(logits_soft_cap or 0.0))
         return out if query.dtype == torch.float32 else out.to(query.dtype)

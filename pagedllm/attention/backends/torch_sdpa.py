@@ -27,6 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from pagedllm.attention.backends.kv_quant import dequantize_kv, write_kv_cache
 from pagedllm.attention.metadata import CommonAttentionMetadata
 
 
@@ -139,7 +140,8 @@ class TorchSDPABackend:
         Args:
             query: [num_tokens, num_heads, head_size].
             key, value: [num_tokens, num_kv_heads, head_size] for the new tokens.
-            kv_cache: [2, num_blocks, block_size, num_kv_heads, head_size].
+            kv_cache: [2, num_blocks, block_size, num_kv_heads, head_size]; an int8/fp8 cache
+                (kv_quant.py) is quantized on write and dequantized after the gather.
             metadata: from `build_metadata`.
             scale: softmax scale (usually head_size ** -0.5).
             sliding_window: a query at position p attends only to key positions > p - window
@@ -153,11 +155,7 @@ class TorchSDPABackend:
         common = metadata.common
         n = common.num_actual_tokens
         num_kv_heads, head_size = kv_cache.shape[-2], kv_cache.shape[-1]
-        key_cache = kv_cache[0].view(-1, num_kv_heads, head_size)
-        value_cache = kv_cache[1].view(-1, num_kv_heads, head_size)
-        slots = common.slot_mapping[:n]
-        key_cache.index_copy_(0, slots, key[:n].to(key_cache.dtype))
-        value_cache.index_copy_(0, slots, value[:n].to(value_cache.dtype))
+        write_kv_cache(kv_cache, key[:n], value[:n], common.slot_mapping[:n])
 
         out = torch.zeros_like(query)
         num_heads = query.shape[1]
@@ -174,9 +172,9 @@ class TorchSDPABackend:
             # NOTE(perf): index_select on flat slots is ~3x faster than advanced indexing on CPU.
             kv_shape = (num_rows, -1, num_kv_heads, head_size)
             flat_slots = g.kv_slots.reshape(-1)
-            k = key_cache.index_select(0, flat_slots).view(kv_shape).transpose(1, 2).to(q.dtype)
-            v = value_cache.index_select(0, flat_slots).view(kv_shape).transpose(1, 2).to(
-                q.dtype)                                              # [G, KVH, S, D]
+            k = dequantize_kv(kv_cache, 0, flat_slots, q.dtype).view(kv_shape).transpose(1, 2)
+            v = dequantize_kv(kv_cache, 1, flat_slots, q.dtype).view(kv_shape).transpose(
+                1, 2)                                                 # [G, KVH, S, D]
             if logits_soft_cap is None:
                 o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
             else:

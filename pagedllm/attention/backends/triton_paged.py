@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedllm.attention.backends.kv_quant import is_quantized_kv_cache
 from pagedllm.attention.metadata import CommonAttentionMetadata
 
 
@@ -79,10 +80,16 @@ class TritonPagedBackend:
 
         Raises:
             ValueError: for CPU tensors when the kernels were not imported under
-                TRITON_INTERPRET=1, or inputs the kernels do not take (see `unified_attention`).
+                TRITON_INTERPRET=1, an int8/fp8 KV cache (not supported yet), or inputs the
+                kernels do not take (see `unified_attention`).
         """
         from pagedllm.attention.ops import triton_reshape_and_cache, triton_unified_attention
 
+        if is_quantized_kv_cache(kv_cache):
+            # TODO(#22): int8/fp8 K/V in the Triton kernels (dequantize in the inner loop).
+            raise ValueError(f"triton_paged: kv_cache_dtype with a {kv_cache.dtype} KV cache is "
+                             "not supported yet; use kv_cache_dtype='auto' on CUDA (int8/fp8 KV "
+                             "caches run on the CPU backends)")
         if query.device.type == "cpu" and not (triton_unified_attention.INTERPRETED
                                                and triton_reshape_and_cache.INTERPRETED):
             raise ValueError("triton_paged: CPU tensors need triton's interpreter "

@@ -72,6 +72,14 @@ class PrometheusStatLogger:
                                 for reason in FINISH_REASONS}
         self._success = success
         self._model_name = model_name
+        self.eplb_rebalances = counter("pagedllm:eplb_rebalances",
+                                       "Expert rebalances done by EPLB.")
+        # One series per MoE layer and side: at most 2 x num_layers, set at each rebalance.
+        self.eplb_imbalance = Gauge(
+            "pagedllm:eplb_imbalance",
+            "Per MoE layer, max / mean over the EP ranks of the tokens routed to each rank's "
+            "experts in the window of the last EPLB rebalance, under the placement before and "
+            "after it (1 = balanced).", ["model_name", "layer", "when"], registry=registry)
 
     def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
         self.num_requests_running.set(scheduler_stats.num_running_reqs)
@@ -82,6 +90,13 @@ class PrometheusStatLogger:
         self.num_preemptions.inc(iteration_stats.num_preemptions)
         self.prefix_cache_queries.inc(iteration_stats.prefix_cache_queries)
         self.prefix_cache_hits.inc(iteration_stats.prefix_cache_hits)
+        self.eplb_rebalances.inc(iteration_stats.num_eplb_rebalances)
+        eplb = iteration_stats.eplb_stats
+        if eplb is not None:
+            for layer, before, after in zip(eplb.layer_ids, eplb.imbalance_before,
+                                            eplb.imbalance_after):
+                self.eplb_imbalance.labels(self._model_name, str(layer), "before").set(before)
+                self.eplb_imbalance.labels(self._model_name, str(layer), "after").set(after)
         for ttft in iteration_stats.time_to_first_tokens_s:
             self.time_to_first_token.observe(ttft)
         for itl in iteration_stats.inter_token_latencies_s:

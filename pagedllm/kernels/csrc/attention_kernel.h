@@ -14,6 +14,48 @@
 
 namespace pagedllm {
 
+// Quantized KV caches (pagedllm/attention/backends/kv_quant.py): int8 rows with a float32 scale
+// per (token, KV head), or float8 e4m3fn values with one scale per tensor. The kernels read the
+// one-byte values here; the scales are applied in `attention_items`.
+struct fp8_e4m3 {
+  uint8_t bits;
+};
+
+// float8 e4m3fn (OCP FP8, "fn": no infinities): sign, 4 exponent bits (bias 7), 3 mantissa
+// bits; exponent 0 is subnormal (m / 8 * 2^-6), S.1111.111 is NaN.
+inline std::vector<float> make_fp8_e4m3_table() {
+  std::vector<float> table(256);
+  for (int b = 0; b < 256; ++b) {
+    const int sign = b >> 7, exponent = (b >> 3) & 15, mantissa = b & 7;
+    float v;
+    if (exponent == 15 && mantissa == 7)
+      v = std::numeric_limits<float>::quiet_NaN();
+    else if (exponent == 0)
+      v = std::ldexp(static_cast<float>(mantissa) / 8.f, -6);
+    else
+      v = std::ldexp(1.f + static_cast<float>(mantissa) / 8.f, exponent - 7);
+    table[b] = sign ? -v : v;
+  }
+  return table;
+}
+
+inline const std::vector<float> kFp8E4m3ToFloat = make_fp8_e4m3_table();
+
+inline float to_float(int8_t v) { return static_cast<float>(v); }
+inline float to_float(fp8_e4m3 v) { return kFp8E4m3ToFloat[v.bits]; }
+
+#ifdef PAGEDLLM_AVX2
+inline __m256 load8(const int8_t* p) {
+  const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
+}
+
+inline __m256 load8(const fp8_e4m3* p) {
+  const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_i32gather_ps(kFp8E4m3ToFloat.data(), _mm256_cvtepu8_epi32(raw), 4);
+}
+#endif
+
 template <typename T>
 inline float dot_scalar(const float* __restrict a, const T* __restrict b, int n) {
   float s = 0.f;
@@ -211,6 +253,11 @@ struct AttentionArgs {
   // Gemma 2's attention logit soft-capping: score = soft_cap * tanh(score / soft_cap), applied
   // to the scaled score before the softmax; 0 = none.
   float soft_cap = 0.f;
+  // Quantized caches: per-row scales [num_blocks, block_size, num_kv_heads] (int8; nullptr =
+  // none), and per-tensor scales (fp8; 1 = none). A stored value x stands for x * scale.
+  const float* k_scales = nullptr;
+  const float* v_scales = nullptr;
+  float k_scale = 1.f, v_scale = 1.f;
 };
 
 // The work-sharing loop over the plan's items, to be called by every thread of an enclosing
@@ -227,6 +274,7 @@ void attention_items(const AttentionArgs<T, TQ>& a, const AttentionPlan& plan) {
   std::vector<float> acc(static_cast<size_t>(max_heads) * head_size);
   std::vector<float> scores(static_cast<size_t>(max_heads) * block_size);
   std::vector<float> m(max_heads), l(max_heads);
+  const float q_scale = a.scale * a.k_scale;
 
 #pragma omp for schedule(dynamic, 1)
   for (int64_t item = 0; item < plan.num_items; ++item) {
@@ -246,7 +294,7 @@ void attention_items(const AttentionArgs<T, TQ>& a, const AttentionPlan& plan) {
 
     for (int h = 0; h < nh; ++h) {
       for (int d = 0; d < head_size; ++d)
-        q[h * head_size + d] = to_float(q_src[h * head_size + d]) * a.scale;
+        q[h * head_size + d] = to_float(q_src[h * head_size + d]) * q_scale;
       m[h] = -std::numeric_limits<float>::infinity();
       l[h] = 0.f;
     }
@@ -258,14 +306,19 @@ void attention_items(const AttentionArgs<T, TQ>& a, const AttentionPlan& plan) {
     for (int start = ctx_begin; start < ctx_end;) {
       const int offset = start % block_size;
       const int n = std::min(block_size - offset, ctx_end - start);
-      const int64_t base =
-          (static_cast<int64_t>(table[start / block_size]) * block_size + offset) *
-              kv_row_stride +
-          static_cast<int64_t>(kv0) * head_size;
+      const int64_t slot0 = static_cast<int64_t>(table[start / block_size]) * block_size + offset;
+      const int64_t base = slot0 * kv_row_stride + static_cast<int64_t>(kv0) * head_size;
       start += n;
       for (int h = 0; h < nh; ++h)
         block_scores(&q[h * head_size], a.key_cache + base + (h / rep) * head_size,
                      kv_row_stride, n, head_size, &scores[h * block_size]);
+      if (a.k_scales != nullptr) {
+        for (int h = 0; h < nh; ++h) {
+          const float* ks = a.k_scales + slot0 * num_kv_heads + kv0 + h / rep;
+          float* s = &scores[h * block_size];
+          for (int j = 0; j < n; ++j) s[j] *= ks[j * num_kv_heads];
+        }
+      }
       if (a.soft_cap > 0.f) {
         for (int h = 0; h < nh; ++h) {
           float* s = &scores[h * block_size];
@@ -285,6 +338,13 @@ void attention_items(const AttentionArgs<T, TQ>& a, const AttentionPlan& plan) {
           for (int d = 0; d < head_size; ++d) acc_h[d] *= correction;
         }
       }
+      if (a.v_scales != nullptr) {  // the softmax weights times each row's scale
+        for (int h = 0; h < nh; ++h) {
+          const float* vs = a.v_scales + slot0 * num_kv_heads + kv0 + h / rep;
+          float* p = &scores[h * block_size];
+          for (int j = 0; j < n; ++j) p[j] *= vs[j * num_kv_heads];
+        }
+      }
       for (int h = 0; h < nh; ++h)
         block_values(&acc[h * head_size], &scores[h * block_size],
                      a.value_cache + base + (h / rep) * head_size, kv_row_stride, n, head_size);
@@ -292,7 +352,7 @@ void attention_items(const AttentionArgs<T, TQ>& a, const AttentionPlan& plan) {
 
     float* dst = a.out + (static_cast<int64_t>(t) * num_heads + kv0 * rep) * head_size;
     for (int h = 0; h < nh; ++h) {
-      const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
+      const float inv = l[h] > 0.f ? a.v_scale / l[h] : 0.f;
       for (int d = 0; d < head_size; ++d) dst[h * head_size + d] = acc[h * head_size + d] * inv;
     }
   }

@@ -8,7 +8,8 @@
 //
 // Layouts (all contiguous, row-major):
 //   query        [num_tokens, num_heads, head_size]            float32
-//   key_cache    [num_blocks, block_size, num_kv_heads, head_size]  float32 or bfloat16 (uint16)
+//   key_cache    [num_blocks, block_size, num_kv_heads, head_size]  float32, bfloat16 (uint16),
+//                int8 (with k_scales, same index without head_size) or float8 e4m3fn (k_scale)
 //   value_cache  same as key_cache
 //   block_table  [num_reqs, block_table_stride]               int32
 //   query_start_loc [num_reqs + 1], seq_lens [num_reqs]        int32
@@ -40,13 +41,19 @@ void paged_attention(const float* query, const T* key_cache, const T* value_cach
                      const int32_t* query_start_loc, const int32_t* seq_lens,
                      const int32_t* rows, int num_rows, float* out, int num_heads,
                      int num_kv_heads, int head_size, int block_size, float scale, int causal,
-                     int window, float soft_cap) {
+                     int window, float soft_cap, const float* k_scales = nullptr,
+                     const float* v_scales = nullptr, float k_scale = 1.f,
+                     float v_scale = 1.f) {
   const AttentionPlan plan = plan_attention(query_start_loc, rows, num_rows, num_kv_heads,
                                             omp_get_max_threads());
-  const AttentionArgs<T, float> args{query, static_cast<int64_t>(num_heads) * head_size,
-                                     key_cache, value_cache, block_table, block_table_stride,
-                                     query_start_loc, seq_lens, out, num_heads, num_kv_heads,
-                                     head_size, block_size, scale, causal, window, soft_cap};
+  AttentionArgs<T, float> args{query, static_cast<int64_t>(num_heads) * head_size,
+                               key_cache, value_cache, block_table, block_table_stride,
+                               query_start_loc, seq_lens, out, num_heads, num_kv_heads,
+                               head_size, block_size, scale, causal, window, soft_cap};
+  args.k_scales = k_scales;
+  args.v_scales = v_scales;
+  args.k_scale = k_scale;
+  args.v_scale = v_scale;
 #pragma omp parallel
   attention_items(args, plan);
 }
@@ -79,6 +86,35 @@ void paged_attention_bf16(const float* query, const uint16_t* key_cache,
                             query_start_loc, seq_lens, rows, num_rows, out, num_heads,
                             num_kv_heads, head_size, block_size, scale, causal, window,
                             soft_cap);
+}
+
+// int8 caches: k_scales / v_scales [num_blocks, block_size, num_kv_heads] float32, one per row.
+void paged_attention_int8(const float* query, const int8_t* key_cache, const int8_t* value_cache,
+                          const float* k_scales, const float* v_scales,
+                          const int32_t* block_table, int64_t block_table_stride,
+                          const int32_t* query_start_loc, const int32_t* seq_lens,
+                          const int32_t* rows, int num_rows, float* out, int num_heads,
+                          int num_kv_heads, int head_size, int block_size, float scale,
+                          int causal, int window, float soft_cap) {
+  paged_attention<int8_t>(query, key_cache, value_cache, block_table, block_table_stride,
+                          query_start_loc, seq_lens, rows, num_rows, out, num_heads,
+                          num_kv_heads, head_size, block_size, scale, causal, window, soft_cap,
+                          k_scales, v_scales);
+}
+
+// float8 e4m3fn caches (bytes) with one scale per tensor.
+void paged_attention_fp8_e4m3(const float* query, const uint8_t* key_cache,
+                              const uint8_t* value_cache, float k_scale, float v_scale,
+                              const int32_t* block_table, int64_t block_table_stride,
+                              const int32_t* query_start_loc, const int32_t* seq_lens,
+                              const int32_t* rows, int num_rows, float* out, int num_heads,
+                              int num_kv_heads, int head_size, int block_size, float scale,
+                              int causal, int window, float soft_cap) {
+  paged_attention<fp8_e4m3>(query, reinterpret_cast<const fp8_e4m3*>(key_cache),
+                            reinterpret_cast<const fp8_e4m3*>(value_cache), block_table,
+                            block_table_stride, query_start_loc, seq_lens, rows, num_rows, out,
+                            num_heads, num_kv_heads, head_size, block_size, scale, causal,
+                            window, soft_cap, nullptr, nullptr, k_scale, v_scale);
 }
 
 }  // extern "C"

@@ -15,6 +15,8 @@
 //
 // The residual stream, weights and KV cache are in the model dtype T (float32 or bfloat16); the
 // intermediate activations stay in float32 (one rounding fewer than the module path per step).
+// A linear weight may instead be GGUF blocks (row segments of one or more GGML types), run by
+// the block kernels of cpu_gguf_linear.cpp inside this layer's parallel region.
 // RMSNorm: Zhang & Sennrich (2019); RoPE: Su et al. (2021), GPT-NeoX layout (the halves of a head
 // are rotated together), as HF Llama.
 
@@ -24,6 +26,7 @@
 #include <omp.h>
 
 #include "attention_kernel.h"
+#include "gguf_blocks.h"
 #include "linear_kernel.h"
 
 namespace {
@@ -50,7 +53,27 @@ struct DecoderLayerWeights {
   const float* sin_cache;      // same
   int64_t hidden_size, num_heads, num_kv_heads, head_size, intermediate_size;
   float eps, scale;
+  // GGUF-quantized weights (layers/quantization/gguf.py): for qkv, o, gate_up, down in this
+  // order, the weight's row segments (gguf_blocks.h) and their count; a count of 0 means the
+  // float weight above is used instead.
+  const gguf::Segment* segments[4];
+  int64_t num_segments[4];
 };
+
+enum WeightIndex { kQKV = 0, kO = 1, kGateUp = 2, kDown = 3 };
+
+// One linear phase of the layer (an orphaned work-sharing loop, see linear_kernel.h): on the
+// GGUF segments of weight `index` if it has any, else on the float weight `w` [N, K].
+template <typename T>
+inline void layer_linear(const DecoderLayerWeights& lw, int index, const float* x, int64_t ldx,
+                         int64_t M, int64_t K, const void* w, int64_t N, const float* bias,
+                         float* y, int64_t ldy) {
+  if (lw.num_segments[index] > 0)
+    gguf::linear_segments_tiles(x, ldx, M, K, lw.segments[index], lw.num_segments[index], bias,
+                                y, ldy);
+  else
+    linear_tiles(x, ldx, M, K, static_cast<const T*>(w), N, bias, y, ldy);
+}
 
 struct DecoderStep {
   int64_t num_tokens;
@@ -132,8 +155,8 @@ void decoder_layer(const DecoderLayerWeights& w, const DecoderStep& s, bool add_
       add_rms_norm_row(residual + m * H, s.delta + m * H, add_delta,
                        static_cast<const T*>(w.input_norm), w.eps, H, s.normed + m * H);
 
-    linear_tiles(s.normed, H, M, H, static_cast<const T*>(w.qkv), qkv_size, w.qkv_bias,
-                 s.qkv_out, qkv_size);
+    layer_linear<T>(w, kQKV, s.normed, H, M, H, w.qkv, qkv_size, w.qkv_bias, s.qkv_out,
+                    qkv_size);
 
     // q/k norm, RoPE, and the KV-cache write: one (token, head) per iteration.
     const int64_t heads = w.num_heads + w.num_kv_heads;
@@ -166,16 +189,15 @@ void decoder_layer(const DecoderLayerWeights& w, const DecoderStep& s, bool add_
 
     attention_items(attn, plan);
 
-    linear_tiles(s.attn_out, q_size, M, q_size, static_cast<const T*>(w.o), H, w.o_bias, s.delta,
-                 H);
+    layer_linear<T>(w, kO, s.attn_out, q_size, M, q_size, w.o, H, w.o_bias, s.delta, H);
 
 #pragma omp for
     for (int64_t m = 0; m < M; ++m)
       add_rms_norm_row(residual + m * H, s.delta + m * H, true,
                        static_cast<const T*>(w.post_norm), w.eps, H, s.normed + m * H);
 
-    linear_tiles(s.normed, H, M, H, static_cast<const T*>(w.gate_up), 2 * I, w.gate_up_bias,
-                 s.gate_up_out, 2 * I);
+    layer_linear<T>(w, kGateUp, s.normed, H, M, H, w.gate_up, 2 * I, w.gate_up_bias,
+                    s.gate_up_out, 2 * I);
 
 #pragma omp for
     for (int64_t item = 0; item < M * act_chunks; ++item) {
@@ -186,7 +208,7 @@ void decoder_layer(const DecoderLayerWeights& w, const DecoderStep& s, bool add_
       for (int64_t i = i0; i < i1; ++i) out[i] = silu(gate[i]) * gate[I + i];
     }
 
-    linear_tiles(s.act, I, M, I, static_cast<const T*>(w.down), H, w.down_bias, s.delta, H);
+    layer_linear<T>(w, kDown, s.act, I, M, I, w.down, H, w.down_bias, s.delta, H);
   }
 }
 

@@ -1,5 +1,5 @@
-// y = x @ W^T (+ bias) with W kept in a GGML block format (Q8_0, Q4_0, Q4_1; gguf_blocks.h),
-// activations and accumulation in float32.
+// y = x @ W^T (+ bias) with W kept in a GGML block format (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K,
+// Q5_K, Q6_K; gguf_blocks.h), activations and accumulation in float32.
 //
 // Why: a GGUF model's weights are 4-8.5 bits each; dequantized to float32 at load they take 4-8x
 // the memory and, since batch-1 decode streams every weight once per token, 4-8x the time. Here
@@ -7,11 +7,14 @@
 // the quantized bytes are read from memory. The result equals x @ dequantize(W)^T up to the
 // order of the float32 sums.
 //
-// Layout: x [M, K] float32 (row stride ldx), w [N, row_bytes] uint8 with row_bytes = K / 32 *
-// block bytes (K a multiple of 32), bias [N] float32 or null, y [M, N] float32 (row stride ldy).
-// Register blocking: MB rows of x times NB rows of w per micro-kernel call. Threads split work
-// items (a block of x rows, a tile of w rows) as linear_kernel.h does (OpenMP, sharing torch's
-// runtime).
+// Layout: x [M, K] float32 (row stride ldx), w [N, row_bytes] uint8 with row_bytes = K /
+// kWeights * block bytes (K a multiple of the type's block: 32, or 256 for K-quants), bias [N]
+// float32 or null, y [M, N] float32 (row stride ldy). A weight may be split into row segments
+// of different types (a fused qkv of a Q4_K_M file: Q4_K q/k rows, Q6_K v rows); each segment
+// writes its own output columns. Register blocking: MB rows of x times NB rows of w per
+// micro-kernel call. Threads split work items (a block of x rows, a tile of w rows) as
+// linear_kernel.h does (OpenMP, sharing torch's runtime); `linear_segments_tiles` is also
+// called inside the fused decoder's parallel region (cpu_decoder.cpp).
 //
 // A second entry point, linear_gguf_q8_activations, rounds x to 8 bits per block first (below).
 
@@ -35,19 +38,22 @@ inline void micro(const float* x, int64_t ldx, const uint8_t* w, int64_t row_byt
   // Two accumulator sets at MB == 1 halve the FMA dependency chains; at MB > 1 the rows of x
   // give independent chains already.
   constexpr int kSets = MB == 1 ? 2 : 1;
+  constexpr int kSubs = Q::kWeights / kBlock;
   __m256 acc[kSets][MB][NB];
   for (int s = 0; s < kSets; ++s)
     for (int i = 0; i < MB; ++i)
       for (int j = 0; j < NB; ++j) acc[s][i][j] = _mm256_setzero_ps();
   for (int64_t b = 0; b < num_blocks; ++b) {
-    for (int j = 0; j < NB; ++j) {
-      __m256 wv[4];
-      Q::unpack(w + j * row_bytes + b * Q::kBytes, wv);
-      for (int i = 0; i < MB; ++i) {
-        const float* xp = x + i * ldx + b * kBlock;
-        for (int c = 0; c < 4; ++c) {
-          __m256& a = acc[c % kSets][i][j];
-          a = _mm256_fmadd_ps(_mm256_loadu_ps(xp + 8 * c), wv[c], a);
+    for (int sub = 0; sub < kSubs; ++sub) {
+      for (int j = 0; j < NB; ++j) {
+        __m256 wv[4];
+        Q::unpack(w + j * row_bytes + b * Q::kBytes, sub, wv);
+        for (int i = 0; i < MB; ++i) {
+          const float* xp = x + i * ldx + b * Q::kWeights + sub * kBlock;
+          for (int c = 0; c < 4; ++c) {
+            __m256& a = acc[c % kSets][i][j];
+            a = _mm256_fmadd_ps(_mm256_loadu_ps(xp + 8 * c), wv[c], a);
+          }
         }
       }
     }
@@ -63,18 +69,20 @@ inline void micro(const float* x, int64_t ldx, const uint8_t* w, int64_t row_byt
 template <int MB, int NB, typename Q>
 inline void micro(const float* x, int64_t ldx, const uint8_t* w, int64_t row_bytes,
                   int64_t num_blocks, const float* bias, float* y, int64_t ldy) {
+  constexpr int kSubs = Q::kWeights / kBlock;
   float acc[MB][NB] = {};
   float wv[kBlock];
   for (int64_t b = 0; b < num_blocks; ++b)
-    for (int j = 0; j < NB; ++j) {
-      Q::unpack(w + j * row_bytes + b * Q::kBytes, wv);
-      for (int i = 0; i < MB; ++i) {
-        const float* xp = x + i * ldx + b * kBlock;
-        float s = 0.f;
-        for (int k = 0; k < kBlock; ++k) s += xp[k] * wv[k];
-        acc[i][j] += s;
+    for (int sub = 0; sub < kSubs; ++sub)
+      for (int j = 0; j < NB; ++j) {
+        Q::unpack(w + j * row_bytes + b * Q::kBytes, sub, wv);
+        for (int i = 0; i < MB; ++i) {
+          const float* xp = x + i * ldx + b * Q::kWeights + sub * kBlock;
+          float s = 0.f;
+          for (int k = 0; k < kBlock; ++k) s += xp[k] * wv[k];
+          acc[i][j] += s;
+        }
       }
-    }
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NB; ++j) y[i * ldy + j] = acc[i][j] + (bias != nullptr ? bias[j] : 0.f);
 }
@@ -97,26 +105,78 @@ void rows_block(const float* x, int64_t ldx, int64_t m0, int64_t m1, const uint8
   }
 }
 
+// One work item: x rows [r0, r1) against the segment's weight rows [n0, n1) (segment-relative;
+// `bias` and `y` already point at the segment's first output column).
 template <typename Q>
-void linear(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* w, int64_t N,
-            const float* bias, float* y, int64_t ldy) {
-  const int64_t num_blocks = K / kBlock, row_bytes = num_blocks * Q::kBytes;
+void work_item(const float* x, int64_t ldx, int64_t r0, int64_t r1, int64_t K, const uint8_t* w,
+               int64_t n0, int64_t n1, const float* bias, float* y, int64_t ldy) {
+  const int64_t num_blocks = K / Q::kWeights, row_bytes = num_blocks * Q::kBytes;
+  const int64_t r4 = r0 + (r1 - r0) / 4 * 4;
+  rows_block<4, Q>(x, ldx, r0, r4, w, row_bytes, num_blocks, n0, n1, bias, y, ldy);
+  rows_block<1, Q>(x, ldx, r4, r1, w, row_bytes, num_blocks, n0, n1, bias, y, ldy);
+}
+
+using WorkItemFn = void (*)(const float*, int64_t, int64_t, int64_t, int64_t, const uint8_t*,
+                            int64_t, int64_t, const float*, float*, int64_t);
+
+// The work item of a GGML type code (ggml.h's enum ggml_type), or null for a type not taken.
+WorkItemFn work_item_for(int64_t ggml_type) {
+  switch (ggml_type) {
+    case kGGMLTypeQ4_0: return work_item<Q4_0>;
+    case kGGMLTypeQ4_1: return work_item<Q4_1>;
+    case kGGMLTypeQ5_0: return work_item<Q5_0>;
+    case kGGMLTypeQ5_1: return work_item<Q5_1>;
+    case kGGMLTypeQ8_0: return work_item<Q8_0>;
+    case kGGMLTypeQ4_K: return work_item<Q4_K>;
+    case kGGMLTypeQ5_K: return work_item<Q5_K>;
+    case kGGMLTypeQ6_K: return work_item<Q6_K>;
+    default: return nullptr;
+  }
+}
+
+bool segments_supported(const Segment* segments, int64_t num_segments) {
+  for (int64_t s = 0; s < num_segments; ++s)
+    if (work_item_for(segments[s].ggml_type) == nullptr) return false;
+  return true;
+}
+
+void linear_segments_tiles(const float* x, int64_t ldx, int64_t M, int64_t K,
+                           const Segment* segments, int64_t num_segments, const float* bias,
+                           float* y, int64_t ldy) {
   constexpr int64_t kRowBlock = 64;  // rows of x per work item (a multiple of the 4-row kernel)
   const int64_t num_row_blocks = (M + kRowBlock - 1) / kRowBlock;
-#pragma omp parallel
-  {
+  for (int64_t s = 0; s < num_segments; ++s) {
+    const Segment& seg = segments[s];
+    const WorkItemFn fn = work_item_for(seg.ggml_type);
+    const int64_t N = seg.rows;
     const int64_t tile =
         std::max<int64_t>(4, std::min<int64_t>(64, N / (8 * omp_get_num_threads())));
     const int64_t num_tiles = (N + tile - 1) / tile;
-#pragma omp for schedule(dynamic, 1)
+    const float* seg_bias = bias != nullptr ? bias + seg.row_start : nullptr;
+    float* seg_y = y + seg.row_start;
+#pragma omp for schedule(dynamic, 1) nowait
     for (int64_t item = 0; item < num_row_blocks * num_tiles; ++item) {
       const int64_t t = item % num_tiles, rb = item / num_tiles;
       const int64_t n0 = t * tile, n1 = std::min(N, n0 + tile);
       const int64_t r0 = rb * kRowBlock, r1 = std::min(M, r0 + kRowBlock);
-      const int64_t r4 = r0 + (r1 - r0) / 4 * 4;
-      rows_block<4, Q>(x, ldx, r0, r4, w, row_bytes, num_blocks, n0, n1, bias, y, ldy);
-      rows_block<1, Q>(x, ldx, r4, r1, w, row_bytes, num_blocks, n0, n1, bias, y, ldy);
+      fn(x, ldx, r0, r1, K, seg.data, n0, n1, seg_bias, seg_y, ldy);
     }
+  }
+#pragma omp barrier
+}
+
+// out[i] = dequantize(row ids[i] of w) for an embedding lookup, one row per work item.
+template <typename Q>
+void dequantize_rows(const uint8_t* w, int64_t K, const int64_t* ids, int64_t num_ids,
+                     float* out) {
+  const int64_t num_blocks = K / Q::kWeights, row_bytes = num_blocks * Q::kBytes;
+#pragma omp parallel for if (num_ids > 1)
+  for (int64_t i = 0; i < num_ids; ++i) {
+    const uint8_t* row = w + ids[i] * row_bytes;
+    for (int64_t b = 0; b < num_blocks; ++b)
+      for (int sub = 0; sub < Q::kWeights / kBlock; ++sub)
+        Q::unpack(row + b * Q::kBytes, sub,
+                  out + i * K + b * Q::kWeights + sub * kBlock);
   }
 }
 
@@ -222,27 +282,26 @@ void linear_q8_activations(const float* x, int64_t ldx, int64_t M, int64_t K, co
 
 extern "C" {
 
-// GGML type codes (ggml.h's enum ggml_type) of the block formats taken here.
-enum { kGGMLTypeQ4_0 = 2, kGGMLTypeQ4_1 = 3, kGGMLTypeQ8_0 = 8 };
+// y[:, r : r + rows] = x @ W_s^T (+ bias[r : r + rows]) for each segment s = (data, r, rows,
+// type) of one weight, in one parallel region. Returns 0, or -1 if a segment's type is not
+// taken here (nothing is written then).
+int linear_gguf_segments(const float* x, int64_t ldx, int64_t M, int64_t K,
+                         const pagedllm::gguf::Segment* segments, int64_t num_segments,
+                         const float* bias, float* y, int64_t ldy) {
+  using namespace pagedllm::gguf;
+  if (!segments_supported(segments, num_segments)) return -1;
+#pragma omp parallel
+  linear_segments_tiles(x, ldx, M, K, segments, num_segments, bias, y, ldy);
+  return 0;
+}
+
 
 // Returns 0, or -1 for a type code not taken here (nothing is written then). K must be a
-// multiple of 32 (checked by the caller).
+// multiple of the type's block (32 or 256 weights; checked by the caller).
 int linear_gguf_f32(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* w,
                     int64_t N, int ggml_type, const float* bias, float* y, int64_t ldy) {
-  using namespace pagedllm::gguf;
-  switch (ggml_type) {
-    case kGGMLTypeQ8_0:
-      linear<Q8_0>(x, ldx, M, K, w, N, bias, y, ldy);
-      return 0;
-    case kGGMLTypeQ4_0:
-      linear<Q4_0>(x, ldx, M, K, w, N, bias, y, ldy);
-      return 0;
-    case kGGMLTypeQ4_1:
-      linear<Q4_1>(x, ldx, M, K, w, N, bias, y, ldy);
-      return 0;
-    default:
-      return -1;
-  }
+  const pagedllm::gguf::Segment segment{w, 0, N, ggml_type};
+  return linear_gguf_segments(x, ldx, M, K, &segment, 1, bias, y, ldy);
 }
 
 }  // extern "C"
@@ -264,6 +323,29 @@ int linear_gguf_q8_activations(const float* x, int64_t ldx, int64_t M, int64_t K
       return 0;
     default:
       return -1;
+  }
+}
+
+}  // extern "C"
+
+extern "C" {
+
+// out [num_ids, K] float32 = the rows `ids` (each in [0, rows), checked by the caller) of a
+// [rows, K / kWeights * block bytes] weight of GGML type `ggml_type`. Returns 0, or -1 for a
+// type not taken here (nothing written).
+int dequantize_rows_gguf(const uint8_t* w, int64_t K, int ggml_type, const int64_t* ids,
+                         int64_t num_ids, float* out) {
+  using namespace pagedllm::gguf;
+  switch (ggml_type) {
+    case kGGMLTypeQ4_0: dequantize_rows<Q4_0>(w, K, ids, num_ids, out); return 0;
+    case kGGMLTypeQ4_1: dequantize_rows<Q4_1>(w, K, ids, num_ids, out); return 0;
+    case kGGMLTypeQ5_0: dequantize_rows<Q5_0>(w, K, ids, num_ids, out); return 0;
+    case kGGMLTypeQ5_1: dequantize_rows<Q5_1>(w, K, ids, num_ids, out); return 0;
+    case kGGMLTypeQ8_0: dequantize_rows<Q8_0>(w, K, ids, num_ids, out); return 0;
+    case kGGMLTypeQ4_K: dequantize_rows<Q4_K>(w, K, ids, num_ids, out); return 0;
+    case kGGMLTypeQ5_K: dequantize_rows<Q5_K>(w, K, ids, num_ids, out); return 0;
+    case kGGMLTypeQ6_K: dequantize_rows<Q6_K>(w, K, ids, num_ids, out); return 0;
+    default: return -1;
   }
 }
 

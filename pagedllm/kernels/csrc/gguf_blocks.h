@@ -1,12 +1,23 @@
-// GGML block formats (llama.cpp's ggml-common.h) and their unpacking to float32, one block of 32
-// weights at a time, in scalar form and (with AVX2) as four 8-lane vectors.
+// GGML block formats (llama.cpp's ggml-common.h) and their unpacking to float32, 32 weights (one
+// sub-block) at a time, in scalar form and (with AVX2) as four 8-lane vectors.
 //
-//   Q8_0 (34 bytes): fp16 d | int8 q[32]              w[i] = d * q[i]
-//   Q4_0 (18 bytes): fp16 d | uint8 qs[16]            w[i] = d * (nibble_i - 8)
-//   Q4_1 (20 bytes): fp16 d | fp16 m | uint8 qs[16]   w[i] = d * nibble_i + m
+// Blocks of 32 weights (fp16 scales d, m; a nibble's 5th bit comes from qh, bit i for weight i):
+//   Q8_0 (34 bytes): d | int8 q[32]                          w[i] = d * q[i]
+//   Q4_0 (18 bytes): d | uint8 qs[16]                        w[i] = d * (nibble_i - 8)
+//   Q4_1 (20 bytes): d | m | uint8 qs[16]                    w[i] = d * nibble_i + m
+//   Q5_0 (22 bytes): d | uint32 qh | uint8 qs[16]            w[i] = d * (nibble_i + 16 hbit_i - 16)
+//   Q5_1 (24 bytes): d | m | uint32 qh | uint8 qs[16]        w[i] = d * (nibble_i + 16 hbit_i) + m
+// Nibble order of these: weight i < 16 is the low nibble of qs[i], weight i + 16 its high nibble.
 //
-// Nibble order of Q4_0/Q4_1: weight i < 16 is the low nibble of qs[i], weight i + 16 its high
-// nibble. A row of K weights is K / 32 consecutive blocks.
+// K-quant super-blocks of 256 weights = 8 sub-blocks s of 32 (Q6_K: 16 groups of 16):
+//   Q4_K (144 bytes): d | dmin | scales[12] (6-bit sc[s], m[s]) | qs[128]
+//                     w = d * sc[s] * q - dmin * m[s];  sub-block s: nibble (s & 1) of qs[32 (s/2) + l]
+//   Q5_K (176 bytes): d | dmin | scales[12] | qh[32] | qs[128]
+//                     as Q4_K with q += 16 * bit s of qh[l]
+//   Q6_K (210 bytes): ql[128] | qh[64] | int8 scales[16] | d
+//                     w = d * scales[g] * (q - 32), q = 4 bits of ql + 2 bits of qh (below)
+// A row of K weights is K / kWeights consecutive blocks; `unpack(block, s, ...)` yields the
+// weights [32 s, 32 s + 32) of a block (s = 0 for the 32-weight types).
 #pragma once
 
 #include <cstdint>
@@ -21,7 +32,32 @@
 namespace pagedllm {
 namespace gguf {
 
-constexpr int kBlock = 32;  // weights per block of every type here
+constexpr int kBlock = 32;  // weights per sub-block (the unit of `unpack`)
+
+// GGML type codes (ggml.h's enum ggml_type) of the block formats here.
+enum : int64_t {
+  kGGMLTypeQ4_0 = 2, kGGMLTypeQ4_1 = 3, kGGMLTypeQ5_0 = 6, kGGMLTypeQ5_1 = 7, kGGMLTypeQ8_0 = 8,
+  kGGMLTypeQ4_K = 12, kGGMLTypeQ5_K = 13, kGGMLTypeQ6_K = 14,
+};
+
+// Rows [row_start, row_start + rows) of a weight whose rows are [K / kWeights] blocks of one
+// type, e.g. the q, k and v parts of a fused qkv weight of mixed types. Mirrored by ctypes in
+// pagedllm/kernels/ops.py (GGUFSegmentStruct).
+struct Segment {
+  const uint8_t* data;  // [rows, row_bytes]
+  int64_t row_start, rows, ggml_type;
+};
+
+// Whether every segment's type has a kernel (cpu_gguf_linear.cpp).
+bool segments_supported(const Segment* segments, int64_t num_segments);
+
+// y[:, seg.row_start + n] = x @ seg row n (+ bias) for every segment, x [M, K] float32 (row
+// stride ldx), y row stride ldy; K a multiple of each type's block. The work-sharing loops of
+// one linear, for every thread of an enclosing OpenMP parallel region (they end with a barrier);
+// outside one it runs serially. Types must have passed `segments_supported`.
+void linear_segments_tiles(const float* x, int64_t ldx, int64_t M, int64_t K,
+                           const Segment* segments, int64_t num_segments, const float* bias,
+                           float* y, int64_t ldy);
 
 // IEEE half -> float (exact; subnormals, infinities and NaN included).
 inline float half_to_float(const uint8_t* p) {
@@ -55,13 +91,13 @@ inline float half_to_float(const uint8_t* p) {
 }
 
 struct Q8_0 {
-  static constexpr int kBytes = 34;
-  static void unpack(const uint8_t* b, float* out) {
+  static constexpr int kWeights = 32, kBytes = 34;
+  static void unpack(const uint8_t* b, int /*sub*/, float* out) {
     const float d = half_to_float(b);
     for (int i = 0; i < kBlock; ++i) out[i] = d * static_cast<float>(static_cast<int8_t>(b[2 + i]));
   }
 #ifdef PAGEDLLM_AVX2
-  static void unpack(const uint8_t* b, __m256 w[4]) {
+  static void unpack(const uint8_t* b, int /*sub*/, __m256 w[4]) {
     const __m256 d = _mm256_set1_ps(half_to_float(b));
     for (int c = 0; c < 4; ++c) {
       const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * c));
@@ -72,8 +108,8 @@ struct Q8_0 {
 };
 
 struct Q4_0 {
-  static constexpr int kBytes = 18;
-  static void unpack(const uint8_t* b, float* out) {
+  static constexpr int kWeights = 32, kBytes = 18;
+  static void unpack(const uint8_t* b, int /*sub*/, float* out) {
     const float d = half_to_float(b);
     for (int i = 0; i < 16; ++i) {
       out[i] = d * static_cast<float>((b[2 + i] & 0x0f) - 8);
@@ -81,7 +117,7 @@ struct Q4_0 {
     }
   }
 #ifdef PAGEDLLM_AVX2
-  static void unpack(const uint8_t* b, __m256 w[4]) {
+  static void unpack(const uint8_t* b, int /*sub*/, __m256 w[4]) {
     const __m256 d = _mm256_set1_ps(half_to_float(b));
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2));
     const __m128i mask = _mm_set1_epi8(0x0f), eight = _mm_set1_epi8(8);
@@ -96,8 +132,8 @@ struct Q4_0 {
 };
 
 struct Q4_1 {
-  static constexpr int kBytes = 20;
-  static void unpack(const uint8_t* b, float* out) {
+  static constexpr int kWeights = 32, kBytes = 20;
+  static void unpack(const uint8_t* b, int /*sub*/, float* out) {
     const float d = half_to_float(b), m = half_to_float(b + 2);
     for (int i = 0; i < 16; ++i) {
       out[i] = d * static_cast<float>(b[4 + i] & 0x0f) + m;
@@ -105,7 +141,7 @@ struct Q4_1 {
     }
   }
 #ifdef PAGEDLLM_AVX2
-  static void unpack(const uint8_t* b, __m256 w[4]) {
+  static void unpack(const uint8_t* b, int /*sub*/, __m256 w[4]) {
     const __m256 d = _mm256_set1_ps(half_to_float(b)), m = _mm256_set1_ps(half_to_float(b + 2));
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4));
     const __m128i mask = _mm_set1_epi8(0x0f);
@@ -114,6 +150,194 @@ struct Q4_1 {
     const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
     for (int c = 0; c < 4; ++c)
       w[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[c])), d, m);
+  }
+#endif
+};
+
+
+#ifdef PAGEDLLM_AVX2
+// The four 8-lane int32 vectors of 32 unsigned bytes (lanes 0-7, 8-15, 16-23, 24-31).
+inline void widen_u8(__m256i bytes, __m256i out[4]) {
+  const __m128i lo = _mm256_castsi256_si128(bytes), hi = _mm256_extracti128_si256(bytes, 1);
+  out[0] = _mm256_cvtepu8_epi32(lo);
+  out[1] = _mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8));
+  out[2] = _mm256_cvtepu8_epi32(hi);
+  out[3] = _mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8));
+}
+
+// Q4_0-style nibbles of qs[16] as int32 lanes (weights 0-7, 8-15, 16-23, 24-31) plus 16 times
+// bit i of qh for weight i (Q5_0/Q5_1).
+inline void nibbles_with_high_bit(const uint8_t* qs, uint32_t qh, __m256i out[4]) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i mask = _mm_set1_epi8(0x0f);
+  const __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+  const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), one = _mm256_set1_epi32(1);
+  for (int c = 0; c < 4; ++c) {
+    const __m256i bit = _mm256_and_si256(
+        _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(qh >> (8 * c))), lanes), one);
+    out[c] = _mm256_or_si256(_mm256_cvtepu8_epi32(parts[c]), _mm256_slli_epi32(bit, 4));
+  }
+}
+#endif
+
+inline uint32_t load_u32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// 5-bit quant i of a Q5_0/Q5_1 block: nibble plus bit i of qh as the 5th bit.
+inline int q5_quant(const uint8_t* qs, uint32_t qh, int i) {
+  const int nibble = i < 16 ? (qs[i] & 0x0f) : (qs[i - 16] >> 4);
+  return nibble | static_cast<int>(((qh >> i) & 1u) << 4);
+}
+
+struct Q5_0 {
+  static constexpr int kWeights = 32, kBytes = 22;
+  static void unpack(const uint8_t* b, int /*sub*/, float* out) {
+    const float d = half_to_float(b);
+    const uint32_t qh = load_u32(b + 2);
+    for (int i = 0; i < kBlock; ++i) out[i] = d * static_cast<float>(q5_quant(b + 6, qh, i) - 16);
+  }
+#ifdef PAGEDLLM_AVX2
+  static void unpack(const uint8_t* b, int /*sub*/, __m256 w[4]) {
+    const __m256 d = _mm256_set1_ps(half_to_float(b));
+    __m256i q[4];
+    nibbles_with_high_bit(b + 6, load_u32(b + 2), q);
+    const __m256i sixteen = _mm256_set1_epi32(16);
+    for (int c = 0; c < 4; ++c)
+      w[c] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(q[c], sixteen)), d);
+  }
+#endif
+};
+
+struct Q5_1 {
+  static constexpr int kWeights = 32, kBytes = 24;
+  static void unpack(const uint8_t* b, int /*sub*/, float* out) {
+    const float d = half_to_float(b), m = half_to_float(b + 2);
+    const uint32_t qh = load_u32(b + 4);
+    for (int i = 0; i < kBlock; ++i) out[i] = d * static_cast<float>(q5_quant(b + 8, qh, i)) + m;
+  }
+#ifdef PAGEDLLM_AVX2
+  static void unpack(const uint8_t* b, int /*sub*/, __m256 w[4]) {
+    const __m256 d = _mm256_set1_ps(half_to_float(b)), m = _mm256_set1_ps(half_to_float(b + 2));
+    __m256i q[4];
+    nibbles_with_high_bit(b + 8, load_u32(b + 4), q);
+    for (int c = 0; c < 4; ++c) w[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q[c]), d, m);
+  }
+#endif
+};
+
+// The 6-bit scale and min of sub-block s of a Q4_K/Q5_K block (ggml's get_scale_min_k4):
+// scales[0..3] low 6 bits: sc[0..3]; scales[4..7] low 6 bits: m[0..3]; sc[4..7] and m[4..7]
+// are the nibbles of scales[8..11] with their top 2 bits in the top bits of scales[0..7].
+inline void k4_scale_min(const uint8_t* scales, int s, float* sc, float* m) {
+  if (s < 4) {
+    *sc = static_cast<float>(scales[s] & 63);
+    *m = static_cast<float>(scales[s + 4] & 63);
+  } else {
+    *sc = static_cast<float>((scales[s + 4] & 0x0f) | ((scales[s - 4] >> 6) << 4));
+    *m = static_cast<float>((scales[s + 4] >> 4) | ((scales[s] >> 6) << 4));
+  }
+}
+
+struct Q4_K {
+  static constexpr int kWeights = 256, kBytes = 144;
+  static void unpack(const uint8_t* b, int s, float* out) {
+    float sc, m;
+    k4_scale_min(b + 4, s, &sc, &m);
+    const float d = half_to_float(b) * sc, dm = half_to_float(b + 2) * m;
+    const uint8_t* q = b + 16 + 32 * (s / 2);
+    const int shift = 4 * (s & 1);
+    for (int l = 0; l < kBlock; ++l) out[l] = d * static_cast<float>((q[l] >> shift) & 0x0f) - dm;
+  }
+#ifdef PAGEDLLM_AVX2
+  static void unpack(const uint8_t* b, int s, __m256 w[4]) {
+    float sc, m;
+    k4_scale_min(b + 4, s, &sc, &m);
+    const __m256 d = _mm256_set1_ps(half_to_float(b) * sc);
+    const __m256 neg_dm = _mm256_set1_ps(-half_to_float(b + 2) * m);
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * (s / 2)));
+    const __m256i nib = _mm256_and_si256(
+        _mm256_srl_epi16(raw, _mm_cvtsi32_si128(4 * (s & 1))), _mm256_set1_epi8(0x0f));
+    __m256i q[4];
+    widen_u8(nib, q);
+    for (int c = 0; c < 4; ++c) w[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q[c]), d, neg_dm);
+  }
+#endif
+};
+
+struct Q5_K {
+  static constexpr int kWeights = 256, kBytes = 176;
+  static void unpack(const uint8_t* b, int s, float* out) {
+    float sc, m;
+    k4_scale_min(b + 4, s, &sc, &m);
+    const float d = half_to_float(b) * sc, dm = half_to_float(b + 2) * m;
+    const uint8_t* qh = b + 16;
+    const uint8_t* q = b + 48 + 32 * (s / 2);
+    const int shift = 4 * (s & 1);
+    for (int l = 0; l < kBlock; ++l) {
+      const int v = ((q[l] >> shift) & 0x0f) | (((qh[l] >> s) & 1) << 4);
+      out[l] = d * static_cast<float>(v) - dm;
+    }
+  }
+#ifdef PAGEDLLM_AVX2
+  static void unpack(const uint8_t* b, int s, __m256 w[4]) {
+    float sc, m;
+    k4_scale_min(b + 4, s, &sc, &m);
+    const __m256 d = _mm256_set1_ps(half_to_float(b) * sc);
+    const __m256 neg_dm = _mm256_set1_ps(-half_to_float(b + 2) * m);
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 48 + 32 * (s / 2)));
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+    // 16-bit shifts move bits across the bytes of a pair, but the masks keep only the wanted
+    // bits of each byte (s <= 7).
+    const __m256i nib = _mm256_and_si256(
+        _mm256_srl_epi16(raw, _mm_cvtsi32_si128(4 * (s & 1))), _mm256_set1_epi8(0x0f));
+    const __m256i high = _mm256_slli_epi16(
+        _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(s)), _mm256_set1_epi8(1)), 4);
+    __m256i q[4];
+    widen_u8(_mm256_or_si256(nib, high), q);
+    for (int c = 0; c < 4; ++c) w[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q[c]), d, neg_dm);
+  }
+#endif
+};
+
+// Q6_K: weight 128 n + 32 j + l (half n, quarter j, l < 32) has q = (4 bits of ql[64 n + l +
+// 32 (j & 1)], low nibble for j < 2, high for j >= 2) | (bits 2j, 2j+1 of qh[32 n + l]) << 4,
+// and scale index 8 n + 2 j + l / 16. Sub-block s is n = s / 4, j = s % 4.
+struct Q6_K {
+  static constexpr int kWeights = 256, kBytes = 210;
+  static void unpack(const uint8_t* b, int s, float* out) {
+    const int n = s / 4, j = s % 4;
+    const uint8_t* ql = b + 64 * n + 32 * (j & 1);
+    const uint8_t* qh = b + 128 + 32 * n;
+    const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192) + 8 * n + 2 * j;
+    const float d = half_to_float(b + 208);
+    const int shift = 4 * (j >> 1);
+    for (int l = 0; l < kBlock; ++l) {
+      const int v = ((ql[l] >> shift) & 0x0f) | (((qh[l] >> (2 * j)) & 3) << 4);
+      out[l] = d * static_cast<float>(scales[l / 16]) * static_cast<float>(v - 32);
+    }
+  }
+#ifdef PAGEDLLM_AVX2
+  static void unpack(const uint8_t* b, int s, __m256 w[4]) {
+    const int n = s / 4, j = s % 4;
+    const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192) + 8 * n + 2 * j;
+    const float d = half_to_float(b + 208);
+    const __m256 d0 = _mm256_set1_ps(d * scales[0]), d1 = _mm256_set1_ps(d * scales[1]);
+    const __m256i ql =
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * n + 32 * (j & 1)));
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * n));
+    const __m256i nib = _mm256_and_si256(
+        _mm256_srl_epi16(ql, _mm_cvtsi32_si128(4 * (j >> 1))), _mm256_set1_epi8(0x0f));
+    const __m256i high = _mm256_slli_epi16(
+        _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * j)), _mm256_set1_epi8(3)), 4);
+    __m256i q[4];
+    widen_u8(_mm256_or_si256(nib, high), q);
+    const __m256i bias = _mm256_set1_epi32(32);
+    for (int c = 0; c < 4; ++c)
+      w[c] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(q[c], bias)), c < 2 ? d0 : d1);
   }
 #endif
 };

@@ -1,5 +1,6 @@
 """Quantization methods of linear layers (DESIGN §8): `UnquantizedLinearMethod` (float
-weights) and `GGUFLinearMethod` (GGUF blocks kept in memory, native CPU kernels).
+weights) and `GGUFLinearMethod` (GGUF blocks kept in memory, native CPU kernels), plus
+`GGUFEmbeddingMethod` for a token embedding / LM head kept in GGUF blocks.
 
 `quantize_linear_layers(model, method_name)` swaps every linear layer's method before loading
 (gpt-fast's module swap: the models stay free of quantization).
@@ -30,7 +31,9 @@ def get_linear_method(name: str) -> LinearMethodBase:
 
 def quantize_linear_layers(model: nn.Module, name: str) -> int:
     """Give every linear layer of `model` (those with `set_quant_method`, layers/linear.py) a
-    new `name` method; its weight is re-created empty, to be loaded afterwards.
+    new `name` method; its weight is re-created empty, to be loaded afterwards. With "gguf",
+    token embeddings and LM heads (`set_embedding_method`, layers/vocab_embedding.py) keep
+    their blocks too; modules sharing one weight (a tied LM head) share one method.
 
     Returns:
         The number of layers changed.
@@ -39,10 +42,22 @@ def quantize_linear_layers(model: nn.Module, name: str) -> int:
         ValueError: an unknown name, or a layer's shard the method cannot store.
     """
     count = 0
+    embedding_methods: dict[int, tuple] = {}   # id(old weight) -> (method, new weight)
     for module in model.modules():
         if hasattr(module, "set_quant_method"):
             module.set_quant_method(get_linear_method(name))
             count += 1
+        elif hasattr(module, "set_embedding_method") and name == "gguf":
+            key = id(module.weight)
+            if key in embedding_methods:
+                module.tie_embedding_method(*embedding_methods[key])
+                count += 1
+                continue
+            from pagedllm.layers.quantization.gguf import GGUFEmbeddingMethod
+            method = GGUFEmbeddingMethod()
+            if module.set_embedding_method(method):
+                embedding_methods[key] = (method, module.weight)
+                count += 1
     return count
 
 

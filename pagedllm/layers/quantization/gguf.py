@@ -1,34 +1,66 @@
-"""Linear layers whose weights stay in a GGUF file's block format (llama.cpp's Q8_0, Q4_0, Q4_1).
+"""Linear layers whose weights stay in a GGUF file's block formats (llama.cpp's Q8_0, Q4_0, Q4_1,
+Q5_0, Q5_1 and the K-quants Q4_K, Q5_K, Q6_K).
 
     GGUF file ──(GGUFTensor.materialize_raw: rows of blocks, TP slice)──► layer.weight
-        [output_size_per_partition, input_size_per_partition / 32 * block_bytes] uint8
     apply: gguf_linear (pagedllm/kernels/csrc/cpu_gguf_linear.cpp) unpacks blocks in registers
 
-Blocks run along the input dimension, so splitting the output rows across tensor-parallel ranks
-is exact, and splitting the input dimension must fall on block boundaries (refused otherwise).
-The weight's type is learnt from the first checkpoint tensor loaded into it (the parameter is
-created uninitialized); a fused layer (qkv, gate_up) needs one type for all its tensors.
+A fused layer (qkv, gate_up) holds several checkpoint tensors, and a Q4_K_M file gives them
+different types (attn_v in Q6_K next to Q4_K attn_q/attn_k). The weight is therefore a list of
+row segments, one per loaded tensor, each in its own type (`layer.gguf_segments`):
+
+    one type:    layer.weight [output_size_per_partition, row_bytes] uint8 (the usual matrix)
+    mixed types: layer.weight [total_bytes] uint8, the segments' [rows, row_bytes_i] blocks
+                 back to back in row order (no padding)
+
+and a fused layer of mixed types runs one native call that writes each segment's output
+columns. Blocks run along the input dimension, so splitting the output rows across
+tensor-parallel ranks is exact, and splitting the input dimension must fall on block boundaries
+(refused otherwise). `GGUFEmbeddingMethod` keeps the token embedding / tied LM head in blocks.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
-from pagedllm.kernels.ops import GGUF_BLOCK_SIZE, GGUF_KERNEL_TYPES, gguf_linear
+from pagedllm.kernels.ops import (GGUF_BLOCK_SIZE, GGUF_KERNEL_TYPES, gguf_dequantize_rows,
+                                  gguf_linear, gguf_linear_segments)
 from pagedllm.layers.quantization.base import LinearMethodBase
+from pagedllm.platforms import current_platform
 
 
 class GGUFLayoutUnsupported(ValueError):
-    """A GGUF checkpoint's linear weights cannot stay quantized (a tensor type without a kernel,
-    or a fused layer mixing types); the checkpoint still loads dequantized."""
+    """A GGUF checkpoint's linear weights cannot stay quantized (a tensor type without a kernel);
+    the checkpoint still loads dequantized."""
+
+
+@dataclass(frozen=True)
+class GGUFSegment:
+    """Rows [row_start, row_start + rows) of a quantized weight, in GGML type `tensor_type`,
+    stored from byte `byte_offset` of the layer's weight buffer as [rows, row_bytes] blocks."""
+
+    row_start: int
+    rows: int
+    tensor_type: str
+    row_bytes: int
+    byte_offset: int = 0
+
+
+def gguf_row_bytes(tensor_type: str, input_size: int) -> int:
+    """Bytes per weight row of `input_size` weights in `tensor_type` (a GGUF_KERNEL_TYPES name)."""
+    block = GGUF_KERNEL_TYPES[tensor_type]
+    return input_size // block.block_weights * block.block_bytes
 
 
 class GGUFLinearMethod(LinearMethodBase):
     """Keeps a linear layer's weight as raw GGUF blocks and computes on them natively (CPU).
 
-    After loading, `layer.weight` is [output_size_per_partition, row_bytes] uint8 and
-    `layer.gguf_quant_type` its GGML type name; the bias (if any) stays float.
+    After loading, `layer.weight` holds the blocks (see the module docstring for the two
+    layouts), `layer.gguf_segments` the loaded row segments in row order, and
+    `layer.gguf_quant_type` the GGML type name when all segments share one (None when mixed);
+    the bias (if any) stays float.
     """
 
     quantized = True
@@ -47,6 +79,8 @@ class GGUFLinearMethod(LinearMethodBase):
         weight.weight_loader = weight_loader
         layer.weight = weight
         layer.gguf_quant_type = None
+        layer.gguf_segments = ()
+        layer._gguf_kernel_segments = None
         layer.input_size_per_partition = input_size_per_partition
         layer.output_size_per_partition = output_size_per_partition
 
@@ -60,29 +94,158 @@ class GGUFLinearMethod(LinearMethodBase):
             raise GGUFLayoutUnsupported(
                 f"GGUF tensor {name} is {tensor_type}; quantized linear layers take "
                 f"{', '.join(GGUF_KERNEL_TYPES)} (use quantization='none' to dequantize)")
-        rows = loaded.shape[0]
-        if tuple(loaded.shape[1:]) != (layer.input_size_per_partition,):
+        k = layer.input_size_per_partition
+        if tuple(loaded.shape[1:]) != (k,):
             raise ValueError(f"shape mismatch: GGUF tensor {name} {tuple(loaded.shape)} vs a "
-                             f"shard of {layer.input_size_per_partition} input columns")
+                             f"shard of {k} input columns")
+        block_weights = GGUF_KERNEL_TYPES[tensor_type].block_weights
+        if k % block_weights:
+            raise GGUFLayoutUnsupported(
+                f"GGUF tensor {name} is {tensor_type}, whose {block_weights}-weight blocks do "
+                f"not divide an input shard of {k} columns (use quantization='none')")
+        rows, start = loaded.shape[0], 0 if row_offset is None else row_offset
+        out = layer.output_size_per_partition
+        if row_offset is None and rows != out or start + rows > out:
+            raise ValueError(f"shape mismatch: GGUF tensor {name} has {rows} rows for rows "
+                             f"[{start}, {start + rows}) of a {out}-row weight")
+        new = GGUFSegment(start, rows, tensor_type, gguf_row_bytes(tensor_type, k))
+        kept = [s for s in layer.gguf_segments
+                if not (s.row_start == start and s.rows == rows)]   # a reload replaces
+        for s in kept:
+            if s.row_start < start + rows and start < s.row_start + s.rows:
+                raise ValueError(f"GGUF tensor {name} loads rows [{start}, {start + rows}), "
+                                 f"overlapping rows [{s.row_start}, {s.row_start + s.rows}) "
+                                 f"loaded before")
+        raw = loaded.materialize_raw()
         weight = layer.weight
         if isinstance(weight, nn.UninitializedParameter):
-            row_bytes = (layer.input_size_per_partition // GGUF_BLOCK_SIZE
-                         * GGUF_KERNEL_TYPES[tensor_type][1])
-            weight.materialize((layer.output_size_per_partition, row_bytes), dtype=torch.uint8)
+            weight.materialize((out, new.row_bytes), dtype=torch.uint8)
+        elif not kept:
+            weight.data = torch.empty(out, new.row_bytes, dtype=torch.uint8)
+        if all(s.tensor_type == tensor_type for s in kept) and weight.dim() == 2:
+            # One type so far: the [out, row_bytes] matrix, rows copied in place.
+            weight.data.narrow(0, start, rows).copy_(raw)
+            layer.gguf_segments = tuple(sorted(kept + [new], key=lambda s: s.row_start))
             layer.gguf_quant_type = tensor_type
-        elif layer.gguf_quant_type != tensor_type:
-            raise GGUFLayoutUnsupported(
-                f"{type(layer).__name__} fuses tensors of types {layer.gguf_quant_type} and "
-                f"{tensor_type} (GGUF tensor {name}); one quantized weight needs one type "
-                f"(use quantization='none' to dequantize)")
-        start = 0 if row_offset is None else row_offset
-        if row_offset is None and rows != layer.output_size_per_partition or \
-                start + rows > layer.output_size_per_partition:
-            raise ValueError(f"shape mismatch: GGUF tensor {name} has {rows} rows for rows "
-                             f"[{start}, {start + rows}) of a {layer.output_size_per_partition}"
-                             f"-row weight")
-        weight.data.narrow(0, start, rows).copy_(loaded.materialize_raw())
+        else:
+            self._repack_mixed(layer, kept, new, raw)
+        layer._gguf_kernel_segments = None
+
+    @staticmethod
+    def _repack_mixed(layer: nn.Module, kept: list[GGUFSegment], new: GGUFSegment,
+                      raw: torch.Tensor) -> None:
+        """Rebuild `layer.weight` as the flat buffer of the mixed layout with `new` added (the
+        parameter object stays, only its data is replaced)."""
+        pieces = [(s, _segment_bytes(layer, s)) for s in kept] + [(new, raw)]
+        pieces.sort(key=lambda p: p[0].row_start)
+        offset, segments = 0, []
+        for s, data in pieces:
+            segments.append(GGUFSegment(s.row_start, s.rows, s.tensor_type, s.row_bytes, offset))
+            offset += s.rows * s.row_bytes
+        layer.weight.data = torch.cat([data.reshape(-1) for _, data in pieces])
+        layer.gguf_segments = tuple(segments)
+        layer.gguf_quant_type = None
+
+    def kernel_segments(self, layer: nn.Module) -> list[tuple[int, str, torch.Tensor]]:
+        """The weight as (row_start, GGML type name, qweight [rows, row_bytes] uint8 view) per
+        segment, for `gguf_linear_segments` and the fused CPU decoder (models/fused_decoder.py),
+        which take these in one native call. Cached until the next load.
+
+        Raises:
+            ValueError: the loaded segments do not cover all output rows (a missing tensor).
+        """
+        cached = getattr(layer, "_gguf_kernel_segments", None)
+        if cached is not None:
+            return cached
+        covered = 0
+        for s in layer.gguf_segments:
+            if s.row_start != covered:
+                break
+            covered += s.rows
+        if covered != layer.output_size_per_partition:
+            raise ValueError(f"{type(layer).__name__}: GGUF rows loaded "
+                             f"{[(s.row_start, s.row_start + s.rows) for s in layer.gguf_segments]}"
+                             f" do not cover its {layer.output_size_per_partition} output rows")
+        if layer.gguf_quant_type is not None:     # one type: the whole matrix at once
+            segments = [(0, layer.gguf_quant_type, layer.weight.data)]
+        else:
+            segments = [(s.row_start, s.tensor_type, _segment_bytes(layer, s))
+                        for s in layer.gguf_segments]
+        layer._gguf_kernel_segments = segments
+        return segments
 
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:
-        return gguf_linear(x, layer.weight, layer.gguf_quant_type, bias)
+        segments = layer._gguf_kernel_segments or self.kernel_segments(layer)
+        if len(segments) == 1:
+            return gguf_linear(x, segments[0][2], segments[0][1], bias)
+        return gguf_linear_segments(x, segments, layer.output_size_per_partition, bias)
+
+
+def _segment_bytes(layer: nn.Module, s: GGUFSegment) -> torch.Tensor:
+    """Segment `s` of `layer.weight` as a [rows, row_bytes] uint8 view, in either layout."""
+    weight = layer.weight.data
+    if weight.dim() == 2:
+        return weight.narrow(0, s.row_start, s.rows)
+    return weight.narrow(0, s.byte_offset, s.rows * s.row_bytes).view(s.rows, s.row_bytes)
+
+
+class GGUFEmbeddingMethod:
+    """Keeps a token embedding (and the LM head tied to it) as GGUF blocks: a lookup dequantizes
+    only the selected rows, the LM head runs `gguf_linear` (llama.cpp keeps `token_embd` in its
+    file type too). A type without a kernel loads dequantized into a float weight instead.
+
+    One object serves the embedding and a tied LM head (`VocabEmbedding.tie_embedding_method`),
+    so the state lives here: `tensor_type` (None: float weight) and the float `dtype`.
+    """
+
+    def __init__(self) -> None:
+        self.tensor_type: str | None = None
+        self.dtype = torch.get_default_dtype()
+
+    def create_weights(self, layer: nn.Module, embedding_dim: int, num_rows: int,
+                       weight_loader) -> None:
+        """Replace `layer.weight` by an empty parameter for [num_rows, embedding_dim] rows."""
+        self.dtype = layer.weight.dtype
+        weight = nn.UninitializedParameter(requires_grad=False, device=layer.weight.device)
+        weight.weight_loader = weight_loader
+        layer.weight = weight
+        layer.embedding_dim = embedding_dim
+
+    def load_weight(self, layer: nn.Module, loaded) -> None:
+        """Load a whole checkpoint tensor [num_rows, embedding_dim] (already narrowed).
+
+        Raises:
+            ValueError: a shape mismatch or a tensor that is not a GGUF tensor.
+        """
+        if tuple(loaded.shape) != (loaded.shape[0], layer.embedding_dim):
+            raise ValueError(f"shape mismatch: embedding of dim {layer.embedding_dim} vs "
+                             f"checkpoint {tuple(loaded.shape)}")
+        tensor_type = getattr(loaded, "tensor_type", None)
+        if not hasattr(loaded, "materialize_raw"):
+            raise ValueError(f"GGUF embeddings take GGUF checkpoint tensors, got "
+                             f"{type(loaded).__name__}")
+        block = GGUF_KERNEL_TYPES.get(tensor_type)
+        weight = layer.weight
+        if block is None or layer.embedding_dim % block.block_weights:
+            data, self.tensor_type = loaded.materialize().to(self.dtype), None
+        else:
+            data, self.tensor_type = loaded.materialize_raw(), tensor_type
+        if isinstance(weight, nn.UninitializedParameter):
+            weight.materialize(tuple(data.shape), dtype=data.dtype)
+        else:
+            weight.data = torch.empty_like(data)
+        weight.data.copy_(data)
+
+    def embedding(self, layer: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [n] -> [n, embedding_dim] in the float dtype."""
+        if self.tensor_type is None:
+            return torch.nn.functional.embedding(input_ids, layer.weight)
+        return gguf_dequantize_rows(layer.weight, self.tensor_type, input_ids,
+                                    layer.embedding_dim).to(self.dtype)
+
+    def logits(self, layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [n, embedding_dim] -> [n, num_rows] float32 logits."""
+        if self.tensor_type is None:
+            return current_platform.linear(hidden, layer.weight, out_dtype=torch.float32)
+        return gguf_linear(hidden.float(), layer.weight, self.tensor_type)
