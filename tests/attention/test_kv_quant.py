@@ -131,7 +131,7 @@ SHAPES = [(4, 2, 16, 4), (6, 6, 64, 16), (8, 1, 40, 8), (4, 2, 128, 16)]
 def test_quantized_cache_matches_dense(backend, cache_dtype, shape, window, soft_cap):
     common, q, k, v, cache, reqs = _random_step(shape, cache_dtype, 6, seed=shape[2],
                                                 max_query_len=20)
-    D, bs, scale = shape[2], shape[3], shape[2] ** -0.5
+    bs, scale = shape[3], shape[2] ** -0.5
     out = backend.forward(q, k, v, cache, backend.build_metadata(common), scale,
                           sliding_window=window, logits_soft_cap=soft_cap)
     seq_lens = common.seq_lens_cpu
