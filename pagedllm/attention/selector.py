@@ -11,16 +11,26 @@ _BACKENDS = {b.name: b for b in (TorchSDPABackend, CpuPagedBackend, TritonPagedB
 
 
 def get_attention_backend():
-    """The backend class for `current_platform`.
+    """The backend class for `current_platform`: its `attention_backend_name()` looked up among
+    the built-in backends plus the one the platform brings (`get_attention_backend_cls()`, used
+    by plugin platforms).
 
     Raises:
-        ValueError: for an unknown name, or a backend that cannot run here (`cpu_paged` without
-            its compiled kernel, `triton_paged` without triton).
+        ValueError: for an unknown name, a platform backend class without a string `name`, or a
+            backend that cannot run here (`cpu_paged` without its compiled kernel,
+            `triton_paged` without triton).
     """
+    backends = dict(_BACKENDS)
+    platform_backend = current_platform.get_attention_backend_cls()
+    if platform_backend is not None:
+        if not isinstance(getattr(platform_backend, "name", None), str):
+            raise ValueError(f"attention backend {platform_backend!r} of platform "
+                             f"{current_platform.device_type!r} has no string `name`")
+        backends[platform_backend.name] = platform_backend
     name = current_platform.attention_backend_name()
-    if name not in _BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; available: {sorted(_BACKENDS)}")
-    backend = _BACKENDS[name]
+    if name not in backends:
+        raise ValueError(f"unknown attention backend {name!r}; available: {sorted(backends)}")
+    backend = backends[name]
     if not getattr(backend, "is_available", lambda: True)():
         reason = getattr(backend, "unavailable_reason",
                          lambda: "its native kernel did not build; see the log")()

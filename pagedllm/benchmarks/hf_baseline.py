@@ -19,10 +19,14 @@ from pagedllm.benchmarks.workload import BenchRequest
 
 
 def load_hf_model(model_path: str, dtype: torch.dtype):
+    """The HF model in `dtype` on the engine's device (`current_platform`), so the baseline runs
+    where the engine does."""
     from transformers import AutoModelForCausalLM
 
+    from pagedllm.platforms import current_platform
+
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
-    return model.eval()
+    return model.to(current_platform.device).eval()
 
 
 def _pad_id(model) -> int:
@@ -46,7 +50,8 @@ def hf_generate_batch(model, prompts: list[list[int]], max_new_tokens: int) -> l
     for i, p in enumerate(prompts):
         input_ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
         attention_mask[i, width - len(p):] = 1
-    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
+    out = model.generate(input_ids=input_ids.to(model.device),
+                         attention_mask=attention_mask.to(model.device), do_sample=False,
                          max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
                          pad_token_id=pad_id, num_beams=1)
     return out[:, width:].tolist()

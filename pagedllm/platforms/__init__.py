@@ -1,30 +1,58 @@
 """`current_platform`: the one place that decides which device the engine runs on.
 
-CUDA when torch sees a GPU, the CPU otherwise; `PAGEDLLM_DEVICE=cpu` forces the CPU.
+The platform is resolved on first use (`plugins.resolve_platform`: `PAGEDLLM_PLATFORM`, then
+installed `pagedllm.platform_plugins`, then CUDA when torch sees a GPU, then the CPU) and kept
+for the life of the process. `current_platform` forwards every attribute to that object, so
+modules may bind it at import time (`from pagedllm.platforms import current_platform`) and still
+see the platform chosen later; `reset_current_platform()` drops the cached choice (tests that
+change the environment or the installed plugins).
 """
 
 from __future__ import annotations
 
-import os
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from pagedllm.platforms.interface import Platform
 
-
-def _detect() -> Platform:
-    forced = os.environ.get("PAGEDLLM_DEVICE", "").lower()
-    if forced not in ("", "cpu", "cuda"):
-        raise ValueError(f"PAGEDLLM_DEVICE must be 'cpu' or 'cuda', got {forced!r}")
-    if forced != "cpu" and torch.cuda.is_available():
-        from pagedllm.platforms.cuda import CudaPlatform
-        return CudaPlatform()
-    if forced == "cuda":
-        raise RuntimeError("PAGEDLLM_DEVICE=cuda but torch sees no CUDA device")
-    from pagedllm.platforms.cpu import CpuPlatform
-    return CpuPlatform()
+_resolved: Platform | None = None
 
 
-current_platform: Platform = _detect()
+def get_current_platform() -> Platform:
+    """The resolved `Platform` object (resolving it on the first call).
 
-__all__ = ["Platform", "current_platform"]
+    Raises:
+        PlatformPluginError: if a platform plugin fails or `PAGEDLLM_PLATFORM` names an unusable
+            platform (see `pagedllm.platforms.plugins`).
+    """
+    global _resolved
+    if _resolved is None:
+        from pagedllm.platforms.plugins import resolve_platform
+        _resolved = resolve_platform()
+    return _resolved
+
+
+def reset_current_platform() -> None:
+    """Forget the resolved platform; the next use of `current_platform` resolves it again."""
+    global _resolved
+    _resolved = None
+
+
+class _CurrentPlatform:
+    """Forwards attribute reads to `get_current_platform()` (vLLM resolves its
+    `current_platform` lazily too, through a module `__getattr__`)."""
+
+    __slots__ = ()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(_resolved if _resolved is not None else get_current_platform(), name)
+
+    def __repr__(self) -> str:
+        return f"current_platform -> {get_current_platform()!r}"
+
+
+if TYPE_CHECKING:
+    current_platform: Platform
+else:
+    current_platform = _CurrentPlatform()
+
+__all__ = ["Platform", "current_platform", "get_current_platform", "reset_current_platform"]

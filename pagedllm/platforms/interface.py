@@ -12,7 +12,7 @@ import torch
 
 
 class Platform(ABC):
-    """One kind of device (CPU, CUDA)."""
+    """One kind of device (CPU, CUDA, or one a plugin registers: `platforms/plugins.py`)."""
 
     device_type: str = ""
     # torch.distributed backend for tensor/pipeline-parallel groups on this device kind.
@@ -63,6 +63,13 @@ class Platform(ABC):
     def attention_backend_name(self) -> str:
         """Name of the attention backend to use on this platform."""
         return "torch_sdpa"
+
+    def get_attention_backend_cls(self) -> type | None:
+        """An attention backend class this platform brings itself (a plugin's own kernels), or
+        None. The selector (`attention/selector.py`) registers it under its `name` next to the
+        built-in backends before it looks up `attention_backend_name()`; it must provide what
+        `TorchSDPABackend` does (`name`, `build_metadata`, `forward`, ...)."""
+        return None
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                out_dtype: torch.dtype | None = None) -> torch.Tensor:
