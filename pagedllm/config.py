@@ -38,7 +38,9 @@ class ModelConfig:
             tokens are sampled from); see pagedllm/sample/logprobs.py.
         quantization: how linear weights are kept: None (the checkpoint's own: GGUF blocks for
             a .gguf file on the CPU where every linear weight's type has a kernel, else
-            float), "gguf" (GGUF blocks, native CPU kernels) or "none" (dequantized at load).
+            float), "gguf" (GGUF blocks, native CPU kernels), "none" (dequantized at load), or
+            for a safetensors checkpoint "int8" (per-channel int8 weights, quantized at load)
+            or "w8a8" (int8 weights and per-token int8 activations).
     """
 
     model: str
@@ -52,9 +54,14 @@ class ModelConfig:
     quantization: str | None = None
 
     def __post_init__(self) -> None:
-        if self.quantization not in (None, "none", "gguf"):
-            raise ValueError(f"quantization must be 'gguf' or 'none' (or None for the "
-                             f"checkpoint's own), got {self.quantization!r}")
+        if self.quantization not in (None, "none", "gguf", "int8", "w8a8"):
+            raise ValueError(f"quantization must be 'gguf', 'none', 'int8' or 'w8a8' (or None "
+                             f"for the checkpoint's own), got {self.quantization!r}")
+        if self.quantization in ("int8", "w8a8") and \
+                str(self.model).lower().endswith(".gguf"):
+            raise ValueError(f"quantization={self.quantization!r} quantizes a safetensors "
+                             f"checkpoint at load; {self.model!r} is a .gguf model (use "
+                             f"quantization='gguf' or 'none')")
         if self.quantization == "gguf" and not str(self.model).lower().endswith(".gguf"):
             raise ValueError(f"quantization='gguf' needs a .gguf model, got {self.model!r}")
         if self.logprobs_mode not in ("raw_logprobs", "processed_logprobs"):

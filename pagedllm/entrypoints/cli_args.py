@@ -57,9 +57,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="tokenizer folder or hub id (default: the model's own; a .gguf file's "
                         "comes from its metadata)")
     g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
-    g.add_argument("--quantization", default=None, choices=["gguf", "none"],
+    g.add_argument("--quantization", default=None, choices=["gguf", "none", "int8", "w8a8"],
                    help="gguf: keep a .gguf file's linear weights in their blocks (native CPU "
-                        "kernels; the default where every type has one); none: dequantize")
+                        "kernels; the default where every type has one); none: dequantize; "
+                        "int8: quantize a safetensors model's linear weights per channel at "
+                        "load; w8a8: int8 weights and per-token int8 activations")
     g.add_argument("--kv-cache-dtype", default="auto",
                    choices=["auto", "int8", "fp8_e4m3", "fp8"],
                    help="KV cache dtype: auto (the model's), int8 (a scale per token and KV head) "

@@ -23,8 +23,9 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-KERNELS_VERSION = 4  # must equal pagedllm_cpu_kernels_version() in the sources
-_SOURCES = ("cpu_attention.cpp", "cpu_linear.cpp", "cpu_decoder.cpp", "cpu_gguf_linear.cpp")
+KERNELS_VERSION = 5  # must equal pagedllm_cpu_kernels_version() in the sources
+_SOURCES = ("cpu_attention.cpp", "cpu_linear.cpp", "cpu_decoder.cpp", "cpu_gguf_linear.cpp",
+            "cpu_int8_linear.cpp")
 _HEADERS = ("cpu_vec.h", "attention_kernel.h", "linear_kernel.h", "gguf_blocks.h")
 _CXXFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 
@@ -138,6 +139,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.paged_attention_fp8_e4m3.restype = None
     lib.paged_attention_fp8_e4m3.argtypes = [p, p, p, f32, f32, p, i64, p, p, p, i32, p, i32,
                                              i32, i32, i32, f32, i32, i32, f32]
+    for name in ("paged_attention_f32", "paged_attention_bf16", "paged_attention_int8",
+                 "paged_attention_fp8_e4m3"):   # the same with a trailing query_tile
+        fn = getattr(lib, name + "_tiled")
+        fn.restype = None
+        fn.argtypes = [*getattr(lib, name).argtypes, i32]
     for name in ("linear_bf16", "linear_f32", "linear_bf16_act"):
         fn = getattr(lib, name)
         fn.restype = None
@@ -154,3 +160,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.linear_gguf_segments.argtypes = [p, i64, i64, i64, p, i64, p, p, i64]
     lib.dequantize_rows_gguf.restype = i32
     lib.dequantize_rows_gguf.argtypes = [p, i64, i32, p, i64, p]
+    for name in ("linear_int8_f32", "linear_w8a8_f32"):
+        fn = getattr(lib, name)
+        fn.restype = None
+        fn.argtypes = [p, i64, i64, i64, p, i64, p, p, p, i64]
+    lib.quantize_rows_int8.restype = None
+    lib.quantize_rows_int8.argtypes = [p, i64, i64, i64, p, p]

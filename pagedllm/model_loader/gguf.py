@@ -15,7 +15,7 @@ tensor table (name, type, shape, byte offset), so loading memory-maps the data d
 parsing the metadata again (seconds for a 50k-token vocabulary). Weights are dequantized at load
 (`materialize`), or handed over in their blocks (`materialize_raw`) to linear layers that keep
 them quantized (layers/quantization/gguf.py). This module knows the file
-format, never an architecture's tensor names: those sit with the model family (DESIGN §8, e.g.
+format, never an architecture's tensor names: those sit with the model family (e.g.
 `LlamaForCausalLM.gguf_checkpoint_weights`). Nothing here touches the network.
 """
 

@@ -123,14 +123,22 @@ def _quantization_for(quantization: str | None, source, device: torch.device) ->
     file on the CPU with the native kernels built, else "none".
 
     Raises:
-        ValueError: "gguf" for a non-GGUF checkpoint, another device, or without the kernels.
+        ValueError: "gguf" for a non-GGUF checkpoint, another device, or without the kernels;
+            "int8"/"w8a8" for a GGUF checkpoint.
     """
     from pagedllm.kernels import cpu_kernels
 
-    if quantization not in (None, "none", "gguf"):
-        raise ValueError(f"quantization must be None, 'none' or 'gguf', got {quantization!r}")
+    if quantization not in (None, "none", "gguf", "int8", "w8a8"):
+        raise ValueError(f"quantization must be None, 'none', 'gguf', 'int8' or 'w8a8', got "
+                         f"{quantization!r}")
     if quantization == "none":
         return "none"
+    if quantization in ("int8", "w8a8"):
+        if source is not None:
+            raise ValueError(f"quantization={quantization!r} quantizes a float (safetensors) "
+                             f"checkpoint at load; a .gguf model keeps its own blocks: use "
+                             f"quantization='gguf' or 'none'")
+        return quantization
     usable = source is not None and torch.device(device).type == "cpu"
     if quantization == "gguf":
         if not usable:
@@ -148,7 +156,9 @@ def load_model(model_path: str, hf_config, dtype: torch.dtype, device: torch.dev
 
     `model_path` is a safetensors checkpoint folder or a GGUF checkpoint view; a GGUF file's
     tensors are renamed by the model family (`gguf_checkpoint_weights`). `quantization`: "none"
-    dequantizes them at load; "gguf" keeps the linear layers' weights in their blocks; None
+    dequantizes them at load; "gguf" keeps the linear layers' weights in their blocks; "int8" /
+    "w8a8" quantize a safetensors checkpoint's linear weights per channel at load
+    (layers/quantization/int8.py); None
     (the default) picks "gguf" for a GGUF file on the CPU, falling back to "none" (logged) when
     a linear weight's type has no kernel (fused layers of mixed types stay quantized).
 

@@ -9,7 +9,7 @@ overwritten every step; requests never span steps (no chunking, no prefix cache)
 layers and backend are the decoder path's; only the metadata differs.
 
 NOTE(pooling_runner): like `ModelRunner._run_model`, this runner sets the forward context for the
-duration of its forward (DESIGN §2 allows one such context per forward); it is the second runner
+duration of its forward (the package layout allows one such context per forward); it is the second runner
 that does, and the only other one.
 """
 

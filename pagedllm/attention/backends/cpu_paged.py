@@ -6,8 +6,11 @@ Per step the requests are split in two:
   their keys are exactly the new keys, so they go to torch's SDPA (flash attention on the CPU)
   directly on the new q/k/v, one call per request, nothing read from the cache;
 - every other request (decodes, later prefill chunks, prefix-cache hits): the C++ kernel in
-  `pagedllm/kernels/csrc/cpu_attention.cpp`, parallel over (query token, KV head), which walks the
-  request's block table and reads K/V rows where they lie, with a block-wise online softmax.
+  `pagedllm/kernels/csrc/cpu_attention.cpp`, which walks the request's block table and reads K/V
+  rows where they lie, with a block-wise online softmax. Decodes are parallel over (query token,
+  KV heads); a request with several query tokens over (tile of up to 16 query tokens, KV heads),
+  so each K/V block is read once per tile rather than once per token (the same floats;
+  docs/benchmarks.md, "Query-tiled CPU paged attention").
 
 Compared with `torch_sdpa` this removes the gather of each request's context into a padded copy
 (read + write + read of the whole KV per layer), and the padding of a decode batch to its longest

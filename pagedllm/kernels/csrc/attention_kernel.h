@@ -358,4 +358,198 @@ void attention_items(const AttentionArgs<T, TQ>& a, const AttentionPlan& plan) {
   }
 }
 
+// ---- Query-tiled path: a tile of one request's query tokens per work item -------------------
+//
+// A request with several query tokens this step (a prefill continuation, a chunked prefill,
+// speculative-decoding verification) re-reads its K/V blocks once per query token on the path
+// above. Here a work item is (request, tile of up to `query_tile` consecutive query tokens,
+// chunk of KV heads): each block of a KV head is walked once for the tile, and while its K/V
+// rows are in the L1/L2 cache all the tile's queries of the rep query heads sharing that KV head
+// consume them (FlashAttention's query blocking, Dao et al., 2022; llama.cpp's CPU flash
+// attention tiles queries the same way); a token's rep heads also share each widened V vector
+// (`block_values_heads`). Each query row keeps its own online softmax state and
+// visits exactly the key ranges, in the same block pieces, as on the per-token path (its
+// causal end, its window start), so its result is the same float for float.
+
+struct QueryTilePlan {
+  std::vector<int32_t> tile_row, tile_tok, tile_len;  // per tile: request, first token, tokens
+  int chunk_kv_heads = 0, num_chunks = 0, max_tile = 0;
+  int64_t num_items = 0;
+};
+
+// Tiles of at most `query_tile` tokens (the last one of a request may be shorter) for the rows
+// with more than one query token; rows with one (decodes) are left to `plan_attention`.
+inline QueryTilePlan plan_query_tiles(const int32_t* query_start_loc, const int32_t* rows,
+                                      int num_rows, int num_kv_heads, int num_threads,
+                                      int query_tile) {
+  QueryTilePlan p;
+  for (int i = 0; i < num_rows; ++i) {
+    const int r = rows[i];
+    const int begin = query_start_loc[r], end = query_start_loc[r + 1];
+    if (end - begin < 2) continue;
+    for (int t = begin; t < end; t += query_tile) {
+      p.tile_row.push_back(r);
+      p.tile_tok.push_back(t);
+      p.tile_len.push_back(std::min(query_tile, end - t));
+      p.max_tile = std::max(p.max_tile, p.tile_len.back());
+    }
+  }
+  const int64_t num_tiles = static_cast<int64_t>(p.tile_row.size());
+  if (num_tiles == 0) return p;
+  const int64_t wanted = 4 * static_cast<int64_t>(num_threads);
+  const int max_chunks = static_cast<int>(
+      std::min<int64_t>(num_kv_heads, (wanted + num_tiles - 1) / num_tiles));
+  p.chunk_kv_heads = (num_kv_heads + max_chunks - 1) / max_chunks;
+  p.num_chunks = (num_kv_heads + p.chunk_kv_heads - 1) / p.chunk_kv_heads;
+  p.num_items = num_tiles * p.num_chunks;
+  return p;
+}
+
+// One query row's scores and online-softmax update over keys [j0, j1) of a block piece (k = the
+// piece's first row of this KV head, ks / vs its int8 row scales or nullptr): the same
+// operations, in the same order, as one head of `attention_items`. Leaves in s the weights
+// (times the V row scales) that `block_values` takes.
+template <typename T>
+inline void piece_row_weights(const float* q, const T* k, const float* ks, const float* vs,
+                              int64_t kv_row_stride, int num_kv_heads, int j0, int j1,
+                              int head_size, float soft_cap, float* s, float& m, float& l,
+                              float* acc) {
+  const int n = j1 - j0;
+  block_scores(q, k + j0 * kv_row_stride, kv_row_stride, n, head_size, s);
+  if (ks != nullptr)
+    for (int j = 0; j < n; ++j) s[j] *= ks[(j0 + j) * num_kv_heads];
+  if (soft_cap > 0.f)
+    for (int j = 0; j < n; ++j) s[j] = soft_cap * std::tanh(s[j] / soft_cap);
+  float block_max = s[0];
+  for (int j = 1; j < n; ++j) block_max = std::max(block_max, s[j]);
+  const float m_new = std::max(m, block_max);
+  const float correction = std::exp(m - m_new);
+  l = l * correction + exp_shift_sum(s, n, m_new);
+  m = m_new;
+  if (correction != 1.f)
+    for (int d = 0; d < head_size; ++d) acc[d] *= correction;
+  if (vs != nullptr)
+    for (int j = 0; j < n; ++j) s[j] *= vs[(j0 + j) * num_kv_heads];
+}
+
+// acc_h[0, head_size) += sum_j p_h[j] * v_j for the nr query heads h sharing the V rows
+// v_j = v + j * stride (acc_h = acc + h * acc_stride, p_h = p + h * p_stride). With AVX2 and
+// head_size % 16 == 0 each V vector is loaded (and widened) once for up to 4 heads; every
+// element still sums its terms in `block_values`' order with the same FMAs (the same floats).
+template <typename T>
+inline void block_values_heads(float* acc, int64_t acc_stride, const float* p, int p_stride,
+                               int nr, const T* v, int64_t stride, int n, int head_size) {
+#ifdef PAGEDLLM_AVX2
+  if (head_size % 16 == 0) {
+    for (int h0 = 0; h0 < nr; h0 += 4) {
+      const int nh = std::min(4, nr - h0);
+      for (int d = 0; d < head_size; d += 16) {
+        __m256 a[4][2];
+        for (int h = 0; h < nh; ++h) {
+          a[h][0] = _mm256_loadu_ps(acc + (h0 + h) * acc_stride + d);
+          a[h][1] = _mm256_loadu_ps(acc + (h0 + h) * acc_stride + d + 8);
+        }
+        for (int j = 0; j < n; ++j) {
+          const __m256 v0 = load8(v + j * stride + d), v1 = load8(v + j * stride + d + 8);
+          for (int h = 0; h < nh; ++h) {
+            const __m256 pj = _mm256_set1_ps(p[(h0 + h) * p_stride + j]);
+            a[h][0] = _mm256_fmadd_ps(pj, v0, a[h][0]);
+            a[h][1] = _mm256_fmadd_ps(pj, v1, a[h][1]);
+          }
+        }
+        for (int h = 0; h < nh; ++h) {
+          _mm256_storeu_ps(acc + (h0 + h) * acc_stride + d, a[h][0]);
+          _mm256_storeu_ps(acc + (h0 + h) * acc_stride + d + 8, a[h][1]);
+        }
+      }
+    }
+    return;
+  }
+#endif
+  for (int h = 0; h < nr; ++h)
+    block_values(acc + h * acc_stride, p + h * p_stride, v, stride, n, head_size);
+}
+
+// The work-sharing loop over the tiles of `plan_query_tiles`, to be called by every thread of
+// an enclosing OpenMP parallel region (an orphaned `omp for`, ending with a barrier).
+template <typename T, typename TQ>
+void attention_tile_items(const AttentionArgs<T, TQ>& a, const QueryTilePlan& plan) {
+  if (plan.num_items == 0) return;
+  const int head_size = a.head_size, block_size = a.block_size, num_heads = a.num_heads;
+  const int num_kv_heads = a.num_kv_heads, rep = num_heads / num_kv_heads;
+  const int chunk_kv_heads = plan.chunk_kv_heads, num_chunks = plan.num_chunks;
+  const int64_t kv_row_stride = static_cast<int64_t>(num_kv_heads) * head_size;
+  // Query rows of an item: (tile token i, head h of the chunk) at index i * nh + h.
+  const int64_t max_rows = static_cast<int64_t>(plan.max_tile) * chunk_kv_heads * rep;
+  std::vector<float> q(max_rows * head_size), acc(max_rows * head_size);
+  std::vector<float> scores(static_cast<size_t>(rep) * block_size), m(max_rows), l(max_rows);
+  std::vector<int> begin(plan.max_tile), end(plan.max_tile);  // each token's key range
+  const float q_scale = a.scale * a.k_scale;
+
+#pragma omp for schedule(dynamic, 1)
+  for (int64_t item = 0; item < plan.num_items; ++item) {
+    const int64_t tile = item / num_chunks;
+    const int kv0 = static_cast<int>(item % num_chunks) * chunk_kv_heads;
+    const int kv1 = std::min(num_kv_heads, kv0 + chunk_kv_heads);
+    const int nh = (kv1 - kv0) * rep;
+    const int r = plan.tile_row[tile], t0 = plan.tile_tok[tile], nq = plan.tile_len[tile];
+    const int q_len = a.query_start_loc[r + 1] - a.query_start_loc[r];
+    const int seq_len = a.seq_lens[r];
+    const int32_t* table = a.block_table + static_cast<int64_t>(r) * a.block_table_stride;
+    int lo = std::numeric_limits<int>::max(), hi = 0;  // the union of the tile's key ranges
+    for (int i = 0; i < nq; ++i) {
+      const int pos = seq_len - q_len + (t0 + i - a.query_start_loc[r]);
+      end[i] = a.causal ? pos + 1 : seq_len;
+      begin[i] = a.window > 0 ? std::max(0, pos + 1 - a.window) : 0;
+      lo = std::min(lo, begin[i]);
+      hi = std::max(hi, end[i]);
+      const TQ* q_src = a.query + static_cast<int64_t>(t0 + i) * a.q_row_stride +
+                        static_cast<int64_t>(kv0) * rep * head_size;
+      float* q_dst = &q[static_cast<int64_t>(i) * nh * head_size];
+      for (int d = 0; d < nh * head_size; ++d) q_dst[d] = to_float(q_src[d]) * q_scale;
+    }
+    std::fill(m.begin(), m.begin() + nq * nh, -std::numeric_limits<float>::infinity());
+    std::fill(l.begin(), l.begin() + nq * nh, 0.f);
+    std::fill(acc.begin(), acc.begin() + static_cast<int64_t>(nq) * nh * head_size, 0.f);
+
+    // Per KV head (its queries' q / acc rows stay in the L1/L2 cache while its K/V stream by),
+    // the union walked in the per-token path's pieces: [lo, end of its block), whole blocks; each
+    // token clips a piece to its own range (so it sees the pieces it would see alone).
+    for (int g = 0; g < kv1 - kv0; ++g) {
+      for (int start = lo; start < hi;) {
+        const int offset = start % block_size;
+        const int n = std::min(block_size - offset, hi - start);
+        const int64_t slot0 =
+            static_cast<int64_t>(table[start / block_size]) * block_size + offset;
+        const int64_t base = slot0 * kv_row_stride + static_cast<int64_t>(kv0 + g) * head_size;
+        const float* ks = a.k_scales ? a.k_scales + slot0 * num_kv_heads + kv0 + g : nullptr;
+        const float* vs = a.v_scales ? a.v_scales + slot0 * num_kv_heads + kv0 + g : nullptr;
+        for (int i = 0; i < nq; ++i) {
+          const int j0 = std::max(0, begin[i] - start), j1 = std::min(n, end[i] - start);
+          if (j1 <= j0) continue;
+          const int64_t row0 = static_cast<int64_t>(i) * nh + g * rep;  // its rep heads
+          for (int h = 0; h < rep; ++h)
+            piece_row_weights(&q[(row0 + h) * head_size], a.key_cache + base, ks, vs,
+                              kv_row_stride, num_kv_heads, j0, j1, head_size, a.soft_cap,
+                              &scores[h * block_size], m[row0 + h], l[row0 + h],
+                              &acc[(row0 + h) * head_size]);
+          block_values_heads(&acc[row0 * head_size], head_size, scores.data(), block_size, rep,
+                             a.value_cache + base + j0 * kv_row_stride, kv_row_stride, j1 - j0,
+                             head_size);
+        }
+        start += n;
+      }
+    }
+
+    for (int i = 0; i < nq; ++i) {
+      float* dst = a.out + (static_cast<int64_t>(t0 + i) * num_heads + kv0 * rep) * head_size;
+      for (int h = 0; h < nh; ++h) {
+        const int64_t row = static_cast<int64_t>(i) * nh + h;
+        const float inv = l[row] > 0.f ? a.v_scale / l[row] : 0.f;
+        for (int d = 0; d < head_size; ++d) dst[h * head_size + d] = acc[row * head_size + d] * inv;
+      }
+    }
+  }
+}
+
 }  // namespace pagedllm

@@ -22,10 +22,16 @@
 // A `soft_cap` > 0 (Gemma 2) maps each scaled score s to soft_cap * tanh(s / soft_cap) before
 // the softmax.
 //
+// Query tiling: requests with several query tokens are processed `query_tile` tokens per work
+// item (`attention_tile_items`), so each K/V block is read once per tile instead of once per
+// token; requests with one query token (decodes) take the per-token items. `query_tile` <= 1
+// puts every request on the per-token path. Both give the same floats.
+//
 // Threads: OpenMP, whose runtime is the one torch already loaded (same soname), so the kernel
 // shares torch's thread pool and honours torch.set_num_threads.
 
 #include <cstdint>
+#include <vector>
 
 #include <omp.h>
 
@@ -35,6 +41,10 @@ namespace {
 
 using namespace pagedllm;
 
+// Query tokens per work item on the tiled path, for the entry points without a `query_tile`
+// argument (measured in docs/benchmarks.md, "Query-tiled CPU paged attention").
+constexpr int kDefaultQueryTile = 16;
+
 template <typename T>
 void paged_attention(const float* query, const T* key_cache, const T* value_cache,
                      const int32_t* block_table, int64_t block_table_stride,
@@ -43,9 +53,22 @@ void paged_attention(const float* query, const T* key_cache, const T* value_cach
                      int num_kv_heads, int head_size, int block_size, float scale, int causal,
                      int window, float soft_cap, const float* k_scales = nullptr,
                      const float* v_scales = nullptr, float k_scale = 1.f,
-                     float v_scale = 1.f) {
-  const AttentionPlan plan = plan_attention(query_start_loc, rows, num_rows, num_kv_heads,
-                                            omp_get_max_threads());
+                     float v_scale = 1.f, int query_tile = kDefaultQueryTile) {
+  const int num_threads = omp_get_max_threads();
+  QueryTilePlan tiles;
+  std::vector<int32_t> token_rows;  // the requests left to the per-token items
+  if (query_tile > 1) {
+    tiles = plan_query_tiles(query_start_loc, rows, num_rows, num_kv_heads, num_threads,
+                             query_tile);
+    for (int i = 0; i < num_rows; ++i)
+      if (query_start_loc[rows[i] + 1] - query_start_loc[rows[i]] < 2)
+        token_rows.push_back(rows[i]);
+  } else {
+    token_rows.assign(rows, rows + num_rows);
+  }
+  const AttentionPlan plan = plan_attention(query_start_loc, token_rows.data(),
+                                            static_cast<int>(token_rows.size()), num_kv_heads,
+                                            num_threads);
   AttentionArgs<T, float> args{query, static_cast<int64_t>(num_heads) * head_size,
                                key_cache, value_cache, block_table, block_table_stride,
                                query_start_loc, seq_lens, out, num_heads, num_kv_heads,
@@ -55,7 +78,10 @@ void paged_attention(const float* query, const T* key_cache, const T* value_cach
   args.k_scale = k_scale;
   args.v_scale = v_scale;
 #pragma omp parallel
-  attention_items(args, plan);
+  {
+    attention_tile_items(args, tiles);
+    attention_items(args, plan);
+  }
 }
 
 }  // namespace
@@ -63,7 +89,7 @@ void paged_attention(const float* query, const T* key_cache, const T* value_cach
 extern "C" {
 
 // ABI version: bump when a signature below changes (checked by the Python loader).
-int pagedllm_cpu_kernels_version() { return 4; }
+int pagedllm_cpu_kernels_version() { return 5; }
 
 void paged_attention_f32(const float* query, const float* key_cache, const float* value_cache,
                          const int32_t* block_table, int64_t block_table_stride,
@@ -115,6 +141,64 @@ void paged_attention_fp8_e4m3(const float* query, const uint8_t* key_cache,
                             block_table_stride, query_start_loc, seq_lens, rows, num_rows, out,
                             num_heads, num_kv_heads, head_size, block_size, scale, causal,
                             window, soft_cap, nullptr, nullptr, k_scale, v_scale);
+}
+
+// The entry points above with the query tile as a last argument (tokens per work item for the
+// requests with several query tokens; <= 1: the per-token path for all), for tests and
+// measurements.
+void paged_attention_f32_tiled(const float* query, const float* key_cache,
+                               const float* value_cache, const int32_t* block_table,
+                               int64_t block_table_stride, const int32_t* query_start_loc,
+                               const int32_t* seq_lens, const int32_t* rows, int num_rows,
+                               float* out, int num_heads, int num_kv_heads, int head_size,
+                               int block_size, float scale, int causal, int window,
+                               float soft_cap, int query_tile) {
+  paged_attention<float>(query, key_cache, value_cache, block_table, block_table_stride,
+                         query_start_loc, seq_lens, rows, num_rows, out, num_heads, num_kv_heads,
+                         head_size, block_size, scale, causal, window, soft_cap, nullptr,
+                         nullptr, 1.f, 1.f, query_tile);
+}
+
+void paged_attention_bf16_tiled(const float* query, const uint16_t* key_cache,
+                                const uint16_t* value_cache, const int32_t* block_table,
+                                int64_t block_table_stride, const int32_t* query_start_loc,
+                                const int32_t* seq_lens, const int32_t* rows, int num_rows,
+                                float* out, int num_heads, int num_kv_heads, int head_size,
+                                int block_size, float scale, int causal, int window,
+                                float soft_cap, int query_tile) {
+  paged_attention<uint16_t>(query, key_cache, value_cache, block_table, block_table_stride,
+                            query_start_loc, seq_lens, rows, num_rows, out, num_heads,
+                            num_kv_heads, head_size, block_size, scale, causal, window, soft_cap,
+                            nullptr, nullptr, 1.f, 1.f, query_tile);
+}
+
+void paged_attention_int8_tiled(const float* query, const int8_t* key_cache,
+                                const int8_t* value_cache, const float* k_scales,
+                                const float* v_scales, const int32_t* block_table,
+                                int64_t block_table_stride, const int32_t* query_start_loc,
+                                const int32_t* seq_lens, const int32_t* rows, int num_rows,
+                                float* out, int num_heads, int num_kv_heads, int head_size,
+                                int block_size, float scale, int causal, int window,
+                                float soft_cap, int query_tile) {
+  paged_attention<int8_t>(query, key_cache, value_cache, block_table, block_table_stride,
+                          query_start_loc, seq_lens, rows, num_rows, out, num_heads,
+                          num_kv_heads, head_size, block_size, scale, causal, window, soft_cap,
+                          k_scales, v_scales, 1.f, 1.f, query_tile);
+}
+
+void paged_attention_fp8_e4m3_tiled(const float* query, const uint8_t* key_cache,
+                                    const uint8_t* value_cache, float k_scale, float v_scale,
+                                    const int32_t* block_table, int64_t block_table_stride,
+                                    const int32_t* query_start_loc, const int32_t* seq_lens,
+                                    const int32_t* rows, int num_rows, float* out,
+                                    int num_heads, int num_kv_heads, int head_size,
+                                    int block_size, float scale, int causal, int window,
+                                    float soft_cap, int query_tile) {
+  paged_attention<fp8_e4m3>(query, reinterpret_cast<const fp8_e4m3*>(key_cache),
+                            reinterpret_cast<const fp8_e4m3*>(value_cache), block_table,
+                            block_table_stride, query_start_loc, seq_lens, rows, num_rows, out,
+                            num_heads, num_kv_heads, head_size, block_size, scale, causal,
+                            window, soft_cap, nullptr, nullptr, k_scale, v_scale, query_tile);
 }
 
 }  // extern "C"

@@ -1,6 +1,8 @@
-"""Quantization methods of linear layers (DESIGN §8): `UnquantizedLinearMethod` (float
-weights) and `GGUFLinearMethod` (GGUF blocks kept in memory, native CPU kernels), plus
-`GGUFEmbeddingMethod` for a token embedding / LM head kept in GGUF blocks.
+"""Quantization methods of linear layers: `UnquantizedLinearMethod` (float
+weights), `GGUFLinearMethod` (GGUF blocks kept in memory, native CPU kernels), plus
+`GGUFEmbeddingMethod` for a token embedding / LM head kept in GGUF blocks, and
+`Int8LinearMethod` (float checkpoints quantized to per-channel int8 at load: "int8" weight-only,
+"w8a8" with per-token int8 activations).
 
 `quantize_linear_layers(model, method_name)` swaps every linear layer's method before loading
 (gpt-fast's module swap: the models stay free of quantization).
@@ -12,7 +14,7 @@ from torch import nn
 
 from pagedllm.layers.quantization.base import LinearMethodBase, UnquantizedLinearMethod
 
-QUANTIZATION_METHODS = ("none", "gguf")
+QUANTIZATION_METHODS = ("none", "gguf", "int8", "w8a8")
 
 
 def get_linear_method(name: str) -> LinearMethodBase:
@@ -26,6 +28,9 @@ def get_linear_method(name: str) -> LinearMethodBase:
     if name == "gguf":
         from pagedllm.layers.quantization.gguf import GGUFLinearMethod
         return GGUFLinearMethod()
+    if name in ("int8", "w8a8"):
+        from pagedllm.layers.quantization.int8 import Int8LinearMethod
+        return Int8LinearMethod(quantize_activations=name == "w8a8")
     raise ValueError(f"unknown quantization {name!r}; known: {', '.join(QUANTIZATION_METHODS)}")
 
 

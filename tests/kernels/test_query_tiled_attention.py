@@ -1,0 +1,147 @@
+"""The query-tiled path of the CPU paged attention kernel (a tile of a request's query tokens per
+work item) against the per-token path (query_tile=1) and dense attention, on random mixed
+batches: decodes and multi-token chunks over cached contexts, tiles that do not divide the query
+lengths, MHA / GQA / MQA, block sizes, sliding windows, soft-capping, every cache dtype, and the
+portable (no AVX2) build."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pagedllm.attention.backends.kv_quant import allocate_kv_cache, dequantize_kv, write_kv_cache
+from pagedllm.kernels import build_cpu_kernels, cpu_kernels
+from pagedllm.kernels.ops import paged_attention
+
+pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="CPU kernels did not build")
+
+CACHE_DTYPES = [torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn]
+
+
+def _dense(q, k, v, scale, causal, window, soft_cap):
+    """q [Q, H, D] at the end of k/v [S, KVH, D]; HF's masks (causal, key > query - window)."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k.double()) * scale
+    if soft_cap is not None:
+        scores = soft_cap * torch.tanh(scores / soft_cap)
+    k_pos = torch.arange(k.shape[0])[None, :]
+    q_pos = (k.shape[0] - q.shape[0] + torch.arange(q.shape[0]))[:, None]
+    mask = k_pos <= q_pos if causal else torch.ones_like(k_pos <= q_pos)
+    if window is not None:
+        mask = mask & (k_pos > q_pos - window)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.double()).float()
+
+
+def _random_step(shape, cache_dtype, q_lens, ctx, seed):
+    """A random cache holding every request's K/V (through write_kv_cache, so quantized caches
+    hold their rounded values) and the step's queries."""
+    gen = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    H, KVH, D, bs = shape
+    q_lens, ctx = np.asarray(q_lens), np.asarray(ctx)
+    seq_lens = (ctx + q_lens).astype(np.int32)
+    blocks = [-(-int(s) // bs) for s in seq_lens]
+    cache = allocate_kv_cache(sum(blocks) + 3, bs, KVH, D, cache_dtype, torch.device("cpu"))
+    perm = rng.permutation(np.arange(1, sum(blocks) + 3))
+    table = np.zeros((len(q_lens), max(blocks) + 1), dtype=np.int32)
+    slots, used = [], 0
+    for r, nb in enumerate(blocks):
+        table[r, :nb] = perm[used:used + nb]
+        used += nb
+        pos = np.arange(seq_lens[r])
+        slots.append(table[r, pos // bs].astype(np.int64) * bs + pos % bs)
+    slots = torch.from_numpy(np.concatenate(slots))
+    k = torch.randn(len(slots), KVH, D, generator=gen)
+    v = torch.randn(len(slots), KVH, D, generator=gen)
+    write_kv_cache(cache, k, v, slots)
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    query = torch.randn(int(qsl[-1]), H, D, generator=gen)
+    return query, cache, torch.from_numpy(table), qsl, seq_lens, slots
+
+
+def _check(lib, shape, cache_dtype, q_lens, ctx, seed, tiles=(2, 5, 16), causal=True,
+           window=None, soft_cap=None, rows=None):
+    query, cache, table, qsl, seq_lens, slots = _random_step(shape, cache_dtype, q_lens, ctx,
+                                                             seed)
+    rows = np.arange(len(q_lens), dtype=np.int32) if rows is None else np.asarray(rows,
+                                                                                 np.int32)
+    scale = shape[2] ** -0.5
+    args = (query, cache, table, qsl, seq_lens, rows, scale, causal, window, soft_cap)
+    per_token = paged_attention(*args, query_tile=1, lib=lib)
+    for tile in tiles:
+        # Same pieces, same order per query row: the same floats, not merely close ones.
+        assert torch.equal(paged_attention(*args, query_tile=tile, lib=lib), per_token), tile
+    assert torch.equal(paged_attention(*args, lib=lib), per_token)   # the default tile
+    k_all = dequantize_kv(cache, 0, slots, torch.float32)
+    v_all = dequantize_kv(cache, 1, slots, torch.float32)
+    seq_start = np.concatenate([[0], np.cumsum(seq_lens)])
+    for r in range(len(q_lens)):
+        got = per_token[qsl[r]:qsl[r + 1]]
+        if r not in rows:
+            assert not got.any()
+            continue
+        kv = slice(seq_start[r], seq_start[r + 1])
+        want = _dense(query[qsl[r]:qsl[r + 1]], k_all[kv], v_all[kv], scale, causal, window,
+                      soft_cap)
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+# (heads, kv heads, head size, block size)
+SHAPES = [(4, 2, 8, 4), (8, 8, 64, 16), (8, 1, 16, 8), (6, 3, 40, 8), (4, 2, 128, 16)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=str)
+def test_tiles_equal_per_token_and_dense(shape, cache_dtype):
+    # decodes, chunks over cached contexts, a fresh prefill, a chunk shorter than every tile
+    _check(cpu_kernels(), shape, cache_dtype, q_lens=[1, 37, 3, 1, 21, 16],
+           ctx=[30, 11, 0, 5, 40, 0], seed=1)
+
+
+@pytest.mark.parametrize("window,soft_cap", [(1, None), (4, None), (19, None), (None, 2.0),
+                                             (7, 3.0), (500, None)])
+@pytest.mark.parametrize("shape", [(4, 2, 16, 4), (6, 3, 32, 16)], ids=str)
+def test_tiles_with_window_and_soft_cap(shape, window, soft_cap):
+    _check(cpu_kernels(), shape, torch.bfloat16, q_lens=[33, 1, 12, 9], ctx=[25, 60, 0, 3],
+           seed=2, window=window, soft_cap=soft_cap)
+
+
+def test_tiles_non_causal_and_row_subset():
+    """Non-causal rows attend to their whole sequence; rows outside `rows` stay untouched."""
+    _check(cpu_kernels(), (6, 2, 16, 8), torch.float32, q_lens=[11, 7, 1, 20],
+           ctx=[9, 0, 4, 13], seed=3, causal=False, window=6)
+    _check(cpu_kernels(), (6, 2, 16, 8), torch.float32, q_lens=[11, 7, 1, 20],
+           ctx=[9, 0, 4, 13], seed=4, rows=[0, 3])
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_tiles_random_batches(seed):
+    rng = np.random.default_rng(seed)
+    heads, kv_heads = [(4, 4), (8, 2), (6, 1)][seed]
+    shape = (heads, kv_heads, int(rng.choice([16, 32, 48])), int(rng.choice([4, 8, 16])))
+    n = int(rng.integers(2, 7))
+    q_lens = np.where(rng.random(n) < 0.4, 1, rng.integers(2, 45, n))
+    ctx = rng.integers(0, 70, n) * (rng.random(n) < 0.8)
+    _check(cpu_kernels(), shape, CACHE_DTYPES[seed % 4], q_lens, ctx, seed,
+           tiles=(int(rng.integers(2, 9)), 16), window=[None, 13, None][seed],
+           soft_cap=[None, None, 4.0][seed])
+
+
+def test_query_tile_must_be_positive():
+    query, cache, table, qsl, seq_lens, _ = _random_step((2, 1, 8, 4), torch.float32, [3], [2],
+                                                         0)
+    with pytest.raises(ValueError, match="query_tile"):
+        paged_attention(query, cache, table, qsl, seq_lens, np.zeros(1, np.int32), 0.3,
+                        query_tile=0)
+
+
+@pytest.mark.slow   # builds the portable kernel library (a minute on a loaded 2-core machine)
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=str)
+def test_portable_build_tiles(cache_dtype):
+    lib = build_cpu_kernels(("-mno-avx2", "-mno-fma"))
+    _check(lib, (6, 3, 32, 8), cache_dtype, q_lens=[1, 29, 17, 4], ctx=[20, 7, 0, 33], seed=5,
+           window=9, soft_cap=5.0)
+    _check(lib, (4, 1, 16, 4), cache_dtype, q_lens=[18, 1, 40], ctx=[3, 9, 21], seed=6)
