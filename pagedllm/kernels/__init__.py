@@ -26,7 +26,8 @@ logger = logging.getLogger(__name__)
 KERNELS_VERSION = 5  # must equal pagedllm_cpu_kernels_version() in the sources
 _SOURCES = ("cpu_attention.cpp", "cpu_linear.cpp", "cpu_decoder.cpp", "cpu_gguf_linear.cpp",
             "cpu_int8_linear.cpp")
-_HEADERS = ("cpu_vec.h", "attention_kernel.h", "linear_kernel.h", "gguf_blocks.h")
+_HEADERS = ("cpu_vec.h", "attention_kernel.h", "linear_kernel.h", "gguf_blocks.h",
+            "int8_blocks.h")
 _CXXFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 
 _lock = threading.Lock()

@@ -7,7 +7,9 @@ and an OpenMP fork/join; at batch 1 that overhead exceeded the time spent stream
 region instead (see its header for the math, which is the module path's). Linear layers kept
 as GGUF blocks (`layers/quantization/gguf.py`) go in as their quant method's row segments
 (`kernel_segments`: GGML type + bytes per segment) and run on the block kernels of
-`csrc/cpu_gguf_linear.cpp` inside the same parallel region.
+`csrc/cpu_gguf_linear.cpp` inside the same parallel region; int8 / W8A8 linear layers
+(`layers/quantization/int8.py`) go in as their int8 weight and per-row scales (`kernel_weight`)
+and run on the kernels of `csrc/int8_blocks.h`, the module path's `ops.int8_linear`'s.
 
 `FusedDecoder.applies(...)` decides per step; the module path (`llama.py`) remains the reference
 and runs everything else: long fresh prefills (torch's flash attention is faster there), tensor
@@ -38,7 +40,8 @@ class DecoderLayerWeights(ctypes.Structure):
         "gate_up", "gate_up_bias", "down", "down_bias", "key_cache", "value_cache", "cos_cache",
         "sin_cache")] + [(name, _i64) for name in (
             "hidden_size", "num_heads", "num_kv_heads", "head_size", "intermediate_size")] + [
-        ("eps", _f32), ("scale", _f32), ("segments", _p * 4), ("num_segments", _i64 * 4)]
+        ("eps", _f32), ("scale", _f32), ("segments", _p * 4), ("num_segments", _i64 * 4),
+        ("int8_scales", _p * 4), ("int8_activations", _i64 * 4)]
 
 
 class DecoderStep(ctypes.Structure):
@@ -68,6 +71,13 @@ def _linears(layer) -> tuple:
 
 def _is_quantized(linear) -> bool:
     return getattr(getattr(linear, "quant_method", None), "quantized", False)
+
+
+def _native_quantized(linear) -> bool:
+    """Whether a quantized linear's method exposes what the native layer reads: GGUF row
+    segments (`kernel_segments`) or an int8 weight with per-row scales (`kernel_weight`)."""
+    method = linear.quant_method
+    return hasattr(method, "kernel_segments") or hasattr(method, "kernel_weight")
 
 
 class FusedDecoder:
@@ -132,11 +142,12 @@ class FusedDecoder:
         # `applies` sends only steps with a longer sequence to the module path (a window >=
         # max_model_len never does, keeping the fused path whole for such models).
         plain_attention = all(layer.self_attn.attn.logits_soft_cap is None for layer in layers)
-        # NOTE(fused): the native layer reads float [out, in] weights in the model dtype, or GGUF
-        # blocks through the quant method's `kernel_segments` (layers/quantization/gguf.py);
-        # other quantized layers run the module path.
+        # NOTE(fused): the native layer reads float [out, in] weights in the model dtype, GGUF
+        # blocks through the quant method's `kernel_segments` (layers/quantization/gguf.py), or
+        # int8 weights through its `kernel_weight` (layers/quantization/int8.py); other
+        # quantized layers run the module path.
         linears = [m for layer in layers for m in _linears(layer)]
-        weights_ok = all(hasattr(m.quant_method, "kernel_segments") if _is_quantized(m)
+        weights_ok = all(_native_quantized(m) if _is_quantized(m)
                          else m.weight.dtype == weight.dtype for m in linears)
         return (plain_attention and weights_ok and weight.device.type == "cpu"
                 and weight.dtype in _DTYPE_CODES
@@ -175,9 +186,15 @@ class FusedDecoder:
         keep: list[torch.Tensor] = []
         keep_structs: list[ctypes.Array] = []   # GGUF segment tables pointed at by `structs`
 
-        def float_weight(linear) -> int | None:
-            """A float linear's weight pointer; None for GGUF blocks (read via `segments`)."""
-            return None if _is_quantized(linear) else linear.weight.data_ptr()
+        def weight_ptr(linear) -> int | None:
+            """A float or int8 linear's weight pointer; None for GGUF blocks (read via
+            `segments`)."""
+            method = linear.quant_method
+            if not _is_quantized(linear):
+                return linear.weight.data_ptr()
+            if hasattr(method, "kernel_weight"):
+                return method.kernel_weight(linear).qweight.data_ptr()
+            return None
 
         def f32(t: torch.Tensor | None) -> int | None:
             """A float32 copy kept alive with the structures (biases, RoPE tables)."""
@@ -194,7 +211,12 @@ class FusedDecoder:
                 if not t.is_contiguous():
                     raise ValueError("fused decoder: weights and KV cache must be contiguous")
             for i, linear in enumerate(_linears(layer)):
-                if _is_quantized(linear):
+                if _is_quantized(linear) and hasattr(linear.quant_method, "kernel_weight"):
+                    int8_weight = linear.quant_method.kernel_weight(linear)
+                    keep += [int8_weight.qweight, int8_weight.scale]
+                    s.int8_scales[i] = int8_weight.scale.data_ptr()
+                    s.int8_activations[i] = int(int8_weight.quantize_activations)
+                elif _is_quantized(linear):
                     segments = gguf_segment_structs(linear.quant_method.kernel_segments(linear),
                                                     linear.input_size_per_partition)
                     keep_structs.append(segments)
@@ -202,12 +224,12 @@ class FusedDecoder:
                     s.num_segments[i] = len(segments)
             s.input_norm = _ptr(layer.input_layernorm.weight)
             s.post_norm = _ptr(layer.post_attention_layernorm.weight)
-            s.qkv, s.qkv_bias = float_weight(attn.qkv_proj), f32(attn.qkv_proj.bias)
+            s.qkv, s.qkv_bias = weight_ptr(attn.qkv_proj), f32(attn.qkv_proj.bias)
             s.q_norm = _ptr(attn.q_norm.weight) if attn.q_norm is not None else None
             s.k_norm = _ptr(attn.k_norm.weight) if attn.k_norm is not None else None
-            s.o, s.o_bias = float_weight(attn.o_proj), f32(attn.o_proj.bias)
-            s.gate_up, s.gate_up_bias = float_weight(mlp.gate_up_proj), f32(mlp.gate_up_proj.bias)
-            s.down, s.down_bias = float_weight(mlp.down_proj), f32(mlp.down_proj.bias)
+            s.o, s.o_bias = weight_ptr(attn.o_proj), f32(attn.o_proj.bias)
+            s.gate_up, s.gate_up_bias = weight_ptr(mlp.gate_up_proj), f32(mlp.gate_up_proj.bias)
+            s.down, s.down_bias = weight_ptr(mlp.down_proj), f32(mlp.down_proj.bias)
             s.key_cache, s.value_cache = _ptr(cache[0]), _ptr(cache[1])
             s.cos_cache, s.sin_cache = f32(rope.cos_cache), f32(rope.sin_cache)
             s.hidden_size, s.head_size = self.hidden_size, attn.head_size

@@ -5,7 +5,8 @@ layers/quantization/int8.py), against fake-quantized oracles on the tiny Llama:
   quantized and dequantized in float32 (the same numbers, computed as float weights);
 - w8a8: prompt logprobs close to HF transformers with every linear layer swapped for a
   quantize-dequantize module (weights per channel, activations per token);
-- the layers' storage, the fused CPU decoder declining them, and the refusal for .gguf models.
+- the fused CPU decoder against the module path (int8 and w8a8; AVX2 and portable builds);
+- the layers' storage and the refusal for .gguf models.
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import ModelConfig
-from pagedllm.kernels import cpu_kernels
+from pagedllm.kernels import build_cpu_kernels, cpu_kernels
 from pagedllm.layers.quantization.int8 import (Int8LinearMethod, quantize_activations_per_token,
                                                quantize_weight_per_channel)
 from pagedllm.model_loader.loader import load_model
 from pagedllm.models.fused_decoder import FusedDecoder
+from tests.models.test_fused_decoder import _continuation_logits
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="CPU kernels did not build")
 
@@ -77,13 +79,71 @@ def _greedy(path, quantization: str | None) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
+def _greedy_counting_fused_steps(path, quantization: str, fused: bool,
+                                 monkeypatch) -> tuple[list[list[int]], int]:
+    """Greedy tokens of `_prompts()` with the fused decoder switched on or off, and how many
+    steps it ran."""
+    calls = []
+    original = FusedDecoder.__call__
+
+    def counting(self, *args, **kwargs):
+        calls.append(args[1].shape[0])
+        return original(self, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setenv("PAGEDLLM_CPU_FUSED_DECODER", "1" if fused else "0")
+        patch.setattr(FusedDecoder, "__call__", counting)
+        tokens = _greedy(path, quantization)
+    return tokens, len(calls)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "w8a8"])
+def test_fused_decoder_equals_the_module_path(tiny_llama, monkeypatch, quantization):
+    """The fused decoder runs int8 / w8a8 layers with the module path's kernels
+    (csrc/int8_blocks.h, same work split, so each linear gives the same sums for the same
+    input); the rest of the layer (norms, RoPE, attention) sums in another order, so logits
+    agree to float32 tolerance, not bitwise, and greedy tokens are equal."""
+    fused, fused_steps = _greedy_counting_fused_steps(tiny_llama, quantization, True, monkeypatch)
+    module, module_steps = _greedy_counting_fused_steps(tiny_llama, quantization, False,
+                                                        monkeypatch)
+    assert fused == module
+    assert module_steps == 0 and fused_steps >= GREEDY.max_tokens - 1   # the decode steps
+    llm = LLM(str(tiny_llama), quantization=quantization, **ENGINE_ARGS)
+    tokens = torch.randint(3, 200, (37,), generator=torch.Generator().manual_seed(1)).tolist()
+    got = _continuation_logits(llm, tokens, 21, fused=True)     # asserts the fused step ran
+    want = _continuation_logits(llm, tokens, 21, fused=False)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def portable_kernels():
+    """The kernel library built without AVX2/FMA (the scalar int8 code paths)."""
+    return build_cpu_kernels(("-mno-avx2", "-mno-fma"))
+
+
+@pytest.mark.parametrize("quantization", ["int8", "w8a8"])
+def test_portable_fused_decoder_equals_the_module_path(tiny_llama, portable_kernels,
+                                                       monkeypatch, quantization):
+    import pagedllm.attention.backends.cpu_paged as cpu_paged
+    import pagedllm.kernels.ops as ops
+    import pagedllm.models.fused_decoder as fused_decoder
+
+    for module in (ops, cpu_paged, fused_decoder):
+        monkeypatch.setattr(module, "cpu_kernels", lambda: portable_kernels)
+    llm = LLM(str(tiny_llama), quantization=quantization, **ENGINE_ARGS)
+    tokens = torch.randint(3, 200, (30,), generator=torch.Generator().manual_seed(2)).tolist()
+    got = _continuation_logits(llm, tokens, 26, fused=True)
+    want = _continuation_logits(llm, tokens, 26, fused=False)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
 def test_int8_greedy_equals_the_fake_quantized_checkpoint(tiny_llama, fake_quant_llama):
     quantized = _greedy(tiny_llama, "int8")
     assert quantized == _greedy(fake_quant_llama, "none")
     assert quantized != _greedy(tiny_llama, "none")      # the oracle tells the two apart
 
 
-def test_int8_layers_store_int8_and_decline_the_fused_decoder(tiny_llama):
+def test_int8_layers_store_int8_and_take_the_fused_decoder(tiny_llama):
     config = AutoConfig.from_pretrained(tiny_llama)
     model = load_model(str(tiny_llama), config, torch.float32, torch.device("cpu"), "int8")
     reference = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
@@ -105,7 +165,13 @@ def test_int8_layers_store_int8_and_decline_the_fused_decoder(tiny_llama):
                                rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(qkv(x), x @ (want_q.float() * want_scale[:, None]).T,
                                rtol=1e-5, atol=1e-5)
-    assert not FusedDecoder.supports(list(model.model.layers))
+    assert FusedDecoder.supports(list(model.model.layers))
+    kernel_weight = qkv.quant_method.kernel_weight(qkv)
+    assert kernel_weight.qweight.data_ptr() == qkv.weight.data_ptr()
+    assert kernel_weight.scale is qkv.weight_scale and not kernel_weight.quantize_activations
+    qkv.weight_scale = qkv.weight_scale.double()
+    with pytest.raises(ValueError, match="float32 scales"):
+        qkv.quant_method.kernel_weight(qkv)
 
 
 @pytest.mark.slow

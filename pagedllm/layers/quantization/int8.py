@@ -10,10 +10,13 @@ qkv / gate_up weights quantize independently and simply stack.
 
 On the CPU both run natively (`ops.int8_linear`, csrc/cpu_int8_linear.cpp); elsewhere, or
 without the kernels, torch computes the same formulas in float32. The fused CPU decoder
-(models/fused_decoder.py) declines these layers (no `kernel_segments`): they run the module path.
+(models/fused_decoder.py) takes these layers through `Int8LinearMethod.kernel_weight` and runs
+the same kernels (csrc/int8_blocks.h) inside its parallel region.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -68,6 +71,21 @@ def quantize_activations_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch
     return torch.round(x / safe[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8), xs
 
 
+@dataclass(frozen=True)
+class Int8KernelWeight:
+    """What a native caller (the fused CPU decoder) needs to run an int8 linear.
+
+    Attributes:
+        qweight: [N, K] int8, contiguous, on the CPU.
+        scale: [N] float32, contiguous: row n of the weight is scale[n] * qweight[n].
+        quantize_activations: W8A8 (x quantized per token) instead of weight-only.
+    """
+
+    qweight: torch.Tensor
+    scale: torch.Tensor
+    quantize_activations: bool
+
+
 class Int8LinearMethod(LinearMethodBase):
     """Keeps a linear layer's weight as int8 with one float32 scale per output row.
 
@@ -110,6 +128,25 @@ class Int8LinearMethod(LinearMethodBase):
         qweight, scale = quantize_weight_per_channel(w)
         layer.weight.data.narrow(0, start, rows).copy_(qweight)
         layer.weight_scale.narrow(0, start, rows).copy_(scale)
+
+    def kernel_weight(self, layer: nn.Module) -> Int8KernelWeight:
+        """The loaded weight for the fused CPU decoder (models/fused_decoder.py), which runs it
+        with the kernels of `ops.int8_linear` (csrc/int8_blocks.h) inside its parallel region.
+
+        Raises:
+            ValueError: the weight or scale is not a contiguous CPU tensor of the expected
+                dtype and shape.
+        """
+        qweight, scale = layer.weight.data, layer.weight_scale
+        if (qweight.dtype != torch.int8 or qweight.dim() != 2 or not qweight.is_contiguous()
+                or qweight.device.type != "cpu" or scale.dtype != torch.float32
+                or tuple(scale.shape) != (qweight.shape[0],) or not scale.is_contiguous()
+                or scale.device.type != "cpu"):
+            raise ValueError(f"{type(layer).__name__}: the fused decoder needs a contiguous "
+                             f"[N, K] int8 CPU weight with [N] float32 scales, got "
+                             f"{tuple(qweight.shape)} {qweight.dtype} on {qweight.device} and "
+                             f"{tuple(scale.shape)} {scale.dtype} on {scale.device}")
+        return Int8KernelWeight(qweight, scale, self.quantize_activations)
 
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:
