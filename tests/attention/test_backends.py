@@ -109,3 +109,39 @@ def test_sliding_window_and_soft_cap_match_dense(backend, shape, window, soft_ca
     # Prefill chunks up to 30 tokens, so fresh requests longer than the window take the kernel.
     _run_random_step(backend, shape, dtype, 6, 0, window=window, soft_cap=soft_cap,
                      max_query_len=30)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (4, 2), (6, 1)])
+def test_non_causal_prefill_attends_to_the_whole_sequence(backend, heads, kv_heads):
+    """Encoder-style steps (causal=False): every token sees its request's whole sequence, with
+    GQA folding query heads (a [G, 1, S] mask once failed to repeat over the query axis)."""
+    torch.manual_seed(0)
+    D, bs, lens = 16, 4, [5, 9, 1]
+    blocks = [-(-n // bs) for n in lens]
+    block_table = np.zeros((len(lens), max(blocks)), dtype=np.int32)
+    first = 1
+    for r, nb in enumerate(blocks):
+        block_table[r, :nb] = np.arange(first, first + nb)
+        first += nb
+    slots = np.concatenate([block_table[r, np.arange(n) // bs].astype(np.int64) * bs
+                            + np.arange(n) % bs for r, n in enumerate(lens)])
+    qsl = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    seq_lens = np.array(lens, dtype=np.int32)
+    common = CommonAttentionMetadata(
+        query_start_loc=torch.from_numpy(qsl), query_start_loc_cpu=qsl,
+        seq_lens=torch.from_numpy(seq_lens), seq_lens_cpu=seq_lens,
+        block_table=torch.from_numpy(block_table), slot_mapping=torch.from_numpy(slots),
+        num_reqs=len(lens), num_actual_tokens=int(qsl[-1]), max_query_len=max(lens),
+        max_seq_len=max(lens), block_size=bs, causal=False)
+    n = int(qsl[-1])
+    q, k, v = torch.randn(n, heads, D), torch.randn(n, kv_heads, D), torch.randn(n, kv_heads, D)
+    cache = torch.zeros(2, first, bs, kv_heads, D)
+    out = backend.forward(q, k, v, cache, backend.build_metadata(common), D ** -0.5)
+    rep = heads // kv_heads
+    for r in range(len(lens)):
+        rows = slice(qsl[r], qsl[r + 1])
+        kr, vr = k[rows].repeat_interleave(rep, 1), v[rows].repeat_interleave(rep, 1)
+        scores = torch.einsum("qhd,khd->hqk", q[rows], kr) * D ** -0.5
+        want = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vr)
+        torch.testing.assert_close(out[rows], want, atol=1e-5, rtol=1e-5)

@@ -94,7 +94,7 @@ def _build_group(common: CommonAttentionMetadata, rows: np.ndarray) -> _RequestG
     bs = common.block_size
     block_ids = common.block_table[rows_t][:, kpos // bs].long()                # [G, S_max]
     kv_slots = torch.where(kv_valid, block_ids * bs + kpos % bs, 0)
-    mask = kv_valid[:, None, :]
+    mask = kv_valid[:, None, :].expand(-1, q_max, -1)                           # [G, Q_max, S_max]
     if common.causal:
         mask = mask & (kpos[None, None, :] <= q_pos[:, :, None])
     valid = valid_2d.reshape(-1)
