@@ -69,6 +69,26 @@ def assert_matches_hf(llm: LLM, want_tokens, want_logprobs, want_prompt_logprobs
                                    atol=LOGPROB_TOL, rtol=0)
 
 
+def hf_greedy_reference(path) -> tuple[list, list, list]:
+    """HF fp32 on the checkpoint at `path`, for every `_prompts()` prompt: (greedy tokens of
+    MAX_TOKENS steps, their logprobs, the prompt tokens' logprobs)."""
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    tokens, logprobs, prompt_logprobs = [], [], []
+    for prompt in _prompts():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                          eos_token_id=None, pad_token_id=0, output_logits=True,
+                          return_dict_in_generate=True)
+        new = out.sequences[0, len(prompt):]
+        steps = torch.stack(out.logits)[:, 0].log_softmax(-1)                  # [T, vocab]
+        tokens.append(new.tolist())
+        logprobs.append(steps.gather(1, new[:, None])[:, 0].tolist())
+        with torch.inference_mode():
+            full = hf(torch.tensor([prompt])).logits[0].log_softmax(-1)          # [P, vocab]
+        target = torch.tensor(prompt[1:])
+        prompt_logprobs.append(full[:-1].gather(1, target[:, None])[:, 0].tolist())
+    return tokens, logprobs, prompt_logprobs
+
+
 @pytest.fixture(scope="module")
 def hf_reference(tiny_checkpoints):
     """variant -> (greedy tokens, their logprobs, prompt-token logprobs) from HF in fp32."""
@@ -76,22 +96,7 @@ def hf_reference(tiny_checkpoints):
 
     def get(variant: str):
         if variant not in cache:
-            hf = AutoModelForCausalLM.from_pretrained(tiny_checkpoints[variant],
-                                                      dtype=torch.float32)
-            tokens, logprobs, prompt_logprobs = [], [], []
-            for prompt in _prompts():
-                out = hf.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS,
-                                  do_sample=False, eos_token_id=None, pad_token_id=0,
-                                  output_logits=True, return_dict_in_generate=True)
-                new = out.sequences[0, len(prompt):]
-                steps = torch.stack(out.logits)[:, 0].log_softmax(-1)          # [T, vocab]
-                tokens.append(new.tolist())
-                logprobs.append(steps.gather(1, new[:, None])[:, 0].tolist())
-                with torch.inference_mode():
-                    full = hf(torch.tensor([prompt])).logits[0].log_softmax(-1)  # [P, vocab]
-                target = torch.tensor(prompt[1:])
-                prompt_logprobs.append(full[:-1].gather(1, target[:, None])[:, 0].tolist())
-            cache[variant] = tokens, logprobs, prompt_logprobs
+            cache[variant] = hf_greedy_reference(tiny_checkpoints[variant])
         return cache[variant]
 
     return get

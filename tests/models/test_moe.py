@@ -25,8 +25,9 @@ from pagedllm.layers.activation import SiluAndMul
 from pagedllm.models.moe import MoeForCausalLM, SparseMoeBlock
 from tests.distributed.common import run
 from tests.fixtures.checkpoints import DEFAULT_INITIALIZER_RANGE
-from tests.models.test_gemma import (MAX_TOKENS, VOCAB_HIGH, VOCAB_LOW, _params, _prompts,
-                                     _tokens_and_logprobs, assert_matches_hf)
+from tests.models.test_gemma import (VOCAB_HIGH, VOCAB_LOW, _params, _prompts,
+                                     _tokens_and_logprobs, assert_matches_hf,
+                                     hf_greedy_reference)
 
 _BASE: dict[str, Any] = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
                              num_key_value_heads=2, max_position_embeddings=1024,
@@ -105,22 +106,7 @@ def hf_reference(moe_checkpoints):
 
     def get(variant: str):
         if variant not in cache:
-            hf = AutoModelForCausalLM.from_pretrained(moe_checkpoints(variant),
-                                                      dtype=torch.float32)
-            tokens, logprobs, prompt_logprobs = [], [], []
-            for prompt in _prompts():
-                out = hf.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS,
-                                  do_sample=False, eos_token_id=None, pad_token_id=0,
-                                  output_logits=True, return_dict_in_generate=True)
-                new = out.sequences[0, len(prompt):]
-                steps = torch.stack(out.logits)[:, 0].log_softmax(-1)          # [T, vocab]
-                tokens.append(new.tolist())
-                logprobs.append(steps.gather(1, new[:, None])[:, 0].tolist())
-                with torch.inference_mode():
-                    full = hf(torch.tensor([prompt])).logits[0].log_softmax(-1)  # [P, vocab]
-                target = torch.tensor(prompt[1:])
-                prompt_logprobs.append(full[:-1].gather(1, target[:, None])[:, 0].tolist())
-            cache[variant] = tokens, logprobs, prompt_logprobs
+            cache[variant] = hf_greedy_reference(moe_checkpoints(variant))
         return cache[variant]
 
     return get
