@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import itertools
 import logging
+import time
 from typing import Any
 
 from transformers import AutoTokenizer
@@ -42,6 +43,7 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig) -> None:
+        start = time.perf_counter()
         init_logger()
         info = hf_model_info(config.model_path)
         resolve_model_class(info.architectures)  # unsupported architecture: fail before loading
@@ -59,8 +61,9 @@ class LLMEngine:
         self._ids = itertools.count()
         # Parent request id -> child request ids (n > 1).
         self._parents: dict[str, list[str]] = {}
-        logger.info("engine ready: model %s, max_model_len %d, %d KV blocks of %d tokens",
-                    config.model_path, config.max_model_len, self.engine_core.num_blocks - 1,
+        logger.info("engine ready in %.2f s: model %s, max_model_len %d, %d KV blocks of %d "
+                    "tokens", time.perf_counter() - start, config.model_path,
+                    config.max_model_len, self.engine_core.num_blocks - 1,
                     config.cache_config.block_size)
 
     @classmethod
