@@ -7,8 +7,8 @@ a new placement from the pure-numpy policy (distributed/eplb/policy.py) to this 
     after each step with a forward:   window[step % window_size] = each layer's take_expert_load()
     every step_interval steps:        loads = window.sum() all-reduced over the EP group
                                       placement = rebalance_experts(loads, ep_size, R)
-                                      per layer: all-gather the physical experts over the EP
-                                      group, each rank copies its new slots' experts, set maps
+                                      per layer: the slots whose expert changes take it from a
+                                      copy on their rank or point-to-point from another; set maps
 
 Every rank of the EP (= TP) group runs the same steps on the same loads (the all-reduce makes
 them identical even if routing ever differed), so all ranks reach the same plan. It never
@@ -23,13 +23,15 @@ import re
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from pagedllm.config import EPLBConfig
 from pagedllm.core.sched_output import EplbStats
 from pagedllm.distributed.eplb.policy import (ExpertPlacement, imbalance,
                                               placement_from_physical_to_logical,
-                                              rank_loads, rebalance_experts)
+                                              plan_expert_moves, rank_loads,
+                                              rebalance_experts)
 from pagedllm.distributed.parallel_state import GroupCoordinator, get_tp_group
 from pagedllm.layers.fused_moe import FusedMoE
 
@@ -140,35 +142,62 @@ class EplbState:
         loads = self.window_loads()
         old = self.current_placement()
         new = rebalance_experts(loads, self.ep_size, self.config.num_redundant_experts)
-        for i, layer in enumerate(self.layers):
-            _move_experts(layer, old, new, i, self.ep_group)
+        received = sum(_move_experts(layer, old, new, i, self.ep_group)
+                       for i, layer in enumerate(self.layers))
         self.imbalance_before = imbalance(rank_loads(old, loads, self.ep_size))
         self.imbalance_after = imbalance(rank_loads(new, loads, self.ep_size))
         self.num_rebalances += 1
-        logger.info("EPLB rebalance %d: mean imbalance (max/mean over %d ranks) %.3f -> %.3f",
-                    self.num_rebalances, self.ep_size, float(self.imbalance_before.mean()),
-                    float(self.imbalance_after.mean()))
+        logger.info("EPLB rebalance %d: mean imbalance (max/mean over %d ranks) %.3f -> %.3f; "
+                    "%.1f MiB of expert weights received by this rank", self.num_rebalances,
+                    self.ep_size, float(self.imbalance_before.mean()),
+                    float(self.imbalance_after.mean()), received / 2**20)
 
 
 def _move_experts(layer: FusedMoE, old: ExpertPlacement, new: ExpertPlacement, index: int,
-                  group: GroupCoordinator) -> None:
-    """Give `layer` layer `index` of `new`, rebuilding its local slots from the experts the EP
-    group holds under `old`.
+                  group: GroupCoordinator) -> int:
+    """Give `layer` layer `index` of `new`: only the slots whose expert changes are rewritten,
+    from a copy on the same rank where the old placement has one, else point-to-point from a
+    rank that holds one (`plan_expert_moves`; vLLM's rearrangement does the same). Returns the
+    bytes this rank received.
 
-    NOTE(eplb): every rank all-gathers the whole layer's physical experts (transiently one
-    layer's E + R experts per rank, freed before the next layer) and copies the ones its new
-    slots need, taking each logical expert from its first old copy. Simple and correct; sending
-    only the experts that move (point-to-point, as vLLM's rearrangement does) would cut the
-    traffic and the transient memory, and keeping a CPU copy of all experts on every rank
-    would cost the memory expert parallelism exists to save.
+    All sends and receives of the layer are posted together (`batch_isend_irecv`) and waited
+    for before any slot is overwritten; the slots a rank sends or copies locally are read into
+    buffers first, so a slot that is both a source and a destination is read before it is
+    written. The transient memory is the moved experts only, not the whole layer.
     """
-    first = layer.ep_rank * layer.num_local_experts
-    new_local = new.physical_to_logical[index, first:first + layer.num_local_experts]
-    sources = torch.from_numpy(old.logical_to_physical[index, new_local, 0])
-    for param in (layer.w13_weight, layer.w2_weight):
-        gathered = group.all_gather(param.data, dim=0)          # [P, ...] in physical order
-        param.data.copy_(gathered[sources.to(gathered.device)])
+    moves = plan_expert_moves(old.physical_to_logical[index], new.physical_to_logical[index],
+                              group.world_size)
+    per_rank = layer.num_local_experts
+    me = layer.ep_rank
+    params = (layer.w13_weight.data, layer.w2_weight.data)
+    local_dst, local_src, ops, received = [], [], [], []
+    for dst, src in moves:
+        dst_rank, src_rank = dst // per_rank, src // per_rank
+        if dst_rank == me and src_rank == me:
+            local_dst.append(dst - me * per_rank)
+            local_src.append(src - me * per_rank)
+        elif src_rank == me:
+            for param in params:
+                ops.append(dist.P2POp(dist.isend, param[src - me * per_rank].clone(),
+                                      group.ranks[dst_rank], group.device_group))
+        elif dst_rank == me:
+            buffers = [torch.empty_like(param[0]) for param in params]
+            for buffer in buffers:
+                ops.append(dist.P2POp(dist.irecv, buffer, group.ranks[src_rank],
+                                      group.device_group))
+            received.append((dst - me * per_rank, buffers))
+    local_copies = [param[local_src] for param in params] if local_src else None
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    if local_copies is not None:
+        for param, copies in zip(params, local_copies):
+            param[local_dst] = copies
+    for slot, buffers in received:
+        for param, buffer in zip(params, buffers):
+            param[slot].copy_(buffer)
     layer.set_placement(new, index)
+    return sum(b.numel() * b.element_size() for _, buffers in received for b in buffers)
 
 
 def _single_group() -> GroupCoordinator:

@@ -14,8 +14,8 @@ import torch
 
 from pagedllm import SamplingParams
 from pagedllm.config import EPLBConfig, ParallelConfig
-from pagedllm.distributed.eplb.policy import (default_placement, imbalance, rank_loads,
-                                              rebalance_experts)
+from pagedllm.distributed.eplb.policy import (default_placement, imbalance,
+                                              plan_expert_moves, rank_loads, rebalance_experts)
 from pagedllm.distributed.parallel_state import (ExpertParallelLayout, get_tp_group,
                                                  set_expert_parallel_layout)
 from pagedllm.layers.fused_moe import FusedMoE
@@ -66,6 +66,35 @@ def test_skewed_load_imbalance_drops():
     # Excess over perfect balance (max/mean - 1) drops by >= 40% (here to 0).
     assert balanced[0] - 1 <= 0.6 * (identity[0] - 1)
     assert balanced[0] < 1.01
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_move_plan_reproduces_the_new_placement(seed):
+    """Applying the planned copies to the old map gives the new one; unchanged slots are not
+    copied; a copy crosses ranks only when the destination rank has no old copy; remote
+    sends are spread over the ranks that hold the expert."""
+    rng = np.random.default_rng(seed)
+    num_ranks, redundant = (2, 3, 4)[seed % 3], (0, 12)[seed % 2]   # 12 or 24 physical
+    loads = rng.integers(0, 100, size=(2, 12)).astype(np.float64)
+    old = rebalance_experts(loads[:1], num_ranks, redundant).physical_to_logical[0]
+    new = rebalance_experts(loads[1:], num_ranks, redundant).physical_to_logical[0]
+    per_rank = old.size // num_ranks
+    moves = plan_expert_moves(old, new, num_ranks)
+    result = old.copy()
+    for dst, src in moves:
+        assert old[dst] != new[dst] and old[src] == new[dst]
+        if src // per_rank != dst // per_rank:
+            assert new[dst] not in old[dst // per_rank * per_rank:(dst // per_rank + 1) * per_rank]
+        result[dst] = old[src]
+    np.testing.assert_array_equal(result, new)
+    assert plan_expert_moves(old, old, num_ranks) == []
+
+
+def test_move_plan_refuses_bad_maps():
+    with pytest.raises(ValueError, match="no old copy"):
+        plan_expert_moves(np.array([0, 1, 1, 2]), np.array([0, 1, 3, 2]), 2)
+    with pytest.raises(ValueError, match="over 3 ranks"):
+        plan_expert_moves(np.arange(4), np.arange(4), 3)
 
 
 @pytest.mark.parametrize("args, message", [

@@ -207,3 +207,50 @@ def imbalance(loads_per_rank: np.ndarray) -> np.ndarray:
     loads = np.asarray(loads_per_rank, dtype=np.float64)
     mean = loads.mean(axis=-1)
     return np.where(mean > 0, loads.max(axis=-1) / np.where(mean > 0, mean, 1.0), 1.0)
+
+
+def plan_expert_moves(old_physical_to_logical: np.ndarray, new_physical_to_logical: np.ndarray,
+                      num_ranks: int) -> list[tuple[int, int]]:
+    """The weight copies that turn one layer's placement `old` into `new`: a list of
+    (dst, src) physical slots, meaning "slot dst takes the weights slot src holds under old".
+
+    Slots whose logical expert does not change are left out. A slot's source is a copy of its
+    new expert on its own rank when the old placement has one (a local copy, no traffic);
+    otherwise the remote copy whose rank has been given the fewest sends so far (lowest slot
+    on ties), so replicas share the sending. Every rank computes the same plan from the same
+    maps, which is what lets the point-to-point transfers pair up without negotiation.
+
+    Args:
+        old_physical_to_logical, new_physical_to_logical: [P] int64 maps of one layer; rank r
+            holds slots [r * P / num_ranks, (r + 1) * P / num_ranks).
+        num_ranks: the EP group size (divides P).
+
+    Raises:
+        ValueError: maps of different lengths, a P not divisible by num_ranks, or a logical
+            expert of `new` that `old` does not hold anywhere.
+    """
+    old = np.asarray(old_physical_to_logical, dtype=np.int64)
+    new = np.asarray(new_physical_to_logical, dtype=np.int64)
+    if old.shape != new.shape or old.ndim != 1 or old.size % num_ranks:
+        raise ValueError(f"plan_expert_moves: maps of shapes {old.shape} / {new.shape} over "
+                         f"{num_ranks} ranks")
+    slots_per_rank = old.size // num_ranks
+    copies: dict[int, list[int]] = {}
+    for slot, logical in enumerate(old.tolist()):
+        copies.setdefault(logical, []).append(slot)
+    sends = [0] * num_ranks
+    moves = []
+    for dst, logical in enumerate(new.tolist()):
+        if old[dst] == logical:
+            continue
+        if logical not in copies:
+            raise ValueError(f"plan_expert_moves: logical expert {logical} has no old copy")
+        rank = dst // slots_per_rank
+        local = [s for s in copies[logical] if s // slots_per_rank == rank]
+        if local:
+            src = local[0]
+        else:
+            src = min(copies[logical], key=lambda s: (sends[s // slots_per_rank], s))
+            sends[src // slots_per_rank] += 1
+        moves.append((dst, src))
+    return moves
