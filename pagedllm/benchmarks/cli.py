@@ -35,8 +35,6 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                     help="static batch size of the HF baseline (default min(num_prompts, 32))")
     tp.add_argument("--llamacpp-batch-size", type=int, default=None,
                     help="sequences llama.cpp decodes together (default min(num_prompts, 64))")
-    tp.add_argument("--llamacpp-converter", default=None,
-                    help="path of llama.cpp's convert_hf_to_gguf.py")
     _add_output_args(tp)
     tp.set_defaults(func=run_throughput_command)
 
@@ -139,6 +137,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="random-weight model by name (llama-134m, llama-tiny); wins over --model")
     g.add_argument("--preset-dir", default=None,
                    help="preset cache (default $PAGEDLLM_PRESET_DIR or ~/.cache/pagedllm/presets)")
+    g.add_argument("--gguf-type", default=None, metavar="TYPE",
+                   help="with --preset: benchmark the preset converted to a GGUF file of this "
+                        "llama.cpp type (f32, bf16, q8_0, q4_0, q4_1, q4_k_m, q6_k, ...; needs "
+                        "llama-cpp-python and its converter), the file --compare llamacpp runs")
+    g.add_argument("--llamacpp-converter", default=None,
+                   help="path of llama.cpp's convert_hf_to_gguf.py")
 
 
 def _add_workload_args(p: argparse.ArgumentParser, num_prompts: bool) -> None:
@@ -166,12 +170,19 @@ def dtype_name(dtype: str | None) -> str:
 
 
 def resolve_model(args: argparse.Namespace) -> dict[str, Any]:
-    """Engine kwargs with `model` set: the preset's folder when --preset is given."""
+    """Engine kwargs with `model` set: the preset's folder when --preset is given (its GGUF
+    file with --gguf-type)."""
     if getattr(args, "preset", None):
         from pagedllm.benchmarks.presets import preset_path
 
         path = preset_path(args.preset, dtype_name(args.dtype), args.preset_dir)
+        if getattr(args, "gguf_type", None):
+            from pagedllm.benchmarks.llamacpp_baseline import preset_gguf
+
+            path = str(preset_gguf(path, args.gguf_type, args.llamacpp_converter))
         args = argparse.Namespace(**{**vars(args), "model": path})
+    elif getattr(args, "gguf_type", None):
+        raise ValueError("--gguf-type needs --preset (a --model .gguf file is run as it is)")
     kwargs = engine_kwargs_from_args(args)
     kwargs["dtype"] = dtype_name(kwargs["dtype"])
     return kwargs
@@ -190,7 +201,10 @@ def build_workload(args: argparse.Namespace, vocab_size: int, num_prompts: int):
 
 def _vocab_size(model_path: str) -> int:
     from pagedllm.config import hf_model_info
+    from pagedllm.model_loader.gguf import is_gguf_path, prepare_gguf_view
 
+    if is_gguf_path(model_path):
+        model_path = prepare_gguf_view(model_path)
     return hf_model_info(model_path).vocab_size
 
 

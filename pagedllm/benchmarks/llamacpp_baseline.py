@@ -86,6 +86,54 @@ def convert_to_gguf(model_path: str, dtype_name: str, converter: Path) -> Path:
     return out
 
 
+# llama.cpp quantization types `--gguf-type` takes beyond the converter's float outputs (the
+# suffix of llama.h's LLAMA_FTYPE_MOSTLY_*).
+GGUF_QUANT_TYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k_s", "q4_k_m", "q5_k_s",
+                    "q5_k_m", "q6_k")
+
+
+def preset_gguf(model_path: str, gguf_type: str, converter: str | None = None) -> Path:
+    """`<model_path>/model-<gguf_type>.gguf`: the checkpoint converted to GGUF (float types:
+    f32, bf16, f16) and, for a quantized type (`GGUF_QUANT_TYPES`), quantized from the f32 file
+    by llama.cpp's own quantizer (`llama_model_quantize`, as `llama-quantize` does), so pagedllm
+    and llama.cpp run the very same file. Built once, then reused.
+
+    Raises:
+        ValueError: an unknown type.
+        RuntimeError: llama_cpp missing, no converter, or a failed conversion / quantization.
+    """
+    gguf_type = gguf_type.lower()
+    floats = {v: k for k, v in _GGUF_OUTTYPES.items()}
+    if gguf_type not in floats and gguf_type not in GGUF_QUANT_TYPES:
+        raise ValueError(f"unknown GGUF type {gguf_type!r}; known: "
+                         f"{sorted(floats) + list(GGUF_QUANT_TYPES)}")
+    reason = llamacpp_unavailable_reason()
+    if reason is not None:
+        raise RuntimeError(reason.replace("comparison skipped", "GGUF conversion impossible"))
+    found = find_converter(converter)
+    if found is None:
+        raise RuntimeError("convert_hf_to_gguf.py not found.\n" + INSTALL_HINT.split("\n", 1)[1])
+    if gguf_type in floats:
+        return convert_to_gguf(model_path, floats[gguf_type], found)
+    out = Path(model_path) / f"model-{gguf_type}.gguf"
+    if out.is_file():
+        return out
+    source = convert_to_gguf(model_path, "float32", found)
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{gguf_type.upper()}")
+    params.nthread = os.cpu_count() or 1
+    tmp = out.with_suffix(".tmp")
+    rc = llama_cpp.llama_model_quantize(str(source).encode(), str(tmp).encode(),
+                                        llama_cpp.byref(params))
+    if rc != 0 or not tmp.is_file():
+        tmp.unlink(missing_ok=True)
+        raise RuntimeError(f"llama_model_quantize({source} -> {gguf_type}) failed with {rc}")
+    os.replace(tmp, out)
+    return out
+
+
 def _run_converter(converter: Path, model_dir: Path, out: Path, outtype: str) -> str | None:
     """None on success, else the converter's stderr."""
     proc = subprocess.run([sys.executable, str(converter), str(model_dir), "--outfile", str(out),
@@ -131,6 +179,9 @@ def run_llamacpp_throughput(model_path: str, requests: list[BenchRequest], dtype
     up to `n_batch` tokens; a finished sequence's KV is dropped (`llama_memory_seq_rm`) and the
     next request takes its slot. Flash attention on, KV cache in llama.cpp's default f16.
 
+    A `.gguf` model file is run as it is; a checkpoint folder is converted to GGUF in
+    `dtype_name` first.
+
     Raises:
         RuntimeError: llama_cpp missing, no converter found, conversion failed, or a decode
             call failed.
@@ -138,11 +189,14 @@ def run_llamacpp_throughput(model_path: str, requests: list[BenchRequest], dtype
     reason = llamacpp_unavailable_reason()
     if reason is not None:
         raise RuntimeError(reason)
-    found = find_converter(converter)
-    if found is None:
-        raise RuntimeError("llama.cpp comparison skipped: convert_hf_to_gguf.py not found.\n"
-                           + INSTALL_HINT.split("\n", 1)[1])
-    gguf_path = convert_to_gguf(model_path, dtype_name, found)
+    if model_path.endswith(".gguf") and Path(model_path).is_file():
+        gguf_path = Path(model_path)      # a GGUF model: llama.cpp runs the very same file
+    else:
+        found = find_converter(converter)
+        if found is None:
+            raise RuntimeError("llama.cpp comparison skipped: convert_hf_to_gguf.py not found.\n"
+                               + INSTALL_HINT.split("\n", 1)[1])
+        gguf_path = convert_to_gguf(model_path, dtype_name, found)
     batch_size = max(1, min(batch_size, len(requests)))
     max_len = max(len(r.prompt_token_ids) + r.output_len for r in requests) + 8
     with PeakRSSMonitor() as mem:

@@ -162,3 +162,30 @@ def test_llamacpp_stand_in_vocab_keeps_config_weights_and_vocab_size(preset_dir:
     assert tok_json["model"]["type"] == "BPE" and tok_json["model"]["byte_fallback"]
     assert tok_json["decoder"]["type"] == "Sequence"
     assert len(AutoTokenizer.from_pretrained(out)) == PRESETS["llama-tiny"]["vocab_size"]
+
+
+def test_gguf_type_errors_name_the_problem(preset_dir: Path):
+    from pagedllm.benchmarks.llamacpp_baseline import preset_gguf
+
+    with pytest.raises(ValueError, match="--gguf-type needs --preset"):
+        _run(["bench", "throughput", "--model", str(preset_dir), "--gguf-type", "q4_0"])
+    with pytest.raises(ValueError, match="unknown GGUF type 'q3_xl'.*q4_k_m"):
+        preset_gguf(str(preset_dir), "q3_xl")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
+                    reason="llama-cpp-python is not installed")
+def test_llamacpp_runs_a_gguf_model_file_as_it_is(preset_dir: Path, tmp_path: Path):
+    """With a .gguf model, llama.cpp runs that very file (no conversion)."""
+    from tests.fixtures.gguf_files import write_gguf
+
+    gguf_file = tmp_path / "tiny-q8_0.gguf"
+    write_gguf(preset_path("llama-tiny", "float32", preset_dir), gguf_file, "Q8_0")
+    out = tmp_path / "tp.json"
+    rc = _run(["bench", "throughput", "--model", str(gguf_file), "--dtype", "float32",
+               "--kv-cache-memory-bytes", KV_BYTES, "--num-prompts", "2", "--input-len", "8",
+               "--output-len", "4", "--compare", "llamacpp", "--output-json", str(out)])
+    assert rc == 0
+    ours, llamacpp = _load(out)
+    assert llamacpp["gguf"] == str(gguf_file) and llamacpp["num_wrong_output_lens"] == 0
+    assert ours["num_output_tokens"] == llamacpp["num_output_tokens"] == 8
