@@ -63,6 +63,8 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                      help="tokens per window (default and at most --max-model-len)")
     ppl.add_argument("--max-windows", type=int, default=None,
                      help="score only the first N windows (default: all)")
+    ppl.add_argument("--compare", action="append", choices=["llamacpp"], default=[],
+                     help="also score the same windows with llama.cpp on the same GGUF file")
     _add_output_args(ppl)
     ppl.set_defaults(func=run_perplexity_command)
 
@@ -326,10 +328,23 @@ def run_perplexity_command(args: argparse.Namespace) -> int:
     if args.max_windows is not None and args.max_windows < 1:
         raise ValueError("--max-windows must be >= 1")
     kwargs = resolve_model(args)
-    result = run_perplexity(kwargs, args.input_file, args.window, args.max_windows)
+    result, windows = run_perplexity(kwargs, args.input_file, args.window, args.max_windows)
     result["dtype"] = _run_dtype_name(kwargs["dtype"])
     print_result(result, "pagedllm perplexity")
-    return _finish(args, [result])
+    results = [result]
+    if "llamacpp" in args.compare:
+        from pagedllm.benchmarks.llamacpp_baseline import run_llamacpp_perplexity
+
+        try:
+            theirs = run_llamacpp_perplexity(kwargs["model"], windows, result["dtype"],
+                                             args.llamacpp_converter)
+        except RuntimeError as e:
+            print(str(e))
+        else:
+            theirs["perplexity_ratio"] = result["perplexity"] / theirs["perplexity"]
+            print_result(theirs, "llama.cpp perplexity (same windows)")
+            results.append(theirs)
+    return _finish(args, results)
 
 
 def run_serve_command(args: argparse.Namespace) -> int:

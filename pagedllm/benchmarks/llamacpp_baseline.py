@@ -189,14 +189,7 @@ def run_llamacpp_throughput(model_path: str, requests: list[BenchRequest], dtype
     reason = llamacpp_unavailable_reason()
     if reason is not None:
         raise RuntimeError(reason)
-    if model_path.endswith(".gguf") and Path(model_path).is_file():
-        gguf_path = Path(model_path)      # a GGUF model: llama.cpp runs the very same file
-    else:
-        found = find_converter(converter)
-        if found is None:
-            raise RuntimeError("llama.cpp comparison skipped: convert_hf_to_gguf.py not found.\n"
-                               + INSTALL_HINT.split("\n", 1)[1])
-        gguf_path = convert_to_gguf(model_path, dtype_name, found)
+    gguf_path = gguf_for(model_path, dtype_name, converter)
     batch_size = max(1, min(batch_size, len(requests)))
     max_len = max(len(r.prompt_token_ids) + r.output_len for r in requests) + 8
     with PeakRSSMonitor() as mem:
@@ -214,6 +207,71 @@ def run_llamacpp_throughput(model_path: str, requests: list[BenchRequest], dtype
     figures.update(batch_size=batch_size, gguf=str(gguf_path),
                    **percentiles(ttfts, "ttft_ms", 1e3))
     return figures, outputs
+
+
+def gguf_for(model_path: str, dtype_name: str, converter: str | None) -> Path:
+    """The GGUF file llama.cpp runs for `model_path`: a `.gguf` model file as it is, a
+    checkpoint folder converted in `dtype_name` (once).
+
+    Raises:
+        RuntimeError: no converter found, or the conversion failed.
+    """
+    if model_path.endswith(".gguf") and Path(model_path).is_file():
+        return Path(model_path)
+    found = find_converter(converter)
+    if found is None:
+        raise RuntimeError("llama.cpp comparison skipped: convert_hf_to_gguf.py not found.\n"
+                           + INSTALL_HINT.split("\n", 1)[1])
+    return convert_to_gguf(model_path, dtype_name, found)
+
+
+def run_llamacpp_perplexity(model_path: str, windows: list[list[int]], dtype_name: str,
+                            converter: str | None = None,
+                            num_threads: int | None = None) -> dict[str, Any]:
+    """llama.cpp's perplexity over the same token windows `compute_perplexity` scores: each
+    window is evaluated from an empty KV cache with logits for every position
+    (`Llama(logits_all=True).eval`, flash attention on, f16 KV cache), and token i of a window
+    is scored by log_softmax(logits[i - 1])[token i] in float64. Same windows, same tokens, same
+    formula, so the two perplexities differ only by the engines' arithmetic.
+
+    Returns:
+        {"backend", "gguf", "num_tokens", "num_windows", "mean_nll", "perplexity", "seconds"}.
+
+    Raises:
+        RuntimeError: llama_cpp missing, no converter, a failed conversion or evaluation.
+    """
+    import math
+
+    import numpy as np
+
+    reason = llamacpp_unavailable_reason()
+    if reason is not None:
+        raise RuntimeError(reason)
+    gguf_path = gguf_for(model_path, dtype_name, converter)
+    import llama_cpp
+
+    window = max(len(w) for w in windows)
+    llm = llama_cpp.Llama(str(gguf_path), n_ctx=window, n_batch=window, n_ubatch=window,
+                          logits_all=True, n_threads=num_threads or os.cpu_count() or 1,
+                          flash_attn=True, verbose=False)
+    total, count = 0.0, 0
+    start = time.perf_counter()
+    try:
+        for ids in windows:
+            llm.reset()
+            llm.eval(ids)
+            logits = np.asarray(llm.scores[:len(ids) - 1], dtype=np.float64)
+            top = logits.max(axis=1, keepdims=True)
+            log_z = top[:, 0] + np.log(np.exp(logits - top).sum(axis=1))
+            nll = log_z - logits[np.arange(len(ids) - 1), ids[1:]]
+            total += float(nll.sum())
+            count += len(ids) - 1
+    finally:
+        llm.close()
+    mean_nll = total / count
+    return {"backend": "llama.cpp", "gguf": str(gguf_path), "num_tokens": count,
+            "num_windows": len(windows), "mean_nll": mean_nll, "perplexity": math.exp(mean_nll),
+            "seconds": time.perf_counter() - start}
 
 
 class _BatchedLlamaCpp:

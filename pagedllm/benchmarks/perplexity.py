@@ -125,9 +125,9 @@ def read_text(path: str | None) -> str:
 
 
 def run_perplexity(kwargs: dict[str, Any], input_file: str | None, window: int | None,
-                   max_windows: int | None) -> dict[str, Any]:
+                   max_windows: int | None) -> tuple[dict[str, Any], list[list[int]]]:
     """Build an LLM from engine kwargs, score the text, and return the figures as a dict (the
-    settings that matter for comparisons included)."""
+    settings that matter for comparisons included) and the scored windows' token ids."""
     from pagedllm import LLM
 
     llm = LLM(**kwargs)
@@ -139,8 +139,8 @@ def run_perplexity(kwargs: dict[str, Any], input_file: str | None, window: int |
     text = read_text(input_file)
     token_ids = llm.get_tokenizer().encode(text, add_special_tokens=False)
     result = compute_perplexity(llm, token_ids, window, max_windows)
-    return {"model": kwargs["model"], "text": input_file or "built-in",
-            "dtype": config.model_config.dtype,
-            "kv_cache_dtype": config.cache_config.cache_dtype,
-            "quantization": config.model_config.quantization or "default",
-            **asdict(result)}
+    return ({"model": kwargs["model"], "text": input_file or "built-in",
+             "dtype": config.model_config.dtype,
+             "kv_cache_dtype": config.cache_config.cache_dtype,
+             "quantization": config.model_config.quantization or "default",
+             **asdict(result)}, split_windows(token_ids, window)[:max_windows])

@@ -4,6 +4,7 @@ over the same windows (oracle: HF transformers, DESIGN.md §6), and with a quant
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 from pathlib import Path
@@ -77,3 +78,22 @@ def test_perplexity_rejects_a_window_past_max_model_len(tiny_llama: Path):
     with pytest.raises(ValueError, match="max_model_len"):
         _run(["bench", "perplexity", "--model", str(tiny_llama), "--dtype", "float32",
               "--max-model-len", "32", "--window", "64"])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
+                    reason="llama-cpp-python is not installed")
+def test_perplexity_compare_llamacpp_scores_the_same_windows(tiny_llama: Path, tmp_path: Path):
+    """On an F32 GGUF file of the tiny model, llama.cpp scores the same tokens and lands close
+    to the engine (its KV cache is f16)."""
+    from tests.fixtures.gguf_files import write_gguf
+
+    gguf_file = write_gguf(tiny_llama, tmp_path / "tiny-f32.gguf", "F32")
+    out = tmp_path / "ppl.json"
+    assert _run(["bench", "perplexity", "--model", str(gguf_file), "--dtype", "float32",
+                 "--max-model-len", str(WINDOW), "--max-windows", str(MAX_WINDOWS),
+                 "--compare", "llamacpp", "--output-json", str(out)]) == 0
+    ours, theirs = json.loads(out.read_text())["results"]
+    assert theirs["backend"] == "llama.cpp" and theirs["gguf"] == str(gguf_file)
+    assert theirs["num_tokens"] == ours["num_tokens"] and theirs["num_windows"] == MAX_WINDOWS
+    assert theirs["perplexity"] == pytest.approx(ours["perplexity"], rel=1e-2)
+    assert theirs["perplexity_ratio"] == pytest.approx(ours["perplexity"] / theirs["perplexity"])
