@@ -50,6 +50,8 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     lat.add_argument("--profile", action="store_true",
                      help="torch.profiler over a few decode steps; print the top ops")
     lat.add_argument("--profile-steps", type=int, default=8)
+    lat.add_argument("--compare", action="append", choices=["llamacpp"], default=[],
+                     help="also run the same waves through llama.cpp (same GGUF file)")
     _add_output_args(lat)
     lat.set_defaults(func=run_latency_command)
 
@@ -318,7 +320,25 @@ def run_latency_command(args: argparse.Namespace) -> int:
     print_result(result, f"pagedllm latency (batch {args.batch_size})")
     if profile_rows is not None:
         result["profile_top_ops"] = profile_rows
-    return _finish(args, [result])
+    results = [result]
+    if "llamacpp" in args.compare:
+        from pagedllm.benchmarks.llamacpp_baseline import run_llamacpp_latency
+
+        del llm
+        gc.collect()
+        try:
+            theirs = run_llamacpp_latency(model_path, requests, args.batch_size,
+                                          result["dtype"], args.llamacpp_converter,
+                                          args.num_iters_warmup)
+        except RuntimeError as e:
+            print(str(e))
+        else:
+            # > 1: our decode steps are faster (their TPOT / ours).
+            theirs["tpot_speedup_vs_llamacpp"] = theirs["tpot_ms_mean"] / result["tpot_ms_mean"]
+            theirs["ttft_speedup_vs_llamacpp"] = theirs["ttft_ms_mean"] / result["ttft_ms_mean"]
+            print_result(theirs, f"llama.cpp latency (batch {args.batch_size})")
+            results.append(theirs)
+    return _finish(args, results)
 
 
 def run_perplexity_command(args: argparse.Namespace) -> int:

@@ -274,6 +274,51 @@ def run_llamacpp_perplexity(model_path: str, windows: list[list[int]], dtype_nam
             "seconds": time.perf_counter() - start}
 
 
+def run_llamacpp_latency(model_path: str, requests: list[BenchRequest], batch_size: int,
+                         dtype_name: str, converter: str | None = None,
+                         num_iters_warmup: int = 1,
+                         num_threads: int | None = None) -> dict[str, Any]:
+    """`bench latency`'s waves through llama.cpp: `requests` in waves of `batch_size` started
+    together (the first `num_iters_warmup` waves untimed), greedy, with TTFT, TPOT (per request:
+    (last token time - first token time) / (tokens - 1)), ITL and e2e percentiles as the
+    engine's `latency_figures` computes them.
+
+    Raises:
+        RuntimeError: llama_cpp missing, no converter, a failed conversion or decode call.
+    """
+    reason = llamacpp_unavailable_reason()
+    if reason is not None:
+        raise RuntimeError(reason)
+    gguf_path = gguf_for(model_path, dtype_name, converter)
+    max_len = max(len(r.prompt_token_ids) + r.output_len for r in requests) + 8
+    runner = _BatchedLlamaCpp(str(gguf_path), batch_size, max_len,
+                              num_threads or os.cpu_count() or 1)
+    ttft, tpot, itl, e2e, waves = [], [], [], [], []
+    try:
+        for w in range(0, len(requests), batch_size):
+            wave = requests[w:w + batch_size]
+            times: list[list[float]] = [[] for _ in wave]
+            start = time.perf_counter()
+            runner.generate([r.prompt_token_ids for r in wave], [r.output_len for r in wave],
+                            times)
+            if w < num_iters_warmup * batch_size:
+                continue
+            waves.append(time.perf_counter() - start)
+            for t in times:
+                ttft.append(t[0] - start)
+                e2e.append(t[-1] - start)
+                if len(t) > 1:
+                    tpot.append((t[-1] - t[0]) / (len(t) - 1))
+                itl.extend(b - a for a, b in zip(t, t[1:]))
+    finally:
+        runner.close()
+    return {"backend": "llama.cpp", "gguf": str(gguf_path), "batch_size": batch_size,
+            "num_timed_requests": len(ttft), **percentiles(ttft, "ttft_ms", 1e3),
+            **percentiles(tpot, "tpot_ms", 1e3), **percentiles(itl, "itl_ms", 1e3),
+            **percentiles(e2e, "e2e_latency_ms", 1e3),
+            **percentiles(waves, "batch_latency_ms", 1e3)}
+
+
 class _BatchedLlamaCpp:
     """A llama.cpp context with `num_slots` sequences, driven through the low-level API."""
 
@@ -313,9 +358,11 @@ class _BatchedLlamaCpp:
         lc.llama_free(self.ctx)
         lc.llama_model_free(self.model)
 
-    def generate(self, prompts: list[list[int]], output_lens: list[int]
+    def generate(self, prompts: list[list[int]], output_lens: list[int],
+                 token_times: list[list[float]] | None = None
                  ) -> tuple[list[list[int]], list[float]]:
-        """Greedy tokens per prompt, and each prompt's time to first token (seconds)."""
+        """Greedy tokens per prompt, and each prompt's time to first token (seconds); with
+        `token_times`, each prompt's list there gets the `time.perf_counter()` of every token."""
         import numpy as np
 
         lc, batch = self.lc, self.batch
@@ -357,8 +404,11 @@ class _BatchedLlamaCpp:
                 logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(self.ctx, i),
                                                shape=(self.n_vocab,))
                 req = slots[seq_id]["req"]
+                now = time.perf_counter()
                 if not outputs[req]:
-                    ttfts[req] = time.perf_counter() - start
+                    ttfts[req] = now - start
+                if token_times is not None:
+                    token_times[req].append(now)
                 outputs[req].append(int(logits.argmax()))
                 if len(outputs[req]) >= output_lens[req]:
                     slots[seq_id] = None

@@ -189,3 +189,23 @@ def test_llamacpp_runs_a_gguf_model_file_as_it_is(preset_dir: Path, tmp_path: Pa
     ours, llamacpp = _load(out)
     assert llamacpp["gguf"] == str(gguf_file) and llamacpp["num_wrong_output_lens"] == 0
     assert ours["num_output_tokens"] == llamacpp["num_output_tokens"] == 8
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
+                    reason="llama-cpp-python is not installed")
+def test_latency_compare_llamacpp_times_the_same_waves(preset_dir: Path, tmp_path: Path):
+    from tests.fixtures.gguf_files import write_gguf
+
+    gguf_file = write_gguf(preset_path("llama-tiny", "float32", preset_dir),
+                           tmp_path / "tiny-f32.gguf", "F32")
+    out = tmp_path / "lat.json"
+    assert _run(["bench", "latency", "--model", str(gguf_file), "--dtype", "float32",
+                 "--kv-cache-memory-bytes", KV_BYTES, "--batch-size", "2", "--input-len", "8",
+                 "--output-len", "5", "--num-iters", "2", "--bandwidth-mib", "0",
+                 "--compare", "llamacpp", "--output-json", str(out)]) == 0
+    ours, theirs = _load(out)
+    assert theirs["backend"] == "llama.cpp" and theirs["num_timed_requests"] == 4
+    assert ours["num_timed_requests"] == 4
+    assert theirs["tpot_ms_mean"] > 0 and theirs["ttft_ms_p50"] > 0
+    assert theirs["tpot_speedup_vs_llamacpp"] == pytest.approx(
+        theirs["tpot_ms_mean"] / ours["tpot_ms_mean"])
