@@ -8,6 +8,8 @@ equal), in one process and over two worker processes.
 
 from __future__ import annotations
 
+import importlib.util
+
 import numpy as np
 import pytest
 import torch
@@ -200,12 +202,17 @@ def test_eplb_rebalancing_mid_run_changes_no_token(mixtral):
     assert len(got[0]) == len(PROMPTS)
 
 
-@pytest.mark.parametrize("parallel", [
-    pytest.param(dict(enable_expert_parallel=True), marks=pytest.mark.slow), EPLB])
-def test_expert_parallel_tp2_matches_single_process(mixtral, parallel):
-    """Two worker processes (gloo), 4 whole experts each (5 with EPLB's 2 redundant),
-    attention TP; with EPLB the experts are all-gathered and moved every 3 steps mid-run.
-    Same greedy tokens as one process without EP."""
-    got = run(mixtral, PARAMS, tensor_parallel_size=2, distributed_executor_backend="mp",
+_NO_RAY = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="Ray not installed")
+
+
+@pytest.mark.parametrize("parallel, backend", [
+    pytest.param(dict(enable_expert_parallel=True), "mp", marks=pytest.mark.slow),
+    (EPLB, "mp"),
+    pytest.param(EPLB, "ray", marks=[pytest.mark.slow, _NO_RAY])])
+def test_expert_parallel_tp2_matches_single_process(mixtral, parallel, backend):
+    """Two workers (processes or Ray actors, gloo), 4 whole experts each (5 with EPLB's 2
+    redundant), attention TP; with EPLB the experts that change place are sent point to point
+    every 3 steps mid-run. Same greedy tokens as one process without EP."""
+    got = run(mixtral, PARAMS, tensor_parallel_size=2, distributed_executor_backend=backend,
               **parallel)
     assert got == run(mixtral, PARAMS)
