@@ -216,3 +216,36 @@ def test_expert_parallel_tp2_matches_single_process(mixtral, parallel, backend):
     got = run(mixtral, PARAMS, tensor_parallel_size=2, distributed_executor_backend=backend,
               **parallel)
     assert got == run(mixtral, PARAMS)
+
+
+def test_eplb_with_spec_decode_preemption_and_prefix_caching(mixtral):
+    """One process, EPLB rebalancing every 3 steps, n-gram speculative decoding, a KV cache of
+    14 blocks of 8 tokens (preemption), prefix caching and a 24-token budget (chunked prefill):
+    the same greedy tokens as the plain engine, and preemptions and cache hits did happen."""
+    import random
+
+    from pagedllm import LLM
+
+    rng = random.Random(3)
+    motif = [rng.randrange(300, 400) for _ in range(5)]
+    shared = [rng.randrange(300, 400) for _ in range(16)]
+    prompts = [{"prompt_token_ids": (shared if i % 2 else []) + motif * 3
+                + [rng.randrange(300, 400) for _ in range(rng.randint(2, 9))]}
+               for i in range(8)]
+    params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
+    plain = LLM(str(mixtral), dtype="float32", num_gpu_blocks_override=64)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    plain.llm_engine.engine_core.shutdown()
+    llm = LLM(str(mixtral), dtype="float32", block_size=8, num_gpu_blocks_override=14,
+              max_num_batched_tokens=24, max_num_seqs=4, enable_prefix_caching=True,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                  "prompt_lookup_min": 2, "prompt_lookup_max": 4}, **EPLB)
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        stats = llm.get_stats()
+        eplb = llm.llm_engine.engine_core.executor.worker.model_runner.eplb
+        assert eplb.num_rebalances >= 2
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    assert got == want
+    assert stats.num_preemptions > 0 and stats.prefix_cache_stats.hits > 0
