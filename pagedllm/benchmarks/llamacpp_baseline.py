@@ -319,6 +319,23 @@ def run_llamacpp_latency(model_path: str, requests: list[BenchRequest], batch_si
             **percentiles(waves, "batch_latency_ms", 1e3)}
 
 
+_QUIET_LOG = None
+
+
+def _silence_llamacpp_logs(lc) -> None:
+    """llama.cpp logs every load and context to stderr; keep the benchmark's output readable.
+
+    NOTE(llamacpp): llama.cpp keeps the callback's address for the life of the process, so it
+    lives at module level: a callback owned by a runner object would be freed with it, and the
+    next log line (e.g. `llama_cpp.Llama` loading a model) would call freed memory (a segfault
+    seen when the perplexity comparison ran after a throughput comparison in one process).
+    """
+    global _QUIET_LOG
+    if _QUIET_LOG is None:
+        _QUIET_LOG = lc.llama_log_callback(lambda level, text, user_data: None)
+    lc.llama_log_set(_QUIET_LOG, None)
+
+
 class _BatchedLlamaCpp:
     """A llama.cpp context with `num_slots` sequences, driven through the low-level API."""
 
@@ -328,9 +345,7 @@ class _BatchedLlamaCpp:
         import llama_cpp as lc
 
         self.lc = lc
-        # llama.cpp logs every load and context to stderr; keep the benchmark's output readable
-        self._quiet = lc.llama_log_callback(lambda level, text, user_data: None)
-        lc.llama_log_set(self._quiet, None)
+        _silence_llamacpp_logs(lc)
         lc.llama_backend_init()
         self.model = lc.llama_model_load_from_file(gguf_path.encode(),
                                                    lc.llama_model_default_params())
