@@ -1,4 +1,4 @@
-"""`pagedllm bench {throughput,latency,perplexity,serve,soak}`: flags, model resolution and the
+"""`pagedllm bench {throughput,latency,gemm,perplexity,serve,soak}`: flags, model resolution and the
 runners.
 
 Wire into the top-level CLI with `add_bench_parser(subparsers)`; each sub-command sets
@@ -54,6 +54,17 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                      help="also run the same waves through llama.cpp (same GGUF file)")
     _add_output_args(lat)
     lat.set_defaults(func=run_latency_command)
+
+    gemm = sub.add_parser("gemm", help="GFLOP/s of the CPU linear kernels (dot-product, packed "
+                                       "GEMM) and torch's GEMM, against the FMA peak")
+    gemm.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    gemm.add_argument("--rows", default="1,32,64,512",
+                      help="comma-separated row counts M (default 1,32,64,512)")
+    gemm.add_argument("--shapes", default="768x768,2048x768,768x2048,32000x768",
+                      help="comma-separated weight shapes NxK (default: llama-134m's linears "
+                           "and LM head)")
+    _add_output_args(gemm)
+    gemm.set_defaults(func=run_gemm_command)
 
     ppl = sub.add_parser("perplexity", help="perplexity of the model over a text (prompt "
                                             "logprobs over windows of max_model_len tokens)")
@@ -289,8 +300,8 @@ def run_latency_command(args: argparse.Namespace) -> int:
     import torch
 
     from pagedllm import LLM
-    from pagedllm.benchmarks.latency import (decode_bytes_per_token, measure_memory_bandwidth,
-                                             roofline, run_latency)
+    from pagedllm.benchmarks.latency import (decode_bytes_per_token, measure_fma_peak,
+                                             measure_memory_bandwidth, roofline, run_latency)
     from pagedllm.benchmarks.report import print_result
 
     if args.batch_size < 1 or args.num_iters < 1 or args.num_iters_warmup < 0:
@@ -312,6 +323,7 @@ def run_latency_command(args: argparse.Namespace) -> int:
         timed = requests[args.batch_size * args.num_iters_warmup:]
         mean_ctx = sum(len(r.prompt_token_ids) + r.output_len / 2 for r in timed) / len(timed)
         result["memory_bandwidth"] = bandwidth
+        result["fma_peak"] = measure_fma_peak()
         result["decode_bytes"] = bytes_info
         # NOTE(bench): the bound uses the faster probe, the bandwidth torch demonstrably reaches.
         result["roofline"] = roofline(bytes_info, max(bandwidth["copy_gbps"],
@@ -339,6 +351,42 @@ def run_latency_command(args: argparse.Namespace) -> int:
             print_result(theirs, f"llama.cpp latency (batch {args.batch_size})")
             results.append(theirs)
     return _finish(args, results)
+
+
+def run_gemm_command(args: argparse.Namespace) -> int:
+    """The GEMM probe (`latency.measure_linear_gemm`): one line per (shape, rows).
+
+    Raises:
+        ValueError: a malformed --rows or --shapes.
+    """
+    import os
+
+    import torch
+
+    from pagedllm.benchmarks.latency import measure_fma_peak, measure_linear_gemm
+
+    try:
+        rows = [int(r) for r in args.rows.split(",")]
+        shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shapes.split(",")]
+    except ValueError:
+        rows, shapes = [], []
+    if not rows or min(rows) < 1 or any(len(s) != 2 or min(s) < 1 for s in shapes) or not shapes:
+        raise ValueError(f"--rows must be positive integers and --shapes NxK pairs, got "
+                         f"{args.rows!r} and {args.shapes!r}")
+    peak = measure_fma_peak()
+    table = measure_linear_gemm(shapes, rows, getattr(torch, args.dtype))
+    if not table:
+        print("the native CPU kernels are unavailable: nothing to measure")
+        return 1
+    print(f"threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f}, FMA peak "
+          + ", ".join(f"{k} {v:.1f}" for k, v in peak.items() if v is not None))
+    print(f"{'N':>6} {'K':>5} {'M':>4} {'dot kernel':>11} {'packed':>8} {'torch':>8} "
+          f"{'packed/peak':>11}  (GFLOP/s, {args.dtype})")
+    for r in table:
+        print(f"{r['n']:>6} {r['k']:>5} {r['m']:>4} {r['dot_kernel_gflops']:>11.1f} "
+              f"{r['packed_gflops']:>8.1f} {r['torch_gflops']:>8.1f} "
+              f"{r['packed_fraction_of_peak']:>11.2f}")
+    return _finish(args, [{"fma_peak": peak, "dtype": args.dtype, "gemm": table}])
 
 
 def run_perplexity_command(args: argparse.Namespace) -> int:

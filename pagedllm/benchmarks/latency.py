@@ -61,6 +61,76 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
+def measure_fma_peak(seconds: float = 0.05, repeats: int = 8) -> dict[str, float | None]:
+    """The cores' arithmetic peak in GFLOP/s, from a register-only FMA loop on torch's current
+    thread count (`fma_peak_probe` in kernels/csrc/cpu_packed_gemm.cpp, best of `repeats`
+    short runs of about `seconds`, so that one of them likely finds the cores free on a shared
+    machine): float32 FMAs at the widest vector width the kernels were built
+    for, and bf16 dot products (`vdpbf16ps`; None without AVX512_BF16). The fraction of it a
+    GEMM reaches is what `measure_linear_gemm` reports. Empty without the native kernels."""
+    from pagedllm.kernels import cpu_kernels
+
+    lib = cpu_kernels()
+    if lib is None:
+        return {}
+    result: dict[str, float | None] = {}
+    for key, kind in (("fp32_fma_gflops", 0), ("bf16_dot_gflops", 1)):
+        iterations = 1_000_000
+        if lib.fma_peak_probe(iterations, kind) < 0:   # also starts the threads
+            result[key] = None
+            continue
+        start = time.perf_counter()
+        lib.fma_peak_probe(iterations, kind)
+        iterations = max(iterations, int(iterations * seconds / (time.perf_counter() - start)))
+        best = 0.0
+        for _ in range(repeats):
+            start = time.perf_counter()
+            flops = lib.fma_peak_probe(iterations, kind)
+            best = max(best, flops / (time.perf_counter() - start) / 1e9)
+        result[key] = best
+    return result
+
+
+def measure_linear_gemm(shapes: list[tuple[int, int]], rows: list[int], dtype: torch.dtype,
+                        min_seconds: float = 0.05) -> list[dict[str, Any]]:
+    """GFLOP/s of y = x W^T for each weight shape (N, K) and row count M on torch's current
+    thread count: the dot-product kernel (`ops.cpu_linear`), the packed GEMM
+    (`ops.packed_linear` on `ops.pack_linear_weight(W)`) and torch's GEMM (`F.linear`), timed
+    interleaved (one call of each in turn, best of the rounds: fair on a shared machine).
+    x and W are in `dtype` (float32 or bfloat16); flops = 2 M N K. Each row also gives the
+    packed GEMM's fraction of the FMA peak for its math (bf16 dot products for bf16 weights
+    where the kernels pack bf16 pairs, else float32 FMAs). Empty without the native kernels."""
+    from pagedllm.kernels import cpu_kernels
+    from pagedllm.kernels import ops
+
+    lib = cpu_kernels()
+    if lib is None:
+        return []
+    peak = measure_fma_peak()
+    peak_key = ("bf16_dot_gflops" if dtype == torch.bfloat16 and lib.packed_gemm_bf16_pairs()
+                else "fp32_fma_gflops")
+    out = []
+    for n, k in shapes:
+        weight = torch.randn(n, k).to(dtype)
+        packed = ops.pack_linear_weight(weight)
+        for m in rows:
+            x = torch.randn(m, k).to(dtype)
+            fns = {"dot_kernel": lambda: ops.cpu_linear(x, weight),
+                   "packed": lambda: ops.packed_linear(x, packed),
+                   "torch": lambda: torch.nn.functional.linear(x, weight)}
+            best = {name: min(_timed(fn) for _ in range(2)) for name, fn in fns.items()}
+            rounds = max(3, min(50, int(min_seconds / max(sum(best.values()), 1e-6))))
+            for _ in range(rounds):
+                for name, fn in fns.items():
+                    best[name] = min(best[name], _timed(fn))
+            flops = 2 * m * n * k
+            row: dict[str, Any] = {"n": n, "k": k, "m": m}
+            row.update({f"{name}_gflops": flops / t / 1e9 for name, t in best.items()})
+            row["packed_fraction_of_peak"] = row["packed_gflops"] / peak[peak_key]
+            out.append(row)
+    return out
+
+
 def _safetensors_shapes(model_path: str) -> dict[str, tuple[str, list[int]]]:
     shapes: dict[str, tuple[str, list[int]]] = {}
     for path in sorted(Path(model_path).glob("*.safetensors")):

@@ -1,10 +1,11 @@
-"""Named random-weight Llama checkpoints for benchmarks, built once into a cache folder.
+"""Named random-weight checkpoints (Llama, Mixtral) for benchmarks, built once into a cache folder.
 
 `preset_path(name, dtype)` returns `<root>/<name>-<dtype>/` (root: `$PAGEDLLM_PRESET_DIR` or
-`~/.cache/pagedllm/presets`), building it on first use with transformers' `LlamaConfig` /
-`LlamaForCausalLM` + `save_pretrained` and a synthetic byte-level BPE tokenizer of exactly the
-model's vocabulary size. A folder is complete once its `.complete` marker exists; builds go to a
-temporary sibling that is renamed into place, so an interrupted build is never picked up.
+`~/.cache/pagedllm/presets`), building it on first use with the transformers config and model
+classes of the preset's `architecture` (default `LlamaForCausalLM`) + `save_pretrained` and a
+synthetic byte-level BPE tokenizer of exactly the model's vocabulary size. A folder is complete
+once its `.complete` marker exists; builds go to a temporary sibling that is renamed into place,
+so an interrupted build is never picked up.
 """
 
 from __future__ import annotations
@@ -26,7 +27,20 @@ PRESETS: dict[str, dict[str, Any]] = {
                  "num_key_value_heads": 8, "intermediate_size": 8192, "vocab_size": 32000},
     "llama-tiny": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
                    "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 1024},
+    # Issue #19's speed target: Mixtral's shape scaled to hidden 512 (8 experts, top-2, expert
+    # intermediate 2x hidden, GQA 8/4 heads of 64), 8 layers: 140M parameters (101M in the
+    # experts), 64M active per token.
+    "mixtral-512": {"architecture": "MixtralForCausalLM", "hidden_size": 512,
+                    "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 4,
+                    "intermediate_size": 1024, "num_local_experts": 8,
+                    "num_experts_per_tok": 2, "vocab_size": 32000},
+    "mixtral-tiny": {"architecture": "MixtralForCausalLM", "hidden_size": 64,
+                     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                     "intermediate_size": 96, "num_local_experts": 4, "num_experts_per_tok": 2,
+                     "vocab_size": 1024},
 }
+# HF `architectures` name -> its transformers config class.
+ARCHITECTURE_CONFIGS = {"LlamaForCausalLM": "LlamaConfig", "MixtralForCausalLM": "MixtralConfig"}
 _COMMON_CONFIG: dict[str, Any] = {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
                                   "tie_word_embeddings": False, "rope_theta": 10000.0}
 # Saved weight dtypes; "auto" and float16 requests save float32 (the engine casts on load).
@@ -67,7 +81,9 @@ def preset_path(name: str, dtype: str | None = "float32", root: str | Path | Non
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
     os.chmod(tmp_dir, 0o755)
     try:
-        build_checkpoint(tmp_dir, PRESETS[name], save_dtype, seed)
+        config_kwargs = dict(PRESETS[name])
+        architecture = config_kwargs.pop("architecture", "LlamaForCausalLM")
+        build_checkpoint(tmp_dir, config_kwargs, save_dtype, seed, architecture)
         (tmp_dir / _MARKER).write_text(json.dumps({"preset": name, "dtype": save_dtype}))
         if out_dir.exists():  # a stale, incomplete folder
             shutil.rmtree(out_dir)
@@ -81,21 +97,34 @@ def preset_path(name: str, dtype: str | None = "float32", root: str | Path | Non
 
 
 def build_checkpoint(out_dir: str | Path, config_kwargs: dict[str, Any], dtype: str = "float32",
-                     seed: int = 0) -> Path:
-    """Save a seeded random-weight `LlamaForCausalLM` plus a matching tokenizer into `out_dir`."""
+                     seed: int = 0, architecture: str = "LlamaForCausalLM") -> Path:
+    """Save a seeded random-weight model of `architecture` (a key of `ARCHITECTURE_CONFIGS`,
+    its config built from `config_kwargs` over the common defaults) plus a matching tokenizer
+    into `out_dir`.
+
+    Raises:
+        ValueError: for an architecture outside `ARCHITECTURE_CONFIGS`, naming the known ones.
+    """
     import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    import transformers
+    from transformers import GenerationConfig
+
+    if architecture not in ARCHITECTURE_CONFIGS:
+        raise ValueError(f"unknown preset architecture {architecture!r}; known: "
+                         f"{sorted(ARCHITECTURE_CONFIGS)}")
+    config_cls = getattr(transformers, ARCHITECTURE_CONFIGS[architecture])
+    model_cls = getattr(transformers, architecture)
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     vocab_size = config_kwargs["vocab_size"]
     write_synthetic_tokenizer(out_dir, vocab_size)
     bos_id, eos_id, pad_id = range(len(_SPECIAL_TOKENS))
-    config = LlamaConfig(**{**_COMMON_CONFIG, **config_kwargs}, bos_token_id=bos_id,
-                         eos_token_id=eos_id, pad_token_id=pad_id)
-    config.architectures = ["LlamaForCausalLM"]
+    config = config_cls(**{**_COMMON_CONFIG, **config_kwargs}, bos_token_id=bos_id,
+                        eos_token_id=eos_id, pad_token_id=pad_id)
+    config.architectures = [architecture]
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(getattr(torch, dtype)).eval()
+    model = model_cls(config).to(getattr(torch, dtype)).eval()
     model.generation_config = GenerationConfig(bos_token_id=bos_id, eos_token_id=eos_id,
                                                pad_token_id=pad_id)
     model.save_pretrained(out_dir)

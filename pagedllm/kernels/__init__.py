@@ -25,9 +25,10 @@ logger = logging.getLogger(__name__)
 
 KERNELS_VERSION = 5  # must equal pagedllm_cpu_kernels_version() in the sources
 _SOURCES = ("cpu_attention.cpp", "cpu_linear.cpp", "cpu_decoder.cpp", "cpu_gguf_linear.cpp",
-            "cpu_int8_linear.cpp")
+            "cpu_int8_linear.cpp", "cpu_fused_moe.cpp", "cpu_gguf_q8_linear.cpp",
+            "cpu_packed_gemm.cpp")
 _HEADERS = ("cpu_vec.h", "attention_kernel.h", "linear_kernel.h", "gguf_blocks.h",
-            "int8_blocks.h")
+            "int8_blocks.h", "gguf_q8_dot.h", "packed_gemm.h")
 _CXXFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 
 _lock = threading.Lock()
@@ -153,12 +154,16 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.decoder_layers.argtypes = [p, i32, p, p, i32, i32, i32]
     lib.add_rms_norm.restype = None
     lib.add_rms_norm.argtypes = [p, p, i64, i64, p, f32, p, i32]
-    for name in ("linear_gguf_f32", "linear_gguf_q8_activations"):
+    lib.linear_gguf_f32.restype = i32
+    lib.linear_gguf_f32.argtypes = [p, i64, i64, i64, p, i64, i32, p, p, i64]
+    for name in ("linear_gguf_segments", "linear_gguf_segments_q8"):
         fn = getattr(lib, name)
         fn.restype = i32
-        fn.argtypes = [p, i64, i64, i64, p, i64, i32, p, p, i64]
-    lib.linear_gguf_segments.restype = i32
-    lib.linear_gguf_segments.argtypes = [p, i64, i64, i64, p, i64, p, p, i64]
+        fn.argtypes = [p, i64, i64, i64, p, i64, p, p, i64]
+    lib.quantize_rows_gguf_q8.restype = None
+    lib.quantize_rows_gguf_q8.argtypes = [p, i64, i64, i64, p, p, p]
+    lib.gguf_q8_dot_isa.restype = i32
+    lib.gguf_q8_dot_isa.argtypes = []
     lib.dequantize_rows_gguf.restype = i32
     lib.dequantize_rows_gguf.argtypes = [p, i64, i32, p, i64, p]
     for name in ("linear_int8_f32", "linear_w8a8_f32"):
@@ -167,3 +172,17 @@ def _declare(lib: ctypes.CDLL) -> None:
         fn.argtypes = [p, i64, i64, i64, p, i64, p, p, p, i64]
     lib.quantize_rows_int8.restype = None
     lib.quantize_rows_int8.argtypes = [p, i64, i64, i64, p, p]
+    lib.fused_moe_experts.restype = i32
+    lib.fused_moe_experts.argtypes = [p, i32, i64, i64, p, p, i32, i64, i64, p, p, i64, p]
+    for name in ("packed_linear_f32", "packed_linear_bf16", "packed_linear_bf16_act"):
+        fn = getattr(lib, name)
+        fn.restype = None
+        fn.argtypes = [p, i64, i64, i64, p, i64, p, p, i64]
+    for name in ("pack_linear_weight", "unpack_linear_weight"):
+        fn = getattr(lib, name)
+        fn.restype = None
+        fn.argtypes = [p, i64, i64, i32, p]
+    lib.packed_gemm_bf16_pairs.restype = i32
+    lib.packed_gemm_bf16_pairs.argtypes = []
+    lib.fma_peak_probe.restype = ctypes.c_double
+    lib.fma_peak_probe.argtypes = [i64, i32]

@@ -70,6 +70,189 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     return y.view(*lead, n).to(x.dtype)
 
 
+def packed_gemm_supported(weight: torch.Tensor) -> bool:
+    """Whether `pack_linear_weight` takes `weight`: a contiguous float32/bfloat16 [N, K] CPU
+    tensor with K a positive multiple of 8 (what `packed_linear` then computes on)."""
+    return (weight.device.type == "cpu" and weight.dtype in _LINEAR_DTYPES
+            and weight.dim() == 2 and weight.is_contiguous() and weight.shape[0] > 0
+            and weight.shape[1] > 0 and weight.shape[1] % 8 == 0)
+
+
+def _packing_lib(weight: torch.Tensor, lib: ctypes.CDLL | None, what: str) -> ctypes.CDLL:
+    lib = lib if lib is not None else cpu_kernels()
+    if lib is None:
+        raise RuntimeError(f"{what} needs the native CPU kernels, which are unavailable (see the "
+                           f"log; PAGEDLLM_CPU_KERNELS switches them off)")
+    if not packed_gemm_supported(weight):
+        raise ValueError(f"{what}: weight {tuple(weight.shape)} {weight.dtype} on "
+                         f"{weight.device} is not a contiguous float32/bfloat16 [N, K] CPU "
+                         f"tensor with K a positive multiple of 8")
+    return lib
+
+
+def pack_linear_weight(weight: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """`weight` [N, K] rearranged into the packed-B GEMM's panels (`csrc/packed_gemm.h`: [N/16]
+    panels of [K][16] values, bf16 as [K/2][16][2] pairs where the library has AVX512_BF16, a
+    tail panel for N % 16), returned as a new tensor of the same shape and dtype (only
+    `packed_linear` of the same library build may read it).
+
+    Args:
+        weight: [N, K] float32 or bfloat16, contiguous, on the CPU, K % 8 == 0.
+        lib: the kernel library (default `cpu_kernels()`; tests pass other builds).
+
+    Raises:
+        ValueError: an unsupported weight (see `packed_gemm_supported`).
+        RuntimeError: the native kernels are unavailable.
+    """
+    lib = _packing_lib(weight, lib, "pack_linear_weight")
+    out = torch.empty_like(weight)
+    lib.pack_linear_weight(weight.data_ptr(), weight.shape[0], weight.shape[1],
+                           _LINEAR_DTYPES.index(weight.dtype), out.data_ptr())
+    return out
+
+
+def unpack_linear_weight(packed: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """The [N, K] row-major weight back from `pack_linear_weight`'s output (a new tensor).
+
+    Raises:
+        ValueError, RuntimeError: as `pack_linear_weight`.
+    """
+    lib = _packing_lib(packed, lib, "unpack_linear_weight")
+    out = torch.empty_like(packed)
+    lib.unpack_linear_weight(packed.data_ptr(), packed.shape[0], packed.shape[1],
+                             _LINEAR_DTYPES.index(packed.dtype), out.data_ptr())
+    return out
+
+
+def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor,
+                  bias: torch.Tensor | None = None,
+                  lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """y = x @ W^T + bias with the packed-B GEMM (`csrc/packed_gemm.h`), W given packed.
+
+    Math in float32, except that with bfloat16 weights on an AVX512_BF16 build x is rounded to
+    bfloat16 and multiplied with `vdpbf16ps` (float32 accumulation). A bfloat16 x with a
+    bfloat16 weight is read and written as bfloat16 (rounded to nearest even); other
+    combinations compute on float32 x.
+
+    Args:
+        x: [..., K] float32 or bfloat16 on the CPU.
+        packed_weight: [N, K] from `pack_linear_weight` of the same library.
+        bias: [N] on the CPU, or None.
+        lib: the kernel library (default `cpu_kernels()`).
+
+    Returns:
+        [..., N] in x's dtype.
+
+    Raises:
+        ValueError: unsupported operands or a bias of the wrong shape (naming them).
+        RuntimeError: the native kernels are unavailable.
+    """
+    lib = _packing_lib(packed_weight, lib, "packed_linear")
+    n, k = packed_weight.shape
+    if x.device.type != "cpu" or x.dtype not in _LINEAR_DTYPES or x.dim() < 1 \
+            or x.shape[-1] != k:
+        raise ValueError(f"packed_linear: x {tuple(x.shape)} {x.dtype} on {x.device} does not "
+                         f"fit the weight [{n}, {k}] (needs float32/bfloat16 [..., {k}] on the "
+                         f"CPU)")
+    if bias is not None and (bias.shape != (n,) or bias.device.type != "cpu"):
+        raise ValueError(f"packed_linear: bias must be a CPU tensor of shape ({n},), got "
+                         f"{tuple(bias.shape)} on {bias.device}")
+    b = None if bias is None else bias.to(torch.float32).contiguous()
+    if x.dtype == torch.bfloat16 and packed_weight.dtype == torch.bfloat16:
+        fn, act_dtype = lib.packed_linear_bf16_act, torch.bfloat16
+    else:
+        fn = (lib.packed_linear_f32 if packed_weight.dtype == torch.float32
+              else lib.packed_linear_bf16)
+        act_dtype = torch.float32
+    x2 = x.reshape(-1, k).to(act_dtype)
+    if x2.stride(1) != 1 or x2.stride(0) < k:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    y = torch.empty(m, n, dtype=act_dtype)
+    if m:
+        fn(x2.data_ptr(), x2.stride(0), m, k, packed_weight.data_ptr(), n,
+           None if b is None else b.data_ptr(), y.data_ptr(), n)
+    return y.view(*x.shape[:-1], n).to(x.dtype)
+
+
+_LINEAR_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def fused_moe_supported(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether `cpu_fused_moe` takes these operands: CPU tensors, float32/bfloat16 hidden
+    states [n, H] and contiguous stacked expert weights w13 [L, 2I, H], w2 [L, H, I] of one
+    float32/bfloat16 dtype, H and I positive multiples of 8 (the AVX2 micro-kernels' step);
+    whether the kernels built is `cpu_kernels()`'s business."""
+    return (hidden.device.type == "cpu" and w13.device.type == "cpu"
+            and w2.device.type == "cpu" and hidden.dtype in _LINEAR_DTYPE_CODES
+            and w13.dtype in _LINEAR_DTYPE_CODES and w2.dtype == w13.dtype
+            and hidden.dim() == 2 and w13.dim() == 3 and w2.dim() == 3
+            and w13.is_contiguous() and w2.is_contiguous()
+            and w13.shape[2] == hidden.shape[1] == w2.shape[1] and w13.shape[0] == w2.shape[0]
+            and w13.shape[1] == 2 * w2.shape[2] and hidden.shape[1] % 8 == 0
+            and w2.shape[2] % 8 == 0 and hidden.shape[1] > 0 and w2.shape[2] > 0)
+
+
+def cpu_fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                  topk_weights: torch.Tensor, local_ids: torch.Tensor,
+                  lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """The routed experts of one MoE layer in one native call (`csrc/cpu_fused_moe.cpp`):
+
+        out[t] = sum_j topk_weights[t, j] * (silu(x W1^T) * (x W3^T)) W2^T   over the experts
+                 e = local_ids[t, j] held here (0 <= e < L; others are skipped)
+
+    Pairs are grouped by expert with a counting sort and each expert's rows run as one GEMM per
+    weight tile; the k rows of a token are summed in slot order (deterministic). With bfloat16
+    activations the intermediates are rounded where `fused_experts`' torch path rounds them.
+
+    Args:
+        hidden: [n, H] float32 or bfloat16 (the model dtype) on the CPU.
+        w13: [L, 2I, H] (gate rows, then up rows) and w2: [L, H, I], contiguous, one dtype of
+            float32/bfloat16; H and I multiples of 8 (see `fused_moe_supported`).
+        topk_weights: [n, k] routing weights (read as float32).
+        local_ids: [n, k] integer local expert slots; -1 or >= L (another rank's expert under
+            expert parallelism) contributes nothing.
+        lib: the kernel library (default `cpu_kernels()`; tests pass a portable build).
+
+    Returns:
+        [n, H] in hidden's dtype.
+
+    Raises:
+        ValueError: unsupported operands (naming them) or mismatched routing shapes.
+        RuntimeError: the native kernels are unavailable.
+    """
+    lib = lib if lib is not None else cpu_kernels()
+    if lib is None:
+        raise RuntimeError("cpu_fused_moe needs the native CPU kernels, which are unavailable "
+                           "(see the log; PAGEDLLM_CPU_KERNELS switches them off)")
+    if not fused_moe_supported(hidden, w13, w2):
+        raise ValueError(
+            f"cpu_fused_moe does not support hidden {tuple(hidden.shape)} {hidden.dtype} with "
+            f"w13 {tuple(w13.shape)} {w13.dtype} and w2 {tuple(w2.shape)} {w2.dtype} (needs "
+            f"CPU tensors, float32/bfloat16, contiguous [L, 2I, H] / [L, H, I] weights of one "
+            f"dtype, hidden [n, H], H and I positive multiples of 8)")
+    num_tokens = hidden.shape[0]
+    if (local_ids.dim() != 2 or local_ids.shape[0] != num_tokens
+            or topk_weights.shape != local_ids.shape
+            or local_ids.dtype.is_floating_point or local_ids.dtype == torch.bool):
+        raise ValueError(f"cpu_fused_moe: local_ids {tuple(local_ids.shape)} {local_ids.dtype} "
+                         f"and topk_weights {tuple(topk_weights.shape)} must both be "
+                         f"[{num_tokens}, k], the ids integers")
+    out = torch.empty_like(hidden, memory_format=torch.contiguous_format)
+    if num_tokens == 0:
+        return out
+    x = hidden.contiguous()
+    ids = local_ids.to(torch.int64).contiguous()
+    weights = topk_weights.to(torch.float32).contiguous()
+    rc = lib.fused_moe_experts(x.data_ptr(), _LINEAR_DTYPE_CODES[x.dtype], num_tokens,
+                               x.shape[1], w13.data_ptr(), w2.data_ptr(),
+                               _LINEAR_DTYPE_CODES[w13.dtype], w13.shape[0], w2.shape[2],
+                               ids.data_ptr(), weights.data_ptr(), ids.shape[1], out.data_ptr())
+    if rc != 0:
+        raise RuntimeError(f"fused_moe_experts failed with code {rc}")
+    return out
+
+
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                     query_start_loc: np.ndarray, seq_lens: np.ndarray, rows: np.ndarray,
                     scale: float, causal: bool = True, sliding_window: int | None = None,
@@ -163,8 +346,6 @@ GGUF_KERNEL_TYPES = {
     "Q5_1": GGUFBlockType(7, 32, 24), "Q4_K": GGUFBlockType(12, 256, 144),
     "Q5_K": GGUFBlockType(13, 256, 176), "Q6_K": GGUFBlockType(14, 256, 210)}
 GGUF_BLOCK_SIZE = 32  # the smallest block: an input split must fall on its multiples at least
-# Types with the 8-bit activation variant (`quantize_activations=True`).
-GGUF_Q8_ACTIVATION_TYPES = ("Q8_0", "Q4_0")
 
 
 class GGUFSegmentStruct(ctypes.Structure):
@@ -221,10 +402,11 @@ def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, tensor_type: str,
             consecutive blocks, as a GGUF file stores them.
         tensor_type: a GGML type name in GGUF_KERNEL_TYPES ("Q8_0", "Q4_K", ...).
         bias: [N] on the CPU, or None.
-        quantize_activations: first round x to 8 bits per 32-value block (scale = block
-            max / 127) and use integer dot products, as llama.cpp does for Q8_0/Q4_0
-            (GGUF_Q8_ACTIVATION_TYPES); not exact (relative error ~1e-2), measured in the
-            report of issue #22, not used by the layers.
+        quantize_activations: first round x to 8 bits per 32-value block (see
+            `gguf_quantize_activations`) and compute integer dot products per block
+            (`csrc/gguf_q8_dot.h`, llama.cpp's `ggml_vec_dot_<type>_q8_0` scheme): equal to
+            x_q @ dequantize(W)^T, x_q the rounded x, up to the order of the float32 sums;
+            every type in GGUF_KERNEL_TYPES. The layers' choice: `GGUFLinearMethod`.
 
     Returns:
         [..., N] in x's dtype.
@@ -233,9 +415,6 @@ def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, tensor_type: str,
         ValueError: an unsupported type, shapes or dtypes that do not fit, non-CPU tensors.
         RuntimeError: the native kernels are unavailable (see `pagedllm.kernels.cpu_kernels`).
     """
-    if quantize_activations and tensor_type not in GGUF_Q8_ACTIVATION_TYPES:
-        raise ValueError(f"gguf_linear: 8-bit activations only with "
-                         f"{', '.join(GGUF_Q8_ACTIVATION_TYPES)}, not {tensor_type}")
     return gguf_linear_segments(x, [(0, tensor_type, qweight)], qweight.shape[0], bias,
                                 quantize_activations)
 
@@ -252,8 +431,7 @@ def gguf_linear_segments(x: torch.Tensor, segments: Sequence[tuple[int, str, tor
             exactly once, in any order.
         n: the output size N.
         bias: [N] on the CPU, or None.
-        quantize_activations: see `gguf_linear` (one segment of a GGUF_Q8_ACTIVATION_TYPES
-            type only).
+        quantize_activations: see `gguf_linear` (x is rounded once for all segments).
 
     Returns:
         [..., N] in x's dtype.
@@ -287,20 +465,50 @@ def gguf_linear_segments(x: torch.Tensor, segments: Sequence[tuple[int, str, tor
     b = None if bias is None else bias.to(torch.float32).contiguous()
     b_ptr = None if b is None else b.data_ptr()
     y = torch.empty(x2.shape[0], n, dtype=torch.float32)
-    if quantize_activations:
-        if len(segments) != 1 or segments[0][1] not in GGUF_Q8_ACTIVATION_TYPES:
-            raise ValueError(f"gguf_linear: 8-bit activations only with one segment of "
-                             f"{', '.join(GGUF_Q8_ACTIVATION_TYPES)}")
-        rc = lib.linear_gguf_q8_activations(x2.data_ptr(), x2.stride(0), x2.shape[0], k,
-                                            structs[0].data, n, structs[0].ggml_type, b_ptr,
-                                            y.data_ptr(), n)
-    else:
-        rc = lib.linear_gguf_segments(x2.data_ptr(), x2.stride(0), x2.shape[0], k, structs,
-                                      len(structs), b_ptr, y.data_ptr(), n)
+    fn = lib.linear_gguf_segments_q8 if quantize_activations else lib.linear_gguf_segments
+    rc = fn(x2.data_ptr(), x2.stride(0), x2.shape[0], k, structs, len(structs), b_ptr,
+            y.data_ptr(), n)
     if rc != 0:
         raise RuntimeError(f"gguf_linear: the native kernel refused the segment types "
                            f"{[s[1] for s in segments]}")
     return y.view(*x.shape[:-1], n).to(x.dtype)
+
+
+def gguf_quantize_activations(x: torch.Tensor, lib: ctypes.CDLL | None = None
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rounding of x in `gguf_linear(..., quantize_activations=True)`, alone (natively):
+    per block b of 32 values of a row, d[b] = max|x_b| / 127, q = round(x_b * (1 / d[b]))
+    half to even (0 for an all-zero block), ds[b] = d[b] * sum(q_b), all in float32 (Q8_0
+    activations as llama.cpp's `quantize_row_q8_0`, plus its q8_1 sum).
+
+    Args:
+        x: [M, K] float32 on the CPU, K a positive multiple of 32.
+        lib: the kernel library (default `cpu_kernels()`; tests pass other builds).
+
+    Returns:
+        (q [M, K] int8, d [M, K / 32] float32, ds [M, K / 32] float32).
+
+    Raises:
+        ValueError: x not a 2-D float32 CPU tensor with K a positive multiple of 32.
+        RuntimeError: the native kernels are unavailable.
+    """
+    if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu" \
+            or x.shape[1] == 0 or x.shape[1] % GGUF_BLOCK_SIZE:
+        raise ValueError(f"gguf_quantize_activations: x must be [M, K] float32 on the CPU with "
+                         f"K a positive multiple of {GGUF_BLOCK_SIZE}, got {tuple(x.shape)} "
+                         f"{x.dtype} on {x.device}")
+    lib = lib if lib is not None else cpu_kernels()
+    if lib is None:
+        raise RuntimeError("gguf_quantize_activations needs the native CPU kernels")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=torch.int8)
+    d = torch.empty(m, k // GGUF_BLOCK_SIZE, dtype=torch.float32)
+    ds = torch.empty_like(d)
+    lib.quantize_rows_gguf_q8(x.data_ptr(), x.stride(0), m, k, q.data_ptr(), d.data_ptr(),
+                              ds.data_ptr())
+    return q, d, ds
 
 
 def gguf_dequantize_rows(qweight: torch.Tensor, tensor_type: str, ids: torch.Tensor,

@@ -21,6 +21,11 @@ tokens and the same all-reduce sums the shares (see docs/moe.md):
     logical id --(replica = token index % replica count)--> physical id
                --expert_map--> local slot, or -1 (another rank's expert: pair skipped)
 
+On the CPU, `fused_experts` runs all of it (sort, GEMMs, SiLU*mul, weighted combine) in one
+native call (`kernels/csrc/cpu_fused_moe.cpp`) for steps with few rows per expert;
+`fused_experts_torch` is the module path and the reference (`PAGEDLLM_CPU_FUSED_MOE=0`
+forces it).
+
 The router's own linear layer (the checkpoint's `gate`) belongs to the model's MoE block.
 """
 
@@ -36,6 +41,8 @@ from pagedllm.distributed.parallel_state import (get_expert_parallel_layout,
                                                  get_tensor_model_parallel_rank,
                                                  get_tensor_model_parallel_world_size,
                                                  tensor_model_parallel_all_reduce)
+from pagedllm.kernels import cpu_kernels, switched_off
+from pagedllm.kernels.ops import cpu_fused_moe, fused_moe_supported
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.platforms import current_platform
 
@@ -288,7 +295,47 @@ class FusedMoE(nn.Module):
 def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.Tensor,
                   act_fn: nn.Module) -> torch.Tensor:
-    """Run each token through its routed local experts and sum them, weighted.
+    """Run each token through its routed local experts and sum them, weighted: the native CPU
+    kernel (`ops.cpu_fused_moe`) where `native_moe_applies`, else `fused_experts_torch`.
+    Arguments and result as `fused_experts_torch`'s."""
+    if native_moe_applies(hidden, w13, w2, topk_ids, expert_map, act_fn):
+        return cpu_fused_moe(hidden, w13, w2, topk_weights, expert_map[topk_ids])
+    return fused_experts_torch(hidden, w13, w2, topk_weights, topk_ids, expert_map, act_fn)
+
+
+def native_moe_enabled() -> bool:
+    """False when `PAGEDLLM_CPU_FUSED_MOE` is 0/false/off/no (the torch path runs), or when
+    the CPU kernels are off or did not build (`PAGEDLLM_CPU_KERNELS`)."""
+    return not switched_off("PAGEDLLM_CPU_FUSED_MOE") and cpu_kernels() is not None
+
+
+def native_moe_applies(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                       topk_ids: torch.Tensor, expert_map: torch.Tensor,
+                       act_fn: nn.Module) -> bool:
+    """Whether `fused_experts` takes the native kernel for this step: SiLU-and-mul experts,
+    operands `fused_moe_supported` takes, the kernels on, and few rows per expert.
+
+    NOTE(crossover): the kernel's GEMMs are linear_kernel.h's 8-lane micro-kernels. On
+    AVX-512 CPUs oneDNN/MKL GEMMs outrun them on many rows (bf16 with native bf16 math: the
+    kernel at 0.6x of the torch path at 32 rows per expert, mixtral-512 shapes; fp32 even at
+    16-32), as for one dense linear, so the mean rows per physical expert are held to the
+    platform's limit for native linears (`fused_decoder_max_tokens`: 16 bf16 / 64 fp32 with
+    AVX-512; unbounded on AVX2-class CPUs, where the native kernels were measured ahead at
+    every size). Large prefills then take the torch path, whose per-expert overhead is
+    amortised over many rows.
+    """
+    if not isinstance(act_fn, SiluAndMul) or not fused_moe_supported(hidden, w13, w2):
+        return False
+    if not native_moe_enabled():
+        return False
+    max_rows = current_platform.fused_decoder_max_tokens(hidden.dtype)
+    return topk_ids.numel() <= expert_map.shape[0] * max_rows
+
+
+def fused_experts_torch(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                        topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                        expert_map: torch.Tensor, act_fn: nn.Module) -> torch.Tensor:
+    """Run each token through its routed local experts and sum them, weighted (torch ops).
 
     The n*k (token, slot) pairs are sorted by local expert (a stable sort, so an expert's rows
     keep token order); each expert with rows runs two GEMMs over its contiguous block; the

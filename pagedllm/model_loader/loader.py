@@ -188,6 +188,7 @@ def load_model(model_path: str, hf_config, dtype: torch.dtype, device: torch.dev
 def _load(cls, model_path: str, source, hf_config, dtype: torch.dtype, device: torch.device,
           quantization: str) -> nn.Module:
     from pagedllm.layers.quantization import quantize_linear_layers
+    from pagedllm.layers.quantization.base import process_weights_after_loading
     from pagedllm.layers.quantization.gguf import GGUFLayoutUnsupported
 
     checkpoint = model_path if source is None else source.path
@@ -209,4 +210,5 @@ def _load(cls, model_path: str, source, hf_config, dtype: torch.dtype, device: t
     if missing:
         raise ValueError(f"checkpoint {checkpoint} lacks weights for: {sorted(missing)[:8]}"
                          f"{' ...' if len(missing) > 8 else ''}")
+    process_weights_after_loading(model)
     return model.eval()

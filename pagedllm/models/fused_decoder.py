@@ -7,9 +7,10 @@ and an OpenMP fork/join; at batch 1 that overhead exceeded the time spent stream
 region instead (see its header for the math, which is the module path's). Linear layers kept
 as GGUF blocks (`layers/quantization/gguf.py`) go in as their quant method's row segments
 (`kernel_segments`: GGML type + bytes per segment) and run on the block kernels of
-`csrc/cpu_gguf_linear.cpp` inside the same parallel region; int8 / W8A8 linear layers
-(`layers/quantization/int8.py`) go in as their int8 weight and per-row scales (`kernel_weight`)
-and run on the kernels of `csrc/int8_blocks.h`, the module path's `ops.int8_linear`'s.
+`csrc/cpu_gguf_linear.cpp` inside the same parallel region (or, when the method rounds
+activations to 8 bits, `quantize_activations`, those of `csrc/cpu_gguf_q8_linear.cpp`); int8 /
+W8A8 linear layers (`layers/quantization/int8.py`) go in as their int8 weight and per-row
+scales (`kernel_weight`) and run on the kernels of `csrc/int8_blocks.h`, the module path's `ops.int8_linear`'s.
 
 `FusedDecoder.applies(...)` decides per step; the module path (`llama.py`) remains the reference
 and runs everything else: long fresh prefills (torch's flash attention is faster there), tensor
@@ -41,7 +42,8 @@ class DecoderLayerWeights(ctypes.Structure):
         "sin_cache")] + [(name, _i64) for name in (
             "hidden_size", "num_heads", "num_kv_heads", "head_size", "intermediate_size")] + [
         ("eps", _f32), ("scale", _f32), ("segments", _p * 4), ("num_segments", _i64 * 4),
-        ("int8_scales", _p * 4), ("int8_activations", _i64 * 4)]
+        ("int8_scales", _p * 4), ("int8_activations", _i64 * 4),
+        ("gguf_q8_activations", _i64 * 4), ("packed", _i64 * 4)]
 
 
 class DecoderStep(ctypes.Structure):
@@ -71,6 +73,12 @@ def _linears(layer) -> tuple:
 
 def _is_quantized(linear) -> bool:
     return getattr(getattr(linear, "quant_method", None), "quantized", False)
+
+
+def _is_packed(linear) -> bool:
+    """Whether a float linear's weight holds the packed GEMM layout (the platform packed it at
+    load, layers/quantization/base.py)."""
+    return getattr(getattr(linear, "quant_method", None), "packed", False)
 
 
 def _native_quantized(linear) -> bool:
@@ -118,6 +126,10 @@ class FusedDecoder:
                                2 * self.intermediate_size, self.intermediate_size)
         self._max_tokens = self.MAX_SCRATCH_BYTES // (4 * (sum(self._scratch_sizes)
                                                            + self.hidden_size))
+        # All float linear weights in the packed GEMM layout: the platform may then take
+        # larger steps (`fused_decoder_max_tokens`).
+        linears = [m for layer in self.layers for m in _linears(layer)]
+        self.packed_weights = all(_is_packed(m) for m in linears if not _is_quantized(m))
         self._structs: ctypes.Array | None = None
         self._keepalive: list[torch.Tensor | ctypes.Array] = []
         # The KV caches the structures point into, held so their memory cannot be reused while
@@ -174,7 +186,8 @@ class FusedDecoder:
                 and metadata.common.num_actual_tokens == num_tokens
                 and kv_cache.dtype == self.dtype and kv_cache.dim() == 5
                 and num_tokens <= min(self._max_tokens,
-                                      current_platform.fused_decoder_max_tokens(self.dtype))):
+                                      current_platform.fused_decoder_max_tokens(
+                                          self.dtype, self.packed_weights))):
             return False
         if self.min_window is not None and int(metadata.seq_lens.max(initial=0)) > self.min_window:
             return False
@@ -222,6 +235,10 @@ class FusedDecoder:
                     keep_structs.append(segments)
                     s.segments[i] = ctypes.addressof(segments)
                     s.num_segments[i] = len(segments)
+                    s.gguf_q8_activations[i] = int(getattr(linear.quant_method,
+                                                           "quantize_activations", False))
+                else:   # packed GEMM panels (`UnquantizedLinearMethod.packed`) or [N, K]
+                    s.packed[i] = int(_is_packed(linear))
             s.input_norm = _ptr(layer.input_layernorm.weight)
             s.post_norm = _ptr(layer.post_attention_layernorm.weight)
             s.qkv, s.qkv_bias = weight_ptr(attn.qkv_proj), f32(attn.qkv_proj.bias)

@@ -6,7 +6,8 @@ import os
 
 import torch
 
-from pagedllm.kernels import cpu_kernels
+from pagedllm.kernels import cpu_kernels, switched_off
+from pagedllm.kernels import ops
 from pagedllm.kernels.ops import cpu_linear, cpu_linear_supported
 from pagedllm.platforms.interface import Platform
 
@@ -110,16 +111,37 @@ class CpuPlatform(Platform):
                     else self._WIDEN_MIN_ROWS_BF16 - 1)
         return self._KERNEL_MAX_ROWS_F32 if dtype == torch.float32 else 0
 
-    def fused_decoder_max_tokens(self, dtype: torch.dtype) -> int:
+    def fused_decoder_max_tokens(self, dtype: torch.dtype, packed_weights: bool = False) -> int:
         """Every step size on AVX2-class CPUs, where the native kernels beat torch's GEMMs at
-        all sizes measured (llama-134m, 1-2048 tokens); with AVX-512, MKL/oneDNN GEMMs outrun
-        the AVX2 kernels on large steps, so the fused path keeps to the GEMV sizes where the
-        kernel is used anyway."""
+        all sizes measured (llama-134m, 1-2048 tokens), and wherever the linear weights are
+        packed (`pack_linear_weight`: the packed GEMM matches or beats MKL/oneDNN at every size
+        measured, docs/benchmarks.md "Packed GEMM"); with AVX-512 and unpacked weights,
+        MKL/oneDNN GEMMs outrun the dot-product kernels on large steps, so the fused path keeps
+        to the GEMV sizes where that kernel is used anyway."""
         if cpu_kernels() is None or dtype not in (torch.float32, torch.bfloat16):
             return 0
-        if self.has_avx512:
+        if self.has_avx512 and not packed_weights:
             return self._native_linear_max_rows(dtype)
         return 1 << 30
+
+    def pack_linear_weight(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """The weight in the packed GEMM's panels (`ops.pack_linear_weight`) when the kernels
+        built, the weight fits (`ops.packed_gemm_supported`) and `PAGEDLLM_CPU_PACKED_GEMM` is
+        not 0/false/off/no; else None. Packing pays at every row count measured (1-512 rows,
+        fp32 and bf16, AVX2 and AVX-512: docs/benchmarks.md "Packed GEMM"), so it is not
+        limited to some sizes."""
+        if (switched_off("PAGEDLLM_CPU_PACKED_GEMM") or cpu_kernels() is None
+                or not ops.packed_gemm_supported(weight)):
+            return None
+        return ops.pack_linear_weight(weight)
+
+    def packed_linear(self, x: torch.Tensor, packed_weight: torch.Tensor,
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
+        """The packed GEMM (`csrc/packed_gemm.h`) at every row count; [..., N] in x's dtype."""
+        return ops.packed_linear(x, packed_weight, bias)
+
+    def unpack_linear_weight(self, packed_weight: torch.Tensor) -> torch.Tensor:
+        return ops.unpack_linear_weight(packed_weight)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                out_dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -79,9 +79,33 @@ class Platform(ABC):
         y = torch.nn.functional.linear(x, weight, bias)
         return y if out_dtype is None else y.to(out_dtype)
 
-    def fused_decoder_max_tokens(self, dtype: torch.dtype) -> int:
+    def pack_linear_weight(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """A loaded linear weight [N, K] rearranged for this platform's packed GEMM (same shape,
+        dtype and element count), or None to keep it as it is (the default: no packed GEMM).
+        A weight returned here is only read through `packed_linear`."""
+        return None
+
+    def packed_linear(self, x: torch.Tensor, packed_weight: torch.Tensor,
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
+        """y = x @ W^T + bias for a weight from `pack_linear_weight`; [..., N] in x's dtype.
+
+        Raises:
+            NotImplementedError: on a platform that never packs.
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no packed GEMM")
+
+    def unpack_linear_weight(self, packed_weight: torch.Tensor) -> torch.Tensor:
+        """The [N, K] row-major weight back from `pack_linear_weight`'s output.
+
+        Raises:
+            NotImplementedError: on a platform that never packs.
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no packed GEMM")
+
+    def fused_decoder_max_tokens(self, dtype: torch.dtype, packed_weights: bool = False) -> int:
         """Most tokens of a step that the fused decoder path (`models/fused_decoder.py`) takes
-        for a model of `dtype`; 0: never (the platform has no such kernel)."""
+        for a model of `dtype` (`packed_weights`: its linear weights went through
+        `pack_linear_weight`); 0: never (the platform has no such kernel)."""
         return 0
 
     def seed_everything(self, seed: int) -> None:

@@ -3,7 +3,9 @@ x @ dequantize(W)^T in float64, with `gguf`'s own dequantizer as the reference: 
 a kernel (the K-quants included), the AVX2 build and the portable build (no AVX2/FMA/F16C),
 batch 1 and > 1, output sizes off the register tiles, random block bytes (any scale, subnormal
 halves included), weights split into row segments of mixed types, and clear errors for what
-does not fit."""
+does not fit. The 8-bit-activation kernels (`csrc/gguf_q8_dot.h`) the same way, in their VNNI,
+AVX2 and portable builds, against x rounded as they document (and against float32 x within the
+rounding bound)."""
 
 from __future__ import annotations
 
@@ -132,42 +134,107 @@ def test_bad_operands_are_named():
         gguf_linear(torch.randn(1, 64), qweight, "Q4_0", torch.zeros(5))
 
 
-def _q8_activation_reference(x: torch.Tensor, blocks: np.ndarray, tensor_type: str):
-    """llama.cpp's Q8_0 activation rounding (scale = block max / 127, round half away from
-    zero) followed by exact dot products: (y, the scale of the summation error), float64."""
+# --- 8-bit activations (csrc/gguf_q8_dot.h): each build's integer path against x rounded the
+# same way (tight: only the float summation order differs) and against float32 x (the rounding
+# error bound).
+
+Q8_BUILDS = {"native": (), "avx2": ("-mno-avx512vnni",),
+             "portable": ("-mno-avx2", "-mno-fma", "-mno-f16c")}
+# (M, N, K): batch 1, M off the 4-row kernel and a batched-decode size, N off the 4- and 2-row
+# weight tiles; in 256-weight blocks for every type.
+Q8_SHAPES = [(1, 1, 256), (1, 37, 512), (3, 5, 256), (6, 19, 512), (32, 9, 256)]
+
+
+@pytest.fixture(scope="module")
+def q8_libs(portable_lib):
+    return {"native": cpu_kernels(), "avx2": build_cpu_kernels(Q8_BUILDS["avx2"]),
+            "portable": portable_lib}
+
+
+def _round_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x rounded as gguf_q8_dot.h documents it, [M, K] float32; the per-element block scale
+    d [M, K]): d = block max / 127, q = round(x * (1 / d)) half to even, in float32."""
     m, k = x.shape
     xb = x.reshape(m, k // 32, 32)
     d = xb.abs().amax(-1, keepdim=True) / 127
-    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
-    v = xb * inv
-    xq = (torch.sign(v) * torch.floor(v.abs() + 0.5)).double() * d.double()
-    w = torch.from_numpy(dequantize(blocks, tensor_type)).double()
-    xq = xq.reshape(m, k)
-    return xq @ w.T, xq.abs() @ w.abs().T
+    inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+    q = torch.round(xb * inv)
+    return (q * d).reshape(m, k), d.expand(-1, -1, 32).reshape(m, k)
 
 
-@pytest.mark.parametrize("build", ["native", "portable"])
-@pytest.mark.parametrize("tensor_type", ["Q8_0", "Q4_0"])
-def test_8bit_activation_variant(build, tensor_type, portable_lib):
-    lib = cpu_kernels() if build == "native" else portable_lib
-    code = GGUF_KERNEL_TYPES[tensor_type].code
-    for seed, (m, n, k) in enumerate(SHAPES):
+def _q8_call(lib, x: torch.Tensor, parts, n: int, bias: torch.Tensor | None = None):
+    from pagedllm.kernels.ops import gguf_segment_structs
+    structs = gguf_segment_structs(parts, x.shape[1])
+    y = torch.empty(x.shape[0], n)
+    assert lib.linear_gguf_segments_q8(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1],
+                                       structs, len(structs),
+                                       None if bias is None else bias.data_ptr(), y.data_ptr(),
+                                       n) == 0
+    return y
+
+
+def test_q8_builds_take_their_integer_paths(q8_libs):
+    vnni = "avx512_vnni" in open("/proc/cpuinfo").read()
+    assert q8_libs["portable"].gguf_q8_dot_isa() == 0
+    if "avx2" in open("/proc/cpuinfo").read():
+        assert q8_libs["avx2"].gguf_q8_dot_isa() == 1
+        assert q8_libs["native"].gguf_q8_dot_isa() == (2 if vnni else 1)
+
+
+@pytest.mark.parametrize("build", list(Q8_BUILDS))
+def test_activation_rounding_is_exact(build, q8_libs):
+    from pagedllm.kernels.ops import gguf_quantize_activations
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 128, generator=g) * torch.tensor([1e-3, 1.0, 30.0, 0.0]).repeat_interleave(
+        32)
+    x[1, :32] = torch.arange(32) - 15.5      # x * (1 / d) lands on halves: ties to even
+    q, d, ds = gguf_quantize_activations(x, q8_libs[build])
+    xb = x.reshape(5, 4, 32)
+    want_d = xb.abs().amax(-1) / 127
+    inv = torch.where(want_d != 0, 1 / want_d, torch.zeros_like(want_d))
+    want_q = torch.round(xb * inv[..., None]).to(torch.int8).reshape(5, 128)
+    assert torch.equal(d, want_d) and torch.equal(q, want_q)
+    assert int(q.abs().max()) == 127 and torch.all(q[:, 96:] == 0) and torch.all(d[:, 3] == 0)
+    torch.testing.assert_close(ds, d * q.reshape(5, 4, 32).sum(-1).float(), rtol=1e-6, atol=0)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        gguf_quantize_activations(torch.randn(2, 48))
+
+
+@pytest.mark.parametrize("build", list(Q8_BUILDS))
+@pytest.mark.parametrize("tensor_type", TYPES)
+def test_q8_activations_match_the_rounded_reference(build, tensor_type, q8_libs):
+    for seed, (m, n, k) in enumerate(Q8_SHAPES):
+        blocks = _random_blocks(tensor_type, n, k, seed)
         g = torch.Generator().manual_seed(seed)
-        blocks = gguf.quants.quantize(torch.randn(n, k, generator=g).numpy(),
-                                      gguf.GGMLQuantizationType[tensor_type])
-        x = torch.randn(m, k, generator=g)
-        want, scale = _q8_activation_reference(x, blocks, tensor_type)
-        y = torch.empty(m, n)
-        qweight = torch.from_numpy(blocks.copy())
-        assert lib.linear_gguf_q8_activations(x.data_ptr(), k, m, k, qweight.data_ptr(), n,
-                                              code, None, y.data_ptr(), n) == 0
-        _assert_close(y, want, scale)
-        if build == "native":
-            _assert_close(gguf_linear(x, qweight, tensor_type, quantize_activations=True),
-                          want, scale)
-    with pytest.raises(ValueError, match="8-bit activations"):
-        gguf_linear(torch.randn(1, 32), torch.zeros(1, 20, dtype=torch.uint8), "Q4_1",
-                    quantize_activations=True)
+        x = torch.randn(m, k, generator=g) * torch.exp(torch.randn(m, k // 32, 1, generator=g)
+                                                       ).expand(-1, -1, 32).reshape(m, k)
+        bias = torch.randn(n, generator=g) if seed % 2 else None
+        x_q, d = _round_activations(x)
+        want, scale = _reference(x_q, blocks, tensor_type, bias)
+        got = _q8_call(q8_libs[build], x, [(0, tensor_type, torch.from_numpy(blocks))], n, bias)
+        _assert_close(got, want, scale)
+        # Against float32 x: within the rounding error (|x - x_q| <= d / 2 per element).
+        want_f, scale_f = _reference(x, blocks, tensor_type, bias)
+        w_abs = torch.from_numpy(dequantize(blocks, tensor_type)).double().abs()
+        bound = (d.double() / 2) @ w_abs.T + 1e-5 * scale_f + 1e-30
+        assert torch.all((got.double() - want_f).abs() <= bound)
+
+
+@pytest.mark.parametrize("tensor_type", ["Q4_1", "Q4_K", "Q6_K"])
+def test_q8_activations_of_real_quantized_weights_stay_close(tensor_type):
+    """Weights quantized from N(0, 1) and float32 x through `gguf_linear`: the 8-bit rounding
+    moves outputs by about 1e-3 of their scale, bf16-like, far below the weights' own error."""
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(64, 512, generator=g)
+    qweight = torch.from_numpy(quantize(w.numpy(), tensor_type))
+    x = torch.randn(2, 3, 512, generator=g)
+    got = gguf_linear(x, qweight, tensor_type, quantize_activations=True)
+    assert got.shape == (2, 3, 64)
+    want, scale = _reference(x.reshape(6, 512), qweight.numpy(), tensor_type, None)
+    rel = ((got.reshape(6, 64).double() - want).abs() / scale).max()
+    assert 1e-5 < rel < 5e-3
+    exact = gguf_linear(x, qweight, tensor_type)
+    assert not torch.equal(got, exact)
 
 
 @pytest.mark.parametrize("build", ["native", "portable"])
@@ -196,6 +263,29 @@ def test_row_segments_of_mixed_types(build, portable_lib):
     _assert_close(got, want, scale)
     with pytest.raises(ValueError, match="cover"):
         gguf_linear_segments(x, parts[:2], sum(sizes))
+
+
+@pytest.mark.parametrize("build", list(Q8_BUILDS))
+def test_q8_activations_on_row_segments_of_mixed_types(build, q8_libs):
+    """The fused-qkv case of a Q4_K_M file on 8-bit activations: x is rounded once for all
+    segments (Q4_K, Q6_K, Q4_1 and Q5_0 rows; out of order), M = 1 and M off the 4-row kernel."""
+    g = torch.Generator().manual_seed(8)
+    k, sizes, types = 512, (40, 12, 9, 3), ("Q4_K", "Q6_K", "Q4_1", "Q5_0")
+    parts, starts = [], np.cumsum((0,) + sizes[:-1])
+    for start, rows, tensor_type in zip(starts, sizes, types):
+        parts.append((int(start), tensor_type,
+                      torch.from_numpy(quantize(torch.randn(rows, k, generator=g).numpy(),
+                                                tensor_type))))
+    w = torch.cat([torch.from_numpy(dequantize(q.numpy(), t)) for _, t, q in parts]).double()
+    bias = torch.randn(sum(sizes), generator=g)
+    for m in (1, 7):
+        x = torch.randn(m, k, generator=g)
+        x_q, _ = _round_activations(x)
+        want, scale = x_q.double() @ w.T + bias.double(), x_q.double().abs() @ w.abs().T
+        _assert_close(_q8_call(q8_libs[build], x, parts[::-1], sum(sizes), bias), want, scale)
+        if build == "native":
+            _assert_close(gguf_linear_segments(x, parts, sum(sizes), bias,
+                                               quantize_activations=True), want, scale)
 
 
 @pytest.mark.parametrize("build", ["native", "portable"])

@@ -3,7 +3,10 @@ against the same file dequantized at load (`quantization="none"`, the oracle): g
 tiny Llama files (one type, and a Q4_K_M-like mix of K-quants inside fused layers), the fused
 CPU decoder on those blocks against the module path, the token embedding / tied LM head kept
 quantized, the layers' storage, the automatic choice and its fallback, the raw slices (row maps,
-tensor-parallel column slices on block boundaries) and the errors."""
+tensor-parallel column slices on block boundaries) and the errors. These exactness checks run
+with float32 activations (the default, `PAGEDLLM_GGUF_Q8_ACTIVATIONS` unset or 0); the opt-in
+8-bit activations (csrc/gguf_q8_dot.h) are checked fused against the module path (greedy equal)
+and against float activations (prompt logprobs close, top-1 agreeing)."""
 
 from __future__ import annotations
 
@@ -19,7 +22,8 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.config import ModelConfig
 from pagedllm.kernels import cpu_kernels
 from pagedllm.layers.linear import MergedColumnParallelLinear, RowParallelLinear
-from pagedllm.layers.quantization.gguf import GGUFLayoutUnsupported, GGUFLinearMethod
+from pagedllm.layers.quantization.gguf import (Q8_ACTIVATIONS_ENV, GGUFLayoutUnsupported,
+                                               GGUFLinearMethod)
 from pagedllm.model_loader.gguf import (GGUFSource, dequantize, iterate_gguf_tensors, open_gguf,
                                         prepare_gguf_view, tensor_table)
 from pagedllm.model_loader.loader import load_model
@@ -74,23 +78,40 @@ def kquant_gguf(byte_level_tokenizer_dir, tmp_path_factory):
                       tensor_types=Q4_K_M_TYPES)
 
 
-def _greedy(path, quantization: str | None, fused: bool = True) -> list[list[int]]:
+def _greedy(path, quantization: str | None, fused: bool = True, q8: bool = False,
+            logprobs: bool = False) -> list:
+    """Greedy token ids of four prompts; with `logprobs`, (ids, each step's top-2 logprobs)."""
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 200, (n,), generator=g).tolist() for n in (1, 5, 17, 40)]
     patch = pytest.MonkeyPatch()
     patch.setenv("PAGEDLLM_CPU_FUSED_DECODER", "1" if fused else "0")
+    patch.setenv(Q8_ACTIVATIONS_ENV, "1" if q8 else "0")
     try:
         llm = LLM(str(path), quantization=quantization, **ENGINE_ARGS)
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+        params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True,
+                                logprobs=2 if logprobs else None)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     finally:
         patch.undo()
+    if logprobs:
+        return [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outs]
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-def _load(path, quantization: str | None):
+def _load(path, quantization: str | None, q8: bool | None = False):
+    """The model of a .gguf file; q8: its GGUF layers' 8-bit activations (None: the default,
+    the environment switch unset)."""
     view = prepare_gguf_view(str(path))
-    return load_model(view, AutoConfig.from_pretrained(view), torch.float32,
-                      torch.device("cpu"), quantization)
+    patch = pytest.MonkeyPatch()
+    if q8 is None:
+        patch.delenv(Q8_ACTIVATIONS_ENV, raising=False)
+    else:
+        patch.setenv(Q8_ACTIVATIONS_ENV, "1" if q8 else "0")
+    try:
+        return load_model(view, AutoConfig.from_pretrained(view), torch.float32,
+                          torch.device("cpu"), quantization)
+    finally:
+        patch.undo()
 
 
 @pytest.mark.parametrize("tensor_type", ["Q8_0", "Q4_0"])
@@ -201,7 +222,7 @@ def test_raw_slices_follow_row_maps_and_block_boundaries(raw_file):
 
 def test_fused_layer_of_mixed_types_and_unaligned_shards(raw_file):
     layer = MergedColumnParallelLinear(64, [8, 8])
-    layer.set_quant_method(GGUFLinearMethod())
+    layer.set_quant_method(GGUFLinearMethod(quantize_activations=False))
     layer.weight_loader(layer.weight, raw_file["b.weight"], 1)     # out of order: Q4_0 rows 8..16
     with pytest.raises(ValueError, match="do not cover"):
         layer(torch.randn(1, 64))
@@ -213,7 +234,7 @@ def test_fused_layer_of_mixed_types_and_unaligned_shards(raw_file):
     x = torch.randn(5, 64)
     torch.testing.assert_close(layer(x), x @ w.T, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="block boundaries"):
-        RowParallelLinear(48, 8).set_quant_method(GGUFLinearMethod())
+        RowParallelLinear(48, 8).set_quant_method(GGUFLinearMethod(quantize_activations=False))
 
 
 def test_k_quant_rows_must_fit_the_input_size(raw_file, tmp_path):
@@ -225,9 +246,74 @@ def test_k_quant_rows_must_fit_the_input_size(raw_file, tmp_path):
                         tensor_table(open_gguf(path)))
     tensor = dict(iterate_gguf_tensors(source, torch.float32))["k.weight"]
     layer = RowParallelLinear(256, 4)
-    layer.set_quant_method(GGUFLinearMethod())
+    layer.set_quant_method(GGUFLinearMethod(quantize_activations=False))
     layer.weight_loader(layer.weight, tensor)
     x = torch.randn(2, 256)
     torch.testing.assert_close(layer(x), x @ tensor.materialize().T, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="block boundaries"):
         tensor.narrow(1, 0, 128).materialize_raw()
+
+
+# --------------------------------------------------------------------------- 8-bit activations
+
+
+def _prompt_logprobs(path, q8: bool) -> tuple[list[int], list[float], list[int]]:
+    """(prompt ids, logprob of each prompt token after the first, the top-1 id there) of one
+    64-token prompt, module-path engine."""
+    prompt = torch.randint(3, 200, (64,), generator=torch.Generator().manual_seed(5)).tolist()
+    patch = pytest.MonkeyPatch()
+    patch.setenv(Q8_ACTIVATIONS_ENV, "1" if q8 else "0")
+    try:
+        llm = LLM(str(path), quantization="gguf", **ENGINE_ARGS)
+        out = llm.generate([{"prompt_token_ids": prompt}],
+                           SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]
+    finally:
+        patch.undo()
+    entries = out.prompt_logprobs[1:]
+    logprobs = [e[t].logprob for e, t in zip(entries, prompt[1:])]
+    top1 = [max(e.items(), key=lambda kv: kv[1].logprob)[0] for e in entries]
+    return prompt, logprobs, top1
+
+
+@pytest.mark.parametrize("tensor_type", ["Q4_1", "Q8_0"])
+def test_q8_activations_fused_equals_the_module_path(llama_gguf, tensor_type):
+    """Both paths round the same activations with the same kernels (the fused one inside its
+    parallel region, on a shared scratch). NOTE(q8): their float32 inputs differ in the last
+    bits (the fused layer's own norms and attention), so a value on a rounding boundary may
+    move by one quant (0.01 nats here, where float32 paths agree to 1e-5: the bound 0.05
+    still catches a wrong scale or row); the tiny Q4_K_M model below amplifies such a flip to ~1 logit (its
+    module path alone moves 0.15 between 8-bit and float activations), so it is no oracle
+    for this comparison; the K-quants' integer kernels are checked in test_gguf_kernels.py."""
+    path = llama_gguf(tensor_type)
+    model = _load(path, "gguf", q8=True)
+    assert model.model.layers[0].mlp.down_proj.quant_method.quantize_activations
+    assert FusedDecoder.supports(list(model.model.layers))
+    fused = _greedy(path, "gguf", q8=True, logprobs=True)
+    module = _greedy(path, "gguf", fused=False, q8=True, logprobs=True)
+    assert [ids for ids, _ in fused] == [ids for ids, _ in module]
+    for (ids, lps_f), (_, lps_m) in zip(fused, module):
+        for token, lp_f, lp_m in zip(ids, lps_f, lps_m):
+            assert abs(lp_f[token].logprob - lp_m[token].logprob) < 0.05
+
+
+def test_q8_activations_are_opt_in_and_stay_close(llama_gguf, kquant_gguf):
+    """Off by default, on for GGUF layers and the quantized LM head with the switch; against
+    float activations on
+    the tiny Q4_1 Llama (token embedding and LM head in Q4_1 too): teacher-forced logprobs
+    within 0.3 nats at the median position and top-1 tokens agreeing at >= 80% of positions.
+    NOTE(q8): loose on purpose: this random model's logits span ~25 and its 64-wide rows are
+    two blocks each, so a rounding of ~1% of a block's largest value moves single logprobs by
+    up to ~1.5 nats; wrong scales or rows would leave nothing in common. The quality measure
+    is SmolLM2's perplexity (docs/benchmarks.md)."""
+    default = _load(kquant_gguf, None, q8=None)
+    methods = [m.quant_method for m in default.modules() if hasattr(m, "quant_method")]
+    assert methods and not any(m.quantize_activations for m in methods)
+    on = _load(kquant_gguf, None, q8=True)
+    methods = [m.quant_method for m in on.modules() if hasattr(m, "quant_method")]
+    assert all(m.quantize_activations for m in methods)
+    path = llama_gguf("Q4_1")
+    _, lp_on, top_on = _prompt_logprobs(path, q8=True)
+    _, lp_off, top_off = _prompt_logprobs(path, q8=False)
+    diffs = sorted(abs(a - b) for a, b in zip(lp_on, lp_off))
+    assert 0 < diffs[len(diffs) // 2] < 0.3, diffs
+    assert sum(a == b for a, b in zip(top_on, top_off)) >= 0.8 * len(top_on)

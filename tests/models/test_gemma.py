@@ -28,7 +28,9 @@ BACKENDS = ["torch_sdpa",
                 not CpuPagedBackend.is_available(), reason="CPU kernels did not build"))]
 PROMPT_LENGTHS = (3, 20, 41, 57)
 MAX_TOKENS = 8
-LOGPROB_TOL = 2e-4  # fp32 reduction-order noise through 3-4 layers
+# fp32 reduction-order noise through 3-4 layers (the packed CPU GEMM sums each output along K
+# in order, 2-4x the rounding error of the dot-product kernel: up to 2.1e-4 seen on Mixtral).
+LOGPROB_TOL = 4e-4
 VOCAB_LOW, VOCAB_HIGH = 3, 500  # clear of the special tokens of the tiny vocabularies
 
 

@@ -16,7 +16,8 @@
 // The residual stream, weights and KV cache are in the model dtype T (float32 or bfloat16); the
 // intermediate activations stay in float32 (one rounding fewer than the module path per step).
 // A linear weight may instead be GGUF blocks (row segments of one or more GGML types), run by
-// the block kernels of cpu_gguf_linear.cpp inside this layer's parallel region, or int8 rows
+// the block kernels of cpu_gguf_linear.cpp (or, with 8-bit activations, those of
+// cpu_gguf_q8_linear.cpp) inside this layer's parallel region, or int8 rows
 // with per-row scales (layers/quantization/int8.py; weight-only or W8A8), run by the kernels of
 // int8_blocks.h likewise.
 // RMSNorm: Zhang & Sennrich (2019); RoPE: Su et al. (2021), GPT-NeoX layout (the halves of a head
@@ -31,8 +32,10 @@
 
 #include "attention_kernel.h"
 #include "gguf_blocks.h"
+#include "gguf_q8_dot.h"
 #include "int8_blocks.h"
 #include "linear_kernel.h"
+#include "packed_gemm.h"
 
 namespace {
 
@@ -68,33 +71,47 @@ struct DecoderLayerWeights {
   // first (W8A8), 0 keeps it float32 (weight-only).
   const float* int8_scales[4];
   int64_t int8_activations[4];
+  // GGUF weights, same order: 1 rounds x to 8 bits per 32-value block first and runs the
+  // integer-dot kernels (gguf_q8_dot.h), 0 keeps x float32.
+  int64_t gguf_q8_activations[4];
+  // Float weights packed for packed_gemm.h at load (1), same order; 0: the [N, K] matrix.
+  int64_t packed[4];
 };
 
-// Per-token quantized activations of W8A8 linears, shared by the layers of one call:
-// xq [num_tokens, largest K] int8, xs [num_tokens] float32; null when no layer needs them.
-struct Int8Scratch {
+// Quantized activations, shared by the layers of one call (null when no layer needs them):
+// per token for W8A8 linears, xq [num_tokens, largest K] int8 and xs [num_tokens] float32; per
+// 32-value block for GGUF linears with 8-bit activations, `gguf_q8` sized likewise.
+struct ActivationScratch {
   int8_t* xq;
   float* xs;
+  gguf::Q8Rows gguf_q8;
 };
 
 enum WeightIndex { kQKV = 0, kO = 1, kGateUp = 2, kDown = 3 };
 
 // One linear phase of the layer (an orphaned work-sharing loop, see linear_kernel.h): on the
-// GGUF segments of weight `index` if it has any, on the int8 weight `w` [N, K] if it has
-// scales, else on the float weight `w` [N, K].
+// GGUF segments of weight `index` if it has any (x rounded to 8 bits first if so marked), on
+// the int8 weight `w` [N, K] if it has
+// scales, else on the float weight `w` ([N, K], or packed panels if flagged `packed`).
 template <typename T>
 inline void layer_linear(const DecoderLayerWeights& lw, int index, const float* x, int64_t ldx,
                          int64_t M, int64_t K, const void* w, int64_t N, const float* bias,
-                         float* y, int64_t ldy, const Int8Scratch& scratch) {
+                         float* y, int64_t ldy, const ActivationScratch& scratch) {
   if (lw.int8_scales[index] != nullptr) {
     const bool w8a8 = lw.int8_activations[index] != 0;
     int8::linear_tiles(x, ldx, M, K, static_cast<const int8_t*>(w), N, lw.int8_scales[index],
                        bias, y, ldy, w8a8 ? scratch.xq : nullptr, w8a8 ? scratch.xs : nullptr);
-  } else if (lw.num_segments[index] > 0)
+  } else if (lw.num_segments[index] > 0 && lw.gguf_q8_activations[index] != 0) {
+    gguf::linear_segments_tiles_q8(x, ldx, M, K, lw.segments[index], lw.num_segments[index],
+                                   bias, y, ldy, scratch.gguf_q8);
+  } else if (lw.num_segments[index] > 0) {
     gguf::linear_segments_tiles(x, ldx, M, K, lw.segments[index], lw.num_segments[index], bias,
                                 y, ldy);
-  else
+  } else if (lw.packed[index] != 0) {
+    packed::linear_tiles(x, ldx, M, K, static_cast<const T*>(w), N, bias, y, ldy);
+  } else {
     linear_tiles(x, ldx, M, K, static_cast<const T*>(w), N, bias, y, ldy);
+  }
 }
 
 struct DecoderStep {
@@ -155,7 +172,7 @@ inline float silu(float g) { return g / (1.f + std::exp(-g)); }
 
 template <typename T>
 void decoder_layer(const DecoderLayerWeights& w, const DecoderStep& s, bool add_delta,
-                   const AttentionPlan& plan, const Int8Scratch& int8_scratch) {
+                   const AttentionPlan& plan, const ActivationScratch& act_scratch) {
   const int64_t M = s.num_tokens, H = w.hidden_size, D = w.head_size;
   const int64_t q_size = w.num_heads * D, kv_size = w.num_kv_heads * D;
   const int64_t qkv_size = q_size + 2 * kv_size, I = w.intermediate_size;
@@ -178,7 +195,7 @@ void decoder_layer(const DecoderLayerWeights& w, const DecoderStep& s, bool add_
                        static_cast<const T*>(w.input_norm), w.eps, H, s.normed + m * H);
 
     layer_linear<T>(w, kQKV, s.normed, H, M, H, w.qkv, qkv_size, w.qkv_bias, s.qkv_out,
-                    qkv_size, int8_scratch);
+                    qkv_size, act_scratch);
 
     // q/k norm, RoPE, and the KV-cache write: one (token, head) per iteration.
     const int64_t heads = w.num_heads + w.num_kv_heads;
@@ -212,7 +229,7 @@ void decoder_layer(const DecoderLayerWeights& w, const DecoderStep& s, bool add_
     attention_items(attn, plan);
 
     layer_linear<T>(w, kO, s.attn_out, q_size, M, q_size, w.o, H, w.o_bias, s.delta, H,
-                    int8_scratch);
+                    act_scratch);
 
 #pragma omp for
     for (int64_t m = 0; m < M; ++m)
@@ -220,7 +237,7 @@ void decoder_layer(const DecoderLayerWeights& w, const DecoderStep& s, bool add_
                        static_cast<const T*>(w.post_norm), w.eps, H, s.normed + m * H);
 
     layer_linear<T>(w, kGateUp, s.normed, H, M, H, w.gate_up, 2 * I, w.gate_up_bias,
-                    s.gate_up_out, 2 * I, int8_scratch);
+                    s.gate_up_out, 2 * I, act_scratch);
 
 #pragma omp for
     for (int64_t item = 0; item < M * act_chunks; ++item) {
@@ -232,7 +249,7 @@ void decoder_layer(const DecoderLayerWeights& w, const DecoderStep& s, bool add_
     }
 
     layer_linear<T>(w, kDown, s.act, I, M, I, w.down, H, w.down_bias, s.delta, H,
-                    int8_scratch);
+                    act_scratch);
   }
 }
 
@@ -265,25 +282,33 @@ void decoder_layers(const DecoderLayerWeights* layers, int num_layers, const Dec
   const AttentionPlan plan =
       plan_attention(step->query_start_loc, attention_rows, num_attention_rows,
                      static_cast<int>(layers[0].num_kv_heads), omp_get_max_threads());
-  // W8A8 scratch, sized for the largest input of any such linear.
-  int64_t max_k = 0;
+  // Quantized-activation scratch, sized for the largest input of any such linear.
+  int64_t max_k = 0, max_k_q8 = 0;
   for (int l = 0; l < num_layers; ++l) {
     const DecoderLayerWeights& lw = layers[l];
     const int64_t k[4] = {lw.hidden_size, lw.num_heads * lw.head_size, lw.hidden_size,
                           lw.intermediate_size};
-    for (int i = 0; i < 4; ++i)
+    for (int i = 0; i < 4; ++i) {
       if (lw.int8_scales[i] != nullptr && lw.int8_activations[i] != 0)
         max_k = std::max(max_k, k[i]);
+      if (lw.num_segments[i] > 0 && lw.gguf_q8_activations[i] != 0)
+        max_k_q8 = std::max(max_k_q8, k[i]);
+    }
   }
-  std::vector<int8_t> xq(static_cast<size_t>(step->num_tokens * max_k));
-  std::vector<float> xs(max_k > 0 ? static_cast<size_t>(step->num_tokens) : 0);
-  const Int8Scratch int8_scratch{max_k > 0 ? xq.data() : nullptr, xs.data()};
+  const int64_t M = step->num_tokens, q8_blocks = M * (max_k_q8 / gguf::kBlock);
+  std::vector<int8_t> xq(static_cast<size_t>(M * max_k));
+  std::vector<float> xs(max_k > 0 ? static_cast<size_t>(M) : 0);
+  std::vector<int8_t> q8(static_cast<size_t>(M * max_k_q8));
+  std::vector<float> q8_scales(static_cast<size_t>(2 * q8_blocks));
+  const ActivationScratch act_scratch{
+      max_k > 0 ? xq.data() : nullptr, xs.data(),
+      gguf::Q8Rows{q8.data(), q8_scales.data(), q8_scales.data() + q8_blocks}};
   for (int l = 0; l < num_layers; ++l) {
     const bool add = l > 0 || add_delta_first != 0;
     if (dtype == 0)
-      decoder_layer<float>(layers[l], *step, add, plan, int8_scratch);
+      decoder_layer<float>(layers[l], *step, add, plan, act_scratch);
     else
-      decoder_layer<uint16_t>(layers[l], *step, add, plan, int8_scratch);
+      decoder_layer<uint16_t>(layers[l], *step, add, plan, act_scratch);
   }
 }
 

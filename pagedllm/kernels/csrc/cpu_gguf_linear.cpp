@@ -16,13 +16,11 @@
 // linear_kernel.h does (OpenMP, sharing torch's runtime); `linear_segments_tiles` is also
 // called inside the fused decoder's parallel region (cpu_decoder.cpp).
 //
-// A second entry point, linear_gguf_q8_activations, rounds x to 8 bits per block first (below).
+// The same linears on activations rounded to 8 bits per block (integer dot products, llama.cpp's
+// scheme) are in cpu_gguf_q8_linear.cpp / gguf_q8_dot.h.
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
-#include <type_traits>
-#include <vector>
 
 #include <omp.h>
 
@@ -180,103 +178,6 @@ void dequantize_rows(const uint8_t* w, int64_t K, const int64_t* ids, int64_t nu
   }
 }
 
-// --- Activations quantized to 8 bits per block (llama.cpp's Q8_0 activations, as in
-// `ggml_vec_dot_q4_0_q8_0`): integer dot products of 32 weights in a few instructions instead
-// of unpacking to float32. Not exact: each activation is rounded to 1/127 of its block's
-// largest magnitude. Offered by `ops.gguf_linear(..., quantize_activations=True)`; the layers
-// keep float32 activations.
-
-struct ActBlock {  // one block of 32 activations: x[i] ~= d * q[i]
-  float d;
-  int8_t q[kBlock];
-};
-
-inline void quantize_activations(const float* x, int64_t K, ActBlock* out) {
-  for (int64_t b = 0; b < K / kBlock; ++b) {
-    const float* xb = x + b * kBlock;
-    float amax = 0.f;
-    for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
-    const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
-    out[b].d = d;
-    for (int i = 0; i < kBlock; ++i) out[b].q[i] = static_cast<int8_t>(std::lround(xb[i] * id));
-  }
-}
-
-// The 32 weight quants of a Q8_0 / Q4_0 block as int8 (Q4_0: nibble - 8), and its scale.
-template <typename Q>
-inline float weight_quants(const uint8_t* b, int8_t* q) {
-  if constexpr (std::is_same_v<Q, Q8_0>) {
-    std::memcpy(q, b + 2, kBlock);
-  } else {
-    for (int i = 0; i < 16; ++i) {
-      q[i] = static_cast<int8_t>((b[2 + i] & 0x0f) - 8);
-      q[i + 16] = static_cast<int8_t>((b[2 + i] >> 4) - 8);
-    }
-  }
-  return half_to_float(b);
-}
-
-// dot(row of num_blocks weight blocks, quantized activations of one row).
-template <typename Q>
-inline float dot_q8(const uint8_t* wr, const ActBlock* xr, int64_t num_blocks) {
-#ifdef PAGEDLLM_AVX2
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t b = 0; b < num_blocks; ++b) {
-    const uint8_t* wb = wr + b * Q::kBytes;
-    __m256i qw;
-    if constexpr (std::is_same_v<Q, Q8_0>) {
-      qw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 2));
-    } else {
-      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + 2));
-      const __m128i mask = _mm_set1_epi8(0x0f);
-      qw = _mm256_sub_epi8(_mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask),
-                                            _mm_and_si128(raw, mask)), _mm256_set1_epi8(8));
-    }
-    const __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[b].q));
-    // maddubs multiplies unsigned by signed bytes: move w's sign onto x (|w| <= 128,
-    // |x| <= 127, so the pair sums fit in int16).
-    const __m256i prod =
-        _mm256_maddubs_epi16(_mm256_sign_epi8(qw, qw), _mm256_sign_epi8(qx, qw));
-    const __m256i sum = _mm256_madd_epi16(prod, _mm256_set1_epi16(1));
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(half_to_float(wb) * xr[b].d),
-                          _mm256_cvtepi32_ps(sum), acc);
-  }
-  return hsum(acc);
-#else
-  float total = 0.f;
-  int8_t q[kBlock];
-  for (int64_t b = 0; b < num_blocks; ++b) {
-    const float d = weight_quants<Q>(wr + b * Q::kBytes, q);
-    int32_t s = 0;
-    for (int i = 0; i < kBlock; ++i) s += static_cast<int32_t>(q[i]) * xr[b].q[i];
-    total += static_cast<float>(s) * (d * xr[b].d);
-  }
-  return total;
-#endif
-}
-
-template <typename Q>
-void linear_q8_activations(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* w,
-                           int64_t N, const float* bias, float* y, int64_t ldy) {
-  const int64_t num_blocks = K / kBlock, row_bytes = num_blocks * Q::kBytes;
-  std::vector<ActBlock> xq(static_cast<size_t>(M * num_blocks));
-#pragma omp parallel
-  {
-#pragma omp for
-    for (int64_t m = 0; m < M; ++m) quantize_activations(x + m * ldx, K, &xq[m * num_blocks]);
-    const int64_t tile =
-        std::max<int64_t>(4, std::min<int64_t>(64, N / (8 * omp_get_num_threads())));
-    const int64_t num_tiles = (N + tile - 1) / tile;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t t = 0; t < num_tiles; ++t)
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t n = t * tile; n < std::min(N, (t + 1) * tile); ++n) {
-          const float s = dot_q8<Q>(w + n * row_bytes, &xq[m * num_blocks], num_blocks);
-          y[m * ldy + n] = s + (bias != nullptr ? bias[n] : 0.f);
-        }
-  }
-}
-
 }  // namespace gguf
 }  // namespace pagedllm
 
@@ -302,28 +203,6 @@ int linear_gguf_f32(const float* x, int64_t ldx, int64_t M, int64_t K, const uin
                     int64_t N, int ggml_type, const float* bias, float* y, int64_t ldy) {
   const pagedllm::gguf::Segment segment{w, 0, N, ggml_type};
   return linear_gguf_segments(x, ldx, M, K, &segment, 1, bias, y, ldy);
-}
-
-}  // extern "C"
-
-extern "C" {
-
-// Q8_0 / Q4_0 weights with the activations quantized to 8 bits per block first (see
-// `linear_q8_activations`). Returns 0, or -1 for another type (nothing written).
-int linear_gguf_q8_activations(const float* x, int64_t ldx, int64_t M, int64_t K,
-                               const uint8_t* w, int64_t N, int ggml_type, const float* bias,
-                               float* y, int64_t ldy) {
-  using namespace pagedllm::gguf;
-  switch (ggml_type) {
-    case kGGMLTypeQ8_0:
-      linear_q8_activations<Q8_0>(x, ldx, M, K, w, N, bias, y, ldy);
-      return 0;
-    case kGGMLTypeQ4_0:
-      linear_q8_activations<Q4_0>(x, ldx, M, K, w, N, bias, y, ldy);
-      return 0;
-    default:
-      return -1;
-  }
 }
 
 }  // extern "C"

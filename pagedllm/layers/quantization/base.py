@@ -69,7 +69,21 @@ def copy_checkpoint_tensor(param: torch.Tensor, loaded) -> None:
 
 class UnquantizedLinearMethod(LinearMethodBase):
     """A float weight [output_size_per_partition, input_size_per_partition] in the default
-    dtype, applied with the platform's linear (`current_platform.linear`)."""
+    dtype, applied with the platform's linear (`current_platform.linear`).
+
+    After loading (`process_weights_after_loading`) the platform may repack the weight for its
+    packed GEMM (CPU: `csrc/packed_gemm.h` panels): `layer.weight` keeps its shape and dtype
+    but its storage is then in that layout (`packed` is True) and only `apply` /
+    `current_platform.packed_linear` (and the fused CPU decoder, told by the flag) may read
+    it; `unpacked_weight` gives the [out, in] matrix back, and loading into a packed weight
+    unpacks it first.
+
+    Attributes:
+        packed: `layer.weight` holds the platform's packed layout.
+    """
+
+    def __init__(self) -> None:
+        self.packed = False
 
     def create_weights(self, layer: nn.Module, input_size_per_partition: int,
                        output_size_per_partition: int, weight_loader) -> None:
@@ -77,12 +91,45 @@ class UnquantizedLinearMethod(LinearMethodBase):
                               requires_grad=False)
         weight.weight_loader = weight_loader
         layer.weight = weight
+        self.packed = False
 
     def load_weight(self, layer: nn.Module, loaded, row_offset: int | None) -> None:
+        if self.packed:   # a reload: rows go into the [out, in] matrix (repacked after loading)
+            layer.weight.data = self.unpacked_weight(layer)
+            self.packed = False
         dst = layer.weight if row_offset is None else layer.weight.data.narrow(
             0, row_offset, loaded.shape[0])
         copy_checkpoint_tensor(dst, loaded)
 
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Replace `layer.weight`'s storage by the platform's packed layout where it has one
+        (`current_platform.pack_linear_weight`; the parameter object, shape and dtype stay, and
+        the unpacked storage is freed, so memory does not grow). Idempotent."""
+        if self.packed:
+            return
+        packed = current_platform.pack_linear_weight(layer.weight.data)
+        if packed is not None:
+            layer.weight.data = packed
+            self.packed = True
+
+    def unpacked_weight(self, layer: nn.Module) -> torch.Tensor:
+        """`layer.weight` as the [out, in] matrix (a new tensor when packed, else the data)."""
+        if not self.packed:
+            return layer.weight.data
+        return current_platform.unpack_linear_weight(layer.weight.data)
+
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.packed:
+            return current_platform.packed_linear(x, layer.weight, bias)
         return current_platform.linear(x, layer.weight, bias)
+
+
+def process_weights_after_loading(model: nn.Module) -> None:
+    """Give every layer's quantization method the chance to convert its loaded weight
+    (`process_weights_after_loading(layer)`, vLLM's hook; e.g. the CPU's packed GEMM layout).
+    Called by the model loader once all checkpoint tensors are in."""
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None and hasattr(method, "process_weights_after_loading"):
+            method.process_weights_after_loading(module)

@@ -13,22 +13,42 @@ row segments, one per loaded tensor, each in its own type (`layer.gguf_segments`
                  back to back in row order (no padding)
 
 and a fused layer of mixed types runs one native call that writes each segment's output
-columns. Blocks run along the input dimension, so splitting the output rows across
+columns.
+
+Activations: with `PAGEDLLM_GGUF_Q8_ACTIVATIONS=1` each linear (and the quantized LM head) rounds
+its input to 8 bits per 32-value block and runs integer dot products (`gguf_linear(...,
+quantize_activations=True)`, csrc/gguf_q8_dot.h), as llama.cpp always does: 1.2-2.5x faster per
+GEMV at batch 1, at the cost of llama.cpp's activation rounding (SmolLM2 Q4_1 perplexity +1%).
+NOTE(q8): off by default because batch-32 decode measured slower with it (docs/benchmarks.md);
+float32 activations are exact up to the order of the sums. The fused CPU decoder follows each
+method's choice. Blocks run along the input dimension, so splitting the output rows across
 tensor-parallel ranks is exact, and splitting the input dimension must fall on block boundaries
 (refused otherwise). `GGUFEmbeddingMethod` keeps the token embedding / tied LM head in blocks.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from pagedllm.kernels import switched_off
 from pagedllm.kernels.ops import (GGUF_BLOCK_SIZE, GGUF_KERNEL_TYPES, gguf_dequantize_rows,
                                   gguf_linear, gguf_linear_segments)
 from pagedllm.layers.quantization.base import LinearMethodBase
 from pagedllm.platforms import current_platform
+
+
+Q8_ACTIVATIONS_ENV = "PAGEDLLM_GGUF_Q8_ACTIVATIONS"
+
+
+def gguf_q8_activations_enabled() -> bool:
+    """The default of GGUF layers' 8-bit activations: off unless `PAGEDLLM_GGUF_Q8_ACTIVATIONS`
+    is set to something other than 0/false/off/no (read when a method is built, i.e. at model
+    construction)."""
+    return Q8_ACTIVATIONS_ENV in os.environ and not switched_off(Q8_ACTIVATIONS_ENV)
 
 
 class GGUFLayoutUnsupported(ValueError):
@@ -61,9 +81,17 @@ class GGUFLinearMethod(LinearMethodBase):
     layouts), `layer.gguf_segments` the loaded row segments in row order, and
     `layer.gguf_quant_type` the GGML type name when all segments share one (None when mixed);
     the bias (if any) stays float.
+
+    Args:
+        quantize_activations: round the input to 8 bits per 32-value block and use integer dot
+            products (see the module docstring); None: `gguf_q8_activations_enabled()`.
     """
 
     quantized = True
+
+    def __init__(self, quantize_activations: bool | None = None) -> None:
+        self.quantize_activations = (gguf_q8_activations_enabled() if quantize_activations is None
+                                     else quantize_activations)
 
     def create_weights(self, layer: nn.Module, input_size_per_partition: int,
                        output_size_per_partition: int, weight_loader) -> None:
@@ -178,8 +206,10 @@ class GGUFLinearMethod(LinearMethodBase):
               bias: torch.Tensor | None = None) -> torch.Tensor:
         segments = layer._gguf_kernel_segments or self.kernel_segments(layer)
         if len(segments) == 1:
-            return gguf_linear(x, segments[0][2], segments[0][1], bias)
-        return gguf_linear_segments(x, segments, layer.output_size_per_partition, bias)
+            return gguf_linear(x, segments[0][2], segments[0][1], bias,
+                               self.quantize_activations)
+        return gguf_linear_segments(x, segments, layer.output_size_per_partition, bias,
+                                    self.quantize_activations)
 
 
 def _segment_bytes(layer: nn.Module, s: GGUFSegment) -> torch.Tensor:
@@ -197,11 +227,17 @@ class GGUFEmbeddingMethod:
 
     One object serves the embedding and a tied LM head (`VocabEmbedding.tie_embedding_method`),
     so the state lives here: `tensor_type` (None: float weight) and the float `dtype`.
+
+    Args:
+        quantize_activations: the LM head's input rounded to 8 bits per block, as
+            `GGUFLinearMethod`'s (None: `gguf_q8_activations_enabled()`); the lookup is exact.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, quantize_activations: bool | None = None) -> None:
         self.tensor_type: str | None = None
         self.dtype = torch.get_default_dtype()
+        self.quantize_activations = (gguf_q8_activations_enabled() if quantize_activations is None
+                                     else quantize_activations)
 
     def create_weights(self, layer: nn.Module, embedding_dim: int, num_rows: int,
                        weight_loader) -> None:
@@ -248,4 +284,5 @@ class GGUFEmbeddingMethod:
         """hidden [n, embedding_dim] -> [n, num_rows] float32 logits."""
         if self.tensor_type is None:
             return current_platform.linear(hidden, layer.weight, out_dtype=torch.float32)
-        return gguf_linear(hidden.float(), layer.weight, self.tensor_type)
+        return gguf_linear(hidden.float(), layer.weight, self.tensor_type,
+                           quantize_activations=self.quantize_activations)

@@ -1,0 +1,514 @@
+// The 8-bit-activation GGUF linears of gguf_q8_dot.h (see there for the scheme): the rounding
+// of x, the per-type weight decoders of the integer path, the register-blocked micro-kernels
+// (MB rows of x times NB rows of w, as cpu_gguf_linear.cpp's float path) and their work sharing,
+// plus the module path's entry points `linear_gguf_segments_q8` and `quantize_rows_gguf_q8`.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include <omp.h>
+
+#include "gguf_q8_dot.h"
+
+namespace pagedllm {
+namespace gguf {
+
+int q8_dot_isa() {
+#if defined(PAGEDLLM_VNNI)
+  return 2;
+#elif defined(PAGEDLLM_AVX2)
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+namespace {
+
+// --- activations
+
+inline void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* ds) {
+  for (int64_t b = 0; b < K / kBlock; ++b) {
+    const float* xb = x + b * kBlock;
+    int8_t* qb = q + b * kBlock;
+#ifdef PAGEDLLM_AVX2
+    __m256 v[4];
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 vmax = _mm256_setzero_ps();
+    for (int c = 0; c < 4; ++c) {
+      v[c] = _mm256_loadu_ps(xb + 8 * c);
+      vmax = _mm256_max_ps(vmax, _mm256_and_ps(v[c], abs_mask));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float amax = _mm_cvtss_f32(m4);
+#else
+    float amax = 0.f;
+    for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
+#endif
+    const float db = amax / 127.f, id = db != 0.f ? 1.f / db : 0.f;
+    int32_t sum = 0;
+#ifdef PAGEDLLM_AVX2
+    // cvtps rounds to nearest even (the default MXCSR mode), as nearbyint below.
+    __m256i i32[4];
+    for (int c = 0; c < 4; ++c) i32[c] = _mm256_cvtps_epi32(_mm256_mul_ps(v[c], _mm256_set1_ps(id)));
+    const __m256i total = _mm256_add_epi32(_mm256_add_epi32(i32[0], i32[1]),
+                                           _mm256_add_epi32(i32[2], i32[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1)));
+    sum = _mm_cvtsi128_si32(s4);
+    // The packs interleave 128-bit lanes: dword groups come out as a0 b0 c0 d0 a1 b1 c1 d1 (x
+    // of vector x, 4 values each); the permutation restores a0 a1 b0 b1 ...
+    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i32[0], i32[1]),
+                                              _mm256_packs_epi32(i32[2], i32[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb),
+                        _mm256_permutevar8x32_epi32(packed,
+                                                    _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+#else
+    for (int i = 0; i < kBlock; ++i) {
+      const int v = static_cast<int>(std::nearbyint(xb[i] * id));
+      qb[i] = static_cast<int8_t>(v);
+      sum += v;
+    }
+#endif
+    d[b] = db;
+    ds[b] = db * static_cast<float>(sum);
+  }
+}
+
+// --- weights: per type, the float scales of a block and the quants of sub-block s.
+//
+// `Scales::d[s]` multiplies the integer dot of sub-block s (Q6_K: d[2s] for its first 16
+// weights, d[2s + 1] for the last 16); `Scales::m[s]` (types with kMin) multiplies ds of the
+// activation block under sub-block s, the whole min / offset term. kSigned: the quants are
+// int8 (dot with the sign trick); else uint8 < 64.
+
+template <typename Q>
+struct Q8Weights;
+
+template <>
+struct Q8Weights<Q8_0> {
+  static constexpr bool kSigned = true, kMin = false, kHalves = false;
+  struct Scales { float d[1]; };
+  static void scales(const uint8_t* b, Scales* s) { s->d[0] = half_to_float(b); }
+  static void quants(const uint8_t* b, int /*sub*/, int32_t* q) {
+    for (int i = 0; i < kBlock; ++i) q[i] = static_cast<int8_t>(b[2 + i]);
+  }
+#ifdef PAGEDLLM_AVX2
+  static __m256i quants(const uint8_t* b, int /*sub*/) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
+  }
+#endif
+};
+
+#ifdef PAGEDLLM_AVX2
+// Weights 0-15 of a 32-weight block from the low nibbles of qs[16], 16-31 from the high ones.
+inline __m256i nibbles32(const uint8_t* qs) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i mask = _mm_set1_epi8(0x0f);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
+}
+
+// 16 in byte i where bit i of qh is set, else 0 (the 5th bit of Q5_0/Q5_1 quants).
+inline __m256i high_bits16(uint32_t qh) {
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(qh)),
+      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3,
+                       3, 3, 3, 3, 3, 3, 3));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+  return _mm256_and_si256(set, _mm256_set1_epi8(16));
+}
+#endif
+
+template <>
+struct Q8Weights<Q4_0> {
+  static constexpr bool kSigned = true, kMin = false, kHalves = false;
+  struct Scales { float d[1]; };
+  static void scales(const uint8_t* b, Scales* s) { s->d[0] = half_to_float(b); }
+  static void quants(const uint8_t* b, int /*sub*/, int32_t* q) {
+    for (int i = 0; i < 16; ++i) {
+      q[i] = (b[2 + i] & 0x0f) - 8;
+      q[i + 16] = (b[2 + i] >> 4) - 8;
+    }
+  }
+#ifdef PAGEDLLM_AVX2
+  static __m256i quants(const uint8_t* b, int /*sub*/) {
+    return _mm256_sub_epi8(nibbles32(b + 2), _mm256_set1_epi8(8));
+  }
+#endif
+};
+
+template <>
+struct Q8Weights<Q4_1> {
+  static constexpr bool kSigned = false, kMin = true, kHalves = false;
+  struct Scales { float d[1], m[1]; };
+  static void scales(const uint8_t* b, Scales* s) {
+    s->d[0] = half_to_float(b);
+    s->m[0] = half_to_float(b + 2);
+  }
+  static void quants(const uint8_t* b, int /*sub*/, int32_t* q) {
+    for (int i = 0; i < 16; ++i) {
+      q[i] = b[4 + i] & 0x0f;
+      q[i + 16] = b[4 + i] >> 4;
+    }
+  }
+#ifdef PAGEDLLM_AVX2
+  static __m256i quants(const uint8_t* b, int /*sub*/) { return nibbles32(b + 4); }
+#endif
+};
+
+template <>
+struct Q8Weights<Q5_0> {
+  static constexpr bool kSigned = true, kMin = false, kHalves = false;
+  struct Scales { float d[1]; };
+  static void scales(const uint8_t* b, Scales* s) { s->d[0] = half_to_float(b); }
+  static void quants(const uint8_t* b, int /*sub*/, int32_t* q) {
+    const uint32_t qh = load_u32(b + 2);
+    for (int i = 0; i < kBlock; ++i) q[i] = q5_quant(b + 6, qh, i) - 16;
+  }
+#ifdef PAGEDLLM_AVX2
+  static __m256i quants(const uint8_t* b, int /*sub*/) {
+    return _mm256_sub_epi8(_mm256_or_si256(nibbles32(b + 6), high_bits16(load_u32(b + 2))),
+                           _mm256_set1_epi8(16));
+  }
+#endif
+};
+
+template <>
+struct Q8Weights<Q5_1> {
+  static constexpr bool kSigned = false, kMin = true, kHalves = false;
+  struct Scales { float d[1], m[1]; };
+  static void scales(const uint8_t* b, Scales* s) {
+    s->d[0] = half_to_float(b);
+    s->m[0] = half_to_float(b + 2);
+  }
+  static void quants(const uint8_t* b, int /*sub*/, int32_t* q) {
+    const uint32_t qh = load_u32(b + 4);
+    for (int i = 0; i < kBlock; ++i) q[i] = q5_quant(b + 8, qh, i);
+  }
+#ifdef PAGEDLLM_AVX2
+  static __m256i quants(const uint8_t* b, int /*sub*/) {
+    return _mm256_or_si256(nibbles32(b + 8), high_bits16(load_u32(b + 4)));
+  }
+#endif
+};
+
+// Q4_K / Q5_K share scales (6-bit sc and m per sub-block, gguf_blocks.h's k4_scale_min).
+struct K4Scales {
+  float d[8], m[8];
+};
+
+inline void k4_scales(const uint8_t* b, K4Scales* s) {
+  const float d = half_to_float(b), dmin = half_to_float(b + 2);
+  for (int sub = 0; sub < 8; ++sub) {
+    float sc, m;
+    k4_scale_min(b + 4, sub, &sc, &m);
+    s->d[sub] = d * sc;
+    s->m[sub] = -dmin * m;
+  }
+}
+
+template <>
+struct Q8Weights<Q4_K> {
+  static constexpr bool kSigned = false, kMin = true, kHalves = false;
+  using Scales = K4Scales;
+  static void scales(const uint8_t* b, Scales* s) { k4_scales(b, s); }
+  static void quants(const uint8_t* b, int sub, int32_t* q) {
+    const uint8_t* qs = b + 16 + 32 * (sub / 2);
+    for (int l = 0; l < kBlock; ++l) q[l] = (qs[l] >> (4 * (sub & 1))) & 0x0f;
+  }
+#ifdef PAGEDLLM_AVX2
+  static __m256i quants(const uint8_t* b, int sub) {
+    const __m256i raw =
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * (sub / 2)));
+    return _mm256_and_si256(_mm256_srl_epi16(raw, _mm_cvtsi32_si128(4 * (sub & 1))),
+                            _mm256_set1_epi8(0x0f));
+  }
+#endif
+};
+
+template <>
+struct Q8Weights<Q5_K> {
+  static constexpr bool kSigned = false, kMin = true, kHalves = false;
+  using Scales = K4Scales;
+  static void scales(const uint8_t* b, Scales* s) { k4_scales(b, s); }
+  static void quants(const uint8_t* b, int sub, int32_t* q) {
+    const uint8_t* qh = b + 16;
+    const uint8_t* qs = b + 48 + 32 * (sub / 2);
+    for (int l = 0; l < kBlock; ++l)
+      q[l] = ((qs[l] >> (4 * (sub & 1))) & 0x0f) | (((qh[l] >> sub) & 1) << 4);
+  }
+#ifdef PAGEDLLM_AVX2
+  static __m256i quants(const uint8_t* b, int sub) {
+    const __m256i raw =
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 48 + 32 * (sub / 2)));
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+    const __m256i nib = _mm256_and_si256(_mm256_srl_epi16(raw, _mm_cvtsi32_si128(4 * (sub & 1))),
+                                         _mm256_set1_epi8(0x0f));
+    const __m256i high = _mm256_slli_epi16(
+        _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(sub)), _mm256_set1_epi8(1)), 4);
+    return _mm256_or_si256(nib, high);
+  }
+#endif
+};
+
+template <>
+struct Q8Weights<Q6_K> {
+  static constexpr bool kSigned = true, kMin = false, kHalves = true;
+  struct Scales { float d[16]; };
+  static void scales(const uint8_t* b, Scales* s) {
+    const float d = half_to_float(b + 208);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    for (int g = 0; g < 16; ++g) s->d[g] = d * static_cast<float>(sc[g]);
+  }
+  static void quants(const uint8_t* b, int sub, int32_t* q) {
+    const int n = sub / 4, j = sub % 4;
+    const uint8_t* ql = b + 64 * n + 32 * (j & 1);
+    const uint8_t* qh = b + 128 + 32 * n;
+    for (int l = 0; l < kBlock; ++l)
+      q[l] = (((ql[l] >> (4 * (j >> 1))) & 0x0f) | (((qh[l] >> (2 * j)) & 3) << 4)) - 32;
+  }
+#ifdef PAGEDLLM_AVX2
+  static __m256i quants(const uint8_t* b, int sub) {
+    const int n = sub / 4, j = sub % 4;
+    const __m256i ql =
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * n + 32 * (j & 1)));
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * n));
+    const __m256i nib = _mm256_and_si256(_mm256_srl_epi16(ql, _mm_cvtsi32_si128(4 * (j >> 1))),
+                                         _mm256_set1_epi8(0x0f));
+    const __m256i high = _mm256_slli_epi16(
+        _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * j)), _mm256_set1_epi8(3)), 4);
+    return _mm256_sub_epi8(_mm256_or_si256(nib, high), _mm256_set1_epi8(32));
+  }
+#endif
+};
+
+// --- micro-kernels: y[i][j] = dot(x_q row i, w row j) (+ bias[j]) for i < MB, j < NB.
+// `x` holds the MB rows' rounded activations from the block under the row's first weight
+// (row strides ldq bytes of q, ldb floats of d / ds).
+
+struct Q8View {
+  const int8_t* q;
+  const float* d;
+  const float* ds;
+  int64_t ldq, ldb;
+};
+
+#ifdef PAGEDLLM_AVX2
+// Eight int32 sums of 4 byte products each (lane k: bytes 4k..4k+3), unsigned u by signed s.
+inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#ifdef PAGEDLLM_VNNI
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+template <int MB, int NB, typename Q>
+inline void micro_q8(const Q8View& x, const uint8_t* w, int64_t row_bytes, int64_t num_blocks,
+                     const float* bias, float* y, int64_t ldy) {
+  using W = Q8Weights<Q>;
+  constexpr int kSubs = Q::kWeights / kBlock;
+  __m256 acc[MB][NB];
+  float mins[MB][NB];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) {
+      acc[i][j] = _mm256_setzero_ps();
+      mins[i][j] = 0.f;
+    }
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const int64_t xb = b * kSubs;   // the activation block under the weight block's start
+    typename W::Scales sc[NB];
+    for (int j = 0; j < NB; ++j) W::scales(w + j * row_bytes + b * Q::kBytes, &sc[j]);
+    if constexpr (W::kMin) {
+      for (int j = 0; j < NB; ++j)
+        for (int i = 0; i < MB; ++i) {
+          if constexpr (kSubs == 8)   // the 8 sub-blocks' min terms as one vector
+            acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(sc[j].m),
+                                        _mm256_loadu_ps(x.ds + i * x.ldb + xb), acc[i][j]);
+          else
+            mins[i][j] += sc[j].m[0] * x.ds[i * x.ldb + xb];
+        }
+    }
+    for (int s = 0; s < kSubs; ++s) {
+      __m256i qx[MB];
+      for (int i = 0; i < MB; ++i)
+        qx[i] = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(x.q + i * x.ldq + (xb + s) * kBlock));
+      for (int j = 0; j < NB; ++j) {
+        const __m256i qw = W::quants(w + j * row_bytes + b * Q::kBytes, s);
+        const __m256i uw = W::kSigned ? _mm256_sign_epi8(qw, qw) : qw;
+        __m256 ws;
+        if constexpr (W::kHalves)
+          ws = _mm256_set_m128(_mm_set1_ps(sc[j].d[2 * s + 1]), _mm_set1_ps(sc[j].d[2 * s]));
+        for (int i = 0; i < MB; ++i) {
+          const __m256i sx = W::kSigned ? _mm256_sign_epi8(qx[i], qw) : qx[i];
+          const __m256 prod = _mm256_cvtepi32_ps(dot_u8s8(uw, sx));
+          const float dx = x.d[i * x.ldb + xb + s];
+          if constexpr (W::kHalves)
+            acc[i][j] = _mm256_fmadd_ps(prod, _mm256_mul_ps(ws, _mm256_set1_ps(dx)), acc[i][j]);
+          else
+            acc[i][j] = _mm256_fmadd_ps(prod, _mm256_set1_ps(sc[j].d[s] * dx), acc[i][j]);
+        }
+      }
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j)
+      y[i * ldy + j] = hsum(acc[i][j]) + mins[i][j] + (bias != nullptr ? bias[j] : 0.f);
+}
+#else
+template <int MB, int NB, typename Q>
+inline void micro_q8(const Q8View& x, const uint8_t* w, int64_t row_bytes, int64_t num_blocks,
+                     const float* bias, float* y, int64_t ldy) {
+  using W = Q8Weights<Q>;
+  constexpr int kSubs = Q::kWeights / kBlock;
+  float acc[MB][NB] = {};
+  int32_t qw[kBlock];
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const int64_t xb = b * kSubs;
+    for (int j = 0; j < NB; ++j) {
+      const uint8_t* blk = w + j * row_bytes + b * Q::kBytes;
+      typename W::Scales sc;
+      W::scales(blk, &sc);
+      for (int s = 0; s < kSubs; ++s) {
+        W::quants(blk, s, qw);
+        for (int i = 0; i < MB; ++i) {
+          const int8_t* qx = x.q + i * x.ldq + (xb + s) * kBlock;
+          int32_t lo = 0, hi = 0;
+          for (int l = 0; l < 16; ++l) lo += qw[l] * qx[l];
+          for (int l = 16; l < kBlock; ++l) hi += qw[l] * qx[l];
+          const float dx = x.d[i * x.ldb + xb + s];
+          if constexpr (W::kHalves)
+            acc[i][j] += dx * (sc.d[2 * s] * static_cast<float>(lo) +
+                               sc.d[2 * s + 1] * static_cast<float>(hi));
+          else
+            acc[i][j] += dx * sc.d[s] * static_cast<float>(lo + hi);
+          if constexpr (W::kMin) acc[i][j] += sc.m[s] * x.ds[i * x.ldb + xb + s];
+        }
+      }
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) y[i * ldy + j] = acc[i][j] + (bias != nullptr ? bias[j] : 0.f);
+}
+#endif
+
+// Rows [m0, m1) of x (m1 - m0 a multiple of MB) against w rows [n0, n1).
+template <int MB, typename Q>
+void rows_block_q8(const Q8Rows& xq, int64_t K, int64_t m0, int64_t m1, const uint8_t* w,
+                   int64_t row_bytes, int64_t num_blocks, int64_t n0, int64_t n1,
+                   const float* bias, float* y, int64_t ldy) {
+  constexpr int NB = MB == 1 ? 4 : 2;
+  const int64_t ldb = K / kBlock;
+  for (int64_t m = m0; m + MB <= m1; m += MB) {
+    const Q8View x{xq.q + m * K, xq.d + m * ldb, xq.ds + m * ldb, K, ldb};
+    int64_t n = n0;
+    for (; n + NB <= n1; n += NB)
+      micro_q8<MB, NB, Q>(x, w + n * row_bytes, row_bytes, num_blocks,
+                          bias != nullptr ? bias + n : nullptr, y + m * ldy + n, ldy);
+    for (; n < n1; ++n)
+      micro_q8<MB, 1, Q>(x, w + n * row_bytes, row_bytes, num_blocks,
+                         bias != nullptr ? bias + n : nullptr, y + m * ldy + n, ldy);
+  }
+}
+
+// One work item: rounded x rows [r0, r1) against the segment's weight rows [n0, n1)
+// (segment-relative; `bias` and `y` already point at the segment's first output column).
+template <typename Q>
+void work_item_q8(const Q8Rows& xq, int64_t r0, int64_t r1, int64_t K, const uint8_t* w,
+                  int64_t n0, int64_t n1, const float* bias, float* y, int64_t ldy) {
+  const int64_t num_blocks = K / Q::kWeights, row_bytes = num_blocks * Q::kBytes;
+  const int64_t r4 = r0 + (r1 - r0) / 4 * 4;
+  rows_block_q8<4, Q>(xq, K, r0, r4, w, row_bytes, num_blocks, n0, n1, bias, y, ldy);
+  rows_block_q8<1, Q>(xq, K, r4, r1, w, row_bytes, num_blocks, n0, n1, bias, y, ldy);
+}
+
+using WorkItemQ8Fn = void (*)(const Q8Rows&, int64_t, int64_t, int64_t, const uint8_t*, int64_t,
+                              int64_t, const float*, float*, int64_t);
+
+WorkItemQ8Fn work_item_q8_for(int64_t ggml_type) {
+  switch (ggml_type) {
+    case kGGMLTypeQ4_0: return work_item_q8<Q4_0>;
+    case kGGMLTypeQ4_1: return work_item_q8<Q4_1>;
+    case kGGMLTypeQ5_0: return work_item_q8<Q5_0>;
+    case kGGMLTypeQ5_1: return work_item_q8<Q5_1>;
+    case kGGMLTypeQ8_0: return work_item_q8<Q8_0>;
+    case kGGMLTypeQ4_K: return work_item_q8<Q4_K>;
+    case kGGMLTypeQ5_K: return work_item_q8<Q5_K>;
+    case kGGMLTypeQ6_K: return work_item_q8<Q6_K>;
+    default: return nullptr;
+  }
+}
+
+}  // namespace
+
+void quantize_rows_q8(const float* x, int64_t ldx, int64_t M, int64_t K, const Q8Rows& out) {
+  const int64_t ldb = K / kBlock;
+#pragma omp for schedule(static)
+  for (int64_t m = 0; m < M; ++m)
+    quantize_row(x + m * ldx, K, out.q + m * K, out.d + m * ldb, out.ds + m * ldb);
+}
+
+void linear_segments_tiles_q8(const float* x, int64_t ldx, int64_t M, int64_t K,
+                              const Segment* segments, int64_t num_segments, const float* bias,
+                              float* y, int64_t ldy, const Q8Rows& scratch) {
+  quantize_rows_q8(x, ldx, M, K, scratch);
+  constexpr int64_t kRowBlock = 64;  // rows of x per work item (a multiple of the 4-row kernel)
+  const int64_t num_row_blocks = (M + kRowBlock - 1) / kRowBlock;
+  for (int64_t s = 0; s < num_segments; ++s) {
+    const Segment& seg = segments[s];
+    const WorkItemQ8Fn fn = work_item_q8_for(seg.ggml_type);
+    const int64_t N = seg.rows;
+    const int64_t tile =
+        std::max<int64_t>(4, std::min<int64_t>(64, N / (8 * omp_get_num_threads())));
+    const int64_t num_tiles = (N + tile - 1) / tile;
+    const float* seg_bias = bias != nullptr ? bias + seg.row_start : nullptr;
+    float* seg_y = y + seg.row_start;
+#pragma omp for schedule(dynamic, 1) nowait
+    for (int64_t item = 0; item < num_row_blocks * num_tiles; ++item) {
+      const int64_t t = item % num_tiles, rb = item / num_tiles;
+      const int64_t n0 = t * tile, n1 = std::min(N, n0 + tile);
+      const int64_t r0 = rb * kRowBlock, r1 = std::min(M, r0 + kRowBlock);
+      fn(scratch, r0, r1, K, seg.data, n0, n1, seg_bias, seg_y, ldy);
+    }
+  }
+#pragma omp barrier
+}
+
+}  // namespace gguf
+}  // namespace pagedllm
+
+extern "C" {
+
+// `linear_gguf_segments` (cpu_gguf_linear.cpp) with x rounded to 8 bits per 32-value block
+// first (gguf_q8_dot.h). Returns 0, or -1 if a segment's type is not taken (nothing written).
+int linear_gguf_segments_q8(const float* x, int64_t ldx, int64_t M, int64_t K,
+                            const pagedllm::gguf::Segment* segments, int64_t num_segments,
+                            const float* bias, float* y, int64_t ldy) {
+  using namespace pagedllm::gguf;
+  if (!segments_supported(segments, num_segments)) return -1;
+  std::vector<int8_t> q(static_cast<size_t>(M * K));
+  std::vector<float> d(static_cast<size_t>(M * (K / kBlock))), ds(d.size());
+  const Q8Rows scratch{q.data(), d.data(), ds.data()};
+#pragma omp parallel
+  linear_segments_tiles_q8(x, ldx, M, K, segments, num_segments, bias, y, ldy, scratch);
+  return 0;
+}
+
+// The rounding of `linear_gguf_segments_q8` alone: q [M, K] int8, d and ds [M, K / 32] float32
+// (gguf_q8_dot.h), K a multiple of 32.
+void quantize_rows_gguf_q8(const float* x, int64_t ldx, int64_t M, int64_t K, int8_t* q,
+                           float* d, float* ds) {
+  pagedllm::gguf::quantize_rows_q8(x, ldx, M, K, pagedllm::gguf::Q8Rows{q, d, ds});
+}
+
+// 0: portable integer dots, 1: AVX2, 2: AVX512-VNNI (what this build compiled).
+int gguf_q8_dot_isa() { return pagedllm::gguf::q8_dot_isa(); }
+
+}  // extern "C"

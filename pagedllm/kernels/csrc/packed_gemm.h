@@ -1,0 +1,330 @@
+// Packed-B GEMM: y = x @ w^T (+ bias) with w pre-packed once (at load) into column panels, and an
+// outer-product register-blocked micro-kernel (the GotoBLAS / BLIS scheme: Goto & van de Geijn,
+// "Anatomy of High-Performance Matrix Multiplication", TOMS 2008; Van Zee & van de Geijn, BLIS,
+// TOMS 2015). Used by cpu_linear.cpp (module path) and cpu_decoder.cpp (fused decoder layer).
+//
+// Why: linear_kernel.h computes each output as a K-long dot product (a horizontal sum per
+// output, two loads per FMA); for 32+ rows that runs far below the FMA peak. Here each step of k
+// loads one 16-wide row of a weight panel, broadcasts x values and FMAs an MR x 16*NP tile of
+// accumulators held in registers: one load per MR FMAs.
+//
+// Packed layout of a weight w [N, K] (the same element count, so it replaces the tensor's
+// storage; K a multiple of 8):
+//
+//   panels p = 0 .. N/16 - 1 (columns n = 16p .. 16p+15), each K * 16 elements at p * 16 * K:
+//     plain:  [K][16]        element (n, k) at p*16*K + k*16 + (n - 16p)
+//     pairs:  [K/2][16][2]   element (n, k) at p*16*K + (k/2)*32 + (n - 16p)*2 + k%2
+//   a tail panel of nt = N % 16 columns at (N/16)*16*K, [K][nt] or [K/2][nt][2] likewise.
+//
+// "pairs" is used for bfloat16 weights when the library is built with AVX512_BF16: a panel row
+// pair is one zmm of bf16 pairs for `vdpbf16ps`, which multiplies bf16 pairs and accumulates in
+// float32. Its x operand must be bfloat16 too, so float32 activations are rounded to bfloat16
+// (nearest even) first: on that path the products are those of bf16-rounded x (the module path
+// of a bf16 model rounds its activations to bf16 anyway; the fused decoder's float32
+// intermediates lose their extra precision here). Every other case computes in float32 with x
+// as given (bf16 weights widened by a 16-bit shift), so fp32 results match a float32 GEMM up to
+// summation order.
+//
+// Register tiles: AVX-512 12x32 (24 zmm accumulators), AVX2 6x16 (12 ymm), portable 4x16.
+// K is cut into blocks of kKC so that a block of the item's x rows and of a panel stay in
+// L1/L2; partial sums live in a per-item float32 tile. Threads share (row block, panel group)
+// items through an orphaned `omp for` (as linear_kernel.h), so the fused decoder can call it
+// inside its parallel region.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include <omp.h>
+
+#include "cpu_vec.h"
+
+#if defined(PAGEDLLM_AVX2) && defined(__AVX512F__)
+#define PAGEDLLM_AVX512 1
+#endif
+#if defined(PAGEDLLM_AVX512) && defined(__AVX512BF16__)
+#define PAGEDLLM_AVX512_BF16 1
+#endif
+
+namespace pagedllm {
+namespace packed {
+
+constexpr int64_t kNR = 16;         // columns per panel
+constexpr int64_t kKC = 256;        // k per block (even)
+constexpr int64_t kRowBlock = 48;   // rows per work item: a multiple of 12, 6 and 4
+constexpr int64_t kMaxGroup = 8;    // panels per work item
+
+// Whether weights of type T are packed as k pairs (see the header).
+template <typename T>
+constexpr bool pairs() {
+#ifdef PAGEDLLM_AVX512_BF16
+  return std::is_same_v<T, uint16_t>;
+#else
+  return false;
+#endif
+}
+
+// The element index of w[n][k] in the packed buffer of a [N, K] weight.
+template <typename T>
+inline int64_t packed_index(int64_t n, int64_t k, int64_t N, int64_t K) {
+  const int64_t p = n / kNR, full = N / kNR;
+  const int64_t width = p < full ? kNR : N - full * kNR;
+  const int64_t j = n - p * kNR, base = p * kNR * K;
+  if constexpr (pairs<T>())
+    return base + (k / 2) * width * 2 + j * 2 + (k & 1);
+  else
+    return base + k * width + j;
+}
+
+// out (packed) <- w [N, K] row-major (pack) or the reverse (unpack); out and w do not overlap.
+template <typename T>
+void pack(const T* w, int64_t N, int64_t K, T* out) {
+#pragma omp parallel for
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t k = 0; k < K; ++k) out[packed_index<T>(n, k, N, K)] = w[n * K + k];
+}
+
+template <typename T>
+void unpack(const T* packed, int64_t N, int64_t K, T* w) {
+#pragma omp parallel for
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t k = 0; k < K; ++k) w[n * K + k] = packed[packed_index<T>(n, k, N, K)];
+}
+
+// The type x is read in by the micro-kernel for weights T: bf16 pairs for vdpbf16ps, else float.
+template <typename T>
+using XStage = std::conditional_t<pairs<T>(), uint16_t, float>;
+
+// ---------------------------------------------------------------- micro-kernels
+// Each accumulates rows [0, MR) of x (row stride ldx, kc values) times NP full panels (panel p
+// at w + p * ps, already offset to the block's first k) into the float32 tile c (row stride
+// ldc): c = (accumulate ? c : 0) + x w^T.
+
+#if defined(PAGEDLLM_AVX512)
+constexpr int kMaxMR = 12;
+constexpr int kNP = 2;
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+template <int MR, int NP, typename T>
+inline void micro(const float* x, int64_t ldx, const T* w, int64_t ps, int64_t kc, float* c,
+                  int64_t ldc, bool accumulate) {
+  __m512 acc[MR][NP];
+  for (int i = 0; i < MR; ++i)
+    for (int p = 0; p < NP; ++p)
+      acc[i][p] = accumulate ? _mm512_loadu_ps(c + i * ldc + p * kNR) : _mm512_setzero_ps();
+  for (int64_t k = 0; k < kc; ++k) {
+    __m512 wv[NP];
+    for (int p = 0; p < NP; ++p) wv[p] = load16(w + p * ps + k * kNR);
+    for (int i = 0; i < MR; ++i) {
+      const __m512 xv = _mm512_set1_ps(x[i * ldx + k]);
+      for (int p = 0; p < NP; ++p) acc[i][p] = _mm512_fmadd_ps(xv, wv[p], acc[i][p]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int p = 0; p < NP; ++p) _mm512_storeu_ps(c + i * ldc + p * kNR, acc[i][p]);
+}
+
+#if defined(PAGEDLLM_AVX512_BF16)
+// bf16 x (pairs read as one 32-bit value) times bf16 pair panels, vdpbf16ps; kc even.
+template <int MR, int NP>
+inline void micro(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ps, int64_t kc,
+                  float* c, int64_t ldc, bool accumulate) {
+  __m512 acc[MR][NP];
+  for (int i = 0; i < MR; ++i)
+    for (int p = 0; p < NP; ++p)
+      acc[i][p] = accumulate ? _mm512_loadu_ps(c + i * ldc + p * kNR) : _mm512_setzero_ps();
+  for (int64_t k = 0; k < kc; k += 2) {
+    __m512bh wv[NP];
+    for (int p = 0; p < NP; ++p)
+      wv[p] = (__m512bh)_mm512_loadu_si512(w + p * ps + k * kNR);
+    for (int i = 0; i < MR; ++i) {
+      int32_t pair;
+      std::memcpy(&pair, x + i * ldx + k, sizeof(pair));
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+      for (int p = 0; p < NP; ++p) acc[i][p] = _mm512_dpbf16_ps(acc[i][p], xv, wv[p]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int p = 0; p < NP; ++p) _mm512_storeu_ps(c + i * ldc + p * kNR, acc[i][p]);
+}
+#endif
+
+#elif defined(PAGEDLLM_AVX2)
+constexpr int kMaxMR = 6;
+constexpr int kNP = 1;
+
+template <int MR, int NP, typename T>
+inline void micro(const float* x, int64_t ldx, const T* w, int64_t ps, int64_t kc, float* c,
+                  int64_t ldc, bool accumulate) {
+  constexpr int V = 2 * NP;  // ymm vectors per row of the tile
+  __m256 acc[MR][V];
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < V; ++v)
+      acc[i][v] = accumulate ? _mm256_loadu_ps(c + i * ldc + v * 8) : _mm256_setzero_ps();
+  for (int64_t k = 0; k < kc; ++k) {
+    __m256 wv[V];
+    for (int v = 0; v < V; ++v) wv[v] = load8(w + (v / 2) * ps + k * kNR + (v % 2) * 8);
+    for (int i = 0; i < MR; ++i) {
+      const __m256 xv = _mm256_broadcast_ss(x + i * ldx + k);
+      for (int v = 0; v < V; ++v) acc[i][v] = _mm256_fmadd_ps(xv, wv[v], acc[i][v]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < V; ++v) _mm256_storeu_ps(c + i * ldc + v * 8, acc[i][v]);
+}
+
+#else
+constexpr int kMaxMR = 4;
+constexpr int kNP = 1;
+
+template <int MR, int NP, typename T>
+inline void micro(const float* x, int64_t ldx, const T* w, int64_t ps, int64_t kc, float* c,
+                  int64_t ldc, bool accumulate) {
+  float acc[MR][NP * kNR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NP * kNR; ++j) acc[i][j] = accumulate ? c[i * ldc + j] : 0.f;
+  for (int64_t k = 0; k < kc; ++k)
+    for (int p = 0; p < NP; ++p)
+      for (int j = 0; j < kNR; ++j) {
+        const float wv = to_float(w[p * ps + k * kNR + j]);
+        for (int i = 0; i < MR; ++i) acc[i][p * kNR + j] += x[i * ldx + k] * wv;
+      }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NP * kNR; ++j) c[i * ldc + j] = acc[i][j];
+}
+#endif
+
+// `rows` rows of x against NP panels: the largest register tiles first, then 8/4/2/1 rows.
+template <int NP, typename XS, typename T>
+inline void panel_rows(const XS* x, int64_t ldx, int64_t rows, const T* w, int64_t ps,
+                       int64_t kc, float* c, int64_t ldc, bool accumulate) {
+  int64_t m = 0;
+  for (; m + kMaxMR <= rows; m += kMaxMR)
+    micro<kMaxMR, NP>(x + m * ldx, ldx, w, ps, kc, c + m * ldc, ldc, accumulate);
+  if constexpr (kMaxMR > 8) {
+    if (rows - m >= 8) {
+      micro<8, NP>(x + m * ldx, ldx, w, ps, kc, c + m * ldc, ldc, accumulate);
+      m += 8;
+    }
+  }
+  if constexpr (kMaxMR > 4) {
+    if (rows - m >= 4) {
+      micro<4, NP>(x + m * ldx, ldx, w, ps, kc, c + m * ldc, ldc, accumulate);
+      m += 4;
+    }
+  }
+  if (rows - m >= 2) {
+    micro<2, NP>(x + m * ldx, ldx, w, ps, kc, c + m * ldc, ldc, accumulate);
+    m += 2;
+  }
+  if (rows - m >= 1) micro<1, NP>(x + m * ldx, ldx, w, ps, kc, c + m * ldc, ldc, accumulate);
+}
+
+// The tail panel (nt < 16 columns, layout per the header), scalar: N % 16 != 0 is rare in LLMs.
+template <typename XS, typename T>
+inline void tail_rows(const XS* x, int64_t ldx, int64_t rows, const T* w, int64_t nt,
+                      int64_t kc, float* c, int64_t ldc, bool accumulate) {
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t j = 0; j < nt; ++j) {
+      float s = accumulate ? c[m * ldc + j] : 0.f;
+      for (int64_t k = 0; k < kc; ++k) {
+        const int64_t idx = pairs<T>() ? (k / 2) * nt * 2 + j * 2 + (k & 1) : k * nt + j;
+        s += to_float(x[m * ldx + k]) * to_float(w[idx]);
+      }
+      c[m * ldc + j] = s;
+    }
+}
+
+// dst[r][0..kc) = x[r][0..kc) in the micro-kernel's input type, for `rows` rows.
+template <typename TX, typename XS>
+inline void stage_rows(const TX* x, int64_t ldx, int64_t rows, int64_t kc, XS* dst) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const TX* src = x + r * ldx;
+    XS* out = dst + r * kc;
+    int64_t k = 0;
+#if defined(PAGEDLLM_AVX512_BF16)
+    if constexpr (std::is_same_v<TX, float> && std::is_same_v<XS, uint16_t>)
+      for (; k + 16 <= kc; k += 16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + k)));
+#endif
+    if constexpr (std::is_same_v<XS, float>)
+      for (; k < kc; ++k) out[k] = to_float(src[k]);
+    else
+      for (; k < kc; ++k) store(to_float(src[k]), out + k);
+  }
+}
+
+// The work-sharing loop of a packed linear, to be called by every thread of an enclosing OpenMP
+// parallel region (an orphaned `omp for`: it ends with a barrier); outside one it runs serially.
+// x [M, K] (row stride ldx), w packed from [N, K] (see the header), K a multiple of 8,
+// bias [N] float32 or null, y [M, N] (row stride ldy).
+template <typename T, typename TX, typename TY>
+void linear_tiles(const TX* x, int64_t ldx, int64_t M, int64_t K, const T* w, int64_t N,
+                  const float* bias, TY* y, int64_t ldy) {
+  using XS = XStage<T>;
+  const int64_t full = N / kNR, nt = N % kNR, num_panels = full + (nt > 0);
+  // Panels per item: enough items for the threads at decode sizes, few enough that a row
+  // block of x is re-read only a few times per weight.
+  const int64_t group = std::clamp<int64_t>(full / (4 * omp_get_num_threads()) / kNP * kNP,
+                                            kNP, kMaxGroup);
+  const int64_t num_groups = (num_panels + group - 1) / group;
+  const int64_t num_row_blocks = (M + kRowBlock - 1) / kRowBlock;
+  const int64_t ps = kNR * K;
+#pragma omp for schedule(dynamic, 1)
+  for (int64_t item = 0; item < num_row_blocks * num_groups; ++item) {
+    alignas(64) float c[kRowBlock * kMaxGroup * kNR];
+    alignas(64) XS staged[std::is_same_v<XS, TX> ? 1 : kRowBlock * kKC];
+    const int64_t g = item % num_groups, b = item / num_groups;
+    const int64_t r0 = b * kRowBlock, rows = std::min(M, r0 + kRowBlock) - r0;
+    const int64_t p0 = g * group, p1 = std::min(num_panels, p0 + group);
+    const int64_t p_full_end = std::min(p1, full);
+    const int64_t ldc = (p1 - p0) * kNR;
+    for (int64_t k0 = 0; k0 < K; k0 += kKC) {
+      const int64_t kc = std::min(kKC, K - k0);
+      const XS* xk;
+      int64_t ldxk;
+      if constexpr (std::is_same_v<XS, TX>) {
+        xk = x + r0 * ldx + k0;
+        ldxk = ldx;
+      } else {
+        stage_rows(x + r0 * ldx + k0, ldx, rows, kc, staged);
+        xk = staged;
+        ldxk = kc;
+      }
+      const bool accumulate = k0 > 0;
+      int64_t p = p0;
+      for (; p + kNP <= p_full_end; p += kNP)
+        panel_rows<kNP>(xk, ldxk, rows, w + p * ps + k0 * kNR, ps, kc, c + (p - p0) * kNR, ldc,
+                        accumulate);
+      for (; p < p_full_end; ++p)
+        panel_rows<1>(xk, ldxk, rows, w + p * ps + k0 * kNR, ps, kc, c + (p - p0) * kNR, ldc,
+                      accumulate);
+      if (p1 > full)
+        tail_rows(xk, ldxk, rows, w + full * ps + k0 * nt, nt, kc, c + (full - p0) * kNR, ldc,
+                  accumulate);
+    }
+    const int64_t n0 = p0 * kNR, cols = std::min(N, p1 * kNR) - n0;
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t j = 0; j < cols; ++j)
+        store(c[r * ldc + j] + (bias != nullptr ? bias[n0 + j] : 0.f),
+              y + (r0 + r) * ldy + n0 + j);
+  }
+}
+
+template <typename T, typename TX, typename TY>
+void linear(const TX* x, int64_t ldx, int64_t M, int64_t K, const T* w, int64_t N,
+            const float* bias, TY* y, int64_t ldy) {
+#pragma omp parallel
+  linear_tiles(x, ldx, M, K, w, N, bias, y, ldy);
+}
+
+}  // namespace packed
+}  // namespace pagedllm

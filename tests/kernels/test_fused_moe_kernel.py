@@ -1,0 +1,182 @@
+"""The native fused-MoE kernel (`csrc/cpu_fused_moe.cpp`, `ops.cpu_fused_moe`) against a naive
+per-token loop and against `fused_experts_torch`; the dispatch in `fused_experts` / `FusedMoE`.
+(The end-to-end HF comparisons of MoE models in tests/models/test_moe.py run with it on.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.distributed.parallel_state import (ExpertParallelLayout,
+                                                 set_expert_parallel_layout)
+from pagedllm.kernels import build_cpu_kernels, cpu_kernels
+from pagedllm.kernels.ops import cpu_fused_moe, fused_moe_supported
+from pagedllm.layers.activation import GeluAndMul, SiluAndMul
+from pagedllm.layers.fused_moe import (FusedMoE, fused_experts, fused_experts_torch,
+                                       native_moe_applies, select_experts)
+
+pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="CPU kernels did not build")
+
+
+def _naive(hidden, w13, w2, topk_weights, local_ids):
+    """Per token and slot, in float64: weight * down(silu(gate(x)) * up(x)) for local slots."""
+    num_local, inter = w13.shape[0], w2.shape[2]
+    out = torch.zeros(hidden.shape, dtype=torch.float64)
+    for t in range(hidden.shape[0]):
+        x = hidden[t].double()
+        for w, e in zip(topk_weights[t].tolist(), local_ids[t].tolist()):
+            if not 0 <= e < num_local:
+                continue
+            h = w13[e].double() @ x
+            out[t] += w * (w2[e].double() @ (torch.nn.functional.silu(h[:inter]) * h[inter:]))
+    return out
+
+
+def _problem(num_tokens, num_experts, hidden_size, inter, top_k, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(num_experts, 2 * inter, hidden_size, generator=gen) / hidden_size ** 0.5
+    w2 = torch.randn(num_experts, hidden_size, inter, generator=gen) / inter ** 0.5
+    hidden = torch.randn(num_tokens, hidden_size, generator=gen)
+    logits = torch.randn(num_tokens, num_experts, generator=gen) * 2
+    weights, ids = select_experts(logits, top_k, renormalize=True)
+    return hidden.to(dtype), w13.to(dtype), w2.to(dtype), weights, ids
+
+
+@pytest.mark.parametrize("num_tokens, num_experts, hidden_size, inter, top_k", [
+    (1, 8, 64, 96, 2),       # a batch-1 decode step
+    (37, 8, 40, 56, 1),      # odd token count, sizes not multiples of the 6/3-row kernels
+    (29, 8, 32, 24, 2),
+    (13, 8, 16, 16, 8),      # every expert for every token
+    (250, 3, 24, 32, 1),     # > 96 rows per expert: several row blocks each
+])
+def test_float32_matches_naive_loop(num_tokens, num_experts, hidden_size, inter, top_k):
+    hidden, w13, w2, weights, ids = _problem(num_tokens, num_experts, hidden_size, inter, top_k)
+    got = cpu_fused_moe(hidden, w13, w2, weights, ids)
+    assert got.dtype == torch.float32 and got.shape == hidden.shape
+    torch.testing.assert_close(got.double(), _naive(hidden, w13, w2, weights, ids),
+                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, fused_experts_torch(hidden, w13, w2, weights, ids,
+                                                        torch.arange(num_experts), SiluAndMul()),
+                               atol=1e-5, rtol=1e-5)
+    assert torch.equal(got, cpu_fused_moe(hidden, w13, w2, weights, ids))  # deterministic
+
+
+def test_experts_without_tokens_and_non_local_experts():
+    """Experts 0 and 5 get no rows; ids -1 and >= L (another rank's experts) are skipped, as
+    `fused_experts_torch` skips pairs its expert map sends to -1."""
+    hidden, w13, w2, weights, ids = _problem(31, 8, 32, 40, 3, seed=1)
+    ids = torch.where((ids == 0) | (ids == 5), 1, ids)
+    ids[3] = torch.tensor([2, 7, 2])                      # a token with no local expert
+    local_ids = ids.clone()
+    local_ids[ids == 2] = -1
+    local_ids[ids == 7] = 8
+    got = cpu_fused_moe(hidden, w13, w2, weights, local_ids)
+    want = _naive(hidden, w13, w2, weights, local_ids)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(got[3], torch.zeros(32))
+    expert_map = torch.tensor([0, 1, -1, 3, 4, 5, 6, -1])  # physical id -> local slot
+    torch.testing.assert_close(got, fused_experts_torch(hidden, w13, w2, weights, ids,
+                                                        expert_map, SiluAndMul()),
+                               atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("num_tokens, top_k", [(1, 2), (45, 2), (200, 1)])
+def test_bfloat16_close_to_torch_path(weight_dtype, num_tokens, top_k):
+    """bf16 activations: rounded where the torch path rounds, so the two agree to about one bf16
+    ulp of the result (the GEMMs' summation order differs); both near the float64 loop."""
+    hidden, w13, w2, weights, ids = _problem(num_tokens, 8, 64, 48, top_k, seed=2)
+    hidden, w13, w2 = hidden.bfloat16(), w13.to(weight_dtype), w2.to(weight_dtype)
+    got = cpu_fused_moe(hidden, w13, w2, weights, ids)
+    assert got.dtype == torch.bfloat16
+    want = fused_experts_torch(hidden, w13, w2, weights, ids, torch.arange(8), SiluAndMul())
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    exact = _naive(hidden, w13, w2, weights, ids)
+    assert (got.double() - exact).abs().max() < 0.05 * exact.abs().max()
+
+
+def test_float32_activations_with_bfloat16_weights():
+    hidden, w13, w2, weights, ids = _problem(9, 4, 32, 16, 2, seed=3)
+    w13, w2 = w13.bfloat16(), w2.bfloat16()
+    torch.testing.assert_close(cpu_fused_moe(hidden, w13, w2, weights, ids).double(),
+                               _naive(hidden, w13, w2, weights, ids), atol=1e-5, rtol=1e-5)
+
+
+def test_empty_batch_and_no_local_pairs():
+    hidden, w13, w2, weights, ids = _problem(0, 4, 16, 8, 2)
+    assert cpu_fused_moe(hidden, w13, w2, weights, ids).shape == (0, 16)
+    hidden, w13, w2, weights, ids = _problem(5, 4, 16, 8, 2)
+    assert torch.equal(cpu_fused_moe(hidden, w13, w2, weights, torch.full_like(ids, -1)),
+                       torch.zeros(5, 16))
+
+
+def test_bad_operands_are_refused_naming_them():
+    hidden, w13, w2, weights, ids = _problem(3, 4, 16, 8, 2)
+    with pytest.raises(ValueError, match="multiples of 8"):
+        cpu_fused_moe(hidden[:, :12], w13[:, :, :12].contiguous(), w2[:, :12], weights, ids)
+    with pytest.raises(ValueError, match="w2"):
+        cpu_fused_moe(hidden, w13, w2[:3], weights, ids)
+    with pytest.raises(ValueError, match="local_ids"):
+        cpu_fused_moe(hidden, w13, w2, weights, ids[:2])
+    with pytest.raises(ValueError, match="local_ids"):
+        cpu_fused_moe(hidden, w13, w2, weights, ids.float())
+    assert not fused_moe_supported(hidden.half(), w13, w2)
+    assert not fused_moe_supported(hidden, w13.transpose(1, 2), w2)
+
+
+def test_portable_build_matches_naive_loop():
+    """The kernel compiled without AVX2/FMA (what such CPUs run), fp32 tight and bf16."""
+    lib = build_cpu_kernels(("-mno-avx2", "-mno-fma"))
+    hidden, w13, w2, weights, ids = _problem(23, 8, 24, 40, 2, seed=4)
+    ids[5, 1] = -1
+    torch.testing.assert_close(cpu_fused_moe(hidden, w13, w2, weights, ids, lib=lib).double(),
+                               _naive(hidden, w13, w2, weights, ids), atol=1e-5, rtol=1e-5)
+    got = cpu_fused_moe(hidden.bfloat16(), w13.bfloat16(), w2.bfloat16(), weights, ids, lib=lib)
+    want = cpu_fused_moe(hidden.bfloat16(), w13.bfloat16(), w2.bfloat16(), weights, ids)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+# ------------------------------------------------------------------------------- dispatch
+
+def test_dispatch_takes_the_kernel_for_small_steps_and_honours_the_switch(monkeypatch):
+    hidden, w13, w2, weights, ids = _problem(5, 8, 32, 24, 2)
+    expert_map = torch.arange(8)
+    assert native_moe_applies(hidden, w13, w2, ids, expert_map, SiluAndMul())
+    assert not native_moe_applies(hidden, w13, w2, ids, expert_map, GeluAndMul())
+    assert not native_moe_applies(hidden[:, :20], w13[:, :, :20], w2[:, :20], ids,
+                                  expert_map, SiluAndMul())     # H % 8 != 0: torch path
+    torch.testing.assert_close(
+        fused_experts(hidden, w13, w2, weights, ids, expert_map, SiluAndMul()),
+        cpu_fused_moe(hidden, w13, w2, weights, ids), atol=0, rtol=0)
+    monkeypatch.setenv("PAGEDLLM_CPU_FUSED_MOE", "0")
+    assert not native_moe_applies(hidden, w13, w2, ids, expert_map, SiluAndMul())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_layer_native_equals_torch_path_and_still_counts_load(monkeypatch, dtype):
+    """`FusedMoE.forward` with EPLB's layout (2 redundant experts: 10 physical slots, token
+    pairs split over replicas) on the kernel equals it with PAGEDLLM_CPU_FUSED_MOE=off, and
+    the load counter (logical ids) is filled on the native path too."""
+    torch.manual_seed(5)
+    num_experts, top_k, hidden_size, inter = 8, 2, 32, 48
+    set_expert_parallel_layout(ExpertParallelLayout(True, 2, count_expert_load=True))
+    try:
+        layer = FusedMoE(num_experts, top_k, hidden_size, inter, renormalize=True)
+    finally:
+        set_expert_parallel_layout(ExpertParallelLayout())
+    w13 = torch.randn(num_experts, 2 * inter, hidden_size) / hidden_size ** 0.5
+    w2 = torch.randn(num_experts, hidden_size, inter) / inter ** 0.5
+    layer.weight_loader(layer.w13_weight, w13, "w13")
+    layer.weight_loader(layer.w2_weight, w2, "w2")
+    layer.to(dtype)
+    hidden, logits = torch.randn(11, hidden_size).to(dtype), torch.randn(11, num_experts)
+    assert native_moe_applies(hidden, layer.w13_weight, layer.w2_weight,
+                              torch.zeros(11, top_k, dtype=torch.int64), layer.expert_map,
+                              layer.act_fn)
+    native = layer(hidden, logits)
+    _, ids = select_experts(logits, top_k, True)
+    assert torch.equal(layer.take_expert_load(), torch.bincount(ids.flatten(), minlength=8))
+    monkeypatch.setenv("PAGEDLLM_CPU_FUSED_MOE", "off")
+    reference = layer(hidden, logits)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(native.float(), reference.float(), atol=tol, rtol=tol)

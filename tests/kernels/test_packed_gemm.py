@@ -1,0 +1,129 @@
+"""The packed-B GEMM (`kernels/csrc/packed_gemm.h`) against torch, in the native (AVX-512 where
+the CPU has it), AVX2 and portable builds, and the engine with weight packing on and off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import pagedllm.kernels.ops as ops
+from pagedllm import LLM, SamplingParams
+from pagedllm.core.sched_output import NewRequestData
+from pagedllm.kernels import build_cpu_kernels, cpu_kernels
+from tests.fixtures.runner_steps import run_step
+
+pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="CPU kernels did not build")
+
+BUILDS = {"native": (), "avx2": ("-mno-avx512f",), "portable": ("-mno-avx2", "-mno-fma")}
+# (M, N, K): odd row counts over every register tile's remainder, N off the 16-column panels
+# (a tail panel), K above the 256-wide K block (partial sums carried between blocks).
+SHAPES = [(1, 40, 24), (3, 77, 264), (7, 129, 64), (33, 100, 520), (100, 48, 40),
+          (515, 33, 16)]
+
+
+@pytest.fixture(scope="module", params=list(BUILDS))
+def lib(request):
+    return cpu_kernels() if request.param == "native" else build_cpu_kernels(
+        BUILDS[request.param])
+
+
+def _operands(m: int, n: int, k: int, wdtype: torch.dtype, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g).to(wdtype)
+    return w, torch.randn(m, k, generator=g), torch.randn(n, generator=g)
+
+
+@pytest.mark.parametrize("use_bias", [True, False])
+@pytest.mark.parametrize("m,n,k", SHAPES, ids=str)
+def test_fp32_matches_torch(lib, m, n, k, use_bias):
+    w, x, b = _operands(m, n, k, torch.float32, seed=m + n)
+    b = b if use_bias else None
+    got = ops.packed_linear(x, ops.pack_linear_weight(w, lib), b, lib=lib)
+    torch.testing.assert_close(got, F.linear(x, w, b), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("m,n,k", SHAPES, ids=str)
+def test_bf16_weights_match_torch(lib, m, n, k):
+    """bf16 weights with float32 x: exact float32 math on x except on builds that multiply
+    bf16 pairs (AVX512_BF16), which round x to bf16 first: there the result is that of the
+    rounded x, tightly, and the fp32-x reference only loosely."""
+    w, x, b = _operands(m, n, k, torch.bfloat16, seed=m * n)
+    got = ops.packed_linear(x, ops.pack_linear_weight(w, lib), b, lib=lib)
+    x_seen = x.bfloat16().float() if lib.packed_gemm_bf16_pairs() else x
+    torch.testing.assert_close(got, F.linear(x_seen, w.float(), b), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(got, F.linear(x, w.float(), b), atol=0.05 * k ** 0.5, rtol=0.02)
+
+
+@pytest.mark.parametrize("m,n,k", SHAPES[:4], ids=str)
+def test_bf16_activations_in_and_out(lib, m, n, k):
+    w, x, b = _operands(m, n, k, torch.bfloat16, seed=7)
+    got = ops.packed_linear(x.bfloat16(), ops.pack_linear_weight(w, lib), b, lib=lib)
+    assert got.dtype == torch.bfloat16
+    want = F.linear(x.bfloat16().float(), w.float(), b)   # one rounding of the fp32 sums
+    torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=8e-3)
+
+
+def test_pack_round_trip_and_layout(lib):
+    w = torch.randn(37, 24).bfloat16()
+    packed = ops.pack_linear_weight(w, lib)
+    assert packed.shape == w.shape and packed.dtype == w.dtype
+    assert not torch.equal(packed, w)          # rearranged, same element count
+    torch.testing.assert_close(ops.unpack_linear_weight(packed, lib), w, atol=0, rtol=0)
+    # Panel 0, k = 0: the first 16 columns' first values (pairs: interleaved with k = 1).
+    step = 2 if lib.packed_gemm_bf16_pairs() else 1
+    assert torch.equal(packed.reshape(-1)[:16 * step:step], w[:16, 0])
+
+
+def test_bad_operands_are_named():
+    with pytest.raises(ValueError, match="multiple of 8"):
+        ops.pack_linear_weight(torch.randn(16, 12))
+    packed = ops.pack_linear_weight(torch.randn(16, 8))
+    with pytest.raises(ValueError, match="does not fit the weight"):
+        ops.packed_linear(torch.randn(2, 16), packed)
+    with pytest.raises(ValueError, match="bias"):
+        ops.packed_linear(torch.randn(2, 8), packed, torch.randn(3))
+
+
+# ---------------------------------------------------------------- engine level
+
+def _prefill_logits(path: str, monkeypatch, packed: bool, fused: bool) -> torch.Tensor:
+    monkeypatch.setenv("PAGEDLLM_CPU_PACKED_GEMM", "1" if packed else "0")
+    llm = LLM(path, dtype="float32", kv_cache_memory_bytes=8 << 20)
+    runner = llm.llm_engine.engine_core.executor.worker.model_runner
+    model = runner.model.model
+    linears = [m for layer in model.layers for m in (layer.self_attn.qkv_proj,
+                                                      layer.mlp.down_proj)]
+    assert all(m.quant_method.packed == packed for m in linears)
+    assert all(m.weight.shape == (m.output_size_per_partition, m.input_size_per_partition)
+               for m in linears)
+    decoder = model._fused_decoder()
+    assert decoder is not None and decoder.packed_weights == packed
+    model._fused = decoder if fused else None
+    tokens = torch.randint(3, 200, (37,), generator=torch.Generator().manual_seed(3)).tolist()
+    greedy = SamplingParams(temperature=0.0, max_tokens=1)
+    return run_step(runner, NewRequestData("a", tokens, [], greedy, [1, 2, 3], 0), len(tokens))
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused_decoder", "module_path"])
+def test_engine_logits_equal_with_packing_on_and_off(tiny_checkpoints, monkeypatch, fused):
+    path = str(tiny_checkpoints["llama"])
+    on = _prefill_logits(path, monkeypatch, packed=True, fused=fused)
+    off = _prefill_logits(path, monkeypatch, packed=False, fused=fused)
+    torch.testing.assert_close(on, off, atol=1e-4, rtol=1e-4)
+
+
+def test_reloading_a_packed_layer_unpacks_it(tiny_checkpoints, monkeypatch):
+    """`load_weight` into a packed weight writes the [out, in] matrix; packing again after
+    loading gives the same packed weight as before."""
+    monkeypatch.setenv("PAGEDLLM_CPU_PACKED_GEMM", "1")
+    llm = LLM(str(tiny_checkpoints["llama"]), dtype="float32", kv_cache_memory_bytes=8 << 20)
+    model = llm.llm_engine.engine_core.executor.worker.model_runner.model.model
+    layer = model.layers[0].mlp.down_proj
+    method = layer.quant_method
+    packed_before = layer.weight.data.clone()
+    matrix = method.unpacked_weight(layer)
+    method.load_weight(layer, matrix.clone(), None)
+    assert not method.packed and torch.equal(layer.weight.data, matrix)
+    method.process_weights_after_loading(layer)
+    assert method.packed and torch.equal(layer.weight.data, packed_before)
