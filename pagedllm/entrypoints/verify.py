@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -212,6 +214,24 @@ def _prompt_ids(tokenizer, prompt: VerifyPrompt) -> list[int]:
     return list(tokenizer(prompt.text).input_ids)
 
 
+@contextmanager
+def _float_gguf_activations():
+    """GGUF layers built inside keep float32 activations (`PAGEDLLM_GGUF_Q8_ACTIVATIONS=0`)
+    unless the user set the variable: transformers computes on the dequantized weights, and
+    the 8-bit activations that serving uses by default are a deliberate approximation, not a
+    loading error for verify to find."""
+    from pagedllm.layers.quantization.gguf import Q8_ACTIVATIONS_ENV
+
+    if Q8_ACTIVATIONS_ENV in os.environ:
+        yield
+        return
+    os.environ[Q8_ACTIVATIONS_ENV] = "0"
+    try:
+        yield
+    finally:
+        os.environ.pop(Q8_ACTIVATIONS_ENV, None)
+
+
 def run_verify(model: str, prompts: list[VerifyPrompt], max_tokens: int, tolerance: float,
                dtype: str = "float32", reference: str | None = None,
                engine_args: dict[str, Any] | None = None,
@@ -226,7 +246,8 @@ def run_verify(model: str, prompts: list[VerifyPrompt], max_tokens: int, toleran
     """
     from pagedllm import LLM, SamplingParams
 
-    llm = LLM(model, dtype=dtype, **(engine_args or {}))
+    with _float_gguf_activations():
+        llm = LLM(model, dtype=dtype, **(engine_args or {}))
     tokenizer = llm.get_tokenizer()
     if not getattr(tokenizer, "chat_template", None):
         prompts = [p for p in prompts if not p.chat]

@@ -44,6 +44,8 @@ TEXTS = ["Hello world", "The old man reads a long letter.", "  two  spaces\nand 
 def gguf_view_cache(tmp_path_factory):
     patch = pytest.MonkeyPatch()
     patch.setenv("PAGEDLLM_GGUF_CACHE", str(tmp_path_factory.mktemp("gguf_views")))
+    # Exact float32 activations: transformers (the oracle) computes on the dequantized weights.
+    patch.setenv("PAGEDLLM_GGUF_Q8_ACTIVATIONS", "0")
     yield
     patch.undo()
 

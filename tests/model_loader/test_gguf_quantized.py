@@ -4,9 +4,9 @@ tiny Llama files (one type, and a Q4_K_M-like mix of K-quants inside fused layer
 CPU decoder on those blocks against the module path, the token embedding / tied LM head kept
 quantized, the layers' storage, the automatic choice and its fallback, the raw slices (row maps,
 tensor-parallel column slices on block boundaries) and the errors. These exactness checks run
-with float32 activations (the default, `PAGEDLLM_GGUF_Q8_ACTIVATIONS` unset or 0); the opt-in
-8-bit activations (csrc/gguf_q8_dot.h) are checked fused against the module path (greedy equal)
-and against float activations (prompt logprobs close, top-1 agreeing)."""
+with float32 activations (`PAGEDLLM_GGUF_Q8_ACTIVATIONS=0`); the default 8-bit activations
+(csrc/gguf_q8_dot.h) are checked fused against the module path (greedy equal) and against float
+activations (prompt logprobs close, top-1 agreeing)."""
 
 from __future__ import annotations
 
@@ -296,10 +296,9 @@ def test_q8_activations_fused_equals_the_module_path(llama_gguf, tensor_type):
             assert abs(lp_f[token].logprob - lp_m[token].logprob) < 0.05
 
 
-def test_q8_activations_are_opt_in_and_stay_close(llama_gguf, kquant_gguf):
-    """Off by default, on for GGUF layers and the quantized LM head with the switch; against
-    float activations on
-    the tiny Q4_1 Llama (token embedding and LM head in Q4_1 too): teacher-forced logprobs
+def test_q8_activations_are_the_default_and_stay_close(llama_gguf, kquant_gguf):
+    """On by default for GGUF layers and the quantized LM head, off with the switch at 0;
+    against float activations on the tiny Q4_1 Llama (token embedding and LM head in Q4_1 too): teacher-forced logprobs
     within 0.3 nats at the median position and top-1 tokens agreeing at >= 80% of positions.
     NOTE(q8): loose on purpose: this random model's logits span ~25 and its 64-wide rows are
     two blocks each, so a rounding of ~1% of a block's largest value moves single logprobs by
@@ -307,10 +306,10 @@ def test_q8_activations_are_opt_in_and_stay_close(llama_gguf, kquant_gguf):
     is SmolLM2's perplexity (docs/benchmarks.md)."""
     default = _load(kquant_gguf, None, q8=None)
     methods = [m.quant_method for m in default.modules() if hasattr(m, "quant_method")]
-    assert methods and not any(m.quantize_activations for m in methods)
-    on = _load(kquant_gguf, None, q8=True)
-    methods = [m.quant_method for m in on.modules() if hasattr(m, "quant_method")]
-    assert all(m.quantize_activations for m in methods)
+    assert methods and all(m.quantize_activations for m in methods)
+    off = _load(kquant_gguf, None, q8=False)
+    methods = [m.quant_method for m in off.modules() if hasattr(m, "quant_method")]
+    assert not any(m.quantize_activations for m in methods)
     path = llama_gguf("Q4_1")
     _, lp_on, top_on = _prompt_logprobs(path, q8=True)
     _, lp_off, top_off = _prompt_logprobs(path, q8=False)

