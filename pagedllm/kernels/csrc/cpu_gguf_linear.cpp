@@ -42,6 +42,8 @@ inline void micro(const float* x, int64_t ldx, const uint8_t* w, int64_t row_byt
     for (int i = 0; i < MB; ++i)
       for (int j = 0; j < NB; ++j) acc[s][i][j] = _mm256_setzero_ps();
   for (int64_t b = 0; b < num_blocks; ++b) {
+    for (int j = 0; j < NB; ++j)   // the same block of the next NB rows (the next call's)
+      prefetch_block<Q::kBytes>(w + (j + NB) * row_bytes + b * Q::kBytes);
     for (int sub = 0; sub < kSubs; ++sub) {
       for (int j = 0; j < NB; ++j) {
         __m256 wv[4];

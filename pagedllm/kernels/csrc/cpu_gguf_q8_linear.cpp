@@ -323,6 +323,8 @@ inline void micro_q8(const Q8View& x, const uint8_t* w, int64_t row_bytes, int64
     }
   for (int64_t b = 0; b < num_blocks; ++b) {
     const int64_t xb = b * kSubs;   // the activation block under the weight block's start
+    for (int j = 0; j < NB; ++j)   // the same block of the next NB rows (the next call's)
+      prefetch_block<Q::kBytes>(w + (j + NB) * row_bytes + b * Q::kBytes);
     typename W::Scales sc[NB];
     for (int j = 0; j < NB; ++j) W::scales(w + j * row_bytes + b * Q::kBytes, &sc[j]);
     if constexpr (W::kMin) {
