@@ -21,6 +21,11 @@ from typing import Any
 PRESETS: dict[str, dict[str, Any]] = {
     "llama-134m": {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12,
                    "num_key_value_heads": 12, "intermediate_size": 2048, "vocab_size": 32000},
+    # The same model (same seed, same weights) with room for 16k-token contexts: the
+    # long-context decode points of the benchmarks.
+    "llama-134m-16k": {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12,
+                       "num_key_value_heads": 12, "intermediate_size": 2048,
+                       "vocab_size": 32000, "max_position_embeddings": 16640},
     # 1.10B parameters (Llama 3.2 1B's shape with a 32k vocabulary, untied LM head): the device
     # check's bandwidth-bound model, 2.08 GB of bf16 weights read per decode step.
     "llama-1b": {"hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 32,

@@ -1,0 +1,111 @@
+"""Summarise and plot one sitting of `scripts/bench_sitting.sh` (needs matplotlib: `bench` extra).
+
+    python docs/plot_scaling.py docs/results/sitting -o docs/scaling.png
+
+Prints a markdown table per group of results (pagedllm against each peer in the same run, with
+the ratio) and draws two panels: output tokens/s against batch size (`s_batch*.json`, 128 -> 64
+tokens) and decode time per token against context length (`s_ctx*.json`, `f_ctx*_bs1.json`),
+one line per engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+
+def _results(path: Path) -> list[dict]:
+    return json.loads(path.read_text())["results"]
+
+
+def _by_backend(results: list[dict]) -> dict[str, dict]:
+    return {r.get("backend", "?"): r for r in results if "backend" in r}
+
+
+def table(folder: Path) -> str:
+    """Markdown rows: workload, pagedllm figure, each peer's, ratio (> 1: pagedllm ahead)."""
+    rows = ["| run | figure | pagedllm | HF | llama.cpp | vs HF | vs llama.cpp |",
+            "|---|---|---|---|---|---|---|"]
+    for path in sorted(folder.glob("*.json")):
+        results = _results(path)
+        engines = _by_backend(results)
+        ours = engines.get("pagedllm")
+        if ours is None:
+            if "perplexity" in results[0]:
+                rows.append(f"| {path.stem} | perplexity | {results[0]['perplexity']:.3f} | - | "
+                            + (f"{results[1]['perplexity']:.3f} | - | "
+                               f"{results[0]['perplexity'] / results[1]['perplexity']:.4f} |"
+                               if len(results) > 1 else "- | - | - |"))
+            continue
+        if "tpot_ms_mean" in ours:
+            figure, key, better = "TPOT ms", "tpot_ms_mean", "lower"
+        else:
+            figure, key, better = "output tok/s", "output_tokens_per_s", "higher"
+        cells = [f"{ours[key]:.4g}"]
+        ratios = []
+        for peer in ("hf", "llama.cpp"):
+            theirs = engines.get(peer)
+            if theirs is None or key not in theirs:
+                cells.append("-")
+                ratios.append("-")
+                continue
+            cells.append(f"{theirs[key]:.4g}")
+            ratio = theirs[key] / ours[key] if better == "lower" else ours[key] / theirs[key]
+            ratios.append(f"{ratio:.2f}x")
+        rows.append(f"| {path.stem} | {figure} | " + " | ".join(cells + ratios) + " |")
+    return "\n".join(rows)
+
+
+def _series(folder: Path, pattern: str, key: str) -> dict[str, list[tuple[int, float]]]:
+    series: dict[str, list[tuple[int, float]]] = {}
+    for path in folder.glob("*.json"):
+        match = re.fullmatch(pattern, path.stem)
+        if not match:
+            continue
+        x = int(match.group(1)) * (1024 if match.group(0).endswith("k_bs1") else 1)
+        for backend, result in _by_backend(_results(path)).items():
+            if key in result:
+                series.setdefault(backend, []).append((x, result[key]))
+    return {b: sorted(points) for b, points in series.items()}
+
+
+def plot(folder: Path, out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for backend, points in _series(folder, r"s_batch(\d+)", "output_tokens_per_s").items():
+        left.plot(*zip(*points), marker="o", label=backend)
+    left.set(xscale="log", xlabel="batch size (requests of 128 -> 64 tokens)",
+             ylabel="output tokens/s", title="throughput against batch size")
+    ctx = _series(folder, r"s_ctx(\d+)", "tpot_ms_mean")
+    for backend, points in _series(folder, r"f_ctx(\d+)k_bs1", "tpot_ms_mean").items():
+        ctx.setdefault(backend, []).extend(points)
+    for backend, points in ctx.items():
+        right.plot(*zip(*sorted(points)), marker="o", label=backend)
+    right.set(xscale="log", xlabel="context length (tokens)", ylabel="decode ms per token (TPOT)",
+              title="batch-1 decode against context")
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("folder", type=Path)
+    parser.add_argument("-o", "--output", type=Path, default=None, help="PNG to write")
+    args = parser.parse_args()
+    print(table(args.folder))
+    if args.output is not None:
+        print(f"wrote {plot(args.folder, args.output)}")
+
+
+if __name__ == "__main__":
+    main()
