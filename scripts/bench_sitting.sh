@@ -29,13 +29,12 @@ L="latency --preset llama-134m --dtype bfloat16"
 run a_32x128 $T --num-prompts 32 --input-len 128 --output-len 128 --compare hf --compare llamacpp
 run b_batch1 $L --batch-size 1 --input-len 128 --output-len 128 --num-iters 3 --compare llamacpp
 run d_prefill_8x512 $T --num-prompts 8 --input-len 512 --output-len 1 --compare llamacpp
-run f_ctx4k_bs1 $L --batch-size 1 --input-len 4096 --output-len 32 --num-iters 1 \
-    --num-iters-warmup 0 --bandwidth-mib 0 --compare llamacpp
-run f_ctx4k_bs8 $L --batch-size 8 --input-len 4096 --output-len 32 --num-iters 1 \
-    --num-iters-warmup 0 --bandwidth-mib 0 --compare llamacpp
-run f_ctx16k_bs1 latency --preset llama-134m-16k --dtype bfloat16 --batch-size 1 \
-    --input-len 16384 --output-len 32 --num-iters 1 --num-iters-warmup 0 --bandwidth-mib 0 \
-    --compare llamacpp
+# Long contexts: llama-134m-16k is the same model with room for 16k positions.
+LL="latency --preset llama-134m-16k --dtype bfloat16 --output-len 32 --num-iters 1"
+LL="$LL --num-iters-warmup 0 --bandwidth-mib 0 --compare llamacpp"
+run f_ctx4k_bs1 $LL --batch-size 1 --input-len 4096
+run f_ctx4k_bs8 $LL --batch-size 8 --input-len 4096
+run f_ctx16k_bs1 $LL --batch-size 1 --input-len 16384
 if [ -d "$SMOL_HF" ]; then
     run g_smollm2_fp32_bs16 throughput --model "$SMOL_HF" --dtype float32 --num-prompts 16 \
         --input-len 128 --output-len 128 --compare hf

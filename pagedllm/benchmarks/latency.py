@@ -143,12 +143,21 @@ def _safetensors_shapes(model_path: str) -> dict[str, tuple[str, list[int]]]:
     return shapes
 
 
-def decode_bytes_per_token(model_path: str, dtype: torch.dtype) -> dict[str, Any]:
-    """Bytes of weights one batch-1 decode step reads, in `dtype` (the run's, not the file's),
-    and the KV-cache bytes per context token."""
-    config = json.loads((Path(model_path) / "config.json").read_text())
-    config = config.get("text_config", config)
-    elem = torch.empty((), dtype=dtype).element_size()
+def _gguf_weight_bytes(path: str) -> tuple[int, int]:
+    """(parameters, bytes a decode step reads) of a .gguf file, its tensors in their own
+    types: every tensor but an untied token embedding (a lookup reads one row)."""
+    import gguf
+
+    tensors = gguf.GGUFReader(path).tensors
+    tied = not any(t.name == "output.weight" for t in tensors)
+    total = sum(int(t.n_elements) for t in tensors)
+    read = sum(int(t.n_bytes) for t in tensors if tied or t.name != "token_embd.weight")
+    return total, read
+
+
+def _safetensors_weight_bytes(model_path: str, config: dict, elem: int) -> tuple[int, int]:
+    """(parameters, bytes a decode step reads at `elem` bytes per parameter) of a safetensors
+    checkpoint: every tensor but an untied token embedding (a lookup reads one row)."""
     shapes = _safetensors_shapes(model_path)
     total = embed = 0
     for name, (_, shape) in shapes.items():
@@ -157,12 +166,28 @@ def decode_bytes_per_token(model_path: str, dtype: torch.dtype) -> dict[str, Any
         if name.endswith("embed_tokens.weight"):
             embed += numel
     tied = bool(config.get("tie_word_embeddings")) or not any("lm_head" in n for n in shapes)
-    read = total if tied else total - embed
+    return total, (total if tied else total - embed) * elem
+
+
+def decode_bytes_per_token(model_path: str, dtype: torch.dtype) -> dict[str, Any]:
+    """Bytes of weights one batch-1 decode step reads, in `dtype` (the run's, not the file's;
+    a .gguf file's weights in their block types, as the engine keeps them), and the KV-cache
+    bytes per context token."""
+    from pagedllm.model_loader.gguf import is_gguf_path, prepare_gguf_view
+
+    elem = torch.empty((), dtype=dtype).element_size()
+    config_dir = prepare_gguf_view(model_path) if is_gguf_path(model_path) else model_path
+    config = json.loads((Path(config_dir) / "config.json").read_text())
+    config = config.get("text_config", config)
+    if is_gguf_path(model_path):
+        total, read_bytes = _gguf_weight_bytes(model_path)
+    else:
+        total, read_bytes = _safetensors_weight_bytes(model_path, config, elem)
     num_heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // num_heads
     kv_per_token = (2 * config["num_hidden_layers"] * config.get("num_key_value_heads", num_heads)
                     * head_dim * elem)
-    return {"num_params": total, "weight_bytes_per_step": read * elem,
+    return {"num_params": total, "weight_bytes_per_step": read_bytes,
             "kv_bytes_per_context_token": kv_per_token, "dtype": str(dtype).removeprefix("torch.")}
 
 

@@ -209,3 +209,22 @@ def test_latency_compare_llamacpp_times_the_same_waves(preset_dir: Path, tmp_pat
     assert theirs["tpot_ms_mean"] > 0 and theirs["ttft_ms_p50"] > 0
     assert theirs["tpot_speedup_vs_llamacpp"] == pytest.approx(
         theirs["tpot_ms_mean"] / ours["tpot_ms_mean"])
+
+
+def test_decode_bytes_of_a_gguf_file_count_its_blocks(preset_dir: Path, tmp_path: Path):
+    """The roofline of a GGUF model counts its tensors in their block types (what the engine
+    keeps), less the untied token embedding, not parameters times the activation dtype."""
+    import gguf
+    import torch
+
+    from pagedllm.benchmarks.latency import decode_bytes_per_token
+    from tests.fixtures.gguf_files import write_gguf
+
+    path = write_gguf(preset_path("llama-tiny", "float32", preset_dir), tmp_path / "t.gguf",
+                      "Q8_0")
+    tensors = gguf.GGUFReader(path).tensors
+    info = decode_bytes_per_token(str(path), torch.bfloat16)
+    assert info["weight_bytes_per_step"] == sum(
+        int(t.n_bytes) for t in tensors if t.name != "token_embd.weight")
+    assert info["num_params"] == sum(int(t.n_elements) for t in tensors)
+    assert info["kv_bytes_per_context_token"] == 2 * 2 * 2 * 16 * 2   # layers, KV heads, dim
