@@ -42,17 +42,7 @@ PROMPTS = [
     "  Indented text\nwith a second line and café, naïve, 日本語:",
 ]
 
-pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module", autouse=True)
-def float_activations():
-    """Exact float32 activations in the GGUF layers: transformers (the oracle) computes on the
-    dequantized weights, and 8-bit activations (the default) would move its logits."""
-    patch = pytest.MonkeyPatch()
-    patch.setenv("PAGEDLLM_GGUF_Q8_ACTIVATIONS", "0")
-    yield
-    patch.undo()
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("float_gguf_activations")]
 
 
 @pytest.fixture(scope="module")

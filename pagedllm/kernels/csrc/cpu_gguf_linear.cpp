@@ -143,26 +143,12 @@ bool segments_supported(const Segment* segments, int64_t num_segments) {
 void linear_segments_tiles(const float* x, int64_t ldx, int64_t M, int64_t K,
                            const Segment* segments, int64_t num_segments, const float* bias,
                            float* y, int64_t ldy) {
-  constexpr int64_t kRowBlock = 64;  // rows of x per work item (a multiple of the 4-row kernel)
-  const int64_t num_row_blocks = (M + kRowBlock - 1) / kRowBlock;
-  for (int64_t s = 0; s < num_segments; ++s) {
-    const Segment& seg = segments[s];
-    const WorkItemFn fn = work_item_for(seg.ggml_type);
-    const int64_t N = seg.rows;
-    const int64_t tile =
-        std::max<int64_t>(4, std::min<int64_t>(64, N / (8 * omp_get_num_threads())));
-    const int64_t num_tiles = (N + tile - 1) / tile;
-    const float* seg_bias = bias != nullptr ? bias + seg.row_start : nullptr;
-    float* seg_y = y + seg.row_start;
-#pragma omp for schedule(dynamic, 1) nowait
-    for (int64_t item = 0; item < num_row_blocks * num_tiles; ++item) {
-      const int64_t t = item % num_tiles, rb = item / num_tiles;
-      const int64_t n0 = t * tile, n1 = std::min(N, n0 + tile);
-      const int64_t r0 = rb * kRowBlock, r1 = std::min(M, r0 + kRowBlock);
-      fn(x, ldx, r0, r1, K, seg.data, n0, n1, seg_bias, seg_y, ldy);
-    }
-  }
-#pragma omp barrier
+  for_each_segment_item(M, segments, num_segments, bias, y,
+                        [&](const Segment& seg, int64_t r0, int64_t r1, int64_t n0, int64_t n1,
+                            const float* seg_bias, float* seg_y) {
+                          work_item_for(seg.ggml_type)(x, ldx, r0, r1, K, seg.data, n0, n1,
+                                                       seg_bias, seg_y, ldy);
+                        });
 }
 
 // out[i] = dequantize(row ids[i] of w) for an embedding lookup, one row per work item.

@@ -20,8 +20,11 @@
 // weights [32 s, 32 s + 32) of a block (s = 0 for the 32-weight types).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+
+#include <omp.h>
 
 #include "cpu_vec.h"
 
@@ -58,6 +61,35 @@ bool segments_supported(const Segment* segments, int64_t num_segments);
 void linear_segments_tiles(const float* x, int64_t ldx, int64_t M, int64_t K,
                            const Segment* segments, int64_t num_segments, const float* bias,
                            float* y, int64_t ldy);
+
+// The work-sharing loop of one block linear, shared by the float-activation and the 8-bit-
+// activation kernels: for each segment, items (block of up to 64 x rows, tile of the segment's
+// weight rows) handed out dynamically, `item(seg, r0, r1, n0, n1, seg_bias, seg_y)` per item
+// (segment-relative rows; bias and y already offset to the segment's first output column),
+// then one barrier. For every thread of an enclosing parallel region (serial outside one).
+template <typename ItemFn>
+void for_each_segment_item(int64_t M, const Segment* segments, int64_t num_segments,
+                           const float* bias, float* y, ItemFn&& item) {
+  constexpr int64_t kRowBlock = 64;  // rows of x per work item (a multiple of the 4-row kernel)
+  const int64_t num_row_blocks = (M + kRowBlock - 1) / kRowBlock;
+  for (int64_t s = 0; s < num_segments; ++s) {
+    const Segment& seg = segments[s];
+    const int64_t N = seg.rows;
+    const int64_t tile =
+        std::max<int64_t>(4, std::min<int64_t>(64, N / (8 * omp_get_num_threads())));
+    const int64_t num_tiles = (N + tile - 1) / tile;
+    const float* seg_bias = bias != nullptr ? bias + seg.row_start : nullptr;
+    float* seg_y = y + seg.row_start;
+#pragma omp for schedule(dynamic, 1) nowait
+    for (int64_t it = 0; it < num_row_blocks * num_tiles; ++it) {
+      const int64_t t = it % num_tiles, rb = it / num_tiles;
+      const int64_t n0 = t * tile, n1 = std::min(N, n0 + tile);
+      const int64_t r0 = rb * kRowBlock, r1 = std::min(M, r0 + kRowBlock);
+      item(seg, r0, r1, n0, n1, seg_bias, seg_y);
+    }
+  }
+#pragma omp barrier
+}
 
 // IEEE half -> float (exact; subnormals, infinities and NaN included).
 inline float half_to_float(const uint8_t* p) {
