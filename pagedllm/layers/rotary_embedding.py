@@ -17,6 +17,7 @@ LongRoPE caches two tables, rows [0, max_position) with the short factors and ro
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -178,6 +179,37 @@ def infer_llama3_rope_parameters(factors: torch.Tensor, rotary_dim: int,
     return None
 
 
+# (rotary_dim, max_position, parameters, device) -> the cos / sin tables, while some layer holds
+# them: every layer of a model (and every model of one config) shares one pair instead of
+# each layer keeping its own (30 layers x 2 MiB of tables were 0.6x the weights of a 98 MB
+# Q4_1 file; a Llama at 131k positions would hold GBs).
+_COS_TABLES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_SIN_TABLES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def _cos_sin_tables(rotary_dim: int, max_position: int,
+                    rope_parameters: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 cos and sin [rows, rotary_dim / 2] of every position (rows = max_position, twice
+    that for LongRoPE: short then long factors), on the default device; shared by equal
+    requests (read-only tables)."""
+    key = (rotary_dim, max_position, repr(sorted(rope_parameters.items())),
+           str(torch.get_default_device()))
+    cos, sin = _COS_TABLES.get(key), _SIN_TABLES.get(key)
+    if cos is not None and sin is not None:
+        return cos, sin
+    t = torch.arange(max_position, dtype=torch.float32)
+    tables = [torch.outer(t, scaled_inv_freq(rotary_dim, rope_parameters))]
+    scale = 1.0
+    if rope_parameters["rope_type"] == "longrope":
+        _, scale = _longrope_factors(rope_parameters)
+        tables.append(torch.outer(t, scaled_inv_freq(rotary_dim, rope_parameters, long=True)))
+    freqs = torch.cat(tables)                                   # [rows, rotary_dim/2]
+    # NOTE(rope): HF multiplies cos and sin by the attention factor (LongRoPE's mscale).
+    cos, sin = freqs.cos() * scale, freqs.sin() * scale
+    _COS_TABLES[key], _SIN_TABLES[key] = cos, sin
+    return cos, sin
+
+
 class RotaryEmbedding(nn.Module):
     """Apply RoPE to query and key.
 
@@ -197,21 +229,14 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_size = head_size
         self.rotary_dim = int(head_size * rope_parameters.get("partial_rotary_factor", 1.0))
-        t = torch.arange(max_position, dtype=torch.float32)
-        tables = [torch.outer(t, scaled_inv_freq(self.rotary_dim, rope_parameters))]
-        scale = 1.0
         self.long_position_offset: int | None = None
         self.original_max_position: int | None = None
         if rope_parameters["rope_type"] == "longrope":
-            _, scale = _longrope_factors(rope_parameters)
-            tables.append(torch.outer(t, scaled_inv_freq(self.rotary_dim, rope_parameters,
-                                                          long=True)))
             self.long_position_offset = max_position
             self.original_max_position = int(rope_parameters["original_max_position_embeddings"])
-        freqs = torch.cat(tables)                                   # [rows, rotary_dim/2]
-        # NOTE(rope): HF multiplies cos and sin by the attention factor (LongRoPE's mscale).
-        self.register_buffer("cos_cache", freqs.cos() * scale, persistent=False)
-        self.register_buffer("sin_cache", freqs.sin() * scale, persistent=False)
+        cos, sin = _cos_sin_tables(self.rotary_dim, max_position, rope_parameters)
+        self.register_buffer("cos_cache", cos, persistent=False)
+        self.register_buffer("sin_cache", sin, persistent=False)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         rot, rest = x[..., :self.rotary_dim], x[..., self.rotary_dim:]

@@ -94,3 +94,15 @@ def test_llama_cpp_rope_freqs_equal_our_llama3_scaling():
         check_rope_freq_factors(factors, 32, rope_parameters_from_hf({"rope_theta": 500000.0}))
     with pytest.raises(ValueError, match="rope_freqs has 8 factors, expected 16"):
         check_rope_freq_factors(factors[:8], 32, rope)
+
+
+def test_layers_of_one_config_share_the_cos_sin_tables():
+    """Every layer's RotaryEmbedding of one config points at one pair of tables (30 layers of
+    copies were 0.6x the weights of a small GGUF model); another config gets its own."""
+    params = rope_parameters_from_hf({"rope_theta": 10000.0})
+    a, b = RotaryEmbedding(64, 512, params), RotaryEmbedding(64, 512, params)
+    assert a.cos_cache.data_ptr() == b.cos_cache.data_ptr()
+    assert a.sin_cache.data_ptr() == b.sin_cache.data_ptr()
+    other = RotaryEmbedding(64, 512, rope_parameters_from_hf({"rope_theta": 500000.0}))
+    assert other.cos_cache.data_ptr() != a.cos_cache.data_ptr()
+    assert not torch.equal(other.cos_cache, a.cos_cache)
