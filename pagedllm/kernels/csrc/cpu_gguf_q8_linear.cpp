@@ -90,11 +90,25 @@ inline void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* 
 template <typename Q>
 struct Q8Weights;
 
-template <>
-struct Q8Weights<Q8_0> {
+// The scales of the 32-weight types, fp16 at the block's start: d alone for the signed types
+// (Q8_0, Q4_0, Q5_0), d then the offset m for the unsigned ones (Q4_1, Q5_1).
+struct SignedScale {
   static constexpr bool kSigned = true, kMin = false, kHalves = false;
   struct Scales { float d[1]; };
   static void scales(const uint8_t* b, Scales* s) { s->d[0] = half_to_float(b); }
+};
+
+struct OffsetScales {
+  static constexpr bool kSigned = false, kMin = true, kHalves = false;
+  struct Scales { float d[1], m[1]; };
+  static void scales(const uint8_t* b, Scales* s) {
+    s->d[0] = half_to_float(b);
+    s->m[0] = half_to_float(b + 2);
+  }
+};
+
+template <>
+struct Q8Weights<Q8_0> : SignedScale {
   static void quants(const uint8_t* b, int /*sub*/, int32_t* q) {
     for (int i = 0; i < kBlock; ++i) q[i] = static_cast<int8_t>(b[2 + i]);
   }
@@ -126,10 +140,7 @@ inline __m256i high_bits16(uint32_t qh) {
 #endif
 
 template <>
-struct Q8Weights<Q4_0> {
-  static constexpr bool kSigned = true, kMin = false, kHalves = false;
-  struct Scales { float d[1]; };
-  static void scales(const uint8_t* b, Scales* s) { s->d[0] = half_to_float(b); }
+struct Q8Weights<Q4_0> : SignedScale {
   static void quants(const uint8_t* b, int /*sub*/, int32_t* q) {
     for (int i = 0; i < 16; ++i) {
       q[i] = (b[2 + i] & 0x0f) - 8;
@@ -144,13 +155,7 @@ struct Q8Weights<Q4_0> {
 };
 
 template <>
-struct Q8Weights<Q4_1> {
-  static constexpr bool kSigned = false, kMin = true, kHalves = false;
-  struct Scales { float d[1], m[1]; };
-  static void scales(const uint8_t* b, Scales* s) {
-    s->d[0] = half_to_float(b);
-    s->m[0] = half_to_float(b + 2);
-  }
+struct Q8Weights<Q4_1> : OffsetScales {
   static void quants(const uint8_t* b, int /*sub*/, int32_t* q) {
     for (int i = 0; i < 16; ++i) {
       q[i] = b[4 + i] & 0x0f;
@@ -163,10 +168,7 @@ struct Q8Weights<Q4_1> {
 };
 
 template <>
-struct Q8Weights<Q5_0> {
-  static constexpr bool kSigned = true, kMin = false, kHalves = false;
-  struct Scales { float d[1]; };
-  static void scales(const uint8_t* b, Scales* s) { s->d[0] = half_to_float(b); }
+struct Q8Weights<Q5_0> : SignedScale {
   static void quants(const uint8_t* b, int /*sub*/, int32_t* q) {
     const uint32_t qh = load_u32(b + 2);
     for (int i = 0; i < kBlock; ++i) q[i] = q5_quant(b + 6, qh, i) - 16;
@@ -180,13 +182,7 @@ struct Q8Weights<Q5_0> {
 };
 
 template <>
-struct Q8Weights<Q5_1> {
-  static constexpr bool kSigned = false, kMin = true, kHalves = false;
-  struct Scales { float d[1], m[1]; };
-  static void scales(const uint8_t* b, Scales* s) {
-    s->d[0] = half_to_float(b);
-    s->m[0] = half_to_float(b + 2);
-  }
+struct Q8Weights<Q5_1> : OffsetScales {
   static void quants(const uint8_t* b, int /*sub*/, int32_t* q) {
     const uint32_t qh = load_u32(b + 4);
     for (int i = 0; i < kBlock; ++i) q[i] = q5_quant(b + 8, qh, i);
