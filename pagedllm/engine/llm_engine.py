@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import copy
+import gc
 import itertools
 import logging
 import time
@@ -61,6 +62,11 @@ class LLMEngine:
         self._ids = itertools.count()
         # Parent request id -> child request ids (n > 1).
         self._parents: dict[str, list[str]] = {}
+        # The objects made so far (model, tokenizer, torch and transformers state) live as long
+        # as the engine: move them out of the cyclic collector's view, whose full passes over
+        # them otherwise took ~6% of a batch-1 decode's CPU time (vLLM freezes likewise).
+        gc.collect()
+        gc.freeze()
         logger.info("engine ready in %.2f s: model %s, max_model_len %d, %d KV blocks of %d "
                     "tokens", time.perf_counter() - start, config.model_path,
                     config.max_model_len, self.engine_core.num_blocks - 1,

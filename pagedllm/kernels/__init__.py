@@ -23,7 +23,7 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-KERNELS_VERSION = 5  # must equal pagedllm_cpu_kernels_version() in the sources
+KERNELS_VERSION = 6  # must equal pagedllm_cpu_kernels_version() in the sources
 _SOURCES = ("cpu_attention.cpp", "cpu_linear.cpp", "cpu_decoder.cpp", "cpu_gguf_linear.cpp",
             "cpu_int8_linear.cpp", "cpu_fused_moe.cpp", "cpu_gguf_q8_linear.cpp",
             "cpu_packed_gemm.cpp")
@@ -166,8 +166,6 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.decoder_layers.argtypes = [p, i32, p, p, i32, i32, i32]
     lib.add_rms_norm.restype = None
     lib.add_rms_norm.argtypes = [p, p, i64, i64, p, f32, p, i32]
-    lib.linear_gguf_f32.restype = i32
-    lib.linear_gguf_f32.argtypes = [p, i64, i64, i64, p, i64, i32, p, p, i64]
     for name in ("linear_gguf_segments", "linear_gguf_segments_q8"):
         fn = getattr(lib, name)
         fn.restype = i32
@@ -177,7 +175,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.gguf_q8_dot_isa.restype = i32
     lib.gguf_q8_dot_isa.argtypes = []
     lib.dequantize_rows_gguf.restype = i32
-    lib.dequantize_rows_gguf.argtypes = [p, i64, i32, p, i64, p]
+    lib.dequantize_rows_gguf.argtypes = [p, i64, p, i64, p]
     for name in ("linear_int8_f32", "linear_w8a8_f32"):
         fn = getattr(lib, name)
         fn.restype = None

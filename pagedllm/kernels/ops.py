@@ -348,29 +348,77 @@ GGUF_KERNEL_TYPES = {
 GGUF_BLOCK_SIZE = 32  # the smallest block: an input split must fall on its multiples at least
 
 
+GGUF_GROUP_ROWS = 4  # rows per group of the row-group layout (csrc/gguf_blocks.h kGroupRows)
+
+
 class GGUFSegmentStruct(ctypes.Structure):
     """Mirror of `pagedllm::gguf::Segment` (csrc/gguf_blocks.h): rows [row_start, row_start +
-    rows) of a weight, stored at `data` as [rows, row_bytes] blocks of type `ggml_type`."""
+    rows) of a weight, stored at `data` as rows * row_bytes bytes of blocks of type
+    `ggml_type`, plain rows or (`grouped` 1) in the row-group layout (`gguf_group_rows`)."""
 
     _fields_ = [("data", ctypes.c_void_p), ("row_start", ctypes.c_int64),
-                ("rows", ctypes.c_int64), ("ggml_type", ctypes.c_int64)]
+                ("rows", ctypes.c_int64), ("ggml_type", ctypes.c_int64),
+                ("grouped", ctypes.c_int64)]
 
 
-def gguf_segment_structs(segments: Sequence[tuple[int, str, torch.Tensor]],
-                         k: int) -> ctypes.Array:
+def _row_group_view(qweight: torch.Tensor, tensor_type: str, grouped: bool) -> tuple:
+    """The whole groups of `qweight` as a 4-D view for `gguf_group_rows` / `gguf_ungroup_rows`:
+    [groups, GGUF_GROUP_ROWS, blocks, block_bytes] (plain) or [groups, blocks,
+    GGUF_GROUP_ROWS, block_bytes] (grouped), and the number of rows it covers."""
+    block_bytes = GGUF_KERNEL_TYPES[tensor_type].block_bytes
+    rows, row_bytes = qweight.shape
+    whole = rows // GGUF_GROUP_ROWS * GGUF_GROUP_ROWS
+    groups, blocks = whole // GGUF_GROUP_ROWS, row_bytes // block_bytes
+    head = qweight[:whole]
+    shape = ((groups, blocks, GGUF_GROUP_ROWS, block_bytes) if grouped
+             else (groups, GGUF_GROUP_ROWS, blocks, block_bytes))
+    return head.reshape(shape), whole
+
+
+def gguf_group_rows(qweight: torch.Tensor, tensor_type: str) -> torch.Tensor:
+    """A GGUF weight's plain rows in the row-group layout of the block kernels
+    (csrc/gguf_blocks.h, after llama.cpp's load-time repacking): each group of GGUF_GROUP_ROWS
+    consecutive rows stores block 0 of its rows, then block 1, and so on, so a kernel reading
+    a group's rows side by side reads memory sequentially; the last rows % GGUF_GROUP_ROWS rows
+    stay plain. The bytes are the same, reordered.
+
+    Args:
+        qweight: [rows, row_bytes] uint8 plain rows of `tensor_type` blocks.
+        tensor_type: a GGML type name in GGUF_KERNEL_TYPES.
+
+    Returns:
+        A new [rows, row_bytes] uint8 tensor (row n's bytes are no longer row n of it).
+    """
+    view, whole = _row_group_view(qweight, tensor_type, grouped=False)
+    out = qweight.clone()
+    out[:whole] = view.transpose(1, 2).reshape(whole, qweight.shape[1])
+    return out
+
+
+def gguf_ungroup_rows(qweight: torch.Tensor, tensor_type: str) -> torch.Tensor:
+    """The inverse of `gguf_group_rows`: [rows, row_bytes] uint8 in the row-group layout ->
+    a new tensor of the plain rows."""
+    view, whole = _row_group_view(qweight, tensor_type, grouped=True)
+    out = qweight.clone()
+    out[:whole] = view.transpose(1, 2).reshape(whole, qweight.shape[1])
+    return out
+
+
+def gguf_segment_structs(segments: Sequence[tuple], k: int) -> ctypes.Array:
     """The native description of a weight's row segments, checked against input size `k`.
 
     Args:
         segments: (row_start, GGML type name, qweight [rows, k / block_weights * block_bytes]
-            uint8 contiguous CPU tensor) per segment; the caller keeps the tensors alive while
-            the structures are in use.
+            uint8 contiguous CPU tensor[, grouped]) per segment, `grouped` (default False)
+            telling that qweight is in the row-group layout (`gguf_group_rows`); the caller
+            keeps the tensors alive while the structures are in use.
         k: the input size (a multiple of each type's block_weights).
 
     Raises:
         ValueError: an unsupported type, or a qweight / k that does not fit it (naming both).
     """
     structs = (GGUFSegmentStruct * len(segments))()
-    for struct, (row_start, tensor_type, qweight) in zip(structs, segments):
+    for struct, (row_start, tensor_type, qweight, *grouped) in zip(structs, segments):
         if tensor_type not in GGUF_KERNEL_TYPES:
             raise ValueError(f"gguf_linear: tensor type {tensor_type} not supported; supported: "
                              f"{', '.join(GGUF_KERNEL_TYPES)}")
@@ -385,12 +433,13 @@ def gguf_segment_structs(segments: Sequence[tuple[int, str, torch.Tensor]],
                 f"row, K a multiple of {block_weights})")
         struct.data, struct.row_start = qweight.data_ptr(), row_start
         struct.rows, struct.ggml_type = qweight.shape[0], code
+        struct.grouped = int(bool(grouped and grouped[0]))
     return structs
 
 
 def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, tensor_type: str,
-                bias: torch.Tensor | None = None,
-                quantize_activations: bool = False) -> torch.Tensor:
+                bias: torch.Tensor | None = None, quantize_activations: bool = False,
+                grouped: bool = False) -> torch.Tensor:
     """y = x @ dequantize(qweight)^T + bias with the weight kept in its GGML block format; each
     block is unpacked in registers inside the dot product (`csrc/cpu_gguf_linear.cpp`, as in
     llama.cpp's ggml), activations and sums in float32.
@@ -407,6 +456,7 @@ def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, tensor_type: str,
             (`csrc/gguf_q8_dot.h`, llama.cpp's `ggml_vec_dot_<type>_q8_0` scheme): equal to
             x_q @ dequantize(W)^T, x_q the rounded x, up to the order of the float32 sums;
             every type in GGUF_KERNEL_TYPES. The layers' choice: `GGUFLinearMethod`.
+        grouped: qweight is in the row-group layout (`gguf_group_rows`).
 
     Returns:
         [..., N] in x's dtype.
@@ -415,20 +465,20 @@ def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, tensor_type: str,
         ValueError: an unsupported type, shapes or dtypes that do not fit, non-CPU tensors.
         RuntimeError: the native kernels are unavailable (see `pagedllm.kernels.cpu_kernels`).
     """
-    return gguf_linear_segments(x, [(0, tensor_type, qweight)], qweight.shape[0], bias,
+    return gguf_linear_segments(x, [(0, tensor_type, qweight, grouped)], qweight.shape[0], bias,
                                 quantize_activations)
 
 
-def gguf_linear_segments(x: torch.Tensor, segments: Sequence[tuple[int, str, torch.Tensor]],
-                         n: int, bias: torch.Tensor | None = None,
+def gguf_linear_segments(x: torch.Tensor, segments: Sequence[tuple], n: int,
+                         bias: torch.Tensor | None = None,
                          quantize_activations: bool = False) -> torch.Tensor:
     """`gguf_linear` for a weight of N rows stored as row segments, each in its own GGML type
     (a fused qkv or gate_up weight of a Q4_K_M file), in one native call.
 
     Args:
         x: [..., K] floating, on the CPU.
-        segments: (row_start, type name, qweight [rows, row_bytes] uint8) covering rows [0, n)
-            exactly once, in any order.
+        segments: (row_start, type name, qweight [rows, row_bytes] uint8[, grouped]) covering
+            rows [0, n) exactly once, in any order (see `gguf_segment_structs`).
         n: the output size N.
         bias: [N] on the CPU, or None.
         quantize_activations: see `gguf_linear` (x is rounded once for all segments).
@@ -512,7 +562,7 @@ def gguf_quantize_activations(x: torch.Tensor, lib: ctypes.CDLL | None = None
 
 
 def gguf_dequantize_rows(qweight: torch.Tensor, tensor_type: str, ids: torch.Tensor,
-                         k: int) -> torch.Tensor:
+                         k: int, grouped: bool = False) -> torch.Tensor:
     """The rows `ids` of a GGUF-block weight, dequantized (an embedding lookup on a quantized
     token embedding; `csrc/cpu_gguf_linear.cpp`, the unpacking of `gguf_linear`).
 
@@ -521,6 +571,7 @@ def gguf_dequantize_rows(qweight: torch.Tensor, tensor_type: str, ids: torch.Ten
         tensor_type: a GGML type name in GGUF_KERNEL_TYPES.
         ids: [...] integer row indices in [0, rows).
         k: the row length in weights.
+        grouped: qweight is in the row-group layout (`gguf_group_rows`).
 
     Returns:
         [..., k] float32.
@@ -529,7 +580,7 @@ def gguf_dequantize_rows(qweight: torch.Tensor, tensor_type: str, ids: torch.Ten
         ValueError: an unsupported type, a weight that does not fit, or ids out of range.
         RuntimeError: the native kernels are unavailable.
     """
-    struct = gguf_segment_structs([(0, tensor_type, qweight)], k)[0]
+    structs = gguf_segment_structs([(0, tensor_type, qweight, grouped)], k)
     flat = ids.reshape(-1).to(device="cpu", dtype=torch.int64).contiguous()
     if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= qweight.shape[0]):
         raise ValueError(f"gguf_dequantize_rows: ids outside [0, {qweight.shape[0]})")
@@ -538,8 +589,7 @@ def gguf_dequantize_rows(qweight: torch.Tensor, tensor_type: str, ids: torch.Ten
         raise RuntimeError("gguf_dequantize_rows needs the native CPU kernels, which are "
                            "unavailable (see the log)")
     out = torch.empty(flat.numel(), k, dtype=torch.float32)
-    lib.dequantize_rows_gguf(struct.data, k, struct.ggml_type, flat.data_ptr(), flat.numel(),
-                             out.data_ptr())
+    lib.dequantize_rows_gguf(structs, k, flat.data_ptr(), flat.numel(), out.data_ptr())
     return out.view(*ids.shape, k)
 
 

@@ -17,7 +17,9 @@ import pytest
 import torch
 
 from pagedllm.kernels import build_cpu_kernels, cpu_kernels
-from pagedllm.kernels.ops import GGUF_KERNEL_TYPES, gguf_linear, gguf_linear_segments
+from pagedllm.kernels.ops import (GGUF_GROUP_ROWS, GGUF_KERNEL_TYPES, gguf_group_rows,
+                                  gguf_linear, gguf_linear_segments, gguf_segment_structs,
+                                  gguf_ungroup_rows)
 from pagedllm.model_loader.gguf import dequantize
 from tests.fixtures.gguf_files import quantize
 
@@ -66,13 +68,16 @@ def _assert_close(got: torch.Tensor, want: torch.Tensor, scale: torch.Tensor) ->
 
 
 def _call(lib: ctypes.CDLL, x: torch.Tensor, blocks: torch.Tensor, tensor_type: str,
-          bias: torch.Tensor | None) -> torch.Tensor:
-    """The library's `linear_gguf_f32` on float32 x [M, K] (any library build)."""
-    code = GGUF_KERNEL_TYPES[tensor_type].code
+          bias: torch.Tensor | None, grouped: bool = False) -> torch.Tensor:
+    """The library's `linear_gguf_segments` on float32 x [M, K] (any library build), the
+    weight's plain rows put in the row-group layout first if `grouped`."""
+    if grouped:
+        blocks = gguf_group_rows(blocks, tensor_type)
+    structs = gguf_segment_structs([(0, tensor_type, blocks, grouped)], x.shape[1])
     y = torch.empty(x.shape[0], blocks.shape[0])
-    rc = lib.linear_gguf_f32(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1],
-                             blocks.data_ptr(), blocks.shape[0], code,
-                             None if bias is None else bias.data_ptr(), y.data_ptr(), y.shape[1])
+    rc = lib.linear_gguf_segments(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], structs,
+                                  1, None if bias is None else bias.data_ptr(), y.data_ptr(),
+                                  y.shape[1])
     assert rc == 0
     return y
 
@@ -96,15 +101,41 @@ def test_matches_dequantized_reference(tensor_type):
         _assert_close(got, want, scale)
 
 
+@pytest.mark.parametrize("grouped", [False, True], ids=["plain", "grouped"])
 @pytest.mark.parametrize("build", ["native", "portable"])
 @pytest.mark.parametrize("tensor_type", TYPES)
-def test_random_block_bytes_both_builds(build, tensor_type, portable_lib):
+def test_random_block_bytes_both_builds(build, tensor_type, grouped, portable_lib):
     lib = cpu_kernels() if build == "native" else portable_lib
     for seed, (m, n, k) in enumerate(_shapes(tensor_type)):
         blocks = _random_blocks(tensor_type, n, k, seed)
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed))
         want, scale = _reference(x, blocks, tensor_type, None)
-        _assert_close(_call(lib, x, torch.from_numpy(blocks), tensor_type, None), want, scale)
+        _assert_close(_call(lib, x, torch.from_numpy(blocks), tensor_type, None, grouped),
+                      want, scale)
+
+
+@pytest.mark.parametrize("tensor_type", ["Q8_0", "Q4_K"])
+def test_row_group_layout(tensor_type):
+    """`gguf_group_rows` against the layout's definition (csrc/gguf_blocks.h): block b of row
+    4 g + j at byte (4 (g nb + b) + j) * block_bytes, rows past the last whole group plain; and
+    `gguf_ungroup_rows` inverts it."""
+    block_bytes = GGUF_KERNEL_TYPES[tensor_type].block_bytes
+    nb, rows = 3, 2 * GGUF_GROUP_ROWS + 3
+    plain = torch.from_numpy(_random_blocks(tensor_type, rows, nb * GGUF_KERNEL_TYPES[
+        tensor_type].block_weights, 0))
+    grouped = gguf_group_rows(plain, tensor_type)
+    assert grouped.shape == plain.shape and not torch.equal(grouped, plain)
+    flat = grouped.reshape(-1)
+    for n in range(rows):
+        for b in range(nb):
+            if n < 2 * GGUF_GROUP_ROWS:
+                g, j = divmod(n, GGUF_GROUP_ROWS)
+                at = (GGUF_GROUP_ROWS * (g * nb + b) + j) * block_bytes
+            else:
+                at = (n * nb + b) * block_bytes
+            assert torch.equal(flat[at:at + block_bytes],
+                               plain[n, b * block_bytes:(b + 1) * block_bytes])
+    assert torch.equal(gguf_ungroup_rows(grouped, tensor_type), plain)
 
 
 def test_leading_dims_strided_and_low_precision_activations():
@@ -163,7 +194,6 @@ def _round_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _q8_call(lib, x: torch.Tensor, parts, n: int, bias: torch.Tensor | None = None):
-    from pagedllm.kernels.ops import gguf_segment_structs
     structs = gguf_segment_structs(parts, x.shape[1])
     y = torch.empty(x.shape[0], n)
     assert lib.linear_gguf_segments_q8(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1],
@@ -200,9 +230,10 @@ def test_activation_rounding_is_exact(build, q8_libs):
         gguf_quantize_activations(torch.randn(2, 48))
 
 
+@pytest.mark.parametrize("grouped", [False, True], ids=["plain", "grouped"])
 @pytest.mark.parametrize("build", list(Q8_BUILDS))
 @pytest.mark.parametrize("tensor_type", TYPES)
-def test_q8_activations_match_the_rounded_reference(build, tensor_type, q8_libs):
+def test_q8_activations_match_the_rounded_reference(build, tensor_type, grouped, q8_libs):
     for seed, (m, n, k) in enumerate(Q8_SHAPES):
         blocks = _random_blocks(tensor_type, n, k, seed)
         g = torch.Generator().manual_seed(seed)
@@ -211,7 +242,10 @@ def test_q8_activations_match_the_rounded_reference(build, tensor_type, q8_libs)
         bias = torch.randn(n, generator=g) if seed % 2 else None
         x_q, d = _round_activations(x)
         want, scale = _reference(x_q, blocks, tensor_type, bias)
-        got = _q8_call(q8_libs[build], x, [(0, tensor_type, torch.from_numpy(blocks))], n, bias)
+        qweight = torch.from_numpy(blocks)
+        if grouped:
+            qweight = gguf_group_rows(qweight, tensor_type)
+        got = _q8_call(q8_libs[build], x, [(0, tensor_type, qweight, grouped)], n, bias)
         _assert_close(got, want, scale)
         # Against float32 x: within the rounding error (|x - x_q| <= d / 2 per element).
         want_f, scale_f = _reference(x, blocks, tensor_type, bias)
@@ -240,7 +274,8 @@ def test_q8_activations_of_real_quantized_weights_stay_close(tensor_type):
 @pytest.mark.parametrize("build", ["native", "portable"])
 def test_row_segments_of_mixed_types(build, portable_lib):
     """A qkv-like weight: Q4_K rows, then Q6_K rows, then Q8_0 rows, in one call (segments
-    given out of order), with a bias and M off the 4-row kernel."""
+    given out of order), with a bias and M off the 4-row kernel; the same in the row-group
+    layout (9 rows: two groups and a plain row)."""
     g = torch.Generator().manual_seed(7)
     k, sizes, types = 512, (40, 12, 9), ("Q4_K", "Q6_K", "Q8_0")
     parts, starts = [], np.cumsum((0,) + sizes[:-1])
@@ -251,16 +286,17 @@ def test_row_segments_of_mixed_types(build, portable_lib):
     x, bias = torch.randn(6, k, generator=g), torch.randn(sum(sizes), generator=g)
     w = torch.cat([torch.from_numpy(dequantize(q.numpy(), t)) for _, t, q in parts]).double()
     want, scale = x.double() @ w.T + bias.double(), x.double().abs() @ w.abs().T
-    if build == "native":
-        got = gguf_linear_segments(x, parts[::-1], sum(sizes), bias)
-    else:
-        from pagedllm.kernels.ops import gguf_segment_structs
-        structs = gguf_segment_structs(parts, k)
-        got = torch.empty(6, sum(sizes))
-        assert portable_lib.linear_gguf_segments(x.data_ptr(), k, 6, k, structs, len(structs),
-                                                 bias.data_ptr(), got.data_ptr(),
-                                                 sum(sizes)) == 0
-    _assert_close(got, want, scale)
+    grouped_parts = [(r, t, gguf_group_rows(q, t), True) for r, t, q in parts]
+    for layout in (parts, grouped_parts):
+        if build == "native":
+            got = gguf_linear_segments(x, layout[::-1], sum(sizes), bias)
+        else:
+            structs = gguf_segment_structs(layout, k)
+            got = torch.empty(6, sum(sizes))
+            assert portable_lib.linear_gguf_segments(x.data_ptr(), k, 6, k, structs,
+                                                     len(structs), bias.data_ptr(),
+                                                     got.data_ptr(), sum(sizes)) == 0
+        _assert_close(got, want, scale)
     with pytest.raises(ValueError, match="cover"):
         gguf_linear_segments(x, parts[:2], sum(sizes))
 
@@ -278,18 +314,22 @@ def test_q8_activations_on_row_segments_of_mixed_types(build, q8_libs):
                                                 tensor_type))))
     w = torch.cat([torch.from_numpy(dequantize(q.numpy(), t)) for _, t, q in parts]).double()
     bias = torch.randn(sum(sizes), generator=g)
+    grouped_parts = [(r, t, gguf_group_rows(q, t), True) for r, t, q in parts]
     for m in (1, 7):
         x = torch.randn(m, k, generator=g)
         x_q, _ = _round_activations(x)
         want, scale = x_q.double() @ w.T + bias.double(), x_q.double().abs() @ w.abs().T
         _assert_close(_q8_call(q8_libs[build], x, parts[::-1], sum(sizes), bias), want, scale)
+        _assert_close(_q8_call(q8_libs[build], x, grouped_parts, sum(sizes), bias), want, scale)
         if build == "native":
             _assert_close(gguf_linear_segments(x, parts, sum(sizes), bias,
                                                quantize_activations=True), want, scale)
 
 
+@pytest.mark.parametrize("grouped", [False, True], ids=["plain", "grouped"])
 @pytest.mark.parametrize("build", ["native", "portable"])
-def test_dequantize_rows_for_embedding_lookups(build, portable_lib):
+def test_dequantize_rows_for_embedding_lookups(build, grouped, portable_lib):
+    """Rows 0, 2 (in the first row group when grouped) and 5 (a plain tail row of 6)."""
     from pagedllm.kernels.ops import gguf_dequantize_rows
     lib = cpu_kernels() if build == "native" else portable_lib
     ids = torch.tensor([[2, 0], [5, 2]])
@@ -298,14 +338,15 @@ def test_dequantize_rows_for_embedding_lookups(build, portable_lib):
         blocks = _random_blocks(tensor_type, 6, k, seed)
         want = torch.from_numpy(dequantize(blocks, tensor_type))[ids]
         qweight = torch.from_numpy(blocks)
+        if grouped:
+            qweight = gguf_group_rows(qweight, tensor_type)
         if build == "native":
-            got = gguf_dequantize_rows(qweight, tensor_type, ids, k)
+            got = gguf_dequantize_rows(qweight, tensor_type, ids, k, grouped)
         else:
             flat = ids.reshape(-1).contiguous()
             got = torch.empty(4, k)
-            assert lib.dequantize_rows_gguf(qweight.data_ptr(), k,
-                                            GGUF_KERNEL_TYPES[tensor_type].code,
-                                            flat.data_ptr(), 4, got.data_ptr()) == 0
+            structs = gguf_segment_structs([(0, tensor_type, qweight, grouped)], k)
+            assert lib.dequantize_rows_gguf(structs, k, flat.data_ptr(), 4, got.data_ptr()) == 0
             got = got.view(2, 2, k)
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-30)
     with pytest.raises(ValueError, match="outside"):

@@ -22,8 +22,8 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.config import ModelConfig
 from pagedllm.kernels import cpu_kernels
 from pagedllm.layers.linear import MergedColumnParallelLinear, RowParallelLinear
-from pagedllm.layers.quantization.gguf import (Q8_ACTIVATIONS_ENV, GGUFLayoutUnsupported,
-                                               GGUFLinearMethod)
+from pagedllm.layers.quantization.gguf import (Q8_ACTIVATIONS_ENV, ROW_GROUPS_ENV,
+                                               GGUFLayoutUnsupported, GGUFLinearMethod)
 from pagedllm.model_loader.gguf import (GGUFSource, dequantize, iterate_gguf_tensors, open_gguf,
                                         prepare_gguf_view, tensor_table)
 from pagedllm.model_loader.loader import load_model
@@ -120,6 +120,9 @@ def test_greedy_equals_the_dequantized_load_and_the_module_path(llama_gguf, tens
     fused = _greedy(path, "gguf")
     assert fused == _greedy(path, "none")
     assert fused == _greedy(path, "gguf", fused=False)
+    with pytest.MonkeyPatch.context() as patch:    # the file's plain rows, not row groups
+        patch.setenv(ROW_GROUPS_ENV, "0")
+        assert fused == _greedy(path, "gguf")
 
 
 def test_q4_k_m_mix_stays_quantized_and_matches(kquant_gguf):
@@ -156,6 +159,7 @@ def test_linear_layers_keep_their_blocks_and_take_the_fused_decoder(llama_gguf):
     layer = model.model.layers[0]
     qkv, down = layer.self_attn.qkv_proj, layer.mlp.down_proj
     assert qkv.weight.dtype == torch.uint8 and qkv.gguf_quant_type == "Q4_0"
+    assert qkv.gguf_grouped and model.model.embed_tokens.quant_method.grouped
     assert qkv.weight.shape == (qkv.output_size_per_partition, 64 // 32 * 18)
     assert down.weight.shape == (64, 128 // 32 * 18)
     assert model.model.embed_tokens.weight.dtype == torch.uint8     # token_embd is Q4_0 too
@@ -235,6 +239,30 @@ def test_fused_layer_of_mixed_types_and_unaligned_shards(raw_file):
     torch.testing.assert_close(layer(x), x @ w.T, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="block boundaries"):
         RowParallelLinear(48, 8).set_quant_method(GGUFLinearMethod(quantize_activations=False))
+
+
+def test_row_groups_after_loading_and_reloads(raw_file):
+    """`process_weights_after_loading` puts each segment's bytes in the kernels' row-group
+    layout (outputs unchanged); reloading a tensor afterwards goes back to plain rows first,
+    and the next processing groups again."""
+    layer = MergedColumnParallelLinear(64, [8, 8])
+    layer.set_quant_method(GGUFLinearMethod(quantize_activations=False))
+    layer.weight_loader(layer.weight, raw_file["a.weight"], 0)
+    layer.weight_loader(layer.weight, raw_file["b.weight"], 1)
+    plain_bytes = layer.weight.data.clone()
+    w = torch.cat([raw_file[n].materialize() for n in ("a.weight", "b.weight")])
+    x = torch.randn(3, 64)
+    layer.quant_method.process_weights_after_loading(layer)
+    layer.quant_method.process_weights_after_loading(layer)          # idempotent
+    assert layer.gguf_grouped and not torch.equal(layer.weight.data, plain_bytes)
+    assert all(s[3] for s in layer.quant_method.kernel_segments(layer))
+    torch.testing.assert_close(layer(x), x @ w.T, rtol=1e-5, atol=1e-5)
+    layer.weight_loader(layer.weight, raw_file["b.weight"], 1)       # a reload
+    assert not layer.gguf_grouped and torch.equal(layer.weight.data, plain_bytes)
+    torch.testing.assert_close(layer(x), x @ w.T, rtol=1e-5, atol=1e-5)
+    layer.quant_method.process_weights_after_loading(layer)
+    assert layer.gguf_grouped
+    torch.testing.assert_close(layer(x), x @ w.T, rtol=1e-5, atol=1e-5)
 
 
 def test_k_quant_rows_must_fit_the_input_size(raw_file, tmp_path):

@@ -31,8 +31,9 @@ namespace gguf {
 
 #ifdef PAGEDLLM_AVX2
 template <int MB, int NB, typename Q>
-inline void micro(const float* x, int64_t ldx, const uint8_t* w, int64_t row_bytes,
-                  int64_t num_blocks, const float* bias, float* y, int64_t ldy) {
+inline void micro(const float* x, int64_t ldx, const uint8_t* w, int64_t row_stride,
+                  int64_t block_stride, int64_t prefetch, int64_t num_blocks, const float* bias,
+                  float* y, int64_t ldy) {
   // Two accumulator sets at MB == 1 halve the FMA dependency chains; at MB > 1 the rows of x
   // give independent chains already.
   constexpr int kSets = MB == 1 ? 2 : 1;
@@ -42,12 +43,13 @@ inline void micro(const float* x, int64_t ldx, const uint8_t* w, int64_t row_byt
     for (int i = 0; i < MB; ++i)
       for (int j = 0; j < NB; ++j) acc[s][i][j] = _mm256_setzero_ps();
   for (int64_t b = 0; b < num_blocks; ++b) {
-    for (int j = 0; j < NB; ++j)   // the same block of the next NB rows (the next call's)
-      prefetch_block<Q::kBytes>(w + (j + NB) * row_bytes + b * Q::kBytes);
+    if (prefetch != 0)   // see RowLayout::prefetch_offset
+      for (int j = 0; j < NB; ++j)
+        prefetch_block<Q::kBytes>(w + j * row_stride + b * block_stride + prefetch);
     for (int sub = 0; sub < kSubs; ++sub) {
       for (int j = 0; j < NB; ++j) {
         __m256 wv[4];
-        Q::unpack(w + j * row_bytes + b * Q::kBytes, sub, wv);
+        Q::unpack(w + j * row_stride + b * block_stride, sub, wv);
         for (int i = 0; i < MB; ++i) {
           const float* xp = x + i * ldx + b * Q::kWeights + sub * kBlock;
           for (int c = 0; c < 4; ++c) {
@@ -67,15 +69,16 @@ inline void micro(const float* x, int64_t ldx, const uint8_t* w, int64_t row_byt
 }
 #else
 template <int MB, int NB, typename Q>
-inline void micro(const float* x, int64_t ldx, const uint8_t* w, int64_t row_bytes,
-                  int64_t num_blocks, const float* bias, float* y, int64_t ldy) {
+inline void micro(const float* x, int64_t ldx, const uint8_t* w, int64_t row_stride,
+                  int64_t block_stride, int64_t /*prefetch*/, int64_t num_blocks,
+                  const float* bias, float* y, int64_t ldy) {
   constexpr int kSubs = Q::kWeights / kBlock;
   float acc[MB][NB] = {};
   float wv[kBlock];
   for (int64_t b = 0; b < num_blocks; ++b)
     for (int sub = 0; sub < kSubs; ++sub)
       for (int j = 0; j < NB; ++j) {
-        Q::unpack(w + j * row_bytes + b * Q::kBytes, sub, wv);
+        Q::unpack(w + j * row_stride + b * block_stride, sub, wv);
         for (int i = 0; i < MB; ++i) {
           const float* xp = x + i * ldx + b * Q::kWeights + sub * kBlock;
           float s = 0.f;
@@ -88,19 +91,22 @@ inline void micro(const float* x, int64_t ldx, const uint8_t* w, int64_t row_byt
 }
 #endif
 
-// Rows [m0, m1) of x (m1 - m0 a multiple of MB) against w rows [n0, n1).
+// Rows [m0, m1) of x (m1 - m0 a multiple of MB) against w rows [n0, n1) (n0 a multiple of
+// kGroupRows, so the NB-row runs stay within a row group).
 template <int MB, typename Q>
-void rows_block(const float* x, int64_t ldx, int64_t m0, int64_t m1, const uint8_t* w,
-                int64_t row_bytes, int64_t num_blocks, int64_t n0, int64_t n1, const float* bias,
-                float* y, int64_t ldy) {
+void rows_block(const float* x, int64_t ldx, int64_t m0, int64_t m1, const RowLayout& w,
+                int64_t num_blocks, int64_t n0, int64_t n1, const float* bias, float* y,
+                int64_t ldy) {
   constexpr int NB = MB == 1 ? 4 : 2;
   for (int64_t m = m0; m + MB <= m1; m += MB) {
     int64_t n = n0;
     for (; n + NB <= n1; n += NB)
-      micro<MB, NB, Q>(x + m * ldx, ldx, w + n * row_bytes, row_bytes, num_blocks,
+      micro<MB, NB, Q>(x + m * ldx, ldx, w.row(n), w.row_stride(n), w.block_stride(n),
+                       w.prefetch_offset(n, NB), num_blocks,
                        bias != nullptr ? bias + n : nullptr, y + m * ldy + n, ldy);
     for (; n < n1; ++n)
-      micro<MB, 1, Q>(x + m * ldx, ldx, w + n * row_bytes, row_bytes, num_blocks,
+      micro<MB, 1, Q>(x + m * ldx, ldx, w.row(n), w.row_stride(n), w.block_stride(n),
+                      w.prefetch_offset(n, 1), num_blocks,
                       bias != nullptr ? bias + n : nullptr, y + m * ldy + n, ldy);
   }
 }
@@ -108,15 +114,17 @@ void rows_block(const float* x, int64_t ldx, int64_t m0, int64_t m1, const uint8
 // One work item: x rows [r0, r1) against the segment's weight rows [n0, n1) (segment-relative;
 // `bias` and `y` already point at the segment's first output column).
 template <typename Q>
-void work_item(const float* x, int64_t ldx, int64_t r0, int64_t r1, int64_t K, const uint8_t* w,
-               int64_t n0, int64_t n1, const float* bias, float* y, int64_t ldy) {
-  const int64_t num_blocks = K / Q::kWeights, row_bytes = num_blocks * Q::kBytes;
+void work_item(const float* x, int64_t ldx, int64_t r0, int64_t r1, int64_t K,
+               const Segment& seg, int64_t n0, int64_t n1, const float* bias, float* y,
+               int64_t ldy) {
+  const int64_t num_blocks = K / Q::kWeights;
+  const RowLayout w(seg, num_blocks * Q::kBytes, Q::kBytes);
   const int64_t r4 = r0 + (r1 - r0) / 4 * 4;
-  rows_block<4, Q>(x, ldx, r0, r4, w, row_bytes, num_blocks, n0, n1, bias, y, ldy);
-  rows_block<1, Q>(x, ldx, r4, r1, w, row_bytes, num_blocks, n0, n1, bias, y, ldy);
+  rows_block<4, Q>(x, ldx, r0, r4, w, num_blocks, n0, n1, bias, y, ldy);
+  rows_block<1, Q>(x, ldx, r4, r1, w, num_blocks, n0, n1, bias, y, ldy);
 }
 
-using WorkItemFn = void (*)(const float*, int64_t, int64_t, int64_t, int64_t, const uint8_t*,
+using WorkItemFn = void (*)(const float*, int64_t, int64_t, int64_t, int64_t, const Segment&,
                             int64_t, int64_t, const float*, float*, int64_t);
 
 // The work item of a GGML type code (ggml.h's enum ggml_type), or null for a type not taken.
@@ -146,23 +154,24 @@ void linear_segments_tiles(const float* x, int64_t ldx, int64_t M, int64_t K,
   for_each_segment_item(M, segments, num_segments, bias, y,
                         [&](const Segment& seg, int64_t r0, int64_t r1, int64_t n0, int64_t n1,
                             const float* seg_bias, float* seg_y) {
-                          work_item_for(seg.ggml_type)(x, ldx, r0, r1, K, seg.data, n0, n1,
+                          work_item_for(seg.ggml_type)(x, ldx, r0, r1, K, seg, n0, n1,
                                                        seg_bias, seg_y, ldy);
                         });
 }
 
-// out[i] = dequantize(row ids[i] of w) for an embedding lookup, one row per work item.
+// out[i] = dequantize(row ids[i] of the segment) for an embedding lookup, one row per work item.
 template <typename Q>
-void dequantize_rows(const uint8_t* w, int64_t K, const int64_t* ids, int64_t num_ids,
+void dequantize_rows(const Segment& seg, int64_t K, const int64_t* ids, int64_t num_ids,
                      float* out) {
-  const int64_t num_blocks = K / Q::kWeights, row_bytes = num_blocks * Q::kBytes;
+  const int64_t num_blocks = K / Q::kWeights;
+  const RowLayout w(seg, num_blocks * Q::kBytes, Q::kBytes);
 #pragma omp parallel for if (num_ids > 1)
   for (int64_t i = 0; i < num_ids; ++i) {
-    const uint8_t* row = w + ids[i] * row_bytes;
+    const uint8_t* row = w.row(ids[i]);
+    const int64_t stride = w.block_stride(ids[i]);
     for (int64_t b = 0; b < num_blocks; ++b)
       for (int sub = 0; sub < Q::kWeights / kBlock; ++sub)
-        Q::unpack(row + b * Q::kBytes, sub,
-                  out + i * K + b * Q::kWeights + sub * kBlock);
+        Q::unpack(row + b * stride, sub, out + i * K + b * Q::kWeights + sub * kBlock);
   }
 }
 
@@ -185,33 +194,26 @@ int linear_gguf_segments(const float* x, int64_t ldx, int64_t M, int64_t K,
 }
 
 
-// Returns 0, or -1 for a type code not taken here (nothing is written then). K must be a
-// multiple of the type's block (32 or 256 weights; checked by the caller).
-int linear_gguf_f32(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* w,
-                    int64_t N, int ggml_type, const float* bias, float* y, int64_t ldy) {
-  const pagedllm::gguf::Segment segment{w, 0, N, ggml_type};
-  return linear_gguf_segments(x, ldx, M, K, &segment, 1, bias, y, ldy);
-}
-
 }  // extern "C"
 
 extern "C" {
 
-// out [num_ids, K] float32 = the rows `ids` (each in [0, rows), checked by the caller) of a
-// [rows, K / kWeights * block bytes] weight of GGML type `ggml_type`. Returns 0, or -1 for a
-// type not taken here (nothing written).
-int dequantize_rows_gguf(const uint8_t* w, int64_t K, int ggml_type, const int64_t* ids,
+// out [num_ids, K] float32 = the rows `ids` (each in [0, rows), checked by the caller) of the
+// segment (its data K / kWeights * block bytes per row, plain or grouped, gguf_blocks.h).
+// Returns 0, or -1 for a type not taken here (nothing written).
+int dequantize_rows_gguf(const pagedllm::gguf::Segment* segment, int64_t K, const int64_t* ids,
                          int64_t num_ids, float* out) {
   using namespace pagedllm::gguf;
-  switch (ggml_type) {
-    case kGGMLTypeQ4_0: dequantize_rows<Q4_0>(w, K, ids, num_ids, out); return 0;
-    case kGGMLTypeQ4_1: dequantize_rows<Q4_1>(w, K, ids, num_ids, out); return 0;
-    case kGGMLTypeQ5_0: dequantize_rows<Q5_0>(w, K, ids, num_ids, out); return 0;
-    case kGGMLTypeQ5_1: dequantize_rows<Q5_1>(w, K, ids, num_ids, out); return 0;
-    case kGGMLTypeQ8_0: dequantize_rows<Q8_0>(w, K, ids, num_ids, out); return 0;
-    case kGGMLTypeQ4_K: dequantize_rows<Q4_K>(w, K, ids, num_ids, out); return 0;
-    case kGGMLTypeQ5_K: dequantize_rows<Q5_K>(w, K, ids, num_ids, out); return 0;
-    case kGGMLTypeQ6_K: dequantize_rows<Q6_K>(w, K, ids, num_ids, out); return 0;
+  const Segment& s = *segment;
+  switch (s.ggml_type) {
+    case kGGMLTypeQ4_0: dequantize_rows<Q4_0>(s, K, ids, num_ids, out); return 0;
+    case kGGMLTypeQ4_1: dequantize_rows<Q4_1>(s, K, ids, num_ids, out); return 0;
+    case kGGMLTypeQ5_0: dequantize_rows<Q5_0>(s, K, ids, num_ids, out); return 0;
+    case kGGMLTypeQ5_1: dequantize_rows<Q5_1>(s, K, ids, num_ids, out); return 0;
+    case kGGMLTypeQ8_0: dequantize_rows<Q8_0>(s, K, ids, num_ids, out); return 0;
+    case kGGMLTypeQ4_K: dequantize_rows<Q4_K>(s, K, ids, num_ids, out); return 0;
+    case kGGMLTypeQ5_K: dequantize_rows<Q5_K>(s, K, ids, num_ids, out); return 0;
+    case kGGMLTypeQ6_K: dequantize_rows<Q6_K>(s, K, ids, num_ids, out); return 0;
     default: return -1;
   }
 }

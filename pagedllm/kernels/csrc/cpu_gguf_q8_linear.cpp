@@ -306,8 +306,9 @@ inline __m256i dot_u8s8(__m256i u, __m256i s) {
 }
 
 template <int MB, int NB, typename Q>
-inline void micro_q8(const Q8View& x, const uint8_t* w, int64_t row_bytes, int64_t num_blocks,
-                     const float* bias, float* y, int64_t ldy) {
+inline void micro_q8(const Q8View& x, const uint8_t* w, int64_t row_stride, int64_t block_stride,
+                     int64_t prefetch, int64_t num_blocks, const float* bias, float* y,
+                     int64_t ldy) {
   using W = Q8Weights<Q>;
   constexpr int kSubs = Q::kWeights / kBlock;
   __m256 acc[MB][NB];
@@ -319,10 +320,11 @@ inline void micro_q8(const Q8View& x, const uint8_t* w, int64_t row_bytes, int64
     }
   for (int64_t b = 0; b < num_blocks; ++b) {
     const int64_t xb = b * kSubs;   // the activation block under the weight block's start
-    for (int j = 0; j < NB; ++j)   // the same block of the next NB rows (the next call's)
-      prefetch_block<Q::kBytes>(w + (j + NB) * row_bytes + b * Q::kBytes);
+    if (prefetch != 0)   // see RowLayout::prefetch_offset
+      for (int j = 0; j < NB; ++j)
+        prefetch_block<Q::kBytes>(w + j * row_stride + b * block_stride + prefetch);
     typename W::Scales sc[NB];
-    for (int j = 0; j < NB; ++j) W::scales(w + j * row_bytes + b * Q::kBytes, &sc[j]);
+    for (int j = 0; j < NB; ++j) W::scales(w + j * row_stride + b * block_stride, &sc[j]);
     if constexpr (W::kMin) {
       for (int j = 0; j < NB; ++j)
         for (int i = 0; i < MB; ++i) {
@@ -339,7 +341,7 @@ inline void micro_q8(const Q8View& x, const uint8_t* w, int64_t row_bytes, int64
         qx[i] = _mm256_loadu_si256(
             reinterpret_cast<const __m256i*>(x.q + i * x.ldq + (xb + s) * kBlock));
       for (int j = 0; j < NB; ++j) {
-        const __m256i qw = W::quants(w + j * row_bytes + b * Q::kBytes, s);
+        const __m256i qw = W::quants(w + j * row_stride + b * block_stride, s);
         const __m256i uw = W::kSigned ? _mm256_sign_epi8(qw, qw) : qw;
         __m256 ws;
         if constexpr (W::kHalves)
@@ -362,8 +364,9 @@ inline void micro_q8(const Q8View& x, const uint8_t* w, int64_t row_bytes, int64
 }
 #else
 template <int MB, int NB, typename Q>
-inline void micro_q8(const Q8View& x, const uint8_t* w, int64_t row_bytes, int64_t num_blocks,
-                     const float* bias, float* y, int64_t ldy) {
+inline void micro_q8(const Q8View& x, const uint8_t* w, int64_t row_stride, int64_t block_stride,
+                     int64_t /*prefetch*/, int64_t num_blocks, const float* bias, float* y,
+                     int64_t ldy) {
   using W = Q8Weights<Q>;
   constexpr int kSubs = Q::kWeights / kBlock;
   float acc[MB][NB] = {};
@@ -371,7 +374,7 @@ inline void micro_q8(const Q8View& x, const uint8_t* w, int64_t row_bytes, int64
   for (int64_t b = 0; b < num_blocks; ++b) {
     const int64_t xb = b * kSubs;
     for (int j = 0; j < NB; ++j) {
-      const uint8_t* blk = w + j * row_bytes + b * Q::kBytes;
+      const uint8_t* blk = w + j * row_stride + b * block_stride;
       typename W::Scales sc;
       W::scales(blk, &sc);
       for (int s = 0; s < kSubs; ++s) {
@@ -397,21 +400,24 @@ inline void micro_q8(const Q8View& x, const uint8_t* w, int64_t row_bytes, int64
 }
 #endif
 
-// Rows [m0, m1) of x (m1 - m0 a multiple of MB) against w rows [n0, n1).
+// Rows [m0, m1) of x (m1 - m0 a multiple of MB) against w rows [n0, n1) (n0 a multiple of
+// kGroupRows, so the NB-row runs stay within a row group).
 template <int MB, typename Q>
-void rows_block_q8(const Q8Rows& xq, int64_t K, int64_t m0, int64_t m1, const uint8_t* w,
-                   int64_t row_bytes, int64_t num_blocks, int64_t n0, int64_t n1,
-                   const float* bias, float* y, int64_t ldy) {
+void rows_block_q8(const Q8Rows& xq, int64_t K, int64_t m0, int64_t m1, const RowLayout& w,
+                   int64_t num_blocks, int64_t n0, int64_t n1, const float* bias, float* y,
+                   int64_t ldy) {
   constexpr int NB = MB == 1 ? 4 : 2;
   const int64_t ldb = K / kBlock;
   for (int64_t m = m0; m + MB <= m1; m += MB) {
     const Q8View x{xq.q + m * K, xq.d + m * ldb, xq.ds + m * ldb, K, ldb};
     int64_t n = n0;
     for (; n + NB <= n1; n += NB)
-      micro_q8<MB, NB, Q>(x, w + n * row_bytes, row_bytes, num_blocks,
+      micro_q8<MB, NB, Q>(x, w.row(n), w.row_stride(n), w.block_stride(n),
+                          w.prefetch_offset(n, NB), num_blocks,
                           bias != nullptr ? bias + n : nullptr, y + m * ldy + n, ldy);
     for (; n < n1; ++n)
-      micro_q8<MB, 1, Q>(x, w + n * row_bytes, row_bytes, num_blocks,
+      micro_q8<MB, 1, Q>(x, w.row(n), w.row_stride(n), w.block_stride(n),
+                         w.prefetch_offset(n, 1), num_blocks,
                          bias != nullptr ? bias + n : nullptr, y + m * ldy + n, ldy);
   }
 }
@@ -419,15 +425,16 @@ void rows_block_q8(const Q8Rows& xq, int64_t K, int64_t m0, int64_t m1, const ui
 // One work item: rounded x rows [r0, r1) against the segment's weight rows [n0, n1)
 // (segment-relative; `bias` and `y` already point at the segment's first output column).
 template <typename Q>
-void work_item_q8(const Q8Rows& xq, int64_t r0, int64_t r1, int64_t K, const uint8_t* w,
+void work_item_q8(const Q8Rows& xq, int64_t r0, int64_t r1, int64_t K, const Segment& seg,
                   int64_t n0, int64_t n1, const float* bias, float* y, int64_t ldy) {
-  const int64_t num_blocks = K / Q::kWeights, row_bytes = num_blocks * Q::kBytes;
+  const int64_t num_blocks = K / Q::kWeights;
+  const RowLayout w(seg, num_blocks * Q::kBytes, Q::kBytes);
   const int64_t r4 = r0 + (r1 - r0) / 4 * 4;
-  rows_block_q8<4, Q>(xq, K, r0, r4, w, row_bytes, num_blocks, n0, n1, bias, y, ldy);
-  rows_block_q8<1, Q>(xq, K, r4, r1, w, row_bytes, num_blocks, n0, n1, bias, y, ldy);
+  rows_block_q8<4, Q>(xq, K, r0, r4, w, num_blocks, n0, n1, bias, y, ldy);
+  rows_block_q8<1, Q>(xq, K, r4, r1, w, num_blocks, n0, n1, bias, y, ldy);
 }
 
-using WorkItemQ8Fn = void (*)(const Q8Rows&, int64_t, int64_t, int64_t, const uint8_t*, int64_t,
+using WorkItemQ8Fn = void (*)(const Q8Rows&, int64_t, int64_t, int64_t, const Segment&, int64_t,
                               int64_t, const float*, float*, int64_t);
 
 WorkItemQ8Fn work_item_q8_for(int64_t ggml_type) {
@@ -460,7 +467,7 @@ void linear_segments_tiles_q8(const float* x, int64_t ldx, int64_t M, int64_t K,
   for_each_segment_item(M, segments, num_segments, bias, y,
                         [&](const Segment& seg, int64_t r0, int64_t r1, int64_t n0, int64_t n1,
                             const float* seg_bias, float* seg_y) {
-                          work_item_q8_for(seg.ggml_type)(scratch, r0, r1, K, seg.data, n0, n1,
+                          work_item_q8_for(seg.ggml_type)(scratch, r0, r1, K, seg, n0, n1,
                                                           seg_bias, seg_y, ldy);
                         });
 }
