@@ -84,22 +84,34 @@ inline void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* 
 //
 // `Scales::d[s]` multiplies the integer dot of sub-block s (Q6_K: d[2s] for its first 16
 // weights, d[2s + 1] for the last 16); `Scales::m[s]` (types with kMin) multiplies ds of the
-// activation block under sub-block s, the whole min / offset term. kSigned: the quants are
-// int8 (dot with the sign trick); else uint8 < 64.
+// activation block under sub-block s, the whole min / offset term. kSigned (Q6_K): the quants
+// are int8 (dot with the sign trick); else uint8 (u8 x s8 dots directly).
 
 template <typename Q>
 struct Q8Weights;
 
-// The scales of the 32-weight types, fp16 at the block's start: d alone for the signed types
-// (Q8_0, Q4_0, Q5_0), d then the offset m for the unsigned ones (Q4_1, Q5_1).
+// The scales of the 32-weight types, fp16 at the block's start. The signed ones (Q4_0 n - 8,
+// Q5_0 n - 16, and Q8_0 q with VNNI) are taken as unsigned quants u = q + B (kBias = B): the
+// integer dot starts from -B sum(qx) (the dot's accumulator input) and needs no sign trick,
+// sum(u qx) - B sum(qx) = sum(q qx). AVX2's maddubs would saturate Q8_0's u <= 255 (its int16
+// pair sums), so without VNNI Q8_0 keeps the sign trick (`SignedScale`).
 struct SignedScale {
   static constexpr bool kSigned = true, kMin = false, kHalves = false;
+  static constexpr int kBias = 0;
   struct Scales { float d[1]; };
   static void scales(const uint8_t* b, Scales* s) { s->d[0] = half_to_float(b); }
 };
 
+template <int B>
+struct BiasedScale : SignedScale {
+  static constexpr bool kSigned = false;
+  static constexpr int kBias = B;
+};
+
+// The unsigned ones (Q4_1, Q5_1): d, then the offset m.
 struct OffsetScales {
   static constexpr bool kSigned = false, kMin = true, kHalves = false;
+  static constexpr int kBias = 0;
   struct Scales { float d[1], m[1]; };
   static void scales(const uint8_t* b, Scales* s) {
     s->d[0] = half_to_float(b);
@@ -107,6 +119,15 @@ struct OffsetScales {
   }
 };
 
+#ifdef PAGEDLLM_VNNI
+template <>
+struct Q8Weights<Q8_0> : BiasedScale<128> {
+  static __m256i quants(const uint8_t* b, int /*sub*/) {   // q + 128 = q with its top bit flipped
+    return _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)),
+                            _mm256_set1_epi8(static_cast<char>(0x80)));
+  }
+};
+#else
 template <>
 struct Q8Weights<Q8_0> : SignedScale {
   static void quants(const uint8_t* b, int /*sub*/, int32_t* q) {
@@ -118,6 +139,7 @@ struct Q8Weights<Q8_0> : SignedScale {
   }
 #endif
 };
+#endif
 
 #ifdef PAGEDLLM_AVX2
 // Weights 0-15 of a 32-weight block from the low nibbles of qs[16], 16-31 from the high ones.
@@ -140,17 +162,15 @@ inline __m256i high_bits16(uint32_t qh) {
 #endif
 
 template <>
-struct Q8Weights<Q4_0> : SignedScale {
+struct Q8Weights<Q4_0> : BiasedScale<8> {
   static void quants(const uint8_t* b, int /*sub*/, int32_t* q) {
     for (int i = 0; i < 16; ++i) {
-      q[i] = (b[2 + i] & 0x0f) - 8;
-      q[i + 16] = (b[2 + i] >> 4) - 8;
+      q[i] = b[2 + i] & 0x0f;
+      q[i + 16] = b[2 + i] >> 4;
     }
   }
 #ifdef PAGEDLLM_AVX2
-  static __m256i quants(const uint8_t* b, int /*sub*/) {
-    return _mm256_sub_epi8(nibbles32(b + 2), _mm256_set1_epi8(8));
-  }
+  static __m256i quants(const uint8_t* b, int /*sub*/) { return nibbles32(b + 2); }
 #endif
 };
 
@@ -168,15 +188,14 @@ struct Q8Weights<Q4_1> : OffsetScales {
 };
 
 template <>
-struct Q8Weights<Q5_0> : SignedScale {
+struct Q8Weights<Q5_0> : BiasedScale<16> {
   static void quants(const uint8_t* b, int /*sub*/, int32_t* q) {
     const uint32_t qh = load_u32(b + 2);
-    for (int i = 0; i < kBlock; ++i) q[i] = q5_quant(b + 6, qh, i) - 16;
+    for (int i = 0; i < kBlock; ++i) q[i] = q5_quant(b + 6, qh, i);
   }
 #ifdef PAGEDLLM_AVX2
   static __m256i quants(const uint8_t* b, int /*sub*/) {
-    return _mm256_sub_epi8(_mm256_or_si256(nibbles32(b + 6), high_bits16(load_u32(b + 2))),
-                           _mm256_set1_epi8(16));
+    return _mm256_or_si256(nibbles32(b + 6), high_bits16(load_u32(b + 2)));
   }
 #endif
 };
@@ -212,6 +231,7 @@ inline void k4_scales(const uint8_t* b, K4Scales* s) {
 template <>
 struct Q8Weights<Q4_K> {
   static constexpr bool kSigned = false, kMin = true, kHalves = false;
+  static constexpr int kBias = 0;
   using Scales = K4Scales;
   static void scales(const uint8_t* b, Scales* s) { k4_scales(b, s); }
   static void quants(const uint8_t* b, int sub, int32_t* q) {
@@ -231,6 +251,7 @@ struct Q8Weights<Q4_K> {
 template <>
 struct Q8Weights<Q5_K> {
   static constexpr bool kSigned = false, kMin = true, kHalves = false;
+  static constexpr int kBias = 0;
   using Scales = K4Scales;
   static void scales(const uint8_t* b, Scales* s) { k4_scales(b, s); }
   static void quants(const uint8_t* b, int sub, int32_t* q) {
@@ -256,6 +277,7 @@ struct Q8Weights<Q5_K> {
 template <>
 struct Q8Weights<Q6_K> {
   static constexpr bool kSigned = true, kMin = false, kHalves = true;
+  static constexpr int kBias = 0;
   struct Scales { float d[16]; };
   static void scales(const uint8_t* b, Scales* s) {
     const float d = half_to_float(b + 208);
@@ -296,15 +318,19 @@ struct Q8View {
 };
 
 #ifdef PAGEDLLM_AVX2
-// Eight int32 sums of 4 byte products each (lane k: bytes 4k..4k+3), unsigned u by signed s.
-inline __m256i dot_u8s8(__m256i u, __m256i s) {
+// acc + eight int32 sums of 4 byte products each (lane k: bytes 4k..4k+3), unsigned u by signed s.
+inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
 #ifdef PAGEDLLM_VNNI
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+  return _mm256_dpbusd_epi32(acc, u, s);
 #else
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s),
+                                                 _mm256_set1_epi16(1)));
 #endif
 }
 
+// Per (x row, sub-block): the float scale dx, and the start of the integer dots: -kBias sum(qx)
+// per 4-byte lane (zero without a bias). Per (w row, sub-block): the scale vector. Per pair:
+// one integer dot, a conversion and one FMA.
 template <int MB, int NB, typename Q>
 inline void micro_q8(const Q8View& x, const uint8_t* w, int64_t row_stride, int64_t block_stride,
                      int64_t prefetch, int64_t num_blocks, const float* bias, float* y,
@@ -312,12 +338,8 @@ inline void micro_q8(const Q8View& x, const uint8_t* w, int64_t row_stride, int6
   using W = Q8Weights<Q>;
   constexpr int kSubs = Q::kWeights / kBlock;
   __m256 acc[MB][NB];
-  float mins[MB][NB];
   for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < NB; ++j) {
-      acc[i][j] = _mm256_setzero_ps();
-      mins[i][j] = 0.f;
-    }
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_setzero_ps();
   for (int64_t b = 0; b < num_blocks; ++b) {
     const int64_t xb = b * kSubs;   // the activation block under the weight block's start
     if (prefetch != 0)   // see RowLayout::prefetch_offset
@@ -325,42 +347,48 @@ inline void micro_q8(const Q8View& x, const uint8_t* w, int64_t row_stride, int6
         prefetch_block<Q::kBytes>(w + j * row_stride + b * block_stride + prefetch);
     typename W::Scales sc[NB];
     for (int j = 0; j < NB; ++j) W::scales(w + j * row_stride + b * block_stride, &sc[j]);
-    if constexpr (W::kMin) {
-      for (int j = 0; j < NB; ++j)
-        for (int i = 0; i < MB; ++i) {
-          if constexpr (kSubs == 8)   // the 8 sub-blocks' min terms as one vector
-            acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(sc[j].m),
-                                        _mm256_loadu_ps(x.ds + i * x.ldb + xb), acc[i][j]);
-          else
-            mins[i][j] += sc[j].m[0] * x.ds[i * x.ldb + xb];
+    if constexpr (W::kMin) {   // the min / offset terms: m ds
+      for (int i = 0; i < MB; ++i) {
+        if constexpr (kSubs == 8) {   // the 8 sub-blocks' terms as one vector
+          const __m256 ds = _mm256_loadu_ps(x.ds + i * x.ldb + xb);
+          for (int j = 0; j < NB; ++j)
+            acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(sc[j].m), ds, acc[i][j]);
+        } else {   // m ds / 8 in each lane (exact: a power of two), summed by the final hsum
+          const __m256 ds = _mm256_set1_ps(x.ds[i * x.ldb + xb] * 0.125f);
+          for (int j = 0; j < NB; ++j)
+            acc[i][j] = _mm256_fmadd_ps(_mm256_set1_ps(sc[j].m[0]), ds, acc[i][j]);
         }
+      }
     }
     for (int s = 0; s < kSubs; ++s) {
-      __m256i qx[MB];
-      for (int i = 0; i < MB; ++i)
+      __m256i qx[MB], start[MB];
+      __m256 dx[MB];
+      for (int i = 0; i < MB; ++i) {
         qx[i] = _mm256_loadu_si256(
             reinterpret_cast<const __m256i*>(x.q + i * x.ldq + (xb + s) * kBlock));
+        dx[i] = _mm256_set1_ps(x.d[i * x.ldb + xb + s]);
+        start[i] = _mm256_setzero_si256();
+        if constexpr (W::kBias != 0)   // -kBias * (sums of qx per lane)
+          start[i] = _mm256_sub_epi32(
+              start[i], dot_u8s8(start[i], _mm256_set1_epi8(static_cast<char>(W::kBias)), qx[i]));
+      }
       for (int j = 0; j < NB; ++j) {
         const __m256i qw = W::quants(w + j * row_stride + b * block_stride, s);
         const __m256i uw = W::kSigned ? _mm256_sign_epi8(qw, qw) : qw;
-        __m256 ws;
-        if constexpr (W::kHalves)
-          ws = _mm256_set_m128(_mm_set1_ps(sc[j].d[2 * s + 1]), _mm_set1_ps(sc[j].d[2 * s]));
+        const __m256 ws = W::kHalves ? _mm256_set_m128(_mm_set1_ps(sc[j].d[2 * s + 1]),
+                                                       _mm_set1_ps(sc[j].d[2 * s]))
+                                     : _mm256_set1_ps(sc[j].d[s]);
         for (int i = 0; i < MB; ++i) {
           const __m256i sx = W::kSigned ? _mm256_sign_epi8(qx[i], qw) : qx[i];
-          const __m256 prod = _mm256_cvtepi32_ps(dot_u8s8(uw, sx));
-          const float dx = x.d[i * x.ldb + xb + s];
-          if constexpr (W::kHalves)
-            acc[i][j] = _mm256_fmadd_ps(prod, _mm256_mul_ps(ws, _mm256_set1_ps(dx)), acc[i][j]);
-          else
-            acc[i][j] = _mm256_fmadd_ps(prod, _mm256_set1_ps(sc[j].d[s] * dx), acc[i][j]);
+          const __m256 prod = _mm256_cvtepi32_ps(dot_u8s8(start[i], uw, sx));
+          acc[i][j] = _mm256_fmadd_ps(prod, _mm256_mul_ps(ws, dx[i]), acc[i][j]);
         }
       }
     }
   }
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NB; ++j)
-      y[i * ldy + j] = hsum(acc[i][j]) + mins[i][j] + (bias != nullptr ? bias[j] : 0.f);
+      y[i * ldy + j] = hsum(acc[i][j]) + (bias != nullptr ? bias[j] : 0.f);
 }
 #else
 template <int MB, int NB, typename Q>
@@ -381,9 +409,9 @@ inline void micro_q8(const Q8View& x, const uint8_t* w, int64_t row_stride, int6
         W::quants(blk, s, qw);
         for (int i = 0; i < MB; ++i) {
           const int8_t* qx = x.q + i * x.ldq + (xb + s) * kBlock;
-          int32_t lo = 0, hi = 0;
-          for (int l = 0; l < 16; ++l) lo += qw[l] * qx[l];
-          for (int l = 16; l < kBlock; ++l) hi += qw[l] * qx[l];
+          int32_t lo = 0, hi = 0;   // (biased quants: minus kBias sum(qx))
+          for (int l = 0; l < 16; ++l) lo += (qw[l] - W::kBias) * qx[l];
+          for (int l = 16; l < kBlock; ++l) hi += (qw[l] - W::kBias) * qx[l];
           const float dx = x.d[i * x.ldb + xb + s];
           if constexpr (W::kHalves)
             acc[i][j] += dx * (sc.d[2 * s] * static_cast<float>(lo) +
