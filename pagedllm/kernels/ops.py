@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -349,6 +350,9 @@ GGUF_BLOCK_SIZE = 32  # the smallest block: an input split must fall on its mult
 
 
 GGUF_GROUP_ROWS = 4  # rows per group of the row-group layout (csrc/gguf_blocks.h kGroupRows)
+# Types whose row groups interleave 4-byte chunks of the rows' quants ("lane" groups, for the
+# 8-bit-activation kernels' one-lane-per-row dot products); the others interleave whole blocks.
+GGUF_LANE_GROUP_TYPES = {"Q8_0": 2, "Q4_0": 2, "Q4_1": 4}   # type -> bytes of fp16 scales
 
 
 class GGUFSegmentStruct(ctypes.Structure):
@@ -361,26 +365,38 @@ class GGUFSegmentStruct(ctypes.Structure):
                 ("grouped", ctypes.c_int64)]
 
 
-def _row_group_view(qweight: torch.Tensor, tensor_type: str, grouped: bool) -> tuple:
-    """The whole groups of `qweight` as a 4-D view for `gguf_group_rows` / `gguf_ungroup_rows`:
-    [groups, GGUF_GROUP_ROWS, blocks, block_bytes] (plain) or [groups, blocks,
-    GGUF_GROUP_ROWS, block_bytes] (grouped), and the number of rows it covers."""
+@functools.lru_cache(maxsize=64)
+def _group_permutation(tensor_type: str, blocks: int) -> torch.Tensor:
+    """dst [GGUF_GROUP_ROWS * row_bytes] int64: where byte i of a group's plain rows (row r,
+    block b, byte o of the block at i = r row_bytes + b block_bytes + o) goes in the row-group
+    layout (csrc/gguf_blocks.h):
+      whole blocks:  block b of row r at (GGUF_GROUP_ROWS b + r) * block_bytes;
+      lane groups:   the group's block b at b * GGUF_GROUP_ROWS * block_bytes as a record of
+                     the 4 rows' fp16 d (then m for Q4_1), then their quant bytes in 4-byte
+                     chunks, chunk k of row r at 32 (k / 2) + 16 (k % 2) + 4 r."""
     block_bytes = GGUF_KERNEL_TYPES[tensor_type].block_bytes
-    rows, row_bytes = qweight.shape
-    whole = rows // GGUF_GROUP_ROWS * GGUF_GROUP_ROWS
-    groups, blocks = whole // GGUF_GROUP_ROWS, row_bytes // block_bytes
-    head = qweight[:whole]
-    shape = ((groups, blocks, GGUF_GROUP_ROWS, block_bytes) if grouped
-             else (groups, GGUF_GROUP_ROWS, blocks, block_bytes))
-    return head.reshape(shape), whole
+    g = GGUF_GROUP_ROWS
+    r, b, o = np.meshgrid(np.arange(g), np.arange(blocks), np.arange(block_bytes),
+                          indexing="ij")
+    scale_bytes = GGUF_LANE_GROUP_TYPES.get(tensor_type)
+    if scale_bytes is None:
+        dst = (g * b + r) * block_bytes + o
+    else:
+        q = o - scale_bytes
+        k, e = q // 4, q % 4
+        in_record = np.where(o < scale_bytes, 2 * g * (o // 2) + 2 * r + o % 2,
+                             g * scale_bytes + 32 * (k // 2) + 16 * (k % 2) + 4 * r + e)
+        dst = b * g * block_bytes + in_record
+    return torch.from_numpy(dst.reshape(-1).astype(np.int64))
 
 
 def gguf_group_rows(qweight: torch.Tensor, tensor_type: str) -> torch.Tensor:
     """A GGUF weight's plain rows in the row-group layout of the block kernels
     (csrc/gguf_blocks.h, after llama.cpp's load-time repacking): each group of GGUF_GROUP_ROWS
-    consecutive rows stores block 0 of its rows, then block 1, and so on, so a kernel reading
-    a group's rows side by side reads memory sequentially; the last rows % GGUF_GROUP_ROWS rows
-    stay plain. The bytes are the same, reordered.
+    consecutive rows stores block 0 of its rows, then block 1, and so on (Q8_0, Q4_0, Q4_1:
+    each such block set as one record whose quant bytes alternate between the rows every 4
+    bytes), so a kernel reading a group's rows side by side reads memory sequentially; the last
+    rows % GGUF_GROUP_ROWS rows stay plain. The bytes are the same, reordered.
 
     Args:
         qweight: [rows, row_bytes] uint8 plain rows of `tensor_type` blocks.
@@ -389,18 +405,27 @@ def gguf_group_rows(qweight: torch.Tensor, tensor_type: str) -> torch.Tensor:
     Returns:
         A new [rows, row_bytes] uint8 tensor (row n's bytes are no longer row n of it).
     """
-    view, whole = _row_group_view(qweight, tensor_type, grouped=False)
-    out = qweight.clone()
-    out[:whole] = view.transpose(1, 2).reshape(whole, qweight.shape[1])
-    return out
+    return _permute_groups(qweight, tensor_type, inverse=False)
 
 
 def gguf_ungroup_rows(qweight: torch.Tensor, tensor_type: str) -> torch.Tensor:
     """The inverse of `gguf_group_rows`: [rows, row_bytes] uint8 in the row-group layout ->
     a new tensor of the plain rows."""
-    view, whole = _row_group_view(qweight, tensor_type, grouped=True)
+    return _permute_groups(qweight, tensor_type, inverse=True)
+
+
+def _permute_groups(qweight: torch.Tensor, tensor_type: str, inverse: bool) -> torch.Tensor:
+    rows, row_bytes = qweight.shape
+    whole = rows // GGUF_GROUP_ROWS * GGUF_GROUP_ROWS
+    dst = _group_permutation(tensor_type, row_bytes // GGUF_KERNEL_TYPES[tensor_type].block_bytes)
+    shape = (whole // GGUF_GROUP_ROWS, GGUF_GROUP_ROWS * row_bytes)
+    groups = qweight[:whole].reshape(shape)
     out = qweight.clone()
-    out[:whole] = view.transpose(1, 2).reshape(whole, qweight.shape[1])
+    target = out[:whole].view(shape)
+    if inverse:
+        target.copy_(groups[:, dst])
+    else:
+        target[:, dst] = groups
     return out
 
 

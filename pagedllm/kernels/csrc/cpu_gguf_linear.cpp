@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include <omp.h>
 
@@ -112,14 +113,28 @@ void rows_block(const float* x, int64_t ldx, int64_t m0, int64_t m1, const RowLa
 }
 
 // One work item: x rows [r0, r1) against the segment's weight rows [n0, n1) (segment-relative;
-// `bias` and `y` already point at the segment's first output column).
+// `bias` and `y` already point at the segment's first output column). Lane-grouped rows
+// (gguf_blocks.h) are read from plain copies.
 template <typename Q>
 void work_item(const float* x, int64_t ldx, int64_t r0, int64_t r1, int64_t K,
                const Segment& seg, int64_t n0, int64_t n1, const float* bias, float* y,
                int64_t ldy) {
-  const int64_t num_blocks = K / Q::kWeights;
-  const RowLayout w(seg, num_blocks * Q::kBytes, Q::kBytes);
+  const int64_t num_blocks = K / Q::kWeights, row_bytes = num_blocks * Q::kBytes;
   const int64_t r4 = r0 + (r1 - r0) / 4 * 4;
+  if constexpr (LaneGroup<Q>::kLanes) {
+    if (seg.grouped != 0) {
+      std::vector<uint8_t> buf;
+      int64_t first;
+      const RowLayout w(readable_rows<Q>(seg, row_bytes, n0, n1, buf, &first), row_bytes,
+                        Q::kBytes);
+      const int64_t shift = n0 - first;   // the copy's row n is seg's row n + shift
+      const float* b = bias != nullptr ? bias + shift : nullptr;
+      rows_block<4, Q>(x, ldx, r0, r4, w, num_blocks, first, n1 - shift, b, y + shift, ldy);
+      rows_block<1, Q>(x, ldx, r4, r1, w, num_blocks, first, n1 - shift, b, y + shift, ldy);
+      return;
+    }
+  }
+  const RowLayout w(seg, row_bytes, Q::kBytes);
   rows_block<4, Q>(x, ldx, r0, r4, w, num_blocks, n0, n1, bias, y, ldy);
   rows_block<1, Q>(x, ldx, r4, r1, w, num_blocks, n0, n1, bias, y, ldy);
 }
@@ -163,12 +178,15 @@ void linear_segments_tiles(const float* x, int64_t ldx, int64_t M, int64_t K,
 template <typename Q>
 void dequantize_rows(const Segment& seg, int64_t K, const int64_t* ids, int64_t num_ids,
                      float* out) {
-  const int64_t num_blocks = K / Q::kWeights;
-  const RowLayout w(seg, num_blocks * Q::kBytes, Q::kBytes);
+  const int64_t num_blocks = K / Q::kWeights, row_bytes = num_blocks * Q::kBytes;
 #pragma omp parallel for if (num_ids > 1)
   for (int64_t i = 0; i < num_ids; ++i) {
-    const uint8_t* row = w.row(ids[i]);
-    const int64_t stride = w.block_stride(ids[i]);
+    std::vector<uint8_t> buf;
+    int64_t n;
+    const RowLayout w(readable_rows<Q>(seg, row_bytes, ids[i], ids[i] + 1, buf, &n), row_bytes,
+                      Q::kBytes);
+    const uint8_t* row = w.row(n);
+    const int64_t stride = w.block_stride(n);
     for (int64_t b = 0; b < num_blocks; ++b)
       for (int sub = 0; sub < Q::kWeights / kBlock; ++sub)
         Q::unpack(row + b * stride, sub, out + i * K + b * Q::kWeights + sub * kBlock);

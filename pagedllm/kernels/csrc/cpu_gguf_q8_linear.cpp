@@ -390,6 +390,136 @@ inline void micro_q8(const Q8View& x, const uint8_t* w, int64_t row_stride, int6
     for (int j = 0; j < NB; ++j)
       y[i * ldy + j] = hsum(acc[i][j]) + (bias != nullptr ? bias[j] : 0.f);
 }
+
+// --- lane groups (gguf_blocks.h LaneGroup: Q8_0, Q4_0, Q4_1 in the row-group layout): one
+// integer dot per group of 4 rows, lanes r and r + 4 holding row r, so the conversion, the
+// scaling and the FMA serve 4 rows at once and nothing is summed horizontally per block.
+
+// Four fp16 at p as floats.
+inline __m128 halves4(const uint8_t* p) {
+#ifdef __F16C__
+  return _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+#else
+  return _mm_setr_ps(half_to_float(p), half_to_float(p + 2), half_to_float(p + 4),
+                     half_to_float(p + 6));
+#endif
+}
+
+// A record's quants as 4 vectors w[c], c = 0..3, each to be dotted with the x bytes of dwords
+// 2c (lanes 0-3) and 2c + 1 (lanes 4-7): weights 8c..8c+7 of the 4 rows. kSigned: int8 quants
+// (the sign trick); else unsigned, the true quant being u - kBias.
+template <typename Q>
+struct LaneQuants;
+
+template <>
+struct LaneQuants<Q8_0> {
+#ifdef PAGEDLLM_VNNI
+  static constexpr bool kSigned = false;
+  static constexpr int kBias = 128;
+#else
+  static constexpr bool kSigned = true;
+  static constexpr int kBias = 0;
+#endif
+  static void load(const uint8_t* q, __m256i w[4]) {
+    for (int c = 0; c < 4; ++c) {
+      w[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * c));
+      if constexpr (kBias != 0) w[c] = _mm256_xor_si256(w[c], _mm256_set1_epi8(
+                                                                 static_cast<char>(0x80)));
+    }
+  }
+};
+
+// Q4_0 / Q4_1: the first 32 bytes hold chunks 0-1 of each row's nibble pairs (weights 0-7 low,
+// 16-23 high), the next 32 chunks 2-3 (weights 8-15, 24-31).
+struct LaneNibbles {
+  static constexpr bool kSigned = false;
+  static void load(const uint8_t* q, __m256i w[4]) {
+    const __m256i mask = _mm256_set1_epi8(0x0f);
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32));
+    w[0] = _mm256_and_si256(a, mask);
+    w[1] = _mm256_and_si256(b, mask);
+    w[2] = _mm256_and_si256(_mm256_srli_epi16(a, 4), mask);
+    w[3] = _mm256_and_si256(_mm256_srli_epi16(b, 4), mask);
+  }
+};
+template <>
+struct LaneQuants<Q4_0> : LaneNibbles {
+  static constexpr int kBias = 8;
+};
+template <>
+struct LaneQuants<Q4_1> : LaneNibbles {
+  static constexpr int kBias = 0;
+};
+
+// y[i][r] = dot(x_q row i, row r of the group at w) (+ bias[r]) for i < MB, r < 4, the group's
+// rows `num_blocks` 32-weight blocks long. One group at a time: two groups side by side (two
+// streams a group apart) halved the batch-1 speed on a Zen 4.
+template <int MB, typename Q>
+inline void micro_q8_lanes(const Q8View& x, const uint8_t* w, int64_t num_blocks,
+                           const float* bias, float* y, int64_t ldy) {
+  using L = LaneGroup<Q>;
+  using WQ = LaneQuants<Q>;
+  constexpr int64_t kRecord = kGroupRows * Q::kBytes;
+  // The offset term of a row, m ds, goes half into each of its two lanes.
+  constexpr bool kOffset = WQ::kBias != 0 || L::kScaleBytes == 4;
+  __m256i perm[4];
+  for (int c = 0; c < 4; ++c)
+    perm[c] = _mm256_setr_epi32(2 * c, 2 * c, 2 * c, 2 * c, 2 * c + 1, 2 * c + 1, 2 * c + 1,
+                                2 * c + 1);
+  __m256 acc[MB];
+  for (int i = 0; i < MB; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const uint8_t* rec = w + b * kRecord;
+    const __m128 d4 = halves4(rec);
+    const __m256 dw = _mm256_set_m128(d4, d4);
+    __m256 mw = _mm256_setzero_ps();
+    if constexpr (L::kScaleBytes == 4) {   // Q4_1: the rows' m
+      const __m128 m4 = _mm_mul_ps(halves4(rec + 2 * kGroupRows), _mm_set1_ps(0.5f));
+      mw = _mm256_set_m128(m4, m4);
+    } else if constexpr (WQ::kBias != 0) {   // m = -kBias d
+      mw = _mm256_mul_ps(dw, _mm256_set1_ps(-0.5f * WQ::kBias));
+    }
+    __m256i wq[4];
+    WQ::load(rec + kGroupRows * L::kScaleBytes, wq);
+    for (int i = 0; i < MB; ++i) {
+      const __m256i xv = _mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(x.q + i * x.ldq + b * kBlock));
+      __m256i dot = _mm256_setzero_si256();
+      for (int c = 0; c < 4; ++c) {
+        const __m256i xs = _mm256_permutevar8x32_epi32(xv, perm[c]);
+        if constexpr (WQ::kSigned)
+          dot = dot_u8s8(dot, _mm256_sign_epi8(wq[c], wq[c]), _mm256_sign_epi8(xs, wq[c]));
+        else
+          dot = dot_u8s8(dot, wq[c], xs);
+      }
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
+                               _mm256_mul_ps(dw, _mm256_set1_ps(x.d[i * x.ldb + b])), acc[i]);
+      if constexpr (kOffset)
+        acc[i] = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.ds[i * x.ldb + b]), acc[i]);
+    }
+  }
+  for (int i = 0; i < MB; ++i) {
+    __m128 rows4 = _mm_add_ps(_mm256_castps256_ps128(acc[i]), _mm256_extractf128_ps(acc[i], 1));
+    if (bias != nullptr) rows4 = _mm_add_ps(rows4, _mm_loadu_ps(bias));
+    _mm_storeu_ps(y + i * ldy, rows4);
+  }
+}
+
+// Rows [m0, m1) of x (m1 - m0 a multiple of MB) against the lane groups of rows [n0, n1) of a
+// segment (n0, n1 multiples of kGroupRows, all grouped).
+template <int MB, typename Q>
+void lanes_block_q8(const Q8Rows& xq, int64_t K, int64_t m0, int64_t m1, const uint8_t* data,
+                    int64_t row_bytes, int64_t n0, int64_t n1, const float* bias, float* y,
+                    int64_t ldy) {
+  const int64_t ldb = K / kBlock, num_blocks = K / Q::kWeights;
+  for (int64_t m = m0; m + MB <= m1; m += MB) {
+    const Q8View x{xq.q + m * K, xq.d + m * ldb, xq.ds + m * ldb, K, ldb};
+    for (int64_t n = n0; n < n1; n += kGroupRows)
+      micro_q8_lanes<MB, Q>(x, data + n * row_bytes, num_blocks,
+                            bias != nullptr ? bias + n : nullptr, y + m * ldy + n, ldy);
+  }
+}
 #else
 template <int MB, int NB, typename Q>
 inline void micro_q8(const Q8View& x, const uint8_t* w, int64_t row_stride, int64_t block_stride,
@@ -450,11 +580,40 @@ void rows_block_q8(const Q8Rows& xq, int64_t K, int64_t m0, int64_t m1, const Ro
   }
 }
 
+// `work_item_q8` on a lane-grouped segment: the whole groups by lanes (AVX2), the plain rows
+// after them by rows_block_q8; without AVX2 all of them by rows_block_q8 on plain copies.
+template <typename Q>
+void lane_group_item_q8(const Q8Rows& xq, int64_t r0, int64_t r1, int64_t K, const Segment& seg,
+                        int64_t n0, int64_t n1, const float* bias, float* y, int64_t ldy) {
+  const int64_t num_blocks = K / Q::kWeights, row_bytes = num_blocks * Q::kBytes;
+  const int64_t r4 = r0 + (r1 - r0) / 4 * 4;
+#ifdef PAGEDLLM_AVX2
+  const int64_t end = std::min(n1, seg.rows / kGroupRows * kGroupRows);
+  if (end > n0) {
+    lanes_block_q8<4, Q>(xq, K, r0, r4, seg.data, row_bytes, n0, end, bias, y, ldy);
+    lanes_block_q8<1, Q>(xq, K, r4, r1, seg.data, row_bytes, n0, end, bias, y, ldy);
+    n0 = end;
+  }
+#endif
+  std::vector<uint8_t> buf;
+  int64_t first;
+  const RowLayout w(readable_rows<Q>(seg, row_bytes, n0, n1, buf, &first), row_bytes,
+                    Q::kBytes);
+  const int64_t shift = n0 - first;   // the rows' row n is seg's row n + shift
+  if (bias != nullptr) bias += shift;
+  y += shift;
+  rows_block_q8<4, Q>(xq, K, r0, r4, w, num_blocks, first, n1 - shift, bias, y, ldy);
+  rows_block_q8<1, Q>(xq, K, r4, r1, w, num_blocks, first, n1 - shift, bias, y, ldy);
+}
+
 // One work item: rounded x rows [r0, r1) against the segment's weight rows [n0, n1)
 // (segment-relative; `bias` and `y` already point at the segment's first output column).
 template <typename Q>
 void work_item_q8(const Q8Rows& xq, int64_t r0, int64_t r1, int64_t K, const Segment& seg,
                   int64_t n0, int64_t n1, const float* bias, float* y, int64_t ldy) {
+  if constexpr (LaneGroup<Q>::kLanes) {
+    if (seg.grouped != 0) return lane_group_item_q8<Q>(xq, r0, r1, K, seg, n0, n1, bias, y, ldy);
+  }
   const int64_t num_blocks = K / Q::kWeights;
   const RowLayout w(seg, num_blocks * Q::kBytes, Q::kBytes);
   const int64_t r4 = r0 + (r1 - r0) / 4 * 4;

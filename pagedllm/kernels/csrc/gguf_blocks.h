@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include <omp.h>
 
@@ -56,7 +57,10 @@ struct Segment {
 // layers/quantization/gguf.py): the rows [0, R) with R = rows / kGroupRows * kGroupRows form
 // groups of kGroupRows consecutive rows whose blocks alternate, so block b of row
 // kGroupRows g + j lies at byte (kGroupRows (g nb + b) + j) * block_bytes (nb blocks per row);
-// the rows from R on stay plain rows (row n at n * row_bytes). The bytes are the file's,
+// the rows from R on stay plain rows (row n at n * row_bytes). Q8_0, Q4_0 and Q4_1 ("lane
+// groups", LaneGroup below) store each such set of 4 blocks as one record whose quant bytes
+// alternate between the rows every 4 bytes, for one-row-per-lane integer dots (only the
+// 8-bit-activation kernels read them so; the others read plain copies). The bytes are the file's,
 // reordered: a micro-kernel reading the blocks of a group's rows side by side then reads one
 // sequential stream instead of kGroupRows streams a row apart, which the hardware prefetcher
 // follows (llama.cpp repacks its Q4_0 / Q4_K / Q8_0 weights at load for the same reason,
@@ -435,6 +439,75 @@ struct Q6_K {
   }
 #endif
 };
+
+// Lane groups: the group's block b is one record of kGroupRows * kBytes bytes at
+// b * kGroupRows * kBytes from the group's start: the rows' fp16 d (row r at 2 r), for Q4_1 then
+// their fp16 m, then their quant bytes (kQuantBytes per row: Q8_0's int8 q, Q4's nibble pairs)
+// as 4-byte chunks, chunk k of row r at 32 (k / 2) + 16 (k % 2) + 4 r. A 32-byte load of the
+// quants then holds 4 bytes of each row in lanes r and r + 4 (ops.py's _group_permutation
+// writes it).
+template <typename Q>
+struct LaneGroup {
+  static constexpr bool kLanes = false;
+};
+template <>
+struct LaneGroup<Q8_0> {
+  static constexpr bool kLanes = true;
+  static constexpr int kScaleBytes = 2, kQuantBytes = 32;
+};
+template <>
+struct LaneGroup<Q4_0> {
+  static constexpr bool kLanes = true;
+  static constexpr int kScaleBytes = 2, kQuantBytes = 16;
+};
+template <>
+struct LaneGroup<Q4_1> {
+  static constexpr bool kLanes = true;
+  static constexpr int kScaleBytes = 4, kQuantBytes = 16;
+};
+
+// Row n of a lane-grouped segment (row_bytes per row) in the plain format, into `out`.
+template <typename Q>
+inline void lane_group_row(const Segment& seg, int64_t row_bytes, int64_t n, uint8_t* out) {
+  using L = LaneGroup<Q>;
+  const int64_t r = n % kGroupRows, num_blocks = row_bytes / Q::kBytes;
+  const uint8_t* group = seg.data + (n / kGroupRows) * kGroupRows * row_bytes;
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const uint8_t* rec = group + b * kGroupRows * Q::kBytes;
+    uint8_t* block = out + b * Q::kBytes;
+    for (int o = 0; o < L::kScaleBytes; ++o)
+      block[o] = rec[2 * kGroupRows * (o / 2) + 2 * r + o % 2];
+    const uint8_t* quants = rec + kGroupRows * L::kScaleBytes;
+    for (int q = 0; q < L::kQuantBytes; ++q) {
+      const int k = q / 4;
+      block[L::kScaleBytes + q] = quants[32 * (k / 2) + 16 * (k % 2) + 4 * r + q % 4];
+    }
+  }
+}
+
+// Rows [n0, n1) of `seg` for the kernels that read whole blocks (RowLayout): `seg` itself, or,
+// for rows in lane groups, a plain copy of those rows made in `buf`. Returns the segment and
+// the index that row n0 has in it.
+template <typename Q>
+inline Segment readable_rows(const Segment& seg, int64_t row_bytes, int64_t n0, int64_t n1,
+                             std::vector<uint8_t>& buf, int64_t* first) {
+  *first = n0;
+  if constexpr (LaneGroup<Q>::kLanes) {
+    if (seg.grouped != 0 && n0 < seg.rows / kGroupRows * kGroupRows) {
+      buf.resize(static_cast<size_t>((n1 - n0) * row_bytes));
+      for (int64_t n = n0; n < n1; ++n) {
+        uint8_t* out = buf.data() + (n - n0) * row_bytes;
+        if (n < seg.rows / kGroupRows * kGroupRows)
+          lane_group_row<Q>(seg, row_bytes, n, out);
+        else
+          std::memcpy(out, seg.data + n * row_bytes, static_cast<size_t>(row_bytes));
+      }
+      *first = 0;
+      return Segment{buf.data(), seg.row_start + n0, n1 - n0, seg.ggml_type, 0};
+    }
+  }
+  return seg;
+}
 
 }  // namespace gguf
 }  // namespace pagedllm

@@ -23,6 +23,13 @@
 // (|w| times q carrying w's sign). The result equals x_q @ dequantize(W)^T, x_q = d * q the
 // rounded activations, up to the order of the float32 sums.
 //
+// In the row-group layout (gguf_blocks.h) Q8_0, Q4_0 and Q4_1 weights are read by lanes
+// instead: one integer dot covers 4 rows of a group (lanes r and r + 4 hold row r; x's bytes
+// are permuted to match), so the conversion, the scaling and the FMA serve 4 rows and no
+// horizontal sum is needed per row; the offsets (Q4_1's m, Q4_0's -8 d, Q8_0's -128 d with
+// VNNI, whose quants are then biased to unsigned) enter as m ds. On a 2-core Zen 4 this made
+// batched (32-row) GEMMs 1.6-2.1x faster than the per-row kernels, and batch 1 at least as fast.
+//
 // Work sharing is `linear_segments_tiles`'s (gguf_blocks.h), with the rounding of x first as one
 // more work-sharing loop, so `linear_segments_tiles_q8` also runs inside the fused decoder's
 // parallel region (cpu_decoder.cpp).
