@@ -84,8 +84,9 @@ inline void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* 
 //
 // `Scales::d[s]` multiplies the integer dot of sub-block s (Q6_K: d[2s] for its first 16
 // weights, d[2s + 1] for the last 16); `Scales::m[s]` (types with kMin) multiplies ds of the
-// activation block under sub-block s, the whole min / offset term. kSigned (Q6_K): the quants
-// are int8 (dot with the sign trick); else uint8 (u8 x s8 dots directly).
+// activation block under sub-block s, the whole min / offset term. kSigned (Q8_0 without
+// VNNI): the quants are int8 (dot with the sign trick); else uint8 (u8 x s8 dots directly),
+// the true quant being u - kBias.
 
 template <typename Q>
 struct Q8Weights;
@@ -218,14 +219,33 @@ struct K4Scales {
   float d[8], m[8];
 };
 
+// All 16 six-bit values at once with 32-bit masks (llama.cpp's ggml_vec_dot_q4_K_q8_K does
+// likewise): bytes 0-7 of u become sc[0..7], bytes 8-15 m[0..7] (k4_scale_min's rules).
 inline void k4_scales(const uint8_t* b, K4Scales* s) {
   const float d = half_to_float(b), dmin = half_to_float(b + 2);
+  uint32_t u[4];
+  std::memcpy(u, b + 4, 12);
+  constexpr uint32_t kLow6 = 0x3f3f3f3f, kLow4 = 0x0f0f0f0f, kLow2 = 0x03030303;
+  u[3] = ((u[2] >> 4) & kLow4) | (((u[1] >> 6) & kLow2) << 4);   // m[4..7]
+  const uint32_t m03 = u[1] & kLow6;
+  u[1] = (u[2] & kLow4) | (((u[0] >> 6) & kLow2) << 4);          // sc[4..7]
+  u[2] = m03;
+  u[0] &= kLow6;                                                 // sc[0..3]
+#ifdef PAGEDLLM_AVX2
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(u));
+  _mm256_storeu_ps(s->d, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)),
+                                       _mm256_set1_ps(d)));
+  _mm256_storeu_ps(s->m, _mm256_mul_ps(
+                             _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8))),
+                             _mm256_set1_ps(-dmin)));
+#else
+  uint8_t v[16];
+  std::memcpy(v, u, 16);
   for (int sub = 0; sub < 8; ++sub) {
-    float sc, m;
-    k4_scale_min(b + 4, sub, &sc, &m);
-    s->d[sub] = d * sc;
-    s->m[sub] = -dmin * m;
+    s->d[sub] = d * static_cast<float>(v[sub]);
+    s->m[sub] = -dmin * static_cast<float>(v[8 + sub]);
   }
+#endif
 }
 
 template <>
@@ -275,9 +295,9 @@ struct Q8Weights<Q5_K> {
 };
 
 template <>
-struct Q8Weights<Q6_K> {
-  static constexpr bool kSigned = true, kMin = false, kHalves = true;
-  static constexpr int kBias = 0;
+struct Q8Weights<Q6_K> {   // (quants taken unsigned, q + 32, kBias = 32 as Q4_0's)
+  static constexpr bool kSigned = false, kMin = false, kHalves = true;
+  static constexpr int kBias = 32;
   struct Scales { float d[16]; };
   static void scales(const uint8_t* b, Scales* s) {
     const float d = half_to_float(b + 208);
@@ -289,7 +309,7 @@ struct Q8Weights<Q6_K> {
     const uint8_t* ql = b + 64 * n + 32 * (j & 1);
     const uint8_t* qh = b + 128 + 32 * n;
     for (int l = 0; l < kBlock; ++l)
-      q[l] = (((ql[l] >> (4 * (j >> 1))) & 0x0f) | (((qh[l] >> (2 * j)) & 3) << 4)) - 32;
+      q[l] = ((ql[l] >> (4 * (j >> 1))) & 0x0f) | (((qh[l] >> (2 * j)) & 3) << 4);
   }
 #ifdef PAGEDLLM_AVX2
   static __m256i quants(const uint8_t* b, int sub) {
@@ -301,7 +321,7 @@ struct Q8Weights<Q6_K> {
                                          _mm256_set1_epi8(0x0f));
     const __m256i high = _mm256_slli_epi16(
         _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * j)), _mm256_set1_epi8(3)), 4);
-    return _mm256_sub_epi8(_mm256_or_si256(nib, high), _mm256_set1_epi8(32));
+    return _mm256_or_si256(nib, high);
   }
 #endif
 };
