@@ -145,3 +145,27 @@ def test_portable_build_tiles(cache_dtype):
     _check(lib, (6, 3, 32, 8), cache_dtype, q_lens=[1, 29, 17, 4], ctx=[20, 7, 0, 33], seed=5,
            window=9, soft_cap=5.0)
     _check(lib, (4, 1, 16, 4), cache_dtype, q_lens=[18, 1, 40], ctx=[3, 9, 21], seed=6)
+
+
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=str)
+@pytest.mark.parametrize("window,soft_cap", [(None, None), (300, None), (None, 3.0)])
+def test_split_kv_decodes_of_long_contexts(cache_dtype, window, soft_cap):
+    """Decode rows whose context passes the split length (256 positions) run as pieces merged
+    afterwards (flash-decoding): against dense attention, next to short decodes and multi-token
+    chunks (which are not split), with GQA; a window leaves the early pieces empty."""
+    _check(cpu_kernels(), (8, 2, 32, 16), cache_dtype, q_lens=[1, 1, 9, 1, 1],
+           ctx=[700, 40, 300, 1030, 256], seed=7, tiles=(4,), window=window,
+           soft_cap=soft_cap)
+
+
+def test_split_decode_rows_do_not_depend_on_the_batch():
+    """A long decode row gives the same floats alone and beside other requests (its split
+    depends on its own context only)."""
+    shape = (6, 3, 16, 8)
+    query, cache, table, qsl, seq_lens, _ = _random_step(shape, torch.bfloat16, [1, 5, 1],
+                                                         [900, 20, 3], 8)
+    scale = shape[2] ** -0.5
+    together = paged_attention(query, cache, table, qsl, seq_lens,
+                               np.arange(3, dtype=np.int32), scale)
+    alone = paged_attention(query, cache, table, qsl, seq_lens, np.zeros(1, np.int32), scale)
+    assert torch.equal(together[0], alone[0]) and not torch.equal(together[0], together[1])

@@ -200,33 +200,69 @@ inline void block_values(float* acc, const float* p, const T* v, int64_t stride,
   for (int j = 0; j < n; ++j) axpy(acc, p[j], v + j * stride, head_size);
 }
 
-// The work items of one call: (query token, chunk of KV heads). A chunk reads whole K/V rows of a
-// block (contiguous memory); all KV heads form one chunk unless there are too few tokens to give
-// every thread work.
+// The work items of one call: (query token, split of its context, chunk of KV heads). A chunk
+// reads whole K/V rows of a block (contiguous memory); all KV heads form one chunk unless there
+// are too few (token, split) units to give every thread work.
+//
+// Split-KV decode (flash-decoding, Dao et al. 2023; llama.cpp and vLLM split long contexts
+// likewise): a decode row (one query token) whose context is longer than kSplitLen positions is
+// cut into pieces of kSplitLen positions, each an item of its own with its own online-softmax
+// state, merged after all items ran (`attention_items`). One request's long context is then
+// read by all threads at once, block by block over all heads (sequential memory), instead of
+// by one thread per chunk of heads (rows of 128-256 bytes a KV row apart). The split depends
+// only on the row's context length, so a row's result is the same whatever else is in the step.
+constexpr int kSplitLen = 256;
+
 struct AttentionPlan {
-  std::vector<int32_t> item_row, item_tok;  // per query token: its request and token index
+  // Per unit (query token, split): its request, its token index, its split (-1: not split,
+  // the output is written directly) and, for a split, where its partial state goes.
+  std::vector<int32_t> item_row, item_tok, item_split, item_partial;
+  // Per split token: its token index, first partial slot and number of splits.
+  std::vector<int32_t> merge_tok, merge_first, merge_count;
   int chunk_kv_heads = 0, num_chunks = 0;
   int64_t num_items = 0;
+  // The splits' partial states, [partials][num_heads][head_size + 2] (acc, then m and l):
+  // written by the items, read by the merge (shared by the threads of the call).
+  mutable std::vector<float> partial;
 };
 
 inline AttentionPlan plan_attention(const int32_t* query_start_loc, const int32_t* rows,
-                                    int num_rows, int num_kv_heads, int num_threads) {
+                                    int num_rows, const int32_t* seq_lens, int num_kv_heads,
+                                    int num_heads, int head_size, int num_threads) {
   AttentionPlan p;
+  int32_t partials = 0;
   for (int i = 0; i < num_rows; ++i) {
     const int r = rows[i];
+    const int q_len = query_start_loc[r + 1] - query_start_loc[r];
+    const int splits = q_len == 1 ? (seq_lens[r] + kSplitLen - 1) / kSplitLen : 1;
     for (int t = query_start_loc[r]; t < query_start_loc[r + 1]; ++t) {
-      p.item_row.push_back(r);
-      p.item_tok.push_back(t);
+      if (splits <= 1) {
+        p.item_row.push_back(r);
+        p.item_tok.push_back(t);
+        p.item_split.push_back(-1);
+        p.item_partial.push_back(-1);
+        continue;
+      }
+      p.merge_tok.push_back(t);
+      p.merge_first.push_back(partials);
+      p.merge_count.push_back(splits);
+      for (int sp = 0; sp < splits; ++sp) {
+        p.item_row.push_back(r);
+        p.item_tok.push_back(t);
+        p.item_split.push_back(sp);
+        p.item_partial.push_back(partials++);
+      }
     }
   }
-  const int64_t num_tokens = static_cast<int64_t>(p.item_tok.size());
-  if (num_tokens == 0) return p;
+  const int64_t num_units = static_cast<int64_t>(p.item_tok.size());
+  if (num_units == 0) return p;
   const int64_t wanted = 4 * static_cast<int64_t>(num_threads);
   const int max_chunks = static_cast<int>(
-      std::min<int64_t>(num_kv_heads, (wanted + num_tokens - 1) / num_tokens));
+      std::min<int64_t>(num_kv_heads, (wanted + num_units - 1) / num_units));
   p.chunk_kv_heads = (num_kv_heads + max_chunks - 1) / max_chunks;
   p.num_chunks = (num_kv_heads + p.chunk_kv_heads - 1) / p.chunk_kv_heads;  // none empty
-  p.num_items = num_tokens * p.num_chunks;
+  p.num_items = num_units * p.num_chunks;
+  p.partial.resize(static_cast<size_t>(partials) * num_heads * (head_size + 2));
   return p;
 }
 
@@ -260,8 +296,9 @@ struct AttentionArgs {
   float k_scale = 1.f, v_scale = 1.f;
 };
 
-// The work-sharing loop over the plan's items, to be called by every thread of an enclosing
-// OpenMP parallel region (an orphaned `omp for`, ending with a barrier).
+// The work-sharing loops over the plan's items, then the merge of the split rows, to be called
+// by every thread of an enclosing OpenMP parallel region (orphaned `omp for`s, each ending with
+// a barrier).
 template <typename T, typename TQ>
 void attention_items(const AttentionArgs<T, TQ>& a, const AttentionPlan& plan) {
   if (plan.num_items == 0) return;
@@ -269,6 +306,7 @@ void attention_items(const AttentionArgs<T, TQ>& a, const AttentionPlan& plan) {
   const int num_kv_heads = a.num_kv_heads, rep = num_heads / num_kv_heads;
   const int chunk_kv_heads = plan.chunk_kv_heads, num_chunks = plan.num_chunks;
   const int64_t kv_row_stride = static_cast<int64_t>(num_kv_heads) * head_size;
+  const int64_t partial_stride = static_cast<int64_t>(num_heads) * (head_size + 2);
   const int max_heads = chunk_kv_heads * rep;
   std::vector<float> q(static_cast<size_t>(max_heads) * head_size);
   std::vector<float> acc(static_cast<size_t>(max_heads) * head_size);
@@ -278,16 +316,16 @@ void attention_items(const AttentionArgs<T, TQ>& a, const AttentionPlan& plan) {
 
 #pragma omp for schedule(dynamic, 1)
   for (int64_t item = 0; item < plan.num_items; ++item) {
-    const int64_t tok_idx = item / num_chunks;
+    const int64_t unit = item / num_chunks;
     const int kv0 = static_cast<int>(item % num_chunks) * chunk_kv_heads;
     const int kv1 = std::min(num_kv_heads, kv0 + chunk_kv_heads);
     const int nh = (kv1 - kv0) * rep;  // query heads of this item: kv0 * rep + [0, nh)
-    const int r = plan.item_row[tok_idx];
-    const int t = plan.item_tok[tok_idx];
+    const int r = plan.item_row[unit];
+    const int t = plan.item_tok[unit];
+    const int split = plan.item_split[unit];
     const int q_len = a.query_start_loc[r + 1] - a.query_start_loc[r];
     const int seq_len = a.seq_lens[r];
     const int pos = seq_len - q_len + (t - a.query_start_loc[r]);
-    const int ctx_end = a.causal ? pos + 1 : seq_len;
     const int32_t* table = a.block_table + static_cast<int64_t>(r) * a.block_table_stride;
     const TQ* q_src = a.query + static_cast<int64_t>(t) * a.q_row_stride +
                       static_cast<int64_t>(kv0) * rep * head_size;
@@ -300,9 +338,14 @@ void attention_items(const AttentionArgs<T, TQ>& a, const AttentionPlan& plan) {
     }
     std::fill(acc.begin(), acc.begin() + static_cast<int64_t>(nh) * head_size, 0.f);
 
-    // Key positions [ctx_begin, ctx_end), walked block by block; with a window the first block
-    // is entered at an offset (n keys from `offset` within it).
-    const int ctx_begin = a.window > 0 ? std::max(0, pos + 1 - a.window) : 0;
+    // Key positions [ctx_begin, ctx_end) (within the split's piece, if split), walked block by
+    // block; a range starting inside a block enters it at an offset (n keys from `offset`).
+    int ctx_begin = a.window > 0 ? std::max(0, pos + 1 - a.window) : 0;
+    int ctx_end = a.causal ? pos + 1 : seq_len;
+    if (split >= 0) {
+      ctx_begin = std::max(ctx_begin, split * kSplitLen);
+      ctx_end = std::min(ctx_end, (split + 1) * kSplitLen);
+    }
     for (int start = ctx_begin; start < ctx_end;) {
       const int offset = start % block_size;
       const int n = std::min(block_size - offset, ctx_end - start);
@@ -350,11 +393,49 @@ void attention_items(const AttentionArgs<T, TQ>& a, const AttentionPlan& plan) {
                      a.value_cache + base + (h / rep) * head_size, kv_row_stride, n, head_size);
     }
 
+    if (split >= 0) {   // the piece's state, for the merge below
+      float* dst = plan.partial.data() + plan.item_partial[unit] * partial_stride +
+                   static_cast<int64_t>(kv0) * rep * (head_size + 2);
+      for (int h = 0; h < nh; ++h) {
+        std::copy(&acc[h * head_size], &acc[h * head_size] + head_size, dst);
+        dst[head_size] = m[h];
+        dst[head_size + 1] = l[h];
+        dst += head_size + 2;
+      }
+      continue;
+    }
     float* dst = a.out + (static_cast<int64_t>(t) * num_heads + kv0 * rep) * head_size;
     for (int h = 0; h < nh; ++h) {
       const float inv = l[h] > 0.f ? a.v_scale / l[h] : 0.f;
       for (int d = 0; d < head_size; ++d) dst[h * head_size + d] = acc[h * head_size + d] * inv;
     }
+  }
+
+  // The split rows: out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s, M = max_s m_s.
+  const int64_t num_merges = static_cast<int64_t>(plan.merge_tok.size()) * num_heads;
+  if (num_merges == 0) return;
+#pragma omp for schedule(static)
+  for (int64_t item = 0; item < num_merges; ++item) {
+    const int64_t i = item / num_heads;
+    const int h = static_cast<int>(item % num_heads);
+    const float* first = plan.partial.data() + plan.merge_first[i] * partial_stride +
+                         static_cast<int64_t>(h) * (head_size + 2);
+    const int count = plan.merge_count[i];
+    float big_m = -std::numeric_limits<float>::infinity();
+    for (int sp = 0; sp < count; ++sp)
+      big_m = std::max(big_m, first[sp * partial_stride + head_size]);
+    float* dst = a.out + (static_cast<int64_t>(plan.merge_tok[i]) * num_heads + h) * head_size;
+    std::fill(dst, dst + head_size, 0.f);
+    float total = 0.f;
+    for (int sp = 0; sp < count; ++sp) {
+      const float* part = first + sp * partial_stride;
+      if (part[head_size + 1] == 0.f) continue;   // an empty piece (outside a window)
+      const float w = std::exp(part[head_size] - big_m);
+      total += w * part[head_size + 1];
+      for (int d = 0; d < head_size; ++d) dst[d] += w * part[d];
+    }
+    const float inv = total > 0.f ? a.v_scale / total : 0.f;
+    for (int d = 0; d < head_size; ++d) dst[d] *= inv;
   }
 }
 

@@ -67,8 +67,8 @@ void paged_attention(const float* query, const T* key_cache, const T* value_cach
     token_rows.assign(rows, rows + num_rows);
   }
   const AttentionPlan plan = plan_attention(query_start_loc, token_rows.data(),
-                                            static_cast<int>(token_rows.size()), num_kv_heads,
-                                            num_threads);
+                                            static_cast<int>(token_rows.size()), seq_lens,
+                                            num_kv_heads, num_heads, head_size, num_threads);
   AttentionArgs<T, float> args{query, static_cast<int64_t>(num_heads) * head_size,
                                key_cache, value_cache, block_table, block_table_stride,
                                query_start_loc, seq_lens, out, num_heads, num_kv_heads,

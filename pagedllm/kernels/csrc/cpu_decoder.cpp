@@ -280,8 +280,10 @@ void decoder_layers(const DecoderLayerWeights* layers, int num_layers, const Dec
                     const int32_t* attention_rows, int num_attention_rows, int add_delta_first,
                     int dtype) {
   const AttentionPlan plan =
-      plan_attention(step->query_start_loc, attention_rows, num_attention_rows,
-                     static_cast<int>(layers[0].num_kv_heads), omp_get_max_threads());
+      plan_attention(step->query_start_loc, attention_rows, num_attention_rows, step->seq_lens,
+                     static_cast<int>(layers[0].num_kv_heads),
+                     static_cast<int>(layers[0].num_heads), static_cast<int>(layers[0].head_size),
+                     omp_get_max_threads());
   // Quantized-activation scratch, sized for the largest input of any such linear.
   int64_t max_k = 0, max_k_q8 = 0;
   for (int l = 0; l < num_layers; ++l) {
