@@ -111,13 +111,37 @@ class LMHead(VocabEmbedding):
     def __init__(self, num_embeddings: int, embedding_dim: int,
                  tie_to: VocabEmbedding | None = None) -> None:
         super().__init__(num_embeddings, embedding_dim)
+        self.tied = tie_to is not None
+        # The weight's storage in the platform's packed GEMM layout (see
+        # `process_weights_after_loading`).
+        self.packed = False
         if tie_to is not None:
             self.weight = tie_to.weight
+
+    def process_weights_after_loading(self) -> None:
+        """Repack an untied float head for the platform's packed GEMM, as linear layers are
+        (`UnquantizedLinearMethod`; the CPU's panels stream a batch-1 GEMV about 1.6x faster:
+        a 32000 x 768 bf16 head 2.7 -> 1.6 ms on a 2-core Zen 4). A tied head shares the
+        embedding's rows and stays as it is; so does a quantized one. Idempotent."""
+        if self.tied or self.packed or self.quant_method is not None:
+            return
+        packed = current_platform.pack_linear_weight(self.weight.data)
+        if packed is not None:
+            self.weight.data, self.packed = packed, True
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if self.packed:   # a reload: back to rows first (repacked after loading)
+            self.weight.data = current_platform.unpack_linear_weight(self.weight.data)
+            self.packed = False
+        super().weight_loader(param, loaded)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.quant_method is not None:
             return self.quant_method.logits(self, hidden)
-        logits = current_platform.linear(hidden, self.weight, out_dtype=torch.float32)
+        if self.packed:   # float32 logits: x in float32 (exact from bf16), float32 out
+            logits = current_platform.packed_linear(hidden.to(torch.float32), self.weight)
+        else:
+            logits = current_platform.linear(hidden, self.weight, out_dtype=torch.float32)
         if self.tp_size == 1:
             return logits
         return tensor_model_parallel_all_gather(logits, dim=-1)[:, :self.num_embeddings]

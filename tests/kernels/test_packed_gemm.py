@@ -99,6 +99,7 @@ def _prefill_logits(path: str, monkeypatch, packed: bool, fused: bool) -> torch.
                for m in linears)
     decoder = model._fused_decoder()
     assert decoder is not None and decoder.packed_weights == packed
+    assert runner.model.lm_head.packed == packed     # an untied float head is packed too
     model._fused = decoder if fused else None
     tokens = torch.randint(3, 200, (37,), generator=torch.Generator().manual_seed(3)).tolist()
     greedy = SamplingParams(temperature=0.0, max_tokens=1)
@@ -127,3 +128,27 @@ def test_reloading_a_packed_layer_unpacks_it(tiny_checkpoints, monkeypatch):
     assert not method.packed and torch.equal(layer.weight.data, matrix)
     method.process_weights_after_loading(layer)
     assert method.packed and torch.equal(layer.weight.data, packed_before)
+
+
+def test_lm_head_packing_and_reload(tiny_checkpoints, monkeypatch):
+    """An untied float LM head is packed after loading (its logits equal the unpacked GEMM's
+    up to summation order); reloading it writes rows again, and processing repacks it. A tied
+    head keeps the embedding's rows."""
+    monkeypatch.setenv("PAGEDLLM_CPU_PACKED_GEMM", "1")
+    llm = LLM(str(tiny_checkpoints["llama"]), dtype="float32", kv_cache_memory_bytes=8 << 20)
+    head = llm.llm_engine.engine_core.executor.worker.model_runner.model.lm_head
+    assert head.packed and not head.tied
+    packed_before = head.weight.data.clone()
+    rows = ops.unpack_linear_weight(head.weight.data)
+    hidden = torch.randn(3, rows.shape[1])
+    torch.testing.assert_close(head.compute_logits(hidden), hidden @ rows.T, atol=1e-5,
+                               rtol=1e-5)
+    head.weight_loader(head.weight, rows.clone())
+    assert not head.packed and torch.equal(head.weight.data, rows)
+    head.process_weights_after_loading()
+    assert head.packed and torch.equal(head.weight.data, packed_before)
+    tied = LLM(str(tiny_checkpoints["llama_mqa_tied_llama3"]), dtype="float32",
+               kv_cache_memory_bytes=8 << 20)
+    model = tied.llm_engine.engine_core.executor.worker.model_runner.model
+    assert model.lm_head.tied and not model.lm_head.packed
+    assert model.lm_head.weight is model.model.embed_tokens.weight

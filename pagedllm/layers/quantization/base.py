@@ -133,3 +133,5 @@ def process_weights_after_loading(model: nn.Module) -> None:
         method = getattr(module, "quant_method", None)
         if method is not None and hasattr(method, "process_weights_after_loading"):
             method.process_weights_after_loading(module)
+        elif method is None and hasattr(module, "process_weights_after_loading"):
+            module.process_weights_after_loading()   # a module's own (the float LM head)
