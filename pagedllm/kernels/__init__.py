@@ -174,6 +174,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.quantize_rows_gguf_q8.argtypes = [p, i64, i64, i64, p, p, p]
     lib.gguf_q8_dot_isa.restype = i32
     lib.gguf_q8_dot_isa.argtypes = []
+    lib.gguf_regroup_rows.restype = i32
+    lib.gguf_regroup_rows.argtypes = [p, p, i64, i64, i64, i32]
     lib.dequantize_rows_gguf.restype = i32
     lib.dequantize_rows_gguf.argtypes = [p, i64, p, i64, p]
     for name in ("linear_int8_f32", "linear_w8a8_f32"):

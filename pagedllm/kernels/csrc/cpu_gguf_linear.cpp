@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include <omp.h>
@@ -193,10 +194,61 @@ void dequantize_rows(const Segment& seg, int64_t K, const int64_t* ids, int64_t 
   }
 }
 
+// Rows [0, rows / kGroupRows * kGroupRows) of a weight between plain rows and the row-group
+// layout (gguf_blocks.h): src plain -> dst grouped, or back with `inverse`; one group per
+// work item.
+template <typename Q>
+void regroup_rows(const uint8_t* src, uint8_t* dst, int64_t rows, int64_t row_bytes,
+                  bool inverse) {
+  using L = LaneGroup<Q>;
+  const int64_t num_blocks = row_bytes / Q::kBytes, groups = rows / kGroupRows;
+  const int64_t group_bytes = kGroupRows * row_bytes;
+#pragma omp parallel for schedule(static)
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t b = 0; b < num_blocks; ++b)
+      for (int64_t r = 0; r < kGroupRows; ++r) {
+        const int64_t plain = g * group_bytes + r * row_bytes + b * Q::kBytes;
+        const int64_t rec = g * group_bytes + b * kGroupRows * Q::kBytes;
+        auto move = [&](int64_t plain_at, int64_t grouped_at, int64_t n) {
+          if (inverse)
+            std::memcpy(dst + plain_at, src + grouped_at, static_cast<size_t>(n));
+          else
+            std::memcpy(dst + grouped_at, src + plain_at, static_cast<size_t>(n));
+        };
+        if constexpr (!L::kLanes) {
+          move(plain, rec + r * Q::kBytes, Q::kBytes);
+        } else {
+          for (int o = 0; o < L::kScaleBytes; o += 2)
+            move(plain + o, rec + 2 * kGroupRows * (o / 2) + 2 * r, 2);
+          const int64_t quants = rec + kGroupRows * L::kScaleBytes;
+          for (int k = 0; k < L::kQuantBytes / 4; ++k)
+            move(plain + L::kScaleBytes + 4 * k, quants + 32 * (k / 2) + 16 * (k % 2) + 4 * r, 4);
+        }
+      }
+  }
+}
+
 }  // namespace gguf
 }  // namespace pagedllm
 
 extern "C" {
+
+// `regroup_rows` for a GGML type code: returns 0, or -1 for a type not taken here.
+int gguf_regroup_rows(const uint8_t* src, uint8_t* dst, int64_t rows, int64_t row_bytes,
+                      int64_t ggml_type, int inverse) {
+  using namespace pagedllm::gguf;
+  switch (ggml_type) {
+    case kGGMLTypeQ4_0: regroup_rows<Q4_0>(src, dst, rows, row_bytes, inverse); return 0;
+    case kGGMLTypeQ4_1: regroup_rows<Q4_1>(src, dst, rows, row_bytes, inverse); return 0;
+    case kGGMLTypeQ5_0: regroup_rows<Q5_0>(src, dst, rows, row_bytes, inverse); return 0;
+    case kGGMLTypeQ5_1: regroup_rows<Q5_1>(src, dst, rows, row_bytes, inverse); return 0;
+    case kGGMLTypeQ8_0: regroup_rows<Q8_0>(src, dst, rows, row_bytes, inverse); return 0;
+    case kGGMLTypeQ4_K: regroup_rows<Q4_K>(src, dst, rows, row_bytes, inverse); return 0;
+    case kGGMLTypeQ5_K: regroup_rows<Q5_K>(src, dst, rows, row_bytes, inverse); return 0;
+    case kGGMLTypeQ6_K: regroup_rows<Q6_K>(src, dst, rows, row_bytes, inverse); return 0;
+    default: return -1;
+  }
+}
 
 // y[:, r : r + rows] = x @ W_s^T (+ bias[r : r + rows]) for each segment s = (data, r, rows,
 // type) of one weight, in one parallel region. Returns 0, or -1 if a segment's type is not
