@@ -298,12 +298,30 @@ template <>
 struct Q8Weights<Q6_K> {   // (quants taken unsigned, q + 32, kBias = 32 as Q4_0's)
   static constexpr bool kSigned = false, kMin = false, kHalves = true;
   static constexpr int kBias = 32;
+#ifdef PAGEDLLM_AVX2
+  // Per sub-block s, the scales of its two 16-weight groups as lanes 0-3 and 4-7 (those of
+  // the integer dot's lanes).
+  struct Scales { __m256 halves[8]; };
+  static void scales(const uint8_t* b, Scales* s) {
+    const __m256 d = _mm256_set1_ps(half_to_float(b + 208));
+    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
+    const __m256 g[2] = {
+        _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)), d),
+        _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))), d)};
+    for (int sub = 0; sub < 8; ++sub) {
+      const int lo = 2 * (sub % 4);
+      s->halves[sub] = _mm256_permutevar8x32_ps(
+          g[sub / 4], _mm256_setr_epi32(lo, lo, lo, lo, lo + 1, lo + 1, lo + 1, lo + 1));
+    }
+  }
+#else
   struct Scales { float d[16]; };
   static void scales(const uint8_t* b, Scales* s) {
     const float d = half_to_float(b + 208);
     const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
     for (int g = 0; g < 16; ++g) s->d[g] = d * static_cast<float>(sc[g]);
   }
+#endif
   static void quants(const uint8_t* b, int sub, int32_t* q) {
     const int n = sub / 4, j = sub % 4;
     const uint8_t* ql = b + 64 * n + 32 * (j & 1);
@@ -395,9 +413,11 @@ inline void micro_q8(const Q8View& x, const uint8_t* w, int64_t row_stride, int6
       for (int j = 0; j < NB; ++j) {
         const __m256i qw = W::quants(w + j * row_stride + b * block_stride, s);
         const __m256i uw = W::kSigned ? _mm256_sign_epi8(qw, qw) : qw;
-        const __m256 ws = W::kHalves ? _mm256_set_m128(_mm_set1_ps(sc[j].d[2 * s + 1]),
-                                                       _mm_set1_ps(sc[j].d[2 * s]))
-                                     : _mm256_set1_ps(sc[j].d[s]);
+        __m256 ws;
+        if constexpr (W::kHalves)
+          ws = sc[j].halves[s];
+        else
+          ws = _mm256_set1_ps(sc[j].d[s]);
         for (int i = 0; i < MB; ++i) {
           const __m256i sx = W::kSigned ? _mm256_sign_epi8(qx[i], qw) : qx[i];
           const __m256 prod = _mm256_cvtepi32_ps(dot_u8s8(start[i], uw, sx));
