@@ -150,6 +150,10 @@ def test_row_group_layout(tensor_type):
                 at = quants + 32 * (k // 2) + 16 * (k % 2) + 4 * j + q % 4
                 assert flat[at] == want[scale_bytes + q]
     assert torch.equal(gguf_ungroup_rows(grouped, tensor_type), plain)
+    with pytest.raises(ValueError, match="whole blocks"):
+        gguf_group_rows(plain[:, :-1].contiguous(), tensor_type)
+    with pytest.raises(ValueError, match="uint8"):
+        gguf_group_rows(plain.float(), tensor_type)
 
 
 def test_leading_dims_strided_and_low_precision_activations():
