@@ -1,11 +1,13 @@
 """Summarise and plot one sitting of `scripts/bench_sitting.sh` (needs matplotlib: `bench` extra).
 
-    python docs/plot_scaling.py docs/results/sitting -o docs/scaling.png
+    python docs/plot_scaling.py docs/results/sitting -o docs/scaling.png \
+        --quantized docs/quantized.png
 
 Prints a markdown table per group of results (pagedllm against each peer in the same run, with
 the ratio) and draws two panels: output tokens/s against batch size (`s_batch*.json`, 128 -> 64
 tokens) and decode time per token against context length (`s_ctx*.json`, `f_ctx*_bs1.json`),
-one line per engine.
+one line per engine; with --quantized, bars per GGUF file (batch 1 and 32 x 128) for
+pagedllm and llama.cpp.
 """
 
 from __future__ import annotations
@@ -99,14 +101,48 @@ def plot(folder: Path, out: Path) -> Path:
     return out
 
 
+def plot_quantized(folder: Path, out: Path) -> Path:
+    """Bars per GGUF file (`q_<file>_batch1.json`, `q_<file>_32x128.json`): batch-1 decode
+    tokens/s (1000 / TPOT) and 32 x (128 -> 128) output tokens/s, pagedllm and llama.cpp."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = sorted({p.stem[2:].rsplit("_", 1)[0] for p in folder.glob("q_*_batch1.json")})
+    panels = (("batch1", "tpot_ms_mean", "batch-1 decode tokens/s (1000 / TPOT)"),
+              ("32x128", "output_tokens_per_s", "32 x (128 -> 128) output tokens/s"))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, (suffix, key, title) in zip(axes, panels):
+        for k, backend in enumerate(("pagedllm", "llama.cpp")):
+            values = []
+            for name in names:
+                path = folder / f"q_{name}_{suffix}.json"
+                result = _by_backend(_results(path)).get(backend, {}) if path.exists() else {}
+                value = result.get(key, 0.0)
+                values.append(1000.0 / value if key == "tpot_ms_mean" and value else value)
+            ax.bar([i + 0.4 * k for i in range(len(names))], values, width=0.4, label=backend)
+        ax.set_xticks([i + 0.2 for i in range(len(names))], names, rotation=15)
+        ax.set(title=title)
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folder", type=Path)
     parser.add_argument("-o", "--output", type=Path, default=None, help="PNG to write")
+    parser.add_argument("--quantized", type=Path, default=None,
+                        help="PNG of the GGUF runs (q_*) to write")
     args = parser.parse_args()
     print(table(args.folder))
     if args.output is not None:
         print(f"wrote {plot(args.folder, args.output)}")
+    if args.quantized is not None:
+        print(f"wrote {plot_quantized(args.folder, args.quantized)}")
 
 
 if __name__ == "__main__":
