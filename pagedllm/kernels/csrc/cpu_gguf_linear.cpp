@@ -145,17 +145,9 @@ using WorkItemFn = void (*)(const float*, int64_t, int64_t, int64_t, int64_t, co
 
 // The work item of a GGML type code (ggml.h's enum ggml_type), or null for a type not taken.
 WorkItemFn work_item_for(int64_t ggml_type) {
-  switch (ggml_type) {
-    case kGGMLTypeQ4_0: return work_item<Q4_0>;
-    case kGGMLTypeQ4_1: return work_item<Q4_1>;
-    case kGGMLTypeQ5_0: return work_item<Q5_0>;
-    case kGGMLTypeQ5_1: return work_item<Q5_1>;
-    case kGGMLTypeQ8_0: return work_item<Q8_0>;
-    case kGGMLTypeQ4_K: return work_item<Q4_K>;
-    case kGGMLTypeQ5_K: return work_item<Q5_K>;
-    case kGGMLTypeQ6_K: return work_item<Q6_K>;
-    default: return nullptr;
-  }
+  WorkItemFn fn = nullptr;
+  visit_block_type(ggml_type, [&](auto q) { fn = work_item<decltype(q)>; });
+  return fn;
 }
 
 bool segments_supported(const Segment* segments, int64_t num_segments) {
@@ -237,17 +229,10 @@ extern "C" {
 int gguf_regroup_rows(const uint8_t* src, uint8_t* dst, int64_t rows, int64_t row_bytes,
                       int64_t ggml_type, int inverse) {
   using namespace pagedllm::gguf;
-  switch (ggml_type) {
-    case kGGMLTypeQ4_0: regroup_rows<Q4_0>(src, dst, rows, row_bytes, inverse); return 0;
-    case kGGMLTypeQ4_1: regroup_rows<Q4_1>(src, dst, rows, row_bytes, inverse); return 0;
-    case kGGMLTypeQ5_0: regroup_rows<Q5_0>(src, dst, rows, row_bytes, inverse); return 0;
-    case kGGMLTypeQ5_1: regroup_rows<Q5_1>(src, dst, rows, row_bytes, inverse); return 0;
-    case kGGMLTypeQ8_0: regroup_rows<Q8_0>(src, dst, rows, row_bytes, inverse); return 0;
-    case kGGMLTypeQ4_K: regroup_rows<Q4_K>(src, dst, rows, row_bytes, inverse); return 0;
-    case kGGMLTypeQ5_K: regroup_rows<Q5_K>(src, dst, rows, row_bytes, inverse); return 0;
-    case kGGMLTypeQ6_K: regroup_rows<Q6_K>(src, dst, rows, row_bytes, inverse); return 0;
-    default: return -1;
-  }
+  const bool taken = visit_block_type(ggml_type, [&](auto q) {
+    regroup_rows<decltype(q)>(src, dst, rows, row_bytes, inverse != 0);
+  });
+  return taken ? 0 : -1;
 }
 
 // y[:, r : r + rows] = x @ W_s^T (+ bias[r : r + rows]) for each segment s = (data, r, rows,
@@ -274,18 +259,10 @@ extern "C" {
 int dequantize_rows_gguf(const pagedllm::gguf::Segment* segment, int64_t K, const int64_t* ids,
                          int64_t num_ids, float* out) {
   using namespace pagedllm::gguf;
-  const Segment& s = *segment;
-  switch (s.ggml_type) {
-    case kGGMLTypeQ4_0: dequantize_rows<Q4_0>(s, K, ids, num_ids, out); return 0;
-    case kGGMLTypeQ4_1: dequantize_rows<Q4_1>(s, K, ids, num_ids, out); return 0;
-    case kGGMLTypeQ5_0: dequantize_rows<Q5_0>(s, K, ids, num_ids, out); return 0;
-    case kGGMLTypeQ5_1: dequantize_rows<Q5_1>(s, K, ids, num_ids, out); return 0;
-    case kGGMLTypeQ8_0: dequantize_rows<Q8_0>(s, K, ids, num_ids, out); return 0;
-    case kGGMLTypeQ4_K: dequantize_rows<Q4_K>(s, K, ids, num_ids, out); return 0;
-    case kGGMLTypeQ5_K: dequantize_rows<Q5_K>(s, K, ids, num_ids, out); return 0;
-    case kGGMLTypeQ6_K: dequantize_rows<Q6_K>(s, K, ids, num_ids, out); return 0;
-    default: return -1;
-  }
+  const bool taken = visit_block_type(segment->ggml_type, [&](auto q) {
+    dequantize_rows<decltype(q)>(*segment, K, ids, num_ids, out);
+  });
+  return taken ? 0 : -1;
 }
 
 }  // extern "C"

@@ -162,57 +162,42 @@ inline __m256i high_bits16(uint32_t qh) {
 }
 #endif
 
-template <>
-struct Q8Weights<Q4_0> : BiasedScale<8> {
+// The quants of the 32-weight nibble types: the nibbles of qs at byte kQs (Q4_0, Q4_1), and
+// with the 5th bits of the uint32 qh at byte kQh (Q5_0, Q5_1).
+template <int kQs>
+struct NibbleQuants {
   static void quants(const uint8_t* b, int /*sub*/, int32_t* q) {
     for (int i = 0; i < 16; ++i) {
-      q[i] = b[2 + i] & 0x0f;
-      q[i + 16] = b[2 + i] >> 4;
+      q[i] = b[kQs + i] & 0x0f;
+      q[i + 16] = b[kQs + i] >> 4;
     }
   }
 #ifdef PAGEDLLM_AVX2
-  static __m256i quants(const uint8_t* b, int /*sub*/) { return nibbles32(b + 2); }
+  static __m256i quants(const uint8_t* b, int /*sub*/) { return nibbles32(b + kQs); }
 #endif
 };
 
-template <>
-struct Q8Weights<Q4_1> : OffsetScales {
+template <int kQh, int kQs>
+struct Nibble5Quants {
   static void quants(const uint8_t* b, int /*sub*/, int32_t* q) {
-    for (int i = 0; i < 16; ++i) {
-      q[i] = b[4 + i] & 0x0f;
-      q[i + 16] = b[4 + i] >> 4;
-    }
-  }
-#ifdef PAGEDLLM_AVX2
-  static __m256i quants(const uint8_t* b, int /*sub*/) { return nibbles32(b + 4); }
-#endif
-};
-
-template <>
-struct Q8Weights<Q5_0> : BiasedScale<16> {
-  static void quants(const uint8_t* b, int /*sub*/, int32_t* q) {
-    const uint32_t qh = load_u32(b + 2);
-    for (int i = 0; i < kBlock; ++i) q[i] = q5_quant(b + 6, qh, i);
+    const uint32_t qh = load_u32(b + kQh);
+    for (int i = 0; i < kBlock; ++i) q[i] = q5_quant(b + kQs, qh, i);
   }
 #ifdef PAGEDLLM_AVX2
   static __m256i quants(const uint8_t* b, int /*sub*/) {
-    return _mm256_or_si256(nibbles32(b + 6), high_bits16(load_u32(b + 2)));
+    return _mm256_or_si256(nibbles32(b + kQs), high_bits16(load_u32(b + kQh)));
   }
 #endif
 };
 
 template <>
-struct Q8Weights<Q5_1> : OffsetScales {
-  static void quants(const uint8_t* b, int /*sub*/, int32_t* q) {
-    const uint32_t qh = load_u32(b + 4);
-    for (int i = 0; i < kBlock; ++i) q[i] = q5_quant(b + 8, qh, i);
-  }
-#ifdef PAGEDLLM_AVX2
-  static __m256i quants(const uint8_t* b, int /*sub*/) {
-    return _mm256_or_si256(nibbles32(b + 8), high_bits16(load_u32(b + 4)));
-  }
-#endif
-};
+struct Q8Weights<Q4_0> : BiasedScale<8>, NibbleQuants<2> {};
+template <>
+struct Q8Weights<Q4_1> : OffsetScales, NibbleQuants<4> {};
+template <>
+struct Q8Weights<Q5_0> : BiasedScale<16>, Nibble5Quants<2, 6> {};
+template <>
+struct Q8Weights<Q5_1> : OffsetScales, Nibble5Quants<4, 8> {};
 
 // Q4_K / Q5_K share scales (6-bit sc and m per sub-block, gguf_blocks.h's k4_scale_min).
 struct K4Scales {
@@ -665,17 +650,9 @@ using WorkItemQ8Fn = void (*)(const Q8Rows&, int64_t, int64_t, int64_t, const Se
                               int64_t, const float*, float*, int64_t);
 
 WorkItemQ8Fn work_item_q8_for(int64_t ggml_type) {
-  switch (ggml_type) {
-    case kGGMLTypeQ4_0: return work_item_q8<Q4_0>;
-    case kGGMLTypeQ4_1: return work_item_q8<Q4_1>;
-    case kGGMLTypeQ5_0: return work_item_q8<Q5_0>;
-    case kGGMLTypeQ5_1: return work_item_q8<Q5_1>;
-    case kGGMLTypeQ8_0: return work_item_q8<Q8_0>;
-    case kGGMLTypeQ4_K: return work_item_q8<Q4_K>;
-    case kGGMLTypeQ5_K: return work_item_q8<Q5_K>;
-    case kGGMLTypeQ6_K: return work_item_q8<Q6_K>;
-    default: return nullptr;
-  }
+  WorkItemQ8Fn fn = nullptr;
+  visit_block_type(ggml_type, [&](auto q) { fn = work_item_q8<decltype(q)>; });
+  return fn;
 }
 
 }  // namespace

@@ -440,6 +440,23 @@ struct Q6_K {
 #endif
 };
 
+// Calls fn(Q{}) with the block type of a GGML type code; false (fn not called) for a code
+// without kernels. The one place that maps codes to the types here.
+template <typename Fn>
+inline bool visit_block_type(int64_t ggml_type, Fn&& fn) {
+  switch (ggml_type) {
+    case kGGMLTypeQ4_0: fn(Q4_0{}); return true;
+    case kGGMLTypeQ4_1: fn(Q4_1{}); return true;
+    case kGGMLTypeQ5_0: fn(Q5_0{}); return true;
+    case kGGMLTypeQ5_1: fn(Q5_1{}); return true;
+    case kGGMLTypeQ8_0: fn(Q8_0{}); return true;
+    case kGGMLTypeQ4_K: fn(Q4_K{}); return true;
+    case kGGMLTypeQ5_K: fn(Q5_K{}); return true;
+    case kGGMLTypeQ6_K: fn(Q6_K{}); return true;
+    default: return false;
+  }
+}
+
 // Lane groups: the group's block b is one record of kGroupRows * kBytes bytes at
 // b * kGroupRows * kBytes from the group's start: the rows' fp16 d (row r at 2 r), for Q4_1 then
 // their fp16 m, then their quant bytes (kQuantBytes per row: Q8_0's int8 q, Q4's nibble pairs)
