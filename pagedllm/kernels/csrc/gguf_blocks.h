@@ -71,6 +71,8 @@ constexpr int64_t kGroupRows = 4;
 // Where the blocks of a segment's rows lie: block b of row n at row(n) + b * block_stride(n),
 // row n + 1 at row(n) + row_stride(n) while both are in the same group (or both plain). Row
 // runs of 1, 2 or kGroupRows rows starting at a multiple of the run length stay in one group.
+// Whole-block groups only: lane groups (below) are read by the lane kernel or through
+// `readable_rows`.
 struct RowLayout {
   const uint8_t* data;
   int64_t row_bytes, block_bytes, grouped_rows;
@@ -108,9 +110,9 @@ void linear_segments_tiles(const float* x, int64_t ldx, int64_t M, int64_t K,
 
 // The work-sharing loop of one block linear, shared by the float-activation and the 8-bit-
 // activation kernels: for each segment, items (block of up to 64 x rows, tile of the segment's
-// weight rows, a multiple of kGroupRows) handed out statically (M <= 8) or dynamically, `item(seg, r0, r1, n0, n1, seg_bias, seg_y)` per item
-// (segment-relative rows; bias and y already offset to the segment's first output column),
-// then one barrier. For every thread of an enclosing parallel region (serial outside one).
+// weight rows, a multiple of kGroupRows) handed out statically (M <= 8) or dynamically,
+// `item(seg, r0, r1, n0, n1, seg_bias, seg_y)` per item (segment-relative rows; bias and y
+// already offset to the segment's first output column), then one barrier. For every thread of an enclosing parallel region (serial outside one).
 template <typename ItemFn>
 void for_each_segment_item(int64_t M, const Segment* segments, int64_t num_segments,
                            const float* bias, float* y, ItemFn&& item) {
@@ -461,8 +463,8 @@ inline bool visit_block_type(int64_t ggml_type, Fn&& fn) {
 // b * kGroupRows * kBytes from the group's start: the rows' fp16 d (row r at 2 r), for Q4_1 then
 // their fp16 m, then their quant bytes (kQuantBytes per row: Q8_0's int8 q, Q4's nibble pairs)
 // as 4-byte chunks, chunk k of row r at 32 (k / 2) + 16 (k % 2) + 4 r. A 32-byte load of the
-// quants then holds 4 bytes of each row in lanes r and r + 4 (ops.py's _group_permutation
-// writes it).
+// quants then holds 4 bytes of each row in lanes r and r + 4 (`regroup_rows` in
+// cpu_gguf_linear.cpp writes it).
 template <typename Q>
 struct LaneGroup {
   static constexpr bool kLanes = false;

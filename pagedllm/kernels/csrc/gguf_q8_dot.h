@@ -18,10 +18,13 @@
 //                                                                          - dmin m[s] ds
 // with Q6_K's two 16-weight groups per sub-block scaled separately (lanes 0-3 / 4-7 of I).
 // The integer dots: AVX512-VNNI `_mm256_dpbusd_epi32` (u8 x s8 -> i32) when compiled for it;
-// else AVX2 `_mm256_maddubs_epi16` + `_mm256_madd_epi16` (exact: |w| <= 128, |q| <= 127, so an
-// int16 pair sum is at most 32512); else portable scalar code. Signed weights use the sign trick
-// (|w| times q carrying w's sign). The result equals x_q @ dequantize(W)^T, x_q = d * q the
-// rounded activations, up to the order of the float32 sums.
+// else AVX2 `_mm256_maddubs_epi16` + `_mm256_madd_epi16` (exact while an int16 pair sum stays
+// within 32767: u <= 63 or |w| <= 128 against |q| <= 127); else portable scalar code. Signed
+// quants are read unsigned, u = w + B (Q4_0 B = 8, Q5_0 16, Q6_K 32, and Q8_0 128 with VNNI),
+// and the dot starts from -B sum(q) (sum(u q) - B sum(q) = sum(w q)); Q8_0 without VNNI, whose
+// u would overflow maddubs's pair sums, keeps the sign trick (|w| times q carrying w's sign).
+// The result equals x_q @ dequantize(W)^T, x_q = d * q the rounded activations, up to the
+// order of the float32 sums.
 //
 // In the row-group layout (gguf_blocks.h) Q8_0, Q4_0 and Q4_1 weights are read by lanes
 // instead: one integer dot covers 4 rows of a group (lanes r and r + 4 hold row r; x's bytes
