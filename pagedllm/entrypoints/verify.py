@@ -284,6 +284,10 @@ def format_report(reports: list[PromptReport], model: str, reference: str | None
     """The human-readable report, ending with the PASS/FAIL line."""
     lines = [f"pagedllm verify {model}: pagedllm ({dtype}) vs transformers (float32) on "
              f"{reference or 'the same weights'}, greedy, up to {max_tokens} tokens"]
+    if model.endswith(".gguf"):
+        lines.append("(GGUF layers on float32 activations, PAGEDLLM_GGUF_Q8_ACTIVATIONS=0: "
+                     "serving rounds them to 8 bits per 32 values by default, as llama.cpp "
+                     "does, which transformers cannot reproduce)")
     for k, r in enumerate(reports, 1):
         kind = "chat" if r.chat else "text"
         lines.append(f"[{k}] {kind} {r.prompt!r} ({r.num_prompt_tokens} prompt tokens, "

@@ -356,7 +356,8 @@ def open_gguf(path: str | Path):
     try:
         return GGUFReader(str(path))
     except Exception as e:  # the reader raises ValueError, struct errors, IndexError, ...
-        raise ValueError(f"not a valid GGUF file: {path} ({type(e).__name__}: {e})") from e
+        raise ValueError(f"not a valid GGUF file: {path} (truncated or corrupt? the reader "
+                         f"said {type(e).__name__}: {e})") from e
 
 
 def _metadata(reader, key: str) -> Any:

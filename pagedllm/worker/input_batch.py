@@ -61,6 +61,9 @@ class RequestStates:
         self.allowed_token_ids: list[list[int] | None] = [None] * max_num_reqs
         self.bad_words_token_ids: list[list[list[int]]] = [[] for _ in range(max_num_reqs)]
         self.logits_processors: list[list | None] = [None] * max_num_reqs
+        # Greedy with nothing that edits the logits or asks for logprobs: the sampler's argmax
+        # alone (`build_sampling_metadata`'s fast path).
+        self.plain_greedy = np.zeros(max_num_reqs, dtype=bool)
         self.block_tables = [BlockTable(max_num_reqs, max_num_blocks_per_req, block_size)
                              for _ in range(num_kv_cache_groups)]
 
@@ -108,6 +111,11 @@ class RequestStates:
         self.allowed_token_ids[idx] = sp.allowed_token_ids
         self.bad_words_token_ids[idx] = sp._bad_words_token_ids
         self.logits_processors[idx] = sp.logits_processors
+        self.plain_greedy[idx] = (
+            sp.temperature == 0.0 and sp.presence_penalty == 0.0 and sp.frequency_penalty == 0.0
+            and sp.repetition_penalty == 1.0 and sp.min_tokens == 0 and sp.logprobs is None
+            and not sp.logit_bias and sp.allowed_token_ids is None
+            and not sp._bad_words_token_ids and not sp.logits_processors)
         for table, block_ids in zip(self.block_tables, req.block_ids):
             table.add_row(block_ids, idx)
         return idx

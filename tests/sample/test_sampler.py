@@ -39,6 +39,31 @@ def test_greedy_is_argmax():
     assert torch.equal(_sample(logits, md), logits.argmax(-1))
 
 
+def test_plain_greedy_fast_path_equals_the_general_path():
+    """Rows that are plain argmax take build_sampling_metadata's fast path; greedy rows with
+    anything that edits the logits or asks for logprobs do not, and both sample as the general
+    path does."""
+    plain = [SamplingParams(temperature=0.0, top_p=0.5, seed=3), SamplingParams(temperature=0.0)]
+    md = _metadata(plain)
+    assert md.all_greedy and md.top_p is None and md.max_num_logprobs is None
+    logits = torch.randn(2, V)
+    assert torch.equal(_sample(logits, md), logits.argmax(-1))
+    for edited in (SamplingParams(temperature=0.0, logit_bias={5: 100.0}),
+                   SamplingParams(temperature=0.0, repetition_penalty=1.5),
+                   SamplingParams(temperature=0.0, logprobs=2),
+                   SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[7]),
+                   SamplingParams(temperature=0.0, allowed_token_ids=[4, 9])):
+        md = _metadata([SamplingParams(temperature=0.0), edited])
+        got = _sample(logits, md)
+        assert got[0] == logits[0].argmax()
+        assert md.logit_bias_rows is not None or md.repetition_penalties is not None or \
+            md.max_num_logprobs == 2 or md.banned_rows is not None or \
+            md.allowed_token_mask is not None
+    md = _metadata([SamplingParams(temperature=0.0), SamplingParams(temperature=0.0,
+                                                                      logit_bias={5: 100.0})])
+    assert _sample(logits, md)[1] == 5
+
+
 def test_random_sampling_follows_distribution():
     probs = torch.tensor([0.5, 0.3, 0.2] + [0.0] * (V - 3))
     logits = probs.clamp_min(1e-30).log().repeat(4000, 1)
