@@ -44,6 +44,7 @@ def _total_memory_bytes() -> int:
 class CpuPlatform(Platform):
     device_type = "cpu"
     cap_kv_cache_at_need = True
+    profile_run_at_max_batch = False
 
     def __init__(self) -> None:
         flags = _cpu_flags()

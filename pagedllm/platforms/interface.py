@@ -26,6 +26,12 @@ class Platform(ABC):
     # not the 4 GiB default cap). Devices with dedicated memory keep the whole fraction, whose
     # surplus serves as prefix cache.
     cap_kv_cache_at_need: bool = False
+    # Whether the KV budget depends on the memory peak of the profile run (CUDA: the largest
+    # batch's activations stay reserved by the caching allocator). Where it does not (CPU: the
+    # budget is a share of free RAM capped at a few GiB, and a freed activation buffer goes back
+    # to the allocator or the OS), the profile run is a short warm-up batch instead of the
+    # largest one: a 8192-token dummy prefill took 3 of the 5 s to ready of a 135M GGUF model.
+    profile_run_at_max_batch: bool = True
 
     @property
     def device(self) -> torch.device:

@@ -228,10 +228,13 @@ class ModelRunner:
                                                           self.device)]
 
     @torch.inference_mode()
-    def profile_run(self) -> None:
+    def profile_run(self, max_tokens: int | None = None) -> None:
         """Run the largest batch once (dummy requests over a temporary KV cache) so the memory
-        peak is measured and lazy initialisation happens before serving."""
-        num_tokens = min(self.max_num_tokens, self.max_num_reqs * self.config.max_model_len)
+        peak is measured and lazy initialisation happens before serving; with `max_tokens`, a
+        batch of at most that many tokens (a warm-up, where the peak does not matter: see
+        `Platform.profile_run_at_max_batch`)."""
+        num_tokens = min(self.max_num_tokens, self.max_num_reqs * self.config.max_model_len,
+                         max_tokens or self.max_num_tokens)
         per_req = min(self.config.max_model_len, num_tokens)
         lens = [per_req] * (num_tokens // per_req) + ([num_tokens % per_req]
                                                      if num_tokens % per_req else [])

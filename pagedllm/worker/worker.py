@@ -26,6 +26,10 @@ from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
+# Tokens of the profile run where it is only a warm-up (`Platform.profile_run_at_max_batch`
+# False): enough to take the prefill and decode paths once.
+PROFILE_WARMUP_TOKENS = 64
+
 
 def _describe_group(group: KVCacheGroupSpec, block_size: int) -> str:
     """'4096 blocks x 16 tokens = 65536 tokens' (+ the group's attention type)."""
@@ -91,7 +95,8 @@ class Worker:
             if cc.kv_cache_memory_bytes is not None:
                 budget = cc.kv_cache_memory_bytes
             else:
-                runner.profile_run()
+                runner.profile_run(None if self.platform.profile_run_at_max_batch
+                                   else PROFILE_WARMUP_TOKENS)
                 budget = self.platform.kv_cache_budget_bytes(cc.gpu_memory_utilization)
             num_blocks = num_blocks_for_budget(
                 budget, group_bytes, runner.kv_cache_windows, cc.block_size, sc.max_num_seqs,
