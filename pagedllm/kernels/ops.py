@@ -395,16 +395,16 @@ def _permute_groups(qweight: torch.Tensor, tensor_type: str, inverse: bool) -> t
     if qweight.dim() != 2 or qweight.dtype != torch.uint8 or qweight.device.type != "cpu":
         raise ValueError(f"gguf_group_rows: a [rows, row_bytes] uint8 CPU tensor is needed, got "
                          f"{tuple(qweight.shape)} {qweight.dtype} on {qweight.device}")
+    rows, row_bytes = qweight.shape
+    block = GGUF_KERNEL_TYPES.get(tensor_type)
+    if block is None or row_bytes % block.block_bytes:
+        raise ValueError(f"gguf_group_rows: {tensor_type} rows of {row_bytes} bytes are not "
+                         f"whole blocks of a kernel type ({', '.join(GGUF_KERNEL_TYPES)})")
     lib = cpu_kernels()
     if lib is None:
         raise RuntimeError("gguf_group_rows needs the native CPU kernels, which are unavailable")
     src = qweight.contiguous()
     out = src.clone()                # the rows past the last whole group stay plain
-    rows, row_bytes = src.shape
-    block = GGUF_KERNEL_TYPES.get(tensor_type)
-    if block is None or row_bytes % block.block_bytes:
-        raise ValueError(f"gguf_group_rows: {tensor_type} rows of {row_bytes} bytes are not "
-                         f"whole blocks of a kernel type ({', '.join(GGUF_KERNEL_TYPES)})")
     lib.gguf_regroup_rows(src.data_ptr(), out.data_ptr(), rows, row_bytes, block.code,
                           int(inverse))
     return out
