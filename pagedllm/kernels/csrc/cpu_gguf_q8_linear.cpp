@@ -233,12 +233,16 @@ inline void k4_scales(const uint8_t* b, K4Scales* s) {
 #endif
 }
 
-template <>
-struct Q8Weights<Q4_K> {
+// The traits Q4_K and Q5_K share: unsigned quants, k4_scales' d and min per sub-block.
+struct K4Traits {
   static constexpr bool kSigned = false, kMin = true, kHalves = false;
   static constexpr int kBias = 0;
   using Scales = K4Scales;
   static void scales(const uint8_t* b, Scales* s) { k4_scales(b, s); }
+};
+
+template <>
+struct Q8Weights<Q4_K> : K4Traits {
   static void quants(const uint8_t* b, int sub, int32_t* q) {
     const uint8_t* qs = b + 16 + 32 * (sub / 2);
     for (int l = 0; l < kBlock; ++l) q[l] = (qs[l] >> (4 * (sub & 1))) & 0x0f;
@@ -254,11 +258,7 @@ struct Q8Weights<Q4_K> {
 };
 
 template <>
-struct Q8Weights<Q5_K> {
-  static constexpr bool kSigned = false, kMin = true, kHalves = false;
-  static constexpr int kBias = 0;
-  using Scales = K4Scales;
-  static void scales(const uint8_t* b, Scales* s) { k4_scales(b, s); }
+struct Q8Weights<Q5_K> : K4Traits {
   static void quants(const uint8_t* b, int sub, int32_t* q) {
     const uint8_t* qh = b + 16;
     const uint8_t* qs = b + 48 + 32 * (sub / 2);
