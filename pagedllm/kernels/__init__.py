@@ -23,7 +23,7 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-KERNELS_VERSION = 6  # must equal pagedllm_cpu_kernels_version() in the sources
+KERNELS_VERSION = 7  # must equal pagedllm_cpu_kernels_version() in the sources
 _SOURCES = ("cpu_attention.cpp", "cpu_linear.cpp", "cpu_decoder.cpp", "cpu_gguf_linear.cpp",
             "cpu_int8_linear.cpp", "cpu_fused_moe.cpp", "cpu_gguf_q8_linear.cpp",
             "cpu_packed_gemm.cpp")
@@ -170,8 +170,10 @@ def _declare(lib: ctypes.CDLL) -> None:
         fn = getattr(lib, name)
         fn.restype = i32
         fn.argtypes = [p, i64, i64, i64, p, i64, p, p, i64]
-    lib.quantize_rows_gguf_q8.restype = None
-    lib.quantize_rows_gguf_q8.argtypes = [p, i64, i64, i64, p, p, p]
+    for name in ("quantize_rows_gguf_q8", "quantize_rows_gguf_q8k"):
+        fn = getattr(lib, name)
+        fn.restype = None
+        fn.argtypes = [p, i64, i64, i64, p, p, p]
     lib.gguf_q8_dot_isa.restype = i32
     lib.gguf_q8_dot_isa.argtypes = []
     lib.gguf_regroup_rows.restype = i32

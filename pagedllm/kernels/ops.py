@@ -457,11 +457,12 @@ def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, tensor_type: str,
             consecutive blocks, as a GGUF file stores them.
         tensor_type: a GGML type name in GGUF_KERNEL_TYPES ("Q8_0", "Q4_K", ...).
         bias: [N] on the CPU, or None.
-        quantize_activations: first round x to 8 bits per 32-value block (see
-            `gguf_quantize_activations`) and compute integer dot products per block
-            (`csrc/gguf_q8_dot.h`, llama.cpp's `ggml_vec_dot_<type>_q8_0` scheme): equal to
-            x_q @ dequantize(W)^T, x_q the rounded x, up to the order of the float32 sums;
-            every type in GGUF_KERNEL_TYPES. The layers' choice: `GGUFLinearMethod`.
+        quantize_activations: first round x to 8 bits per 32-value block, or per 256 for the
+            K-quants (see `gguf_quantize_activations`), and compute integer dot products per
+            block (`csrc/gguf_q8_dot.h`, llama.cpp's `ggml_vec_dot_<type>_q8_0` / `_q8_K`
+            schemes): equal to x_q @ dequantize(W)^T, x_q the rounded x, up to the order of the
+            float32 sums; every type in GGUF_KERNEL_TYPES. The layers' choice:
+            `GGUFLinearMethod`.
         grouped: qweight is in the row-group layout (`gguf_group_rows`).
 
     Returns:
@@ -530,28 +531,36 @@ def gguf_linear_segments(x: torch.Tensor, segments: Sequence[tuple], n: int,
     return y.view(*x.shape[:-1], n).to(x.dtype)
 
 
-def gguf_quantize_activations(x: torch.Tensor, lib: ctypes.CDLL | None = None
+def gguf_quantize_activations(x: torch.Tensor, lib: ctypes.CDLL | None = None, block: int = 32
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The rounding of x in `gguf_linear(..., quantize_activations=True)`, alone (natively):
-    per block b of 32 values of a row, d[b] = max|x_b| / 127, q = round(x_b * (1 / d[b]))
-    half to even (0 for an all-zero block), ds[b] = d[b] * sum(q_b), all in float32 (Q8_0
-    activations as llama.cpp's `quantize_row_q8_0`, plus its q8_1 sum).
+    per block b of `block` values of a row, d[b] = max|x_b| / 127, q = round(x_b * (1 / d[b]))
+    half to even (0 for an all-zero block), in float32.
+    block=32 (the 32-value types; llama.cpp's `quantize_row_q8_0` plus its q8_1 sum): the third
+    result is ds[b] = d[b] * sum(q_b).
+    block=256 (the K-quants; llama.cpp's q8_K, symmetric): the third result is bsums, the int16
+    sums of q per 16 values.
 
     Args:
-        x: [M, K] float32 on the CPU, K a positive multiple of 32.
+        x: [M, K] float32 on the CPU, K a positive multiple of `block`.
         lib: the kernel library (default `cpu_kernels()`; tests pass other builds).
+        block: 32 or 256.
 
     Returns:
-        (q [M, K] int8, d [M, K / 32] float32, ds [M, K / 32] float32).
+        block=32: (q [M, K] int8, d [M, K / 32] float32, ds [M, K / 32] float32);
+        block=256: (q [M, K] int8, d [M, K / 256] float32, bsums [M, K / 16] int16).
 
     Raises:
-        ValueError: x not a 2-D float32 CPU tensor with K a positive multiple of 32.
+        ValueError: x not a 2-D float32 CPU tensor with K a positive multiple of `block`, or
+            another block size.
         RuntimeError: the native kernels are unavailable.
     """
+    if block not in (32, 256):
+        raise ValueError(f"gguf_quantize_activations: block must be 32 or 256, got {block}")
     if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu" \
-            or x.shape[1] == 0 or x.shape[1] % GGUF_BLOCK_SIZE:
+            or x.shape[1] == 0 or x.shape[1] % block:
         raise ValueError(f"gguf_quantize_activations: x must be [M, K] float32 on the CPU with "
-                         f"K a positive multiple of {GGUF_BLOCK_SIZE}, got {tuple(x.shape)} "
+                         f"K a positive multiple of {block}, got {tuple(x.shape)} "
                          f"{x.dtype} on {x.device}")
     lib = lib if lib is not None else cpu_kernels()
     if lib is None:
@@ -560,11 +569,15 @@ def gguf_quantize_activations(x: torch.Tensor, lib: ctypes.CDLL | None = None
         x = x.contiguous()
     m, k = x.shape
     q = torch.empty(m, k, dtype=torch.int8)
-    d = torch.empty(m, k // GGUF_BLOCK_SIZE, dtype=torch.float32)
-    ds = torch.empty_like(d)
-    lib.quantize_rows_gguf_q8(x.data_ptr(), x.stride(0), m, k, q.data_ptr(), d.data_ptr(),
-                              ds.data_ptr())
-    return q, d, ds
+    d = torch.empty(m, k // block, dtype=torch.float32)
+    if block == 32:
+        third = torch.empty_like(d)
+        fn = lib.quantize_rows_gguf_q8
+    else:
+        third = torch.empty(m, k // 16, dtype=torch.int16)
+        fn = lib.quantize_rows_gguf_q8k
+    fn(x.data_ptr(), x.stride(0), m, k, q.data_ptr(), d.data_ptr(), third.data_ptr())
+    return q, d, third
 
 
 def gguf_dequantize_rows(qweight: torch.Tensor, tensor_type: str, ids: torch.Tensor,

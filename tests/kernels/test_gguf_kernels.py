@@ -200,15 +200,21 @@ def q8_libs(portable_lib):
             "portable": portable_lib}
 
 
-def _round_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _round_activations(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
     """(x rounded as gguf_q8_dot.h documents it, [M, K] float32; the per-element block scale
-    d [M, K]): d = block max / 127, q = round(x * (1 / d)) half to even, in float32."""
+    d [M, K]): d = block max / 127, q = round(x * (1 / d)) half to even, in float32; blocks of
+    32 values, or 256 for the K-quants (`_activation_block`)."""
     m, k = x.shape
-    xb = x.reshape(m, k // 32, 32)
+    xb = x.reshape(m, k // block, block)
     d = xb.abs().amax(-1, keepdim=True) / 127
     inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
     q = torch.round(xb * inv)
-    return (q * d).reshape(m, k), d.expand(-1, -1, 32).reshape(m, k)
+    return (q * d).reshape(m, k), d.expand(-1, -1, block).reshape(m, k)
+
+
+def _activation_block(tensor_type: str) -> int:
+    """The values per activation scale the 8-bit kernels of a type read: 256 for K-quants."""
+    return 256 if GGUF_KERNEL_TYPES[tensor_type].block_weights == 256 else 32
 
 
 def _q8_call(lib, x: torch.Tensor, parts, n: int, bias: torch.Tensor | None = None):
@@ -248,6 +254,26 @@ def test_activation_rounding_is_exact(build, q8_libs):
         gguf_quantize_activations(torch.randn(2, 48))
 
 
+@pytest.mark.parametrize("build", list(Q8_BUILDS))
+def test_k_activation_rounding_is_exact(build, q8_libs):
+    """The K-quants' 256-value blocks: one scale per block, int16 sums per 16 values."""
+    from pagedllm.kernels.ops import gguf_quantize_activations
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 768, generator=g) * torch.tensor([1e-3, 30.0, 0.0]).repeat_interleave(256)
+    x[1, :32] = torch.arange(32) - 15.5      # ties to even again
+    x[1, :32] *= x[1, 256:512].abs().max() / 127
+    q, d, bsums = gguf_quantize_activations(x, q8_libs[build], block=256)
+    xb = x.reshape(3, 3, 256)
+    want_d = xb.abs().amax(-1) / 127
+    inv = torch.where(want_d != 0, 1 / want_d, torch.zeros_like(want_d))
+    want_q = torch.round(xb * inv[..., None]).to(torch.int8).reshape(3, 768)
+    assert torch.equal(d, want_d) and torch.equal(q, want_q)
+    assert bsums.dtype == torch.int16 and torch.all(d[:, 2] == 0)
+    assert torch.equal(bsums, q.reshape(3, 48, 16).sum(-1, dtype=torch.int16))
+    with pytest.raises(ValueError, match="multiple of 256"):
+        gguf_quantize_activations(torch.randn(2, 288), block=256)
+
+
 @pytest.mark.parametrize("grouped", [False, True], ids=["plain", "grouped"])
 @pytest.mark.parametrize("build", list(Q8_BUILDS))
 @pytest.mark.parametrize("tensor_type", TYPES)
@@ -258,7 +284,7 @@ def test_q8_activations_match_the_rounded_reference(build, tensor_type, grouped,
         x = torch.randn(m, k, generator=g) * torch.exp(torch.randn(m, k // 32, 1, generator=g)
                                                        ).expand(-1, -1, 32).reshape(m, k)
         bias = torch.randn(n, generator=g) if seed % 2 else None
-        x_q, d = _round_activations(x)
+        x_q, d = _round_activations(x, _activation_block(tensor_type))
         want, scale = _reference(x_q, blocks, tensor_type, bias)
         qweight = torch.from_numpy(blocks)
         if grouped:
@@ -321,8 +347,9 @@ def test_row_segments_of_mixed_types(build, portable_lib):
 
 @pytest.mark.parametrize("build", list(Q8_BUILDS))
 def test_q8_activations_on_row_segments_of_mixed_types(build, q8_libs):
-    """The fused-qkv case of a Q4_K_M file on 8-bit activations: x is rounded once for all
-    segments (Q4_K, Q6_K, Q4_1 and Q5_0 rows; out of order), M = 1 and M off the 4-row kernel."""
+    """The fused-qkv case of a Q4_K_M file on 8-bit activations, with 32-value types mixed in:
+    x is rounded once per block family for all segments (Q4_K, Q6_K, Q4_1 and Q5_0 rows; out
+    of order), M = 1 and M off the 4-row kernel."""
     g = torch.Generator().manual_seed(8)
     k, sizes, types = 512, (40, 12, 9, 3), ("Q4_K", "Q6_K", "Q4_1", "Q5_0")
     parts, starts = [], np.cumsum((0,) + sizes[:-1])
@@ -330,13 +357,18 @@ def test_q8_activations_on_row_segments_of_mixed_types(build, q8_libs):
         parts.append((int(start), tensor_type,
                       torch.from_numpy(quantize(torch.randn(rows, k, generator=g).numpy(),
                                                 tensor_type))))
-    w = torch.cat([torch.from_numpy(dequantize(q.numpy(), t)) for _, t, q in parts]).double()
     bias = torch.randn(sum(sizes), generator=g)
     grouped_parts = [(r, t, gguf_group_rows(q, t), True) for r, t, q in parts]
     for m in (1, 7):
         x = torch.randn(m, k, generator=g)
-        x_q, _ = _round_activations(x)
-        want, scale = x_q.double() @ w.T + bias.double(), x_q.double().abs() @ w.abs().T
+        # Each segment against x rounded in its own family's blocks.
+        want, scale = [], []
+        for _, tensor_type, qweight in parts:
+            x_q, _ = _round_activations(x, _activation_block(tensor_type))
+            w = torch.from_numpy(dequantize(qweight.numpy(), tensor_type)).double()
+            want.append(x_q.double() @ w.T)
+            scale.append(x_q.double().abs() @ w.abs().T)
+        want, scale = torch.cat(want, 1) + bias.double(), torch.cat(scale, 1)
         _assert_close(_q8_call(q8_libs[build], x, parts[::-1], sum(sizes), bias), want, scale)
         _assert_close(_q8_call(q8_libs[build], x, grouped_parts, sum(sizes), bias), want, scale)
         if build == "native":

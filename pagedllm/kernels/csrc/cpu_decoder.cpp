@@ -71,8 +71,8 @@ struct DecoderLayerWeights {
   // first (W8A8), 0 keeps it float32 (weight-only).
   const float* int8_scales[4];
   int64_t int8_activations[4];
-  // GGUF weights, same order: 1 rounds x to 8 bits per 32-value block first and runs the
-  // integer-dot kernels (gguf_q8_dot.h), 0 keeps x float32.
+  // GGUF weights, same order: 1 rounds x to 8 bits per block first and runs the integer-dot
+  // kernels (gguf_q8_dot.h), 0 keeps x float32.
   int64_t gguf_q8_activations[4];
   // Float weights packed for packed_gemm.h at load (1), same order; 0: the [N, K] matrix.
   int64_t packed[4];
@@ -80,7 +80,7 @@ struct DecoderLayerWeights {
 
 // Quantized activations, shared by the layers of one call (null when no layer needs them):
 // per token for W8A8 linears, xq [num_tokens, largest K] int8 and xs [num_tokens] float32; per
-// 32-value block for GGUF linears with 8-bit activations, `gguf_q8` sized likewise.
+// block for GGUF linears with 8-bit activations, `gguf_q8` sized likewise.
 struct ActivationScratch {
   int8_t* xq;
   float* xs;
@@ -297,14 +297,11 @@ void decoder_layers(const DecoderLayerWeights* layers, int num_layers, const Dec
         max_k_q8 = std::max(max_k_q8, k[i]);
     }
   }
-  const int64_t M = step->num_tokens, q8_blocks = M * (max_k_q8 / gguf::kBlock);
+  const int64_t M = step->num_tokens;
   std::vector<int8_t> xq(static_cast<size_t>(M * max_k));
   std::vector<float> xs(max_k > 0 ? static_cast<size_t>(M) : 0);
-  std::vector<int8_t> q8(static_cast<size_t>(M * max_k_q8));
-  std::vector<float> q8_scales(static_cast<size_t>(2 * q8_blocks));
-  const ActivationScratch act_scratch{
-      max_k > 0 ? xq.data() : nullptr, xs.data(),
-      gguf::Q8Rows{q8.data(), q8_scales.data(), q8_scales.data() + q8_blocks}};
+  gguf::Q8Buffers q8(M, max_k_q8);
+  const ActivationScratch act_scratch{max_k > 0 ? xq.data() : nullptr, xs.data(), q8.rows()};
   for (int l = 0; l < num_layers; ++l) {
     const bool add = l > 0 || add_delta_first != 0;
     if (dtype == 0)

@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include <omp.h>
@@ -29,64 +31,88 @@ namespace {
 
 // --- activations
 
+// max |x[i]| over n values (n a multiple of 32).
+inline float abs_max(const float* x, int64_t n) {
+#ifdef PAGEDLLM_AVX2
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 vmax = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8)
+    vmax = _mm256_max_ps(vmax, _mm256_and_ps(_mm256_loadu_ps(x + i), abs_mask));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  return _mm_cvtss_f32(m4);
+#else
+  float amax = 0.f;
+  for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
+  return amax;
+#endif
+}
+
+// q[i] = round_half_even(x[i] * id) for 32 values; sums[0] / sums[1]: the sums of q over
+// values 0-15 / 16-31.
+inline void round32(const float* x, float id, int8_t* q, int32_t sums[2]) {
+#ifdef PAGEDLLM_AVX2
+  // cvtps rounds to nearest even (the default MXCSR mode), as nearbyint below.
+  __m256i i32[4];
+  for (int c = 0; c < 4; ++c)
+    i32[c] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * c), _mm256_set1_ps(id)));
+  // Two hadds of (values 0-7 + 8-15, 16-23 + 24-31): dwords 0 and 1 of each 128-bit half
+  // then hold the two 16-value sums of that half's lanes; the halves added give the sums.
+  __m256i h = _mm256_hadd_epi32(_mm256_add_epi32(i32[0], i32[1]), _mm256_add_epi32(i32[2], i32[3]));
+  h = _mm256_hadd_epi32(h, h);
+  const __m128i s2 = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+  sums[0] = _mm_cvtsi128_si32(s2);
+  sums[1] = _mm_extract_epi32(s2, 1);
+  // The packs interleave 128-bit lanes: dword groups come out as a0 b0 c0 d0 a1 b1 c1 d1 (x
+  // of vector x, 4 values each); the permutation restores a0 a1 b0 b1 ...
+  const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i32[0], i32[1]),
+                                            _mm256_packs_epi32(i32[2], i32[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                      _mm256_permutevar8x32_epi32(packed,
+                                                  _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+#else
+  sums[0] = sums[1] = 0;
+  for (int i = 0; i < kBlock; ++i) {
+    const int v = static_cast<int>(std::nearbyint(x[i] * id));
+    q[i] = static_cast<int8_t>(v);
+    sums[i / 16] += v;
+  }
+#endif
+}
+
+// One row in the 32-value-block format.
 inline void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* ds) {
   for (int64_t b = 0; b < K / kBlock; ++b) {
-    const float* xb = x + b * kBlock;
-    int8_t* qb = q + b * kBlock;
-#ifdef PAGEDLLM_AVX2
-    __m256 v[4];
-    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    __m256 vmax = _mm256_setzero_ps();
-    for (int c = 0; c < 4; ++c) {
-      v[c] = _mm256_loadu_ps(xb + 8 * c);
-      vmax = _mm256_max_ps(vmax, _mm256_and_ps(v[c], abs_mask));
-    }
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    const float amax = _mm_cvtss_f32(m4);
-#else
-    float amax = 0.f;
-    for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
-#endif
-    const float db = amax / 127.f, id = db != 0.f ? 1.f / db : 0.f;
-    int32_t sum = 0;
-#ifdef PAGEDLLM_AVX2
-    // cvtps rounds to nearest even (the default MXCSR mode), as nearbyint below.
-    __m256i i32[4];
-    for (int c = 0; c < 4; ++c) i32[c] = _mm256_cvtps_epi32(_mm256_mul_ps(v[c], _mm256_set1_ps(id)));
-    const __m256i total = _mm256_add_epi32(_mm256_add_epi32(i32[0], i32[1]),
-                                           _mm256_add_epi32(i32[2], i32[3]));
-    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1)));
-    sum = _mm_cvtsi128_si32(s4);
-    // The packs interleave 128-bit lanes: dword groups come out as a0 b0 c0 d0 a1 b1 c1 d1 (x
-    // of vector x, 4 values each); the permutation restores a0 a1 b0 b1 ...
-    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i32[0], i32[1]),
-                                              _mm256_packs_epi32(i32[2], i32[3]));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb),
-                        _mm256_permutevar8x32_epi32(packed,
-                                                    _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-#else
-    for (int i = 0; i < kBlock; ++i) {
-      const int v = static_cast<int>(std::nearbyint(xb[i] * id));
-      qb[i] = static_cast<int8_t>(v);
-      sum += v;
-    }
-#endif
+    const float db = abs_max(x + b * kBlock, kBlock) / 127.f, id = db != 0.f ? 1.f / db : 0.f;
+    int32_t sums[2];
+    round32(x + b * kBlock, id, q + b * kBlock, sums);
     d[b] = db;
-    ds[b] = db * static_cast<float>(sum);
+    ds[b] = db * static_cast<float>(sums[0] + sums[1]);
   }
 }
 
-// --- weights: per type, the float scales of a block and the quants of sub-block s.
+// One row in the 256-value-block format (q8_K).
+constexpr int kSuper = 256;
+inline void quantize_row_k(const float* x, int64_t K, int8_t* q, float* d, int16_t* bsums) {
+  for (int64_t b = 0; b < K / kSuper; ++b) {
+    const float db = abs_max(x + b * kSuper, kSuper) / 127.f, id = db != 0.f ? 1.f / db : 0.f;
+    for (int c = 0; c < kSuper / kBlock; ++c) {
+      int32_t sums[2];
+      round32(x + b * kSuper + c * kBlock, id, q + b * kSuper + c * kBlock, sums);
+      bsums[b * 16 + 2 * c] = static_cast<int16_t>(sums[0]);
+      bsums[b * 16 + 2 * c + 1] = static_cast<int16_t>(sums[1]);
+    }
+    d[b] = db;
+  }
+}
+
+// --- 32-value weights: per type, the float scales of a block and its quants.
 //
-// `Scales::d[s]` multiplies the integer dot of sub-block s (Q6_K: d[2s] for its first 16
-// weights, d[2s + 1] for the last 16); `Scales::m[s]` (types with kMin) multiplies ds of the
-// activation block under sub-block s, the whole min / offset term. kSigned (Q8_0 without
-// VNNI): the quants are int8 (dot with the sign trick); else uint8 (u8 x s8 dots directly),
-// the true quant being u - kBias.
+// `Scales::d` multiplies the integer dot; `Scales::m` (types with kMin) multiplies ds of the
+// activation block, the whole offset term. kSigned (Q8_0 without VNNI): the quants are int8
+// (dot with the sign trick); else uint8 (u8 x s8 dots directly), the true quant being
+// u - kBias.
 
 template <typename Q>
 struct Q8Weights;
@@ -97,10 +123,10 @@ struct Q8Weights;
 // sum(u qx) - B sum(qx) = sum(q qx). AVX2's maddubs would saturate Q8_0's u <= 255 (its int16
 // pair sums), so without VNNI Q8_0 keeps the sign trick (`SignedScale`).
 struct SignedScale {
-  static constexpr bool kSigned = true, kMin = false, kHalves = false;
+  static constexpr bool kSigned = true, kMin = false;
   static constexpr int kBias = 0;
-  struct Scales { float d[1]; };
-  static void scales(const uint8_t* b, Scales* s) { s->d[0] = half_to_float(b); }
+  struct Scales { float d; };
+  static void scales(const uint8_t* b, Scales* s) { s->d = half_to_float(b); }
 };
 
 template <int B>
@@ -111,12 +137,12 @@ struct BiasedScale : SignedScale {
 
 // The unsigned ones (Q4_1, Q5_1): d, then the offset m.
 struct OffsetScales {
-  static constexpr bool kSigned = false, kMin = true, kHalves = false;
+  static constexpr bool kSigned = false, kMin = true;
   static constexpr int kBias = 0;
-  struct Scales { float d[1], m[1]; };
+  struct Scales { float d, m; };
   static void scales(const uint8_t* b, Scales* s) {
-    s->d[0] = half_to_float(b);
-    s->m[0] = half_to_float(b + 2);
+    s->d = half_to_float(b);
+    s->m = half_to_float(b + 2);
   }
 };
 
@@ -199,15 +225,12 @@ struct Q8Weights<Q5_0> : BiasedScale<16>, Nibble5Quants<2, 6> {};
 template <>
 struct Q8Weights<Q5_1> : OffsetScales, Nibble5Quants<4, 8> {};
 
-// Q4_K / Q5_K share scales (6-bit sc and m per sub-block, gguf_blocks.h's k4_scale_min).
-struct K4Scales {
-  float d[8], m[8];
-};
+// --- K-quant weights (read against the 256-value activation blocks): the quants of
+// sub-block s as for the 32-value types (unsigned), and the block's integer scales.
 
-// All 16 six-bit values at once with 32-bit masks (llama.cpp's ggml_vec_dot_q4_K_q8_K does
-// likewise): bytes 0-7 of u become sc[0..7], bytes 8-15 m[0..7] (k4_scale_min's rules).
-inline void k4_scales(const uint8_t* b, K4Scales* s) {
-  const float d = half_to_float(b), dmin = half_to_float(b + 2);
+// The 8 six-bit scales and 8 mins of a Q4_K/Q5_K block at once with 32-bit masks (llama.cpp's
+// ggml_vec_dot_q4_K_q8_K does likewise): v[0..7] = sc, v[8..15] = m (k4_scale_min's rules).
+inline void k4_scale_bytes(const uint8_t* b, uint8_t v[16]) {
   uint32_t u[4];
   std::memcpy(u, b + 4, 12);
   constexpr uint32_t kLow6 = 0x3f3f3f3f, kLow4 = 0x0f0f0f0f, kLow2 = 0x03030303;
@@ -216,33 +239,59 @@ inline void k4_scales(const uint8_t* b, K4Scales* s) {
   u[1] = (u[2] & kLow4) | (((u[0] >> 6) & kLow2) << 4);          // sc[4..7]
   u[2] = m03;
   u[0] &= kLow6;                                                 // sc[0..3]
-#ifdef PAGEDLLM_AVX2
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(u));
-  _mm256_storeu_ps(s->d, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)),
-                                       _mm256_set1_ps(d)));
-  _mm256_storeu_ps(s->m, _mm256_mul_ps(
-                             _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8))),
-                             _mm256_set1_ps(-dmin)));
-#else
-  uint8_t v[16];
   std::memcpy(v, u, 16);
-  for (int sub = 0; sub < 8; ++sub) {
-    s->d[sub] = d * static_cast<float>(v[sub]);
-    s->m[sub] = -dmin * static_cast<float>(v[8 + sub]);
-  }
-#endif
 }
 
-// The traits Q4_K and Q5_K share: unsigned quants, k4_scales' d and min per sub-block.
-struct K4Traits {
-  static constexpr bool kSigned = false, kMin = true, kHalves = false;
-  static constexpr int kBias = 0;
-  using Scales = K4Scales;
-  static void scales(const uint8_t* b, Scales* s) { k4_scales(b, s); }
+// A K-quant block's scales as the integer path applies them: sub-block s's products times its
+// int16 scale(s), then per 16-value group g the bsums term `group[g] bsum[g]`: Q4_K / Q5_K the
+// min (group[g] = m[g / 2], times -dmin), Q6_K the bias (group[g] = sc[g], times -32 d).
+struct KScales {
+  float d, dmin;
+#ifdef PAGEDLLM_AVX2
+  __m256i sub[8];   // int16: Q4_K/Q5_K sc[s] everywhere; Q6_K sc[2s] low half, sc[2s + 1] high
+  __m256i group;    // int16 group[g] in element g
+#else
+  int32_t sub[16];  // the scale of weights 16 h .. 16 h + 15 of sub-block s at 2 s + h
+  int32_t group[16];
+#endif
 };
 
+#ifdef PAGEDLLM_AVX2
+// Each 128-bit half of `src` (8 int16) broadcast its element e_lo (low half) / e_hi (high half).
+inline __m256i broadcast_int16(__m256i src, int e_lo, int e_hi) {
+  return _mm256_shuffle_epi8(src, _mm256_set_m128i(_mm_set1_epi16(0x0100 + 0x0202 * e_hi),
+                                                   _mm_set1_epi16(0x0100 + 0x0202 * e_lo)));
+}
+#endif
+
+// Q4_K / Q5_K: d, dmin, then the packed 6-bit sc and m.
+struct K4IntScales {
+  static constexpr bool kMin = true;
+  static void scales(const uint8_t* b, KScales* s) {
+    s->d = half_to_float(b);
+    s->dmin = half_to_float(b + 2);
+    uint8_t v[16];
+    k4_scale_bytes(b, v);
+#ifdef PAGEDLLM_AVX2
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(v));
+    const __m128i sc = _mm_cvtepu8_epi16(bytes), m = _mm_cvtepu8_epi16(_mm_srli_si128(bytes, 8));
+    const __m256i both = _mm256_set_m128i(sc, sc);
+    for (int sub = 0; sub < 8; ++sub) s->sub[sub] = broadcast_int16(both, sub, sub);
+    s->group = _mm256_set_m128i(_mm_unpackhi_epi16(m, m), _mm_unpacklo_epi16(m, m));
+#else
+    for (int g = 0; g < 16; ++g) {
+      s->sub[g] = v[g / 2];
+      s->group[g] = v[8 + g / 2];
+    }
+#endif
+  }
+};
+
+template <typename Q>
+struct KWeights;
+
 template <>
-struct Q8Weights<Q4_K> : K4Traits {
+struct KWeights<Q4_K> : K4IntScales {
   static void quants(const uint8_t* b, int sub, int32_t* q) {
     const uint8_t* qs = b + 16 + 32 * (sub / 2);
     for (int l = 0; l < kBlock; ++l) q[l] = (qs[l] >> (4 * (sub & 1))) & 0x0f;
@@ -258,7 +307,7 @@ struct Q8Weights<Q4_K> : K4Traits {
 };
 
 template <>
-struct Q8Weights<Q5_K> : K4Traits {
+struct KWeights<Q5_K> : K4IntScales {
   static void quants(const uint8_t* b, int sub, int32_t* q) {
     const uint8_t* qh = b + 16;
     const uint8_t* qs = b + 48 + 32 * (sub / 2);
@@ -279,34 +328,26 @@ struct Q8Weights<Q5_K> : K4Traits {
 #endif
 };
 
+// Q6_K: quants taken unsigned (q + 32, the bias entering through the bsums term); int8 scales
+// per 16 weights at byte 192, d at 208.
 template <>
-struct Q8Weights<Q6_K> {   // (quants taken unsigned, q + 32, kBias = 32 as Q4_0's)
-  static constexpr bool kSigned = false, kMin = false, kHalves = true;
-  static constexpr int kBias = 32;
-#ifdef PAGEDLLM_AVX2
-  // Per sub-block s, the scales of its two 16-weight groups as lanes 0-3 and 4-7 (those of
-  // the integer dot's lanes).
-  struct Scales { __m256 halves[8]; };
-  static void scales(const uint8_t* b, Scales* s) {
-    const __m256 d = _mm256_set1_ps(half_to_float(b + 208));
-    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
-    const __m256 g[2] = {
-        _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)), d),
-        _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))), d)};
-    for (int sub = 0; sub < 8; ++sub) {
-      const int lo = 2 * (sub % 4);
-      s->halves[sub] = _mm256_permutevar8x32_ps(
-          g[sub / 4], _mm256_setr_epi32(lo, lo, lo, lo, lo + 1, lo + 1, lo + 1, lo + 1));
-    }
-  }
-#else
-  struct Scales { float d[16]; };
-  static void scales(const uint8_t* b, Scales* s) {
-    const float d = half_to_float(b + 208);
+struct KWeights<Q6_K> {
+  static constexpr bool kMin = false;
+  static void scales(const uint8_t* b, KScales* s) {
+    s->d = half_to_float(b + 208);
+    s->dmin = 0.f;
     const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
-    for (int g = 0; g < 16; ++g) s->d[g] = d * static_cast<float>(sc[g]);
-  }
+#ifdef PAGEDLLM_AVX2
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc));
+    const __m128i lo = _mm_cvtepi8_epi16(raw), hi = _mm_cvtepi8_epi16(_mm_srli_si128(raw, 8));
+    const __m256i both_lo = _mm256_set_m128i(lo, lo), both_hi = _mm256_set_m128i(hi, hi);
+    for (int sub = 0; sub < 8; ++sub)
+      s->sub[sub] = broadcast_int16(sub < 4 ? both_lo : both_hi, (2 * sub) % 8, (2 * sub + 1) % 8);
+    s->group = _mm256_set_m128i(hi, lo);
+#else
+    for (int g = 0; g < 16; ++g) s->sub[g] = s->group[g] = sc[g];
 #endif
+  }
   static void quants(const uint8_t* b, int sub, int32_t* q) {
     const int n = sub / 4, j = sub % 4;
     const uint8_t* ql = b + 64 * n + 32 * (j & 1);
@@ -328,17 +369,28 @@ struct Q8Weights<Q6_K> {   // (quants taken unsigned, q + 32, kBias = 32 as Q4_0
   }
 #endif
 };
-
 // --- micro-kernels: y[i][j] = dot(x_q row i, w row j) (+ bias[j]) for i < MB, j < NB.
 // `x` holds the MB rows' rounded activations from the block under the row's first weight
-// (row strides ldq bytes of q, ldb floats of d / ds).
+// (row strides ldq bytes of q, ldb scales, ldg bsums).
 
 struct Q8View {
   const int8_t* q;
   const float* d;
-  const float* ds;
-  int64_t ldq, ldb;
+  const float* ds;   // (32-value blocks) or
+  const int16_t* bsums;   // (256-value blocks)
+  int64_t ldq, ldb, ldg;
 };
+
+// The activations of x rows [m, ...) in the format type Q reads.
+template <typename Q>
+inline Q8View q8_view(const Q8Rows& xq, int64_t K, int64_t m) {
+  if constexpr (Q::kWeights == kSuper)
+    return Q8View{xq.qk + m * K, xq.dk + m * (K / kSuper), nullptr, xq.bsums + m * (K / 16), K,
+                  K / kSuper, K / 16};
+  else
+    return Q8View{xq.q + m * K, xq.d + m * (K / kBlock), xq.ds + m * (K / kBlock), nullptr, K,
+                  K / kBlock, 0};
+}
 
 #ifdef PAGEDLLM_AVX2
 // acc + eight int32 sums of 4 byte products each (lane k: bytes 4k..4k+3), unsigned u by signed s.
@@ -351,62 +403,110 @@ inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
 #endif
 }
 
-// Per (x row, sub-block): the float scale dx, and the start of the integer dots: -kBias sum(qx)
-// per 4-byte lane (zero without a bias). Per (w row, sub-block): the scale vector. Per pair:
-// one integer dot, a conversion and one FMA.
+// acc + eight int32 sums of 2 int16 products each.
+inline __m256i dot_s16(__m256i acc, __m256i a, __m256i b) {
+#ifdef PAGEDLLM_VNNI
+  return _mm256_dpwssd_epi32(acc, a, b);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+}
+
+// The 32-value types. Per (x row, block): the float scale dx, and the start of the integer
+// dots: -kBias sum(qx) per 4-byte lane (zero without a bias). Per (w row, block): the scale.
+// Per pair: one integer dot, a conversion and one FMA.
 template <int MB, int NB, typename Q>
 inline void micro_q8(const Q8View& x, const uint8_t* w, int64_t row_stride, int64_t block_stride,
                      int64_t prefetch, int64_t num_blocks, const float* bias, float* y,
                      int64_t ldy) {
   using W = Q8Weights<Q>;
-  constexpr int kSubs = Q::kWeights / kBlock;
   __m256 acc[MB][NB];
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_setzero_ps();
   for (int64_t b = 0; b < num_blocks; ++b) {
-    const int64_t xb = b * kSubs;   // the activation block under the weight block's start
     if (prefetch != 0)   // see RowLayout::prefetch_offset
       for (int j = 0; j < NB; ++j)
         prefetch_block<Q::kBytes>(w + j * row_stride + b * block_stride + prefetch);
     typename W::Scales sc[NB];
     for (int j = 0; j < NB; ++j) W::scales(w + j * row_stride + b * block_stride, &sc[j]);
-    if constexpr (W::kMin) {   // the min / offset terms: m ds
-      for (int i = 0; i < MB; ++i) {
-        if constexpr (kSubs == 8) {   // the 8 sub-blocks' terms as one vector
-          const __m256 ds = _mm256_loadu_ps(x.ds + i * x.ldb + xb);
-          for (int j = 0; j < NB; ++j)
-            acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(sc[j].m), ds, acc[i][j]);
-        } else {   // m ds / 8 in each lane (exact: a power of two), summed by the final hsum
-          const __m256 ds = _mm256_set1_ps(x.ds[i * x.ldb + xb] * 0.125f);
-          for (int j = 0; j < NB; ++j)
-            acc[i][j] = _mm256_fmadd_ps(_mm256_set1_ps(sc[j].m[0]), ds, acc[i][j]);
-        }
+    __m256i qx[MB], start[MB];
+    float dx[MB];
+    for (int i = 0; i < MB; ++i) {
+      qx[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + i * x.ldq + b * kBlock));
+      dx[i] = x.d[i * x.ldb + b];
+      start[i] = _mm256_setzero_si256();
+      if constexpr (W::kBias != 0)   // -kBias * (sums of qx per lane)
+        start[i] = _mm256_sub_epi32(
+            start[i], dot_u8s8(start[i], _mm256_set1_epi8(static_cast<char>(W::kBias)), qx[i]));
+      if constexpr (W::kMin) {   // m ds / 8 in each lane (exact: a power of two)
+        const __m256 ds = _mm256_set1_ps(x.ds[i * x.ldb + b] * 0.125f);
+        for (int j = 0; j < NB; ++j)
+          acc[i][j] = _mm256_fmadd_ps(_mm256_set1_ps(sc[j].m), ds, acc[i][j]);
       }
     }
-    for (int s = 0; s < kSubs; ++s) {
-      __m256i qx[MB], start[MB];
-      __m256 dx[MB];
+    for (int j = 0; j < NB; ++j) {
+      const __m256i qw = W::quants(w + j * row_stride + b * block_stride, 0);
+      const __m256i uw = W::kSigned ? _mm256_sign_epi8(qw, qw) : qw;
       for (int i = 0; i < MB; ++i) {
-        qx[i] = _mm256_loadu_si256(
-            reinterpret_cast<const __m256i*>(x.q + i * x.ldq + (xb + s) * kBlock));
-        dx[i] = _mm256_set1_ps(x.d[i * x.ldb + xb + s]);
-        start[i] = _mm256_setzero_si256();
-        if constexpr (W::kBias != 0)   // -kBias * (sums of qx per lane)
-          start[i] = _mm256_sub_epi32(
-              start[i], dot_u8s8(start[i], _mm256_set1_epi8(static_cast<char>(W::kBias)), qx[i]));
+        const __m256i sx = W::kSigned ? _mm256_sign_epi8(qx[i], qw) : qx[i];
+        const __m256 prod = _mm256_cvtepi32_ps(dot_u8s8(start[i], uw, sx));
+        acc[i][j] = _mm256_fmadd_ps(prod, _mm256_set1_ps(sc[j].d * dx[i]), acc[i][j]);
       }
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j)
+      y[i * ldy + j] = hsum(acc[i][j]) + (bias != nullptr ? bias[j] : 0.f);
+}
+
+// The K-quants on 256-value activation blocks. Per (w row, block) its KScales; per (x row,
+// w row) and sub-block: maddubs (int16 pair sums) and one int16 dot with the sub-block's
+// scales into an int32 sum; per block the bsums term, one conversion and one FMA (two for the
+// min of Q4_K / Q5_K).
+template <int MB, int NB, typename Q>
+inline void micro_q8k(const Q8View& x, const uint8_t* w, int64_t row_stride,
+                      int64_t block_stride, int64_t prefetch, int64_t num_blocks,
+                      const float* bias, float* y, int64_t ldy) {
+  using W = KWeights<Q>;
+  constexpr int kSubs = Q::kWeights / kBlock;
+  __m256 acc[MB][NB];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    if (prefetch != 0)   // see RowLayout::prefetch_offset
+      for (int j = 0; j < NB; ++j)
+        prefetch_block<Q::kBytes>(w + j * row_stride + b * block_stride + prefetch);
+    KScales sc[NB];
+    for (int j = 0; j < NB; ++j) W::scales(w + j * row_stride + b * block_stride, &sc[j]);
+    __m256i isum[MB][NB];
+    for (int i = 0; i < MB; ++i)
+      for (int j = 0; j < NB; ++j) isum[i][j] = _mm256_setzero_si256();
+    for (int s = 0; s < kSubs; ++s) {
+      __m256i qx[MB];
+      for (int i = 0; i < MB; ++i)
+        qx[i] = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(x.q + i * x.ldq + b * Q::kWeights + s * kBlock));
       for (int j = 0; j < NB; ++j) {
         const __m256i qw = W::quants(w + j * row_stride + b * block_stride, s);
-        const __m256i uw = W::kSigned ? _mm256_sign_epi8(qw, qw) : qw;
-        __m256 ws;
-        if constexpr (W::kHalves)
-          ws = sc[j].halves[s];
-        else
-          ws = _mm256_set1_ps(sc[j].d[s]);
-        for (int i = 0; i < MB; ++i) {
-          const __m256i sx = W::kSigned ? _mm256_sign_epi8(qx[i], qw) : qx[i];
-          const __m256 prod = _mm256_cvtepi32_ps(dot_u8s8(start[i], uw, sx));
-          acc[i][j] = _mm256_fmadd_ps(prod, _mm256_mul_ps(ws, dx[i]), acc[i][j]);
+        for (int i = 0; i < MB; ++i)
+          isum[i][j] = dot_s16(isum[i][j], _mm256_maddubs_epi16(qw, qx[i]), sc[j].sub[s]);
+      }
+    }
+    for (int i = 0; i < MB; ++i) {
+      const __m256i bs =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.bsums + i * x.ldg + b * 16));
+      const float dx = x.d[i * x.ldb + b];
+      for (int j = 0; j < NB; ++j) {
+        const __m256i g = _mm256_madd_epi16(sc[j].group, bs);
+        if constexpr (W::kMin) {
+          acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i][j]),
+                                      _mm256_set1_ps(sc[j].d * dx), acc[i][j]);
+          acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(g), _mm256_set1_ps(-sc[j].dmin * dx),
+                                      acc[i][j]);
+        } else {   // Q6_K: minus 32 sc[g] bsum[g]
+          const __m256i total = _mm256_sub_epi32(isum[i][j], _mm256_slli_epi32(g, 5));
+          acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_set1_ps(sc[j].d * dx),
+                                      acc[i][j]);
         }
       }
     }
@@ -537,9 +637,9 @@ template <int MB, typename Q>
 void lanes_block_q8(const Q8Rows& xq, int64_t K, int64_t m0, int64_t m1, const uint8_t* data,
                     int64_t row_bytes, int64_t n0, int64_t n1, const float* bias, float* y,
                     int64_t ldy) {
-  const int64_t ldb = K / kBlock, num_blocks = K / Q::kWeights;
+  const int64_t num_blocks = K / Q::kWeights;
   for (int64_t m = m0; m + MB <= m1; m += MB) {
-    const Q8View x{xq.q + m * K, xq.d + m * ldb, xq.ds + m * ldb, K, ldb};
+    const Q8View x = q8_view<Q>(xq, K, m);
     for (int64_t n = n0; n < n1; n += kGroupRows)
       micro_q8_lanes<MB, Q>(x, data + n * row_bytes, num_blocks,
                             bias != nullptr ? bias + n : nullptr, y + m * ldy + n, ldy);
@@ -551,30 +651,58 @@ inline void micro_q8(const Q8View& x, const uint8_t* w, int64_t row_stride, int6
                      int64_t /*prefetch*/, int64_t num_blocks, const float* bias, float* y,
                      int64_t ldy) {
   using W = Q8Weights<Q>;
-  constexpr int kSubs = Q::kWeights / kBlock;
   float acc[MB][NB] = {};
   int32_t qw[kBlock];
   for (int64_t b = 0; b < num_blocks; ++b) {
-    const int64_t xb = b * kSubs;
     for (int j = 0; j < NB; ++j) {
       const uint8_t* blk = w + j * row_stride + b * block_stride;
       typename W::Scales sc;
       W::scales(blk, &sc);
+      W::quants(blk, 0, qw);
+      for (int i = 0; i < MB; ++i) {
+        const int8_t* qx = x.q + i * x.ldq + b * kBlock;
+        int32_t dot = 0;   // (biased quants: minus kBias sum(qx))
+        for (int l = 0; l < kBlock; ++l) dot += (qw[l] - W::kBias) * qx[l];
+        acc[i][j] += x.d[i * x.ldb + b] * sc.d * static_cast<float>(dot);
+        if constexpr (W::kMin) acc[i][j] += sc.m * x.ds[i * x.ldb + b];
+      }
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) y[i * ldy + j] = acc[i][j] + (bias != nullptr ? bias[j] : 0.f);
+}
+
+template <int MB, int NB, typename Q>
+inline void micro_q8k(const Q8View& x, const uint8_t* w, int64_t row_stride,
+                      int64_t block_stride, int64_t /*prefetch*/, int64_t num_blocks,
+                      const float* bias, float* y, int64_t ldy) {
+  using W = KWeights<Q>;
+  constexpr int kSubs = Q::kWeights / kBlock;
+  float acc[MB][NB] = {};
+  int32_t qw[kBlock];
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    for (int j = 0; j < NB; ++j) {
+      const uint8_t* blk = w + j * row_stride + b * block_stride;
+      KScales sc;
+      W::scales(blk, &sc);
+      int32_t isum[MB] = {};
       for (int s = 0; s < kSubs; ++s) {
         W::quants(blk, s, qw);
         for (int i = 0; i < MB; ++i) {
-          const int8_t* qx = x.q + i * x.ldq + (xb + s) * kBlock;
-          int32_t lo = 0, hi = 0;   // (biased quants: minus kBias sum(qx))
-          for (int l = 0; l < 16; ++l) lo += (qw[l] - W::kBias) * qx[l];
-          for (int l = 16; l < kBlock; ++l) hi += (qw[l] - W::kBias) * qx[l];
-          const float dx = x.d[i * x.ldb + xb + s];
-          if constexpr (W::kHalves)
-            acc[i][j] += dx * (sc.d[2 * s] * static_cast<float>(lo) +
-                               sc.d[2 * s + 1] * static_cast<float>(hi));
-          else
-            acc[i][j] += dx * sc.d[s] * static_cast<float>(lo + hi);
-          if constexpr (W::kMin) acc[i][j] += sc.m[s] * x.ds[i * x.ldb + xb + s];
+          const int8_t* qx = x.q + i * x.ldq + b * Q::kWeights + s * kBlock;
+          for (int l = 0; l < kBlock; ++l) isum[i] += sc.sub[2 * s + l / 16] * qw[l] * qx[l];
         }
+      }
+      for (int i = 0; i < MB; ++i) {
+        const int16_t* bs = x.bsums + i * x.ldg + b * 16;
+        int32_t g = 0;
+        for (int k = 0; k < 16; ++k) g += sc.group[k] * bs[k];
+        const float dx = x.d[i * x.ldb + b];
+        if constexpr (W::kMin)
+          acc[i][j] += sc.d * dx * static_cast<float>(isum[i]) -
+                       sc.dmin * dx * static_cast<float>(g);
+        else
+          acc[i][j] += sc.d * dx * static_cast<float>(isum[i] - 32 * g);
       }
     }
   }
@@ -590,18 +718,22 @@ void rows_block_q8(const Q8Rows& xq, int64_t K, int64_t m0, int64_t m1, const Ro
                    int64_t num_blocks, int64_t n0, int64_t n1, const float* bias, float* y,
                    int64_t ldy) {
   constexpr int NB = MB == 1 ? 4 : 2;
-  const int64_t ldb = K / kBlock;
+  constexpr bool kSuperBlocks = Q::kWeights == kSuper;
   for (int64_t m = m0; m + MB <= m1; m += MB) {
-    const Q8View x{xq.q + m * K, xq.d + m * ldb, xq.ds + m * ldb, K, ldb};
+    const Q8View x = q8_view<Q>(xq, K, m);
     int64_t n = n0;
-    for (; n + NB <= n1; n += NB)
-      micro_q8<MB, NB, Q>(x, w.row(n), w.row_stride(n), w.block_stride(n),
-                          w.prefetch_offset(n, NB), num_blocks,
-                          bias != nullptr ? bias + n : nullptr, y + m * ldy + n, ldy);
-    for (; n < n1; ++n)
-      micro_q8<MB, 1, Q>(x, w.row(n), w.row_stride(n), w.block_stride(n),
-                         w.prefetch_offset(n, 1), num_blocks,
-                         bias != nullptr ? bias + n : nullptr, y + m * ldy + n, ldy);
+    auto run = [&](auto nb) {
+      constexpr int kNB = decltype(nb)::value;
+      const float* b = bias != nullptr ? bias + n : nullptr;
+      if constexpr (kSuperBlocks)
+        micro_q8k<MB, kNB, Q>(x, w.row(n), w.row_stride(n), w.block_stride(n),
+                              w.prefetch_offset(n, kNB), num_blocks, b, y + m * ldy + n, ldy);
+      else
+        micro_q8<MB, kNB, Q>(x, w.row(n), w.row_stride(n), w.block_stride(n),
+                             w.prefetch_offset(n, kNB), num_blocks, b, y + m * ldy + n, ldy);
+    };
+    for (; n + NB <= n1; n += NB) run(std::integral_constant<int, NB>{});
+    for (; n < n1; ++n) run(std::integral_constant<int, 1>{});
   }
 }
 
@@ -657,17 +789,32 @@ WorkItemQ8Fn work_item_q8_for(int64_t ggml_type) {
 
 }  // namespace
 
-void quantize_rows_q8(const float* x, int64_t ldx, int64_t M, int64_t K, const Q8Rows& out) {
-  const int64_t ldb = K / kBlock;
+int q8_formats(const Segment* segments, int64_t num_segments) {
+  int formats = 0;
+  for (int64_t s = 0; s < num_segments; ++s)
+    visit_block_type(segments[s].ggml_type, [&](auto q) {
+      formats |= decltype(q)::kWeights == kSuper ? kQ8Blocks256 : kQ8Blocks32;
+    });
+  return formats;
+}
+
+void quantize_rows_q8(const float* x, int64_t ldx, int64_t M, int64_t K, const Q8Rows& out,
+                      int formats) {
 #pragma omp for schedule(static)
-  for (int64_t m = 0; m < M; ++m)
-    quantize_row(x + m * ldx, K, out.q + m * K, out.d + m * ldb, out.ds + m * ldb);
+  for (int64_t m = 0; m < M; ++m) {
+    if (formats & kQ8Blocks32)
+      quantize_row(x + m * ldx, K, out.q + m * K, out.d + m * (K / kBlock),
+                   out.ds + m * (K / kBlock));
+    if (formats & kQ8Blocks256)
+      quantize_row_k(x + m * ldx, K, out.qk + m * K, out.dk + m * (K / kSuper),
+                     out.bsums + m * (K / 16));
+  }
 }
 
 void linear_segments_tiles_q8(const float* x, int64_t ldx, int64_t M, int64_t K,
                               const Segment* segments, int64_t num_segments, const float* bias,
                               float* y, int64_t ldy, const Q8Rows& scratch) {
-  quantize_rows_q8(x, ldx, M, K, scratch);
+  quantize_rows_q8(x, ldx, M, K, scratch, q8_formats(segments, num_segments));
   for_each_segment_item(M, segments, num_segments, bias, y,
                         [&](const Segment& seg, int64_t r0, int64_t r1, int64_t n0, int64_t n1,
                             const float* seg_bias, float* seg_y) {
@@ -681,26 +828,36 @@ void linear_segments_tiles_q8(const float* x, int64_t ldx, int64_t M, int64_t K,
 
 extern "C" {
 
-// `linear_gguf_segments` (cpu_gguf_linear.cpp) with x rounded to 8 bits per 32-value block
-// first (gguf_q8_dot.h). Returns 0, or -1 if a segment's type is not taken (nothing written).
+// `linear_gguf_segments` (cpu_gguf_linear.cpp) with x rounded to 8 bits first (per 32-value
+// block, and per 256 for the K-quants: gguf_q8_dot.h). Returns 0, or -1 if a segment's type is
+// not taken (nothing written).
 int linear_gguf_segments_q8(const float* x, int64_t ldx, int64_t M, int64_t K,
                             const pagedllm::gguf::Segment* segments, int64_t num_segments,
                             const float* bias, float* y, int64_t ldy) {
   using namespace pagedllm::gguf;
   if (!segments_supported(segments, num_segments)) return -1;
-  std::vector<int8_t> q(static_cast<size_t>(M * K));
-  std::vector<float> d(static_cast<size_t>(M * (K / kBlock))), ds(d.size());
-  const Q8Rows scratch{q.data(), d.data(), ds.data()};
+  Q8Buffers buffers(M, K);
+  const Q8Rows scratch = buffers.rows();
 #pragma omp parallel
   linear_segments_tiles_q8(x, ldx, M, K, segments, num_segments, bias, y, ldy, scratch);
   return 0;
 }
 
-// The rounding of `linear_gguf_segments_q8` alone: q [M, K] int8, d and ds [M, K / 32] float32
-// (gguf_q8_dot.h), K a multiple of 32.
+// The rounding of `linear_gguf_segments_q8` alone, per 32-value block: q [M, K] int8, d and ds
+// [M, K / 32] float32 (gguf_q8_dot.h), K a multiple of 32.
 void quantize_rows_gguf_q8(const float* x, int64_t ldx, int64_t M, int64_t K, int8_t* q,
                            float* d, float* ds) {
-  pagedllm::gguf::quantize_rows_q8(x, ldx, M, K, pagedllm::gguf::Q8Rows{q, d, ds});
+  using namespace pagedllm::gguf;
+  quantize_rows_q8(x, ldx, M, K, Q8Rows{q, d, ds, nullptr, nullptr, nullptr}, kQ8Blocks32);
+}
+
+// The same per 256-value block (the K-quants'): qk [M, K] int8, dk [M, K / 256] float32,
+// bsums [M, K / 16] int16, K a multiple of 256.
+void quantize_rows_gguf_q8k(const float* x, int64_t ldx, int64_t M, int64_t K, int8_t* qk,
+                            float* dk, int16_t* bsums) {
+  using namespace pagedllm::gguf;
+  quantize_rows_q8(x, ldx, M, K, Q8Rows{nullptr, nullptr, nullptr, qk, dk, bsums},
+                   kQ8Blocks256);
 }
 
 // 0: portable integer dots, 1: AVX2, 2: AVX512-VNNI (what this build compiled).
