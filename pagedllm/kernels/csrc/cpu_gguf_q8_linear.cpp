@@ -230,6 +230,7 @@ struct Q8Weights<Q5_1> : OffsetScales, Nibble5Quants<4, 8> {};
 
 // The 8 six-bit scales and 8 mins of a Q4_K/Q5_K block at once with 32-bit masks (llama.cpp's
 // ggml_vec_dot_q4_K_q8_K does likewise): v[0..7] = sc, v[8..15] = m (k4_scale_min's rules).
+// (The portable path's; K4IntScales does the same on vectors.)
 inline void k4_scale_bytes(const uint8_t* b, uint8_t v[16]) {
   uint32_t u[4];
   std::memcpy(u, b + 4, 12);
@@ -248,7 +249,10 @@ inline void k4_scale_bytes(const uint8_t* b, uint8_t v[16]) {
 struct KScales {
   float d, dmin;
 #ifdef PAGEDLLM_AVX2
-  __m256i sub[8];   // int16: Q4_K/Q5_K sc[s] everywhere; Q6_K sc[2s] low half, sc[2s + 1] high
+  // int16 scales, 8 per 128-bit half, which the type's `sub_scale(s)` broadcasts: Q4_K/Q5_K
+  // sc[s] everywhere (both halves of src[0] sc[0..7]); Q6_K sc[2s] in the low half,
+  // sc[2s + 1] in the high one (both halves of src[0] sc[0..7], of src[1] sc[8..15]).
+  __m256i src[2];
   __m256i group;    // int16 group[g] in element g
 #else
   int32_t sub[16];  // the scale of weights 16 h .. 16 h + 15 of sub-block s at 2 s + h
@@ -257,10 +261,24 @@ struct KScales {
 };
 
 #ifdef PAGEDLLM_AVX2
-// Each 128-bit half of `src` (8 int16) broadcast its element e_lo (low half) / e_hi (high half).
-inline __m256i broadcast_int16(__m256i src, int e_lo, int e_hi) {
-  return _mm256_shuffle_epi8(src, _mm256_set_m128i(_mm_set1_epi16(0x0100 + 0x0202 * e_hi),
-                                                   _mm_set1_epi16(0x0100 + 0x0202 * e_lo)));
+// The byte shuffles that broadcast int16 element e of each 128-bit half, for the halves'
+// elements of sub-block s: kBroadcast[s] (e = s in both halves: Q4_K / Q5_K) and
+// kBroadcastPairs[s] (e = 2s mod 8 low, 2s + 1 mod 8 high: Q6_K).
+struct BroadcastMasks {
+  alignas(32) int8_t same[8][32], pairs[8][32];
+  BroadcastMasks() {
+    for (int s = 0; s < 8; ++s)
+      for (int byte = 0; byte < 32; ++byte) {
+        const int half = byte / 16, low = byte % 2;
+        same[s][byte] = static_cast<int8_t>(2 * s + low);
+        pairs[s][byte] = static_cast<int8_t>(2 * ((2 * s + half) % 8) + low);
+      }
+  }
+};
+inline const BroadcastMasks kBroadcast;
+
+inline __m256i broadcast_int16(__m256i src, const int8_t* mask) {
+  return _mm256_shuffle_epi8(src, _mm256_load_si256(reinterpret_cast<const __m256i*>(mask)));
 }
 #endif
 
@@ -270,21 +288,34 @@ struct K4IntScales {
   static void scales(const uint8_t* b, KScales* s) {
     s->d = half_to_float(b);
     s->dmin = half_to_float(b + 2);
-    uint8_t v[16];
-    k4_scale_bytes(b, v);
 #ifdef PAGEDLLM_AVX2
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(v));
+    // k4_scale_bytes on one vector: from dwords u0 u1 u2 of the packed scales, sc[0..3] =
+    // u0 & 0x3f, sc[4..7] = (u2 & 0x0f) | (u0 >> 6 & 3) << 4, m[0..3] = u1 & 0x3f, m[4..7] =
+    // (u2 >> 4 & 0x0f) | (u1 >> 6 & 3) << 4, per byte (the 16-byte load's last dword is quants).
+    const __m128i u = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4));
+    const __m128i low = _mm_and_si128(
+        _mm_srlv_epi32(_mm_shuffle_epi32(u, _MM_SHUFFLE(2, 1, 2, 0)), _mm_setr_epi32(0, 0, 0, 4)),
+        _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
+    const __m128i high = _mm_and_si128(_mm_srli_epi32(_mm_shuffle_epi32(u, _MM_SHUFFLE(1, 1, 0, 0)), 2),
+                                       _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
+    const __m128i bytes = _mm_or_si128(low, high);
     const __m128i sc = _mm_cvtepu8_epi16(bytes), m = _mm_cvtepu8_epi16(_mm_srli_si128(bytes, 8));
-    const __m256i both = _mm256_set_m128i(sc, sc);
-    for (int sub = 0; sub < 8; ++sub) s->sub[sub] = broadcast_int16(both, sub, sub);
+    s->src[0] = _mm256_set_m128i(sc, sc);
     s->group = _mm256_set_m128i(_mm_unpackhi_epi16(m, m), _mm_unpacklo_epi16(m, m));
 #else
+    uint8_t v[16];
+    k4_scale_bytes(b, v);
     for (int g = 0; g < 16; ++g) {
       s->sub[g] = v[g / 2];
       s->group[g] = v[8 + g / 2];
     }
 #endif
   }
+#ifdef PAGEDLLM_AVX2
+  static __m256i sub_scale(const KScales& s, int sub) {
+    return broadcast_int16(s.src[0], kBroadcast.same[sub]);
+  }
+#endif
 };
 
 template <typename Q>
@@ -340,14 +371,18 @@ struct KWeights<Q6_K> {
 #ifdef PAGEDLLM_AVX2
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc));
     const __m128i lo = _mm_cvtepi8_epi16(raw), hi = _mm_cvtepi8_epi16(_mm_srli_si128(raw, 8));
-    const __m256i both_lo = _mm256_set_m128i(lo, lo), both_hi = _mm256_set_m128i(hi, hi);
-    for (int sub = 0; sub < 8; ++sub)
-      s->sub[sub] = broadcast_int16(sub < 4 ? both_lo : both_hi, (2 * sub) % 8, (2 * sub + 1) % 8);
+    s->src[0] = _mm256_set_m128i(lo, lo);
+    s->src[1] = _mm256_set_m128i(hi, hi);
     s->group = _mm256_set_m128i(hi, lo);
 #else
     for (int g = 0; g < 16; ++g) s->sub[g] = s->group[g] = sc[g];
 #endif
   }
+#ifdef PAGEDLLM_AVX2
+  static __m256i sub_scale(const KScales& s, int sub) {
+    return broadcast_int16(s.src[sub / 4], kBroadcast.pairs[sub]);
+  }
+#endif
   static void quants(const uint8_t* b, int sub, int32_t* q) {
     const int n = sub / 4, j = sub % 4;
     const uint8_t* ql = b + 64 * n + 32 * (j & 1);
@@ -481,6 +516,7 @@ inline void micro_q8k(const Q8View& x, const uint8_t* w, int64_t row_stride,
     __m256i isum[MB][NB];
     for (int i = 0; i < MB; ++i)
       for (int j = 0; j < NB; ++j) isum[i][j] = _mm256_setzero_si256();
+#pragma GCC unroll 8
     for (int s = 0; s < kSubs; ++s) {
       __m256i qx[MB];
       for (int i = 0; i < MB; ++i)
@@ -488,8 +524,9 @@ inline void micro_q8k(const Q8View& x, const uint8_t* w, int64_t row_stride,
             reinterpret_cast<const __m256i*>(x.q + i * x.ldq + b * Q::kWeights + s * kBlock));
       for (int j = 0; j < NB; ++j) {
         const __m256i qw = W::quants(w + j * row_stride + b * block_stride, s);
+        const __m256i scale = W::sub_scale(sc[j], s);
         for (int i = 0; i < MB; ++i)
-          isum[i][j] = dot_s16(isum[i][j], _mm256_maddubs_epi16(qw, qx[i]), sc[j].sub[s]);
+          isum[i][j] = dot_s16(isum[i][j], _mm256_maddubs_epi16(qw, qx[i]), scale);
       }
     }
     for (int i = 0; i < MB; ++i) {
