@@ -614,21 +614,39 @@ struct LaneQuants<Q4_1> : LaneNibbles {
   static constexpr int kBias = 0;
 };
 
+// x rows [m, m + MB) of xq's 32-value blocks as the lane kernel reads them: per row i and
+// block b the 4 vectors at xl + ((i num_blocks + b) 4 + c) 32, vector c holding dwords 2c
+// (lanes 0-3) and 2c + 1 (lanes 4-7) of the block. Made once per x tile and read for every
+// group of the work item's weight rows (permuting x per group and block bound the lane
+// kernel on a Zen 4's one shuffle port).
+template <int MB>
+void expand_lanes(const Q8View& x, int64_t num_blocks, int8_t* xl) {
+  __m256i perm[4];
+  for (int c = 0; c < 4; ++c)
+    perm[c] = _mm256_setr_epi32(2 * c, 2 * c, 2 * c, 2 * c, 2 * c + 1, 2 * c + 1, 2 * c + 1,
+                                2 * c + 1);
+  for (int i = 0; i < MB; ++i)
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      const __m256i xv = _mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(x.q + i * x.ldq + b * kBlock));
+      for (int c = 0; c < 4; ++c)
+        _mm256_store_si256(reinterpret_cast<__m256i*>(xl + ((i * num_blocks + b) * 4 + c) * 32),
+                           _mm256_permutevar8x32_epi32(xv, perm[c]));
+    }
+}
+
 // y[i][r] = dot(x_q row i, row r of the group at w) (+ bias[r]) for i < MB, r < 4, the group's
-// rows `num_blocks` 32-weight blocks long. One group at a time: two groups side by side (two
-// streams a group apart) halved the batch-1 speed on a Zen 4.
+// rows `num_blocks` 32-weight blocks long, x's quants read from its lanes `xl`
+// (expand_lanes). One group at a time: two groups side by side halved the batch-1 speed on a
+// Zen 4 (two streams a group apart) and slowed batched tiles too.
 template <int MB, typename Q>
-inline void micro_q8_lanes(const Q8View& x, const uint8_t* w, int64_t num_blocks,
-                           const float* bias, float* y, int64_t ldy) {
+inline void micro_q8_lanes(const Q8View& x, const int8_t* xl, const uint8_t* w,
+                           int64_t num_blocks, const float* bias, float* y, int64_t ldy) {
   using L = LaneGroup<Q>;
   using WQ = LaneQuants<Q>;
   constexpr int64_t kRecord = kGroupRows * Q::kBytes;
   // The offset term of a row, m ds, goes half into each of its two lanes.
   constexpr bool kOffset = WQ::kBias != 0 || L::kScaleBytes == 4;
-  __m256i perm[4];
-  for (int c = 0; c < 4; ++c)
-    perm[c] = _mm256_setr_epi32(2 * c, 2 * c, 2 * c, 2 * c, 2 * c + 1, 2 * c + 1, 2 * c + 1,
-                                2 * c + 1);
   __m256 acc[MB];
   for (int i = 0; i < MB; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t b = 0; b < num_blocks; ++b) {
@@ -645,11 +663,10 @@ inline void micro_q8_lanes(const Q8View& x, const uint8_t* w, int64_t num_blocks
     __m256i wq[4];
     WQ::load(rec + kGroupRows * L::kScaleBytes, wq);
     for (int i = 0; i < MB; ++i) {
-      const __m256i xv = _mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(x.q + i * x.ldq + b * kBlock));
+      const int8_t* xb = xl + (i * num_blocks + b) * 4 * 32;
       __m256i dot = _mm256_setzero_si256();
       for (int c = 0; c < 4; ++c) {
-        const __m256i xs = _mm256_permutevar8x32_epi32(xv, perm[c]);
+        const __m256i xs = _mm256_load_si256(reinterpret_cast<const __m256i*>(xb + 32 * c));
         if constexpr (WQ::kSigned)
           dot = dot_u8s8(dot, _mm256_sign_epi8(wq[c], wq[c]), _mm256_sign_epi8(xs, wq[c]));
         else
@@ -675,10 +692,14 @@ void lanes_block_q8(const Q8Rows& xq, int64_t K, int64_t m0, int64_t m1, const u
                     int64_t row_bytes, int64_t n0, int64_t n1, const float* bias, float* y,
                     int64_t ldy) {
   const int64_t num_blocks = K / Q::kWeights;
+  thread_local std::vector<__m256i> lanes;   // the x tile's lanes, 4 vectors per row and block
+  lanes.resize(static_cast<size_t>(MB * num_blocks * 4));
+  int8_t* xl = reinterpret_cast<int8_t*>(lanes.data());
   for (int64_t m = m0; m + MB <= m1; m += MB) {
     const Q8View x = q8_view<Q>(xq, K, m);
+    expand_lanes<MB>(x, num_blocks, xl);
     for (int64_t n = n0; n < n1; n += kGroupRows)
-      micro_q8_lanes<MB, Q>(x, data + n * row_bytes, num_blocks,
+      micro_q8_lanes<MB, Q>(x, xl, data + n * row_bytes, num_blocks,
                             bias != nullptr ? bias + n : nullptr, y + m * ldy + n, ldy);
   }
 }
