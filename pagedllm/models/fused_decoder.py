@@ -108,6 +108,8 @@ class FusedDecoder:
 
     def __init__(self, layers) -> None:
         self.layers = list(layers)
+        # The layers' Attention modules, listed once (module attribute lookups are slow).
+        self._attention = [layer.self_attn.attn for layer in self.layers]
         first = self.layers[0]
         attn = first.self_attn
         # The model dtype: the norms', residual stream's and KV cache's (linear weights may be
@@ -181,7 +183,7 @@ class FusedDecoder:
         several KV cache groups gets a `KVCacheGroupsMetadata` (one block table per group; the
         native call takes one), so it never takes this path; a single sliding group's blocks
         are all still held while every sequence fits the window."""
-        kv_cache = self.layers[0].self_attn.attn.kv_cache
+        kv_cache = self._attention[0].kv_cache
         if not (isinstance(metadata, CpuPagedMetadata)
                 and metadata.common.num_actual_tokens == num_tokens
                 and kv_cache.dtype == self.dtype and kv_cache.dim() == 5
@@ -271,7 +273,7 @@ class FusedDecoder:
         Returns:
             [n, hidden_size] float32: the last layer's output, not yet added to `residual`.
         """
-        caches = [layer.self_attn.attn.kv_cache for layer in self.layers]
+        caches = [attn.kv_cache for attn in self._attention]
         if self._structs is None or any(a is not b for a, b in zip(caches, self._caches)):
             self._structs, self._caches = self._build(), caches
         common = metadata.common

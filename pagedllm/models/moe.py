@@ -151,8 +151,9 @@ class MoeForCausalLM(nn.Module):
         return self.lm_head.compute_logits(hidden)
 
     def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn
-                for layer in self.model.layers[self.model.start_layer:self.model.end_layer]]
+        # (a plain list: slicing the ModuleList would build a new module each call)
+        layers = list(self.model.layers)[self.model.start_layer:self.model.end_layer]
+        return [layer.self_attn.attn for layer in layers]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load checkpoint tensors by HF name; returns the names of parameters that were set.

@@ -16,6 +16,7 @@ import torch
 
 from pagedllm.sample.logprobs import LogprobsTensors, compute_logprobs
 from pagedllm.sample.metadata import SamplingMetadata
+from pagedllm.sample.ops.argmax import row_argmax
 from pagedllm.sample.ops.bias import (apply_allowed_token_mask, apply_banned_tokens,
                                       apply_logit_bias, apply_logits_processors)
 from pagedllm.sample.ops.penalties import apply_penalties
@@ -78,7 +79,7 @@ class Sampler:
     def distributions(self, logits: torch.Tensor, md: SamplingMetadata) -> Distributions:
         raw = logits.float()
         logits, failed = self._process(raw, md)
-        greedy = None if md.all_random else logits.argmax(dim=-1)
+        greedy = None if md.all_random else row_argmax(logits)
         if md.all_greedy:
             return Distributions(raw, logits, greedy, None, failed)
         temperature = md.temperature
@@ -104,7 +105,7 @@ class Sampler:
     def race(self, probs: torch.Tensor, md: SamplingMetadata, stream: int = 0) -> torch.Tensor:
         """Draw one token per row of probs [B, V] (exponential race)."""
         q = self.noise(probs, md, stream).clamp_min_(1e-20)
-        return probs.div(q).argmax(dim=-1)
+        return row_argmax(probs.div(q))
 
     @staticmethod
     def _process(logits: torch.Tensor, md: SamplingMetadata

@@ -18,6 +18,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from pagedllm.sample.ops.argmax import row_argmax
 from pagedllm.attention.metadata import CommonAttentionMetadata
 
 # (model, input_ids [n], positions [n], common metadata) -> hidden [n, hidden]
@@ -73,7 +74,7 @@ class DraftModelProposer:
                 block_size=bs)
             hidden = self.run_model(self.model, torch.from_numpy(tokens[active]).to(self.device),
                                     torch.from_numpy(pos).to(self.device), common)
-            next_tokens = self.model.compute_logits(hidden).argmax(dim=-1).cpu().numpy()
+            next_tokens = row_argmax(self.model.compute_logits(hidden)).cpu().numpy()
             for j, b in enumerate(active):
                 drafts[b].append(int(next_tokens[j]))
             tokens[active] = next_tokens

@@ -32,6 +32,7 @@ their previous tokens on the host, and speculative decoding, only ever run in sy
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import replace
 
 import numpy as np
@@ -104,6 +105,8 @@ class ModelRunner:
         self.slot_mappings = torch.zeros((1, self.max_num_tokens), dtype=torch.int64,
                                          device=device)
         self._pending: tuple[InputBatch, torch.Tensor, dict] | None = None
+        # Each model's attention backend (`_run_model`), the target's and a drafter's.
+        self._attention_backends: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # Async scheduling: sampled tokens not yet in token_ids_cpu (oldest first); the last
         # entry's are also the inputs the next step takes from the device.
         self._unwritten_tokens: list[SampledTokens] = []
@@ -404,7 +407,9 @@ class ModelRunner:
                    group_commons: tuple[CommonAttentionMetadata, ...] = ()) -> torch.Tensor:
         """One forward of `model` over a flat batch; the only place the forward context is set.
         With several KV cache groups, `group_commons` holds each group's metadata."""
-        backend = model.attention_layers()[0].backend
+        backend = self._attention_backends.get(model)
+        if backend is None:   # (looked up once per model: listing the layers costs ~20 us)
+            backend = self._attention_backends[model] = model.attention_layers()[0].backend
         if group_commons:
             attn_metadata = KVCacheGroupsMetadata(
                 self.kv_cache_windows, tuple(backend.build_metadata(c) for c in group_commons),
