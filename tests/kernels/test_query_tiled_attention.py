@@ -1,6 +1,6 @@
 """The query-tiled path of the CPU paged attention kernel (a tile of a request's query tokens per
-work item) against the per-token path (query_tile=1) and dense attention, on random mixed
-batches: decodes and multi-token chunks over cached contexts, tiles that do not divide the query
+work item; register-blocked tiles for long query runs) against the per-token path (query_tile=1)
+and dense attention, on random mixed batches: decodes and multi-token chunks over cached contexts, tiles that do not divide the query
 lengths, MHA / GQA / MQA, block sizes, sliding windows, soft-capping, every cache dtype, and the
 portable (no AVX2) build."""
 
@@ -17,6 +17,8 @@ from pagedllm.kernels.ops import paged_attention
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="CPU kernels did not build")
 
 CACHE_DTYPES = [torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn]
+# attention_kernel.h's kGemmMinQueryLen.
+GEMM_MIN_QUERY_LEN = 16
 
 
 def _dense(q, k, v, scale, causal, window, soft_cap):
@@ -71,22 +73,30 @@ def _check(lib, shape, cache_dtype, q_lens, ctx, seed, tiles=(2, 5, 16), causal=
     scale = shape[2] ** -0.5
     args = (query, cache, table, qsl, seq_lens, rows, scale, causal, window, soft_cap)
     per_token = paged_attention(*args, query_tile=1, lib=lib)
-    for tile in tiles:
-        # Same pieces, same order per query row: the same floats, not merely close ones.
-        assert torch.equal(paged_attention(*args, query_tile=tile, lib=lib), per_token), tile
-    assert torch.equal(paged_attention(*args, lib=lib), per_token)   # the default tile
+    # Requests of at least GEMM_MIN_QUERY_LEN query tokens take the register-blocked tiles
+    # (AVX2 builds, head sizes % 32 == 0), which sum in another order: close to the per-token
+    # path. Shorter runs walk the per-token path's pieces in the same order: the same floats.
+    q_lens = np.asarray(q_lens)
+    gemm = (q_lens >= GEMM_MIN_QUERY_LEN)[np.searchsorted(qsl[1:], np.arange(len(query)),
+                                                          side="right")]
+    tiled_outputs = [paged_attention(*args, query_tile=tile, lib=lib) for tile in tiles]
+    tiled_outputs.append(paged_attention(*args, lib=lib))   # the default tile
+    for tile, tiled in zip((*tiles, "default"), tiled_outputs):
+        assert torch.equal(tiled[~gemm], per_token[~gemm]), tile
+        torch.testing.assert_close(tiled[gemm], per_token[gemm], atol=1e-6, rtol=1e-5)
     k_all = dequantize_kv(cache, 0, slots, torch.float32)
     v_all = dequantize_kv(cache, 1, slots, torch.float32)
     seq_start = np.concatenate([[0], np.cumsum(seq_lens)])
     for r in range(len(q_lens)):
-        got = per_token[qsl[r]:qsl[r + 1]]
-        if r not in rows:
-            assert not got.any()
-            continue
-        kv = slice(seq_start[r], seq_start[r + 1])
-        want = _dense(query[qsl[r]:qsl[r + 1]], k_all[kv], v_all[kv], scale, causal, window,
-                      soft_cap)
-        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+        for out in (per_token, tiled_outputs[-1]):
+            got = out[qsl[r]:qsl[r + 1]]
+            if r not in rows:
+                assert not got.any()
+                continue
+            kv = slice(seq_start[r], seq_start[r + 1])
+            want = _dense(query[qsl[r]:qsl[r + 1]], k_all[kv], v_all[kv], scale, causal,
+                          window, soft_cap)
+            torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
 # (heads, kv heads, head size, block size)

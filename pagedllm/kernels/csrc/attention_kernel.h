@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include <omp.h>
@@ -452,6 +453,19 @@ void attention_items(const AttentionArgs<T, TQ>& a, const AttentionPlan& plan) {
 // visits exactly the key ranges, in the same block pieces, as on the per-token path (its
 // causal end, its window start), so its result is the same float for float.
 
+// Requests with at least kGemmMinQueryLen query tokens take the register-blocked tiles below
+// (AVX2 builds, head_size % 32 == 0), kGemmTileFactor times longer than query_tile.
+constexpr int kGemmMinQueryLen = 16, kGemmTileFactor = 4;
+
+inline bool gemm_tiles_apply(int head_size) {
+#ifdef PAGEDLLM_AVX2
+  return head_size % 32 == 0;
+#else
+  (void)head_size;
+  return false;
+#endif
+}
+
 struct QueryTilePlan {
   std::vector<int32_t> tile_row, tile_tok, tile_len;  // per tile: request, first token, tokens
   int chunk_kv_heads = 0, num_chunks = 0, max_tile = 0;
@@ -459,19 +473,23 @@ struct QueryTilePlan {
 };
 
 // Tiles of at most `query_tile` tokens (the last one of a request may be shorter) for the rows
-// with more than one query token; rows with one (decodes) are left to `plan_attention`.
+// with more than one query token, kGemmTileFactor x query_tile for runs of kGemmMinQueryLen
+// or more where `gemm` (gemm_tiles_apply); rows with one (decodes) are left to
+// `plan_attention`.
 inline QueryTilePlan plan_query_tiles(const int32_t* query_start_loc, const int32_t* rows,
                                       int num_rows, int num_kv_heads, int num_threads,
-                                      int query_tile) {
+                                      int query_tile, bool gemm = false) {
   QueryTilePlan p;
   for (int i = 0; i < num_rows; ++i) {
     const int r = rows[i];
     const int begin = query_start_loc[r], end = query_start_loc[r + 1];
     if (end - begin < 2) continue;
-    for (int t = begin; t < end; t += query_tile) {
+    const int tile = gemm && end - begin >= kGemmMinQueryLen ? kGemmTileFactor * query_tile
+                                                             : query_tile;
+    for (int t = begin; t < end; t += tile) {
       p.tile_row.push_back(r);
       p.tile_tok.push_back(t);
-      p.tile_len.push_back(std::min(query_tile, end - t));
+      p.tile_len.push_back(std::min(tile, end - t));
       p.max_tile = std::max(p.max_tile, p.tile_len.back());
     }
   }
@@ -551,6 +569,214 @@ inline void block_values_heads(float* acc, int64_t acc_stride, const float* p, i
     block_values(acc + h * acc_stride, p + h * p_stride, v, stride, n, head_size);
 }
 
+// out[j * head_size + d] = float(rows[j * stride + d]) for j < n, d < head_size (exact).
+template <typename T>
+inline void widen_rows(const T* rows, int64_t stride, int n, int head_size, float* out) {
+  for (int j = 0; j < n; ++j) {
+    const T* src = rows + j * stride;
+    float* dst = out + static_cast<int64_t>(j) * head_size;
+    int d = 0;
+#ifdef PAGEDLLM_AVX2
+    for (; d + 8 <= head_size; d += 8) _mm256_storeu_ps(dst + d, load8(src + d));
+#endif
+    for (; d < head_size; ++d) dst[d] = to_float(src[d]);
+  }
+}
+
+#ifdef PAGEDLLM_AVX2
+// ---- Register-blocked tiles for long query runs (chunked prefill, long prefix-cache suffixes)
+//
+// The path above walks one query row at a time (a GEMV per row and block, the same floats as
+// the per-token items). For a request with at least kGemmMinQueryLen query tokens this step the
+// tile's query rows instead meet the keys kGemmKeys at a time as two small GEMMs per KV head,
+// FlashAttention's inner loop (Dao et al., 2022; FlashAttention-2's online softmax per key
+// chunk): S = Q K^T with 4 query rows x 4 keys per register block, the chunk's online-softmax
+// update per row, then O += P V with 4 rows x 32 dims per block. The K/V rows of a chunk are
+// widened to float32 once (exact) and shared by every row of the tile. The sums run in another
+// order than the per-row path (results agree to float32 rounding, not bit for bit), so short
+// query runs (speculative-decoding verification) keep the per-row path, whose floats equal a
+// decode's. Such runs take tiles of kGemmTileFactor x query_tile tokens (`plan_query_tiles`):
+// each tile re-reads its request's whole context, and the GEMMs keep a larger tile's rows busy.
+constexpr int kGemmKeys = 64;
+
+inline float hmax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+// The 4 sums of a0..a3 (8 lanes each).
+inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// s[r * lds + j] = dot(q[r], k + j * head_size) for r < RB, j < 4 (head_size % 8 == 0).
+template <int RB>
+inline void scores_block(const float* const* q, const float* k, int head_size, float* s,
+                         int lds) {
+  __m256 acc[RB][4];
+  #pragma GCC unroll 4
+  for (int r = 0; r < RB; ++r)
+    #pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_ps();
+  for (int d = 0; d < head_size; d += 8) {
+    __m256 kv[4];
+    #pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) kv[j] = _mm256_loadu_ps(k + j * head_size + d);
+    #pragma GCC unroll 4
+    for (int r = 0; r < RB; ++r) {
+      const __m256 qv = _mm256_loadu_ps(q[r] + d);
+      #pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_fmadd_ps(qv, kv[j], acc[r][j]);
+    }
+  }
+  #pragma GCC unroll 4
+  for (int r = 0; r < RB; ++r)
+    _mm_storeu_ps(s + r * lds, hsum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+}
+
+// o[r][d] += sum_j p[r][j] v[j][d] for r < RB, j < n, d in [d0, d0 + 32).
+template <int RB>
+inline void values_block(float* const* o, const float* const* p, const float* v, int n,
+                         int head_size, int d0) {
+  __m256 acc[RB][4];
+  #pragma GCC unroll 4
+  for (int r = 0; r < RB; ++r)
+    #pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_loadu_ps(o[r] + d0 + 8 * c);
+  for (int j = 0; j < n; ++j) {   // (acc stays in registers: 16 of AVX-512VL's 32)
+    __m256 vv[4];
+    #pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) vv[c] = _mm256_loadu_ps(v + j * head_size + d0 + 8 * c);
+    #pragma GCC unroll 4
+    for (int r = 0; r < RB; ++r) {
+      const __m256 pj = _mm256_broadcast_ss(p[r] + j);
+      #pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_fmadd_ps(pj, vv[c], acc[r][c]);
+    }
+  }
+  #pragma GCC unroll 4
+  for (int r = 0; r < RB; ++r)
+    #pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) _mm256_storeu_ps(o[r] + d0 + 8 * c, acc[r][c]);
+}
+
+// Scratch of one thread for `attend_tile_gemm`.
+struct GemmTileScratch {
+  std::vector<float> k, v, s, ks, vs;   // widened chunk rows, scores, row scales
+  std::vector<const float*> q_rows, p_rows;
+  std::vector<float*> o_rows;
+  std::vector<int> row_lo, row_hi;
+  GemmTileScratch(int max_rows, int head_size)
+      : k(static_cast<size_t>(kGemmKeys) * head_size), v(k.size()),
+        s(static_cast<size_t>(max_rows + 3) * kGemmKeys), ks(kGemmKeys), vs(kGemmKeys),
+        q_rows(max_rows + 3), p_rows(max_rows + 3), o_rows(max_rows + 3), row_lo(max_rows),
+        row_hi(max_rows) {}
+};
+
+// The rows of KV head kv (rows r = i * rep + h, i < nq tile tokens, h < rep heads; q / o / m /
+// l at their row index row(r)) over key positions [lo, hi), token i limited to [begin[i],
+// end[i]). head_size % 32 == 0.
+template <typename T, typename TQ>
+void attend_tile_gemm(const AttentionArgs<T, TQ>& a, const int32_t* table, int kv, int nq,
+                      int rep, const int* begin, const int* end, int lo, int hi,
+                      const int64_t* row_index, float* q, float* o, float* m, float* l,
+                      GemmTileScratch& w) {
+  const int head_size = a.head_size, block_size = a.block_size, num_kv_heads = a.num_kv_heads;
+  const int64_t kv_row_stride = static_cast<int64_t>(num_kv_heads) * head_size;
+  const int R = nq * rep, R4 = R / 4 * 4;
+  for (int r = 0; r < R; ++r) {
+    w.q_rows[r] = q + row_index[r] * head_size;
+    w.o_rows[r] = o + row_index[r] * head_size;
+    w.p_rows[r] = w.s.data() + static_cast<int64_t>(r) * kGemmKeys;
+  }
+  // Where key position pos's K row of this head lies (its V row is as far into value_cache).
+  auto row_offset = [&](int pos) {
+    const int64_t slot = static_cast<int64_t>(table[pos / block_size]) * block_size +
+                         pos % block_size;
+    return slot * kv_row_stride + static_cast<int64_t>(kv) * head_size;
+  };
+  for (int c0 = lo; c0 < hi; c0 += kGemmKeys) {
+    const int n = std::min(kGemmKeys, hi - c0), n4 = (n + 3) / 4 * 4;
+    // The next chunk's rows are requested now, read while this one is computed (a head's rows
+    // are num_kv_heads * head_size apart, a stride the hardware prefetcher follows poorly).
+    for (int pos = c0 + kGemmKeys; pos < std::min(hi, c0 + 2 * kGemmKeys); ++pos) {
+      const int64_t off = row_offset(pos);
+      for (int64_t byte = 0; byte < static_cast<int64_t>(head_size * sizeof(T)); byte += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(a.key_cache + off) + byte, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(a.value_cache + off) + byte, _MM_HINT_T0);
+      }
+    }
+    for (int j = 0; j < n4; ++j) {   // widen the chunk's rows (zero rows pad to 4 keys)
+      float* kd = w.k.data() + static_cast<int64_t>(j) * head_size;
+      float* vd = w.v.data() + static_cast<int64_t>(j) * head_size;
+      if (j >= n) {
+        std::fill(kd, kd + head_size, 0.f);
+        std::fill(vd, vd + head_size, 0.f);
+        continue;
+      }
+      const int pos = c0 + j;
+      const int64_t base = row_offset(pos);
+      widen_rows(a.key_cache + base, 0, 1, head_size, kd);
+      widen_rows(a.value_cache + base, 0, 1, head_size, vd);
+      if (a.k_scales != nullptr) {
+        const int64_t slot = base / kv_row_stride;
+        w.ks[j] = a.k_scales[slot * num_kv_heads + kv];
+        w.vs[j] = a.v_scales[slot * num_kv_heads + kv];
+      }
+    }
+    // S = Q K^T for every row (rows outside their range are masked below).
+    for (int j = 0; j < n4; j += 4) {
+      const float* kj = w.k.data() + static_cast<int64_t>(j) * head_size;
+      int r = 0;
+      for (; r < R4; r += 4)
+        scores_block<4>(&w.q_rows[r], kj, head_size, w.s.data() + r * kGemmKeys + j, kGemmKeys);
+      for (; r < R; ++r)
+        scores_block<1>(&w.q_rows[r], kj, head_size, w.s.data() + r * kGemmKeys + j, kGemmKeys);
+    }
+    // Per row: its keys of the chunk, the online-softmax update, P in place of S.
+    for (int r = 0; r < R; ++r) {
+      const int i = r / rep;
+      const int j0 = std::max(0, begin[i] - c0), j1 = std::min(n, end[i] - c0);
+      float* sr = w.s.data() + static_cast<int64_t>(r) * kGemmKeys;
+      const int64_t row = row_index[r];
+      if (j1 <= j0) {   // no key of this chunk: nothing changes
+        std::fill(sr, sr + n4, 0.f);
+        continue;
+      }
+      if (a.k_scales != nullptr)
+        for (int j = j0; j < j1; ++j) sr[j] *= w.ks[j];
+      if (a.soft_cap > 0.f)
+        for (int j = j0; j < j1; ++j) sr[j] = a.soft_cap * std::tanh(sr[j] / a.soft_cap);
+      __m256 vmax = _mm256_set1_ps(sr[j0]);
+      int j = j0;
+      for (; j + 8 <= j1; j += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(sr + j));
+      float chunk_max = hmax(vmax);
+      for (; j < j1; ++j) chunk_max = std::max(chunk_max, sr[j]);
+      const float m_new = std::max(m[row], chunk_max);
+      const float correction = std::exp(m[row] - m_new);
+      std::fill(sr, sr + j0, 0.f);
+      l[row] = l[row] * correction + exp_shift_sum(sr + j0, j1 - j0, m_new);
+      std::fill(sr + j1, sr + n4, 0.f);
+      m[row] = m_new;
+      if (correction != 1.f) {
+        float* orow = w.o_rows[r];
+        for (int d = 0; d < head_size; ++d) orow[d] *= correction;
+      }
+      if (a.v_scales != nullptr)
+        for (int j = j0; j < j1; ++j) sr[j] *= w.vs[j];
+    }
+    // O += P V.
+    for (int d0 = 0; d0 < head_size; d0 += 32) {
+      int r = 0;
+      for (; r < R4; r += 4) values_block<4>(&w.o_rows[r], &w.p_rows[r], w.v.data(), n, head_size, d0);
+      for (; r < R; ++r) values_block<1>(&w.o_rows[r], &w.p_rows[r], w.v.data(), n, head_size, d0);
+    }
+  }
+}
+#endif
+
 // The work-sharing loop over the tiles of `plan_query_tiles`, to be called by every thread of
 // an enclosing OpenMP parallel region (an orphaned `omp for`, ending with a barrier).
 template <typename T, typename TQ>
@@ -565,7 +791,18 @@ void attention_tile_items(const AttentionArgs<T, TQ>& a, const QueryTilePlan& pl
   std::vector<float> q(max_rows * head_size), acc(max_rows * head_size);
   std::vector<float> scores(static_cast<size_t>(rep) * block_size), m(max_rows), l(max_rows);
   std::vector<int> begin(plan.max_tile), end(plan.max_tile);  // each token's key range
+  // A piece's K and V rows of one KV head as float32 (exact), rows head_size apart: converted
+  // once for the tile's queries instead of per query row in the inner loops (the same floats,
+  // summed in the same order). A float cache is read in place.
+  constexpr bool kConvert = !std::is_same_v<T, float>;
+  std::vector<float> k_rows(kConvert ? static_cast<size_t>(block_size) * head_size : 0);
+  std::vector<float> v_rows(k_rows.size());
   const float q_scale = a.scale * a.k_scale;
+#ifdef PAGEDLLM_AVX2
+  const bool gemm_heads = gemm_tiles_apply(head_size);
+  GemmTileScratch gemm(gemm_heads ? plan.max_tile * rep : 0, gemm_heads ? head_size : 0);
+  std::vector<int64_t> gemm_rows(gemm_heads ? static_cast<size_t>(plan.max_tile) * rep : 0);
+#endif
 
 #pragma omp for schedule(dynamic, 1)
   for (int64_t item = 0; item < plan.num_items; ++item) {
@@ -593,6 +830,16 @@ void attention_tile_items(const AttentionArgs<T, TQ>& a, const QueryTilePlan& pl
     std::fill(l.begin(), l.begin() + nq * nh, 0.f);
     std::fill(acc.begin(), acc.begin() + static_cast<int64_t>(nq) * nh * head_size, 0.f);
 
+#ifdef PAGEDLLM_AVX2
+    if (gemm_heads && q_len >= kGemmMinQueryLen) {
+      for (int g = 0; g < kv1 - kv0; ++g) {
+        for (int i = 0; i < nq; ++i)
+          for (int h = 0; h < rep; ++h) gemm_rows[i * rep + h] = static_cast<int64_t>(i) * nh + g * rep + h;
+        attend_tile_gemm(a, table, kv0 + g, nq, rep, begin.data(), end.data(), lo, hi,
+                         gemm_rows.data(), q.data(), acc.data(), m.data(), l.data(), gemm);
+      }
+    } else
+#endif
     // Per KV head (its queries' q / acc rows stay in the L1/L2 cache while its K/V stream by),
     // the union walked in the per-token path's pieces: [lo, end of its block), whole blocks; each
     // token clips a piece to its own range (so it sees the pieces it would see alone).
@@ -605,18 +852,26 @@ void attention_tile_items(const AttentionArgs<T, TQ>& a, const QueryTilePlan& pl
         const int64_t base = slot0 * kv_row_stride + static_cast<int64_t>(kv0 + g) * head_size;
         const float* ks = a.k_scales ? a.k_scales + slot0 * num_kv_heads + kv0 + g : nullptr;
         const float* vs = a.v_scales ? a.v_scales + slot0 * num_kv_heads + kv0 + g : nullptr;
+        const float* kp;
+        const float* vp;
+        int64_t stride;
+        if constexpr (kConvert) {
+          widen_rows(a.key_cache + base, kv_row_stride, n, head_size, k_rows.data());
+          widen_rows(a.value_cache + base, kv_row_stride, n, head_size, v_rows.data());
+          kp = k_rows.data(), vp = v_rows.data(), stride = head_size;
+        } else {
+          kp = a.key_cache + base, vp = a.value_cache + base, stride = kv_row_stride;
+        }
         for (int i = 0; i < nq; ++i) {
           const int j0 = std::max(0, begin[i] - start), j1 = std::min(n, end[i] - start);
           if (j1 <= j0) continue;
           const int64_t row0 = static_cast<int64_t>(i) * nh + g * rep;  // its rep heads
           for (int h = 0; h < rep; ++h)
-            piece_row_weights(&q[(row0 + h) * head_size], a.key_cache + base, ks, vs,
-                              kv_row_stride, num_kv_heads, j0, j1, head_size, a.soft_cap,
-                              &scores[h * block_size], m[row0 + h], l[row0 + h],
-                              &acc[(row0 + h) * head_size]);
+            piece_row_weights(&q[(row0 + h) * head_size], kp, ks, vs, stride, num_kv_heads, j0,
+                              j1, head_size, a.soft_cap, &scores[h * block_size], m[row0 + h],
+                              l[row0 + h], &acc[(row0 + h) * head_size]);
           block_values_heads(&acc[row0 * head_size], head_size, scores.data(), block_size, rep,
-                             a.value_cache + base + j0 * kv_row_stride, kv_row_stride, j1 - j0,
-                             head_size);
+                             vp + j0 * stride, stride, j1 - j0, head_size);
         }
         start += n;
       }
@@ -631,6 +886,50 @@ void attention_tile_items(const AttentionArgs<T, TQ>& a, const QueryTilePlan& pl
       }
     }
   }
+}
+
+// ---- One call's plan: query tiles for the rows with several query tokens, per-token items
+// (split for long contexts) for the decodes.
+
+// Query tokens per work item on the tiled path (measured in docs/benchmarks.md, "Query-tiled
+// CPU paged attention").
+constexpr int kDefaultQueryTile = 16;
+
+struct StepAttentionPlan {
+  QueryTilePlan tiles;
+  AttentionPlan tokens;
+};
+
+// The plan of one attention call over the requests `rows`: with `query_tile` > 1 the requests
+// with several query tokens are tiled (`plan_query_tiles`) and the rest take per-token items
+// (`plan_attention`); `query_tile` <= 1 puts every request on the per-token path. Both paths
+// give the same floats.
+inline StepAttentionPlan plan_step_attention(const int32_t* query_start_loc, const int32_t* rows,
+                                             int num_rows, const int32_t* seq_lens,
+                                             int num_kv_heads, int num_heads, int head_size,
+                                             int num_threads, int query_tile) {
+  StepAttentionPlan p;
+  std::vector<int32_t> token_rows;  // the requests left to the per-token items
+  if (query_tile > 1) {
+    p.tiles = plan_query_tiles(query_start_loc, rows, num_rows, num_kv_heads, num_threads,
+                               query_tile, gemm_tiles_apply(head_size));
+    for (int i = 0; i < num_rows; ++i)
+      if (query_start_loc[rows[i] + 1] - query_start_loc[rows[i]] < 2)
+        token_rows.push_back(rows[i]);
+  } else {
+    token_rows.assign(rows, rows + num_rows);
+  }
+  p.tokens = plan_attention(query_start_loc, token_rows.data(),
+                            static_cast<int>(token_rows.size()), seq_lens, num_kv_heads,
+                            num_heads, head_size, num_threads);
+  return p;
+}
+
+// Both work-sharing loops of a plan, for every thread of an enclosing parallel region.
+template <typename T, typename TQ>
+void step_attention_items(const AttentionArgs<T, TQ>& a, const StepAttentionPlan& plan) {
+  attention_tile_items(a, plan.tiles);
+  attention_items(a, plan.tokens);
 }
 
 }  // namespace pagedllm

@@ -41,10 +41,6 @@ namespace {
 
 using namespace pagedllm;
 
-// Query tokens per work item on the tiled path, for the entry points without a `query_tile`
-// argument (measured in docs/benchmarks.md, "Query-tiled CPU paged attention").
-constexpr int kDefaultQueryTile = 16;
-
 template <typename T>
 void paged_attention(const float* query, const T* key_cache, const T* value_cache,
                      const int32_t* block_table, int64_t block_table_stride,
@@ -54,21 +50,9 @@ void paged_attention(const float* query, const T* key_cache, const T* value_cach
                      int window, float soft_cap, const float* k_scales = nullptr,
                      const float* v_scales = nullptr, float k_scale = 1.f,
                      float v_scale = 1.f, int query_tile = kDefaultQueryTile) {
-  const int num_threads = omp_get_max_threads();
-  QueryTilePlan tiles;
-  std::vector<int32_t> token_rows;  // the requests left to the per-token items
-  if (query_tile > 1) {
-    tiles = plan_query_tiles(query_start_loc, rows, num_rows, num_kv_heads, num_threads,
-                             query_tile);
-    for (int i = 0; i < num_rows; ++i)
-      if (query_start_loc[rows[i] + 1] - query_start_loc[rows[i]] < 2)
-        token_rows.push_back(rows[i]);
-  } else {
-    token_rows.assign(rows, rows + num_rows);
-  }
-  const AttentionPlan plan = plan_attention(query_start_loc, token_rows.data(),
-                                            static_cast<int>(token_rows.size()), seq_lens,
-                                            num_kv_heads, num_heads, head_size, num_threads);
+  const StepAttentionPlan plan =
+      plan_step_attention(query_start_loc, rows, num_rows, seq_lens, num_kv_heads, num_heads,
+                          head_size, omp_get_max_threads(), query_tile);
   AttentionArgs<T, float> args{query, static_cast<int64_t>(num_heads) * head_size,
                                key_cache, value_cache, block_table, block_table_stride,
                                query_start_loc, seq_lens, out, num_heads, num_kv_heads,
@@ -78,10 +62,7 @@ void paged_attention(const float* query, const T* key_cache, const T* value_cach
   args.k_scale = k_scale;
   args.v_scale = v_scale;
 #pragma omp parallel
-  {
-    attention_tile_items(args, tiles);
-    attention_items(args, plan);
-  }
+  step_attention_items(args, plan);
 }
 
 }  // namespace

@@ -172,7 +172,7 @@ inline float silu(float g) { return g / (1.f + std::exp(-g)); }
 
 template <typename T>
 void decoder_layer(const DecoderLayerWeights& w, const DecoderStep& s, bool add_delta,
-                   const AttentionPlan& plan, const ActivationScratch& act_scratch) {
+                   const StepAttentionPlan& plan, const ActivationScratch& act_scratch) {
   const int64_t M = s.num_tokens, H = w.hidden_size, D = w.head_size;
   const int64_t q_size = w.num_heads * D, kv_size = w.num_kv_heads * D;
   const int64_t qkv_size = q_size + 2 * kv_size, I = w.intermediate_size;
@@ -226,7 +226,7 @@ void decoder_layer(const DecoderLayerWeights& w, const DecoderStep& s, bool add_
       }
     }
 
-    attention_items(attn, plan);
+    step_attention_items(attn, plan);
 
     layer_linear<T>(w, kO, s.attn_out, q_size, M, q_size, w.o, H, w.o_bias, s.delta, H,
                     act_scratch);
@@ -279,11 +279,10 @@ extern "C" {
 void decoder_layers(const DecoderLayerWeights* layers, int num_layers, const DecoderStep* step,
                     const int32_t* attention_rows, int num_attention_rows, int add_delta_first,
                     int dtype) {
-  const AttentionPlan plan =
-      plan_attention(step->query_start_loc, attention_rows, num_attention_rows, step->seq_lens,
-                     static_cast<int>(layers[0].num_kv_heads),
-                     static_cast<int>(layers[0].num_heads), static_cast<int>(layers[0].head_size),
-                     omp_get_max_threads());
+  const StepAttentionPlan plan = plan_step_attention(
+      step->query_start_loc, attention_rows, num_attention_rows, step->seq_lens,
+      static_cast<int>(layers[0].num_kv_heads), static_cast<int>(layers[0].num_heads),
+      static_cast<int>(layers[0].head_size), omp_get_max_threads(), kDefaultQueryTile);
   // Quantized-activation scratch, sized for the largest input of any such linear.
   int64_t max_k = 0, max_k_q8 = 0;
   for (int l = 0; l < num_layers; ++l) {
