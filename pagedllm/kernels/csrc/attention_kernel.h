@@ -125,7 +125,25 @@ inline float exp_shift_sum(float* s, int n, float m) {
   }
   return sum;
 }
+
+// max(s[0], ..., s[n - 1]), n >= 1 (8 lanes at a time: no chain of n dependent maxes).
+inline float row_max(const float* s, int n) {
+  __m256 vmax = _mm256_set1_ps(s[0]);
+  int j = 0;
+  for (; j + 8 <= n; j += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + j));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  float m = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+  for (; j < n; ++j) m = std::max(m, s[j]);
+  return m;
+}
 #else
+inline float row_max(const float* s, int n) {
+  float m = s[0];
+  for (int j = 1; j < n; ++j) m = std::max(m, s[j]);
+  return m;
+}
+
 inline float exp_shift_sum(float* s, int n, float m) {
   float sum = 0.f;
   for (int j = 0; j < n; ++j) {
@@ -371,9 +389,7 @@ void attention_items(const AttentionArgs<T, TQ>& a, const AttentionPlan& plan) {
       }
       for (int h = 0; h < nh; ++h) {
         float* s = &scores[h * block_size];
-        float block_max = s[0];
-        for (int j = 1; j < n; ++j) block_max = std::max(block_max, s[j]);
-        const float m_new = std::max(m[h], block_max);
+        const float m_new = std::max(m[h], row_max(s, n));
         const float correction = std::exp(m[h] - m_new);  // exp(-inf) = 0 on the first block
         l[h] = l[h] * correction + exp_shift_sum(s, n, m_new);
         m[h] = m_new;
@@ -519,9 +535,7 @@ inline void piece_row_weights(const float* q, const T* k, const float* ks, const
     for (int j = 0; j < n; ++j) s[j] *= ks[(j0 + j) * num_kv_heads];
   if (soft_cap > 0.f)
     for (int j = 0; j < n; ++j) s[j] = soft_cap * std::tanh(s[j] / soft_cap);
-  float block_max = s[0];
-  for (int j = 1; j < n; ++j) block_max = std::max(block_max, s[j]);
-  const float m_new = std::max(m, block_max);
+  const float m_new = std::max(m, row_max(s, n));
   const float correction = std::exp(m - m_new);
   l = l * correction + exp_shift_sum(s, n, m_new);
   m = m_new;
@@ -598,12 +612,6 @@ inline void widen_rows(const T* rows, int64_t stride, int n, int head_size, floa
 // decode's. Such runs take tiles of kGemmTileFactor x query_tile tokens (`plan_query_tiles`):
 // each tile re-reads its request's whole context, and the GEMMs keep a larger tile's rows busy.
 constexpr int kGemmKeys = 64;
-
-inline float hmax(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-}
 
 // The 4 sums of a0..a3 (8 lanes each).
 inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
@@ -749,12 +757,7 @@ void attend_tile_gemm(const AttentionArgs<T, TQ>& a, const int32_t* table, int k
         for (int j = j0; j < j1; ++j) sr[j] *= w.ks[j];
       if (a.soft_cap > 0.f)
         for (int j = j0; j < j1; ++j) sr[j] = a.soft_cap * std::tanh(sr[j] / a.soft_cap);
-      __m256 vmax = _mm256_set1_ps(sr[j0]);
-      int j = j0;
-      for (; j + 8 <= j1; j += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(sr + j));
-      float chunk_max = hmax(vmax);
-      for (; j < j1; ++j) chunk_max = std::max(chunk_max, sr[j]);
-      const float m_new = std::max(m[row], chunk_max);
+      const float m_new = std::max(m[row], row_max(sr + j0, j1 - j0));
       const float correction = std::exp(m[row] - m_new);
       std::fill(sr, sr + j0, 0.f);
       l[row] = l[row] * correction + exp_shift_sum(sr + j0, j1 - j0, m_new);
