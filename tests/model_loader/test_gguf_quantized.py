@@ -344,3 +344,14 @@ def test_q8_activations_are_the_default_and_stay_close(llama_gguf, kquant_gguf):
     diffs = sorted(abs(a - b) for a, b in zip(lp_on, lp_off))
     assert 0 < diffs[len(diffs) // 2] < 0.3, diffs
     assert sum(a == b for a, b in zip(top_on, top_off)) >= 0.8 * len(top_on)
+
+
+@pytest.mark.parametrize("variable", [ROW_GROUPS_ENV, Q8_ACTIVATIONS_ENV])
+def test_a_switch_typo_fails_before_any_weight_loads(variable):
+    """Both switches are read when the GGUF methods are built (model construction), so a typo
+    is refused before the weights load rather than after."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(variable, "maybe")
+        for method in (GGUFLinearMethod, GGUFEmbeddingMethod):
+            with pytest.raises(ValueError, match=variable):
+                method()

@@ -19,7 +19,7 @@ a batch-1 GEMV reads one sequential stream; 1.1-2x faster on a Zen 4, as llama.c
 repacking); `PAGEDLLM_GGUF_ROW_GROUPS=0` keeps the file's plain rows.
 
 Activations: each linear (and the quantized LM head) rounds its input to 8 bits per 32-value
-block and runs integer dot products (`gguf_linear(..., quantize_activations=True)`,
+block (per 256 values for the K-quants) and runs integer dot products (`gguf_linear(..., quantize_activations=True)`,
 csrc/gguf_q8_dot.h), as llama.cpp does: faster than unpacking every weight to float32 (SmolLM2
 Q4_1: batch-1 and batch-32 decode 1.1-1.3x on a Zen 4), and the perplexity moves by less than
 0.1% (docs/benchmarks.md). `PAGEDLLM_GGUF_Q8_ACTIVATIONS=0` keeps float32 activations, exact up
@@ -54,10 +54,11 @@ def gguf_q8_activations_enabled() -> bool:
     return not switched_off(Q8_ACTIVATIONS_ENV)
 
 
-def _group_rows_after_loading(weight: torch.Tensor) -> bool:
-    """Whether a loaded GGUF weight is put in the kernels' row-group layout: on the CPU unless
-    `PAGEDLLM_GGUF_ROW_GROUPS` is 0/false/off/no (read at load)."""
-    return weight.device.type == "cpu" and not switched_off(ROW_GROUPS_ENV)
+def gguf_row_groups_enabled() -> bool:
+    """Whether loaded GGUF weights on the CPU go to the kernels' row-group layout: yes unless
+    `PAGEDLLM_GGUF_ROW_GROUPS` is 0/false/off/no (read when a method is built, so a typo fails
+    before any weight is loaded)."""
+    return not switched_off(ROW_GROUPS_ENV)
 
 
 class GGUFLayoutUnsupported(ValueError):
@@ -102,6 +103,7 @@ class GGUFLinearMethod(LinearMethodBase):
     def __init__(self, quantize_activations: bool | None = None) -> None:
         self.quantize_activations = (gguf_q8_activations_enabled() if quantize_activations is None
                                      else quantize_activations)
+        self.group_rows = gguf_row_groups_enabled()
 
     def create_weights(self, layer: nn.Module, input_size_per_partition: int,
                        output_size_per_partition: int, weight_loader) -> None:
@@ -175,7 +177,7 @@ class GGUFLinearMethod(LinearMethodBase):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Put each segment's bytes in the kernels' row-group layout (see the module
         docstring; in place, one segment's size of transient memory). Idempotent."""
-        if not layer.gguf_grouped and _group_rows_after_loading(layer.weight):
+        if not layer.gguf_grouped and self.group_rows and layer.weight.device.type == "cpu":
             self._regroup(layer, gguf_group_rows)
 
     @staticmethod
@@ -271,6 +273,7 @@ class GGUFEmbeddingMethod:
         self.grouped = False
         self.quantize_activations = (gguf_q8_activations_enabled() if quantize_activations is None
                                      else quantize_activations)
+        self.group_rows = gguf_row_groups_enabled()
 
     def create_weights(self, layer: nn.Module, embedding_dim: int, num_rows: int,
                        weight_loader) -> None:
@@ -311,7 +314,7 @@ class GGUFEmbeddingMethod:
         """Put quantized rows in the kernels' row-group layout (as `GGUFLinearMethod`'s).
         Idempotent: a tied LM head calls it again on the same weight."""
         if self.tensor_type is not None and not self.grouped \
-                and _group_rows_after_loading(layer.weight):
+                and self.group_rows and layer.weight.device.type == "cpu":
             layer.weight.data.copy_(gguf_group_rows(layer.weight.data, self.tensor_type))
             self.grouped = True
 
