@@ -13,6 +13,7 @@ import logging
 
 from transformers import AutoConfig
 
+from pagedllm.attention.backends.kv_quant import is_quantized_kv_cache, kv_cache_scales
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_groups import KVCacheGroupSpec, num_blocks_for_budget
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
@@ -143,7 +144,9 @@ class Worker:
         rows = (f"vocab rows [{vocab.vocab_start_index}, {vocab.vocab_end_index})"
                 if vocab is not None else "no vocab rows")
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        kv_bytes = sum(c.numel() * c.element_size() for c in self.model_runner.kv_caches)
+        kv_bytes = sum(c.numel() * c.element_size()
+                       + (kv_cache_scales(c).nbytes if is_quantized_kv_cache(c) else 0)
+                       for c in self.model_runner.kv_caches)   # (int8 / fp8: with the scales)
         return (f"rank {self.rank} (tp {tp.rank_in_group}/{tp.world_size}, pp "
                 f"{pp.rank_in_group}/{pp.world_size}): {len(attn)} layers "
                 f"({attn[0].layer_name} .. {attn[-1].layer_name}), {attn[0].num_heads} "
