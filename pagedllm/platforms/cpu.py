@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -9,7 +10,10 @@ import torch
 from pagedllm.kernels import cpu_kernels, switched_off
 from pagedllm.kernels import ops
 from pagedllm.kernels.ops import cpu_linear, cpu_linear_supported
+from pagedllm.platforms.cpu_topology import allowed_cpus, plan_threads, read_topology
 from pagedllm.platforms.interface import Platform
+
+logger = logging.getLogger(__name__)
 
 
 def _cpu_flags() -> set[str]:
@@ -61,12 +65,16 @@ class CpuPlatform(Platform):
         return _available_memory_bytes(), _total_memory_bytes()
 
     def init_device(self, local_rank: int = 0, local_world_size: int = 1) -> None:
-        """One intra-op thread per core this process may use; worker processes of one machine
-        share its cores evenly. `PAGEDLLM_CPU_THREADS` overrides the count (on a shared host,
-        fewer threads than cores avoids threads waiting on each other).
+        """The intra-op threads: one per physical core this process may use, and on a machine
+        of several NUMA nodes the process bound to one node's cores (worker processes of one
+        machine: one node each where there are enough; `cpu_topology.plan_threads`).
+        `PAGEDLLM_CPU_THREADS` overrides the count and leaves the affinity alone (on a shared
+        host, fewer threads than cores avoids threads waiting on each other);
+        `PAGEDLLM_CPU_NUMA_BIND=0` keeps the process unbound.
 
         Raises:
-            ValueError: if PAGEDLLM_CPU_THREADS is not an integer in [1, 1024].
+            ValueError: if PAGEDLLM_CPU_THREADS is not an integer in [1, 1024], or
+                PAGEDLLM_CPU_NUMA_BIND is not an on/off value.
         """
         override = os.environ.get("PAGEDLLM_CPU_THREADS")
         if override is not None:
@@ -76,8 +84,14 @@ class CpuPlatform(Platform):
                                  f"{override!r}")
             torch.set_num_threads(int(override))
             return
-        n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        torch.set_num_threads(max(1, (n or 1) // local_world_size))
+        plan = plan_threads(allowed_cpus(), read_topology(), local_rank, local_world_size,
+                            bind=not switched_off("PAGEDLLM_CPU_NUMA_BIND"))
+        if plan.bind is not None and plan.bind != allowed_cpus():
+            os.sched_setaffinity(0, plan.bind)
+            logger.info("CPU: bound to NUMA node %d, %d threads (one per physical core; "
+                        "PAGEDLLM_CPU_NUMA_BIND=0 leaves the process unbound)", plan.node,
+                        plan.num_threads)
+        torch.set_num_threads(plan.num_threads)
 
     def kv_cache_budget_bytes(self, memory_utilization: float) -> int:
         """`memory_utilization` of the memory available now, capped at PAGEDLLM_CPU_KVCACHE_SPACE
