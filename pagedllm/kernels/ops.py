@@ -275,8 +275,10 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: to
         scale: softmax scale.
         causal, sliding_window, logits_soft_cap: as in `CpuPagedBackend.forward`.
         query_tile: query tokens per work item for requests with several query tokens (each
-            K/V block is read once per tile); 1 = one token per item, the per-token path;
-            None = the library's default (16).
+            K/V block is read once per tile), 4x that for requests of 16 or more, which run
+            as register-blocked GEMMs on AVX2 builds for head sizes % 32 == 0 (their floats
+            then differ from the per-token path's in the last bits); 1 = one token per item,
+            the per-token path; None = the library's default (16).
         lib: the kernel library (default `cpu_kernels()`; tests pass a portable build).
 
     Returns:

@@ -10,7 +10,9 @@ Per step the requests are split in two:
   rows where they lie, with a block-wise online softmax. Decodes are parallel over (query token,
   KV heads); a request with several query tokens over (tile of up to 16 query tokens, KV heads),
   so each K/V block is read once per tile rather than once per token (the same floats;
-  docs/benchmarks.md, "Query-tiled CPU paged attention").
+  docs/benchmarks.md, "Query-tiled CPU paged attention"); a request with 16 or more (a later
+  prefill chunk) over 64-token tiles computed as register-blocked GEMMs per 64-key chunk (the
+  same up to float32 rounding).
 
 Compared with `torch_sdpa` this removes the gather of each request's context into a padded copy
 (read + write + read of the whole KV per layer), and the padding of a decode batch to its longest

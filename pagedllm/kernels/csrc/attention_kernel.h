@@ -6,7 +6,6 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
-#include <type_traits>
 #include <vector>
 
 #include <omp.h>
@@ -583,20 +582,6 @@ inline void block_values_heads(float* acc, int64_t acc_stride, const float* p, i
     block_values(acc + h * acc_stride, p + h * p_stride, v, stride, n, head_size);
 }
 
-// out[j * head_size + d] = float(rows[j * stride + d]) for j < n, d < head_size (exact).
-template <typename T>
-inline void widen_rows(const T* rows, int64_t stride, int n, int head_size, float* out) {
-  for (int j = 0; j < n; ++j) {
-    const T* src = rows + j * stride;
-    float* dst = out + static_cast<int64_t>(j) * head_size;
-    int d = 0;
-#ifdef PAGEDLLM_AVX2
-    for (; d + 8 <= head_size; d += 8) _mm256_storeu_ps(dst + d, load8(src + d));
-#endif
-    for (; d < head_size; ++d) dst[d] = to_float(src[d]);
-  }
-}
-
 #ifdef PAGEDLLM_AVX2
 // ---- Register-blocked tiles for long query runs (chunked prefill, long prefix-cache suffixes)
 //
@@ -612,6 +597,12 @@ inline void widen_rows(const T* rows, int64_t stride, int n, int head_size, floa
 // decode's. Such runs take tiles of kGemmTileFactor x query_tile tokens (`plan_query_tiles`):
 // each tile re-reads its request's whole context, and the GEMMs keep a larger tile's rows busy.
 constexpr int kGemmKeys = 64;
+
+// out[d] = float(row[d]) for d < head_size (exact; head_size % 8 == 0).
+template <typename T>
+inline void widen_row(const T* row, int head_size, float* out) {
+  for (int d = 0; d < head_size; d += 8) _mm256_storeu_ps(out + d, load8(row + d));
+}
 
 // The 4 sums of a0..a3 (8 lanes each).
 inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
@@ -675,12 +666,10 @@ struct GemmTileScratch {
   std::vector<float> k, v, s, ks, vs;   // widened chunk rows, scores, row scales
   std::vector<const float*> q_rows, p_rows;
   std::vector<float*> o_rows;
-  std::vector<int> row_lo, row_hi;
   GemmTileScratch(int max_rows, int head_size)
       : k(static_cast<size_t>(kGemmKeys) * head_size), v(k.size()),
-        s(static_cast<size_t>(max_rows + 3) * kGemmKeys), ks(kGemmKeys), vs(kGemmKeys),
-        q_rows(max_rows + 3), p_rows(max_rows + 3), o_rows(max_rows + 3), row_lo(max_rows),
-        row_hi(max_rows) {}
+        s(static_cast<size_t>(max_rows) * kGemmKeys), ks(kGemmKeys), vs(kGemmKeys),
+        q_rows(max_rows), p_rows(max_rows), o_rows(max_rows) {}
 };
 
 // The rows of KV head kv (rows r = i * rep + h, i < nq tile tokens, h < rep heads; q / o / m /
@@ -699,23 +688,8 @@ void attend_tile_gemm(const AttentionArgs<T, TQ>& a, const int32_t* table, int k
     w.o_rows[r] = o + row_index[r] * head_size;
     w.p_rows[r] = w.s.data() + static_cast<int64_t>(r) * kGemmKeys;
   }
-  // Where key position pos's K row of this head lies (its V row is as far into value_cache).
-  auto row_offset = [&](int pos) {
-    const int64_t slot = static_cast<int64_t>(table[pos / block_size]) * block_size +
-                         pos % block_size;
-    return slot * kv_row_stride + static_cast<int64_t>(kv) * head_size;
-  };
   for (int c0 = lo; c0 < hi; c0 += kGemmKeys) {
     const int n = std::min(kGemmKeys, hi - c0), n4 = (n + 3) / 4 * 4;
-    // The next chunk's rows are requested now, read while this one is computed (a head's rows
-    // are num_kv_heads * head_size apart, a stride the hardware prefetcher follows poorly).
-    for (int pos = c0 + kGemmKeys; pos < std::min(hi, c0 + 2 * kGemmKeys); ++pos) {
-      const int64_t off = row_offset(pos);
-      for (int64_t byte = 0; byte < static_cast<int64_t>(head_size * sizeof(T)); byte += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(a.key_cache + off) + byte, _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(a.value_cache + off) + byte, _MM_HINT_T0);
-      }
-    }
     for (int j = 0; j < n4; ++j) {   // widen the chunk's rows (zero rows pad to 4 keys)
       float* kd = w.k.data() + static_cast<int64_t>(j) * head_size;
       float* vd = w.v.data() + static_cast<int64_t>(j) * head_size;
@@ -725,11 +699,12 @@ void attend_tile_gemm(const AttentionArgs<T, TQ>& a, const int32_t* table, int k
         continue;
       }
       const int pos = c0 + j;
-      const int64_t base = row_offset(pos);
-      widen_rows(a.key_cache + base, 0, 1, head_size, kd);
-      widen_rows(a.value_cache + base, 0, 1, head_size, vd);
+      const int64_t slot = static_cast<int64_t>(table[pos / block_size]) * block_size +
+                           pos % block_size;
+      const int64_t base = slot * kv_row_stride + static_cast<int64_t>(kv) * head_size;
+      widen_row(a.key_cache + base, head_size, kd);
+      widen_row(a.value_cache + base, head_size, vd);
       if (a.k_scales != nullptr) {
-        const int64_t slot = base / kv_row_stride;
         w.ks[j] = a.k_scales[slot * num_kv_heads + kv];
         w.vs[j] = a.v_scales[slot * num_kv_heads + kv];
       }
@@ -773,8 +748,10 @@ void attend_tile_gemm(const AttentionArgs<T, TQ>& a, const int32_t* table, int k
     // O += P V.
     for (int d0 = 0; d0 < head_size; d0 += 32) {
       int r = 0;
-      for (; r < R4; r += 4) values_block<4>(&w.o_rows[r], &w.p_rows[r], w.v.data(), n, head_size, d0);
-      for (; r < R; ++r) values_block<1>(&w.o_rows[r], &w.p_rows[r], w.v.data(), n, head_size, d0);
+      for (; r < R4; r += 4)
+        values_block<4>(&w.o_rows[r], &w.p_rows[r], w.v.data(), n, head_size, d0);
+      for (; r < R; ++r)
+        values_block<1>(&w.o_rows[r], &w.p_rows[r], w.v.data(), n, head_size, d0);
     }
   }
 }
@@ -794,12 +771,6 @@ void attention_tile_items(const AttentionArgs<T, TQ>& a, const QueryTilePlan& pl
   std::vector<float> q(max_rows * head_size), acc(max_rows * head_size);
   std::vector<float> scores(static_cast<size_t>(rep) * block_size), m(max_rows), l(max_rows);
   std::vector<int> begin(plan.max_tile), end(plan.max_tile);  // each token's key range
-  // A piece's K and V rows of one KV head as float32 (exact), rows head_size apart: converted
-  // once for the tile's queries instead of per query row in the inner loops (the same floats,
-  // summed in the same order). A float cache is read in place.
-  constexpr bool kConvert = !std::is_same_v<T, float>;
-  std::vector<float> k_rows(kConvert ? static_cast<size_t>(block_size) * head_size : 0);
-  std::vector<float> v_rows(k_rows.size());
   const float q_scale = a.scale * a.k_scale;
 #ifdef PAGEDLLM_AVX2
   const bool gemm_heads = gemm_tiles_apply(head_size);
@@ -837,7 +808,8 @@ void attention_tile_items(const AttentionArgs<T, TQ>& a, const QueryTilePlan& pl
     if (gemm_heads && q_len >= kGemmMinQueryLen) {
       for (int g = 0; g < kv1 - kv0; ++g) {
         for (int i = 0; i < nq; ++i)
-          for (int h = 0; h < rep; ++h) gemm_rows[i * rep + h] = static_cast<int64_t>(i) * nh + g * rep + h;
+          for (int h = 0; h < rep; ++h)
+            gemm_rows[i * rep + h] = static_cast<int64_t>(i) * nh + g * rep + h;
         attend_tile_gemm(a, table, kv0 + g, nq, rep, begin.data(), end.data(), lo, hi,
                          gemm_rows.data(), q.data(), acc.data(), m.data(), l.data(), gemm);
       }
@@ -855,26 +827,18 @@ void attention_tile_items(const AttentionArgs<T, TQ>& a, const QueryTilePlan& pl
         const int64_t base = slot0 * kv_row_stride + static_cast<int64_t>(kv0 + g) * head_size;
         const float* ks = a.k_scales ? a.k_scales + slot0 * num_kv_heads + kv0 + g : nullptr;
         const float* vs = a.v_scales ? a.v_scales + slot0 * num_kv_heads + kv0 + g : nullptr;
-        const float* kp;
-        const float* vp;
-        int64_t stride;
-        if constexpr (kConvert) {
-          widen_rows(a.key_cache + base, kv_row_stride, n, head_size, k_rows.data());
-          widen_rows(a.value_cache + base, kv_row_stride, n, head_size, v_rows.data());
-          kp = k_rows.data(), vp = v_rows.data(), stride = head_size;
-        } else {
-          kp = a.key_cache + base, vp = a.value_cache + base, stride = kv_row_stride;
-        }
         for (int i = 0; i < nq; ++i) {
           const int j0 = std::max(0, begin[i] - start), j1 = std::min(n, end[i] - start);
           if (j1 <= j0) continue;
           const int64_t row0 = static_cast<int64_t>(i) * nh + g * rep;  // its rep heads
           for (int h = 0; h < rep; ++h)
-            piece_row_weights(&q[(row0 + h) * head_size], kp, ks, vs, stride, num_kv_heads, j0,
-                              j1, head_size, a.soft_cap, &scores[h * block_size], m[row0 + h],
-                              l[row0 + h], &acc[(row0 + h) * head_size]);
+            piece_row_weights(&q[(row0 + h) * head_size], a.key_cache + base, ks, vs,
+                              kv_row_stride, num_kv_heads, j0, j1, head_size, a.soft_cap,
+                              &scores[h * block_size], m[row0 + h], l[row0 + h],
+                              &acc[(row0 + h) * head_size]);
           block_values_heads(&acc[row0 * head_size], head_size, scores.data(), block_size, rep,
-                             vp + j0 * stride, stride, j1 - j0, head_size);
+                             a.value_cache + base + j0 * kv_row_stride, kv_row_stride, j1 - j0,
+                             head_size);
         }
         start += n;
       }
@@ -905,8 +869,9 @@ struct StepAttentionPlan {
 
 // The plan of one attention call over the requests `rows`: with `query_tile` > 1 the requests
 // with several query tokens are tiled (`plan_query_tiles`) and the rest take per-token items
-// (`plan_attention`); `query_tile` <= 1 puts every request on the per-token path. Both paths
-// give the same floats.
+// (`plan_attention`); `query_tile` <= 1 puts every request on the per-token path. The
+// per-token items and the per-row tiles give the same floats, the register-blocked tiles of
+// long query runs the same up to float32 rounding.
 inline StepAttentionPlan plan_step_attention(const int32_t* query_start_loc, const int32_t* rows,
                                              int num_rows, const int32_t* seq_lens,
                                              int num_kv_heads, int num_heads, int head_size,

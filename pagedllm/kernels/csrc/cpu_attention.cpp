@@ -25,7 +25,9 @@
 // Query tiling: requests with several query tokens are processed `query_tile` tokens per work
 // item (`attention_tile_items`), so each K/V block is read once per tile instead of once per
 // token; requests with one query token (decodes) take the per-token items. `query_tile` <= 1
-// puts every request on the per-token path. Both give the same floats.
+// puts every request on the per-token path. Both give the same floats, except for requests of
+// at least 16 query tokens (chunked prefill), whose tiles run as register-blocked GEMMs that
+// agree up to float32 rounding (attention_kernel.h, `attend_tile_gemm`).
 //
 // Threads: OpenMP, whose runtime is the one torch already loaded (same soname), so the kernel
 // shares torch's thread pool and honours torch.set_num_threads.

@@ -149,7 +149,7 @@ struct OffsetScales {
 #ifdef PAGEDLLM_VNNI
 template <>
 struct Q8Weights<Q8_0> : BiasedScale<128> {
-  static __m256i quants(const uint8_t* b, int /*sub*/) {   // q + 128 = q with its top bit flipped
+  static __m256i quants(const uint8_t* b) {   // q + 128 = q with its top bit flipped
     return _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)),
                             _mm256_set1_epi8(static_cast<char>(0x80)));
   }
@@ -157,11 +157,11 @@ struct Q8Weights<Q8_0> : BiasedScale<128> {
 #else
 template <>
 struct Q8Weights<Q8_0> : SignedScale {
-  static void quants(const uint8_t* b, int /*sub*/, int32_t* q) {
+  static void quants(const uint8_t* b, int32_t* q) {
     for (int i = 0; i < kBlock; ++i) q[i] = static_cast<int8_t>(b[2 + i]);
   }
 #ifdef PAGEDLLM_AVX2
-  static __m256i quants(const uint8_t* b, int /*sub*/) {
+  static __m256i quants(const uint8_t* b) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
   }
 #endif
@@ -192,25 +192,25 @@ inline __m256i high_bits16(uint32_t qh) {
 // with the 5th bits of the uint32 qh at byte kQh (Q5_0, Q5_1).
 template <int kQs>
 struct NibbleQuants {
-  static void quants(const uint8_t* b, int /*sub*/, int32_t* q) {
+  static void quants(const uint8_t* b, int32_t* q) {
     for (int i = 0; i < 16; ++i) {
       q[i] = b[kQs + i] & 0x0f;
       q[i + 16] = b[kQs + i] >> 4;
     }
   }
 #ifdef PAGEDLLM_AVX2
-  static __m256i quants(const uint8_t* b, int /*sub*/) { return nibbles32(b + kQs); }
+  static __m256i quants(const uint8_t* b) { return nibbles32(b + kQs); }
 #endif
 };
 
 template <int kQh, int kQs>
 struct Nibble5Quants {
-  static void quants(const uint8_t* b, int /*sub*/, int32_t* q) {
+  static void quants(const uint8_t* b, int32_t* q) {
     const uint32_t qh = load_u32(b + kQh);
     for (int i = 0; i < kBlock; ++i) q[i] = q5_quant(b + kQs, qh, i);
   }
 #ifdef PAGEDLLM_AVX2
-  static __m256i quants(const uint8_t* b, int /*sub*/) {
+  static __m256i quants(const uint8_t* b) {
     return _mm256_or_si256(nibbles32(b + kQs), high_bits16(load_u32(b + kQh)));
   }
 #endif
@@ -262,8 +262,8 @@ struct KScales {
 
 #ifdef PAGEDLLM_AVX2
 // The byte shuffles that broadcast int16 element e of each 128-bit half, for the halves'
-// elements of sub-block s: kBroadcast[s] (e = s in both halves: Q4_K / Q5_K) and
-// kBroadcastPairs[s] (e = 2s mod 8 low, 2s + 1 mod 8 high: Q6_K).
+// elements of sub-block s: kBroadcast.same[s] (e = s in both halves: Q4_K / Q5_K) and
+// kBroadcast.pairs[s] (e = 2s mod 8 low, 2s + 1 mod 8 high: Q6_K).
 struct BroadcastMasks {
   alignas(32) int8_t same[8][32], pairs[8][32];
   BroadcastMasks() {
@@ -296,8 +296,9 @@ struct K4IntScales {
     const __m128i low = _mm_and_si128(
         _mm_srlv_epi32(_mm_shuffle_epi32(u, _MM_SHUFFLE(2, 1, 2, 0)), _mm_setr_epi32(0, 0, 0, 4)),
         _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
-    const __m128i high = _mm_and_si128(_mm_srli_epi32(_mm_shuffle_epi32(u, _MM_SHUFFLE(1, 1, 0, 0)), 2),
-                                       _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
+    const __m128i high =
+        _mm_and_si128(_mm_srli_epi32(_mm_shuffle_epi32(u, _MM_SHUFFLE(1, 1, 0, 0)), 2),
+                      _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
     const __m128i bytes = _mm_or_si128(low, high);
     const __m128i sc = _mm_cvtepu8_epi16(bytes), m = _mm_cvtepu8_epi16(_mm_srli_si128(bytes, 8));
     s->src[0] = _mm256_set_m128i(sc, sc);
@@ -404,6 +405,7 @@ struct KWeights<Q6_K> {
   }
 #endif
 };
+
 // --- micro-kernels: y[i][j] = dot(x_q row i, w row j) (+ bias[j]) for i < MB, j < NB.
 // `x` holds the MB rows' rounded activations from the block under the row's first weight
 // (row strides ldq bytes of q, ldb scales, ldg bsums).
@@ -480,7 +482,7 @@ inline void micro_q8(const Q8View& x, const uint8_t* w, int64_t row_stride, int6
       }
     }
     for (int j = 0; j < NB; ++j) {
-      const __m256i qw = W::quants(w + j * row_stride + b * block_stride, 0);
+      const __m256i qw = W::quants(w + j * row_stride + b * block_stride);
       const __m256i uw = W::kSigned ? _mm256_sign_epi8(qw, qw) : qw;
       for (int i = 0; i < MB; ++i) {
         const __m256i sx = W::kSigned ? _mm256_sign_epi8(qx[i], qw) : qx[i];
@@ -716,7 +718,7 @@ inline void micro_q8(const Q8View& x, const uint8_t* w, int64_t row_stride, int6
       const uint8_t* blk = w + j * row_stride + b * block_stride;
       typename W::Scales sc;
       W::scales(blk, &sc);
-      W::quants(blk, 0, qw);
+      W::quants(blk, qw);
       for (int i = 0; i < MB; ++i) {
         const int8_t* qx = x.q + i * x.ldq + b * kBlock;
         int32_t dot = 0;   // (biased quants: minus kBias sum(qx))
