@@ -26,6 +26,7 @@ import json
 import math
 import os
 import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +37,7 @@ import torch
 
 from pagedllm.model_loader.slicing import narrow_index
 
-VIEW_FORMAT = 2  # bump when the files of a view change
+VIEW_FORMAT = 3  # bump when the files of a view change
 SOURCE_FILE = "gguf.json"
 
 # GGML tensor types loaded (dequantized with `gguf.quants.dequantize`, checked against independent
@@ -216,12 +217,21 @@ def _write_view(folder: Path, path: Path, reader, architecture_name: str) -> Non
     from transformers import AutoConfig, AutoTokenizer
 
     kwargs = {"gguf_file": path.name, "local_files_only": True}
-    try:
-        config = AutoConfig.from_pretrained(str(path.parent), **kwargs)
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), **kwargs)
-    except (OSError, ValueError, KeyError, NotImplementedError) as e:
-        raise ValueError(f"transformers could not read the config or tokenizer of GGUF file "
-                         f"{path}: {e}") from e
+    # transformers reads the folder it is given: tokenizer or config files of another checkpoint
+    # next to the .gguf file would win over the file's own metadata (its chat template and
+    # BOS/EOS lost), so it reads a folder holding nothing but a link to the file.
+    with tempfile.TemporaryDirectory(dir=folder.parent) as alone:
+        try:
+            (Path(alone) / path.name).symlink_to(path)
+            source = alone
+        except OSError:   # no symlinks here (some Windows set-ups): read the file in place
+            source = str(path.parent)
+        try:
+            config = AutoConfig.from_pretrained(source, **kwargs)
+            tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+        except (OSError, ValueError, KeyError, NotImplementedError) as e:
+            raise ValueError(f"transformers could not read the config or tokenizer of GGUF file "
+                             f"{path}: {e}") from e
     config.architectures = [architecture_name]
     arch = _metadata(reader, "general.architecture")
     # NOTE(gguf): transformers reads head_dim from rope.dimension_count for llama only; the

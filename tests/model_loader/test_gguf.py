@@ -146,6 +146,24 @@ def test_tokenizer_chat_template_and_eos_come_from_metadata(checkpoints, gguf_fi
     assert len(out.outputs[0].token_ids) >= 1
 
 
+
+def test_tokenizer_files_next_to_the_gguf_file_do_not_win(checkpoints, gguf_file, tmp_path):
+    """A .gguf file kept in a folder with another checkpoint's tokenizer files (no chat template,
+    no eos): the view still takes the tokenizer, chat template and eos from the file."""
+    path = tmp_path / "model.gguf"
+    path.write_bytes(gguf_file("llama", "Q8_0").read_bytes())
+    decoy = AutoTokenizer.from_pretrained(checkpoints["llama"][0])
+    decoy.chat_template = None
+    decoy.eos_token = None
+    decoy.save_pretrained(str(tmp_path))
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
+    view = prepare_gguf_view(str(path))
+    ours = AutoTokenizer.from_pretrained(view)
+    original = AutoTokenizer.from_pretrained(checkpoints["llama"][0])
+    assert ours.chat_template == original.chat_template is not None
+    assert ours.eos_token_id == original.eos_token_id is not None
+    assert json.loads((Path(view) / "config.json").read_text())["model_type"] == "llama"
+
 def test_end_of_generation_ids_and_sampling_defaults_reach_generation_config(checkpoints,
                                                                              tmp_path):
     """Chat models end turns with an eot token besides eos (Llama 3's <|eot_id|>): both stop."""
