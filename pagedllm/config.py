@@ -41,6 +41,9 @@ class ModelConfig:
             float), "gguf" (GGUF blocks, native CPU kernels), "none" (dequantized at load), or
             for a safetensors checkpoint "int8" (per-channel int8 weights, quantized at load)
             or "w8a8" (int8 weights and per-token int8 activations).
+        chat_template: a Jinja chat template (the text, or the path of a file holding it) that
+            replaces the tokenizer's own for chat requests (vLLM's `--chat-template`); None =
+            the tokenizer's.
     """
 
     model: str
@@ -52,6 +55,7 @@ class ModelConfig:
     trust_remote_code: bool = False
     logprobs_mode: str = "raw_logprobs"
     quantization: str | None = None
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         if self.quantization not in (None, "none", "gguf", "int8", "w8a8"):
@@ -528,6 +532,30 @@ def hf_model_info(model_path: str) -> HFModelInfo:
     )
 
 
+def resolve_chat_template(value: str | None) -> str | None:
+    """A chat template argument as the template's text: a path of an existing file is read;
+    text with Jinja markup (`{{` or `{%`) is the template itself.
+
+    Raises:
+        ValueError: neither (naming the value), or an unreadable / empty file.
+    """
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if path.is_file():
+        try:
+            text = path.read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"chat_template: could not read {value}: {e}") from e
+        if not text.strip():
+            raise ValueError(f"chat_template: {value} is empty")
+        return text
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"chat_template: {value!r} is neither a file nor a Jinja template "
+                     f"(no {{{{ or {{% in it)")
+
+
 def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str = "auto",
                          max_model_len: int | None = None, seed: int = 0,
                          revision: str | None = None, trust_remote_code: bool = False,
@@ -552,7 +580,8 @@ def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str
                          cudagraph_capture_sizes: Sequence[int] | None = None,
                          quantization: str | None = None,
                          kv_cache_dtype: str = "auto",
-                         async_scheduling: bool | None = None) -> EngineConfig:
+                         async_scheduling: bool | None = None,
+                         chat_template: str | None = None) -> EngineConfig:
     """Build and validate an `EngineConfig` from flat engine arguments (vLLM's names).
 
     Resolves `model` to a local folder (hub ids through the huggingface_hub cache). Raises
@@ -563,7 +592,8 @@ def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str
     model_config = ModelConfig(model=model, tokenizer=tokenizer, dtype=dtype,
                                max_model_len=max_model_len, seed=seed, revision=revision,
                                trust_remote_code=trust_remote_code,
-                               logprobs_mode=logprobs_mode, quantization=quantization)
+                               logprobs_mode=logprobs_mode, quantization=quantization,
+                               chat_template=resolve_chat_template(chat_template))
     model_path = resolve_model_path(model, revision)
     tokenizer_path = resolve_model_path(tokenizer, revision) if tokenizer else model_path
     info = hf_model_info(model_path)

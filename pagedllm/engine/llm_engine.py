@@ -28,12 +28,17 @@ from pagedllm.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
-def load_tokenizer(path: str, trust_remote_code: bool = False):
-    """The checkpoint's tokenizer via transformers (raises FileNotFoundError naming the folder)."""
+def load_tokenizer(path: str, trust_remote_code: bool = False,
+                   chat_template: str | None = None):
+    """The checkpoint's tokenizer via transformers, with `chat_template` (a template's text)
+    replacing its own where given (raises FileNotFoundError naming the folder)."""
     try:
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
         raise FileNotFoundError(f"could not load a tokenizer from {path}: {e}") from e
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    return tokenizer
 
 
 class LLMEngine:
@@ -50,7 +55,8 @@ class LLMEngine:
         resolve_model_class(info.architectures)  # unsupported architecture: fail before loading
         self.config = config
         self.tokenizer = load_tokenizer(config.tokenizer_path,
-                                        config.model_config.trust_remote_code)
+                                        config.model_config.trust_remote_code,
+                                        config.model_config.chat_template)
         eos_ids = info.eos_token_ids or ((self.tokenizer.eos_token_id,)
                                          if self.tokenizer.eos_token_id is not None else ())
         self.engine_core = EngineCore(config)

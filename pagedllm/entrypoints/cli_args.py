@@ -56,6 +56,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer", default=None,
                    help="tokenizer folder or hub id (default: the model's own; a .gguf file's "
                         "comes from its metadata)")
+    g.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template file (or the template text) to use instead of "
+                        "the tokenizer's own, for --chat and chat completions")
     g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     g.add_argument("--quantization", default=None, choices=["gguf", "none", "int8", "w8a8"],
                    help="gguf: keep a .gguf file's linear weights in their blocks (native CPU "
@@ -123,8 +126,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "process, off on CPU)")
 
 
-_ENGINE_KEYS = ("tokenizer", "dtype", "quantization", "max_model_len", "seed", "block_size",
-                "kv_cache_dtype",
+_ENGINE_KEYS = ("tokenizer", "chat_template", "dtype", "quantization", "max_model_len", "seed",
+                "block_size", "kv_cache_dtype",
                 "kv_cache_memory_bytes", "gpu_memory_utilization", "num_gpu_blocks_override",
                 "enable_prefix_caching", "max_num_batched_tokens", "max_num_seqs",
                 "enable_chunked_prefill", "trust_remote_code", "tensor_parallel_size",

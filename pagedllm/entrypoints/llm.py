@@ -7,11 +7,13 @@
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
 from tqdm import tqdm
 
+from pagedllm.config import create_engine_config
 from pagedllm.core.scheduler import SchedulerStats
 from pagedllm.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
 from pagedllm.engine.input_processor import PromptType
@@ -67,6 +69,11 @@ class LLM:
         if runner == "pooling":
             self.llm_engine = PoolingEngine.from_engine_args(model, **engine_args)
         else:
+            known = inspect.signature(create_engine_config).parameters
+            unknown = sorted(set(engine_args) - set(known))
+            if unknown:
+                raise TypeError(f"LLM() got unknown engine arguments {unknown}; the engine "
+                                f"arguments are those of pagedllm.config.create_engine_config")
             self.llm_engine = LLMEngine.from_engine_args(model, **engine_args)
 
     def get_tokenizer(self):
@@ -148,12 +155,17 @@ class LLM:
         """Render conversation(s) with the tokenizer's chat template, then `generate`.
 
         Raises:
-            ValueError: if the tokenizer has no chat template and none is given.
+            ValueError: an empty conversation, or the tokenizer has no chat template and none
+                is given.
         """
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        for i, conv in enumerate(conversations):
+            if not conv:
+                raise ValueError(f"conversation {i} is empty (no messages)")
         tokenizer = self.get_tokenizer()
         if chat_template is None and not getattr(tokenizer, "chat_template", None):
-            raise ValueError("the tokenizer has no chat template; pass chat_template=...")
+            raise ValueError("the tokenizer has no chat template; pass chat_template=... (or "
+                             "LLM(..., chat_template=...), --chat-template on the command line)")
         prompts = [{"prompt_token_ids": list(tokenizer.apply_chat_template(
             conv, tokenize=True, add_generation_prompt=add_generation_prompt,
             chat_template=chat_template, return_dict=False))} for conv in conversations]

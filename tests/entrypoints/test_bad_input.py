@@ -210,3 +210,26 @@ def test_interrupted_generate_leaves_nothing_running(llm):
             max_tokens=4, logits_processors=[interrupt])], use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests()
     _still_usable(llm, before)
+
+
+def test_chat_template_argument(tiny_llama, tmp_path, capsys):
+    """--chat-template / chat_template=: a file or the template text replaces the tokenizer's
+    own; anything else, an empty conversation or an unknown engine argument fails by name."""
+    template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+                "{% if add_generation_prompt %}<assistant>{% endif %}")
+    (tmp_path / "t.jinja").write_text(template)
+    for value in (str(tmp_path / "t.jinja"), template):
+        llm = LLM(str(tiny_llama), chat_template=value, kv_cache_memory_bytes=4 << 20)
+        out = llm.chat([{"role": "user", "content": "hi"}],
+                       SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)[0]
+        assert llm.get_tokenizer().decode(out.prompt_token_ids).endswith("<user>hi<assistant>")
+    with pytest.raises(ValueError, match="conversation 0 is empty"):
+        llm.chat([])
+    with pytest.raises(ValueError, match="neither a file nor a Jinja template"):
+        LLM(str(tiny_llama), chat_template="chatml")
+    with pytest.raises(TypeError, match=r"unknown engine arguments \['bogus_arg'\]"):
+        LLM(str(tiny_llama), bogus_arg=1)
+    code = cli_main(["generate", "--model", str(tiny_llama), "--chat", "--prompt", "hi",
+                     "--chat-template", str(tmp_path / "t.jinja"), "--max-tokens", "2",
+                     "--kv-cache-memory", str(4 << 20)])
+    assert code == 0 and "generated tokens: 2" in capsys.readouterr().out

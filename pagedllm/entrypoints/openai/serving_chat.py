@@ -226,11 +226,11 @@ class ServingChat:
     def render_prompt(self, request: ChatCompletionRequest) -> list[int]:
         """Token ids of the templated conversation. Raises OpenAIServingError 400."""
         tokenizer = self.serving.tokenizer
-        if not getattr(tokenizer, "chat_template", None):
-            raise OpenAIServingError("the model's tokenizer has no chat template", 400,
-                                     param="messages")
         if not request.messages:
             raise OpenAIServingError("messages must not be empty", 400, param="messages")
+        if not getattr(tokenizer, "chat_template", None):
+            raise OpenAIServingError("the model's tokenizer has no chat template (start the "
+                                     "server with --chat-template FILE)", 400, param="messages")
         try:
             conversation = template_messages(request)
         except ValueError as e:
