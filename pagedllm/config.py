@@ -117,7 +117,7 @@ class CacheConfig:
         if self.cache_dtype == "fp8":
             object.__setattr__(self, "cache_dtype", "fp8_e4m3")
         if self.cache_dtype not in ("auto", "int8", "fp8_e4m3"):
-            raise ValueError("kv_cache_dtype must be 'auto', 'int8' or 'fp8_e4m3', got "
+            raise ValueError("kv_cache_dtype must be 'auto', 'int8' or 'fp8_e4m3' (= 'fp8'), got "
                              f"{self.cache_dtype!r}")
 
 

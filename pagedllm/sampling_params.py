@@ -26,8 +26,9 @@ def _check_int(name: str, value: Any, minimum: int, message: str | None = None) 
     if isinstance(value, bool) or not isinstance(value, int) \
             or not minimum <= value <= INT64_MAX:
         bound = f">= {minimum}" if minimum > INT64_MIN else "in the int64 range"
-        raise ValueError(f"{name} {message or f'must be an int {bound}'} (at most {INT64_MAX}), "
-                         f"got {value!r}")
+        too_large = isinstance(value, int) and value > INT64_MAX
+        limit = f" (at most {INT64_MAX})" if too_large else ""
+        raise ValueError(f"{name} {message or f'must be an int {bound}'}{limit}, got {value!r}")
 
 
 def _check_float(name: str, value: Any) -> None:
