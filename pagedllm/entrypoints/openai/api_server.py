@@ -7,8 +7,8 @@ types, malformed JSON) are 400, as OpenAI answers them. With an API key, every r
 and /metrics needs `Authorization: Bearer <key>`.
 
 Shutdown: uvicorn handles SIGINT/SIGTERM (stop accepting, let open requests finish up to a grace
-period, cancel the rest, which aborts their engine requests); the app's lifespan then stops the
-engine thread. If the engine itself dies (the model forward or a worker failed), every pending
+period); a second before it ends the engine stops, so the requests still open get a 503 error
+object; the app's lifespan then finishes stopping the engine thread. If the engine itself dies (the model forward or a worker failed), every pending
 request fails at once, new ones get 503, and the server shuts down and exits with status 1 so a
 supervisor restarts it (as vLLM does). Request bodies over `max_request_body_bytes` get 413.
 Run as `python -m pagedllm.entrypoints.openai.api_server [serve flags]`.
@@ -21,7 +21,7 @@ import logging
 import secrets
 import signal
 import sys
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -364,7 +364,7 @@ def run_server(model: str, engine_kwargs: dict[str, Any], host: str = "127.0.0.1
                         reasoning_parser=engine_kwargs.get("reasoning_parser"))
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
-    server = uvicorn.Server(config)
+    server = _Server(config, async_llm.shutdown if async_llm is not None else None)
     engine_died: list[BaseException] = []
     if async_llm is not None:
         def stop_serving(error: BaseException) -> None:
@@ -383,6 +383,30 @@ def run_server(model: str, engine_kwargs: dict[str, Any], host: str = "127.0.0.1
         if async_llm is not None:
             async_llm.shutdown()
     return 1 if engine_died else 0
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, whose graceful shutdown ends with the engine's: one second before the
+    grace period runs out, `stop_engine` (blocking, run in a thread) fails the requests still
+    open, whose handlers then answer with OpenAI's error object (503, "the engine was shut
+    down") instead of being cancelled by uvicorn (a plain-text 500 and a traceback)."""
+
+    def __init__(self, config: uvicorn.Config, stop_engine: Callable[[], None] | None) -> None:
+        super().__init__(config)
+        self._stop_engine = stop_engine
+
+    async def shutdown(self, sockets: Any = None) -> None:
+        loop = asyncio.get_running_loop()
+        timer = None
+        if self._stop_engine is not None:
+            stop = self._stop_engine
+            timer = loop.call_later(max(0.0, GRACEFUL_SHUTDOWN_S - 1.0),
+                                    lambda: loop.run_in_executor(None, stop))
+        try:
+            await super().shutdown(sockets)
+        finally:
+            if timer is not None:
+                timer.cancel()
 
 
 def _exit_after_graceful_shutdown(signum: int, frame: Any) -> None:
