@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 import inspect
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from tqdm import tqdm
@@ -219,6 +219,9 @@ class LLM:
     def _as_prompt_list(prompts) -> list[PromptType]:
         if isinstance(prompts, (str, dict)):
             return [prompts]
+        if not isinstance(prompts, Iterable):
+            raise TypeError(f"prompts must be a string, a list of token ids, a dict or a list of "
+                            f"these, got {type(prompts).__name__}")
         prompts = list(prompts)
         if prompts and all(isinstance(t, int) for t in prompts):
             return [prompts]

@@ -233,3 +233,10 @@ def test_chat_template_argument(tiny_llama, tmp_path, capsys):
                      "--chat-template", str(tmp_path / "t.jinja"), "--max-tokens", "2",
                      "--kv-cache-memory", str(4 << 20)])
     assert code == 0 and "generated tokens: 2" in capsys.readouterr().out
+
+
+def test_prompts_of_the_wrong_type_are_named(llm):
+    with pytest.raises(TypeError, match="prompts must be a string, .* got int"):
+        llm.generate(5)
+    out = llm.generate((p for p in ("a", "b")), SamplingParams(max_tokens=1), use_tqdm=False)
+    assert len(out) == 2
