@@ -4,7 +4,7 @@
         --quantized docs/quantized.png
 
 Prints a markdown table per group of results (pagedllm against each peer in the same run, with
-the ratio) and draws two panels: output tokens/s against batch size (`s_batch*.json`, 128 -> 64
+the ratio; prompts of 4k tokens or more get a TTFT row too) and draws two panels: output tokens/s against batch size (`s_batch*.json`, 128 -> 64
 tokens) and decode time per token against context length (`s_ctx*.json`, `f_ctx*_bs1.json`),
 one line per engine; with --quantized, bars per GGUF file (batch 1 and 32 x 128) for
 pagedllm and llama.cpp.
@@ -47,19 +47,36 @@ def table(folder: Path) -> str:
             figure, key, better = "total tok/s", "total_tokens_per_s", "higher"
         else:
             figure, key, better = "output tok/s", "output_tokens_per_s", "higher"
-        cells = [f"{ours[key]:.4g}"]
-        ratios = []
-        for peer in ("hf", "llama.cpp"):
-            theirs = engines.get(peer)
-            if theirs is None or key not in theirs:
-                cells.append("-")
-                ratios.append("-")
-                continue
-            cells.append(f"{theirs[key]:.4g}")
-            ratio = theirs[key] / ours[key] if better == "lower" else ours[key] / theirs[key]
-            ratios.append(f"{ratio:.2f}x")
-        rows.append(f"| {path.stem} | {figure} | " + " | ".join(cells + ratios) + " |")
+        rows.append(_row(path.stem, figure, engines, key, better))
+        # Long prompts: their prefill time too.
+        if "ttft_ms_mean" in ours and _input_len(path) >= LONG_PROMPT_TOKENS:
+            rows.append(_row(path.stem, "TTFT ms", engines, "ttft_ms_mean", "lower"))
     return "\n".join(rows)
+
+
+# Latency runs with prompts at least this long also get a TTFT row.
+LONG_PROMPT_TOKENS = 4096
+
+
+def _input_len(path: Path) -> int:
+    return int(json.loads(path.read_text())["args"].get("input_len") or 0)
+
+
+def _row(name: str, figure: str, engines: dict[str, dict], key: str, better: str) -> str:
+    """One table row: pagedllm's figure `key`, each peer's, and the ratios."""
+    ours = engines["pagedllm"]
+    cells = [f"{ours[key]:.4g}"]
+    ratios = []
+    for peer in ("hf", "llama.cpp"):
+        theirs = engines.get(peer)
+        if theirs is None or key not in theirs:
+            cells.append("-")
+            ratios.append("-")
+            continue
+        cells.append(f"{theirs[key]:.4g}")
+        ratio = theirs[key] / ours[key] if better == "lower" else ours[key] / theirs[key]
+        ratios.append(f"{ratio:.2f}x")
+    return f"| {name} | {figure} | " + " | ".join(cells + ratios) + " |"
 
 
 def _series(folder: Path, pattern: str, key: str) -> dict[str, list[tuple[int, float]]]:
