@@ -449,6 +449,22 @@ inline __m256i dot_s16(__m256i acc, __m256i a, __m256i b) {
 #endif
 }
 
+// Block b of NB rows (w: block b of the first row, rows row_stride apart) requested ahead, at
+// `prefetch` bytes on (see RowLayout::prefetch_offset; 0: nothing).
+template <int NB, typename Q>
+inline void prefetch_rows(const uint8_t* w, int64_t row_stride, int64_t prefetch) {
+  if (prefetch != 0)
+    for (int j = 0; j < NB; ++j) prefetch_block<Q::kBytes>(w + j * row_stride + prefetch);
+}
+
+// y[i * ldy + j] = the sum of acc[i][j]'s lanes (+ bias[j]).
+template <int MB, int NB>
+inline void store_sums(const __m256 (&acc)[MB][NB], const float* bias, float* y, int64_t ldy) {
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j)
+      y[i * ldy + j] = hsum(acc[i][j]) + (bias != nullptr ? bias[j] : 0.f);
+}
+
 // The 32-value types. Per (x row, block): the float scale dx, and the start of the integer
 // dots: -kBias sum(qx) per 4-byte lane (zero without a bias). Per (w row, block): the scale.
 // Per pair: one integer dot, a conversion and one FMA.
@@ -461,9 +477,7 @@ inline void micro_q8(const Q8View& x, const uint8_t* w, int64_t row_stride, int6
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_setzero_ps();
   for (int64_t b = 0; b < num_blocks; ++b) {
-    if (prefetch != 0)   // see RowLayout::prefetch_offset
-      for (int j = 0; j < NB; ++j)
-        prefetch_block<Q::kBytes>(w + j * row_stride + b * block_stride + prefetch);
+    prefetch_rows<NB, Q>(w + b * block_stride, row_stride, prefetch);
     typename W::Scales sc[NB];
     for (int j = 0; j < NB; ++j) W::scales(w + j * row_stride + b * block_stride, &sc[j]);
     __m256i qx[MB], start[MB];
@@ -491,9 +505,7 @@ inline void micro_q8(const Q8View& x, const uint8_t* w, int64_t row_stride, int6
       }
     }
   }
-  for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < NB; ++j)
-      y[i * ldy + j] = hsum(acc[i][j]) + (bias != nullptr ? bias[j] : 0.f);
+  store_sums<MB, NB>(acc, bias, y, ldy);
 }
 
 // The K-quants on 256-value activation blocks. Per (w row, block) its KScales; per (x row,
@@ -510,9 +522,7 @@ inline void micro_q8k(const Q8View& x, const uint8_t* w, int64_t row_stride,
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_setzero_ps();
   for (int64_t b = 0; b < num_blocks; ++b) {
-    if (prefetch != 0)   // see RowLayout::prefetch_offset
-      for (int j = 0; j < NB; ++j)
-        prefetch_block<Q::kBytes>(w + j * row_stride + b * block_stride + prefetch);
+    prefetch_rows<NB, Q>(w + b * block_stride, row_stride, prefetch);
     KScales sc[NB];
     for (int j = 0; j < NB; ++j) W::scales(w + j * row_stride + b * block_stride, &sc[j]);
     __m256i isum[MB][NB];
@@ -550,9 +560,7 @@ inline void micro_q8k(const Q8View& x, const uint8_t* w, int64_t row_stride,
       }
     }
   }
-  for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < NB; ++j)
-      y[i * ldy + j] = hsum(acc[i][j]) + (bias != nullptr ? bias[j] : 0.f);
+  store_sums<MB, NB>(acc, bias, y, ldy);
 }
 
 // --- lane groups (gguf_blocks.h LaneGroup: Q8_0, Q4_0, Q4_1 in the row-group layout): one
