@@ -99,10 +99,11 @@ class FusedDecoder:
     """
 
     MAX_SCRATCH_BYTES = 256 << 20  # larger steps run the module path
-    # The paged kernel attends token by token, torch's flash attention (the module path, for
-    # a request whose whole sequence is new) in tiles; over long fresh prompts in a large step
-    # the module path wins (llama-134m, 2048-token steps: fused 1.04-1.07x the module path with
-    # 128-token prompts, 0.74-0.95x with 512-token prompts).
+    # Over long fresh prompts in a large step the module path wins: torch's flash attention
+    # there (for a request whose whole sequence is new) outran the paged kernel (llama-134m,
+    # 2048-token steps: fused 1.04-1.07x the module path with 128-token prompts, 0.74-0.95x
+    # with 512-token prompts). Measured before the kernel's register-blocked tiles for long
+    # query runs (about half torch's speed on a fresh 2k causal prompt); not re-measured.
     LONG_STEP_TOKENS = 512
     LONG_FRESH_PROMPT_TOKENS = 256
 
