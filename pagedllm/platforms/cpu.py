@@ -86,7 +86,7 @@ class CpuPlatform(Platform):
             return
         plan = plan_threads(allowed_cpus(), read_topology(), local_rank, local_world_size,
                             bind=not switched_off("PAGEDLLM_CPU_NUMA_BIND"))
-        if plan.bind is not None and plan.bind != allowed_cpus():
+        if plan.bind is not None:   # (one node's CPUs of several: never all the allowed)
             os.sched_setaffinity(0, plan.bind)
             logger.info("CPU: bound to NUMA node %d, %d threads (one per physical core; "
                         "PAGEDLLM_CPU_NUMA_BIND=0 leaves the process unbound)", plan.node,

@@ -8,9 +8,9 @@ and /metrics needs `Authorization: Bearer <key>`.
 
 Shutdown: uvicorn handles SIGINT/SIGTERM (stop accepting, let open requests finish up to a grace
 period); a second before it ends the engine stops, so the requests still open get a 503 error
-object; the app's lifespan then finishes stopping the engine thread. If the engine itself dies (the model forward or a worker failed), every pending
-request fails at once, new ones get 503, and the server shuts down and exits with status 1 so a
-supervisor restarts it (as vLLM does). Request bodies over `max_request_body_bytes` get 413.
+object; the app's lifespan then finishes stopping the engine thread. If the engine itself dies
+(the model forward or a worker failed), every pending request fails at once, new ones get 503,
+and the server shuts down and exits with status 1 so a supervisor restarts it (as vLLM does). Request bodies over `max_request_body_bytes` get 413.
 Run as `python -m pagedllm.entrypoints.openai.api_server [serve flags]`.
 """
 
