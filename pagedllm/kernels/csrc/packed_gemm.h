@@ -287,8 +287,9 @@ void linear_tiles(const TX* x, int64_t ldx, int64_t M, int64_t K, const T* w, in
     const int64_t p0 = g * group, p1 = std::min(num_panels, p0 + group);
     const int64_t p_full_end = std::min(p1, full);
     const int64_t ldc = (p1 - p0) * kNR;
-    for (int64_t k0 = 0; k0 < K; k0 += kKC) {
-      const int64_t kc = std::min(kKC, K - k0);
+    const int64_t kblock = rows * K <= kRowBlock * kKC ? K : kKC;
+    for (int64_t k0 = 0; k0 < K; k0 += kblock) {
+      const int64_t kc = std::min(kblock, K - k0);
       const XS* xk;
       int64_t ldxk;
       if constexpr (std::is_same_v<XS, TX>) {
