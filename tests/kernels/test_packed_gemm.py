@@ -17,9 +17,11 @@ pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="CPU kernels did n
 
 BUILDS = {"native": (), "avx2": ("-mno-avx512f",), "portable": ("-mno-avx2", "-mno-fma")}
 # (M, N, K): odd row counts over every register tile's remainder, N off the 16-column panels
-# (a tail panel), K above the 256-wide K block (partial sums carried between blocks).
+# (a tail panel), K read whole, and K cut into 256-wide blocks (partial sums carried between
+# blocks: the 48-row block of (50, 40, 1040) holds more than kMaxWholeK x values, its 2-row
+# remainder fewer).
 SHAPES = [(1, 40, 24), (3, 77, 264), (7, 129, 64), (33, 100, 520), (100, 48, 40),
-          (515, 33, 16)]
+          (515, 33, 16), (50, 40, 1040)]
 
 
 @pytest.fixture(scope="module", params=list(BUILDS))
