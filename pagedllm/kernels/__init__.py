@@ -196,6 +196,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         fn = getattr(lib, name)
         fn.restype = None
         fn.argtypes = [p, i64, i64, i32, p]
+    lib.packed_weight_rows.restype = i32
+    lib.packed_weight_rows.argtypes = [p, i64, i64, i32, p, i64, p]
     lib.packed_gemm_bf16_pairs.restype = i32
     lib.packed_gemm_bf16_pairs.argtypes = []
     lib.fma_peak_probe.restype = ctypes.c_double

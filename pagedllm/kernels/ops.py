@@ -124,6 +124,33 @@ def unpack_linear_weight(packed: torch.Tensor, lib: ctypes.CDLL | None = None) -
     return out
 
 
+def packed_weight_rows(packed: torch.Tensor, ids: torch.Tensor,
+                       lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """Rows `ids` of the [N, K] weight that `pack_linear_weight` packed: an embedding lookup on
+    a tied LM head's packed weight (`csrc/packed_gemm.h` `gather_rows`).
+
+    Args:
+        packed: [N, K] from `pack_linear_weight` of the same library.
+        ids: [...] integer row indices in [0, N).
+        lib: the kernel library (default `cpu_kernels()`).
+
+    Returns:
+        [..., K] in packed's dtype.
+
+    Raises:
+        ValueError: an unsupported weight, or ids outside [0, N).
+        RuntimeError: the native kernels are unavailable.
+    """
+    lib = _packing_lib(packed, lib, "packed_weight_rows")
+    flat = ids.reshape(-1).to(device="cpu", dtype=torch.int64).contiguous()
+    n, k = packed.shape
+    out = torch.empty(flat.numel(), k, dtype=packed.dtype)
+    if lib.packed_weight_rows(packed.data_ptr(), n, k, _LINEAR_DTYPES.index(packed.dtype),
+                              flat.data_ptr(), flat.numel(), out.data_ptr()) != 0:
+        raise ValueError(f"packed_weight_rows: ids outside [0, {n})")
+    return out.view(*ids.shape, k)
+
+
 def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor,
                   bias: torch.Tensor | None = None,
                   lib: ctypes.CDLL | None = None) -> torch.Tensor:

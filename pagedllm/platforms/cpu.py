@@ -158,6 +158,9 @@ class CpuPlatform(Platform):
     def unpack_linear_weight(self, packed_weight: torch.Tensor) -> torch.Tensor:
         return ops.unpack_linear_weight(packed_weight)
 
+    def packed_embedding(self, packed_weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return ops.packed_weight_rows(packed_weight, ids)
+
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """The native kernel (`pagedllm/kernels/csrc/cpu_linear.cpp`) where it is faster (see

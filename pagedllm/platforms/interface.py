@@ -108,6 +108,15 @@ class Platform(ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} has no packed GEMM")
 
+    def packed_embedding(self, packed_weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` ([...] int64 in [0, N)) of a weight from `pack_linear_weight`, as
+        [..., K] in its dtype: the lookup of an embedding whose tied LM head packed it.
+
+        Raises:
+            NotImplementedError: on a platform that never packs.
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no packed GEMM")
+
     def fused_decoder_max_tokens(self, dtype: torch.dtype, packed_weights: bool = False) -> int:
         """Most tokens of a step that the fused decoder path (`models/fused_decoder.py`) takes
         for a model of `dtype` (`packed_weights`: its linear weights went through

@@ -77,6 +77,23 @@ def test_pack_round_trip_and_layout(lib):
     assert torch.equal(packed.reshape(-1)[:16 * step:step], w[:16, 0])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rows_of_a_packed_weight(lib, dtype):
+    """An embedding lookup on a packed weight gives its rows exactly, tail panel included, in
+    the ids' shape; an id outside the weight is named and nothing is returned."""
+    w = torch.randn(37, 24).to(dtype)
+    packed = ops.pack_linear_weight(w, lib)
+    ids = torch.tensor([[36, 0, 17], [16, 15, 36]])
+    got = ops.packed_weight_rows(packed, ids, lib)
+    assert got.shape == (2, 3, 24) and got.dtype == dtype
+    assert torch.equal(got, w[ids])
+    many = torch.randint(0, 37, (300,), generator=torch.Generator().manual_seed(5))
+    assert torch.equal(ops.packed_weight_rows(packed, many, lib), w[many])   # threaded
+    for bad in (37, -1):
+        with pytest.raises(ValueError, match=r"ids outside \[0, 37\)"):
+            ops.packed_weight_rows(packed, torch.tensor([3, bad]), lib)
+
+
 def test_bad_operands_are_named():
     with pytest.raises(ValueError, match="multiple of 8"):
         ops.pack_linear_weight(torch.randn(16, 12))
@@ -134,8 +151,7 @@ def test_reloading_a_packed_layer_unpacks_it(tiny_checkpoints, monkeypatch):
 
 def test_lm_head_packing_and_reload(tiny_checkpoints, monkeypatch):
     """An untied float LM head is packed after loading (its logits equal the unpacked GEMM's
-    up to summation order); reloading it writes rows again, and processing repacks it. A tied
-    head keeps the embedding's rows."""
+    up to summation order); reloading it writes rows again, and processing repacks it."""
     monkeypatch.setenv("PAGEDLLM_CPU_PACKED_GEMM", "1")
     llm = LLM(str(tiny_checkpoints["llama"]), dtype="float32", kv_cache_memory_bytes=8 << 20)
     head = llm.llm_engine.engine_core.executor.worker.model_runner.model.lm_head
@@ -149,8 +165,41 @@ def test_lm_head_packing_and_reload(tiny_checkpoints, monkeypatch):
     assert not head.packed and torch.equal(head.weight.data, rows)
     head.process_weights_after_loading()
     assert head.packed and torch.equal(head.weight.data, packed_before)
-    tied = LLM(str(tiny_checkpoints["llama_mqa_tied_llama3"]), dtype="float32",
-               kv_cache_memory_bytes=8 << 20)
-    model = tied.llm_engine.engine_core.executor.worker.model_runner.model
-    assert model.lm_head.tied and not model.lm_head.packed
-    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_tied_lm_head_packs_the_shared_weight(tiny_checkpoints, monkeypatch):
+    """A tied head packs the weight it shares with the embedding: lookups give the same rows,
+    the logits those of the rows, a reload through the embedding writes rows again and
+    processing repacks; the engine's greedy tokens and logprobs equal those with packing off."""
+    path = str(tiny_checkpoints["llama_mqa_tied_llama3"])
+    prompts = [[5, 9, 33, 7, 120, 64, 3], [200, 11, 4]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, logprobs=2)
+    outputs = {}
+    for packed in (True, False):
+        monkeypatch.setenv("PAGEDLLM_CPU_PACKED_GEMM", "1" if packed else "0")
+        llm = LLM(path, dtype="float32", kv_cache_memory_bytes=8 << 20)
+        model = llm.llm_engine.engine_core.executor.worker.model_runner.model
+        head, embed = model.lm_head, model.model.embed_tokens
+        assert head.tied and head.weight is embed.weight
+        assert head.packed == embed.packed == packed
+        outputs[packed] = [o.outputs[0] for o in llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)]
+        if not packed:
+            continue
+        packed_before = head.weight.data.clone()
+        rows = ops.unpack_linear_weight(head.weight.data)
+        ids = torch.tensor([0, 7, rows.shape[0] - 1])
+        assert torch.equal(embed(ids), rows[ids])
+        hidden = torch.randn(2, rows.shape[1])
+        torch.testing.assert_close(head.compute_logits(hidden), hidden @ rows.T, atol=1e-5,
+                                   rtol=1e-5)
+        embed.weight_loader(embed.weight, rows.clone())
+        assert not head.packed and not embed.packed and torch.equal(embed.weight.data, rows)
+        head.process_weights_after_loading()
+        assert embed.packed and torch.equal(embed.weight.data, packed_before)
+    for on, off in zip(outputs[True], outputs[False]):
+        assert on.token_ids == off.token_ids
+        for a, b in zip(on.logprobs, off.logprobs):
+            assert a.keys() == b.keys()
+            for t in a:
+                assert abs(a[t].logprob - b[t].logprob) < 1e-4

@@ -87,6 +87,21 @@ void unpack_linear_weight(const void* packed, int64_t N, int64_t K, int dtype, v
                              static_cast<uint16_t*>(out));
 }
 
+// Rows `ids` [n] of a weight packed by pack_linear_weight into out [n, K] (dtype as above).
+// Returns 0, or -1 with nothing written if an id is outside [0, N).
+int packed_weight_rows(const void* packed, int64_t N, int64_t K, int dtype, const int64_t* ids,
+                       int64_t n, void* out) {
+  for (int64_t i = 0; i < n; ++i)
+    if (ids[i] < 0 || ids[i] >= N) return -1;
+  if (dtype == 0)
+    pagedllm::packed::gather_rows(static_cast<const float*>(packed), N, K, ids, n,
+                                  static_cast<float*>(out));
+  else
+    pagedllm::packed::gather_rows(static_cast<const uint16_t*>(packed), N, K, ids, n,
+                                  static_cast<uint16_t*>(out));
+  return 0;
+}
+
 void packed_linear_f32(const float* x, int64_t ldx, int64_t M, int64_t K, const float* w,
                        int64_t N, const float* bias, float* y, int64_t ldy) {
   pagedllm::packed::linear(x, ldx, M, K, w, N, bias, y, ldy);

@@ -99,6 +99,17 @@ void unpack(const T* packed, int64_t N, int64_t K, T* w) {
     for (int64_t k = 0; k < K; ++k) w[n * K + k] = packed[packed_index<T>(n, k, N, K)];
 }
 
+// out[i] = row ids[i] of the [N, K] weight that `packed` holds, for i < n (ids in [0, N)): the
+// embedding lookup of a tied LM head's packed weight. A row's values lie one panel row apart
+// (64 bytes for float32), so a lookup reads a whole panel's cache lines: cheap for the few
+// tokens of a step.
+template <typename T>
+void gather_rows(const T* packed, int64_t N, int64_t K, const int64_t* ids, int64_t n, T* out) {
+#pragma omp parallel for if (n >= 64)
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t k = 0; k < K; ++k) out[i * K + k] = packed[packed_index<T>(ids[i], k, N, K)];
+}
+
 // The type x is read in by the micro-kernel for weights T: bf16 pairs for vdpbf16ps, else float.
 template <typename T>
 using XStage = std::conditional_t<pairs<T>(), uint16_t, float>;
