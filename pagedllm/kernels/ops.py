@@ -630,14 +630,16 @@ def gguf_dequantize_rows(qweight: torch.Tensor, tensor_type: str, ids: torch.Ten
     """
     structs = gguf_segment_structs([(0, tensor_type, qweight, grouped)], k)
     flat = ids.reshape(-1).to(device="cpu", dtype=torch.int64).contiguous()
-    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= qweight.shape[0]):
-        raise ValueError(f"gguf_dequantize_rows: ids outside [0, {qweight.shape[0]})")
     lib = cpu_kernels()
     if lib is None:
         raise RuntimeError("gguf_dequantize_rows needs the native CPU kernels, which are "
                            "unavailable (see the log)")
     out = torch.empty(flat.numel(), k, dtype=torch.float32)
-    lib.dequantize_rows_gguf(structs, k, flat.data_ptr(), flat.numel(), out.data_ptr())
+    rc = lib.dequantize_rows_gguf(structs, k, flat.data_ptr(), flat.numel(), out.data_ptr())
+    if rc == -2:   # (checked natively: a lookup per step, where two torch reductions cost more)
+        raise ValueError(f"gguf_dequantize_rows: ids outside [0, {qweight.shape[0]})")
+    if rc != 0:
+        raise ValueError(f"gguf_dequantize_rows: tensor type {tensor_type} not supported")
     return out.view(*ids.shape, k)
 
 

@@ -399,5 +399,7 @@ def test_dequantize_rows_for_embedding_lookups(build, grouped, portable_lib):
             assert lib.dequantize_rows_gguf(structs, k, flat.data_ptr(), 4, got.data_ptr()) == 0
             got = got.view(2, 2, k)
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-30)
-    with pytest.raises(ValueError, match="outside"):
-        gguf_dequantize_rows(torch.zeros(2, 18, dtype=torch.uint8), "Q4_0", torch.tensor([2]), 32)
+    for bad in ([2], [0, -1]):
+        with pytest.raises(ValueError, match=r"ids outside \[0, 2\)"):
+            gguf_dequantize_rows(torch.zeros(2, 18, dtype=torch.uint8), "Q4_0",
+                                 torch.tensor(bad), 32)

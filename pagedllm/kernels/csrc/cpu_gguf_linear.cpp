@@ -253,12 +253,14 @@ int linear_gguf_segments(const float* x, int64_t ldx, int64_t M, int64_t K,
 
 extern "C" {
 
-// out [num_ids, K] float32 = the rows `ids` (each in [0, rows), checked by the caller) of the
-// segment (its data K / kWeights * block bytes per row, plain or grouped, gguf_blocks.h).
-// Returns 0, or -1 for a type not taken here (nothing written).
+// out [num_ids, K] float32 = the rows `ids` of the segment (its data K / kWeights * block
+// bytes per row, plain or grouped, gguf_blocks.h). Returns 0, -1 for a type not taken here,
+// or -2 for an id outside [0, rows) (nothing written either way).
 int dequantize_rows_gguf(const pagedllm::gguf::Segment* segment, int64_t K, const int64_t* ids,
                          int64_t num_ids, float* out) {
   using namespace pagedllm::gguf;
+  for (int64_t i = 0; i < num_ids; ++i)
+    if (ids[i] < 0 || ids[i] >= segment->rows) return -2;
   const bool taken = visit_block_type(segment->ggml_type, [&](auto q) {
     dequantize_rows<decltype(q)>(*segment, K, ids, num_ids, out);
   });
