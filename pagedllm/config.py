@@ -121,6 +121,11 @@ class CacheConfig:
                              f"{self.cache_dtype!r}")
 
 
+# Most decode steps per scheduling round: past this, stop tokens found late waste more steps
+# than the rounds save.
+MAX_NUM_SCHEDULER_STEPS = 64
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Continuous-batching limits.
@@ -134,6 +139,11 @@ class SchedulerConfig:
         async_scheduling: schedule step N+1 while step N runs (vLLM's name; see
             docs/architecture.md). None = on where it helps (CUDA with the uniproc executor),
             off elsewhere; True with an executor that cannot is an error at engine start.
+        num_scheduler_steps: decode steps run per scheduling round (vLLM V0's multi-step
+            scheduling): while every running request decodes and none waits, the runner feeds
+            each sampled token straight into the next forward up to this many times before the
+            scheduler and the output processing run again. None = the engine's default
+            (`resolve_num_scheduler_steps`: 8 for offline generation on CPU, else 1).
     """
 
     max_num_batched_tokens: int = 2048
@@ -141,8 +151,15 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
     async_scheduling: bool | None = None
+    num_scheduler_steps: int | None = None
 
     def __post_init__(self) -> None:
+        if self.num_scheduler_steps is not None and (
+                isinstance(self.num_scheduler_steps, bool)
+                or not isinstance(self.num_scheduler_steps, int)
+                or not 1 <= self.num_scheduler_steps <= MAX_NUM_SCHEDULER_STEPS):
+            raise ValueError(f"num_scheduler_steps must be an integer in [1, "
+                             f"{MAX_NUM_SCHEDULER_STEPS}], got {self.num_scheduler_steps!r}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
@@ -581,6 +598,7 @@ def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str
                          quantization: str | None = None,
                          kv_cache_dtype: str = "auto",
                          async_scheduling: bool | None = None,
+                         num_scheduler_steps: int | None = None,
                          chat_template: str | None = None) -> EngineConfig:
     """Build and validate an `EngineConfig` from flat engine arguments (vLLM's names).
 
@@ -643,7 +661,8 @@ def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str
                                          max_num_seqs=max_num_seqs,
                                          enable_chunked_prefill=enable_chunked_prefill,
                                          long_prefill_token_threshold=long_prefill_token_threshold,
-                                         async_scheduling=async_scheduling),
+                                         async_scheduling=async_scheduling,
+                                         num_scheduler_steps=num_scheduler_steps),
         parallel_config=parallel_config,
         model_path=model_path,
         tokenizer_path=tokenizer_path,

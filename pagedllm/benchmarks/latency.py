@@ -31,8 +31,9 @@ from pagedllm.benchmarks.workload import BenchRequest, sampling_params_for
 
 STEP_PHASES = ("schedule", "execute_model", "sample_tokens", "update_from_output",
                "process_outputs")
-# Timed inside execute_model (so not part of the step total): the runner's input preparation.
-INNER_PHASES = ("prepare_inputs",)
+# Timed inside execute_model and sample_tokens (so not part of the step total): the runner's input
+# preparation, and the model forward with the logits.
+INNER_PHASES = ("prepare_inputs", "forward")
 _DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8, "I32": 4, "I8": 1, "U8": 1}
 
 
@@ -216,20 +217,24 @@ class _Timeline:
 
 @dataclass
 class StepTimes:
-    """Seconds per phase for every step, split into pure-decode steps and the rest."""
+    """Seconds per phase for every engine step (a multi-step round is one, its `num_steps`
+    recorded beside), split into pure-decode steps and the rest."""
 
     decode: dict[str, list[float]] = field(
-        default_factory=lambda: {p: [] for p in STEP_PHASES + INNER_PHASES})
+        default_factory=lambda: {p: [] for p in STEP_PHASES + INNER_PHASES + ("num_steps",)})
     other: dict[str, list[float]] = field(
-        default_factory=lambda: {p: [] for p in STEP_PHASES + INNER_PHASES})
+        default_factory=lambda: {p: [] for p in STEP_PHASES + INNER_PHASES + ("num_steps",)})
 
 
 class EngineStepper:
     """Runs `LLMEngine` steps phase by phase, timing each phase.
 
     NOTE(bench): when the executor exposes its worker's model runner, `execute_model` and
-    `sample_tokens` are called (and timed) apart; otherwise `executor.execute_model` covers both
-    and `sample_tokens` reads 0.
+    `sample_tokens` are called (and timed) apart, the later steps of a multi-step round
+    (`run_remaining_steps`) counting in execute_model; otherwise `executor.execute_model` covers
+    all and `sample_tokens` reads 0. Inside them, the runner's input preparation and the model
+    forward (`_run_model`, the CUDA graph replay and `compute_logits`) are timed by wrapping
+    those bound methods on this engine's instances only; engine code is untouched.
     """
 
     def __init__(self, llm_engine) -> None:
@@ -239,25 +244,30 @@ class EngineStepper:
         runner = getattr(worker, "model_runner", None)
         self.runner = runner if (hasattr(runner, "execute_model")
                                  and hasattr(runner, "sample_tokens")) else None
-        self._prepare_s = 0.0
+        self._inner_s = dict.fromkeys(INNER_PHASES, 0.0)
         if self.runner is not None and hasattr(self.runner, "_prepare_inputs"):
-            # NOTE(bench): time the runner's input preparation by wrapping the bound method on
-            # this instance only; engine code is untouched.
-            prepare = self.runner._prepare_inputs
+            self._time_method(self.runner, "_prepare_inputs", "prepare_inputs")
+            self._time_method(self.runner, "_run_model", "forward")
+            self._time_method(self.runner.model, "compute_logits", "forward")
+            if getattr(self.runner, "graph_runner", None) is not None:
+                self._time_method(self.runner.graph_runner, "run", "forward")
 
-            def timed_prepare(*args, **kwargs):
-                t = time.perf_counter()
-                try:
-                    return prepare(*args, **kwargs)
-                finally:
-                    self._prepare_s += time.perf_counter() - t
+    def _time_method(self, obj, name: str, phase: str) -> None:
+        method = getattr(obj, name)
 
-            self.runner._prepare_inputs = timed_prepare
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self._inner_s[phase] += time.perf_counter() - t
+
+        setattr(obj, name, timed)
 
     def step(self, times: StepTimes | None = None, profile_labels: bool = False):
         label = torch.profiler.record_function if profile_labels else _null_label
         core, engine = self.core, self.engine
-        self._prepare_s = 0.0
+        self._inner_s = dict.fromkeys(INNER_PHASES, 0.0)
         t0 = time.perf_counter()
         with label("bench.schedule"):
             so = core.scheduler.schedule()
@@ -268,10 +278,16 @@ class EngineStepper:
             t2 = time.perf_counter()
             with label("bench.sample_tokens"):
                 runner_output = self.runner.sample_tokens()
+            t3 = time.perf_counter()
+            if so.num_steps > 1:
+                with label("bench.run_remaining_steps"):
+                    runner_output = self.runner.run_remaining_steps(so, runner_output)
+                # The later steps are forwards and sampling: execute_model's share.
+                t2 += time.perf_counter() - t3
+                t3 = time.perf_counter()
         else:
             runner_output = core.executor.execute_model(so)
-            t2 = time.perf_counter()
-        t3 = time.perf_counter()
+            t2 = t3 = time.perf_counter()
         with label("bench.update_from_output"):
             core_outputs = core.scheduler.update_from_output(so, runner_output)
         t4 = time.perf_counter()
@@ -285,7 +301,9 @@ class EngineStepper:
             bucket = times.decode if is_decode else times.other
             for phase, dt in zip(STEP_PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
                 bucket[phase].append(dt)
-            bucket["prepare_inputs"].append(self._prepare_s)
+            for phase, dt in self._inner_s.items():
+                bucket[phase].append(dt)
+            bucket["num_steps"].append(so.num_steps)
         return request_outputs, t5
 
 
@@ -328,19 +346,25 @@ def latency_figures(timelines: list[_Timeline], wave_latencies: list[float]) -> 
 def step_breakdown(times: StepTimes) -> dict[str, Any]:
     """Mean ms per phase for decode steps and other (prefill / mixed) steps; the share of a step
     spent outside `execute_model` (scheduler, sampling, output bookkeeping), and the share spent
-    outside the model forward (the same plus the runner's input preparation)."""
+    outside the model forward and logits (the same plus the runner's input preparation and
+    sampling; where the forward was not timed, execute_model less the input preparation counts
+    as the forward). The means are per model step: a multi-step round's times are spread over
+    its steps (`{kind}_rounds` counts the engine steps, `{kind}_steps` the model steps)."""
     out: dict[str, Any] = {}
     for kind, bucket in (("decode", times.decode), ("prefill_or_mixed", times.other)):
-        n = len(bucket["schedule"])
-        if n == 0:
+        num_rounds = len(bucket["schedule"])
+        if num_rounds == 0:
             continue
-        means = {p: float(np.mean(bucket[p])) * 1e3 for p in STEP_PHASES + INNER_PHASES}
+        num_steps = int(sum(bucket["num_steps"]))
+        means = {p: float(np.sum(bucket[p])) / num_steps * 1e3
+                 for p in STEP_PHASES + INNER_PHASES}
         total = sum(means[p] for p in STEP_PHASES)
-        out[f"{kind}_steps"] = n
+        out[f"{kind}_steps"] = num_steps
+        out[f"{kind}_rounds"] = num_rounds
         out[f"{kind}_step_ms"] = {**{f"{p}_ms": v for p, v in means.items()}, "total_ms": total}
         out[f"{kind}_share_outside_execute_model"] = (total - means["execute_model"]) / total
-        out[f"{kind}_share_outside_forward"] = (
-            total - means["execute_model"] + means["prepare_inputs"]) / total
+        forward = means["forward"] or means["execute_model"] - means["prepare_inputs"]
+        out[f"{kind}_share_outside_forward"] = (total - forward) / total
     return out
 
 

@@ -62,6 +62,9 @@ class SchedulerOutput:
         structured_output_request_ids: structured requests that sample this step, in the order
             of the grammar bitmask's rows (1 + number of drafts rows each).
         grammar_bitmask: int32 numpy [rows, ceil(vocab / 32)] or None.
+        num_steps: decode steps of this round (multi-step scheduling; > 1 only when every
+            scheduled request decodes one token): the worker feeds each sampled token into the
+            next forward and returns up to `num_steps` tokens per request.
     """
 
     scheduled_new_reqs: list[NewRequestData]
@@ -73,6 +76,7 @@ class SchedulerOutput:
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     structured_output_request_ids: list[str] = field(default_factory=list)
     grammar_bitmask: np.ndarray | None = None
+    num_steps: int = 1
 
     @classmethod
     def make_empty(cls) -> SchedulerOutput:
@@ -95,6 +99,12 @@ class LogprobsLists:
     def slice(self, start: int, end: int) -> LogprobsLists:
         return LogprobsLists(self.token_ids[start:end], self.logprobs[start:end],
                              self.ranks[start:end])
+
+    def extend(self, other: LogprobsLists) -> None:
+        """Append `other`'s tokens after these (the next tokens of the same request)."""
+        self.token_ids.extend(other.token_ids)
+        self.logprobs.extend(other.logprobs)
+        self.ranks.extend(other.ranks)
 
 
 @dataclass

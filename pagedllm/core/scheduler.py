@@ -17,6 +17,15 @@ blocks are only published once all their tokens are known (`allocate_slots` cach
 `request.num_tokens`, which excludes placeholders), and by then their KV is written by a step
 that runs before any later reader. Requests whose sampling needs their previous tokens on the
 host (see `needs_sync_step`) make the engine run synchronous steps while they live.
+
+Multi-step rounds (`num_scheduler_steps`, vLLM V0's multi-step scheduling): when every running
+request decodes, none waits and none needs the host between its tokens (structured output,
+logits processors), one SchedulerOutput asks for `num_steps` decode steps. Each request gets KV
+slots for all of them (lookahead slots, cached only once their tokens are known) and its
+`num_computed_tokens` advances by `num_steps`; the worker feeds each sampled token into the next
+forward and returns up to `num_steps` tokens per request; `update_from_output` applies the stop
+conditions token by token, as with accepted drafts. `num_steps` never takes a request past its
+max_tokens or max_model_len.
 """
 
 from __future__ import annotations
@@ -83,14 +92,17 @@ class Scheduler:
             worker reports them (`kv_cache_group_windows`); `num_blocks` is group 0's.
         async_scheduling: count output placeholders (see the module docstring); the engine
             then drains in-flight steps before any synchronous one.
+        num_scheduler_steps: most decode steps per SchedulerOutput (see the module docstring;
+            the engine never combines it with async scheduling or drafts).
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  max_model_len: int, num_blocks: int, num_lookahead_tokens: int = 0,
                  structured_output_manager=None,
                  kv_cache_windows: tuple[int | None, ...] = (None,),
-                 async_scheduling: bool = False) -> None:
+                 async_scheduling: bool = False, num_scheduler_steps: int = 1) -> None:
         self.config = scheduler_config
+        self.num_scheduler_steps = num_scheduler_steps
         self.max_model_len = max_model_len
         self.block_size = cache_config.block_size
         groups = make_kv_cache_groups(num_blocks, kv_cache_windows, cache_config.block_size,
@@ -196,7 +208,9 @@ class Scheduler:
         """Pick this step's requests and tokens, allocate their blocks, advance their
         `num_computed_tokens` (as if the step succeeds)."""
         out = SchedulerOutput.make_empty()
-        token_budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        out.num_steps = self._num_decode_steps()
+        token_budget = self._schedule_running(out, self.config.max_num_batched_tokens,
+                                              out.num_steps)
         # Admit waiting requests only if nothing had to be preempted this step.
         if not out.preempted_req_ids:
             self._schedule_waiting(out, token_budget)
@@ -204,7 +218,8 @@ class Scheduler:
         out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
         for req_id, n in out.num_scheduled_tokens.items():
             request = self.requests[req_id]
-            request.num_computed_tokens += n
+            # (A multi-step round: its later steps compute one token each.)
+            request.num_computed_tokens += n + out.num_steps - 1
             if (self.async_scheduling and request.num_computed_tokens
                     >= request.num_tokens + self.num_output_placeholders.get(req_id, 0)):
                 # It samples this step; its token is unknown until update_from_output.
@@ -213,9 +228,27 @@ class Scheduler:
         self._add_grammar_bitmask(out)
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, token_budget: int) -> int:
+    def _num_decode_steps(self) -> int:
+        """Steps of this round: `num_scheduler_steps` when every running request decodes one
+        known token and may take that many more, none waits and none needs the host between
+        tokens (structured output, logits processors, drafts); else 1."""
+        steps = self.num_scheduler_steps
+        if (steps == 1 or self.waiting or not self.running
+                or len(self.running) > self.config.max_num_batched_tokens):
+            return 1
+        for request in self.running:
+            params = request.sampling_params
+            if (request.num_computed_tokens != request.num_tokens - 1 or request.spec_token_ids
+                    or params.structured_outputs is not None or params.logits_processors):
+                return 1
+            steps = min(steps, self._max_kv_tokens(request) - request.num_tokens)
+        return max(steps, 1)
+
+    def _schedule_running(self, out: SchedulerOutput, token_budget: int,
+                          num_steps: int = 1) -> int:
         """Schedule running requests in admission order (decodes, prefill chunks, drafts),
-        preempting the most recently admitted ones when blocks run out. Returns the budget left.
+        preempting the most recently admitted ones when blocks run out; with `num_steps` > 1
+        (only decodes are running), KV slots for that many tokens each. Returns the budget left.
         """
         cached = out.scheduled_cached_reqs
         req_index = 0
@@ -229,7 +262,8 @@ class Scheduler:
             while True:
                 new_block_ids = self.kv_cache_manager.allocate_slots(
                     request, num_new_tokens,
-                    num_lookahead_tokens=self._lookahead(request, num_new_tokens))
+                    num_lookahead_tokens=max(self._lookahead(request, num_new_tokens),
+                                             num_steps - 1))
                 if new_block_ids is not None:
                     break
                 victim = self.running.pop()
@@ -393,6 +427,9 @@ class Scheduler:
         new_token_ids = model_runner_output.sampled_token_ids[index]
         if new_token_ids and self.num_output_placeholders.get(req_id):
             self.num_output_placeholders[req_id] -= 1
+        if new_token_ids and scheduler_output.num_steps > len(new_token_ids):
+            # A multi-step round the worker ended early (the request sampled a stop token).
+            request.num_computed_tokens -= scheduler_output.num_steps - len(new_token_ids)
         drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
         if drafts and new_token_ids:
             # Rejected draft positions are not computed: their KV is overwritten later.

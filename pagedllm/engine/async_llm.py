@@ -225,6 +225,14 @@ class AsyncLLM:
     @classmethod
     def from_engine_args(cls, model: str, stat_loggers: Sequence[StatLogger] = (),
                          **engine_args: Any) -> AsyncLLM:
+        """Build the engine from flat engine arguments (as `LLMEngine.from_engine_args`).
+
+        `num_scheduler_steps` defaults to 1 here: a server streams every token as it comes and
+        admits new requests at every step (offline generation defaults to multi-step rounds on
+        CPU; see `resolve_num_scheduler_steps`).
+        """
+        if engine_args.get("num_scheduler_steps") is None:
+            engine_args["num_scheduler_steps"] = 1
         return cls(LLMEngine.from_engine_args(model, **engine_args), stat_loggers)
 
     # ---------------------------------------------------------------- event-loop side

@@ -54,6 +54,7 @@ class EngineCore:
         self.config = config
         executor_class = get_executor_class(config.parallel_config.distributed_executor_backend)
         self.async_scheduling = resolve_async_scheduling(config, executor_class)
+        self.num_scheduler_steps = resolve_num_scheduler_steps(config, self.async_scheduling)
         self.executor = executor_class(config)
         try:
             num_blocks = self.executor.determine_num_blocks()
@@ -72,7 +73,8 @@ class EngineCore:
                                    config.max_model_len, num_blocks, lookahead,
                                    self.structured_output_manager,
                                    kv_cache_windows=self.executor.kv_cache_windows(),
-                                   async_scheduling=self.async_scheduling)
+                                   async_scheduling=self.async_scheduling,
+                                   num_scheduler_steps=self.num_scheduler_steps)
         # Async scheduling: steps launched and not yet through update_from_output, oldest first.
         self._in_flight: deque[tuple[SchedulerOutput, object]] = deque()
         self._block_hasher = (get_request_block_hasher(config.cache_config.block_size)
@@ -192,10 +194,42 @@ def resolve_async_scheduling(config: EngineConfig, executor_class: type) -> bool
         raise ValueError(f"async_scheduling is supported with distributed_executor_backend 'uni' "
                          f"(one process) only, not {backend!r}; drop --async-scheduling")
     if requested is None:
-        requested = supported and current_platform.device_type == "cuda"
+        # Multi-step rounds asked for explicitly: they replace async scheduling.
+        requested = (supported and current_platform.device_type == "cuda"
+                     and (config.scheduler_config.num_scheduler_steps or 1) == 1)
     if requested and config.speculative_config is not None:
         logger.info("async_scheduling: speculative decoding (%s) proposes drafts from each "
                     "step's tokens; every step runs synchronously",
                     config.speculative_config.method)
         return False
     return bool(requested)
+
+
+# Decode steps per round on CPU when `num_scheduler_steps` is left to the engine (offline use).
+DEFAULT_CPU_NUM_SCHEDULER_STEPS = 8
+
+
+def resolve_num_scheduler_steps(config: EngineConfig, async_scheduling: bool) -> int:
+    """Decode steps per scheduling round (`SchedulerConfig.num_scheduler_steps`).
+
+    None picks DEFAULT_CPU_NUM_SCHEDULER_STEPS on the CPU, where the scheduler, the output
+    processing and the detokenizer run on the cores that also run the forward (at batch 1 of a
+    small quantized model they cost 10% of each step, docs/architecture.md); 1 elsewhere (CUDA
+    overlaps them through async scheduling), and 1 with speculative decoding or async scheduling.
+    `AsyncLLM.from_engine_args` (the server) passes 1 unless told otherwise.
+
+    Raises:
+        ValueError: more than one step together with speculative decoding or async scheduling
+            (each needs the scheduler between steps).
+    """
+    requested = config.scheduler_config.num_scheduler_steps
+    if requested is None:
+        return (DEFAULT_CPU_NUM_SCHEDULER_STEPS if current_platform.device_type == "cpu"
+                and not async_scheduling and config.speculative_config is None else 1)
+    if requested > 1 and config.speculative_config is not None:
+        raise ValueError(f"num_scheduler_steps={requested} cannot be combined with speculative "
+                         f"decoding (it proposes drafts between steps); use 1")
+    if requested > 1 and async_scheduling:
+        raise ValueError(f"num_scheduler_steps={requested} cannot be combined with "
+                         f"async_scheduling; use one or the other")
+    return requested

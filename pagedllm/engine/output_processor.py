@@ -154,12 +154,21 @@ class OutputProcessor:
 
     # ----------------------------------------------------------------- accumulation
     def _add_tokens(self, state: RequestState, out: EngineCoreOutput) -> None:
-        num_new = len(out.new_token_ids)
-        if state.detokenizer is not None:
-            stop_str = state.detokenizer.update(out.new_token_ids)
-            if stop_str is not None:
-                state.finish_reason, state.stop_reason = "stop", stop_str
-        state.token_ids.extend(out.new_token_ids)
+        new_token_ids = out.new_token_ids
+        detok = state.detokenizer
+        if detok is not None:
+            # With stop strings, several tokens of one step (accepted drafts, a multi-step round)
+            # go in one at a time, as separate steps would: the token that completes a match is
+            # the request's last.
+            batches = [[t] for t in new_token_ids] if detok.stop else [new_token_ids]
+            for i, batch in enumerate(batches):
+                stop_str = detok.update(batch)
+                if stop_str is not None:
+                    state.finish_reason, state.stop_reason = "stop", stop_str
+                    new_token_ids = new_token_ids[:i + 1]
+                    break
+        num_new = len(new_token_ids)
+        state.token_ids.extend(new_token_ids)
         if state.logprobs is not None and out.new_logprobs is not None:
             new = self._to_logprob_dicts(out.new_logprobs.slice(0, num_new),
                                          state.logprob_decoder)

@@ -7,6 +7,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from pagedllm.config import MAX_NUM_SCHEDULER_STEPS
 from pagedllm.reasoning import REASONING_PARSERS
 
 
@@ -124,6 +125,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule step N+1 while step N runs (default: on with CUDA and one "
                         "process, off on CPU)")
+    g.add_argument("--num-scheduler-steps", type=bounded_int(1, MAX_NUM_SCHEDULER_STEPS),
+                   default=None, metavar="N",
+                   help="decode steps per scheduling round while every request decodes (the "
+                        "scheduler and output processing run once per round; default: 8 for "
+                        "offline generation on CPU, 1 for the server and on CUDA)")
 
 
 _ENGINE_KEYS = ("tokenizer", "chat_template", "dtype", "quantization", "max_model_len", "seed",
@@ -135,7 +141,8 @@ _ENGINE_KEYS = ("tokenizer", "chat_template", "dtype", "quantization", "max_mode
                 "master_addr", "master_port", "enable_expert_parallel", "enable_eplb",
                 "eplb_config", "speculative_config",
                 "logprobs_mode", "max_logprobs", "max_n", "max_logit_bias", "reasoning_parser",
-                "cudagraph_mode", "enforce_eager", "cudagraph_capture_sizes", "async_scheduling")
+                "cudagraph_mode", "enforce_eager", "cudagraph_capture_sizes", "async_scheduling",
+                "num_scheduler_steps")
 
 
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:

@@ -12,6 +12,9 @@ spec-decode metadata (`spec_decode/`), KV allocation (`kv_cache.py`).
                                       -> append tokens to states -> propose drafts
                                       -> ModelRunnerOutput
 
+    run_remaining_steps():            a multi-step round's later decode steps (each sampled
+                                      token is the next input; no scheduler in between)
+
 Rows whose prompt is still partially uncomputed after this step are not sampled at all (no logits,
 no RNG use), so seeded outputs do not depend on how a prompt was chunked.
 
@@ -105,6 +108,8 @@ class ModelRunner:
         self.slot_mappings = torch.zeros((1, self.max_num_tokens), dtype=torch.int64,
                                          device=device)
         self._pending: tuple[InputBatch, torch.Tensor, dict] | None = None
+        # The inputs of the last forward (a multi-step round advances them).
+        self._last_inputs: tuple[InputBatch, CommonAttentionMetadata] | None = None
         # Each model's attention backend (`_run_model`), the target's and a drafter's.
         self._attention_backends: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # Async scheduling: sampled tokens not yet in token_ids_cpu (oldest first); the last
@@ -427,6 +432,11 @@ class ModelRunner:
             self._pending = None
             return
         batch, common = self._prepare_inputs(scheduler_output)
+        self._execute(scheduler_output, batch, common)
+
+    def _execute(self, so: SchedulerOutput, batch: InputBatch,
+                 common: CommonAttentionMetadata) -> None:
+        """The forward of prepared inputs -> `_pending` (logits of the sampled rows)."""
         if (self.graph_runner is not None and batch.spec_decode_metadata is None
                 and self.graph_runner.can_run(common)):
             hidden = self.graph_runner.run(batch.input_ids, batch.positions,
@@ -437,8 +447,9 @@ class ModelRunner:
         if isinstance(self.drafter, DraftModelProposer):
             self.drafter.catch_up(batch.input_ids, batch.positions, common)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
-        logits = self._apply_grammar(scheduler_output, batch, logits)
+        logits = self._apply_grammar(so, batch, logits)
         self._pending = (batch, logits, self._compute_prompt_logprobs(batch, hidden))
+        self._last_inputs = (batch, common)
         if self.eplb is not None:
             # Between steps: this step's outputs are computed, the next one sees the new layout.
             self.eplb.step()
@@ -486,6 +497,9 @@ class ModelRunner:
     def sample_tokens(self) -> ModelRunnerOutput:
         """Sample (or verify drafts) for the rows of the last `execute_model`, record the tokens
         and propose the next drafts."""
+        return self._sample_tokens()
+
+    def _sample_tokens(self) -> ModelRunnerOutput:
         self._last_sampled = None
         # A synchronous step after asynchronous ones: sampling may read the earlier tokens.
         self._write_sampled_tokens(wait=True)
@@ -573,6 +587,82 @@ class ModelRunner:
                                       prompt_logprobs,
                                       None if self.eplb is None else self.eplb.take_stats())
 
+    @torch.inference_mode()
+    def run_remaining_steps(self, so: SchedulerOutput, output: ModelRunnerOutput
+                            ) -> ModelRunnerOutput:
+        """Steps 2..`so.num_steps` of a multi-step round (vLLM V0's multi-step scheduling),
+        after `execute_model(so)` and `sample_tokens()` ran step 1 and returned `output`.
+
+        Each step decodes, for every request still going, the token it sampled last: its
+        `num_computed_tokens` advances by one and the scheduler's blocks (allocated for the whole
+        round) take the new slots. A request drops out once it samples one of its stop tokens
+        with min_tokens reached (the scheduler ends it there) or fails. Its tokens and logprobs
+        of every step are appended to `output`'s lists, which is returned.
+
+        While no request drops out, a step's inputs are the last step's advanced in place
+        (`_advance_decode_inputs`); otherwise they are gathered anew for the requests left.
+        Every rank of a tensor- or pipeline-parallel engine runs the same steps: they all hold
+        the same sampled tokens, so they drop the same requests.
+        """
+        st = self.states
+        going = [r for r, tokens in zip(output.req_ids, output.sampled_token_ids)
+                 if tokens and not self._stopped(st.req_id_to_index[r], tokens[-1])]
+        no_grammar = SchedulerOutput.make_empty()
+        for _ in range(so.num_steps - 1):
+            if not going:
+                break
+            batch, common = self._last_inputs
+            if going == batch.req_ids:
+                self._execute(no_grammar, *self._advance_decode_inputs(batch, common))
+            else:
+                step = _decode_step(going, st)
+                self._update_states(step)
+                self._execute(no_grammar, *self._prepare_inputs(step))
+            step_output = self._sample_tokens()
+            output.request_errors.update(step_output.request_errors)
+            output.eplb_stats = step_output.eplb_stats or output.eplb_stats
+            still_going = []
+            for req_id, tokens in zip(step_output.req_ids, step_output.sampled_token_ids):
+                if not tokens:
+                    continue
+                output.sampled_token_ids[output.req_id_to_index[req_id]].extend(tokens)
+                lp = step_output.logprobs.get(req_id)
+                if lp is not None:
+                    output.logprobs[req_id].extend(lp)
+                if not self._stopped(st.req_id_to_index[req_id], tokens[-1]):
+                    still_going.append(req_id)
+            going = still_going
+        return output
+
+    def _advance_decode_inputs(self, batch: InputBatch, common: CommonAttentionMetadata
+                               ) -> tuple[InputBatch, CommonAttentionMetadata]:
+        """The next step of a multi-step round for the same requests: each decodes the token it
+        sampled last, one position further (what `_prepare_inputs` would build, without the
+        per-request gathering)."""
+        st = self.states
+        rows = batch.idx_mapping
+        n = len(rows)
+        st.num_computed_tokens[rows] += 1
+        positions = st.num_computed_tokens[rows].astype(np.int64)
+        self.input_ids[:n].copy_(torch.from_numpy(st.token_ids_cpu[rows, positions]))
+        self.positions[:n].copy_(torch.from_numpy(positions))
+        seq_lens = (positions + 1).astype(np.int32)
+        block_tables = self._compute_block_tables(rows, rows, positions, positions)
+        common = replace(common, seq_lens=torch.from_numpy(seq_lens).to(self.device),
+                         seq_lens_cpu=seq_lens, block_table=block_tables[0],
+                         max_seq_len=int(seq_lens.max()))
+        group_commons = () if len(block_tables) == 1 else tuple(
+            replace(common, block_table=table, slot_mapping=self.slot_mappings[g, :n])
+            for g, table in enumerate(block_tables))
+        return replace(batch, seq_lens_np=seq_lens, group_commons=group_commons), common
+
+    def _stopped(self, idx: int, token_id: int) -> bool:
+        """Whether the request in slot `idx` ends at `token_id`, its last token (a stop token
+        once min_tokens are out; the scheduler's own check is `Scheduler._check_stop`)."""
+        st = self.states
+        return (token_id in st.stop_token_ids[idx]
+                and st.num_tokens[idx] - st.num_prompt_tokens[idx] >= st.min_tokens[idx])
+
     def _sample(self, rows: np.ndarray, logits: torch.Tensor):
         """One token per row. Returns (tokens per row, logprob lists or None, first logprob row
         of each row, {row index: message} of rows whose logits processor failed)."""
@@ -622,6 +712,20 @@ class ModelRunner:
             proposals = self.drafter.propose(st.token_ids_cpu[rows, last], last,
                                              st.block_table.block_table_np[rows], max_drafts)
         return {batch.req_ids[b]: p for b, p in zip(batch_rows.tolist(), proposals) if p}
+
+
+def _decode_step(req_ids: list[str], states: RequestStates) -> SchedulerOutput:
+    """A multi-step round's next step for `req_ids` (held requests decoding one token each, no
+    new blocks), as the scheduler would have sent it."""
+    step = SchedulerOutput.make_empty()
+    cached = step.scheduled_cached_reqs
+    cached.req_ids = req_ids
+    cached.new_block_ids = [tuple([] for _ in states.block_tables)] * len(req_ids)
+    cached.num_computed_tokens = [int(states.num_computed_tokens[states.req_id_to_index[r]]) + 1
+                                  for r in req_ids]
+    step.num_scheduled_tokens = dict.fromkeys(req_ids, 1)
+    step.total_num_scheduled_tokens = len(req_ids)
+    return step
 
 
 def _to_lists(t: LogprobsTensors) -> LogprobsLists:

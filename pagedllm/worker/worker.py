@@ -127,8 +127,12 @@ class Worker:
         self.model_runner.initialize_kv_cache(num_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """One step, or the `num_steps` decode steps of a multi-step round."""
         self.model_runner.execute_model(scheduler_output)
-        return self.model_runner.sample_tokens()
+        output = self.model_runner.sample_tokens()
+        if scheduler_output.num_steps > 1:
+            output = self.model_runner.run_remaining_steps(scheduler_output, output)
+        return output
 
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> AsyncModelRunnerOutput:
         """As `execute_model`, leaving the sampled tokens on the device (async scheduling)."""

@@ -39,10 +39,10 @@ def completions(outputs) -> list[list[tuple]]:
 
 @pytest.fixture(scope="module")
 def sync_llm(tiny_llama):
-    """The oracle: synchronous steps, a large cache, prefix caching off."""
+    """The oracle: synchronous steps one at a time, a large cache, prefix caching off."""
     return LLM(str(tiny_llama), dtype="float32", enable_prefix_caching=False,
                num_gpu_blocks_override=256, max_num_batched_tokens=1024, max_num_seqs=32,
-               async_scheduling=False)
+               async_scheduling=False, num_scheduler_steps=1)
 
 
 @pytest.fixture(scope="module")
