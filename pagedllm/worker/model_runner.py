@@ -52,6 +52,7 @@ from pagedllm.distributed.parallel_state import (ExpertParallelLayout,
                                                  set_expert_parallel_layout)
 from pagedllm.model_loader.loader import load_model
 from pagedllm.sample.logprobs import LogprobsTensors, compute_logprobs
+from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.rejection_sampler import rejection_sample
 from pagedllm.sample.sampler import Sampler
 from pagedllm.sampling_params import SamplingParams
@@ -608,31 +609,50 @@ class ModelRunner:
         going = [r for r, tokens in zip(output.req_ids, output.sampled_token_ids)
                  if tokens and not self._stopped(st.req_id_to_index[r], tokens[-1])]
         no_grammar = SchedulerOutput.make_empty()
+        greedy: SamplingMetadata | None = None   # while every request left is plain greedy
         for _ in range(so.num_steps - 1):
             if not going:
                 break
             batch, common = self._last_inputs
             if going == batch.req_ids:
-                self._execute(no_grammar, *self._advance_decode_inputs(batch, common))
+                batch, common = self._advance_decode_inputs(batch, common)
             else:
                 step = _decode_step(going, st)
                 self._update_states(step)
-                self._execute(no_grammar, *self._prepare_inputs(step))
-            step_output = self._sample_tokens()
-            output.request_errors.update(step_output.request_errors)
-            output.eplb_stats = step_output.eplb_stats or output.eplb_stats
+                batch, common = self._prepare_inputs(step)
+                greedy = None
+            self._execute(no_grammar, batch, common)
+            if greedy is None and bool(st.plain_greedy[batch.idx_mapping].all()):
+                greedy = build_sampling_metadata(st, batch.idx_mapping, self._pending[1].shape[-1],
+                                                 self.device, self.logprobs_mode)
+            step_tokens = (self._sample_greedy(greedy) if greedy is not None
+                           else self._sample_tokens())
+            output.request_errors.update(step_tokens.request_errors)
+            output.eplb_stats = step_tokens.eplb_stats or output.eplb_stats
             still_going = []
-            for req_id, tokens in zip(step_output.req_ids, step_output.sampled_token_ids):
+            for req_id, tokens in zip(step_tokens.req_ids, step_tokens.sampled_token_ids):
                 if not tokens:
                     continue
                 output.sampled_token_ids[output.req_id_to_index[req_id]].extend(tokens)
-                lp = step_output.logprobs.get(req_id)
+                lp = step_tokens.logprobs.get(req_id)
                 if lp is not None:
                     output.logprobs[req_id].extend(lp)
                 if not self._stopped(st.req_id_to_index[req_id], tokens[-1]):
                     still_going.append(req_id)
             going = still_going
         return output
+
+    def _sample_greedy(self, metadata: SamplingMetadata) -> ModelRunnerOutput:
+        """`_sample_tokens` for a round step whose requests are all plain greedy
+        (`RequestStates.plain_greedy`: no logprobs, nothing that edits the logits, no drafts):
+        the round's sampling metadata is reused, and only the tokens are recorded."""
+        batch, logits, _ = self._pending
+        self._pending = None
+        tokens = self.sampler(logits, metadata).sampled_token_ids.tolist()
+        for row, token in zip(batch.idx_mapping, tokens):
+            self.states.append_tokens(row, [token])
+        return ModelRunnerOutput(batch.req_ids, {}, [[t] for t in tokens],
+                                 eplb_stats=None if self.eplb is None else self.eplb.take_stats())
 
     def _advance_decode_inputs(self, batch: InputBatch, common: CommonAttentionMetadata
                                ) -> tuple[InputBatch, CommonAttentionMetadata]:
@@ -647,10 +667,15 @@ class ModelRunner:
         self.input_ids[:n].copy_(torch.from_numpy(st.token_ids_cpu[rows, positions]))
         self.positions[:n].copy_(torch.from_numpy(positions))
         seq_lens = (positions + 1).astype(np.int32)
+        seq_lens_fields = dict(seq_lens=torch.from_numpy(seq_lens).to(self.device),
+                               seq_lens_cpu=seq_lens, max_seq_len=int(seq_lens.max()))
+        if self.kv_cache_windows == (None,):
+            # The round's blocks were all in the block table from its first step.
+            self.slot_mappings[0, :n].copy_(torch.from_numpy(
+                st.block_table.compute_slot_mapping(rows, positions)), non_blocking=True)
+            return replace(batch, seq_lens_np=seq_lens), replace(common, **seq_lens_fields)
         block_tables = self._compute_block_tables(rows, rows, positions, positions)
-        common = replace(common, seq_lens=torch.from_numpy(seq_lens).to(self.device),
-                         seq_lens_cpu=seq_lens, block_table=block_tables[0],
-                         max_seq_len=int(seq_lens.max()))
+        common = replace(common, block_table=block_tables[0], **seq_lens_fields)
         group_commons = () if len(block_tables) == 1 else tuple(
             replace(common, block_table=table, slot_mapping=self.slot_mappings[g, :n])
             for g, table in enumerate(block_tables))
