@@ -30,6 +30,7 @@ L="latency --preset llama-134m --dtype bfloat16"
 # Issue #21 targets (llama-134m, bf16).
 run a_32x128 $T --num-prompts 32 --input-len 128 --output-len 128 --compare hf --compare llamacpp
 run b_batch1 $L --batch-size 1 --input-len 128 --output-len 128 --num-iters 3 --compare llamacpp
+run b_batch64 $L --batch-size 64 --input-len 128 --output-len 64 --num-iters 1 --bandwidth-mib 0
 run d_prefill_8x512 $T --num-prompts 8 --input-len 512 --output-len 1 --compare llamacpp
 # Long contexts: llama-134m-16k is the same model with room for 16k positions.
 LL="latency --preset llama-134m-16k --dtype bfloat16 --output-len 32 --num-iters 1"
