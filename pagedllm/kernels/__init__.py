@@ -23,10 +23,10 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-KERNELS_VERSION = 7  # must equal pagedllm_cpu_kernels_version() in the sources
+KERNELS_VERSION = 8  # must equal pagedllm_cpu_kernels_version() in the sources
 _SOURCES = ("cpu_attention.cpp", "cpu_linear.cpp", "cpu_decoder.cpp", "cpu_gguf_linear.cpp",
             "cpu_int8_linear.cpp", "cpu_fused_moe.cpp", "cpu_gguf_q8_linear.cpp",
-            "cpu_packed_gemm.cpp")
+            "cpu_packed_gemm.cpp", "cpu_decode_loop.cpp")
 _HEADERS = ("cpu_vec.h", "attention_kernel.h", "linear_kernel.h", "gguf_blocks.h",
             "int8_blocks.h", "gguf_q8_dot.h", "packed_gemm.h")
 _CXXFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
@@ -200,5 +200,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.packed_weight_rows.argtypes = [p, i64, i64, i32, p, i64, p]
     lib.packed_gemm_bf16_pairs.restype = i32
     lib.packed_gemm_bf16_pairs.argtypes = []
+    lib.decode_greedy_steps.restype = i32
+    lib.decode_greedy_steps.argtypes = [p, p, i32, p, p]
     lib.fma_peak_probe.restype = ctypes.c_double
     lib.fma_peak_probe.argtypes = [i64, i32]

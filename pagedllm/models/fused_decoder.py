@@ -188,9 +188,7 @@ class FusedDecoder:
         if not (isinstance(metadata, CpuPagedMetadata)
                 and metadata.common.num_actual_tokens == num_tokens
                 and kv_cache.dtype == self.dtype and kv_cache.dim() == 5
-                and num_tokens <= min(self._max_tokens,
-                                      current_platform.fused_decoder_max_tokens(
-                                          self.dtype, self.packed_weights))):
+                and num_tokens <= self.max_step_tokens()):
             return False
         if self.min_window is not None and int(metadata.seq_lens.max(initial=0)) > self.min_window:
             return False
@@ -274,17 +272,11 @@ class FusedDecoder:
         Returns:
             [n, hidden_size] float32: the last layer's output, not yet added to `residual`.
         """
-        caches = [attn.kv_cache for attn in self._attention]
-        if self._structs is None or any(a is not b for a, b in zip(caches, self._caches)):
-            self._structs, self._caches = self._build(), caches
+        structs = self.layer_structs()
         common = metadata.common
         n, hidden = residual.shape
         out = delta if delta is not None else torch.empty(n, hidden, dtype=torch.float32)
-        scratch = torch.empty(n * sum(self._scratch_sizes), dtype=torch.float32)
-        ptrs, offset = [], scratch.data_ptr()
-        for size in self._scratch_sizes:
-            ptrs.append(offset)
-            offset += n * size * 4
+        scratch, ptrs = self.scratch(n)
         block_table = common.block_table
         if block_table.dtype != torch.int32 or block_table.stride(1) != 1:
             raise ValueError("fused decoder: the block table must be int32 with unit column stride")
@@ -299,11 +291,35 @@ class FusedDecoder:
             delta=out.data_ptr(), normed=ptrs[0], qkv_out=ptrs[1], attn_out=ptrs[2],
             gate_up_out=ptrs[3], act=ptrs[4])
         rows = metadata.all_rows
-        cpu_kernels().decoder_layers(ctypes.addressof(self._structs), len(self.layers),
+        cpu_kernels().decoder_layers(ctypes.addressof(structs), len(self.layers),
                                      ctypes.addressof(step),
                                      rows.ctypes.data, len(rows), int(delta is not None),
                                      _DTYPE_CODES[self.dtype])
+        del scratch
         return out
+
+    def layer_structs(self) -> ctypes.Array:
+        """The layers' native structures, rebuilt if a layer's KV cache was replaced."""
+        caches = [attn.kv_cache for attn in self._attention]
+        if self._structs is None or any(a is not b for a, b in zip(caches, self._caches)):
+            self._structs, self._caches = self._build(), caches
+        return self._structs
+
+    def scratch(self, num_tokens: int) -> tuple[torch.Tensor, list[int]]:
+        """float32 scratch for a step of `num_tokens` tokens, and the addresses of its parts
+        (normed, qkv, attention output, gate_up, act; the DecoderStep fields). Keep the tensor
+        alive while the addresses are in use."""
+        scratch = torch.empty(num_tokens * sum(self._scratch_sizes), dtype=torch.float32)
+        ptrs, offset = [], scratch.data_ptr()
+        for size in self._scratch_sizes:
+            ptrs.append(offset)
+            offset += num_tokens * size * 4
+        return scratch, ptrs
+
+    def max_step_tokens(self) -> int:
+        """Most tokens of a step this path takes (scratch bound and the platform's limit)."""
+        return min(self._max_tokens, current_platform.fused_decoder_max_tokens(
+            self.dtype, self.packed_weights))
 
 
 def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,

@@ -50,7 +50,9 @@ from pagedllm.core.sched_output import (LogprobsLists, ModelRunnerOutput, NewReq
                                         SchedulerOutput)
 from pagedllm.distributed.parallel_state import (ExpertParallelLayout,
                                                  set_expert_parallel_layout)
+from pagedllm.kernels import switched_off
 from pagedllm.model_loader.loader import load_model
+from pagedllm.models.decode_loop import GreedyDecodeLoop
 from pagedllm.sample.logprobs import LogprobsTensors, compute_logprobs
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.rejection_sampler import rejection_sample
@@ -111,6 +113,8 @@ class ModelRunner:
         self._pending: tuple[InputBatch, torch.Tensor, dict] | None = None
         # The inputs of the last forward (a multi-step round advances them).
         self._last_inputs: tuple[InputBatch, CommonAttentionMetadata] | None = None
+        # The model's native greedy decode loop (False: not decided yet; None: none).
+        self._decode_loop: GreedyDecodeLoop | None | bool = False
         # Each model's attention backend (`_run_model`), the target's and a drafter's.
         self._attention_backends: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # Async scheduling: sampled tokens not yet in token_ids_cpu (oldest first); the last
@@ -608,6 +612,9 @@ class ModelRunner:
         st = self.states
         going = [r for r, tokens in zip(output.req_ids, output.sampled_token_ids)
                  if tokens and not self._stopped(st.req_id_to_index[r], tokens[-1])]
+        loop = self._native_decode_loop(going, so.num_steps - 1)
+        if loop is not None:
+            return self._run_native_steps(loop, so.num_steps - 1, output)
         no_grammar = SchedulerOutput.make_empty()
         greedy: SamplingMetadata | None = None   # while every request left is plain greedy
         for _ in range(so.num_steps - 1):
@@ -640,6 +647,48 @@ class ModelRunner:
                 if not self._stopped(st.req_id_to_index[req_id], tokens[-1]):
                     still_going.append(req_id)
             going = still_going
+        return output
+
+    def _native_decode_loop(self, going: list[str], num_steps: int) -> GreedyDecodeLoop | None:
+        """The model's native greedy decode loop (models/decode_loop.py) when the round's later
+        steps can run there: the CPU's fused decoder path, every request of the first step still
+        going and plain greedy, nothing between steps (drafts, EPLB, CUDA graphs), and
+        `PAGEDLLM_CPU_DECODE_LOOP` not 0."""
+        if self._decode_loop is False:
+            self._decode_loop = (
+                GreedyDecodeLoop.for_model(self.model)
+                if (self.device.type == "cpu" and self.drafter is None and self.eplb is None
+                    and len(self.kv_cache_windows) == 1
+                    and not switched_off("PAGEDLLM_CPU_DECODE_LOOP")) else None)
+        loop = self._decode_loop
+        if loop is None or self._last_inputs is None or num_steps < 1:
+            return None
+        batch, common = self._last_inputs
+        rows = batch.idx_mapping
+        backend = self._attention_backends.get(self.model)
+        if (going != batch.req_ids or getattr(backend, "name", None) != "cpu_paged"
+                or not bool(self.states.plain_greedy[rows].all())
+                or not loop.applies(len(rows), int(batch.seq_lens_np.max()) + num_steps)):
+            return None
+        return loop
+
+    def _run_native_steps(self, loop: GreedyDecodeLoop, num_steps: int,
+                          output: ModelRunnerOutput) -> ModelRunnerOutput:
+        """A round's later steps in `loop`, for the requests of its first step (see
+        `_native_decode_loop`); their tokens are recorded as `_sample_tokens` records them."""
+        st = self.states
+        batch, common = self._last_inputs
+        self._last_inputs = None   # (the loop advanced past them)
+        rows = batch.idx_mapping
+        positions = st.num_computed_tokens[rows].astype(np.int64)
+        tokens, taken = loop.run(
+            st.token_ids_cpu[rows, positions + 1], positions, common.block_table,
+            self.block_size, num_steps, [st.stop_token_ids[r] for r in rows])
+        for b, (req_id, row) in enumerate(zip(batch.req_ids, rows)):
+            new = tokens[:taken[b], b].tolist()
+            st.append_tokens(row, new)
+            st.num_computed_tokens[row] += len(new)
+            output.sampled_token_ids[output.req_id_to_index[req_id]].extend(new)
         return output
 
     def _sample_greedy(self, metadata: SamplingMetadata) -> ModelRunnerOutput:

@@ -92,6 +92,9 @@ def _greedy_counting_fused_steps(path, quantization: str, fused: bool,
 
     with monkeypatch.context() as patch:
         patch.setenv("PAGEDLLM_CPU_FUSED_DECODER", "1" if fused else "0")
+        # One call per step: the native decode loop (models/decode_loop.py) runs multi-step
+        # rounds' later steps without calling FusedDecoder.
+        patch.setenv("PAGEDLLM_CPU_DECODE_LOOP", "0")
         patch.setattr(FusedDecoder, "__call__", counting)
         tokens = _greedy(path, quantization)
     return tokens, len(calls)

@@ -72,7 +72,7 @@ void paged_attention(const float* query, const T* key_cache, const T* value_cach
 extern "C" {
 
 // ABI version: bump when a signature below changes (checked by the Python loader).
-int pagedllm_cpu_kernels_version() { return 7; }
+int pagedllm_cpu_kernels_version() { return 8; }
 
 void paged_attention_f32(const float* query, const float* key_cache, const float* value_cache,
                          const int32_t* block_table, int64_t block_table_stride,

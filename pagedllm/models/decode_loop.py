@@ -1,0 +1,193 @@
+"""Native greedy decode steps for the Llama family on the CPU (`decode_greedy_steps`).
+
+The later steps of a multi-step round (worker/model_runner.py `run_remaining_steps`) whose
+requests are all plain greedy run here in one native call: per step the embedding lookup, the
+fused decoder (models/fused_decoder.py), the final RMSNorm, the LM head and the argmax, with the
+positions, slot mapping and sequence lengths advanced natively (see the header of
+`pagedllm/kernels/csrc/cpu_decode_loop.cpp`). The kernels and roundings are the module path's,
+so the tokens equal single steps'. It exists because at batch 1 of a small model the ~25
+Python/torch calls around the fused decoder cost ~10% of a step on a 2-core CPU.
+
+It applies to a `LlamaForCausalLM` whose forward and logits are the base class's (no
+embedding scale or logit soft-capping), one pipeline stage and one tensor-parallel rank, an
+embedding and LM head stored as GGUF blocks or packed panels (an untied float embedding as plain
+rows), and steps the fused decoder takes (`FusedDecoder.applies`'s conditions).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import torch
+
+from pagedllm.kernels import cpu_kernels
+from pagedllm.kernels.ops import gguf_segment_structs
+from pagedllm.models.fused_decoder import _DTYPE_CODES, DecoderStep, FusedDecoder
+
+_p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+DENSE, PACKED, GGUF, GGUF_Q8 = 0, 1, 2, 3
+
+
+class VocabWeight(ctypes.Structure):
+    """Mirror of `VocabWeight` in cpu_decode_loop.cpp."""
+
+    _fields_ = [("kind", _i64), ("dtype", _i64), ("data", _p), ("segments", _p),
+                ("num_segments", _i64), ("rows", _i64), ("cols", _i64)]
+
+
+class DecodeLoopArgs(ctypes.Structure):
+    """Mirror of `DecodeLoopArgs` in cpu_decode_loop.cpp."""
+
+    _fields_ = [("layers", _p), ("num_layers", _i64), ("step", _p), ("dtype", _i64),
+                ("num_reqs", _i64), ("hidden", _i64), ("block_size", _i64),
+                ("block_table_stride", _i64), ("block_table", _p), ("attention_rows", _p),
+                ("positions", _p), ("slot_mapping", _p), ("seq_lens", _p), ("residual", _p),
+                ("delta", _p), ("normed", _p), ("head_x", _p), ("logits", _p),
+                ("embed_f32", _p), ("embedding", VocabWeight), ("head", VocabWeight),
+                ("norm_weight", _p), ("norm_eps", _f32), ("stop_offsets", _p), ("stop_ids", _p)]
+
+
+def _vocab_weight(module, dtype: torch.dtype, embedding: bool,
+                  keep: list) -> VocabWeight | None:
+    """The native description of an embedding table or LM head (a `VocabEmbedding`), or None
+    for a storage the loop does not take."""
+    method = module.quant_method
+    weight = module.weight
+    if method is not None:
+        if method.tensor_type is None or (embedding and method.dtype != dtype):
+            return None
+        segments = gguf_segment_structs([(0, method.tensor_type, weight, method.grouped)],
+                                        module.embedding_dim)
+        keep.append(segments)
+        kind = GGUF_Q8 if method.quantize_activations and not embedding else GGUF
+        return VocabWeight(kind=kind, dtype=0, data=None, segments=ctypes.addressof(segments),
+                           num_segments=1, rows=weight.shape[0], cols=module.embedding_dim)
+    if weight.dtype not in _DTYPE_CODES or not weight.is_contiguous():
+        return None
+    if not module.packed and not embedding:
+        return None
+    if embedding and weight.dtype != dtype:
+        return None
+    return VocabWeight(kind=PACKED if module.packed else DENSE, dtype=_DTYPE_CODES[weight.dtype],
+                       data=weight.data_ptr(), segments=None, num_segments=0,
+                       rows=module.num_embeddings, cols=module.embedding_dim)
+
+
+class GreedyDecodeLoop:
+    """Runs greedy decode steps of `model` (a `LlamaForCausalLM`) natively; see the module
+    docstring. Build with `for_model`, which returns None where it does not apply."""
+
+    def __init__(self, model, fused: FusedDecoder, embedding: VocabWeight, head: VocabWeight,
+                 keep: list) -> None:
+        self.model = model
+        self.fused = fused
+        self.embedding, self.head = embedding, head
+        self._keep = keep
+        self.vocab_size = head.rows
+
+    @classmethod
+    def for_model(cls, model) -> GreedyDecodeLoop | None:
+        from pagedllm.models.llama import LlamaForCausalLM, LlamaModel
+        inner = getattr(model, "model", None)
+        if (cpu_kernels() is None or not isinstance(model, LlamaForCausalLM)
+                or type(model).compute_logits is not LlamaForCausalLM.compute_logits
+                or type(inner).forward is not LlamaModel.forward
+                or not (inner.pp.is_first_rank and inner.pp.is_last_rank)
+                or model.lm_head.tp_size != 1):
+            return None
+        fused = inner._fused_decoder()
+        if fused is None:
+            return None
+        keep: list = []
+        embedding = _vocab_weight(inner.embed_tokens, fused.dtype, True, keep)
+        head = _vocab_weight(model.lm_head, fused.dtype, False, keep)
+        if embedding is None or head is None or head.cols != fused.hidden_size:
+            return None
+        return cls(model, fused, embedding, head, keep)
+
+    def applies(self, num_reqs: int, max_seq_len: int) -> bool:
+        """Whether steps of `num_reqs` requests up to sequences of `max_seq_len` tokens can run
+        here (the fused decoder's conditions: KV cache in the model dtype, batch size, window)."""
+        fused = self.fused
+        kv_cache = fused._attention[0].kv_cache
+        return (kv_cache.dtype == fused.dtype and kv_cache.dim() == 5
+                and num_reqs <= fused.max_step_tokens()
+                and (fused.min_window is None or max_seq_len <= fused.min_window))
+
+    def run(self, token_ids: np.ndarray, positions: np.ndarray, block_table: torch.Tensor,
+            block_size: int, num_steps: int, stop_token_ids: list[list[int]]
+            ) -> tuple[np.ndarray, np.ndarray]:
+        """Decode up to `num_steps` greedy tokens per request (plain greedy: no min_tokens,
+        nothing that edits the logits).
+
+        Args:
+            token_ids: [B] int64, each request's last token (the first step's input).
+            positions: [B] int64, each request's last computed position: `token_ids` go to
+                positions + 1, their successors to positions + 2, ...
+            block_table: [B, max_blocks] int32, unit column stride, covering every position
+                up to positions + num_steps.
+            block_size: tokens per KV block.
+            num_steps: most steps to run.
+            stop_token_ids: per request, the token ids that end it.
+
+        Returns:
+            (tokens [steps_run, B] int64, tokens_taken [B] int64): step s's token of request b
+            is tokens[s, b]; request b's tokens end at tokens_taken[b] (where it stopped, else
+            steps_run).
+
+        Raises:
+            ValueError: a token id outside the embedding, or a weight the kernels refuse.
+        """
+        fused = self.fused
+        n, hidden = len(token_ids), fused.hidden_size
+        structs = fused.layer_structs()
+        tokens = np.ascontiguousarray(token_ids, dtype=np.int64).copy()
+        pos = np.ascontiguousarray(positions, dtype=np.int64).copy()
+        slots = np.zeros(n, dtype=np.int64)
+        seq_lens = (pos + 1).astype(np.int32)
+        query_start_loc = np.arange(n + 1, dtype=np.int32)
+        rows = np.arange(n, dtype=np.int32)
+        residual = torch.empty(n, hidden, dtype=fused.dtype)
+        delta = torch.empty(n, hidden, dtype=torch.float32)
+        normed = torch.empty(n, hidden, dtype=fused.dtype)
+        head_x = torch.empty(n, hidden, dtype=torch.float32)
+        embed_f32 = torch.empty(n, hidden, dtype=torch.float32)
+        logits = torch.empty(n, self.vocab_size, dtype=torch.float32)
+        if block_table.dtype != torch.int32 or block_table.stride(1) != 1:
+            raise ValueError("decode loop: the block table must be int32 with unit column stride")
+        scratch, ptrs = fused.scratch(n)
+        step = DecoderStep(
+            num_tokens=n, positions=pos.ctypes.data, slot_mapping=slots.ctypes.data,
+            block_table=block_table.data_ptr(), block_table_stride=block_table.stride(0),
+            query_start_loc=query_start_loc.ctypes.data, seq_lens=seq_lens.ctypes.data,
+            num_reqs=n, block_size=block_size, causal=1, residual=residual.data_ptr(),
+            delta=delta.data_ptr(), normed=ptrs[0], qkv_out=ptrs[1], attn_out=ptrs[2],
+            gate_up_out=ptrs[3], act=ptrs[4])
+        stop_offsets = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum([len(s) for s in stop_token_ids], out=stop_offsets[1:])
+        stop_ids = np.array([t for s in stop_token_ids for t in s] or [0], dtype=np.int64)
+        norm = self.model.model.norm
+        args = DecodeLoopArgs(
+            layers=ctypes.addressof(structs), num_layers=len(fused.layers),
+            step=ctypes.addressof(step), dtype=_DTYPE_CODES[fused.dtype], num_reqs=n,
+            hidden=hidden, block_size=block_size, block_table_stride=block_table.stride(0),
+            block_table=block_table.data_ptr(), attention_rows=rows.ctypes.data,
+            positions=pos.ctypes.data, slot_mapping=slots.ctypes.data,
+            seq_lens=seq_lens.ctypes.data, residual=residual.data_ptr(),
+            delta=delta.data_ptr(), normed=normed.data_ptr(), head_x=head_x.data_ptr(),
+            logits=logits.data_ptr(), embed_f32=embed_f32.data_ptr(), embedding=self.embedding,
+            head=self.head, norm_weight=norm.weight.data_ptr(), norm_eps=norm.eps,
+            stop_offsets=stop_offsets.ctypes.data, stop_ids=stop_ids.ctypes.data)
+        out = np.zeros((num_steps, n), dtype=np.int64)
+        taken = np.zeros(n, dtype=np.int64)
+        steps_run = cpu_kernels().decode_greedy_steps(ctypes.byref(args), tokens.ctypes.data,
+                                                      num_steps, out.ctypes.data,
+                                                      taken.ctypes.data)
+        del scratch
+        if steps_run < 0:
+            raise ValueError(f"decode loop: a token id outside [0, {self.embedding.rows}) or a "
+                             f"weight the kernels do not take")
+        taken[taken == 0] = steps_run
+        return out[:steps_run], taken
