@@ -16,8 +16,9 @@
 //
 // which is what the module path computes with the same kernels and the same roundings, so the
 // tokens equal those of single steps (the caller sends plain greedy rows only: no min_tokens,
-// nothing that edits the logits). A row that samples one of its stop tokens is done: it keeps being computed (the batch keeps its shape) but its later tokens are
-// not used; the loop ends early when every row is done.
+// nothing that edits the logits). A row that samples one of its stop tokens is done: it keeps
+// being computed (the batch keeps its shape; its KV slots are the round's) but its later tokens
+// are not used; the loop ends early when every row is done.
 
 #include <cmath>
 #include <cstdint>
