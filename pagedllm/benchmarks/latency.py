@@ -233,8 +233,9 @@ class EngineStepper:
     `sample_tokens` are called (and timed) apart, the later steps of a multi-step round
     (`run_remaining_steps`) counting in execute_model; otherwise `executor.execute_model` covers
     all and `sample_tokens` reads 0. Inside them, the runner's input preparation and the model
-    forward (`_run_model`, the CUDA graph replay and `compute_logits`) are timed by wrapping
-    those bound methods on this engine's instances only; engine code is untouched.
+    forward (`_run_model`, the CUDA graph replay, `compute_logits` and the native decode loop)
+    are timed by wrapping those bound methods on this engine's instances only; engine code is
+    untouched.
     """
 
     def __init__(self, llm_engine) -> None:
@@ -251,6 +252,14 @@ class EngineStepper:
             self._time_method(self.runner.model, "compute_logits", "forward")
             if getattr(self.runner, "graph_runner", None) is not None:
                 self._time_method(self.runner.graph_runner, "run", "forward")
+
+    def _time_decode_loop(self) -> None:
+        """Time the runner's native decode loop (multi-step rounds' later steps: forwards with
+        their argmax, models/decode_loop.py) as forward, once the runner has made it."""
+        loop = getattr(self.runner, "_decode_loop", None)
+        if loop and not getattr(loop, "_bench_timed", False):
+            self._time_method(loop, "run", "forward")
+            loop._bench_timed = True
 
     def _time_method(self, obj, name: str, phase: str) -> None:
         method = getattr(obj, name)
@@ -280,6 +289,7 @@ class EngineStepper:
                 runner_output = self.runner.sample_tokens()
             t3 = time.perf_counter()
             if so.num_steps > 1:
+                self._time_decode_loop()
                 with label("bench.run_remaining_steps"):
                     runner_output = self.runner.run_remaining_steps(so, runner_output)
                 # The later steps are forwards and sampling: execute_model's share.
