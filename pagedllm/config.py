@@ -143,7 +143,7 @@ class SchedulerConfig:
             scheduling): while every running request decodes and none waits, the runner feeds
             each sampled token straight into the next forward up to this many times before the
             scheduler and the output processing run again. None = the engine's default
-            (`resolve_num_scheduler_steps`: 8 for offline generation on CPU, else 1).
+            (`resolve_num_scheduler_steps`: 16 for offline generation on CPU, else 1).
     """
 
     max_num_batched_tokens: int = 2048

@@ -19,8 +19,9 @@ that runs before any later reader. Requests whose sampling needs their previous 
 host (see `needs_sync_step`) make the engine run synchronous steps while they live.
 
 Multi-step rounds (`num_scheduler_steps`, vLLM V0's multi-step scheduling): when every running
-request decodes, none waits and none needs the host between its tokens (structured output,
-logits processors), one SchedulerOutput asks for `num_steps` decode steps. Each request gets KV
+request decodes, none needs the host between its tokens (structured output, logits processors)
+and no waiting request could be admitted (none waits, or max_num_seqs are running), one
+SchedulerOutput asks for `num_steps` decode steps. Each request gets KV
 slots for all of them (lookahead slots, cached only once their tokens are known) and its
 `num_computed_tokens` advances by `num_steps`; the worker feeds each sampled token into the next
 forward and returns up to `num_steps` tokens per request; `update_from_output` applies the stop
@@ -230,10 +231,14 @@ class Scheduler:
 
     def _num_decode_steps(self) -> int:
         """Steps of this round: `num_scheduler_steps` when every running request decodes one
-        known token and may take that many more, none waits and none needs the host between
-        tokens (structured output, logits processors, drafts); else 1."""
+        known token and may take that many more, none needs the host between tokens
+        (structured output, logits processors, drafts), and no waiting request could be
+        admitted now (none waits, or every sequence slot is taken); else 1. The round is capped
+        where the first request reaches max_tokens or max_model_len, so a slot frees no later
+        than a round ends."""
         steps = self.num_scheduler_steps
-        if (steps == 1 or self.waiting or not self.running
+        if (steps == 1 or not self.running
+                or (self.waiting and len(self.running) < self.config.max_num_seqs)
                 or len(self.running) > self.config.max_num_batched_tokens):
             return 1
         for request in self.running:

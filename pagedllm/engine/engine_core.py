@@ -206,7 +206,7 @@ def resolve_async_scheduling(config: EngineConfig, executor_class: type) -> bool
 
 
 # Decode steps per round on CPU when `num_scheduler_steps` is left to the engine (offline use).
-DEFAULT_CPU_NUM_SCHEDULER_STEPS = 8
+DEFAULT_CPU_NUM_SCHEDULER_STEPS = 16
 
 
 def resolve_num_scheduler_steps(config: EngineConfig, async_scheduling: bool) -> int:
@@ -215,17 +215,21 @@ def resolve_num_scheduler_steps(config: EngineConfig, async_scheduling: bool) ->
     None picks DEFAULT_CPU_NUM_SCHEDULER_STEPS on the CPU, where the scheduler, the output
     processing and the detokenizer run on the cores that also run the forward (at batch 1 of a
     small quantized model they cost 10% of each step, docs/architecture.md); 1 elsewhere (CUDA
-    overlaps them through async scheduling), and 1 with speculative decoding or async scheduling.
-    `AsyncLLM.from_engine_args` (the server) passes 1 unless told otherwise.
+    overlaps them through async scheduling), and 1 with speculative decoding, async scheduling
+    or EPLB. `AsyncLLM.from_engine_args` (the server) passes 1 unless told otherwise.
 
     Raises:
-        ValueError: more than one step together with speculative decoding or async scheduling
-            (each needs the scheduler between steps).
+        ValueError: more than one step together with speculative decoding, async scheduling or
+            EPLB (each needs the engine between steps).
     """
     requested = config.scheduler_config.num_scheduler_steps
     if requested is None:
         return (DEFAULT_CPU_NUM_SCHEDULER_STEPS if current_platform.device_type == "cpu"
-                and not async_scheduling and config.speculative_config is None else 1)
+                and not async_scheduling and config.speculative_config is None
+                and not config.parallel_config.enable_eplb else 1)
+    if requested > 1 and config.parallel_config.enable_eplb:
+        raise ValueError(f"num_scheduler_steps={requested} cannot be combined with EPLB (it "
+                         f"reports each rebalance with the step that made it); use 1")
     if requested > 1 and config.speculative_config is not None:
         raise ValueError(f"num_scheduler_steps={requested} cannot be combined with speculative "
                          f"decoding (it proposes drafts between steps); use 1")

@@ -128,7 +128,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-scheduler-steps", type=bounded_int(1, MAX_NUM_SCHEDULER_STEPS),
                    default=None, metavar="N",
                    help="decode steps per scheduling round while every request decodes (the "
-                        "scheduler and output processing run once per round; default: 8 for "
+                        "scheduler and output processing run once per round; default: 16 for "
                         "offline generation on CPU, 1 for the server and on CUDA)")
 
 

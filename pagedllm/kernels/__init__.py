@@ -201,6 +201,6 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.packed_gemm_bf16_pairs.restype = i32
     lib.packed_gemm_bf16_pairs.argtypes = []
     lib.decode_greedy_steps.restype = i32
-    lib.decode_greedy_steps.argtypes = [p, p, i32, p, p]
+    lib.decode_greedy_steps.argtypes = [p, p, i32, p]
     lib.fma_peak_probe.restype = ctypes.c_double
     lib.fma_peak_probe.argtypes = [i64, i32]

@@ -118,9 +118,10 @@ class GreedyDecodeLoop:
 
     def run(self, token_ids: np.ndarray, positions: np.ndarray, block_table: torch.Tensor,
             block_size: int, num_steps: int, stop_token_ids: list[list[int]]
-            ) -> tuple[np.ndarray, np.ndarray]:
+            ) -> np.ndarray:
         """Decode up to `num_steps` greedy tokens per request (plain greedy: no min_tokens,
-        nothing that edits the logits).
+        nothing that edits the logits), ending after the step where a request samples one of
+        its stop tokens (the others go on in the next round).
 
         Args:
             token_ids: [B] int64, each request's last token (the first step's input).
@@ -133,9 +134,7 @@ class GreedyDecodeLoop:
             stop_token_ids: per request, the token ids that end it.
 
         Returns:
-            (tokens [steps_run, B] int64, tokens_taken [B] int64): step s's token of request b
-            is tokens[s, b]; request b's tokens end at tokens_taken[b] (where it stopped, else
-            steps_run).
+            tokens [steps_run, B] int64: step s's token of request b is tokens[s, b].
 
         Raises:
             ValueError: a token id outside the embedding, or a weight the kernels refuse.
@@ -181,13 +180,10 @@ class GreedyDecodeLoop:
             head=self.head, norm_weight=norm.weight.data_ptr(), norm_eps=norm.eps,
             stop_offsets=stop_offsets.ctypes.data, stop_ids=stop_ids.ctypes.data)
         out = np.zeros((num_steps, n), dtype=np.int64)
-        taken = np.zeros(n, dtype=np.int64)
         steps_run = cpu_kernels().decode_greedy_steps(ctypes.byref(args), tokens.ctypes.data,
-                                                      num_steps, out.ctypes.data,
-                                                      taken.ctypes.data)
+                                                      num_steps, out.ctypes.data)
         del scratch
         if steps_run < 0:
             raise ValueError(f"decode loop: a token id outside [0, {self.embedding.rows}) or a "
                              f"weight the kernels do not take")
-        taken[taken == 0] = steps_run
-        return out[:steps_run], taken
+        return out[:steps_run]

@@ -635,7 +635,6 @@ class ModelRunner:
             step_tokens = (self._sample_greedy(greedy) if greedy is not None
                            else self._sample_tokens())
             output.request_errors.update(step_tokens.request_errors)
-            output.eplb_stats = step_tokens.eplb_stats or output.eplb_stats
             still_going = []
             for req_id, tokens in zip(step_tokens.req_ids, step_tokens.sampled_token_ids):
                 if not tokens:
@@ -675,17 +674,18 @@ class ModelRunner:
     def _run_native_steps(self, loop: GreedyDecodeLoop, num_steps: int,
                           output: ModelRunnerOutput) -> ModelRunnerOutput:
         """A round's later steps in `loop`, for the requests of its first step (see
-        `_native_decode_loop`); their tokens are recorded as `_sample_tokens` records them."""
+        `_native_decode_loop`); their tokens are recorded as `_sample_tokens` records them. The
+        loop ends the round after a step where a request stopped (the scheduler then gives the
+        others back the round's unused slots)."""
         st = self.states
         batch, common = self._last_inputs
         self._last_inputs = None   # (the loop advanced past them)
         rows = batch.idx_mapping
         positions = st.num_computed_tokens[rows].astype(np.int64)
-        tokens, taken = loop.run(
-            st.token_ids_cpu[rows, positions + 1], positions, common.block_table,
-            self.block_size, num_steps, [st.stop_token_ids[r] for r in rows])
+        tokens = loop.run(st.token_ids_cpu[rows, positions + 1], positions, common.block_table,
+                          self.block_size, num_steps, [st.stop_token_ids[r] for r in rows])
         for b, (req_id, row) in enumerate(zip(batch.req_ids, rows)):
-            new = tokens[:taken[b], b].tolist()
+            new = tokens[:, b].tolist()
             st.append_tokens(row, new)
             st.num_computed_tokens[row] += len(new)
             output.sampled_token_ids[output.req_id_to_index[req_id]].extend(new)

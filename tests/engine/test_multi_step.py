@@ -10,6 +10,7 @@ max_tokens inside a round, n > 1, penalties, and the requests that make every ro
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -172,6 +173,14 @@ def test_defaults_and_bad_values(tiny_llama):
     with pytest.raises(ValueError, match="async_scheduling"):
         resolve_num_scheduler_steps(create_engine_config(str(tiny_llama), num_scheduler_steps=4),
                                     async_scheduling=True)
+    eplb = replace(config, scheduler_config=replace(config.scheduler_config,
+                                                    num_scheduler_steps=4),
+                   parallel_config=replace(config.parallel_config, enable_expert_parallel=True,
+                                           enable_eplb=True))
+    with pytest.raises(ValueError, match="EPLB"):
+        resolve_num_scheduler_steps(eplb, async_scheduling=False)
+    assert resolve_num_scheduler_steps(
+        replace(eplb, scheduler_config=config.scheduler_config), async_scheduling=False) == 1
     for bad in (0, -1, 65, 2.5, True, "4"):
         with pytest.raises(ValueError, match="num_scheduler_steps"):
             SchedulerConfig(num_scheduler_steps=bad)

@@ -54,9 +54,11 @@ def test_long_prompt_frees_window_blocks_and_matches_hf(tiny_checkpoints, hf_gre
     prompt, want = hf_greedy(variant)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     monkeypatch.setenv("PAGEDLLM_ATTENTION_BACKEND", backend)
+    # One step per round: blocks leave the window at each schedule (a multi-step round frees
+    # them at its start, so a round's last few would still be held when the request ends).
     llm = LLM(str(tiny_checkpoints[variant]), dtype="float32", kv_cache_memory_bytes=8 << 20,
               block_size=4, max_num_batched_tokens=12, max_num_seqs=2,
-              enable_prefix_caching=caching)
+              enable_prefix_caching=caching, num_scheduler_steps=1)
     core = llm.llm_engine.engine_core
     mgr = core.scheduler.kv_cache_manager
     assert tuple(g.sliding_window for g in mgr.kv_cache_groups) == GROUP_WINDOWS[variant]

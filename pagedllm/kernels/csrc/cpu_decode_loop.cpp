@@ -16,14 +16,13 @@
 //
 // which is what the module path computes with the same kernels and the same roundings, so the
 // tokens equal those of single steps (the caller sends plain greedy rows only: no min_tokens,
-// nothing that edits the logits). A row that samples one of its stop tokens is done: it keeps
-// being computed (the batch keeps its shape; its KV slots are the round's) but its later tokens
-// are not used; the loop ends early when every row is done.
+// nothing that edits the logits). The loop ends after the step where some row samples one of
+// its stop tokens: that request is over, and the others go on in the next round without it
+// (the scheduler gives back the round's unused slots), so no step computes a finished row.
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <vector>
 
 #include "cpu_vec.h"
 #include "gguf_blocks.h"
@@ -178,17 +177,14 @@ bool is_stop(const DecodeLoopArgs& a, int64_t b, int64_t token) {
 extern "C" {
 
 // Runs up to `num_steps` greedy decode steps. On entry `tokens` [num_reqs] holds each row's
-// last token and `args.positions` its position; step s writes its tokens to
-// out_tokens[s * num_reqs ..] and, for a row that stops there, s + 1 to num_steps_done[row]
-// (rows that never stop keep the value they came with). Returns the steps run (fewer than
-// num_steps when every row stopped), or -1 if a weight kind is not taken or a token id is
-// outside the embedding (nothing of that step written).
+// last token and `args.positions` its position (the position of the last computed token);
+// step s writes its tokens to out_tokens[s * num_reqs ..]. Returns the steps run: num_steps,
+// or fewer when a row sampled one of its stop tokens at the last one run; -1 if a weight kind
+// is not taken or a token id is outside the embedding (nothing of that step written).
 int decode_greedy_steps(const DecodeLoopArgs* args, int64_t* tokens, int num_steps,
-                        int64_t* out_tokens, int64_t* num_steps_done) {
+                        int64_t* out_tokens) {
   const DecodeLoopArgs& a = *args;
   const int64_t n = a.num_reqs, h = a.hidden, vocab = a.head.rows;
-  std::vector<char> done(static_cast<size_t>(n), 0);
-  int64_t num_done = 0;
   for (int s = 0; s < num_steps; ++s) {
     for (int64_t b = 0; b < n; ++b) {
       const int64_t pos = ++a.positions[b];
@@ -206,17 +202,14 @@ int decode_greedy_steps(const DecodeLoopArgs* args, int64_t* tokens, int num_ste
       a.head_x[i] = a.dtype == 0 ? static_cast<const float*>(a.normed)[i]
                                  : to_float(static_cast<const uint16_t*>(a.normed)[i]);
     if (head_logits(a) != 0) return -1;
+    bool stopped = false;
     for (int64_t b = 0; b < n; ++b) {
       const int64_t token = row_argmax(a.logits + b * vocab, vocab);
       tokens[b] = token;
       out_tokens[s * n + b] = token;
-      if (!done[b] && is_stop(a, b, token)) {
-        done[b] = 1;
-        num_steps_done[b] = s + 1;
-        ++num_done;
-      }
+      stopped = stopped || is_stop(a, b, token);
     }
-    if (num_done == n) return s + 1;
+    if (stopped) return s + 1;
   }
   return num_steps;
 }
