@@ -56,23 +56,56 @@ def async_llm(tiny_llama):
     return llm
 
 
-def test_greedy_and_seeded_equal_under_pressure(sync_llm, async_llm):
+def pressure_workload(max_tokens: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    """20 prompts, most sharing one of three prefixes, half greedy and half seeded (some with
+    logprobs), up to `max_tokens` each."""
     rng = random.Random(2)
     prefixes = [random_tokens(rng, n) for n in (12, 24, 40)]
     prompts = [(prefixes[i % 3] if i % 4 else []) + random_tokens(rng, rng.randint(3, 12))
                for i in range(20)]
-    params = [greedy(rng.randint(1, 8)) if i % 2 else
-              SamplingParams(temperature=0.8, seed=i, max_tokens=rng.randint(1, 8),
+    params = [greedy(rng.randint(1, max_tokens)) if i % 2 else
+              SamplingParams(temperature=0.8, seed=i, max_tokens=rng.randint(1, max_tokens),
                              ignore_eos=True, logprobs=2 if i % 3 == 0 else None)
               for i in range(len(prompts))]
-    before = async_llm.get_stats()
-    outputs = async_llm.generate(prompts, params, use_tqdm=False)
-    expected = sync_llm.generate(prompts, params, use_tqdm=False)
+    return prompts, params
+
+
+def assert_same_outputs(outputs, expected) -> None:
+    """Tokens, finish reasons, texts and logprobs equal."""
     assert completions(outputs) == completions(expected)
     for out, ref in zip(outputs, expected):
         if out.outputs[0].logprobs is not None:
             assert [list(d) for d in out.outputs[0].logprobs] == \
                 [list(d) for d in ref.outputs[0].logprobs]
+            assert out.outputs[0].cumulative_logprob == pytest.approx(
+                ref.outputs[0].cumulative_logprob)
+
+
+def stop_params(oracle: LLM, prompts: list[list[int]], max_tokens: int) -> list[SamplingParams]:
+    """Per prompt (6 of them), a stop condition that ends it at its own step, read off the
+    oracle's free greedy run: a stop token mid-run, a stop token as EOS (not ignored), a stop
+    string, max_tokens 1, n=3 seeded, a stop token held back by min_tokens."""
+    free = oracle.generate(prompts, greedy(max_tokens), use_tqdm=False)
+    tokens = [list(o.outputs[0].token_ids) for o in free]
+    texts = [o.outputs[0].text for o in free]
+    return [
+        greedy(max_tokens, stop_token_ids=[tokens[0][3]]),
+        SamplingParams(temperature=0.0, max_tokens=max_tokens, stop_token_ids=[tokens[1][0]]),
+        greedy(max_tokens,
+               stop=[texts[2][len(texts[2]) // 2:][:3]] if len(texts[2]) > 4 else None),
+        greedy(1),
+        SamplingParams(temperature=0.9, seed=7, n=3, max_tokens=max_tokens - 3,
+                       ignore_eos=True),
+        greedy(max_tokens, stop_token_ids=[tokens[5][5]], min_tokens=7),
+    ]
+
+
+def test_greedy_and_seeded_equal_under_pressure(sync_llm, async_llm):
+    prompts, params = pressure_workload(8)
+    before = async_llm.get_stats()
+    outputs = async_llm.generate(prompts, params, use_tqdm=False)
+    expected = sync_llm.generate(prompts, params, use_tqdm=False)
+    assert_same_outputs(outputs, expected)
     stats = async_llm.get_stats()
     assert stats.num_preemptions > before.num_preemptions
     assert stats.prefix_cache_stats.hits > before.prefix_cache_stats.hits
@@ -84,18 +117,7 @@ def test_greedy_and_seeded_equal_under_pressure(sync_llm, async_llm):
 def test_stops_eos_and_n(sync_llm, async_llm):
     rng = random.Random(5)
     prompts = [random_tokens(rng, rng.randint(4, 20)) for _ in range(6)]
-    free = sync_llm.generate(prompts, greedy(12), use_tqdm=False)
-    tokens = [list(o.outputs[0].token_ids) for o in free]
-    texts = [o.outputs[0].text for o in free]
-    params = [
-        greedy(12, stop_token_ids=[tokens[0][3]]),                   # stop token, mid-run
-        SamplingParams(temperature=0.0, max_tokens=12,               # as EOS (not ignored)
-                       stop_token_ids=[tokens[1][0]]),
-        greedy(12, stop=[texts[2][len(texts[2]) // 2:][:3]] if len(texts[2]) > 4 else None),
-        greedy(1),                                                   # max_tokens 1: extra token
-        SamplingParams(temperature=0.9, seed=7, n=3, max_tokens=9, ignore_eos=True),
-        greedy(12, stop_token_ids=[tokens[5][5]], min_tokens=7),
-    ]
+    params = stop_params(sync_llm, prompts, 12)   # (max_tokens 1: the extra token is dropped)
     outputs = async_llm.generate(prompts, params, use_tqdm=False)
     expected = sync_llm.generate(prompts, params, use_tqdm=False)
     assert completions(outputs) == completions(expected)

@@ -19,7 +19,8 @@ from pagedllm.config import SchedulerConfig, create_engine_config
 from pagedllm.engine.engine_core import (DEFAULT_CPU_NUM_SCHEDULER_STEPS,
                                          resolve_num_scheduler_steps)
 from pagedllm.engine.async_llm import AsyncLLM
-from tests.engine.test_async_scheduling import completions, greedy, random_tokens
+from tests.engine.test_async_scheduling import (assert_same_outputs, completions, greedy,
+                                                pressure_workload, random_tokens, stop_params)
 
 
 def _llm(path, steps: int, **kwargs) -> LLM:
@@ -43,8 +44,8 @@ def multi_step_llm(tiny_llama):
     return llm
 
 
-def _round_sizes(llm: LLM) -> list[int]:
-    """Records the `num_steps` of every SchedulerOutput from now on."""
+def _round_sizes(llm: LLM, monkeypatch) -> list[int]:
+    """Records the `num_steps` of every SchedulerOutput until the test ends."""
     scheduler = llm.llm_engine.engine_core.scheduler
     sizes: list[int] = []
     schedule = scheduler.schedule
@@ -54,28 +55,15 @@ def _round_sizes(llm: LLM) -> list[int]:
         sizes.append(out.num_steps)
         return out
 
-    scheduler.schedule = recording
+    monkeypatch.setattr(scheduler, "schedule", recording)
     return sizes
 
 
 def test_equal_under_pressure(one_step_llm, multi_step_llm):
-    rng = random.Random(2)
-    prefixes = [random_tokens(rng, n) for n in (12, 24, 40)]
-    prompts = [(prefixes[i % 3] if i % 4 else []) + random_tokens(rng, rng.randint(3, 12))
-               for i in range(20)]
-    params = [greedy(rng.randint(1, 20)) if i % 2 else
-              SamplingParams(temperature=0.8, seed=i, max_tokens=rng.randint(1, 20),
-                             ignore_eos=True, logprobs=2 if i % 3 == 0 else None)
-              for i in range(len(prompts))]
+    prompts, params = pressure_workload(20)
     outputs = multi_step_llm.generate(prompts, params, use_tqdm=False)
     expected = one_step_llm.generate(prompts, params, use_tqdm=False)
-    assert completions(outputs) == completions(expected)
-    for out, ref in zip(outputs, expected):
-        if out.outputs[0].logprobs is not None:
-            assert [list(d) for d in out.outputs[0].logprobs] == \
-                [list(d) for d in ref.outputs[0].logprobs]
-            assert out.outputs[0].cumulative_logprob == pytest.approx(
-                ref.outputs[0].cumulative_logprob)
+    assert_same_outputs(outputs, expected)
     stats = multi_step_llm.llm_engine.engine_core.get_stats()
     assert stats.num_preemptions > 0
     assert stats.prefix_cache_stats.hits > 0
@@ -83,28 +71,17 @@ def test_equal_under_pressure(one_step_llm, multi_step_llm):
     assert stats.kv_cache_usage == 0.0
 
 
-def test_stops_inside_a_round(one_step_llm, multi_step_llm):
+def test_stops_inside_a_round(one_step_llm, multi_step_llm, monkeypatch):
     rng = random.Random(5)
     prompts = [random_tokens(rng, rng.randint(4, 20)) for _ in range(7)]
-    free = one_step_llm.generate(prompts, greedy(16), use_tqdm=False)
-    tokens = [list(o.outputs[0].token_ids) for o in free]
-    texts = [o.outputs[0].text for o in free]
-    params = [
-        greedy(16, stop_token_ids=[tokens[0][3]]),                   # stop token, mid-round
-        SamplingParams(temperature=0.0, max_tokens=16,               # as EOS (not ignored)
-                       stop_token_ids=[tokens[1][1]]),
-        greedy(16, stop=[texts[2][len(texts[2]) // 2:][:3]] if len(texts[2]) > 4 else None),
-        greedy(1),
-        SamplingParams(temperature=0.9, seed=7, n=3, max_tokens=11, ignore_eos=True),
-        greedy(16, stop_token_ids=[tokens[5][5]], min_tokens=7),
-        greedy(16, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.2),
-    ]
+    params = stop_params(one_step_llm, prompts[:6], 16) + [
+        greedy(16, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.2)]
     # Alone (the round ends when its only request stops) and batched (the others go on).
     for i in (0, 2):
         alone = multi_step_llm.generate([prompts[i]], params[i], use_tqdm=False)
         assert completions(alone) == completions(
             one_step_llm.generate([prompts[i]], params[i], use_tqdm=False))
-    sizes = _round_sizes(multi_step_llm)
+    sizes = _round_sizes(multi_step_llm, monkeypatch)
     outputs = multi_step_llm.generate(prompts, params, use_tqdm=False)
     expected = one_step_llm.generate(prompts, params, use_tqdm=False)
     assert completions(outputs) == completions(expected)
@@ -115,7 +92,7 @@ def test_stops_inside_a_round(one_step_llm, multi_step_llm):
     assert len(outputs[4].outputs) == 3
 
 
-def test_host_side_requests_make_rounds_of_one(one_step_llm, multi_step_llm):
+def test_host_side_requests_make_rounds_of_one(one_step_llm, multi_step_llm, monkeypatch):
     """A logits processor (or a grammar) needs the host between tokens: while one lives, rounds
     are one step; the free requests in the same batch are unchanged."""
     def ban_token_7(output_ids, logits):
@@ -125,7 +102,7 @@ def test_host_side_requests_make_rounds_of_one(one_step_llm, multi_step_llm):
     rng = random.Random(9)
     prompts = [random_tokens(rng, rng.randint(4, 12)) for _ in range(3)]
     params = [greedy(10), greedy(10, logits_processors=[ban_token_7]), greedy(6)]
-    sizes = _round_sizes(multi_step_llm)
+    sizes = _round_sizes(multi_step_llm, monkeypatch)
     outputs = multi_step_llm.generate(prompts, params, use_tqdm=False)
     expected = one_step_llm.generate(prompts, params, use_tqdm=False)
     assert completions(outputs) == completions(expected)
@@ -147,9 +124,9 @@ def test_sliding_window_and_tied_models(tiny_checkpoints):
         assert completions(got) == completions(want), name
 
 
-def test_round_never_passes_max_tokens_or_max_model_len(tiny_llama):
+def test_round_never_passes_max_tokens_or_max_model_len(tiny_llama, monkeypatch):
     llm = _llm(tiny_llama, 8, max_model_len=40, block_size=8, num_gpu_blocks_override=32)
-    sizes = _round_sizes(llm)
+    sizes = _round_sizes(llm, monkeypatch)
     outputs = llm.generate([[5] * 30, [6] * 10], [greedy(50), greedy(5)], use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outputs] == [10, 5]
     assert [o.outputs[0].finish_reason for o in outputs] == ["length", "length"]
