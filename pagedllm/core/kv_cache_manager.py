@@ -102,6 +102,13 @@ class KVCacheManager:
         """Whether a request needing needed[g] blocks at once in group g fits the empty cache."""
         return all(n <= g.block_pool.num_blocks - 1 for n, g in zip(needed, self.groups))
 
+    def slots_fit(self, slots: Sequence[tuple[str, int]]) -> bool:
+        """Whether growing each held request `request_id` to `num_tokens` slots, all of them
+        together, finds enough free blocks in every group (what `allocate_slots` would take,
+        without the blocks a sliding window frees first)."""
+        return all(sum(g.get_num_blocks_to_allocate(rid, n, []) for rid, n in slots)
+                   <= g.block_pool.get_num_free_blocks() for g in self.groups)
+
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
         """Longest prefix of the request's tokens whose KV every group has cached.
 

@@ -232,10 +232,10 @@ class Scheduler:
     def _num_decode_steps(self) -> int:
         """Steps of this round: `num_scheduler_steps` when every running request decodes one
         known token and may take that many more, none needs the host between tokens
-        (structured output, logits processors, drafts), and no waiting request could be
-        admitted now (none waits, or every sequence slot is taken); else 1. The round is capped
-        where the first request reaches max_tokens or max_model_len, so a slot frees no later
-        than a round ends."""
+        (structured output, logits processors, drafts), no waiting request could be admitted
+        now (none waits, or every sequence slot is taken), and the round's KV slots fit the
+        free blocks; else 1. The round is capped where the first request reaches max_tokens or
+        max_model_len, so a slot frees no later than a round ends."""
         steps = self.num_scheduler_steps
         if (steps == 1 or not self.running
                 or (self.waiting and len(self.running) < self.config.max_num_seqs)
@@ -247,6 +247,11 @@ class Scheduler:
                     or params.structured_outputs is not None or params.logits_processors):
                 return 1
             steps = min(steps, self._max_kv_tokens(request) - request.num_tokens)
+        if steps > 1 and not self.kv_cache_manager.slots_fit(
+                [(r.request_id, r.num_computed_tokens + steps) for r in self.running]):
+            # A round never preempts: its lookahead slots would push a request out for tokens
+            # single steps would compute later anyway (and recompute is not bit-exact in bf16).
+            return 1
         return max(steps, 1)
 
     def _schedule_running(self, out: SchedulerOutput, token_budget: int,

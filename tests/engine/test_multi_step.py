@@ -92,6 +92,25 @@ def test_stops_inside_a_round(one_step_llm, multi_step_llm, monkeypatch):
     assert len(outputs[4].outputs) == 3
 
 
+def test_rounds_never_preempt(tiny_llama):
+    """A round's lookahead slots must fit the free blocks: under a cache so small that single
+    steps preempt, rounds preempt no more (so recomputes, which are not bit-exact in bf16, stay
+    the same) and the outputs, logprobs included, are equal."""
+    rng = random.Random(13)
+    prompts = [random_tokens(rng, rng.randint(10, 24)) for _ in range(4)]
+    params = [greedy(30, logprobs=1), greedy(26),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=28, ignore_eos=True),
+              greedy(30, logprobs=2)]
+    runs = {}
+    for steps in (1, 8):
+        llm = _llm(tiny_llama, steps, block_size=8, num_gpu_blocks_override=9, max_num_seqs=4)
+        runs[steps] = (llm.generate(prompts, params, use_tqdm=False),
+                       llm.llm_engine.engine_core.get_stats().num_preemptions)
+    assert runs[1][1] > 0
+    assert runs[8][1] == runs[1][1]
+    assert_same_outputs(runs[8][0], runs[1][0])
+
+
 def test_host_side_requests_make_rounds_of_one(one_step_llm, multi_step_llm, monkeypatch):
     """A logits processor (or a grammar) needs the host between tokens: while one lives, rounds
     are one step; the free requests in the same batch are unchanged."""
