@@ -121,8 +121,8 @@ class CacheConfig:
                              f"{self.cache_dtype!r}")
 
 
-# Most decode steps per scheduling round: past this, stop tokens found late waste more steps
-# than the rounds save.
+# Most decode steps per scheduling round: the per-round work is amortized well before this, and
+# a round holds that many lookahead KV slots per request.
 MAX_NUM_SCHEDULER_STEPS = 64
 
 
@@ -140,9 +140,9 @@ class SchedulerConfig:
             docs/architecture.md). None = on where it helps (CUDA with the uniproc executor),
             off elsewhere; True with an executor that cannot is an error at engine start.
         num_scheduler_steps: decode steps run per scheduling round (vLLM V0's multi-step
-            scheduling): while every running request decodes and none waits, the runner feeds
-            each sampled token straight into the next forward up to this many times before the
-            scheduler and the output processing run again. None = the engine's default
+            scheduling): while every running request decodes and no waiting one could be
+            admitted, the runner feeds each sampled token straight into the next forward up to
+            this many times before the scheduler and the output processing run again. None = the engine's default
             (`resolve_num_scheduler_steps`: 16 for offline generation on CPU, else 1).
     """
 

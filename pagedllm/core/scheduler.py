@@ -26,7 +26,8 @@ slots for all of them (lookahead slots, cached only once their tokens are known)
 `num_computed_tokens` advances by `num_steps`; the worker feeds each sampled token into the next
 forward and returns up to `num_steps` tokens per request; `update_from_output` applies the stop
 conditions token by token, as with accepted drafts. `num_steps` never takes a request past its
-max_tokens or max_model_len.
+max_tokens or max_model_len, and a round is only made when its slots fit the free blocks (it
+never preempts).
 """
 
 from __future__ import annotations
@@ -438,7 +439,8 @@ class Scheduler:
         if new_token_ids and self.num_output_placeholders.get(req_id):
             self.num_output_placeholders[req_id] -= 1
         if new_token_ids and scheduler_output.num_steps > len(new_token_ids):
-            # A multi-step round the worker ended early (the request sampled a stop token).
+            # A multi-step round the worker ended early (a request of it sampled a stop token):
+            # the round's later slots stay the request's, for its next tokens.
             request.num_computed_tokens -= scheduler_output.num_steps - len(new_token_ids)
         drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
         if drafts and new_token_ids:

@@ -42,9 +42,11 @@ class MultiStepRounds:
         with min_tokens reached (the scheduler ends it there) or fails. Its tokens and logprobs
         of every step are appended to `output`'s lists, which is returned.
 
-        While no request drops out, a step's inputs are the last step's advanced in place
-        (`_advance_decode_inputs`); otherwise they are gathered anew for the requests left.
-        Every rank of a tensor- or pipeline-parallel engine runs the same steps: they all hold
+        Where every request is plain greedy on the fused decoder path, the steps run in the
+        native loop instead (`_native_decode_loop`), which ends the round after a step where a
+        request stopped. Otherwise, while no request drops out, a step's inputs are the last
+        step's advanced in place (`_advance_decode_inputs`), else gathered anew for the
+        requests left. Every rank of a tensor- or pipeline-parallel engine runs the same steps: they all hold
         the same sampled tokens, so they drop the same requests.
         """
         st = self.states
@@ -89,7 +91,7 @@ class MultiStepRounds:
     def _native_decode_loop(self, going: list[str], num_steps: int) -> GreedyDecodeLoop | None:
         """The model's native greedy decode loop (models/decode_loop.py) when the round's later
         steps can run there: the CPU's fused decoder path, every request of the first step still
-        going and plain greedy, nothing between steps (drafts, EPLB, CUDA graphs), and
+        going and plain greedy, nothing between steps (drafts, EPLB), and
         `PAGEDLLM_CPU_DECODE_LOOP` not 0."""
         if self._decode_loop is False:
             self._decode_loop = (
