@@ -23,7 +23,7 @@ import torch
 
 from pagedllm.kernels import cpu_kernels
 from pagedllm.kernels.ops import gguf_segment_structs
-from pagedllm.models.fused_decoder import _DTYPE_CODES, DecoderStep, FusedDecoder
+from pagedllm.models.fused_decoder import _DTYPE_CODES, FusedDecoder
 
 _p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
@@ -110,11 +110,7 @@ class GreedyDecodeLoop:
     def applies(self, num_reqs: int, max_seq_len: int) -> bool:
         """Whether steps of `num_reqs` requests up to sequences of `max_seq_len` tokens can run
         here (the fused decoder's conditions: KV cache in the model dtype, batch size, window)."""
-        fused = self.fused
-        kv_cache = fused._attention[0].kv_cache
-        return (kv_cache.dtype == fused.dtype and kv_cache.dim() == 5
-                and num_reqs <= fused.max_step_tokens()
-                and (fused.min_window is None or max_seq_len <= fused.min_window))
+        return self.fused.takes(num_reqs, max_seq_len)
 
     def run(self, token_ids: np.ndarray, positions: np.ndarray, block_table: torch.Tensor,
             block_size: int, num_steps: int, stop_token_ids: list[list[int]]
@@ -137,7 +133,8 @@ class GreedyDecodeLoop:
             tokens [steps_run, B] int64: step s's token of request b is tokens[s, b].
 
         Raises:
-            ValueError: a token id outside the embedding, or a weight the kernels refuse.
+            ValueError: a token id outside the embedding, a weight the kernels refuse, or a
+                block table that is not int32 with unit column stride.
         """
         fused = self.fused
         n, hidden = len(token_ids), fused.hidden_size
@@ -154,16 +151,9 @@ class GreedyDecodeLoop:
         head_x = torch.empty(n, hidden, dtype=torch.float32)
         embed_f32 = torch.empty(n, hidden, dtype=torch.float32)
         logits = torch.empty(n, self.vocab_size, dtype=torch.float32)
-        if block_table.dtype != torch.int32 or block_table.stride(1) != 1:
-            raise ValueError("decode loop: the block table must be int32 with unit column stride")
-        scratch, ptrs = fused.scratch(n)
-        step = DecoderStep(
-            num_tokens=n, positions=pos.ctypes.data, slot_mapping=slots.ctypes.data,
-            block_table=block_table.data_ptr(), block_table_stride=block_table.stride(0),
-            query_start_loc=query_start_loc.ctypes.data, seq_lens=seq_lens.ctypes.data,
-            num_reqs=n, block_size=block_size, causal=1, residual=residual.data_ptr(),
-            delta=delta.data_ptr(), normed=ptrs[0], qkv_out=ptrs[1], attn_out=ptrs[2],
-            gate_up_out=ptrs[3], act=ptrs[4])
+        step, scratch = fused.decoder_step(
+            n, pos.ctypes.data, slots.ctypes.data, block_table, query_start_loc.ctypes.data,
+            seq_lens.ctypes.data, n, block_size, True, residual.data_ptr(), delta.data_ptr())
         stop_offsets = np.zeros(n + 1, dtype=np.int64)
         np.cumsum([len(s) for s in stop_token_ids], out=stop_offsets[1:])
         stop_ids = np.array([t for s in stop_token_ids for t in s] or [0], dtype=np.int64)

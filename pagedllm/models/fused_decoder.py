@@ -184,16 +184,21 @@ class FusedDecoder:
         several KV cache groups gets a `KVCacheGroupsMetadata` (one block table per group; the
         native call takes one), so it never takes this path; a single sliding group's blocks
         are all still held while every sequence fits the window."""
-        kv_cache = self._attention[0].kv_cache
         if not (isinstance(metadata, CpuPagedMetadata)
                 and metadata.common.num_actual_tokens == num_tokens
-                and kv_cache.dtype == self.dtype and kv_cache.dim() == 5
-                and num_tokens <= self.max_step_tokens()):
-            return False
-        if self.min_window is not None and int(metadata.seq_lens.max(initial=0)) > self.min_window:
+                and self.takes(num_tokens, int(metadata.seq_lens.max(initial=0)))):
             return False
         return num_tokens <= self.LONG_STEP_TOKENS or all(
             end - start <= self.LONG_FRESH_PROMPT_TOKENS for start, end in metadata.fresh_rows)
+
+    def takes(self, num_tokens: int, max_seq_len: int) -> bool:
+        """The conditions of `applies` on the step's size alone: the KV cache in the weights'
+        dtype, at most `max_step_tokens` tokens, no sequence (of up to `max_seq_len` tokens)
+        longer than the smallest sliding window."""
+        kv_cache = self._attention[0].kv_cache
+        return (kv_cache.dtype == self.dtype and kv_cache.dim() == 5
+                and num_tokens <= self.max_step_tokens()
+                and (self.min_window is None or max_seq_len <= self.min_window))
 
     def _build(self) -> ctypes.Array:
         structs = (DecoderLayerWeights * len(self.layers))()
@@ -276,20 +281,12 @@ class FusedDecoder:
         common = metadata.common
         n, hidden = residual.shape
         out = delta if delta is not None else torch.empty(n, hidden, dtype=torch.float32)
-        scratch, ptrs = self.scratch(n)
-        block_table = common.block_table
-        if block_table.dtype != torch.int32 or block_table.stride(1) != 1:
-            raise ValueError("fused decoder: the block table must be int32 with unit column stride")
         positions = positions if positions.dtype == torch.int64 else positions.long()
-        slots = common.slot_mapping[:n]
-        step = DecoderStep(
-            num_tokens=n, positions=positions.data_ptr(), slot_mapping=slots.data_ptr(),
-            block_table=block_table.data_ptr(), block_table_stride=block_table.stride(0),
-            query_start_loc=metadata.query_start_loc.ctypes.data,
-            seq_lens=metadata.seq_lens.ctypes.data, num_reqs=common.num_reqs,
-            block_size=common.block_size, causal=int(common.causal), residual=residual.data_ptr(),
-            delta=out.data_ptr(), normed=ptrs[0], qkv_out=ptrs[1], attn_out=ptrs[2],
-            gate_up_out=ptrs[3], act=ptrs[4])
+        step, scratch = self.decoder_step(
+            n, positions.data_ptr(), common.slot_mapping[:n].data_ptr(), common.block_table,
+            metadata.query_start_loc.ctypes.data, metadata.seq_lens.ctypes.data,
+            common.num_reqs, common.block_size, common.causal, residual.data_ptr(),
+            out.data_ptr())
         rows = metadata.all_rows
         cpu_kernels().decoder_layers(ctypes.addressof(structs), len(self.layers),
                                      ctypes.addressof(step),
@@ -305,16 +302,34 @@ class FusedDecoder:
             self._structs, self._caches = self._build(), caches
         return self._structs
 
-    def scratch(self, num_tokens: int) -> tuple[torch.Tensor, list[int]]:
-        """float32 scratch for a step of `num_tokens` tokens, and the addresses of its parts
-        (normed, qkv, attention output, gate_up, act; the DecoderStep fields). Keep the tensor
-        alive while the addresses are in use."""
+    def decoder_step(self, num_tokens: int, positions: int, slot_mapping: int,
+                     block_table: torch.Tensor, query_start_loc: int, seq_lens: int,
+                     num_reqs: int, block_size: int, causal: bool, residual: int,
+                     delta: int) -> tuple[DecoderStep, torch.Tensor]:
+        """The `DecoderStep` of a step of `num_tokens` tokens over these buffers (addresses:
+        positions [n] int64, slot_mapping [n] int64, query_start_loc [num_reqs + 1] int32,
+        seq_lens [num_reqs] int32, residual [n, hidden] model dtype, delta [n, hidden]
+        float32), with its float32 scratch; keep the tensor alive while the step is in use.
+
+        Raises:
+            ValueError: the block table [num_reqs, max_blocks] is not int32 with unit column
+                stride.
+        """
+        if block_table.dtype != torch.int32 or block_table.stride(1) != 1:
+            raise ValueError("fused decoder: the block table must be int32 with unit column stride")
         scratch = torch.empty(num_tokens * sum(self._scratch_sizes), dtype=torch.float32)
-        ptrs, offset = [], scratch.data_ptr()
+        parts, offset = [], scratch.data_ptr()
         for size in self._scratch_sizes:
-            ptrs.append(offset)
+            parts.append(offset)
             offset += num_tokens * size * 4
-        return scratch, ptrs
+        step = DecoderStep(
+            num_tokens=num_tokens, positions=positions, slot_mapping=slot_mapping,
+            block_table=block_table.data_ptr(), block_table_stride=block_table.stride(0),
+            query_start_loc=query_start_loc, seq_lens=seq_lens, num_reqs=num_reqs,
+            block_size=block_size, causal=int(causal), residual=residual, delta=delta,
+            normed=parts[0], qkv_out=parts[1], attn_out=parts[2], gate_up_out=parts[3],
+            act=parts[4])
+        return step, scratch
 
     def max_step_tokens(self) -> int:
         """Most tokens of a step this path takes (scratch bound and the platform's limit)."""
