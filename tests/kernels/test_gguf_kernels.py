@@ -114,15 +114,16 @@ def test_random_block_bytes_both_builds(build, tensor_type, grouped, portable_li
                       want, scale)
 
 
-@pytest.mark.parametrize("tensor_type", ["Q8_0", "Q4_1", "Q4_K"])
+@pytest.mark.parametrize("tensor_type", ["Q8_0", "Q4_1", "Q4_K", "Q6_K"])
 def test_row_group_layout(tensor_type):
     """`gguf_group_rows` against the layout's definition (csrc/gguf_blocks.h), rows past the
-    last whole group plain, and `gguf_ungroup_rows` inverting it. Q4_K: block b of row 4 g + j
-    at byte (4 (g nb + b) + j) * block_bytes. Q8_0 / Q4_1 (lane groups): the record of group g,
-    block b at 4 (g nb + b) block_bytes holds the rows' fp16 d (row j at 2 j), Q4_1's m after
-    them, then quant byte q of row j at 32 (k / 2) + 16 (k % 2) + 4 j + q % 4, k = q / 4."""
+    last whole group plain, and `gguf_ungroup_rows` inverting it. Q6_K: block b of row 4 g + j
+    at byte (4 (g nb + b) + j) * block_bytes. Q8_0 / Q4_1 / Q4_K (lane groups): the record of
+    group g, block b at 4 (g nb + b) block_bytes holds the bytes before the quants in 2-byte
+    units, unit u of row j at 8 u + 2 j (d; Q4_1's m; Q4_K's dmin and packed scales), then quant
+    byte q of row j at 32 (k / 2) + 16 (k % 2) + 4 j + q % 4, k = q / 4."""
     block_bytes = GGUF_KERNEL_TYPES[tensor_type].block_bytes
-    scale_bytes = {"Q8_0": 2, "Q4_1": 4}.get(tensor_type)
+    scale_bytes = {"Q8_0": 2, "Q4_1": 4, "Q4_K": 16}.get(tensor_type)
     nb, rows = 3, 2 * GGUF_GROUP_ROWS + 3
     plain = torch.from_numpy(_random_blocks(tensor_type, rows, nb * GGUF_KERNEL_TYPES[
         tensor_type].block_weights, 0))
@@ -142,7 +143,7 @@ def test_row_group_layout(tensor_type):
                 assert torch.equal(flat[at:at + block_bytes], want)
                 continue
             record = GGUF_GROUP_ROWS * (g * nb + b) * block_bytes
-            for o in range(scale_bytes):   # d, then m
+            for o in range(scale_bytes):
                 assert flat[record + 2 * GGUF_GROUP_ROWS * (o // 2) + 2 * j + o % 2] == want[o]
             quants = record + GGUF_GROUP_ROWS * scale_bytes
             for q in range(block_bytes - scale_bytes):

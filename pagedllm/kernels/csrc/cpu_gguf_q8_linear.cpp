@@ -563,8 +563,8 @@ inline void micro_q8k(const Q8View& x, const uint8_t* w, int64_t row_stride,
   store_sums<MB, NB>(acc, bias, y, ldy);
 }
 
-// --- lane groups (gguf_blocks.h LaneGroup: Q8_0, Q4_0, Q4_1 in the row-group layout): one
-// integer dot per group of 4 rows, lanes r and r + 4 holding row r, so the conversion, the
+// --- lane groups (gguf_blocks.h LaneGroup: Q8_0, Q4_0, Q4_1, Q4_K in the row-group layout):
+// one integer dot per group of 4 rows, lanes r and r + 4 holding row r, so the conversion, the
 // scaling and the FMA serve 4 rows at once and nothing is summed horizontally per block.
 
 // Four fp16 at p as floats.
@@ -645,6 +645,16 @@ void expand_lanes(const Q8View& x, int64_t num_blocks, int8_t* xl) {
     }
 }
 
+// y[i * ldy + r] = lanes r + 4 of acc[i] summed (+ bias[r]), r < 4: a lane group's outputs.
+template <int MB>
+inline void store_lanes(const __m256 (&acc)[MB], const float* bias, float* y, int64_t ldy) {
+  for (int i = 0; i < MB; ++i) {
+    __m128 rows4 = _mm_add_ps(_mm256_castps256_ps128(acc[i]), _mm256_extractf128_ps(acc[i], 1));
+    if (bias != nullptr) rows4 = _mm_add_ps(rows4, _mm_loadu_ps(bias));
+    _mm_storeu_ps(y + i * ldy, rows4);
+  }
+}
+
 // y[i][r] = dot(x_q row i, row r of the group at w) (+ bias[r]) for i < MB, r < 4, the group's
 // rows `num_blocks` 32-weight blocks long, x's quants read from its lanes `xl`
 // (expand_lanes). One group at a time: two groups side by side halved the batch-1 speed on a
@@ -688,11 +698,124 @@ inline void micro_q8_lanes(const Q8View& x, const int8_t* xl, const uint8_t* w,
         acc[i] = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.ds[i * x.ldb + b]), acc[i]);
     }
   }
-  for (int i = 0; i < MB; ++i) {
-    __m128 rows4 = _mm_add_ps(_mm256_castps256_ps128(acc[i]), _mm256_extractf128_ps(acc[i], 1));
-    if (bias != nullptr) rows4 = _mm_add_ps(rows4, _mm_loadu_ps(bias));
-    _mm_storeu_ps(y + i * ldy, rows4);
+  store_lanes<MB>(acc, bias, y, ldy);
+}
+
+// --- Q4_K lane groups (LaneGroup<Q4_K>): per record (4 rows' 256-weight blocks) the 8
+// sub-block scales become float lane vectors d sc[s] and the mins int16 pairs; per x row and
+// sub-block then 4 integer dots, one conversion and one FMA, where the row-per-pair kernel
+// (micro_q8k) spends 8 int16 products per 4 rows and sub-block and applies the scales per
+// pair. The mins' term, -dmin sum_s m[s] bsum[s], takes two int16 dots per x row and record
+// against the x block's sub-block sums (`expand_mins`); dk multiplies once per block.
+
+// A Q4_K record's scales in lanes (lanes r and r + 4: row r).
+struct K4LaneScales {
+  __m256 dsc[8];      // d sc[s] per sub-block s
+  __m256 neg_dmin;    // -dmin
+  __m256i mins[2];    // int16 pairs: [0] (m0, m1) in lanes r, (m2, m3) in r + 4; [1] m4 .. m7
+};
+
+inline void k4_lane_scales(const uint8_t* rec, K4LaneScales* s) {
+  const __m128 d4 = halves4(rec), dmin4 = halves4(rec + 2 * kGroupRows);
+  // Dwords u0, u1, u2 of each row's 12 packed bytes (row r in dword r), from the units 2-3,
+  // 4-5 and 6-7 of the record's scale bytes.
+  auto row_dwords = [&](int unit) {
+    const __m128i v =
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 2 * kGroupRows * unit));
+    return _mm_unpacklo_epi16(v, _mm_srli_si128(v, 8));
+  };
+  const __m128i u0 = row_dwords(2), u1 = row_dwords(4), u2 = row_dwords(6);
+  const __m128i low6 = _mm_set1_epi8(0x3f), low4 = _mm_set1_epi8(0x0f), low2 = _mm_set1_epi8(3);
+  // k4_scale_bytes per row, bytes k of dword r: sc[k], sc[4 + k], m[k], m[4 + k].
+  const __m128i sc[2] = {
+      _mm_and_si128(u0, low6),
+      _mm_or_si128(_mm_and_si128(u2, low4),
+                   _mm_slli_epi32(_mm_and_si128(_mm_srli_epi32(u0, 6), low2), 4))};
+  const __m128i m03 = _mm_and_si128(u1, low6);
+  const __m128i m47 = _mm_or_si128(_mm_and_si128(_mm_srli_epi32(u2, 4), low4),
+                                   _mm_slli_epi32(_mm_and_si128(_mm_srli_epi32(u1, 6), low2), 4));
+  for (int h = 0; h < 2; ++h)
+    for (int k = 0; k < 4; ++k) {
+      const __m128i byte_k = _mm_and_si128(_mm_srl_epi32(sc[h], _mm_cvtsi32_si128(8 * k)),
+                                           _mm_set1_epi32(0xff));
+      const __m128 v = _mm_mul_ps(_mm_cvtepi32_ps(byte_k), d4);
+      s->dsc[4 * h + k] = _mm256_set_m128(v, v);
+    }
+  const __m128 neg = _mm_sub_ps(_mm_setzero_ps(), dmin4);
+  s->neg_dmin = _mm256_set_m128(neg, neg);
+  // cvtepu8_epi16 leaves row r's (m0, m1), (m2, m3) in dwords 2 r, 2 r + 1.
+  const __m256i perm = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+  s->mins[0] = _mm256_permutevar8x32_epi32(_mm256_cvtepu8_epi16(m03), perm);
+  s->mins[1] = _mm256_permutevar8x32_epi32(_mm256_cvtepu8_epi16(m47), perm);
+}
+
+// x rows [m, m + MB)'s sub-block sums per 256-value block as the mins' dots read them: per row
+// i and block b two vectors at xm + (i num_blocks + b) 2 of int16 pairs, [0] (bsum0, bsum1) in
+// lanes 0-3 and (bsum2, bsum3) in 4-7, [1] the same for sub-blocks 4-7 (bsum_s <= 32 * 127).
+template <int MB>
+void expand_mins(const Q8View& x, int64_t num_blocks, __m256i* xm) {
+  const __m256i lo = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+  const __m256i hi = _mm256_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5);
+  for (int i = 0; i < MB; ++i)
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      const __m256i bs = _mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(x.bsums + i * x.ldg + b * 16));
+      const __m256i sums = _mm256_madd_epi16(bs, _mm256_set1_epi16(1));   // bsum_s in dword s
+      // int16 per 128-bit half: (s0 s1 s2 s3) twice, (s4 s5 s6 s7) twice.
+      const __m256i packed = _mm256_packs_epi32(sums, sums);
+      xm[(i * num_blocks + b) * 2] = _mm256_permutevar8x32_epi32(packed, lo);
+      xm[(i * num_blocks + b) * 2 + 1] = _mm256_permutevar8x32_epi32(packed, hi);
+    }
+}
+
+// `micro_q8_lanes` for a Q4_K group: x's quants from its lanes `xl` (expand_lanes over the
+// 32-value sub-blocks) and sub-block sums `xm` (expand_mins).
+template <int MB>
+inline void micro_q8k_lanes(const Q8View& x, const int8_t* xl, const __m256i* xm,
+                            const uint8_t* w, int64_t num_blocks, const float* bias, float* y,
+                            int64_t ldy) {
+  constexpr int64_t kRecord = kGroupRows * Q4_K::kBytes;
+  constexpr int kSubs = Q4_K::kWeights / kBlock;
+  const __m256i mask = _mm256_set1_epi8(0x0f);
+  __m256 acc[MB];
+  for (int i = 0; i < MB; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const uint8_t* rec = w + b * kRecord;
+    K4LaneScales sc;
+    k4_lane_scales(rec, &sc);
+    // Per x row two sums, of the low- and the high-nibble sub-blocks (two chains of FMAs).
+    __m256 block[MB][2];
+    for (int i = 0; i < MB; ++i) {
+      const __m256i* m = xm + (i * num_blocks + b) * 2;
+      const __m256i imin = dot_s16(dot_s16(_mm256_setzero_si256(), sc.mins[0], m[0]),
+                                   sc.mins[1], m[1]);
+      block[i][0] = _mm256_mul_ps(_mm256_cvtepi32_ps(imin), sc.neg_dmin);
+      block[i][1] = _mm256_setzero_ps();
+    }
+    const uint8_t* quants = rec + kGroupRows * LaneGroup<Q4_K>::kScaleBytes;
+    for (int p = 0; p < kSubs / 2; ++p) {   // sub-blocks 2 p (low nibbles) and 2 p + 1
+      __m256i wq[2][4];
+      for (int c = 0; c < 4; ++c) {
+        const __m256i v =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quants + 128 * p + 32 * c));
+        wq[0][c] = _mm256_and_si256(v, mask);
+        wq[1][c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+      }
+      for (int i = 0; i < MB; ++i)
+        for (int h = 0; h < 2; ++h) {
+          const int8_t* xs = xl + ((i * num_blocks + b) * kSubs + 2 * p + h) * 4 * 32;
+          __m256i dot = _mm256_setzero_si256();
+          for (int c = 0; c < 4; ++c)
+            dot = dot_u8s8(dot, wq[h][c],
+                           _mm256_load_si256(reinterpret_cast<const __m256i*>(xs + 32 * c)));
+          block[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), sc.dsc[2 * p + h], block[i][h]);
+        }
+    }
+    for (int i = 0; i < MB; ++i)
+      acc[i] = _mm256_fmadd_ps(_mm256_add_ps(block[i][0], block[i][1]),
+                               _mm256_set1_ps(x.d[i * x.ldb + b]), acc[i]);
   }
+  store_lanes<MB>(acc, bias, y, ldy);
 }
 
 // Rows [m0, m1) of x (m1 - m0 a multiple of MB) against the lane groups of rows [n0, n1) of a
@@ -701,16 +824,26 @@ template <int MB, typename Q>
 void lanes_block_q8(const Q8Rows& xq, int64_t K, int64_t m0, int64_t m1, const uint8_t* data,
                     int64_t row_bytes, int64_t n0, int64_t n1, const float* bias, float* y,
                     int64_t ldy) {
-  const int64_t num_blocks = K / Q::kWeights;
-  thread_local std::vector<__m256i> lanes;   // the x tile's lanes, 4 vectors per row and block
-  lanes.resize(static_cast<size_t>(MB * num_blocks * 4));
+  constexpr bool kSuperBlocks = Q::kWeights == kSuper;
+  const int64_t num_blocks = K / Q::kWeights, num_subs = K / kBlock;
+  // The x tile's lanes, 4 vectors per row and 32-value block, then (K-quants) its mins' sums.
+  thread_local std::vector<__m256i> lanes;
+  const int64_t lane_vectors = MB * num_subs * 4;
+  lanes.resize(static_cast<size_t>(lane_vectors + (kSuperBlocks ? MB * num_blocks * 2 : 0)));
   int8_t* xl = reinterpret_cast<int8_t*>(lanes.data());
+  __m256i* xm = lanes.data() + lane_vectors;
   for (int64_t m = m0; m + MB <= m1; m += MB) {
     const Q8View x = q8_view<Q>(xq, K, m);
-    expand_lanes<MB>(x, num_blocks, xl);
-    for (int64_t n = n0; n < n1; n += kGroupRows)
-      micro_q8_lanes<MB, Q>(x, xl, data + n * row_bytes, num_blocks,
-                            bias != nullptr ? bias + n : nullptr, y + m * ldy + n, ldy);
+    expand_lanes<MB>(x, num_subs, xl);
+    if constexpr (kSuperBlocks) expand_mins<MB>(x, num_blocks, xm);
+    for (int64_t n = n0; n < n1; n += kGroupRows) {
+      const float* b = bias != nullptr ? bias + n : nullptr;
+      if constexpr (kSuperBlocks)
+        micro_q8k_lanes<MB>(x, xl, xm, data + n * row_bytes, num_blocks, b, y + m * ldy + n,
+                            ldy);
+      else
+        micro_q8_lanes<MB, Q>(x, xl, data + n * row_bytes, num_blocks, b, y + m * ldy + n, ldy);
+    }
   }
 }
 #else

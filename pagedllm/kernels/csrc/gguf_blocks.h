@@ -57,7 +57,7 @@ struct Segment {
 // layers/quantization/gguf.py): the rows [0, R) with R = rows / kGroupRows * kGroupRows form
 // groups of kGroupRows consecutive rows whose blocks alternate, so block b of row
 // kGroupRows g + j lies at byte (kGroupRows (g nb + b) + j) * block_bytes (nb blocks per row);
-// the rows from R on stay plain rows (row n at n * row_bytes). Q8_0, Q4_0 and Q4_1 ("lane
+// the rows from R on stay plain rows (row n at n * row_bytes). Q8_0, Q4_0, Q4_1 and Q4_K ("lane
 // groups", LaneGroup below) store each such set of 4 blocks as one record whose quant bytes
 // alternate between the rows every 4 bytes, for one-row-per-lane integer dots (only the
 // 8-bit-activation kernels read them so; the others read plain copies). The bytes are the file's,
@@ -460,11 +460,12 @@ inline bool visit_block_type(int64_t ggml_type, Fn&& fn) {
 }
 
 // Lane groups: the group's block b is one record of kGroupRows * kBytes bytes at
-// b * kGroupRows * kBytes from the group's start: the rows' fp16 d (row r at 2 r), for Q4_1 then
-// their fp16 m, then their quant bytes (kQuantBytes per row: Q8_0's int8 q, Q4's nibble pairs)
-// as 4-byte chunks, chunk k of row r at 32 (k / 2) + 16 (k % 2) + 4 r. A 32-byte load of the
-// quants then holds 4 bytes of each row in lanes r and r + 4 (`regroup_rows` in
-// cpu_gguf_linear.cpp writes it).
+// b * kGroupRows * kBytes from the group's start: the bytes before the quants (kScaleBytes per
+// row) in 2-byte units, unit u of row r at 2 kGroupRows u + 2 r (the rows' fp16 d, for Q4_1
+// then their fp16 m), then their quant bytes (kQuantBytes per row: Q8_0's int8 q, the nibble
+// pairs of the others) as 4-byte chunks, chunk k of row r at 32 (k / 2) + 16 (k % 2) + 4 r.
+// A 32-byte load of the quants then holds 4 bytes of each row in lanes r and r + 4
+// (`regroup_rows` in cpu_gguf_linear.cpp writes it).
 template <typename Q>
 struct LaneGroup {
   static constexpr bool kLanes = false;
@@ -483,6 +484,14 @@ template <>
 struct LaneGroup<Q4_1> {
   static constexpr bool kLanes = true;
   static constexpr int kScaleBytes = 4, kQuantBytes = 16;
+};
+// Q4_K: the 16 bytes before the quants (fp16 d, fp16 dmin, the 12 packed 6-bit scales and
+// mins) interleaved by 2-byte units like the scales above, then the 128 nibble-pair bytes
+// (byte l of 32 p: weight l of sub-blocks 2 p (low nibble) and 2 p + 1 (high)).
+template <>
+struct LaneGroup<Q4_K> {
+  static constexpr bool kLanes = true;
+  static constexpr int kScaleBytes = 16, kQuantBytes = 128;
 };
 
 // Row n of a lane-grouped segment (row_bytes per row) in the plain format, into `out`.
