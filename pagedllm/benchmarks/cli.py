@@ -11,6 +11,8 @@ import argparse
 import asyncio
 import gc
 import math
+import sys
+from collections.abc import Sequence
 from typing import Any
 
 from pagedllm.entrypoints.cli_args import add_engine_args, engine_kwargs_from_args
@@ -233,7 +235,10 @@ def _run_dtype_name(requested: str) -> str:
     return str(current_platform.resolve_dtype(requested)).removeprefix("torch.")
 
 
-def _finish(args: argparse.Namespace, results: list[dict[str, Any]]) -> int:
+def _finish(args: argparse.Namespace, results: list[dict[str, Any]],
+            peers_not_run: Sequence[str] = ()) -> int:
+    """Print the machine line and save the results; the exit status: 0, or 1 when a peer that
+    --compare asked for could not run (our own figures are printed and saved all the same)."""
     from pagedllm.benchmarks.report import machine_info, save_json
 
     info = machine_info()
@@ -243,7 +248,9 @@ def _finish(args: argparse.Namespace, results: list[dict[str, Any]]) -> int:
         save_json(args.output_json, results,
                   {k: v for k, v in vars(args).items() if k != "func"})
         print(f"results saved to {args.output_json}")
-    return 0
+    for peer in peers_not_run:
+        print(f"error: --compare {peer} did not run (see above)", file=sys.stderr)
+    return 1 if peers_not_run else 0
 
 
 # ------------------------------------------------------------------ runners
@@ -261,19 +268,20 @@ def run_throughput_command(args: argparse.Namespace) -> int:
     ours, ours_tokens = run_throughput(llm, requests)
     ours.update(model=model_path, dtype=_run_dtype_name(kwargs["dtype"]))
     print_result(ours, "pagedllm throughput")
-    results = [ours]
+    results, not_run = [ours], []
     del llm
     gc.collect()
     for baseline in dict.fromkeys(args.compare):
         figures, tokens = _run_baseline(baseline, args, kwargs, requests)
         if figures is None:
+            not_run.append(baseline)
             continue
         print_result(figures, f"{baseline} throughput")
         ratios = compare(ours, figures, ours_tokens, tokens)
         print_result(ratios, f"pagedllm / {baseline}")
         figures["comparison"] = ratios
         results.append(figures)
-    return _finish(args, results)
+    return _finish(args, results, not_run)
 
 
 def _run_baseline(name: str, args: argparse.Namespace, kwargs: dict[str, Any], requests):
@@ -335,7 +343,7 @@ def run_latency_command(args: argparse.Namespace) -> int:
     print_result(result, f"pagedllm latency (batch {args.batch_size})")
     if profile_rows is not None:
         result["profile_top_ops"] = profile_rows
-    results = [result]
+    results, not_run = [result], []
     if "llamacpp" in args.compare:
         from pagedllm.benchmarks.llamacpp_baseline import run_llamacpp_latency
 
@@ -347,13 +355,14 @@ def run_latency_command(args: argparse.Namespace) -> int:
                                           args.num_iters_warmup)
         except RuntimeError as e:
             print(str(e))
+            not_run.append("llamacpp")
         else:
             # > 1: our decode steps are faster (their TPOT / ours).
             theirs["tpot_speedup_vs_llamacpp"] = theirs["tpot_ms_mean"] / result["tpot_ms_mean"]
             theirs["ttft_speedup_vs_llamacpp"] = theirs["ttft_ms_mean"] / result["ttft_ms_mean"]
             print_result(theirs, f"llama.cpp latency (batch {args.batch_size})")
             results.append(theirs)
-    return _finish(args, results)
+    return _finish(args, results, not_run)
 
 
 def run_gemm_command(args: argparse.Namespace) -> int:
@@ -407,7 +416,7 @@ def run_perplexity_command(args: argparse.Namespace) -> int:
     result, windows = run_perplexity(kwargs, args.input_file, args.window, args.max_windows)
     result["dtype"] = _run_dtype_name(kwargs["dtype"])
     print_result(result, "pagedllm perplexity")
-    results = [result]
+    results, not_run = [result], []
     if "llamacpp" in args.compare:
         from pagedllm.benchmarks.llamacpp_baseline import run_llamacpp_perplexity
 
@@ -416,11 +425,12 @@ def run_perplexity_command(args: argparse.Namespace) -> int:
                                              args.llamacpp_converter)
         except RuntimeError as e:
             print(str(e))
+            not_run.append("llamacpp")
         else:
             theirs["perplexity_ratio"] = result["perplexity"] / theirs["perplexity"]
             print_result(theirs, "llama.cpp perplexity (same windows)")
             results.append(theirs)
-    return _finish(args, results)
+    return _finish(args, results, not_run)
 
 
 def run_serve_command(args: argparse.Namespace) -> int:

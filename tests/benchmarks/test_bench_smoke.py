@@ -62,10 +62,12 @@ def test_throughput_with_hf_comparison(preset_dir: Path, tmp_path: Path):
                "--dtype", "float32", "--kv-cache-memory-bytes", KV_BYTES, "--num-prompts", "4",
                "--random-input-len", "8:24", "--random-output-len", "4:8", "--compare", "hf",
                "--compare", "llamacpp", "--output-json", str(out)])
-    assert rc == 0
     results = _load(out)
     ours, hf = results[0], results[1]
     assert ours["backend"] == "pagedllm" and hf["backend"] == "hf"
+    # Without llama.cpp (or its converter) our figures and HF's are saved, and the exit status
+    # says that a comparison asked for did not run.
+    assert (rc, len(results)) in ((1, 2), (0, 3))
     assert len(results) == 2 or results[2]["backend"] == "llama.cpp"
     for r in (ours, hf):
         assert r["num_wrong_output_lens"] == 0 and r["output_tokens_per_s"] > 0
