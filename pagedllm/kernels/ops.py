@@ -394,7 +394,7 @@ def gguf_group_rows(qweight: torch.Tensor, tensor_type: str) -> torch.Tensor:
     """A GGUF weight's plain rows in the row-group layout of the block kernels
     (csrc/gguf_blocks.h, after llama.cpp's load-time repacking): each group of GGUF_GROUP_ROWS
     consecutive rows stores block 0 of its rows, then block 1, and so on (Q8_0, Q4_0, Q4_1,
-    Q4_K: each such block set as one record whose quant bytes alternate between the rows every
+    Q4_K, Q5_K: each such block set as one record whose quant bytes alternate between the rows every
     4 bytes), so a kernel reading a group's rows side by side reads memory sequentially; the last
     rows % GGUF_GROUP_ROWS rows stay plain. The bytes are the same, reordered.
 

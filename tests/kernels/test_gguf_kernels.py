@@ -114,16 +114,21 @@ def test_random_block_bytes_both_builds(build, tensor_type, grouped, portable_li
                       want, scale)
 
 
-@pytest.mark.parametrize("tensor_type", ["Q8_0", "Q4_1", "Q4_K", "Q6_K"])
+# Lane-group layouts (csrc/gguf_blocks.h LaneGroup): the scale bytes before the quants of a
+# block; a type not listed keeps whole blocks.
+LANE_SCALE_BYTES = {"Q8_0": 2, "Q4_0": 2, "Q4_1": 4, "Q4_K": 16, "Q5_K": 16}
+
+
+@pytest.mark.parametrize("tensor_type", list(GGUF_KERNEL_TYPES))
 def test_row_group_layout(tensor_type):
     """`gguf_group_rows` against the layout's definition (csrc/gguf_blocks.h), rows past the
-    last whole group plain, and `gguf_ungroup_rows` inverting it. Q6_K: block b of row 4 g + j
-    at byte (4 (g nb + b) + j) * block_bytes. Q8_0 / Q4_1 / Q4_K (lane groups): the record of
-    group g, block b at 4 (g nb + b) block_bytes holds the bytes before the quants in 2-byte
-    units, unit u of row j at 8 u + 2 j (d; Q4_1's m; Q4_K's dmin and packed scales), then quant
-    byte q of row j at 32 (k / 2) + 16 (k % 2) + 4 j + q % 4, k = q / 4."""
+    last whole group plain, and `gguf_ungroup_rows` inverting it. Q5_0 / Q5_1 / Q6_K: block b
+    of row 4 g + j at byte (4 (g nb + b) + j) * block_bytes. The others (lane groups): the
+    record of group g, block b at 4 (g nb + b) block_bytes holds the scale bytes in 2-byte
+    units, unit u of row j at 8 u + 2 j (d; Q4_1's m; the K-quants' dmin and packed scales),
+    then quant byte q of row j at 32 (k / 2) + 16 (k % 2) + 4 j + q % 4, k = q / 4."""
     block_bytes = GGUF_KERNEL_TYPES[tensor_type].block_bytes
-    scale_bytes = {"Q8_0": 2, "Q4_1": 4, "Q4_K": 16}.get(tensor_type)
+    scale_bytes = LANE_SCALE_BYTES.get(tensor_type)
     nb, rows = 3, 2 * GGUF_GROUP_ROWS + 3
     plain = torch.from_numpy(_random_blocks(tensor_type, rows, nb * GGUF_KERNEL_TYPES[
         tensor_type].block_weights, 0))

@@ -209,12 +209,9 @@ void regroup_rows(const uint8_t* src, uint8_t* dst, int64_t rows, int64_t row_by
         };
         if constexpr (!L::kLanes) {
           move(plain, rec + r * Q::kBytes, Q::kBytes);
-        } else {
-          for (int o = 0; o < L::kScaleBytes; o += 2)
-            move(plain + o, rec + 2 * kGroupRows * (o / 2) + 2 * r, 2);
-          const int64_t quants = rec + kGroupRows * L::kScaleBytes;
-          for (int k = 0; k < L::kQuantBytes / 4; ++k)
-            move(plain + L::kScaleBytes + 4 * k, quants + 32 * (k / 2) + 16 * (k % 2) + 4 * r, 4);
+        } else {   // the 2-byte units and 4-byte chunks of LaneGroup's layout
+          for (int o = 0; o < Q::kBytes; o += o < L::kScaleBytes ? 2 : 4)
+            move(plain + o, rec + L::record_offset(o, r), o < L::kScaleBytes ? 2 : 4);
         }
       }
   }

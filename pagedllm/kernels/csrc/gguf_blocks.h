@@ -57,8 +57,8 @@ struct Segment {
 // layers/quantization/gguf.py): the rows [0, R) with R = rows / kGroupRows * kGroupRows form
 // groups of kGroupRows consecutive rows whose blocks alternate, so block b of row
 // kGroupRows g + j lies at byte (kGroupRows (g nb + b) + j) * block_bytes (nb blocks per row);
-// the rows from R on stay plain rows (row n at n * row_bytes). Q8_0, Q4_0, Q4_1 and Q4_K ("lane
-// groups", LaneGroup below) store each such set of 4 blocks as one record whose quant bytes
+// the rows from R on stay plain rows (row n at n * row_bytes). Q8_0, Q4_0, Q4_1, Q4_K and Q5_K
+// ("lane groups", LaneGroup below) store each such set of 4 blocks as one record whose quant bytes
 // alternate between the rows every 4 bytes, for one-row-per-lane integer dots (only the
 // 8-bit-activation kernels read them so; the others read plain copies). The bytes are the file's,
 // reordered: a micro-kernel reading the blocks of a group's rows side by side then reads one
@@ -460,39 +460,41 @@ inline bool visit_block_type(int64_t ggml_type, Fn&& fn) {
 }
 
 // Lane groups: the group's block b is one record of kGroupRows * kBytes bytes at
-// b * kGroupRows * kBytes from the group's start: the bytes before the quants (kScaleBytes per
-// row) in 2-byte units, unit u of row r at 2 kGroupRows u + 2 r (the rows' fp16 d, for Q4_1
-// then their fp16 m), then their quant bytes (kQuantBytes per row: Q8_0's int8 q, the nibble
-// pairs of the others) as 4-byte chunks, chunk k of row r at 32 (k / 2) + 16 (k % 2) + 4 r.
-// A 32-byte load of the quants then holds 4 bytes of each row in lanes r and r + 4
-// (`regroup_rows` in cpu_gguf_linear.cpp writes it).
+// b * kGroupRows * kBytes from the group's start. A block's first kScaleBytes bytes are its
+// scales, the kQuantBytes after them its quants. The record holds the rows' scales in 2-byte
+// units, unit u of row r at 2 kGroupRows u + 2 r (the rows' fp16 d first, for Q4_1 then their
+// fp16 m), then their quant bytes as 4-byte chunks, chunk k of row r at 32 (k / 2) + 16 (k % 2) + 4 r. A 32-byte load of the quants then
+// holds 4 bytes of each row in lanes r and r + 4 (`regroup_rows` in cpu_gguf_linear.cpp writes
+// it, `lane_group_row` reads it back).
 template <typename Q>
 struct LaneGroup {
   static constexpr bool kLanes = false;
 };
-template <>
-struct LaneGroup<Q8_0> {
+template <int kScales, int kQuants>
+struct LaneBytes {
   static constexpr bool kLanes = true;
-  static constexpr int kScaleBytes = 2, kQuantBytes = 32;
+  static constexpr int kScaleBytes = kScales, kQuantBytes = kQuants;
+  // The record offset of row r's block byte o.
+  static constexpr int64_t record_offset(int o, int r) {
+    if (o < kScaleBytes) return 2 * kGroupRows * (o / 2) + 2 * r + o % 2;
+    const int q = o - kScaleBytes, k = q / 4;
+    return kGroupRows * kScaleBytes + 32 * (k / 2) + 16 * (k % 2) + 4 * r + q % 4;
+  }
 };
 template <>
-struct LaneGroup<Q4_0> {
-  static constexpr bool kLanes = true;
-  static constexpr int kScaleBytes = 2, kQuantBytes = 16;
-};
+struct LaneGroup<Q8_0> : LaneBytes<2, 32> {};    // d, q
 template <>
-struct LaneGroup<Q4_1> {
-  static constexpr bool kLanes = true;
-  static constexpr int kScaleBytes = 4, kQuantBytes = 16;
-};
-// Q4_K: the 16 bytes before the quants (fp16 d, fp16 dmin, the 12 packed 6-bit scales and
-// mins) interleaved by 2-byte units like the scales above, then the 128 nibble-pair bytes
+struct LaneGroup<Q4_0> : LaneBytes<2, 16> {};    // d, nibble pairs
+template <>
+struct LaneGroup<Q4_1> : LaneBytes<4, 16> {};    // d, m, nibble pairs
+// Q4_K: fp16 d, fp16 dmin, the 12 packed 6-bit scales and mins, then 128 nibble-pair bytes
 // (byte l of 32 p: weight l of sub-blocks 2 p (low nibble) and 2 p + 1 (high)).
 template <>
-struct LaneGroup<Q4_K> {
-  static constexpr bool kLanes = true;
-  static constexpr int kScaleBytes = 16, kQuantBytes = 128;
-};
+struct LaneGroup<Q4_K> : LaneBytes<16, 128> {};
+// Q5_K: as Q4_K with the 32 bytes of 5th bits (bit s of byte l: weight l of sub-block s)
+// before the nibbles, as quants.
+template <>
+struct LaneGroup<Q5_K> : LaneBytes<16, 160> {};
 
 // Row n of a lane-grouped segment (row_bytes per row) in the plain format, into `out`.
 template <typename Q>
@@ -502,14 +504,8 @@ inline void lane_group_row(const Segment& seg, int64_t row_bytes, int64_t n, uin
   const uint8_t* group = seg.data + (n / kGroupRows) * kGroupRows * row_bytes;
   for (int64_t b = 0; b < num_blocks; ++b) {
     const uint8_t* rec = group + b * kGroupRows * Q::kBytes;
-    uint8_t* block = out + b * Q::kBytes;
-    for (int o = 0; o < L::kScaleBytes; ++o)
-      block[o] = rec[2 * kGroupRows * (o / 2) + 2 * r + o % 2];
-    const uint8_t* quants = rec + kGroupRows * L::kScaleBytes;
-    for (int q = 0; q < L::kQuantBytes; ++q) {
-      const int k = q / 4;
-      block[L::kScaleBytes + q] = quants[32 * (k / 2) + 16 * (k % 2) + 4 * r + q % 4];
-    }
+    for (int o = 0; o < Q::kBytes; ++o)
+      out[b * Q::kBytes + o] = rec[L::record_offset(o, r)];
   }
 }
 
