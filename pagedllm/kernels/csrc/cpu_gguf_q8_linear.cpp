@@ -645,7 +645,7 @@ void expand_lanes(const Q8View& x, int64_t num_blocks, int8_t* xl) {
     }
 }
 
-// y[i * ldy + r] = lanes r + 4 of acc[i] summed (+ bias[r]), r < 4: a lane group's outputs.
+// y[i * ldy + r] = lanes r and r + 4 of acc[i] summed (+ bias[r]), r < 4: a lane group's rows.
 template <int MB>
 inline void store_lanes(const __m256 (&acc)[MB], const float* bias, float* y, int64_t ldy) {
   for (int i = 0; i < MB; ++i) {
@@ -707,7 +707,7 @@ inline void micro_q8_lanes(const Q8View& x, const int8_t* xl, const uint8_t* w,
 // kernel (micro_q8k) spends 8 int16 products per 4 rows and sub-block and applies the integer
 // scales per pair. The mins' term, -dmin sum_s m[s] bsum[s], takes two int16 dots per x row
 // and record against the x block's sub-block sums (`expand_mins`); dk multiplies once per
-// block. (Q6_K, with a scale per 16 weights, ran 18% slower so and keeps micro_q8k.)
+// block. (Q6_K, with a scale per 16 weights, ran 18% slower this way and keeps micro_q8k.)
 
 // A Q4_K record's scales in lanes (lanes r and r + 4: row r).
 struct K4LaneScales {
