@@ -46,6 +46,9 @@ def llamacpp_unavailable_reason() -> str | None:
 
 
 def find_converter(explicit: str | None = None) -> Path | None:
+    """llama.cpp's convert_hf_to_gguf.py: `explicit` (--llamacpp-converter), else
+    $PAGEDLLM_LLAMACPP_CONVERTER, else beside the installed llama_cpp package; None if none of
+    them is a file."""
     candidates = [explicit, os.environ.get("PAGEDLLM_LLAMACPP_CONVERTER")]
     spec = importlib.util.find_spec("llama_cpp")
     if spec is not None and spec.origin:
@@ -57,6 +60,13 @@ def find_converter(explicit: str | None = None) -> Path | None:
         if c and Path(c).is_file():
             return Path(c)
     return None
+
+
+def _converter_missing(what: str, explicit: str | None) -> RuntimeError:
+    """The error for a missing converter, naming a --llamacpp-converter path that is not a file."""
+    given = f" (--llamacpp-converter {explicit} is not a file)" if explicit else ""
+    return RuntimeError(f"{what}convert_hf_to_gguf.py not found{given}.\n"
+                        + INSTALL_HINT.split("\n", 1)[1])
 
 
 def convert_to_gguf(model_path: str, dtype_name: str, converter: Path) -> Path:
@@ -112,7 +122,7 @@ def preset_gguf(model_path: str, gguf_type: str, converter: str | None = None) -
         raise RuntimeError(reason.replace("comparison skipped", "GGUF conversion impossible"))
     found = find_converter(converter)
     if found is None:
-        raise RuntimeError("convert_hf_to_gguf.py not found.\n" + INSTALL_HINT.split("\n", 1)[1])
+        raise _converter_missing("", converter)
     if gguf_type in floats:
         return convert_to_gguf(model_path, floats[gguf_type], found)
     out = Path(model_path) / f"model-{gguf_type}.gguf"
@@ -220,8 +230,7 @@ def gguf_for(model_path: str, dtype_name: str, converter: str | None) -> Path:
         return Path(model_path)
     found = find_converter(converter)
     if found is None:
-        raise RuntimeError("llama.cpp comparison skipped: convert_hf_to_gguf.py not found.\n"
-                           + INSTALL_HINT.split("\n", 1)[1])
+        raise _converter_missing("llama.cpp comparison skipped: ", converter)
     return convert_to_gguf(model_path, dtype_name, found)
 
 
