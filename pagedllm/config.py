@@ -142,8 +142,9 @@ class SchedulerConfig:
         num_scheduler_steps: decode steps run per scheduling round (vLLM V0's multi-step
             scheduling): while every running request decodes and no waiting one could be
             admitted, the runner feeds each sampled token straight into the next forward up to
-            this many times before the scheduler and the output processing run again. None = the engine's default
-            (`resolve_num_scheduler_steps`: 16 for offline generation on CPU, else 1).
+            this many times before the scheduler and the output processing run again. None =
+            the engine's default (`resolve_num_scheduler_steps`: 16 for offline generation on
+            CPU, else 1).
     """
 
     max_num_batched_tokens: int = 2048

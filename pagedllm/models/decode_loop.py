@@ -1,6 +1,6 @@
 """Native greedy decode steps for the Llama family on the CPU (`decode_greedy_steps`).
 
-The later steps of a multi-step round (worker/model_runner.py `run_remaining_steps`) whose
+The later steps of a multi-step round (worker/multi_step.py `run_remaining_steps`) whose
 requests are all plain greedy run here in one native call: per step the embedding lookup, the
 fused decoder (models/fused_decoder.py), the final RMSNorm, the LM head and the argmax, with the
 positions, slot mapping and sequence lengths advanced natively (see the header of

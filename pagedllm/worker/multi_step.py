@@ -46,8 +46,8 @@ class MultiStepRounds:
         native loop instead (`_native_decode_loop`), which ends the round after a step where a
         request stopped. Otherwise, while no request drops out, a step's inputs are the last
         step's advanced in place (`_advance_decode_inputs`), else gathered anew for the
-        requests left. Every rank of a tensor- or pipeline-parallel engine runs the same steps: they all hold
-        the same sampled tokens, so they drop the same requests.
+        requests left. Every rank of a tensor- or pipeline-parallel engine runs the same steps:
+        they all hold the same sampled tokens, so they drop the same requests.
         """
         st = self.states
         going = [r for r, tokens in zip(output.req_ids, output.sampled_token_ids)
