@@ -99,13 +99,13 @@ class FusedDecoder:
     """
 
     MAX_SCRATCH_BYTES = 256 << 20  # larger steps run the module path
-    # Over long fresh prompts in a large step the module path wins: torch's flash attention
-    # there (for a request whose whole sequence is new) outran the paged kernel (llama-134m,
-    # 2048-token steps: fused 1.04-1.07x the module path with 128-token prompts, 0.74-0.95x
-    # with 512-token prompts). Measured before the kernel's register-blocked tiles for long
-    # query runs (about half torch's speed on a fresh 2k causal prompt); not re-measured.
+    # Over long fresh prompts in a large step the module path can win: torch's flash attention
+    # there (for a request whose whole sequence is new) against the paged kernel's tiles
+    # (llama-134m bf16, 2048-token steps, the kernel's register-blocked tiles and vectorized
+    # SiLU / RMSNorm: fused 1.03-1.18x the module path over 512-token prompts, 1.15-1.33x over
+    # 1024, 0.88-1.04x over 2048; alternated runs, docs/benchmarks.md).
     LONG_STEP_TOKENS = 512
-    LONG_FRESH_PROMPT_TOKENS = 256
+    LONG_FRESH_PROMPT_TOKENS = 1024
 
     def __init__(self, layers) -> None:
         self.layers = list(layers)
