@@ -127,6 +127,17 @@ def test_tiles_non_causal_and_row_subset():
            ctx=[9, 0, 4, 13], seed=4, rows=[0, 3])
 
 
+@pytest.mark.parametrize("build", ["native", "avx2"])
+def test_register_blocked_tiles_of_each_build(build):
+    """Runs of 16+ query tokens with head sizes % 32 == 0 take the register-blocked tiles: the
+    row-lane tiles (attention_row_lanes.h) in AVX-512 builds, attend_tile_gemm in AVX2 ones;
+    causal and not, GQA, every cache dtype, contexts over several 64-key chunks."""
+    lib = cpu_kernels() if build == "native" else build_cpu_kernels(("-mno-avx512f",))
+    for i, cache_dtype in enumerate(CACHE_DTYPES):
+        _check(lib, (8, 2, 32, 16), cache_dtype, q_lens=[70, 1, 16, 33], ctx=[150, 20, 0, 5],
+               seed=10 + i, tiles=(16,), causal=bool(i % 2))
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_tiles_random_batches(seed):
     rng = np.random.default_rng(seed)

@@ -785,6 +785,8 @@ void attend_tile_gemm(const AttentionArgs<T, TQ>& a, const int32_t* table, int k
 }
 #endif
 
+#include "attention_row_lanes.h"   // attend_tile_lanes (AVX-512 builds)
+
 // The work-sharing loop over the tiles of `plan_query_tiles`, to be called by every thread of
 // an enclosing OpenMP parallel region (an orphaned `omp for`, ending with a barrier).
 template <typename T, typename TQ>
@@ -802,7 +804,11 @@ void attention_tile_items(const AttentionArgs<T, TQ>& a, const QueryTilePlan& pl
   const float q_scale = a.scale * a.k_scale;
 #ifdef PAGEDLLM_AVX2
   const bool gemm_heads = gemm_tiles_apply(head_size);
+#ifdef PAGEDLLM_ATTENTION_ROW_LANES
+  LaneTileScratch gemm(gemm_heads ? plan.max_tile * rep : 0, gemm_heads ? head_size : 0);
+#else
   GemmTileScratch gemm(gemm_heads ? plan.max_tile * rep : 0, gemm_heads ? head_size : 0);
+#endif
   std::vector<int64_t> gemm_rows(gemm_heads ? static_cast<size_t>(plan.max_tile) * rep : 0);
 #endif
 
@@ -838,8 +844,13 @@ void attention_tile_items(const AttentionArgs<T, TQ>& a, const QueryTilePlan& pl
         for (int i = 0; i < nq; ++i)
           for (int h = 0; h < rep; ++h)
             gemm_rows[i * rep + h] = static_cast<int64_t>(i) * nh + g * rep + h;
+#ifdef PAGEDLLM_ATTENTION_ROW_LANES
+        attend_tile_lanes(a, table, kv0 + g, nq, rep, begin.data(), end.data(), lo, hi,
+                          gemm_rows.data(), q.data(), acc.data(), m.data(), l.data(), gemm);
+#else
         attend_tile_gemm(a, table, kv0 + g, nq, rep, begin.data(), end.data(), lo, hi,
                          gemm_rows.data(), q.data(), acc.data(), m.data(), l.data(), gemm);
+#endif
       }
     } else
 #endif
