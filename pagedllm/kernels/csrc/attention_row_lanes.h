@@ -170,24 +170,6 @@ inline void lane_softmax(const AttentionArgs<T, TQ>& a, LaneTileScratch& w, int6
   }
 }
 
-// Prefetch into L2 the K and V rows of KV head kv at key positions [p0, p1): a head's rows lie
-// a whole KV row apart (1.5 KB for 12 heads of 64 bf16), which the hardware prefetchers
-// follow poorly; without it, widening a chunk's rows waited on L3 for about a third of the
-// kernel's time at 2k-4k context.
-template <typename T, typename TQ>
-inline void prefetch_key_range(const AttentionArgs<T, TQ>& a, const int32_t* table, int kv,
-                               int p0, int p1) {
-  const int64_t stride = static_cast<int64_t>(a.num_kv_heads) * a.head_size;
-  for (int pos = p0; pos < p1;) {
-    const int offset = pos % a.block_size, n = std::min(a.block_size - offset, p1 - pos);
-    const int64_t row =
-        (static_cast<int64_t>(table[pos / a.block_size]) * a.block_size + offset) * stride;
-    prefetch_head_rows(a.key_cache + row, a.value_cache + row,
-                       static_cast<int64_t>(kv) * a.head_size, stride, n, a.head_size);
-    pos += n;
-  }
-}
-
 // `attend_tile_gemm` (same arguments) with the rows in vector lanes: the rows of KV head kv
 // (r = i * rep + h, q / o / m / l at row_index[r]) over key positions [lo, hi), token i limited
 // to [begin[i], end[i]). head_size % 4 == 0.
@@ -200,7 +182,6 @@ void attend_tile_lanes(const AttentionArgs<T, TQ>& a, const int32_t* table, int 
   const int64_t kv_row_stride = static_cast<int64_t>(num_kv_heads) * head_size;
   const int R = nq * rep, groups = (R + kRowLanes - 1) / kRowLanes;
   const int64_t ld = static_cast<int64_t>(groups) * kRowLanes;
-  prefetch_key_range(a, table, kv, lo, std::min(hi, lo + kGemmKeys));
   for (int64_t r = 0; r < ld; ++r) {   // transpose the rows in (padded rows: empty, zero)
     const bool row = r < R;
     const float* qr = row ? q + row_index[r] * head_size : nullptr;
@@ -216,7 +197,6 @@ void attend_tile_lanes(const AttentionArgs<T, TQ>& a, const int32_t* table, int 
   }
   for (int c0 = lo; c0 < hi; c0 += kGemmKeys) {
     const int n = std::min(kGemmKeys, hi - c0), n4 = (n + 3) / 4 * 4;
-    if (c0 + n < hi) prefetch_key_range(a, table, kv, c0 + n, std::min(hi, c0 + n + kGemmKeys));
     for (int j = 0; j < n4; ++j) {   // widen the chunk's rows (zero rows pad to 4 keys)
       float* kd = w.k.data() + static_cast<int64_t>(j) * head_size;
       float* vd = w.v.data() + static_cast<int64_t>(j) * head_size;
