@@ -1,7 +1,7 @@
 // Register-blocked attention tiles with the query rows in vector lanes (AVX-512 builds): the
-// `attend_tile_gemm` of attention_kernel.h (which includes this file after it, inside namespace
-// pagedllm, for its AttentionArgs, widen_row and kGemmKeys) for long query runs, with every per-row quantity of
-// the online softmax held transposed, 16 query rows per zmm vector:
+// `attend_tile_gemm` of attention_kernel.h for long query runs (that header includes this one
+// after it, inside namespace pagedllm, for its AttentionArgs, widen_row and kGemmKeys), with
+// every per-row quantity of the online softmax held transposed, 16 query rows per zmm vector:
 //
 //   qt [head_size][RP]   the tile's query rows (RP = rows rounded up to 16; padded rows are
 //                        zero with an empty key range, so they never weigh a key)
@@ -23,23 +23,13 @@
 
 constexpr int kRowLanes = 16;
 
-// exp(x) for 16 lanes: exp8's range reduction and polynomial (relative error ~1e-7).
-inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  const __m512i e = _mm512_slli_epi32(
-      _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+// exp(x) for 16 lanes, as exp8 on each half (the same floats; on Zen 4 a zmm operation runs
+// as two ymm halves anyway).
+inline __m512 exp16(__m512 x) {   // (64-bit lane moves: AVX-512F alone, no DQ needed)
+  const __m256 lo = exp8(_mm512_castps512_ps256(x));
+  const __m256 hi = exp8(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)),
+                                             _mm256_castps_pd(hi), 1));
 }
 
 // st[j][0, 16 G) = sum_d k[j][d] qt[d][0, 16 G) for the 4 keys j < 4 (k rows head_size apart,
@@ -81,8 +71,8 @@ inline void lane_values(float* ot, const float* st, const float* v, int head_siz
     for (int g = 0; g < G; ++g) _mm512_storeu_ps(ot + d * ld + g * kRowLanes, acc[d][g]);
 }
 
-// fn(std::integral_constant<int, G>) for the groups [g0, g0 + G) of `groups` 16-row groups,
-// up to 4 at a time (4 x 4 zmm accumulators, plus the 4 loaded vectors).
+// fn(g0, std::integral_constant<int, G>{}) for the 16-row groups [g0, g0 + G) of `groups`, up
+// to 4 at a time (lane_scores / lane_values: 4 x G zmm accumulators and G loaded vectors).
 template <typename F>
 inline void for_row_groups(int groups, F&& fn) {
   for (int g0 = 0; g0 < groups; g0 += 4) {
