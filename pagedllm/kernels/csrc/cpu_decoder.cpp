@@ -26,6 +26,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include <omp.h>
@@ -80,11 +81,15 @@ struct DecoderLayerWeights {
 
 // Quantized activations, shared by the layers of one call (null when no layer needs them):
 // per token for W8A8 linears, xq [num_tokens, largest K] int8 and xs [num_tokens] float32; per
-// block for GGUF linears with 8-bit activations, `gguf_q8` sized likewise.
+// block for GGUF linears with 8-bit activations, `gguf_q8` sized likewise; for packed bf16
+// weights on the bf16-pair kernels, the float32 activations rounded to bf16 once per linear
+// (`packed_x` [num_tokens, largest K], see packed::linear_tiles; null for single-token steps,
+// whose one row is cheap to round per work item).
 struct ActivationScratch {
   int8_t* xq;
   float* xs;
   gguf::Q8Rows gguf_q8;
+  packed::XStage<uint16_t>* packed_x;
 };
 
 enum WeightIndex { kQKV = 0, kO = 1, kGateUp = 2, kDown = 3 };
@@ -108,7 +113,9 @@ inline void layer_linear(const DecoderLayerWeights& lw, int index, const float* 
     gguf::linear_segments_tiles(x, ldx, M, K, lw.segments[index], lw.num_segments[index], bias,
                                 y, ldy);
   } else if (lw.packed[index] != 0) {
-    packed::linear_tiles(x, ldx, M, K, static_cast<const T*>(w), N, bias, y, ldy);
+    packed::XStage<T>* staged = nullptr;
+    if constexpr (std::is_same_v<packed::XStage<T>, uint16_t>) staged = scratch.packed_x;
+    packed::linear_tiles(x, ldx, M, K, static_cast<const T*>(w), N, bias, y, ldy, staged);
   } else {
     linear_tiles(x, ldx, M, K, static_cast<const T*>(w), N, bias, y, ldy);
   }
@@ -356,7 +363,17 @@ void decoder_layers(const DecoderLayerWeights* layers, int num_layers, const Dec
   std::vector<int8_t> xq(static_cast<size_t>(M * max_k));
   std::vector<float> xs(max_k > 0 ? static_cast<size_t>(M) : 0);
   gguf::Q8Buffers q8(M, max_k_q8);
-  const ActivationScratch act_scratch{max_k > 0 ? xq.data() : nullptr, xs.data(), q8.rows()};
+  // Rows for the packed linears' bf16 input, when a bf16 model runs on bf16-pair panels.
+  const bool stage_packed = dtype == 1 && M > 1 &&
+                            std::is_same_v<packed::XStage<uint16_t>, uint16_t>;
+  int64_t max_k_packed = 0;
+  for (int l = 0; l < num_layers && stage_packed; ++l)
+    max_k_packed = std::max({max_k_packed, layers[l].hidden_size,
+                             layers[l].num_heads * layers[l].head_size,
+                             layers[l].intermediate_size});
+  std::vector<packed::XStage<uint16_t>> packed_x(static_cast<size_t>(M * max_k_packed));
+  const ActivationScratch act_scratch{max_k > 0 ? xq.data() : nullptr, xs.data(), q8.rows(),
+                                      stage_packed ? packed_x.data() : nullptr};
   for (int l = 0; l < num_layers; ++l) {
     const bool add = l > 0 || add_delta_first != 0;
     if (dtype == 0)
