@@ -134,6 +134,10 @@ class FusedDecoder:
         linears = [m for layer in self.layers for m in _linears(layer)]
         self.packed_weights = all(_is_packed(m) for m in linears if not _is_quantized(m))
         self._structs: ctypes.Array | None = None
+        # The steps' float32 scratch, kept and grown to the largest step (at most
+        # MAX_SCRATCH_BYTES): a fresh 80 MB buffer per 2048-token step (llama-134m) cost its
+        # page faults and the kernel's zeroing of the pages every step, ~4% of a prefill.
+        self._scratch = torch.empty(0, dtype=torch.float32)
         self._keepalive: list[torch.Tensor | ctypes.Array] = []
         # The KV caches the structures point into, held so their memory cannot be reused while
         # pointed at; a layer bound to another cache (the profiling run's caches are replaced by
@@ -309,7 +313,8 @@ class FusedDecoder:
         """The `DecoderStep` of a step of `num_tokens` tokens over these buffers (addresses:
         positions [n] int64, slot_mapping [n] int64, query_start_loc [num_reqs + 1] int32,
         seq_lens [num_reqs] int32, residual [n, hidden] model dtype, delta [n, hidden]
-        float32), with its float32 scratch; keep the tensor alive while the step is in use.
+        float32), with its float32 scratch (this decoder's, shared by its steps: one step at a
+        time); keep the tensor alive while the step is in use.
 
         Raises:
             ValueError: the block table [num_reqs, max_blocks] is not int32 with unit column
@@ -317,7 +322,10 @@ class FusedDecoder:
         """
         if block_table.dtype != torch.int32 or block_table.stride(1) != 1:
             raise ValueError("fused decoder: the block table must be int32 with unit column stride")
-        scratch = torch.empty(num_tokens * sum(self._scratch_sizes), dtype=torch.float32)
+        needed = num_tokens * sum(self._scratch_sizes)
+        if self._scratch.numel() < needed:
+            self._scratch = torch.empty(needed, dtype=torch.float32)
+        scratch = self._scratch
         parts, offset = [], scratch.data_ptr()
         for size in self._scratch_sizes:
             parts.append(offset)
