@@ -26,6 +26,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -371,9 +372,11 @@ void decoder_layers(const DecoderLayerWeights* layers, int num_layers, const Dec
     max_k_packed = std::max({max_k_packed, layers[l].hidden_size,
                              layers[l].num_heads * layers[l].head_size,
                              layers[l].intermediate_size});
-  std::vector<packed::XStage<uint16_t>> packed_x(static_cast<size_t>(M * max_k_packed));
+  // (Not value-initialised: every row is written before it is read.)
+  const std::unique_ptr<packed::XStage<uint16_t>[]> packed_x(
+      stage_packed ? new packed::XStage<uint16_t>[M * max_k_packed] : nullptr);
   const ActivationScratch act_scratch{max_k > 0 ? xq.data() : nullptr, xs.data(), q8.rows(),
-                                      stage_packed ? packed_x.data() : nullptr};
+                                      packed_x.get()};
   for (int l = 0; l < num_layers; ++l) {
     const bool add = l > 0 || add_delta_first != 0;
     if (dtype == 0)
