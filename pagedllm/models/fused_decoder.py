@@ -135,8 +135,8 @@ class FusedDecoder:
         self.packed_weights = all(_is_packed(m) for m in linears if not _is_quantized(m))
         self._structs: ctypes.Array | None = None
         # The steps' float32 scratch, kept and grown to the largest step (at most
-        # MAX_SCRATCH_BYTES): a fresh 80 MB buffer per 2048-token step (llama-134m) cost its
-        # page faults and the kernel's zeroing of the pages every step, ~4% of a prefill.
+        # MAX_SCRATCH_BYTES): a fresh 80 MB buffer per 2048-token step (llama-134m) paid its
+        # page faults and the kernel's zeroing of its pages every step, ~1% of a prefill.
         self._scratch = torch.empty(0, dtype=torch.float32)
         self._keepalive: list[torch.Tensor | ctypes.Array] = []
         # The KV caches the structures point into, held so their memory cannot be reused while
