@@ -632,6 +632,36 @@ inline void widen_row(const T* row, int head_size, float* out) {
   for (int d = 0; d < head_size; d += 8) _mm256_storeu_ps(out + d, load8(row + d));
 }
 
+// k / v [n4][head_size] = the float32 K / V rows of KV head kv at key positions [c0, c0 + n)
+// (exact), ks / vs [n4] their int8 row scales if the cache has them; the rows [n, n4) are zero
+// (and their scales), padding the chunk to whole 4-key blocks. The tile kernels' chunk walk.
+template <typename T, typename TQ>
+inline void widen_chunk(const AttentionArgs<T, TQ>& a, const int32_t* table, int kv, int c0,
+                        int n, int n4, float* k, float* v, float* ks, float* vs) {
+  const int head_size = a.head_size, block_size = a.block_size;
+  const int64_t kv_row_stride = static_cast<int64_t>(a.num_kv_heads) * head_size;
+  for (int j = 0; j < n4; ++j) {
+    float* kd = k + static_cast<int64_t>(j) * head_size;
+    float* vd = v + static_cast<int64_t>(j) * head_size;
+    if (j >= n) {
+      std::fill(kd, kd + head_size, 0.f);
+      std::fill(vd, vd + head_size, 0.f);
+      ks[j] = vs[j] = 0.f;
+      continue;
+    }
+    const int pos = c0 + j;
+    const int64_t slot = static_cast<int64_t>(table[pos / block_size]) * block_size +
+                         pos % block_size;
+    const int64_t base = slot * kv_row_stride + static_cast<int64_t>(kv) * head_size;
+    widen_row(a.key_cache + base, head_size, kd);
+    widen_row(a.value_cache + base, head_size, vd);
+    if (a.k_scales != nullptr) {
+      ks[j] = a.k_scales[slot * a.num_kv_heads + kv];
+      vs[j] = a.v_scales[slot * a.num_kv_heads + kv];
+    }
+  }
+}
+
 // The 4 sums of a0..a3 (8 lanes each).
 inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
   const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
@@ -708,8 +738,7 @@ void attend_tile_gemm(const AttentionArgs<T, TQ>& a, const int32_t* table, int k
                       int rep, const int* begin, const int* end, int lo, int hi,
                       const int64_t* row_index, float* q, float* o, float* m, float* l,
                       GemmTileScratch& w) {
-  const int head_size = a.head_size, block_size = a.block_size, num_kv_heads = a.num_kv_heads;
-  const int64_t kv_row_stride = static_cast<int64_t>(num_kv_heads) * head_size;
+  const int head_size = a.head_size;
   const int R = nq * rep, R4 = R / 4 * 4;
   for (int r = 0; r < R; ++r) {
     w.q_rows[r] = q + row_index[r] * head_size;
@@ -718,25 +747,7 @@ void attend_tile_gemm(const AttentionArgs<T, TQ>& a, const int32_t* table, int k
   }
   for (int c0 = lo; c0 < hi; c0 += kGemmKeys) {
     const int n = std::min(kGemmKeys, hi - c0), n4 = (n + 3) / 4 * 4;
-    for (int j = 0; j < n4; ++j) {   // widen the chunk's rows (zero rows pad to 4 keys)
-      float* kd = w.k.data() + static_cast<int64_t>(j) * head_size;
-      float* vd = w.v.data() + static_cast<int64_t>(j) * head_size;
-      if (j >= n) {
-        std::fill(kd, kd + head_size, 0.f);
-        std::fill(vd, vd + head_size, 0.f);
-        continue;
-      }
-      const int pos = c0 + j;
-      const int64_t slot = static_cast<int64_t>(table[pos / block_size]) * block_size +
-                           pos % block_size;
-      const int64_t base = slot * kv_row_stride + static_cast<int64_t>(kv) * head_size;
-      widen_row(a.key_cache + base, head_size, kd);
-      widen_row(a.value_cache + base, head_size, vd);
-      if (a.k_scales != nullptr) {
-        w.ks[j] = a.k_scales[slot * num_kv_heads + kv];
-        w.vs[j] = a.v_scales[slot * num_kv_heads + kv];
-      }
-    }
+    widen_chunk(a, table, kv, c0, n, n4, w.k.data(), w.v.data(), w.ks.data(), w.vs.data());
     // S = Q K^T for every row (rows outside their range are masked below).
     for (int j = 0; j < n4; j += 4) {
       const float* kj = w.k.data() + static_cast<int64_t>(j) * head_size;

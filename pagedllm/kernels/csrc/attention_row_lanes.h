@@ -1,6 +1,6 @@
 // Register-blocked attention tiles with the query rows in vector lanes (AVX-512 builds): the
 // `attend_tile_gemm` of attention_kernel.h for long query runs (that header includes this one
-// after it, inside namespace pagedllm, for its AttentionArgs, widen_row and kGemmKeys), with
+// after it, inside namespace pagedllm, for its AttentionArgs, widen_chunk and kGemmKeys), with
 // every per-row quantity of the online softmax held transposed, 16 query rows per zmm vector:
 //
 //   qt [head_size][RP]   the tile's query rows (RP = rows rounded up to 16; padded rows are
@@ -168,8 +168,7 @@ void attend_tile_lanes(const AttentionArgs<T, TQ>& a, const int32_t* table, int 
                        int rep, const int* begin, const int* end, int lo, int hi,
                        const int64_t* row_index, const float* q, float* o, float* m, float* l,
                        LaneTileScratch& w) {
-  const int head_size = a.head_size, block_size = a.block_size, num_kv_heads = a.num_kv_heads;
-  const int64_t kv_row_stride = static_cast<int64_t>(num_kv_heads) * head_size;
+  const int head_size = a.head_size;
   const int R = nq * rep, groups = (R + kRowLanes - 1) / kRowLanes;
   const int64_t ld = static_cast<int64_t>(groups) * kRowLanes;
   for (int64_t r = 0; r < ld; ++r) {   // transpose the rows in (padded rows: empty, zero)
@@ -187,26 +186,7 @@ void attend_tile_lanes(const AttentionArgs<T, TQ>& a, const int32_t* table, int 
   }
   for (int c0 = lo; c0 < hi; c0 += kGemmKeys) {
     const int n = std::min(kGemmKeys, hi - c0), n4 = (n + 3) / 4 * 4;
-    for (int j = 0; j < n4; ++j) {   // widen the chunk's rows (zero rows pad to 4 keys)
-      float* kd = w.k.data() + static_cast<int64_t>(j) * head_size;
-      float* vd = w.v.data() + static_cast<int64_t>(j) * head_size;
-      if (j >= n) {
-        std::fill(kd, kd + head_size, 0.f);
-        std::fill(vd, vd + head_size, 0.f);
-        w.ks[j] = w.vs[j] = 0.f;
-        continue;
-      }
-      const int pos = c0 + j;
-      const int64_t slot = static_cast<int64_t>(table[pos / block_size]) * block_size +
-                           pos % block_size;
-      const int64_t base = slot * kv_row_stride + static_cast<int64_t>(kv) * head_size;
-      widen_row(a.key_cache + base, head_size, kd);
-      widen_row(a.value_cache + base, head_size, vd);
-      if (a.k_scales != nullptr) {
-        w.ks[j] = a.k_scales[slot * num_kv_heads + kv];
-        w.vs[j] = a.v_scales[slot * num_kv_heads + kv];
-      }
-    }
+    widen_chunk(a, table, kv, c0, n, n4, w.k.data(), w.v.data(), w.ks.data(), w.vs.data());
     for_row_groups(groups, [&](int g0, auto G) {
       for (int j = 0; j < n4; j += 4)
         lane_scores<decltype(G)::value>(w.qt.data() + g0 * kRowLanes,
