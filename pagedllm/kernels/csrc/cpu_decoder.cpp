@@ -140,24 +140,6 @@ struct DecoderStep {
   float* act;                      // [num_tokens, intermediate] scratch
 };
 
-#ifdef PAGEDLLM_AVX2
-// p[0..8) = v in the model dtype: float32 as is, bfloat16 rounded as the scalar `store` rounds
-// (nearest even, a NaN kept quiet), so both give the same bits.
-inline void store8(__m256 v, float* p) { _mm256_storeu_ps(p, v); }
-
-inline void store8(__m256 v, uint16_t* p) {
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  const __m256i rounded = _mm256_srli_epi32(
-      _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
-  const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x40));
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  const __m256i halves = _mm256_blendv_epi8(rounded, quiet, nan);   // 16-bit values in 32
-  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(halves, halves), 0x08);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
-}
-#endif
-
 // residual[m] (+= delta[m] if add) then normed[m] = rms_norm(residual[m]) * w, for one row
 // (8 lanes at a time: the sum of squares is summed in 8 partial sums, then across them).
 template <typename T>
