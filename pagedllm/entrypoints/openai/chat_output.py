@@ -11,10 +11,11 @@ A choice is read in one of four tool modes (vLLM's and OpenAI's `tool_choice`):
   call's arguments.
 
 With a reasoning parser, the reasoning is split off first and the modes read the answer after it.
-`ChoiceOutputParser.result` reads a whole output; `ChoiceOutputParser.deltas` reads the text of a
-stream so far and returns OpenAI's delta objects for what is new. A stream never sends text it may
-have to take back (a possible marker prefix is held), so the concatenated deltas always equal the
-whole response.
+One reading, `ChoiceOutputParser._read(text, final)`, decides every part: `result` is the reading
+of a whole output; `deltas` sends what the reading of a stream's text so far adds to what was sent.
+A stream's reading holds back what the rest of the output may still change (a possible marker
+prefix, whitespace-only content, an unfinished call), so each of its parts is a prefix of the whole
+output's part and the concatenated deltas equal the whole response.
 """
 
 from __future__ import annotations
@@ -49,11 +50,24 @@ NO_TOOLS = ToolMode()
 
 @dataclass
 class ChatOutput:
-    """A choice's message parts. `content` is None when the message is only tool calls."""
+    """A choice's message parts. `reasoning` is None when there is none (no reasoning parser, or
+    an empty reasoning); `content` is None when the message has tool calls and no text but
+    whitespace."""
 
     reasoning: str | None
     content: str | None
     tool_calls: list[FunctionCall] = field(default_factory=list)
+
+
+@dataclass
+class _Reading:
+    """`ChoiceOutputParser._read`'s answer: the reasoning ("" if none), the answer text after
+    it, and the content and calls read from the answer (named mode reads only `answer`)."""
+
+    reasoning: str
+    answer: str
+    content: str
+    calls: list[FunctionCall]
 
 
 def required_calls(text: str) -> list[FunctionCall]:
@@ -87,24 +101,14 @@ class ChoiceOutputParser:
 
     # ------------------------------------------------------------------ whole output
     def result(self, text: str) -> ChatOutput:
-        reasoning, answer = self._split(text, final=True)
-        kind = self.mode.kind
-        if kind == "named":
-            return ChatOutput(reasoning, None, [FunctionCall(self.mode.function, answer)])
-        calls: list[FunctionCall] = []
-        content: str | None = answer
-        if kind == "required":
-            calls = required_calls(answer)
-            if calls:
-                content = None
-        elif kind == "auto":
-            parsed = self.mode.parser.parse(answer, final=True)
-            if parsed.calls:
-                calls = parsed.calls
-                content = parsed.content if parsed.content.strip() else None
-        if not self.mode.parallel:
-            calls = calls[:1]
-        return ChatOutput(reasoning, content, calls)
+        """The message of a whole output `text`: `_read(text, final=True)`, with an empty
+        reasoning as None and, beside tool calls, an empty content as None."""
+        read = self._read(text, final=True)
+        reasoning = read.reasoning or None
+        if self.mode.kind == "named":
+            return ChatOutput(reasoning, None, [FunctionCall(self.mode.function, read.answer)])
+        content = (read.content or None) if read.calls else read.content
+        return ChatOutput(reasoning, content, read.calls)
 
     def finish_reason(self, output: ChatOutput, finish_reason: str | None) -> str | None:
         """OpenAI's finish reason: "tool_calls" when the model stopped after calling tools in
@@ -118,17 +122,34 @@ class ChoiceOutputParser:
     def deltas(self, text: str, final: bool) -> list[dict[str, Any]]:
         """Delta objects for what `text` (the output so far; `final`: all of it) adds to what
         earlier calls returned: `{"reasoning_content": ...}`, `{"content": ...}` and
-        `{"tool_calls": [...]}` in OpenAI's stream format."""
+        `{"tool_calls": [...]}` in OpenAI's stream format. Each part is the growth of
+        `_read(text, final)`'s, so with `final` the deltas join to `result(text)`."""
         out: list[dict[str, Any]] = []
-        reasoning, answer = self._split(text, final)
-        if reasoning is not None and len(reasoning) > self._sent_reasoning:
-            out.append({"reasoning_content": reasoning[self._sent_reasoning:]})
-            self._sent_reasoning = len(reasoning)
-        kind = self.mode.kind
-        if kind == "named":
-            if answer or final:
-                out.extend(self._named_deltas(answer))
+        read = self._read(text, final)
+        if len(read.reasoning) > self._sent_reasoning:
+            out.append({"reasoning_content": read.reasoning[self._sent_reasoning:]})
+            self._sent_reasoning = len(read.reasoning)
+        if self.mode.kind == "named":
+            if read.answer or final:
+                out.extend(self._named_deltas(read.answer))
             return out
+        if len(read.content) > self._sent_content:
+            out.append({"content": read.content[self._sent_content:]})
+            self._sent_content = len(read.content)
+        new_calls = read.calls[len(self._call_ids):]
+        if new_calls:
+            out.append({"tool_calls": [self._call_delta(call) for call in new_calls]})
+        return out
+
+    # ------------------------------------------------------------------ both
+    def _read(self, text: str, final: bool) -> _Reading:
+        """What `text` decides: the whole output's parts (`final`), or (a stream's text so far)
+        the parts that no continuation can change, each a prefix of the whole output's part.
+
+        Content beside tool calls that is only whitespace is dropped (`result` gives None); a
+        stream holds whitespace-only content back until the output shows which it is."""
+        reasoning, answer = self._split(text, final)
+        kind = self.mode.kind
         calls: list[FunctionCall] = []
         content = answer
         if kind == "required":
@@ -136,16 +157,12 @@ class ChoiceOutputParser:
             content = answer if final and not calls else ""
         elif kind == "auto":
             parsed = self.mode.parser.parse(answer, final)
-            calls, content = parsed.calls, parsed.content
+            calls = parsed.calls
+            if calls or not final:
+                content = parsed.content if parsed.content.strip() else ""
         if not self.mode.parallel:
             calls = calls[:1]
-        if len(content) > self._sent_content:
-            out.append({"content": content[self._sent_content:]})
-            self._sent_content = len(content)
-        new_calls = calls[len(self._call_ids):]
-        if new_calls:
-            out.append({"tool_calls": [self._call_delta(call) for call in new_calls]})
-        return out
+        return _Reading(reasoning or "", answer, content, calls)
 
     def call_ids(self, count: int) -> list[str]:
         """Ids for the first `count` calls, the same ones a stream sent (new ids are made for

@@ -84,7 +84,8 @@ def _create(client: openai.OpenAI, stream: bool, **kwargs):
             entry[1] += call.function.name or ""
             entry[2] += call.function.arguments or ""
         finish = chunk.choices[0].finish_reason or finish
-    return reasoning, content or None, [tuple(calls[i]) for i in sorted(calls)], finish
+    return (reasoning or None, content or None, [tuple(calls[i]) for i in sorted(calls)],
+            finish)
 
 
 def _check_calls(calls: list[tuple[str, str, str]]) -> None:
@@ -108,7 +109,7 @@ def test_required_tool_choice_gives_valid_calls(client, end_think, parallel: boo
     streamed = _create(client, True, **kwargs)
     _same_answer(whole, streamed)
     reasoning, content, calls, finish = whole
-    assert reasoning == "" and content is None
+    assert reasoning is None and content is None        # an empty reasoning is null
     _check_calls(calls)
     if not parallel:
         assert len(calls) == 1
@@ -145,14 +146,17 @@ def test_named_function_and_round_trip(client, end_think, tool_model: Path) -> N
     assert '"sunny"' in tokenizer.decode(expected)
 
 
-def test_auto_tool_choice_reads_calls_from_text(client, end_think) -> None:
-    forced = r'<tool_call>\{"name": "get_time", "arguments": \{"zone": "CET"\}\}</tool_call>'
+@pytest.mark.parametrize("before", ["", r"\n\n"])
+def test_auto_tool_choice_reads_calls_from_text(client, end_think, before: str) -> None:
+    """Whitespace before the call is no content, streamed or not (the stream once sent it)."""
+    forced = before + \
+        r'<tool_call>\{"name": "get_time", "arguments": \{"zone": "CET"\}\}</tool_call>'
     kwargs = {"tools": TOOLS, "logit_bias": end_think,
               "extra_body": {"structured_outputs": {"regex": forced}}}
     whole = _create(client, False, **kwargs)
     _same_answer(whole, _create(client, True, **kwargs))
     reasoning, content, calls, finish = whole
-    assert reasoning == "" and content is None and finish == "tool_calls"
+    assert reasoning is None and content is None and finish == "tool_calls"
     assert [(name, json.loads(args)) for _, name, args in calls] == [("get_time",
                                                                       {"zone": "CET"})]
 
@@ -181,7 +185,7 @@ def test_structured_output_starts_after_the_reasoning(client, end_think) -> None
     # The reasoning ends at once: the answer is constrained JSON.
     response = client.chat.completions.create(logit_bias=end_think, **body)
     answer = response.choices[0]
-    assert answer.message.model_extra["reasoning_content"] == ""
+    assert answer.message.model_extra["reasoning_content"] is None    # empty: null
     assert response.usage.completion_tokens_details.reasoning_tokens == 1   # just </think>
     jsonschema.validate(json.loads(answer.message.content), schema)
     # The reasoning never ends (</think> banned): the output is free reasoning, no answer.

@@ -8,6 +8,7 @@ later turns out to be a marker.
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 
@@ -187,3 +188,151 @@ def test_reasoning_tokens_are_counted_by_the_split_rule() -> None:
     assert qwen3.num_reasoning_tokens([start, 1, end, 3], (start, end)) == 3
     assert qwen3.num_reasoning_tokens([1, end, 3], (start, end)) == 0   # thinking off
     assert r1.num_reasoning_tokens([], (start, end)) == 0
+
+
+def _streamed_message(mode: ToolMode, reasoning: str | None, text: str, cuts: list[int]
+                      ) -> tuple[str | None, str | None, list[tuple[str, str]]]:
+    """A stream of `text` cut at `cuts` (the last cut: the whole text, `final`), joined the way
+    an OpenAI client joins deltas, as `_whole_message` gives it (a stream cannot tell an empty
+    content from none: both are None here)."""
+    parser = ChoiceOutputParser(mode, get_reasoning_parser(reasoning) if reasoning else None)
+    parts = {"reasoning_content": "", "content": ""}
+    calls: dict[int, list[str]] = {}
+    for i, cut in enumerate(cuts):
+        for delta in parser.deltas(text[:cut], final=i == len(cuts) - 1):
+            for key in parts:
+                parts[key] += delta.get(key, "")
+            for call in delta.get("tool_calls", []):
+                entry = calls.setdefault(call["index"], ["", ""])
+                entry[0] += call.get("function", {}).get("name", "")
+                entry[1] += call.get("function", {}).get("arguments", "")
+    return (parts["reasoning_content"] or None, parts["content"] or None,
+            [tuple(calls[i]) for i in sorted(calls)])
+
+
+def _whole_message(mode: ToolMode, reasoning: str | None, text: str
+                   ) -> tuple[str | None, str | None, list[tuple[str, str]]]:
+    """The non-streamed (reasoning, content, [(name, arguments)]) of `text`."""
+    out = ChoiceOutputParser(mode, get_reasoning_parser(reasoning) if reasoning else None
+                             ).result(text)
+    return out.reasoning, out.content, [(c.name, c.arguments) for c in out.tool_calls]
+
+
+@pytest.mark.parametrize("reasoning,prefix", [(None, ""), ("deepseek_r1", "</think>"),
+                                              ("deepseek_r1", "<think></think>")])
+def test_hermes_whitespace_before_a_call_is_no_content_in_both_paths(
+        reasoning: str | None, prefix: str) -> None:
+    """Issue: `"\\n\\n<tool_call>...</tool_call>"` gave content null whole but "\\n\\n" streamed,
+    and an empty reasoning "" whole but none streamed. Both are now absent in both paths."""
+    mode = ToolMode("auto", parser=get_tool_parser("hermes"))
+    text = prefix + '\n\n<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}' \
+                    '</tool_call>'
+    expected = (None, None, [("get_time", '{"zone": "UTC"}')])
+    assert _whole_message(mode, reasoning, text) == expected
+    for step in (1, 2, 3, len(text)):
+        cuts = list(range(step, len(text), step)) + [len(text)]
+        assert _streamed_message(mode, reasoning, text, cuts) == expected
+    # Whitespace that no call follows is the whole answer, in both paths.
+    assert _whole_message(mode, reasoning, prefix + "\n\n") == (None, "\n\n", [])
+    assert _streamed_message(mode, reasoning, prefix + "\n\n",
+                             list(range(1, len(prefix) + 3))) == (None, "\n\n", [])
+
+
+@pytest.mark.parametrize("text", [
+    # A bad element after a good one (the issue's example: it gave the first call).
+    '[TOOL_CALLS][{"name":"get_time","arguments":{"tz":"UTC"}}, {"name": 5}]',
+    # A second call cut by max_tokens (it gave the first call and content "}").
+    '[TOOL_CALLS][{"name":"get_time","arguments":{"tz":"UTC"}}, {"name":"get_time","argu',
+    '[TOOL_CALLS][{"name":"get_time","arguments":{"tz":"UTC"}}',          # the list never closes
+    'Sure. [TOOL_CALLS][{"name":"get_time","arguments":{"tz":"UTC"}}, 7] and more',
+    '[TOOL_CALLS]get_time[ARGS]{"tz": "UTC"}[TOOL_CALLS]get_time[ARGS]{"tz": ',
+    '[TOOL_CALLS]get_time[ARGS]{"tz": "UTC"}[TOOL_CALLS]get_time{"tz": "UTC"}',
+    '[TOOL_CALLS]get_time[ARGS]{"tz": "UTC"} [TOOL_CALLS][{"name": "x", "arguments": []}]',
+    '[TOOL_CALLS][{"name": "get_time", "arguments": {}}] then [TOOL_CALLS]get_time[ARGS]{',
+])
+def test_mistral_calls_that_do_not_all_parse_are_the_whole_output_as_content(text: str) -> None:
+    mode = ToolMode("auto", parser=get_tool_parser("mistral"))
+    assert _whole_message(mode, None, text) == (None, text, [])
+    for step in (1, 5, len(text)):
+        cuts = list(range(step, len(text), step)) + [len(text)]
+        assert _streamed_message(mode, None, text, cuts) == (None, text, [])
+
+
+def test_mistral_complete_calls_and_the_text_around_them() -> None:
+    mode = ToolMode("auto", parser=get_tool_parser("mistral"))
+    call = ("get_time", '{"tz": "UTC"}')
+    for text, content, calls in [
+            ('Sure.\n[TOOL_CALLS] [{"name": "get_time", "arguments": {"tz": "UTC"}}]\n',
+             "Sure.\n", [call]),
+            ('[TOOL_CALLS][{"name": "get_time", "arguments": {"tz": "UTC"}}] after', " after",
+             [call]),
+            ('[TOOL_CALLS]get_time[ARGS]{"tz": "UTC"}\n[TOOL_CALLS]get_time[ARGS] {"tz": "UTC"}',
+             None, [call, call]),
+            ('[TOOL_CALLS]get_time[ARGS]{"tz": "UTC"} and [TOOL_CALLS]get_time[ARGS]{"tz": '
+             '"UTC"} end', " and  end", [call, call]),
+            ("[TOOL_CALLS][]", "[TOOL_CALLS][]", [])]:
+        assert _whole_message(mode, None, text) == (None, content, calls)
+        for step in (1, 4, len(text)):
+            cuts = list(range(step, len(text), step)) + [len(text)]
+            assert _streamed_message(mode, None, text, cuts) == (None, content, calls)
+    # Text before the marker streams at once; what follows waits for the end of the output.
+    parser = ChoiceOutputParser(mode)
+    assert parser.deltas('Sure.[TOOL_CALLS][{"name": "get_time", "arguments": {}}]',
+                         final=False) == [{"content": "Sure."}]
+
+
+# Outputs for the property test: a reasoning part, then text and calls (valid ones, broken ones,
+# and pieces of markers) in random order.
+_CALLS = {
+    "hermes": ['<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>',
+               '<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>',
+               '<tool_call>{"name": "f", "arguments": {"a": 1}}'],
+    "llama3_json": ['{"name": "f", "parameters": {"a": 1}}', '<|python_tag|>{"name": "g", '
+                    '"arguments": "{}"}', ";"],
+    "mistral": ['[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}]',
+                '[TOOL_CALLS] [{"name": "f", "arguments": {}}, {"name": "g", "arguments": {}}]',
+                '[TOOL_CALLS]g[ARGS]{"b": 2}', "[TOOL_CALLS][]"],
+}
+_BROKEN = {
+    "hermes": ["<tool_call>", "</tool_call>", "<tool_", '{"name": 5}',
+               '<tool_call>{"name": "g", "arguments": {"b": [1, ', "<tool>",
+               '<tool_call>{"name": "g", "arguments": [1]}</tool_call>'],
+    "llama3_json": ["<|python_tag|>", "{", '{"name": 5}', "<|python", '{"name": "f", "param'],
+    "mistral": ["[TOOL_CALLS]", "[TOOL_", '[TOOL_CALLS][{"name": "f", "arguments": {}}, '
+                '{"name": 5}]', "[TOOL_CALLS]g[ARGS]", '[TOOL_CALLS][{"name": "g", "arguments": '
+                '{"c": ', "[TOOL_CALLS]g{}", "]"],
+}
+_REASONING = ["", "", "<think>plan</think>", "</think>", "why</think>\n", "<think></think>",
+              "<think>", "cut off </thi", "<thi"]
+_SPACE = ["", "", " ", "\n", "\n\n"]
+_TEXT = _SPACE * 3 + ["Hi", "x < y", "}", "<", "[", "</think>", "<think>"]
+
+
+def _random_output(rng: random.Random, name: str) -> str:
+    parts = [rng.choice(_REASONING)]
+    for _ in range(rng.randint(0, 4)):
+        parts.append(rng.choice(_TEXT))
+        parts.append(rng.choice(_CALLS[name] * 3 + _BROKEN[name]))
+    parts.append(rng.choice(_TEXT))
+    return "".join(parts)
+
+
+@pytest.mark.parametrize("name", sorted(_CALLS))
+@pytest.mark.parametrize("reasoning", [None, "deepseek_r1", "qwen3"])
+def test_streams_join_to_the_whole_answer_for_any_output(name: str,
+                                                         reasoning: str | None) -> None:
+    """A property over random outputs made of markers, calls, broken calls and text, each
+    streamed cut at random places and one character at a time: the joined deltas are exactly the
+    whole answer (reasoning, content and calls), an empty reasoning is None and whitespace beside
+    calls is no content."""
+    rng = random.Random(f"{name}-{reasoning}")
+    mode = ToolMode("auto", parser=get_tool_parser(name))
+    for _ in range(200):
+        text = _random_output(rng, name)
+        whole = _whole_message(mode, reasoning, text)
+        assert whole[0] != ""
+        assert whole[1] is None or not whole[2] or whole[1].strip()
+        cuts = sorted(set(rng.sample(range(1, len(text) + 1), min(len(text), 6)))) + [len(text)]
+        for stream_cuts in (cuts, list(range(1, len(text) + 1)) or [0]):
+            assert _streamed_message(mode, reasoning, text, stream_cuts) == \
+                (whole[0], whole[1] or None, whole[2]), text

@@ -3,8 +3,10 @@
 A `ToolParser` reads a model's output text and finds the tool calls in it. It answers one
 question, `parse(text, final)`: which calls are complete, and which text is content. The same
 call serves a whole response (`final=True`: a last call may lack its closing marker, and text
-that fails to parse is content) and a stream (`final=False`: only complete calls count, and text
-that may still become a call is held back). Both parts only grow as the text grows, so a
+that fails to parse is content) and a stream (`final=False`: only calls no continuation can
+undo count, and text that may still become or undo a call is held back). A stream's reading is a
+prefix of the whole one's: for any continuation, its content starts the whole output's content
+(or the whole text, when that has no calls) and its calls are the first of that one's calls, so a
 streamed answer is always the same as the whole one (see `chat_output.ChoiceOutputParser`).
 """
 
@@ -113,9 +115,9 @@ class ToolParser(ABC):
         """The content and the complete calls of `text`.
 
         `final`: the text is the whole output, so a last call without its closing marker counts
-        when it decodes, and what does not parse is content; otherwise (a stream) only calls
-        that can no longer change count, and text that may still be part of a call is left out
-        of the content."""
+        when it decodes (formats with closing markers), and what does not parse is content;
+        otherwise (a stream) only calls that can no longer change count, and text that may
+        still be part of a call, or turn one into content, is left out of the content."""
 
     def new_call_id(self) -> str:
         """A fresh id for a call this parser found."""

@@ -9,7 +9,8 @@
   `[{"name": "f", "arguments": {...}}, ...]`, or (tokenizer v11+) by `f[ARGS]{...}`, one
   `[TOOL_CALLS]` per call.
 
-Text that looks like a call but does not parse stays content, word for word. Formats follow the
+Text that looks like a call but does not parse stays content, word for word: with `hermes` that
+block, with `mistral` (as vLLM) the whole output, since its calls are one list. Formats follow the
 models' chat templates; the parsing code is our own.
 """
 
@@ -20,8 +21,7 @@ import re
 import string
 
 from pagedllm.entrypoints.openai.tool_parsers.base import (FunctionCall, ParsedToolCalls,
-                                                           ToolParser, json_list_items,
-                                                           json_values)
+                                                           ToolParser, json_values)
 from pagedllm.reasoning.parsers import partial_marker_len
 
 
@@ -104,39 +104,45 @@ class MistralToolParser(ToolParser):
         if start < 0:
             keep = len(text) - (0 if final else partial_marker_len(text, self._MARKER))
             return ParsedToolCalls(content=text[:keep])
+        if not final:
+            # A later call that fails to parse turns the whole output into content, so nothing
+            # after the marker is decided before the output ends.
+            return ParsedToolCalls(content=text[:start])
         result = ParsedToolCalls(content=text[:start])
-        pos = self._parse_calls(text, start, result)
-        if final and text[pos:].strip():
-            result.content += text[pos:]        # what does not parse stays content
+        while start >= 0:
+            segment = self._segment_calls(text, start)
+            if segment is None:
+                return ParsedToolCalls(content=text)    # as vLLM: the whole output, word for word
+            result.calls.extend(segment[0])
+            start = text.find(self._MARKER, segment[1])
+            gap = text[segment[1]:start if start >= 0 else len(text)]
+            if gap.strip():                 # text between and after calls; whitespace is dropped
+                result.content += gap
         return result
 
-    def _parse_calls(self, text: str, pos: int, result: ParsedToolCalls) -> int:
-        """Append the complete calls from `pos` (a marker); returns where parsing stopped."""
-        while text.startswith(self._MARKER, pos):
-            body = pos + len(self._MARKER)
-            while body < len(text) and text[body].isspace():
-                body += 1
-            if text.startswith("[", body):                  # [TOOL_CALLS][{...}, {...}]
-                end = body
-                for value, end in json_list_items(text, body):
-                    call = FunctionCall.from_json(value)
-                    if call is None:
-                        return pos if not result.calls else end
-                    result.calls.append(call)
-                closing = text.find("]", end)
-                return pos if end == body else (closing + 1 if closing >= 0 else end)
-            name = self._NAME.match(text, body)             # [TOOL_CALLS]f[ARGS]{...}
-            if name is None or not text.startswith(self._ARGS, name.end()):
-                return pos
-            decoded = next(json_values(text, name.end() + len(self._ARGS), ""), None)
-            if decoded is None or not isinstance(decoded[0], dict):
-                return pos
-            result.calls.append(FunctionCall.from_json({"name": name.group(1),
-                                                        "arguments": decoded[0]}))
-            pos = decoded[1]
-            while pos < len(text) and text[pos].isspace():
-                pos += 1
-        return pos
+    def _segment_calls(self, text: str, pos: int) -> tuple[list[FunctionCall], int] | None:
+        """The calls after the marker at `pos` and the index where they end, or None when they
+        do not parse: a list that is not all calls or does not close, a name without `[ARGS]`
+        and a complete JSON object."""
+        body = pos + len(self._MARKER)
+        while body < len(text) and text[body].isspace():
+            body += 1
+        if text.startswith("[", body):                      # [TOOL_CALLS][{...}, {...}]
+            decoded = next(json_values(text, body, ""), None)
+            if decoded is None:
+                return None
+            calls = [FunctionCall.from_json(item) for item in decoded[0]]
+            if any(call is None for call in calls):
+                return None
+            return calls, decoded[1]
+        name = self._NAME.match(text, body)                 # [TOOL_CALLS]f[ARGS]{...}
+        if name is None or not text.startswith(self._ARGS, name.end()):
+            return None
+        decoded = next(json_values(text, name.end() + len(self._ARGS), ""), None)
+        if decoded is None or not isinstance(decoded[0], dict):
+            return None
+        return [FunctionCall.from_json({"name": name.group(1), "arguments": decoded[0]})], \
+            decoded[1]
 
     def new_call_id(self) -> str:
         # Mistral's chat templates accept only 9 alphanumeric characters as a tool call id.
