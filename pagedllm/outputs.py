@@ -26,8 +26,9 @@ class CompletionOutput:
 
     Attributes:
         index: index of this sequence among the request's `n` outputs.
-        text: detokenized output (stop string removed unless include_stop_str_in_output).
-        token_ids: generated token ids (a stop token id is included, text is not).
+        text: detokenized output (a stop string, or the text of a `stop_token_ids` token that
+            ended it, removed unless include_stop_str_in_output; an EOS's text never in it).
+        token_ids: generated token ids (the stop token or EOS id that ended it included).
         logprobs: per generated token, {token id: Logprob} (when SamplingParams.logprobs is set).
         cumulative_logprob: sum of the chosen tokens' logprobs (when logprobs is set).
         finish_reason: None while running, then "stop" (EOS, stop token or stop string),

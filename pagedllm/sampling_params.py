@@ -102,12 +102,14 @@ class SamplingParams:
         repetition_penalty: > 0; CTRL-style (Keskar et al. 2019) over prompt and output tokens.
         seed: per-request RNG seed; outputs do not depend on what else is batched.
         stop: strings that end generation (cut from the text unless include_stop_str_in_output).
-        stop_token_ids: token ids that end generation (kept in token_ids, not in text).
+        stop_token_ids: token ids that end generation (kept in token_ids; in the text only with
+            include_stop_str_in_output. An EOS is never in the text).
         ignore_eos: keep generating after EOS.
         max_tokens: most tokens to generate (None = up to max_model_len).
         min_tokens: generate at least this many before EOS/stop tokens may end the request.
         skip_special_tokens, spaces_between_special_tokens: detokenization options.
-        include_stop_str_in_output: keep the matched stop string in the text.
+        include_stop_str_in_output: keep the matched stop string (or the stop token's text)
+            in the text.
         logprobs: return the sampled token's logprob and rank plus the top-`logprobs`
             alternatives per generated token (0 = only the sampled token); None = off.
         prompt_logprobs: the same for every prompt token (the first one gets None).

@@ -43,12 +43,21 @@ class IncrementalDetokenizer:
     `read_offset`, keeps first-token effects out of the output: SentencePiece's leading space on
     the first generated token survives, as in `decode(prompt + output)`.
 
+    Stop tokens: the token that ended the request in the core (EOS, or one of `stop_token_ids`;
+    `update(..., stop_terminated=True)`) goes into `token_ids`, but its text goes into
+    `output_text` only for a `stop_token_ids` hit with `include_stop_str_in_output`; an EOS's
+    text never does (so `skip_special_tokens=False` never yields "</s>"). As vLLM's
+    `IncrementalDetokenizer.update(new_token_ids, stop_terminated)`, except that vLLM keeps the
+    EOS's text too under `include_stop_str_in_output`.
+
     Invariants:
-    - `token_ids` holds every generated id passed to `update`, including those after a stop string.
+    - `token_ids` holds every generated id passed to `update`, including those after a stop string
+      and a stop token whose text was left out.
     - Without a stop string, after `get_next_output_text(finished=True)`, `output_text` equals
-      `tokenizer.decode(token_ids, skip_special_tokens=..., clean_up_tokenization_spaces=False)`
-      for an empty prompt; after a prompt it equals the text that `decode(prompt + token_ids)` adds
-      to `decode(prompt)`. (A character whose bytes straddle the prompt's end belongs to the output.)
+      `tokenizer.decode(ids, skip_special_tokens=..., clean_up_tokenization_spaces=False)` for an
+      empty prompt, where `ids` is `token_ids` less a left-out stop token; after a prompt it
+      equals the text that `decode(prompt + ids)` adds to `decode(prompt)`. (A character whose
+      bytes straddle the prompt's end belongs to the output.)
     - `output_text` only grows, except for the one cut at a matched stop string.
     - Streamed text (`get_next_output_text`) is always a prefix of the final `output_text`.
 
@@ -89,6 +98,7 @@ class IncrementalDetokenizer:
         self.output_text = ""
         self.token_ids: list[int] = []
         self._stopped = False
+        self._stop_terminated = False
         self._finished = False
         self._last_output_text_offset = 0
         self._special_ids: set[int] | None = None  # built on first need
@@ -97,23 +107,40 @@ class IncrementalDetokenizer:
         self._window_ids = self._prompt_context(list(prompt_token_ids))
         self._read_offset = len(self._window_ids)
 
-    def update(self, new_token_ids: list[int]) -> str | None:
+    def update(self, new_token_ids: list[int], stop_terminated: bool = False, *,
+               eos: bool = False) -> str | None:
         """Append newly generated tokens; return the stop string that matched, else None.
 
         On a match `output_text` is cut before the stop string (or just after it with
         `include_stop_str_in_output`) and the request's text is final. An empty `new_token_ids` is
-        a no-op. Raises RuntimeError if tokens arrive after a stop string matched or after
-        `get_next_output_text(finished=True)`.
+        a no-op.
+
+        Args:
+            stop_terminated: the last id is the stop token that ended the request in the core
+                (the scheduler's finish_reason "stop"). It is appended to `token_ids`; its text
+                is decoded only if it is one of `stop_token_ids` (`eos=False`) and
+                `include_stop_str_in_output`.
+            eos: that stop token is an EOS (stop_reason None), whose text is never decoded.
+
+        Raises:
+            RuntimeError: if tokens arrive after a stop string matched, after a stop token, or
+                after `get_next_output_text(finished=True)`.
         """
         if not new_token_ids:
             return None
-        if self._stopped or self._finished:
+        if self._stopped or self._stop_terminated or self._finished:
             raise RuntimeError("update() after the request's text was finished")
-        self.token_ids.extend(new_token_ids)
-        self._window_ids.extend(new_token_ids)
+        skip_last = stop_terminated and (eos or not self.include_stop_str_in_output)
+        decoded_ids = new_token_ids[:-1] if skip_last else new_token_ids
+        self.token_ids.extend(decoded_ids)
+        self._window_ids.extend(decoded_ids)
         num_chars_before = len(self.output_text)
         self._decode_window(flush=False)
-        return self._check_stop(num_chars_before)
+        stop_str = self._check_stop(num_chars_before)
+        if skip_last:
+            self.token_ids.append(new_token_ids[-1])
+        self._stop_terminated = stop_terminated
+        return stop_str
 
     def get_next_output_text(self, finished: bool, delta: bool) -> str:
         """Text to emit now: all of it (`delta=False`) or only what is new since the last call.

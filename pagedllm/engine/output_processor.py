@@ -2,6 +2,8 @@
 
 Per request it detokenizes incrementally, applies stop strings (a match finishes the request with
 finish_reason "stop" and stop_reason the string; the caller must then abort it in the core),
+leaves the text of the stop token that ended a request in the core out of the text (an EOS's
+always, a `stop_token_ids` hit's unless include_stop_str_in_output; the id stays in token_ids),
 collects logprobs and prompt logprobs, and emits outputs per `output_kind` (cumulative, delta or
 final only). Requests with n > 1 are n child requests in the core; their parent here gathers the
 children's CompletionOutputs (by index) into one RequestOutput.
@@ -157,12 +159,18 @@ class OutputProcessor:
         new_token_ids = out.new_token_ids
         detok = state.detokenizer
         if detok is not None:
+            # The core finishes with "stop" only on a stop token, its step's last token: EOS
+            # (stop_reason None; also a grammar that terminated on EOS) or one of stop_token_ids
+            # (stop_reason the id). Its text is left out (see IncrementalDetokenizer).
+            stop_terminated = out.finish_reason == "stop"
+            eos = stop_terminated and not isinstance(out.stop_reason, int)
             # With stop strings, several tokens of one step (accepted drafts, a multi-step round)
             # go in one at a time, as separate steps would: the token that completes a match is
             # the request's last.
             batches = [[t] for t in new_token_ids] if detok.stop else [new_token_ids]
             for i, batch in enumerate(batches):
-                stop_str = detok.update(batch)
+                stop_str = detok.update(batch, stop_terminated and i == len(batches) - 1,
+                                        eos=eos)
                 if stop_str is not None:
                     state.finish_reason, state.stop_reason = "stop", stop_str
                     new_token_ids = new_token_ids[:i + 1]

@@ -336,3 +336,67 @@ def test_min_tokens_holds_back_stop_strings(tokenizer):
         # It ran past min_tokens tokens; the newlines before are kept in the text.
         assert len(detok.token_ids) > min_tokens
         assert detok.output_text.startswith("a\nb") and not detok.output_text.endswith("\n")
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_token_text_only_with_include_stop_str(tokenizer, include):
+    """The stop token that ended the request in the core stays in token_ids; its text is in the
+    output only with include_stop_str_in_output (vLLM's `update(ids, stop_terminated)`)."""
+    prompt = _encode(tokenizer, "Hello:")
+    ids = _encode(tokenizer, "a red apple today")
+    without, with_stop = (_decode_after(tokenizer, prompt, ids[:n]) for n in (-1, None))
+    assert without != with_stop
+    for chunk in (1, 3, len(ids)):
+        detok = IncrementalDetokenizer(tokenizer, prompt, include_stop_str_in_output=include)
+        deltas = []
+        for i in range(0, len(ids), chunk):
+            last = i + chunk >= len(ids)
+            assert detok.update(ids[i : i + chunk], stop_terminated=last) is None
+            deltas.append(detok.get_next_output_text(finished=last, delta=True))
+        assert detok.token_ids == ids
+        assert "".join(deltas) == detok.output_text == (with_stop if include else without)
+        with pytest.raises(RuntimeError):
+            detok.update([ids[0]])
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_eos_text_is_never_in_the_output(tokenizer, include):
+    """An EOS that ended the request is not text even with skip_special_tokens=False."""
+    ids = _encode(tokenizer, "a red apple") + [tokenizer.eos_token_id]
+    assert tokenizer.decode(ids, skip_special_tokens=False).endswith(tokenizer.eos_token)
+    detok = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=False,
+                                   include_stop_str_in_output=include)
+    detok.update(ids, stop_terminated=True, eos=True)
+    text = detok.get_next_output_text(finished=True, delta=False)
+    assert text == tokenizer.decode(ids[:-1], skip_special_tokens=False)
+    assert tokenizer.eos_token not in text and detok.token_ids == ids
+    # Alone in its step (the usual case without multi-step rounds): nothing is added.
+    detok = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=False)
+    detok.update(ids[:-1])
+    before = detok.get_next_output_text(finished=False, delta=False)
+    detok.update(ids[-1:], stop_terminated=True, eos=True)
+    assert detok.get_next_output_text(finished=True, delta=False) == before == text
+
+
+def test_stop_string_before_a_stop_token_wins(tokenizer):
+    """A stop string completed by the tokens before the stop token ends the text there; one
+    inside the stop token's own text matches only when that text is kept."""
+    ids = _encode(tokenizer, "a red apple")
+    red_end = next(n for n in range(1, len(ids) + 1)
+                   if "red" in tokenizer.decode(ids[:n], skip_special_tokens=True))
+    assert red_end < len(ids)
+    detok = IncrementalDetokenizer(tokenizer, [], stop=["red"])
+    assert detok.update(ids, stop_terminated=True) == "red"
+    assert detok.output_text == "a "
+    stop_str = tokenizer.decode(ids[-1:]).strip()
+    for include in (False, True):
+        detok = IncrementalDetokenizer(tokenizer, [], stop=[stop_str],
+                                       include_stop_str_in_output=include)
+        matched = detok.update(ids, stop_terminated=True)
+        assert matched == (stop_str if include else None)
+        assert detok.get_next_output_text(finished=True, delta=False) == (
+            tokenizer.decode(ids) if include else tokenizer.decode(ids[:-1]))
+
+
+def _decode_after(tokenizer, prompt: list[int], ids: list[int]) -> str:
+    return tokenizer.decode(prompt + ids)[len(tokenizer.decode(prompt)):]
