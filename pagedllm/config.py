@@ -20,6 +20,14 @@ _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp
                   "half": "float16"}
 
 
+# The sampling defaults a generation config may recommend (vLLM's set), HF name -> SamplingParams
+# field; HF's max_new_tokens is vLLM's max_tokens. `do_sample` is not among them: vLLM ignores it.
+GENERATION_CONFIG_SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p",
+                                   "top_k": "top_k", "min_p": "min_p",
+                                   "repetition_penalty": "repetition_penalty",
+                                   "max_new_tokens": "max_tokens"}
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Which checkpoint to run and how.
@@ -44,6 +52,14 @@ class ModelConfig:
         chat_template: a Jinja chat template (the text, or the path of a file holding it) that
             replaces the tokenizer's own for chat requests (vLLM's `--chat-template`); None =
             the tokenizer's.
+        generation_config: where the default sampling parameters of requests that leave them
+            out come from (vLLM's `--generation-config`): "auto" (the checkpoint's
+            generation_config.json; a .gguf file's `general.sampling.*` metadata, which its
+            view records there), "vllm" (none: the built-in defaults) or a folder holding a
+            generation_config.json. See `get_diff_sampling_param`.
+        override_generation_config: generation-config values (HF names: temperature, top_p,
+            top_k, min_p, repetition_penalty, max_new_tokens) that replace those of the file
+            (vLLM's `--override-generation-config`); they apply with "vllm" too.
     """
 
     model: str
@@ -56,8 +72,11 @@ class ModelConfig:
     logprobs_mode: str = "raw_logprobs"
     quantization: str | None = None
     chat_template: str | None = None
+    generation_config: str = "auto"
+    override_generation_config: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self._validate_generation_config()
         if self.quantization not in (None, "none", "gguf", "int8", "w8a8"):
             raise ValueError(f"quantization must be 'gguf', 'none', 'int8' or 'w8a8' (or None "
                              f"for the checkpoint's own), got {self.quantization!r}")
@@ -77,6 +96,23 @@ class ModelConfig:
         object.__setattr__(self, "dtype", dtype)
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+    def _validate_generation_config(self) -> None:
+        source = self.generation_config
+        if not isinstance(source, str) or (source not in ("auto", "vllm")
+                                           and not Path(source).expanduser().is_dir()):
+            raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder holding a "
+                             f"generation_config.json, got {source!r}")
+        override = self.override_generation_config
+        if override is None:
+            override = {}
+        if not isinstance(override, dict):
+            raise ValueError(f"override_generation_config must be a dict, got {override!r}")
+        unknown = sorted(set(override) - set(GENERATION_CONFIG_SAMPLING_KEYS))
+        if unknown:
+            raise ValueError(f"override_generation_config: unknown keys {unknown}; known: "
+                             f"{sorted(GENERATION_CONFIG_SAMPLING_KEYS)}")
+        object.__setattr__(self, "override_generation_config", dict(override))
 
 
 @dataclass(frozen=True)
@@ -462,6 +498,10 @@ class EngineConfig:
     reasoning_parser: str | None = None
     # CUDA graphs for decode steps (worker/cuda_graph.py); ignored off CUDA.
     cudagraph_config: CudaGraphConfig = CudaGraphConfig()
+    # The model's recommended sampling defaults, read once at start (`get_diff_sampling_param`):
+    # SamplingParams field -> value, only those the generation config sets. A request field left
+    # out takes its value from here, else the built-in default.
+    default_sampling_params: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.reasoning_parser is not None:
@@ -550,6 +590,67 @@ def hf_model_info(model_path: str) -> HFModelInfo:
     )
 
 
+def read_generation_config(folder: str) -> tuple[dict[str, Any], Path]:
+    """The values a folder's generation_config.json sets explicitly (transformers'
+    `GenerationConfig.to_diff_dict`, so none of GenerationConfig's own defaults), and the file's
+    path; ({}, path) when there is no such file.
+
+    Raises:
+        ValueError: naming the file when transformers cannot read it (not JSON, or a value
+            transformers refuses, such as max_new_tokens 0).
+    """
+    from transformers import GenerationConfig
+
+    path = Path(folder).expanduser() / "generation_config.json"
+    if not path.is_file():
+        return {}, path
+    try:
+        config = GenerationConfig.from_pretrained(str(path.parent), local_files_only=True)
+    except (OSError, ValueError, TypeError) as e:
+        raise ValueError(f"invalid generation config {path}: {e}") from e
+    return config.to_diff_dict(), path
+
+
+def get_diff_sampling_param(model_config: ModelConfig, model_path: str) -> dict[str, Any]:
+    """The default sampling parameters of requests that leave them out (vLLM's
+    `ModelConfig.get_diff_sampling_param`): the generation config's temperature, top_p, top_k,
+    min_p, repetition_penalty and max_new_tokens (as max_tokens) where it sets them, with
+    `override_generation_config` on top; {} for `generation_config="vllm"` without overrides.
+
+    `model_path` is the resolved checkpoint folder (a .gguf file's view, whose
+    generation_config.json holds the file's `general.sampling.*` values).
+
+    Raises:
+        ValueError: naming the file (or override_generation_config) and the key of a value a
+            request could not carry either (e.g. top_p 2), or a corrupt file.
+        FileNotFoundError: a `generation_config` folder without generation_config.json.
+    """
+    from pagedllm.sampling_params import SamplingParams
+
+    sources: list[tuple[str, dict[str, Any]]] = []
+    if model_config.generation_config != "vllm":
+        folder = model_path if model_config.generation_config == "auto" \
+            else model_config.generation_config
+        values, path = read_generation_config(folder)
+        if model_config.generation_config != "auto" and not path.is_file():
+            raise FileNotFoundError(f"generation_config: {path} not found")
+        sources.append((str(path), values))
+    sources.append(("override_generation_config", model_config.override_generation_config))
+    defaults: dict[str, Any] = {}
+    for source, values in sources:
+        for key, name in GENERATION_CONFIG_SAMPLING_KEYS.items():
+            value = values.get(key)
+            if value is None:
+                continue
+            try:
+                SamplingParams(**{name: value})
+            except ValueError as e:
+                raise ValueError(f"{source}: {key} = {value!r} cannot be a default sampling "
+                                 f"parameter ({e})") from e
+            defaults[name] = value
+    return defaults
+
+
 def resolve_chat_template(value: str | None) -> str | None:
     """A chat template argument as the template's text: a path of an existing file is read;
     text with Jinja markup (`{{` or `{%`) is the template itself.
@@ -600,7 +701,10 @@ def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str
                          kv_cache_dtype: str = "auto",
                          async_scheduling: bool | None = None,
                          num_scheduler_steps: int | None = None,
-                         chat_template: str | None = None) -> EngineConfig:
+                         chat_template: str | None = None,
+                         generation_config: str = "auto",
+                         override_generation_config: dict[str, Any] | None = None
+                         ) -> EngineConfig:
     """Build and validate an `EngineConfig` from flat engine arguments (vLLM's names).
 
     Resolves `model` to a local folder (hub ids through the huggingface_hub cache). Raises
@@ -612,7 +716,9 @@ def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str
                                max_model_len=max_model_len, seed=seed, revision=revision,
                                trust_remote_code=trust_remote_code,
                                logprobs_mode=logprobs_mode, quantization=quantization,
-                               chat_template=resolve_chat_template(chat_template))
+                               chat_template=resolve_chat_template(chat_template),
+                               generation_config=generation_config,
+                               override_generation_config=override_generation_config or {})
     model_path = resolve_model_path(model, revision)
     tokenizer_path = resolve_model_path(tokenizer, revision) if tokenizer else model_path
     info = hf_model_info(model_path)
@@ -677,9 +783,11 @@ def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str
             cudagraph_mode=cudagraph_mode, enforce_eager=enforce_eager,
             cudagraph_capture_sizes=(None if cudagraph_capture_sizes is None
                                      else tuple(cudagraph_capture_sizes))),
+        default_sampling_params=get_diff_sampling_param(model_config, model_path),
     )
 
 
 __all__ = ["ModelConfig", "CacheConfig", "SchedulerConfig", "ParallelConfig", "EngineConfig",
            "EPLBConfig", "SpeculativeConfig", "RequestLimits",
-           "HFModelInfo", "create_engine_config", "hf_model_info", "read_hf_config"]
+           "HFModelInfo", "create_engine_config", "get_diff_sampling_param", "hf_model_info",
+           "read_generation_config", "read_hf_config"]

@@ -205,6 +205,7 @@ class AsyncLLM:
         self.tokenizer = engine.tokenizer
         self.max_model_len: int = engine.config.max_model_len
         self.vocab_size: int = engine.input_processor.vocab_size
+        self.default_sampling_params = engine.config.default_sampling_params
         self.stat_loggers = list(stat_loggers)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._command_lock = threading.Lock()  # orders "put a command" against "mark dead"

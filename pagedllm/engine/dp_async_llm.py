@@ -32,6 +32,7 @@ class DataParallelAsyncLLM:
         self.tokenizer = first.tokenizer
         self.max_model_len = first.max_model_len
         self.vocab_size = first.vocab_size
+        self.default_sampling_params = first.default_sampling_params
         self.input_processor = first.input_processor
         self._in_flight = [0] * len(self.replicas)
         self._replica_of: dict[str, int] = {}

@@ -12,17 +12,27 @@ from pagedllm.entrypoints.cli_args import add_engine_args, engine_kwargs_from_ar
 from pagedllm.entrypoints.openai.cli_args import add_serve_parser
 from pagedllm.entrypoints.verify import add_verify_parser
 
+# Tokens `pagedllm generate` makes when neither --max-tokens nor the model's max_new_tokens says.
+DEFAULT_MAX_TOKENS = 64
+
 
 def _add_generate_parser(subparsers) -> None:
     p = subparsers.add_parser("generate", help="generate text for one or more prompts")
     add_engine_args(p)
     p.add_argument("--prompt", action="append", required=True,
                    help="prompt text (repeat the flag for a batch)")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
+    # Sampling flags left out take the model's default (--generation-config), else the built-in
+    # one (SamplingParams'; max tokens DEFAULT_MAX_TOKENS).
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help=f"default: the model's max_new_tokens, else {DEFAULT_MAX_TOKENS}")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="default: the model's, else 1.0")
+    p.add_argument("--top-p", type=float, default=None, help="default: the model's, else 1.0")
+    p.add_argument("--top-k", type=int, default=None,
+                   help="default: the model's, else 0 (off)")
+    p.add_argument("--min-p", type=float, default=None, help="default: the model's, else 0.0")
+    p.add_argument("--repetition-penalty", type=float, default=None,
+                   help="default: the model's, else 1.0")
     p.add_argument("--stop", action="append", default=None)
     p.add_argument("--request-seed", type=int, default=None, help="per-request sampling seed")
     p.add_argument("--ignore-eos", action="store_true")
@@ -34,15 +44,19 @@ def _add_generate_parser(subparsers) -> None:
 def _run_generate(args: argparse.Namespace) -> int:
     from pagedllm import LLM, SamplingParams
 
+    given = {"max_tokens": args.max_tokens, "temperature": args.temperature,
+             "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p,
+             "repetition_penalty": args.repetition_penalty}
+    given = {name: value for name, value in given.items() if value is not None}
+    given.update(stop=args.stop, seed=args.request_seed, ignore_eos=args.ignore_eos)
     try:
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                                top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                                stop=args.stop, seed=args.request_seed,
-                                ignore_eos=args.ignore_eos)
+        SamplingParams(**{"max_tokens": DEFAULT_MAX_TOKENS, **given})  # before the model loads
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     llm = LLM(**engine_kwargs_from_args(args))
+    params = SamplingParams(**{"max_tokens": DEFAULT_MAX_TOKENS,
+                               **llm.llm_engine.config.default_sampling_params, **given})
     start = time.perf_counter()
     if args.chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params,

@@ -61,6 +61,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="a Jinja chat template file (or the template text) to use instead of "
                         "the tokenizer's own, for --chat and chat completions")
     g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    g.add_argument("--generation-config", default="auto",
+                   help="default sampling parameters of requests that leave them out: auto (the "
+                        "model's generation_config.json, or a .gguf file's general.sampling.*), "
+                        "vllm (the built-in defaults only) or a folder holding a "
+                        "generation_config.json")
+    g.add_argument("--override-generation-config", type=_json_object, default=None,
+                   help='JSON generation-config values over the file\'s, e.g. '
+                        '\'{"temperature": 0.5, "max_new_tokens": 128}\'')
     g.add_argument("--quantization", default=None, choices=["gguf", "none", "int8", "w8a8"],
                    help="gguf: keep a .gguf file's linear weights in their blocks (native CPU "
                         "kernels; the default where every type has one); none: dequantize; "
@@ -142,7 +150,7 @@ _ENGINE_KEYS = ("tokenizer", "chat_template", "dtype", "quantization", "max_mode
                 "eplb_config", "speculative_config",
                 "logprobs_mode", "max_logprobs", "max_n", "max_logit_bias", "reasoning_parser",
                 "cudagraph_mode", "enforce_eager", "cudagraph_capture_sizes", "async_scheduling",
-                "num_scheduler_steps")
+                "num_scheduler_steps", "generation_config", "override_generation_config")
 
 
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:

@@ -2,12 +2,17 @@
 
     llm = LLM("path/to/checkpoint")
     outputs = llm.generate(["Hello"], SamplingParams(max_tokens=16))
+
+`generate` / `chat` without sampling params use `get_default_sampling_params()`: the model's
+recommended defaults (its generation config, see `config.get_diff_sampling_param`) over
+SamplingParams' own, as vLLM does. A SamplingParams that is passed is used as it is.
 """
 
 from __future__ import annotations
 
 import copy
 import inspect
+import logging
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -23,6 +28,8 @@ from pagedllm.outputs import RequestOutput
 from pagedllm.pooling.outputs import EmbeddingRequestOutput
 from pagedllm.pooling.params import PoolingParams
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 class GenerateError(ValueError):
@@ -49,7 +56,8 @@ class LLM:
             model.
         **engine_args: engine arguments by vLLM's names (dtype, max_model_len, block_size,
             max_num_seqs, max_num_batched_tokens, enable_prefix_caching, kv_cache_memory_bytes,
-            gpu_memory_utilization, seed, ...). With runner="pooling" also `pooling_type`
+            gpu_memory_utilization, seed, generation_config ("auto" | "vllm" | a folder),
+            override_generation_config, ...). With runner="pooling" also `pooling_type`
             ("MEAN" | "CLS" | "LAST") and `normalize`, the model's pooling defaults.
         runner: "generate", "pooling" (embeddings, `embed`; docs/embeddings.md) or "auto"
             (pooling for architectures without an LM head, e.g. BertModel).
@@ -75,9 +83,20 @@ class LLM:
                 raise TypeError(f"LLM() got unknown engine arguments {unknown}; the engine "
                                 f"arguments are those of pagedllm.config.create_engine_config")
             self.llm_engine = LLMEngine.from_engine_args(model, **engine_args)
+            defaults = self.llm_engine.config.default_sampling_params
+            if defaults:
+                logger.info("Using default sampling params from model generation config: %s "
+                            "(generation_config='vllm' ignores them)", defaults)
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The SamplingParams of a `generate` / `chat` call that passes none: the model's
+        default sampling parameters (`EngineConfig.default_sampling_params`), the built-in
+        defaults for the other fields. A new object on each call."""
+        self._require_runner("generate")
+        return SamplingParams(**self.llm_engine.config.default_sampling_params)
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -87,7 +106,9 @@ class LLM:
         Args:
             prompts: a string, a list of token ids, a dict {"prompt"| "prompt_token_ids"}, or a
                 list of any of these.
-            sampling_params: one for all prompts, or one per prompt (default SamplingParams()).
+            sampling_params: one for all prompts, or one per prompt; None =
+                `get_default_sampling_params()` (the model's defaults). A SamplingParams given
+                is used as it is: its fields are never replaced by the model's defaults.
             use_tqdm: show a progress bar.
 
         Raises:
@@ -101,7 +122,7 @@ class LLM:
         self._require_runner("generate")
         prompts = self._as_prompt_list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:

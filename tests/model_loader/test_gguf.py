@@ -177,6 +177,28 @@ def test_end_of_generation_ids_and_sampling_defaults_reach_generation_config(che
     assert gen["temperature"] == 0.5 and gen["top_k"] == 40
 
 
+def test_sampling_defaults_of_the_file_are_the_default_sampling_params(checkpoints, tmp_path):
+    """llama.cpp's recommended sampling (general.sampling.*) is what a request that leaves the
+    fields out gets: top_k 1 makes the default generate greedy; generation_config="vllm" drops
+    it."""
+    path = write_gguf(checkpoints["llama"][0], tmp_path / "top_k1.gguf", "F32", extra_metadata={
+        "general.sampling.top_k": 1, "general.sampling.temp": 0.75,
+        "general.sampling.top_p": 0.5, "general.sampling.min_p": 0.25,
+        "general.sampling.penalty_repeat": 1.25})
+    llm = LLM(str(path), **ENGINE_ARGS)
+    assert llm.llm_engine.config.default_sampling_params == {
+        "temperature": 0.75, "top_p": 0.5, "top_k": 1, "min_p": 0.25, "repetition_penalty": 1.25}
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.top_k, defaults.max_tokens) == (1, 16)
+    prompts = [{"prompt_token_ids": p} for p in _prompts(hf_model_info(
+        llm.llm_engine.config.model_path).vocab_size)] * 2
+    greedy = SamplingParams(temperature=0.0, repetition_penalty=1.25)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, use_tqdm=False)] == \
+        [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    assert LLM(str(path), generation_config="vllm", **ENGINE_ARGS
+               ).get_default_sampling_params().top_k == 0
+
+
 def test_gemma2_file_matches_the_original_checkpoint(tiny_checkpoints, tmp_path):
     """Gemma 2 files: the soft-caps come from the file's metadata (transformers' reader drops
     them) and the query scale follows llama.cpp's rule; the fixture caps attention at 4 and the

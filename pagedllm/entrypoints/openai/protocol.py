@@ -5,7 +5,9 @@ An unknown field is refused with a 400 naming it, as OpenAI's API does ("Unrecog
 argument"), and so is a known field this server cannot honour (`suffix`, `best_of` other than `n`):
 silently dropping a field that changes what the answer must be would return a wrong answer.
 Floats must be finite (NaN and Infinity are refused). Turning a request into `SamplingParams`
-lives here so completions and chat share one mapping.
+lives here so completions and chat share one mapping: a sampling field the request leaves out
+(None) takes the model's default (its generation config, `config.get_diff_sampling_param`), else
+the built-in one (`BUILTIN_SAMPLING_DEFAULTS`), as vLLM's `to_sampling_params` does.
 """
 
 from __future__ import annotations
@@ -143,6 +145,12 @@ class ResponseFormat(_StrictModel):
     json_schema: JsonSchemaFormat | None = None
 
 
+# Values of the sampling fields a request leaves out and the model does not set (vLLM's
+# _DEFAULT_SAMPLING_PARAMS).
+BUILTIN_SAMPLING_DEFAULTS: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0,
+                                             "min_p": 0.0, "repetition_penalty": 1.0}
+
+
 class _SamplingRequest(_StrictModel):
     """Fields shared by completion and chat requests (OpenAI's plus vLLM's extras)."""
 
@@ -154,7 +162,7 @@ class _SamplingRequest(_StrictModel):
     min_p: float | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    repetition_penalty: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -227,24 +235,36 @@ class _SamplingRequest(_StrictModel):
             raise ValueError(f"structured_outputs: {e}") from e
 
     def requested_max_tokens(self) -> int | None:
+        """The request's own output cap; None = not given."""
         raise NotImplementedError
+
+    def builtin_max_tokens(self) -> int | None:
+        """The cap of a request that gives none when the model has no default either; None =
+        up to the end of the context."""
+        return None
 
     def num_logprobs(self) -> int | None:
         """Top alternatives per token to return (0 = the chosen token only); None = no logprobs."""
         raise NotImplementedError
 
-    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
-        """Raises ValueError naming the field for an out-of-range value."""
+    def to_sampling_params(self, max_tokens: int | None,
+                           default_sampling_params: dict[str, Any] | None = None
+                           ) -> SamplingParams:
+        """The request's SamplingParams: temperature, top_p, top_k, min_p and
+        repetition_penalty left out (None) come from `default_sampling_params` (the model's),
+        else `BUILTIN_SAMPLING_DEFAULTS`; `max_tokens` is already resolved by the caller.
+
+        Raises ValueError naming the field for an out-of-range value.
+        """
+        defaults = {**BUILTIN_SAMPLING_DEFAULTS, **(default_sampling_params or {})}
+        sampling = {name: defaults[name] if getattr(self, name) is None else getattr(self, name)
+                    for name in BUILTIN_SAMPLING_DEFAULTS}
         return SamplingParams(
             logprobs=self.num_logprobs(), logit_bias=self.logit_bias,
             allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
-            n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=0 if self.top_k is None else self.top_k,
-            min_p=0.0 if self.min_p is None else self.min_p,
+            n=self.n, **sampling,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty, seed=self.seed, stop=self.stop,
+            seed=self.seed, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             max_tokens=max_tokens, min_tokens=self.min_tokens,
             skip_special_tokens=self.skip_special_tokens,
@@ -254,11 +274,17 @@ class _SamplingRequest(_StrictModel):
             structured_outputs=self.structured_outputs_params())
 
 
+# Output cap of a completion request that leaves max_tokens out (OpenAI's default).
+COMPLETION_MAX_TOKENS = 16
+
+
 class CompletionRequest(_SamplingRequest):
     """POST /v1/completions. `prompt`: a string, strings, token ids, or lists of token ids."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    # Left out: the model's max_new_tokens, else COMPLETION_MAX_TOKENS (OpenAI's 16); null: up
+    # to the end of the context.
+    max_tokens: int | None = None
     echo: bool = False
     logprobs: int | None = None
     # Known but not supported: refused unless they leave the answer unchanged.
@@ -276,6 +302,9 @@ class CompletionRequest(_SamplingRequest):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    def builtin_max_tokens(self) -> int | None:
+        return None if "max_tokens" in self.model_fields_set else COMPLETION_MAX_TOKENS
 
     def num_logprobs(self) -> int | None:
         return self.logprobs

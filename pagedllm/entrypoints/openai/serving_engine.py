@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
@@ -26,6 +27,8 @@ from pagedllm.entrypoints.openai.protocol import (ErrorInfo, ErrorResponse, Prom
                                                   UsageInfo)
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 _LEADING_NAME = re.compile(r"^([a-z_]+)\b")
 
@@ -199,6 +202,11 @@ class OpenAIServing:
         self.tokenizer = async_llm.tokenizer
         self.max_model_len = async_llm.max_model_len
         self.served_model_names = list(served_model_names)
+        # The model's sampling defaults for fields a request leaves out (read once at start).
+        self.default_sampling_params: dict[str, Any] = dict(async_llm.default_sampling_params)
+        if self.default_sampling_params:
+            logger.info("Using default sampling params from model generation config: %s "
+                        "(--generation-config vllm ignores them)", self.default_sampling_params)
 
     def check_model(self, model: str | None) -> str:
         """The model name to report. Raises OpenAIServingError 404 for an unknown name."""
@@ -237,13 +245,22 @@ class OpenAIServing:
         """Validate the sampling fields, truncate the prompt (`truncate_prompt_tokens`) and check
         the context length. Returns (prompt token ids, SamplingParams).
 
+        Fields the request leaves out take the model's defaults (`default_sampling_params`),
+        else the built-in ones. The output cap is the request's, else the model's
+        max_new_tokens (cut to what the context leaves, as vLLM does), else the endpoint's
+        built-in cap, else the rest of the context.
+
         Raises:
             OpenAIServingError: 400 if prompt + max_tokens exceeds max_model_len, or for any
                 out-of-range sampling field (param names the field).
         """
         max_tokens = request.requested_max_tokens()
+        model_max_tokens = self.default_sampling_params.get("max_tokens") \
+            if max_tokens is None else None
+        if max_tokens is None and model_max_tokens is None:
+            max_tokens = request.builtin_max_tokens()
         try:
-            params = request.to_sampling_params(max_tokens)
+            params = request.to_sampling_params(max_tokens, self.default_sampling_params)
         except ValueError as e:
             raise error_from_exception(e, request) from e
         if params.truncate_prompt_tokens is not None:
@@ -263,6 +280,8 @@ class OpenAIServing:
                 ("messages" if "messages" in type(request).model_fields else "prompt"))
         if params.max_tokens is None:
             params.max_tokens = self.max_model_len - num_prompt_tokens
+            if model_max_tokens is not None:
+                params.max_tokens = min(params.max_tokens, model_max_tokens)
         return token_ids, params
 
     async def admit(self, request: Any, prompts: Sequence[tuple[PromptType, SamplingParams]],
