@@ -14,6 +14,11 @@ tokens, never more than the primary group. So a sliding group never holds memory
 and (with the cap above what the scheduler can fill) rarely refuses what group 0 admits; the
 scheduler still checks every group (`KVCacheManager.allocate_slots`). A model with one attention
 type has one group and the whole budget.
+
+Admission: each group's spec answers how many blocks one request can hold at once
+(`KVCacheGroupSpec.max_num_blocks_per_request`); `KVCacheCapacity` asks every group, and both the
+front end's gate (engine/input_processor.py) and `Scheduler.add_request` refuse with its answer. A
+new group type (an MLA latent cache, a state cache) brings its own rule there, nothing else.
 """
 
 from __future__ import annotations
@@ -38,6 +43,111 @@ class KVCacheGroupSpec:
 
     sliding_window: int | None
     num_blocks: int
+
+    def max_num_blocks_per_request(self, num_slots: int, block_size: int,
+                                   max_num_scheduled_tokens: int,
+                                   num_lookahead_tokens: int = 0) -> int:
+        """Most blocks of this group one request holds at once, over every state the scheduler
+        can reach (any chunking under any token budget, prefix hits, recompute after preemption).
+
+        Args:
+            num_slots: most token slots the request ever has (`KVCacheCapacity.max_num_slots`).
+            block_size: tokens per block.
+            max_num_scheduled_tokens: most of its tokens one step computes (drafts included).
+            num_lookahead_tokens: slots reserved past a step's tokens.
+
+        Full attention: a block per position, cdiv(num_slots, block_size). Sliding window W: a
+        step that computes n tokens (and reserves la slots) from c = num_computed_tokens first
+        frees the blocks before position c - W + 1 (`num_skipped_blocks`), so it holds positions
+        c - W + 1 .. c + n + la - 1 plus up to block_size - 1 before them in the first block:
+
+            W = 8, block_size = 4, c = 10, n + la = 4: queries 10..13 read keys from 3 on
+            positions | 0  1  2  3 | 4 .. 7 | 8 .. 11 | 12 13 .. |
+            held      |        [3] |  all   |   all   |  12 13   |   4 blocks = cdiv(3 + 7 + 4, 4)
+
+        at most cdiv(min(W + block_size - 2 + n + la, num_slots), block_size) blocks, reached
+        when (c - W + 1) % block_size == block_size - 1. (vLLM's SlidingWindowSpec prices
+        cdiv(min(W - 1 + max_num_batched_tokens, max_model_len), block_size) + 1, one block more
+        when W - 1 + n is 1 past a multiple of block_size or all slots fit.)
+        """
+        if self.sliding_window is None:
+            return cdiv(num_slots, block_size)
+        return cdiv(min(self.sliding_window + block_size - 2 + max_num_scheduled_tokens
+                        + num_lookahead_tokens, num_slots), block_size)
+
+    def describe(self) -> str:
+        return ("full attention" if self.sliding_window is None
+                else f"sliding window {self.sliding_window}")
+
+
+@dataclass(frozen=True)
+class KVCacheCapacity:
+    """What one request can hold in a KV cache at most, and whether that ever fits: the one answer
+    the front end's gate and the scheduler's `add_request` both use (plain data, no torch).
+
+    A request admitted here, alone on an empty cache, always finds its blocks: no step of it can
+    need more than `max_num_blocks` in any group (the scheduler caps its tokens, drafts and
+    lookahead slots at `max_num_slots`; a multi-step round's extra slots are taken only when they
+    are free), so it is never preempted by its own growth. Without async scheduling and drafts
+    the answer is exact: some reachable state holds that many (tests/core/
+    test_kv_cache_admission.py); their extra positions, one per step, can make it a block high.
+
+    Attributes:
+        groups: the cache's groups (`make_kv_cache_groups`), group 0 first.
+        block_size: tokens per block.
+        max_model_len: context length in tokens.
+        max_num_scheduled_tokens: most tokens of one request a step computes (drafts included):
+            max_num_batched_tokens, or long_prefill_token_threshold when lower.
+        num_lookahead_tokens: slots reserved past a step's tokens (a draft model's).
+        computes_last_token: whether a step may compute the position of a request's last token
+            (async scheduling's step after it, drafts, lookahead slots); otherwise that token is
+            sampled and never fed back, and needs no slot.
+    """
+
+    groups: tuple[KVCacheGroupSpec, ...]
+    block_size: int
+    max_model_len: int
+    max_num_scheduled_tokens: int
+    num_lookahead_tokens: int = 0
+    computes_last_token: bool = False
+
+    def max_num_slots(self, num_prompt_tokens: int, max_tokens: int) -> int:
+        """Most token slots a request of `num_prompt_tokens` and `max_tokens` ever has: its
+        prompt and outputs up to max_model_len, less the last token unless it can be computed
+        (never less than the prompt, which is always computed)."""
+        num_tokens = min(num_prompt_tokens + max_tokens, self.max_model_len)
+        if self.computes_last_token:
+            return num_tokens
+        return max(num_prompt_tokens, num_tokens - 1)
+
+    def max_num_blocks(self, num_prompt_tokens: int, max_tokens: int) -> tuple[int, ...]:
+        """[num_groups] most blocks the request holds at once in each group."""
+        num_slots = self.max_num_slots(num_prompt_tokens, max_tokens)
+        return tuple(g.max_num_blocks_per_request(num_slots, self.block_size,
+                                                  self.max_num_scheduled_tokens,
+                                                  self.num_lookahead_tokens)
+                     for g in self.groups)
+
+    def check(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raises ValueError (saying what it needs, what the cache has and what to lower) if the
+        request can never fit the cache, even alone."""
+        needed = self.max_num_blocks(num_prompt_tokens, max_tokens)
+        usable = tuple(g.num_blocks - 1 for g in self.groups)
+        refused = [i for i, (n, u) in enumerate(zip(needed, usable)) if n > u]
+        if not refused:
+            return
+        if len(self.groups) == 1:
+            need, have = f"{needed[0]} KV blocks", f"{usable[0]}"
+        else:
+            kinds = ", ".join(g.describe() for g in self.groups)
+            need, have = f"{list(needed)} KV blocks (groups: {kinds})", f"{list(usable)}"
+        lower = "max_tokens"
+        if any(self.groups[i].sliding_window is not None for i in refused):
+            lower += (", max_num_batched_tokens or long_prefill_token_threshold (a sliding-window "
+                      "group holds the window plus one step's tokens)")
+        raise ValueError(f"the request needs up to {need} of {self.block_size} tokens "
+                         f"({num_prompt_tokens} prompt tokens + max_tokens {max_tokens}) but the "
+                         f"KV cache has only {have}; lower {lower} or give the cache more memory")
 
 
 def kv_cache_group_windows(layer_windows: Iterable[int | None]) -> tuple[int | None, ...]:
@@ -66,21 +176,6 @@ def num_skipped_blocks(sliding_window: int | None, num_computed_tokens: int,
     if sliding_window is None:
         return 0
     return max(0, (num_computed_tokens - sliding_window + 1) // block_size)
-
-
-def max_blocks_per_request(sliding_window: int | None, num_tokens: int, block_size: int,
-                           max_num_scheduled_tokens: int, num_lookahead_tokens: int = 0) -> int:
-    """Most blocks one request of `num_tokens` tokens holds at once in a group, when each step
-    schedules at most `max_num_scheduled_tokens` of its tokens (plus lookahead slots).
-
-    Held after an allocation: blocks [num_skipped(c), cdiv(c + s + la, bs)), fewer than
-    (W - 1 + s + la) / bs + 2 of them.
-    """
-    full = cdiv(num_tokens, block_size)
-    if sliding_window is None:
-        return full
-    return min(full, cdiv(sliding_window - 1 + max_num_scheduled_tokens + num_lookahead_tokens,
-                          block_size) + 1)
 
 
 def sliding_window_block_cap(sliding_window: int, block_size: int, max_num_seqs: int,

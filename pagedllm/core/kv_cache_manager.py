@@ -98,10 +98,6 @@ class KVCacheManager:
     def num_cached_blocks(self) -> int:
         return sum(g.block_pool.num_cached_blocks() for g in self.groups)
 
-    def max_blocks_fit(self, needed: Sequence[int]) -> bool:
-        """Whether a request needing needed[g] blocks at once in group g fits the empty cache."""
-        return all(n <= g.block_pool.num_blocks - 1 for n, g in zip(needed, self.groups))
-
     def slots_fit(self, slots: Sequence[tuple[str, int]]) -> bool:
         """Whether growing each held request `request_id` to `num_tokens` slots, all of them
         together, finds enough free blocks in every group (what `allocate_slots` would take,

@@ -37,7 +37,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from pagedllm.config import CacheConfig, SchedulerConfig
-from pagedllm.core.kv_cache_groups import make_kv_cache_groups, max_blocks_per_request
+from pagedllm.core.kv_cache_groups import KVCacheCapacity, make_kv_cache_groups
 from pagedllm.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched_output import (EngineCoreOutput, ModelRunnerOutput,
@@ -96,13 +96,16 @@ class Scheduler:
             then drains in-flight steps before any synchronous one.
         num_scheduler_steps: most decode steps per SchedulerOutput (see the module docstring;
             the engine never combines it with async scheduling or drafts).
+        num_speculative_tokens: most draft tokens the worker proposes per request and step (0 =
+            no speculative decoding); with drafts a step may compute a request's last position.
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  max_model_len: int, num_blocks: int, num_lookahead_tokens: int = 0,
                  structured_output_manager=None,
                  kv_cache_windows: tuple[int | None, ...] = (None,),
-                 async_scheduling: bool = False, num_scheduler_steps: int = 1) -> None:
+                 async_scheduling: bool = False, num_scheduler_steps: int = 1,
+                 num_speculative_tokens: int = 0) -> None:
         self.config = scheduler_config
         self.num_scheduler_steps = num_scheduler_steps
         self.max_model_len = max_model_len
@@ -113,6 +116,16 @@ class Scheduler:
                                       num_lookahead_tokens)
         self.kv_cache_manager = KVCacheManager(num_blocks, cache_config.block_size,
                                                cache_config.enable_prefix_caching, groups)
+        threshold = scheduler_config.long_prefill_token_threshold
+        # What `add_request` (and the front end's gate) admit: `_num_new_tokens` never gives one
+        # request more than max_num_scheduled_tokens a step, nor slots past `_max_kv_tokens`.
+        self.kv_cache_capacity = KVCacheCapacity(
+            groups, cache_config.block_size, max_model_len,
+            max_num_scheduled_tokens=min(scheduler_config.max_num_batched_tokens,
+                                         threshold or scheduler_config.max_num_batched_tokens),
+            num_lookahead_tokens=num_lookahead_tokens,
+            computes_last_token=(async_scheduling or num_lookahead_tokens > 0
+                                 or num_speculative_tokens > 0))
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -132,21 +145,16 @@ class Scheduler:
 
     # ----------------------------------------------------------------- requests in and out
     def add_request(self, request: Request) -> None:
+        """Queue a new request.
+
+        Raises:
+            ValueError: if its id is in use, if it can never fit the KV cache even alone
+                (`kv_cache_capacity.check`), or if it has structured output and this scheduler
+                has no grammar support.
+        """
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        num_tokens = min(request.num_tokens + request.max_tokens, self.max_model_len)
-        mgr = self.kv_cache_manager
-        needed = [max_blocks_per_request(spec.sliding_window, num_tokens, self.block_size,
-                                         self.config.max_num_batched_tokens,
-                                         self.num_lookahead_tokens)
-                  for spec in mgr.kv_cache_groups]
-        if not mgr.max_blocks_fit(needed):
-            usable = [spec.num_blocks - 1 for spec in mgr.kv_cache_groups]
-            if len(usable) == 1:
-                needed, usable = needed[0], usable[0]
-            raise ValueError(f"request needs up to {needed} KV blocks ({request.num_tokens} prompt "
-                             f"tokens + max_tokens {request.max_tokens}) but the KV cache has only "
-                             f"{usable}; lower max_tokens or give the cache more memory")
+        self.kv_cache_capacity.check(request.num_tokens, request.max_tokens)
         if request.sampling_params.structured_outputs is not None:
             if self.structured_output_manager is None:
                 raise ValueError("this engine has no structured output support")
@@ -247,7 +255,8 @@ class Scheduler:
             if (request.num_computed_tokens != request.num_tokens - 1 or request.spec_token_ids
                     or params.structured_outputs is not None or params.logits_processors):
                 return 1
-            steps = min(steps, self._max_kv_tokens(request) - request.num_tokens)
+            steps = min(steps, min(request.num_prompt_tokens + request.max_tokens,
+                                   self.max_model_len) - request.num_tokens)
         if steps > 1 and not self.kv_cache_manager.slots_fit(
                 [(r.request_id, r.num_computed_tokens + steps) for r in self.running]):
             # A round never preempts: its lookahead slots would push a request out for tokens
@@ -358,12 +367,13 @@ class Scheduler:
             out.grammar_bitmask = self.structured_output_manager.grammar_bitmask(rows)
 
     def _max_kv_tokens(self, request: Request) -> int:
-        """Token slots `add_request` checked the cache can hold for `request` alone.
+        """Token slots `add_request` checked the cache can hold for `request` alone
+        (`KVCacheCapacity.max_num_slots`).
 
         NOTE(issue #5): draft tokens and lookahead slots are capped by this too; past it a request
         could need more blocks than the whole cache, preempt itself and never be readmitted.
         """
-        return min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
+        return self.kv_cache_capacity.max_num_slots(request.num_prompt_tokens, request.max_tokens)
 
     def _lookahead(self, request: Request, num_new_tokens: int) -> int:
         return max(0, min(self.num_lookahead_tokens, self._max_kv_tokens(request)

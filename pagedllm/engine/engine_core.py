@@ -74,12 +74,16 @@ class EngineCore:
                                    self.structured_output_manager,
                                    kv_cache_windows=self.executor.kv_cache_windows(),
                                    async_scheduling=self.async_scheduling,
-                                   num_scheduler_steps=self.num_scheduler_steps)
+                                   num_scheduler_steps=self.num_scheduler_steps,
+                                   num_speculative_tokens=spec.num_speculative_tokens
+                                   if spec else 0)
         # Async scheduling: steps launched and not yet through update_from_output, oldest first.
         self._in_flight: deque[tuple[SchedulerOutput, object]] = deque()
         self._block_hasher = (get_request_block_hasher(config.cache_config.block_size)
                               if config.cache_config.enable_prefix_caching else None)
         self.num_blocks = num_blocks
+        # What one request can ever hold (the front end's gate asks it, as add_request does).
+        self.kv_cache_capacity = self.scheduler.kv_cache_capacity
         # The last EPLB rebalance the driver worker reported (None: none yet, or EPLB off).
         self.eplb_stats: EplbStats | None = None
 

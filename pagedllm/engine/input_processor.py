@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 from pagedllm.config import RequestLimits
+from pagedllm.core.kv_cache_groups import KVCacheCapacity
 from pagedllm.engine.engine_core import EngineCoreRequest
 from pagedllm.sampling_params import SamplingParams, check_text
 from pagedllm.structured_output.manager import build_grammar
@@ -43,19 +44,20 @@ class InputProcessor:
         vocab_size: the model's vocabulary size (token ids must be below it).
         eos_token_ids: the model's EOS ids (added to each request's stop ids unless ignore_eos).
         limits: caps on n, logprobs and logit_bias entries.
-        max_kv_tokens: tokens the whole KV cache holds (a request needing more is refused);
+        kv_cache_capacity: what one request can hold in the KV cache, per KV cache group (the
+            scheduler's own `kv_cache_capacity`: a request it would refuse is refused here);
             None = unchecked.
     """
 
     def __init__(self, tokenizer, max_model_len: int, vocab_size: int,
                  eos_token_ids: tuple[int, ...], limits: RequestLimits = RequestLimits(),
-                 max_kv_tokens: int | None = None) -> None:
+                 kv_cache_capacity: KVCacheCapacity | None = None) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.limits = limits
-        self.max_kv_tokens = max_kv_tokens
+        self.kv_cache_capacity = kv_cache_capacity
 
     def process(self, request_id: str, prompt: PromptType,
                 params: SamplingParams) -> tuple[EngineCoreRequest, str | None]:
@@ -80,11 +82,11 @@ class InputProcessor:
                              f"({self.max_model_len})")
         room = max(1, self.max_model_len - len(token_ids))
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        needed = min(len(token_ids) + max_tokens, self.max_model_len)
-        if self.max_kv_tokens is not None and needed > self.max_kv_tokens:
-            raise ValueError(f"max_tokens: the request needs up to {needed} tokens of KV cache "
-                             f"({len(token_ids)} prompt tokens + {max_tokens} output tokens) but "
-                             f"the cache holds only {self.max_kv_tokens}; lower max_tokens")
+        if self.kv_cache_capacity is not None:
+            try:
+                self.kv_cache_capacity.check(len(token_ids), max_tokens)
+            except ValueError as e:
+                raise ValueError(f"max_tokens: {e}") from None
         params.update_from_generation_config(self.eos_token_ids)
         return (EngineCoreRequest(request_id, token_ids, params, max_tokens, time.monotonic()),
                 prompt_text)

@@ -63,7 +63,7 @@ class LLMEngine:
         self.input_processor = InputProcessor(
             self.tokenizer, config.max_model_len, info.vocab_size, tuple(eos_ids),
             config.request_limits,
-            max_kv_tokens=(self.engine_core.num_blocks - 1) * config.cache_config.block_size)
+            kv_cache_capacity=self.engine_core.kv_cache_capacity)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         # Parent request id -> child request ids (n > 1).

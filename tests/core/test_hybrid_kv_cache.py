@@ -128,8 +128,9 @@ class WindowedFakeWorker:
     """Each group's token-id "KV cache"; a sliding group's reads cover only the window, and a
     stored (position, token) that differs from the request's shows a block freed too early."""
 
-    def __init__(self, windows: tuple[int | None, ...]) -> None:
+    def __init__(self, windows: tuple[int | None, ...], block_size: int = BS) -> None:
         self.windows = windows
+        self.block_size = block_size
         self.kv = [dict() for _ in windows]
         self.tables: dict[str, list[list[int]]] = {}
         self.tokens: dict[str, list[int]] = {}
@@ -172,9 +173,9 @@ class WindowedFakeWorker:
         return ModelRunnerOutput(req_ids, {r: i for i, r in enumerate(req_ids)}, sampled)
 
     def _slot(self, req_id: str, g: int, pos: int) -> int:
-        block_id = self.tables[req_id][g][pos // BS]
+        block_id = self.tables[req_id][g][pos // self.block_size]
         assert block_id != 0, f"{req_id} group {g} touches the null block at position {pos}"
-        return block_id * BS + pos % BS
+        return block_id * self.block_size + pos % self.block_size
 
 
 @pytest.mark.parametrize("seed", range(3))

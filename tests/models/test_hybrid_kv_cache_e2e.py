@@ -20,9 +20,9 @@ PROMPT_LEN, MAX_TOKENS = 70, 10
 BACKENDS = ["torch_sdpa", "cpu_paged" if CpuPagedBackend.is_available() else "torch_sdpa"]
 
 
-def _hf_greedy(path: str, prompt: list[int]) -> list[int]:
+def _hf_greedy(path: str, prompt: list[int], max_new_tokens: int = MAX_TOKENS) -> list[int]:
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    out = hf.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False,
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
                       eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt):].tolist()
 
@@ -75,3 +75,24 @@ def test_long_prompt_frees_window_blocks_and_matches_hf(tiny_checkpoints, hf_gre
     mgr.check_invariants()
     assert all(g.block_pool.get_num_free_blocks() == g.block_pool.num_blocks - 1
                for g in mgr.groups)
+
+
+def test_sliding_window_request_larger_than_the_cache_is_admitted(tiny_checkpoints):
+    """Regression (issue #5): Mistral with a window of 8 on every layer, blocks of 4 and a KV cache
+    of 72 tokens refused a 75-token prompt with max_tokens 24 at the full-context price (99
+    tokens). In 16-token steps it holds at most 7 blocks (window + one step); it is admitted, its
+    out-of-window blocks are freed, and its greedy tokens equal HF's (fp32)."""
+    path = str(tiny_checkpoints["mistral_sliding"])
+    rng = random.Random(5)
+    prompt = [rng.randrange(3, 500) for _ in range(75)]
+    llm = LLM(path, dtype="float32", block_size=4, num_gpu_blocks_override=19,
+              max_num_batched_tokens=16)
+    core = llm.llm_engine.engine_core
+    assert (core.num_blocks - 1) * 4 == 72
+    assert core.kv_cache_capacity.max_num_blocks(75, 24) == (7,)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    [out] = llm.generate([prompt], params, use_tqdm=False)
+    assert list(out.outputs[0].token_ids) == _hf_greedy(path, prompt, max_new_tokens=24)
+    mgr = core.scheduler.kv_cache_manager
+    assert mgr.num_window_freed_blocks >= (75 + 24 - 8) // 4 - 7
+    assert core.get_stats().num_preemptions == 0
