@@ -60,6 +60,12 @@ class ModelConfig:
         override_generation_config: generation-config values (HF names: temperature, top_p,
             top_k, min_p, repetition_penalty, max_new_tokens) that replace those of the file
             (vLLM's `--override-generation-config`); they apply with "vllm" too.
+        batch_invariant: compute every request's tokens and logprobs bit for bit the same
+            whatever else is in its steps, however its prompt is chunked, and whether its
+            prefix came from the cache or it was preempted (vLLM's `VLLM_BATCH_INVARIANT`):
+            fixed reduction orders in attention and one forward path per model (CPU only; the
+            engine refuses at start-up a model whose kernels cannot keep it, naming the layer).
+            Costs speed (docs/benchmarks.md, "Batch-invariant mode").
     """
 
     model: str
@@ -74,6 +80,7 @@ class ModelConfig:
     chat_template: str | None = None
     generation_config: str = "auto"
     override_generation_config: dict[str, Any] = field(default_factory=dict)
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         self._validate_generation_config()
@@ -703,7 +710,8 @@ def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str
                          num_scheduler_steps: int | None = None,
                          chat_template: str | None = None,
                          generation_config: str = "auto",
-                         override_generation_config: dict[str, Any] | None = None
+                         override_generation_config: dict[str, Any] | None = None,
+                         batch_invariant: bool = False
                          ) -> EngineConfig:
     """Build and validate an `EngineConfig` from flat engine arguments (vLLM's names).
 
@@ -718,7 +726,8 @@ def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str
                                logprobs_mode=logprobs_mode, quantization=quantization,
                                chat_template=resolve_chat_template(chat_template),
                                generation_config=generation_config,
-                               override_generation_config=override_generation_config or {})
+                               override_generation_config=override_generation_config or {},
+                               batch_invariant=batch_invariant)
     model_path = resolve_model_path(model, revision)
     tokenizer_path = resolve_model_path(tokenizer, revision) if tokenizer else model_path
     info = hf_model_info(model_path)

@@ -34,6 +34,10 @@ class CommonAttentionMetadata:
         num_reqs, num_actual_tokens, max_query_len, max_seq_len: ints.
         block_size: tokens per KV block.
         causal: False for encoder-only models.
+        batch_invariant: the engine's batch-invariant mode (`batch_invariant=True`): a backend
+            must then compute each query token's output from that token's own context alone,
+            in a reduction order that does not depend on the other requests of the step, on
+            how its prompt was chunked, or on whether its prefix came from the cache.
     """
 
     query_start_loc: torch.Tensor
@@ -48,6 +52,7 @@ class CommonAttentionMetadata:
     max_seq_len: int
     block_size: int
     causal: bool = True
+    batch_invariant: bool = False
 
 
 @dataclass(frozen=True)

@@ -138,6 +138,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="decode steps per scheduling round while every request decodes (the "
                         "scheduler and output processing run once per round; default: 16 for "
                         "offline generation on CPU, 1 for the server and on CUDA)")
+    g.add_argument("--batch-invariant", action="store_true", default=False,
+                   help="outputs and logprobs bit for bit the same whatever the batch, the "
+                        "chunking, prefix-cache hits or preemptions (fixed reduction orders; "
+                        "slower, CPU only)")
 
 
 _ENGINE_KEYS = ("tokenizer", "chat_template", "dtype", "quantization", "max_model_len", "seed",
@@ -150,7 +154,8 @@ _ENGINE_KEYS = ("tokenizer", "chat_template", "dtype", "quantization", "max_mode
                 "eplb_config", "speculative_config",
                 "logprobs_mode", "max_logprobs", "max_n", "max_logit_bias", "reasoning_parser",
                 "cudagraph_mode", "enforce_eager", "cudagraph_capture_sizes", "async_scheduling",
-                "num_scheduler_steps", "generation_config", "override_generation_config")
+                "num_scheduler_steps", "generation_config", "override_generation_config",
+                "batch_invariant")
 
 
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:

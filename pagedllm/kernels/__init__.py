@@ -23,7 +23,7 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-KERNELS_VERSION = 8  # must equal pagedllm_cpu_kernels_version() in the sources
+KERNELS_VERSION = 9  # must equal pagedllm_cpu_kernels_version() in the sources
 _SOURCES = ("cpu_attention.cpp", "cpu_linear.cpp", "cpu_decoder.cpp", "cpu_gguf_linear.cpp",
             "cpu_int8_linear.cpp", "cpu_fused_moe.cpp", "cpu_gguf_q8_linear.cpp",
             "cpu_packed_gemm.cpp", "cpu_decode_loop.cpp")

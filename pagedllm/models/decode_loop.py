@@ -107,10 +107,11 @@ class GreedyDecodeLoop:
             return None
         return cls(model, fused, embedding, head, keep)
 
-    def applies(self, num_reqs: int, max_seq_len: int) -> bool:
+    def applies(self, num_reqs: int, max_seq_len: int, batch_invariant: bool = False) -> bool:
         """Whether steps of `num_reqs` requests up to sequences of `max_seq_len` tokens can run
-        here (the fused decoder's conditions: KV cache in the model dtype, batch size, window)."""
-        return self.fused.takes(num_reqs, max_seq_len)
+        here (the fused decoder's conditions: KV cache in the model dtype, batch size, window;
+        in the batch-invariant mode, whether the fused decoder takes every step)."""
+        return self.fused.takes(num_reqs, max_seq_len, batch_invariant)
 
     def run(self, token_ids: np.ndarray, positions: np.ndarray, block_table: torch.Tensor,
             block_size: int, num_steps: int, stop_token_ids: list[list[int]]

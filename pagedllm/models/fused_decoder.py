@@ -52,7 +52,7 @@ class DecoderStep(ctypes.Structure):
     _fields_ = [("num_tokens", _i64), ("positions", _p), ("slot_mapping", _p),
                 ("block_table", _p), ("block_table_stride", _i64), ("query_start_loc", _p),
                 ("seq_lens", _p), ("num_reqs", _i32), ("block_size", _i32), ("causal", _i32),
-                ("pad_", _i32), ("residual", _p), ("delta", _p), ("normed", _p),
+                ("query_tile", _i32), ("residual", _p), ("delta", _p), ("normed", _p),
                 ("qkv_out", _p), ("attn_out", _p), ("gate_up_out", _p), ("act", _p)]
 
 
@@ -187,21 +187,32 @@ class FusedDecoder:
         layers' smallest sliding window (the native attention has no window). A model with
         several KV cache groups gets a `KVCacheGroupsMetadata` (one block table per group; the
         native call takes one), so it never takes this path; a single sliding group's blocks
-        are all still held while every sequence fits the window."""
+        are all still held while every sequence fits the window. In the batch-invariant mode
+        the answer is the same for every step (see `takes`)."""
         if not (isinstance(metadata, CpuPagedMetadata)
-                and metadata.common.num_actual_tokens == num_tokens
-                and self.takes(num_tokens, int(metadata.seq_lens.max(initial=0)))):
+                and metadata.common.num_actual_tokens == num_tokens):
             return False
-        return num_tokens <= self.LONG_STEP_TOKENS or all(
+        batch_invariant = metadata.common.batch_invariant
+        if not self.takes(num_tokens, int(metadata.seq_lens.max(initial=0)), batch_invariant):
+            return False
+        return batch_invariant or num_tokens <= self.LONG_STEP_TOKENS or all(
             end - start <= self.LONG_FRESH_PROMPT_TOKENS for start, end in metadata.fresh_rows)
 
-    def takes(self, num_tokens: int, max_seq_len: int) -> bool:
+    def takes(self, num_tokens: int, max_seq_len: int, batch_invariant: bool = False) -> bool:
         """The conditions of `applies` on the step's size alone: the KV cache in the weights'
         dtype, at most `max_step_tokens` tokens, no sequence (of up to `max_seq_len` tokens)
-        longer than the smallest sliding window."""
+        longer than the smallest sliding window.
+
+        With `batch_invariant` the path may not depend on the step (the module path rounds
+        its activations elsewhere): every step of a model without sliding-window layers is
+        taken, whatever its size (the scratch grows to the largest step, unbounded by
+        MAX_SCRATCH_BYTES), and none of a model with them."""
         kv_cache = self._attention[0].kv_cache
-        return (kv_cache.dtype == self.dtype and kv_cache.dim() == 5
-                and num_tokens <= self.max_step_tokens()
+        if not (kv_cache.dtype == self.dtype and kv_cache.dim() == 5):
+            return False
+        if batch_invariant:
+            return self.min_window is None
+        return (num_tokens <= self.max_step_tokens()
                 and (self.min_window is None or max_seq_len <= self.min_window))
 
     def _build(self) -> ctypes.Array:
@@ -290,7 +301,7 @@ class FusedDecoder:
             n, positions.data_ptr(), common.slot_mapping[:n].data_ptr(), common.block_table,
             metadata.query_start_loc.ctypes.data, metadata.seq_lens.ctypes.data,
             common.num_reqs, common.block_size, common.causal, residual.data_ptr(),
-            out.data_ptr())
+            out.data_ptr(), query_tile=1 if common.batch_invariant else 0)
         rows = metadata.all_rows
         cpu_kernels().decoder_layers(ctypes.addressof(structs), len(self.layers),
                                      ctypes.addressof(step),
@@ -309,12 +320,14 @@ class FusedDecoder:
     def decoder_step(self, num_tokens: int, positions: int, slot_mapping: int,
                      block_table: torch.Tensor, query_start_loc: int, seq_lens: int,
                      num_reqs: int, block_size: int, causal: bool, residual: int,
-                     delta: int) -> tuple[DecoderStep, torch.Tensor]:
+                     delta: int, query_tile: int = 0) -> tuple[DecoderStep, torch.Tensor]:
         """The `DecoderStep` of a step of `num_tokens` tokens over these buffers (addresses:
         positions [n] int64, slot_mapping [n] int64, query_start_loc [num_reqs + 1] int32,
         seq_lens [num_reqs] int32, residual [n, hidden] model dtype, delta [n, hidden]
         float32), with its float32 scratch (this decoder's, shared by its steps: one step at a
-        time); keep the tensor alive while the step is in use.
+        time); keep the tensor alive while the step is in use. `query_tile`: the attention's
+        query tokens per work item (0: the kernel's default; 1: every token on the per-token
+        path, the batch-invariant mode).
 
         Raises:
             ValueError: the block table [num_reqs, max_blocks] is not int32 with unit column
@@ -334,7 +347,8 @@ class FusedDecoder:
             num_tokens=num_tokens, positions=positions, slot_mapping=slot_mapping,
             block_table=block_table.data_ptr(), block_table_stride=block_table.stride(0),
             query_start_loc=query_start_loc, seq_lens=seq_lens, num_reqs=num_reqs,
-            block_size=block_size, causal=int(causal), residual=residual, delta=delta,
+            block_size=block_size, causal=int(causal), query_tile=query_tile,
+            residual=residual, delta=delta,
             normed=parts[0], qkv_out=parts[1], attn_out=parts[2], gate_up_out=parts[3],
             act=parts[4])
         return step, scratch

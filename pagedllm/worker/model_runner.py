@@ -50,6 +50,7 @@ from pagedllm.core.sched_output import (LogprobsLists, ModelRunnerOutput, NewReq
                                         SchedulerOutput)
 from pagedllm.distributed.parallel_state import (ExpertParallelLayout,
                                                  set_expert_parallel_layout)
+from pagedllm.layers.batch_invariance import check_batch_invariance
 from pagedllm.model_loader.loader import load_model
 from pagedllm.sample.logprobs import LogprobsTensors, compute_logprobs
 from pagedllm.sample.rejection_sampler import rejection_sample
@@ -134,6 +135,8 @@ class ModelRunner(MultiStepRounds):
             pc.enable_expert_parallel, pc.eplb_config.num_redundant_experts, pc.enable_eplb))
         self.model = load_model(self.config.model_path, self.hf_config, self.dtype, self.device,
                                 self.config.model_config.quantization)
+        if self.config.model_config.batch_invariant:
+            check_batch_invariance(self.model, self.kv_cache_dtype)
         if pc.enable_eplb:
             self.eplb = EplbState.from_model(self.model, pc.eplb_config)
         if self.spec_config is not None and self.spec_config.method == "draft_model":
@@ -346,7 +349,8 @@ class ModelRunner(MultiStepRounds):
             block_table=block_tables[0], slot_mapping=self.slot_mappings[0, :n],
             num_reqs=len(req_ids), num_actual_tokens=n,
             max_query_len=int(num_scheduled.max()), max_seq_len=int(seq_lens.max()),
-            block_size=self.block_size)
+            block_size=self.block_size,
+            batch_invariant=self.config.model_config.batch_invariant)
         group_commons = () if len(block_tables) == 1 else tuple(
             replace(common, block_table=table, slot_mapping=self.slot_mappings[g, :n])
             for g, table in enumerate(block_tables))

@@ -107,7 +107,8 @@ class MultiStepRounds:
         backend = self._attention_backends.get(self.model)
         if (going != batch.req_ids or getattr(backend, "name", None) != "cpu_paged"
                 or not bool(self.states.plain_greedy[rows].all())
-                or not loop.applies(len(rows), int(batch.seq_lens_np.max()) + num_steps)):
+                or not loop.applies(len(rows), int(batch.seq_lens_np.max()) + num_steps,
+                                    common.batch_invariant)):
             return None
         return loop
 

@@ -17,8 +17,9 @@ from pagedllm.kernels.ops import paged_attention
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="CPU kernels did not build")
 
 CACHE_DTYPES = [torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn]
-# attention_kernel.h's kGemmMinQueryLen.
+# attention_kernel.h's kGemmMinQueryLen and kSplitLen.
 GEMM_MIN_QUERY_LEN = 16
+SPLIT_LEN = 256
 
 
 def _dense(q, k, v, scale, causal, window, soft_cap):
@@ -75,15 +76,21 @@ def _check(lib, shape, cache_dtype, q_lens, ctx, seed, tiles=(2, 5, 16), causal=
     per_token = paged_attention(*args, query_tile=1, lib=lib)
     # Requests of at least GEMM_MIN_QUERY_LEN query tokens take the register-blocked tiles
     # (AVX2 builds, head sizes % 32 == 0), which sum in another order: close to the per-token
-    # path. Shorter runs walk the per-token path's pieces in the same order: the same floats.
+    # path. Shorter runs walk the per-token path's pieces in the same order, the same floats,
+    # while a token's context is not split (at most SPLIT_LEN keys); the per-token path splits
+    # a longer one at fixed positions, the tiles do not (close). Decodes take the per-token
+    # items either way: the same floats at any context.
     q_lens = np.asarray(q_lens)
-    gemm = (q_lens >= GEMM_MIN_QUERY_LEN)[np.searchsorted(qsl[1:], np.arange(len(query)),
-                                                          side="right")]
+    req = np.searchsorted(qsl[1:], np.arange(len(query)), side="right")
+    gemm = (q_lens >= GEMM_MIN_QUERY_LEN)[req]
+    token_ctx = (seq_lens[req] - q_lens[req] + np.arange(len(query)) - qsl[req] + 1 if causal
+                 else seq_lens[req])
+    exact = ~gemm & ((token_ctx <= SPLIT_LEN) | (q_lens[req] == 1))
     tiled_outputs = [paged_attention(*args, query_tile=tile, lib=lib) for tile in tiles]
     tiled_outputs.append(paged_attention(*args, lib=lib))   # the default tile
     for tile, tiled in zip((*tiles, "default"), tiled_outputs):
-        assert torch.equal(tiled[~gemm], per_token[~gemm]), tile
-        torch.testing.assert_close(tiled[gemm], per_token[gemm], atol=1e-6, rtol=1e-5)
+        assert torch.equal(tiled[exact], per_token[exact]), tile
+        torch.testing.assert_close(tiled[~exact], per_token[~exact], atol=1e-6, rtol=1e-5)
     k_all = dequantize_kv(cache, 0, slots, torch.float32)
     v_all = dequantize_kv(cache, 1, slots, torch.float32)
     seq_start = np.concatenate([[0], np.cumsum(seq_lens)])
@@ -190,3 +197,26 @@ def test_split_decode_rows_do_not_depend_on_the_batch():
                                np.arange(3, dtype=np.int32), scale)
     alone = paged_attention(query, cache, table, qsl, seq_lens, np.zeros(1, np.int32), scale)
     assert torch.equal(together[0], alone[0]) and not torch.equal(together[0], together[1])
+
+
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=str)
+@pytest.mark.parametrize("window", [None, 100])
+def test_per_token_path_depends_on_each_tokens_context_alone(cache_dtype, window):
+    # The batch-invariant mode's attention (query_tile=1): a chunk of 40 query tokens over a
+    # context that crosses the 256-key split gives, token for token, the floats of each token
+    # computed alone as a decode, and of the chunk batched with another request.
+    shape = (8, 4, 32, 16)
+    query, cache, table, qsl, seq_lens, _ = _random_step(shape, cache_dtype, [40, 9],
+                                                         [270, 500], seed=3)
+    scale = shape[2] ** -0.5
+    whole = paged_attention(query, cache, table, qsl, seq_lens, np.arange(2, dtype=np.int32),
+                            scale, True, window, None, query_tile=1)
+    alone = paged_attention(query[:40], cache, table[:1], qsl[:2], seq_lens[:1],
+                            np.zeros(1, np.int32), scale, True, window, None, query_tile=1)
+    assert torch.equal(whole[:40], alone)
+    for i in range(0, 40, 7):   # token i of the chunk as a decode: its context is 270 + i + 1
+        decode = paged_attention(query[i:i + 1], cache, table[:1],
+                                 np.array([0, 1], np.int32),
+                                 np.array([271 + i], np.int32), np.zeros(1, np.int32), scale,
+                                 True, window, None, query_tile=1)
+        assert torch.equal(decode[0], whole[i]), i

@@ -20,6 +20,11 @@ sequence. The KV cache may be float32, bfloat16, int8 or float8_e4m3fn (kv_cache
 dequantizes in its inner loop, see kv_quant.py); for another dtype (float16) the backend falls
 back to `torch_sdpa` for the step.
 
+In the batch-invariant mode (`CommonAttentionMetadata.batch_invariant`) every request goes to
+the kernel's per-token path (`query_tile` 1, no SDPA and no tiles), where each token's floats
+depend only on its own context: a long context is split at fixed positions (every 256 keys), the
+same for a decode and for a token inside a prefill chunk.
+
 Per-layer attention variants (Gemma): a sliding window and attention-logit soft-capping are
 arguments of the kernel. A fresh request stays on SDPA only where SDPA computes the same thing:
 no soft-capping, and a window (if any) that covers its whole sequence; otherwise the kernel takes
@@ -117,7 +122,7 @@ class CpuPagedBackend:
                                    dtype=np.int32)
         seq_lens = np.ascontiguousarray(common.seq_lens_cpu[:common.num_reqs], dtype=np.int32)
         query_lens = qsl[1:] - qsl[:-1]
-        fresh = (query_lens == seq_lens) & (query_lens > 1)
+        fresh = (query_lens == seq_lens) & (query_lens > 1) & (not common.batch_invariant)
         kernel_rows = np.nonzero(~fresh)[0].astype(np.int32)
         fresh_rows = tuple((int(qsl[r]), int(qsl[r + 1])) for r in np.nonzero(fresh)[0])
         return CpuPagedMetadata(common=common, query_start_loc=qsl, seq_lens=seq_lens,
@@ -197,9 +202,14 @@ class CpuPagedBackend:
                 fn = lib.paged_attention_fp8_e4m3
                 caches = (_ptr(key_cache), _ptr(value_cache), ctypes.c_float(k_scale),
                           ctypes.c_float(v_scale))
-            fn(_ptr(q32), *caches, _ptr(block_table),
-               block_table.stride(0), _ptr(metadata.query_start_loc), _ptr(metadata.seq_lens),
-               _ptr(rows), ctypes.c_int(len(rows)), _ptr(out), num_heads, num_kv_heads,
-               query.shape[2], common.block_size, ctypes.c_float(scale), int(common.causal),
-               sliding_window or 0, ctypes.c_float(logits_soft_cap or 0.0))
+            args = (_ptr(q32), *caches, _ptr(block_table),
+                    block_table.stride(0), _ptr(metadata.query_start_loc),
+                    _ptr(metadata.seq_lens), _ptr(rows), ctypes.c_int(len(rows)), _ptr(out),
+                    num_heads, num_kv_heads, query.shape[2], common.block_size,
+                    ctypes.c_float(scale), int(common.causal), sliding_window or 0,
+                    ctypes.c_float(logits_soft_cap or 0.0))
+            if common.batch_invariant:   # every request on the per-token path
+                getattr(lib, fn.__name__ + "_tiled")(*args, 1)
+            else:
+                fn(*args)
         return out if query.dtype == torch.float32 else out.to(query.dtype)

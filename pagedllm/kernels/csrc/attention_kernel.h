@@ -243,12 +243,16 @@ inline void block_values(float* acc, const float* p, const T* v, int64_t stride,
 // are too few (token, split) units to give every thread work.
 //
 // Split-KV decode (flash-decoding, Dao et al. 2023; llama.cpp and vLLM split long contexts
-// likewise): a decode row (one query token) whose context is longer than kSplitLen positions is
-// cut into pieces of kSplitLen positions, each an item of its own with its own online-softmax
-// state, merged after all items ran (`attention_items`). One request's long context is then
-// read by all threads at once, block by block over all heads (sequential memory), instead of
-// by one thread per chunk of heads (rows of 128-256 bytes a KV row apart). The split depends
-// only on the row's context length, so a row's result is the same whatever else is in the step.
+// likewise): a query token whose context is longer than kSplitLen positions is cut into pieces
+// of kSplitLen positions (at the absolute positions 0, kSplitLen, 2 kSplitLen, ...), each an
+// item of its own with its own online-softmax state, merged after all items ran
+// (`attention_items`). One request's long context is then read by all threads at once, block by
+// block over all heads (sequential memory), instead of by one thread per chunk of heads (rows
+// of 128-256 bytes a KV row apart). The split depends only on the token's own context length
+// (causal: its position + 1), so a token's result on this path is the same whatever else is in
+// the step and whether it comes as a decode or inside a prefill chunk: with every request on
+// this path (`query_tile` <= 1, the batch-invariant mode) a token's floats depend on its
+// context alone.
 constexpr int kSplitLen = 256;
 
 struct AttentionPlan {
@@ -266,14 +270,16 @@ struct AttentionPlan {
 
 inline AttentionPlan plan_attention(const int32_t* query_start_loc, const int32_t* rows,
                                     int num_rows, const int32_t* seq_lens, int num_kv_heads,
-                                    int num_heads, int head_size, int num_threads) {
+                                    int num_heads, int head_size, int num_threads, int causal) {
   AttentionPlan p;
   int32_t partials = 0;
   for (int i = 0; i < num_rows; ++i) {
     const int r = rows[i];
     const int q_len = query_start_loc[r + 1] - query_start_loc[r];
-    const int splits = q_len == 1 ? (seq_lens[r] + kSplitLen - 1) / kSplitLen : 1;
     for (int t = query_start_loc[r]; t < query_start_loc[r + 1]; ++t) {
+      // The token's context: keys [0, position] (causal) or the whole sequence.
+      const int ctx = causal ? seq_lens[r] - q_len + (t - query_start_loc[r]) + 1 : seq_lens[r];
+      const int splits = (ctx + kSplitLen - 1) / kSplitLen;
       if (splits <= 1) {
         p.item_row.push_back(r);
         p.item_tok.push_back(t);
@@ -926,13 +932,14 @@ struct StepAttentionPlan {
 
 // The plan of one attention call over the requests `rows`: with `query_tile` > 1 the requests
 // with several query tokens are tiled (`plan_query_tiles`) and the rest take per-token items
-// (`plan_attention`); `query_tile` <= 1 puts every request on the per-token path. The
-// per-token items and the per-row tiles give the same floats, the register-blocked tiles of
-// long query runs the same up to float32 rounding.
+// (`plan_attention`); `query_tile` <= 1 puts every request on the per-token path, where each
+// token's floats depend only on its own context (the batch-invariant mode). The per-row tiles
+// give the per-token items' floats while a context is not split (at most kSplitLen keys), the
+// register-blocked tiles of long query runs the same up to float32 rounding.
 inline StepAttentionPlan plan_step_attention(const int32_t* query_start_loc, const int32_t* rows,
                                              int num_rows, const int32_t* seq_lens,
                                              int num_kv_heads, int num_heads, int head_size,
-                                             int num_threads, int query_tile) {
+                                             int num_threads, int query_tile, int causal) {
   StepAttentionPlan p;
   std::vector<int32_t> token_rows;  // the requests left to the per-token items
   if (query_tile > 1) {
@@ -946,7 +953,7 @@ inline StepAttentionPlan plan_step_attention(const int32_t* query_start_loc, con
   }
   p.tokens = plan_attention(query_start_loc, token_rows.data(),
                             static_cast<int>(token_rows.size()), seq_lens, num_kv_heads,
-                            num_heads, head_size, num_threads);
+                            num_heads, head_size, num_threads, causal);
   return p;
 }
 

@@ -25,9 +25,11 @@
 // Query tiling: requests with several query tokens are processed `query_tile` tokens per work
 // item (`attention_tile_items`), so each K/V block is read once per tile instead of once per
 // token; requests with one query token (decodes) take the per-token items. `query_tile` <= 1
-// puts every request on the per-token path. Both give the same floats, except for requests of
-// at least 16 query tokens (chunked prefill), whose tiles run as register-blocked GEMMs that
-// agree up to float32 rounding (attention_kernel.h, `attend_tile_gemm`).
+// puts every request on the per-token path, where a token's floats depend only on its own
+// context (the batch-invariant mode). Both give the same floats while no context is split
+// (kSplitLen), except for requests of at least 16 query tokens (chunked prefill), whose tiles
+// run as register-blocked GEMMs that agree up to float32 rounding (attention_kernel.h,
+// `attend_tile_gemm`).
 //
 // Threads: OpenMP, whose runtime is the one torch already loaded (same soname), so the kernel
 // shares torch's thread pool and honours torch.set_num_threads.
@@ -54,7 +56,7 @@ void paged_attention(const float* query, const T* key_cache, const T* value_cach
                      float v_scale = 1.f, int query_tile = kDefaultQueryTile) {
   const StepAttentionPlan plan =
       plan_step_attention(query_start_loc, rows, num_rows, seq_lens, num_kv_heads, num_heads,
-                          head_size, omp_get_max_threads(), query_tile);
+                          head_size, omp_get_max_threads(), query_tile, causal);
   AttentionArgs<T, float> args{query, static_cast<int64_t>(num_heads) * head_size,
                                key_cache, value_cache, block_table, block_table_stride,
                                query_start_loc, seq_lens, out, num_heads, num_kv_heads,
@@ -72,7 +74,7 @@ void paged_attention(const float* query, const T* key_cache, const T* value_cach
 extern "C" {
 
 // ABI version: bump when a signature below changes (checked by the Python loader).
-int pagedllm_cpu_kernels_version() { return 8; }
+int pagedllm_cpu_kernels_version() { return 9; }
 
 void paged_attention_f32(const float* query, const float* key_cache, const float* value_cache,
                          const int32_t* block_table, int64_t block_table_stride,

@@ -130,7 +130,8 @@ struct DecoderStep {
   int64_t block_table_stride;
   const int32_t* query_start_loc;  // [num_reqs + 1]
   const int32_t* seq_lens;         // [num_reqs]
-  int32_t num_reqs, block_size, causal, pad_;
+  int32_t num_reqs, block_size, causal;
+  int32_t query_tile;               // attention's (`plan_step_attention`); 0: the default
   void* residual;                  // [num_tokens, hidden] T, updated in place
   float* delta;                    // [num_tokens, hidden]: in, the previous layer's output; out
   float* normed;                   // [num_tokens, hidden] scratch
@@ -328,7 +329,8 @@ void decoder_layers(const DecoderLayerWeights* layers, int num_layers, const Dec
   const StepAttentionPlan plan = plan_step_attention(
       step->query_start_loc, attention_rows, num_attention_rows, step->seq_lens,
       static_cast<int>(layers[0].num_kv_heads), static_cast<int>(layers[0].num_heads),
-      static_cast<int>(layers[0].head_size), omp_get_max_threads(), kDefaultQueryTile);
+      static_cast<int>(layers[0].head_size), omp_get_max_threads(),
+      step->query_tile > 0 ? step->query_tile : kDefaultQueryTile, step->causal);
   // Quantized-activation scratch, sized for the largest input of any such linear.
   int64_t max_k = 0, max_k_q8 = 0;
   for (int l = 0; l < num_layers; ++l) {

@@ -54,6 +54,12 @@ class LinearMethodBase(ABC):
         """y = x W^T + bias for x [..., input_size_per_partition]; returns
         [..., output_size_per_partition] in x's dtype."""
 
+    def batch_invariant(self, layer: nn.Module) -> bool:
+        """Whether `apply` computes each row of x in the same order of sums whatever the
+        number of rows (the batch-invariant mode needs it; docs/architecture.md). False unless
+        a method's kernels are known to."""
+        return False
+
 
 def copy_checkpoint_tensor(param: torch.Tensor, loaded) -> None:
     """Copy a whole checkpoint tensor (a torch tensor or a lazy one, read here) into `param`.
@@ -111,6 +117,12 @@ class UnquantizedLinearMethod(LinearMethodBase):
         if packed is not None:
             layer.weight.data = packed
             self.packed = True
+
+    def batch_invariant(self, layer: nn.Module) -> bool:
+        """The packed GEMM sums every output over k from 0 in one chain (its row tiles only
+        group rows); the unpacked paths (the dot-product kernel's batch-1 GEMV, torch's GEMM
+        beyond a row count) do not."""
+        return self.packed
 
     def unpacked_weight(self, layer: nn.Module) -> torch.Tensor:
         """`layer.weight` as the [out, in] matrix (a new tensor when packed, else the data)."""

@@ -105,6 +105,13 @@ class GGUFLinearMethod(LinearMethodBase):
                                      else quantize_activations)
         self.group_rows = gguf_row_groups_enabled()
 
+    def batch_invariant(self, layer: nn.Module) -> bool:
+        """The 8-bit-activation kernels only: x is rounded per row and block, integer block
+        sums are exact, and each row's float sums run in one order at every row count; the
+        float-activation kernels' batch-1 GEMV sums in two chains where their row tiles use
+        one."""
+        return self.quantize_activations
+
     def create_weights(self, layer: nn.Module, input_size_per_partition: int,
                        output_size_per_partition: int, weight_loader) -> None:
         if input_size_per_partition % GGUF_BLOCK_SIZE:
@@ -309,6 +316,11 @@ class GGUFEmbeddingMethod:
             weight.data = torch.empty_like(data)
         weight.data.copy_(data)
         self.grouped = False
+
+    def batch_invariant(self, layer: nn.Module) -> bool:
+        """Whether the LM head's logits keep the batch-invariant mode: quantized rows on the
+        8-bit-activation kernels (as `GGUFLinearMethod.batch_invariant`)."""
+        return self.tensor_type is not None and self.quantize_activations
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Put quantized rows in the kernels' row-group layout (as `GGUFLinearMethod`'s).

@@ -103,6 +103,11 @@ class Int8LinearMethod(LinearMethodBase):
     def __init__(self, quantize_activations: bool = False) -> None:
         self.quantize_activations = quantize_activations
 
+    def batch_invariant(self, layer: nn.Module) -> bool:
+        """W8A8 only: its integer sums are exact and each row is scaled alone; the
+        weight-only kernel's batch-1 GEMV sums in two chains where its row tiles use one."""
+        return self.quantize_activations
+
     def create_weights(self, layer: nn.Module, input_size_per_partition: int,
                        output_size_per_partition: int, weight_loader) -> None:
         old = getattr(layer, "weight", None)
