@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import atexit
 import copy
 import gc
 import itertools
@@ -73,6 +74,13 @@ class LLMEngine:
         # them otherwise took ~6% of a batch-1 decode's CPU time (vLLM freezes likewise).
         gc.collect()
         gc.freeze()
+        # NOTE(exit): the collector never visits frozen objects, not even at interpreter exit,
+        # so extension objects freed only by it outlive their modules: triton's (loaded by
+        # transformers' model code through torch._dynamo, e.g. when a benchmark preset is
+        # built first) made nanobind print a screen of "leaked" lines after every command's
+        # output. Hand them back at exit (registered once, however many engines are made).
+        atexit.unregister(gc.unfreeze)
+        atexit.register(gc.unfreeze)
         logger.info("engine ready in %.2f s: model %s, max_model_len %d, %d KV blocks of %d "
                     "tokens", time.perf_counter() - start, config.model_path,
                     config.max_model_len, self.engine_core.num_blocks - 1,
