@@ -41,6 +41,7 @@ def test_routing_balances_in_flight_requests():
         def __init__(self):
             self.dead_error = None
             self.tokenizer, self.max_model_len, self.vocab_size = None, 64, 10
+            self.default_sampling_params = {}
             self.input_processor = None
 
     router = DataParallelAsyncLLM([Replica(), Replica(), Replica()])
