@@ -54,6 +54,11 @@ class CommonAttentionMetadata:
     causal: bool = True
     batch_invariant: bool = False
 
+    def token_seq_lens(self) -> np.ndarray:
+        """[num_actual_tokens] int32: each token's request's `seq_lens` entry."""
+        qsl = self.query_start_loc_cpu[:self.num_reqs + 1]
+        return np.repeat(self.seq_lens_cpu[:self.num_reqs], np.diff(qsl))
+
 
 @dataclass(frozen=True)
 class KVCacheGroupsMetadata:

@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from pagedllm.entrypoints.cli_args import add_engine_args, engine_kwargs_from_args
+from pagedllm.engine.arg_utils import add_engine_args, engine_kwargs_from_args
 
 _DTYPE_ALIASES = {"bf16": "bfloat16", "fp32": "float32", "float": "float32", "fp16": "float16",
                   "half": "float16"}

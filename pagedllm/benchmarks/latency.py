@@ -64,12 +64,12 @@ def _timed(fn) -> float:
 
 def measure_fma_peak(seconds: float = 0.05, repeats: int = 8) -> dict[str, float | None]:
     """The cores' arithmetic peak in GFLOP/s, from a register-only FMA loop on torch's current
-    thread count (`fma_peak_probe` in kernels/csrc/cpu_packed_gemm.cpp, best of `repeats`
+    thread count (`fma_peak_probe` in native/kernels/csrc/cpu_packed_gemm.cpp, best of `repeats`
     short runs of about `seconds`, so that one of them likely finds the cores free on a shared
     machine): float32 FMAs at the widest vector width the kernels were built
     for, and bf16 dot products (`vdpbf16ps`; None without AVX512_BF16). The fraction of it a
     GEMM reaches is what `measure_linear_gemm` reports. Empty without the native kernels."""
-    from pagedllm.kernels import cpu_kernels
+    from pagedllm.native.kernels import cpu_kernels
 
     lib = cpu_kernels()
     if lib is None:
@@ -101,8 +101,8 @@ def measure_linear_gemm(shapes: list[tuple[int, int]], rows: list[int], dtype: t
     x and W are in `dtype` (float32 or bfloat16); flops = 2 M N K. Each row also gives the
     packed GEMM's fraction of the FMA peak for its math (bf16 dot products for bf16 weights
     where the kernels pack bf16 pairs, else float32 FMAs). Empty without the native kernels."""
-    from pagedllm.kernels import cpu_kernels
-    from pagedllm.kernels import ops
+    from pagedllm.native.kernels import cpu_kernels
+    from pagedllm.native.kernels import ops
 
     lib = cpu_kernels()
     if lib is None:
@@ -255,7 +255,7 @@ class EngineStepper:
 
     def _time_decode_loop(self) -> None:
         """Time the runner's native decode loop (multi-step rounds' later steps: forwards with
-        their argmax, models/decode_loop.py) as forward, once the runner has made it."""
+        their argmax, native/decode_loop.py) as forward, once the runner has made it."""
         loop = getattr(self.runner, "_decode_loop", None)
         if loop and not getattr(loop, "_bench_timed", False):
             self._time_method(loop, "run", "forward")

@@ -8,7 +8,7 @@ import sys
 import time
 
 from pagedllm.benchmarks.cli import add_bench_parser
-from pagedllm.entrypoints.cli_args import add_engine_args, engine_kwargs_from_args
+from pagedllm.engine.arg_utils import add_engine_args, engine_kwargs_from_args
 from pagedllm.entrypoints.openai.cli_args import add_serve_parser
 from pagedllm.entrypoints.verify import add_verify_parser
 

@@ -14,7 +14,7 @@ from torch import nn
 
 from pagedllm.attention.forward_context import get_forward_context
 from pagedllm.attention.metadata import KVCacheGroupsMetadata
-from pagedllm.attention.selector import get_attention_backend
+from pagedllm.attention.backends.selector import get_attention_backend
 
 
 class Attention(nn.Module):

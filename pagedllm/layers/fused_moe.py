@@ -22,7 +22,7 @@ tokens and the same all-reduce sums the shares (see docs/moe.md):
                --expert_map--> local slot, or -1 (another rank's expert: pair skipped)
 
 On the CPU, `fused_experts` runs all of it (sort, GEMMs, SiLU*mul, weighted combine) in one
-native call (`kernels/csrc/cpu_fused_moe.cpp`) for steps with few rows per expert;
+native call (`native/kernels/csrc/cpu_fused_moe.cpp`) for steps with few rows per expert;
 `fused_experts_torch` is the module path and the reference (`PAGEDLLM_CPU_FUSED_MOE=0`
 forces it).
 
@@ -41,8 +41,8 @@ from pagedllm.distributed.parallel_state import (get_expert_parallel_layout,
                                                  get_tensor_model_parallel_rank,
                                                  get_tensor_model_parallel_world_size,
                                                  tensor_model_parallel_all_reduce)
-from pagedllm.kernels import cpu_kernels, switched_off
-from pagedllm.kernels.ops import cpu_fused_moe, fused_moe_supported
+from pagedllm.native.kernels import cpu_kernels, switched_off
+from pagedllm.native.kernels.ops import cpu_fused_moe, fused_moe_supported
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.platforms import current_platform
 

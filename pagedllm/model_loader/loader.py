@@ -25,6 +25,7 @@ from torch import nn
 from pagedllm.model_loader.gguf import iterate_gguf_tensors, read_gguf_source
 from pagedllm.model_loader.slicing import narrow_index
 from pagedllm.models.registry import resolve_model_class
+from pagedllm.native.attach import attach_native_decoder
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +127,7 @@ def _quantization_for(quantization: str | None, source, device: torch.device) ->
         ValueError: "gguf" for a non-GGUF checkpoint, another device, or without the kernels;
             "int8"/"w8a8" for a GGUF checkpoint.
     """
-    from pagedllm.kernels import cpu_kernels
+    from pagedllm.native.kernels import cpu_kernels
 
     if quantization not in (None, "none", "gguf", "int8", "w8a8"):
         raise ValueError(f"quantization must be None, 'none', 'gguf', 'int8' or 'w8a8', got "
@@ -211,4 +212,5 @@ def _load(cls, model_path: str, source, hf_config, dtype: torch.dtype, device: t
         raise ValueError(f"checkpoint {checkpoint} lacks weights for: {sorted(missing)[:8]}"
                          f"{' ...' if len(missing) > 8 else ''}")
     process_weights_after_loading(model)
+    attach_native_decoder(model)   # the CPU fused decoder, where it takes the layers
     return model.eval()

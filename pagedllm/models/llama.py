@@ -13,13 +13,12 @@ padding). GGUF files (llama.cpp's names and Q/K row order) load through
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-from pagedllm.attention.forward_context import get_forward_context
 from pagedllm.distributed.parallel_state import get_pp_group
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.attention import Attention
@@ -31,7 +30,6 @@ from pagedllm.layers.rotary_embedding import (RotaryEmbedding, check_rope_freq_f
 from pagedllm.layers.pipeline import (PPMissingLayer, get_pp_indices, recv_intermediate,
                                       send_intermediate)
 from pagedllm.layers.vocab_embedding import VocabEmbedding
-from pagedllm.models.fused_decoder import FusedDecoder, add_rms_norm
 from pagedllm.models.utils import load_causal_lm_weights, make_lm_head
 
 
@@ -58,9 +56,10 @@ def layer_sliding_windows(config, family: type[LlamaForCausalLM]) -> list[int | 
     slides when i >= `max_window_layers` (default 28). Llama (None): none.
 
     NOTE(llama): the window is given to the layer even when it is >= max_model_len (the model is
-    built from the HF config alone and cannot know the engine's length). The fused CPU decoder
-    takes windowed layers and checks per step that no sequence is longer than the smallest
-    window (`FusedDecoder.applies`), so a window that can never matter costs no fused steps.
+    built from the HF config alone and cannot know the engine's length). The native decoder
+    stack takes windowed layers and checks per step that no sequence is longer than the
+    smallest window (`FusedDecoder.applies`), so a window that can never matter costs no fused
+    steps.
     """
     num_layers = config.num_hidden_layers
     window = getattr(config, "sliding_window", None)
@@ -162,18 +161,16 @@ class LlamaModel(nn.Module):
             else PPMissingLayer() for i in range(config.num_hidden_layers))
         self.norm = (RMSNorm(config.hidden_size, config.rms_norm_eps)
                      if self.pp.is_last_rank else PPMissingLayer())
-        self._fused: FusedDecoder | None | bool = False  # False: not decided yet
+        # A faster replacement of this stage's layers and final norm for the steps it takes,
+        # attached after loading (pagedllm/native/attach.py); it returns None for the others.
+        # None: the layers always run.
+        self.layer_stack: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None],
+                                   torch.Tensor | None] | None = None
 
     def make_layer(self, config, layer_idx: int, family, sliding_window: int | None
                    ) -> nn.Module:
         """Decoder layer `layer_idx` (a family's model class may build another kind)."""
         return LlamaDecoderLayer(config, layer_idx, family, sliding_window)
-
-    def _fused_decoder(self) -> FusedDecoder | None:
-        if self._fused is False:
-            layers = list(self.layers[self.start_layer:self.end_layer])
-            self._fused = FusedDecoder(layers) if FusedDecoder.supports(layers) else None
-        return self._fused
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if self.pp.is_first_rank:
@@ -182,10 +179,10 @@ class LlamaModel(nn.Module):
             dtype = self.layers[self.start_layer].input_layernorm.weight.dtype
             hidden, residual = recv_intermediate(self.pp, input_ids.shape[0], self.hidden_size,
                                                  dtype, input_ids.device)
-        fused = self._fused_decoder()
-        if fused is not None and fused.applies(input_ids.shape[0],
-                                               get_forward_context().attn_metadata):
-            return self._forward_fused(fused, positions, hidden, residual)
+        if self.layer_stack is not None:
+            out = self.layer_stack(positions, hidden, residual)
+            if out is not None:
+                return out
         for layer in self.layers[self.start_layer:self.end_layer]:
             hidden, residual = layer(positions, hidden, residual)
         if not self.pp.is_last_rank:
@@ -194,19 +191,6 @@ class LlamaModel(nn.Module):
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
-    def _forward_fused(self, fused: FusedDecoder, positions: torch.Tensor, hidden: torch.Tensor,
-                       residual: torch.Tensor | None) -> torch.Tensor:
-        """The same stack through the native fused decoder (see `models/fused_decoder.py`)."""
-        if residual is None:   # the embeddings start the residual stream
-            residual, delta = hidden.contiguous(), None
-        else:
-            residual, delta = residual.contiguous(), hidden.float().contiguous()
-        delta = fused(positions, residual, delta, get_forward_context().attn_metadata)
-        if not self.pp.is_last_rank:
-            hidden = delta.to(residual.dtype)
-            send_intermediate(self.pp, hidden, residual)
-            return hidden
-        return add_rms_norm(residual, delta, self.norm.weight, self.norm.eps)
 
 
 # llama.cpp's tensor names (GGUF) -> HF checkpoint names; "{}" is the layer index.

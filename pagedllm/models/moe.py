@@ -97,15 +97,12 @@ class MoeDecoderLayer(LlamaDecoderLayer):
 
 
 class MoeModel(LlamaModel):
-    """The decoder stack of one pipeline stage: `llama.LlamaModel` with the family's layers and
-    no fused CPU decoder (it has no expert kernel: every step takes the module path)."""
+    """The decoder stack of one pipeline stage: `llama.LlamaModel` with the family's layers (the
+    native decoder stack takes none: it has no expert kernel, every step runs the layers)."""
 
     def make_layer(self, config, layer_idx: int, family, sliding_window: int | None
                    ) -> nn.Module:
         return MoeDecoderLayer(config, layer_idx, family, sliding_window)
-
-    def _fused_decoder(self) -> None:
-        return None
 
 
 class MoeForCausalLM(nn.Module):

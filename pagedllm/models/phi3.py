@@ -21,7 +21,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from pagedllm.attention.forward_context import get_forward_context
 from pagedllm.layers.rotary_embedding import rope_parameters_from_hf
 from pagedllm.models.llama import GGUF_TENSOR_NAMES, LlamaForCausalLM, gguf_to_hf_name
 
@@ -60,24 +59,22 @@ class Phi3ForCausalLM(LlamaForCausalLM):
             self._original_max_position = int(rope["original_max_position_embeddings"])
             self._long_position_offset = int(config.max_position_embeddings)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        if self._original_max_position is not None:
-            positions = self._rope_positions(positions)
-        return self.model(input_ids, positions)
-
-    def _rope_positions(self, positions: torch.Tensor) -> torch.Tensor:
-        """positions [n] int64 -> RoPE table rows [n] int64: + the long table's offset for the
-        tokens of requests whose sequence in this step is longer than the original context
-        (per token by position when the step has no attention metadata, e.g. a dummy run)."""
+    def rope_positions(self, positions: torch.Tensor,
+                       token_seq_lens: np.ndarray | None) -> torch.Tensor:
+        """The runner's hook for models whose RoPE depends on step facts: positions [n] int64 ->
+        the rows of the RoPE table the forward reads [n] int64: + the long table's offset for the
+        tokens of requests whose sequence in this step is longer than the original context.
+        `token_seq_lens` [<= n] int: each token's request's sequence length this step
+        (`CommonAttentionMetadata.token_seq_lens`; padded tokens beyond it count as short);
+        None (no step metadata, e.g. a dummy run): per token by position."""
         original = self._original_max_position
-        metadata = getattr(get_forward_context().attn_metadata, "common", None)
-        if metadata is None:
+        if original is None:
+            return positions
+        if token_seq_lens is None:
             long = positions >= original
         else:
-            qsl = metadata.query_start_loc_cpu[:metadata.num_reqs + 1]
-            seq_lens = np.repeat(metadata.seq_lens_cpu[:metadata.num_reqs], np.diff(qsl))
             flags = np.zeros(positions.shape[0], dtype=bool)
-            flags[:seq_lens.shape[0]] = seq_lens > original
+            flags[:token_seq_lens.shape[0]] = token_seq_lens > original
             long = torch.from_numpy(flags).to(positions.device)
         return positions + long.to(positions.dtype) * self._long_position_offset
 

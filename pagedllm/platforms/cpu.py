@@ -7,9 +7,9 @@ import os
 
 import torch
 
-from pagedllm.kernels import cpu_kernels, switched_off
-from pagedllm.kernels import ops
-from pagedllm.kernels.ops import cpu_linear, cpu_linear_supported
+from pagedllm.native.kernels import cpu_kernels, switched_off
+from pagedllm.native.kernels import ops
+from pagedllm.native.kernels.ops import cpu_linear, cpu_linear_supported
 from pagedllm.platforms.cpu_topology import allowed_cpus, plan_threads, read_topology
 from pagedllm.platforms.interface import Platform
 
@@ -163,7 +163,7 @@ class CpuPlatform(Platform):
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The native kernel (`pagedllm/kernels/csrc/cpu_linear.cpp`) where it is faster (see
+        """The native kernel (`pagedllm/native/kernels/csrc/cpu_linear.cpp`) where it is faster (see
         the thresholds above), torch's GEMM otherwise. float32 output from bfloat16 operands
         (the LM head's logits) comes straight from the kernel's float32 accumulators, at every
         row count (torch's native-bf16 GEMM would round the result to bf16 first)."""

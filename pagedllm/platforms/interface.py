@@ -72,7 +72,7 @@ class Platform(ABC):
 
     def get_attention_backend_cls(self) -> type | None:
         """An attention backend class this platform brings itself (a plugin's own kernels), or
-        None. The selector (`attention/selector.py`) registers it under its `name` next to the
+        None. The selector (`attention/backends/selector.py`) registers it under its `name` next to the
         built-in backends before it looks up `attention_backend_name()`; it must provide what
         `TorchSDPABackend` does (`name`, `build_metadata`, `forward`, ...)."""
         return None
@@ -118,7 +118,7 @@ class Platform(ABC):
         raise NotImplementedError(f"{type(self).__name__} has no packed GEMM")
 
     def fused_decoder_max_tokens(self, dtype: torch.dtype, packed_weights: bool = False) -> int:
-        """Most tokens of a step that the fused decoder path (`models/fused_decoder.py`) takes
+        """Most tokens of a step that the fused decoder path (`native/fused_decoder.py`) takes
         for a model of `dtype` (`packed_weights`: its linear weights went through
         `pack_linear_weight`); 0: never (the platform has no such kernel)."""
         return 0

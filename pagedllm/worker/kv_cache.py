@@ -5,14 +5,14 @@
 
 With several KV cache groups (core/kv_cache_groups.py) each layer's `num_blocks` is its group's.
 The cache dtype is the model's, or int8 / float8_e4m3fn (`kv_cache_dtype`), whose scales live in
-the same allocation after the K/V (layout in attention/backends/kv_quant.py).
+the same allocation after the K/V (layout in kv_cache_layout.py).
 """
 
 from __future__ import annotations
 
 import torch
 
-from pagedllm.attention.backends.kv_quant import (allocate_kv_cache, kv_cache_block_bytes,
+from pagedllm.kv_cache_layout import (allocate_kv_cache, kv_cache_block_bytes,
                                                   resolve_kv_cache_dtype)
 from pagedllm.layers.attention import Attention
 

@@ -429,6 +429,8 @@ class ModelRunner(MultiStepRounds):
                 common)
         else:
             attn_metadata = backend.build_metadata(common)
+        if hasattr(model, "rope_positions"):   # a model whose RoPE rows depend on the step
+            positions = model.rope_positions(positions, common.token_seq_lens())
         with set_forward_context(attn_metadata):
             return model(input_ids, positions)
 

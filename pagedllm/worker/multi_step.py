@@ -4,7 +4,7 @@ A round's first step is an ordinary `execute_model` + `sample_tokens`; `run_rema
 then decodes each request's last sampled token, step after step, without the scheduler in
 between (vLLM V0's multi-step scheduling; see docs/architecture.md "Multi-step rounds"):
 
-- natively (`models/decode_loop.py`) when every request is plain greedy and the model takes the
+- natively (`native/decode_loop.py`) when every request is plain greedy and the model takes the
   CPU's fused decoder path: one call for all the steps;
 - else step by step: the previous step's inputs advanced in place while no request drops out
   (`_advance_decode_inputs`), gathered anew (`_prepare_inputs`) when one does.
@@ -19,8 +19,8 @@ import torch
 
 from pagedllm.attention.metadata import CommonAttentionMetadata
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from pagedllm.kernels import switched_off
-from pagedllm.models.decode_loop import GreedyDecodeLoop
+from pagedllm.native.kernels import switched_off
+from pagedllm.native.decode_loop import GreedyDecodeLoop
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.worker.input_batch import InputBatch, RequestStates
 from pagedllm.worker.sampling_inputs import build_sampling_metadata
@@ -89,7 +89,7 @@ class MultiStepRounds:
         return output
 
     def _native_decode_loop(self, going: list[str], num_steps: int) -> GreedyDecodeLoop | None:
-        """The model's native greedy decode loop (models/decode_loop.py) when the round's later
+        """The model's native greedy decode loop (native/decode_loop.py) when the round's later
         steps can run there: the CPU's fused decoder path, every request of the first step still
         going and plain greedy, nothing between steps (drafts, EPLB), and
         `PAGEDLLM_CPU_DECODE_LOOP` not 0."""

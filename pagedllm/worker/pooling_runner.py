@@ -110,6 +110,8 @@ class PoolingRunner:
             [np.asarray(r.prompt_token_ids, dtype=np.int64) for r in batch])).to(self.device)
         positions = torch.from_numpy(positions_np).to(self.device)
         attn_metadata = self.model.attention_layers()[0].backend.build_metadata(common)
+        if hasattr(self.model, "rope_positions"):   # a model whose RoPE rows depend on the step
+            positions = self.model.rope_positions(positions, common.token_seq_lens())
         with set_forward_context(attn_metadata):
             hidden = self.model(input_ids, positions)
         pooled = pool(hidden, common.query_start_loc, [r.pooling_type for r in batch],

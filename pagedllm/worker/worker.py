@@ -13,7 +13,7 @@ import logging
 
 from transformers import AutoConfig
 
-from pagedllm.attention.backends.kv_quant import is_quantized_kv_cache, kv_cache_scales
+from pagedllm.kv_cache_layout import is_quantized_kv_cache, kv_cache_scales
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_groups import KVCacheGroupSpec, num_blocks_for_budget
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pagedllm.attention.backends.cpu_paged import CpuPagedBackend
-from pagedllm.attention.backends.kv_quant import (allocate_kv_cache, dequantize_kv,
+from pagedllm.kv_cache_layout import (allocate_kv_cache, dequantize_kv,
                                                   kv_cache_block_bytes, kv_cache_scales,
                                                   quantize_fp8, quantize_int8,
                                                   resolve_kv_cache_dtype, write_kv_cache)
@@ -190,7 +190,7 @@ def test_portable_kernel_reads_quantized_caches(cache_dtype):
     quantized cache, called directly, against dense attention over the dequantized K/V."""
     import ctypes
 
-    from pagedllm.kernels import build_cpu_kernels
+    from pagedllm.native.kernels import build_cpu_kernels
 
     lib = build_cpu_kernels(("-mno-avx2", "-mno-fma"))
     shape = (6, 3, 32, 8)

@@ -263,7 +263,7 @@ def test_interpreter_setting_does_not_leak():
 
 
 def test_selection(monkeypatch):
-    from pagedllm.attention.selector import get_attention_backend
+    from pagedllm.attention.backends.selector import get_attention_backend
     from pagedllm.platforms.cuda import CudaPlatform
 
     monkeypatch.delenv("PAGEDLLM_ATTENTION_BACKEND", raising=False)

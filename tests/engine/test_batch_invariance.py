@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.kernels import cpu_kernels
+from pagedllm.native.kernels import cpu_kernels
 from tests.fixtures.checkpoints import make_tiny_checkpoint
 from tests.fixtures.gguf_files import write_gguf
 

@@ -21,7 +21,7 @@ import pytest
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import create_engine_config
 from pagedllm.entrypoints.cli import build_parser, main as cli_main
-from pagedllm.entrypoints.cli_args import engine_kwargs_from_args
+from pagedllm.engine.arg_utils import engine_kwargs_from_args
 from tests.fixtures.checkpoints import with_generation_config
 
 ENGINE_ARGS = dict(dtype="float32", kv_cache_memory_bytes=4 << 20)

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedllm.kernels import cpu_kernels
-from pagedllm.kernels.ops import cpu_linear, cpu_linear_supported
+from pagedllm.native.kernels import cpu_kernels
+from pagedllm.native.kernels.ops import cpu_linear, cpu_linear_supported
 from pagedllm.platforms.cpu import CpuPlatform
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="CPU kernels did not build")

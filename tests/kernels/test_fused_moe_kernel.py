@@ -9,8 +9,8 @@ import torch
 
 from pagedllm.distributed.parallel_state import (ExpertParallelLayout,
                                                  set_expert_parallel_layout)
-from pagedllm.kernels import build_cpu_kernels, cpu_kernels
-from pagedllm.kernels.ops import cpu_fused_moe, fused_moe_supported
+from pagedllm.native.kernels import build_cpu_kernels, cpu_kernels
+from pagedllm.native.kernels.ops import cpu_fused_moe, fused_moe_supported
 from pagedllm.layers.activation import GeluAndMul, SiluAndMul
 from pagedllm.layers.fused_moe import (FusedMoE, fused_experts, fused_experts_torch,
                                        native_moe_applies, select_experts)

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import pagedllm.kernels.ops as ops
-from pagedllm.kernels import build_cpu_kernels, cpu_kernels
+import pagedllm.native.kernels.ops as ops
+from pagedllm.native.kernels import build_cpu_kernels, cpu_kernels
 from pagedllm.layers.quantization.int8 import (quantize_activations_per_token,
                                                quantize_weight_per_channel)
 

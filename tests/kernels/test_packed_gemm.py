@@ -1,4 +1,4 @@
-"""The packed-B GEMM (`kernels/csrc/packed_gemm.h`) against torch, in the native (AVX-512 where
+"""The packed-B GEMM (`native/kernels/csrc/packed_gemm.h`) against torch, in the native (AVX-512 where
 the CPU has it), AVX2 and portable builds, and the engine with weight packing on and off."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import pagedllm.kernels.ops as ops
+import pagedllm.native.kernels.ops as ops
 from pagedllm import LLM, SamplingParams
 from pagedllm.core.sched_output import NewRequestData
-from pagedllm.kernels import build_cpu_kernels, cpu_kernels
+from pagedllm.native.kernels import build_cpu_kernels, cpu_kernels
 from tests.fixtures.runner_steps import run_step
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="CPU kernels did not build")
@@ -116,10 +116,10 @@ def _prefill_logits(path: str, monkeypatch, packed: bool, fused: bool) -> torch.
     assert all(m.quant_method.packed == packed for m in linears)
     assert all(m.weight.shape == (m.output_size_per_partition, m.input_size_per_partition)
                for m in linears)
-    decoder = model._fused_decoder()
-    assert decoder is not None and decoder.packed_weights == packed
+    stack = model.layer_stack
+    assert stack is not None and stack.fused.packed_weights == packed
     assert runner.model.lm_head.packed == packed     # an untied float head is packed too
-    model._fused = decoder if fused else None
+    model.layer_stack = stack if fused else None
     tokens = torch.randint(3, 200, (37,), generator=torch.Generator().manual_seed(3)).tolist()
     greedy = SamplingParams(temperature=0.0, max_tokens=1)
     return run_step(runner, NewRequestData("a", tokens, [], greedy, [1, 2, 3], 0), len(tokens))

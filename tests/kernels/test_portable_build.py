@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 
 import pagedllm.attention.backends.cpu_paged as cpu_paged
-import pagedllm.kernels.ops as ops
-import pagedllm.models.fused_decoder as fused_decoder
+import pagedllm.native.kernels.ops as ops
+import pagedllm.native.fused_decoder as fused_decoder
 from pagedllm.attention.backends.cpu_paged import CpuPagedBackend
-from pagedllm.kernels import build_cpu_kernels, cpu_kernels
+from pagedllm.native.kernels import build_cpu_kernels, cpu_kernels
 from tests.attention import test_backends as backend_tests
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="CPU kernels did not build")

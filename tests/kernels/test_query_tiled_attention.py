@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from pagedllm.attention.backends.kv_quant import allocate_kv_cache, dequantize_kv, write_kv_cache
-from pagedllm.kernels import build_cpu_kernels, cpu_kernels
-from pagedllm.kernels.ops import paged_attention
+from pagedllm.kv_cache_layout import allocate_kv_cache, dequantize_kv, write_kv_cache
+from pagedllm.native.kernels import build_cpu_kernels, cpu_kernels
+from pagedllm.native.kernels.ops import paged_attention
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="CPU kernels did not build")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedllm.kernels import switched_off
+from pagedllm.native.kernels import switched_off
 
 
 @pytest.mark.parametrize("value, off", [("0", True), ("false", True), ("OFF", True), (" no ", True),

@@ -20,14 +20,14 @@ from transformers import AutoConfig
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import ModelConfig
-from pagedllm.kernels import cpu_kernels
+from pagedllm.native.kernels import cpu_kernels
 from pagedllm.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from pagedllm.layers.quantization.gguf import (Q8_ACTIVATIONS_ENV, ROW_GROUPS_ENV,
                                                GGUFLayoutUnsupported, GGUFLinearMethod)
 from pagedllm.model_loader.gguf import (GGUFSource, dequantize, iterate_gguf_tensors, open_gguf,
                                         prepare_gguf_view, tensor_table)
 from pagedllm.model_loader.loader import load_model
-from pagedllm.models.fused_decoder import FusedDecoder
+from pagedllm.native.fused_decoder import FusedDecoder
 from pagedllm.models.llama import unpermute_rope_rows
 from pagedllm.layers.quantization.gguf import GGUFEmbeddingMethod
 from tests.fixtures.checkpoints import make_tiny_checkpoint

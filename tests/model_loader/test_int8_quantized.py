@@ -21,11 +21,11 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import ModelConfig
-from pagedllm.kernels import build_cpu_kernels, cpu_kernels
+from pagedllm.native.kernels import build_cpu_kernels, cpu_kernels
 from pagedllm.layers.quantization.int8 import (Int8LinearMethod, quantize_activations_per_token,
                                                quantize_weight_per_channel)
 from pagedllm.model_loader.loader import load_model
-from pagedllm.models.fused_decoder import FusedDecoder
+from pagedllm.native.fused_decoder import FusedDecoder
 from tests.models.test_fused_decoder import _continuation_logits
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="CPU kernels did not build")
@@ -92,7 +92,7 @@ def _greedy_counting_fused_steps(path, quantization: str, fused: bool,
 
     with monkeypatch.context() as patch:
         patch.setenv("PAGEDLLM_CPU_FUSED_DECODER", "1" if fused else "0")
-        # One call per step: the native decode loop (models/decode_loop.py) runs multi-step
+        # One call per step: the native decode loop (native/decode_loop.py) runs multi-step
         # rounds' later steps without calling FusedDecoder.
         patch.setenv("PAGEDLLM_CPU_DECODE_LOOP", "0")
         patch.setattr(FusedDecoder, "__call__", counting)
@@ -128,8 +128,8 @@ def portable_kernels():
 def test_portable_fused_decoder_equals_the_module_path(tiny_llama, portable_kernels,
                                                        monkeypatch, quantization):
     import pagedllm.attention.backends.cpu_paged as cpu_paged
-    import pagedllm.kernels.ops as ops
-    import pagedllm.models.fused_decoder as fused_decoder
+    import pagedllm.native.kernels.ops as ops
+    import pagedllm.native.fused_decoder as fused_decoder
 
     for module in (ops, cpu_paged, fused_decoder):
         monkeypatch.setattr(module, "cpu_kernels", lambda: portable_kernels)

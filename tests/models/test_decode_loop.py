@@ -1,4 +1,4 @@
-"""The native greedy decode loop (models/decode_loop.py, csrc/cpu_decode_loop.cpp).
+"""The native greedy decode loop (native/decode_loop.py, csrc/cpu_decode_loop.cpp).
 
 Oracle: the same engine with one step per round. A multi-step round's later steps run in the
 native loop where it applies; greedy tokens, finish reasons and texts must equal single steps
@@ -16,9 +16,9 @@ import random
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.kernels import cpu_kernels
+from pagedllm.native.kernels import cpu_kernels
 from pagedllm.layers.quantization.gguf import Q8_ACTIVATIONS_ENV
-from pagedllm.models.decode_loop import GreedyDecodeLoop
+from pagedllm.native.decode_loop import GreedyDecodeLoop
 from tests.fixtures.checkpoints import make_tiny_checkpoint
 from tests.fixtures.gguf_files import write_gguf
 

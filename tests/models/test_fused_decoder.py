@@ -1,4 +1,4 @@
-"""The CPU fused decoder path (`models/fused_decoder.py`) against the module path and HF."""
+"""The CPU fused decoder path (`native/fused_decoder.py`) against the module path and HF."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from transformers import AutoModelForCausalLM
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.core.sched_output import NewRequestData
-from pagedllm.kernels import cpu_kernels
-from pagedllm.models.fused_decoder import FusedDecoder, add_rms_norm
+from pagedllm.native.kernels import cpu_kernels
+from pagedllm.native.fused_decoder import FusedDecoder, add_rms_norm
 from tests.fixtures.runner_steps import run_step
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="CPU kernels did not build")
@@ -24,8 +24,8 @@ def _continuation_logits(llm: LLM, tokens: list[int], prefix: int, fused: bool) 
     [len(tokens) - prefix, vocab]."""
     runner = llm.llm_engine.engine_core.executor.worker.model_runner
     model = runner.model.model
-    decoder = model._fused_decoder()
-    assert decoder is not None
+    stack = model.layer_stack
+    assert stack is not None
     calls = []
     original = FusedDecoder.__call__
 
@@ -35,14 +35,14 @@ def _continuation_logits(llm: LLM, tokens: list[int], prefix: int, fused: bool) 
 
     blocks = list(range(1, 1 + -(-len(tokens) // runner.block_size)))
     run_step(runner, NewRequestData("prefill", tokens, [], GREEDY, blocks, 0), prefix)
-    model._fused = decoder if fused else None
+    model.layer_stack = stack if fused else None
     FusedDecoder.__call__ = counting
     try:
         logits = run_step(runner, NewRequestData("continue", tokens, [], GREEDY, blocks, prefix),
                        len(tokens) - prefix)
     finally:
         FusedDecoder.__call__ = original
-        model._fused = decoder
+        model.layer_stack = stack
     assert calls == ([len(tokens) - prefix] if fused else [])
     return logits
 
@@ -73,7 +73,7 @@ def test_fused_decoder_bf16_is_as_accurate_as_module_path(tiny_checkpoints, arch
     """bf16: the fused path rounds less often than the module path, so it is compared by its
     mean error against HF in float32, which must not exceed the module path's (measured over 4
     seeds and 4 variants: 0.03-0.13 for the fused path, 0.9x-0.6x the module path's). With
-    packed bf16 weights on an AVX512_BF16 CPU (kernels/csrc/packed_gemm.h) each linear's input
+    packed bf16 weights on an AVX512_BF16 CPU (native/kernels/csrc/packed_gemm.h) each linear's input
     is rounded to bf16 as on the module path, so the two are about as accurate (1.11x, llama);
     the bound leaves that margin."""
     # 14 continuation tokens: within the fused path's step size on every CPU (AVX-512 machines
@@ -101,7 +101,7 @@ def test_generation_with_fused_decoder_equals_without(tiny_checkpoints, monkeypa
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
         got[setting] = [o.outputs[0].token_ids for o in outputs]
         model = llm.llm_engine.engine_core.executor.worker.model_runner.model.model
-        assert (model._fused is not None) == (setting == "1")
+        assert (model.layer_stack is not None) == (setting == "1")
     assert got["1"] == got["0"]
 
 
@@ -109,7 +109,7 @@ def test_fused_decoder_keeps_to_its_scratch_budget(tiny_checkpoints, monkeypatch
     """A step larger than the scratch budget runs the module path, with the same result."""
     llm = LLM(str(tiny_checkpoints["llama"]), dtype="float32", kv_cache_memory_bytes=8 << 20)
     runner = llm.llm_engine.engine_core.executor.worker.model_runner
-    decoder = runner.model.model._fused_decoder()
+    decoder = runner.model.model.layer_stack.fused
     tokens = list(range(3, 40))
     calls = []
     original = FusedDecoder.__call__
@@ -147,7 +147,7 @@ def test_large_step_with_a_long_fresh_prompt_runs_the_module_path(tiny_checkpoin
     a 37-token continuation of a cached prefix the fused one."""
     llm = LLM(str(tiny_checkpoints["llama"]), dtype="float32", kv_cache_memory_bytes=8 << 20)
     runner = llm.llm_engine.engine_core.executor.worker.model_runner
-    decoder = runner.model.model._fused_decoder()
+    decoder = runner.model.model.layer_stack.fused
     monkeypatch.setattr(decoder, "LONG_STEP_TOKENS", 16)
     monkeypatch.setattr(decoder, "LONG_FRESH_PROMPT_TOKENS", 8)
     calls = []
@@ -171,7 +171,7 @@ def test_rebinding_any_layers_kv_cache_rebuilds_the_pointers(tiny_checkpoints):
     freed memory."""
     llm = LLM(str(tiny_checkpoints["llama"]), dtype="float32", kv_cache_memory_bytes=8 << 20)
     runner = llm.llm_engine.engine_core.executor.worker.model_runner
-    decoder = runner.model.model._fused_decoder()
+    decoder = runner.model.model.layer_stack.fused
     tokens = list(range(3, 40))
     before = run_step(runner, NewRequestData("a", tokens, [], GREEDY, [1, 2, 3], 0), len(tokens))
     attn = decoder.layers[-1].self_attn.attn

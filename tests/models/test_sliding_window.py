@@ -16,7 +16,7 @@ import transformers
 from pagedllm import LLM
 from pagedllm.config import create_engine_config
 from pagedllm.layers.attention import Attention
-from pagedllm.models.fused_decoder import FusedDecoder
+from pagedllm.native.fused_decoder import FusedDecoder
 from pagedllm.models.llama import (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
                                    Qwen3ForCausalLM, layer_sliding_windows)
 from tests.models import test_gemma as gemma_tests
@@ -71,9 +71,9 @@ def test_fused_decoder_takes_steps_within_the_window(tiny_checkpoints, monkeypat
     llm = LLM(str(tiny_checkpoints["mistral_sliding"]), dtype="float32",
               kv_cache_memory_bytes=8 << 20)
     model = llm.llm_engine.engine_core.executor.worker.model_runner.model
-    fused = model.model._fused_decoder()
-    if fused is None:
+    if model.model.layer_stack is None:
         pytest.skip("the fused CPU decoder is not available here")
+    fused = model.model.layer_stack.fused
     assert fused.min_window == 8
     seq_lens: list[int] = []
     call = FusedDecoder.__call__

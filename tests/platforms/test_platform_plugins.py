@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedllm.attention.selector import get_attention_backend
+from pagedllm.attention.backends.selector import get_attention_backend
 from pagedllm.platforms import current_platform, get_current_platform, reset_current_platform
 from pagedllm.platforms.cpu import CpuPlatform
 from pagedllm.platforms.plugins import PlatformPluginError

@@ -6,7 +6,7 @@ Per step the requests are split in two:
   their keys are exactly the new keys, so they go to torch's SDPA (flash attention on the CPU)
   directly on the new q/k/v, one call per request, nothing read from the cache;
 - every other request (decodes, later prefill chunks, prefix-cache hits): the C++ kernel in
-  `pagedllm/kernels/csrc/cpu_attention.cpp`, which walks the request's block table and reads K/V
+  `pagedllm/native/kernels/csrc/cpu_attention.cpp`, which walks the request's block table and reads K/V
   rows where they lie, with a block-wise online softmax. Decodes are parallel over (query token,
   KV heads); a request with several query tokens over (tile of up to 16 query tokens, KV heads),
   so each K/V block is read once per tile rather than once per token (the same floats;
@@ -17,7 +17,7 @@ Per step the requests are split in two:
 Compared with `torch_sdpa` this removes the gather of each request's context into a padded copy
 (read + write + read of the whole KV per layer), and the padding of a decode batch to its longest
 sequence. The KV cache may be float32, bfloat16, int8 or float8_e4m3fn (kv_cache_dtype; the kernel
-dequantizes in its inner loop, see kv_quant.py); for another dtype (float16) the backend falls
+dequantizes in its inner loop, see kv_cache_layout.py); for another dtype (float16) the backend falls
 back to `torch_sdpa` for the step.
 
 In the batch-invariant mode (`CommonAttentionMetadata.batch_invariant`) every request goes to
@@ -40,10 +40,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pagedllm.attention.backends.kv_quant import kv_cache_scales, write_kv_cache
+from pagedllm.kv_cache_layout import kv_cache_scales, write_kv_cache
 from pagedllm.attention.backends.torch_sdpa import TorchSDPABackend, TorchSDPAMetadata
 from pagedllm.attention.metadata import CommonAttentionMetadata
-from pagedllm.kernels import cpu_kernels
+from pagedllm.native.kernels import cpu_kernels
 
 
 @dataclass
@@ -99,7 +99,7 @@ class CpuPagedMetadata:
         return self._splits[key]
 
 
-# Cache dtypes the kernel reads (int8 / fp8 with their scales, see kv_quant.py).
+# Cache dtypes the kernel reads (int8 / fp8 with their scales, see kv_cache_layout.py).
 _KERNEL_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn)
 
 
@@ -141,7 +141,7 @@ class CpuPagedBackend:
             query: [num_tokens, num_heads, head_size].
             key, value: [num_tokens, num_kv_heads, head_size] for the new tokens.
             kv_cache: [2, num_blocks, block_size, num_kv_heads, head_size], float32, bfloat16,
-                or int8 / float8_e4m3fn with their scales (kv_quant.py); other dtypes go through
+                or int8 / float8_e4m3fn with their scales (kv_cache_layout.py); other dtypes go through
                 torch_sdpa.
             metadata: from `build_metadata`.
             scale: softmax scale (usually head_size ** -0.5).

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pagedllm.attention.backends.kv_quant import dequantize_kv, write_kv_cache
+from pagedllm.kv_cache_layout import dequantize_kv, write_kv_cache
 from pagedllm.attention.metadata import CommonAttentionMetadata
 
 
@@ -141,7 +141,7 @@ class TorchSDPABackend:
             query: [num_tokens, num_heads, head_size].
             key, value: [num_tokens, num_kv_heads, head_size] for the new tokens.
             kv_cache: [2, num_blocks, block_size, num_kv_heads, head_size]; an int8/fp8 cache
-                (kv_quant.py) is quantized on write and dequantized after the gather.
+                (kv_cache_layout.py) is quantized on write and dequantized after the gather.
             metadata: from `build_metadata`.
             scale: softmax scale (usually head_size ** -0.5).
             sliding_window: a query at position p attends only to key positions > p - window

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm.attention.backends.kv_quant import is_quantized_kv_cache
+from pagedllm.kv_cache_layout import is_quantized_kv_cache
 from pagedllm.attention.metadata import CommonAttentionMetadata
 
 

@@ -14,7 +14,7 @@ import errno
 import os
 import socket
 
-from pagedllm.entrypoints.cli_args import (add_engine_args, bounded_int, engine_kwargs_from_args,
+from pagedllm.engine.arg_utils import (add_engine_args, bounded_int, engine_kwargs_from_args,
                                            non_empty)
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 

@@ -2,7 +2,7 @@
 Q5_0, Q5_1 and the K-quants Q4_K, Q5_K, Q6_K).
 
     GGUF file ──(GGUFTensor.materialize_raw: rows of blocks, TP slice)──► layer.weight
-    apply: gguf_linear (pagedllm/kernels/csrc/cpu_gguf_linear.cpp) unpacks blocks in registers
+    apply: gguf_linear (pagedllm/native/kernels/csrc/cpu_gguf_linear.cpp) unpacks blocks in registers
 
 A fused layer (qkv, gate_up) holds several checkpoint tensors, and a Q4_K_M file gives them
 different types (attn_v in Q6_K next to Q4_K attn_q/attn_k). The weight is therefore a list of
@@ -36,8 +36,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pagedllm.kernels import switched_off
-from pagedllm.kernels.ops import (GGUF_BLOCK_SIZE, GGUF_KERNEL_TYPES, gguf_dequantize_rows,
+from pagedllm.native.kernels import switched_off
+from pagedllm.native.kernels.ops import (GGUF_BLOCK_SIZE, GGUF_KERNEL_TYPES, gguf_dequantize_rows,
                                   gguf_group_rows, gguf_linear, gguf_linear_segments,
                                   gguf_ungroup_rows)
 from pagedllm.layers.quantization.base import LinearMethodBase
@@ -214,7 +214,7 @@ class GGUFLinearMethod(LinearMethodBase):
     def kernel_segments(self, layer: nn.Module) -> list[tuple[int, str, torch.Tensor, bool]]:
         """The weight as (row_start, GGML type name, qweight [rows, row_bytes] uint8 view,
         grouped) per segment, for `gguf_linear_segments` and the fused CPU decoder
-        (models/fused_decoder.py), which take these in one native call. Cached until the next
+        (native/fused_decoder.py), which take these in one native call. Cached until the next
         load.
 
         Raises:

@@ -10,7 +10,7 @@ qkv / gate_up weights quantize independently and simply stack.
 
 On the CPU both run natively (`ops.int8_linear`, csrc/cpu_int8_linear.cpp); elsewhere, or
 without the kernels, torch computes the same formulas in float32. The fused CPU decoder
-(models/fused_decoder.py) takes these layers through `Int8LinearMethod.kernel_weight` and runs
+(native/fused_decoder.py) takes these layers through `Int8LinearMethod.kernel_weight` and runs
 the same kernels (csrc/int8_blocks.h) inside its parallel region.
 """
 
@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.kernels import cpu_kernels
-from pagedllm.kernels.ops import int8_linear
+from pagedllm.native.kernels import cpu_kernels
+from pagedllm.native.kernels.ops import int8_linear
 from pagedllm.layers.quantization.base import LinearMethodBase
 
 INT8_MAX = 127
@@ -135,7 +135,7 @@ class Int8LinearMethod(LinearMethodBase):
         layer.weight_scale.narrow(0, start, rows).copy_(scale)
 
     def kernel_weight(self, layer: nn.Module) -> Int8KernelWeight:
-        """The loaded weight for the fused CPU decoder (models/fused_decoder.py), which runs it
+        """The loaded weight for the fused CPU decoder (native/fused_decoder.py), which runs it
         with the kernels of `ops.int8_linear` (csrc/int8_blocks.h) inside its parallel region.
 
         Raises:

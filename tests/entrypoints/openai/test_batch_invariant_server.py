@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.entrypoints.openai.api_server import build_app
-from pagedllm.kernels import cpu_kernels
+from pagedllm.native.kernels import cpu_kernels
 from tests.fixtures.checkpoints import make_tiny_checkpoint
 from tests.fixtures.gguf_files import write_gguf
 

@@ -46,7 +46,7 @@ enum : int64_t {
 
 // Rows [row_start, row_start + rows) of a weight whose rows are [K / kWeights] blocks of one
 // type, e.g. the q, k and v parts of a fused qkv weight of mixed types. Mirrored by ctypes in
-// pagedllm/kernels/ops.py (GGUFSegmentStruct).
+// pagedllm/native/kernels/ops.py (GGUFSegmentStruct).
 struct Segment {
   const uint8_t* data;  // rows * row_bytes bytes: plain rows, or grouped (below)
   int64_t row_start, rows, ggml_type;

@@ -9,8 +9,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from pagedllm.attention.backends.kv_quant import kv_cache_scales
-from pagedllm.kernels import cpu_kernels
+from pagedllm.kv_cache_layout import kv_cache_scales
+from pagedllm.native.kernels import cpu_kernels
 
 _LINEAR_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -295,7 +295,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: to
         query: [num_tokens, num_heads, head_size] float32 on the CPU (other float dtypes are
             converted).
         kv_cache: [2, num_blocks, block_size, num_kv_heads, head_size] float32, bfloat16, or
-            int8 / float8_e4m3fn made by `kv_quant.allocate_kv_cache` (with its scales).
+            int8 / float8_e4m3fn made by `kv_cache_layout.allocate_kv_cache` (with its scales).
         block_table: [num_reqs, max_blocks] int32, unit stride along a row.
         query_start_loc, seq_lens: [num_reqs + 1] / [num_reqs] int32 numpy.
         rows: [R] int32 numpy, the requests to compute (the other tokens' outputs are zero).
@@ -499,7 +499,7 @@ def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, tensor_type: str,
 
     Raises:
         ValueError: an unsupported type, shapes or dtypes that do not fit, non-CPU tensors.
-        RuntimeError: the native kernels are unavailable (see `pagedllm.kernels.cpu_kernels`).
+        RuntimeError: the native kernels are unavailable (see `pagedllm.native.kernels.cpu_kernels`).
     """
     return gguf_linear_segments(x, [(0, tensor_type, qweight, grouped)], qweight.shape[0], bias,
                                 quantize_activations)
@@ -689,7 +689,7 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
 
     Raises:
         ValueError: shapes, dtypes or devices that do not fit (naming them).
-        RuntimeError: the native kernels are unavailable (see `pagedllm.kernels.cpu_kernels`).
+        RuntimeError: the native kernels are unavailable (see `pagedllm.native.kernels.cpu_kernels`).
     """
     _check_int8_operands("int8_linear", x, qweight, scale, bias)
     lib = cpu_kernels()

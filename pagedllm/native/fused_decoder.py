@@ -3,7 +3,7 @@
 For steps of few tokens (decode, speculative verification, short prefill continuations) a layer
 run module by module is ~25 torch operations and five native calls, each paying Python dispatch
 and an OpenMP fork/join; at batch 1 that overhead exceeded the time spent streaming the weights.
-`decoder_layers` in `pagedllm/kernels/csrc/cpu_decoder.cpp` runs each layer as one parallel
+`decoder_layers` in `pagedllm/native/kernels/csrc/cpu_decoder.cpp` runs each layer as one parallel
 region instead (see its header for the math, which is the module path's). Linear layers kept
 as GGUF blocks (`layers/quantization/gguf.py`) go in as their quant method's row segments
 (`kernel_segments`: GGML type + bytes per segment) and run on the block kernels of
@@ -25,8 +25,8 @@ import ctypes
 import torch
 
 from pagedllm.attention.backends.cpu_paged import CpuPagedMetadata
-from pagedllm.kernels import cpu_kernels, switched_off
-from pagedllm.kernels.ops import gguf_segment_structs
+from pagedllm.native.kernels import cpu_kernels, switched_off
+from pagedllm.native.kernels.ops import gguf_segment_structs
 from pagedllm.platforms import current_platform
 
 _p, _i32, _i64, _f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float

@@ -2,9 +2,9 @@
 
 The later steps of a multi-step round (worker/multi_step.py `run_remaining_steps`) whose
 requests are all plain greedy run here in one native call: per step the embedding lookup, the
-fused decoder (models/fused_decoder.py), the final RMSNorm, the LM head and the argmax, with the
+fused decoder (native/fused_decoder.py), the final RMSNorm, the LM head and the argmax, with the
 positions, slot mapping and sequence lengths advanced natively (see the header of
-`pagedllm/kernels/csrc/cpu_decode_loop.cpp`). The kernels and roundings are the module path's,
+`pagedllm/native/kernels/csrc/cpu_decode_loop.cpp`). The kernels and roundings are the module path's,
 so the tokens equal single steps'. It exists because at batch 1 of a small model the ~25
 Python/torch calls around the fused decoder cost ~10% of a step on a 2-core CPU.
 
@@ -21,9 +21,10 @@ import ctypes
 import numpy as np
 import torch
 
-from pagedllm.kernels import cpu_kernels
-from pagedllm.kernels.ops import gguf_segment_structs
-from pagedllm.models.fused_decoder import _DTYPE_CODES, FusedDecoder
+from pagedllm.native.kernels import cpu_kernels
+from pagedllm.native.kernels.ops import gguf_segment_structs
+from pagedllm.native.attach import NativeDecoderStack
+from pagedllm.native.fused_decoder import _DTYPE_CODES, FusedDecoder
 
 _p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
@@ -97,9 +98,10 @@ class GreedyDecodeLoop:
                 or not (inner.pp.is_first_rank and inner.pp.is_last_rank)
                 or model.lm_head.tp_size != 1):
             return None
-        fused = inner._fused_decoder()
-        if fused is None:
+        stack = inner.layer_stack
+        if not isinstance(stack, NativeDecoderStack):
             return None
+        fused = stack.fused
         keep: list = []
         embedding = _vocab_weight(inner.embed_tokens, fused.dtype, True, keep)
         head = _vocab_weight(model.lm_head, fused.dtype, False, keep)

@@ -43,7 +43,7 @@ namespace {
 
 using namespace pagedllm;
 
-// Field order and types are mirrored by ctypes structures in pagedllm/models/fused_decoder.py.
+// Field order and types are mirrored by ctypes structures in pagedllm/native/fused_decoder.py.
 struct DecoderLayerWeights {
   const void* input_norm;      // [hidden] T
   const void* post_norm;       // [hidden] T

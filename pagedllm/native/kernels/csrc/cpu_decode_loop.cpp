@@ -1,5 +1,5 @@
 // Greedy decode steps of a Llama-family model in one native call: the later steps of a
-// multi-step round (pagedllm/models/decode_loop.py) when every request is plain greedy.
+// multi-step round (pagedllm/native/decode_loop.py) when every request is plain greedy.
 //
 // Why: the per-step work around the fused decoder (input advance, embedding lookup, attention
 // metadata, final norm, LM head call, argmax, token bookkeeping) is ~25 Python and torch calls.
@@ -56,7 +56,7 @@ using pagedllm::to_float;
 using pagedllm::store;
 
 // How a weight [rows, cols] (the embedding table or the LM head) is stored. Mirrored by
-// `VocabWeight` in pagedllm/models/decode_loop.py.
+// `VocabWeight` in pagedllm/native/decode_loop.py.
 enum VocabKind : int64_t {
   kDense = 0,       // rows [rows, cols] in `dtype` (embedding only)
   kPacked = 1,      // packed_gemm.h panels in `dtype` (pack_linear_weight)
@@ -73,7 +73,7 @@ struct VocabWeight {
   int64_t rows, cols;
 };
 
-// Mirrored by `DecodeLoopArgs` in pagedllm/models/decode_loop.py. Buffers are sized for
+// Mirrored by `DecodeLoopArgs` in pagedllm/native/decode_loop.py. Buffers are sized for
 // num_reqs rows (one token each).
 struct DecodeLoopArgs {
   const void* layers;           // DecoderLayerWeights[num_layers] (cpu_decoder.cpp)

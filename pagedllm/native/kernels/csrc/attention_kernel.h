@@ -14,7 +14,7 @@
 
 namespace pagedllm {
 
-// Quantized KV caches (pagedllm/attention/backends/kv_quant.py): int8 rows with a float32 scale
+// Quantized KV caches (pagedllm/kv_cache_layout.py): int8 rows with a float32 scale
 // per (token, KV head), or float8 e4m3fn values with one scale per tensor. The kernels read the
 // one-byte values here; the scales are applied in `attention_items`.
 struct fp8_e4m3 {

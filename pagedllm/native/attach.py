@@ -1,0 +1,69 @@
+"""The one hook by which a loaded model gets its native CPU decoder stack.
+
+A model stays a pure model definition: `LlamaModel.layer_stack` is a generic slot for "something
+that runs this stage's decoder layers and final norm faster, for the steps it takes" (None:
+the layers always run module by module). After loading, `attach_native_decoder` fills it for
+every Llama-family stage the fused decoder supports (`FusedDecoder.supports`: CPU, float / GGUF
+/ int8 weights the native layer reads, one tensor-parallel rank, ...). Per step the stack reads
+the step's attention metadata from the forward context (as the attention layers it replaces
+do) and declines the steps the fused decoder does not take (`FusedDecoder.applies`); the model
+then runs its layers.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedllm.attention.forward_context import get_forward_context
+from pagedllm.layers.pipeline import send_intermediate
+from pagedllm.models.llama import LlamaDecoderLayer, LlamaModel
+from pagedllm.native.fused_decoder import FusedDecoder, add_rms_norm
+
+
+class NativeDecoderStack:
+    """The decoder layers and final RMSNorm of one `LlamaModel` pipeline stage through the fused
+    decoder (`native/fused_decoder.py`), for the steps it takes.
+
+    Called as `stack(positions [n] int64, hidden [n, hidden_size], residual | None)` where the
+    stage's layer loop would start (hidden: the embeddings, or a previous stage's output with
+    its residual); returns what `LlamaModel.forward` returns (the normed hidden states on the
+    last stage; the hidden states sent on, otherwise), or None for a step it does not take.
+    """
+
+    def __init__(self, fused: FusedDecoder, norm: nn.Module, pp) -> None:
+        self.fused = fused
+        self.norm = norm   # the stage's final RMSNorm (a PPMissingLayer before the last stage)
+        self.pp = pp       # the pipeline group
+
+    def __call__(self, positions: torch.Tensor, hidden: torch.Tensor,
+                 residual: torch.Tensor | None) -> torch.Tensor | None:
+        metadata = get_forward_context().attn_metadata
+        if not self.fused.applies(positions.shape[0], metadata):
+            return None
+        if residual is None:   # the embeddings start the residual stream
+            residual, delta = hidden.contiguous(), None
+        else:
+            residual, delta = residual.contiguous(), hidden.float().contiguous()
+        delta = self.fused(positions, residual, delta, metadata)
+        if not self.pp.is_last_rank:
+            hidden = delta.to(residual.dtype)
+            send_intermediate(self.pp, hidden, residual)
+            return hidden
+        return add_rms_norm(residual, delta, self.norm.weight, self.norm.eps)
+
+
+def attach_native_decoder(model: nn.Module) -> int:
+    """Give every Llama-family decoder stack inside `model` whose layers the fused decoder
+    supports a `NativeDecoderStack` (its `layer_stack`); returns how many got one. Stacks of
+    other layers (mixture-of-experts layers, Gemma's) keep None."""
+    attached = 0
+    for module in model.modules():
+        if not isinstance(module, LlamaModel):
+            continue
+        layers = list(module.layers[module.start_layer:module.end_layer])
+        if layers and all(type(layer) is LlamaDecoderLayer for layer in layers) \
+                and FusedDecoder.supports(layers):
+            module.layer_stack = NativeDecoderStack(FusedDecoder(layers), module.norm, module.pp)
+            attached += 1
+    return attached
