@@ -21,33 +21,18 @@ import ctypes
 import numpy as np
 import torch
 
-from pagedllm.native.kernels import cpu_kernels
+from pagedllm.native.kernels import abi, cpu_kernels
 from pagedllm.native.kernels.ops import gguf_segment_structs
 from pagedllm.native.attach import NativeDecoderStack
 from pagedllm.native.fused_decoder import _DTYPE_CODES, FusedDecoder
 
-_p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
+# VocabWeight.kind (abi.py)
 DENSE, PACKED, GGUF, GGUF_Q8 = 0, 1, 2, 3
 
 
-class VocabWeight(ctypes.Structure):
-    """Mirror of `VocabWeight` in cpu_decode_loop.cpp."""
-
-    _fields_ = [("kind", _i64), ("dtype", _i64), ("data", _p), ("segments", _p),
-                ("num_segments", _i64), ("rows", _i64), ("cols", _i64)]
-
-
-class DecodeLoopArgs(ctypes.Structure):
-    """Mirror of `DecodeLoopArgs` in cpu_decode_loop.cpp."""
-
-    _fields_ = [("layers", _p), ("num_layers", _i64), ("step", _p), ("dtype", _i64),
-                ("num_reqs", _i64), ("hidden", _i64), ("block_size", _i64),
-                ("block_table_stride", _i64), ("block_table", _p), ("attention_rows", _p),
-                ("positions", _p), ("slot_mapping", _p), ("seq_lens", _p), ("residual", _p),
-                ("delta", _p), ("normed", _p), ("head_x", _p), ("logits", _p),
-                ("embed_f32", _p), ("embedding", VocabWeight), ("head", VocabWeight),
-                ("norm_weight", _p), ("norm_eps", _f32), ("stop_offsets", _p), ("stop_ids", _p)]
+VocabWeight = abi.struct("VocabWeight")
+DecodeLoopArgs = abi.struct("DecodeLoopArgs")
 
 
 def _vocab_weight(module, dtype: torch.dtype, embedding: bool,

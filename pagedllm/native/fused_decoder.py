@@ -25,35 +25,15 @@ import ctypes
 import torch
 
 from pagedllm.attention.backends.cpu_paged import CpuPagedMetadata
-from pagedllm.native.kernels import cpu_kernels, switched_off
+from pagedllm.native.kernels import abi, cpu_kernels, switched_off
 from pagedllm.native.kernels.ops import gguf_segment_structs
 from pagedllm.platforms import current_platform
 
-_p, _i32, _i64, _f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 
-class DecoderLayerWeights(ctypes.Structure):
-    """Mirror of `DecoderLayerWeights` in cpu_decoder.cpp (same field order and types)."""
-
-    _fields_ = [(name, _p) for name in (
-        "input_norm", "post_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_bias",
-        "gate_up", "gate_up_bias", "down", "down_bias", "key_cache", "value_cache", "cos_cache",
-        "sin_cache")] + [(name, _i64) for name in (
-            "hidden_size", "num_heads", "num_kv_heads", "head_size", "intermediate_size")] + [
-        ("eps", _f32), ("scale", _f32), ("segments", _p * 4), ("num_segments", _i64 * 4),
-        ("int8_scales", _p * 4), ("int8_activations", _i64 * 4),
-        ("gguf_q8_activations", _i64 * 4), ("packed", _i64 * 4)]
-
-
-class DecoderStep(ctypes.Structure):
-    """Mirror of `DecoderStep` in cpu_decoder.cpp."""
-
-    _fields_ = [("num_tokens", _i64), ("positions", _p), ("slot_mapping", _p),
-                ("block_table", _p), ("block_table_stride", _i64), ("query_start_loc", _p),
-                ("seq_lens", _p), ("num_reqs", _i32), ("block_size", _i32), ("causal", _i32),
-                ("query_tile", _i32), ("residual", _p), ("delta", _p), ("normed", _p),
-                ("qkv_out", _p), ("attn_out", _p), ("gate_up_out", _p), ("act", _p)]
+DecoderLayerWeights = abi.struct("DecoderLayerWeights")
+DecoderStep = abi.struct("DecoderStep")
 
 
 def fused_decoder_enabled() -> bool:

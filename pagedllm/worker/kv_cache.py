@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm.kv_cache_layout import (allocate_kv_cache, kv_cache_block_bytes,
-                                                  resolve_kv_cache_dtype)
+                                      resolve_kv_cache_dtype)
 from pagedllm.layers.attention import Attention
 
 __all__ = ["allocate_kv_caches", "kv_cache_bytes_per_block", "kv_cache_layer_groups",

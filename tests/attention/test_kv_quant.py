@@ -10,9 +10,9 @@ import torch
 
 from pagedllm.attention.backends.cpu_paged import CpuPagedBackend
 from pagedllm.kv_cache_layout import (allocate_kv_cache, dequantize_kv,
-                                                  kv_cache_block_bytes, kv_cache_scales,
-                                                  quantize_fp8, quantize_int8,
-                                                  resolve_kv_cache_dtype, write_kv_cache)
+                                      kv_cache_block_bytes, kv_cache_scales,
+                                      quantize_fp8, quantize_int8,
+                                      resolve_kv_cache_dtype, write_kv_cache)
 from pagedllm.attention.backends.torch_sdpa import TorchSDPABackend
 from pagedllm.attention.backends.triton_paged import TritonPagedBackend
 from pagedllm.attention.metadata import CommonAttentionMetadata
@@ -188,9 +188,8 @@ def test_fp8_calibrated_scales_and_backends_agree(cache_dtype):
 def test_portable_kernel_reads_quantized_caches(cache_dtype):
     """The kernels' portable path (built without AVX2/FMA, what a CPU without AVX2 runs) on a
     quantized cache, called directly, against dense attention over the dequantized K/V."""
-    import ctypes
-
     from pagedllm.native.kernels import build_cpu_kernels
+    from pagedllm.native.kernels.ops import paged_attention
 
     lib = build_cpu_kernels(("-mno-avx2", "-mno-fma"))
     shape = (6, 3, 32, 8)
@@ -200,17 +199,7 @@ def test_portable_kernel_reads_quantized_caches(cache_dtype):
     qsl = np.ascontiguousarray(common.query_start_loc_cpu, dtype=np.int32)
     seq_lens = np.ascontiguousarray(common.seq_lens_cpu, dtype=np.int32)
     rows = np.arange(common.num_reqs, dtype=np.int32)
-    out = torch.zeros(q.shape[0], H, D)
-    scales = kv_cache_scales(cache)
-    if cache_dtype == torch.int8:
-        fn, extra = lib.paged_attention_int8, (scales[0].data_ptr(), scales[1].data_ptr())
-    else:
-        fn = lib.paged_attention_fp8_e4m3
-        extra = tuple(ctypes.c_float(s) for s in scales.tolist())
-    fn(q.contiguous().data_ptr(), cache[0].data_ptr(), cache[1].data_ptr(), *extra,
-       common.block_table.data_ptr(), common.block_table.stride(0), qsl.ctypes.data,
-       seq_lens.ctypes.data, rows.ctypes.data, len(rows), out.data_ptr(), H, KVH, D, bs,
-       ctypes.c_float(D ** -0.5), 1, 0, ctypes.c_float(0.0))
+    out = paged_attention(q, cache, common.block_table, qsl, seq_lens, rows, D ** -0.5, lib=lib)
     want = []
     for r, (qr, _, _, table) in enumerate(reqs):
         kd, vd = _cached_kv(cache, table, int(seq_lens[r]), bs)

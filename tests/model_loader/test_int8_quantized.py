@@ -26,7 +26,7 @@ from pagedllm.layers.quantization.int8 import (Int8LinearMethod, quantize_activa
                                                quantize_weight_per_channel)
 from pagedllm.model_loader.loader import load_model
 from pagedllm.native.fused_decoder import FusedDecoder
-from tests.models.test_fused_decoder import _continuation_logits
+from tests.native.test_fused_decoder import _continuation_logits
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="CPU kernels did not build")
 

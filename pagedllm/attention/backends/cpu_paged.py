@@ -33,17 +33,17 @@ it too (it reads only the window's blocks). The split is computed once per step 
 
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pagedllm.kv_cache_layout import kv_cache_scales, write_kv_cache
+from pagedllm.kv_cache_layout import write_kv_cache
 from pagedllm.attention.backends.torch_sdpa import TorchSDPABackend, TorchSDPAMetadata
 from pagedllm.attention.metadata import CommonAttentionMetadata
 from pagedllm.native.kernels import cpu_kernels
+from pagedllm.native.kernels.ops import paged_attention
 
 
 @dataclass
@@ -101,10 +101,6 @@ class CpuPagedMetadata:
 
 # Cache dtypes the kernel reads (int8 / fp8 with their scales, see kv_cache_layout.py).
 _KERNEL_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn)
-
-
-def _ptr(t: torch.Tensor | np.ndarray) -> int:
-    return t.data_ptr() if isinstance(t, torch.Tensor) else t.ctypes.data
 
 
 class CpuPagedBackend:
@@ -185,31 +181,8 @@ class CpuPagedBackend:
             out[start:end] = o[0].transpose(0, 1)
 
         if len(rows):
-            lib = cpu_kernels()
-            q32 = query.to(torch.float32).contiguous()
-            block_table = common.block_table
-            assert block_table.dtype == torch.int32 and block_table.stride(1) == 1
-            if kv_cache.dtype == torch.float32:
-                fn, caches = lib.paged_attention_f32, (_ptr(key_cache), _ptr(value_cache))
-            elif kv_cache.dtype == torch.bfloat16:
-                fn, caches = lib.paged_attention_bf16, (_ptr(key_cache), _ptr(value_cache))
-            elif kv_cache.dtype == torch.int8:
-                scales = kv_cache_scales(kv_cache)
-                fn = lib.paged_attention_int8
-                caches = (_ptr(key_cache), _ptr(value_cache), _ptr(scales[0]), _ptr(scales[1]))
-            else:
-                k_scale, v_scale = kv_cache_scales(kv_cache).tolist()
-                fn = lib.paged_attention_fp8_e4m3
-                caches = (_ptr(key_cache), _ptr(value_cache), ctypes.c_float(k_scale),
-                          ctypes.c_float(v_scale))
-            args = (_ptr(q32), *caches, _ptr(block_table),
-                    block_table.stride(0), _ptr(metadata.query_start_loc),
-                    _ptr(metadata.seq_lens), _ptr(rows), ctypes.c_int(len(rows)), _ptr(out),
-                    num_heads, num_kv_heads, query.shape[2], common.block_size,
-                    ctypes.c_float(scale), int(common.causal), sliding_window or 0,
-                    ctypes.c_float(logits_soft_cap or 0.0))
-            if common.batch_invariant:   # every request on the per-token path
-                getattr(lib, fn.__name__ + "_tiled")(*args, 1)
-            else:
-                fn(*args)
+            paged_attention(query, kv_cache, common.block_table, metadata.query_start_loc,
+                            metadata.seq_lens, rows, scale, common.causal, sliding_window,
+                            logits_soft_cap, query_tile=1 if common.batch_invariant else None,
+                            out=out, checked=False)
         return out if query.dtype == torch.float32 else out.to(query.dtype)

@@ -15,7 +15,7 @@ import os
 import socket
 
 from pagedllm.engine.arg_utils import (add_engine_args, bounded_int, engine_kwargs_from_args,
-                                           non_empty)
+                                       non_empty)
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 _SERVE_USAGE = "%(prog)s [--model MODEL] [--host HOST] [--port PORT] [options] (see --help)"

@@ -38,8 +38,8 @@ from torch import nn
 
 from pagedllm.native.kernels import switched_off
 from pagedllm.native.kernels.ops import (GGUF_BLOCK_SIZE, GGUF_KERNEL_TYPES, gguf_dequantize_rows,
-                                  gguf_group_rows, gguf_linear, gguf_linear_segments,
-                                  gguf_ungroup_rows)
+                                         gguf_group_rows, gguf_linear, gguf_linear_segments,
+                                         gguf_ungroup_rows)
 from pagedllm.layers.quantization.base import LinearMethodBase
 from pagedllm.platforms import current_platform
 

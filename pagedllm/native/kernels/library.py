@@ -21,9 +21,10 @@ import tempfile
 import threading
 from pathlib import Path
 
+from pagedllm.native.kernels import abi
+
 logger = logging.getLogger(__name__)
 
-KERNELS_VERSION = 9  # must equal pagedllm_cpu_kernels_version() in the sources
 _SOURCES = ("cpu_attention.cpp", "cpu_linear.cpp", "cpu_decoder.cpp", "cpu_gguf_linear.cpp",
             "cpu_int8_linear.cpp", "cpu_fused_moe.cpp", "cpu_gguf_q8_linear.cpp",
             "cpu_packed_gemm.cpp", "cpu_decode_loop.cpp")
@@ -62,7 +63,9 @@ def _build(compiler: str, flags: tuple[str, ...], target: Path) -> None:
             return
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             out = Path(tmp) / target.name
-            cmd = [compiler, *flags, *(str(csrc / s) for s in _SOURCES), "-o", str(out)]
+            (Path(tmp) / "pagedllm_abi.h").write_text(abi.c_header())
+            cmd = [compiler, *flags, f"-I{tmp}", *(str(csrc / s) for s in _SOURCES), "-o",
+                   str(out)]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode != 0:
                 raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
@@ -124,7 +127,7 @@ def build_cpu_kernels(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     flags = (*_CXXFLAGS, *extra_flags)
     csrc = Path(__file__).parent / "csrc"
     digest = hashlib.sha256()
-    for part in (compiler, " ".join(flags), _cpu_flags_line()):
+    for part in (compiler, " ".join(flags), _cpu_flags_line(), abi.c_header()):
         digest.update(part.encode())
     for s in (*_SOURCES, *_HEADERS):
         digest.update((csrc / s).read_bytes())
@@ -134,73 +137,8 @@ def build_cpu_kernels(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
         logger.info("compiling CPU kernels into %s", target)
         _build(compiler, flags, target)
     lib = ctypes.CDLL(str(target))
-    version = lib.pagedllm_cpu_kernels_version()
-    if version != KERNELS_VERSION:
-        raise RuntimeError(f"kernel ABI version {version}, expected {KERNELS_VERSION}")
-    _declare(lib)
+    version = lib.pagedllm_abi_version()
+    if version != abi.ABI_VERSION:
+        raise RuntimeError(f"kernel ABI version {version}, expected {abi.ABI_VERSION}")
+    abi.declare(lib)
     return lib
-
-
-def _declare(lib: ctypes.CDLL) -> None:
-    p, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
-    for name in ("paged_attention_f32", "paged_attention_bf16"):
-        fn = getattr(lib, name)
-        fn.restype = None
-        fn.argtypes = [p, p, p, p, i64, p, p, p, i32, p, i32, i32, i32, i32, f32, i32, i32, f32]
-    lib.paged_attention_int8.restype = None
-    lib.paged_attention_int8.argtypes = [p, p, p, p, p, p, i64, p, p, p, i32, p, i32, i32, i32,
-                                         i32, f32, i32, i32, f32]
-    lib.paged_attention_fp8_e4m3.restype = None
-    lib.paged_attention_fp8_e4m3.argtypes = [p, p, p, f32, f32, p, i64, p, p, p, i32, p, i32,
-                                             i32, i32, i32, f32, i32, i32, f32]
-    for name in ("paged_attention_f32", "paged_attention_bf16", "paged_attention_int8",
-                 "paged_attention_fp8_e4m3"):   # the same with a trailing query_tile
-        fn = getattr(lib, name + "_tiled")
-        fn.restype = None
-        fn.argtypes = [*getattr(lib, name).argtypes, i32]
-    for name in ("linear_bf16", "linear_f32", "linear_bf16_act"):
-        fn = getattr(lib, name)
-        fn.restype = None
-        fn.argtypes = [p, i64, i64, i64, p, i64, p, p, i64]
-    lib.decoder_layers.restype = None
-    lib.decoder_layers.argtypes = [p, i32, p, p, i32, i32, i32]
-    lib.add_rms_norm.restype = None
-    lib.add_rms_norm.argtypes = [p, p, i64, i64, p, f32, p, i32]
-    for name in ("linear_gguf_segments", "linear_gguf_segments_q8"):
-        fn = getattr(lib, name)
-        fn.restype = i32
-        fn.argtypes = [p, i64, i64, i64, p, i64, p, p, i64]
-    for name in ("quantize_rows_gguf_q8", "quantize_rows_gguf_q8k"):
-        fn = getattr(lib, name)
-        fn.restype = None
-        fn.argtypes = [p, i64, i64, i64, p, p, p]
-    lib.gguf_q8_dot_isa.restype = i32
-    lib.gguf_q8_dot_isa.argtypes = []
-    lib.gguf_regroup_rows.restype = i32
-    lib.gguf_regroup_rows.argtypes = [p, p, i64, i64, i64, i32]
-    lib.dequantize_rows_gguf.restype = i32
-    lib.dequantize_rows_gguf.argtypes = [p, i64, p, i64, p]
-    for name in ("linear_int8_f32", "linear_w8a8_f32"):
-        fn = getattr(lib, name)
-        fn.restype = None
-        fn.argtypes = [p, i64, i64, i64, p, i64, p, p, p, i64]
-    lib.quantize_rows_int8.restype = None
-    lib.quantize_rows_int8.argtypes = [p, i64, i64, i64, p, p]
-    lib.fused_moe_experts.restype = i32
-    lib.fused_moe_experts.argtypes = [p, i32, i64, i64, p, p, i32, i64, i64, p, p, i64, p]
-    for name in ("packed_linear_f32", "packed_linear_bf16", "packed_linear_bf16_act"):
-        fn = getattr(lib, name)
-        fn.restype = None
-        fn.argtypes = [p, i64, i64, i64, p, i64, p, p, i64]
-    for name in ("pack_linear_weight", "unpack_linear_weight"):
-        fn = getattr(lib, name)
-        fn.restype = None
-        fn.argtypes = [p, i64, i64, i32, p]
-    lib.packed_weight_rows.restype = i32
-    lib.packed_weight_rows.argtypes = [p, i64, i64, i32, p, i64, p]
-    lib.packed_gemm_bf16_pairs.restype = i32
-    lib.packed_gemm_bf16_pairs.argtypes = []
-    lib.decode_greedy_steps.restype = i32
-    lib.decode_greedy_steps.argtypes = [p, p, i32, p]
-    lib.fma_peak_probe.restype = ctypes.c_double
-    lib.fma_peak_probe.argtypes = [i64, i32]

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from pagedllm.kv_cache_layout import kv_cache_scales
-from pagedllm.native.kernels import cpu_kernels
+from pagedllm.native.kernels import abi, cpu_kernels
 
 _LINEAR_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -280,13 +280,19 @@ def cpu_fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     return out
 
 
+PagedAttentionArgs = abi.struct("PagedAttentionArgs")
+_CACHE_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.float8_e4m3fn: 3}
+
+
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                     query_start_loc: np.ndarray, seq_lens: np.ndarray, rows: np.ndarray,
                     scale: float, causal: bool = True, sliding_window: int | None = None,
                     logits_soft_cap: float | None = None, query_tile: int | None = None,
-                    lib: ctypes.CDLL | None = None) -> torch.Tensor:
+                    lib: ctypes.CDLL | None = None, out: torch.Tensor | None = None,
+                    checked: bool = True) -> torch.Tensor:
     """Paged attention of the given requests over a KV cache with the native kernel
-    (`csrc/cpu_attention.cpp`; what `CpuPagedBackend` calls, without writing the cache).
+    (`csrc/cpu_attention.cpp`, one `PagedAttentionArgs` per call); the one wrapper of it, used
+    by `CpuPagedBackend` (which writes the cache first) and the tests.
 
     Query token i of request r sits at position seq_lens[r] - query_len[r] + i and attends
     (causally, within the window, soft-capped) to the K/V its block table points to.
@@ -298,18 +304,24 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: to
             int8 / float8_e4m3fn made by `kv_cache_layout.allocate_kv_cache` (with its scales).
         block_table: [num_reqs, max_blocks] int32, unit stride along a row.
         query_start_loc, seq_lens: [num_reqs + 1] / [num_reqs] int32 numpy.
-        rows: [R] int32 numpy, the requests to compute (the other tokens' outputs are zero).
+        rows: [R] int32 numpy, the requests to compute (the other tokens' outputs are left
+            as they are in `out`: zero in a new one).
         scale: softmax scale.
         causal, sliding_window, logits_soft_cap: as in `CpuPagedBackend.forward`.
         query_tile: query tokens per work item for requests with several query tokens (each
             K/V block is read once per tile), 4x that for requests of 16 or more, which run
             as register-blocked GEMMs on AVX2 builds for head sizes % 32 == 0 (their floats
             then differ from the per-token path's in the last bits); 1 = one token per item,
-            the per-token path; None = the library's default (16).
+            the per-token path, where each token's floats depend on its own context alone
+            (the batch-invariant mode); None = the library's default (16).
         lib: the kernel library (default `cpu_kernels()`; tests pass a portable build).
+        out: [num_tokens, num_heads, head_size] float32 contiguous to write into (None: a new
+            zero tensor).
+        checked: validate the arguments (the backend, whose metadata builder made them,
+            skips it on its per-layer calls).
 
     Returns:
-        [num_tokens, num_heads, head_size] float32.
+        `out`: [num_tokens, num_heads, head_size] float32.
 
     Raises:
         ValueError: an unsupported cache dtype, mismatched shapes, or query_tile < 1.
@@ -319,8 +331,38 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: to
     if lib is None:
         raise RuntimeError("paged_attention needs the native CPU kernels, which are "
                            "unavailable (see the log)")
+    cache_dtype = _CACHE_DTYPE_CODES.get(kv_cache.dtype)
+    if checked:
+        _check_paged_attention(query, kv_cache, block_table, query_start_loc, seq_lens, rows,
+                               query_tile, cache_dtype)
+    q32 = query.to(torch.float32).contiguous()
+    if out is None:
+        out = torch.zeros(q32.shape, dtype=torch.float32)
+    args = PagedAttentionArgs(
+        query=q32.data_ptr(), key_cache=kv_cache[0].data_ptr(),
+        value_cache=kv_cache[1].data_ptr(), k_scale=1.0, v_scale=1.0,
+        block_table=block_table.data_ptr(), block_table_stride=block_table.stride(0),
+        query_start_loc=query_start_loc.ctypes.data, seq_lens=seq_lens.ctypes.data,
+        rows=rows.ctypes.data, num_rows=len(rows), num_heads=query.shape[1],
+        num_kv_heads=kv_cache.shape[3], head_size=query.shape[2],
+        block_size=kv_cache.shape[2], causal=int(causal), window=sliding_window or 0,
+        scale=scale, soft_cap=logits_soft_cap or 0.0, query_tile=query_tile or 0,
+        cache_dtype=cache_dtype, out=out.data_ptr())
+    if kv_cache.dtype == torch.int8:
+        scales = kv_cache_scales(kv_cache)
+        args.k_scales, args.v_scales = scales[0].data_ptr(), scales[1].data_ptr()
+    elif kv_cache.dtype == torch.float8_e4m3fn:
+        args.k_scale, args.v_scale = kv_cache_scales(kv_cache).tolist()
+    lib.paged_attention(ctypes.byref(args))
+    return out
+
+
+def _check_paged_attention(query, kv_cache, block_table, query_start_loc, seq_lens, rows,
+                           query_tile, cache_dtype) -> None:
     if query_tile is not None and query_tile < 1:
         raise ValueError(f"paged_attention: query_tile must be >= 1, got {query_tile}")
+    if cache_dtype is None:
+        raise ValueError(f"paged_attention: KV cache dtype {kv_cache.dtype} not supported")
     if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or query.dim() != 3 \
             or query.shape[2] != kv_cache.shape[4] or query.shape[1] % kv_cache.shape[3]:
         raise ValueError(f"paged_attention: query {tuple(query.shape)} does not fit the KV "
@@ -333,30 +375,6 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: to
                     ("rows", rows)):
         if a.dtype != np.int32 or not a.flags.c_contiguous:
             raise ValueError(f"paged_attention: {name} must be a contiguous int32 array")
-    suffix = {torch.float32: "f32", torch.bfloat16: "bf16", torch.int8: "int8",
-              torch.float8_e4m3fn: "fp8_e4m3"}.get(kv_cache.dtype)
-    if suffix is None:
-        raise ValueError(f"paged_attention: KV cache dtype {kv_cache.dtype} not supported")
-    key_cache, value_cache = kv_cache[0], kv_cache[1]
-    caches: tuple = (key_cache.data_ptr(), value_cache.data_ptr())
-    if kv_cache.dtype == torch.int8:
-        scales = kv_cache_scales(kv_cache)
-        caches += (scales[0].data_ptr(), scales[1].data_ptr())
-    elif kv_cache.dtype == torch.float8_e4m3fn:
-        k_scale, v_scale = kv_cache_scales(kv_cache).tolist()
-        caches += (ctypes.c_float(k_scale), ctypes.c_float(v_scale))
-    name = f"paged_attention_{suffix}"
-    fn = getattr(lib, name) if query_tile is None else getattr(lib, name + "_tiled")
-    tile = () if query_tile is None else (query_tile,)
-    q32 = query.to(torch.float32).contiguous()
-    num_heads, head_size = query.shape[1], query.shape[2]
-    out = torch.zeros(q32.shape, dtype=torch.float32)
-    fn(q32.data_ptr(), *caches, block_table.data_ptr(), block_table.stride(0),
-       query_start_loc.ctypes.data, seq_lens.ctypes.data, rows.ctypes.data, len(rows),
-       out.data_ptr(), num_heads, kv_cache.shape[3], head_size, kv_cache.shape[2],
-       ctypes.c_float(scale), int(causal), sliding_window or 0,
-       ctypes.c_float(logits_soft_cap or 0.0), *tile)
-    return out
 
 
 class GGUFBlockType(NamedTuple):
@@ -380,14 +398,10 @@ GGUF_BLOCK_SIZE = 32  # the smallest block: an input split must fall on its mult
 GGUF_GROUP_ROWS = 4  # rows per group of the row-group layout (csrc/gguf_blocks.h kGroupRows)
 
 
-class GGUFSegmentStruct(ctypes.Structure):
-    """Mirror of `pagedllm::gguf::Segment` (csrc/gguf_blocks.h): rows [row_start, row_start +
-    rows) of a weight, stored at `data` as rows * row_bytes bytes of blocks of type
-    `ggml_type`, plain rows or (`grouped` 1) in the row-group layout (`gguf_group_rows`)."""
-
-    _fields_ = [("data", ctypes.c_void_p), ("row_start", ctypes.c_int64),
-                ("rows", ctypes.c_int64), ("ggml_type", ctypes.c_int64),
-                ("grouped", ctypes.c_int64)]
+# Rows [row_start, row_start + rows) of a weight, stored at `data` as rows * row_bytes bytes of
+# blocks of type `ggml_type`, plain rows or (`grouped` 1) in the row-group layout
+# (`gguf_group_rows`).
+GGUFSegmentStruct = abi.struct("GGUFSegment")
 
 
 def gguf_group_rows(qweight: torch.Tensor, tensor_type: str) -> torch.Tensor:

@@ -40,13 +40,14 @@
 #include <omp.h>
 
 #include "attention_kernel.h"
+#include "pagedllm_abi.h"
 
 namespace {
 
 using namespace pagedllm;
 
 template <typename T>
-void paged_attention(const float* query, const T* key_cache, const T* value_cache,
+void attend_paged(const float* query, const T* key_cache, const T* value_cache,
                      const int32_t* block_table, int64_t block_table_stride,
                      const int32_t* query_start_loc, const int32_t* seq_lens,
                      const int32_t* rows, int num_rows, float* out, int num_heads,
@@ -73,117 +74,29 @@ void paged_attention(const float* query, const T* key_cache, const T* value_cach
 
 extern "C" {
 
-// ABI version: bump when a signature below changes (checked by the Python loader).
-int pagedllm_cpu_kernels_version() { return 9; }
+int pagedllm_abi_version(void) { return PAGEDLLM_ABI_VERSION; }
 
-void paged_attention_f32(const float* query, const float* key_cache, const float* value_cache,
-                         const int32_t* block_table, int64_t block_table_stride,
-                         const int32_t* query_start_loc, const int32_t* seq_lens,
-                         const int32_t* rows, int num_rows, float* out, int num_heads,
-                         int num_kv_heads, int head_size, int block_size, float scale,
-                         int causal, int window, float soft_cap) {
-  paged_attention<float>(query, key_cache, value_cache, block_table, block_table_stride,
-                         query_start_loc, seq_lens, rows, num_rows, out, num_heads, num_kv_heads,
-                         head_size, block_size, scale, causal, window, soft_cap);
-}
-
-void paged_attention_bf16(const float* query, const uint16_t* key_cache,
-                          const uint16_t* value_cache, const int32_t* block_table,
-                          int64_t block_table_stride, const int32_t* query_start_loc,
-                          const int32_t* seq_lens, const int32_t* rows, int num_rows, float* out,
-                          int num_heads, int num_kv_heads, int head_size, int block_size,
-                          float scale, int causal, int window, float soft_cap) {
-  paged_attention<uint16_t>(query, key_cache, value_cache, block_table, block_table_stride,
-                            query_start_loc, seq_lens, rows, num_rows, out, num_heads,
-                            num_kv_heads, head_size, block_size, scale, causal, window,
-                            soft_cap);
-}
-
-// int8 caches: k_scales / v_scales [num_blocks, block_size, num_kv_heads] float32, one per row.
-void paged_attention_int8(const float* query, const int8_t* key_cache, const int8_t* value_cache,
-                          const float* k_scales, const float* v_scales,
-                          const int32_t* block_table, int64_t block_table_stride,
-                          const int32_t* query_start_loc, const int32_t* seq_lens,
-                          const int32_t* rows, int num_rows, float* out, int num_heads,
-                          int num_kv_heads, int head_size, int block_size, float scale,
-                          int causal, int window, float soft_cap) {
-  paged_attention<int8_t>(query, key_cache, value_cache, block_table, block_table_stride,
-                          query_start_loc, seq_lens, rows, num_rows, out, num_heads,
-                          num_kv_heads, head_size, block_size, scale, causal, window, soft_cap,
-                          k_scales, v_scales);
-}
-
-// float8 e4m3fn caches (bytes) with one scale per tensor.
-void paged_attention_fp8_e4m3(const float* query, const uint8_t* key_cache,
-                              const uint8_t* value_cache, float k_scale, float v_scale,
-                              const int32_t* block_table, int64_t block_table_stride,
-                              const int32_t* query_start_loc, const int32_t* seq_lens,
-                              const int32_t* rows, int num_rows, float* out, int num_heads,
-                              int num_kv_heads, int head_size, int block_size, float scale,
-                              int causal, int window, float soft_cap) {
-  paged_attention<fp8_e4m3>(query, reinterpret_cast<const fp8_e4m3*>(key_cache),
-                            reinterpret_cast<const fp8_e4m3*>(value_cache), block_table,
-                            block_table_stride, query_start_loc, seq_lens, rows, num_rows, out,
-                            num_heads, num_kv_heads, head_size, block_size, scale, causal,
-                            window, soft_cap, nullptr, nullptr, k_scale, v_scale);
-}
-
-// The entry points above with the query tile as a last argument (tokens per work item for the
-// requests with several query tokens; <= 1: the per-token path for all), for tests and
-// measurements.
-void paged_attention_f32_tiled(const float* query, const float* key_cache,
-                               const float* value_cache, const int32_t* block_table,
-                               int64_t block_table_stride, const int32_t* query_start_loc,
-                               const int32_t* seq_lens, const int32_t* rows, int num_rows,
-                               float* out, int num_heads, int num_kv_heads, int head_size,
-                               int block_size, float scale, int causal, int window,
-                               float soft_cap, int query_tile) {
-  paged_attention<float>(query, key_cache, value_cache, block_table, block_table_stride,
-                         query_start_loc, seq_lens, rows, num_rows, out, num_heads, num_kv_heads,
-                         head_size, block_size, scale, causal, window, soft_cap, nullptr,
-                         nullptr, 1.f, 1.f, query_tile);
-}
-
-void paged_attention_bf16_tiled(const float* query, const uint16_t* key_cache,
-                                const uint16_t* value_cache, const int32_t* block_table,
-                                int64_t block_table_stride, const int32_t* query_start_loc,
-                                const int32_t* seq_lens, const int32_t* rows, int num_rows,
-                                float* out, int num_heads, int num_kv_heads, int head_size,
-                                int block_size, float scale, int causal, int window,
-                                float soft_cap, int query_tile) {
-  paged_attention<uint16_t>(query, key_cache, value_cache, block_table, block_table_stride,
-                            query_start_loc, seq_lens, rows, num_rows, out, num_heads,
-                            num_kv_heads, head_size, block_size, scale, causal, window, soft_cap,
-                            nullptr, nullptr, 1.f, 1.f, query_tile);
-}
-
-void paged_attention_int8_tiled(const float* query, const int8_t* key_cache,
-                                const int8_t* value_cache, const float* k_scales,
-                                const float* v_scales, const int32_t* block_table,
-                                int64_t block_table_stride, const int32_t* query_start_loc,
-                                const int32_t* seq_lens, const int32_t* rows, int num_rows,
-                                float* out, int num_heads, int num_kv_heads, int head_size,
-                                int block_size, float scale, int causal, int window,
-                                float soft_cap, int query_tile) {
-  paged_attention<int8_t>(query, key_cache, value_cache, block_table, block_table_stride,
-                          query_start_loc, seq_lens, rows, num_rows, out, num_heads,
-                          num_kv_heads, head_size, block_size, scale, causal, window, soft_cap,
-                          k_scales, v_scales, 1.f, 1.f, query_tile);
-}
-
-void paged_attention_fp8_e4m3_tiled(const float* query, const uint8_t* key_cache,
-                                    const uint8_t* value_cache, float k_scale, float v_scale,
-                                    const int32_t* block_table, int64_t block_table_stride,
-                                    const int32_t* query_start_loc, const int32_t* seq_lens,
-                                    const int32_t* rows, int num_rows, float* out,
-                                    int num_heads, int num_kv_heads, int head_size,
-                                    int block_size, float scale, int causal, int window,
-                                    float soft_cap, int query_tile) {
-  paged_attention<fp8_e4m3>(query, reinterpret_cast<const fp8_e4m3*>(key_cache),
-                            reinterpret_cast<const fp8_e4m3*>(value_cache), block_table,
-                            block_table_stride, query_start_loc, seq_lens, rows, num_rows, out,
-                            num_heads, num_kv_heads, head_size, block_size, scale, causal,
-                            window, soft_cap, nullptr, nullptr, k_scale, v_scale, query_tile);
+// One call over a KV cache of `args->cache_dtype` (PagedAttentionArgs, abi.py): 0 float32,
+// 1 bfloat16, 2 int8 (with the per-row scales), 3 float8 e4m3fn (with the per-tensor scales);
+// `query_tile` 0 takes the default tile.
+void paged_attention(const PagedAttentionArgs* args) {
+  const PagedAttentionArgs& a = *args;
+  const int tile = a.query_tile > 0 ? a.query_tile : kDefaultQueryTile;
+#define PAGEDLLM_ATTEND(T, k_scales, v_scales, k_scale, v_scale)                             \
+  attend_paged<T>(a.query, static_cast<const T*>(a.key_cache),                             \
+                     static_cast<const T*>(a.value_cache), a.block_table,                     \
+                     a.block_table_stride, a.query_start_loc, a.seq_lens, a.rows, a.num_rows, \
+                     a.out, a.num_heads, a.num_kv_heads, a.head_size, a.block_size, a.scale,  \
+                     a.causal, a.window, a.soft_cap, k_scales, v_scales, k_scale, v_scale,    \
+                     tile)
+  switch (a.cache_dtype) {
+    case 0: PAGEDLLM_ATTEND(float, nullptr, nullptr, 1.f, 1.f); break;
+    case 1: PAGEDLLM_ATTEND(uint16_t, nullptr, nullptr, 1.f, 1.f); break;
+    case 2: PAGEDLLM_ATTEND(int8_t, a.k_scales, a.v_scales, 1.f, 1.f); break;
+    case 3: PAGEDLLM_ATTEND(fp8_e4m3, nullptr, nullptr, a.k_scale, a.v_scale); break;
+    default: break;
+  }
+#undef PAGEDLLM_ATTEND
 }
 
 }  // extern "C"

@@ -26,78 +26,23 @@
 
 #include "cpu_vec.h"
 #include "gguf_blocks.h"
+#include "pagedllm_abi.h"
 
-extern "C" {
-// From the other sources of this library.
-void decoder_layers(const void* layers, int num_layers, const void* step,
-                    const int32_t* attention_rows, int num_attention_rows, int add_delta_first,
-                    int dtype);
-void add_rms_norm(void* residual, const float* delta, int64_t num_tokens, int64_t hidden,
-                  const void* weight, float eps, void* out, int dtype);
-int dequantize_rows_gguf(const pagedllm::gguf::Segment* segment, int64_t K, const int64_t* ids,
-                         int64_t num_ids, float* out);
-int linear_gguf_segments(const float* x, int64_t ldx, int64_t M, int64_t K,
-                         const pagedllm::gguf::Segment* segments, int64_t num_segments,
-                         const float* bias, float* y, int64_t ldy);
-int linear_gguf_segments_q8(const float* x, int64_t ldx, int64_t M, int64_t K,
-                            const pagedllm::gguf::Segment* segments, int64_t num_segments,
-                            const float* bias, float* y, int64_t ldy);
-int packed_weight_rows(const void* packed, int64_t N, int64_t K, int dtype, const int64_t* ids,
-                       int64_t n, void* out);
-void packed_linear_f32(const float* x, int64_t ldx, int64_t M, int64_t K, const float* w,
-                       int64_t N, const float* bias, float* y, int64_t ldy);
-void packed_linear_bf16(const float* x, int64_t ldx, int64_t M, int64_t K, const uint16_t* w,
-                        int64_t N, const float* bias, float* y, int64_t ldy);
-}
+// The library's other entry points it calls are declared by pagedllm_abi.h.
 
 namespace {
 
 using pagedllm::to_float;
 using pagedllm::store;
 
-// How a weight [rows, cols] (the embedding table or the LM head) is stored. Mirrored by
-// `VocabWeight` in pagedllm/native/decode_loop.py.
+// How a weight [rows, cols] (the embedding table or the LM head) is stored: `VocabWeight.kind`
+// (abi.py; the Python side names them in native/decode_loop.py). DecodeLoopArgs' buffers are
+// sized for num_reqs rows (one token each).
 enum VocabKind : int64_t {
   kDense = 0,       // rows [rows, cols] in `dtype` (embedding only)
   kPacked = 1,      // packed_gemm.h panels in `dtype` (pack_linear_weight)
   kGguf = 2,        // GGUF row segments, float32 activations
   kGgufQ8 = 3,      // GGUF row segments, activations rounded to 8 bits per block
-};
-
-struct VocabWeight {
-  int64_t kind;
-  int64_t dtype;                               // 0 float32, 1 bfloat16 (dense / packed)
-  const void* data;                            // dense / packed weight
-  const pagedllm::gguf::Segment* segments;     // GGUF
-  int64_t num_segments;
-  int64_t rows, cols;
-};
-
-// Mirrored by `DecodeLoopArgs` in pagedllm/native/decode_loop.py. Buffers are sized for
-// num_reqs rows (one token each).
-struct DecodeLoopArgs {
-  const void* layers;           // DecoderLayerWeights[num_layers] (cpu_decoder.cpp)
-  int64_t num_layers;
-  const void* step;             // DecoderStep (cpu_decoder.cpp) over the buffers below
-  int64_t dtype;                // model dtype: 0 float32, 1 bfloat16
-  int64_t num_reqs, hidden, block_size, block_table_stride;
-  const int32_t* block_table;   // [num_reqs, block_table_stride]
-  const int32_t* attention_rows;  // [num_reqs] 0..num_reqs-1
-  int64_t* positions;           // [num_reqs] the step's positions (advanced here)
-  int64_t* slot_mapping;        // [num_reqs]
-  int32_t* seq_lens;            // [num_reqs]
-  void* residual;               // [num_reqs, hidden] model dtype (the step's residual)
-  float* delta;                 // [num_reqs, hidden] (the step's delta)
-  void* normed;                 // [num_reqs, hidden] model dtype
-  float* head_x;                // [num_reqs, hidden]
-  float* logits;                // [num_reqs, vocab]
-  float* embed_f32;             // [num_reqs, hidden] (GGUF embedding rows before rounding)
-  VocabWeight embedding, head;
-  const void* norm_weight;      // [hidden] model dtype
-  float norm_eps;
-  // Stop tokens: row b's are stop_ids[stop_offsets[b] .. stop_offsets[b + 1]).
-  const int64_t* stop_offsets;
-  const int64_t* stop_ids;
 };
 
 int64_t row_argmax(const float* x, int64_t n) {

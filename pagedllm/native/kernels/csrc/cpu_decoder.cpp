@@ -43,42 +43,8 @@ namespace {
 
 using namespace pagedllm;
 
-// Field order and types are mirrored by ctypes structures in pagedllm/native/fused_decoder.py.
-struct DecoderLayerWeights {
-  const void* input_norm;      // [hidden] T
-  const void* post_norm;       // [hidden] T
-  const void* qkv;             // [q_size + 2 * kv_size, hidden] T
-  const float* qkv_bias;       // [q_size + 2 * kv_size] or null
-  const void* q_norm;          // [head_size] T or null (per-head RMSNorm, Qwen3)
-  const void* k_norm;          // [head_size] T or null
-  const void* o;               // [hidden, q_size] T
-  const float* o_bias;         // [hidden] or null
-  const void* gate_up;         // [2 * intermediate, hidden] T (gate rows, then up rows)
-  const float* gate_up_bias;   // [2 * intermediate] or null
-  const void* down;            // [hidden, intermediate] T
-  const float* down_bias;      // [hidden] or null
-  void* key_cache;             // [num_blocks, block_size, num_kv_heads, head_size] T
-  void* value_cache;           // same
-  const float* cos_cache;      // [max_position, head_size / 2]
-  const float* sin_cache;      // same
-  int64_t hidden_size, num_heads, num_kv_heads, head_size, intermediate_size;
-  float eps, scale;
-  // GGUF-quantized weights (layers/quantization/gguf.py): for qkv, o, gate_up, down in this
-  // order, the weight's row segments (gguf_blocks.h) and their count; a count of 0 means the
-  // float weight above is used instead.
-  const gguf::Segment* segments[4];
-  int64_t num_segments[4];
-  // Int8-quantized weights, same order: non-null scales [N] float32 mean the weight pointer
-  // above is int8 [N, K] (row n ~= scales[n] * w[n]); int8_activations 1 quantizes x per token
-  // first (W8A8), 0 keeps it float32 (weight-only).
-  const float* int8_scales[4];
-  int64_t int8_activations[4];
-  // GGUF weights, same order: 1 rounds x to 8 bits per block first and runs the integer-dot
-  // kernels (gguf_q8_dot.h), 0 keeps x float32.
-  int64_t gguf_q8_activations[4];
-  // Float weights packed for packed_gemm.h at load (1), same order; 0: the [N, K] matrix.
-  int64_t packed[4];
-};
+// DecoderLayerWeights (one layer's weights and KV cache) and DecoderStep (one step's
+// buffers) are the ABI's (pagedllm/native/kernels/abi.py).
 
 // Quantized activations, shared by the layers of one call (null when no layer needs them):
 // per token for W8A8 linears, xq [num_tokens, largest K] int8 and xs [num_tokens] float32; per
@@ -122,24 +88,6 @@ inline void layer_linear(const DecoderLayerWeights& lw, int index, const float* 
   }
 }
 
-struct DecoderStep {
-  int64_t num_tokens;
-  const int64_t* positions;        // [num_tokens]
-  const int64_t* slot_mapping;     // [num_tokens]; negative: do not write
-  const int32_t* block_table;      // [num_reqs, block_table_stride]
-  int64_t block_table_stride;
-  const int32_t* query_start_loc;  // [num_reqs + 1]
-  const int32_t* seq_lens;         // [num_reqs]
-  int32_t num_reqs, block_size, causal;
-  int32_t query_tile;               // attention's (`plan_step_attention`); 0: the default
-  void* residual;                  // [num_tokens, hidden] T, updated in place
-  float* delta;                    // [num_tokens, hidden]: in, the previous layer's output; out
-  float* normed;                   // [num_tokens, hidden] scratch
-  float* qkv_out;                  // [num_tokens, q_size + 2 * kv_size] scratch
-  float* attn_out;                 // [num_tokens, q_size] scratch
-  float* gate_up_out;              // [num_tokens, 2 * intermediate] scratch
-  float* act;                      // [num_tokens, intermediate] scratch
-};
 
 // residual[m] (+= delta[m] if add) then normed[m] = rms_norm(residual[m]) * w, for one row
 // (8 lanes at a time: the sum of squares is summed in 8 partial sums, then across them).

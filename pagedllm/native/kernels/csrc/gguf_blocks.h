@@ -28,6 +28,7 @@
 #include <omp.h>
 
 #include "cpu_vec.h"
+#include "pagedllm_abi.h"
 
 #if defined(__F16C__) && !defined(PAGEDLLM_AVX2)
 #include <immintrin.h>
@@ -45,13 +46,9 @@ enum : int64_t {
 };
 
 // Rows [row_start, row_start + rows) of a weight whose rows are [K / kWeights] blocks of one
-// type, e.g. the q, k and v parts of a fused qkv weight of mixed types. Mirrored by ctypes in
-// pagedllm/native/kernels/ops.py (GGUFSegmentStruct).
-struct Segment {
-  const uint8_t* data;  // rows * row_bytes bytes: plain rows, or grouped (below)
-  int64_t row_start, rows, ggml_type;
-  int64_t grouped;      // 1: the first rows / kGroupRows * kGroupRows rows are in row groups
-};
+// type, e.g. the q, k and v parts of a fused qkv weight of mixed types: `GGUFSegment` of the ABI
+// (pagedllm/native/kernels/abi.py).
+using Segment = ::GGUFSegment;
 
 // The row-group layout of a segment (`grouped` = 1; made at load by the GGUF linear method,
 // layers/quantization/gguf.py): the rows [0, R) with R = rows / kGroupRows * kGroupRows form

@@ -18,8 +18,8 @@ import torch
 
 from pagedllm.native.kernels import build_cpu_kernels, cpu_kernels
 from pagedllm.native.kernels.ops import (GGUF_GROUP_ROWS, GGUF_KERNEL_TYPES, gguf_group_rows,
-                                  gguf_linear, gguf_linear_segments, gguf_segment_structs,
-                                  gguf_ungroup_rows)
+                                         gguf_linear, gguf_linear_segments, gguf_segment_structs,
+                                         gguf_ungroup_rows)
 from pagedllm.model_loader.gguf import dequantize
 from tests.fixtures.gguf_files import quantize
 

@@ -59,7 +59,7 @@ def test_fused_decoder(use_portable, tiny_checkpoints):
     from transformers import AutoModelForCausalLM
 
     from pagedllm import LLM
-    from tests.models.test_fused_decoder import _continuation_logits
+    from tests.native.test_fused_decoder import _continuation_logits
 
     path = str(tiny_checkpoints["qwen3"])
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)

@@ -1,0 +1,320 @@
+"""The native library's ABI, written once: every struct shared with C, every entry point's
+signature and the ABI version.
+
+The declarations below are C. `c_header()` turns them into the header every source includes
+(`pagedllm_abi.h`, written next to the build, never committed), so the compiler checks each
+entry point's definition against its declaration here (a C-linkage function defined with
+other parameter types does not compile) and the sources use these struct definitions, not
+copies; `declare(lib)` and `struct(name)` turn the same text into the ctypes argument types
+and `ctypes.Structure` mirrors. Pointers cross as addresses (`c_void_p`): callers pass
+`tensor.data_ptr()`, `array.ctypes.data` or `ctypes.addressof(structure)`.
+
+Units and layouts are in the comments of each declaration; the kernels' algorithms are in the
+headers of `csrc/`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import re
+
+# Bump when a declaration below changes (the loaded library reports the version it was
+# compiled with; a stale library in the cache is refused).
+ABI_VERSION = 10
+
+STRUCTS = """
+/* One weight's rows of one GGML type (layers/quantization/gguf.py `kernel_segments`). */
+struct GGUFSegment {
+  const uint8_t* data;   /* rows * row_bytes bytes: plain rows, or grouped (gguf_blocks.h) */
+  int64_t row_start;     /* first output row of the weight */
+  int64_t rows;
+  int64_t ggml_type;     /* GGML type code */
+  int64_t grouped;       /* 1: the first rows / 4 * 4 rows are in row groups */
+};
+
+/* One paged-attention call (cpu_attention.cpp): the step's queries over the KV cache. */
+struct PagedAttentionArgs {
+  const float* query;              /* [num_tokens, num_heads, head_size] */
+  const void* key_cache;           /* [num_blocks, block_size, num_kv_heads, head_size] */
+  const void* value_cache;         /* same */
+  const float* k_scales;           /* int8 caches: [num_blocks, block_size, num_kv_heads] */
+  const float* v_scales;           /* same; null otherwise */
+  float k_scale;                   /* fp8 caches: the per-tensor scales; 1 otherwise */
+  float v_scale;
+  const int32_t* block_table;      /* [num_reqs, block_table_stride] */
+  int64_t block_table_stride;
+  const int32_t* query_start_loc;  /* [num_reqs + 1] */
+  const int32_t* seq_lens;         /* [num_reqs] */
+  const int32_t* rows;             /* [num_rows]: the requests to compute */
+  int32_t num_rows;
+  int32_t num_heads;
+  int32_t num_kv_heads;
+  int32_t head_size;
+  int32_t block_size;
+  int32_t causal;
+  int32_t window;                  /* sliding window in tokens; 0: none */
+  float scale;                     /* softmax scale */
+  float soft_cap;                  /* logit soft-capping; 0: none */
+  int32_t query_tile;              /* query tokens per work item; 0: the default; 1: every
+                                      token on the per-token path (batch-invariant mode) */
+  int32_t cache_dtype;             /* 0 float32, 1 bfloat16, 2 int8, 3 float8 e4m3fn */
+  float* out;                      /* [num_tokens, num_heads, head_size] */
+};
+
+/* One decoder layer's weights and KV cache (cpu_decoder.cpp, native/fused_decoder.py). The
+   arrays of 4 are per linear: qkv, o, gate_up, down. */
+struct DecoderLayerWeights {
+  const void* input_norm;          /* [hidden] model dtype */
+  const void* post_norm;
+  const void* qkv;                 /* float [N, K] or packed panels, or int8 [N, K] */
+  const float* qkv_bias;           /* [N] float32 or null, likewise below */
+  const void* q_norm;              /* [head_size] or null (Qwen3) */
+  const void* k_norm;
+  const void* o;
+  const float* o_bias;
+  const void* gate_up;
+  const float* gate_up_bias;
+  const void* down;
+  const float* down_bias;
+  void* key_cache;                 /* [num_blocks, block_size, num_kv_heads, head_size] */
+  void* value_cache;
+  const float* cos_cache;          /* [max_position, head_size / 2] */
+  const float* sin_cache;
+  int64_t hidden_size;
+  int64_t num_heads;
+  int64_t num_kv_heads;
+  int64_t head_size;
+  int64_t intermediate_size;
+  float eps;
+  float scale;
+  const GGUFSegment* segments[4];  /* GGUF row segments; num_segments 0: the float weight */
+  int64_t num_segments[4];
+  const float* int8_scales[4];     /* non-null: the weight is int8 [N, K] with these scales */
+  int64_t int8_activations[4];     /* 1: W8A8 (x quantized per token) */
+  int64_t gguf_q8_activations[4];  /* 1: x rounded to 8 bits per block (integer dots) */
+  int64_t packed[4];               /* 1: float weight in packed GEMM panels */
+};
+
+/* One step of the fused decoder over its buffers (cpu_decoder.cpp). */
+struct DecoderStep {
+  int64_t num_tokens;
+  const int64_t* positions;        /* [num_tokens] */
+  const int64_t* slot_mapping;     /* [num_tokens]; negative: do not write */
+  const int32_t* block_table;      /* [num_reqs, block_table_stride] */
+  int64_t block_table_stride;
+  const int32_t* query_start_loc;  /* [num_reqs + 1] */
+  const int32_t* seq_lens;         /* [num_reqs] */
+  int32_t num_reqs;
+  int32_t block_size;
+  int32_t causal;
+  int32_t query_tile;              /* as PagedAttentionArgs.query_tile */
+  void* residual;                  /* [num_tokens, hidden] model dtype, updated in place */
+  float* delta;                    /* [num_tokens, hidden]: the previous layer's output; out */
+  float* normed;                   /* [num_tokens, hidden] scratch */
+  float* qkv_out;                  /* [num_tokens, q_size + 2 * kv_size] scratch */
+  float* attn_out;                 /* [num_tokens, q_size] scratch */
+  float* gate_up_out;              /* [num_tokens, 2 * intermediate] scratch */
+  float* act;                      /* [num_tokens, intermediate] scratch */
+};
+
+/* An embedding table or LM head for the decode loop (cpu_decode_loop.cpp); kind 0 dense rows,
+   1 packed panels, 2 GGUF segments on float activations, 3 on 8-bit activations. */
+struct VocabWeight {
+  int64_t kind;
+  int64_t dtype;                   /* 0 float32, 1 bfloat16 (dense / packed) */
+  const void* data;                /* dense / packed weight */
+  const GGUFSegment* segments;     /* GGUF */
+  int64_t num_segments;
+  int64_t rows;
+  int64_t cols;
+};
+
+/* A greedy decode round (cpu_decode_loop.cpp); buffers of num_reqs rows, one token each. */
+struct DecodeLoopArgs {
+  const DecoderLayerWeights* layers;  /* [num_layers] */
+  int64_t num_layers;
+  const DecoderStep* step;         /* over the buffers below */
+  int64_t dtype;                   /* model dtype: 0 float32, 1 bfloat16 */
+  int64_t num_reqs;
+  int64_t hidden;
+  int64_t block_size;
+  int64_t block_table_stride;
+  const int32_t* block_table;      /* [num_reqs, block_table_stride] */
+  const int32_t* attention_rows;   /* [num_reqs] 0 .. num_reqs - 1 */
+  int64_t* positions;              /* [num_reqs], advanced here */
+  int64_t* slot_mapping;           /* [num_reqs] */
+  int32_t* seq_lens;               /* [num_reqs] */
+  void* residual;                  /* [num_reqs, hidden] model dtype */
+  float* delta;                    /* [num_reqs, hidden] */
+  void* normed;                    /* [num_reqs, hidden] model dtype */
+  float* head_x;                   /* [num_reqs, hidden] */
+  float* logits;                   /* [num_reqs, vocab] */
+  float* embed_f32;                /* [num_reqs, hidden] */
+  VocabWeight embedding;
+  VocabWeight head;
+  const void* norm_weight;         /* [hidden] model dtype */
+  float norm_eps;
+  const int64_t* stop_offsets;     /* row b's stop tokens: stop_ids[stop_offsets[b] ..
+                                      stop_offsets[b + 1]) */
+  const int64_t* stop_ids;
+};
+"""
+
+ENTRY_POINTS = """
+int pagedllm_abi_version(void);
+
+/* cpu_attention.cpp */
+void paged_attention(const PagedAttentionArgs* args);
+
+/* cpu_decoder.cpp: the decoder layers of one step; add_rms_norm rows (dtype 0 float32 / 1
+   bfloat16 for residual, weight and out). */
+void decoder_layers(const DecoderLayerWeights* layers, int num_layers, const DecoderStep* step,
+                    const int32_t* attention_rows, int num_attention_rows, int add_delta_first,
+                    int dtype);
+void add_rms_norm(void* residual, const float* delta, int64_t num_tokens, int64_t hidden,
+                  const void* weight, float eps, void* out, int dtype);
+
+/* cpu_decode_loop.cpp: returns the steps run, or < 0 for a bad input. */
+int decode_greedy_steps(const DecodeLoopArgs* args, int64_t* tokens, int num_steps,
+                        int64_t* out_tokens);
+
+/* cpu_linear.cpp: y [M, N] = x [M, K] w [N, K]^T + bias */
+void linear_bf16(const float* x, int64_t ldx, int64_t M, int64_t K, const uint16_t* w,
+                 int64_t N, const float* bias, float* y, int64_t ldy);
+void linear_f32(const float* x, int64_t ldx, int64_t M, int64_t K, const float* w, int64_t N,
+                const float* bias, float* y, int64_t ldy);
+void linear_bf16_act(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint16_t* w,
+                     int64_t N, const float* bias, uint16_t* y, int64_t ldy);
+
+/* cpu_packed_gemm.cpp (dtype 0 float32, 1 bfloat16) */
+int packed_gemm_bf16_pairs(void);
+void pack_linear_weight(const void* w, int64_t N, int64_t K, int dtype, void* out);
+void unpack_linear_weight(const void* packed, int64_t N, int64_t K, int dtype, void* out);
+int packed_weight_rows(const void* packed, int64_t N, int64_t K, int dtype, const int64_t* ids,
+                       int64_t n, void* out);
+void packed_linear_f32(const float* x, int64_t ldx, int64_t M, int64_t K, const float* w,
+                       int64_t N, const float* bias, float* y, int64_t ldy);
+void packed_linear_bf16(const float* x, int64_t ldx, int64_t M, int64_t K, const uint16_t* w,
+                        int64_t N, const float* bias, float* y, int64_t ldy);
+void packed_linear_bf16_act(const uint16_t* x, int64_t ldx, int64_t M, int64_t K,
+                            const uint16_t* w, int64_t N, const float* bias, uint16_t* y,
+                            int64_t ldy);
+double fma_peak_probe(int64_t iterations, int kind);
+
+/* cpu_gguf_linear.cpp, cpu_gguf_q8_linear.cpp: 0, or < 0 for a type without a kernel */
+int gguf_regroup_rows(const uint8_t* src, uint8_t* dst, int64_t rows, int64_t row_bytes,
+                      int64_t ggml_type, int inverse);
+int linear_gguf_segments(const float* x, int64_t ldx, int64_t M, int64_t K,
+                         const GGUFSegment* segments, int64_t num_segments, const float* bias,
+                         float* y, int64_t ldy);
+int dequantize_rows_gguf(const GGUFSegment* segment, int64_t K, const int64_t* ids,
+                         int64_t num_ids, float* out);
+int linear_gguf_segments_q8(const float* x, int64_t ldx, int64_t M, int64_t K,
+                            const GGUFSegment* segments, int64_t num_segments,
+                            const float* bias, float* y, int64_t ldy);
+void quantize_rows_gguf_q8(const float* x, int64_t ldx, int64_t M, int64_t K, int8_t* q,
+                           float* d, float* ds);
+void quantize_rows_gguf_q8k(const float* x, int64_t ldx, int64_t M, int64_t K, int8_t* qk,
+                            float* dk, int16_t* bsums);
+int gguf_q8_dot_isa(void);
+
+/* cpu_int8_linear.cpp */
+void linear_int8_f32(const float* x, int64_t ldx, int64_t M, int64_t K, const int8_t* w,
+                     int64_t N, const float* scale, const float* bias, float* y, int64_t ldy);
+void linear_w8a8_f32(const float* x, int64_t ldx, int64_t M, int64_t K, const int8_t* w,
+                     int64_t N, const float* scale, const float* bias, float* y, int64_t ldy);
+void quantize_rows_int8(const float* x, int64_t ldx, int64_t M, int64_t K, int8_t* xq,
+                        float* xs);
+
+/* cpu_fused_moe.cpp: 0, or < 0 for a bad input */
+int fused_moe_experts(const void* hidden, int act_dtype, int64_t num_tokens, int64_t H,
+                      const void* w13, const void* w2, int weight_dtype, int64_t num_experts,
+                      int64_t I, const int64_t* topk_ids, const float* topk_weights,
+                      int64_t top_k, void* out);
+"""
+
+_SCALARS = {"int": ctypes.c_int, "int32_t": ctypes.c_int32, "int64_t": ctypes.c_int64,
+            "int16_t": ctypes.c_int16, "uint8_t": ctypes.c_uint8, "float": ctypes.c_float,
+            "double": ctypes.c_double}
+
+
+def _strip_comments(text: str) -> str:
+    return re.sub(r"/\*.*?\*/", "", text, flags=re.S)
+
+
+def _ctype(decl_type: str):
+    """The ctypes type of a C type of the declarations above: every pointer an address."""
+    decl_type = decl_type.replace("const ", "").strip()
+    if decl_type.endswith("*"):
+        return ctypes.c_void_p
+    if decl_type in _SCALARS:
+        return _SCALARS[decl_type]
+    return struct(decl_type)   # a struct member by value
+
+
+def _split_decl(decl: str) -> tuple[str, str, int | None]:
+    """'const float* query' -> ('const float*', 'query', None); 'int64_t x[4]' -> (.., 4)."""
+    m = re.fullmatch(r"(.+?)\s*\b(\w+)\s*(?:\[(\d+)\])?", " ".join(decl.split()))
+    if m is None:
+        raise ValueError(f"abi: cannot read the declaration {decl!r}")
+    return m.group(1), m.group(2), None if m.group(3) is None else int(m.group(3))
+
+
+@functools.cache
+def _struct_fields() -> dict[str, list[tuple[str, str, int | None]]]:
+    structs = {}
+    for name, body in re.findall(r"struct (\w+) \{(.*?)\};", _strip_comments(STRUCTS), re.S):
+        structs[name] = [_split_decl(d) for d in body.split(";") if d.strip()]
+    return structs
+
+
+@functools.cache
+def struct(name: str) -> type[ctypes.Structure]:
+    """The `ctypes.Structure` mirror of the C struct `name` (same fields, order and types).
+
+    Raises:
+        KeyError: no such struct in STRUCTS.
+    """
+    fields = []
+    for decl_type, field, count in _struct_fields()[name]:
+        ctype = _ctype(decl_type)
+        fields.append((field, ctype if count is None else ctype * count))
+    return type(name, (ctypes.Structure,), {"_fields_": fields,
+                                            "__doc__": f"Mirror of `struct {name}` (abi.py)."})
+
+
+@functools.cache
+def entry_points() -> dict[str, tuple[object, list]]:
+    """name -> (restype, argtypes) of every entry point."""
+    out = {}
+    for ret, name, params in re.findall(r"(\w+)\s+(\w+)\(([^)]*)\);",
+                                        _strip_comments(ENTRY_POINTS)):
+        params = params.strip()
+        args = [] if params in ("", "void") else [_ctype(_split_decl(p)[0])
+                                                   for p in params.split(",")]
+        out[name] = (None if ret == "void" else _SCALARS[ret], args)
+    return out
+
+
+def declare(lib: ctypes.CDLL) -> None:
+    """Set every entry point's restype and argtypes on the loaded library.
+
+    Raises:
+        AttributeError: the library lacks an entry point (built from other sources).
+    """
+    for name, (restype, argtypes) in entry_points().items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
+
+
+def c_header() -> str:
+    """The C header every source includes (`pagedllm_abi.h`): the version, the structs and the
+    entry points' prototypes with C linkage."""
+    return ("// Generated from pagedllm/native/kernels/abi.py at build time; do not edit.\n"
+            "#pragma once\n#include <stdint.h>\n\n"
+            f"#define PAGEDLLM_ABI_VERSION {ABI_VERSION}\n\n"
+            "#ifdef __cplusplus\nextern \"C\" {\n#endif\n"
+            + STRUCTS
+            + ENTRY_POINTS
+            + "#ifdef __cplusplus\n}\n#endif\n")
