@@ -1,7 +1,8 @@
 """The one forward context: per-step attention metadata, set for the duration of one forward.
 
-Only the runners set it (with `set_forward_context`), only `layers/attention.py` reads it. It is
-frozen and has fixed fields; nothing else may be stored here. It is per thread: engine replicas
+Only the runners set it (with `set_forward_context`); `layers/attention.py` reads it, and so
+does the native decoder stack (`native/attach.py`), which runs the attention layers' work in one
+native call. Models never read it. It is frozen and has fixed fields; nothing else may be stored here. It is per thread: engine replicas
 that run their steps on different threads of one process (data-parallel serving) each see their
 own.
 """

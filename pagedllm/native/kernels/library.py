@@ -1,7 +1,7 @@
 """Native CPU kernels, compiled on first use with the system C++ compiler and loaded with ctypes.
 
 The sources live in `csrc/`. `cpu_kernels()` compiles them once per (source, compiler flags, CPU
-flags) into a cache directory (`$PAGEDLLM_KERNEL_CACHE`, default `~/.cache/pagedllm/native/kernels`) and
+flags) into a cache directory (`$PAGEDLLM_KERNEL_CACHE`, default `~/.cache/pagedllm/kernels`) and
 returns the loaded library, or None when they cannot be used (no compiler, a failed build, or
 `PAGEDLLM_CPU_KERNELS` set to 0/false/off/no); callers then fall back to torch ops. Building
 needs only g++ with OpenMP (seconds, no torch headers; `$CXX` picks another compiler): the
