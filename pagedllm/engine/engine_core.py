@@ -218,7 +218,8 @@ def resolve_num_scheduler_steps(config: EngineConfig, async_scheduling: bool) ->
 
     None picks DEFAULT_CPU_NUM_SCHEDULER_STEPS on the CPU, where the scheduler, the output
     processing and the detokenizer run on the cores that also run the forward (at batch 1 of a
-    small quantized model they cost 10% of each step, docs/architecture.md); 1 elsewhere (CUDA
+    small quantized model a sizeable share of each step: docs/architecture.md, "Multi-step
+    rounds"; docs/benchmarks.md, "Measurements behind choices in the code"); 1 elsewhere (CUDA
     overlaps them through async scheduling), and 1 with speculative decoding, async scheduling
     or EPLB. `AsyncLLM.from_engine_args` (the server) passes 1 unless told otherwise.
 

@@ -71,7 +71,8 @@ class LLMEngine:
         self._parents: dict[str, list[str]] = {}
         # The objects made so far (model, tokenizer, torch and transformers state) live as long
         # as the engine: move them out of the cyclic collector's view, whose full passes over
-        # them otherwise took ~6% of a batch-1 decode's CPU time (vLLM freezes likewise).
+        # them otherwise took a measurable share of a batch-1 decode's CPU time (vLLM freezes
+        # likewise; docs/benchmarks.md, "Measurements behind choices in the code").
         gc.collect()
         gc.freeze()
         # NOTE(exit): the collector never visits frozen objects, not even at interpreter exit,

@@ -316,9 +316,9 @@ def native_moe_applies(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
     operands `fused_moe_supported` takes, the kernels on, and few rows per expert.
 
     NOTE(crossover): the kernel's GEMMs are linear_kernel.h's 8-lane micro-kernels. On
-    AVX-512 CPUs oneDNN/MKL GEMMs outrun them on many rows (bf16 with native bf16 math: the
-    kernel at 0.6x of the torch path at 32 rows per expert, mixtral-512 shapes; fp32 even at
-    16-32), as for one dense linear, so the mean rows per physical expert are held to the
+    AVX-512 CPUs oneDNN/MKL GEMMs outrun them on many rows (bf16 with native bf16 math at a few
+    dozen rows per expert, fp32 at fewer; docs/benchmarks.md, "Measurements behind choices in
+    the code"), as for one dense linear, so the mean rows per physical expert are held to the
     platform's limit for native linears (`fused_decoder_max_tokens`: 16 bf16 / 64 fp32 with
     AVX-512; unbounded on AVX2-class CPUs, where the native kernels were measured ahead at
     every size). Large prefills then take the torch path, whose per-expert overhead is
@@ -380,8 +380,8 @@ def fused_experts_torch(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tenso
     # NOTE(combine): the scatter-add back to the tokens is written as an un-sort into the
     # [n*k, H] pair layout plus a sum over k, not `index_add_`: both give the same sums, but
     # CPU `index_add_` (scatter_add_) opens a parallel region even for a decode step's few
-    # rows, which cost ~16 ms per layer on a loaded 2-core machine (index_put_ and the sum
-    # stay single-threaded below torch's grain size).
+    # rows, costly on a loaded machine (index_put_ and the sum stay single-threaded below
+    # torch's grain size; docs/benchmarks.md, "Measurements behind choices in the code").
     pairs = hidden.new_zeros(num_tokens * top_k, hidden.shape[1])      # [n*k, H]
     pairs[order] = (rows_out.float() * weights).to(hidden.dtype)
     return pairs.view(num_tokens, top_k, hidden.shape[1]).sum(dim=1)

@@ -140,11 +140,11 @@ class LMHead(VocabEmbedding):
 
     def process_weights_after_loading(self) -> None:
         """Repack a float head for the platform's packed GEMM, as linear layers are
-        (`UnquantizedLinearMethod`; the CPU's panels stream a batch-1 GEMV about 1.6x faster:
-        a 32000 x 768 bf16 head 2.7 -> 1.6 ms on a 2-core Zen 4). A tied head packs the weight
-        it shares with the embedding, whose lookups then gather rows from the panels (SmolLM2
-        fp32, batch 16: the dot-product kernel on rows spent ~10 ms of a 46 ms step on the
-        head). A quantized head stays as it is. Idempotent."""
+        (`UnquantizedLinearMethod`; the CPU's panels stream a batch-1 GEMV markedly faster than
+        plain rows). A tied head packs the weight it shares with the embedding, whose lookups
+        then gather rows from the panels (on plain rows the dot-product kernel made the head a
+        large part of a batched step). Figures: docs/benchmarks.md, "Measurements behind
+        choices in the code". A quantized head stays as it is. Idempotent."""
         if self.packed or self.quant_method is not None:
             return
         packed = current_platform.pack_linear_weight(self.weight.data)

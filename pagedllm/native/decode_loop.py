@@ -6,7 +6,8 @@ fused decoder (native/fused_decoder.py), the final RMSNorm, the LM head and the 
 positions, slot mapping and sequence lengths advanced natively (see the header of
 `pagedllm/native/kernels/csrc/cpu_decode_loop.cpp`). The kernels and roundings are the module path's,
 so the tokens equal single steps'. It exists because at batch 1 of a small model the ~25
-Python/torch calls around the fused decoder cost ~10% of a step on a 2-core CPU.
+Python/torch calls around the fused decoder cost a noticeable share of a step on a 2-core CPU
+(docs/benchmarks.md, "Measurements behind choices in the code").
 
 It applies to a `LlamaForCausalLM` whose forward and logits are the base class's (no
 embedding scale or logit soft-capping), one pipeline stage and one tensor-parallel rank, an

@@ -80,10 +80,9 @@ class FusedDecoder:
 
     MAX_SCRATCH_BYTES = 256 << 20  # larger steps run the module path
     # Over long fresh prompts in a large step the module path can win: torch's flash attention
-    # there (for a request whose whole sequence is new) against the paged kernel's tiles
-    # (llama-134m bf16, 2048-token steps, the kernel's register-blocked tiles and vectorized
-    # SiLU / RMSNorm: fused 1.03-1.18x the module path over 512-token prompts, 1.15-1.33x over
-    # 1024, 0.88-1.04x over 2048; alternated runs, docs/benchmarks.md).
+    # there (for a request whose whole sequence is new) against the paged kernel's tiles: the
+    # fused path is ahead over prompts up to 1024 tokens and level over 2048
+    # (docs/benchmarks.md, "Measurements behind choices in the code").
     LONG_STEP_TOKENS = 512
     LONG_FRESH_PROMPT_TOKENS = 1024
 
@@ -116,7 +115,8 @@ class FusedDecoder:
         self._structs: ctypes.Array | None = None
         # The steps' float32 scratch, kept and grown to the largest step (at most
         # MAX_SCRATCH_BYTES): a fresh 80 MB buffer per 2048-token step (llama-134m) paid its
-        # page faults and the kernel's zeroing of its pages every step, ~1% of a prefill.
+        # page faults and the kernel's zeroing of its pages every step (docs/benchmarks.md,
+        # "Measurements behind choices in the code").
         self._scratch = torch.empty(0, dtype=torch.float32)
         self._keepalive: list[torch.Tensor | ctypes.Array] = []
         # The KV caches the structures point into, held so their memory cannot be reused while

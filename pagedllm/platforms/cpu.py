@@ -114,8 +114,9 @@ class CpuPlatform(Platform):
 
     # Where the native kernel beats torch (measured on an AVX2 EPYC, llama-134m shapes): MKL's
     # fp32 GEMM wins from about 128 rows; torch's bf16 GEMM without native bf16 math loses at
-    # every size, but from ~512 rows widening the weight to fp32 and calling MKL wins by 5-25%;
-    # with native bf16 (AVX512-BF16/AMX through oneDNN) torch wins beyond GEMV sizes.
+    # every size, but from ~512 rows widening the weight to fp32 and calling MKL wins (by how
+    # much: docs/benchmarks.md, "Measurements behind choices in the code"); with native bf16
+    # (AVX512-BF16/AMX through oneDNN) torch wins beyond GEMV sizes.
     _KERNEL_MAX_ROWS_F32 = 64
     _KERNEL_MAX_ROWS_BF16_NATIVE = 16
     _WIDEN_MIN_ROWS_BF16 = 512

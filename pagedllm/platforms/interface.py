@@ -30,7 +30,8 @@ class Platform(ABC):
     # batch's activations stay reserved by the caching allocator). Where it does not (CPU: the
     # budget is a share of free RAM capped at a few GiB, and a freed activation buffer goes back
     # to the allocator or the OS), the profile run is a short warm-up batch instead of the
-    # largest one: a 8192-token dummy prefill took 3 of the 5 s to ready of a 135M GGUF model.
+    # largest one: a 8192-token dummy prefill was most of a small GGUF model's start-up time
+    # (docs/benchmarks.md, "Measurements behind choices in the code").
     profile_run_at_max_batch: bool = True
 
     @property

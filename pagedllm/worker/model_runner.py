@@ -421,7 +421,9 @@ class ModelRunner(MultiStepRounds):
         """One forward of `model` over a flat batch; the only place the forward context is set.
         With several KV cache groups, `group_commons` holds each group's metadata."""
         backend = self._attention_backends.get(model)
-        if backend is None:   # (looked up once per model: listing the layers costs ~20 us)
+        # Looked up once per model: listing the layers every step would be a cost of its own
+        # (docs/benchmarks.md, "Measurements behind choices in the code").
+        if backend is None:
             backend = self._attention_backends[model] = model.attention_layers()[0].backend
         if group_commons:
             attn_metadata = KVCacheGroupsMetadata(

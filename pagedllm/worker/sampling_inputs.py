@@ -52,7 +52,8 @@ def build_sampling_metadata(states: RequestStates, rows: np.ndarray, vocab_size:
     logits row is (0 without speculative decoding)."""
     if position_offsets is None and bool(states.plain_greedy[rows].all()):
         # Every row is a plain argmax (`RequestStates.plain_greedy`): the general path below
-        # would find exactly this, in ~0.1 ms of per-row array work per step.
+        # would find exactly this, after per-row array work every step (docs/benchmarks.md,
+        # "Measurements behind choices in the code").
         return SamplingMetadata(
             temperature=torch.zeros(len(rows), dtype=torch.float32, device=device),
             all_greedy=True, all_random=False, top_p=None, top_k=None, min_p=None,

@@ -170,7 +170,8 @@ class CpuPagedBackend:
         rows, fresh_rows = metadata.split(sliding_window, logits_soft_cap is not None)
         for start, end in fresh_rows:
             # NOTE(perf): 4-D inputs: torch's CPU flash-attention kernel takes only [B, H, L, D];
-            # 3-D ones fall back to the math path, 4x slower at 512 tokens.
+            # 3-D ones fall back to the much slower math path (docs/benchmarks.md,
+            # "Measurements behind choices in the code").
             q = query[start:end].transpose(0, 1)[None]                    # [1, H, L, D]
             k = key_new[start:end].transpose(0, 1)[None]                  # [1, KVH, L, D]
             v = value_new[start:end].transpose(0, 1)[None]

@@ -164,12 +164,14 @@ class TorchSDPABackend:
             num_rows, q_len = g.query_index.shape
             # NOTE(perf): grouped-query attention as plain attention: the `rep` query heads that
             # share a KV head are folded into the query-length axis ([G, KVH, rep * Q, D]).
-            # torch's CPU SDPA with enable_gqa=True was up to 100x slower for decode queries.
+            # torch's CPU SDPA with enable_gqa=True is far slower for decode queries
+            # (docs/benchmarks.md, "Measurements behind choices in the code").
             q = query[g.query_index].view(num_rows, q_len, num_kv_heads, rep, head_size)
             q = q.permute(0, 2, 3, 1, 4).reshape(num_rows, num_kv_heads, rep * q_len, head_size)
             mask = g.mask(sliding_window)
             mask = mask if q_len == 1 else mask.repeat(1, 1, rep, 1)
-            # NOTE(perf): index_select on flat slots is ~3x faster than advanced indexing on CPU.
+            # NOTE(perf): index_select on flat slots is much faster than advanced indexing on
+            # CPU (docs/benchmarks.md, "Measurements behind choices in the code").
             kv_shape = (num_rows, -1, num_kv_heads, head_size)
             flat_slots = g.kv_slots.reshape(-1)
             k = dequantize_kv(kv_cache, 0, flat_slots, q.dtype).view(kv_shape).transpose(1, 2)

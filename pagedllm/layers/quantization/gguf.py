@@ -15,16 +15,17 @@ row segments, one per loaded tensor, each in its own type (`layer.gguf_segments`
 and a fused layer of mixed types runs one native call that writes each segment's output
 columns. Once loaded (`process_weights_after_loading`), each segment's bytes are put in the
 kernels' row-group layout (`gguf_group_rows`: the blocks of 4 consecutive rows interleaved, so
-a batch-1 GEMV reads one sequential stream; 1.1-2x faster on a Zen 4, as llama.cpp's load-time
-repacking); `PAGEDLLM_GGUF_ROW_GROUPS=0` keeps the file's plain rows.
+a batch-1 GEMV reads one sequential stream, which the hardware prefetcher follows: faster, as
+llama.cpp's load-time repacking; docs/benchmarks.md, "Measurements behind choices in the code");
+`PAGEDLLM_GGUF_ROW_GROUPS=0` keeps the file's plain rows.
 
 Activations: each linear (and the quantized LM head) rounds its input to 8 bits per 32-value
 block (per 256 values for the K-quants) and runs integer dot products (`gguf_linear(..., quantize_activations=True)`,
-csrc/gguf_q8_dot.h), as llama.cpp does: faster than unpacking every weight to float32 (SmolLM2
-Q4_1: batch-1 and batch-32 decode 1.1-1.3x on a Zen 4), and the perplexity moves by less than
-0.1% (docs/benchmarks.md). `PAGEDLLM_GGUF_Q8_ACTIVATIONS=0` keeps float32 activations, exact up
-to the order of the sums (the tests' oracle mode). The fused CPU decoder follows each
-method's choice. Blocks run along the input dimension, so splitting the output rows across
+csrc/gguf_q8_dot.h), as llama.cpp does: faster than unpacking every weight to float32, at
+batch 1 and batched (docs/benchmarks.md, "Measurements behind choices in the code"), and the
+perplexity moves by less than 0.1% (docs/benchmarks.md). `PAGEDLLM_GGUF_Q8_ACTIVATIONS=0` keeps
+float32 activations, exact up to the order of the sums (the tests' oracle mode). The fused CPU
+decoder follows each method's choice. Blocks run along the input dimension, so splitting the output rows across
 tensor-parallel ranks is exact, and splitting the input dimension must fall on block boundaries
 (refused otherwise). `GGUFEmbeddingMethod` keeps the token embedding / tied LM head in blocks.
 """

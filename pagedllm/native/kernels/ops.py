@@ -433,8 +433,9 @@ def gguf_ungroup_rows(qweight: torch.Tensor, tensor_type: str) -> torch.Tensor:
 
 
 def _permute_groups(qweight: torch.Tensor, tensor_type: str, inverse: bool) -> torch.Tensor:
-    """`gguf_group_rows` (or its inverse) natively (`gguf_regroup_rows`, csrc/cpu_gguf_linear.cpp:
-    several GB/s, where torch's byte-strided copies ran at 0.4-0.6 GB/s)."""
+    """`gguf_group_rows` (or its inverse) natively (`gguf_regroup_rows`,
+    csrc/cpu_gguf_linear.cpp): several times faster than torch's byte-strided copies
+    (docs/benchmarks.md, "Measurements behind choices in the code")."""
     if qweight.dim() != 2 or qweight.dtype != torch.uint8 or qweight.device.type != "cpu":
         raise ValueError(f"gguf_group_rows: a [rows, row_bytes] uint8 CPU tensor is needed, got "
                          f"{tuple(qweight.shape)} {qweight.dtype} on {qweight.device}")

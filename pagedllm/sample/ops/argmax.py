@@ -8,9 +8,9 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
     give the first index and a NaN counts as the largest value (the first NaN), both as
     `torch.argmax`.
 
-    On the CPU, float32 rows go through numpy's argmax (vectorised, one thread), which ran 5-8x
-    faster than torch's for vocabulary-sized rows on a 2-core Zen 4 ([1, 32000]: 3.6 against
-    29 us; [32, 32000]: 66 against 510 us): a greedy decode step's whole sampling cost.
+    On the CPU, float32 rows go through numpy's argmax (vectorised, one thread), which is much
+    faster than torch's for vocabulary-sized rows (docs/benchmarks.md, "Measurements behind
+    choices in the code"): it is a greedy decode step's whole sampling cost.
     """
     if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2:
         return torch.from_numpy(x.numpy().argmax(axis=-1))

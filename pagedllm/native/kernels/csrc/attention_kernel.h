@@ -167,9 +167,9 @@ inline void axpy(float* __restrict acc, float w, const T* __restrict v, int n) {
 // head_size values each, from offset `off`). The decode paths call it for the next block of
 // their walk while they compute on this one: a head's rows are 128-256 bytes a whole KV row
 // apart, a pattern the hardware prefetchers follow poorly, and the table's blocks need not be
-// adjacent. Bf16 decode at 1k-16k context (llama-134m, 12 layers) read its KV at 11-14 GB/s
-// from DRAM without it and 21-23 GB/s with it, and a 4-token verification tile at 4k context
-// 2x faster; into L1 (T0) it was slower than none.
+// adjacent. With it bf16 decode reads its KV from DRAM much faster and verification tiles run
+// faster; into L1 (T0) it was slower than none (docs/benchmarks.md, "Measurements behind
+// choices in the code").
 template <typename T>
 inline void prefetch_head_rows(const T* k, const T* v, int64_t off, int64_t stride, int n,
                                int head_size) {

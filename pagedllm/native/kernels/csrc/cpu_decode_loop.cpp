@@ -4,8 +4,8 @@
 // Why: the per-step work around the fused decoder (input advance, embedding lookup, attention
 // metadata, final norm, LM head call, argmax, token bookkeeping) is ~25 Python and torch calls.
 // On a small model at batch 1 they run after the weight stream has evicted their code and data
-// from the caches, and cost 10% of the step (0.3 ms of a 3.4 ms step of a 134M Q4_0 model on a
-// 2-core Zen 4). Here each step is the same kernels, called from one loop:
+// from the caches, and cost a noticeable share of the step (docs/benchmarks.md, "Measurements
+// behind choices in the code"). Here each step is the same kernels, called from one loop:
 //
 //   positions += 1; seq_lens += 1; slot = block_table[pos / block_size] * block_size + pos % bs
 //   residual = embedding rows of the last tokens (model dtype)

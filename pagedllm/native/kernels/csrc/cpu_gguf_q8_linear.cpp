@@ -707,7 +707,8 @@ inline void micro_q8_lanes(const Q8View& x, const int8_t* xl, const uint8_t* w,
 // kernel (micro_q8k) spends 8 int16 products per 4 rows and sub-block and applies the integer
 // scales per pair. The mins' term, -dmin sum_s m[s] bsum[s], takes two int16 dots per x row
 // and record against the x block's sub-block sums (`expand_mins`); dk multiplies once per
-// block. (Q6_K, with a scale per 16 weights, ran 18% slower this way and keeps micro_q8k.)
+// block. (Q6_K, with a scale per 16 weights, ran slower this way and keeps micro_q8k:
+// docs/benchmarks.md, "Measurements behind choices in the code".)
 
 // A Q4_K record's scales in lanes (lanes r and r + 4: row r).
 struct K4LaneScales {

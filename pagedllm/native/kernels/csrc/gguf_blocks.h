@@ -61,8 +61,8 @@ using Segment = ::GGUFSegment;
 // reordered: a micro-kernel reading the blocks of a group's rows side by side then reads one
 // sequential stream instead of kGroupRows streams a row apart, which the hardware prefetcher
 // follows (llama.cpp repacks its Q4_0 / Q4_K / Q8_0 weights at load for the same reason,
-// ggml-cpu/repack.cpp). Batch-1 GEMVs over 116 MB of Q8_0 weights on a 2-core Zen 4: 18.5 GB/s
-// plain, 43 GB/s grouped.
+// ggml-cpu/repack.cpp). Batch-1 GEMVs stream grouped rows much faster than plain ones
+// (docs/benchmarks.md, "Measurements behind choices in the code").
 constexpr int64_t kGroupRows = 4;
 
 // Where the blocks of a segment's rows lie: block b of row n at row(n) + b * block_stride(n),
@@ -270,7 +270,8 @@ inline void nibbles_with_high_bit(const uint8_t* qs, uint32_t qh, __m256i out[4]
 // Prefetch one block's bytes (every cache line of it) into L1. The block kernels call it for
 // the weight rows they will read next: a GEMV on blocks read from DRAM otherwise waits on
 // memory latency (the hardware prefetcher follows these short interleaved row streams poorly:
-// a Q4_1 GEMV streamed 3.5-7 GB/s from DRAM without it, against 15 GB/s from cache).
+// without it a GEMV streamed from DRAM far below its rate from cache; docs/benchmarks.md,
+// "Measurements behind choices in the code").
 template <int kBytes>
 inline void prefetch_block(const uint8_t* p) {
   for (int off = 0; off < kBytes; off += 64)

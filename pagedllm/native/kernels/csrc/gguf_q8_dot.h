@@ -38,13 +38,14 @@
 // instead: one integer dot covers 4 rows of a group (lanes r and r + 4 hold row r; x's bytes
 // are permuted to match), so the conversion, the scaling and the FMA serve 4 rows and no
 // horizontal sum is needed per row; the offsets (Q4_1's m, Q4_0's -8 d, Q8_0's -128 d with
-// VNNI, whose quants are then biased to unsigned) enter as m ds. On a 2-core Zen 4 this made
-// batched (32-row) GEMMs 1.6-2.1x faster than the per-row kernels, and batch 1 at least as fast.
+// VNNI, whose quants are then biased to unsigned) enter as m ds. This made batched GEMMs much
+// faster than the per-row kernels, and batch 1 at least as fast (docs/benchmarks.md,
+// "Measurements behind choices in the code").
 // Q4_K and Q5_K groups are read by lanes too, per 32-weight sub-block: 4 integer dots (u8 x
 // s8, no int16 pair sums), then one conversion and one FMA with the 4 rows' float scales
 // d sc[s]; the mins term per block from the x sub-block sums (two int16 dots), and dk once per
-// block (512 x 2048 x 768 GEMMs 1.47x / 1.24x faster than the per-row maddubs kernel, batch 1
-// unchanged).
+// block (batched GEMMs faster than with the per-row maddubs kernel, batch 1 unchanged; same
+// section of docs/benchmarks.md).
 //
 // Work sharing is `linear_segments_tiles`'s (gguf_blocks.h), with the rounding of x first as one
 // more work-sharing loop, so `linear_segments_tiles_q8` also runs inside the fused decoder's

@@ -29,9 +29,9 @@
 // While an item's x rows hold at most kMaxWholeK values, each panel is read over the whole of
 // K in one pass (one contiguous stream per panel, the accumulators in registers throughout);
 // larger row blocks cut K into blocks of kKC so that a block of x rows and of a panel stay in
-// L1/L2, with partial sums in a per-item float32 tile. (Cutting K at every size made a bf16
-// GEMV chain stream its weights from DRAM at 25-27 instead of 28-30 GB/s on a 2-core Zen 4,
-// and 32-row GEMMs 8% slower.) Threads share (row block, panel group)
+// L1/L2, with partial sums in a per-item float32 tile. (Cutting K at every size slowed both a
+// bf16 GEMV chain's weight stream from DRAM and 32-row GEMMs: docs/benchmarks.md,
+// "Measurements behind choices in the code".) Threads share (row block, panel group)
 // items through an orphaned `omp for` (as linear_kernel.h), so the fused decoder can call it
 // inside its parallel region.
 #pragma once
@@ -286,7 +286,8 @@ inline void stage_rows(const TX* x, int64_t ldx, int64_t rows, int64_t kc, XS* d
 // input type (float32 x, bf16 pair panels) each work item rounds its rows itself, once per
 // panel group, unless `x_staged` ([M, K], shared by the threads) is given: then the rows are
 // rounded once into it by a work-sharing loop of their own (the same values; one barrier more).
-// Rounding per item cost the fused decoder's 2048-row GEMMs 8-10% and its 32-row ones ~4%.
+// Rounding per item slowed the fused decoder's GEMMs, the most at 2048 rows (docs/benchmarks.md,
+// "Measurements behind choices in the code").
 template <typename T, typename TX, typename TY>
 void linear_tiles(const TX* x, int64_t ldx, int64_t M, int64_t K, const T* w, int64_t N,
                   const float* bias, TY* y, int64_t ldy, XStage<T>* x_staged = nullptr) {
