@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-import os
+
+from pagedllm import envs
 
 
 def init_logger() -> None:
@@ -14,5 +15,5 @@ def init_logger() -> None:
     handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [%(name)s] %(message)s",
                                            "%H:%M:%S"))
     logger.addHandler(handler)
-    logger.setLevel(os.environ.get("PAGEDLLM_LOGGING_LEVEL", "INFO").upper())
+    logger.setLevel(envs.get("PAGEDLLM_LOGGING_LEVEL"))
     logger.propagate = False

@@ -36,6 +36,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_cuda)
 
 
+@pytest.fixture(autouse=True)
+def env_options_of_this_test() -> None:
+    """`current_platform.options` read from the environment this test starts with: an engine
+    start reads them again (tests that `setenv` and then build an `LLM` need nothing more), but
+    one that calls layers or kernels directly after a `setenv` calls
+    `current_platform.configure_options()` itself; an earlier test's engine leaves nothing."""
+    from pagedllm.platforms import current_platform
+
+    current_platform.configure_options()
+
+
 class TinyCheckpoints:
     """Variant name (a key of `TINY_VARIANTS`) -> checkpoint folder, built on first access.
 

@@ -120,9 +120,15 @@ def test_models_are_plain_definitions():
             assert not bad, f"{module} imports {bad}"
 
 
+def test_envs_is_a_leaf():
+    """pagedllm/envs.py (every PAGEDLLM_* variable) imports no other pagedllm module, so any
+    module, the kernels package included, may ask it."""
+    assert GRAPH["pagedllm.envs"] == set()
+
+
 def test_the_kernels_package_sits_below_attention():
     for module, targets in GRAPH.items():
         if module.startswith("pagedllm.native.kernels"):
             bad = sorted(t for t in targets if not t.startswith("pagedllm.native.kernels")
-                         and t != "pagedllm.kv_cache_layout")
+                         and t not in ("pagedllm.kv_cache_layout", "pagedllm.envs"))
             assert not bad, f"{module} imports {bad}"

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pagedllm import envs
 from pagedllm.benchmarks.report import PeakRSSMonitor, percentiles
 from pagedllm.benchmarks.throughput import throughput_figures
 from pagedllm.benchmarks.workload import BenchRequest
@@ -49,7 +50,7 @@ def find_converter(explicit: str | None = None) -> Path | None:
     """llama.cpp's convert_hf_to_gguf.py: `explicit` (--llamacpp-converter), else
     $PAGEDLLM_LLAMACPP_CONVERTER, else beside the installed llama_cpp package; None if none of
     them is a file."""
-    candidates = [explicit, os.environ.get("PAGEDLLM_LLAMACPP_CONVERTER")]
+    candidates = [explicit, envs.get("PAGEDLLM_LLAMACPP_CONVERTER")]
     spec = importlib.util.find_spec("llama_cpp")
     if spec is not None and spec.origin:
         pkg = Path(spec.origin).parent

@@ -18,6 +18,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from pagedllm import envs
+
 PRESETS: dict[str, dict[str, Any]] = {
     "llama-134m": {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12,
                    "num_key_value_heads": 12, "intermediate_size": 2048, "vocab_size": 32000},
@@ -60,8 +62,8 @@ _PIECE_CHARS = "abcdefghijklmnopqrstuvwxyz\u0120"
 
 
 def default_preset_root() -> Path:
-    env = os.environ.get("PAGEDLLM_PRESET_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "pagedllm" / "presets"
+    root = envs.get("PAGEDLLM_PRESET_DIR")
+    return root if root is not None else Path.home() / ".cache" / "pagedllm" / "presets"
 
 
 def saved_dtype(dtype: str | None) -> str:

@@ -24,6 +24,7 @@ from pagedllm.engine.output_processor import OutputProcessor, ParentRequest
 from pagedllm.logger import init_logger
 from pagedllm.models.registry import resolve_model_class
 from pagedllm.outputs import RequestOutput
+from pagedllm.platforms import current_platform
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -52,6 +53,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         start = time.perf_counter()
         init_logger()
+        # Every PAGEDLLM_* variable, read and validated once for this engine (pagedllm/envs.py).
+        current_platform.configure_options()
         info = hf_model_info(config.model_path)
         resolve_model_class(info.architectures)  # unsupported architecture: fail before loading
         self.config = config

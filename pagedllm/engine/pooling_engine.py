@@ -72,6 +72,7 @@ class PoolingEngine:
 
     def __init__(self, config: EngineConfig, pooler_config: PoolerConfig) -> None:
         init_logger()
+        current_platform.configure_options()    # every PAGEDLLM_* variable (pagedllm/envs.py)
         info = hf_model_info(config.model_path)
         resolve_model_class(info.architectures)
         self.config = config

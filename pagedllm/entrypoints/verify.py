@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -214,22 +212,14 @@ def _prompt_ids(tokenizer, prompt: VerifyPrompt) -> list[int]:
     return list(tokenizer(prompt.text).input_ids)
 
 
-@contextmanager
 def _float_gguf_activations():
-    """GGUF layers built inside keep float32 activations (`PAGEDLLM_GGUF_Q8_ACTIVATIONS=0`)
-    unless the user set the variable: transformers computes on the dequantized weights, and
-    the 8-bit activations that serving uses by default are a deliberate approximation, not a
-    loading error for verify to find."""
-    from pagedllm.layers.quantization.gguf import Q8_ACTIVATIONS_ENV
+    """GGUF layers of an engine started inside keep float32 activations
+    (`PAGEDLLM_GGUF_Q8_ACTIVATIONS=0`) unless the user set the variable: transformers computes
+    on the dequantized weights, and the 8-bit activations that serving uses by default are a
+    deliberate approximation, not a loading error for verify to find."""
+    from pagedllm import envs
 
-    if Q8_ACTIVATIONS_ENV in os.environ:
-        yield
-        return
-    os.environ[Q8_ACTIVATIONS_ENV] = "0"
-    try:
-        yield
-    finally:
-        os.environ.pop(Q8_ACTIVATIONS_ENV, None)
+    return envs.defaults_for_unset({"PAGEDLLM_GGUF_Q8_ACTIVATIONS": "0"})
 
 
 def run_verify(model: str, prompts: list[VerifyPrompt], max_tokens: int, tolerance: float,

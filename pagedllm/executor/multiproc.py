@@ -81,8 +81,8 @@ def _init_method(config: EngineConfig) -> str:
 
 
 def _start_method() -> str:
-    return os.environ.get("PAGEDLLM_WORKER_MULTIPROC_METHOD",
-                          current_platform.worker_multiproc_method)
+    return (current_platform.options.worker_multiproc_method
+            or current_platform.worker_multiproc_method)
 
 
 def _main_reimported_as(method: str) -> str | None:
@@ -271,6 +271,7 @@ def _worker_main(config: EngineConfig, rank: int, init_method: str, conn: Connec
     try:
         from pagedllm.worker.worker import Worker
 
+        current_platform.configure_options()    # this process's PAGEDLLM_* variables
         worker = Worker(config, rank=rank, local_rank=rank % per_node, local_world_size=per_node,
                         distributed_init_method=init_method)
         control = _control_group(config)
@@ -513,6 +514,7 @@ def run_headless(config: EngineConfig) -> int:
     if pc.node_rank == 0:
         raise ValueError("node_rank 0 runs the engine (pagedllm serve / generate / LLM); "
                          "`pagedllm worker` is for node_rank >= 1")
+    current_platform.configure_options()
     ctx = _mp_context()
     per_node = _ranks_per_node(config)
     init_method = _init_method(config)

@@ -45,6 +45,7 @@ class RayWorkerWrapper:
                     local_world_size: int, distributed_init_method: str) -> int:
         from pagedllm.worker.worker import Worker
 
+        current_platform.configure_options()    # this actor's PAGEDLLM_* variables
         self.worker = Worker(config, rank=rank, local_rank=local_rank,
                              local_world_size=local_world_size,
                              distributed_init_method=distributed_init_method)

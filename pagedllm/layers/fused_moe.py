@@ -41,7 +41,7 @@ from pagedllm.distributed.parallel_state import (get_expert_parallel_layout,
                                                  get_tensor_model_parallel_rank,
                                                  get_tensor_model_parallel_world_size,
                                                  tensor_model_parallel_all_reduce)
-from pagedllm.native.kernels import cpu_kernels, switched_off
+from pagedllm.native.kernels import cpu_kernels
 from pagedllm.native.kernels.ops import cpu_fused_moe, fused_moe_supported
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.platforms import current_platform
@@ -305,8 +305,9 @@ def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 
 def native_moe_enabled() -> bool:
     """False when `PAGEDLLM_CPU_FUSED_MOE` is 0/false/off/no (the torch path runs), or when
-    the CPU kernels are off or did not build (`PAGEDLLM_CPU_KERNELS`)."""
-    return not switched_off("PAGEDLLM_CPU_FUSED_MOE") and cpu_kernels() is not None
+    the CPU kernels are off or did not build (`PAGEDLLM_CPU_KERNELS`); the switch as read at
+    engine start (`current_platform.options`), not from the environment on every forward."""
+    return current_platform.options.cpu_fused_moe and cpu_kernels() is not None
 
 
 def native_moe_applies(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from pagedllm import envs
 from pagedllm.model_loader.slicing import narrow_index
 
 VIEW_FORMAT = 3  # bump when the files of a view change
@@ -129,8 +130,8 @@ def read_gguf_source(model_path: str) -> GGUFSource | None:
 
 def gguf_cache_root() -> Path:
     """Where checkpoint views live: $PAGEDLLM_GGUF_CACHE, else ~/.cache/pagedllm/gguf."""
-    env = os.environ.get("PAGEDLLM_GGUF_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "pagedllm" / "gguf"
+    root = envs.get("PAGEDLLM_GGUF_CACHE")
+    return root if root is not None else Path.home() / ".cache" / "pagedllm" / "gguf"
 
 
 def _view_key(path: Path, stat: os.stat_result) -> str:

@@ -25,7 +25,7 @@ import ctypes
 import torch
 
 from pagedllm.attention.backends.cpu_paged import CpuPagedMetadata
-from pagedllm.native.kernels import abi, cpu_kernels, switched_off
+from pagedllm.native.kernels import abi, cpu_kernels
 from pagedllm.native.kernels.ops import gguf_segment_structs
 from pagedllm.platforms import current_platform
 
@@ -38,7 +38,7 @@ DecoderStep = abi.struct("DecoderStep")
 
 def fused_decoder_enabled() -> bool:
     """False when `PAGEDLLM_CPU_FUSED_DECODER` is 0/false/off/no (the module path runs)."""
-    return not switched_off("PAGEDLLM_CPU_FUSED_DECODER")
+    return current_platform.options.cpu_fused_decoder
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from pagedllm.native.kernels import cpu_kernels, switched_off
+from pagedllm.native.kernels import cpu_kernels
 from pagedllm.native.kernels import ops
 from pagedllm.native.kernels.ops import cpu_linear, cpu_linear_supported
 from pagedllm.platforms.cpu_topology import allowed_cpus, plan_threads, read_topology
@@ -70,22 +70,18 @@ class CpuPlatform(Platform):
         machine: one node each where there are enough; `cpu_topology.plan_threads`).
         `PAGEDLLM_CPU_THREADS` overrides the count and leaves the affinity alone (on a shared
         host, fewer threads than cores avoids threads waiting on each other);
-        `PAGEDLLM_CPU_NUMA_BIND=0` keeps the process unbound.
+        `PAGEDLLM_CPU_NUMA_BIND=0` keeps the process unbound (both from `options`).
 
         Raises:
-            ValueError: if PAGEDLLM_CPU_THREADS is not an integer in [1, 1024], or
-                PAGEDLLM_CPU_NUMA_BIND is not an on/off value.
+            ValueError: where `options` are first read here, if PAGEDLLM_CPU_THREADS is not an
+                integer in [1, 1024] or PAGEDLLM_CPU_NUMA_BIND is not an on/off value.
         """
-        override = os.environ.get("PAGEDLLM_CPU_THREADS")
-        if override is not None:
-            # NOTE: torch itself crashes on absurd counts (set_num_threads(99999) then a matmul).
-            if not override.isdigit() or not 1 <= int(override) <= 1024:
-                raise ValueError(f"PAGEDLLM_CPU_THREADS must be an integer in [1, 1024], got "
-                                 f"{override!r}")
-            torch.set_num_threads(int(override))
+        options = self.options
+        if options.cpu_threads is not None:
+            torch.set_num_threads(options.cpu_threads)
             return
         plan = plan_threads(allowed_cpus(), read_topology(), local_rank, local_world_size,
-                            bind=not switched_off("PAGEDLLM_CPU_NUMA_BIND"))
+                            bind=options.cpu_numa_bind)
         if plan.bind is not None:   # (one node's CPUs of several: never all the allowed)
             os.sched_setaffinity(0, plan.bind)
             logger.info("CPU: bound to NUMA node %d, %d threads (one per physical core; "
@@ -99,16 +95,10 @@ class CpuPlatform(Platform):
         with everything else on the machine.
 
         Raises:
-            ValueError: if PAGEDLLM_CPU_KVCACHE_SPACE is not a positive number.
+            ValueError: where `options` are first read here, if PAGEDLLM_CPU_KVCACHE_SPACE is
+                not a positive number.
         """
-        raw = os.environ.get("PAGEDLLM_CPU_KVCACHE_SPACE", "4")
-        try:
-            cap_gib = float(raw)
-        except ValueError:
-            cap_gib = float("nan")
-        if not cap_gib > 0:
-            raise ValueError(f"PAGEDLLM_CPU_KVCACHE_SPACE must be a positive number of GiB, got "
-                             f"{raw!r}")
+        cap_gib = self.options.cpu_kvcache_space
         free, _ = self.mem_get_info()
         return int(min(free * memory_utilization, cap_gib * 2**30))
 
@@ -146,7 +136,7 @@ class CpuPlatform(Platform):
         not 0/false/off/no; else None. Packing pays at every row count measured (1-512 rows,
         fp32 and bf16, AVX2 and AVX-512: docs/benchmarks.md "Packed GEMM"), so it is not
         limited to some sizes."""
-        if (switched_off("PAGEDLLM_CPU_PACKED_GEMM") or cpu_kernels() is None
+        if (not self.options.cpu_packed_gemm or cpu_kernels() is None
                 or not ops.packed_gemm_supported(weight)):
             return None
         return ops.pack_linear_weight(weight)
@@ -187,7 +177,7 @@ class CpuPlatform(Platform):
     def attention_backend_name(self) -> str:
         """The native paged kernel when it builds here (`PAGEDLLM_ATTENTION_BACKEND` overrides),
         else torch's SDPA over gathered blocks."""
-        name = os.environ.get("PAGEDLLM_ATTENTION_BACKEND")
+        name = self.options.attention_backend
         if name:
             return name
         return "cpu_paged" if cpu_kernels() is not None else "torch_sdpa"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import torch
 
@@ -50,7 +49,7 @@ class CudaPlatform(Platform):
     def attention_backend_name(self) -> str:
         """The Triton paged kernels when triton is installed (`PAGEDLLM_ATTENTION_BACKEND`
         overrides: triton_paged | torch_sdpa), else torch's SDPA over gathered blocks."""
-        name = os.environ.get("PAGEDLLM_ATTENTION_BACKEND")
+        name = self.options.attention_backend
         if name:
             return name
         return "triton_paged" if importlib.util.find_spec("triton") is not None else "torch_sdpa"

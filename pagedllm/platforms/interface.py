@@ -6,9 +6,15 @@ the attention backend; it never checks `torch.cuda` itself.
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 
 import torch
+
+from pagedllm.envs import EnvOptions, unknown_variables
+
+logger = logging.getLogger(__name__)
 
 
 class Platform(ABC):
@@ -33,6 +39,34 @@ class Platform(ABC):
     # largest one: a 8192-token dummy prefill was most of a small GGUF model's start-up time
     # (docs/benchmarks.md, "Measurements behind choices in the code").
     profile_run_at_max_batch: bool = True
+    # The PAGEDLLM_* settings (`options`); None until first read.
+    _options: EnvOptions | None = None
+
+    @property
+    def options(self) -> EnvOptions:
+        """The `PAGEDLLM_*` settings (pagedllm/envs.py) as read at the last engine start
+        (`configure_options`); read from the environment on first use if none started yet.
+
+        Raises:
+            ValueError: on that first read, for a variable whose value is refused.
+        """
+        if self._options is None:
+            self._options = EnvOptions.from_environ()
+        return self._options
+
+    def configure_options(self, environ: Mapping[str, str] | None = None) -> EnvOptions:
+        """Read every `PAGEDLLM_*` variable of `environ` (default `os.environ`) again into
+        `options`: called when an engine starts, and in each worker process as it starts; a
+        `PAGEDLLM_*` name set but not registered (a typo) is logged as a warning.
+
+        Raises:
+            ValueError: for a variable whose value is refused (`options` is left as it was).
+        """
+        self._options = EnvOptions.from_environ(environ)
+        for name in unknown_variables(environ):
+            logger.warning("unknown environment variable %s (ignored; the known ones are listed "
+                           "in docs/environment.md)", name)
+        return self._options
 
     @property
     def device(self) -> torch.device:

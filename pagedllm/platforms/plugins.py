@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 from collections.abc import Callable
 from importlib.metadata import entry_points
 
+from pagedllm import envs
 from pagedllm.platforms.interface import Platform
 
 logger = logging.getLogger(__name__)
@@ -130,11 +130,7 @@ def resolve_platform() -> Platform:
         ValueError: if `PAGEDLLM_DEVICE` is set to something other than "cpu" or "cuda".
     """
     plugins = load_platform_plugins()
-    wanted = os.environ.get(PLATFORM_ENV, "").strip()
-    legacy = os.environ.get("PAGEDLLM_DEVICE", "").strip().lower()
-    if legacy not in ("", "cpu", "cuda"):
-        raise ValueError(f"PAGEDLLM_DEVICE must be 'cpu' or 'cuda', got {legacy!r}")
-    wanted = wanted or legacy
+    wanted = envs.get(PLATFORM_ENV) or envs.get("PAGEDLLM_DEVICE") or ""
     if wanted:
         if wanted.lower() in _BUILTIN:
             return _builtin_platform(wanted.lower())

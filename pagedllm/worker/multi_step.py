@@ -19,8 +19,8 @@ import torch
 
 from pagedllm.attention.metadata import CommonAttentionMetadata
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from pagedllm.native.kernels import switched_off
 from pagedllm.native.decode_loop import GreedyDecodeLoop
+from pagedllm.platforms import current_platform
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.worker.input_batch import InputBatch, RequestStates
 from pagedllm.worker.sampling_inputs import build_sampling_metadata
@@ -98,7 +98,7 @@ class MultiStepRounds:
                 GreedyDecodeLoop.for_model(self.model)
                 if (self.device.type == "cpu" and self.drafter is None and self.eplb is None
                     and len(self.kv_cache_windows) == 1
-                    and not switched_off("PAGEDLLM_CPU_DECODE_LOOP")) else None)
+                    and current_platform.options.cpu_decode_loop) else None)
         loop = self._decode_loop
         if loop is None or self._last_inputs is None or num_steps < 1:
             return None

@@ -264,12 +264,14 @@ def test_interpreter_setting_does_not_leak():
 
 def test_selection(monkeypatch):
     from pagedllm.attention.backends.selector import get_attention_backend
+    from pagedllm.platforms import current_platform
     from pagedllm.platforms.cuda import CudaPlatform
 
     monkeypatch.delenv("PAGEDLLM_ATTENTION_BACKEND", raising=False)
     assert CudaPlatform().attention_backend_name() == "triton_paged"
     for name in ("torch_sdpa", "triton_paged"):
         monkeypatch.setenv("PAGEDLLM_ATTENTION_BACKEND", name)
+        current_platform.configure_options()     # what an engine start does
         assert CudaPlatform().attention_backend_name() == name
         assert get_attention_backend().name == name
 

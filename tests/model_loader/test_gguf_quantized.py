@@ -29,6 +29,7 @@ from pagedllm.model_loader.gguf import (GGUFSource, dequantize, iterate_gguf_ten
 from pagedllm.model_loader.loader import load_model
 from pagedllm.native.fused_decoder import FusedDecoder
 from pagedllm.models.llama import unpermute_rope_rows
+from pagedllm.platforms import current_platform
 from pagedllm.layers.quantization.gguf import GGUFEmbeddingMethod
 from tests.fixtures.checkpoints import make_tiny_checkpoint
 from tests.fixtures.gguf_files import quantize, write_gguf, write_raw_gguf
@@ -108,6 +109,7 @@ def _load(path, quantization: str | None, q8: bool | None = False):
     else:
         patch.setenv(Q8_ACTIVATIONS_ENV, "1" if q8 else "0")
     try:
+        current_platform.configure_options()     # load_model is called without an engine
         return load_model(view, AutoConfig.from_pretrained(view), torch.float32,
                           torch.device("cpu"), quantization)
     finally:
@@ -347,11 +349,11 @@ def test_q8_activations_are_the_default_and_stay_close(llama_gguf, kquant_gguf):
 
 
 @pytest.mark.parametrize("variable", [ROW_GROUPS_ENV, Q8_ACTIVATIONS_ENV])
-def test_a_switch_typo_fails_before_any_weight_loads(variable):
-    """Both switches are read when the GGUF methods are built (model construction), so a typo
-    is refused before the weights load rather than after."""
+def test_a_switch_typo_fails_before_any_weight_loads(llama_gguf, variable):
+    """Both switches are read with every PAGEDLLM_* variable when an engine starts
+    (`current_platform.configure_options`, before the model is built), so a typo is refused
+    before the weights load rather than after."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(variable, "maybe")
-        for method in (GGUFLinearMethod, GGUFEmbeddingMethod):
-            with pytest.raises(ValueError, match=variable):
-                method()
+        with pytest.raises(ValueError, match=variable):
+            LLM(str(llama_gguf("Q8_0")), quantization="gguf", **ENGINE_ARGS)

@@ -37,7 +37,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pagedllm.native.kernels import switched_off
 from pagedllm.native.kernels.ops import (GGUF_BLOCK_SIZE, GGUF_KERNEL_TYPES, gguf_dequantize_rows,
                                          gguf_group_rows, gguf_linear, gguf_linear_segments,
                                          gguf_ungroup_rows)
@@ -51,15 +50,16 @@ ROW_GROUPS_ENV = "PAGEDLLM_GGUF_ROW_GROUPS"
 
 def gguf_q8_activations_enabled() -> bool:
     """The default of GGUF layers' 8-bit activations: on unless `PAGEDLLM_GGUF_Q8_ACTIVATIONS`
-    is 0/false/off/no (read when a method is built, i.e. at model construction)."""
-    return not switched_off(Q8_ACTIVATIONS_ENV)
+    is 0/false/off/no (`current_platform.options`, read at engine start; asked when a method
+    is built, i.e. at model construction)."""
+    return current_platform.options.gguf_q8_activations
 
 
 def gguf_row_groups_enabled() -> bool:
     """Whether loaded GGUF weights on the CPU go to the kernels' row-group layout: yes unless
-    `PAGEDLLM_GGUF_ROW_GROUPS` is 0/false/off/no (read when a method is built, so a typo fails
-    before any weight is loaded)."""
-    return not switched_off(ROW_GROUPS_ENV)
+    `PAGEDLLM_GGUF_ROW_GROUPS` is 0/false/off/no (`current_platform.options`: read and
+    validated at engine start, so a typo fails before any weight is loaded)."""
+    return current_platform.options.gguf_row_groups
 
 
 class GGUFLayoutUnsupported(ValueError):

@@ -21,6 +21,7 @@ import tempfile
 import threading
 from pathlib import Path
 
+from pagedllm import envs
 from pagedllm.native.kernels import abi
 
 logger = logging.getLogger(__name__)
@@ -49,8 +50,8 @@ def _cpu_flags_line() -> str:
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("PAGEDLLM_KERNEL_CACHE")
-    return Path(root) if root else Path.home() / ".cache" / "pagedllm" / "kernels"
+    root = envs.get("PAGEDLLM_KERNEL_CACHE")
+    return root if root is not None else Path.home() / ".cache" / "pagedllm" / "kernels"
 
 
 def _build(compiler: str, flags: tuple[str, ...], target: Path) -> None:
@@ -81,28 +82,9 @@ def cpu_kernels() -> ctypes.CDLL | None:
         return _library
 
 
-_OFF = ("0", "false", "off", "no")
-_ON = ("", "1", "true", "on", "yes")
-
-
-def switched_off(variable: str) -> bool:
-    """Whether the on/off environment switch `variable` is set to 0/false/off/no (any case);
-    unset, empty or 1/true/on/yes means on.
-
-    Raises:
-        ValueError: for any other value (a typo must not silently leave the switch on).
-    """
-    value = os.environ.get(variable, "1").strip().lower()
-    if value not in _OFF + _ON:
-        raise ValueError(f"{variable}={os.environ[variable]!r}: expected one of 0/false/off/no "
-                         f"or 1/true/on/yes")
-    return value in _OFF
-
-
 def _load() -> ctypes.CDLL | None:
-    if switched_off("PAGEDLLM_CPU_KERNELS"):
-        logger.info("CPU kernels disabled by PAGEDLLM_CPU_KERNELS=%s",
-                    os.environ["PAGEDLLM_CPU_KERNELS"])
+    if not envs.get("PAGEDLLM_CPU_KERNELS"):
+        logger.info("CPU kernels disabled (PAGEDLLM_CPU_KERNELS is off)")
         return None
     try:
         return build_cpu_kernels()

@@ -14,6 +14,7 @@ from pagedllm.native.kernels.ops import cpu_fused_moe, fused_moe_supported
 from pagedllm.layers.activation import GeluAndMul, SiluAndMul
 from pagedllm.layers.fused_moe import (FusedMoE, fused_experts, fused_experts_torch,
                                        native_moe_applies, select_experts)
+from pagedllm.platforms import current_platform
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="CPU kernels did not build")
 
@@ -149,6 +150,7 @@ def test_dispatch_takes_the_kernel_for_small_steps_and_honours_the_switch(monkey
         fused_experts(hidden, w13, w2, weights, ids, expert_map, SiluAndMul()),
         cpu_fused_moe(hidden, w13, w2, weights, ids), atol=0, rtol=0)
     monkeypatch.setenv("PAGEDLLM_CPU_FUSED_MOE", "0")
+    current_platform.configure_options()     # no engine starts here to read it
     assert not native_moe_applies(hidden, w13, w2, ids, expert_map, SiluAndMul())
 
 
@@ -177,6 +179,7 @@ def test_layer_native_equals_torch_path_and_still_counts_load(monkeypatch, dtype
     _, ids = select_experts(logits, top_k, True)
     assert torch.equal(layer.take_expert_load(), torch.bincount(ids.flatten(), minlength=8))
     monkeypatch.setenv("PAGEDLLM_CPU_FUSED_MOE", "off")
+    current_platform.configure_options()
     reference = layer(hidden, logits)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(native.float(), reference.float(), atol=tol, rtol=tol)
