@@ -529,6 +529,13 @@ class EngineConfig:
         bs = self.cache_config.block_size
         return (self.max_model_len + bs - 1) // bs
 
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """KV slots reserved past each running request's scheduled tokens: a draft model writes
+        the KV of the k positions it proposes there (n-gram drafts write none)."""
+        spec = self.speculative_config
+        return spec.num_speculative_tokens if spec and spec.method == "draft_model" else 0
+
 
 def read_hf_config(model_path: str) -> dict[str, Any]:
     """Read `config.json` of a local checkpoint folder.

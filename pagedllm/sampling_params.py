@@ -249,6 +249,17 @@ class SamplingParams:
         return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
 
     @property
+    def reads_previous_tokens(self) -> bool:
+        """Whether sampling each token reads the request's tokens before it: penalties (over
+        prompt and output), bad words (the tokens a word would complete) and logits processors
+        (the output ids). The one home of this fact: the scheduler runs such requests in
+        synchronous steps (`request_needs_sync_step`), the runner gives them neither drafts nor
+        the plain-greedy path (`RequestStates`)."""
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1 or bool(self.bad_words)
+                or bool(self._bad_words_token_ids) or bool(self.logits_processors))
+
+    @property
     def all_stop_token_ids(self) -> set[int]:
         """`stop_token_ids` plus the model's EOS ids (unless ignore_eos), set by the engine."""
         return self._all_stop_token_ids

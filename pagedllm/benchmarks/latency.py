@@ -256,7 +256,8 @@ class EngineStepper:
     def _time_decode_loop(self) -> None:
         """Time the runner's native decode loop (multi-step rounds' later steps: forwards with
         their argmax, native/decode_loop.py) as forward, once the runner has made it."""
-        loop = getattr(self.runner, "_decode_loop", None)
+        rounds = getattr(self.runner, "multi_step", None)
+        loop = getattr(rounds, "native_loop", None)
         if loop and not getattr(loop, "_bench_timed", False):
             self._time_method(loop, "run", "forward")
             loop._bench_timed = True
@@ -280,23 +281,24 @@ class EngineStepper:
         t0 = time.perf_counter()
         with label("bench.schedule"):
             so = core.scheduler.schedule()
+            grammar_output = core.scheduler.get_grammar_output(so)
         t1 = time.perf_counter()
         if self.runner is not None:
             with label("bench.execute_model"):
                 self.runner.execute_model(so)
             t2 = time.perf_counter()
             with label("bench.sample_tokens"):
-                runner_output = self.runner.sample_tokens()
+                runner_output = self.runner.sample_tokens(grammar_output)
             t3 = time.perf_counter()
             if so.num_steps > 1:
                 self._time_decode_loop()
                 with label("bench.run_remaining_steps"):
-                    runner_output = self.runner.run_remaining_steps(so, runner_output)
+                    runner_output = self.runner.run_remaining_steps(so.num_steps, runner_output)
                 # The later steps are forwards and sampling: execute_model's share.
                 t2 += time.perf_counter() - t3
                 t3 = time.perf_counter()
         else:
-            runner_output = core.executor.execute_model(so)
+            runner_output = core.executor.execute_model(so, grammar_output)
             t2 = t3 = time.perf_counter()
         with label("bench.update_from_output"):
             core_outputs = core.scheduler.update_from_output(so, runner_output)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Container
 
 from pagedllm.sampling_params import SamplingParams
 
@@ -40,6 +40,17 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_ERROR: "error",
 }
+
+
+def stop_token_reached(token_id: int, stop_token_ids: Container[int], num_output_tokens: int,
+                       min_tokens: int) -> bool:
+    """Whether a request ends at its latest token `token_id` (counted in `num_output_tokens`):
+    one of its stop tokens (EOS included) once `min_tokens` are out.
+
+    The one stop-token check: `Scheduler._check_stop` applies it to each new token, and a
+    multi-step round (worker/multi_step.py) to drop a request from the round's later steps.
+    """
+    return token_id in stop_token_ids and num_output_tokens >= min_tokens
 
 
 class Request:

@@ -59,9 +59,6 @@ class SchedulerOutput:
             as new requests).
         scheduled_spec_decode_tokens: req_id -> draft tokens verified this step (they follow the
             request's tokens; `num_scheduled_tokens` counts them).
-        structured_output_request_ids: structured requests that sample this step, in the order
-            of the grammar bitmask's rows (1 + number of drafts rows each).
-        grammar_bitmask: int32 numpy [rows, ceil(vocab / 32)] or None.
         num_steps: decode steps of this round (multi-step scheduling; > 1 only when every
             scheduled request decodes one token): the worker feeds each sampled token into the
             next forward and returns up to `num_steps` tokens per request.
@@ -74,13 +71,27 @@ class SchedulerOutput:
     finished_req_ids: set[str]
     preempted_req_ids: set[str]
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
-    structured_output_request_ids: list[str] = field(default_factory=list)
-    grammar_bitmask: np.ndarray | None = None
     num_steps: int = 1
 
     @classmethod
     def make_empty(cls) -> SchedulerOutput:
         return cls([], CachedRequestData(), {}, 0, set(), set())
+
+
+@dataclass
+class GrammarOutput:
+    """The grammar bitmask of one step's structured requests (`Scheduler.get_grammar_output`),
+    for `ModelRunner.sample_tokens(grammar_output)` (vLLM's GrammarOutput).
+
+    Attributes:
+        structured_output_request_ids: structured requests that sample this step, in the order
+            of the bitmask's rows (1 + number of drafts rows each).
+        grammar_bitmask: int32 numpy [rows, ceil(vocab / 32)]: token t is allowed in a row iff
+            bit t % 32 of word t // 32 is set.
+    """
+
+    structured_output_request_ids: list[str]
+    grammar_bitmask: np.ndarray
 
 
 @dataclass

@@ -39,8 +39,8 @@ from dataclasses import dataclass, replace
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.kv_cache_groups import KVCacheCapacity, make_kv_cache_groups
 from pagedllm.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
-from pagedllm.core.request import Request, RequestStatus
-from pagedllm.core.sched_output import (EngineCoreOutput, ModelRunnerOutput,
+from pagedllm.core.request import Request, RequestStatus, stop_token_reached
+from pagedllm.core.sched_output import (EngineCoreOutput, GrammarOutput, ModelRunnerOutput,
                                         NewRequestData, SchedulerOutput)
 
 
@@ -235,7 +235,6 @@ class Scheduler:
                 # It samples this step; its token is unknown until update_from_output.
                 self.num_output_placeholders[req_id] = (
                     self.num_output_placeholders.get(req_id, 0) + 1)
-        self._add_grammar_bitmask(out)
         return out
 
     def _num_decode_steps(self) -> int:
@@ -355,16 +354,19 @@ class Scheduler:
         return (request.sampling_params.structured_outputs is None
                 or self.structured_output_manager.is_ready(request.request_id))
 
-    def _add_grammar_bitmask(self, out: SchedulerOutput) -> None:
-        """Bitmask rows for the structured requests that sample this step."""
-        rows = [(req_id, out.scheduled_spec_decode_tokens.get(req_id, []))
-                for req_id in out.num_scheduled_tokens
+    def get_grammar_output(self, scheduler_output: SchedulerOutput) -> GrammarOutput | None:
+        """The grammar bitmask rows of the structured requests that sample in
+        `scheduler_output` (just returned by `schedule`, before any `update_from_output`), for
+        the worker's `sample_tokens`; None when there are none."""
+        rows = [(req_id, scheduler_output.scheduled_spec_decode_tokens.get(req_id, []))
+                for req_id in scheduler_output.num_scheduled_tokens
                 if self.requests[req_id].sampling_params.structured_outputs is not None
                 and self.requests[req_id].num_computed_tokens
                 >= self.requests[req_id].num_tokens]
-        if rows:
-            out.structured_output_request_ids = [r for r, _ in rows]
-            out.grammar_bitmask = self.structured_output_manager.grammar_bitmask(rows)
+        if not rows:
+            return None
+        return GrammarOutput([r for r, _ in rows],
+                             self.structured_output_manager.grammar_bitmask(rows))
 
     def _max_kv_tokens(self, request: Request) -> int:
         """Token slots `add_request` checked the cache can hold for `request` alone
@@ -490,8 +492,8 @@ class Scheduler:
 
     def _check_stop(self, request: Request, token_id: int) -> bool:
         params = request.sampling_params
-        if (token_id in params.all_stop_token_ids
-                and request.num_output_tokens >= params.min_tokens):
+        if stop_token_reached(token_id, params.all_stop_token_ids, request.num_output_tokens,
+                              params.min_tokens):
             request.status = RequestStatus.FINISHED_STOPPED
             if token_id in params.stop_token_ids:
                 request.stop_reason = token_id
@@ -521,10 +523,7 @@ class Scheduler:
 def request_needs_sync_step(request: Request) -> bool:
     """Whether `request`'s next step needs its previous tokens on the host (before it is
     scheduled or sampled): structured output (the grammar bitmask is built from the accepted
-    tokens), penalties, bad words and logits processors (they read the output token ids).
-    Such requests run under synchronous steps even with `async_scheduling`."""
+    tokens) or sampling that reads them (`SamplingParams.reads_previous_tokens`). Such requests
+    run under synchronous steps even with `async_scheduling`."""
     sp = request.sampling_params
-    return (sp.structured_outputs is not None or sp.presence_penalty != 0
-            or sp.frequency_penalty != 0 or sp.repetition_penalty != 1
-            or bool(sp.bad_words) or bool(sp._bad_words_token_ids)
-            or bool(sp.logits_processors))
+    return sp.structured_outputs is not None or sp.reads_previous_tokens

@@ -63,14 +63,13 @@ class EngineCore:
             self.executor.shutdown()
             raise
         spec = config.speculative_config
-        # A draft model writes KV for the positions it proposes: reserve them.
-        lookahead = spec.num_speculative_tokens if spec and spec.method == "draft_model" else 0
         self.structured_output_manager = StructuredOutputManager(
             lambda: AutoTokenizer.from_pretrained(
                 config.tokenizer_path, trust_remote_code=config.model_config.trust_remote_code),
             hf_model_info(config.model_path).vocab_size, config.reasoning_parser)
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config,
-                                   config.max_model_len, num_blocks, lookahead,
+                                   config.max_model_len, num_blocks,
+                                   config.num_lookahead_tokens,
                                    self.structured_output_manager,
                                    kv_cache_windows=self.executor.kv_cache_windows(),
                                    async_scheduling=self.async_scheduling,
@@ -109,7 +108,8 @@ class EngineCore:
         if not self.scheduler.has_unfinished_requests():
             return []
         scheduler_output = self.scheduler.schedule()
-        runner_output = self.executor.execute_model(scheduler_output)
+        runner_output = self.executor.execute_model(
+            scheduler_output, self.scheduler.get_grammar_output(scheduler_output))
         return self._update(scheduler_output, runner_output)
 
     def _update(self, scheduler_output: SchedulerOutput,
@@ -132,11 +132,13 @@ class EngineCore:
             if not self.scheduler.has_unfinished_requests():
                 return []
             scheduler_output = self.scheduler.schedule()
-            return self._update(scheduler_output,
-                                self.executor.execute_model(scheduler_output))
+            return self._update(scheduler_output, self.executor.execute_model(
+                scheduler_output, self.scheduler.get_grammar_output(scheduler_output)))
         scheduler_output = self.scheduler.schedule()
-        self._in_flight.append((scheduler_output,
-                                self.executor.execute_model(scheduler_output, non_block=True)))
+        # (Its grammar output is None: a structured request makes the steps synchronous.)
+        self._in_flight.append((scheduler_output, self.executor.execute_model(
+            scheduler_output, self.scheduler.get_grammar_output(scheduler_output),
+            non_block=True)))
         if scheduler_output.total_num_scheduled_tokens == 0:
             return self._drain()
         outputs: list[EngineCoreOutput] = []

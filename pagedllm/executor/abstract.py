@@ -12,7 +12,7 @@ import logging
 from typing import Any, Protocol
 
 from pagedllm.config import EngineConfig
-from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.core.sched_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +41,10 @@ class Executor(Protocol):
     def kv_cache_windows(self) -> tuple[int | None, ...]:
         """The KV cache groups' sliding windows (the same on every rank)."""
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step on every rank; the driver rank's output.
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
+        """Run one step on every rank (`ModelRunner.execute_model(scheduler_output)` then
+        `sample_tokens(grammar_output)`, in one call per rank); the driver rank's output.
 
         Raises:
             WorkerDiedError: a worker died or raised (distributed executors).
@@ -84,8 +86,9 @@ class DistributedExecutorBase:
             raise RuntimeError(f"ranks disagree on the KV cache groups: {sorted(windows)}")
         return windows.pop()
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.collective_rpc("execute_model", (scheduler_output,),
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
+        return self.collective_rpc("execute_model", (scheduler_output, grammar_output),
                                    reply_rank=self.driver_rank)[self.driver_rank]
 
 

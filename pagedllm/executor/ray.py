@@ -2,7 +2,8 @@
 
     engine process (Ray driver)          Ray actors (one per rank, any node of the cluster)
     ───────────────────────────          ─────────────────────────────────────────────────
-    ray.put(scheduler_output) ─────────► RayWorkerWrapper.execute_method("execute_model", ref)
+    ray.put(scheduler_output, ─────────► RayWorkerWrapper.execute_method("execute_model", refs)
+            grammar_output)
     ray.get(all refs)          ◄──────── driver rank: ModelRunnerOutput; others: None
 
 `ray.init` joins the cluster named by `RAY_ADDRESS` (e.g. "ray://head:10001" or "auto"); without
@@ -20,7 +21,7 @@ import socket
 from typing import Any
 
 from pagedllm.config import EngineConfig
-from pagedllm.core.sched_output import SchedulerOutput
+from pagedllm.core.sched_output import GrammarOutput, SchedulerOutput
 from pagedllm.executor.abstract import DistributedExecutorBase, WorkerDiedError, driver_rank
 from pagedllm.platforms import current_platform
 
@@ -133,7 +134,8 @@ class RayExecutor(DistributedExecutorBase):
         """
         if self._closed:
             raise WorkerDiedError("the executor is shut down")
-        args = tuple(self._ray.put(a) if isinstance(a, SchedulerOutput) else a for a in args)
+        args = tuple(self._ray.put(a) if isinstance(a, (SchedulerOutput, GrammarOutput)) else a
+                     for a in args)
         # Top-level ObjectRef arguments reach the actors as their values (put once, read by all).
         return self._get([actor.execute_method.remote(method,
                                                       reply_rank is None or rank == reply_rank,

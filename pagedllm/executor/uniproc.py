@@ -12,7 +12,7 @@ from __future__ import annotations
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from pagedllm.config import EngineConfig
-from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.core.sched_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from pagedllm.worker.worker import Worker
 
 
@@ -47,16 +47,17 @@ class UniProcExecutor:
         return self.worker.kv_cache_windows()
 
     def execute_model(self, scheduler_output: SchedulerOutput,
+                      grammar_output: GrammarOutput | None = None,
                       non_block: bool = False) -> ModelRunnerOutput | AsyncStepFuture:
         """Run one step. Blocking: its output. `non_block`: an `AsyncStepFuture` at once, the step
         queued behind the ones submitted before (async scheduling: the worker takes the tokens
         of the previous step from the device)."""
         if not non_block:
-            return self.worker.execute_model(scheduler_output)
+            return self.worker.execute_model(scheduler_output, grammar_output)
         if self._model_thread is None:
             self._model_thread = ThreadPoolExecutor(1, thread_name_prefix="pagedllm-model")
         return AsyncStepFuture(self._model_thread.submit(self.worker.execute_model_async,
-                                                         scheduler_output))
+                                                         scheduler_output, grammar_output))
 
     def shutdown(self) -> None:
         if self._model_thread is not None:

@@ -20,6 +20,7 @@ import torch
 
 from pagedllm.core.sched_output import EplbStats, LogprobsLists, ModelRunnerOutput
 from pagedllm.sample.logprobs import LogprobsTensors
+from pagedllm.worker.input_batch import record_sampled_tokens, request_logprobs
 
 
 def start_host_copy(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], object | None]:
@@ -116,29 +117,26 @@ class AsyncModelRunnerOutput:
             start_host_copy([logprobs.token_ids, logprobs.logprobs, logprobs.ranks])
 
     def get_output(self) -> ModelRunnerOutput:
-        sampled_token_ids: list[list[int]] = [[] for _ in self.req_ids]
-        errors: dict[str, str] = {}
+        output = ModelRunnerOutput(req_ids=self.req_ids,
+                                   req_id_to_index={r: i for i, r in enumerate(self.req_ids)},
+                                   sampled_token_ids=[[] for _ in self.req_ids],
+                                   prompt_logprobs_dict=self.prompt_logprobs,
+                                   eplb_stats=self.eplb_stats)
         tokens = self.sampled.host_values() if self.sampled is not None else []
         by_req = dict(zip(self.sampled.req_ids, tokens)) if self.sampled is not None else {}
         lp = None
         if self._logprobs_host is not None:
             if self._logprobs_event is not None:
                 self._logprobs_event.synchronize()
-            ids, lps, ranks = (t.tolist() for t in self._logprobs_host)
-            lp = (ids, lps, ranks)
-        logprobs: dict[str, LogprobsLists] = {}
+            lp = LogprobsLists(*(t.tolist() for t in self._logprobs_host))
+        req_ids, new_tokens, logprobs = [], [], []
         for i, b in enumerate(self.sampled_batch_idx.tolist()):
             req_id = self.req_ids[b]
             if i in self.failed:
-                errors[req_id] = self.failed[i]
+                output.request_errors[req_id] = self.failed[i]
                 continue
-            sampled_token_ids[b] = [by_req[req_id]]
-            k = int(self.logprobs_k[i])
-            if lp is not None and k >= 0:
-                logprobs[req_id] = LogprobsLists([lp[0][i][:k + 1]], [lp[1][i][:k + 1]],
-                                                 [lp[2][i]])
-        return ModelRunnerOutput(req_ids=self.req_ids,
-                                 req_id_to_index={r: i for i, r in enumerate(self.req_ids)},
-                                 sampled_token_ids=sampled_token_ids, logprobs=logprobs,
-                                 prompt_logprobs_dict=self.prompt_logprobs,
-                                 request_errors=errors, eplb_stats=self.eplb_stats)
+            req_ids.append(req_id)
+            new_tokens.append([by_req[req_id]])
+            logprobs.append(request_logprobs(lp, i, 1, int(self.logprobs_k[i])))
+        record_sampled_tokens(output, req_ids, new_tokens, logprobs)
+        return output

@@ -1,19 +1,23 @@
-"""Persistent per-request state in fixed slots, and the per-step InputBatch gathered from it.
+"""Persistent per-request state in fixed slots, the per-step InputBatch gathered from it, and
+the recording of sampled tokens.
 
 Requests keep the slot (`req_index`) they got when they arrived until they finish or are
 preempted; a step lists its requests in `idx_mapping` (batch_idx -> req_index), as vLLM's
 runner v2 does, so nothing is condensed or reordered when requests come and go.
+`record_sampled_tokens` is the one place a sampled token is recorded, for every sampling path
+(a step, a multi-step round's later steps, the native decode loop, an async step's output).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from pagedllm.attention.metadata import CommonAttentionMetadata
-from pagedllm.core.sched_output import NewRequestData
+from pagedllm.core.sched_output import LogprobsLists, ModelRunnerOutput, NewRequestData
 from pagedllm.spec_decode.metadata import SpecDecodeMetadata
 from pagedllm.worker.block_table import BlockTable
 
@@ -61,6 +65,8 @@ class RequestStates:
         self.allowed_token_ids: list[list[int] | None] = [None] * max_num_reqs
         self.bad_words_token_ids: list[list[list[int]]] = [[] for _ in range(max_num_reqs)]
         self.logits_processors: list[list | None] = [None] * max_num_reqs
+        # `SamplingParams.reads_previous_tokens`: penalties, bad words, logits processors.
+        self.reads_previous_tokens = np.zeros(max_num_reqs, dtype=bool)
         # Greedy with nothing that edits the logits or asks for logprobs: the sampler's argmax
         # alone (`build_sampling_metadata`'s fast path).
         self.plain_greedy = np.zeros(max_num_reqs, dtype=bool)
@@ -111,11 +117,10 @@ class RequestStates:
         self.allowed_token_ids[idx] = sp.allowed_token_ids
         self.bad_words_token_ids[idx] = sp._bad_words_token_ids
         self.logits_processors[idx] = sp.logits_processors
+        self.reads_previous_tokens[idx] = sp.reads_previous_tokens
         self.plain_greedy[idx] = (
-            sp.temperature == 0.0 and sp.presence_penalty == 0.0 and sp.frequency_penalty == 0.0
-            and sp.repetition_penalty == 1.0 and sp.min_tokens == 0 and sp.logprobs is None
-            and not sp.logit_bias and sp.allowed_token_ids is None
-            and not sp._bad_words_token_ids and not sp.logits_processors)
+            sp.temperature == 0.0 and not sp.reads_previous_tokens and sp.min_tokens == 0
+            and sp.logprobs is None and not sp.logit_bias and sp.allowed_token_ids is None)
         for table, block_ids in zip(self.block_tables, req.block_ids):
             table.add_row(block_ids, idx)
         return idx
@@ -169,3 +174,66 @@ class InputBatch:
     @property
     def num_reqs(self) -> int:
         return len(self.req_ids)
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """A forward's inputs: the batch and its attention metadata (group 0's, or the only
+    group's; the others' are in `batch.group_commons`)."""
+
+    batch: InputBatch
+    common: CommonAttentionMetadata
+
+
+@dataclass(frozen=True)
+class PendingStep:
+    """A forward whose logits wait for sampling (`ModelRunner.execute_model` ->
+    `sample_tokens`, or one step of a multi-step round).
+
+    Attributes:
+        inputs: what the forward ran on.
+        logits: [num_logits, vocab] float32 (device), the rows at `batch.logits_indices`.
+        prompt_logprobs: req_id -> (first prompt token index covered, its logprobs).
+    """
+
+    inputs: StepInputs
+    logits: torch.Tensor
+    prompt_logprobs: dict[str, tuple[int, LogprobsLists]]
+
+
+def request_logprobs(lists: LogprobsLists | None, first_row: int, num_tokens: int,
+                     num_logprobs: int) -> LogprobsLists | None:
+    """One request's part of a step's logprobs: rows `first_row` .. + `num_tokens` of
+    `lists`, each with the sampled token and its top `num_logprobs` alternatives; None where
+    there are none or the request asked for none (`num_logprobs` -1)."""
+    if lists is None or num_logprobs < 0:
+        return None
+    end, k = first_row + num_tokens, num_logprobs + 1
+    return LogprobsLists([ids[:k] for ids in lists.token_ids[first_row:end]],
+                         [lps[:k] for lps in lists.logprobs[first_row:end]],
+                         lists.ranks[first_row:end])
+
+
+def record_sampled_tokens(output: ModelRunnerOutput, req_ids: Sequence[str],
+                          tokens: Sequence[list[int]],
+                          logprobs: Sequence[LogprobsLists | None] | None = None,
+                          states: RequestStates | None = None,
+                          rows: Sequence[int] | None = None) -> None:
+    """Record new sampled tokens of requests: `tokens[i]` (one token, accepted drafts + one, or
+    a multi-step round's later tokens) go after `req_ids[i]`'s tokens in `output`'s
+    `sampled_token_ids` and, where given, `logprobs[i]` after its logprobs; with `states`, they
+    are appended to its slot `rows[i]` too (the runner's states; an async step's output, built
+    in the engine thread, has none: its tokens reach them through `SampledTokens.write_to`).
+    """
+    index = output.req_id_to_index
+    for i, (req_id, new) in enumerate(zip(req_ids, tokens)):
+        output.sampled_token_ids[index[req_id]].extend(new)
+        if states is not None:
+            states.append_tokens(rows[i], new)
+        lp = None if logprobs is None else logprobs[i]
+        if lp is not None:
+            earlier = output.logprobs.get(req_id)
+            if earlier is None:
+                output.logprobs[req_id] = lp
+            else:
+                earlier.extend(lp)

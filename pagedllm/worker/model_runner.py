@@ -8,12 +8,14 @@ spec-decode metadata (`spec_decode/`), KV allocation (`kv_cache.py`).
     execute_model(scheduler_output):  update states -> prepare inputs -> attention metadata
                                       -> forward over the flat batch -> logits at logits_indices
                                       (-> the draft model catches up on the same batch)
-    sample_tokens():                  sampler, or rejection sampler where drafts were scheduled
-                                      -> append tokens to states -> propose drafts
+    sample_tokens(grammar_output):    grammar bitmask -> sampler, or rejection sampler where
+                                      drafts were scheduled -> record tokens
+                                      (`record_sampled_tokens`) -> propose drafts
                                       -> ModelRunnerOutput
 
     run_remaining_steps():            a multi-step round's later decode steps (each sampled
-                                      token is the next input; no scheduler in between)
+                                      token is the next input; no scheduler in between), run by
+                                      the composed `MultiStepRound` (worker/multi_step.py)
 
 Rows whose prompt is still partially uncomputed after this step are not sampled at all (no logits,
 no RNG use), so seeded outputs do not depend on how a prompt was chunked.
@@ -46,8 +48,8 @@ from pagedllm.attention.metadata import CommonAttentionMetadata, KVCacheGroupsMe
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_groups import (KVCacheGroupSpec, kv_cache_group_windows,
                                            make_kv_cache_groups)
-from pagedllm.core.sched_output import (LogprobsLists, ModelRunnerOutput, NewRequestData,
-                                        SchedulerOutput)
+from pagedllm.core.sched_output import (GrammarOutput, LogprobsLists, ModelRunnerOutput,
+                                        NewRequestData, SchedulerOutput)
 from pagedllm.distributed.parallel_state import (ExpertParallelLayout,
                                                  set_expert_parallel_layout)
 from pagedllm.layers.batch_invariance import check_batch_invariance
@@ -64,17 +66,19 @@ from pagedllm.worker.async_output import AsyncModelRunnerOutput, SampledTokens, 
 from pagedllm.worker.cuda_graph import (CudaGraphInputBuffers, CudaGraphRunner,
                                         decode_graph_capture_sizes)
 from pagedllm.worker.eplb_state import EplbState
-from pagedllm.worker.input_batch import InputBatch, RequestStates
+from pagedllm.worker.input_batch import (InputBatch, PendingStep, RequestStates, StepInputs,
+                                         record_sampled_tokens, request_logprobs)
 from pagedllm.worker.kv_cache import (allocate_kv_caches, kv_cache_bytes_per_block,
                                       kv_cache_layer_groups, resolve_kv_cache_dtype)
-from pagedllm.worker.multi_step import MultiStepRounds
+from pagedllm.worker.multi_step import MultiStepRound, RoundSteps
 from pagedllm.worker.pipeline_sampler import pipeline_stage_sampler
 from pagedllm.worker.sampling_inputs import build_sampling_metadata
 
 
-class ModelRunner(MultiStepRounds):
+class ModelRunner:
     """Owns the model, the KV cache tensors and the persistent request states of one worker
-    (the later steps of multi-step rounds: `MultiStepRounds`, worker/multi_step.py).
+    (the later steps of multi-step rounds: `multi_step`, a `MultiStepRound` built by
+    `load_model` from the states, the sampler and this runner's step phases).
 
     Args:
         config: the engine config.
@@ -110,11 +114,11 @@ class ModelRunner(MultiStepRounds):
         # [num_kv_cache_groups, max_num_tokens]: each group's slot of every token.
         self.slot_mappings = torch.zeros((1, self.max_num_tokens), dtype=torch.int64,
                                          device=device)
-        self._pending: tuple[InputBatch, torch.Tensor, dict] | None = None
-        # The inputs of the last forward (a multi-step round advances them).
-        self._last_inputs: tuple[InputBatch, CommonAttentionMetadata] | None = None
-        # The model's native greedy decode loop (False: not decided yet; None: none).
-        self._decode_loop = False
+        # execute_model's forward, until sample_tokens takes it.
+        self._pending: PendingStep | None = None
+        # The inputs of execute_model's last forward (a multi-step round starts from them).
+        self._last_inputs: StepInputs | None = None
+        self.multi_step: MultiStepRound | None = None   # (set by load_model)
         # Each model's attention backend (`_run_model`), the target's and a drafter's.
         self._attention_backends: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # Async scheduling: sampled tokens not yet in token_ids_cpu (oldest first); the last
@@ -147,6 +151,19 @@ class ModelRunner(MultiStepRounds):
             self.drafter = DraftModelProposer(draft, self.spec_config.num_speculative_tokens,
                                               self._run_model, self.block_size, self.device)
         self._setup_kv_cache_groups()
+        self.multi_step = self._make_multi_step()
+
+    def _make_multi_step(self) -> MultiStepRound:
+        """The multi-step rounds over this runner's states, sampler and step phases; the native
+        loop may take them on the CPU with one KV cache group and nothing between steps (drafts,
+        EPLB)."""
+        native = (self.device.type == "cpu" and self.drafter is None and self.eplb is None
+                  and len(self.kv_cache_windows) == 1)
+        steps = RoundSteps(advance=self._advance_decode_inputs,
+                           gather=self._gather_decode_inputs, forward=self._forward,
+                           sample=self._sample_into)
+        return MultiStepRound(self.states, steps, self.sampler, self.block_size,
+                              self.model if native else None)
 
     def _setup_kv_cache_groups(self) -> None:
         """One KV cache group per attention type of the layers, or a single group where
@@ -180,11 +197,7 @@ class ModelRunner(MultiStepRounds):
         sc = self.config.scheduler_config
         return make_kv_cache_groups(num_blocks, self.kv_cache_windows, self.block_size,
                                     sc.max_num_seqs, sc.max_num_batched_tokens,
-                                    self._num_lookahead_tokens())
-
-    def _num_lookahead_tokens(self) -> int:
-        spec = self.spec_config
-        return spec.num_speculative_tokens if spec and spec.method == "draft_model" else 0
+                                    self.config.num_lookahead_tokens)
 
     def _attention_layers(self) -> list:
         layers = self.model.attention_layers()
@@ -310,10 +323,23 @@ class ModelRunner(MultiStepRounds):
             self.states.token_ids_cpu[idx, start:start + len(drafts)] = drafts
 
     def _prepare_inputs(self, so: SchedulerOutput) -> tuple[InputBatch, CommonAttentionMetadata]:
+        """The step's inputs: its requests (cached ones first) gathered from the states, and
+        the previous async step's tokens where they are still on the device."""
         st = self.states
         req_ids = so.scheduled_cached_reqs.req_ids + [r.req_id for r in so.scheduled_new_reqs]
         idx_mapping = np.array([st.req_id_to_index[r] for r in req_ids], dtype=np.int64)
         num_scheduled = np.array([so.num_scheduled_tokens[r] for r in req_ids], dtype=np.int32)
+        batch, common = self._gather_inputs(req_ids, idx_mapping, num_scheduled,
+                                            so.scheduled_spec_decode_tokens)
+        self._fill_placeholders(so, batch)
+        return batch, common
+
+    def _gather_inputs(self, req_ids: list[str], idx_mapping: np.ndarray,
+                       num_scheduled: np.ndarray, spec_tokens: dict[str, list[int]]
+                       ) -> tuple[InputBatch, CommonAttentionMetadata]:
+        """The flat batch of `num_scheduled` [num_reqs] int32 tokens of each request (slots
+        `idx_mapping`), after its `num_computed_tokens`, with `spec_tokens` drafts verified."""
+        st = self.states
         n = int(num_scheduled.sum())
         query_start_loc = np.zeros(len(req_ids) + 1, dtype=np.int32)
         np.cumsum(num_scheduled, out=query_start_loc[1:])
@@ -327,18 +353,15 @@ class ModelRunner(MultiStepRounds):
 
         self.input_ids[:n].copy_(torch.from_numpy(st.token_ids_cpu[rows, positions]),
                                  non_blocking=True)
-        self._fill_placeholders(so, req_ids, idx_mapping, num_computed, num_scheduled,
-                                query_start_loc)
         self.positions[:n].copy_(torch.from_numpy(positions), non_blocking=True)
         block_tables = self._compute_block_tables(idx_mapping, rows, positions, num_computed)
 
         sampled_batch_idx = np.nonzero(seq_lens >= st.num_tokens[idx_mapping])[0]
         last_token_index = (query_start_loc[1:] - 1)[sampled_batch_idx].astype(np.int64)
         spec = None
-        if so.scheduled_spec_decode_tokens:
+        if spec_tokens:
             spec = build_spec_decode_metadata(
-                [so.scheduled_spec_decode_tokens.get(req_ids[b], []) for b in sampled_batch_idx],
-                last_token_index)
+                [spec_tokens.get(req_ids[b], []) for b in sampled_batch_idx], last_token_index)
             last_token_index = spec.logits_indices
         logits_indices = torch.from_numpy(last_token_index).to(self.device, non_blocking=True)
         common = CommonAttentionMetadata(
@@ -362,9 +385,7 @@ class ModelRunner(MultiStepRounds):
                            spec_decode_metadata=spec, group_commons=group_commons)
         return batch, common
 
-    def _fill_placeholders(self, so: SchedulerOutput, req_ids: list[str],
-                           idx_mapping: np.ndarray, num_computed: np.ndarray,
-                           num_scheduled: np.ndarray, query_start_loc: np.ndarray) -> None:
+    def _fill_placeholders(self, so: SchedulerOutput, batch: InputBatch) -> None:
         """Async scheduling: put the previous step's sampled ids, still on the device, into
         this step's `input_ids` at the positions they take (a decode's only input token).
 
@@ -375,14 +396,16 @@ class ModelRunner(MultiStepRounds):
         if prev is None:
             return
         new_ids = {r.req_id for r in so.scheduled_new_reqs}
+        num_scheduled = batch.num_scheduled_tokens
+        num_computed = batch.seq_lens_np - num_scheduled
         dst, src = [], []
-        for b, req_id in enumerate(req_ids):
+        for b, req_id in enumerate(batch.req_ids):
             j = prev.index_of.get(req_id)
-            if j is None or req_id in new_ids or prev.slots[j] != idx_mapping[b]:
+            if j is None or req_id in new_ids or prev.slots[j] != batch.idx_mapping[b]:
                 continue
             offset = int(prev.positions[j]) - int(num_computed[b])
             if 0 <= offset < num_scheduled[b]:
-                dst.append(int(query_start_loc[b]) + offset)
+                dst.append(int(batch.query_start_loc_np[b]) + offset)
                 src.append(j)
         if dst:
             # Non-blocking copies: a blocking one would wait for the previous step to finish.
@@ -441,14 +464,15 @@ class ModelRunner(MultiStepRounds):
         """Run the forward pass of one step; logits are kept for `sample_tokens`."""
         self._update_states(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
-            self._pending = None
+            self._pending = self._last_inputs = None
             return
-        batch, common = self._prepare_inputs(scheduler_output)
-        self._execute(scheduler_output, batch, common)
+        inputs = StepInputs(*self._prepare_inputs(scheduler_output))
+        self._pending = self._forward(inputs)
+        self._last_inputs = inputs
 
-    def _execute(self, so: SchedulerOutput, batch: InputBatch,
-                 common: CommonAttentionMetadata) -> None:
-        """The forward of prepared inputs -> `_pending` (logits of the sampled rows)."""
+    def _forward(self, inputs: StepInputs) -> PendingStep:
+        """The forward of prepared inputs -> the logits of the sampled rows."""
+        batch, common = inputs.batch, inputs.common
         if (self.graph_runner is not None and batch.spec_decode_metadata is None
                 and self.graph_runner.can_run(common)):
             hidden = self.graph_runner.run(batch.input_ids, batch.positions,
@@ -459,29 +483,28 @@ class ModelRunner(MultiStepRounds):
         if isinstance(self.drafter, DraftModelProposer):
             self.drafter.catch_up(batch.input_ids, batch.positions, common)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
-        logits = self._apply_grammar(so, batch, logits)
-        self._pending = (batch, logits, self._compute_prompt_logprobs(batch, hidden))
-        self._last_inputs = (batch, common)
+        pending = PendingStep(inputs, logits, self._compute_prompt_logprobs(batch, hidden))
         if self.eplb is not None:
             # Between steps: this step's outputs are computed, the next one sees the new layout.
             self.eplb.step()
+        return pending
 
-    def _apply_grammar(self, so: SchedulerOutput, batch: InputBatch,
+    def _apply_grammar(self, grammar_output: GrammarOutput | None, batch: InputBatch,
                        logits: torch.Tensor) -> torch.Tensor:
         """Mask tokens the grammar forbids in the logits rows of structured requests."""
-        if so.grammar_bitmask is None:
+        if grammar_output is None:
             return logits
         sampled_pos = {batch.req_ids[b]: i for i, b in enumerate(batch.sampled_batch_idx)}
         spec = batch.spec_decode_metadata
         rows = []
-        for req_id in so.structured_output_request_ids:
+        for req_id in grammar_output.structured_output_request_ids:
             i = sampled_pos[req_id]
             if spec is None:
                 rows.append(i)
             else:
                 rows.extend(range(int(spec.cu_num_logits[i]), int(spec.cu_num_logits[i + 1])))
         return apply_grammar_bitmask(
-            logits, torch.from_numpy(so.grammar_bitmask).to(self.device),
+            logits, torch.from_numpy(grammar_output.grammar_bitmask).to(self.device),
             torch.tensor(rows, dtype=torch.int64, device=self.device))
 
     def _compute_prompt_logprobs(self, batch: InputBatch, hidden: torch.Tensor
@@ -506,76 +529,83 @@ class ModelRunner(MultiStepRounds):
         return out
 
     @torch.inference_mode()
-    def sample_tokens(self) -> ModelRunnerOutput:
-        """Sample (or verify drafts) for the rows of the last `execute_model`, record the tokens
-        and propose the next drafts."""
-        return self._sample_tokens()
-
-    def _sample_tokens(self) -> ModelRunnerOutput:
+    def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
+        """Sample (or verify drafts) for the rows of the last `execute_model`, the structured
+        requests' rows masked by `grammar_output`; record the tokens and propose the next
+        drafts."""
         self._last_sampled = None
         # A synchronous step after asynchronous ones: sampling may read the earlier tokens.
         self._write_sampled_tokens(wait=True)
-        if self._pending is None:
+        pending, self._pending = self._pending, None
+        if pending is None:
             return ModelRunnerOutput([], {}, [])
-        batch, logits, prompt_logprobs = self._pending
-        self._pending = None
+        batch = pending.inputs.batch
+        output = ModelRunnerOutput(req_ids=batch.req_ids,
+                                   req_id_to_index={r: i for i, r in enumerate(batch.req_ids)},
+                                   sampled_token_ids=[[] for _ in batch.req_ids],
+                                   prompt_logprobs_dict=pending.prompt_logprobs)
+        self._sample_into(pending, output, grammar_output)
+        if self.drafter is not None and len(batch.sampled_batch_idx):
+            output.draft_token_ids = self._propose(
+                batch, batch.idx_mapping[batch.sampled_batch_idx])
+        output.eplb_stats = None if self.eplb is None else self.eplb.take_stats()
+        return output
+
+    def _sample_into(self, pending: PendingStep, output: ModelRunnerOutput,
+                     grammar_output: GrammarOutput | None = None) -> None:
+        """Sample (or verify drafts) for `pending`'s sampled rows and record their tokens in
+        `output` and the request states (`record_sampled_tokens`). A row whose logits
+        processor failed records nothing; its message goes to `output.request_errors` (the
+        scheduler ends it)."""
+        batch = pending.inputs.batch
         sampled_rows = batch.idx_mapping[batch.sampled_batch_idx]
-        sampled_token_ids: list[list[int]] = [[] for _ in batch.req_ids]
-        logprobs: dict[str, LogprobsLists] = {}
-        drafts: dict[str, list[int]] = {}
-        errors: dict[str, str] = {}
-        if len(sampled_rows):
-            if batch.spec_decode_metadata is None:
-                tokens, lp_lists, lp_rows, failed = self._sample(sampled_rows, logits)
-            else:
-                tokens, lp_lists, lp_rows, failed = self._verify(sampled_rows, logits,
-                                                                 batch.spec_decode_metadata)
-            for i, b in enumerate(batch.sampled_batch_idx.tolist()):
-                if i in failed:
-                    # Its logits processor raised: nothing is recorded, the scheduler ends it.
-                    errors[batch.req_ids[b]] = failed[i]
-                    continue
-                sampled_token_ids[b] = tokens[i]
-                self.states.append_tokens(sampled_rows[i], tokens[i])
-                k = int(self.states.num_logprobs[sampled_rows[i]])
-                if lp_lists is not None and k >= 0:
-                    lo, hi = lp_rows[i], lp_rows[i] + len(tokens[i])
-                    logprobs[batch.req_ids[b]] = LogprobsLists(
-                        [ids[:k + 1] for ids in lp_lists.token_ids[lo:hi]],
-                        [lps[:k + 1] for lps in lp_lists.logprobs[lo:hi]],
-                        lp_lists.ranks[lo:hi])
-            if self.drafter is not None:
-                drafts = self._propose(batch, sampled_rows)
-        return ModelRunnerOutput(req_ids=batch.req_ids,
-                                 req_id_to_index={r: i for i, r in enumerate(batch.req_ids)},
-                                 sampled_token_ids=sampled_token_ids, logprobs=logprobs,
-                                 prompt_logprobs_dict=prompt_logprobs,
-                                 draft_token_ids=drafts, request_errors=errors,
-                                 eplb_stats=None if self.eplb is None else self.eplb.take_stats())
+        if not len(sampled_rows):
+            return
+        logits = self._apply_grammar(grammar_output, batch, pending.logits)
+        if batch.spec_decode_metadata is None:
+            tokens, lp_lists, lp_rows, failed = self._sample(sampled_rows, logits)
+        else:
+            tokens, lp_lists, lp_rows, failed = self._verify(sampled_rows, logits,
+                                                             batch.spec_decode_metadata)
+        num_logprobs = self.states.num_logprobs[sampled_rows].tolist()
+        req_ids, rows, new_tokens, logprobs = [], [], [], []
+        for i, (b, row) in enumerate(zip(batch.sampled_batch_idx.tolist(),
+                                         sampled_rows.tolist())):
+            if i in failed:
+                output.request_errors[batch.req_ids[b]] = failed[i]
+                continue
+            req_ids.append(batch.req_ids[b])
+            rows.append(row)
+            new_tokens.append(tokens[i])
+            logprobs.append(request_logprobs(lp_lists, lp_rows[i], len(tokens[i]),
+                                             num_logprobs[i]))
+        record_sampled_tokens(output, req_ids, new_tokens, logprobs, self.states, rows)
 
     @torch.inference_mode()
-    def sample_tokens_async(self) -> AsyncModelRunnerOutput:
+    def sample_tokens_async(self, grammar_output: GrammarOutput | None = None
+                            ) -> AsyncModelRunnerOutput:
         """Sample for the rows of the last `execute_model` without reading the tokens on the
         host: each sampled request's `num_tokens` grows by one placeholder, the ids stay on the
         device for the next step's inputs, and the returned object's `get_output()` waits for
-        their host copy.
+        their host copy (and records them: `record_sampled_tokens`).
 
         Raises:
             RuntimeError: when the step verified drafts (speculative decoding runs in
                 synchronous steps only).
         """
-        if self._pending is None:
+        pending, self._pending = self._pending, None
+        if pending is None:
             self._last_sampled = None
             return AsyncModelRunnerOutput([], np.zeros(0, dtype=np.int64), None, {}, None,
                                           np.zeros(0, dtype=np.int32), {})
-        batch, logits, prompt_logprobs = self._pending
-        self._pending = None
+        batch = pending.inputs.batch
         if batch.spec_decode_metadata is not None:
             raise RuntimeError("a step with draft tokens cannot be sampled asynchronously")
         sampled_rows = batch.idx_mapping[batch.sampled_batch_idx]
         failed: dict[int, str] = {}
         sampled = lp = None
         if len(sampled_rows):
+            logits = self._apply_grammar(grammar_output, batch, pending.logits)
             metadata = build_sampling_metadata(self.states, sampled_rows, logits.shape[-1],
                                                self.device, self.logprobs_mode)
             out = self.sampler(logits, metadata)
@@ -596,7 +626,7 @@ class ModelRunner(MultiStepRounds):
         self._last_sampled = sampled
         return AsyncModelRunnerOutput(batch.req_ids, batch.sampled_batch_idx, sampled, failed,
                                       lp, self.states.num_logprobs[sampled_rows],
-                                      prompt_logprobs,
+                                      pending.prompt_logprobs,
                                       None if self.eplb is None else self.eplb.take_stats())
 
     def _sample(self, rows: np.ndarray, logits: torch.Tensor):
@@ -626,17 +656,14 @@ class ModelRunner(MultiStepRounds):
     def _propose(self, batch: InputBatch, rows: np.ndarray) -> dict[str, list[int]]:
         """Draft tokens for the next step of each sampled request that can use them.
 
-        Requests whose sampling depends on the tokens before each position (penalties, bad
-        words, min_tokens not reached, logits processors) get no drafts: verifying them would need
-        per-position sampling state.
+        Requests whose sampling depends on the tokens before each position
+        (`SamplingParams.reads_previous_tokens`, or min_tokens not reached) get no drafts:
+        verifying them would need per-position sampling state.
         """
         st = self.states
         k = self.spec_config.num_speculative_tokens
-        eligible = ((st.presence_penalty[rows] == 0) & (st.frequency_penalty[rows] == 0)
-                    & (st.repetition_penalty[rows] == 1)
-                    & (st.num_tokens[rows] - st.num_prompt_tokens[rows] >= st.min_tokens[rows])
-                    & np.array([not st.bad_words_token_ids[r] and not st.logits_processors[r]
-                                for r in rows], dtype=bool))
+        eligible = (~st.reads_previous_tokens[rows]
+                    & (st.num_tokens[rows] - st.num_prompt_tokens[rows] >= st.min_tokens[rows]))
         max_drafts = np.where(eligible, np.minimum(k, self.config.max_model_len
                                                    - st.num_tokens[rows]), 0)
         batch_rows = batch.sampled_batch_idx
@@ -649,6 +676,56 @@ class ModelRunner(MultiStepRounds):
                                              st.block_table.block_table_np[rows], max_drafts)
         return {batch.req_ids[b]: p for b, p in zip(batch_rows.tolist(), proposals) if p}
 
+    # ----------------------------------------------------------------- multi-step rounds
+    @torch.inference_mode()
+    def run_remaining_steps(self, num_steps: int, output: ModelRunnerOutput
+                            ) -> ModelRunnerOutput:
+        """Steps 2..`num_steps` of a multi-step round, after `execute_model` and
+        `sample_tokens` ran step 1 and returned `output`, which takes the later tokens too
+        (`MultiStepRound.run`)."""
+        inputs, self._last_inputs = self._last_inputs, None
+        if inputs is None or num_steps < 2:
+            return output
+        return self.multi_step.run(inputs, num_steps - 1, output)
+
+    def _advance_decode_inputs(self, inputs: StepInputs) -> StepInputs:
+        """The next step of a multi-step round for the same requests: each decodes the token it
+        sampled last, one position further (what `_prepare_inputs` would build, without the
+        per-request gathering)."""
+        st = self.states
+        batch, common = inputs.batch, inputs.common
+        rows = batch.idx_mapping
+        n = len(rows)
+        st.num_computed_tokens[rows] += 1
+        positions = st.num_computed_tokens[rows].astype(np.int64)
+        self.input_ids[:n].copy_(torch.from_numpy(st.token_ids_cpu[rows, positions]))
+        self.positions[:n].copy_(torch.from_numpy(positions))
+        seq_lens = (positions + 1).astype(np.int32)
+        seq_lens_fields = dict(seq_lens=torch.from_numpy(seq_lens).to(self.device),
+                               seq_lens_cpu=seq_lens, max_seq_len=int(seq_lens.max()))
+        if self.kv_cache_windows == (None,):
+            # The round's blocks were all in the block table from its first step.
+            self.slot_mappings[0, :n].copy_(torch.from_numpy(
+                st.block_table.compute_slot_mapping(rows, positions)), non_blocking=True)
+            return StepInputs(replace(batch, seq_lens_np=seq_lens),
+                              replace(common, **seq_lens_fields))
+        block_tables = self._compute_block_tables(rows, rows, positions, positions)
+        common = replace(common, block_table=block_tables[0], **seq_lens_fields)
+        group_commons = () if len(block_tables) == 1 else tuple(
+            replace(common, block_table=table, slot_mapping=self.slot_mappings[g, :n])
+            for g, table in enumerate(block_tables))
+        return StepInputs(replace(batch, seq_lens_np=seq_lens, group_commons=group_commons),
+                          common)
+
+    def _gather_decode_inputs(self, req_ids: list[str]) -> StepInputs:
+        """The next step of a multi-step round for `req_ids` (after others left the round): each
+        decodes the token it sampled last, one position further, in blocks the scheduler gave
+        it for the whole round."""
+        st = self.states
+        idx_mapping = np.array([st.req_id_to_index[r] for r in req_ids], dtype=np.int64)
+        st.num_computed_tokens[idx_mapping] += 1
+        return StepInputs(*self._gather_inputs(
+            req_ids, idx_mapping, np.ones(len(req_ids), dtype=np.int32), {}))
 
 def _to_lists(t: LogprobsTensors) -> LogprobsLists:
     return LogprobsLists(t.token_ids.tolist(), t.logprobs.tolist(), t.ranks.tolist())

@@ -16,7 +16,7 @@ from transformers import AutoConfig
 from pagedllm.kv_cache_layout import is_quantized_kv_cache, kv_cache_scales
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_groups import KVCacheGroupSpec, num_blocks_for_budget
-from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.core.sched_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from pagedllm.distributed.parallel_state import (destroy_model_parallel, get_pp_group,
                                                  get_tp_group, init_distributed_environment,
                                                  initialize_model_parallel)
@@ -101,7 +101,7 @@ class Worker:
                 budget = self.platform.kv_cache_budget_bytes(cc.gpu_memory_utilization)
             num_blocks = num_blocks_for_budget(
                 budget, group_bytes, runner.kv_cache_windows, cc.block_size, sc.max_num_seqs,
-                sc.max_num_batched_tokens, runner._num_lookahead_tokens())
+                sc.max_num_batched_tokens, self.config.num_lookahead_tokens)
             if cc.kv_cache_memory_bytes is None and self.platform.cap_kv_cache_at_need:
                 # Enough for max_num_seqs requests at max_model_len, no more (Platform docs).
                 num_blocks = min(num_blocks,
@@ -126,18 +126,22 @@ class Worker:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.model_runner.initialize_kv_cache(num_blocks)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """One step, or the `num_steps` decode steps of a multi-step round."""
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
+        """One step, or the `num_steps` decode steps of a multi-step round (whose requests have
+        no grammar: `grammar_output` is the first step's)."""
         self.model_runner.execute_model(scheduler_output)
-        output = self.model_runner.sample_tokens()
+        output = self.model_runner.sample_tokens(grammar_output)
         if scheduler_output.num_steps > 1:
-            output = self.model_runner.run_remaining_steps(scheduler_output, output)
+            output = self.model_runner.run_remaining_steps(scheduler_output.num_steps, output)
         return output
 
-    def execute_model_async(self, scheduler_output: SchedulerOutput) -> AsyncModelRunnerOutput:
+    def execute_model_async(self, scheduler_output: SchedulerOutput,
+                            grammar_output: GrammarOutput | None = None
+                            ) -> AsyncModelRunnerOutput:
         """As `execute_model`, leaving the sampled tokens on the device (async scheduling)."""
         self.model_runner.execute_model(scheduler_output)
-        return self.model_runner.sample_tokens_async()
+        return self.model_runner.sample_tokens_async(grammar_output)
 
     def layout_summary(self) -> str:
         """One line: this rank's place in the layout, its layers, heads, vocab rows and memory."""

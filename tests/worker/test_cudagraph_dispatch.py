@@ -124,7 +124,7 @@ def _step(runner, reqs, num_scheduled, spec_tokens=None):
     so.total_num_scheduled_tokens = sum(num_scheduled)
     so.scheduled_spec_decode_tokens = spec_tokens or {}
     runner.execute_model(so)
-    logits = runner._pending[1].clone()
+    logits = runner._pending.logits.clone()
     runner.sample_tokens()
     for r in reqs:
         runner.states.remove_request(r.req_id)
