@@ -19,12 +19,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedllm.attention.backends.cpu_paged import KERNEL_CACHE_DTYPES
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.fused_moe import FusedMoE
 from pagedllm.layers.vocab_embedding import LMHead
 
-# KV cache dtypes the CPU kernel reads itself (others fall back to torch SDPA).
-_KERNEL_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn)
 
 
 def batch_invariance_problems(model: nn.Module, kv_cache_dtype: torch.dtype) -> list[str]:
@@ -32,7 +31,7 @@ def batch_invariance_problems(model: nn.Module, kv_cache_dtype: torch.dtype) -> 
     with the reason; [] when the model keeps it. `kv_cache_dtype` is the engine's resolved
     KV cache dtype."""
     problems = []
-    if kv_cache_dtype not in _KERNEL_CACHE_DTYPES:
+    if kv_cache_dtype not in KERNEL_CACHE_DTYPES:
         problems.append(f"kv_cache_dtype {kv_cache_dtype}: attention then runs torch SDPA, "
                         f"whose reduction order follows the batch")
     for name, module in model.named_modules():

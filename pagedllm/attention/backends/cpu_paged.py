@@ -100,7 +100,7 @@ class CpuPagedMetadata:
 
 
 # Cache dtypes the kernel reads (int8 / fp8 with their scales, see kv_cache_layout.py).
-_KERNEL_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn)
+KERNEL_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn)
 
 
 class CpuPagedBackend:
@@ -149,7 +149,7 @@ class CpuPagedBackend:
         Returns:
             [num_tokens, num_heads, head_size] in query's dtype (padded tokens are zero).
         """
-        if kv_cache.dtype not in _KERNEL_CACHE_DTYPES:
+        if kv_cache.dtype not in KERNEL_CACHE_DTYPES:
             return TorchSDPABackend.forward(query, key, value, kv_cache,
                                             metadata.sdpa_metadata(), scale, sliding_window,
                                             logits_soft_cap)
