@@ -16,8 +16,6 @@ import pytest
 import transformers
 
 from tests.entrypoints.openai.server_process import running_server
-from tests.fixtures.checkpoints import make_tiny_checkpoint
-from tests.fixtures.tokenizers import build_tool_chat_tokenizer
 
 CLOCK = {"type": "function", "function": {
     "name": "get_time", "parameters": {"type": "object", "properties": {
@@ -25,14 +23,6 @@ CLOCK = {"type": "function", "function": {
         "additionalProperties": False}}}
 MESSAGES = [{"role": "user", "content": "What time is it in Berlin?"}]
 FORCED_CALL = r'\{"name": "get_time", "parameters": \{"zone": "CET"\}\}'
-
-
-@pytest.fixture(scope="module")
-def tool_model(tmp_path_factory: pytest.TempPathFactory, byte_level_tokenizer_dir: Path) -> Path:
-    tokenizer_dir = build_tool_chat_tokenizer(tmp_path_factory.mktemp("tool_tokenizer"),
-                                              byte_level_tokenizer_dir)
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tool_llama"), "LlamaForCausalLM",
-                                tokenizer_dir, num_key_value_heads=2)
 
 
 @pytest.fixture(scope="module")

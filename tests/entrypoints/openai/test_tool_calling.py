@@ -21,8 +21,6 @@ import pytest
 import transformers
 
 from tests.entrypoints.openai.server_process import running_server
-from tests.fixtures.checkpoints import make_tiny_checkpoint
-from tests.fixtures.tokenizers import build_tool_chat_tokenizer
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather forecast for a city.",
@@ -37,14 +35,6 @@ CLOCK = {"type": "function", "function": {
 TOOLS = [WEATHER, CLOCK]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris for 3 days?"}]
-
-
-@pytest.fixture(scope="module")
-def tool_model(tmp_path_factory: pytest.TempPathFactory, byte_level_tokenizer_dir: Path) -> Path:
-    tokenizer_dir = build_tool_chat_tokenizer(tmp_path_factory.mktemp("tool_tokenizer"),
-                                              byte_level_tokenizer_dir)
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tool_llama"), "LlamaForCausalLM",
-                                tokenizer_dir, num_key_value_heads=2)
 
 
 @pytest.fixture(scope="module")
