@@ -9,6 +9,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from pagedllm.omp_wait import apply_default_wait_policy
+
+apply_default_wait_policy()     # before anything loads torch's OpenMP runtime
+
 if TYPE_CHECKING:
     from pagedllm.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams
     from pagedllm.entrypoints.llm import LLM, GenerateError

@@ -15,17 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pagedllm.generation_config import GENERATION_CONFIG_SAMPLING_KEYS, get_diff_sampling_param
+
 _DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
                   "half": "float16"}
-
-
-# The sampling defaults a generation config may recommend (vLLM's set), HF name -> SamplingParams
-# field; HF's max_new_tokens is vLLM's max_tokens. `do_sample` is not among them: vLLM ignores it.
-GENERATION_CONFIG_SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p",
-                                   "top_k": "top_k", "min_p": "min_p",
-                                   "repetition_penalty": "repetition_penalty",
-                                   "max_new_tokens": "max_tokens"}
 
 
 @dataclass(frozen=True)
@@ -56,7 +50,8 @@ class ModelConfig:
             out come from (vLLM's `--generation-config`): "auto" (the checkpoint's
             generation_config.json; a .gguf file's `general.sampling.*` metadata, which its
             view records there), "vllm" (none: the built-in defaults) or a folder holding a
-            generation_config.json. See `get_diff_sampling_param`.
+            generation_config.json. See
+            `generation_config.get_diff_sampling_param`.
         override_generation_config: generation-config values (HF names: temperature, top_p,
             top_k, min_p, repetition_penalty, max_new_tokens) that replace those of the file
             (vLLM's `--override-generation-config`); they apply with "vllm" too.
@@ -300,6 +295,12 @@ class ParallelConfig:
         enable_expert_parallel: MoE experts split whole over the tensor-parallel ranks
             instead of sharding every expert (docs/moe.md).
         enable_eplb, eplb_config: rebalance experts over those ranks while serving.
+        cpu_threads_bind: CPU platform: "auto" (one machine's worker processes on disjoint
+            cores, a NUMA node each where there are enough), "nobind", or each process's CPUs
+            in vLLM's format ("0-15|16-31", one list per process on this machine).
+        cpu_reserved_cores: CPU platform: physical cores kept from the kernels for the API
+            server's threads (None: one where a machine allows at least 8 cores; see
+            docs/shared_machines.md).
     """
 
     tensor_parallel_size: int = 1
@@ -312,8 +313,15 @@ class ParallelConfig:
     enable_expert_parallel: bool = False
     enable_eplb: bool = False
     eplb_config: EPLBConfig = EPLBConfig()
+    cpu_threads_bind: str = "auto"
+    cpu_reserved_cores: int | None = 0
 
     def __post_init__(self) -> None:
+        from pagedllm.platforms.cpu_topology import parse_threads_bind
+
+        parse_threads_bind(self.cpu_threads_bind)       # raises ValueError naming the spec
+        if self.cpu_reserved_cores is not None and self.cpu_reserved_cores < 0:
+            raise ValueError(f"cpu_reserved_cores must be >= 0, got {self.cpu_reserved_cores}")
         if self.enable_eplb and not self.enable_expert_parallel:
             raise ValueError("enable_eplb needs enable_expert_parallel")
         if self.eplb_config.num_redundant_experts and not self.enable_eplb:
@@ -604,67 +612,6 @@ def hf_model_info(model_path: str) -> HFModelInfo:
     )
 
 
-def read_generation_config(folder: str) -> tuple[dict[str, Any], Path]:
-    """The values a folder's generation_config.json sets explicitly (transformers'
-    `GenerationConfig.to_diff_dict`, so none of GenerationConfig's own defaults), and the file's
-    path; ({}, path) when there is no such file.
-
-    Raises:
-        ValueError: naming the file when transformers cannot read it (not JSON, or a value
-            transformers refuses, such as max_new_tokens 0).
-    """
-    from transformers import GenerationConfig
-
-    path = Path(folder).expanduser() / "generation_config.json"
-    if not path.is_file():
-        return {}, path
-    try:
-        config = GenerationConfig.from_pretrained(str(path.parent), local_files_only=True)
-    except (OSError, ValueError, TypeError) as e:
-        raise ValueError(f"invalid generation config {path}: {e}") from e
-    return config.to_diff_dict(), path
-
-
-def get_diff_sampling_param(model_config: ModelConfig, model_path: str) -> dict[str, Any]:
-    """The default sampling parameters of requests that leave them out (vLLM's
-    `ModelConfig.get_diff_sampling_param`): the generation config's temperature, top_p, top_k,
-    min_p, repetition_penalty and max_new_tokens (as max_tokens) where it sets them, with
-    `override_generation_config` on top; {} for `generation_config="vllm"` without overrides.
-
-    `model_path` is the resolved checkpoint folder (a .gguf file's view, whose
-    generation_config.json holds the file's `general.sampling.*` values).
-
-    Raises:
-        ValueError: naming the file (or override_generation_config) and the key of a value a
-            request could not carry either (e.g. top_p 2), or a corrupt file.
-        FileNotFoundError: a `generation_config` folder without generation_config.json.
-    """
-    from pagedllm.sampling_params import SamplingParams
-
-    sources: list[tuple[str, dict[str, Any]]] = []
-    if model_config.generation_config != "vllm":
-        folder = model_path if model_config.generation_config == "auto" \
-            else model_config.generation_config
-        values, path = read_generation_config(folder)
-        if model_config.generation_config != "auto" and not path.is_file():
-            raise FileNotFoundError(f"generation_config: {path} not found")
-        sources.append((str(path), values))
-    sources.append(("override_generation_config", model_config.override_generation_config))
-    defaults: dict[str, Any] = {}
-    for source, values in sources:
-        for key, name in GENERATION_CONFIG_SAMPLING_KEYS.items():
-            value = values.get(key)
-            if value is None:
-                continue
-            try:
-                SamplingParams(**{name: value})
-            except ValueError as e:
-                raise ValueError(f"{source}: {key} = {value!r} cannot be a default sampling "
-                                 f"parameter ({e})") from e
-            defaults[name] = value
-    return defaults
-
-
 def resolve_chat_template(value: str | None) -> str | None:
     """A chat template argument as the template's text: a path of an existing file is read;
     text with Jinja markup (`{{` or `{%`) is the template itself.
@@ -718,7 +665,9 @@ def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str
                          chat_template: str | None = None,
                          generation_config: str = "auto",
                          override_generation_config: dict[str, Any] | None = None,
-                         batch_invariant: bool = False
+                         batch_invariant: bool = False,
+                         cpu_threads_bind: str = "auto",
+                         cpu_reserved_cores: int | None = 0
                          ) -> EngineConfig:
     """Build and validate an `EngineConfig` from flat engine arguments (vLLM's names).
 
@@ -766,6 +715,8 @@ def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str
                                      master_addr=master_addr, master_port=master_port,
                                      enable_expert_parallel=enable_expert_parallel,
                                      enable_eplb=enable_eplb,
+                                     cpu_threads_bind=cpu_threads_bind,
+                                     cpu_reserved_cores=cpu_reserved_cores,
                                      eplb_config=(EPLBConfig.from_dict(eplb_config)
                                                   if isinstance(eplb_config, dict)
                                                   else eplb_config or EPLBConfig()))
@@ -805,5 +756,4 @@ def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str
 
 __all__ = ["ModelConfig", "CacheConfig", "SchedulerConfig", "ParallelConfig", "EngineConfig",
            "EPLBConfig", "SpeculativeConfig", "RequestLimits",
-           "HFModelInfo", "create_engine_config", "get_diff_sampling_param", "hf_model_info",
-           "read_generation_config", "read_hf_config"]
+           "HFModelInfo", "create_engine_config", "hf_model_info", "read_hf_config"]

@@ -175,6 +175,10 @@ class EnvOptions:
         "PAGEDLLM_CPU_NUMA_BIND",
         "On a machine of several NUMA nodes, bind each process to one node's cores; off: "
         "unbound (the thread count stays one per core).")
+    cpu_adaptive_threads: bool = _switch_var(
+        "PAGEDLLM_CPU_ADAPTIVE_THREADS",
+        "One thread fewer while the process's threads wait for cores other processes take, "
+        "back up when the cores are idle again; off: the planned count throughout.")
     cpu_kvcache_space: float = _var(
         "PAGEDLLM_CPU_KVCACHE_SPACE", _positive_gib, 4.0, "GiB, > 0", "4",
         "Cap of the CPU KV cache sized by a memory fraction (vLLM's VLLM_CPU_KVCACHE_SPACE); "

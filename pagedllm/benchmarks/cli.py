@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from pagedllm.engine.arg_utils import add_engine_args, engine_kwargs_from_args
+from pagedllm.engine.arg_utils import add_engine_args, bounded_int, engine_kwargs_from_args
 
 _DTYPE_ALIASES = {"bf16": "bfloat16", "fp32": "float32", "float": "float32", "fp16": "float16",
                   "half": "float16"}
@@ -37,6 +37,12 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                     help="static batch size of the HF baseline (default min(num_prompts, 32))")
     tp.add_argument("--llamacpp-batch-size", type=int, default=None,
                     help="sequences llama.cpp decodes together (default min(num_prompts, 64))")
+    tp.add_argument("--co-tenants", type=bounded_int(1), default=1, metavar="N",
+                    help="run one copy alone, then N copies at once, and report each copy's "
+                         "figures, their sum and sum / alone (a shared machine)")
+    tp.add_argument("--busy-co-tenants", type=bounded_int(0), default=0, metavar="K",
+                    help="with --co-tenants: K busy single-threaded processes beside the copies")
+    tp.add_argument("--co-tenant-barrier", default=None, help=argparse.SUPPRESS)
     _add_output_args(tp)
     tp.set_defaults(func=run_throughput_command)
 
@@ -256,23 +262,29 @@ def _finish(args: argparse.Namespace, results: list[dict[str, Any]],
 # ------------------------------------------------------------------ runners
 def run_throughput_command(args: argparse.Namespace) -> int:
     from pagedllm import LLM
+    from pagedllm.benchmarks.co_tenants import StartBarrier
     from pagedllm.benchmarks.report import print_result
     from pagedllm.benchmarks.throughput import compare, run_throughput
     from pagedllm.benchmarks.workload import workload_summary
 
     kwargs = resolve_model(args)
     model_path = kwargs["model"]
+    if (args.co_tenants > 1 or args.busy_co_tenants) and args.co_tenant_barrier is None:
+        return _run_co_tenants_command(args, kwargs)
+    barrier = StartBarrier.from_arg(args.co_tenant_barrier) if args.co_tenant_barrier else None
     requests = build_workload(args, _vocab_size(model_path), args.num_prompts)
     print_result(workload_summary(requests), "workload")
     llm = LLM(**kwargs)
-    ours, ours_tokens = run_throughput(llm, requests)
+    ours, ours_tokens = run_throughput(
+        llm, requests, before_timing=barrier and (lambda: barrier.wait("pagedllm")))
     ours.update(model=model_path, dtype=_run_dtype_name(kwargs["dtype"]))
     print_result(ours, "pagedllm throughput")
     results, not_run = [ours], []
     del llm
     gc.collect()
     for baseline in dict.fromkeys(args.compare):
-        figures, tokens = _run_baseline(baseline, args, kwargs, requests)
+        figures, tokens = _run_baseline(baseline, args, kwargs, requests,
+                                        barrier and (lambda b=baseline: barrier.wait(b)))
         if figures is None:
             not_run.append(baseline)
             continue
@@ -284,7 +296,29 @@ def run_throughput_command(args: argparse.Namespace) -> int:
     return _finish(args, results, not_run)
 
 
-def _run_baseline(name: str, args: argparse.Namespace, kwargs: dict[str, Any], requests):
+def _run_co_tenants_command(args: argparse.Namespace, kwargs: dict[str, Any]) -> int:
+    """`--co-tenants` / `--busy-co-tenants`: the copies run this command in child processes
+    (the preset and any GGUF conversion made once here, before they start)."""
+    from pagedllm.benchmarks.co_tenants import run_co_tenants
+
+    if "llamacpp" in args.compare:
+        from pagedllm.benchmarks.llamacpp_baseline import gguf_for, llamacpp_unavailable_reason
+        from pagedllm.platforms import current_platform
+
+        if llamacpp_unavailable_reason() is None:
+            gguf_for(kwargs["model"], str(current_platform.resolve_dtype(kwargs["dtype"]))
+                     .removeprefix("torch."), args.llamacpp_converter)
+    bench_argv = args.argv[args.argv.index("throughput") + 1:]
+    try:
+        run_co_tenants(bench_argv, args.co_tenants, args.busy_co_tenants, args.output_json)
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _run_baseline(name: str, args: argparse.Namespace, kwargs: dict[str, Any], requests,
+                  before_timing=None):
     from pagedllm.platforms import current_platform
 
     dtype = current_platform.resolve_dtype(kwargs["dtype"])
@@ -292,7 +326,8 @@ def _run_baseline(name: str, args: argparse.Namespace, kwargs: dict[str, Any], r
         from pagedllm.benchmarks.hf_baseline import run_hf_throughput
 
         batch_size = args.hf_batch_size or min(len(requests), 32)
-        figures, tokens = run_hf_throughput(kwargs["model"], requests, dtype, batch_size)
+        figures, tokens = run_hf_throughput(kwargs["model"], requests, dtype, batch_size,
+                                            before_timing=before_timing)
         figures["dtype"] = str(dtype).removeprefix("torch.")
         return figures, tokens
     from pagedllm.benchmarks.llamacpp_baseline import run_llamacpp_throughput
@@ -301,7 +336,8 @@ def _run_baseline(name: str, args: argparse.Namespace, kwargs: dict[str, Any], r
         return run_llamacpp_throughput(
             kwargs["model"], requests, str(dtype).removeprefix("torch."),
             args.llamacpp_converter,
-            batch_size=args.llamacpp_batch_size or min(len(requests), 64))
+            batch_size=args.llamacpp_batch_size or min(len(requests), 64),
+            before_timing=before_timing)
     except RuntimeError as e:
         print(str(e))
         return None, None

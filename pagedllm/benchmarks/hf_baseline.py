@@ -9,6 +9,7 @@ random output lengths a batch generates up to its longest request; only each req
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -58,13 +59,17 @@ def hf_generate_batch(model, prompts: list[list[int]], max_new_tokens: int) -> l
 
 
 def run_hf_throughput(model_path: str, requests: list[BenchRequest], dtype: torch.dtype,
-                      batch_size: int, warmup: bool = True
+                      batch_size: int, warmup: bool = True,
+                      before_timing: Callable[[], None] | None = None
                       ) -> tuple[dict[str, Any], list[list[int]]]:
-    """Returns (figures as `run_throughput`'s, output token ids per request)."""
+    """Returns (figures as `run_throughput`'s, output token ids per request); `before_timing`
+    is called after the model is loaded and warm, just before the timed run."""
     with PeakRSSMonitor() as mem:
         model = load_hf_model(model_path, dtype)
         if warmup:
             hf_generate_batch(model, [warmup_prompt(requests)], 4)
+        if before_timing is not None:
+            before_timing()
         outputs: list[list[int]] = []
         generated = 0
         start = time.perf_counter()

@@ -18,6 +18,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from pagedllm import envs
@@ -180,9 +181,12 @@ def _stand_in_vocab_dir(model_dir: Path, tmp: Path) -> Path:
 
 def run_llamacpp_throughput(model_path: str, requests: list[BenchRequest], dtype_name: str,
                             converter: str | None = None, num_threads: int | None = None,
-                            batch_size: int = 32) -> tuple[dict[str, Any], list[list[int]]]:
+                            batch_size: int = 32,
+                            before_timing: Callable[[], None] | None = None
+                            ) -> tuple[dict[str, Any], list[list[int]]]:
     """Greedy, EOS ignored (decoding stops after `output_len` tokens), with up to `batch_size`
-    sequences decoded together.
+    sequences decoded together; `before_timing` is called after the warm-up, just before the
+    timed run.
 
     llama.cpp's own batched API (`llama_decode` over a `llama_batch` whose tokens carry sequence
     ids, as in its `batched` example and llama-server's slots) runs continuous batching: each
@@ -208,6 +212,8 @@ def run_llamacpp_throughput(model_path: str, requests: list[BenchRequest], dtype
                                   num_threads or os.cpu_count() or 1)
         try:
             runner.generate([requests[0].prompt_token_ids[:16]], [4])  # warm-up
+            if before_timing is not None:
+                before_timing()
             start = time.perf_counter()
             outputs, ttfts = runner.generate([r.prompt_token_ids for r in requests],
                                              [r.output_len for r in requests])

@@ -8,6 +8,7 @@ timing.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from pagedllm.benchmarks.report import PeakRSSMonitor, load_average, process_peak_rss_bytes
@@ -43,15 +44,20 @@ def throughput_figures(backend: str, requests: list[BenchRequest],
     }
 
 
-def run_throughput(llm, requests: list[BenchRequest],
-                   warmup: bool = True) -> tuple[dict[str, Any], list[list[int]]]:
-    """Run `requests` through `llm.generate`; returns (figures, output token ids per request)."""
+def run_throughput(llm, requests: list[BenchRequest], warmup: bool = True,
+                   before_timing: Callable[[], None] | None = None
+                   ) -> tuple[dict[str, Any], list[list[int]]]:
+    """Run `requests` through `llm.generate`; returns (figures, output token ids per request).
+    `before_timing` is called after the warm-up, just before the timed run (the co-tenant
+    copies meet there)."""
     from pagedllm import SamplingParams
 
     if warmup:
         llm.generate([{"prompt_token_ids": warmup_prompt(requests)}],
                      SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
                      use_tqdm=False)
+    if before_timing is not None:
+        before_timing()
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
     params = [sampling_params_for(r) for r in requests]
     with PeakRSSMonitor() as mem:

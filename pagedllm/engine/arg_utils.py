@@ -107,6 +107,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--eplb-config", type=_json_object, default=None,
                    help='JSON, e.g. \'{"window_size": 1000, "step_interval": 3000, '
                         '"num_redundant_experts": 2}\'')
+    g.add_argument("--cpu-threads-bind", default="auto", type=non_empty,
+                   help="CPU: the cores of each process on this machine: auto (tensor-parallel "
+                        "ranks on disjoint cores, a NUMA node each where there are enough), "
+                        "nobind, or CPU lists, one per process: 0-15|16-31 (vLLM's format)")
+    g.add_argument("--cpu-reserved-cores", type=bounded_int(0), default=0, metavar="N",
+                   help="CPU: physical cores kept from the kernels for the API server's threads "
+                        "(serve's default: 1 where the machine allows at least 8, else 0)")
     g.add_argument("--speculative-config", type=_json_object, default=None,
                    help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
                         '\'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}\'')
@@ -155,7 +162,7 @@ _ENGINE_KEYS = ("tokenizer", "chat_template", "dtype", "quantization", "max_mode
                 "logprobs_mode", "max_logprobs", "max_n", "max_logit_bias", "reasoning_parser",
                 "cudagraph_mode", "enforce_eager", "cudagraph_capture_sizes", "async_scheduling",
                 "num_scheduler_steps", "generation_config", "override_generation_config",
-                "batch_invariant")
+                "batch_invariant", "cpu_threads_bind", "cpu_reserved_cores")
 
 
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:

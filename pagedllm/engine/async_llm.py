@@ -41,6 +41,7 @@ from pagedllm.engine.engine_core import EngineCoreRequest
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.outputs import RequestOutput
+from pagedllm.platforms import current_platform
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -254,6 +255,9 @@ class AsyncLLM:
         self._thread = threading.Thread(target=self._run_engine_loop, name="pagedllm-engine",
                                         daemon=True)
         self._thread.start()
+        # The engine thread keeps the kernels' cores it started with; this (event-loop) thread
+        # and those it starts later move to the cores kept for the front end, if any.
+        current_platform.bind_front_end(self.engine.config.parallel_config.cpu_reserved_cores)
 
     async def add_request(self, request_id: str, prompt: PromptType,
                           sampling_params: SamplingParams) -> RequestStream:

@@ -91,7 +91,8 @@ class PoolingEngine:
                              f"max_model_len ({config.max_model_len}) for pooling: prompts are "
                              "never chunked")
         platform = current_platform
-        platform.init_device()
+        platform.init_device(threads_bind=pc.cpu_threads_bind,
+                             reserved_cores=pc.cpu_reserved_cores)
         platform.seed_everything(config.model_config.seed)
         hf_config = AutoConfig.from_pretrained(
             config.model_path, trust_remote_code=config.model_config.trust_remote_code)

@@ -106,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)   # as given (bench --co-tenants)
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as e:

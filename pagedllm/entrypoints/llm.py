@@ -4,7 +4,7 @@
     outputs = llm.generate(["Hello"], SamplingParams(max_tokens=16))
 
 `generate` / `chat` without sampling params use `get_default_sampling_params()`: the model's
-recommended defaults (its generation config, see `config.get_diff_sampling_param`) over
+recommended defaults (its generation config, see `generation_config.get_diff_sampling_param`) over
 SamplingParams' own, as vLLM does. A SamplingParams that is passed is used as it is.
 """
 

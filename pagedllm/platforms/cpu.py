@@ -10,7 +10,11 @@ import torch
 from pagedllm.native.kernels import cpu_kernels
 from pagedllm.native.kernels import ops
 from pagedllm.native.kernels.ops import cpu_linear, cpu_linear_supported
-from pagedllm.platforms.cpu_topology import allowed_cpus, plan_threads, read_topology
+from pagedllm.omp_wait import wait_policy_description
+from pagedllm.platforms.cpu_contention import ThreadGovernor
+from pagedllm.platforms.cpu_topology import (allowed_cpus, bind_process, format_cpu_list,
+                                             plan_threads, read_cpu_quota, read_topology,
+                                             reserved_cpus, resolve_reserved_cores)
 from pagedllm.platforms.interface import Platform
 
 logger = logging.getLogger(__name__)
@@ -54,6 +58,7 @@ class CpuPlatform(Platform):
         flags = _cpu_flags()
         self.has_native_bf16 = bool({"avx512_bf16", "amx_bf16"} & flags)
         self.has_avx512 = "avx512f" in flags
+        self.thread_governor: ThreadGovernor | None = None     # set by init_device
 
     def preferred_dtype(self) -> torch.dtype:
         return torch.bfloat16 if self.has_native_bf16 else torch.float32
@@ -64,30 +69,74 @@ class CpuPlatform(Platform):
     def mem_get_info(self) -> tuple[int, int]:
         return _available_memory_bytes(), _total_memory_bytes()
 
-    def init_device(self, local_rank: int = 0, local_world_size: int = 1) -> None:
-        """The intra-op threads: one per physical core this process may use, and on a machine
-        of several NUMA nodes the process bound to one node's cores (worker processes of one
-        machine: one node each where there are enough; `cpu_topology.plan_threads`).
-        `PAGEDLLM_CPU_THREADS` overrides the count and leaves the affinity alone (on a shared
-        host, fewer threads than cores avoids threads waiting on each other);
-        `PAGEDLLM_CPU_NUMA_BIND=0` keeps the process unbound (both from `options`).
+    def init_device(self, local_rank: int = 0, local_world_size: int = 1,
+                    threads_bind: str = "auto", reserved_cores: int | None = 0) -> None:
+        """The intra-op threads and the cores of process `local_rank` of `local_world_size` on
+        this machine (`cpu_topology.plan_threads`: one thread per physical core this process may
+        use, within its cgroup CPU quota; processes of one machine on disjoint cores, a NUMA
+        node each where there are enough; `threads_bind` "auto", "nobind" or vLLM-style CPU
+        lists; `reserved_cores` physical cores left to the front end, None: one where there
+        are at least 8). Logs what was chosen and why. `PAGEDLLM_CPU_THREADS` overrides the
+        count and leaves the affinity alone; `PAGEDLLM_CPU_NUMA_BIND=0` keeps the process off
+        whole-node binding (both from `options`).
 
         Raises:
-            ValueError: where `options` are first read here, if PAGEDLLM_CPU_THREADS is not an
+            ValueError: a `threads_bind` that does not parse, does not give one CPU list per
+                process or names CPUs this process may not use; `reserved_cores` leaving no
+                core; where `options` are first read here, if PAGEDLLM_CPU_THREADS is not an
                 integer in [1, 1024] or PAGEDLLM_CPU_NUMA_BIND is not an on/off value.
         """
         options = self.options
+        self.thread_governor = None
         if options.cpu_threads is not None:
             torch.set_num_threads(options.cpu_threads)
+            logger.info("CPU: %d threads (PAGEDLLM_CPU_THREADS), unbound; OpenMP waits: %s",
+                        options.cpu_threads, wait_policy_description())
+            self.placement = f"{options.cpu_threads} CPU thread(s) (PAGEDLLM_CPU_THREADS)"
             return
-        plan = plan_threads(allowed_cpus(), read_topology(), local_rank, local_world_size,
-                            bind=options.cpu_numa_bind)
-        if plan.bind is not None:   # (one node's CPUs of several: never all the allowed)
-            os.sched_setaffinity(0, plan.bind)
-            logger.info("CPU: bound to NUMA node %d, %d threads (one per physical core; "
-                        "PAGEDLLM_CPU_NUMA_BIND=0 leaves the process unbound)", plan.node,
-                        plan.num_threads)
+        allowed, topology = allowed_cpus(), read_topology()
+        quota = read_cpu_quota()
+        plan = plan_threads(allowed, topology, local_rank, local_world_size,
+                            bind=options.cpu_numa_bind, threads_bind=threads_bind,
+                            cpu_quota=quota[0] if quota else None,
+                            reserved_cores=resolve_reserved_cores(reserved_cores, allowed,
+                                                                  topology))
+        if plan.bind is not None and plan.bind != allowed:
+            bind_process(plan.bind)
+        where = (f"bound to CPUs {format_cpu_list(plan.bind)}" if plan.bind is not None
+                 else "unbound")
+        quota_note = f" (the quota read from {quota[1]})" if quota else ""
+        adaptive = options.cpu_adaptive_threads and plan.num_threads > 1
+        logger.info("CPU: %d thread%s, %s: %s%s; OpenMP waits: %s; %s", plan.num_threads,
+                    "" if plan.num_threads == 1 else "s", where, plan.reason, quota_note,
+                    wait_policy_description(),
+                    "fewer while other processes need these cores" if adaptive
+                    else "a fixed count")
         torch.set_num_threads(plan.num_threads)
+        self.placement = f"{plan.num_threads} CPU thread(s), {where}"
+        self.thread_governor = (ThreadGovernor(plan.num_threads, plan.bind or allowed,
+                                               torch.set_num_threads) if adaptive else None)
+
+    def before_step(self) -> None:
+        if self.thread_governor is not None:
+            self.thread_governor.step_started()
+
+    def after_step(self) -> None:
+        """Let the thread governor (if any) fit the thread count to the cores this process
+        gets (cpu_contention.ThreadGovernor; at most once an interval)."""
+        if self.thread_governor is not None:
+            self.thread_governor.observe()
+
+    def bind_front_end(self, reserved_cores: int | None) -> None:
+        """Move the calling thread (the API server's event loop; threads it starts later
+        inherit it) to the cores `init_device` left to the front end, if any."""
+        allowed, topology = allowed_cpus(), read_topology()
+        cpus = reserved_cpus(allowed, topology,
+                             resolve_reserved_cores(reserved_cores, allowed, topology))
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+            logger.info("CPU: the front end on CPUs %s (reserved from the kernels)",
+                        format_cpu_list(cpus))
 
     def kv_cache_budget_bytes(self, memory_utilization: float) -> int:
         """`memory_utilization` of the memory available now, capped at PAGEDLLM_CPU_KVCACHE_SPACE

@@ -3,28 +3,43 @@
 The kernels are bound by memory bandwidth at decode and by the FMA units at prefill; neither
 gains from a second hardware thread on a core (SMT siblings share the core's load/store and FMA
 units), and on a machine of several NUMA nodes (sockets, or chiplet partitions) threads that
-read another node's memory run at a fraction of local bandwidth. So by default a process takes
-one thread per physical core (llama.cpp's default count), and on a multi-node machine:
+read another node's memory run at a fraction of local bandwidth. The kernels' threads meet at
+barriers about ten times a layer, so a thread that another process keeps off its core stalls
+all the others: processes that share a machine should not share cores. The policy
+(`plan_threads`, `cpu_threads_bind="auto"`):
 
-- a single process is bound to the node holding most of the CPUs it may use (ties: the lowest
-  node), one logical CPU per physical core (vLLM's CPU backend binds to one node likewise, see
-  its `VLLM_CPU_OMP_THREADS_BIND=auto`);
-- the worker processes of one machine (tensor / pipeline parallel ranks) each take their own
-  node when there are at least as many nodes as ranks (rank i: the i-th node by size); with more
-  ranks than nodes they share every core evenly, unbound.
+- one thread per physical core the process may use (llama.cpp's default count), never more
+  than its CPU quota (cgroup v2 `cpu.max`, v1 `cpu.cfs_quota_us`; rounded down, at least one:
+  a thread that the quota throttles stalls every barrier as a descheduled one does);
+- a single process on one NUMA node stays unbound;
+- on a machine of several nodes, a single process is bound to the node holding most of the
+  physical cores it may use (ties: the lowest node), one logical CPU per physical core (vLLM's
+  CPU backend binds to one node likewise, its `VLLM_CPU_OMP_THREADS_BIND=auto`);
+- the worker processes of one machine (tensor / pipeline parallel ranks, data-parallel
+  replicas) take a node each when there are at least as many nodes as processes (process i: the
+  i-th node by size), and otherwise disjoint, contiguous sets of physical cores (process i the
+  i-th share, as vLLM's CPU backend does); with more processes than cores they share.
+- `reserved_cores` (the API server's cores: event loop, tokenization, detokenization) are the
+  last physical cores allowed, taken out before the rest are shared.
 
-The model's memory is then allocated where it is first touched, on the bound node (Linux's
-default first-touch policy). `PAGEDLLM_CPU_THREADS` fixes the count (no binding);
-`PAGEDLLM_CPU_NUMA_BIND=0` keeps the process unbound (the thread count stays one per core).
+`cpu_threads_bind` may instead give each process's CPUs explicitly, in vLLM's format
+("0-15|16-31": process i takes the i-th list, one thread per CPU listed), or "nobind" (no
+binding; the physical cores counted and shared as above). The model's memory is allocated where
+it is first touched, on the bound node (Linux's default first-touch policy).
+`PAGEDLLM_CPU_THREADS` fixes the count (no binding); `PAGEDLLM_CPU_NUMA_BIND=0` keeps a
+process off whole-node binding.
 """
 
 from __future__ import annotations
 
+import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 _SYSFS = Path("/sys/devices/system")
+_CGROUP_ROOT = Path("/sys/fs/cgroup")
+_PROC_CGROUP = Path("/proc/self/cgroup")
 
 
 @dataclass(frozen=True)
@@ -38,22 +53,63 @@ class CpuInfo:
 @dataclass(frozen=True)
 class ThreadPlan:
     """num_threads intra-op threads; `bind` the logical CPUs to restrict the process to (None:
-    leave its affinity alone); `node` the NUMA node bound to (None: not bound)."""
+    leave its affinity alone); `node` the NUMA node bound to (None: not bound); `reason` one
+    line on why, for the start-up log (not compared)."""
 
     num_threads: int
     bind: frozenset[int] | None = None
     node: int | None = None
+    reason: str = field(default="", compare=False)
 
 
 def _parse_cpu_list(text: str) -> set[int]:
-    """sysfs's "0-3,8,10-11" -> {0, 1, 2, 3, 8, 10, 11}."""
+    """sysfs's "0-3,8,10-11" -> {0, 1, 2, 3, 8, 10, 11}.
+
+    Raises:
+        ValueError: a part that is not a CPU number or an ascending range of them.
+    """
     cpus: set[int] = set()
     for part in text.strip().split(","):
         if not part:
             continue
         lo, _, hi = part.partition("-")
-        cpus.update(range(int(lo), int(hi or lo) + 1))
+        first, last = int(lo), int(hi or lo)
+        if first < 0 or last < first:
+            raise ValueError(f"bad CPU range {part!r}")
+        cpus.update(range(first, last + 1))
     return cpus
+
+
+def format_cpu_list(cpus: set[int] | frozenset[int]) -> str:
+    """{0, 1, 2, 3, 8} -> "0-3,8" (the inverse of sysfs's list format)."""
+    parts, ordered = [], sorted(cpus)
+    i = 0
+    while i < len(ordered):
+        j = i
+        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
+            j += 1
+        parts.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
+        i = j + 1
+    return ",".join(parts)
+
+
+def parse_threads_bind(spec: str) -> list[set[int]] | None:
+    """`cpu_threads_bind` -> the CPU set of each process, or None for "auto" / "nobind".
+
+    Raises:
+        ValueError: a spec that is not "auto", "nobind" or "|"-separated CPU lists, or a list
+            that is empty or malformed (the message names the spec).
+    """
+    if spec in ("auto", "nobind"):
+        return None
+    try:
+        sets = [_parse_cpu_list(part) for part in spec.split("|")]
+    except ValueError as e:
+        raise ValueError(f"cpu_threads_bind {spec!r}: {e} (expected \"auto\", \"nobind\" or "
+                         "CPU lists such as \"0-15|16-31\", one per process)") from None
+    if not all(sets):
+        raise ValueError(f"cpu_threads_bind {spec!r}: an empty CPU list")
+    return sets
 
 
 def read_topology(sysfs: Path = _SYSFS) -> dict[int, CpuInfo]:
@@ -75,33 +131,192 @@ def read_topology(sysfs: Path = _SYSFS) -> dict[int, CpuInfo]:
         return {}
 
 
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None
+
+
+def _ancestors(root: Path, cgroup_path: str) -> list[Path]:
+    """The cgroup's directory under `root` and each parent up to `root` (a quota anywhere on the
+    way limits the process); where the path is not under this mount (a cgroup namespace shows
+    "/"), just `root`."""
+    here = root / cgroup_path.lstrip("/")
+    if not here.is_dir():
+        return [root]
+    dirs = [here]
+    while dirs[-1] != root:
+        dirs.append(dirs[-1].parent)
+    return dirs
+
+
+def read_cpu_quota(cgroup_root: Path = _CGROUP_ROOT,
+                   proc_cgroup: Path = _PROC_CGROUP) -> tuple[float, str] | None:
+    """The CPU quota of this process's cgroup, as (CPUs, the file that set it), the smallest
+    over the cgroup and its ancestors; None where none is set or cgroups cannot be read.
+
+    cgroup v2: `cpu.max` holds "QUOTA PERIOD" (µs) or "max PERIOD"; v1: `cpu.cfs_quota_us`
+    (-1: none) over `cpu.cfs_period_us`, in the hierarchy holding the `cpu` controller
+    (mounted at `cpu`, `cpu,cpuacct` or `cpuacct,cpu`). A quota of 150000 per 100000 µs is
+    1.5 CPUs.
+    """
+    text = _read(proc_cgroup)
+    if text is None:
+        return None
+    best: tuple[float, str] | None = None
+
+    def consider(cpus: float, source: Path) -> None:
+        nonlocal best
+        if cpus > 0 and (best is None or cpus < best[0]):
+            best = (cpus, str(source))
+
+    for line in text.splitlines():
+        _, controllers, path = line.split(":", 2) if line.count(":") >= 2 else ("", "", "")
+        if controllers == "":     # cgroup v2 (unified): "0::/path"
+            for d in _ancestors(cgroup_root, path):
+                fields = (_read(d / "cpu.max") or "").split()
+                if len(fields) == 2 and fields[0] != "max":
+                    try:
+                        consider(int(fields[0]) / int(fields[1]), d / "cpu.max")
+                    except (ValueError, ZeroDivisionError):
+                        pass
+        elif "cpu" in controllers.split(","):
+            for mount in ("cpu", "cpu,cpuacct", "cpuacct,cpu"):
+                root = cgroup_root / mount
+                if not root.is_dir():
+                    continue
+                for d in _ancestors(root, path):
+                    try:
+                        quota = int(_read(d / "cpu.cfs_quota_us") or "-1")
+                        period = int(_read(d / "cpu.cfs_period_us") or "0")
+                    except ValueError:
+                        continue
+                    if quota > 0 and period > 0:
+                        consider(quota / period, d / "cpu.cfs_quota_us")
+                break
+    return best
+
+
+def _physical_cores(allowed: set[int], topology: dict[int, CpuInfo]) -> list[int]:
+    """The first allowed logical CPU of each physical core, in (node, CPU number) order."""
+    first_of_core: dict[tuple[int, int], int] = {}
+    for cpu in sorted(allowed, key=lambda c: (topology[c].node, c)):
+        first_of_core.setdefault(topology[cpu].core, cpu)
+    return sorted(first_of_core.values(), key=lambda c: (topology[c].node, c))
+
+
 def plan_threads(allowed: set[int], topology: dict[int, CpuInfo], local_rank: int = 0,
-                 local_world_size: int = 1, bind: bool = True) -> ThreadPlan:
+                 local_world_size: int = 1, bind: bool = True, threads_bind: str = "auto",
+                 cpu_quota: float | None = None, reserved_cores: int = 0) -> ThreadPlan:
     """The threads (and binding) of process `local_rank` of `local_world_size` on one machine,
-    which may run on the logical CPUs `allowed` (see the module docstring for the policy).
+    which may run on the logical CPUs `allowed` under a CPU quota of `cpu_quota` CPUs (None:
+    none) shared by those processes (see the module docstring for the policy). `bind` False
+    keeps whole-node binding off; `threads_bind` is "auto", "nobind" or explicit CPU lists;
+    `reserved_cores` physical cores are left to the front end.
 
     Raises:
-        ValueError: `allowed` is empty or local_rank is not in [0, local_world_size).
+        ValueError: `allowed` is empty; local_rank is not in [0, local_world_size); an explicit
+            `threads_bind` with another number of lists than processes, or naming CPUs the
+            process may not use; `reserved_cores` leaving no core for the kernels.
     """
     if not allowed:
         raise ValueError("plan_threads: no CPU allowed")
     if not 0 <= local_rank < local_world_size:
         raise ValueError(f"plan_threads: local_rank {local_rank} not in [0, {local_world_size})")
+    if reserved_cores < 0:
+        raise ValueError(f"cpu_reserved_cores must be >= 0, got {reserved_cores}")
+
+    def capped(threads: int, why: str) -> tuple[int, str]:
+        if cpu_quota is None:
+            return threads, why
+        share = cpu_quota / local_world_size
+        quota_threads = max(1, math.floor(share + 1e-9))
+        if quota_threads >= threads:
+            return threads, why
+        shared = f", {share:.2f} per process" if local_world_size > 1 else ""
+        return quota_threads, (f"the cgroup CPU quota of {cpu_quota:.2f} CPUs{shared} (rounded "
+                               f"down) instead of {why}")
+
+    lists = parse_threads_bind(threads_bind)
+    if lists is not None:
+        if len(lists) != local_world_size:
+            raise ValueError(f"cpu_threads_bind {threads_bind!r} gives {len(lists)} CPU lists for "
+                             f"{local_world_size} processes on this machine")
+        cpus = lists[local_rank]
+        if not cpus <= allowed:
+            raise ValueError(f"cpu_threads_bind {threads_bind!r}: CPUs "
+                             f"{format_cpu_list(cpus - allowed)} are not allowed to this process "
+                             f"(allowed: {format_cpu_list(allowed)})")
+        n, why = capped(len(cpus), f"one per CPU of cpu_threads_bind {format_cpu_list(cpus)}")
+        return ThreadPlan(n, frozenset(cpus), None, why)
+    who = (f"process {local_rank} of {local_world_size} on this machine"
+           if local_world_size > 1 else "this process")
     if any(cpu not in topology for cpu in allowed):   # unknown layout: count logical CPUs
-        return ThreadPlan(max(1, len(allowed) // local_world_size))
+        n, why = capped(max(1, (len(allowed) - reserved_cores) // local_world_size),
+                        f"the logical CPUs {who} may use (CPU layout unknown)")
+        return ThreadPlan(n, None, None, why)
+    cores = _physical_cores(allowed, topology)
+    if reserved_cores:
+        if reserved_cores >= len(cores):
+            raise ValueError(f"cpu_reserved_cores {reserved_cores} leaves no core for the "
+                             f"kernels ({len(cores)} physical cores allowed)")
+        cores = cores[:len(cores) - reserved_cores]
     by_node: dict[int, list[int]] = {}
-    for cpu in sorted(allowed):
+    for cpu in cores:
         by_node.setdefault(topology[cpu].node, []).append(cpu)
     nodes = sorted(by_node, key=lambda n: (-len(by_node[n]), n))   # largest first
-    if bind and len(nodes) > 1 and local_world_size <= len(nodes):
+    if threads_bind == "auto" and bind and len(nodes) > 1 and local_world_size <= len(nodes):
         node = nodes[local_rank]
-        first_of_core: dict[tuple[int, int], int] = {}
-        for cpu in by_node[node]:
-            first_of_core.setdefault(topology[cpu].core, cpu)
-        cpus = frozenset(first_of_core.values())
-        return ThreadPlan(len(cpus), cpus, node)
-    cores = {topology[cpu].core for cpu in allowed}
-    return ThreadPlan(max(1, len(cores) // local_world_size))
+        cpus = frozenset(by_node[node])
+        n, why = capped(len(cpus), f"one per physical core of NUMA node {node} ({who})")
+        return ThreadPlan(n, cpus, node, why)
+    if threads_bind == "auto" and (local_world_size > 1 or reserved_cores):
+        if local_world_size <= len(cores):
+            lo = local_rank * len(cores) // local_world_size
+            hi = (local_rank + 1) * len(cores) // local_world_size
+            share = cores[lo:hi]
+            what = f"its own share of the {len(cores)} physical cores"
+        else:
+            share = [cores[local_rank % len(cores)]]
+            what = f"a core shared: more processes than the {len(cores)} physical cores"
+        if reserved_cores:
+            what += f", {reserved_cores} reserved for the front end"
+        n, why = capped(len(share), f"one per physical core of {who}: {what}")
+        return ThreadPlan(n, frozenset(share), None, why)
+    n, why = capped(max(1, len(cores) // local_world_size),
+                    f"one per physical core {who} may use ({len(cores)}"
+                    + (f" shared by {local_world_size} processes, unbound)"
+                       if local_world_size > 1 else ")"))
+    return ThreadPlan(n, None, None, why)
+
+
+# `cpu_reserved_cores=None` (the server's default) reserves one core for the front end from this
+# many physical cores up; below, every core computes (a front end's share of a small machine is
+# worth less than a kernel thread).
+AUTO_RESERVE_MIN_CORES = 8
+
+
+def resolve_reserved_cores(reserved_cores: int | None, allowed: set[int],
+                           topology: dict[int, CpuInfo]) -> int:
+    """`reserved_cores`, or for None one core where at least AUTO_RESERVE_MIN_CORES physical
+    cores are allowed (logical CPUs where the layout is unknown), else 0."""
+    if reserved_cores is not None:
+        return reserved_cores
+    known = all(cpu in topology for cpu in allowed)
+    cores = len(_physical_cores(allowed, topology)) if known else len(allowed)
+    return 1 if cores >= AUTO_RESERVE_MIN_CORES else 0
+
+
+def reserved_cpus(allowed: set[int], topology: dict[int, CpuInfo],
+                  reserved_cores: int) -> frozenset[int]:
+    """The logical CPUs of the `reserved_cores` physical cores `plan_threads` leaves to the
+    front end (every SMT sibling of them): the last physical cores allowed. Empty when none are
+    reserved or the layout is unknown."""
+    if reserved_cores <= 0 or any(cpu not in topology for cpu in allowed):
+        return frozenset()
+    kept = {topology[c].core for c in _physical_cores(allowed, topology)[-reserved_cores:]}
+    return frozenset(c for c in allowed if topology[c].core in kept)
 
 
 def allowed_cpus() -> set[int]:
@@ -109,3 +324,19 @@ def allowed_cpus() -> set[int]:
     if hasattr(os, "sched_getaffinity"):
         return set(os.sched_getaffinity(0))
     return set(range(os.cpu_count() or 1))
+
+
+def bind_process(cpus: frozenset[int]) -> None:
+    """Restrict every thread of this process (Linux: each task of /proc/self/task, so thread
+    pools started before are moved too; elsewhere the calling thread) to `cpus`; threads
+    started later inherit it."""
+    os.sched_setaffinity(0, cpus)
+    try:
+        tasks = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        return
+    for tid in tasks:
+        try:
+            os.sched_setaffinity(tid, cpus)
+        except OSError:          # a thread that ended meanwhile
+            pass

@@ -24,7 +24,8 @@ class CudaPlatform(Platform):
     def mem_get_info(self) -> tuple[int, int]:
         return torch.cuda.mem_get_info()
 
-    def init_device(self, local_rank: int = 0, local_world_size: int = 1) -> None:
+    def init_device(self, local_rank: int = 0, local_world_size: int = 1,
+                    threads_bind: str = "auto", reserved_cores: int | None = 0) -> None:
         """Worker `local_rank` uses visible GPU `local_rank` (Ray actors see one GPU each)."""
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
         torch.cuda.reset_peak_memory_stats()

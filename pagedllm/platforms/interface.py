@@ -84,11 +84,29 @@ class Platform(ABC):
     def mem_get_info(self) -> tuple[int, int]:
         """(free, total) memory in bytes available to the engine."""
 
-    def init_device(self, local_rank: int = 0, local_world_size: int = 1) -> None:
+    def init_device(self, local_rank: int = 0, local_world_size: int = 1,
+                    threads_bind: str = "auto", reserved_cores: int | None = 0) -> None:
         """Prepare the device for this process (threads, current device).
 
-        `local_rank` of `local_world_size` worker processes sharing this machine.
+        `local_rank` of `local_world_size` worker processes sharing this machine;
+        `threads_bind` and `reserved_cores` place a CPU platform's threads (ParallelConfig's
+        cpu_threads_bind, cpu_reserved_cores); other platforms ignore them.
         """
+
+    # Where this process computes, in a few words for the layout summary ("" where nothing
+    # was chosen; the CPU platform: its threads and cores).
+    placement: str = ""
+
+    def before_step(self) -> None:
+        """Called by the worker before each model step (no-op here; see `after_step`)."""
+
+    def after_step(self) -> None:
+        """Called by the worker after each model step, on the thread that runs the model (the
+        CPU platform fits its thread count to the cores it gets; no-op here)."""
+
+    def bind_front_end(self, reserved_cores: int | None) -> None:
+        """Move the calling thread (the API server's) to the cores kept from the kernels, where
+        the platform keeps any (no-op here)."""
 
     @abstractmethod
     def kv_cache_budget_bytes(self, memory_utilization: float) -> int:

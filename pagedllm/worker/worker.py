@@ -60,9 +60,10 @@ class Worker:
         self.rank = rank
         self.platform = current_platform
         self.dtype = self.platform.resolve_dtype(config.model_config.dtype)
-        self.platform.init_device(local_rank, local_world_size)
-        self.device = self.platform.device
         pc = config.parallel_config
+        self.platform.init_device(local_rank, local_world_size, pc.cpu_threads_bind,
+                                  pc.cpu_reserved_cores)
+        self.device = self.platform.device
         if pc.world_size > 1:
             if distributed_init_method is None:
                 raise ValueError(f"world size {pc.world_size} needs a distributed_init_method")
@@ -130,18 +131,23 @@ class Worker:
                       grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
         """One step, or the `num_steps` decode steps of a multi-step round (whose requests have
         no grammar: `grammar_output` is the first step's)."""
+        self.platform.before_step()
         self.model_runner.execute_model(scheduler_output)
         output = self.model_runner.sample_tokens(grammar_output)
         if scheduler_output.num_steps > 1:
             output = self.model_runner.run_remaining_steps(scheduler_output.num_steps, output)
+        self.platform.after_step()
         return output
 
     def execute_model_async(self, scheduler_output: SchedulerOutput,
                             grammar_output: GrammarOutput | None = None
                             ) -> AsyncModelRunnerOutput:
         """As `execute_model`, leaving the sampled tokens on the device (async scheduling)."""
+        self.platform.before_step()
         self.model_runner.execute_model(scheduler_output)
-        return self.model_runner.sample_tokens_async(grammar_output)
+        output = self.model_runner.sample_tokens_async(grammar_output)
+        self.platform.after_step()
+        return output
 
     def layout_summary(self) -> str:
         """One line: this rank's place in the layout, its layers, heads, vocab rows and memory."""
@@ -160,7 +166,8 @@ class Worker:
                 f"({attn[0].layer_name} .. {attn[-1].layer_name}), {attn[0].num_heads} "
                 f"attention heads and {attn[0].num_kv_heads} KV heads per layer, {rows}; weights "
                 f"{weight_bytes / 2**20:.1f} MiB, KV cache {kv_bytes / 2**20:.1f} MiB, peak "
-                f"device memory {self.platform.peak_memory_bytes() / 2**20:.1f} MiB")
+                f"device memory {self.platform.peak_memory_bytes() / 2**20:.1f} MiB"
+                + (f"; {self.platform.placement}" if self.platform.placement else ""))
 
     def shutdown(self) -> None:
         """Leave the process groups (a no-op for the single-process engine)."""

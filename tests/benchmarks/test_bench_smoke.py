@@ -230,3 +230,20 @@ def test_decode_bytes_of_a_gguf_file_count_its_blocks(preset_dir: Path, tmp_path
         int(t.n_bytes) for t in tensors if t.name != "token_embd.weight")
     assert info["num_params"] == sum(int(t.n_elements) for t in tensors)
     assert info["kv_bytes_per_context_token"] == 2 * 2 * 2 * 16 * 2   # layers, KV heads, dim
+
+
+def test_co_tenants_run_copies_at_once_and_report_the_sum(preset_dir: Path, tmp_path: Path):
+    from pagedllm.entrypoints.cli import main
+
+    out = tmp_path / "co.json"
+    rc = main(["bench", "throughput", "--preset", "llama-tiny", "--preset-dir", str(preset_dir),
+               "--dtype", "float32", "--kv-cache-memory-bytes", KV_BYTES, "--num-prompts", "2",
+               "--input-len", "8", "--output-len", "8", "--co-tenants", "2",
+               "--busy-co-tenants", "1", "--output-json", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert (report["co_tenants"], report["busy_co_tenants"]) == (2, 1)
+    row = report["backends"][0]
+    assert row["backend"] == "pagedllm" and len(row["each_output_tokens_per_s"]) == 2
+    assert row["sum_output_tokens_per_s"] == pytest.approx(sum(row["each_output_tokens_per_s"]))
+    assert row["sum_over_alone_output_tokens_per_s"] > 0

@@ -4,7 +4,8 @@ A tiny Llama whose generation config says top_k=1 (with temperature 0.8 and max_
 `generate` call without SamplingParams must sample from the top token only, so it equals greedy
 whatever the seed, and stop after 7 tokens; a SamplingParams that is passed is the user's and
 is used as it is; `generation_config="vllm"` ignores the file. The reading and validation of the
-defaults (`config.get_diff_sampling_param`) are checked on engine configs, without a model.
+defaults (`generation_config.get_diff_sampling_param`) are checked on engine configs, without a
+model.
 The GGUF counterpart (`general.sampling.*`) is in tests/model_loader/test_gguf.py, the server's
 in tests/entrypoints/openai/test_generation_config_server.py.
 """

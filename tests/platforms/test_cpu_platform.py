@@ -60,3 +60,28 @@ def test_kv_cache_sized_by_need_not_by_the_memory_cap(tiny_llama):
     big = LLM(str(tiny_llama), max_num_seqs=4, max_model_len=64, block_size=16,
               kv_cache_memory_bytes=64 << 20)
     assert big.llm_engine.engine_core.num_blocks > 1 + 4 * (64 // 16)
+
+
+def test_init_device_says_what_it_chose_and_refuses_a_bad_binding(caplog, monkeypatch):
+    import logging
+
+    from pagedllm.config import ParallelConfig
+
+    monkeypatch.delenv("PAGEDLLM_CPU_THREADS", raising=False)
+    before = torch.get_num_threads()
+    platform = CpuPlatform()
+    try:
+        with caplog.at_level(logging.INFO, logger="pagedllm.platforms.cpu"):
+            platform.init_device()
+        assert "CPU: " in caplog.text and "OpenMP waits" in caplog.text
+        assert (platform.thread_governor is not None) == (torch.get_num_threads() > 1)
+        with pytest.raises(ValueError, match="not allowed to this process"):
+            platform.init_device(threads_bind="0-4095")
+        with pytest.raises(ValueError, match="gives 1 CPU lists for 2 processes"):
+            platform.init_device(0, 2, threads_bind="0")
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(ValueError, match="cpu_threads_bind 'all'"):
+        ParallelConfig(cpu_threads_bind="all")
+    with pytest.raises(ValueError, match="cpu_reserved_cores"):
+        ParallelConfig(cpu_reserved_cores=-1)

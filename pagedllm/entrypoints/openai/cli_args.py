@@ -71,7 +71,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     parser = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server",
                                    usage=_SERVE_USAGE)
     add_serve_args(parser)
-    parser.set_defaults(func=run_serve)
+    parser.set_defaults(func=run_serve, cpu_reserved_cores=None)   # None: one core from 8
     return parser
 
 
