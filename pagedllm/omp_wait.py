@@ -11,10 +11,13 @@ for is descheduled: two engines on two cores then do less than half the work of 
 
 `apply_default_wait_policy()` (called by `import pagedllm`, before torch loads: libgomp reads
 its settings once, when it is loaded) sets GOMP_SPINCOUNT to `DEFAULT_SPIN_COUNT` (and Intel's
-runtime's KMP_BLOCKTIME to match, for torch builds on libiomp): a barrier between balanced
-threads ends well within that budget, a descheduled thread makes the others sleep and give the
-core away. The budget is measured in docs/benchmarks.md ("Shared machines"). A user's own
-OMP_WAIT_POLICY, GOMP_SPINCOUNT or KMP_BLOCKTIME is left as it is.
+runtime's KMP_BLOCKTIME to 1 ms, for torch builds on libiomp): a third of libgomp's default,
+the shortest budget measured that keeps the alone figures (shorter ones lose on steps whose
+Python work between parallel regions outlasts the spin, 3-4% at 32 x 128 for 30,000, much
+more at batch 1 below 1,000). Shorter waits alone cannot rescue two processes on the same
+cores (every barrier still waits for a descheduled thread), which is what the thread governor
+(platforms/cpu_contention.py) is for. Figures: docs/benchmarks.md "Shared machines". A user's
+own OMP_WAIT_POLICY or GOMP_SPINCOUNT is left as it is.
 """
 
 from __future__ import annotations
@@ -22,9 +25,9 @@ from __future__ import annotations
 import os
 import sys
 
-# Spins of libgomp's wait loop (each a `pause` instruction and a load, tens of ns) before a
-# futex wait: see docs/benchmarks.md "Shared machines" for the measured choice.
-DEFAULT_SPIN_COUNT = 30000
+# Spins of libgomp's wait loop (a `pause` instruction and a load each) before a futex wait:
+# the measured choice, docs/benchmarks.md "Shared machines".
+DEFAULT_SPIN_COUNT = 100000
 
 # Set by apply_default_wait_policy: what the runtime was given, for the start-up log.
 _applied: str | None = None
