@@ -317,9 +317,6 @@ class ParallelConfig:
     cpu_reserved_cores: int | None = 0
 
     def __post_init__(self) -> None:
-        from pagedllm.platforms.cpu_topology import parse_threads_bind
-
-        parse_threads_bind(self.cpu_threads_bind)       # raises ValueError naming the spec
         if self.cpu_reserved_cores is not None and self.cpu_reserved_cores < 0:
             raise ValueError(f"cpu_reserved_cores must be >= 0, got {self.cpu_reserved_cores}")
         if self.enable_eplb and not self.enable_expert_parallel:
@@ -360,6 +357,28 @@ class ParallelConfig:
             if self.master_port is None:
                 raise ValueError("nnodes > 1 needs master_port (or MASTER_PORT) and master_addr "
                                  "(or MASTER_ADDR): rank 0's address, reachable from every node")
+        self._check_cpu_threads_bind(backend)
+
+    def _check_cpu_threads_bind(self, backend: str) -> None:
+        """cpu_threads_bind parses, and (where this machine's processes are known: not Ray)
+        gives one CPU list per process of this machine, of CPUs this process may use (one
+        machine) - refused here rather than by each worker."""
+        from pagedllm.platforms.cpu_topology import (allowed_cpus, format_cpu_list,
+                                                     parse_threads_bind)
+
+        lists = parse_threads_bind(self.cpu_threads_bind)     # raises ValueError naming it
+        if lists is None or backend == "ray":
+            return
+        per_node = self.world_size // self.nnodes
+        if len(lists) != per_node:
+            raise ValueError(f"cpu_threads_bind {self.cpu_threads_bind!r} gives {len(lists)} CPU "
+                             f"list(s) for the {per_node} process(es) of this machine "
+                             "(tensor_parallel_size x pipeline_parallel_size / nnodes)")
+        missing = set().union(*lists) - allowed_cpus() if self.nnodes == 1 else set()
+        if missing:
+            raise ValueError(f"cpu_threads_bind {self.cpu_threads_bind!r}: CPU(s) "
+                             f"{format_cpu_list(missing)} not allowed to this process (allowed: "
+                             f"{format_cpu_list(allowed_cpus())})")
 
     @property
     def world_size(self) -> int:

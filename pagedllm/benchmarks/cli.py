@@ -41,7 +41,8 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                     help="run one copy alone, then N copies at once, and report each copy's "
                          "figures, their sum and sum / alone (a shared machine)")
     tp.add_argument("--busy-co-tenants", type=bounded_int(0), default=0, metavar="K",
-                    help="with --co-tenants: K busy single-threaded processes beside the copies")
+                    help="K busy single-threaded processes beside the copies (alone first, then "
+                         "the copies, or one copy without --co-tenants, beside them)")
     tp.add_argument("--co-tenant-barrier", default=None, help=argparse.SUPPRESS)
     _add_output_args(tp)
     tp.set_defaults(func=run_throughput_command)
@@ -314,6 +315,9 @@ def _run_co_tenants_command(args: argparse.Namespace, kwargs: dict[str, Any]) ->
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("interrupted: the copies and busy loops were stopped", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -13,15 +13,20 @@ their sum, and the sum against the figure of one copy alone, measured first in t
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 # Seconds a copy waits at the barrier for the others (model loads included) before giving up.
 BARRIER_TIMEOUT_S = 900.0
+# Timed runs shorter than this do not overlap reliably (the barrier polls every 10 ms, the
+# thread governor decides every 0.25 s): the report warns that such figures are noise.
+MIN_TIMED_RUN_S = 2.0
 _BUSY_LOOP = "while True: pass"
 
 
@@ -104,10 +109,15 @@ def _run_copies(bench_argv: list[str], copies: int, busy: int, workdir: Path,
                     (barrier_dir / "abort").touch()
             time.sleep(0.05)
         failed += [i for i, p in enumerate(procs) if p.returncode != 0 and i not in failed]
-    finally:
-        for loop in loops:
-            loop.kill()
-            loop.wait()
+    finally:     # (also on Ctrl-C, even a second one: no copy or busy loop outlives the run)
+        for proc in [*loops, *procs]:
+            if proc.poll() is None:
+                proc.kill()
+        for proc in [*loops, *procs]:
+            try:
+                proc.wait(timeout=10)
+            except (KeyboardInterrupt, subprocess.TimeoutExpired):
+                pass
         for log in logs:
             log.close()
     if failed:
@@ -130,9 +140,17 @@ def run_co_tenants(argv: list[str], copies: int, busy: int,
         raise ValueError(f"--co-tenants must be >= 1 and --busy-co-tenants >= 0, got {copies} "
                          f"and {busy}")
     bench_argv = strip_co_tenant_flags(argv)
-    with tempfile.TemporaryDirectory(prefix="pagedllm-co-tenants-") as tmp:
-        alone = _run_copies(bench_argv, 1, 0, Path(tmp), "alone")[0]
-        shared = _run_copies(bench_argv, copies, busy, Path(tmp), "shared")
+    # SIGTERM / SIGHUP end the run as Ctrl-C does: the copies, busy loops and files go too.
+    handled = (signal.SIGTERM, signal.SIGHUP)
+    previous = ({s: signal.signal(s, _exit_on_signal) for s in handled}
+                if threading.current_thread() is threading.main_thread() else {})
+    try:
+        with tempfile.TemporaryDirectory(prefix="pagedllm-co-tenants-") as tmp:
+            alone = _run_copies(bench_argv, 1, 0, Path(tmp), "alone")[0]
+            shared = _run_copies(bench_argv, copies, busy, Path(tmp), "shared")
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     report: dict[str, Any] = {"co_tenants": copies, "busy_co_tenants": busy, "backends": []}
     for b, figures in enumerate(alone):
         row: dict[str, Any] = {"backend": figures["backend"]}
@@ -142,6 +160,7 @@ def run_co_tenants(argv: list[str], copies: int, busy: int,
             row[f"each_{key}"] = each
             row[f"sum_{key}"] = sum(each)
             row[f"sum_over_alone_{key}"] = sum(each) / figures[key] if figures[key] else None
+        row["elapsed_s"] = [figures["elapsed_s"]] + [copy[b]["elapsed_s"] for copy in shared]
         report["backends"].append(row)
     _print_report(report)
     if output_json:
@@ -150,8 +169,13 @@ def run_co_tenants(argv: list[str], copies: int, busy: int,
     return report
 
 
+def _exit_on_signal(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
 def _print_report(report: dict[str, Any]) -> None:
-    load = f"{report['co_tenants']} copies at once"
+    n = report["co_tenants"]
+    load = f"{n} copies at once" if n > 1 else "one copy"
     if report["busy_co_tenants"]:
         load += f" beside {report['busy_co_tenants']} busy single-threaded process(es)"
     print(f"==== co-tenants: one copy alone, then {load} ====")
@@ -163,3 +187,8 @@ def _print_report(report: dict[str, Any]) -> None:
             print(f"{row['backend']:<10} {unit:<13}: alone {row[f'alone_{key}']:.1f}; shared "
                   f"{each} = {row[f'sum_{key}']:.1f} ({ratio:.0%} of alone)"
                   if ratio is not None else f"{row['backend']}: no {unit}")
+        if min(row["elapsed_s"]) < MIN_TIMED_RUN_S:
+            print(f"warning: {row['backend']}'s shortest timed run took "
+                  f"{min(row['elapsed_s']):.3f} s (< {MIN_TIMED_RUN_S:.0f} s): the copies may "
+                  "not have overlapped and the figures are noise; give the workload more "
+                  "tokens")

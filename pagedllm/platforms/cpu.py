@@ -113,7 +113,7 @@ class CpuPlatform(Platform):
                     "fewer while other processes need these cores" if adaptive
                     else "a fixed count")
         torch.set_num_threads(plan.num_threads)
-        self.placement = f"{plan.num_threads} CPU thread(s), {where}"
+        self.placement = f"{plan.num_threads} CPU thread(s), {where} ({plan.reason})"
         self.thread_governor = (ThreadGovernor(plan.num_threads, plan.bind or allowed,
                                                torch.set_num_threads) if adaptive else None)
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -62,20 +63,28 @@ class ThreadPlan:
     reason: str = field(default="", compare=False)
 
 
+_CPU_RANGE = re.compile(r"([0-9]+)(?:-([0-9]+))?", re.ASCII)
+# Highest CPU number a list may name (Linux's NR_CPUS reaches 8192; a typo must not expand to
+# millions of CPUs before it is found to be not allowed).
+MAX_CPU_NUMBER = 65535
+
+
 def _parse_cpu_list(text: str) -> set[int]:
     """sysfs's "0-3,8,10-11" -> {0, 1, 2, 3, 8, 10, 11}.
 
     Raises:
-        ValueError: a part that is not a CPU number or an ascending range of them.
+        ValueError: a part that is not a CPU number or an ascending range of them (ASCII
+            digits, no blanks), an empty part, or a CPU above MAX_CPU_NUMBER.
     """
     cpus: set[int] = set()
-    for part in text.strip().split(","):
-        if not part:
-            continue
-        lo, _, hi = part.partition("-")
-        first, last = int(lo), int(hi or lo)
-        if first < 0 or last < first:
-            raise ValueError(f"bad CPU range {part!r}")
+    for part in text.split(","):
+        match = _CPU_RANGE.fullmatch(part)
+        if match is None:
+            raise ValueError(f"bad CPU range {part!r}" if part else "an empty CPU range")
+        first, last = int(match[1]), int(match[2] or match[1])
+        if last < first or last > MAX_CPU_NUMBER:
+            raise ValueError(f"bad CPU range {part!r}" + (f" (CPUs go up to {MAX_CPU_NUMBER})"
+                                                           if last > MAX_CPU_NUMBER else ""))
         cpus.update(range(first, last + 1))
     return cpus
 
@@ -103,13 +112,10 @@ def parse_threads_bind(spec: str) -> list[set[int]] | None:
     if spec in ("auto", "nobind"):
         return None
     try:
-        sets = [_parse_cpu_list(part) for part in spec.split("|")]
+        return [_parse_cpu_list(part) for part in spec.split("|")]
     except ValueError as e:
         raise ValueError(f"cpu_threads_bind {spec!r}: {e} (expected \"auto\", \"nobind\" or "
                          "CPU lists such as \"0-15|16-31\", one per process)") from None
-    if not all(sets):
-        raise ValueError(f"cpu_threads_bind {spec!r}: an empty CPU list")
-    return sets
 
 
 def read_topology(sysfs: Path = _SYSFS) -> dict[int, CpuInfo]:
@@ -118,7 +124,8 @@ def read_topology(sysfs: Path = _SYSFS) -> dict[int, CpuInfo]:
     try:
         node_of: dict[int, int] = {}
         for node_dir in (sysfs / "node").glob("node[0-9]*"):
-            for cpu in _parse_cpu_list((node_dir / "cpulist").read_text()):
+            cpulist = (node_dir / "cpulist").read_text().strip()
+            for cpu in _parse_cpu_list(cpulist) if cpulist else ():   # (memory-only nodes)
                 node_of[cpu] = int(node_dir.name[4:])
         topology = {}
         for cpu_dir in (sysfs / "cpu").glob("cpu[0-9]*"):
@@ -235,18 +242,19 @@ def plan_threads(allowed: set[int], topology: dict[int, CpuInfo], local_rank: in
         if quota_threads >= threads:
             return threads, why
         shared = f", {share:.2f} per process" if local_world_size > 1 else ""
-        return quota_threads, (f"the cgroup CPU quota of {cpu_quota:.2f} CPUs{shared} (rounded "
-                               f"down) instead of {why}")
+        rounding = "rounded down" if share >= 1 else "at least one thread"
+        return quota_threads, (f"the cgroup CPU quota of {cpu_quota:.2f} CPUs{shared} "
+                               f"({rounding}) instead of {why}")
 
     lists = parse_threads_bind(threads_bind)
     if lists is not None:
         if len(lists) != local_world_size:
-            raise ValueError(f"cpu_threads_bind {threads_bind!r} gives {len(lists)} CPU lists for "
-                             f"{local_world_size} processes on this machine")
+            raise ValueError(f"cpu_threads_bind {threads_bind!r} gives {len(lists)} CPU "
+                             f"list(s) for {local_world_size} process(es) on this machine")
         cpus = lists[local_rank]
         if not cpus <= allowed:
-            raise ValueError(f"cpu_threads_bind {threads_bind!r}: CPUs "
-                             f"{format_cpu_list(cpus - allowed)} are not allowed to this process "
+            raise ValueError(f"cpu_threads_bind {threads_bind!r}: CPU(s) "
+                             f"{format_cpu_list(cpus - allowed)} not allowed to this process "
                              f"(allowed: {format_cpu_list(allowed)})")
         n, why = capped(len(cpus), f"one per CPU of cpu_threads_bind {format_cpu_list(cpus)}")
         return ThreadPlan(n, frozenset(cpus), None, why)
@@ -276,10 +284,10 @@ def plan_threads(allowed: set[int], topology: dict[int, CpuInfo], local_rank: in
             lo = local_rank * len(cores) // local_world_size
             hi = (local_rank + 1) * len(cores) // local_world_size
             share = cores[lo:hi]
-            what = f"its own share of the {len(cores)} physical cores"
+            what = f"its own share of the {len(cores)} physical core(s)"
         else:
             share = [cores[local_rank % len(cores)]]
-            what = f"a core shared: more processes than the {len(cores)} physical cores"
+            what = f"a core shared: more processes than the {len(cores)} physical core(s)"
         if reserved_cores:
             what += f", {reserved_cores} reserved for the front end"
         n, why = capped(len(share), f"one per physical core of {who}: {what}")

@@ -77,7 +77,7 @@ def test_init_device_says_what_it_chose_and_refuses_a_bad_binding(caplog, monkey
         assert (platform.thread_governor is not None) == (torch.get_num_threads() > 1)
         with pytest.raises(ValueError, match="not allowed to this process"):
             platform.init_device(threads_bind="0-4095")
-        with pytest.raises(ValueError, match="gives 1 CPU lists for 2 processes"):
+        with pytest.raises(ValueError, match=r"gives 1 CPU list\(s\) for 2 process\(es\)"):
             platform.init_device(0, 2, threads_bind="0")
     finally:
         torch.set_num_threads(before)
@@ -85,3 +85,9 @@ def test_init_device_says_what_it_chose_and_refuses_a_bad_binding(caplog, monkey
         ParallelConfig(cpu_threads_bind="all")
     with pytest.raises(ValueError, match="cpu_reserved_cores"):
         ParallelConfig(cpu_reserved_cores=-1)
+    # Refused at the config, before any worker starts: lists for another number of processes,
+    # CPUs this process may not use.
+    with pytest.raises(ValueError, match=r"1 CPU list\(s\) for the 2 process\(es\)"):
+        ParallelConfig(tensor_parallel_size=2, cpu_threads_bind="0")
+    with pytest.raises(ValueError, match=r"CPU\(s\) 4095 not allowed"):
+        ParallelConfig(tensor_parallel_size=2, cpu_threads_bind="0|4095")
