@@ -363,22 +363,17 @@ class ParallelConfig:
         """cpu_threads_bind parses, and (where this machine's processes are known: not Ray)
         gives one CPU list per process of this machine, of CPUs this process may use (one
         machine) - refused here rather than by each worker."""
-        from pagedllm.platforms.cpu_topology import (allowed_cpus, format_cpu_list,
+        from pagedllm.platforms.cpu_topology import (allowed_cpus, check_threads_bind,
                                                      parse_threads_bind)
 
-        lists = parse_threads_bind(self.cpu_threads_bind)     # raises ValueError naming it
-        if lists is None or backend == "ray":
+        if backend == "ray":
+            parse_threads_bind(self.cpu_threads_bind)     # raises ValueError naming it
             return
         per_node = self.world_size // self.nnodes
-        if len(lists) != per_node:
-            raise ValueError(f"cpu_threads_bind {self.cpu_threads_bind!r} gives {len(lists)} CPU "
-                             f"list(s) for the {per_node} process(es) of this machine "
-                             "(tensor_parallel_size x pipeline_parallel_size / nnodes)")
-        missing = set().union(*lists) - allowed_cpus() if self.nnodes == 1 else set()
-        if missing:
-            raise ValueError(f"cpu_threads_bind {self.cpu_threads_bind!r}: CPU(s) "
-                             f"{format_cpu_list(missing)} not allowed to this process (allowed: "
-                             f"{format_cpu_list(allowed_cpus())})")
+        check_threads_bind(self.cpu_threads_bind, per_node,
+                           f"the {per_node} process(es) of this machine (tensor_parallel_size "
+                           "x pipeline_parallel_size / nnodes)",
+                           allowed_cpus() if self.nnodes == 1 else None)
 
     @property
     def world_size(self) -> int:

@@ -31,6 +31,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 _PROC = Path("/proc")
+_CLK_TCK = os.sysconf("SC_CLK_TCK")      # /proc/stat's ticks per second
 
 
 @dataclass(frozen=True)
@@ -140,7 +141,7 @@ class ThreadGovernor:
         if elapsed <= 0 or elapsed > self.max_gap_s:
             return None
         wait = (sample.runqueue_wait_ns - prev.runqueue_wait_ns) / 1e9 / elapsed / self.num_threads
-        idle = (sample.idle_ticks - prev.idle_ticks) / os.sysconf("SC_CLK_TCK") / elapsed
+        idle = (sample.idle_ticks - prev.idle_ticks) / _CLK_TCK / elapsed
         if sample.time_s - self._last_change > self.quiet_reset_s:
             self._backoff = self.backoff_s
         new = self.num_threads

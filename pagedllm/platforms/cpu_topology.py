@@ -118,6 +118,29 @@ def parse_threads_bind(spec: str) -> list[set[int]] | None:
                          "CPU lists such as \"0-15|16-31\", one per process)") from None
 
 
+def check_threads_bind(spec: str, num_processes: int, processes: str,
+                       allowed: set[int] | None) -> list[set[int]] | None:
+    """`parse_threads_bind(spec)`, checked: one CPU list for each of `num_processes`
+    processes (`processes` names them in the message), and, unless `allowed` is None, only
+    CPUs in `allowed`. None for "auto" / "nobind".
+
+    Raises:
+        ValueError: a spec that does not parse, another number of lists, or CPUs not allowed
+            (each message names the spec).
+    """
+    lists = parse_threads_bind(spec)
+    if lists is None:
+        return None
+    if len(lists) != num_processes:
+        raise ValueError(f"cpu_threads_bind {spec!r} gives {len(lists)} CPU list(s) for "
+                         f"{processes}")
+    missing = set().union(*lists) - allowed if allowed is not None else set()
+    if missing:
+        raise ValueError(f"cpu_threads_bind {spec!r}: CPU(s) {format_cpu_list(missing)} not "
+                         f"allowed to this process (allowed: {format_cpu_list(allowed)})")
+    return lists
+
+
 def read_topology(sysfs: Path = _SYSFS) -> dict[int, CpuInfo]:
     """Every logical CPU sysfs describes -> its CpuInfo; {} where sysfs cannot be read (other
     operating systems, restricted containers): callers then fall back to counting CPUs."""
@@ -246,16 +269,10 @@ def plan_threads(allowed: set[int], topology: dict[int, CpuInfo], local_rank: in
         return quota_threads, (f"the cgroup CPU quota of {cpu_quota:.2f} CPUs{shared} "
                                f"({rounding}) instead of {why}")
 
-    lists = parse_threads_bind(threads_bind)
+    lists = check_threads_bind(threads_bind, local_world_size,
+                               f"{local_world_size} process(es) on this machine", allowed)
     if lists is not None:
-        if len(lists) != local_world_size:
-            raise ValueError(f"cpu_threads_bind {threads_bind!r} gives {len(lists)} CPU "
-                             f"list(s) for {local_world_size} process(es) on this machine")
         cpus = lists[local_rank]
-        if not cpus <= allowed:
-            raise ValueError(f"cpu_threads_bind {threads_bind!r}: CPU(s) "
-                             f"{format_cpu_list(cpus - allowed)} not allowed to this process "
-                             f"(allowed: {format_cpu_list(allowed)})")
         n, why = capped(len(cpus), f"one per CPU of cpu_threads_bind {format_cpu_list(cpus)}")
         return ThreadPlan(n, frozenset(cpus), None, why)
     who = (f"process {local_rank} of {local_world_size} on this machine"

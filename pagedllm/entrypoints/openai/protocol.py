@@ -7,7 +7,8 @@ silently dropping a field that changes what the answer must be would return a wr
 Floats must be finite (NaN and Infinity are refused). Turning a request into `SamplingParams`
 lives here so completions and chat share one mapping: a sampling field the request leaves out
 (None) takes the model's default (its generation config,
-`generation_config.get_diff_sampling_param`), else the built-in one (`BUILTIN_SAMPLING_DEFAULTS`), as vLLM's `to_sampling_params` does.
+`generation_config.get_diff_sampling_param`), else the built-in one
+(`BUILTIN_SAMPLING_DEFAULTS`), as vLLM's `to_sampling_params` does.
 """
 
 from __future__ import annotations
