@@ -11,7 +11,9 @@ the prefix cache's reference counts, so a step recomputes only each beam's last 
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,92 @@ def beam_search_score(tokens: list[int], cum_logprob: float, eos_token_id: int |
     return cum_logprob / (seq_len ** length_penalty)
 
 
+def beam_search_num_logprobs(beam_width: int, vocab_size: int, max_logprobs: int) -> int:
+    """Alternatives asked per beam and step: 2 * beam_width (never more than the vocabulary).
+
+    Raises:
+        ValueError: if that exceeds the engine's max_logprobs (-1 = no cap).
+    """
+    num_logprobs = min(2 * beam_width, vocab_size)
+    if 0 <= max_logprobs < num_logprobs:
+        raise ValueError(f"beam_width {beam_width} needs {num_logprobs} logprobs per step, more "
+                         f"than the engine's max_logprobs ({max_logprobs}); start the engine "
+                         f"with max_logprobs={num_logprobs} (or -1)")
+    return num_logprobs
+
+
+class BeamSearch:
+    """A beam search over several prompts, stepped by its caller (the offline `LLM` or the
+    server), so both run the one algorithm.
+
+    Each step the caller runs every sequence of `pending()` for one token with `step_params` and
+    hands `advance` each one's logprobs of that token (`CompletionOutput.logprobs[0]`), in order.
+
+    Args:
+        prompt_token_ids: one id list per prompt.
+        params: width, length, penalty.
+        eos_token_ids: the ids that end a beam (unless params.ignore_eos).
+        num_logprobs: alternatives per step (`beam_search_num_logprobs`).
+    """
+
+    def __init__(self, prompt_token_ids: list[list[int]], params: BeamSearchParams,
+                 eos_token_ids: Collection[int], num_logprobs: int) -> None:
+        from pagedllm.sampling_params import SamplingParams
+
+        self.params = params
+        self.prompt_token_ids = [list(p) for p in prompt_token_ids]
+        self._eos = set(eos_token_ids)
+        self._eos_id = next(iter(eos_token_ids), None)
+        self.step_params = SamplingParams(max_tokens=1, logprobs=num_logprobs,
+                                          temperature=params.temperature, ignore_eos=True,
+                                          detokenize=False)
+        self._live = [[BeamSearchSequence(list(p))] for p in self.prompt_token_ids]
+        self._completed: list[list[BeamSearchSequence]] = [[] for _ in self.prompt_token_ids]
+        self._steps = 0
+
+    def _score(self, beam: BeamSearchSequence) -> float:
+        return beam_search_score(beam.tokens, beam.cum_logprob, self._eos_id,
+                                 self.params.length_penalty)
+
+    def pending(self) -> list[list[int]]:
+        """The token ids (prompt + generated) of every live beam, prompt by prompt; [] when the
+        search is over."""
+        if self._steps >= self.params.max_tokens:
+            return []
+        return [beam.tokens for beams in self._live for beam in beams]
+
+    def advance(self, logprobs: list[dict[int, Any]]) -> None:
+        """Extend each pending beam by each of its candidate tokens ({token id: Logprob}) and
+        keep the best `beam_width` per prompt."""
+        flat = [(i, beam) for i, beams in enumerate(self._live) for beam in beams]
+        candidates: list[list[BeamSearchSequence]] = [[] for _ in self._live]
+        for (i, beam), entry in zip(flat, logprobs, strict=True):
+            for token_id, lp in entry.items():
+                new = BeamSearchSequence(beam.tokens + [token_id], beam.logprobs + [lp.logprob],
+                                         beam.cum_logprob + lp.logprob)
+                if token_id in self._eos and not self.params.ignore_eos:
+                    new.finish_reason = "stop"
+                    self._completed[i].append(new)
+                else:
+                    candidates[i].append(new)
+        self._live = [sorted(c, key=self._score, reverse=True)[:self.params.beam_width]
+                      for c in candidates]
+        self._steps += 1
+
+    def results(self, tokenizer) -> list[BeamSearchOutput]:
+        """The best `beam_width` sequences per prompt, best first, with their text."""
+        results = []
+        for i, prompt in enumerate(self.prompt_token_ids):
+            for beam in self._live[i]:
+                beam.finish_reason = "length"
+            best = sorted(self._completed[i] + self._live[i], key=self._score,
+                          reverse=True)[:self.params.beam_width]
+            for beam in best:
+                beam.text = tokenizer.decode(beam.tokens[len(prompt):], skip_special_tokens=True)
+            results.append(BeamSearchOutput(best))
+        return results
+
+
 def run_beam_search(llm, prompt_token_ids: list[list[int]],
                     params: BeamSearchParams) -> list[BeamSearchOutput]:
     """Beam search for each prompt through `llm.generate` (an `LLM`).
@@ -64,49 +152,12 @@ def run_beam_search(llm, prompt_token_ids: list[list[int]],
     Raises:
         ValueError: if 2 * beam_width alternatives exceed the engine's max_logprobs.
     """
-    from pagedllm.sampling_params import SamplingParams
-
-    # 2 * beam_width candidates per beam (never more than the vocabulary has).
-    num_logprobs = min(2 * params.beam_width, llm.llm_engine.input_processor.vocab_size)
-    max_logprobs = llm.llm_engine.config.request_limits.max_logprobs
-    if 0 <= max_logprobs < num_logprobs:
-        raise ValueError(f"beam_width {params.beam_width} needs {num_logprobs} logprobs per "
-                         f"step, more than the engine's max_logprobs ({max_logprobs}); start "
-                         f"the LLM with max_logprobs={num_logprobs} (or -1)")
-
-    tokenizer = llm.get_tokenizer()
-    eos = llm.llm_engine.input_processor.eos_token_ids
-    eos_id = eos[0] if eos else None
-    step_params = SamplingParams(max_tokens=1, logprobs=num_logprobs,
-                                 temperature=params.temperature, ignore_eos=True, detokenize=False)
-
-    def score(beam: BeamSearchSequence) -> float:
-        return beam_search_score(beam.tokens, beam.cum_logprob, eos_id, params.length_penalty)
-
-    live = [[BeamSearchSequence(list(p))] for p in prompt_token_ids]
-    completed: list[list[BeamSearchSequence]] = [[] for _ in prompt_token_ids]
-    for _ in range(params.max_tokens):
-        flat = [(i, beam) for i, beams in enumerate(live) for beam in beams]
-        if not flat:
-            break
-        outputs = llm.generate([b.tokens for _, b in flat], step_params, use_tqdm=False)
-        candidates: list[list[BeamSearchSequence]] = [[] for _ in live]
-        for (i, beam), out in zip(flat, outputs):
-            for token_id, lp in out.outputs[0].logprobs[0].items():
-                new = BeamSearchSequence(beam.tokens + [token_id], beam.logprobs + [lp.logprob],
-                                         beam.cum_logprob + lp.logprob)
-                if token_id in eos and not params.ignore_eos:
-                    new.finish_reason = "stop"
-                    completed[i].append(new)
-                else:
-                    candidates[i].append(new)
-        live = [sorted(c, key=score, reverse=True)[:params.beam_width] for c in candidates]
-    results = []
-    for i, prompt in enumerate(prompt_token_ids):
-        for beam in live[i]:
-            beam.finish_reason = "length"
-        best = sorted(completed[i] + live[i], key=score, reverse=True)[:params.beam_width]
-        for beam in best:
-            beam.text = tokenizer.decode(beam.tokens[len(prompt):], skip_special_tokens=True)
-        results.append(BeamSearchOutput(best))
-    return results
+    engine = llm.llm_engine
+    search = BeamSearch(prompt_token_ids, params, engine.input_processor.eos_token_ids,
+                        beam_search_num_logprobs(params.beam_width,
+                                                 engine.input_processor.vocab_size,
+                                                 engine.config.request_limits.max_logprobs))
+    while pending := search.pending():
+        outputs = llm.generate(pending, search.step_params, use_tqdm=False)
+        search.advance([out.outputs[0].logprobs[0] for out in outputs])
+    return search.results(llm.get_tokenizer())

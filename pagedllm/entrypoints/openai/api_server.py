@@ -158,8 +158,8 @@ class _SSEResponse(StreamingResponse):
     """A streamed answer that closes its engine streams however the response ends: finished,
     client gone, cancelled, or failed before the first byte (which aborts what still runs)."""
 
-    def __init__(self, stream: SSEStream) -> None:
-        super().__init__(stream.events, media_type="text/event-stream")
+    def __init__(self, stream: SSEStream, headers: dict[str, str] | None = None) -> None:
+        super().__init__(stream.events, media_type="text/event-stream", headers=headers)
         self._stream = stream
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
@@ -169,12 +169,15 @@ class _SSEResponse(StreamingResponse):
             self._stream.close()
 
 
-def _respond(result: Any) -> Response:
+def _respond(result: Any, request_id: str | None = None) -> Response:
+    """The HTTP response of a handler's result; a request's own `request_id` (vLLM's field) is
+    echoed in its X-Request-Id header."""
     if isinstance(result, Response):
         return result
+    headers = {"X-Request-Id": request_id} if request_id is not None else None
     if isinstance(result, SSEStream):
-        return _SSEResponse(result)
-    return JSONResponse(result.model_dump())
+        return _SSEResponse(result, headers)
+    return JSONResponse(result.model_dump(), headers=headers)
 
 
 def _validation_error(exc: RequestValidationError) -> OpenAIServingError:
@@ -224,7 +227,8 @@ def build_app(async_llm: AsyncLLM | DataParallelAsyncLLM, served_model_names: Se
               model_root: str | None = None,
               max_request_body_bytes: int = MAX_REQUEST_BODY_BYTES,
               tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False,
-              reasoning_parser: str | None = None) -> FastAPI:
+              reasoning_parser: str | None = None,
+              trust_request_chat_template: bool = False) -> FastAPI:
     """The FastAPI app over a (not necessarily started) `AsyncLLM`.
 
     Args:
@@ -234,19 +238,22 @@ def build_app(async_llm: AsyncLLM | DataParallelAsyncLLM, served_model_names: Se
         api_key: require `Authorization: Bearer <api_key>` on every route but /health, /metrics.
         model_root: the checkpoint path shown as `root` in /v1/models.
         max_request_body_bytes: larger request bodies get 413.
-        tool_call_parser, enable_auto_tool_choice, reasoning_parser: see `ServingChat`.
+        tool_call_parser, enable_auto_tool_choice, reasoning_parser,
+            trust_request_chat_template: see `ServingChat`.
     """
     serving = OpenAIServing(async_llm, served_model_names)
     completions = ServingCompletion(serving)
     chats = ServingChat(serving, tool_call_parser=tool_call_parser,
                         enable_auto_tool_choice=enable_auto_tool_choice,
-                        reasoning_parser=reasoning_parser)
+                        reasoning_parser=reasoning_parser,
+                        trust_request_chat_template=trust_request_chat_template)
 
     def render_chat(request: TokenizeRequest) -> list[int]:
         # NOTE(api_server): the chat handler's own checks and rendering, so /tokenize counts
         # exactly the prompt /v1/chat/completions would run for these messages and tools.
         chat_request = ChatCompletionRequest.model_construct(
             messages=request.messages, add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
             tools=request.tools, chat_template_kwargs=request.chat_template_kwargs)
         try:
             chat_request.check_supported()
@@ -283,12 +290,13 @@ def build_app(async_llm: AsyncLLM | DataParallelAsyncLLM, served_model_names: Se
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
-        return _respond(await _cancel_on_disconnect(request, completions.create_completion(body)))
+        return _respond(await _cancel_on_disconnect(request, completions.create_completion(body)),
+                        body.request_id)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
-        return _respond(await _cancel_on_disconnect(request,
-                                                    chats.create_chat_completion(body)))
+        return _respond(await _cancel_on_disconnect(request, chats.create_chat_completion(body)),
+                        body.request_id)
 
     add_tokenization_routes(app, tokenization)
 
@@ -312,7 +320,8 @@ def run_server(model: str, engine_kwargs: dict[str, Any], host: str = "127.0.0.1
                data_parallel_size: int = 1,
                max_request_body_bytes: int = MAX_REQUEST_BODY_BYTES,
                tool_call_parser: str | None = None,
-               enable_auto_tool_choice: bool = False) -> int:
+               enable_auto_tool_choice: bool = False,
+               trust_request_chat_template: bool = False) -> int:
     """Load the model, then serve until SIGINT/SIGTERM or until the engine dies.
 
     Returns the process exit status: 0 after a signal, 1 if the engine died (so a supervisor
@@ -327,8 +336,8 @@ def run_server(model: str, engine_kwargs: dict[str, Any], host: str = "127.0.0.1
             "auto" (pooling for architectures without an LM head).
         data_parallel_size: engine replicas behind this server (see engine/dp_async_llm.py).
         max_request_body_bytes: larger request bodies get 413.
-        tool_call_parser, enable_auto_tool_choice: see `ServingChat` (the reasoning parser is
-            the engine argument `reasoning_parser`).
+        tool_call_parser, enable_auto_tool_choice, trust_request_chat_template: see
+            `ServingChat` (the reasoning parser is the engine argument `reasoning_parser`).
 
     Raises:
         ValueError, FileNotFoundError: invalid engine arguments or a missing model (before any
@@ -361,7 +370,8 @@ def run_server(model: str, engine_kwargs: dict[str, Any], host: str = "127.0.0.1
                         max_request_body_bytes=max_request_body_bytes,
                         tool_call_parser=tool_call_parser,
                         enable_auto_tool_choice=enable_auto_tool_choice,
-                        reasoning_parser=engine_kwargs.get("reasoning_parser"))
+                        reasoning_parser=engine_kwargs.get("reasoning_parser"),
+                        trust_request_chat_template=trust_request_chat_template)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
     server = _Server(config, async_llm.shutdown if async_llm is not None else None)

@@ -64,6 +64,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                    help="the model family's tool-call format (hermes: Qwen2.5/3, Hermes; "
                         "llama3_json: Llama 3.1+; mistral: Mistral v0.3+)")
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="accept a request's own `chat_template` (a Jinja template the server "
+                        "renders; off by default, as in vLLM)")
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -177,4 +180,5 @@ def run_serve(args: argparse.Namespace) -> int:
                       runner=args.runner, data_parallel_size=args.data_parallel_size,
                       max_request_body_bytes=args.max_request_body_bytes,
                       tool_call_parser=args.tool_call_parser,
-                      enable_auto_tool_choice=args.enable_auto_tool_choice)
+                      enable_auto_tool_choice=args.enable_auto_tool_choice,
+                      trust_request_chat_template=args.trust_request_chat_template)

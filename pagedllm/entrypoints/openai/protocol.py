@@ -17,7 +17,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 from pydantic_core import PydanticCustomError
 
 from pagedllm.sampling_params import SamplingParams
@@ -152,6 +152,16 @@ BUILTIN_SAMPLING_DEFAULTS: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "
                                              "min_p": 0.0, "repetition_penalty": 1.0}
 
 
+# A request id is echoed in a response header: visible ASCII only, so it cannot inject one.
+REQUEST_ID_PATTERN = r"^[!-~]+$"
+MAX_REQUEST_ID_CHARS = 256
+# Sampling fields beam search cannot honour (given with a non-default value: refused).
+BEAM_SEARCH_UNSUPPORTED = ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                           "repetition_penalty", "stop", "stop_token_ids", "min_tokens",
+                           "logit_bias", "allowed_token_ids", "bad_words",
+                           "truncate_prompt_tokens", "prompt_logprobs", "echo")
+
+
 class _SamplingRequest(_StrictModel):
     """Fields shared by completion and chat requests (OpenAI's plus vLLM's extras)."""
 
@@ -191,12 +201,46 @@ class _SamplingRequest(_StrictModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's extras (docs/openai_api.md "vLLM's request extras").
+    # Echoed in the response's id ("chatcmpl-<request_id>") and its X-Request-Id header.
+    request_id: str | None = Field(default=None, min_length=1, max_length=MAX_REQUEST_ID_CHARS,
+                                   pattern=REQUEST_ID_PATTERN)
+    # Logprob tokens as "token_id:<id>" strings instead of their text.
+    return_tokens_as_token_ids: bool = False
+    # `n` beams (vLLM's server beam search); length_penalty as in `BeamSearchParams`.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    # Values for custom server extensions; this server defines none, so any key is refused.
+    vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = None
 
     def check_supported(self) -> None:
         """Raises ValueError naming a field this server cannot honour (the answer would be
         wrong if it were dropped)."""
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream: true")
+        if self.vllm_xargs:
+            raise ValueError(f"vllm_xargs: this server has no extension that reads "
+                             f"{sorted(self.vllm_xargs)[0]!r} (no vllm_xargs key is known)")
+        if "length_penalty" in self.model_fields_set and not self.use_beam_search:
+            raise ValueError("length_penalty applies to beam search only (use_beam_search: true)")
+        if self.use_beam_search:
+            self._check_beam_search()
+
+    def _check_beam_search(self) -> None:
+        """Beam search ranks beams by their summed logprobs (at `temperature`); a field that
+        would change which tokens a beam may take, or what is reported per token, is refused."""
+        if self.n < 1:
+            raise ValueError(f"n (the beam width) must be >= 1, got {self.n}")
+        fields = type(self).model_fields
+        for name in BEAM_SEARCH_UNSUPPORTED:
+            if name in fields and getattr(self, name) not in (None, fields[name].default, [],
+                                                              {}):
+                raise ValueError(f"{name} is not supported with use_beam_search")
+        if self.structured_outputs_params() is not None:
+            raise ValueError(f"{self.structured_outputs_field()} is not supported with "
+                             f"use_beam_search")
+        if self.num_logprobs() is not None:
+            raise ValueError("logprobs is not supported with use_beam_search")
 
     def structured_outputs_field(self) -> str:
         """The request field that carries the output constraint (for error messages)."""
@@ -392,12 +436,50 @@ class ChatCompletionRequest(_SamplingRequest):
     parallel_tool_calls: bool = True
     # Extra variables for the chat template (e.g. {"enable_thinking": false} for Qwen3).
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's chat extras (docs/openai_api.md "vLLM's request extras").
+    # Render the last message open-ended so the model continues it (needs
+    # add_generation_prompt: false).
+    continue_final_message: bool = False
+    # A Jinja chat template for this request (only on a server started with
+    # --trust-request-chat-template).
+    chat_template: str | None = None
+    # Retrieval documents for templates that render them (`documents` of apply_chat_template).
+    documents: list[dict[str, str]] | None = None
+    # Options of the multimodal processor; a request without images has nothing to process.
+    mm_processor_kwargs: dict[str, Any] | None = None
+    # Passed to the chat template as `reasoning_effort` (templates that know it use it).
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    # Most reasoning tokens before the server's reasoning parser forces the end marker.
+    thinking_token_budget: int | None = Field(default=None, ge=0)
+    # Per prompt token: its logprob and the top-k alternatives (response `prompt_logprobs`).
+    prompt_logprobs: int | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt: false (the "
+                             "last message is continued, no new one is started)")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs is not available with stream: true")
+        if self.reasoning_effort is not None and "reasoning_effort" in (
+                self.chat_template_kwargs or {}):
+            raise ValueError("reasoning_effort: give it once, as the field or in "
+                             "chat_template_kwargs, not both")
         check_tools(self)
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """The arguments of `apply_chat_template` this request sets beyond the conversation
+        and tools: its chat_template_kwargs, documents, reasoning_effort, continue_final_message
+        and add_generation_prompt (the per-request template is the server's to allow)."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            kwargs["reasoning_effort"] = self.reasoning_effort
+        if self.documents is not None:
+            kwargs["documents"] = self.documents
+        return {**kwargs, "add_generation_prompt": self.add_generation_prompt,
+                "continue_final_message": self.continue_final_message}
 
     def effective_tool_choice(self) -> str:
         """"none" | "auto" | "required" | "named"."""
@@ -436,6 +518,8 @@ class CompletionLogprobs(BaseModel):
     token_logprobs: list[float | None] = Field(default_factory=list)
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
+    # Where the text after the last token starts (`text_offset` continues from it); not sent.
+    _end_offset: int = PrivateAttr(default=0)
 
 
 class CompletionChoice(BaseModel):
@@ -495,6 +579,14 @@ class ChatChoice(BaseModel):
     stop_reason: int | str | None = None
 
 
+class PromptLogprob(BaseModel):
+    """One entry of vLLM's `prompt_logprobs`: {token id (a JSON key): this}."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class ChatCompletionResponse(BaseModel):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
@@ -502,6 +594,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    # With the request's prompt_logprobs: per prompt token (the first one has null).
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class ChatStreamChoice(BaseModel):

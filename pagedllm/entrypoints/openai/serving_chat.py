@@ -20,44 +20,60 @@ from pagedllm.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChun
                                                   ChatCompletionRequest, ChatCompletionResponse,
                                                   ChatLogprobs, ChatResponseMessage,
                                                   ChatStreamChoice, CompletionTokensDetails,
-                                                  FunctionCallOutput, TokenLogprob, ToolCall,
-                                                  TopLogprob, UsageInfo, now_s, random_id)
+                                                  FunctionCallOutput, PromptLogprob,
+                                                  TokenLogprob, ToolCall, TopLogprob, UsageInfo,
+                                                  now_s)
+from pagedllm.entrypoints.openai.serving_beam_search import FinishedStream, beam_search
 from pagedllm.entrypoints.openai.tool_choice import template_messages, template_tools
 from pagedllm.entrypoints.openai.tool_parsers import ToolParser, get_tool_parser
 from pagedllm.engine.async_llm import RequestStream
 from pagedllm.engine.logprob_strings import TokenBytes
 from pagedllm.reasoning import ReasoningParser, get_reasoning_parser
+from pagedllm.reasoning.budget import ThinkingBudgetLogitsProcessor
 from pagedllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing,
                                                         OpenAIServingError, SSEStream,
                                                         clamp_logprob, error_from_exception,
-                                                        sse_event, usage_of, usage_so_far)
+                                                        sse_event, token_string, usage_of,
+                                                        usage_so_far)
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 
 logger = logging.getLogger(__name__)
 
 
 def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]],
-                  num_top: int, token_bytes: TokenBytes | None = None) -> ChatLogprobs:
+                  num_top: int, token_bytes: TokenBytes | None = None,
+                  as_token_ids: bool = False) -> ChatLogprobs:
     """OpenAI's chat logprobs for generated tokens.
 
     `token`: the token's text in context (`Logprob.decoded_token`: "" for a token that completes no
-    character yet); `bytes`: the token's own raw bytes (`TokenBytes`; without it the UTF-8 of the
-    string), so the chosen tokens' bytes join to the UTF-8 of the text."""
-    def raw(token_id: int, text: str) -> list[int]:
-        return list(token_bytes.get(token_id, text) if token_bytes is not None
-                    else text.encode())
+    character yet), or "token_id:<id>" with `as_token_ids` (vLLM's return_tokens_as_token_ids);
+    `bytes`: the token's own raw bytes (`TokenBytes`; without it the UTF-8 of the text), so the
+    chosen tokens' bytes join to the UTF-8 of the text."""
+    def entry_of(token_id: int, lp: Logprob, cls: type[TopLogprob], **extra) -> TopLogprob:
+        text = lp.decoded_token or ""
+        raw = token_bytes.get(token_id, text) if token_bytes is not None else text.encode()
+        return cls(token=token_string(token_id, text, as_token_ids),
+                   logprob=clamp_logprob(lp.logprob), bytes=list(raw), **extra)
 
     content = []
     for token_id, entry in zip(token_ids, logprobs):
-        chosen = entry[token_id]
         ranked = sorted(((tid, lp) for tid, lp in entry.items() if lp.rank is not None
                          and lp.rank <= num_top), key=lambda item: item[1].rank)
-        top = [TopLogprob(token=lp.decoded_token or "", logprob=clamp_logprob(lp.logprob),
-                          bytes=raw(tid, lp.decoded_token or "")) for tid, lp in ranked]
-        token = chosen.decoded_token or ""
-        content.append(TokenLogprob(token=token, logprob=clamp_logprob(chosen.logprob),
-                                    bytes=raw(token_id, token), top_logprobs=top))
+        top = [entry_of(tid, lp, TopLogprob) for tid, lp in ranked]
+        content.append(entry_of(token_id, entry[token_id], TokenLogprob, top_logprobs=top))
     return ChatLogprobs(content=content)
+
+
+def prompt_logprobs_of(output: RequestOutput, as_token_ids: bool
+                       ) -> list[dict[str, PromptLogprob] | None] | None:
+    """vLLM's `prompt_logprobs` of a chat response: per prompt token {token id: entry}."""
+    if output.prompt_logprobs is None:
+        return None
+    return [None if entry is None else {
+        str(tid): PromptLogprob(logprob=clamp_logprob(lp.logprob), rank=lp.rank,
+                                decoded_token=token_string(tid, lp.decoded_token or "",
+                                                           as_token_ids))
+        for tid, lp in entry.items()} for entry in output.prompt_logprobs]
 
 
 class ServingChat:
@@ -68,6 +84,8 @@ class ServingChat:
         tool_call_parser: the format `tool_choice: "auto"` reads calls in (`tool_parsers/`).
         enable_auto_tool_choice: allow `tool_choice: "auto"` (needs `tool_call_parser`).
         reasoning_parser: split `reasoning_content` off the output (`pagedllm/reasoning`).
+        trust_request_chat_template: allow a request's own `chat_template` (vLLM's
+            --trust-request-chat-template; a template is code the server runs).
 
     Raises:
         ValueError: an unknown parser name, or auto tool choice without a parser.
@@ -75,8 +93,10 @@ class ServingChat:
 
     def __init__(self, serving: OpenAIServing, tool_call_parser: str | None = None,
                  enable_auto_tool_choice: bool = False,
-                 reasoning_parser: str | None = None) -> None:
+                 reasoning_parser: str | None = None,
+                 trust_request_chat_template: bool = False) -> None:
         self.serving = serving
+        self.trust_request_chat_template = trust_request_chat_template
         self._token_bytes: TokenBytes | None = None
         if enable_auto_tool_choice and tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
@@ -101,9 +121,21 @@ class ServingChat:
             request, self.serving.check_token_ids(self.render_prompt(request), param="messages"))
         if mode.parser is not None and mode.parser.needs_special_tokens:
             params.skip_special_tokens = False      # the parser must see its markers
-        response_id, created = random_id("chatcmpl"), now_s()
-        [stream] = await self.serving.admit(request, [({"prompt_token_ids": token_ids}, params)],
-                                            response_id)
+        if request.prompt_logprobs is not None:
+            self.serving.check_logprobs_count(request.prompt_logprobs, "prompt_logprobs")
+            params.prompt_logprobs = request.prompt_logprobs
+        if request.thinking_token_budget is not None:
+            params.logits_processors = [*(params.logits_processors or ()),
+                                        self._thinking_budget(request.thinking_token_budget)]
+        response_id, engine_id = self.serving.request_ids(request, "chatcmpl")
+        created = now_s()
+        if request.use_beam_search:
+            [final] = await beam_search(self.serving, request, [token_ids], params.max_tokens,
+                                        engine_id)
+            stream = FinishedStream(final)
+        else:
+            [stream] = await self.serving.admit(
+                request, [({"prompt_token_ids": token_ids}, params)], engine_id)
         if request.stream:
             return SSEStream(self._stream(request, mode, stream, len(token_ids), response_id,
                                           created, model), [stream])
@@ -117,8 +149,10 @@ class ServingChat:
             stream.close()
         choices = [self._choice(request, mode, c)
                    for c in sorted(final.outputs, key=lambda c: c.index)]
-        return ChatCompletionResponse(id=response_id, created=created, model=model,
-                                      usage=self._usage(final), choices=choices)
+        return ChatCompletionResponse(
+            id=response_id, created=created, model=model, usage=self._usage(final),
+            choices=choices,
+            prompt_logprobs=prompt_logprobs_of(final, request.return_tokens_as_token_ids))
 
     def _choice(self, request: ChatCompletionRequest, mode: ToolMode,
                 completion: CompletionOutput) -> ChatChoice:
@@ -139,12 +173,26 @@ class ServingChat:
         (`completion_tokens_details.reasoning_tokens`, OpenAI's field)."""
         usage = usage_of([final])
         if self.reasoning is not None:
-            if self._marker_ids is None:
-                self._marker_ids = self.reasoning.marker_token_ids(self.serving.tokenizer)
             usage.completion_tokens_details = CompletionTokensDetails(reasoning_tokens=sum(
-                self.reasoning.num_reasoning_tokens(list(c.token_ids), self._marker_ids)
+                self.reasoning.num_reasoning_tokens(list(c.token_ids), self._markers())
                 for c in final.outputs))
         return usage
+
+    def _markers(self) -> tuple[int, int]:
+        """The reasoning markers' token ids (read once)."""
+        if self._marker_ids is None:
+            self._marker_ids = self.reasoning.marker_token_ids(self.serving.tokenizer)
+        return self._marker_ids
+
+    def _thinking_budget(self, budget: int) -> ThinkingBudgetLogitsProcessor:
+        """The processor enforcing `thinking_token_budget`. Raises OpenAIServingError 400 on a
+        server without a reasoning parser (nothing says where the reasoning ends)."""
+        if self.reasoning is None:
+            raise OpenAIServingError("thinking_token_budget needs the server started with "
+                                     "--reasoning-parser (it names the reasoning's end marker)",
+                                     400, param="thinking_token_budget")
+        start, end = self._markers()
+        return ThinkingBudgetLogitsProcessor(budget, start, end, self.reasoning.implicit_start)
 
     def _tool_mode(self, request: ChatCompletionRequest) -> ToolMode:
         """How the request's output is read for tool calls. Raises OpenAIServingError 400 for
@@ -221,14 +269,19 @@ class ServingChat:
         if self._token_bytes is None:
             self._token_bytes = TokenBytes(self.serving.tokenizer)
         return chat_logprobs(completion.token_ids[start:], completion.logprobs[start:],
-                             request.top_logprobs or 0, self._token_bytes)
+                             request.top_logprobs or 0, self._token_bytes,
+                             request.return_tokens_as_token_ids)
 
     def render_prompt(self, request: ChatCompletionRequest) -> list[int]:
         """Token ids of the templated conversation. Raises OpenAIServingError 400."""
         tokenizer = self.serving.tokenizer
         if not request.messages:
             raise OpenAIServingError("messages must not be empty", 400, param="messages")
-        if not getattr(tokenizer, "chat_template", None):
+        if request.chat_template is not None and not self.trust_request_chat_template:
+            raise OpenAIServingError("chat_template: a request's own chat template needs the "
+                                     "server started with --trust-request-chat-template", 400,
+                                     param="chat_template")
+        if not (request.chat_template or getattr(tokenizer, "chat_template", None)):
             raise OpenAIServingError("the model's tokenizer has no chat template (start the "
                                      "server with --chat-template FILE)", 400, param="messages")
         try:
@@ -247,9 +300,8 @@ class ServingChat:
             # apply_chat_template(tokenize=True) does (no special tokens added): the tools are
             # only counted if the template renders them.
             text = tokenizer.apply_chat_template(
-                conversation, tools=tools, tokenize=False,
-                add_generation_prompt=request.add_generation_prompt,
-                **(request.chat_template_kwargs or {}))
+                conversation, tools=tools, tokenize=False, chat_template=request.chat_template,
+                **request.template_kwargs())
         except Exception as e:  # noqa: BLE001 - template errors are the request's fault
             raise OpenAIServingError(f"could not render the messages with the chat template: "
                                      f"{e}", 400, param="messages") from e

@@ -17,14 +17,15 @@ from dataclasses import dataclass
 
 from pagedllm.entrypoints.openai.protocol import (CompletionChoice, CompletionChunk,
                                                   CompletionLogprobs, CompletionRequest,
-                                                  CompletionResponse, now_s, random_id)
+                                                  CompletionResponse, now_s)
+from pagedllm.entrypoints.openai.serving_beam_search import FinishedStream, beam_search
 from pagedllm.engine.async_llm import RequestStream
 from pagedllm.engine.logprob_strings import token_strings
 from pagedllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing,
                                                         OpenAIServingError, SSEStream,
                                                         clamp_logprob, error_from_exception,
                                                         merge_async_iterators, sse_event,
-                                                        usage_of, usage_so_far)
+                                                        token_string, usage_of, usage_so_far)
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -56,33 +57,34 @@ class _ChoiceProgress:
 def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob] | None],
                         num_top: int, text_offset: int,
                         result: CompletionLogprobs | None = None,
-                        tokens: list[str] | None = None) -> CompletionLogprobs:
+                        tokens: list[str] | None = None,
+                        as_token_ids: bool = False) -> CompletionLogprobs:
     """OpenAI's completions logprobs for tokens, appended to `result`.
 
     A token's string is its text in context (`Logprob.decoded_token`, or `tokens[i]` when given),
-    so the strings join to the text and `text_offset` (from `text_offset`) indexes into it. An
-    entry of None (the first prompt token) gets null logprobs; it needs `tokens`."""
+    so the strings join to the text and `text_offset` (from `text_offset`) indexes into it; with
+    `as_token_ids` (vLLM's return_tokens_as_token_ids) tokens show as "token_id:<id>" and the
+    offsets still index the text. An entry of None (the first prompt token) gets null logprobs;
+    it needs `tokens`."""
     result = result or CompletionLogprobs()
     for i, (token_id, entry) in enumerate(zip(token_ids, logprobs)):
+        text = tokens[i] if tokens is not None else entry[token_id].decoded_token or ""
+        token = token_string(token_id, text, as_token_ids)
+        result.tokens.append(token)
+        result.text_offset.append(text_offset)
+        text_offset += len(text)
         if entry is None:
-            token = tokens[i]
-            result.tokens.append(token)
             result.token_logprobs.append(None)
             result.top_logprobs.append(None)
-            result.text_offset.append(text_offset)
-            text_offset += len(token)
             continue
         chosen = entry[token_id]
-        token = tokens[i] if tokens is not None else chosen.decoded_token or ""
-        result.tokens.append(token)
         result.token_logprobs.append(clamp_logprob(chosen.logprob))
-        top = {lp.decoded_token or "": clamp_logprob(lp.logprob)
+        top = {token_string(tid, lp.decoded_token or "", as_token_ids): clamp_logprob(lp.logprob)
                for tid, lp in entry.items() if num_top > 0 and tid != token_id}
         if num_top > 0:
             top[token] = clamp_logprob(chosen.logprob)  # the chosen token under its own string
         result.top_logprobs.append(top)
-        result.text_offset.append(text_offset)
-        text_offset += len(token)
+    result._end_offset = text_offset
     return result
 
 
@@ -112,10 +114,16 @@ class ServingCompletion:
                 f"sequences, more than {MAX_SEQUENCES_PER_REQUEST} per request; send several "
                 f"requests", 400, param="n" if request.n > MAX_SEQUENCES_PER_REQUEST else "prompt")
         prompts = [self._prepare(p, request) for p in texts]
-        response_id, created = random_id("cmpl"), now_s()
-        streams = await self.serving.admit(
-            request, [({"prompt_token_ids": p.token_ids, "prompt": p.text}, p.params)
-                      for p in prompts], response_id)
+        response_id, engine_id = self.serving.request_ids(request, "cmpl")
+        created = now_s()
+        if request.use_beam_search:
+            finals = await beam_search(self.serving, request, [p.token_ids for p in prompts],
+                                       min(p.params.max_tokens for p in prompts), engine_id)
+            streams = [FinishedStream(final) for final in finals]
+        else:
+            streams = await self.serving.admit(
+                request, [({"prompt_token_ids": p.token_ids, "prompt": p.text}, p.params)
+                          for p in prompts], engine_id)
         if request.stream:
             return SSEStream(self._stream(request, prompts, streams, response_id, created, model),
                              streams)
@@ -192,10 +200,10 @@ class ServingCompletion:
         finished = completion.finish_reason is not None
         if not delta and not finished and len(completion.token_ids) == progress.num_tokens:
             return None
-        logprobs = self._logprobs(request, completion, progress.num_tokens,
-                                  progress.echo_chars + progress.token_chars)
+        offset = progress.echo_chars + progress.token_chars
+        logprobs = self._logprobs(request, completion, progress.num_tokens, offset)
         if logprobs is not None:
-            progress.token_chars += sum(len(t) for t in logprobs.tokens)
+            progress.token_chars = logprobs._end_offset - progress.echo_chars
         progress.num_chars += len(delta)
         progress.num_tokens = len(completion.token_ids)
         progress.finished = finished
@@ -212,9 +220,10 @@ class ServingCompletion:
         if request.logprobs is None or completion.logprobs is None:
             return None
         if prompt_part is not None:
-            text_offset = prompt_part.text_offset[-1] + len(prompt_part.tokens[-1])
+            text_offset = prompt_part._end_offset
         return completion_logprobs(completion.token_ids[start:], completion.logprobs[start:],
-                                   request.logprobs, text_offset, copy.deepcopy(prompt_part))
+                                   request.logprobs, text_offset, copy.deepcopy(prompt_part),
+                                   as_token_ids=request.return_tokens_as_token_ids)
 
     def _prompt_logprobs(self, request: CompletionRequest, prompt: _PreparedPrompt,
                          out: RequestOutput) -> CompletionLogprobs | None:
@@ -226,7 +235,7 @@ class ServingCompletion:
         tokens = token_strings(self.serving.tokenizer, prompt.token_ids,
                                skip_special_tokens=prompt.text is not None)
         return completion_logprobs(prompt.token_ids, out.prompt_logprobs, request.logprobs, 0,
-                                   tokens=tokens)
+                                   tokens=tokens, as_token_ids=request.return_tokens_as_token_ids)
 
     def _prepare(self, prompt: str | list[int], request: CompletionRequest) -> _PreparedPrompt:
         if isinstance(prompt, str):

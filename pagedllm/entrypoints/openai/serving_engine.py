@@ -24,7 +24,7 @@ from pagedllm.engine.async_llm import (AsyncLLM, EngineDeadError, RequestFailedE
                                        RequestStream)
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.entrypoints.openai.protocol import (ErrorInfo, ErrorResponse, PromptTokensDetails,
-                                                  UsageInfo)
+                                                  UsageInfo, random_id)
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -131,6 +131,12 @@ def clamp_logprob(logprob: float) -> float:
     return max(logprob, MIN_LOGPROB)
 
 
+def token_string(token_id: int, text: str, as_token_id: bool) -> str:
+    """A token as logprobs show it: its text, or "token_id:<id>" (vLLM's
+    return_tokens_as_token_ids, for tokens whose text is not JSON-friendly)."""
+    return f"token_id:{token_id}" if as_token_id else text
+
+
 def usage_of(outputs: Sequence[RequestOutput]) -> UsageInfo:
     """Token counts of finished requests (each prompt counted once, every sequence's output)."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
@@ -218,7 +224,11 @@ class OpenAIServing:
     def check_logprobs(self, request: Any, param: str) -> None:
         """Raises OpenAIServingError 400 if more alternatives are asked than the engine's
         max_logprobs allows (20 by default, OpenAI's limit)."""
-        num = request.num_logprobs()
+        self.check_logprobs_count(request.num_logprobs(), param)
+
+    def check_logprobs_count(self, num: int | None, param: str) -> None:
+        """Raises OpenAIServingError 400 naming `param` unless `num` (alternatives per token;
+        None = none asked) is within [0, max_logprobs]."""
         limit = self.async_llm.input_processor.limits.max_logprobs
         if limit < 0:
             limit = self.async_llm.vocab_size
@@ -240,6 +250,16 @@ class OpenAIServing:
         model = self.check_model(request.model)
         self.check_logprobs(request, logprobs_param)
         return model
+
+    @staticmethod
+    def request_ids(request: Any, prefix: str) -> tuple[str, str]:
+        """(response id, engine request id) of a request: "<prefix>-<request_id>" for a request
+        that names itself (vLLM's `request_id`), else a random one. The engine id stays unique
+        (random) even when two requests send the same `request_id`."""
+        engine_id = random_id(prefix)
+        if request.request_id is None:
+            return engine_id, engine_id
+        return f"{prefix}-{request.request_id}", engine_id
 
     def prepare(self, request: Any, token_ids: list[int]) -> tuple[list[int], SamplingParams]:
         """Validate the sampling fields, truncate the prompt (`truncate_prompt_tokens`) and check

@@ -109,10 +109,6 @@ class ServingTokenization:
             raise OpenAIServingError("add_special_tokens: true is not supported with messages "
                                      "(the chat template places the special tokens)", 400,
                                      param="add_special_tokens")
-        if request.continue_final_message:
-            raise OpenAIServingError("continue_final_message is not supported (nor by "
-                                     "/v1/chat/completions on this server)", 400,
-                                     param="continue_final_message")
 
 
 def add_tokenization_routes(app: FastAPI, tokenization: ServingTokenization) -> None:
