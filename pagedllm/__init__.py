@@ -14,7 +14,7 @@ from pagedllm.omp_wait import apply_default_wait_policy
 apply_default_wait_policy()     # before anything loads torch's OpenMP runtime
 
 if TYPE_CHECKING:
-    from pagedllm.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams
+    from pagedllm.beam_search import BeamSearchOutput, BeamSearchParams
     from pagedllm.entrypoints.llm import LLM, GenerateError
     from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
     from pagedllm.pooling.outputs import EmbeddingOutput, EmbeddingRequestOutput
@@ -27,8 +27,8 @@ _EXPORTS = {
     "RequestOutputKind": "pagedllm.sampling_params",
     "RequestOutput": "pagedllm.outputs", "CompletionOutput": "pagedllm.outputs",
     "Logprob": "pagedllm.outputs",
-    "BeamSearchParams": "pagedllm.entrypoints.beam_search",
-    "BeamSearchOutput": "pagedllm.entrypoints.beam_search",
+    "BeamSearchParams": "pagedllm.beam_search",
+    "BeamSearchOutput": "pagedllm.beam_search",
     "PoolingParams": "pagedllm.pooling.params",
     "EmbeddingOutput": "pagedllm.pooling.outputs",
     "EmbeddingRequestOutput": "pagedllm.pooling.outputs",

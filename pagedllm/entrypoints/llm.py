@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from pagedllm.config import create_engine_config
 from pagedllm.core.scheduler import SchedulerStats
-from pagedllm.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
+from pagedllm.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.pooling_engine import EmbedPrompt, PoolingEngine, is_pooling_model
@@ -194,7 +194,7 @@ class LLM:
 
     def beam_search(self, prompts: Sequence[PromptType],
                     params: BeamSearchParams) -> list[BeamSearchOutput]:
-        """Beam search per prompt (see entrypoints/beam_search.py for the algorithm and score).
+        """Beam search per prompt (see pagedllm/beam_search.py for the algorithm and score).
 
         Raises:
             ValueError: for an invalid prompt.

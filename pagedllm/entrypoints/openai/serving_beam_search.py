@@ -1,5 +1,5 @@
 """Beam search on the server (`use_beam_search: true`, vLLM's field): the algorithm of
-`LLM.beam_search` (entrypoints/beam_search.py) driven through the async engine.
+`LLM.beam_search` (pagedllm/beam_search.py) driven through the async engine.
 
 Each step queues every live beam as a one-token request through `OpenAIServing.admit` (the same
 admission gate as any request) and waits for all of them; the beams of a prompt share their
@@ -13,8 +13,7 @@ from __future__ import annotations
 from contextlib import aclosing
 from typing import Any
 
-from pagedllm.entrypoints.beam_search import (BeamSearch, BeamSearchParams,
-                                              beam_search_num_logprobs)
+from pagedllm.beam_search import BeamSearch, BeamSearchParams, beam_search_num_logprobs
 from pagedllm.entrypoints.openai.serving_engine import (OpenAIServing, OpenAIServingError,
                                                         error_from_exception,
                                                         merge_async_iterators)

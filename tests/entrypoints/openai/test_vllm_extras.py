@@ -19,7 +19,7 @@ import pytest
 import transformers
 
 from pagedllm import LLM
-from pagedllm.entrypoints.beam_search import BeamSearchParams
+from pagedllm.beam_search import BeamSearchParams
 from tests.entrypoints.openai.server_process import running_server
 
 ENGINE_FLAGS = ["--dtype", "float32", "--kv-cache-memory-bytes", "16000000", "--seed", "0",
