@@ -164,6 +164,10 @@ class CacheConfig:
 MAX_NUM_SCHEDULER_STEPS = 64
 
 
+# Orders of the scheduler's waiting queue (vLLM's --scheduling-policy): core/request_queue.py.
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Continuous-batching limits.
@@ -183,6 +187,8 @@ class SchedulerConfig:
             this many times before the scheduler and the output processing run again. None =
             the engine's default (`resolve_num_scheduler_steps`: 16 for offline generation on
             CPU, else 1).
+        scheduling_policy: "fcfs" (arrival order) or "priority" (each request's `priority`,
+            lower first, ties by arrival; see core/scheduler.py), vLLM's names.
     """
 
     max_num_batched_tokens: int = 2048
@@ -191,8 +197,12 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
     async_scheduling: bool | None = None
     num_scheduler_steps: int | None = None
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {list(SCHEDULING_POLICIES)}, "
+                             f"got {self.scheduling_policy!r}")
         if self.num_scheduler_steps is not None and (
                 isinstance(self.num_scheduler_steps, bool)
                 or not isinstance(self.num_scheduler_steps, int)
@@ -676,6 +686,7 @@ def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str
                          kv_cache_dtype: str = "auto",
                          async_scheduling: bool | None = None,
                          num_scheduler_steps: int | None = None,
+                         scheduling_policy: str = "fcfs",
                          chat_template: str | None = None,
                          generation_config: str = "auto",
                          override_generation_config: dict[str, Any] | None = None,
@@ -750,7 +761,8 @@ def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str
                                          enable_chunked_prefill=enable_chunked_prefill,
                                          long_prefill_token_threshold=long_prefill_token_threshold,
                                          async_scheduling=async_scheduling,
-                                         num_scheduler_steps=num_scheduler_steps),
+                                         num_scheduler_steps=num_scheduler_steps,
+                                         scheduling_policy=scheduling_policy),
         parallel_config=parallel_config,
         model_path=model_path,
         tokenizer_path=tokenizer_path,

@@ -20,7 +20,7 @@ _SAMPLING_EPS = 1e-5
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
-def _check_int(name: str, value: Any, minimum: int, message: str | None = None) -> None:
+def check_int(name: str, value: Any, minimum: int, message: str | None = None) -> None:
     """Raises ValueError naming `name` unless `value` is an int (not a bool) in
     [minimum, INT64_MAX]."""
     if isinstance(value, bool) or not isinstance(value, int) \
@@ -60,7 +60,7 @@ def _parse_logit_bias(logit_bias: Any) -> dict[int, float]:
         else:
             raise ValueError(f"logit_bias keys must be token ids (ints or decimal strings), "
                              f"got {key!r}")
-        _check_int("logit_bias", token_id, 0, message="keys must be token ids (ints >= 0)")
+        check_int("logit_bias", token_id, 0, message="keys must be token ids (ints >= 0)")
         _check_float("logit_bias", bias)
         if not -100.0 <= bias <= 100.0:
             raise ValueError(f"logit_bias values must be in [-100, 100], got {bias}")
@@ -188,10 +188,10 @@ class SamplingParams:
                          ("prompt_logprobs", 0), ("truncate_prompt_tokens", 1)):
             value = getattr(self, name)
             if value is not None or name in ("n", "min_tokens"):
-                _check_int(name, value, lo)
-        _check_int("top_k", self.top_k, 0, message="must be -1 (disable), 0 (disable) or >= 1")
+                check_int(name, value, lo)
+        check_int("top_k", self.top_k, 0, message="must be -1 (disable), 0 (disable) or >= 1")
         if self.seed is not None:
-            _check_int("seed", self.seed, INT64_MIN)
+            check_int("seed", self.seed, INT64_MIN)
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
             _check_float(name, getattr(self, name))
@@ -215,14 +215,14 @@ class SamplingParams:
         for s in self.stop:
             check_text("stop", s)
         for t in self.stop_token_ids:
-            _check_int("stop_token_ids", t, 0, message="must be token ids (ints >= 0)")
+            check_int("stop_token_ids", t, 0, message="must be token ids (ints >= 0)")
         if self.logit_bias is not None:
             self.logit_bias = _parse_logit_bias(self.logit_bias)
         if self.allowed_token_ids is not None:
             if not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids:
                 raise ValueError("allowed_token_ids must be a non-empty list of token ids")
             for t in self.allowed_token_ids:
-                _check_int("allowed_token_ids", t, 0, message="must be token ids (ints >= 0)")
+                check_int("allowed_token_ids", t, 0, message="must be token ids (ints >= 0)")
         if self.bad_words is not None and (not isinstance(self.bad_words, (list, tuple)) or any(
                 not isinstance(w, str) or not w.strip() for w in self.bad_words)):
             raise ValueError("bad_words must be a list of non-empty strings")

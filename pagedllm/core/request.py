@@ -62,13 +62,16 @@ class Request:
         sampling_params: validated `SamplingParams` (stop ids already include EOS).
         max_tokens: effective output limit in tokens (already capped by max_model_len).
         block_hasher: maps a request to the hashes of its full blocks (None: no prefix caching).
+        arrival_time: time.monotonic() seconds when it reached the engine (now if None).
+        priority: under the priority policy, lower values are scheduled first (vLLM's).
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, max_tokens: int,
                  block_hasher: Callable[[Request], list[bytes]] | None = None,
-                 arrival_time: float | None = None) -> None:
+                 arrival_time: float | None = None, priority: int = 0) -> None:
         self.request_id = request_id
+        self.priority = priority
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.max_tokens = max_tokens

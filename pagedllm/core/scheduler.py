@@ -7,6 +7,12 @@ Running requests are served first, in admission order; when blocks run out the m
 admitted running request is preempted (its blocks freed, it goes back to the front of the waiting
 queue and is recomputed later; its tokens so far are kept, so nothing is lost).
 
+Priority scheduling (`scheduling_policy="priority"`, vLLM's): the waiting queue is ordered by
+(`priority`, arrival), lower first (request_queue.py); the victim of a preemption is the running
+request that comes last in that order; and a waiting request that cannot be admitted for want
+of a sequence slot or blocks preempts running requests that come after it in that order, so a
+high-priority request starts at once under a load of low-priority ones.
+
 Asynchronous scheduling (`async_scheduling`): step N+1 is scheduled before step N's tokens are
 known. Every request that samples in a step gets one *output placeholder* until
 `update_from_output` brings its token, and `_num_new_tokens` counts placeholders as tokens, so a
@@ -32,7 +38,6 @@ never preempts).
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
@@ -40,6 +45,7 @@ from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.kv_cache_groups import KVCacheCapacity, make_kv_cache_groups
 from pagedllm.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from pagedllm.core.request import Request, RequestStatus, stop_token_reached
+from pagedllm.core.request_queue import check_priority, make_request_queue, priority_key
 from pagedllm.core.sched_output import (EngineCoreOutput, GrammarOutput, ModelRunnerOutput,
                                         NewRequestData, SchedulerOutput)
 
@@ -127,7 +133,8 @@ class Scheduler:
             computes_last_token=(async_scheduling or num_lookahead_tokens > 0
                                  or num_speculative_tokens > 0))
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
+        self.policy = scheduler_config.scheduling_policy
+        self.waiting = make_request_queue(self.policy)
         self.running: list[Request] = []
         # Ids the worker must drop at the next step.
         self.finished_req_ids: set[str] = set()
@@ -149,11 +156,12 @@ class Scheduler:
 
         Raises:
             ValueError: if its id is in use, if it can never fit the KV cache even alone
-                (`kv_cache_capacity.check`), or if it has structured output and this scheduler
-                has no grammar support.
+                (`kv_cache_capacity.check`), if it has structured output and this scheduler
+                has no grammar support, or if it has a priority under the fcfs policy.
         """
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        check_priority(request.priority, self.policy)
         self.kv_cache_capacity.check(request.num_tokens, request.max_tokens)
         if request.sampling_params.structured_outputs is not None:
             if self.structured_output_manager is None:
@@ -161,7 +169,7 @@ class Scheduler:
             self.structured_output_manager.add_request(request.request_id,
                                                        request.sampling_params.structured_outputs)
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.waiting.add(request)
         if request_needs_sync_step(request):
             self._num_sync_requests += 1
 
@@ -218,11 +226,14 @@ class Scheduler:
         """Pick this step's requests and tokens, allocate their blocks, advance their
         `num_computed_tokens` (as if the step succeeds)."""
         out = SchedulerOutput.make_empty()
+        if self.policy == "priority":
+            self._preempt_for_priority(out)
+        num_priority_preemptions = len(out.preempted_req_ids)
         out.num_steps = self._num_decode_steps()
         token_budget = self._schedule_running(out, self.config.max_num_batched_tokens,
                                               out.num_steps)
-        # Admit waiting requests only if nothing had to be preempted this step.
-        if not out.preempted_req_ids:
+        # Admit waiting requests only if no running request ran out of blocks this step.
+        if len(out.preempted_req_ids) == num_priority_preemptions:
             self._schedule_waiting(out, token_budget)
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
         out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
@@ -285,9 +296,9 @@ class Scheduler:
                                              num_steps - 1))
                 if new_block_ids is not None:
                     break
-                victim = self.running.pop()
-                self._preempt(victim)
-                out.preempted_req_ids.add(victim.request_id)
+                # Requests already given their tokens this step keep them.
+                victim = self._preemption_victim(self.running[req_index:])
+                self._preempt(victim, out)
                 if victim is request:
                     break
             if new_block_ids is None:
@@ -313,7 +324,7 @@ class Scheduler:
         compiling: list[Request] = []
         while (self.waiting and token_budget > 0
                and len(self.running) < self.config.max_num_seqs):
-            request = self.waiting[0]
+            request = self.waiting.peek()
             try:
                 ready = self._grammar_ready(request)
             except Exception as e:  # noqa: BLE001 - its grammar failed: it fails alone
@@ -321,7 +332,7 @@ class Scheduler:
                                      f"its structured output grammar failed to compile: {e}")
                 continue
             if not ready:
-                compiling.append(self.waiting.popleft())
+                compiling.append(self.waiting.pop())
                 continue
             hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
             num_new_tokens = self._num_new_tokens(request, num_hit_tokens, token_budget)
@@ -332,7 +343,7 @@ class Scheduler:
                 self._lookahead(request, num_hit_tokens + num_new_tokens))
             if new_block_ids is None:
                 break
-            self.waiting.popleft()
+            self.waiting.pop()
             self.running.append(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit_tokens
@@ -348,7 +359,7 @@ class Scheduler:
                 num_computed_tokens=num_hit_tokens))
             out.num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
-        self.waiting.extendleft(reversed(compiling))
+        self.waiting.push_front(compiling)
 
     def _grammar_ready(self, request: Request) -> bool:
         return (request.sampling_params.structured_outputs is None
@@ -394,7 +405,48 @@ class Scheduler:
             return 0
         return min(n, token_budget)
 
-    def _preempt(self, request: Request) -> None:
+    def _preemption_victim(self, candidates: list[Request]) -> Request:
+        """The running request to preempt among `candidates` (a tail of `running`): the most
+        recently admitted one (fcfs), or the one last in priority order (priority)."""
+        if self.policy == "priority":
+            return max(candidates, key=priority_key)
+        return candidates[-1]
+
+    def _preempt_for_priority(self, out: SchedulerOutput) -> None:
+        """Priority policy: make room for the waiting requests this step could admit, in
+        priority order. While the next one lacks a sequence slot or the blocks of its first
+        chunk (after those of the ones before it), preempt the running request last in priority
+        order if its priority is lower (a larger value; equal priorities never preempt each
+        other). Stops at the first request that cannot get room, or when the token budget of the
+        step is spent."""
+        seats = self.config.max_num_seqs - len(self.running)
+        budget = self.config.max_num_batched_tokens
+        reserved: list[tuple[str, int]] = []
+        for head in list(self.waiting):
+            try:
+                if not self._grammar_ready(head):
+                    continue
+            except Exception:  # noqa: BLE001 - its grammar failed: _schedule_waiting ends it
+                continue
+            chunk = min(head.num_tokens, budget, self._max_kv_tokens(head))
+            if chunk <= 0:
+                return
+            while seats <= 0 or not self.kv_cache_manager.slots_fit(
+                    [*reserved, (head.request_id, chunk)]):
+                victim = self._preemption_victim(self.running) if self.running else None
+                if victim is None or victim.priority <= head.priority:
+                    return
+                self._preempt(victim, out)
+                seats += 1
+            reserved.append((head.request_id, chunk))
+            seats -= 1
+            budget -= chunk
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        """Take a running request out (its blocks freed) and queue it again; it is recomputed
+        later with its tokens so far."""
+        self.running.remove(request)
+        out.preempted_req_ids.add(request.request_id)
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -403,7 +455,7 @@ class Scheduler:
         self.num_output_placeholders.pop(request.request_id, None)
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.add(request)
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:

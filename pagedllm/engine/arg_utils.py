@@ -7,7 +7,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from pagedllm.config import MAX_NUM_SCHEDULER_STEPS
+from pagedllm.config import MAX_NUM_SCHEDULER_STEPS, SCHEDULING_POLICIES
 from pagedllm.reasoning import REASONING_PARSERS
 
 
@@ -145,6 +145,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="decode steps per scheduling round while every request decodes (the "
                         "scheduler and output processing run once per round; default: 16 for "
                         "offline generation on CPU, 1 for the server and on CUDA)")
+    g.add_argument("--scheduling-policy", default="fcfs", choices=list(SCHEDULING_POLICIES),
+                   help="fcfs: arrival order; priority: each request's `priority` (lower "
+                        "first, ties by arrival), preempting lower-priority running requests")
     g.add_argument("--batch-invariant", action="store_true", default=False,
                    help="outputs and logprobs bit for bit the same whatever the batch, the "
                         "chunking, prefix-cache hits or preemptions (fixed reduction orders; "
@@ -161,7 +164,7 @@ _ENGINE_KEYS = ("tokenizer", "chat_template", "dtype", "quantization", "max_mode
                 "eplb_config", "speculative_config",
                 "logprobs_mode", "max_logprobs", "max_n", "max_logit_bias", "reasoning_parser",
                 "cudagraph_mode", "enforce_eager", "cudagraph_capture_sizes", "async_scheduling",
-                "num_scheduler_steps", "generation_config", "override_generation_config",
+                "num_scheduler_steps", "scheduling_policy", "generation_config", "override_generation_config",
                 "batch_invariant", "cpu_threads_bind", "cpu_reserved_cores")
 
 

@@ -260,8 +260,9 @@ class AsyncLLM:
         current_platform.bind_front_end(self.engine.config.parallel_config.cpu_reserved_cores)
 
     async def add_request(self, request_id: str, prompt: PromptType,
-                          sampling_params: SamplingParams) -> RequestStream:
-        """Validate a request completely, queue it, and return its output stream.
+                          sampling_params: SamplingParams, priority: int = 0) -> RequestStream:
+        """Validate a request completely, queue it, and return its output stream (`priority`:
+        lower first under the priority scheduling policy; must be 0 under fcfs).
 
         Returns once the engine thread has queued the request. Cancelling the caller at any
         point aborts the request if it was queued.
@@ -277,7 +278,7 @@ class AsyncLLM:
         if self._dead is not None:
             raise self._dead
         core_request, prompt_text = self.input_processor.process(request_id, prompt,
-                                                                 sampling_params)
+                                                                 sampling_params, priority)
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
         stream = RequestStream(request_id, queue, self._close_stream)

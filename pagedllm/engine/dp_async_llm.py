@@ -61,13 +61,14 @@ class DataParallelAsyncLLM:
         return min(live, key=lambda i: (self._in_flight[i], i))
 
     async def add_request(self, request_id: str, prompt: PromptType,
-                          sampling_params: SamplingParams) -> RequestStream:
+                          sampling_params: SamplingParams, priority: int = 0) -> RequestStream:
         """As `AsyncLLM.add_request`, on the least loaded replica (same errors)."""
         index = self.pick_replica()
         self._in_flight[index] += 1
         self._replica_of[request_id] = index
         try:
-            stream = await self.replicas[index].add_request(request_id, prompt, sampling_params)
+            stream = await self.replicas[index].add_request(request_id, prompt, sampling_params,
+                                                            priority)
         except BaseException:
             self._release(request_id, index)
             raise

@@ -41,6 +41,7 @@ class EngineCoreRequest:
     sampling_params: SamplingParams
     max_tokens: int
     arrival_time: float | None = None
+    priority: int = 0
 
 
 class EngineCore:
@@ -95,7 +96,8 @@ class EngineCore:
         """
         self.scheduler.add_request(Request(req.request_id, req.prompt_token_ids,
                                            req.sampling_params, req.max_tokens,
-                                           self._block_hasher, req.arrival_time))
+                                           self._block_hasher, req.arrival_time,
+                                           req.priority))
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)

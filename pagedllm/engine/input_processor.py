@@ -13,6 +13,7 @@ from typing import Any
 
 from pagedllm.config import RequestLimits
 from pagedllm.core.kv_cache_groups import KVCacheCapacity
+from pagedllm.core.request_queue import check_priority
 from pagedllm.engine.engine_core import EngineCoreRequest
 from pagedllm.sampling_params import SamplingParams, check_text
 from pagedllm.structured_output.manager import build_grammar
@@ -47,31 +48,37 @@ class InputProcessor:
         kv_cache_capacity: what one request can hold in the KV cache, per KV cache group (the
             scheduler's own `kv_cache_capacity`: a request it would refuse is refused here);
             None = unchecked.
+        scheduling_policy: the scheduler's ("fcfs" refuses a non-zero priority).
     """
 
     def __init__(self, tokenizer, max_model_len: int, vocab_size: int,
                  eos_token_ids: tuple[int, ...], limits: RequestLimits = RequestLimits(),
-                 kv_cache_capacity: KVCacheCapacity | None = None) -> None:
+                 kv_cache_capacity: KVCacheCapacity | None = None,
+                 scheduling_policy: str = "fcfs") -> None:
         self.tokenizer = tokenizer
+        self.scheduling_policy = scheduling_policy
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.limits = limits
         self.kv_cache_capacity = kv_cache_capacity
 
-    def process(self, request_id: str, prompt: PromptType,
-                params: SamplingParams) -> tuple[EngineCoreRequest, str | None]:
+    def process(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                priority: int = 0) -> tuple[EngineCoreRequest, str | None]:
         """Returns the core request and the prompt text (None for token-id prompts).
+
+        `priority` orders the request under the priority scheduling policy (lower first).
 
         Raises:
             ValueError: naming the problem: an empty prompt, token ids outside the vocabulary
                 (prompt, stop_token_ids, logit_bias, allowed_token_ids), a prompt longer than
                 max_model_len, a request the KV cache can never hold, a parameter over its cap
                 (n, logprobs, prompt_logprobs, logit_bias), a structured-output spec that does
-                not parse, or a malformed prompt object.
+                not parse, a malformed prompt object, or a non-zero priority under fcfs.
         """
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params)}")
+        check_priority(priority, self.scheduling_policy)
         prompt_text, token_ids = self._tokenize(prompt, params.truncate_prompt_tokens)
         if params.truncate_prompt_tokens is not None:
             token_ids = token_ids[-params.truncate_prompt_tokens:]
@@ -88,8 +95,8 @@ class InputProcessor:
             except ValueError as e:
                 raise ValueError(f"max_tokens: {e}") from None
         params.update_from_generation_config(self.eos_token_ids)
-        return (EngineCoreRequest(request_id, token_ids, params, max_tokens, time.monotonic()),
-                prompt_text)
+        return (EngineCoreRequest(request_id, token_ids, params, max_tokens, time.monotonic(),
+                                  priority), prompt_text)
 
     def _check_params(self, params: SamplingParams) -> None:
         """Checks that need the model, the tokenizer or the engine's caps; fills the bad words'

@@ -67,7 +67,8 @@ class LLMEngine:
         self.input_processor = InputProcessor(
             self.tokenizer, config.max_model_len, info.vocab_size, tuple(eos_ids),
             config.request_limits,
-            kv_cache_capacity=self.engine_core.kv_cache_capacity)
+            kv_cache_capacity=self.engine_core.kv_cache_capacity,
+            scheduling_policy=config.scheduler_config.scheduling_policy)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         # Parent request id -> child request ids (n > 1).
@@ -98,8 +99,9 @@ class LLMEngine:
         return str(next(self._ids))
 
     def add_request(self, request_id: str, prompt: PromptType,
-                    params: SamplingParams) -> None:
-        """Validate, tokenize and queue one request.
+                    params: SamplingParams, priority: int = 0) -> None:
+        """Validate, tokenize and queue one request (`priority`: lower first under the priority
+        scheduling policy; must be 0 under fcfs).
 
         With `params.n > 1` the request becomes n child requests ("{i}_{request_id}", seed
         `seed + i`) that share the prompt's full KV blocks through the prefix cache; their outputs
@@ -108,7 +110,8 @@ class LLMEngine:
         Raises:
             ValueError: for an invalid request (it is not queued; others are unaffected).
         """
-        self.add_processed_request(*self.input_processor.process(request_id, prompt, params))
+        self.add_processed_request(*self.input_processor.process(request_id, prompt, params,
+                                                                 priority))
 
     def add_processed_request(self, core_req: EngineCoreRequest,
                               prompt_text: str | None) -> None:

@@ -100,7 +100,8 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order.
 
         Args:
@@ -110,12 +111,14 @@ class LLM:
                 `get_default_sampling_params()` (the model's defaults). A SamplingParams given
                 is used as it is: its fields are never replaced by the model's defaults.
             use_tqdm: show a progress bar.
+            priority: one per prompt (lower first), with scheduling_policy="priority" (vLLM's).
 
         Raises:
             GenerateError (a ValueError): after the valid requests have finished, if any request
                 was invalid or failed alone inside a step (e.g. its logits processor raised; its
                 output then has finish_reason "error"); it carries the outputs of the others.
-            ValueError: if the number of sampling params does not match the prompts.
+            ValueError: if the number of sampling params or priorities does not match the
+                prompts.
             Any exception of the engine itself (e.g. the model forward): the requests of this
                 call are aborted first, so the `LLM` stays usable for the next call.
         """
@@ -130,10 +133,14 @@ class LLM:
             if len(params_list) != len(prompts):
                 raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} "
                                  "prompts; give one, or one per prompt")
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts; give "
+                             "one per prompt")
         engine = self.llm_engine
         index_of: dict[str, int] = {}
         errors: dict[int, str] = {}
-        for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+        for i, (prompt, params, prio) in enumerate(zip(prompts, params_list, priorities)):
             req_id = engine.next_request_id()
             try:
                 if not isinstance(params, SamplingParams):
@@ -143,7 +150,7 @@ class LLM:
                     # generate returns whole outputs: only the final one is needed (as vLLM).
                     params = copy.copy(params)
                     params.output_kind = RequestOutputKind.FINAL_ONLY
-                engine.add_request(req_id, prompt, params)
+                engine.add_request(req_id, prompt, params, prio)
             except ValueError as e:
                 errors[i] = str(e)
                 continue

@@ -210,6 +210,8 @@ class _SamplingRequest(_StrictModel):
     # `n` beams (vLLM's server beam search); length_penalty as in `BeamSearchParams`.
     use_beam_search: bool = False
     length_penalty: float = 1.0
+    # Lower first under --scheduling-policy priority; must be 0 under fcfs (vLLM's rule).
+    priority: int = 0
     # Values for custom server extensions; this server defines none, so any key is refused.
     vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = None
 

@@ -306,7 +306,8 @@ class OpenAIServing:
 
     async def admit(self, request: Any, prompts: Sequence[tuple[PromptType, SamplingParams]],
                     request_id: str) -> list[RequestStream]:
-        """Queue every prompt of `request` ("{request_id}-{i}"), all or none.
+        """Queue every prompt of `request` ("{request_id}-{i}"), all or none, at the request's
+        `priority` (0 for a request type without one).
 
         Raises:
             OpenAIServingError: 400 naming the field for a request the engine refuses (nothing
@@ -316,7 +317,8 @@ class OpenAIServing:
         try:
             for i, (prompt, params) in enumerate(prompts):
                 req_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                streams.append(await self.async_llm.add_request(req_id, prompt, params))
+                streams.append(await self.async_llm.add_request(
+                    req_id, prompt, params, getattr(request, "priority", 0)))
         except BaseException as e:
             for stream in streams:
                 stream.close()

@@ -1,11 +1,12 @@
 """vLLM's chat and completion extras on a real server (issue #41): continue_final_message, a
 request's own chat_template (behind --trust-request-chat-template), documents, reasoning_effort,
 return_tokens_as_token_ids, prompt_logprobs on chat, beam search on the server, request_id,
-thinking_token_budget, mm_processor_kwargs and vllm_xargs.
+thinking_token_budget, mm_processor_kwargs, vllm_xargs; and `priority` (issue #43).
 
 Two servers: the tool-calling tiny Llama (a `<think>` tokenizer, `--reasoning-parser
-deepseek_r1`, request templates trusted) and the shipped model (defaults: request templates
-refused, no reasoning parser), whose beam search is compared with `LLM.beam_search`.
+deepseek_r1`, request templates trusted, fcfs) and the shipped model (request templates refused,
+no reasoning parser, `--scheduling-policy priority`), whose beam search is compared with
+`LLM.beam_search`.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ def tool_server(tool_model: Path):
 
 @pytest.fixture(scope="module")
 def shipped_server():
-    with running_server(["--served-model-name", "shakespeare", *ENGINE_FLAGS]) as (_, url):
+    with running_server(["--served-model-name", "shakespeare", "--scheduling-policy", "priority",
+                         *ENGINE_FLAGS]) as (_, url):
         yield url
 
 
@@ -199,6 +201,8 @@ def test_mm_processor_kwargs_without_images_change_nothing(tool_server) -> None:
      "vllm_xargs", "'my_knob'"),
     ("/v1/completions", {"prompt": "Hi", "length_penalty": 0.5}, "length_penalty",
      "use_beam_search"),
+    ("/v1/completions", {"prompt": "Hi", "priority": 1}, "priority",
+     "needs the priority scheduling policy"),
     ("/v1/completions", {"prompt": "Hi", "use_beam_search": True, "n": 2, "top_p": 0.5},
      "top_p", "use_beam_search"),
     ("/v1/chat/completions", {"messages": MESSAGES, "use_beam_search": True, "n": 2,
@@ -220,6 +224,16 @@ def test_bad_extras_are_refused(tool_server, path, body, param, message) -> None
 
 def test_vllm_xargs_empty_is_accepted(tool_server) -> None:
     assert _chat(tool_server, messages=MESSAGES, vllm_xargs={})["choices"]
+
+
+def test_priority_on_a_priority_server(shipped_server) -> None:
+    body = {"prompt": "ROMEO:", "max_tokens": 4, "temperature": 0}
+    plain = _post(shipped_server, "/v1/completions", body).json()["choices"][0]["text"]
+    for priority in (-3, 7):
+        answer = _post(shipped_server, "/v1/completions", {**body, "priority": priority})
+        assert answer.json()["choices"][0]["text"] == plain
+    too_big = _post(shipped_server, "/v1/completions", {**body, "priority": 1 << 63})
+    assert too_big.status_code == 400 and too_big.json()["error"]["param"] == "priority"
 
 
 def test_untrusted_server_refuses_request_templates(shipped_server) -> None:
