@@ -95,17 +95,10 @@ class ServingChat:
             OpenAIServingError: for an invalid request (before any byte is sent), a request that
                 failed alone (500) or a dead engine (503).
         """
-        model = self.serving.check_request(request, "top_logprobs")
-        mode = self._tool_mode(request)
-        token_ids, params = self.serving.prepare(
-            request, self.serving.check_token_ids(self.render_prompt(request), param="messages"))
-        if mode.parser is not None and mode.parser.needs_special_tokens:
-            params.skip_special_tokens = False      # the parser must see its markers
         response_id, created = random_id("chatcmpl"), now_s()
-        [stream] = await self.serving.admit(request, [({"prompt_token_ids": token_ids}, params)],
-                                            response_id)
+        model, mode, stream, num_prompt_tokens = await self.admit_chat(request, response_id)
         if request.stream:
-            return SSEStream(self._stream(request, mode, stream, len(token_ids), response_id,
+            return SSEStream(self._stream(request, mode, stream, num_prompt_tokens, response_id,
                                           created, model), [stream])
         final: RequestOutput | None = None
         try:
@@ -118,7 +111,30 @@ class ServingChat:
         choices = [self._choice(request, mode, c)
                    for c in sorted(final.outputs, key=lambda c: c.index)]
         return ChatCompletionResponse(id=response_id, created=created, model=model,
-                                      usage=self._usage(final), choices=choices)
+                                      usage=self.usage(final), choices=choices)
+
+    async def admit_chat(self, request: ChatCompletionRequest, request_id: str
+                         ) -> tuple[str, ToolMode, RequestStream, int]:
+        """Check, render and queue a chat request (n = 1 or more) as engine request
+        `request_id`: the steps every chat-shaped endpoint shares (serving_responses.py too).
+
+        Returns:
+            (the model name to report, the tool mode its output is read in, the engine stream,
+            the number of prompt tokens).
+
+        Raises:
+            OpenAIServingError: 400 naming the (chat) field for an invalid request, 404 for an
+                unknown model, 503 for a dead engine; nothing stays queued.
+        """
+        model = self.serving.check_request(request, "top_logprobs")
+        mode = self._tool_mode(request)
+        token_ids, params = self.serving.prepare(
+            request, self.serving.check_token_ids(self.render_prompt(request), param="messages"))
+        if mode.parser is not None and mode.parser.needs_special_tokens:
+            params.skip_special_tokens = False      # the parser must see its markers
+        [stream] = await self.serving.admit(request, [({"prompt_token_ids": token_ids}, params)],
+                                            request_id)
+        return model, mode, stream, len(token_ids)
 
     def _choice(self, request: ChatCompletionRequest, mode: ToolMode,
                 completion: CompletionOutput) -> ChatChoice:
@@ -134,7 +150,7 @@ class ServingChat:
                           finish_reason=parser.finish_reason(out, completion.finish_reason),
                           stop_reason=completion.stop_reason)
 
-    def _usage(self, final: RequestOutput) -> UsageInfo:
+    def usage(self, final: RequestOutput) -> UsageInfo:
         """The request's usage; with a reasoning parser also the reasoning tokens
         (`completion_tokens_details.reasoning_tokens`, OpenAI's field)."""
         usage = usage_of([final])
@@ -207,7 +223,7 @@ class ServingChat:
                             stop_reason=c.stop_reason if last else None))
             if options is not None and options.include_usage:
                 yield sse_event(ChatCompletionChunk(id=response_id, created=created, model=model,
-                                                    choices=[], usage=self._usage(final)))
+                                                    choices=[], usage=self.usage(final)))
         except Exception as e:  # noqa: BLE001 - the status line is sent; report in-stream
             error = error_from_exception(e, request)
             logger.warning("chat stream %s failed: %s", response_id, error.message)
