@@ -24,12 +24,10 @@ from pydantic import TypeAdapter, ValidationError
 from pagedllm.engine.async_llm import RequestStream
 from pagedllm.entrypoints.openai.chat_output import ChoiceOutputParser, ToolMode
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, now_s, random_id
-from pagedllm.entrypoints.openai.protocol_responses import (FunctionCallItem,
-                                                            FunctionCallOutputItem, IncompleteDetails,
-                                                            InputItem, InputTokensDetails,
-                                                            MessageItem, NamedToolChoice,
-                                                            OutputTokensDetails, ResponsesRequest,
-                                                            ResponsesResponse, ResponseUsage)
+from pagedllm.entrypoints.openai.protocol_responses import (
+    FunctionCallItem, FunctionCallOutputItem, IncompleteDetails, InputItem, InputTokensDetails,
+    MessageItem, NamedToolChoice, OutputTokensDetails, ResponsesRequest, ResponsesResponse,
+    ResponseUsage)
 from pagedllm.entrypoints.openai.responses_output import ResponseOutputBuilder
 from pagedllm.entrypoints.openai.responses_store import ResponseStore
 from pagedllm.entrypoints.openai.serving_chat import ServingChat
