@@ -13,10 +13,12 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Literal
 
 import httpx
 import jsonschema
 import openai
+import pydantic
 import pytest
 
 from pagedllm.entrypoints.openai.chat_output import NO_TOOLS, ChoiceOutputParser
@@ -84,9 +86,10 @@ def test_instructions_are_a_system_message(client: openai.OpenAI) -> None:
 def test_stream_equals_whole(client: openai.OpenAI) -> None:
     body = {"input": "Tell me a story", "max_output_tokens": 12, **GREEDY}
     whole = client.responses.create(**body)
-    with client.responses.stream(**body) as stream:
+    with client.responses.stream(**body, store=True) as stream:
         events = list(stream)
         final = stream.get_final_response()
+    assert client.responses.retrieve(final.id).output_text == final.output_text
     assert [e.sequence_number for e in events] == list(range(len(events)))
     kinds = [e.type for e in events]
     assert kinds[:2] == ["response.created", "response.in_progress"]
@@ -160,6 +163,18 @@ def test_json_schema_output_validates(client: openai.OpenAI) -> None:
     assert response.status == "completed"
     jsonschema.validate(json.loads(response.output_text), schema)
     assert response.text.format.type == "json_schema"
+
+
+class Weather(pydantic.BaseModel):
+    city: Literal["Paris", "Lima"]
+    days: Literal[1, 2, 3]
+
+
+def test_parse_with_a_pydantic_model(client: openai.OpenAI) -> None:
+    """The SDK's `responses.parse(text_format=...)` sends a strict json_schema and parses."""
+    response = client.responses.parse(input="Weather as JSON", text_format=Weather,
+                                      max_output_tokens=64, **GREEDY)
+    assert isinstance(response.output_parsed, Weather)
 
 
 def test_previous_response_id_continues_a_stored_conversation(client: openai.OpenAI) -> None:
