@@ -246,6 +246,32 @@ def test_bad_input_names_the_field(server: str, change: dict, param: str) -> Non
                       timeout=60).status_code == 200
 
 
+@pytest.fixture(scope="module")
+def reasoning_client(tool_model: Path):
+    args = ["--model", str(tool_model), "--served-model-name", MODEL,
+            "--reasoning-parser", "deepseek_r1", "--uvicorn-log-level", "warning",
+            "--dtype", "float32", "--kv-cache-memory-bytes", "16000000"]
+    with running_server(args) as (_, url):
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+
+
+def test_reasoning_item_streamed_equals_whole(reasoning_client: openai.OpenAI) -> None:
+    """A random model never writes `</think>`: its whole output is the reasoning item."""
+    body = {"input": "Think first", "max_output_tokens": 10, **GREEDY}
+    whole = reasoning_client.responses.create(**body)
+    with reasoning_client.responses.stream(**body) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    assert [item.type for item in whole.output] == ["reasoning"]
+    [reasoning] = whole.output[0].content
+    assert reasoning.text and whole.output_text == ""
+    assert whole.usage.output_tokens_details.reasoning_tokens == whole.usage.output_tokens
+    assert "".join(e.delta for e in events
+                   if e.type == "response.reasoning_text.delta") == reasoning.text
+    assert [i.model_dump(exclude={"id"}) for i in final.output] == \
+        [i.model_dump(exclude={"id"}) for i in whole.output]
+
+
 # ---------------------------------------------------------------------------- without a server
 
 def _build(parser: ChoiceOutputParser, texts: list[str]) -> tuple[list, list]:
