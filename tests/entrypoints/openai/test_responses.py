@@ -230,6 +230,10 @@ _BAD = [
     pytest.param({"model": "gpt-5"}, "model", id="unknown-model"),
     pytest.param({"frobnicate": 1}, "frobnicate", id="unknown-field"),
     pytest.param({"stream": True, "temperature": "hot"}, "temperature", id="stream-bad-type"),
+    pytest.param({"stream": True, "max_output_tokens": 10**6}, "max_output_tokens",
+                 id="stream-too-many-tokens"),
+    pytest.param({"stream": True, "previous_response_id": "resp-unknown"},
+                 "previous_response_id", id="stream-unknown-previous"),
 ]
 
 
@@ -270,6 +274,17 @@ def test_reasoning_item_streamed_equals_whole(reasoning_client: openai.OpenAI) -
                    if e.type == "response.reasoning_text.delta") == reasoning.text
     assert [i.model_dump(exclude={"id"}) for i in final.output] == \
         [i.model_dump(exclude={"id"}) for i in whole.output]
+
+    # Sent back, the reasoning item is accepted and left out of the prompt (as chat does).
+    follow = reasoning_client.responses.create(
+        input=[{"role": "user", "content": "Think first"}]
+        + [item.model_dump(exclude_none=True) for item in whole.output]
+        + [{"role": "user", "content": "Go on"}], max_output_tokens=6, **GREEDY)
+    chat = reasoning_client.chat.completions.create(
+        messages=[{"role": "user", "content": "Think first"},
+                  {"role": "user", "content": "Go on"}], max_tokens=6, **GREEDY)
+    assert follow.output[0].content[0].text == \
+        chat.choices[0].message.model_extra["reasoning_content"]
 
 
 # ---------------------------------------------------------------------------- without a server
