@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server: FastAPI app factory (`build_app`) and `run_server`.
 
 Routes: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions,
-POST /v1/responses, GET /v1/responses/{response_id}, POST /tokenize, POST /detokenize, POST /reset_prefix_cache, GET /metrics (docs/openai_api.md).
+POST /v1/responses, GET /v1/responses/{response_id}, POST /tokenize, POST /detokenize,
+POST /reset_prefix_cache, GET /metrics (docs/openai_api.md).
 Every error is OpenAI's error object with a 4xx/5xx status; request validation errors (wrong
 types, malformed JSON) are 400, as OpenAI answers them. With an API key, every route but /health
 and /metrics needs `Authorization: Bearer <key>`.
@@ -36,8 +37,8 @@ from pagedllm.engine.dp_async_llm import DataParallelAsyncLLM
 from pagedllm.entrypoints.openai.metrics import METRICS_CONTENT_TYPE, PrometheusStatLogger
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                   TokenizeRequest)
-from pagedllm.entrypoints.openai.serving_chat import ServingChat
 from pagedllm.entrypoints.openai.protocol_responses import ResponsesRequest
+from pagedllm.entrypoints.openai.serving_chat import ServingChat
 from pagedllm.entrypoints.openai.serving_completion import ServingCompletion
 from pagedllm.entrypoints.openai.serving_responses import ServingResponses
 from pagedllm.entrypoints.openai.serving_engine import (OpenAIServing, OpenAIServingError,
