@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
@@ -253,17 +254,21 @@ class ServingResponses:
                                      param=error.param))
 
 
+@dataclass(frozen=True)
 class _Answer:
-    """What a Response object echoes of its request, and the conversation it continues."""
+    """One answer's request, identity, and conversation (earlier turns, then its input items),
+    from which its Response objects are made."""
 
-    def __init__(self, request: ResponsesRequest, response_id: str, created: int, model: str,
-                 conversation: list[dict[str, Any]]) -> None:
-        self.request, self.response_id, self.created, self.model = (request, response_id,
-                                                                    created, model)
-        self.conversation = conversation
+    request: ResponsesRequest
+    response_id: str
+    created: int
+    model: str
+    conversation: list[dict[str, Any]]
 
     def response(self, status: str, builder: ResponseOutputBuilder,
                  usage: ResponseUsage | None = None) -> ResponsesResponse:
+        """The Response object: the request's settings echoed, `builder`'s items (none while
+        "in_progress") and `usage`."""
         request = self.request
         kind = request.effective_tool_choice()
         return ResponsesResponse(
