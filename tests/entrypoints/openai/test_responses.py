@@ -234,6 +234,12 @@ _BAD = [
                  id="stream-too-many-tokens"),
     pytest.param({"stream": True, "previous_response_id": "resp-unknown"},
                  "previous_response_id", id="stream-unknown-previous"),
+    pytest.param({"stream": True, "text": {"format": {"type": "json_schema", "name": "x",
+                                                      "schema": {"type": 3}}}}, "text",
+                 id="stream-bad-schema"),
+    pytest.param({"input": "All the world's a stage. " * 3000}, "input", id="input-too-long"),
+    pytest.param({"instructions": "All the world's a stage. " * 3000}, "input",
+                 id="instructions-too-long"),
 ]
 
 
