@@ -39,12 +39,14 @@ from schemathesis.checks import (content_type_conformance, negative_data_rejecti
 from schemathesis.core.failures import FailureGroup
 
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pagedllm.entrypoints.openai.protocol_responses import ResponsesRequest
 
-COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+COMPLETIONS, CHAT, RESPONSES = "/v1/completions", "/v1/chat/completions", "/v1/responses"
 # Top-level fields of each completion route's request (an error's `param` must be one of these,
 # or an unknown field the request sent).
 REQUEST_FIELDS = {COMPLETIONS: frozenset(CompletionRequest.model_fields),
-                  CHAT: frozenset(ChatCompletionRequest.model_fields)}
+                  CHAT: frozenset(ChatCompletionRequest.model_fields),
+                  RESPONSES: frozenset(ResponsesRequest.model_fields)}
 FINISH_REASONS = ("stop", "length")
 # Schemathesis reads at most 20 events of an SSE response by default; a streamed answer here has
 # one event per token and choice, and must be read whole to check that it ends in [DONE].
@@ -103,6 +105,27 @@ def check_sse(text: str) -> None:
     assert finished and all(finished.values()), f"unfinished choices: {finished}"
 
 
+def check_response(payload: Any) -> None:
+    """A finished Response object of /v1/responses: output items and consistent usage."""
+    assert payload["object"] == "response", payload
+    assert payload["status"] in ("completed", "incomplete") and payload["output"], payload
+    usage = payload["usage"]
+    assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"], usage
+
+
+def check_responses_sse(text: str) -> None:
+    """A streamed 200 of /v1/responses: events numbered from 0, no error event, ending in
+    `response.completed` with a finished Response."""
+    events = [json.loads(line[len("data: "):]) for block in text.split("\n\n")
+              for line in block.splitlines() if line.startswith("data: ")]
+    assert events, text[-300:]
+    assert [e.get("sequence_number") for e in events] == list(range(len(events))), text[-300:]
+    assert not [e for e in events if e["type"] == "error"], f"an error after the 200: {text}"
+    assert events[0]["type"] == "response.created", events[0]
+    assert events[-1]["type"] == "response.completed", events[-1]
+    check_response(events[-1]["response"])
+
+
 def check_answer(path: str, sent: Any, status: int, content_type: str, text: str) -> None:
     """No 5xx; on the completion routes a well-formed error (4xx) or answer (200).
 
@@ -114,6 +137,11 @@ def check_answer(path: str, sent: Any, status: int, content_type: str, text: str
         return
     if 400 <= status < 500:
         check_error(path, sent, status, json.loads(text))
+    elif status == 200 and path == RESPONSES:
+        if content_type.startswith("text/event-stream"):
+            check_responses_sse(text)
+        else:
+            check_response(json.loads(text))
     elif status == 200:
         if content_type.startswith("text/event-stream"):
             check_sse(text)

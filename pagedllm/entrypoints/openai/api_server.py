@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server: FastAPI app factory (`build_app`) and `run_server`.
 
 Routes: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions,
-POST /tokenize, POST /detokenize, POST /reset_prefix_cache, GET /metrics (docs/openai_api.md).
+POST /v1/responses, GET /v1/responses/{response_id}, POST /tokenize, POST /detokenize,
+POST /reset_prefix_cache, GET /metrics (docs/openai_api.md).
 Every error is OpenAI's error object with a 4xx/5xx status; request validation errors (wrong
 types, malformed JSON) are 400, as OpenAI answers them. With an API key, every route but /health
 and /metrics needs `Authorization: Bearer <key>`.
@@ -36,8 +37,10 @@ from pagedllm.engine.dp_async_llm import DataParallelAsyncLLM
 from pagedllm.entrypoints.openai.metrics import METRICS_CONTENT_TYPE, PrometheusStatLogger
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                   TokenizeRequest)
+from pagedllm.entrypoints.openai.protocol_responses import ResponsesRequest
 from pagedllm.entrypoints.openai.serving_chat import ServingChat
 from pagedllm.entrypoints.openai.serving_completion import ServingCompletion
+from pagedllm.entrypoints.openai.serving_responses import ServingResponses
 from pagedllm.entrypoints.openai.serving_engine import (OpenAIServing, OpenAIServingError,
                                                         SSEStream, error_from_exception)
 from pagedllm.entrypoints.openai.serving_models import model_list, resolve_served_model_names
@@ -247,6 +250,7 @@ def build_app(async_llm: AsyncLLM | DataParallelAsyncLLM, served_model_names: Se
                         enable_auto_tool_choice=enable_auto_tool_choice,
                         reasoning_parser=reasoning_parser,
                         trust_request_chat_template=trust_request_chat_template)
+    responses = ServingResponses(chats)
 
     def render_chat(request: TokenizeRequest) -> list[int]:
         # NOTE(api_server): the chat handler's own checks and rendering, so /tokenize counts
@@ -297,6 +301,14 @@ def build_app(async_llm: AsyncLLM | DataParallelAsyncLLM, served_model_names: Se
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
         return _respond(await _cancel_on_disconnect(request, chats.create_chat_completion(body)),
                         body.request_id)
+
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, request: Request) -> Response:
+        return _respond(await _cancel_on_disconnect(request, responses.create_response(body)))
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str) -> JSONResponse:
+        return JSONResponse(responses.retrieve_response(response_id))
 
     add_tokenization_routes(app, tokenization)
 

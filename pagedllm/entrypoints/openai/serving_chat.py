@@ -115,29 +115,11 @@ class ServingChat:
             OpenAIServingError: for an invalid request (before any byte is sent), a request that
                 failed alone (500) or a dead engine (503).
         """
-        model = self.serving.check_request(request, "top_logprobs")
-        mode = self._tool_mode(request)
-        token_ids, params = self.serving.prepare(
-            request, self.serving.check_token_ids(self.render_prompt(request), param="messages"))
-        if mode.parser is not None and mode.parser.needs_special_tokens:
-            params.skip_special_tokens = False      # the parser must see its markers
-        if request.prompt_logprobs is not None:
-            self.serving.check_logprobs_count(request.prompt_logprobs, "prompt_logprobs")
-            params.prompt_logprobs = request.prompt_logprobs
-        if request.thinking_token_budget is not None:
-            params.logits_processors = [*(params.logits_processors or ()),
-                                        self._thinking_budget(request.thinking_token_budget)]
         response_id, engine_id = self.serving.request_ids(request, "chatcmpl")
         created = now_s()
-        if request.use_beam_search:
-            [final] = await beam_search(self.serving, request, [token_ids], params.max_tokens,
-                                        engine_id)
-            stream = FinishedStream(final)
-        else:
-            [stream] = await self.serving.admit(
-                request, [({"prompt_token_ids": token_ids}, params)], engine_id)
+        model, mode, stream, num_prompt_tokens = await self.admit_chat(request, engine_id)
         if request.stream:
-            return SSEStream(self._stream(request, mode, stream, len(token_ids), response_id,
+            return SSEStream(self._stream(request, mode, stream, num_prompt_tokens, response_id,
                                           created, model), [stream])
         final: RequestOutput | None = None
         try:
@@ -150,9 +132,43 @@ class ServingChat:
         choices = [self._choice(request, mode, c)
                    for c in sorted(final.outputs, key=lambda c: c.index)]
         return ChatCompletionResponse(
-            id=response_id, created=created, model=model, usage=self._usage(final),
+            id=response_id, created=created, model=model, usage=self.usage(final),
             choices=choices,
             prompt_logprobs=prompt_logprobs_of(final, request.return_tokens_as_token_ids))
+
+    async def admit_chat(self, request: ChatCompletionRequest, request_id: str
+                         ) -> tuple[str, ToolMode, RequestStream | FinishedStream, int]:
+        """Check, render and queue a chat request (n = 1 or more) as engine request
+        `request_id` (or run its beam search): the steps every chat-shaped endpoint shares
+        (serving_responses.py too).
+
+        Returns:
+            (the model name to report, the tool mode its output is read in, the engine stream,
+            the number of prompt tokens).
+
+        Raises:
+            OpenAIServingError: 400 naming the (chat) field for an invalid request, 404 for an
+                unknown model, 503 for a dead engine; nothing stays queued.
+        """
+        model = self.serving.check_request(request, "top_logprobs")
+        mode = self._tool_mode(request)
+        token_ids, params = self.serving.prepare(
+            request, self.serving.check_token_ids(self.render_prompt(request), param="messages"))
+        if mode.parser is not None and mode.parser.needs_special_tokens:
+            params.skip_special_tokens = False      # the parser must see its markers
+        if request.prompt_logprobs is not None:
+            self.serving.check_logprobs_count(request.prompt_logprobs, "prompt_logprobs")
+            params.prompt_logprobs = request.prompt_logprobs
+        if request.thinking_token_budget is not None:
+            params.logits_processors = [*(params.logits_processors or ()),
+                                        self._thinking_budget(request.thinking_token_budget)]
+        if request.use_beam_search:
+            [final] = await beam_search(self.serving, request, [token_ids], params.max_tokens,
+                                        request_id)
+            return model, mode, FinishedStream(final), len(token_ids)
+        [stream] = await self.serving.admit(request, [({"prompt_token_ids": token_ids}, params)],
+                                            request_id)
+        return model, mode, stream, len(token_ids)
 
     def _choice(self, request: ChatCompletionRequest, mode: ToolMode,
                 completion: CompletionOutput) -> ChatChoice:
@@ -168,7 +184,7 @@ class ServingChat:
                           finish_reason=parser.finish_reason(out, completion.finish_reason),
                           stop_reason=completion.stop_reason)
 
-    def _usage(self, final: RequestOutput) -> UsageInfo:
+    def usage(self, final: RequestOutput) -> UsageInfo:
         """The request's usage; with a reasoning parser also the reasoning tokens
         (`completion_tokens_details.reasoning_tokens`, OpenAI's field)."""
         usage = usage_of([final])
@@ -255,7 +271,7 @@ class ServingChat:
                             stop_reason=c.stop_reason if last else None))
             if options is not None and options.include_usage:
                 yield sse_event(ChatCompletionChunk(id=response_id, created=created, model=model,
-                                                    choices=[], usage=self._usage(final)))
+                                                    choices=[], usage=self.usage(final)))
         except Exception as e:  # noqa: BLE001 - the status line is sent; report in-stream
             error = error_from_exception(e, request)
             logger.warning("chat stream %s failed: %s", response_id, error.message)

@@ -39,8 +39,9 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-from scripts.fuzz_api import (CHAT, COMPLETIONS, REQUEST_FIELDS, FuzzReport, check_answer,
-                              check_error, fuzz_operation, load_schema)
+from pagedllm.entrypoints.openai.protocol_responses import ResponsesRequest
+from scripts.fuzz_api import (CHAT, COMPLETIONS, REQUEST_FIELDS, RESPONSES, FuzzReport,
+                              check_answer, check_error, fuzz_operation, load_schema)
 from tests.entrypoints.openai.server_process import running_server
 
 API_KEY = "fuzz-key"
@@ -123,7 +124,9 @@ def server(tiny_llama: Path):
 
 OPERATIONS = [("GET", "/health"), ("GET", "/v1/models"), ("POST", COMPLETIONS), ("POST", CHAT),
               ("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/reset_prefix_cache"),
-              ("GET", "/metrics")]
+              ("GET", "/metrics"), ("POST", RESPONSES), ("GET", RESPONSES + "/{response_id}")]
+# The generating routes the hypothesis tests send bodies to.
+GENERATE_PATHS = [COMPLETIONS, CHAT, RESPONSES]
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +176,8 @@ _EDGE_STRINGS = ["", " ", "\x00", "0", "9", "1e3", "-1", "true", "null", "NaN", 
 _NESTED_KEYS = ["role", "content", "type", "text", "json", "regex", "choice", "grammar",
                 "json_object", "json_schema", "schema", "include_usage",
                 "continuous_usage_stats", "name", "0", "5"]
-_ALL_FIELDS = sorted(REQUEST_FIELDS[COMPLETIONS] | REQUEST_FIELDS[CHAT])
+_ALL_FIELDS = sorted(REQUEST_FIELDS[COMPLETIONS] | REQUEST_FIELDS[CHAT]
+                     | REQUEST_FIELDS[RESPONSES])
 
 # hypothesis' text never holds surrogates: some are spliced in.
 _text = st.text(max_size=12) | st.builds(lambda a, s, b: a + s + b, st.text(max_size=4),
@@ -225,19 +229,37 @@ _VALID_COMPLETION = {**_VALID, "echo": st.booleans(), "logprobs": st.integers(0,
 _VALID_CHAT = {**_VALID, "logprobs": st.booleans(), "top_logprobs": st.integers(0, 5),
                "max_completion_tokens": st.integers(1, 6), "add_generation_prompt": st.booleans(),
                "messages": st.lists(_valid_message(), min_size=1, max_size=2)}
+_VALID_RESPONSES = {
+    **{name: _VALID[name] for name in ("temperature", "top_p", "top_k", "min_p",
+                                       "repetition_penalty", "seed", "stream", "user")},
+    "max_output_tokens": st.integers(1, 6), "instructions": st.text(max_size=20),
+    "store": st.booleans(), "parallel_tool_calls": st.booleans(),
+    "input": st.text(min_size=1, max_size=20)
+    | st.lists(_valid_message().map(lambda m: {**m, "content": m["content"] if isinstance(
+        m["content"], str) else [{"type": "input_text", "text": "hi"}]}), min_size=1,
+        max_size=2),
+    "text": st.sampled_from([{"format": {"type": "text"}}, {"format": {"type": "json_object"}},
+                             {"format": {"type": "json_schema", "name": "n",
+                                         "schema": {"type": "object"}}}]),
+    "metadata": st.dictionaries(st.text(max_size=3), st.text(max_size=3), max_size=2),
+}
+_POOLS = {COMPLETIONS: _VALID_COMPLETION, CHAT: _VALID_CHAT, RESPONSES: _VALID_RESPONSES}
 _BASE = {COMPLETIONS: {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 4},
          CHAT: {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}],
-                "max_tokens": 4}}
+                "max_tokens": 4},
+         RESPONSES: {"model": MODEL_NAME, "input": "hi", "max_output_tokens": 4}}
 # A 4xx caused by one mutated field may name another: a longer prompt overflows the context
-# through max_tokens (the request's own request_param mapping).
-_ALSO_BLAMED = {"prompt": {"max_tokens"}, "messages": {"max_tokens"}}
+# through max_tokens (the request's own request_param mapping); a Responses request's
+# instructions are part of its rendered input.
+_ALSO_BLAMED = {"prompt": {"max_tokens"}, "messages": {"max_tokens"},
+                "input": {"max_output_tokens"}, "instructions": {"input", "max_output_tokens"}}
 
 
 @st.composite
 def valid_variants(draw, path: str) -> dict:
     """The base body plus a few fields with valid values (may still be refused: e.g.
     stream_options without stream)."""
-    pool = _VALID_COMPLETION if path == COMPLETIONS else _VALID_CHAT
+    pool = _POOLS[path]
     names = draw(st.lists(st.sampled_from(sorted(pool)), max_size=5, unique=True))
     return {**_BASE[path], **{name: draw(pool[name]) for name in names}}
 
@@ -277,7 +299,8 @@ def random_bodies(path: str) -> st.SearchStrategy[Any]:
 # The request schemas the server publishes (its OpenAPI components).
 _VALIDATORS = {path: jsonschema.Draft202012Validator(model.model_json_schema())
                for path, model in ((COMPLETIONS, CompletionRequest),
-                                   (CHAT, ChatCompletionRequest))}
+                                   (CHAT, ChatCompletionRequest),
+                                   (RESPONSES, ResponsesRequest))}
 
 
 def _send(server: FuzzServer, path: str, body: Any) -> httpx.Response:
@@ -309,7 +332,7 @@ def counts(server: FuzzServer, request: pytest.FixtureRequest):
 
 def _random_bodies_test(server: FuzzServer, max_examples: int) -> None:
     @settings(max_examples=max_examples, **_HYPOTHESIS_SETTINGS)
-    @given(path=st.sampled_from([COMPLETIONS, CHAT]), data=st.data())
+    @given(path=st.sampled_from(GENERATE_PATHS), data=st.data())
     def run(path: str, data: st.DataObject) -> None:
         _send(server, path, data.draw(random_bodies(path), label="body"))
     run()
@@ -317,7 +340,7 @@ def _random_bodies_test(server: FuzzServer, max_examples: int) -> None:
 
 def _mutations_test(server: FuzzServer, max_examples: int) -> None:
     @settings(max_examples=max_examples, **_HYPOTHESIS_SETTINGS)
-    @given(path=st.sampled_from([COMPLETIONS, CHAT]), data=st.data())
+    @given(path=st.sampled_from(GENERATE_PATHS), data=st.data())
     def run(path: str, data: st.DataObject) -> None:
         body, field = data.draw(mutations(path), label="body, mutated field")
         response = _send(server, path, body)
@@ -350,7 +373,7 @@ def test_mutated_bodies_blame_the_field_slow(server: FuzzServer, counts: None) -
 def _concurrent_test(server: FuzzServer, max_examples: int, batch: int) -> None:
     """Batches of random bodies and mutations sent at once, a fifth of them abandoned by the
     client after a few ms; then nothing may be left running or waiting in the engine."""
-    any_body = st.sampled_from([COMPLETIONS, CHAT]).flatmap(
+    any_body = st.sampled_from(GENERATE_PATHS).flatmap(
         lambda path: st.tuples(st.just(path), random_bodies(path)
                                | mutations(path).map(lambda mutated: mutated[0])))
 
@@ -395,7 +418,7 @@ def test_concurrent_bodies_and_disconnects_slow(server: FuzzServer, counts: None
 
 def test_non_json_bodies(server: FuzzServer, counts: None) -> None:
     """Malformed JSON and non-object bodies get 400 without a param."""
-    for path in (COMPLETIONS, CHAT):
+    for path in GENERATE_PATHS:
         for raw in (b"", b"{", b"null", b"[]", b"5", b'"x"', b"\xff\xfe", b"{'prompt': 1}",
                     b'{"prompt": "hi",}', b"[" * 100_000 + b"]" * 100_000,
                     b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}"):
