@@ -166,6 +166,8 @@ MAX_NUM_SCHEDULER_STEPS = 64
 
 # Orders of the scheduler's waiting queue (vLLM's --scheduling-policy): core/request_queue.py.
 SCHEDULING_POLICIES = ("fcfs", "priority")
+# How a data-parallel request picks its replica: engine/dp_router.py.
+ROUTING_POLICIES = ("prefix_aware", "least_loaded", "round_robin")
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,10 @@
 """DataParallelAsyncLLM: N engine replicas behind one API server (`--data-parallel-size N`).
 
 Each replica is a full `AsyncLLM` (its own engine thread, model weights and KV cache). A new request
-goes to the replica with the fewest requests in flight (ties: the lowest index), which balances
-by queue length; a request stays on its replica until it finishes. It offers the subset of
-AsyncLLM's interface the server uses, so `build_app` serves either.
+goes to the replica its router picks (dp_router.py: by default the one most likely to hold the
+prompt's prefix in its KV cache, unless it is overloaded, else the one with the fewest requests
+in flight); a request stays on its replica until it finishes. It offers the subset of AsyncLLM's
+interface the server uses, so `build_app` serves either.
 
 Replicas live in this process: torch releases the GIL inside its kernels, so their steps overlap
 on different cores. Replicas in their own processes (or machines) are future work.
@@ -16,18 +17,21 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream, StatLogger
+from pagedllm.engine.dp_router import Router, make_router
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 
 class DataParallelAsyncLLM:
-    """Args: the replicas (at least one, all serving the same model)."""
+    """Args: the replicas (at least one, all serving the same model) and the router (None:
+    least loaded)."""
 
-    def __init__(self, replicas: Sequence[AsyncLLM]) -> None:
+    def __init__(self, replicas: Sequence[AsyncLLM], router: Router | None = None) -> None:
         if not replicas:
             raise ValueError("data parallelism needs at least one replica")
         self.replicas = list(replicas)
+        self.router = router or make_router("least_loaded", block_size=1)
         first = self.replicas[0]
         self.tokenizer = first.tokenizer
         self.max_model_len = first.max_model_len
@@ -39,31 +43,46 @@ class DataParallelAsyncLLM:
 
     @classmethod
     def from_engine_args(cls, model: str, data_parallel_size: int,
-                         stat_loggers: Sequence[StatLogger] = (),
+                         stat_loggers: Callable[[int], Sequence[StatLogger]] = lambda i: (),
+                         routing_policy: str = "prefix_aware",
                          **engine_args: Any) -> DataParallelAsyncLLM:
-        """Build `data_parallel_size` replicas (raises ValueError for a size < 1)."""
+        """Build `data_parallel_size` replicas, replica i with `stat_loggers(i)`, routed by
+        `routing_policy` (dp_router.ROUTING_POLICIES).
+
+        Raises:
+            ValueError: a size < 1 or an unknown policy (before any replica loads).
+        """
         if data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
-        return cls([AsyncLLM.from_engine_args(model, stat_loggers=stat_loggers, **engine_args)
-                    for _ in range(data_parallel_size)])
+        router = make_router(routing_policy, engine_args.get("block_size", 16))
+        return cls([AsyncLLM.from_engine_args(model, stat_loggers=stat_loggers(i), **engine_args)
+                    for i in range(data_parallel_size)], router)
 
     @property
     def dead_error(self) -> EngineDeadError | None:
-        return next((r.dead_error for r in self.replicas if r.dead_error is not None), None)
+        """None while every replica lives; else an error naming the dead replicas (a server
+        whose replica died stops, as one whose only engine died)."""
+        dead = [(i, r.dead_error) for i, r in enumerate(self.replicas)
+                if r.dead_error is not None]
+        if not dead:
+            return None
+        return EngineDeadError("; ".join(f"data-parallel replica {i}: {e}" for i, e in dead))
 
     def start(self) -> None:
         for replica in self.replicas:
             replica.start()
 
-    def pick_replica(self) -> int:
-        """Index of the live replica with the fewest requests in flight."""
+    def pick_replica(self, prompt: PromptType | None = None) -> int:
+        """Index of the live replica the router picks for `prompt` (by its token ids when the
+        prompt carries them, as the server's do)."""
         live = [i for i, r in enumerate(self.replicas) if r.dead_error is None] or [0]
-        return min(live, key=lambda i: (self._in_flight[i], i))
+        token_ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
+        return self.router.route(token_ids, self._in_flight, live)
 
     async def add_request(self, request_id: str, prompt: PromptType,
                           sampling_params: SamplingParams, priority: int = 0) -> RequestStream:
-        """As `AsyncLLM.add_request`, on the least loaded replica (same errors)."""
-        index = self.pick_replica()
+        """As `AsyncLLM.add_request`, on the replica the router picks (same errors)."""
+        index = self.pick_replica(prompt)
         self._in_flight[index] += 1
         self._replica_of[request_id] = index
         try:
@@ -77,7 +96,7 @@ class DataParallelAsyncLLM:
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:
-        """As `AsyncLLM.generate`, on the least loaded replica."""
+        """As `AsyncLLM.generate`, on the replica the router picks."""
         stream = await self.add_request(request_id, prompt, sampling_params)
         try:
             async for out in stream:

@@ -330,6 +330,7 @@ def run_server(model: str, engine_kwargs: dict[str, Any], host: str = "127.0.0.1
                served_model_names: Sequence[str] | None = None,
                log_level: str = "info", runner: str = "auto",
                data_parallel_size: int = 1,
+               data_parallel_routing_policy: str = "prefix_aware",
                max_request_body_bytes: int = MAX_REQUEST_BODY_BYTES,
                tool_call_parser: str | None = None,
                enable_auto_tool_choice: bool = False,
@@ -347,6 +348,7 @@ def run_server(model: str, engine_kwargs: dict[str, Any], host: str = "127.0.0.1
         runner: "generate", "pooling" (serve /v1/embeddings, see embedding_server.py) or
             "auto" (pooling for architectures without an LM head).
         data_parallel_size: engine replicas behind this server (see engine/dp_async_llm.py).
+        data_parallel_routing_policy: how a request picks its replica (engine/dp_router.py).
         max_request_body_bytes: larger request bodies get 413.
         tool_call_parser, enable_auto_tool_choice, trust_request_chat_template: see
             `ServingChat` (the reasoning parser is the engine argument `reasoning_parser`).
@@ -374,7 +376,8 @@ def run_server(model: str, engine_kwargs: dict[str, Any], host: str = "127.0.0.1
         metrics = PrometheusStatLogger(names[0])
         if data_parallel_size > 1:
             async_llm = DataParallelAsyncLLM.from_engine_args(
-                model, data_parallel_size, stat_loggers=[metrics], **engine_kwargs)
+                model, data_parallel_size, stat_loggers=lambda i: [metrics.for_engine(i)],
+                routing_policy=data_parallel_routing_policy, **engine_kwargs)
         else:
             async_llm = AsyncLLM.from_engine_args(model, stat_loggers=[metrics],
                                                   **engine_kwargs)

@@ -14,6 +14,7 @@ import errno
 import os
 import socket
 
+from pagedllm.config import ROUTING_POLICIES
 from pagedllm.engine.arg_utils import (add_engine_args, bounded_int, engine_kwargs_from_args,
                                        non_empty)
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
@@ -50,7 +51,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-request-body-bytes", type=bounded_int(1), default=8 << 20,
                    help="larger request bodies get HTTP 413 (default 8 MiB)")
     g.add_argument("--data-parallel-size", "-dp", type=bounded_int(1), default=1,
-                   help="engine replicas behind this server, balanced by queue length")
+                   help="engine replicas behind this server")
+    g.add_argument("--data-parallel-routing-policy", default="prefix_aware",
+                   choices=list(ROUTING_POLICIES),
+                   help="how a request picks its replica: prefix_aware (the replica its prompt's "
+                        "prefix went to, unless overloaded), least_loaded (fewest requests in "
+                        "flight) or round_robin")
     g.add_argument("--runner", default="auto", choices=["auto", "generate", "pooling"],
                    help="pooling: serve /v1/embeddings (docs/embeddings.md); auto: pooling for "
                         "models without an LM head (e.g. BertModel)")
@@ -178,6 +184,7 @@ def run_serve(args: argparse.Namespace) -> int:
     return run_server(model, kwargs, host=args.host, port=args.port, api_key=args.api_key,
                       served_model_names=names, log_level=args.uvicorn_log_level,
                       runner=args.runner, data_parallel_size=args.data_parallel_size,
+                      data_parallel_routing_policy=args.data_parallel_routing_policy,
                       max_request_body_bytes=args.max_request_body_bytes,
                       tool_call_parser=args.tool_call_parser,
                       enable_auto_tool_choice=args.enable_auto_tool_choice,

@@ -2,7 +2,10 @@
 
 `PrometheusStatLogger` is an `AsyncLLM` stat logger: the engine thread calls `record` after each
 loop iteration (prometheus_client is thread-safe). It owns its own `CollectorRegistry`, so several
-servers or tests in one process never share or clash over metrics.
+servers or tests in one process never share or clash over metrics. With data-parallel replicas
+each replica records through `for_engine(i)`: the gauges (running, waiting, KV usage) carry an
+`engine` label per replica (vLLM's label), so no replica overwrites another's, while counters and
+histograms add up over the replicas.
 """
 
 from __future__ import annotations
@@ -36,8 +39,8 @@ class PrometheusStatLogger:
         self.registry = CollectorRegistry()
         labels, registry = ["model_name"], self.registry
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, labels, registry=registry).labels(model_name)
+        def gauge(name: str, doc: str) -> Gauge:     # a family: one series per engine
+            return Gauge(name, doc, ["model_name", "engine"], registry=registry)
 
         def counter(name: str, doc: str) -> Counter:
             return Counter(name, doc, labels, registry=registry).labels(model_name)
@@ -72,6 +75,7 @@ class PrometheusStatLogger:
                                 for reason in FINISH_REASONS}
         self._success = success
         self._model_name = model_name
+        self._add_engine(0)
         self.eplb_rebalances = counter("pagedllm:eplb_rebalances",
                                        "Expert rebalances done by EPLB.")
         # One series per MoE layer and side: at most 2 x num_layers, set at each rebalance.
@@ -81,10 +85,24 @@ class PrometheusStatLogger:
             "experts in the window of the last EPLB rebalance, under the placement before and "
             "after it (1 = balanced).", ["model_name", "layer", "when"], registry=registry)
 
-    def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
-        self.num_requests_running.set(scheduler_stats.num_running_reqs)
-        self.num_requests_waiting.set(scheduler_stats.num_waiting_reqs)
-        self.kv_cache_usage.set(scheduler_stats.kv_cache_usage)
+    def for_engine(self, engine: int) -> EngineStatLogger:
+        """The stat logger of data-parallel replica `engine` (its gauges labelled with it)."""
+        self._add_engine(engine)
+        return EngineStatLogger(self, engine)
+
+    def _add_engine(self, engine: int) -> None:
+        """Show `engine`'s gauge series (at 0) before its first record."""
+        for family in (self.num_requests_running, self.num_requests_waiting,
+                       self.kv_cache_usage):
+            family.labels(self._model_name, str(engine))
+
+    def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats,
+               engine: int = 0) -> None:
+        """Record one engine-loop iteration of replica `engine`."""
+        label = (self._model_name, str(engine))
+        self.num_requests_running.labels(*label).set(scheduler_stats.num_running_reqs)
+        self.num_requests_waiting.labels(*label).set(scheduler_stats.num_waiting_reqs)
+        self.kv_cache_usage.labels(*label).set(scheduler_stats.kv_cache_usage)
         self.prompt_tokens.inc(iteration_stats.num_prompt_tokens)
         self.generation_tokens.inc(iteration_stats.num_generation_tokens)
         self.num_preemptions.inc(iteration_stats.num_preemptions)
@@ -111,3 +129,13 @@ class PrometheusStatLogger:
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
         return generate_latest(self.registry)
+
+
+class EngineStatLogger:
+    """One replica's view of a `PrometheusStatLogger` (a `StatLogger`)."""
+
+    def __init__(self, metrics: PrometheusStatLogger, engine: int) -> None:
+        self.metrics, self.engine = metrics, engine
+
+    def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
+        self.metrics.record(scheduler_stats, iteration_stats, self.engine)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx
 import pytest
 
 from pagedllm import LLM, SamplingParams
@@ -34,6 +35,22 @@ def test_dp2_matches_dp1(dp_server, tiny_llama):
 
     responses = asyncio.run(run())
     assert [r.choices[0].text for r in responses] == [o.outputs[0].text for o in offline]
+
+
+def test_metrics_per_replica(dp_server):
+    prompts = [f"Metric request {i}" for i in range(6)]
+    for prompt in prompts:
+        response = dp_server.post("/v1/completions", {"model": MODEL_NAME, "prompt": prompt,
+                                                      "max_tokens": 3, "temperature": 0})
+        assert response.status_code == 200
+    text = httpx.get(dp_server.url + "/metrics", timeout=10).text
+    for engine in ("0", "1"):       # a gauge series per replica, none overwriting the other
+        for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+            assert f'pagedllm:{gauge}{{engine="{engine}",model_name="{MODEL_NAME}"}}' in text
+    # Counters add up over both replicas: 3 tokens per request at least (earlier tests add more).
+    assert dp_server.metric("pagedllm:generation_tokens_total") >= 3 * len(prompts)
+    assert 'engine="' not in next(line for line in text.splitlines()
+                                   if line.startswith("pagedllm:generation_tokens_total"))
 
 
 def test_routing_balances_in_flight_requests():
