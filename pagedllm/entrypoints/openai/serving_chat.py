@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from pagedllm.entrypoints.openai.chat_output import NO_TOOLS, ChoiceOutputParser, ToolMode
 from pagedllm.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk,
@@ -60,6 +61,34 @@ def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]],
     return ChatLogprobs(content=content)
 
 
+@dataclass
+class AdmittedChat:
+    """A queued chat request: the model name to report, how its output is read for tool calls,
+    its engine stream (the caller closes it) and its prompt length in tokens."""
+
+    model: str
+    mode: ToolMode
+    stream: RequestStream
+    num_prompt_tokens: int
+
+
+async def final_output(stream: RequestStream, request: object) -> RequestOutput:
+    """The last output of a non-streamed request; the stream is closed however this ends.
+
+    Raises:
+        OpenAIServingError: the request failed (500) or the engine died (503).
+    """
+    final: RequestOutput | None = None
+    try:
+        async for out in stream:
+            final = out
+    except Exception as e:  # noqa: BLE001 - mapped to an HTTP error
+        raise error_from_exception(e, request) from e
+    finally:
+        stream.close()
+    return final
+
+
 class ServingChat:
     """Handler of the chat completions endpoint.
 
@@ -95,30 +124,35 @@ class ServingChat:
             OpenAIServingError: for an invalid request (before any byte is sent), a request that
                 failed alone (500) or a dead engine (503).
         """
+        response_id, created = random_id("chatcmpl"), now_s()
+        chat = await self.admit_chat(request, response_id)
+        if request.stream:
+            return SSEStream(self._stream(request, chat.mode, chat.stream,
+                                          chat.num_prompt_tokens, response_id, created,
+                                          chat.model), [chat.stream])
+        final = await final_output(chat.stream, request)
+        choices = [self._choice(request, chat.mode, c)
+                   for c in sorted(final.outputs, key=lambda c: c.index)]
+        return ChatCompletionResponse(id=response_id, created=created, model=chat.model,
+                                      usage=self._usage(final), choices=choices)
+
+    async def admit_chat(self, request: ChatCompletionRequest, request_id: str) -> AdmittedChat:
+        """Check, render and queue a chat request (the whole admission of
+        `create_chat_completion`, for handlers that present the output in another API's shape).
+
+        Raises:
+            OpenAIServingError: 400 naming the field, 404 for an unknown model, 503 for a dead
+                engine; nothing stays queued then.
+        """
         model = self.serving.check_request(request, "top_logprobs")
         mode = self._tool_mode(request)
         token_ids, params = self.serving.prepare(
             request, self.serving.check_token_ids(self.render_prompt(request), param="messages"))
         if mode.parser is not None and mode.parser.needs_special_tokens:
             params.skip_special_tokens = False      # the parser must see its markers
-        response_id, created = random_id("chatcmpl"), now_s()
         [stream] = await self.serving.admit(request, [({"prompt_token_ids": token_ids}, params)],
-                                            response_id)
-        if request.stream:
-            return SSEStream(self._stream(request, mode, stream, len(token_ids), response_id,
-                                          created, model), [stream])
-        final: RequestOutput | None = None
-        try:
-            async for out in stream:
-                final = out
-        except Exception as e:  # noqa: BLE001 - mapped to an HTTP error
-            raise error_from_exception(e, request) from e
-        finally:
-            stream.close()
-        choices = [self._choice(request, mode, c)
-                   for c in sorted(final.outputs, key=lambda c: c.index)]
-        return ChatCompletionResponse(id=response_id, created=created, model=model,
-                                      usage=self._usage(final), choices=choices)
+                                            request_id)
+        return AdmittedChat(model, mode, stream, len(token_ids))
 
     def _choice(self, request: ChatCompletionRequest, mode: ToolMode,
                 completion: CompletionOutput) -> ChatChoice:
