@@ -191,6 +191,15 @@ def test_tool_use_tool_result_round_trip(client, http, tokenizer) -> None:
     assert '"sunny"' in tokenizer.decode(expected)
 
 
+def test_output_config_json_schema(client) -> None:
+    schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Lima"]}},
+              "required": ["city"], "additionalProperties": False}
+    message = client.messages.create(max_tokens=32, messages=USER, **GREEDY, output_config={
+        "format": {"type": "json_schema", "schema": schema}})
+    assert message.stop_reason == "end_turn", message
+    jsonschema.validate(json.loads(_text(message)), schema)
+
+
 def test_count_tokens(client) -> None:
     body = {"model": MODEL, "messages": USER, "system": "Be brief."}
     counted = client.messages.count_tokens(**body).input_tokens
@@ -282,3 +291,30 @@ def test_validation_errors_have_anthropic_shape(http) -> None:
     response = http.post("/v1/messages", json={"model": MODEL, "messages": USER},
                          headers=headers)
     assert response.status_code == 400 and response.json()["error"]["param"] == "max_tokens"
+
+
+@pytest.fixture(scope="module")
+def reasoning_client(tool_model: Path):
+    """A second server, with `--reasoning-parser deepseek_r1`: the tiny random model never closes
+    its reasoning, so its whole output is thinking."""
+    args = ["--model", str(tool_model), "--served-model-name", MODEL, "--reasoning-parser",
+            "deepseek_r1", "--uvicorn-log-level", "warning", "--dtype", "float32",
+            "--kv-cache-memory-bytes", "16000000"]
+    with running_server(args) as (_, url):
+        yield anthropic.Anthropic(base_url=url, api_key="none", max_retries=0)
+
+
+def test_reasoning_comes_back_as_thinking_blocks(reasoning_client) -> None:
+    body = {"max_tokens": 10, "messages": USER, "thinking": {"type": "adaptive"}, **GREEDY}
+    whole = reasoning_client.messages.create(**body)
+    [block] = whole.content
+    assert block.type == "thinking" and block.thinking and block.signature == ""
+    assert whole.stop_reason == "max_tokens"
+    with reasoning_client.messages.stream(**body) as stream:
+        kinds = {event.type for event in stream}
+        final = stream.get_final_message()
+    assert "thinking" in kinds      # the SDK's event for a thinking_delta
+    assert [(b.type, b.thinking) for b in final.content] == [("thinking", block.thinking)]
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        reasoning_client.messages.create(**{**body, "thinking": {"type": "disabled"}})
+    assert caught.value.body["error"]["param"] == "thinking"
