@@ -178,7 +178,7 @@ class OutputConfig(_StrictModel):
     effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
 
 
-class _MessagesInput(_StrictModel):
+class MessagesInput(_StrictModel):
     """The fields that make the prompt (shared by /v1/messages and its count_tokens)."""
 
     model: str
@@ -201,7 +201,7 @@ class _MessagesInput(_StrictModel):
         return "\n".join(block.text for block in self.system)
 
 
-class MessagesRequest(_MessagesInput):
+class MessagesRequest(MessagesInput):
     """POST /v1/messages."""
 
     max_tokens: int
@@ -216,7 +216,7 @@ class MessagesRequest(_MessagesInput):
     inference_geo: str | None = None
 
 
-class CountTokensRequest(_MessagesInput):
+class CountTokensRequest(MessagesInput):
     """POST /v1/messages/count_tokens: the prompt fields of a Messages request."""
 
 

@@ -11,13 +11,14 @@ chat_output.py, tool_parsers/) and admission are the chat endpoint's own. Mappin
     tools[].input_schema        -> function parameters
     tool_choice auto|any|tool|none -> "auto" | "required" | named function | "none";
                                   disable_parallel_tool_use -> parallel_tool_calls: false
+    output_config.format        -> response_format {"type": "json_schema", ...}
     stop_sequences -> stop; max_tokens, temperature, top_p, top_k as they are
 
 The output is read by `ChoiceOutputParser` and presented as Anthropic content blocks (thinking,
 text, tool_use), whole or as Anthropic's event stream (message_start, content_block_start/delta/
 stop, message_delta with stop_reason and usage, message_stop; an `error` event if the request
 fails after the stream began). A conversation ending with an assistant turn (prefill) is refused:
-the chat pipeline cannot continue a final message yet.
+the chat pipeline cannot continue a final message yet (issue #41's `continue_final_message`).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from pagedllm.entrypoints.openai.protocol_anthropic import (AnthropicMessage, An
                                                             ToolChoiceAny, ToolChoiceNone,
                                                             ToolChoiceTool, ToolResultBlockParam,
                                                             ToolUseBlock, ToolUseBlockParam,
-                                                            _MessagesInput)
+                                                            MessagesInput)
 from pagedllm.entrypoints.openai.serving_chat import ServingChat, final_output
 from pagedllm.entrypoints.openai.serving_engine import (OpenAIServingError, SSEStream,
                                                         error_from_exception)
@@ -94,7 +95,7 @@ def _tool_input(arguments: str) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
-def _chat_messages(request: _MessagesInput) -> list[dict[str, Any]]:
+def _chat_messages(request: MessagesInput) -> list[dict[str, Any]]:
     """The conversation as chat messages (see the module docstring).
 
     Raises:
@@ -151,7 +152,7 @@ def _chat_turn(index: int, message: MessageParam) -> list[dict[str, Any]]:
     return turns
 
 
-def _chat_tool_fields(request: _MessagesInput) -> dict[str, Any]:
+def _chat_tool_fields(request: MessagesInput) -> dict[str, Any]:
     fields: dict[str, Any] = {}
     if request.tools:
         fields["tools"] = [{"type": "function", "function": {
@@ -235,7 +236,7 @@ class ServingMessages:
     def __init__(self, chats: ServingChat) -> None:
         self.chats = chats
 
-    def to_chat_request(self, request: _MessagesInput) -> ChatCompletionRequest:
+    def to_chat_request(self, request: MessagesInput) -> ChatCompletionRequest:
         """The chat request that renders and samples as `request` asks.
 
         Raises:
@@ -273,7 +274,7 @@ class ServingMessages:
             raise _renamed(error_from_exception(e, chat_request)) from e
         return chat_request
 
-    def _check_thinking(self, request: _MessagesInput) -> None:
+    def _check_thinking(self, request: MessagesInput) -> None:
         """Raises OpenAIServingError 400 (param thinking) for a setting this server cannot
         honour: a reasoning budget ("enabled", "between_tools"), hidden thinking, or
         "disabled" on a model that reasons anyway (--reasoning-parser)."""
