@@ -387,7 +387,8 @@ class ServingMessages:
                 yield _sse("message_delta", {
                     "type": "message_delta",
                     "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                    "usage": {"output_tokens": len(completion.token_ids)}})
+                    "usage": {"output_tokens": len(completion.token_ids),
+                              "cache_read_input_tokens": out.num_cached_tokens}})
                 yield _sse("message_stop", {"type": "message_stop"})
         except Exception as e:  # noqa: BLE001 - the status line is sent; report in-stream
             error = _renamed(error_from_exception(e, chat_request))

@@ -126,6 +126,8 @@ def test_stream_equals_whole(client) -> None:
     assert (final.stop_reason, final.stop_sequence) == (whole.stop_reason, whole.stop_sequence)
     assert final.usage.input_tokens == whole.usage.input_tokens
     assert final.usage.output_tokens == whole.usage.output_tokens
+    # The stream ran the same prompt a second time: its full blocks came from the prefix cache.
+    assert final.usage.cache_read_input_tokens > 0
 
 
 def test_stream_events_in_order(client) -> None:
@@ -291,6 +293,10 @@ def test_validation_errors_have_anthropic_shape(http) -> None:
     response = http.post("/v1/messages", json={"model": MODEL, "messages": USER},
                          headers=headers)
     assert response.status_code == 400 and response.json()["error"]["param"] == "max_tokens"
+    response = http.post("/v1/messages", content=b" " * (9 << 20), headers=headers)
+    assert response.status_code == 413
+    assert response.json()["error"]["type"] == "request_too_large"
+    assert int(response.headers["content-length"]) == len(response.content)
 
 
 @pytest.fixture(scope="module")
