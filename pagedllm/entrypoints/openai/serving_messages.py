@@ -282,9 +282,9 @@ class ServingMessages:
         if thinking is None:
             return
         problem = None
-        if thinking.type in ("enabled", "between_tools"):
-            problem = (f'"{thinking.type}" cannot be honoured: no reasoning budget is enforced '
-                       'here; send {"type": "adaptive"} or leave thinking out')
+        if thinking.type in ("enabled", "between_tools") or thinking.budget_tokens is not None:
+            problem = (f'"{thinking.type}" with a budget cannot be honoured: no reasoning budget '
+                       'is enforced here; send {"type": "adaptive"} or leave thinking out')
         elif thinking.display == "omitted":
             problem = 'display "omitted" is not supported (thinking is returned as it is)'
         elif thinking.type == "disabled" and self.chats.reasoning is not None:

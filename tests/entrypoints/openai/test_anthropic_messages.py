@@ -233,6 +233,8 @@ _BAD = [
     ({"extra_body": {"frequency_penalty": 1.0}}, "frequency_penalty", "Extra inputs"),
     ({"output_config": {"effort": "high"}}, "output_config", "effort"),
     ({"thinking": {"type": "adaptive", "display": "omitted"}}, "thinking", "omitted"),
+    ({"thinking": {"type": "adaptive", "budget_tokens": 2000}}, "thinking", "budget"),
+    ({"thinking": {"type": "adaptive"}, "metadata": {"user_id": "u1"}}, None, None),
     ({"messages": [{"role": "user", "content": [
         {"type": "tool_use", "id": "x", "name": "get_weather", "input": {}}]}]}, "messages",
      "assistant turns"),
@@ -243,7 +245,7 @@ _BAD = [
 def test_bad_input_is_a_400_naming_the_field(client, http, change: dict, param: str | None,
                                              words: str | None) -> None:
     body = {"model": MODEL, "max_tokens": 4, "messages": USER, **change}
-    if param is None:       # valid: auto tool choice on a server with a parser
+    if param is None:       # valid (e.g. auto tool choice on a server with a parser)
         assert client.messages.create(**body).stop_reason in ("end_turn", "max_tokens",
                                                               "tool_use")
         return
