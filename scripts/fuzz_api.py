@@ -11,7 +11,8 @@ phase. Checks on every response:
   which they are not);
 - on the completion routes, a 4xx is OpenAI's error object whose `param`, if set, is a top-level
   field of the request, and a 200 is a finished answer (streamed: SSE ending in `[DONE]`, no
-  in-stream error);
+  in-stream error); on Anthropic's Messages routes the same with Anthropic's error object, message
+  and event stream (message_start ... message_stop);
 - GET /health is 200 after every request.
 Prints the request count, the status histogram per route and the findings (with the body sent);
 exits with status 1 if there is any. tests/entrypoints/openai/test_fuzz.py runs the same over the
@@ -39,6 +40,7 @@ from schemathesis.checks import (content_type_conformance, negative_data_rejecti
 from schemathesis.core.failures import FailureGroup
 
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pagedllm.entrypoints.openai.protocol_anthropic import CountTokensRequest, MessagesRequest
 from pagedllm.entrypoints.openai.protocol_responses import ResponsesRequest
 
 COMPLETIONS, CHAT, RESPONSES = "/v1/completions", "/v1/chat/completions", "/v1/responses"
@@ -48,6 +50,10 @@ REQUEST_FIELDS = {COMPLETIONS: frozenset(CompletionRequest.model_fields),
                   CHAT: frozenset(ChatCompletionRequest.model_fields),
                   RESPONSES: frozenset(ResponsesRequest.model_fields)}
 FINISH_REASONS = ("stop", "length")
+MESSAGES, COUNT_TOKENS = "/v1/messages", "/v1/messages/count_tokens"
+ANTHROPIC_REQUEST_FIELDS = {MESSAGES: frozenset(MessagesRequest.model_fields),
+                            COUNT_TOKENS: frozenset(CountTokensRequest.model_fields)}
+STOP_REASONS = ("end_turn", "max_tokens", "stop_sequence", "tool_use")
 # Schemathesis reads at most 20 events of an SSE response by default; a streamed answer here has
 # one event per token and choice, and must be read whole to check that it ends in [DONE].
 MAX_STREAM_EVENTS = 1_000_000
@@ -133,6 +139,9 @@ def check_answer(path: str, sent: Any, status: int, content_type: str, text: str
         path: the route; sent: the request body as sent (parsed JSON), or None.
     """
     assert status < 500, f"{status} for {path} {sent!r}: {text[:500]}"
+    if path in ANTHROPIC_REQUEST_FIELDS:
+        check_anthropic_answer(path, sent, status, content_type, text)
+        return
     if path not in REQUEST_FIELDS:
         return
     if 400 <= status < 500:
@@ -149,6 +158,78 @@ def check_answer(path: str, sent: Any, status: int, content_type: str, text: str
             check_completion(path, json.loads(text))
     else:
         raise AssertionError(f"unexpected status {status} for {path} {sent!r}")
+
+
+def check_anthropic_error(path: str, sent: Any, status: int, payload: Any) -> None:
+    """Anthropic's error object; `param` (when given) names a top-level field of the request."""
+    assert isinstance(payload, dict) and payload.get("type") == "error", payload
+    assert set(payload) == {"type", "error"}, payload
+    error = payload["error"]
+    assert isinstance(error, dict) and {"type", "message"} <= set(error) \
+        <= {"type", "message", "param"}, error
+    assert isinstance(error["message"], str) and error["message"], error
+    expected_type = {401: "authentication_error", 404: "not_found_error",
+                     413: "request_too_large"}.get(status, "invalid_request_error")
+    assert error["type"] == expected_type, error
+    param = error.get("param")
+    if param is not None:
+        sent_fields = set(sent) if isinstance(sent, dict) else set()
+        assert param in ANTHROPIC_REQUEST_FIELDS[path] | sent_fields, \
+            f"param {param!r} is not a top-level field of the request: {error}"
+
+
+def check_anthropic_message(payload: Any) -> None:
+    """A non-streamed 200 of /v1/messages: a finished assistant message with usage."""
+    assert payload["type"] == "message" and payload["role"] == "assistant", payload
+    assert payload["stop_reason"] in STOP_REASONS, payload
+    assert (payload["stop_sequence"] is not None) == (payload["stop_reason"] == "stop_sequence")
+    for block in payload["content"]:
+        assert block["type"] in ("text", "thinking", "tool_use"), block
+    usage = payload["usage"]
+    assert usage["input_tokens"] > 0 and usage["output_tokens"] >= 0, usage
+
+
+def check_anthropic_sse(text: str) -> None:
+    """A streamed 200 of /v1/messages: named events whose data's `type` is the name, from
+    message_start to message_stop, blocks started and stopped in order, one message_delta with
+    the stop reason, no error event."""
+    events = []
+    for block in (b for b in text.split("\n\n") if b):
+        name_line, data_line = block.split("\n")
+        assert name_line.startswith("event: ") and data_line.startswith("data: "), block
+        data = json.loads(data_line[len("data: "):])
+        assert data["type"] == name_line[len("event: "):], block
+        assert data["type"] != "error", f"an error after the 200: {data}"
+        events.append(data)
+    assert events[0]["type"] == "message_start" and events[-1]["type"] == "message_stop", text
+    deltas = [e for e in events if e["type"] == "message_delta"]
+    assert len(deltas) == 1 and deltas[0]["delta"]["stop_reason"] in STOP_REASONS, deltas
+    open_index = None
+    for event in events:
+        if event["type"] == "content_block_start":
+            assert open_index is None, event
+            open_index = event["index"]
+        elif event["type"] == "content_block_delta":
+            assert event["index"] == open_index, event
+        elif event["type"] == "content_block_stop":
+            assert event["index"] == open_index, event
+            open_index = None
+    assert open_index is None, "a content block was not stopped"
+
+
+def check_anthropic_answer(path: str, sent: Any, status: int, content_type: str,
+                           text: str) -> None:
+    """A well-formed error (4xx) or answer (200) of an Anthropic route."""
+    if 400 <= status < 500:
+        check_anthropic_error(path, sent, status, json.loads(text))
+    elif status != 200:
+        raise AssertionError(f"unexpected status {status} for {path} {sent!r}")
+    elif content_type.startswith("text/event-stream"):
+        check_anthropic_sse(text)
+    elif path == MESSAGES:
+        check_anthropic_message(json.loads(text))
+    else:
+        assert json.loads(text)["input_tokens"] > 0, text
 
 
 # ------------------------------------------------------------------------------------------------

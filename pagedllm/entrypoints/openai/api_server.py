@@ -1,11 +1,13 @@
 """The OpenAI-compatible HTTP server: FastAPI app factory (`build_app`) and `run_server`.
 
 Routes: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions,
-POST /v1/responses, GET /v1/responses/{response_id}, POST /tokenize, POST /detokenize,
+POST /v1/responses, GET /v1/responses/{response_id}, POST /v1/messages,
+POST /v1/messages/count_tokens (Anthropic's), POST /tokenize, POST /detokenize,
 POST /reset_prefix_cache, GET /metrics (docs/openai_api.md).
-Every error is OpenAI's error object with a 4xx/5xx status; request validation errors (wrong
-types, malformed JSON) are 400, as OpenAI answers them. With an API key, every route but /health
-and /metrics needs `Authorization: Bearer <key>`.
+Every error is OpenAI's error object with a 4xx/5xx status (Anthropic's on /v1/messages...);
+request validation errors (wrong types, malformed JSON) are 400, as OpenAI answers them. With an
+API key, every route but /health and /metrics needs `Authorization: Bearer <key>` or
+`x-api-key: <key>`.
 
 Shutdown: uvicorn handles SIGINT/SIGTERM (stop accepting, let open requests finish up to a grace
 period); a second before it ends the engine stops, so the requests still open get a 503 error
@@ -34,15 +36,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.dp_async_llm import DataParallelAsyncLLM
+from pagedllm.entrypoints.openai.anthropic_errors import AnthropicErrorMiddleware
 from pagedllm.entrypoints.openai.metrics import METRICS_CONTENT_TYPE, PrometheusStatLogger
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                   TokenizeRequest)
+from pagedllm.entrypoints.openai.protocol_anthropic import CountTokensRequest, MessagesRequest
 from pagedllm.entrypoints.openai.protocol_responses import ResponsesRequest
 from pagedllm.entrypoints.openai.serving_chat import ServingChat
 from pagedllm.entrypoints.openai.serving_completion import ServingCompletion
 from pagedllm.entrypoints.openai.serving_responses import ServingResponses
 from pagedllm.entrypoints.openai.serving_engine import (OpenAIServing, OpenAIServingError,
                                                         SSEStream, error_from_exception)
+from pagedllm.entrypoints.openai.serving_messages import ServingMessages
 from pagedllm.entrypoints.openai.serving_models import model_list, resolve_served_model_names
 from pagedllm.entrypoints.openai.serving_tokenization import (ServingTokenization,
                                                               add_tokenization_routes)
@@ -62,7 +67,8 @@ def _error_response(error: OpenAIServingError) -> JSONResponse:
 
 
 class ApiKeyMiddleware:
-    """Pure ASGI middleware: 401 unless `Authorization: Bearer <api_key>` (open paths excepted).
+    """Pure ASGI middleware: 401 unless `Authorization: Bearer <api_key>` or `x-api-key:
+    <api_key>` (Anthropic's header) is sent (open paths excepted).
 
     Pure ASGI rather than `@app.middleware("http")` so streamed responses and client-disconnect
     detection pass through untouched.
@@ -71,18 +77,21 @@ class ApiKeyMiddleware:
     def __init__(self, app: Any, api_key: str) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
+        self.api_key = api_key.encode()
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope["path"] in _OPEN_PATHS \
                 or scope["method"] == "OPTIONS":
             await self.app(scope, receive, send)
             return
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        if secrets.compare_digest(given, self.expected):
+        headers = dict(scope["headers"])
+        if secrets.compare_digest(headers.get(b"authorization", b""), self.expected) or \
+                secrets.compare_digest(headers.get(b"x-api-key", b""), self.api_key):
             await self.app(scope, receive, send)
             return
         response = _error_response(OpenAIServingError(
-            "Incorrect or missing API key (send `Authorization: Bearer <key>`).", 401,
+            "Incorrect or missing API key (send `Authorization: Bearer <key>` or "
+            "`x-api-key: <key>`).", 401,
             code="invalid_api_key"))
         await response(scope, receive, send)
 
@@ -251,6 +260,7 @@ def build_app(async_llm: AsyncLLM | DataParallelAsyncLLM, served_model_names: Se
                         reasoning_parser=reasoning_parser,
                         trust_request_chat_template=trust_request_chat_template)
     responses = ServingResponses(chats)
+    messages = ServingMessages(chats)
 
     def render_chat(request: TokenizeRequest) -> list[int]:
         # NOTE(api_server): the chat handler's own checks and rendering, so /tokenize counts
@@ -279,6 +289,7 @@ def build_app(async_llm: AsyncLLM | DataParallelAsyncLLM, served_model_names: Se
 
     app = FastAPI(title="pagedllm OpenAI-compatible server", lifespan=lifespan)
     install_auth_and_error_handlers(app, api_key, max_request_body_bytes)
+    app.add_middleware(AnthropicErrorMiddleware)     # outermost: also the 401 and 413 answers
 
     @app.get("/health")
     async def health() -> Response:
@@ -309,6 +320,14 @@ def build_app(async_llm: AsyncLLM | DataParallelAsyncLLM, served_model_names: Se
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str) -> JSONResponse:
         return JSONResponse(responses.retrieve_response(response_id))
+
+    @app.post("/v1/messages")
+    async def create_message(body: MessagesRequest, request: Request) -> Response:
+        return _respond(await _cancel_on_disconnect(request, messages.create_message(body)))
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_message_tokens(body: CountTokensRequest) -> JSONResponse:
+        return JSONResponse(messages.count_tokens(body).model_dump())
 
     add_tokenization_routes(app, tokenization)
 

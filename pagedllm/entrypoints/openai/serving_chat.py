@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from pagedllm.entrypoints.openai.chat_output import NO_TOOLS, ChoiceOutputParser, ToolMode
 from pagedllm.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk,
@@ -76,6 +77,34 @@ def prompt_logprobs_of(output: RequestOutput, as_token_ids: bool
         for tid, lp in entry.items()} for entry in output.prompt_logprobs]
 
 
+@dataclass
+class AdmittedChat:
+    """A queued chat request: the model name to report, how its output is read for tool calls,
+    its engine stream (the caller closes it) and its prompt length in tokens."""
+
+    model: str
+    mode: ToolMode
+    stream: RequestStream | FinishedStream
+    num_prompt_tokens: int
+
+
+async def final_output(stream: RequestStream | FinishedStream, request: object) -> RequestOutput:
+    """The last output of a non-streamed request; the stream is closed however this ends.
+
+    Raises:
+        OpenAIServingError: the request failed (500) or the engine died (503).
+    """
+    final: RequestOutput | None = None
+    try:
+        async for out in stream:
+            final = out
+    except Exception as e:  # noqa: BLE001 - mapped to an HTTP error
+        raise error_from_exception(e, request) from e
+    finally:
+        stream.close()
+    return final
+
+
 class ServingChat:
     """Handler of the chat completions endpoint.
 
@@ -117,38 +146,27 @@ class ServingChat:
         """
         response_id, engine_id = self.serving.request_ids(request, "chatcmpl")
         created = now_s()
-        model, mode, stream, num_prompt_tokens = await self.admit_chat(request, engine_id)
+        chat = await self.admit_chat(request, engine_id)
         if request.stream:
-            return SSEStream(self._stream(request, mode, stream, num_prompt_tokens, response_id,
-                                          created, model), [stream])
-        final: RequestOutput | None = None
-        try:
-            async for out in stream:
-                final = out
-        except Exception as e:  # noqa: BLE001 - mapped to an HTTP error
-            raise error_from_exception(e, request) from e
-        finally:
-            stream.close()
-        choices = [self._choice(request, mode, c)
+            return SSEStream(self._stream(request, chat.mode, chat.stream,
+                                          chat.num_prompt_tokens, response_id, created,
+                                          chat.model), [chat.stream])
+        final = await final_output(chat.stream, request)
+        choices = [self._choice(request, chat.mode, c)
                    for c in sorted(final.outputs, key=lambda c: c.index)]
         return ChatCompletionResponse(
-            id=response_id, created=created, model=model, usage=self.usage(final),
+            id=response_id, created=created, model=chat.model, usage=self.usage(final),
             choices=choices,
             prompt_logprobs=prompt_logprobs_of(final, request.return_tokens_as_token_ids))
 
-    async def admit_chat(self, request: ChatCompletionRequest, request_id: str
-                         ) -> tuple[str, ToolMode, RequestStream | FinishedStream, int]:
-        """Check, render and queue a chat request (n = 1 or more) as engine request
-        `request_id` (or run its beam search): the steps every chat-shaped endpoint shares
-        (serving_responses.py too).
-
-        Returns:
-            (the model name to report, the tool mode its output is read in, the engine stream,
-            the number of prompt tokens).
+    async def admit_chat(self, request: ChatCompletionRequest, request_id: str) -> AdmittedChat:
+        """Check, render and queue a chat request as engine request `request_id` (or run its
+        beam search): the whole admission of `create_chat_completion`, for handlers that
+        present the output in another API's shape (serving_responses.py, serving_messages.py).
 
         Raises:
-            OpenAIServingError: 400 naming the (chat) field for an invalid request, 404 for an
-                unknown model, 503 for a dead engine; nothing stays queued.
+            OpenAIServingError: 400 naming the field, 404 for an unknown model, 503 for a dead
+                engine; nothing stays queued then.
         """
         model = self.serving.check_request(request, "top_logprobs")
         mode = self._tool_mode(request)
@@ -165,10 +183,10 @@ class ServingChat:
         if request.use_beam_search:
             [final] = await beam_search(self.serving, request, [token_ids], params.max_tokens,
                                         request_id)
-            return model, mode, FinishedStream(final), len(token_ids)
+            return AdmittedChat(model, mode, FinishedStream(final), len(token_ids))
         [stream] = await self.serving.admit(request, [({"prompt_token_ids": token_ids}, params)],
                                             request_id)
-        return model, mode, stream, len(token_ids)
+        return AdmittedChat(model, mode, stream, len(token_ids))
 
     def _choice(self, request: ChatCompletionRequest, mode: ToolMode,
                 completion: CompletionOutput) -> ChatChoice:

@@ -31,7 +31,7 @@ from pagedllm.entrypoints.openai.protocol_responses import (
     ResponseUsage)
 from pagedllm.entrypoints.openai.responses_output import ResponseOutputBuilder
 from pagedllm.entrypoints.openai.responses_store import ResponseStore
-from pagedllm.entrypoints.openai.serving_chat import ServingChat
+from pagedllm.entrypoints.openai.serving_chat import ServingChat, final_output
 from pagedllm.entrypoints.openai.serving_engine import (OpenAIServingError, SSEStream,
                                                         error_from_exception)
 from pagedllm.outputs import RequestOutput
@@ -178,22 +178,19 @@ class ServingResponses:
         chat = chat_request(request, messages)
         response_id, created = random_id("resp"), now_s()
         try:
-            model, mode, stream, _ = await self.chats.admit_chat(chat, response_id)
+            admitted = await self.chats.admit_chat(chat, response_id)
         except OpenAIServingError as e:
             raise as_responses_error(e, chat) from e
-        answer = _Answer(request, response_id, created, model, conversation)
+        answer = _Answer(request, response_id, created, admitted.model, conversation)
         if request.stream:
-            return SSEStream(self._stream(answer, chat, mode, stream), [stream])
-        final: RequestOutput | None = None
+            return SSEStream(self._stream(answer, chat, admitted.mode, admitted.stream),
+                             [admitted.stream])
         try:
-            async for out in stream:
-                final = out
-        except Exception as e:  # noqa: BLE001 - mapped to an HTTP error
+            final = await final_output(admitted.stream, chat)
+        except OpenAIServingError as e:
             raise as_responses_error(e, chat) from e
-        finally:
-            stream.close()
         builder = ResponseOutputBuilder()
-        builder.feed(ChoiceOutputParser(mode, self.chats.reasoning).deltas(
+        builder.feed(ChoiceOutputParser(admitted.mode, self.chats.reasoning).deltas(
             final.outputs[0].text, final=True))
         builder.finish()
         return self._finish(answer, builder, final)

@@ -6,9 +6,9 @@ with `--max-model-len 64`, so every generated request is short whatever its `max
 properties, for every request (the checks live in scripts/fuzz_api.py, which runs the same
 schemathesis fuzzing against any URL):
 - never a 5xx, and the engine stays alive (GET /health is 200 after every request);
-- a 4xx on the completion routes carries OpenAI's error object whose `param`, when set, is a
-  top-level field of the request (a known field or the unknown one sent); for a valid body with
-  one field mutated, it names that field;
+- a 4xx on the completion routes carries OpenAI's error object (Anthropic's on /v1/messages and
+  its count_tokens) whose `param`, when set, is a top-level field of the request (a known field or
+  the unknown one sent); for a valid body with one field mutated, it names that field;
 - a body against the request's JSON schema (a wrong type, an unknown field) gets a 4xx: no
   coercion of `"2"` to 2 (schemathesis' negative_data_rejection, and the hypothesis bodies);
 - a 200 is a well-formed answer: every choice has a finish_reason (streamed: an SSE stream ending
@@ -39,9 +39,11 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pagedllm.entrypoints.openai.protocol_anthropic import CountTokensRequest, MessagesRequest
 from pagedllm.entrypoints.openai.protocol_responses import ResponsesRequest
-from scripts.fuzz_api import (CHAT, COMPLETIONS, REQUEST_FIELDS, RESPONSES, FuzzReport,
-                              check_answer, check_error, fuzz_operation, load_schema)
+from scripts.fuzz_api import (ANTHROPIC_REQUEST_FIELDS, CHAT, COMPLETIONS, COUNT_TOKENS,
+                              MESSAGES, REQUEST_FIELDS, RESPONSES, FuzzReport, check_answer,
+                              check_error, fuzz_operation, load_schema)
 from tests.entrypoints.openai.server_process import running_server
 
 API_KEY = "fuzz-key"
@@ -124,9 +126,11 @@ def server(tiny_llama: Path):
 
 OPERATIONS = [("GET", "/health"), ("GET", "/v1/models"), ("POST", COMPLETIONS), ("POST", CHAT),
               ("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/reset_prefix_cache"),
-              ("GET", "/metrics"), ("POST", RESPONSES), ("GET", RESPONSES + "/{response_id}")]
-# The generating routes the hypothesis tests send bodies to.
-GENERATE_PATHS = [COMPLETIONS, CHAT, RESPONSES]
+              ("GET", "/metrics"), ("POST", RESPONSES), ("GET", RESPONSES + "/{response_id}"),
+              ("POST", MESSAGES), ("POST", COUNT_TOKENS)]
+# The routes the hypothesis tests send bodies to, and the top-level fields of each.
+BODY_ROUTES = [COMPLETIONS, CHAT, RESPONSES, MESSAGES, COUNT_TOKENS]
+FIELDS = {**REQUEST_FIELDS, **ANTHROPIC_REQUEST_FIELDS}
 
 
 @pytest.fixture(scope="module")
@@ -176,8 +180,7 @@ _EDGE_STRINGS = ["", " ", "\x00", "0", "9", "1e3", "-1", "true", "null", "NaN", 
 _NESTED_KEYS = ["role", "content", "type", "text", "json", "regex", "choice", "grammar",
                 "json_object", "json_schema", "schema", "include_usage",
                 "continuous_usage_stats", "name", "0", "5"]
-_ALL_FIELDS = sorted(REQUEST_FIELDS[COMPLETIONS] | REQUEST_FIELDS[CHAT]
-                     | REQUEST_FIELDS[RESPONSES])
+_ALL_FIELDS = sorted(frozenset().union(*FIELDS.values()))
 
 # hypothesis' text never holds surrogates: some are spliced in.
 _text = st.text(max_size=12) | st.builds(lambda a, s, b: a + s + b, st.text(max_size=4),
@@ -243,16 +246,38 @@ _VALID_RESPONSES = {
                                          "schema": {"type": "object"}}}]),
     "metadata": st.dictionaries(st.text(max_size=3), st.text(max_size=3), max_size=2),
 }
-_POOLS = {COMPLETIONS: _VALID_COMPLETION, CHAT: _VALID_CHAT, RESPONSES: _VALID_RESPONSES}
+_TOOL = {"name": "f", "input_schema": {"type": "object", "properties": {"a": {"type": "integer"}}}}
+_VALID_COUNT_TOKENS = {
+    "system": st.text(max_size=10) | st.just([{"type": "text", "text": "Be brief."}]),
+    "tools": st.just([_TOOL]),
+    "tool_choice": st.sampled_from([{"type": "any"}, {"type": "none"},
+                                    {"type": "tool", "name": "f"}]),
+    "thinking": st.just({"type": "adaptive"}),
+    "messages": st.lists(st.fixed_dictionaries({
+        "role": st.sampled_from(["user", "assistant"]),
+        "content": st.text(max_size=20) | st.just([{"type": "text", "text": "hi"}])}),
+        max_size=2).map(lambda turns: [*turns, {"role": "user", "content": "hi"}])}
+_VALID_MESSAGES = {**_VALID_COUNT_TOKENS, "max_tokens": st.integers(1, 6),
+                   "temperature": st.floats(0, 1), "top_p": st.floats(0.01, 1),
+                   "top_k": st.integers(1, 50), "stream": st.booleans(),
+                   "stop_sequences": st.lists(st.text(min_size=1, max_size=3), max_size=3),
+                   "metadata": st.just({"user_id": "u"})}
+_POOLS = {COMPLETIONS: _VALID_COMPLETION, CHAT: _VALID_CHAT, RESPONSES: _VALID_RESPONSES,
+          MESSAGES: _VALID_MESSAGES, COUNT_TOKENS: _VALID_COUNT_TOKENS}
 _BASE = {COMPLETIONS: {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 4},
          CHAT: {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}],
                 "max_tokens": 4},
-         RESPONSES: {"model": MODEL_NAME, "input": "hi", "max_output_tokens": 4}}
+         RESPONSES: {"model": MODEL_NAME, "input": "hi", "max_output_tokens": 4},
+         MESSAGES: {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 4},
+         COUNT_TOKENS: {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}]}}
 # A 4xx caused by one mutated field may name another: a longer prompt overflows the context
 # through max_tokens (the request's own request_param mapping); a Responses request's
-# instructions are part of its rendered input.
+# instructions are part of its rendered input, and a Messages request's system prompt is the
+# conversation's first message.
 _ALSO_BLAMED = {"prompt": {"max_tokens"}, "messages": {"max_tokens"},
-                "input": {"max_output_tokens"}, "instructions": {"input", "max_output_tokens"}}
+                "input": {"max_output_tokens"}, "instructions": {"input", "max_output_tokens"},
+                "system": {"messages", "max_tokens"}}
 
 
 @st.composite
@@ -272,10 +297,10 @@ def mutations(draw, path: str) -> tuple[dict, str]:
     kind = draw(st.sampled_from(["junk", "edge", "delete", "unknown"]))
     if kind == "unknown":
         name = draw((st.sampled_from(["body", ""]) | st.text(max_size=10)).filter(
-            lambda s: s not in REQUEST_FIELDS[path]))
+            lambda s: s not in FIELDS[path]))
         body[name] = draw(junk)
         return body, name
-    names = sorted(REQUEST_FIELDS[path]) if kind != "delete" else sorted(body)
+    names = sorted(FIELDS[path]) if kind != "delete" else sorted(body)
     name = draw(st.sampled_from(names))
     if kind == "delete":
         del body[name]
@@ -300,7 +325,8 @@ def random_bodies(path: str) -> st.SearchStrategy[Any]:
 _VALIDATORS = {path: jsonschema.Draft202012Validator(model.model_json_schema())
                for path, model in ((COMPLETIONS, CompletionRequest),
                                    (CHAT, ChatCompletionRequest),
-                                   (RESPONSES, ResponsesRequest))}
+                                   (RESPONSES, ResponsesRequest), (MESSAGES, MessagesRequest),
+                                   (COUNT_TOKENS, CountTokensRequest))}
 
 
 def _send(server: FuzzServer, path: str, body: Any) -> httpx.Response:
@@ -332,7 +358,7 @@ def counts(server: FuzzServer, request: pytest.FixtureRequest):
 
 def _random_bodies_test(server: FuzzServer, max_examples: int) -> None:
     @settings(max_examples=max_examples, **_HYPOTHESIS_SETTINGS)
-    @given(path=st.sampled_from(GENERATE_PATHS), data=st.data())
+    @given(path=st.sampled_from(BODY_ROUTES), data=st.data())
     def run(path: str, data: st.DataObject) -> None:
         _send(server, path, data.draw(random_bodies(path), label="body"))
     run()
@@ -340,12 +366,12 @@ def _random_bodies_test(server: FuzzServer, max_examples: int) -> None:
 
 def _mutations_test(server: FuzzServer, max_examples: int) -> None:
     @settings(max_examples=max_examples, **_HYPOTHESIS_SETTINGS)
-    @given(path=st.sampled_from(GENERATE_PATHS), data=st.data())
+    @given(path=st.sampled_from(BODY_ROUTES), data=st.data())
     def run(path: str, data: st.DataObject) -> None:
         body, field = data.draw(mutations(path), label="body, mutated field")
         response = _send(server, path, body)
         if 400 <= response.status_code < 500:
-            param = response.json()["error"]["param"]
+            param = response.json()["error"].get("param")
             blamed = {field} | _ALSO_BLAMED.get(field, set())
             assert param in blamed, f"param {param!r} for a body whose {field!r} was " \
                                     f"mutated: {body!r} -> {response.text}"
@@ -373,7 +399,7 @@ def test_mutated_bodies_blame_the_field_slow(server: FuzzServer, counts: None) -
 def _concurrent_test(server: FuzzServer, max_examples: int, batch: int) -> None:
     """Batches of random bodies and mutations sent at once, a fifth of them abandoned by the
     client after a few ms; then nothing may be left running or waiting in the engine."""
-    any_body = st.sampled_from(GENERATE_PATHS).flatmap(
+    any_body = st.sampled_from(BODY_ROUTES).flatmap(
         lambda path: st.tuples(st.just(path), random_bodies(path)
                                | mutations(path).map(lambda mutated: mutated[0])))
 
@@ -418,14 +444,14 @@ def test_concurrent_bodies_and_disconnects_slow(server: FuzzServer, counts: None
 
 def test_non_json_bodies(server: FuzzServer, counts: None) -> None:
     """Malformed JSON and non-object bodies get 400 without a param."""
-    for path in GENERATE_PATHS:
+    for path in BODY_ROUTES:
         for raw in (b"", b"{", b"null", b"[]", b"5", b'"x"', b"\xff\xfe", b"{'prompt': 1}",
                     b'{"prompt": "hi",}', b"[" * 100_000 + b"]" * 100_000,
                     b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}"):
             response = server.post(path, raw)
             assert response.status_code == 400, (raw[:60], response.text)
-            check_error(path, None, 400, response.json())
-            assert response.json()["error"]["param"] is None, response.text
+            check_answer(path, None, 400, response.headers["content-type"], response.text)
+            assert response.json()["error"].get("param") is None, response.text
     server.assert_alive()
 
 
