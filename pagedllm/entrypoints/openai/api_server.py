@@ -350,6 +350,12 @@ def run_server(model: str, engine_kwargs: dict[str, Any], host: str = "127.0.0.1
                                   api_key=api_key, model_root=model,
                                   max_request_body_bytes=max_request_body_bytes)
     else:
+        from pagedllm.entrypoints.chat_template_check import (has_chat_template,
+                                                              no_chat_template_message)
+        if has_chat_template(model, engine_kwargs.get("tokenizer"),
+                             engine_kwargs.get("chat_template")) is False:
+            logger.warning("%s; /v1/chat/completions will answer 400, completions work",
+                           no_chat_template_message(model))
         metrics = PrometheusStatLogger(names[0])
         if data_parallel_size > 1:
             async_llm = DataParallelAsyncLLM.from_engine_args(
