@@ -54,13 +54,15 @@ def run_chat(args: argparse.Namespace) -> int:
 
     llm = LLM(**kwargs)
     engine = llm.llm_engine
-    params = SamplingParams(**{**engine.config.default_sampling_params, **given})
+    params = SamplingParams(**{"max_tokens": None, **engine.config.default_sampling_params,
+                               **given})
     try:
         import readline  # noqa: F401  (input() then edits lines and keeps a history)
     except ImportError:
         pass
     session = ChatSession(engine, params, "max_tokens" in given, args.system)
-    print(f"chat with {args.model or 'shakespeare-10m'}. {HELP}", flush=True)
+    print(f"chatting with {args.model or 'shakespeare-10m'}: Enter sends, Ctrl-C stops an "
+          f"answer, Ctrl-D or /exit leaves, /help lists the commands", flush=True)
     while True:
         try:
             line = input(PROMPT)
