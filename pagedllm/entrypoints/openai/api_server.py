@@ -424,12 +424,10 @@ def _exit_after_graceful_shutdown(signum: int, frame: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-
+    from pagedllm.entrypoints.cli_parser import CLIArgumentParser
     from pagedllm.entrypoints.openai.cli_args import add_serve_args, run_serve
 
-    parser = argparse.ArgumentParser(prog="pagedllm-api-server",
-                                     description="OpenAI-compatible server")
+    parser = CLIArgumentParser(prog="pagedllm-api-server", description="OpenAI-compatible server")
     add_serve_args(parser)
     args = parser.parse_args(argv)
     try:
