@@ -56,19 +56,20 @@ def _run_generate(args: argparse.Namespace) -> int:
     prompts = [{"prompt_token_ids": chat_prompt_token_ids(
         engine.tokenizer, [{"role": "user", "content": p}])} if args.chat else p
         for p in args.prompt]
+    # The prompt's text starts its output (a chat prompt's template markup does not).
+    shown = [""] * len(prompts) if args.chat else list(args.prompt)
     stream = sys.stdout.isatty() if args.stream is None else args.stream
-    batches = [[p] for p in prompts] if stream else [prompts]
-    shown = (lambda text: "") if args.chat else (lambda text: text)
+    batches = [[i] for i in range(len(prompts))] if stream else [list(range(len(prompts)))]
     results, elapsed = [], 0.0
     for batch in batches:
-        ids = [add_cli_request(engine, p, params, "max_tokens" in given) for p in batch]
+        ids = [add_cli_request(engine, prompts[i], params, "max_tokens" in given) for i in batch]
         if stream:
-            print(shown(batch[0]), end="", flush=True)
+            print(shown[batch[0]], end="", flush=True)
         done = run_streams(engine, ids, (lambda _, text: print(text, end="", flush=True))
                            if stream else None)
-        for prompt, request_id in zip(batch, ids):
+        for i, request_id in zip(batch, ids):
             results.append(done[request_id])
-            print("" if stream else shown(prompt) + done[request_id].text)
+            print("" if stream else shown[i] + done[request_id].text)
             print("-" * 40)
         elapsed += max(done[r].elapsed for r in ids)
         if any(done[r].interrupted for r in ids):
