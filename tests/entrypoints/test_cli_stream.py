@@ -93,8 +93,8 @@ def test_chat_without_a_template_is_refused_before_loading(command, tiny_llama, 
     assert not cache.exists() or not any(cache.iterdir())  # the checkpoint view never built
 
 
-def _start_generate(args: list[str]) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PAGEDLLM_CPU_KERNELS": "0",
+def _start_generate(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+    env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1", "PAGEDLLM_CPU_KERNELS": "0",
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]),
                                           os.environ.get("PYTHONPATH", "")])}
     return subprocess.Popen([sys.executable, "-m", "pagedllm.entrypoints.cli", "generate",
@@ -141,3 +141,16 @@ def test_ctrl_c_while_loading_exits_130_without_a_traceback():
         proc.kill()
     assert proc.returncode == 130, err.decode()[-2000:]
     assert b"Traceback" not in err and err.rstrip().endswith(b"^C interrupted")
+
+
+def test_start_up_lines_name_the_users_file_and_say_reserved(tiny_llama, tmp_path):
+    path = write_gguf(tiny_llama, tmp_path / "tiny.gguf", "Q8_0")
+    proc = _start_generate(["--model", str(path), *SMALL_KV, "--prompt", "hi", "--max-tokens",
+                            "2"], {"PAGEDLLM_GGUF_CACHE": str(tmp_path / "views")})
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err.decode()[-2000:]
+    lines = err.decode().splitlines()
+    ready = [line for line in lines if "engine ready" in line]
+    assert len(ready) == 1 and f"model {path}," in ready[0]
+    kv = [line for line in lines if "KV cache:" in line]
+    assert len(kv) == 1 and "4.0 MiB reserved" in kv[0]
