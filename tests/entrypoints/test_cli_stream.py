@@ -93,12 +93,14 @@ def test_chat_without_a_template_is_refused_before_loading(command, tiny_llama, 
     assert not cache.exists() or not any(cache.iterdir())  # the checkpoint view never built
 
 
-def _start_generate(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+def _start_generate(args: list[str], env: dict[str, str] | None = None,
+                    start_new_session: bool = False) -> subprocess.Popen:
     env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1", "PAGEDLLM_CPU_KERNELS": "0",
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]),
                                           os.environ.get("PYTHONPATH", "")])}
     return subprocess.Popen([sys.executable, "-m", "pagedllm.entrypoints.cli", "generate",
-                             *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+                             *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                            start_new_session=start_new_session)
 
 
 def _read_until(stream, marker: bytes, timeout: float) -> bytes:
@@ -129,6 +131,23 @@ def test_ctrl_c_while_generating_keeps_the_partial_output(tmp_path):
     assert err.rstrip().endswith("^C interrupted") and "Traceback" not in err, err[-2000:]
     assert out.startswith("ROMEO:") and len(out) > len("ROMEO:") + 1
     assert "generated tokens" not in out
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_a_terminal_reaches_worker_processes_too(tiny_llama):
+    """A terminal sends SIGINT to the whole process group: with -tp 2 the worker processes get
+    it too, and must leave the decision to the engine process (no traceback, status 130)."""
+    proc = _start_generate(["--model", str(tiny_llama), "-tp", "2", "--prompt", "hi",
+                            "--max-tokens", "1000", "--ignore-eos", "--stream",
+                            "--num-scheduler-steps", "1", *SMALL_KV], start_new_session=True)
+    try:
+        _read_until(proc.stdout, b"hi", 120)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err.decode()[-2000:]
+    assert b"Traceback" not in err and err.rstrip().endswith(b"^C interrupted")
 
 
 def test_ctrl_c_while_loading_exits_130_without_a_traceback():
