@@ -16,10 +16,13 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pagedllm.engine.input_processor import PromptType, context_length_error
-from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:
+    from pagedllm.engine.llm_engine import LLMEngine
 
 
 @dataclass
