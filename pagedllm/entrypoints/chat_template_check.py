@@ -4,7 +4,8 @@
 with an error; loading a large model first only to find that out costs a minute. The template's
 presence is read from the files that hold it: a checkpoint folder's `tokenizer_config.json` /
 `chat_template.jinja` / `chat_template.json`, or a GGUF file's `tokenizer.chat_template`
-metadata key (read with the `gguf` library, no tensor is loaded). Hub ids are not looked up
+metadata key (`model_loader/gguf_metadata.py`: the key/value section only, no tensor, in well
+under a second also for a 262k-token vocabulary). Hub ids are not looked up
 (None: unknown; the engine's own check after loading then speaks).
 """
 
@@ -38,8 +39,9 @@ def has_chat_template(model: str, tokenizer: str | None = None,
         return True
     source = tokenizer or model
     if source.lower().endswith(".gguf") and os.path.isfile(source):
-        from pagedllm.model_loader.gguf import open_gguf
-        return GGUF_CHAT_TEMPLATE_KEY in open_gguf(source).fields
+        from pagedllm.model_loader.gguf_metadata import read_gguf_metadata
+        return bool(read_gguf_metadata(source, {GGUF_CHAT_TEMPLATE_KEY})
+                    .get(GGUF_CHAT_TEMPLATE_KEY))
     folder = Path(source).expanduser()
     if not folder.is_dir():
         return None
