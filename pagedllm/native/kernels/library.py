@@ -117,7 +117,7 @@ def build_cpu_kernels(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     import torch  # noqa: F401  (load torch's OpenMP runtime first, so the library shares it)
     if not target.exists():
         logger.info("compiling the CPU kernels (first run on this machine or after an "
-                    "update; once, up to a minute) into %s", target)
+                    "update; once, about a minute on 2 cores) into %s", target)
         _build(compiler, flags, target)
     lib = ctypes.CDLL(str(target))
     version = lib.pagedllm_abi_version()
