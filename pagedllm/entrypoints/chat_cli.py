@@ -12,6 +12,8 @@ standard library's `readline` where the platform has it.
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
 
 from pagedllm.engine.arg_utils import add_engine_args, engine_kwargs_from_args
@@ -54,6 +56,10 @@ def run_chat(args: argparse.Namespace) -> int:
 
     llm = LLM(**kwargs)
     engine = llm.llm_engine
+    if "PAGEDLLM_LOGGING_LEVEL" not in os.environ:
+        # NOTE(chat): the start-up lines stay; INFO lines while talking (e.g. the thread
+        # governor's) would break into the answers.
+        logging.getLogger("pagedllm").setLevel(logging.WARNING)
     params = SamplingParams(**{"max_tokens": None, **engine.config.default_sampling_params,
                                **given})
     try:
