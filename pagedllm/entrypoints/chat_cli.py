@@ -67,7 +67,8 @@ def run_chat(args: argparse.Namespace) -> int:
     except ImportError:
         pass
     session = ChatSession(engine, params, "max_tokens" in given, args.system)
-    print(f"chatting with {args.model or 'shakespeare-10m'}: Enter sends, Ctrl-C stops an "
+    name = args.model or os.path.basename(kwargs["model"])   # the shipped model by its name
+    print(f"chatting with {name}: Enter sends, Ctrl-C stops an "
           f"answer, Ctrl-D or /exit leaves, /help lists the commands", flush=True)
     while True:
         try:
