@@ -58,7 +58,8 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                      help="buffer size of the memory-bandwidth probe (0 = skip it)")
     lat.add_argument("--profile", action="store_true",
                      help="torch.profiler over a few decode steps; print the top ops")
-    lat.add_argument("--profile-steps", type=int, default=8)
+    lat.add_argument("--profile-steps", type=int, default=8,
+                     help="decode steps --profile records (default 8)")
     lat.add_argument("--compare", action="append", choices=["llamacpp"], default=[],
                      help="also run the same waves through llama.cpp (same GGUF file)")
     _add_output_args(lat)
@@ -66,7 +67,8 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 
     gemm = sub.add_parser("gemm", help="GFLOP/s of the CPU linear kernels (dot-product, packed "
                                        "GEMM) and torch's GEMM, against the FMA peak")
-    gemm.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    gemm.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                      help="weight and activation dtype (default bfloat16)")
     gemm.add_argument("--rows", default="1,32,64,512",
                       help="comma-separated row counts M (default 1,32,64,512)")
     gemm.add_argument("--shapes", default="768x768,2048x768,768x2048,32000x768",
@@ -91,18 +93,22 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     ppl.set_defaults(func=run_perplexity_command)
 
     srv = sub.add_parser("serve", help="drive a running OpenAI-compatible server")
-    srv.add_argument("--base-url", default="http://127.0.0.1:8000")
+    srv.add_argument("--base-url", default="http://127.0.0.1:8000",
+                     help="the server's address (default http://127.0.0.1:8000)")
     srv.add_argument("--model", default=None,
                      help="model name sent in requests (default: the server's first model)")
-    srv.add_argument("--api-key", default=None)
+    srv.add_argument("--api-key", default=None,
+                     help="sent as `Authorization: Bearer KEY`")
     srv.add_argument("--vocab-size", type=int, default=None,
                      help="vocabulary for random prompts (default: from --preset, or the "
                           "config.json of the server's model root)")
     srv.add_argument("--preset", default=None, help="take the vocabulary size from this preset")
     srv.add_argument("--request-rate", type=float, default=math.inf,
                      help="Poisson arrival rate in requests/s (default inf: all at once)")
-    srv.add_argument("--max-concurrency", type=int, default=None)
-    srv.add_argument("--seed", type=int, default=0)
+    srv.add_argument("--max-concurrency", type=int, default=None,
+                     help="most requests in flight at once (default: no limit)")
+    srv.add_argument("--seed", type=int, default=0,
+                     help="seed of the random prompts and arrival times (default 0)")
     _add_workload_args(srv, num_prompts=True)
     _add_output_args(srv)
     srv.set_defaults(func=run_serve_command)
@@ -136,10 +142,13 @@ def _add_soak_parser(sub: argparse._SubParsersAction) -> None:
                         help="extra flag for the started server, e.g. --serve-arg=--no-enable-"
                              "prefix-caching (repeatable)")
     load = soak.add_argument_group("load and limits")
-    load.add_argument("--num-requests", type=int, default=2000)
-    load.add_argument("--concurrency", type=int, default=64)
+    load.add_argument("--num-requests", type=int, default=2000,
+                      help="requests the soak sends (default 2000)")
+    load.add_argument("--concurrency", type=int, default=64,
+                      help="requests in flight at once (default 64)")
     load.add_argument("--seed", type=int, default=0, help="seed of the request mix")
-    load.add_argument("--request-timeout-s", type=float, default=120.0)
+    load.add_argument("--request-timeout-s", type=float, default=120.0,
+                      help="seconds before a request counts as hung (default 120)")
     load.add_argument("--max-duration-s", type=float, default=1800.0,
                       help="time limit of the whole run, server start-up included")
     load.add_argument("--idle-timeout-s", type=float, default=60.0,
@@ -172,9 +181,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 def _add_workload_args(p: argparse.ArgumentParser, num_prompts: bool) -> None:
     g = p.add_argument_group("workload (seeded by --seed)")
     if num_prompts:
-        g.add_argument("--num-prompts", type=int, default=32)
-    g.add_argument("--input-len", type=int, default=128)
-    g.add_argument("--output-len", type=int, default=128)
+        g.add_argument("--num-prompts", type=int, default=32,
+                       help="requests in the workload (default 32)")
+    g.add_argument("--input-len", type=int, default=128,
+                   help="prompt tokens per request (default 128)")
+    g.add_argument("--output-len", type=int, default=128,
+                   help="output tokens per request (default 128)")
     g.add_argument("--random-input-len", default=None, metavar="LOW:HIGH",
                    help="uniform prompt lengths in [LOW, HIGH] (overrides --input-len)")
     g.add_argument("--random-output-len", default=None, metavar="LOW:HIGH",

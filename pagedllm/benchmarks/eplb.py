@@ -33,24 +33,31 @@ def add_eplb_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("eplb", help="decode throughput and expert-load imbalance of a skewed "
                                     "synthetic MoE over expert-parallel ranks, EPLB off and on")
     m = p.add_argument_group("synthetic model (random-weight Mixtral)")
-    m.add_argument("--hidden-size", type=int, default=256)
+    m.add_argument("--hidden-size", type=int, default=256,
+                   help="hidden size of the synthetic MoE model (default 256)")
     m.add_argument("--intermediate-size", type=int, default=512, help="of each expert")
-    m.add_argument("--num-layers", type=int, default=4)
-    m.add_argument("--num-experts", type=int, default=8)
-    m.add_argument("--num-hot-experts", type=int, default=2)
+    m.add_argument("--num-layers", type=int, default=4,
+                   help="decoder layers (default 4)")
+    m.add_argument("--num-experts", type=int, default=8,
+                   help="experts per layer (default 8)")
+    m.add_argument("--num-hot-experts", type=int, default=2,
+                   help="experts the skewed router favours (default 2)")
     m.add_argument("--hot-share", type=float, default=0.5,
                    help="fraction of the (token, expert) pairs routed to the hot experts")
     e = p.add_argument_group("engine")
     e.add_argument("--ep-size", type=int, default=2, help="expert-parallel (= TP) ranks, mp")
-    e.add_argument("--dtype", default="float32")
-    e.add_argument("--num-redundant-experts", type=int, default=2)
+    e.add_argument("--dtype", default="float32", help="model dtype (default float32)")
+    e.add_argument("--num-redundant-experts", type=int, default=2,
+                   help="extra expert replicas EPLB may place (default 2)")
     e.add_argument("--window-size", type=int, default=8, help="EPLB window, in steps")
     e.add_argument("--step-interval", type=int, default=8, help="steps between rebalances")
     w = p.add_argument_group("decode workload (seeded by --seed)")
-    w.add_argument("--num-prompts", type=int, default=16)
-    w.add_argument("--input-len", type=int, default=16)
-    w.add_argument("--output-len", type=int, default=64)
-    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--num-prompts", type=int, default=16, help="requests (default 16)")
+    w.add_argument("--input-len", type=int, default=16,
+                   help="prompt tokens per request (default 16)")
+    w.add_argument("--output-len", type=int, default=64,
+                   help="output tokens per request (default 64)")
+    w.add_argument("--seed", type=int, default=0, help="seed of the workload (default 0)")
     p.add_argument("--output-json", default=None, help="save the results as JSON here")
     p.set_defaults(func=run_eplb_command)
     return p

@@ -78,21 +78,35 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    choices=["auto", "int8", "fp8_e4m3", "fp8"],
                    help="KV cache dtype: auto (the model's), int8 (a scale per token and KV head) "
                         "or fp8_e4m3 (= fp8; per-tensor scales 1.0); CPU backends only for now")
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="context length in tokens, prompt + output (default: the model's "
+                        "max_position_embeddings)")
+    g.add_argument("--seed", type=int, default=0,
+                   help="seed of requests that give none (default 0)")
+    g.add_argument("--block-size", type=int, default=16,
+                   help="tokens per KV cache block (default 16)")
     g.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", dest="kv_cache_memory_bytes",
                    type=int, default=None, help="KV cache size in bytes")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    g.add_argument("--num-gpu-blocks-override", type=int, default=None)
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--max-num-batched-tokens", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=128)
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="GPU: share of the device memory the engine may use, the KV cache "
+                        "taking what the weights and activations leave (default 0.9)")
+    g.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                   help="KV cache blocks to allocate, instead of those the memory budget gives")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV blocks of equal prompt prefixes across requests (on)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of one engine step (default: chosen by the platform)")
+    g.add_argument("--max-num-seqs", type=int, default=128,
+                   help="most requests running at once (default 128)")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
-                   default=True)
-    g.add_argument("--trust-remote-code", action="store_true")
-    g.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
-    g.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1)
+                   default=True, help="split long prompts over several steps (on)")
+    g.add_argument("--trust-remote-code", action="store_true",
+                   help="let transformers run code shipped with the checkpoint (config, "
+                        "tokenizer)")
+    g.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
+                   help="ranks each layer is split over (default 1)")
+    g.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1,
+                   help="pipeline stages the layers are split into (default 1)")
     g.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp", "ray"],
                    help="default: uni for one process, mp (one process per rank) otherwise")
     g.add_argument("--nnodes", type=int, default=1, help="machines of a multi-node mp layout")
@@ -118,7 +132,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
                         '\'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}\'')
     g.add_argument("--logprobs-mode", default="raw_logprobs",
-                   choices=["raw_logprobs", "processed_logprobs"])
+                   choices=["raw_logprobs", "processed_logprobs"],
+                   help="logprobs of the raw model output, or of the distribution tokens are "
+                        "sampled from (after penalties, temperature, top-k/top-p)")
     g.add_argument("--max-logprobs", type=int, default=20,
                    help="most logprobs alternatives a request may ask for (-1: the vocabulary)")
     g.add_argument("--max-n", type=int, default=128,

@@ -31,6 +31,22 @@ def check_prompt_token_ids(token_ids: list[int], vocab_size: int) -> None:
                          f"[0, {vocab_size})")
 
 
+def context_length_error(max_model_len: int, num_prompt_tokens: int,
+                         max_tokens: int | None) -> str | None:
+    """The refusal of a prompt of `num_prompt_tokens` tokens asking for `max_tokens` output
+    tokens (None: no explicit cap) under a context of `max_model_len` tokens, or None when it
+    fits. One wording for the server (HTTP 400) and the command line; the message follows
+    the OpenAI API's context-length error, as vLLM's does."""
+    if num_prompt_tokens < max_model_len and (
+            max_tokens is None or num_prompt_tokens + max_tokens <= max_model_len):
+        return None
+    requested = num_prompt_tokens + (max_tokens or 0)
+    return (f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {requested} tokens ({num_prompt_tokens} in the prompt, "
+            f"{max_tokens or 0} for the completion). Please reduce the length of the prompt "
+            f"or the completion.")
+
+
 class InputProcessor:
     """Tokenize and validate prompts: the engine's one admission gate.
 

@@ -86,8 +86,9 @@ class LLMEngine:
         # output. Hand them back at exit (registered once, however many engines are made).
         atexit.unregister(gc.unfreeze)
         atexit.register(gc.unfreeze)
+        # The model as the user named it (a .gguf file, not its derived checkpoint view).
         logger.info("engine ready in %.2f s: model %s, max_model_len %d, %d KV blocks of %d "
-                    "tokens", time.perf_counter() - start, config.model_path,
+                    "tokens", time.perf_counter() - start, config.model_config.model,
                     config.max_model_len, self.engine_core.num_blocks - 1,
                     config.cache_config.block_size)
 

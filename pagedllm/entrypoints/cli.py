@@ -1,14 +1,16 @@
-"""`pagedllm` command line: generate (offline), serve (OpenAI server), bench, verify (against
-transformers)."""
+"""`pagedllm` command line: generate (offline), chat (interactive, in the terminal), serve (OpenAI
+server), bench, verify (against transformers)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 from pagedllm.benchmarks.cli import add_bench_parser
 from pagedllm.engine.arg_utils import add_engine_args, engine_kwargs_from_args
+from pagedllm.entrypoints.chat_cli import add_chat_parser
+from pagedllm.entrypoints.cli_parser import CLIArgumentParser
+from pagedllm.entrypoints.cli_sampling import add_sampling_args
 from pagedllm.entrypoints.openai.cli_args import add_serve_parser
 from pagedllm.entrypoints.verify import add_verify_parser
 
@@ -21,57 +23,66 @@ def _add_generate_parser(subparsers) -> None:
     add_engine_args(p)
     p.add_argument("--prompt", action="append", required=True,
                    help="prompt text (repeat the flag for a batch)")
-    # Sampling flags left out take the model's default (--generation-config), else the built-in
-    # one (SamplingParams'; max tokens DEFAULT_MAX_TOKENS).
-    p.add_argument("--max-tokens", type=int, default=None,
-                   help=f"default: the model's max_new_tokens, else {DEFAULT_MAX_TOKENS}")
-    p.add_argument("--temperature", type=float, default=None,
-                   help="default: the model's, else 1.0")
-    p.add_argument("--top-p", type=float, default=None, help="default: the model's, else 1.0")
-    p.add_argument("--top-k", type=int, default=None,
-                   help="default: the model's, else 0 (off)")
-    p.add_argument("--min-p", type=float, default=None, help="default: the model's, else 0.0")
-    p.add_argument("--repetition-penalty", type=float, default=None,
-                   help="default: the model's, else 1.0")
-    p.add_argument("--stop", action="append", default=None)
-    p.add_argument("--request-seed", type=int, default=None, help="per-request sampling seed")
-    p.add_argument("--ignore-eos", action="store_true")
+    add_sampling_args(p, str(DEFAULT_MAX_TOKENS))
     p.add_argument("--chat", action="store_true",
                    help="render each prompt as a user message with the chat template")
+    p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
+                   help="print tokens as they are generated (default: on when the output is a "
+                        "terminal); with several prompts, streaming runs them one after "
+                        "another, --no-stream runs them as one batch and prints whole texts")
     p.set_defaults(func=_run_generate)
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    from pagedllm import LLM, SamplingParams
+    from pagedllm.entrypoints.cli_sampling import given_sampling_kwargs
 
-    given = {"max_tokens": args.max_tokens, "temperature": args.temperature,
-             "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p,
-             "repetition_penalty": args.repetition_penalty}
-    given = {name: value for name, value in given.items() if value is not None}
-    given.update(stop=args.stop, seed=args.request_seed, ignore_eos=args.ignore_eos)
     try:
-        SamplingParams(**{"max_tokens": DEFAULT_MAX_TOKENS, **given})  # before the model loads
+        given = given_sampling_kwargs(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    llm = LLM(**engine_kwargs_from_args(args))
-    params = SamplingParams(**{"max_tokens": DEFAULT_MAX_TOKENS,
-                               **llm.llm_engine.config.default_sampling_params, **given})
-    start = time.perf_counter()
+    kwargs = engine_kwargs_from_args(args)
     if args.chat:
-        outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params,
-                           use_tqdm=False)
-    else:
-        outputs = llm.generate(args.prompt, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    n_prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    n_gen = sum(len(o.outputs[0].token_ids) for o in outputs)
-    for o in outputs:
-        print(((o.prompt or "") if not args.chat else "") + o.outputs[0].text)
-        print("-" * 40)
-    print(f"prompt tokens: {n_prompt}, generated tokens: {n_gen}, time: {elapsed:.2f} s, "
-          f"{n_gen / elapsed:.1f} tokens/s, finish: "
-          f"{','.join(str(o.outputs[0].finish_reason) for o in outputs)}")
+        from pagedllm.entrypoints.chat_template_check import require_chat_template
+        require_chat_template(kwargs["model"], args.tokenizer, args.chat_template)
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.entrypoints.cli_stream import add_cli_request, run_streams
+    from pagedllm.entrypoints.llm import chat_prompt_token_ids
+
+    llm = LLM(**kwargs)
+    engine = llm.llm_engine
+    params = SamplingParams(**{"max_tokens": DEFAULT_MAX_TOKENS,
+                               **engine.config.default_sampling_params, **given})
+    prompts = [{"prompt_token_ids": chat_prompt_token_ids(
+        engine.tokenizer, [{"role": "user", "content": p}])} if args.chat else p
+        for p in args.prompt]
+    # The prompt's text starts its output (a chat prompt's template markup does not).
+    shown = [""] * len(prompts) if args.chat else list(args.prompt)
+    stream = sys.stdout.isatty() if args.stream is None else args.stream
+    batches = [[i] for i in range(len(prompts))] if stream else [list(range(len(prompts)))]
+    results, elapsed = [], 0.0
+    for batch in batches:
+        ids = [add_cli_request(engine, prompts[i], params, "max_tokens" in given) for i in batch]
+        if stream:
+            print(shown[batch[0]], end="", flush=True)
+        done = run_streams(engine, ids, (lambda _, text: print(text, end="", flush=True))
+                           if stream else None)
+        for i, request_id in zip(batch, ids):
+            results.append(done[request_id])
+            print("" if stream else shown[i] + done[request_id].text)
+            print("-" * 40)
+        elapsed += max(done[r].elapsed for r in ids)
+        if any(done[r].interrupted for r in ids):
+            raise KeyboardInterrupt
+    n_gen = sum(r.num_output_tokens for r in results)
+    print(f"prompt tokens: {sum(r.num_prompt_tokens for r in results)}, generated tokens: "
+          f"{n_gen}, time: {elapsed:.2f} s, {n_gen / max(elapsed, 1e-9):.1f} tokens/s (model "
+          f"loading and kernel compilation excluded), finish: "
+          f"{','.join(str(r.finish_reason) for r in results)}")
+    errors = [r.error for r in results if r.error]
+    if errors:
+        print(f"error: {'; '.join(errors)}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -94,9 +105,10 @@ def _run_worker(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagedllm", description=__doc__)
+    parser = CLIArgumentParser(prog="pagedllm", description=__doc__)
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_generate_parser(subparsers)
+    add_chat_parser(subparsers)
     _add_worker_parser(subparsers)
     add_serve_parser(subparsers)
     add_bench_parser(subparsers)
@@ -109,6 +121,11 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = list(sys.argv[1:] if argv is None else argv)   # as given (bench --co-tenants)
     try:
         return args.func(args)
+    except KeyboardInterrupt:
+        # Ctrl-C anywhere (loading, generating, bench, verify): what was printed stays, one
+        # line says why it ended, and the status is the shell's for SIGINT (128 + 2).
+        print("\n^C interrupted", file=sys.stderr)
+        return 130
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -47,6 +47,23 @@ class GenerateError(ValueError):
         self.outputs = outputs
 
 
+def chat_prompt_token_ids(tokenizer, conversation: list[dict[str, str]],
+                          add_generation_prompt: bool = True,
+                          chat_template: str | None = None) -> list[int]:
+    """One conversation ([{"role": ..., "content": ...}, ...]) rendered with the chat template
+    (`chat_template`, else the tokenizer's own) and tokenized.
+
+    Raises:
+        ValueError: the tokenizer has no chat template and none is given.
+    """
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the tokenizer has no chat template; pass chat_template=... (or "
+                         "LLM(..., chat_template=...), --chat-template on the command line)")
+    return list(tokenizer.apply_chat_template(
+        conversation, tokenize=True, add_generation_prompt=add_generation_prompt,
+        chat_template=chat_template, return_dict=False))
+
+
 class LLM:
     """Offline generation over the paged-KV engine.
 
@@ -191,12 +208,8 @@ class LLM:
             if not conv:
                 raise ValueError(f"conversation {i} is empty (no messages)")
         tokenizer = self.get_tokenizer()
-        if chat_template is None and not getattr(tokenizer, "chat_template", None):
-            raise ValueError("the tokenizer has no chat template; pass chat_template=... (or "
-                             "LLM(..., chat_template=...), --chat-template on the command line)")
-        prompts = [{"prompt_token_ids": list(tokenizer.apply_chat_template(
-            conv, tokenize=True, add_generation_prompt=add_generation_prompt,
-            chat_template=chat_template, return_dict=False))} for conv in conversations]
+        prompts = [{"prompt_token_ids": chat_prompt_token_ids(
+            tokenizer, conv, add_generation_prompt, chat_template)} for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def beam_search(self, prompts: Sequence[PromptType],

@@ -313,7 +313,10 @@ def add_verify_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "verify", help="check that pagedllm runs a checkpoint (folder or .gguf) as transformers "
                        "does: greedy outputs and logprobs on a few prompts, PASS/FAIL")
-    p.add_argument("model", help="checkpoint folder, hub id or .gguf file")
+    p.add_argument("model", nargs="?", default=None,
+                   help="checkpoint folder, hub id or .gguf file (or give it as --model)")
+    p.add_argument("--model", dest="model_option", default=None, metavar="MODEL",
+                   help="the same as the positional MODEL (the flag every command takes)")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens generated per prompt")
     p.add_argument("--num-prompts", type=int, default=None,
                    help="use the first N prompts (default: all)")
@@ -334,6 +337,11 @@ def add_verify_parser(subparsers) -> None:
 
 
 def _usage_error(args: argparse.Namespace) -> str | None:
+    if args.model is not None and args.model_option not in (None, args.model):
+        return f"two models given: {args.model} and --model {args.model_option}"
+    args.model = args.model or args.model_option
+    if args.model is None:
+        return "no model given: pagedllm verify MODEL (or --model MODEL)"
     if args.max_tokens < 1:
         return f"--max-tokens must be >= 1, got {args.max_tokens}"
     if args.num_prompts is not None and args.num_prompts < 1:

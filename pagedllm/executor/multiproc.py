@@ -260,6 +260,10 @@ def _worker_main(config: EngineConfig, rank: int, init_method: str, conn: Connec
     becomes this process's fd 2 (a `_StderrTail` of the engine), with `faulthandler` writing
     there on a fatal signal.
     """
+    # NOTE(ctrl-c): a terminal's Ctrl-C signals the whole foreground process group. The engine
+    # process decides what it means (abort requests between steps, then shut the workers down),
+    # so a worker ignores it instead of dying inside a collective with a traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if stderr is not None:
         _flush_stderr()
         os.dup2(stderr.fileno(), 2)

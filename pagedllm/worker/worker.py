@@ -113,7 +113,10 @@ class Worker:
         attn = runner.model.attention_layers()
         groups = runner.kv_cache_groups(num_blocks)
         total_bytes = sum(g.num_blocks * b for g, b in zip(groups, group_bytes))
-        logger.info("KV cache: %s (%.1f MiB, %s); attention backend %s",
+        # NOTE(reserved): the figure is the cache's size, set by the budget, not memory in use:
+        # a small model's default budget reads like gigabytes used otherwise.
+        logger.info("KV cache: %s; %.1f MiB reserved (%s; blocks are filled as requests need "
+                    "them); attention backend %s",
                     "; ".join(_describe_group(g, cc.block_size) for g in groups),
                     total_bytes / 2**20,
                     str(runner.kv_cache_dtype).removeprefix("torch."),

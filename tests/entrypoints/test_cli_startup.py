@@ -24,7 +24,8 @@ print("HEAVY=" + ",".join(heavy))
 
 @pytest.mark.parametrize("argv", [
     ["--help"], ["serve", "--help"], ["bench", "--help"], ["verify", "--help"],
-    ["generate", "--help"], ["serve", "--port", "99999"], ["serve", "--model", "/no/such/dir"],
+    ["generate", "--help"], ["chat", "--help"], ["serve", "--port", "99999"],
+    ["serve", "--model", "/no/such/dir"],
     ["serve", "--enable-auto-tool-choice"],
 ])
 def test_help_and_argument_errors_stay_light(argv: list[str]) -> None:
@@ -63,3 +64,56 @@ def test_a_dead_worker_is_reported_without_a_traceback(monkeypatch, capsys) -> N
     args.func = other
     with pytest.raises(RuntimeError, match="a bug"):
         cli.main([])
+
+
+def _walk_parsers(parser, path=()):
+    """(command path, parser) for the top-level parser and every (nested) sub-command."""
+    import argparse
+
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _walk_parsers(sub, (*path, name))
+
+
+def test_every_flag_of_every_command_has_help_text() -> None:
+    import argparse
+
+    from pagedllm.entrypoints.cli import build_parser
+
+    missing = [(" ".join(path), action.option_strings or action.dest)
+               for path, parser in _walk_parsers(build_parser())
+               for action in parser._actions
+               if not isinstance(action, (argparse._HelpAction, argparse._SubParsersAction))
+               and not action.help]
+    assert missing == []
+
+
+def test_no_command_accepts_abbreviated_flags() -> None:
+    from pagedllm.entrypoints.cli import build_parser
+
+    assert all(not parser.allow_abbrev for _, parser in _walk_parsers(build_parser()))
+
+
+@pytest.mark.parametrize("argv, usage, hint", [
+    (["serve", "--prot", "1"], "pagedllm serve", "did you mean --port?"),
+    (["generate", "--prompt", "x", "--max-token", "3"], "pagedllm generate",
+     "did you mean --max-tokens?"),
+    (["chat", "--temprature", "0"], "pagedllm chat", "did you mean --temperature?"),
+    (["bench", "throughput", "--num-prompt", "3"], "pagedllm bench throughput",
+     "did you mean --num-prompts?"),
+    (["genrate", "--prompt", "x"], "usage: pagedllm ", "did you mean generate?"),
+    # A prefix is no longer taken for the flag it starts.
+    (["generate", "--prompt", "x", "--max-tok", "3"], "pagedllm generate",
+     "unrecognized arguments: --max-tok"),
+])
+def test_typos_are_reported_by_their_command_with_a_suggestion(argv, usage, hint,
+                                                                capsys) -> None:
+    from pagedllm.entrypoints.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert usage in err and hint in err, err

@@ -51,7 +51,8 @@ def test_pass_on_a_tiny_hf_checkpoint(tiny_llama, capsys):
 
 def test_pass_on_a_tiny_gguf_file_with_json(tiny_llama, tmp_path, capsys):
     path = write_gguf(tiny_llama, tmp_path / "tiny.gguf", "Q8_0", "llama")
-    assert main(["verify", str(path), *FAST, "--json"]) == 0
+    # --model, the flag every command takes, names the model as the positional form does.
+    assert main(["verify", "--model", str(path), *FAST, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["passed"] is True and report["model"] == str(path)
     assert len(report["prompts"]) == 3
@@ -101,6 +102,8 @@ def test_prompts_file_and_text_report_of_a_failure(perturbed_llama, tiny_llama, 
     ["verify", "MODEL", "--num-prompts", "0"],
     ["verify", "MODEL", "--max-tokens", "0"],
     ["verify", "MODEL", "--prompts-file", "/nonexistent/prompts.txt"],
+    ["verify"],
+    ["verify", "MODEL", "--model", "OTHER"],
 ])
 def test_usage_errors_exit_2(argv, capsys):
     assert main(argv) == 2

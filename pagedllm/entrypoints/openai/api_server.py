@@ -392,6 +392,12 @@ def run_server(model: str, engine_kwargs: dict[str, Any], host: str = "127.0.0.1
                                   api_key=api_key, model_root=model,
                                   max_request_body_bytes=max_request_body_bytes)
     else:
+        from pagedllm.entrypoints.chat_template_check import (has_chat_template,
+                                                              no_chat_template_message)
+        if has_chat_template(model, engine_kwargs.get("tokenizer"),
+                             engine_kwargs.get("chat_template")) is False:
+            logger.warning("%s; /v1/chat/completions will answer 400, completions work",
+                           no_chat_template_message(model))
         metrics = PrometheusStatLogger(names[0])
         if data_parallel_size > 1:
             async_llm = DataParallelAsyncLLM.from_engine_args(
@@ -462,12 +468,10 @@ def _exit_after_graceful_shutdown(signum: int, frame: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-
+    from pagedllm.entrypoints.cli_parser import CLIArgumentParser
     from pagedllm.entrypoints.openai.cli_args import add_serve_args, run_serve
 
-    parser = argparse.ArgumentParser(prog="pagedllm-api-server",
-                                     description="OpenAI-compatible server")
+    parser = CLIArgumentParser(prog="pagedllm-api-server", description="OpenAI-compatible server")
     add_serve_args(parser)
     args = parser.parse_args(argv)
     try:

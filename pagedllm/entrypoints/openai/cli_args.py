@@ -47,7 +47,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    help="model name(s) clients use, all accepted in requests (default: "
                         "--model exactly as given, or shakespeare-10m for the shipped model)")
     g.add_argument("--uvicorn-log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="uvicorn's log level (default info: one line per request)")
     g.add_argument("--max-request-body-bytes", type=bounded_int(1), default=8 << 20,
                    help="larger request bodies get HTTP 413 (default 8 MiB)")
     g.add_argument("--data-parallel-size", "-dp", type=bounded_int(1), default=1,

@@ -22,7 +22,7 @@ from pydantic import BaseModel
 
 from pagedllm.engine.async_llm import (AsyncLLM, EngineDeadError, RequestFailedError,
                                        RequestStream)
-from pagedllm.engine.input_processor import PromptType
+from pagedllm.engine.input_processor import PromptType, context_length_error
 from pagedllm.entrypoints.openai.protocol import (ErrorInfo, ErrorResponse, PromptTokensDetails,
                                                   UsageInfo, random_id)
 from pagedllm.outputs import RequestOutput
@@ -288,14 +288,10 @@ class OpenAIServing:
         num_prompt_tokens = len(token_ids)
         param = "max_completion_tokens" if getattr(request, "max_completion_tokens", None) \
             is not None else "max_tokens"
-        if num_prompt_tokens >= self.max_model_len or (
-                max_tokens is not None and num_prompt_tokens + max_tokens > self.max_model_len):
-            requested = num_prompt_tokens + (max_tokens or 0)
+        too_long = context_length_error(self.max_model_len, num_prompt_tokens, max_tokens)
+        if too_long is not None:
             raise OpenAIServingError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                f"you requested {requested} tokens ({num_prompt_tokens} in the prompt, "
-                f"{max_tokens or 0} for the completion). Please reduce the length of the "
-                f"prompt or the completion.", 400,
+                too_long, 400,
                 param=param if num_prompt_tokens < self.max_model_len else
                 ("messages" if "messages" in type(request).model_fields else "prompt"))
         if params.max_tokens is None:

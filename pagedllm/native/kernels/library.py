@@ -116,7 +116,8 @@ def build_cpu_kernels(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     target = _cache_dir() / digest.hexdigest()[:16] / "libpagedllm_cpu.so"
     import torch  # noqa: F401  (load torch's OpenMP runtime first, so the library shares it)
     if not target.exists():
-        logger.info("compiling CPU kernels into %s", target)
+        logger.info("compiling the CPU kernels (first run on this machine or after an "
+                    "update; once, about a minute on 2 cores) into %s", target)
         _build(compiler, flags, target)
     lib = ctypes.CDLL(str(target))
     version = lib.pagedllm_abi_version()

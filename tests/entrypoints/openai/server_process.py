@@ -23,14 +23,16 @@ def free_port() -> int:
 
 
 @contextmanager
-def running_server(serve_args: list[str], env: dict[str, str] | None = None
+def running_server(serve_args: list[str], env: dict[str, str] | None = None, stderr=None
                    ) -> Iterator[tuple[subprocess.Popen, str]]:
     """Run `pagedllm serve SERVE_ARGS --port P`, wait for /health, yield (process, base url);
-    on exit SIGTERM it and require a graceful exit (status 0)."""
+    on exit SIGTERM it and require a graceful exit (status 0). `stderr`: where the server's
+    log goes (a file object; default: this process's stderr)."""
     port = free_port()
     cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", *serve_args,
            "--port", str(port)]
-    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+                            stderr=stderr)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
