@@ -156,12 +156,13 @@ class Metadata(_StrictModel):
 
 
 class ThinkingConfig(_StrictModel):
-    """`{"type": "adaptive" | "disabled" | "enabled" | "between_tools", ...}`; only "adaptive"
-    (the model decides, as a reasoning model served with --reasoning-parser does) and
-    "disabled" can be honoured (see `ServingMessages`)."""
+    """`{"type": "adaptive" | "disabled" | "enabled" | "between_tools", ...}`; "adaptive" (the
+    model decides, as a reasoning model served with --reasoning-parser does), "enabled" with
+    `budget_tokens` (the most reasoning tokens, on such a server) and "disabled" can be
+    honoured (see `ServingMessages`)."""
 
     type: Literal["adaptive", "disabled", "enabled", "between_tools"]
-    budget_tokens: int | None = None
+    budget_tokens: int | None = Field(default=None, ge=0)
     display: Literal["summarized", "omitted"] | None = None
 
 

@@ -12,13 +12,14 @@ chat_output.py, tool_parsers/) and admission are the chat endpoint's own. Mappin
     tool_choice auto|any|tool|none -> "auto" | "required" | named function | "none";
                                   disable_parallel_tool_use -> parallel_tool_calls: false
     output_config.format        -> response_format {"type": "json_schema", ...}
+    thinking enabled + budget_tokens -> thinking_token_budget (needs --reasoning-parser)
+    a final assistant turn (prefill) -> continue_final_message (the answer continues it)
     stop_sequences -> stop; max_tokens, temperature, top_p, top_k as they are
 
 The output is read by `ChoiceOutputParser` and presented as Anthropic content blocks (thinking,
 text, tool_use), whole or as Anthropic's event stream (message_start, content_block_start/delta/
 stop, message_delta with stop_reason and usage, message_stop; an `error` event if the request
-fails after the stream began). A conversation ending with an assistant turn (prefill) is refused:
-the chat pipeline cannot continue a final message yet (issue #41's `continue_final_message`).
+fails after the stream began).
 """
 
 from __future__ import annotations
@@ -99,7 +100,8 @@ def _chat_messages(request: MessagesInput) -> list[dict[str, Any]]:
     """The conversation as chat messages (see the module docstring).
 
     Raises:
-        ValueError: a block in a turn whose role cannot carry it, or a final assistant turn.
+        ValueError: a block in a turn whose role cannot carry it, or a final assistant turn
+            with tool calls (nothing to continue).
     """
     chat: list[dict[str, Any]] = []
     system = request.system_text()
@@ -107,9 +109,10 @@ def _chat_messages(request: MessagesInput) -> list[dict[str, Any]]:
         chat.append({"role": "system", "content": system})
     for i, message in enumerate(request.messages):
         chat.extend(_chat_turn(i, message))
-    if request.messages and request.messages[-1].role == "assistant":
-        raise ValueError("messages: a final assistant turn (prefill) is not supported; end the "
-                         "conversation with a user turn")
+    if request.messages and request.messages[-1].role == "assistant" \
+            and chat[-1].get("tool_calls"):
+        raise ValueError("messages: a final assistant turn (prefill) must be text; its tool_use "
+                         "blocks need a user turn with their tool_result after them")
     return chat
 
 
@@ -243,11 +246,13 @@ class ServingMessages:
             OpenAIServingError: 400 naming the Messages field for what cannot be translated
                 (a block in the wrong turn, prefill, a `thinking` setting).
         """
-        self._check_thinking(request)
+        budget = self._thinking_budget(request)
         try:
             fields: dict[str, Any] = {"model": request.model,
                                       "messages": _chat_messages(request),
                                       **_chat_tool_fields(request)}
+            if request.messages and request.messages[-1].role == "assistant":
+                fields.update(continue_final_message=True, add_generation_prompt=False)
         except ValueError as e:
             raise OpenAIServingError(str(e), 400, param="messages") from e
         config = request.output_config
@@ -257,6 +262,8 @@ class ServingMessages:
         if config is not None and config.format is not None:
             fields["response_format"] = {"type": "json_schema", "json_schema": {
                 "name": "output", "schema": config.format.schema_}}
+        if budget is not None:
+            fields["thinking_token_budget"] = budget
         if isinstance(request, MessagesRequest):
             fields.update(max_tokens=request.max_tokens, stop=request.stop_sequences,
                           temperature=request.temperature, top_p=request.top_p,
@@ -274,17 +281,25 @@ class ServingMessages:
             raise _renamed(error_from_exception(e, chat_request)) from e
         return chat_request
 
-    def _check_thinking(self, request: MessagesInput) -> None:
-        """Raises OpenAIServingError 400 (param thinking) for a setting this server cannot
-        honour: a reasoning budget ("enabled", "between_tools"), hidden thinking, or
-        "disabled" on a model that reasons anyway (--reasoning-parser)."""
+    def _thinking_budget(self, request: MessagesInput) -> int | None:
+        """The reasoning budget of `"enabled"` thinking (`budget_tokens`, enforced as chat's
+        thinking_token_budget); None for no budget. Raises OpenAIServingError 400 (param
+        thinking) for a setting this server cannot honour: a budget without a reasoning parser
+        or on another type, "between_tools", hidden thinking, or "disabled" on a model that
+        reasons anyway (--reasoning-parser)."""
         thinking = request.thinking
         if thinking is None:
-            return
+            return None
         problem = None
-        if thinking.type in ("enabled", "between_tools") or thinking.budget_tokens is not None:
-            problem = (f'"{thinking.type}" with a budget cannot be honoured: no reasoning budget '
-                       'is enforced here; send {"type": "adaptive"} or leave thinking out')
+        if thinking.type == "enabled" and thinking.budget_tokens is None:
+            problem = '"enabled" needs budget_tokens'
+        elif thinking.type == "enabled" and self.chats.reasoning is None:
+            problem = ('"enabled" cannot be honoured: this server has no --reasoning-parser, so '
+                       'nothing says where the model\'s thinking ends')
+        elif thinking.type == "between_tools" or (thinking.budget_tokens is not None
+                                                  and thinking.type != "enabled"):
+            problem = (f'"{thinking.type}" with a budget cannot be honoured; send '
+                       '{"type": "enabled", "budget_tokens": N} or {"type": "adaptive"}')
         elif thinking.display == "omitted":
             problem = 'display "omitted" is not supported (thinking is returned as it is)'
         elif thinking.type == "disabled" and self.chats.reasoning is not None:
@@ -292,6 +307,7 @@ class ServingMessages:
                        'answers (--reasoning-parser); leave thinking out')
         if problem is not None:
             raise OpenAIServingError(f"thinking: {problem}", 400, param="thinking")
+        return thinking.budget_tokens
 
     async def create_message(self, request: MessagesRequest) -> AnthropicMessage | SSEStream:
         """The message, or (stream: true) Anthropic's event stream.

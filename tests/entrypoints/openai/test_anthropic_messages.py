@@ -219,8 +219,12 @@ _BAD = [
                                      "data": "AA=="}}]}]}, "messages", "'image'"),
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools",
      "web_search_20250305"),
-    ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking", "budget"),
-    ({"messages": [*USER, {"role": "assistant", "content": "The answer is"}]}, "messages",
+    ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking",
+     "--reasoning-parser"),
+    ({"thinking": {"type": "enabled"}}, "thinking", "needs budget_tokens"),
+    ({"thinking": {"type": "between_tools", "budget_tokens": 8}}, "thinking", "between_tools"),
+    ({"messages": [*USER, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t1", "name": "get_weather", "input": {}}]}]}, "messages",
      "prefill"),
     ({"max_tokens": 0}, "max_tokens", "max_tokens"),
     ({"max_tokens": 5000}, "max_tokens", "context length"),
@@ -310,6 +314,31 @@ def reasoning_client(tool_model: Path):
             "--kv-cache-memory-bytes", "16000000"]
     with running_server(args) as (_, url):
         yield anthropic.Anthropic(base_url=url, api_key="none", max_retries=0)
+
+
+def test_prefill_continues_the_final_assistant_turn(client, http, tokenizer) -> None:
+    messages = [*USER, {"role": "assistant", "content": "The forecast says"}]
+    message = client.messages.create(max_tokens=8, messages=messages, **GREEDY)
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False,
+                                             continue_final_message=True)
+    assert rendered.endswith("The forecast says")
+    assert message.usage.input_tokens == len(tokenizer.encode(rendered, add_special_tokens=False))
+    chat = _chat(http, messages=messages, max_tokens=8, add_generation_prompt=False,
+                 continue_final_message=True)
+    assert _text(message) == chat["choices"][0]["message"]["content"]
+
+
+def test_thinking_budget_ends_the_reasoning(reasoning_client, tokenizer) -> None:
+    end = tokenizer.convert_tokens_to_ids("</think>")
+    body = {"max_tokens": 10, "messages": USER, **GREEDY}
+    free = reasoning_client.messages.create(**body)
+    assert [b.type for b in free.content] == ["thinking"]     # never closes on its own
+    capped = reasoning_client.messages.create(
+        **body, thinking={"type": "enabled", "budget_tokens": 3})
+    thinking, text = capped.content
+    assert thinking.type == "thinking" and text.type == "text" and text.text
+    assert free.content[0].thinking.startswith(thinking.thinking)
+    assert end not in tokenizer.encode(text.text, add_special_tokens=False)
 
 
 def test_reasoning_comes_back_as_thinking_blocks(reasoning_client) -> None:
