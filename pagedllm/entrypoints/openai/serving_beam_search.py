@@ -10,13 +10,11 @@ stream, in one piece at the end) exactly as they do for sampled choices.
 
 from __future__ import annotations
 
-from contextlib import aclosing
 from typing import Any
 
 from pagedllm.beam_search import BeamSearch, BeamSearchParams, beam_search_num_logprobs
 from pagedllm.entrypoints.openai.serving_engine import (OpenAIServing, OpenAIServingError,
-                                                        error_from_exception,
-                                                        merge_async_iterators)
+                                                        final_outputs)
 from pagedllm.outputs import CompletionOutput, RequestOutput
 
 
@@ -76,16 +74,7 @@ async def beam_search(serving: OpenAIServing, request: Any, prompt_token_ids: li
         streams = await serving.admit(request, [({"prompt_token_ids": tokens},
                                                  search.step_params) for tokens in pending],
                                       f"{request_id}-beam{step}")
-        finals: list[RequestOutput | None] = [None] * len(streams)
-        try:
-            async with aclosing(merge_async_iterators(streams)) as merged:
-                async for index, out in merged:
-                    finals[index] = out
-        except Exception as e:  # noqa: BLE001 - mapped to an HTTP error
-            raise error_from_exception(e, request) from e
-        finally:
-            for stream in streams:
-                stream.close()
+        finals = await final_outputs(streams, request)
         search.advance([out.outputs[0].logprobs[0] for out in finals])
         step += 1
     outputs = []

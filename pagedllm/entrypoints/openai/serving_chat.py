@@ -34,8 +34,8 @@ from pagedllm.reasoning.budget import ThinkingBudgetLogitsProcessor
 from pagedllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing,
                                                         OpenAIServingError, SSEStream,
                                                         clamp_logprob, error_from_exception,
-                                                        sse_event, token_string, usage_of,
-                                                        usage_so_far)
+                                                        final_outputs, sse_event, token_string,
+                                                        usage_of, usage_so_far)
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -88,23 +88,6 @@ class AdmittedChat:
     num_prompt_tokens: int
 
 
-async def final_output(stream: RequestStream | FinishedStream, request: object) -> RequestOutput:
-    """The last output of a non-streamed request; the stream is closed however this ends.
-
-    Raises:
-        OpenAIServingError: the request failed (500) or the engine died (503).
-    """
-    final: RequestOutput | None = None
-    try:
-        async for out in stream:
-            final = out
-    except Exception as e:  # noqa: BLE001 - mapped to an HTTP error
-        raise error_from_exception(e, request) from e
-    finally:
-        stream.close()
-    return final
-
-
 class ServingChat:
     """Handler of the chat completions endpoint.
 
@@ -151,7 +134,7 @@ class ServingChat:
             return SSEStream(self._stream(request, chat.mode, chat.stream,
                                           chat.num_prompt_tokens, response_id, created,
                                           chat.model), [chat.stream])
-        final = await final_output(chat.stream, request)
+        [final] = await final_outputs([chat.stream], request)
         choices = [self._choice(request, chat.mode, c)
                    for c in sorted(final.outputs, key=lambda c: c.index)]
         return ChatCompletionResponse(

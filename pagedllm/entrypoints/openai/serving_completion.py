@@ -24,8 +24,9 @@ from pagedllm.engine.logprob_strings import token_strings
 from pagedllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing,
                                                         OpenAIServingError, SSEStream,
                                                         clamp_logprob, error_from_exception,
-                                                        merge_async_iterators, sse_event,
-                                                        token_string, usage_of, usage_so_far)
+                                                        final_outputs, merge_async_iterators,
+                                                        sse_event, token_string, usage_of,
+                                                        usage_so_far)
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -127,16 +128,7 @@ class ServingCompletion:
         if request.stream:
             return SSEStream(self._stream(request, prompts, streams, response_id, created, model),
                              streams)
-        finals: list[RequestOutput | None] = [None] * len(prompts)
-        try:
-            async with aclosing(merge_async_iterators(streams)) as merged:
-                async for index, out in merged:
-                    finals[index] = out
-        except Exception as e:  # noqa: BLE001 - mapped to an HTTP error
-            raise error_from_exception(e, request) from e
-        finally:
-            for stream in streams:
-                stream.close()
+        finals = await final_outputs(streams, request)
         choices = []
         for prompt_index, (prompt, out) in enumerate(zip(prompts, finals)):
             prefix = self._echo_text(prompt) if request.echo else ""

@@ -193,6 +193,27 @@ async def merge_async_iterators(iterators: Sequence[AsyncIterator[Any]]
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+async def final_outputs(streams: Sequence[Any], request: Any) -> list[RequestOutput]:
+    """The last output of each of a non-streamed request's engine streams (`RequestStream`s, or
+    anything iterable and closable alike), gathered as they finish; every stream is closed
+    however this ends.
+
+    Raises:
+        OpenAIServingError: a request failed (500) or the engine died (503).
+    """
+    finals: list[RequestOutput | None] = [None] * len(streams)
+    try:
+        async with aclosing(merge_async_iterators(streams)) as merged:
+            async for index, out in merged:
+                finals[index] = out
+    except Exception as e:  # noqa: BLE001 - mapped to an HTTP error
+        raise error_from_exception(e, request) from e
+    finally:
+        for stream in streams:
+            stream.close()
+    return finals
+
+
 class OpenAIServing:
     """Request checks shared by the endpoints.
 

@@ -44,9 +44,9 @@ from pagedllm.entrypoints.openai.protocol_anthropic import (AnthropicMessage, An
                                                             ToolChoiceTool, ToolResultBlockParam,
                                                             ToolUseBlock, ToolUseBlockParam,
                                                             MessagesInput)
-from pagedllm.entrypoints.openai.serving_chat import ServingChat, final_output
+from pagedllm.entrypoints.openai.serving_chat import ServingChat
 from pagedllm.entrypoints.openai.serving_engine import (OpenAIServingError, SSEStream,
-                                                        error_from_exception)
+                                                        error_from_exception, final_outputs)
 from pagedllm.engine.async_llm import RequestStream
 from pagedllm.outputs import CompletionOutput
 
@@ -333,7 +333,7 @@ class ServingMessages:
             return SSEStream(self._stream(chat_request, chat.mode, chat.stream,
                                           chat.num_prompt_tokens, message_id, chat.model),
                              [chat.stream])
-        final = await final_output(chat.stream, chat_request)
+        [final] = await final_outputs([chat.stream], chat_request)
         [completion] = final.outputs
         content, tool_use = self._content(chat.mode, completion.text)
         stop_reason, stop_sequence = _stop_reason(completion, tool_use)

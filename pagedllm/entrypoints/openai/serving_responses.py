@@ -31,9 +31,9 @@ from pagedllm.entrypoints.openai.protocol_responses import (
     ResponseUsage)
 from pagedllm.entrypoints.openai.responses_output import ResponseOutputBuilder
 from pagedllm.entrypoints.openai.responses_store import ResponseStore
-from pagedllm.entrypoints.openai.serving_chat import ServingChat, final_output
+from pagedllm.entrypoints.openai.serving_chat import ServingChat
 from pagedllm.entrypoints.openai.serving_engine import (OpenAIServingError, SSEStream,
-                                                        error_from_exception)
+                                                        error_from_exception, final_outputs)
 from pagedllm.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -186,7 +186,7 @@ class ServingResponses:
             return SSEStream(self._stream(answer, chat, admitted.mode, admitted.stream),
                              [admitted.stream])
         try:
-            final = await final_output(admitted.stream, chat)
+            [final] = await final_outputs([admitted.stream], chat)
         except OpenAIServingError as e:
             raise as_responses_error(e, chat) from e
         builder = ResponseOutputBuilder()
