@@ -16,6 +16,7 @@ import logging
 import os
 import sys
 
+from pagedllm import envs
 from pagedllm.engine.arg_utils import add_engine_args, engine_kwargs_from_args
 from pagedllm.entrypoints.cli_sampling import add_sampling_args
 
@@ -56,7 +57,7 @@ def run_chat(args: argparse.Namespace) -> int:
 
     llm = LLM(**kwargs)
     engine = llm.llm_engine
-    if "PAGEDLLM_LOGGING_LEVEL" not in os.environ:
+    if not envs.is_set("PAGEDLLM_LOGGING_LEVEL"):
         # NOTE(chat): the start-up lines stay; INFO lines while talking (e.g. the thread
         # governor's) would break into the answers.
         logging.getLogger("pagedllm").setLevel(logging.WARNING)
