@@ -13,9 +13,12 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedllm.generation_config import GENERATION_CONFIG_SAMPLING_KEYS, get_diff_sampling_param
+
+if TYPE_CHECKING:
+    from pagedllm.lora.config import LoRAConfig
 
 _DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
@@ -531,6 +534,8 @@ class EngineConfig:
     # SamplingParams field -> value, only those the generation config sets. A request field left
     # out takes its value from here, else the built-in default.
     default_sampling_params: dict[str, Any] = field(default_factory=dict)
+    # Multi-LoRA serving (docs/lora.md); None = off (`enable_lora=False`).
+    lora_config: LoRAConfig | None = None
 
     def __post_init__(self) -> None:
         if self.reasoning_parser is not None:
@@ -545,6 +550,10 @@ class EngineConfig:
         if self.speculative_config is not None and self.parallel_config.pipeline_parallel_size > 1:
             raise ValueError("speculative_config is not supported with pipeline_parallel_size > 1 "
                              "(issue #11); use tensor parallelism")
+        if self.lora_config is not None and self.parallel_config.world_size > 1:
+            # TODO(issue #38): A/B sharded like their base layer.
+            raise ValueError("enable_lora is not supported with tensor or pipeline parallelism "
+                             "yet (issue #38); use one process")
 
     @property
     def max_num_blocks_per_req(self) -> int:
@@ -681,7 +690,9 @@ def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str
                          override_generation_config: dict[str, Any] | None = None,
                          batch_invariant: bool = False,
                          cpu_threads_bind: str = "auto",
-                         cpu_reserved_cores: int | None = 0
+                         cpu_reserved_cores: int | None = 0,
+                         enable_lora: bool = False, max_loras: int = 1,
+                         max_lora_rank: int = 16, max_cpu_loras: int | None = None
                          ) -> EngineConfig:
     """Build and validate an `EngineConfig` from flat engine arguments (vLLM's names).
 
@@ -735,6 +746,16 @@ def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str
                                                   if isinstance(eplb_config, dict)
                                                   else eplb_config or EPLBConfig()))
     _validate_parallel_layout(info.raw, parallel_config)
+    lora_config = None
+    if enable_lora:
+        # (imported here: lora/ sits below the folders this module's importers reach)
+        from pagedllm.lora.config import LORA_ARCHITECTURES, LoRAConfig
+        lora_config = LoRAConfig(max_loras=max_loras, max_lora_rank=max_lora_rank,
+                                 max_cpu_loras=max_cpu_loras)
+        unsupported = [a for a in info.architectures if a not in LORA_ARCHITECTURES]
+        if unsupported or not info.architectures:
+            raise ValueError(f"enable_lora: architecture {unsupported or 'unknown'} has no LoRA "
+                             f"support yet; supported: {list(LORA_ARCHITECTURES)}")
     if max_num_batched_tokens is None:
         max_num_batched_tokens = max(2048, max_num_seqs) if enable_chunked_prefill else max(
             eff_len, max_num_seqs)
@@ -765,6 +786,7 @@ def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str
             cudagraph_capture_sizes=(None if cudagraph_capture_sizes is None
                                      else tuple(cudagraph_capture_sizes))),
         default_sampling_params=get_diff_sampling_param(model_config, model_path),
+        lora_config=lora_config,
     )
 
 
