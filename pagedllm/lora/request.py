@@ -38,3 +38,13 @@ class LoRARequest:
     def adapter_id(self) -> int:
         """vLLM's alias of `lora_int_id`."""
         return self.lora_int_id
+
+
+@dataclass(frozen=True)
+class LoRAModulePath:
+    """An adapter the server serves from its start (`--lora-modules`, vLLM's): its name, PEFT
+    folder and base model name (None: the served model's first name)."""
+
+    name: str
+    path: str
+    base_model_name: str | None = None
