@@ -3,8 +3,7 @@
 files carry no LoRA branch.
 
 Every wrapper reads the same `LoRAStepState`, which the runner sets once per step
-(`LoRAModelManager.set_active_loras`) before the forward: the step's token groups by adapter
-slot. NOTE(lora): this state object is handed to the wrappers when they are built instead of
+(`LoRAModelManager.set_active_loras`) before the forward: the step's adapter tokens by slot. NOTE(lora): this state object is handed to the wrappers when they are built instead of
 going through the forward context, which DESIGN reserves for attention metadata read by
 layers/attention.py only.
 
@@ -20,16 +19,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pagedllm.lora.ops import LoRAGroups, lora_expand, lora_shrink
+from pagedllm.lora.ops import LoRAMapping, lora_expand, lora_shrink
 from pagedllm.models.llama import LlamaDecoderLayer, LlamaModel
 
 
 @dataclass
 class LoRAStepState:
-    """The step's token groups by adapter slot (`lora.ops.LoRAGroups`); empty = no token of
-    this step has an adapter (the wrappers then add nothing and the native stack may run)."""
+    """The step's adapter tokens by slot (`lora.ops.LoRAMapping`); None = no token of this
+    step has an adapter (the wrappers then add nothing and the native stack may run)."""
 
-    groups: LoRAGroups = ()
+    mapping: LoRAMapping | None = None
 
 
 @dataclass(frozen=True)
@@ -87,9 +86,9 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base_layer(x)
-        groups = self.state.groups
-        if groups:
-            lora_expand(y, lora_shrink(x, self.lora_a, groups), self.lora_b, groups)
+        mapping = self.state.mapping
+        if mapping is not None:
+            lora_expand(y, lora_shrink(x, self.lora_a, mapping), self.lora_b, mapping)
         return y
 
 
@@ -102,7 +101,7 @@ class LoRAGatedLayerStack:
         self.state = state
 
     def __call__(self, positions, hidden, residual):
-        if self.state.groups:
+        if self.state.mapping is not None:
             return None
         return self.inner(positions, hidden, residual)
 

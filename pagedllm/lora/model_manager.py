@@ -18,6 +18,7 @@ from torch import nn
 
 from pagedllm.lora.config import LoRAConfig
 from pagedllm.lora.layers import LoRAStepState, wrap_lora_layers
+from pagedllm.lora.ops import LoRAMapping
 from pagedllm.lora.peft import LoRAAdapter, LoRAModelShapes, load_peft_adapter
 from pagedllm.lora.request import LoRARequest
 
@@ -51,7 +52,7 @@ class LoRAModelManager:
     @property
     def active(self) -> bool:
         """Whether the current step has tokens under an adapter."""
-        return bool(self.state.groups)
+        return self.state.mapping is not None
 
     def set_active_loras(self, lora_requests: Sequence[LoRARequest | None],
                          num_scheduled_tokens: np.ndarray) -> None:
@@ -71,7 +72,7 @@ class LoRAModelManager:
                           dtype=np.int64, count=len(lora_requests))
         wanted, first_row = np.unique(ids[ids > 0], return_index=True)
         if not len(wanted):
-            self.state.groups = ()
+            self.state.mapping = None
             return
         if len(wanted) > len(self.slot_ids):
             raise RuntimeError(f"{len(wanted)} adapters in one step, more than max_loras="
@@ -82,12 +83,16 @@ class LoRAModelManager:
                    for i, j in zip(wanted, first_row)}
         row_slots = np.array([slot_of.get(int(i), -1) for i in ids], dtype=np.int64)
         token_slots = np.repeat(row_slots, num_scheduled_tokens)
-        groups = []
-        for slot in sorted(slot_of.values()):
-            index = np.nonzero(token_slots == slot)[0]
-            groups.append((slot, None if len(index) == len(token_slots)
-                           else torch.from_numpy(index).to(self.device)))
-        self.state.groups = tuple(groups)
+        counts = np.bincount(token_slots + 1, minlength=len(self.slot_ids) + 1)[1:]
+        ends = np.cumsum(counts)
+        segments = tuple((slot, int(ends[slot] - counts[slot]), int(ends[slot]))
+                         for slot in np.nonzero(counts)[0].tolist())
+        if len(segments) == 1 and counts[segments[0][0]] == len(token_slots):
+            self.state.mapping = LoRAMapping(None, segments)
+            return
+        # Adapter tokens sorted by slot (stable); base tokens (-1) sort first and are cut.
+        order = np.argsort(token_slots, kind="stable")[len(token_slots) - int(ends[-1]):]
+        self.state.mapping = LoRAMapping(torch.from_numpy(order).to(self.device), segments)
 
     def _ensure_resident(self, lora_request: LoRARequest, needed: set[int]) -> int:
         """The slot holding `lora_request`'s adapter, loading it into one if absent (never

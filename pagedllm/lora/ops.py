@@ -1,44 +1,59 @@
 """Punica-style grouped LoRA products (S-LoRA / Punica: Sheng et al. 2023, Chen et al. 2023),
 torch reference.
 
-A step's tokens are grouped by the adapter slot of their request (`LoRAStepState.groups`,
-built once per step); per group, shrink = x A^T (to the slot's rank) and expand = y += (x A^T)
-B^T. Base tokens (slot -1) are in no group and get nothing added.
+The step's adapter tokens are sorted by slot once per step (`LoRAMapping`, built by the
+manager); per layer they are gathered once, each slot's contiguous segment is multiplied by its
+A^T (shrink, to the slot's width) and B^T (expand), and the results are added back in one
+scatter. Base tokens (no adapter) are in no segment and get nothing added.
 
     lora_a: [max_loras, num_slices * max_lora_rank, in_features]   (slot-major, zero-padded)
     lora_b: [max_loras, out_features, num_slices * max_lora_rank]  (slice i's rows use only
                                                                     columns of slice i)
+
+    token_indices: [ t(slot 0) ... | t(slot 2) ... | ... ]   segments: (slot, start, end)
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-# (slot, token indices [m] int64 on the device, or None when the slot covers every token)
-LoRAGroups = tuple[tuple[int, torch.Tensor | None], ...]
+
+@dataclass(frozen=True)
+class LoRAMapping:
+    """One step's adapter tokens by slot.
+
+    Attributes:
+        token_indices: [m] int64 on the device, the batch positions of the adapter tokens
+            sorted by slot (stable); None when every token of the batch has the same slot (then
+            the segment covers the batch in order, with no gather or scatter).
+        segments: (slot, start, end) per slot in use: its tokens are
+            token_indices[start:end].
+    """
+
+    token_indices: torch.Tensor | None
+    segments: tuple[tuple[int, int, int], ...]
 
 
-def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, groups: LoRAGroups
+def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, mapping: LoRAMapping
                 ) -> list[torch.Tensor]:
-    """Per group, its tokens' rows of `x` [n, in_features] times its slot's A^T.
+    """Each segment's rows of `x` [n, in_features] times its slot's A^T.
 
     Returns:
-        One [m, num_slices * max_lora_rank] tensor per group, in `groups`' order.
+        One [end - start, num_slices * max_lora_rank] tensor per segment, in order.
     """
-    out = []
-    for slot, index in groups:
-        rows = x if index is None else x.index_select(0, index)
-        out.append(rows @ lora_a[slot].t())
-    return out
+    rows = x if mapping.token_indices is None else x.index_select(0, mapping.token_indices)
+    return [rows[start:end] @ lora_a[slot].t() for slot, start, end in mapping.segments]
 
 
 def lora_expand(y: torch.Tensor, shrunk: list[torch.Tensor], lora_b: torch.Tensor,
-                groups: LoRAGroups) -> None:
-    """Add each group's `shrunk` rows times its slot's B^T into its tokens' rows of `y`
+                mapping: LoRAMapping) -> None:
+    """Add each segment's `shrunk` rows times its slot's B^T into its tokens' rows of `y`
     [n, out_features] (in place)."""
-    for (slot, index), t in zip(groups, shrunk):
-        delta = t @ lora_b[slot].t()
-        if index is None:
-            y.add_(delta)
-        else:
-            y.index_add_(0, index, delta)
+    deltas = [t @ lora_b[slot].t() for (slot, _, _), t in zip(mapping.segments, shrunk)]
+    delta = deltas[0] if len(deltas) == 1 else torch.cat(deltas)
+    if mapping.token_indices is None:
+        y.add_(delta)
+    else:
+        y.index_add_(0, mapping.token_indices, delta)

@@ -131,3 +131,26 @@ def test_preemption_and_lora_budget_keep_tokens(setup):
     one_slot = _engine(base, max_loras=1)
     outs = one_slot.generate(prompts, PARAMS, use_tqdm=False, lora_request=per_prompt)
     assert [_tokens_and_logprobs(o)[0] for o in outs] == want
+
+
+@pytest.mark.parametrize("engine_args", [
+    {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}},
+    {"async_scheduling": True},
+    {"num_scheduler_steps": 4},
+], ids=["ngram", "async", "multi_step"])
+def test_other_engine_modes_keep_adapter_tokens(setup, engine_args):
+    """n-gram drafts (verified under the adapter), async scheduling and multi-step rounds (for
+    base requests), and n > 1 give the tokens of the plain engine."""
+    base, loras = setup
+    prompts = [{"prompt_token_ids": p} for p in _prompts(3)[:4]]
+    per_prompt = [None, loras["r4"], loras["r8_attn"], loras["r16"]]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    want = [list(o.outputs[0].token_ids) for o in _engine(base).generate(
+        prompts, params, use_tqdm=False, lora_request=per_prompt)]
+    llm = _engine(base, **engine_args)
+    got = llm.generate(prompts, params, use_tqdm=False, lora_request=per_prompt)
+    assert [list(o.outputs[0].token_ids) for o in got] == want
+    two = llm.generate(prompts[1], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                                                  ignore_eos=True, n=2),
+                       use_tqdm=False, lora_request=per_prompt[1])[0]
+    assert [list(c.token_ids) for c in two.outputs] == [want[1], want[1]]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, GenerateError, LoRARequest, SamplingParams
-from pagedllm.lora.ops import lora_expand, lora_shrink
+from pagedllm.lora.ops import LoRAMapping, lora_expand, lora_shrink
 from tests.lora.adapters import ALL_LINEAR, make_peft_adapter
 
 
@@ -95,15 +95,20 @@ def test_grouped_shrink_expand_matches_dense_reference():
     x = torch.randn(n, d_in)
     lora_a = torch.randn(slots, width, d_in)
     lora_b = torch.randn(slots, d_out, width)
-    token_slots = torch.tensor([2, -1, 0, 0, 2, -1, 1, 2, 0, -1, 1])
-    groups = tuple((s, torch.nonzero(token_slots == s).flatten()) for s in range(slots))
+    token_slots = [2, -1, 0, 0, 2, -1, 1, 2, 0, -1, 1]
+    order = [t for s in range(slots) for t in range(n) if token_slots[t] == s]
+    counts = [token_slots.count(s) for s in range(slots)]
+    starts = [sum(counts[:s]) for s in range(slots)]
+    mapping = LoRAMapping(torch.tensor(order),
+                          tuple((s, starts[s], starts[s] + counts[s]) for s in range(slots)))
     y = torch.randn(n, d_out)
     want = y.clone()
-    for t, s in enumerate(token_slots.tolist()):
+    for t, s in enumerate(token_slots):
         if s >= 0:
             want[t] += lora_b[s] @ (lora_a[s] @ x[t])
-    lora_expand(y, lora_shrink(x, lora_a, groups), lora_b, groups)
+    lora_expand(y, lora_shrink(x, lora_a, mapping), lora_b, mapping)
     torch.testing.assert_close(y, want)
+    whole = LoRAMapping(None, ((1, 0, n),))
     y = torch.zeros(n, d_out)
-    lora_expand(y, lora_shrink(x, lora_a, ((1, None),)), lora_b, ((1, None),))
+    lora_expand(y, lora_shrink(x, lora_a, whole), lora_b, whole)
     torch.testing.assert_close(y, x @ lora_a[1].t() @ lora_b[1].t())
