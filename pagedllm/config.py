@@ -756,6 +756,9 @@ def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str
         if unsupported or not info.architectures:
             raise ValueError(f"enable_lora: architecture {unsupported or 'unknown'} has no LoRA "
                              f"support yet; supported: {list(LORA_ARCHITECTURES)}")
+        if batch_invariant:
+            # The grouped LoRA products' shapes follow the step's batch.
+            raise ValueError("enable_lora cannot be combined with batch_invariant yet")
     if max_num_batched_tokens is None:
         max_num_batched_tokens = max(2048, max_num_seqs) if enable_chunked_prefill else max(
             eff_len, max_num_seqs)

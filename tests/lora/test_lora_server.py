@@ -111,3 +111,36 @@ def test_unload_refused_while_in_use(tiny_llama, adapters):
         assert second.lora_int_id != first.lora_int_id
     finally:
         engine.shutdown()
+
+
+def test_serve_flags():
+    import argparse
+
+    from pagedllm.entrypoints.openai.cli_args import (add_serve_args, check_serve_args,
+                                                      parse_lora_module)
+    from pagedllm.lora.request import LoRAModulePath
+
+    assert parse_lora_module("sql=/a/b") == LoRAModulePath("sql", "/a/b")
+    assert parse_lora_module('{"name": "x", "path": "/p", "base_model_name": "m"}') == \
+        LoRAModulePath("x", "/p", "m")
+    for bad in ("sql", "=/a", '{"name": "x"}', '{"name": "x", "path": "/p", "r": "8"}', "{"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_lora_module(bad)
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    args = parser.parse_args(["--lora-modules", "a=/x", "--port", "0"])
+    with pytest.raises(ValueError, match="need --enable-lora"):
+        check_serve_args(args)
+
+
+def test_bad_lora_module_stops_the_server_at_start(tiny_llama, tmp_path):
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--model", str(tiny_llama),
+         "--kv-cache-memory-bytes", "2000000", "--enable-lora", "--lora-modules",
+         f"broken={tmp_path}", "--port", "0"], capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "--lora-modules broken" in result.stderr and "adapter_config.json not found" in \
+        result.stderr

@@ -64,7 +64,8 @@ class LoRAModules:
         try:
             self.async_llm.check_lora_request(lora)
         except ValueError as e:
-            raise OpenAIServingError(str(e), 400, param="lora_path") from None
+            raise OpenAIServingError(str(e).removeprefix("lora_request: "), 400,
+                                     param="lora_path") from None
         self.adapters[name] = lora
         self.parents[name] = parent or self.base_model_name
         return lora
