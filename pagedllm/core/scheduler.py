@@ -248,9 +248,7 @@ class Scheduler:
         (structured output, logits processors, drafts), no waiting request could be admitted
         now (none waits, or every sequence slot is taken), and the round's KV slots fit the
         free blocks; else 1. The round is capped where the first request reaches max_tokens or
-        max_model_len, so a slot frees no later than a round ends. A request under a LoRA
-        adapter makes every round one step (the later steps of a round reuse the first one's
-        inputs, which carry no adapter mapping)."""
+        max_model_len, so a slot frees no later than a round ends."""
         steps = self.num_scheduler_steps
         if (steps == 1 or not self.running
                 or (self.waiting and len(self.running) < self.config.max_num_seqs)
@@ -259,8 +257,7 @@ class Scheduler:
         for request in self.running:
             params = request.sampling_params
             if (request.num_computed_tokens != request.num_tokens - 1 or request.spec_token_ids
-                    or params.structured_outputs is not None or params.logits_processors
-                    or request.lora_request is not None):
+                    or params.structured_outputs is not None or params.logits_processors):
                 return 1
             steps = min(steps, min(request.num_prompt_tokens + request.max_tokens,
                                    self.max_model_len) - request.num_tokens)

@@ -475,13 +475,18 @@ class ModelRunner:
             self._pending = self._last_inputs = None
             return
         inputs = StepInputs(*self._prepare_inputs(scheduler_output))
+        self._set_active_loras(inputs.batch)
+        self._pending = self._forward(inputs)
+        self._last_inputs = inputs
+
+    def _set_active_loras(self, batch: InputBatch) -> None:
+        """Map the batch's tokens to adapter slots for the next forwards (LoRA engines only).
+        A multi-step round's `_advance_decode_inputs` keeps the rows, their order and one
+        token each, so the mapping of the round's first step holds for it."""
         if self.lora_manager is not None:
-            batch = inputs.batch
             self.lora_manager.set_active_loras(
                 [self.states.lora_requests[i] for i in batch.idx_mapping],
                 batch.num_scheduled_tokens)
-        self._pending = self._forward(inputs)
-        self._last_inputs = inputs
 
     def _forward(self, inputs: StepInputs) -> PendingStep:
         """The forward of prepared inputs -> the logits of the sampled rows."""
@@ -738,8 +743,10 @@ class ModelRunner:
         st = self.states
         idx_mapping = np.array([st.req_id_to_index[r] for r in req_ids], dtype=np.int64)
         st.num_computed_tokens[idx_mapping] += 1
-        return StepInputs(*self._gather_inputs(
+        inputs = StepInputs(*self._gather_inputs(
             req_ids, idx_mapping, np.ones(len(req_ids), dtype=np.int32), {}))
+        self._set_active_loras(inputs.batch)
+        return inputs
 
 def _to_lists(t: LogprobsTensors) -> LogprobsLists:
     return LogprobsLists(t.token_ids.tolist(), t.logprobs.tolist(), t.ranks.tolist())

@@ -154,3 +154,22 @@ def test_other_engine_modes_keep_adapter_tokens(setup, engine_args):
                                                   ignore_eos=True, n=2),
                        use_tqdm=False, lora_request=per_prompt[1])[0]
     assert [list(c.token_ids) for c in two.outputs] == [want[1], want[1]]
+
+
+def test_multi_step_round_with_a_request_leaving_early(setup):
+    """A multi-step round whose base request stops at a stop token mid-round: the adapter
+    requests' later steps are gathered again (a new token-to-slot mapping) and keep their
+    tokens."""
+    base, loras = setup
+    prompts = [{"prompt_token_ids": p} for p in _prompts(4)[:4]]
+    per_prompt = [None, loras["r4"], loras["r8_attn"], loras["r16"]]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    want = [list(o.outputs[0].token_ids) for o in _engine(base).generate(
+        prompts, params, use_tqdm=False, lora_request=per_prompt)]
+    stop = want[0][3]
+    stopping = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                              stop_token_ids=[stop])
+    got = _engine(base, num_scheduler_steps=8).generate(
+        prompts, [stopping, params, params, params], use_tqdm=False, lora_request=per_prompt)
+    assert list(got[0].outputs[0].token_ids) == want[0][:want[0].index(stop) + 1]
+    assert [list(o.outputs[0].token_ids) for o in got[1:]] == want[1:]

@@ -1,6 +1,6 @@
 """The scheduler's LoRA budget: never more than max_loras distinct adapters in one step, base
-requests never held back, the others scheduled once a slot frees; adapter requests decode one
-step per round."""
+requests never held back, the others scheduled once a slot frees; adapter requests take
+multi-step rounds."""
 
 from __future__ import annotations
 
@@ -52,13 +52,10 @@ def test_at_most_max_loras_adapters_per_step():
     assert seen == {f"r{i}" for i in range(8)}
 
 
-def test_adapter_requests_run_single_step_rounds():
-    sched = _scheduler(max_loras=1, num_scheduler_steps=4)
-    _add(sched, "base", None, max_tokens=9)
-    _step(sched)
-    assert sched.schedule().num_steps == 4   # base alone: multi-step rounds
+def test_adapter_requests_take_multi_step_rounds_within_the_budget():
     sched = _scheduler(max_loras=1, num_scheduler_steps=4)
     _add(sched, "base", None, max_tokens=9)
     _add(sched, "lora", 1, max_tokens=9)
-    _step(sched)
-    assert sched.schedule().num_steps == 1
+    assert _step(sched) == ({"base", "lora"}, {1})
+    out = sched.schedule()
+    assert out.num_steps == 4 and set(out.num_scheduled_tokens) == {"base", "lora"}
