@@ -3,9 +3,10 @@
 files carry no LoRA branch.
 
 Every wrapper reads the same `LoRAStepState`, which the runner sets once per step
-(`LoRAModelManager.set_active_loras`) before the forward: the step's adapter tokens by slot. NOTE(lora): this state object is handed to the wrappers when they are built instead of
-going through the forward context, which DESIGN reserves for attention metadata read by
-layers/attention.py only.
+(`LoRAModelManager.set_active_loras`) before the forward: the step's adapter tokens by slot.
+NOTE(lora): this state object is handed to the wrappers when they are built instead of going
+through the forward context, which carries the attention metadata for layers/attention.py
+only.
 
 Merged layers hold one slice per checkpoint projection:
 
@@ -107,7 +108,8 @@ class LoRAGatedLayerStack:
 
 
 def wrap_lora_layers(model: nn.Module, state: LoRAStepState, max_loras: int,
-                     max_lora_rank: int, device: torch.device, dtype: torch.dtype) -> dict[tuple[int, str], tuple[LoRALinear, int]]:
+                     max_lora_rank: int, device: torch.device, dtype: torch.dtype
+                     ) -> dict[tuple[int, str], tuple[LoRALinear, int]]:
     """Wrap every Llama-family decoder layer's projections of `model` in `LoRALinear`s.
 
     Returns:

@@ -112,3 +112,20 @@ def test_grouped_shrink_expand_matches_dense_reference():
     y = torch.zeros(n, d_out)
     lora_expand(y, lora_shrink(x, lora_a, whole), lora_b, whole)
     torch.testing.assert_close(y, x @ lora_a[1].t() @ lora_b[1].t())
+
+
+def test_chat_takes_the_adapter(base, good):
+    llm = LLM(str(base), dtype="float32", kv_cache_memory_bytes=4 << 20, enable_lora=True,
+              max_lora_rank=8)
+    lora = LoRARequest("good", 1, str(good))
+    messages = [{"role": "user", "content": "hello there"}]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompt = llm.get_tokenizer().apply_chat_template(messages, tokenize=True,
+                                                     add_generation_prompt=True,
+                                                     return_dict=False)
+    want = llm.generate({"prompt_token_ids": list(prompt)}, params, use_tqdm=False,
+                        lora_request=lora)[0].outputs[0].token_ids
+    chat = llm.chat(messages, params, use_tqdm=False, lora_request=lora)[0]
+    assert chat.outputs[0].token_ids == want
+    plain = llm.chat(messages, params, use_tqdm=False)[0]
+    assert plain.outputs[0].token_ids != want

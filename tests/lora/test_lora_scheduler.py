@@ -14,8 +14,8 @@ from pagedllm.sampling_params import SamplingParams
 
 def _scheduler(max_loras: int, num_scheduler_steps: int = 1) -> Scheduler:
     return Scheduler(SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=16),
-                     CacheConfig(block_size=4, enable_prefix_caching=False), max_model_len=128, num_blocks=128,
-                     num_scheduler_steps=num_scheduler_steps, max_loras=max_loras)
+                     CacheConfig(block_size=4, enable_prefix_caching=False), max_model_len=128,
+                     num_blocks=128, num_scheduler_steps=num_scheduler_steps, max_loras=max_loras)
 
 
 def _add(sched: Scheduler, req_id: str, lora_id: int | None, max_tokens: int = 3) -> None:
