@@ -16,6 +16,7 @@ apply_default_wait_policy()     # before anything loads torch's OpenMP runtime
 if TYPE_CHECKING:
     from pagedllm.beam_search import BeamSearchOutput, BeamSearchParams
     from pagedllm.entrypoints.llm import LLM, GenerateError
+    from pagedllm.lora.request import LoRARequest
     from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
     from pagedllm.pooling.outputs import EmbeddingOutput, EmbeddingRequestOutput
     from pagedllm.pooling.params import PoolingParams
@@ -27,6 +28,7 @@ _EXPORTS = {
     "RequestOutputKind": "pagedllm.sampling_params",
     "RequestOutput": "pagedllm.outputs", "CompletionOutput": "pagedllm.outputs",
     "Logprob": "pagedllm.outputs",
+    "LoRARequest": "pagedllm.lora.request",
     "BeamSearchParams": "pagedllm.beam_search",
     "BeamSearchOutput": "pagedllm.beam_search",
     "PoolingParams": "pagedllm.pooling.params",

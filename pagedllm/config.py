@@ -8,14 +8,17 @@ learns it and passed explicitly, never written back into a config. Validation er
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedllm.generation_config import GENERATION_CONFIG_SAMPLING_KEYS, get_diff_sampling_param
+from pagedllm.hf_config import context_sliding_window, hf_model_info
+
+if TYPE_CHECKING:
+    from pagedllm.lora.config import LoRAConfig
 
 _DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
@@ -481,18 +484,6 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
-class HFModelInfo:
-    """Facts read once from the checkpoint's config.json that the scheduler side needs."""
-
-    architectures: tuple[str, ...]
-    max_position_embeddings: int
-    vocab_size: int
-    eos_token_ids: tuple[int, ...]
-    bos_token_id: int | None
-    raw: dict[str, Any] = field(repr=False, default_factory=dict)
-
-
-@dataclass(frozen=True)
 class RequestLimits:
     """Caps every request is checked against at admission (vLLM's / OpenAI's values).
 
@@ -543,6 +534,8 @@ class EngineConfig:
     # SamplingParams field -> value, only those the generation config sets. A request field left
     # out takes its value from here, else the built-in default.
     default_sampling_params: dict[str, Any] = field(default_factory=dict)
+    # Multi-LoRA serving (docs/lora.md); None = off (`enable_lora=False`).
+    lora_config: LoRAConfig | None = None
 
     def __post_init__(self) -> None:
         if self.reasoning_parser is not None:
@@ -557,6 +550,10 @@ class EngineConfig:
         if self.speculative_config is not None and self.parallel_config.pipeline_parallel_size > 1:
             raise ValueError("speculative_config is not supported with pipeline_parallel_size > 1 "
                              "(issue #11); use tensor parallelism")
+        if self.lora_config is not None and self.parallel_config.world_size > 1:
+            # TODO(issue #38): A/B sharded like their base layer.
+            raise ValueError("enable_lora is not supported with tensor or pipeline parallelism "
+                             "yet (issue #38); use one process")
 
     @property
     def max_num_blocks_per_req(self) -> int:
@@ -569,73 +566,6 @@ class EngineConfig:
         the KV of the k positions it proposes there (n-gram drafts write none)."""
         spec = self.speculative_config
         return spec.num_speculative_tokens if spec and spec.method == "draft_model" else 0
-
-
-def read_hf_config(model_path: str) -> dict[str, Any]:
-    """Read `config.json` of a local checkpoint folder.
-
-    Raises:
-        FileNotFoundError: naming the missing file.
-        ValueError: naming the file when it is not valid JSON.
-    """
-    path = Path(model_path) / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint config not found: {path}")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"corrupt checkpoint config {path}: {e}") from e
-
-
-def _eos_ids(model_path: str, hf: dict[str, Any]) -> tuple[int, ...]:
-    ids: list[int] = []
-    gen_path = Path(model_path) / "generation_config.json"
-    sources = [hf.get("eos_token_id")]
-    if gen_path.is_file():
-        try:
-            sources.insert(0, json.loads(gen_path.read_text()).get("eos_token_id"))
-        except json.JSONDecodeError as e:
-            raise ValueError(f"corrupt generation config {gen_path}: {e}") from e
-    for src in sources:
-        for i in (src if isinstance(src, list) else [src]):
-            if isinstance(i, int) and i not in ids:
-                ids.append(i)
-    return tuple(ids)
-
-
-# Architectures whose attention layers apply their own sliding windows (models/gemma.py,
-# models/llama.py's `layer_sliding_windows`).
-_LAYER_WINDOW_ARCHITECTURES = frozenset({"Gemma2ForCausalLM", "Gemma3ForCausalLM",
-                                         "MistralForCausalLM", "Qwen2ForCausalLM",
-                                         "Qwen3ForCausalLM"})
-
-
-def _sliding_window(hf: dict[str, Any]) -> int | None:
-    """The window that caps the context of a sliding-window model whose layers attend over the
-    full context (Phi-3; a GGUF Mistral loaded as Llama); None for the others, and for
-    architectures whose layers apply their own windows (Gemma 2 and 3, Mistral, Qwen2/3)."""
-    if _LAYER_WINDOW_ARCHITECTURES & set(hf.get("architectures") or ()):
-        return None
-    text = hf.get("text_config", hf)
-    window = text.get("sliding_window")
-    if not isinstance(window, int) or ("use_sliding_window" in text
-                                       and not text["use_sliding_window"]):
-        return None
-    return window
-
-
-def hf_model_info(model_path: str) -> HFModelInfo:
-    """Summarise a checkpoint's config.json (and generation_config.json for EOS ids)."""
-    hf = read_hf_config(model_path)
-    text = hf.get("text_config", hf)
-    return HFModelInfo(
-        architectures=tuple(hf.get("architectures") or ()),
-        max_position_embeddings=int(text.get("max_position_embeddings", 2048)),
-        vocab_size=int(text["vocab_size"]),
-        eos_token_ids=_eos_ids(model_path, hf),
-        bos_token_id=text.get("bos_token_id"),
-        raw=hf,
-    )
 
 
 def resolve_chat_template(value: str | None) -> str | None:
@@ -694,7 +624,9 @@ def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str
                          override_generation_config: dict[str, Any] | None = None,
                          batch_invariant: bool = False,
                          cpu_threads_bind: str = "auto",
-                         cpu_reserved_cores: int | None = 0
+                         cpu_reserved_cores: int | None = 0,
+                         enable_lora: bool = False, max_loras: int = 1,
+                         max_lora_rank: int = 16, max_cpu_loras: int | None = None
                          ) -> EngineConfig:
     """Build and validate an `EngineConfig` from flat engine arguments (vLLM's names).
 
@@ -715,7 +647,7 @@ def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str
     tokenizer_path = resolve_model_path(tokenizer, revision) if tokenizer else model_path
     info = hf_model_info(model_path)
     limit, limit_name = info.max_position_embeddings, "max_position_embeddings"
-    window = _sliding_window(info.raw)
+    window = context_sliding_window(info.raw)
     if window is not None and window < limit:
         # NOTE(config): these layers (Phi-3's; Llama's, for a Mistral GGUF) attend over the full
         # context; past the window such a model would attend differently, so the context is
@@ -748,6 +680,19 @@ def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str
                                                   if isinstance(eplb_config, dict)
                                                   else eplb_config or EPLBConfig()))
     _validate_parallel_layout(info.raw, parallel_config)
+    lora_config = None
+    if enable_lora:
+        # (imported here: lora/ sits below the folders this module's importers reach)
+        from pagedllm.lora.config import LORA_ARCHITECTURES, LoRAConfig
+        lora_config = LoRAConfig(max_loras=max_loras, max_lora_rank=max_lora_rank,
+                                 max_cpu_loras=max_cpu_loras)
+        unsupported = [a for a in info.architectures if a not in LORA_ARCHITECTURES]
+        if unsupported or not info.architectures:
+            raise ValueError(f"enable_lora: architecture {unsupported or 'unknown'} has no LoRA "
+                             f"support yet; supported: {list(LORA_ARCHITECTURES)}")
+        if batch_invariant:
+            # The grouped LoRA products' shapes follow the step's batch.
+            raise ValueError("enable_lora cannot be combined with batch_invariant yet")
     if max_num_batched_tokens is None:
         max_num_batched_tokens = max(2048, max_num_seqs) if enable_chunked_prefill else max(
             eff_len, max_num_seqs)
@@ -779,9 +724,10 @@ def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str
             cudagraph_capture_sizes=(None if cudagraph_capture_sizes is None
                                      else tuple(cudagraph_capture_sizes))),
         default_sampling_params=get_diff_sampling_param(model_config, model_path),
+        lora_config=lora_config,
     )
 
 
 __all__ = ["ModelConfig", "CacheConfig", "SchedulerConfig", "ParallelConfig", "EngineConfig",
            "EPLBConfig", "SpeculativeConfig", "RequestLimits",
-           "HFModelInfo", "create_engine_config", "hf_model_info", "read_hf_config"]
+           "create_engine_config"]

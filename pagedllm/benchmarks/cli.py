@@ -44,6 +44,13 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                     help="K busy single-threaded processes beside the copies (alone first, then "
                          "the copies, or one copy without --co-tenants, beside them)")
     tp.add_argument("--co-tenant-barrier", default=None, help=argparse.SUPPRESS)
+    tp.add_argument("--num-loras", type=bounded_int(1), default=None, metavar="N",
+                    help="also run the workload under N random LoRA adapters of --lora-rank "
+                         "on every linear layer (request i under adapter i mod N) and report "
+                         "it against the base model; with --compare hf, HF + peft serves the "
+                         "same requests one adapter at a time (docs/lora.md)")
+    tp.add_argument("--lora-rank", type=bounded_int(1), default=16, metavar="R",
+                    help="rank of the --num-loras adapters (default 16)")
     _add_output_args(tp)
     tp.set_defaults(func=run_throughput_command)
 
@@ -239,7 +246,7 @@ def build_workload(args: argparse.Namespace, vocab_size: int, num_prompts: int):
 
 
 def _vocab_size(model_path: str) -> int:
-    from pagedllm.config import hf_model_info
+    from pagedllm.hf_config import hf_model_info
     from pagedllm.model_loader.gguf import is_gguf_path, prepare_gguf_view
 
     if is_gguf_path(model_path):
@@ -287,6 +294,8 @@ def run_throughput_command(args: argparse.Namespace) -> int:
     barrier = StartBarrier.from_arg(args.co_tenant_barrier) if args.co_tenant_barrier else None
     requests = build_workload(args, _vocab_size(model_path), args.num_prompts)
     print_result(workload_summary(requests), "workload")
+    if args.num_loras:
+        return _run_lora_throughput(args, kwargs, requests)
     llm = LLM(**kwargs)
     ours, ours_tokens = run_throughput(
         llm, requests, before_timing=barrier and (lambda: barrier.wait("pagedllm")))
@@ -306,6 +315,60 @@ def run_throughput_command(args: argparse.Namespace) -> int:
         print_result(ratios, f"pagedllm / {baseline}")
         figures["comparison"] = ratios
         results.append(figures)
+    return _finish(args, results, not_run)
+
+
+def _run_lora_throughput(args: argparse.Namespace, kwargs: dict[str, Any], requests) -> int:
+    """`--num-loras N`: the workload on the base model, then under N adapters, in one engine;
+    with `--compare hf`, HF + peft one adapter at a time."""
+    import tempfile
+
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.benchmarks.lora import (request_loras, run_hf_peft_throughput,
+                                          write_random_adapters)
+    from pagedllm.benchmarks.report import print_result
+    from pagedllm.benchmarks.throughput import compare, run_throughput, warmup_prompt
+    from pagedllm.platforms import current_platform
+
+    with tempfile.TemporaryDirectory(prefix="pagedllm-bench-loras-") as folder:
+        loras = write_random_adapters(kwargs["model"], folder, args.num_loras, args.lora_rank)
+        kwargs = dict(kwargs, enable_lora=True, max_loras=max(kwargs["max_loras"], len(loras)),
+                      max_lora_rank=max(kwargs["max_lora_rank"], args.lora_rank))
+        llm = LLM(**kwargs)
+        base, _ = run_throughput(llm, requests)
+        base.update(model=kwargs["model"], dtype=_run_dtype_name(kwargs["dtype"]))
+        print_result(base, "pagedllm throughput, base model")
+        # Warm-up: every adapter loaded once, so the timed run measures serving, not disk reads.
+        llm.generate([{"prompt_token_ids": warmup_prompt(requests)}] * len(loras),
+                     SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False,
+                     lora_request=loras)
+        ours, tokens = run_throughput(llm, requests, warmup=False,
+                                      lora_requests=request_loras(len(requests), loras))
+        ours.update(backend="pagedllm+lora", num_loras=len(loras), lora_rank=args.lora_rank)
+        ratios = compare(ours, base)
+        print_result(ours, f"pagedllm throughput, {len(loras)} adapters")
+        print_result(ratios, "pagedllm with adapters / base model")
+        ours["comparison"] = ratios
+        results, not_run = [base, ours], []
+        del llm
+        gc.collect()
+        if "hf" in args.compare:
+            try:
+                figures, hf_tokens = run_hf_peft_throughput(
+                    kwargs["model"], requests, loras,
+                    current_platform.resolve_dtype(kwargs["dtype"]),
+                    args.hf_batch_size or min(len(requests), 32))
+            except ImportError as e:
+                print(f"HF + peft baseline: {e}")
+                figures = None
+            if figures is None:
+                not_run.append("hf")
+            else:
+                figures["comparison"] = compare(ours, figures, tokens, hf_tokens)
+                print_result(figures, "hf+peft throughput")
+                print_result(figures["comparison"], "pagedllm with adapters / hf+peft")
+                results.append(figures)
+        not_run += [p for p in dict.fromkeys(args.compare) if p != "hf"]
     return _finish(args, results, not_run)
 
 

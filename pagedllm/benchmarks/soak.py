@@ -234,7 +234,7 @@ async def _chat_works(control: httpx.AsyncClient, model: str) -> bool:
 
 
 def _vocab_size(root: str | None) -> int:
-    from pagedllm.config import hf_model_info
+    from pagedllm.hf_config import hf_model_info
 
     if root is None:
         raise ValueError("the server does not say its checkpoint (`root` in /v1/models); "

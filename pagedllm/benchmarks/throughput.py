@@ -45,11 +45,12 @@ def throughput_figures(backend: str, requests: list[BenchRequest],
 
 
 def run_throughput(llm, requests: list[BenchRequest], warmup: bool = True,
-                   before_timing: Callable[[], None] | None = None
+                   before_timing: Callable[[], None] | None = None,
+                   lora_requests: list | None = None
                    ) -> tuple[dict[str, Any], list[list[int]]]:
-    """Run `requests` through `llm.generate`; returns (figures, output token ids per request).
-    `before_timing` is called after the warm-up, just before the timed run (the co-tenant
-    copies meet there)."""
+    """Run `requests` through `llm.generate` (under `lora_requests`, one per request, if
+    given); returns (figures, output token ids per request). `before_timing` is called after
+    the warm-up, just before the timed run (the co-tenant copies meet there)."""
     from pagedllm import SamplingParams
 
     if warmup:
@@ -62,7 +63,7 @@ def run_throughput(llm, requests: list[BenchRequest], warmup: bool = True,
     params = [sampling_params_for(r) for r in requests]
     with PeakRSSMonitor() as mem:
         start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
+        outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora_requests)
         elapsed = time.perf_counter() - start
     token_ids = [list(o.outputs[0].token_ids) for o in outputs]
     return throughput_figures("pagedllm", requests, token_ids, elapsed, mem.peak_bytes), token_ids

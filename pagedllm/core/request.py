@@ -11,6 +11,7 @@ import enum
 import time
 from collections.abc import Callable, Container
 
+from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -64,17 +65,20 @@ class Request:
         block_hasher: maps a request to the hashes of its full blocks (None: no prefix caching).
         arrival_time: time.monotonic() seconds when it reached the engine (now if None).
         priority: under the priority policy, lower values are scheduled first (vLLM's).
+        lora_request: the adapter it runs under (None: the base model).
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, max_tokens: int,
                  block_hasher: Callable[[Request], list[bytes]] | None = None,
-                 arrival_time: float | None = None, priority: int = 0) -> None:
+                 arrival_time: float | None = None, priority: int = 0,
+                 lora_request: LoRARequest | None = None) -> None:
         self.request_id = request_id
         self.priority = priority
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.max_tokens = max_tokens
+        self.lora_request = lora_request
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -15,7 +16,8 @@ class NewRequestData:
 
     `prompt_token_ids` + `output_token_ids` are all the request's tokens so far; `block_ids` its
     blocks, one list per KV cache group (a plain list of ints is taken as the blocks of a single
-    group); `num_computed_tokens` the tokens already in those blocks (prefix-cache hits).
+    group); `num_computed_tokens` the tokens already in those blocks (prefix-cache hits);
+    `lora_request` its adapter (None: the base model).
     """
 
     req_id: str
@@ -24,6 +26,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: tuple[list[int], ...]
     num_computed_tokens: int
+    lora_request: LoRARequest | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_ids, tuple):

@@ -104,6 +104,8 @@ class Scheduler:
             the engine never combines it with async scheduling or drafts).
         num_speculative_tokens: most draft tokens the worker proposes per request and step (0 =
             no speculative decoding); with drafts a step may compute a request's last position.
+        max_loras: most distinct LoRA adapters in one step (0 = LoRA off); a request whose
+            adapter would exceed it waits for a later step, as for the token budget.
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
@@ -111,8 +113,9 @@ class Scheduler:
                  structured_output_manager=None,
                  kv_cache_windows: tuple[int | None, ...] = (None,),
                  async_scheduling: bool = False, num_scheduler_steps: int = 1,
-                 num_speculative_tokens: int = 0) -> None:
+                 num_speculative_tokens: int = 0, max_loras: int = 0) -> None:
         self.config = scheduler_config
+        self.max_loras = max_loras
         self.num_scheduler_steps = num_scheduler_steps
         self.max_model_len = max_model_len
         self.block_size = cache_config.block_size
@@ -230,11 +233,13 @@ class Scheduler:
             self._preempt_for_priority(out)
         num_priority_preemptions = len(out.preempted_req_ids)
         out.num_steps = self._num_decode_steps()
+        # The step's LoRA adapters (ids), budgeted against max_loras.
+        loras: set[int] = set()
         token_budget = self._schedule_running(out, self.config.max_num_batched_tokens,
-                                              out.num_steps)
+                                              out.num_steps, loras)
         # Admit waiting requests only if no running request ran out of blocks this step.
         if len(out.preempted_req_ids) == num_priority_preemptions:
-            self._schedule_waiting(out, token_budget)
+            self._schedule_waiting(out, token_budget, loras)
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
         out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
         for req_id, n in out.num_scheduled_tokens.items():
@@ -275,18 +280,21 @@ class Scheduler:
         return max(steps, 1)
 
     def _schedule_running(self, out: SchedulerOutput, token_budget: int,
-                          num_steps: int = 1) -> int:
+                          num_steps: int = 1, loras: set[int] | None = None) -> int:
         """Schedule running requests in admission order (decodes, prefill chunks, drafts),
         preempting the most recently admitted ones when blocks run out; with `num_steps` > 1
-        (only decodes are running), KV slots for that many tokens each. Returns the budget left.
+        (only decodes are running), KV slots for that many tokens each; requests whose LoRA
+        adapter would make `loras` exceed max_loras are skipped this step. Returns the budget
+        left.
         """
+        loras = set() if loras is None else loras
         cached = out.scheduled_cached_reqs
         req_index = 0
         while req_index < len(self.running) and token_budget > 0:
             request = self.running[req_index]
             num_new_tokens = self._num_new_tokens(request, request.num_computed_tokens,
                                                   token_budget)
-            if num_new_tokens == 0:
+            if num_new_tokens == 0 or not self._lora_fits(request, loras):
                 req_index += 1
                 continue
             while True:
@@ -314,13 +322,27 @@ class Scheduler:
             cached.num_computed_tokens.append(request.num_computed_tokens)
             out.num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
+            self._add_lora(request, loras)
             req_index += 1
         return token_budget
 
-    def _schedule_waiting(self, out: SchedulerOutput, token_budget: int) -> None:
+    def _lora_fits(self, request: Request, loras: set[int]) -> bool:
+        """Whether `request`'s adapter (if any) fits the step's LoRA budget `loras`."""
+        lora = request.lora_request
+        return lora is None or lora.lora_int_id in loras or len(loras) < self.max_loras
+
+    @staticmethod
+    def _add_lora(request: Request, loras: set[int]) -> None:
+        if request.lora_request is not None:
+            loras.add(request.lora_request.lora_int_id)
+
+    def _schedule_waiting(self, out: SchedulerOutput, token_budget: int,
+                          loras: set[int] | None = None) -> None:
         """Admit waiting requests in order (prefix-cache hits count as computed) while budget,
-        sequence slots and blocks last. Structured requests whose grammar is still compiling
-        wait without blocking the others."""
+        sequence slots and blocks last. Structured requests whose grammar is still compiling,
+        and requests whose LoRA adapter exceeds the step's budget (`loras`, max_loras), wait
+        without blocking the others."""
+        loras = set() if loras is None else loras
         compiling: list[Request] = []
         while (self.waiting and token_budget > 0
                and len(self.running) < self.config.max_num_seqs):
@@ -331,7 +353,7 @@ class Scheduler:
                 self.finish_requests(request.request_id, RequestStatus.FINISHED_ERROR,
                                      f"its structured output grammar failed to compile: {e}")
                 continue
-            if not ready:
+            if not ready or not self._lora_fits(request, loras):
                 compiling.append(self.waiting.pop())
                 continue
             hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
@@ -356,9 +378,10 @@ class Scheduler:
                 req_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
                 output_token_ids=list(request.output_token_ids),
                 sampling_params=request.sampling_params, block_ids=new_block_ids,
-                num_computed_tokens=num_hit_tokens))
+                num_computed_tokens=num_hit_tokens, lora_request=request.lora_request))
             out.num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
+            self._add_lora(request, loras)
         self.waiting.push_front(compiling)
 
     def _grammar_ready(self, request: Request) -> bool:

@@ -168,6 +168,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="outputs and logprobs bit for bit the same whatever the batch, the "
                         "chunking, prefix-cache hits or preemptions (fixed reduction orders; "
                         "slower, CPU only)")
+    g.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters (PEFT format) on the base model (docs/lora.md)")
+    g.add_argument("--max-loras", type=bounded_int(1), default=1,
+                   help="most distinct LoRA adapters in one step")
+    g.add_argument("--max-lora-rank", type=bounded_int(1), default=16,
+                   help="the largest LoRA rank accepted")
+    g.add_argument("--max-cpu-loras", type=bounded_int(1), default=None,
+                   help="LoRA adapters kept loaded in host memory (default: --max-loras)")
 
 
 _ENGINE_KEYS = ("tokenizer", "chat_template", "dtype", "quantization", "max_model_len", "seed",
@@ -180,8 +188,10 @@ _ENGINE_KEYS = ("tokenizer", "chat_template", "dtype", "quantization", "max_mode
                 "eplb_config", "speculative_config",
                 "logprobs_mode", "max_logprobs", "max_n", "max_logit_bias", "reasoning_parser",
                 "cudagraph_mode", "enforce_eager", "cudagraph_capture_sizes", "async_scheduling",
-                "num_scheduler_steps", "scheduling_policy", "generation_config", "override_generation_config",
-                "batch_invariant", "cpu_threads_bind", "cpu_reserved_cores")
+                "num_scheduler_steps", "scheduling_policy", "generation_config",
+                "override_generation_config", "batch_invariant", "cpu_threads_bind",
+                "cpu_reserved_cores", "enable_lora", "max_loras", "max_lora_rank",
+                "max_cpu_loras")
 
 
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:

@@ -40,6 +40,7 @@ from pagedllm.core.scheduler import SchedulerStats
 from pagedllm.engine.engine_core import EngineCoreRequest
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.platforms import current_platform
 from pagedllm.sampling_params import SamplingParams
@@ -260,9 +261,12 @@ class AsyncLLM:
         current_platform.bind_front_end(self.engine.config.parallel_config.cpu_reserved_cores)
 
     async def add_request(self, request_id: str, prompt: PromptType,
-                          sampling_params: SamplingParams, priority: int = 0) -> RequestStream:
-        """Validate a request completely, queue it, and return its output stream (`priority`:
-        lower first under the priority scheduling policy; must be 0 under fcfs).
+                          sampling_params: SamplingParams,
+                          lora_request: LoRARequest | None = None,
+                          priority: int = 0) -> RequestStream:
+        """Validate a request completely, queue it (under `lora_request`'s adapter, if given;
+        `priority`: lower first under the priority scheduling policy, must be 0 under fcfs),
+        and return its output stream.
 
         Returns once the engine thread has queued the request. Cancelling the caller at any
         point aborts the request if it was queued.
@@ -277,8 +281,10 @@ class AsyncLLM:
             raise ValueError(f"request id {request_id!r} is already in use")
         if self._dead is not None:
             raise self._dead
+        lora_request = self.check_lora_request(lora_request)
         core_request, prompt_text = self.input_processor.process(request_id, prompt,
                                                                  sampling_params, priority)
+        core_request.lora_request = lora_request
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
         stream = RequestStream(request_id, queue, self._close_stream)
@@ -292,6 +298,15 @@ class AsyncLLM:
             stream.close()
             raise
         return stream
+
+    def check_lora_request(self, lora_request: LoRARequest | None) -> LoRARequest | None:
+        """The engine's LoRA admission check (`LoRAAdmission.check`: ValueError naming the
+        problem); returns `lora_request`."""
+        return self.engine.lora_admission.check(lora_request)
+
+    def forget_lora(self, lora_int_id: int) -> None:
+        """Drop an unloaded adapter's id binding (`LoRAAdmission.forget`)."""
+        self.engine.lora_admission.forget(lora_int_id)
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:

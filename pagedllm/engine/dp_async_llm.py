@@ -19,6 +19,7 @@ from typing import Any
 from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream, StatLogger
 from pagedllm.engine.dp_router import Router, make_router
 from pagedllm.engine.input_processor import PromptType
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -80,19 +81,31 @@ class DataParallelAsyncLLM:
         return self.router.route(token_ids, self._in_flight, live)
 
     async def add_request(self, request_id: str, prompt: PromptType,
-                          sampling_params: SamplingParams, priority: int = 0) -> RequestStream:
+                          sampling_params: SamplingParams,
+                          lora_request: LoRARequest | None = None,
+                          priority: int = 0) -> RequestStream:
         """As `AsyncLLM.add_request`, on the replica the router picks (same errors)."""
         index = self.pick_replica(prompt)
         self._in_flight[index] += 1
         self._replica_of[request_id] = index
         try:
             stream = await self.replicas[index].add_request(request_id, prompt, sampling_params,
-                                                            priority)
+                                                            lora_request, priority)
         except BaseException:
             self._release(request_id, index)
             raise
         stream.add_close_callback(lambda req_id, _: self._release(req_id, index))
         return stream
+
+    def check_lora_request(self, lora_request: LoRARequest | None) -> LoRARequest | None:
+        """`AsyncLLM.check_lora_request` on every replica."""
+        for replica in self.replicas:
+            replica.check_lora_request(lora_request)
+        return lora_request
+
+    def forget_lora(self, lora_int_id: int) -> None:
+        for replica in self.replicas:
+            replica.forget_lora(lora_int_id)
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:

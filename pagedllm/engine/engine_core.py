@@ -18,13 +18,15 @@ from dataclasses import dataclass
 
 from transformers import AutoTokenizer
 
-from pagedllm.config import EngineConfig, hf_model_info
+from pagedllm.config import EngineConfig
+from pagedllm.hf_config import hf_model_info
 from pagedllm.core.kv_cache_utils import get_request_block_hasher
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched_output import (EngineCoreOutput, EplbStats, ModelRunnerOutput,
                                         SchedulerOutput)
 from pagedllm.core.scheduler import Scheduler, SchedulerStats
 from pagedllm.executor.abstract import get_executor_class
+from pagedllm.lora.request import LoRARequest
 from pagedllm.platforms import current_platform
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output.manager import StructuredOutputManager
@@ -42,6 +44,7 @@ class EngineCoreRequest:
     max_tokens: int
     arrival_time: float | None = None
     priority: int = 0
+    lora_request: LoRARequest | None = None
 
 
 class EngineCore:
@@ -76,7 +79,9 @@ class EngineCore:
                                    async_scheduling=self.async_scheduling,
                                    num_scheduler_steps=self.num_scheduler_steps,
                                    num_speculative_tokens=spec.num_speculative_tokens
-                                   if spec else 0)
+                                   if spec else 0,
+                                   max_loras=config.lora_config.max_loras
+                                   if config.lora_config else 0)
         # Async scheduling: steps launched and not yet through update_from_output, oldest first.
         self._in_flight: deque[tuple[SchedulerOutput, object]] = deque()
         self._block_hasher = (get_request_block_hasher(config.cache_config.block_size)
@@ -96,8 +101,17 @@ class EngineCore:
         """
         self.scheduler.add_request(Request(req.request_id, req.prompt_token_ids,
                                            req.sampling_params, req.max_tokens,
-                                           self._block_hasher, req.arrival_time,
-                                           req.priority))
+                                           self._request_block_hasher(req.lora_request),
+                                           req.arrival_time, req.priority, req.lora_request))
+
+    def _request_block_hasher(self, lora_request: LoRARequest | None):
+        """The block hasher of a request under `lora_request`: an adapter changes every
+        layer's KV, so its id is an extra key of each block hash (the same prompt under two
+        adapters shares no block)."""
+        if self._block_hasher is None or lora_request is None:
+            return self._block_hasher
+        return get_request_block_hasher(self.config.cache_config.block_size,
+                                        ("lora", lora_request.lora_int_id))
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)

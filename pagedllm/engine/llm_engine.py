@@ -15,13 +15,17 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
-from pagedllm.config import EngineConfig, create_engine_config, hf_model_info
+from pagedllm.config import EngineConfig, create_engine_config
+from pagedllm.hf_config import hf_model_info
 from pagedllm.core.sched_output import EplbStats
 from pagedllm.core.scheduler import SchedulerStats
 from pagedllm.engine.engine_core import EngineCore, EngineCoreRequest
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.output_processor import OutputProcessor, ParentRequest
 from pagedllm.logger import init_logger
+from pagedllm.lora.admission import LoRAAdmission
+from pagedllm.lora.peft import LoRAModelShapes
+from pagedllm.lora.request import LoRARequest
 from pagedllm.models.registry import resolve_model_class
 from pagedllm.outputs import RequestOutput
 from pagedllm.platforms import current_platform
@@ -70,6 +74,9 @@ class LLMEngine:
             kv_cache_capacity=self.engine_core.kv_cache_capacity,
             scheduling_policy=config.scheduler_config.scheduling_policy)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.lora_admission = LoRAAdmission(
+            config.lora_config,
+            LoRAModelShapes.from_hf_config(info.raw) if config.lora_config else None)
         self._ids = itertools.count()
         # Parent request id -> child request ids (n > 1).
         self._parents: dict[str, list[str]] = {}
@@ -100,9 +107,11 @@ class LLMEngine:
         return str(next(self._ids))
 
     def add_request(self, request_id: str, prompt: PromptType,
-                    params: SamplingParams, priority: int = 0) -> None:
-        """Validate, tokenize and queue one request (`priority`: lower first under the priority
-        scheduling policy; must be 0 under fcfs).
+                    params: SamplingParams, lora_request: LoRARequest | None = None,
+                    priority: int = 0) -> None:
+        """Validate, tokenize and queue one request (under `lora_request`'s adapter, if given:
+        checked by `lora_admission`; `priority`: lower first under the priority scheduling
+        policy, must be 0 under fcfs).
 
         With `params.n > 1` the request becomes n child requests ("{i}_{request_id}", seed
         `seed + i`) that share the prompt's full KV blocks through the prefix cache; their outputs
@@ -111,8 +120,11 @@ class LLMEngine:
         Raises:
             ValueError: for an invalid request (it is not queued; others are unaffected).
         """
-        self.add_processed_request(*self.input_processor.process(request_id, prompt, params,
-                                                                 priority))
+        lora_request = self.lora_admission.check(lora_request)
+        core_req, prompt_text = self.input_processor.process(request_id, prompt, params,
+                                                             priority)
+        core_req.lora_request = lora_request
+        self.add_processed_request(core_req, prompt_text)
 
     def add_processed_request(self, core_req: EngineCoreRequest,
                               prompt_text: str | None) -> None:

@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 from transformers import AutoConfig
 
-from pagedllm.config import EngineConfig, create_engine_config, hf_model_info
+from pagedllm.config import EngineConfig, create_engine_config
+from pagedllm.hf_config import hf_model_info
 from pagedllm.engine.input_processor import check_prompt_token_ids
 from pagedllm.engine.llm_engine import load_tokenizer
 from pagedllm.logger import init_logger

@@ -24,6 +24,7 @@ from pagedllm.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_se
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.pooling_engine import EmbedPrompt, PoolingEngine, is_pooling_model
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.pooling.outputs import EmbeddingRequestOutput
 from pagedllm.pooling.params import PoolingParams
@@ -118,6 +119,7 @@ class LLM:
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
                  priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order.
 
@@ -128,14 +130,16 @@ class LLM:
                 `get_default_sampling_params()` (the model's defaults). A SamplingParams given
                 is used as it is: its fields are never replaced by the model's defaults.
             use_tqdm: show a progress bar.
+            lora_request: the LoRA adapter of every prompt, or one per prompt (None: the base
+                model); needs an engine started with enable_lora=True (docs/lora.md).
             priority: one per prompt (lower first), with scheduling_policy="priority" (vLLM's).
 
         Raises:
             GenerateError (a ValueError): after the valid requests have finished, if any request
                 was invalid or failed alone inside a step (e.g. its logits processor raised; its
                 output then has finish_reason "error"); it carries the outputs of the others.
-            ValueError: if the number of sampling params or priorities does not match the
-                prompts.
+            ValueError: if the number of sampling params, LoRA requests or priorities does not
+                match the prompts.
             Any exception of the engine itself (e.g. the model forward): the requests of this
                 call are aborted first, so the `LLM` stays usable for the next call.
         """
@@ -150,6 +154,13 @@ class LLM:
             if len(params_list) != len(prompts):
                 raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} "
                                  "prompts; give one, or one per prompt")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            lora_list = [lora_request] * len(prompts)
+        else:
+            lora_list = list(lora_request)
+            if len(lora_list) != len(prompts):
+                raise ValueError(f"got {len(lora_list)} LoRA requests for {len(prompts)} "
+                                 "prompts; give one, or one per prompt")
         priorities = [0] * len(prompts) if priority is None else list(priority)
         if len(priorities) != len(prompts):
             raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts; give "
@@ -157,7 +168,8 @@ class LLM:
         engine = self.llm_engine
         index_of: dict[str, int] = {}
         errors: dict[int, str] = {}
-        for i, (prompt, params, prio) in enumerate(zip(prompts, params_list, priorities)):
+        for i, (prompt, params, lora, prio) in enumerate(zip(prompts, params_list, lora_list,
+                                                              priorities)):
             req_id = engine.next_request_id()
             try:
                 if not isinstance(params, SamplingParams):
@@ -167,7 +179,7 @@ class LLM:
                     # generate returns whole outputs: only the final one is needed (as vLLM).
                     params = copy.copy(params)
                     params.output_kind = RequestOutputKind.FINAL_ONLY
-                engine.add_request(req_id, prompt, params, prio)
+                engine.add_request(req_id, prompt, params, lora_request=lora, priority=prio)
             except ValueError as e:
                 errors[i] = str(e)
                 continue
@@ -196,8 +208,11 @@ class LLM:
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
-             chat_template: str | None = None) -> list[RequestOutput]:
-        """Render conversation(s) with the tokenizer's chat template, then `generate`.
+             chat_template: str | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+             ) -> list[RequestOutput]:
+        """Render conversation(s) with the tokenizer's chat template, then `generate` (under
+        `lora_request`: one for all conversations or one each).
 
         Raises:
             ValueError: an empty conversation, or the tokenizer has no chat template and none
@@ -210,7 +225,8 @@ class LLM:
         tokenizer = self.get_tokenizer()
         prompts = [{"prompt_token_ids": chat_prompt_token_ids(
             tokenizer, conv, add_generation_prompt, chat_template)} for conv in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm,
+                             lora_request=lora_request)
 
     def beam_search(self, prompts: Sequence[PromptType],
                     params: BeamSearchParams) -> list[BeamSearchOutput]:

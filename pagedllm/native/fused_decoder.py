@@ -90,6 +90,9 @@ class FusedDecoder:
         self.layers = list(layers)
         # The layers' Attention modules, listed once (module attribute lookups are slow).
         self._attention = [layer.self_attn.attn for layer in self.layers]
+        # The linears it was built from, kept: a wrapper later put around them (LoRA's, see
+        # lora/layers.py) must not hide their weights from `_build`.
+        self._linears = [_linears(layer) for layer in self.layers]
         first = self.layers[0]
         attn = first.self_attn
         # The model dtype: the norms', residual stream's and KV cache's (linear weights may be
@@ -217,14 +220,14 @@ class FusedDecoder:
             keep.append(t.detach().to(torch.float32).contiguous())
             return keep[-1].data_ptr()
 
-        for s, layer in zip(structs, self.layers):
-            attn, mlp = layer.self_attn, layer.mlp
+        for s, layer, linears in zip(structs, self.layers, self._linears):
+            attn = layer.self_attn
             rope = attn.rotary_emb
             cache = attn.attn.kv_cache
-            for t in [m.weight for m in _linears(layer) if not _is_quantized(m)] + [cache]:
+            for t in [m.weight for m in linears if not _is_quantized(m)] + [cache]:
                 if not t.is_contiguous():
                     raise ValueError("fused decoder: weights and KV cache must be contiguous")
-            for i, linear in enumerate(_linears(layer)):
+            for i, linear in enumerate(linears):
                 if _is_quantized(linear) and hasattr(linear.quant_method, "kernel_weight"):
                     int8_weight = linear.quant_method.kernel_weight(linear)
                     keep += [int8_weight.qweight, int8_weight.scale]
@@ -242,12 +245,12 @@ class FusedDecoder:
                     s.packed[i] = int(_is_packed(linear))
             s.input_norm = _ptr(layer.input_layernorm.weight)
             s.post_norm = _ptr(layer.post_attention_layernorm.weight)
-            s.qkv, s.qkv_bias = weight_ptr(attn.qkv_proj), f32(attn.qkv_proj.bias)
+            s.qkv, s.qkv_bias = weight_ptr(linears[0]), f32(linears[0].bias)
             s.q_norm = _ptr(attn.q_norm.weight) if attn.q_norm is not None else None
             s.k_norm = _ptr(attn.k_norm.weight) if attn.k_norm is not None else None
-            s.o, s.o_bias = weight_ptr(attn.o_proj), f32(attn.o_proj.bias)
-            s.gate_up, s.gate_up_bias = weight_ptr(mlp.gate_up_proj), f32(mlp.gate_up_proj.bias)
-            s.down, s.down_bias = weight_ptr(mlp.down_proj), f32(mlp.down_proj.bias)
+            s.o, s.o_bias = weight_ptr(linears[1]), f32(linears[1].bias)
+            s.gate_up, s.gate_up_bias = weight_ptr(linears[2]), f32(linears[2].bias)
+            s.down, s.down_bias = weight_ptr(linears[3]), f32(linears[3].bias)
             s.key_cache, s.value_cache = _ptr(cache[0]), _ptr(cache[1])
             s.cos_cache, s.sin_cache = f32(rope.cos_cache), f32(rope.sin_cache)
             s.hidden_size, s.head_size = self.hidden_size, attn.head_size

@@ -35,6 +35,7 @@ class RequestStates:
         top_k, min_tokens: [max_num_reqs] int32; seeds: [max_num_reqs] int64 (valid where
         has_seed).
         block_tables: one BlockTable per KV cache group (`block_table` is group 0's).
+        lora_requests: [max_num_reqs] each slot's LoRA adapter (None: the base model).
     """
 
     def __init__(self, max_num_reqs: int, max_model_len: int, max_num_blocks_per_req: int,
@@ -65,6 +66,7 @@ class RequestStates:
         self.allowed_token_ids: list[list[int] | None] = [None] * max_num_reqs
         self.bad_words_token_ids: list[list[list[int]]] = [[] for _ in range(max_num_reqs)]
         self.logits_processors: list[list | None] = [None] * max_num_reqs
+        self.lora_requests: list = [None] * max_num_reqs
         # `SamplingParams.reads_previous_tokens`: penalties, bad words, logits processors.
         self.reads_previous_tokens = np.zeros(max_num_reqs, dtype=bool)
         # Greedy with nothing that edits the logits or asks for logprobs: the sampler's argmax
@@ -117,6 +119,7 @@ class RequestStates:
         self.allowed_token_ids[idx] = sp.allowed_token_ids
         self.bad_words_token_ids[idx] = sp._bad_words_token_ids
         self.logits_processors[idx] = sp.logits_processors
+        self.lora_requests[idx] = req.lora_request
         self.reads_previous_tokens[idx] = sp.reads_previous_tokens
         self.plain_greedy[idx] = (
             sp.temperature == 0.0 and not sp.reads_previous_tokens and sp.min_tokens == 0

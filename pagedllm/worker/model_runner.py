@@ -53,6 +53,8 @@ from pagedllm.core.sched_output import (GrammarOutput, LogprobsLists, ModelRunne
 from pagedllm.distributed.parallel_state import (ExpertParallelLayout,
                                                  set_expert_parallel_layout)
 from pagedllm.layers.batch_invariance import check_batch_invariance
+from pagedllm.lora.model_manager import LoRAModelManager
+from pagedllm.lora.peft import LoRAModelShapes
 from pagedllm.model_loader.loader import load_model
 from pagedllm.sample.logprobs import LogprobsTensors, compute_logprobs
 from pagedllm.sample.rejection_sampler import rejection_sample
@@ -103,6 +105,8 @@ class ModelRunner:
         self.logprobs_mode = config.model_config.logprobs_mode
         self.model = None
         self.eplb: EplbState | None = None
+        # The adapters' slots and per-step token mapping (set by load_model with enable_lora).
+        self.lora_manager: LoRAModelManager | None = None
         # Replays pure decode steps (set once the KV cache exists; None = always eager).
         self.graph_runner: CudaGraphRunner | None = None
         self.kv_caches: list[torch.Tensor] = []
@@ -143,6 +147,10 @@ class ModelRunner:
             check_batch_invariance(self.model, self.kv_cache_dtype)
         if pc.enable_eplb:
             self.eplb = EplbState.from_model(self.model, pc.eplb_config)
+        if self.config.lora_config is not None:
+            self.lora_manager = LoRAModelManager(
+                self.model, LoRAModelShapes.from_hf_config(self.hf_config.to_dict()),
+                self.config.lora_config, self.device, self.dtype)
         if self.spec_config is not None and self.spec_config.method == "draft_model":
             from transformers import AutoConfig
             draft_path = self.config.draft_model_path
@@ -467,13 +475,24 @@ class ModelRunner:
             self._pending = self._last_inputs = None
             return
         inputs = StepInputs(*self._prepare_inputs(scheduler_output))
+        self._set_active_loras(inputs.batch)
         self._pending = self._forward(inputs)
         self._last_inputs = inputs
+
+    def _set_active_loras(self, batch: InputBatch) -> None:
+        """Map the batch's tokens to adapter slots for the next forwards (LoRA engines only).
+        A multi-step round's `_advance_decode_inputs` keeps the rows, their order and one
+        token each, so the mapping of the round's first step holds for it."""
+        if self.lora_manager is not None:
+            self.lora_manager.set_active_loras(
+                [self.states.lora_requests[i] for i in batch.idx_mapping],
+                batch.num_scheduled_tokens)
 
     def _forward(self, inputs: StepInputs) -> PendingStep:
         """The forward of prepared inputs -> the logits of the sampled rows."""
         batch, common = inputs.batch, inputs.common
         if (self.graph_runner is not None and batch.spec_decode_metadata is None
+                and not (self.lora_manager is not None and self.lora_manager.active)
                 and self.graph_runner.can_run(common)):
             hidden = self.graph_runner.run(batch.input_ids, batch.positions,
                                            batch.group_commons or (common,))
@@ -724,8 +743,10 @@ class ModelRunner:
         st = self.states
         idx_mapping = np.array([st.req_id_to_index[r] for r in req_ids], dtype=np.int64)
         st.num_computed_tokens[idx_mapping] += 1
-        return StepInputs(*self._gather_inputs(
+        inputs = StepInputs(*self._gather_inputs(
             req_ids, idx_mapping, np.ones(len(req_ids), dtype=np.int32), {}))
+        self._set_active_loras(inputs.batch)
+        return inputs
 
 def _to_lists(t: LogprobsTensors) -> LogprobsLists:
     return LogprobsLists(t.token_ids.tolist(), t.logprobs.tolist(), t.ranks.tolist())

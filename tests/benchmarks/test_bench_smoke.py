@@ -247,3 +247,18 @@ def test_co_tenants_run_copies_at_once_and_report_the_sum(preset_dir: Path, tmp_
     assert row["backend"] == "pagedllm" and len(row["each_output_tokens_per_s"]) == 2
     assert row["sum_output_tokens_per_s"] == pytest.approx(sum(row["each_output_tokens_per_s"]))
     assert row["sum_over_alone_output_tokens_per_s"] > 0
+
+
+def test_throughput_with_loras_against_hf_peft(preset_dir: Path, tmp_path: Path):
+    out = tmp_path / "lora.json"
+    rc = _run(["bench", "throughput", "--preset", "llama-tiny", "--preset-dir", str(preset_dir),
+               "--dtype", "float32", "--kv-cache-memory-bytes", KV_BYTES, "--num-prompts", "6",
+               "--input-len", "16", "--output-len", "6", "--num-loras", "3", "--lora-rank", "8",
+               "--compare", "hf", "--output-json", str(out)])
+    assert rc == 0
+    base, ours, hf = _load(out)
+    assert (base["backend"], ours["backend"], hf["backend"]) == ("pagedllm", "pagedllm+lora",
+                                                                  "hf+peft")
+    assert ours["num_wrong_output_lens"] == 0 and ours["comparison"]["output_tokens_per_s_ratio"] > 0
+    # fp32 greedy under the same adapters: the engine and HF + peft agree.
+    assert hf["comparison"]["greedy_identical_requests"] == "6/6"

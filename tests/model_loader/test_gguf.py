@@ -21,7 +21,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.config import hf_model_info
+from pagedllm.hf_config import hf_model_info
 from pagedllm.entrypoints.cli import build_parser, main as cli_main
 from pagedllm.entrypoints.openai.cli_args import check_serve_args
 from pagedllm.model_loader.gguf import (SUPPORTED_TENSOR_TYPES, GGUFSource, GGUFTensor,

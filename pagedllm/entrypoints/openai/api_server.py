@@ -47,8 +47,10 @@ from pagedllm.entrypoints.openai.serving_completion import ServingCompletion
 from pagedllm.entrypoints.openai.serving_responses import ServingResponses
 from pagedllm.entrypoints.openai.serving_engine import (OpenAIServing, OpenAIServingError,
                                                         SSEStream, error_from_exception)
+from pagedllm.entrypoints.openai.serving_lora import LoRAModules, add_lora_routes
 from pagedllm.entrypoints.openai.serving_messages import ServingMessages
 from pagedllm.entrypoints.openai.serving_models import model_list, resolve_served_model_names
+from pagedllm.lora.request import LoRAModulePath
 from pagedllm.entrypoints.openai.serving_tokenization import (ServingTokenization,
                                                               add_tokenization_routes)
 from pagedllm.logger import init_logger
@@ -240,7 +242,9 @@ def build_app(async_llm: AsyncLLM | DataParallelAsyncLLM, served_model_names: Se
               max_request_body_bytes: int = MAX_REQUEST_BODY_BYTES,
               tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False,
               reasoning_parser: str | None = None,
-              trust_request_chat_template: bool = False) -> FastAPI:
+              trust_request_chat_template: bool = False,
+              lora_modules: Sequence[LoRAModulePath] = (),
+              allow_runtime_lora_updating: bool = False) -> FastAPI:
     """The FastAPI app over a (not necessarily started) `AsyncLLM`.
 
     Args:
@@ -252,8 +256,20 @@ def build_app(async_llm: AsyncLLM | DataParallelAsyncLLM, served_model_names: Se
         max_request_body_bytes: larger request bodies get 413.
         tool_call_parser, enable_auto_tool_choice, reasoning_parser,
             trust_request_chat_template: see `ServingChat`.
+        lora_modules, allow_runtime_lora_updating: LoRA adapters served from the start, and
+            whether /v1/load_lora_adapter and /v1/unload_lora_adapter exist (serving_lora.py).
+
+    Raises:
+        ValueError: a `lora_modules` adapter the engine refuses (its reason).
     """
     serving = OpenAIServing(async_llm, served_model_names)
+    if lora_modules or allow_runtime_lora_updating:
+        serving.lora_modules = LoRAModules(async_llm, served_model_names[0])
+        for module in lora_modules:
+            try:
+                serving.lora_modules.load(module.name, module.path, module.base_model_name)
+            except OpenAIServingError as e:
+                raise ValueError(f"--lora-modules {module.name}: {e.message}") from None
     completions = ServingCompletion(serving)
     chats = ServingChat(serving, tool_call_parser=tool_call_parser,
                         enable_auto_tool_choice=enable_auto_tool_choice,
@@ -300,8 +316,10 @@ def build_app(async_llm: AsyncLLM | DataParallelAsyncLLM, served_model_names: Se
 
     @app.get("/v1/models")
     async def list_models() -> JSONResponse:
-        return JSONResponse(model_list(serving.served_model_names, model_root,
-                                       async_llm.max_model_len).model_dump())
+        models = model_list(serving.served_model_names, model_root, async_llm.max_model_len)
+        if serving.lora_modules is not None:
+            models.data += serving.lora_modules.cards(async_llm.max_model_len)
+        return JSONResponse(models.model_dump())
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
@@ -330,6 +348,8 @@ def build_app(async_llm: AsyncLLM | DataParallelAsyncLLM, served_model_names: Se
         return JSONResponse(messages.count_tokens(body).model_dump())
 
     add_tokenization_routes(app, tokenization)
+    if allow_runtime_lora_updating:
+        add_lora_routes(app, serving.lora_modules)
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> JSONResponse:
@@ -353,7 +373,9 @@ def run_server(model: str, engine_kwargs: dict[str, Any], host: str = "127.0.0.1
                max_request_body_bytes: int = MAX_REQUEST_BODY_BYTES,
                tool_call_parser: str | None = None,
                enable_auto_tool_choice: bool = False,
-               trust_request_chat_template: bool = False) -> int:
+               trust_request_chat_template: bool = False,
+               lora_modules: Sequence[LoRAModulePath] = (),
+               allow_runtime_lora_updating: bool = False) -> int:
     """Load the model, then serve until SIGINT/SIGTERM or until the engine dies.
 
     Returns the process exit status: 0 after a signal, 1 if the engine died (so a supervisor
@@ -371,6 +393,7 @@ def run_server(model: str, engine_kwargs: dict[str, Any], host: str = "127.0.0.1
         max_request_body_bytes: larger request bodies get 413.
         tool_call_parser, enable_auto_tool_choice, trust_request_chat_template: see
             `ServingChat` (the reasoning parser is the engine argument `reasoning_parser`).
+        lora_modules, allow_runtime_lora_updating: see `build_app`.
 
     Raises:
         ValueError, FileNotFoundError: invalid engine arguments or a missing model (before any
@@ -411,7 +434,9 @@ def run_server(model: str, engine_kwargs: dict[str, Any], host: str = "127.0.0.1
                         tool_call_parser=tool_call_parser,
                         enable_auto_tool_choice=enable_auto_tool_choice,
                         reasoning_parser=engine_kwargs.get("reasoning_parser"),
-                        trust_request_chat_template=trust_request_chat_template)
+                        trust_request_chat_template=trust_request_chat_template,
+                        lora_modules=lora_modules,
+                        allow_runtime_lora_updating=allow_runtime_lora_updating)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
     server = _Server(config, async_llm.shutdown if async_llm is not None else None)

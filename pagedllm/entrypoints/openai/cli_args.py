@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import json
 import os
 import socket
 
@@ -18,6 +19,7 @@ from pagedllm.config import ROUTING_POLICIES
 from pagedllm.engine.arg_utils import (add_engine_args, bounded_int, engine_kwargs_from_args,
                                        non_empty)
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
+from pagedllm.lora.request import LoRAModulePath
 
 _SERVE_USAGE = "%(prog)s [--model MODEL] [--host HOST] [--port PORT] [options] (see --help)"
 
@@ -31,6 +33,26 @@ def _api_key(text: str) -> str:
     if text != text.strip():
         raise argparse.ArgumentTypeError("must not start or end with whitespace")
     return text
+
+
+def parse_lora_module(text: str) -> LoRAModulePath:
+    """argparse type of `--lora-modules` values: `name=path` or a JSON object with "name",
+    "path" and optionally "base_model_name" (vLLM's two forms)."""
+    if text.lstrip().startswith("{"):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"not valid JSON ({e.msg}): {text!r}") from None
+        if not isinstance(value, dict) or not {"name", "path"} <= set(value) \
+                or not set(value) <= {"name", "path", "base_model_name"} \
+                or not all(isinstance(v, str) and v.strip() for v in value.values()):
+            raise argparse.ArgumentTypeError(f'expected {{"name": ..., "path": ..., '
+                                             f'"base_model_name": ...}} strings, got {text!r}')
+        return LoRAModulePath(**value)
+    name, sep, path = text.partition("=")
+    if not sep or not name.strip() or not path.strip():
+        raise argparse.ArgumentTypeError(f"expected name=path or a JSON object, got {text!r}")
+    return LoRAModulePath(name.strip(), path.strip())
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -71,6 +93,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                    help="the model family's tool-call format (hermes: Qwen2.5/3, Hermes; "
                         "llama3_json: Llama 3.1+; mistral: Mistral v0.3+)")
+    g.add_argument("--lora-modules", nargs="+", type=parse_lora_module, default=None,
+                   metavar="NAME=PATH",
+                   help="LoRA adapters to serve (needs --enable-lora): name=path or a JSON "
+                        "object {\"name\", \"path\", \"base_model_name\"}; a request's "
+                        "model field selects one by name")
+    g.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (needs "
+                        "--enable-lora)")
     g.add_argument("--trust-request-chat-template", action="store_true",
                    help="accept a request's own `chat_template` (a Jinja template the server "
                         "renders; off by default, as in vLLM)")
@@ -157,6 +187,8 @@ def check_serve_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--{key.replace('_', '-')} needs --runner pooling")
     if args.runner == "pooling" and args.data_parallel_size > 1:
         raise ValueError("--data-parallel-size > 1 is not supported with --runner pooling")
+    if (args.lora_modules or args.allow_runtime_lora_updating) and not args.enable_lora:
+        raise ValueError("--lora-modules and --allow-runtime-lora-updating need --enable-lora")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     _check_local_folder("--model", args.model)
@@ -189,4 +221,6 @@ def run_serve(args: argparse.Namespace) -> int:
                       max_request_body_bytes=args.max_request_body_bytes,
                       tool_call_parser=args.tool_call_parser,
                       enable_auto_tool_choice=args.enable_auto_tool_choice,
-                      trust_request_chat_template=args.trust_request_chat_template)
+                      trust_request_chat_template=args.trust_request_chat_template,
+                      lora_modules=args.lora_modules or (),
+                      allow_runtime_lora_updating=args.allow_runtime_lora_updating)

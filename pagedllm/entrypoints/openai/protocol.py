@@ -50,6 +50,8 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=now_s)
     owned_by: str = "pagedllm"
     root: str | None = None
+    # A LoRA adapter's base model (None for the base model itself).
+    parent: str | None = None
     max_model_len: int | None = None
 
 

@@ -229,6 +229,8 @@ class OpenAIServing:
         self.tokenizer = async_llm.tokenizer
         self.max_model_len = async_llm.max_model_len
         self.served_model_names = list(served_model_names)
+        # The LoRA adapters a request's `model` may name (serving_lora.py; None: LoRA off).
+        self.lora_modules = None
         # The model's sampling defaults for fields a request leaves out (read once at start).
         self.default_sampling_params: dict[str, Any] = dict(async_llm.default_sampling_params)
         if self.default_sampling_params:
@@ -239,6 +241,8 @@ class OpenAIServing:
         """The model name to report. Raises OpenAIServingError 404 for an unknown name."""
         if model is None or model in self.served_model_names:
             return self.served_model_names[0]
+        if self.lora_modules is not None and model in self.lora_modules.adapters:
+            return model
         raise OpenAIServingError(f"The model `{model}` does not exist.", 404, param="model",
                                  code="model_not_found")
 
@@ -331,11 +335,22 @@ class OpenAIServing:
                 stays queued), 503 if the engine is dead.
         """
         streams: list[RequestStream] = []
+        lora_modules, model = self.lora_modules, getattr(request, "model", None)
         try:
             for i, (prompt, params) in enumerate(prompts):
                 req_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                streams.append(await self.async_llm.add_request(
-                    req_id, prompt, params, getattr(request, "priority", 0)))
+                lora = lora_modules.acquire(model) if lora_modules is not None else None
+                try:
+                    stream = await self.async_llm.add_request(
+                        req_id, prompt, params, lora_request=lora,
+                        priority=getattr(request, "priority", 0))
+                except BaseException:
+                    if lora is not None:
+                        lora_modules.release(model)
+                    raise
+                if lora is not None:
+                    stream.add_close_callback(lambda *_: lora_modules.release(model))
+                streams.append(stream)
         except BaseException as e:
             for stream in streams:
                 stream.close()

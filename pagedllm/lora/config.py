@@ -1,0 +1,37 @@
+"""LoRAConfig: the engine's LoRA limits (vLLM's `enable_lora` family of engine arguments)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Architectures whose layers the LoRA wrappers know (the Llama family of models/llama.py).
+LORA_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                      "Qwen3ForCausalLM")
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """Present in `EngineConfig.lora_config` only with `enable_lora`.
+
+    Attributes:
+        max_loras: most distinct adapters in one step (the worker's device slots; the
+            scheduler budgets them like tokens).
+        max_lora_rank: the largest adapter rank accepted; every slot is this wide.
+        max_cpu_loras: adapters kept loaded in host memory (an LRU); None = `max_loras`.
+    """
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.max_cpu_loras is None:
+            object.__setattr__(self, "max_cpu_loras", self.max_loras)
+        if (isinstance(self.max_cpu_loras, bool) or not isinstance(self.max_cpu_loras, int)
+                or self.max_cpu_loras < self.max_loras):
+            raise ValueError(f"max_cpu_loras must be an integer >= max_loras "
+                             f"({self.max_loras}), got {self.max_cpu_loras!r}")

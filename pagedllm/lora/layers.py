@@ -1,0 +1,154 @@
+"""LoRA by wrapping: `wrap_lora_layers` replaces a Llama-family model's projections with
+`LoRALinear`s (the base layer inside, unchanged) and gates its native decoder stack, so model
+files carry no LoRA branch.
+
+Every wrapper reads the same `LoRAStepState`, which the runner sets once per step
+(`LoRAModelManager.set_active_loras`) before the forward: the step's adapter tokens by slot.
+NOTE(lora): this state object is handed to the wrappers when they are built instead of going
+through the forward context, which carries the attention metadata for layers/attention.py
+only.
+
+Merged layers hold one slice per checkpoint projection:
+
+    qkv_proj:     [ q_proj | k_proj | v_proj ]      gate_up_proj: [ gate_proj | up_proj ]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pagedllm.lora.ops import LoRAMapping, lora_expand, lora_shrink
+from pagedllm.models.llama import LlamaDecoderLayer, LlamaModel
+
+
+@dataclass
+class LoRAStepState:
+    """The step's adapter tokens by slot (`lora.ops.LoRAMapping`); None = no token of this
+    step has an adapter (the wrappers then add nothing and the native stack may run)."""
+
+    mapping: LoRAMapping | None = None
+
+
+@dataclass(frozen=True)
+class LoRASlice:
+    """One checkpoint projection inside a (possibly merged) layer's output rows."""
+
+    module: str
+    offset: int
+    size: int
+
+
+class LoRALinear(nn.Module):
+    """A linear layer plus the step's adapters: y = base(x) + per token x A_s^T B_s^T, where s
+    is the adapter slot of the token's request (none for base tokens).
+
+    Args:
+        base_layer: the model's linear layer (any quantization method; its output is float).
+        slices: its output rows per checkpoint projection.
+        max_loras, max_lora_rank: slot count and width.
+        state: the step state shared by all wrappers.
+        device, dtype: of the A/B buffers (the activations': a quantized base stays quantized).
+    """
+
+    def __init__(self, base_layer: nn.Module, slices: list[LoRASlice], max_loras: int,
+                 max_lora_rank: int, state: LoRAStepState, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.base_layer = base_layer
+        self.slices = slices
+        self.max_lora_rank = max_lora_rank
+        self.state = state
+        width = len(slices) * max_lora_rank
+        self.register_buffer("lora_a", torch.zeros(
+            max_loras, width, base_layer.input_size_per_partition, device=device, dtype=dtype),
+            persistent=False)
+        self.register_buffer("lora_b", torch.zeros(
+            max_loras, base_layer.output_size_per_partition, width, device=device, dtype=dtype),
+            persistent=False)
+
+    def reset_lora(self, slot: int) -> None:
+        """Zero slot `slot` (an adapter that leaves this layer out then adds nothing)."""
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+
+    def set_lora(self, slot: int, slice_index: int, lora_a: torch.Tensor,
+                 lora_b: torch.Tensor) -> None:
+        """Write one projection's A [r, in_features] and scaled B [slice size, r] into slot
+        `slot` (r <= max_lora_rank; the rest of the slot's width stays zero)."""
+        rank = lora_a.shape[0]
+        start = slice_index * self.max_lora_rank
+        piece = self.slices[slice_index]
+        self.lora_a[slot, start:start + rank].copy_(lora_a)
+        self.lora_b[slot, piece.offset:piece.offset + piece.size, start:start + rank].copy_(
+            lora_b)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base_layer(x)
+        mapping = self.state.mapping
+        if mapping is not None:
+            lora_expand(y, lora_shrink(x, self.lora_a, mapping), self.lora_b, mapping)
+        return y
+
+
+class LoRAGatedLayerStack:
+    """A model's native decoder stack (`LlamaModel.layer_stack`) that declines every step with
+    adapter tokens: the fused decoder knows no LoRA, so those steps run the Python layers."""
+
+    def __init__(self, inner, state: LoRAStepState) -> None:
+        self.inner = inner
+        self.state = state
+
+    def __call__(self, positions, hidden, residual):
+        if self.state.mapping is not None:
+            return None
+        return self.inner(positions, hidden, residual)
+
+
+def wrap_lora_layers(model: nn.Module, state: LoRAStepState, max_loras: int,
+                     max_lora_rank: int, device: torch.device, dtype: torch.dtype
+                     ) -> dict[tuple[int, str], tuple[LoRALinear, int]]:
+    """Wrap every Llama-family decoder layer's projections of `model` in `LoRALinear`s.
+
+    Returns:
+        (layer index, checkpoint module name) -> (its wrapper, slice index), for loading
+        adapters into slots.
+
+    Raises:
+        ValueError: when `model` has no Llama-family decoder layer or other layer kinds.
+    """
+    targets: dict[tuple[int, str], tuple[LoRALinear, int]] = {}
+
+    def wrap(owner: nn.Module, attr: str, layer_idx: int, slices: list[LoRASlice]) -> None:
+        wrapper = LoRALinear(getattr(owner, attr), slices, max_loras, max_lora_rank, state,
+                             device, dtype)
+        setattr(owner, attr, wrapper)
+        for i, piece in enumerate(slices):
+            targets[(layer_idx, piece.module)] = (wrapper, i)
+
+    for stack in model.modules():
+        if not isinstance(stack, LlamaModel):
+            continue
+        for idx in range(stack.start_layer, stack.end_layer):
+            layer = stack.layers[idx]
+            if type(layer) is not LlamaDecoderLayer:
+                raise ValueError(f"LoRA: layer {idx} is a {type(layer).__name__}, not a Llama "
+                                 f"decoder layer")
+            attn, mlp = layer.self_attn, layer.mlp
+            q, kv = attn.q_size, attn.kv_size
+            wrap(attn, "qkv_proj", idx, [LoRASlice("q_proj", 0, q), LoRASlice("k_proj", q, kv),
+                                         LoRASlice("v_proj", q + kv, kv)])
+            wrap(attn, "o_proj", idx,
+                 [LoRASlice("o_proj", 0, attn.o_proj.output_size_per_partition)])
+            gate, up = (s // mlp.gate_up_proj.tp_size for s in mlp.gate_up_proj.output_sizes)
+            wrap(mlp, "gate_up_proj", idx,
+                 [LoRASlice("gate_proj", 0, gate), LoRASlice("up_proj", gate, up)])
+            wrap(mlp, "down_proj", idx,
+                 [LoRASlice("down_proj", 0, mlp.down_proj.output_size_per_partition)])
+        if stack.layer_stack is not None:
+            stack.layer_stack = LoRAGatedLayerStack(stack.layer_stack, state)
+    if not targets:
+        raise ValueError(f"LoRA: {type(model).__name__} has no Llama-family decoder layers")
+    return targets

@@ -1,0 +1,143 @@
+"""LoRAModelManager: the worker's adapters: a host LRU of loaded adapters (`max_cpu_loras`),
+`max_loras` device slots in every wrapped layer, and the per-step mapping of tokens to slots.
+
+Between steps (`set_active_loras`, called by the runner before each forward) the adapters of
+the step's requests are made resident: an adapter already in a slot stays there; another takes
+a free slot or the least recently used slot no request of this step needs (the scheduler never
+schedules more than `max_loras` distinct adapters in one step, so one always exists).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from pagedllm.lora.config import LoRAConfig
+from pagedllm.lora.layers import LoRAStepState, wrap_lora_layers
+from pagedllm.lora.ops import LoRAMapping
+from pagedllm.lora.peft import LoRAAdapter, LoRAModelShapes, load_peft_adapter
+from pagedllm.lora.request import LoRARequest
+
+
+class LoRAModelManager:
+    """Adapters of one model on one worker.
+
+    Args:
+        model: the loaded model (its layers are wrapped here; see lora/layers.py).
+        shapes: the model's projection shapes (adapters are checked against them).
+        lora_config: slot count, slot width, host LRU size.
+        device, dtype: where and in what dtype the slots live (the model's).
+    """
+
+    def __init__(self, model: nn.Module, shapes: LoRAModelShapes, lora_config: LoRAConfig,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        self.config = lora_config
+        self.shapes = shapes
+        self.device = device
+        self.state = LoRAStepState()
+        self.targets = wrap_lora_layers(model, self.state, lora_config.max_loras,
+                                        lora_config.max_lora_rank, device, dtype)
+        self.wrappers = list({id(w): w for w, _ in self.targets.values()}.values())
+        # lora_int_id -> adapter on the host, least recently used first.
+        self.cpu_cache: OrderedDict[int, LoRAAdapter] = OrderedDict()
+        # slot -> lora_int_id resident there (None: free); slot_last_used: step counter.
+        self.slot_ids: list[int | None] = [None] * lora_config.max_loras
+        self.slot_last_used = [0] * lora_config.max_loras
+        self._step = 0
+
+    @property
+    def active(self) -> bool:
+        """Whether the current step has tokens under an adapter."""
+        return self.state.mapping is not None
+
+    def set_active_loras(self, lora_requests: Sequence[LoRARequest | None],
+                         num_scheduled_tokens: np.ndarray) -> None:
+        """Make this step's adapters resident and map its tokens to slots.
+
+        Args:
+            lora_requests: [num_reqs] each batch row's adapter (None: the base model).
+            num_scheduled_tokens: [num_reqs] int32, the rows' tokens in the flat batch.
+
+        Raises:
+            ValueError: an adapter that fails to load (the front end checked it at admission;
+                only a file changed since can fail here).
+            RuntimeError: more distinct adapters than slots (a scheduler bug).
+        """
+        self._step += 1
+        ids = np.fromiter((0 if r is None else r.lora_int_id for r in lora_requests),
+                          dtype=np.int64, count=len(lora_requests))
+        wanted, first_row = np.unique(ids[ids > 0], return_index=True)
+        if not len(wanted):
+            self.state.mapping = None
+            return
+        if len(wanted) > len(self.slot_ids):
+            raise RuntimeError(f"{len(wanted)} adapters in one step, more than max_loras="
+                               f"{len(self.slot_ids)}")
+        positive_rows = np.nonzero(ids > 0)[0]
+        slot_of = {int(i): self._ensure_resident(lora_requests[positive_rows[j]],
+                                                 set(wanted.tolist()))
+                   for i, j in zip(wanted, first_row)}
+        row_slots = np.array([slot_of.get(int(i), -1) for i in ids], dtype=np.int64)
+        token_slots = np.repeat(row_slots, num_scheduled_tokens)
+        counts = np.bincount(token_slots + 1, minlength=len(self.slot_ids) + 1)[1:]
+        ends = np.cumsum(counts)
+        segments = tuple((slot, int(ends[slot] - counts[slot]), int(ends[slot]))
+                         for slot in np.nonzero(counts)[0].tolist())
+        if len(segments) == 1 and counts[segments[0][0]] == len(token_slots):
+            self.state.mapping = LoRAMapping(None, segments)
+            return
+        # Adapter tokens sorted by slot (stable); base tokens (-1) sort first and are cut.
+        order = np.argsort(token_slots, kind="stable")[len(token_slots) - int(ends[-1]):]
+        self.state.mapping = LoRAMapping(torch.from_numpy(order).to(self.device), segments)
+
+    def _ensure_resident(self, lora_request: LoRARequest, needed: set[int]) -> int:
+        """The slot holding `lora_request`'s adapter, loading it into one if absent (never
+        evicting one of `needed`)."""
+        lora_id = lora_request.lora_int_id
+        if lora_id in self.slot_ids:
+            slot = self.slot_ids.index(lora_id)
+        else:
+            free = [s for s, i in enumerate(self.slot_ids) if i is None]
+            slot = free[0] if free else min(
+                (s for s, i in enumerate(self.slot_ids) if i not in needed),
+                key=lambda s: self.slot_last_used[s])
+            self._load_slot(slot, self._get_adapter(lora_request))
+        self.slot_last_used[slot] = self._step
+        return slot
+
+    def _get_adapter(self, lora_request: LoRARequest) -> LoRAAdapter:
+        """The adapter from the host LRU, read from disk on a miss (evicting the least recently
+        used beyond max_cpu_loras)."""
+        adapter = self.cpu_cache.get(lora_request.lora_int_id)
+        if adapter is None or adapter.lora_request != lora_request:
+            adapter = load_peft_adapter(lora_request, self.shapes, self.config.max_lora_rank)
+            self.cpu_cache[lora_request.lora_int_id] = adapter
+            while len(self.cpu_cache) > self.config.max_cpu_loras:
+                self.cpu_cache.popitem(last=False)
+        self.cpu_cache.move_to_end(lora_request.lora_int_id)
+        return adapter
+
+    def _load_slot(self, slot: int, adapter: LoRAAdapter) -> None:
+        self.slot_ids[slot] = None
+        for wrapper in self.wrappers:
+            wrapper.reset_lora(slot)
+        for key, (lora_a, lora_b) in adapter.weights.items():
+            wrapper, slice_index = self.targets[key]
+            wrapper.set_lora(slot, slice_index, lora_a, lora_b)
+        self.slot_ids[slot] = adapter.lora_request.lora_int_id
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter (host copy and slot); True if it was held."""
+        held = self.cpu_cache.pop(lora_int_id, None) is not None
+        if lora_int_id in self.slot_ids:
+            self.slot_ids[self.slot_ids.index(lora_int_id)] = None
+            held = True
+        return held
+
+    def list_loras(self) -> set[int]:
+        """Ids of the adapters held on the host or in a slot."""
+        return set(self.cpu_cache) | {i for i in self.slot_ids if i is not None}
