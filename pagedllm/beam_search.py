@@ -16,9 +16,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+# |length_penalty| bound: the score's len ** length_penalty stays a finite, non-zero float for
+# any sequence length up to 10**30 tokens (a larger power overflows, or underflows to 0).
+MAX_LENGTH_PENALTY = 10.0
+
+
 @dataclass(frozen=True)
 class BeamSearchParams:
-    """beam_width >= 1; max_tokens >= 1 new tokens; length_penalty as in the score above."""
+    """beam_width >= 1; max_tokens >= 1 new tokens; length_penalty in [-MAX_LENGTH_PENALTY,
+    MAX_LENGTH_PENALTY], as in the score above.
+
+    Raises:
+        ValueError: naming the field out of range.
+    """
 
     beam_width: int
     max_tokens: int
@@ -33,6 +43,16 @@ class BeamSearchParams:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        check_length_penalty(self.length_penalty)
+
+
+def check_length_penalty(length_penalty: float) -> None:
+    """Raises ValueError naming `length_penalty` unless it is a finite number within
+    +-MAX_LENGTH_PENALTY."""
+    if isinstance(length_penalty, bool) or not isinstance(length_penalty, (int, float)) \
+            or not -MAX_LENGTH_PENALTY <= length_penalty <= MAX_LENGTH_PENALTY:
+        raise ValueError(f"length_penalty must be a number in [-{MAX_LENGTH_PENALTY:g}, "
+                         f"{MAX_LENGTH_PENALTY:g}], got {length_penalty!r}")
 
 
 @dataclass

@@ -314,7 +314,8 @@ def add_verify_parser(subparsers) -> None:
         "verify", help="check that pagedllm runs a checkpoint (folder or .gguf) as transformers "
                        "does: greedy outputs and logprobs on a few prompts, PASS/FAIL")
     p.add_argument("model", nargs="?", default=None,
-                   help="checkpoint folder, hub id or .gguf file (or give it as --model)")
+                   help="checkpoint folder, hub id or .gguf file (or give it as --model; default: the "
+                        "shipped model)")
     p.add_argument("--model", dest="model_option", default=None, metavar="MODEL",
                    help="the same as the positional MODEL (the flag every command takes)")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens generated per prompt")
@@ -340,8 +341,9 @@ def _usage_error(args: argparse.Namespace) -> str | None:
     if args.model is not None and args.model_option not in (None, args.model):
         return f"two models given: {args.model} and --model {args.model_option}"
     args.model = args.model or args.model_option
-    if args.model is None:
-        return "no model given: pagedllm verify MODEL (or --model MODEL)"
+    if args.model is None:      # as every command that runs a model: the shipped one
+        from pagedllm.assets import default_model_path
+        args.model = default_model_path()
     if args.max_tokens < 1:
         return f"--max-tokens must be >= 1, got {args.max_tokens}"
     if args.num_prompts is not None and args.num_prompts < 1:

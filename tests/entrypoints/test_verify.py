@@ -102,7 +102,7 @@ def test_prompts_file_and_text_report_of_a_failure(perturbed_llama, tiny_llama, 
     ["verify", "MODEL", "--num-prompts", "0"],
     ["verify", "MODEL", "--max-tokens", "0"],
     ["verify", "MODEL", "--prompts-file", "/nonexistent/prompts.txt"],
-    ["verify"],
+    ["verify", "--max-tokens", "0"],      # no model: the shipped one, then the usage error
     ["verify", "MODEL", "--model", "OTHER"],
 ])
 def test_usage_errors_exit_2(argv, capsys):

@@ -20,6 +20,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 from pydantic_core import PydanticCustomError
 
+from pagedllm.beam_search import check_length_penalty
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.entrypoints.openai.tool_choice import check_tools, tool_call_schema
 from pagedllm.structured_output.params import StructuredOutputsParams
@@ -235,6 +236,7 @@ class _SamplingRequest(_StrictModel):
         would change which tokens a beam may take, or what is reported per token, is refused."""
         if self.n < 1:
             raise ValueError(f"n (the beam width) must be >= 1, got {self.n}")
+        check_length_penalty(self.length_penalty)
         fields = type(self).model_fields
         for name in BEAM_SEARCH_UNSUPPORTED:
             if name in fields and getattr(self, name) not in (None, fields[name].default, [],

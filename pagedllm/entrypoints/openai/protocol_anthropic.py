@@ -45,13 +45,17 @@ class TextBlockParam(_StrictModel):
 
 
 class ToolUseBlockParam(_StrictModel):
-    """A tool call of an earlier assistant turn."""
+    """A tool call of an earlier assistant turn. `caller` (who made the call, for programmatic
+    tool calling) and `toolset_name` are fields of the SDK's own block type, sent back when a
+    client echoes an answer's content: accepted and not shown to the model."""
 
     type: Literal["tool_use"]
     id: str
     name: str
     input: dict[str, Any]
     cache_control: dict[str, Any] | None = None
+    caller: dict[str, Any] | None = None
+    toolset_name: str | None = None
 
 
 class ToolResultBlockParam(_StrictModel):

@@ -55,12 +55,14 @@ class ResponseOutputBuilder:
                 events += self._arguments_delta(call["function"].get("arguments") or "")
         return events
 
-    def finish(self) -> list[dict[str, Any]]:
-        """Close the open item; an answer without any item gets an empty message (the whole
-        answer and the stream alike)."""
-        events = self._close()
+    def finish(self, incomplete: bool = False) -> list[dict[str, Any]]:
+        """Close the open item, with status "incomplete" when the output was cut
+        (`max_output_tokens`), as OpenAI marks it; an answer without any item gets an empty
+        message (the whole answer and the stream alike)."""
+        status = "incomplete" if incomplete else "completed"
+        events = self._close(status)
         if not self.items:
-            events += self._text_delta(OutputMessage, "") + self._close()
+            events += self._text_delta(OutputMessage, "") + self._close(status)
         return events
 
     # ------------------------------------------------------------------ items
@@ -102,7 +104,7 @@ class ResponseOutputBuilder:
                                  item=item.model_dump()))
         return events
 
-    def _close(self) -> list[dict[str, Any]]:
+    def _close(self, status: str = "completed") -> list[dict[str, Any]]:
         item, events = self._open, []
         if item is None:
             return events
@@ -121,7 +123,7 @@ class ResponseOutputBuilder:
                 events.append(self.event("response.reasoning_text.done", item_id=item.id,
                                          output_index=index, content_index=0, text=part.text))
             events.append(self._part_event("response.content_part.done", part))
-        item.status = "completed"
+        item.status = status
         events.append(self.event("response.output_item.done", output_index=index,
                                  item=item.model_dump()))
         self._open = None

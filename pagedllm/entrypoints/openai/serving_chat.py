@@ -25,6 +25,7 @@ from pagedllm.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChun
                                                   TokenLogprob, ToolCall, TopLogprob, UsageInfo,
                                                   now_s)
 from pagedllm.entrypoints.openai.serving_beam_search import FinishedStream, beam_search
+from pagedllm.entrypoints.openai.template_thread import RequestTemplateRenderer
 from pagedllm.entrypoints.openai.tool_choice import template_messages, template_tools
 from pagedllm.entrypoints.openai.tool_parsers import ToolParser, get_tool_parser
 from pagedllm.engine.async_llm import RequestStream
@@ -109,6 +110,7 @@ class ServingChat:
                  trust_request_chat_template: bool = False) -> None:
         self.serving = serving
         self.trust_request_chat_template = trust_request_chat_template
+        self._template_renderer = RequestTemplateRenderer()
         self._token_bytes: TokenBytes | None = None
         if enable_auto_tool_choice and tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
@@ -154,7 +156,7 @@ class ServingChat:
         model = self.serving.check_request(request, "top_logprobs")
         mode = self._tool_mode(request)
         token_ids, params = self.serving.prepare(
-            request, self.serving.check_token_ids(self.render_prompt(request), param="messages"))
+            request, self.serving.check_token_ids(await self._render(request), param="messages"))
         if mode.parser is not None and mode.parser.needs_special_tokens:
             params.skip_special_tokens = False      # the parser must see its markers
         if request.prompt_logprobs is not None:
@@ -289,15 +291,22 @@ class ServingChat:
                              request.top_logprobs or 0, self._token_bytes,
                              request.return_tokens_as_token_ids)
 
+    async def _render(self, request: ChatCompletionRequest) -> list[int]:
+        """`render_prompt`; with the request's own chat template, off the event loop and
+        bounded in time (template_thread.py)."""
+        if request.chat_template is None:
+            return self.render_prompt(request)
+        if not self.trust_request_chat_template:
+            raise OpenAIServingError("chat_template: a request's own chat template needs the "
+                                     "server started with --trust-request-chat-template", 400,
+                                     param="chat_template")
+        return await self._template_renderer.render(lambda: self.render_prompt(request))
+
     def render_prompt(self, request: ChatCompletionRequest) -> list[int]:
         """Token ids of the templated conversation. Raises OpenAIServingError 400."""
         tokenizer = self.serving.tokenizer
         if not request.messages:
             raise OpenAIServingError("messages must not be empty", 400, param="messages")
-        if request.chat_template is not None and not self.trust_request_chat_template:
-            raise OpenAIServingError("chat_template: a request's own chat template needs the "
-                                     "server started with --trust-request-chat-template", 400,
-                                     param="chat_template")
         if not (request.chat_template or getattr(tokenizer, "chat_template", None)):
             raise OpenAIServingError("the model's tokenizer has no chat template (start the "
                                      "server with --chat-template FILE)", 400, param="messages")

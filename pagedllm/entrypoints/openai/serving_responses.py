@@ -192,7 +192,7 @@ class ServingResponses:
         builder = ResponseOutputBuilder()
         builder.feed(ChoiceOutputParser(admitted.mode, self.chats.reasoning).deltas(
             final.outputs[0].text, final=True))
-        builder.finish()
+        builder.finish(incomplete=_cut(final))
         return self._finish(answer, builder, final)
 
     def retrieve_response(self, response_id: str) -> dict[str, Any]:
@@ -209,7 +209,7 @@ class ServingResponses:
         """The finished Response (stored when asked)."""
         usage = self.chats.usage(final)
         response = answer.response(
-            "incomplete" if final.outputs[0].finish_reason == "length" else "completed",
+            "incomplete" if _cut(final) else "completed",
             builder, ResponseUsage(
                 input_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens,
                 total_tokens=usage.total_tokens,
@@ -240,7 +240,7 @@ class ServingResponses:
                 for event in builder.feed(parser.deltas(
                         completion.text, final=completion.finish_reason is not None)):
                     yield _sse(event)
-            for event in builder.finish():
+            for event in builder.finish(incomplete=_cut(final)):
                 yield _sse(event)
             response = self._finish(answer, builder, final)
             yield _sse(builder.event("response.completed", response=response.model_dump()))
@@ -249,6 +249,11 @@ class ServingResponses:
             logger.warning("responses stream %s failed: %s", answer.response_id, error.message)
             yield _sse(builder.event("error", code=error.code, message=error.message,
                                      param=error.param))
+
+
+def _cut(final: RequestOutput) -> bool:
+    """Whether the answer was cut by its token cap (the Response is "incomplete")."""
+    return final.outputs[0].finish_reason == "length"
 
 
 @dataclass(frozen=True)

@@ -174,6 +174,14 @@ def test_tool_use_tool_result_round_trip(client, http, tokenizer) -> None:
                                     tool_choice={"type": "none"}, **GREEDY)
     assert answer.stop_reason in ("end_turn", "max_tokens")
     assert all(block.type == "text" for block in answer.content)
+    # The answer's blocks echoed as dicts carry the SDK's extra tool_use fields (caller, ...).
+    echoed = [*conversation[:1], {"role": "assistant",
+                                  "content": [b.model_dump() for b in first.content]},
+              conversation[2]]
+    assert "caller" in echoed[1]["content"][0]
+    again = client.messages.create(max_tokens=6, messages=echoed, tools=[WEATHER],
+                                   tool_choice={"type": "none"}, **GREEDY)
+    assert again.usage.input_tokens == answer.usage.input_tokens
     # The chat endpoint's equivalent conversation: the same prompt and the same greedy text.
     chat_conversation = [*USER, {"role": "assistant", "content": None, "tool_calls": [
         {"id": call.id, "type": "function", "function": {

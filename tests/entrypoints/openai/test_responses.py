@@ -66,11 +66,13 @@ def test_text_equals_chat_and_reports_usage(client: openai.OpenAI) -> None:
     assert usage.input_tokens > 0 and 0 < usage.output_tokens <= 8
     assert usage.total_tokens == usage.input_tokens + usage.output_tokens
     # max_output_tokens caps the output; hitting it makes the response incomplete.
+    # The message item cut by it is "incomplete" too (OpenAI's item status).
     if usage.output_tokens == 8:
         assert response.status == "incomplete"
         assert response.incomplete_details.reason == "max_output_tokens"
+        assert response.output[0].status == "incomplete"
     else:
-        assert response.status == "completed"
+        assert response.status == "completed" and response.output[0].status == "completed"
 
 
 def test_instructions_are_a_system_message(client: openai.OpenAI) -> None:
