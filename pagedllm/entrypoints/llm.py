@@ -65,6 +65,21 @@ def chat_prompt_token_ids(tokenizer, conversation: list[dict[str, str]],
         chat_template=chat_template, return_dict=False))
 
 
+def _per_prompt(value: Any, one: type | tuple[type, ...], num_prompts: int, what: str) -> list:
+    """`value` for every prompt: one `one` (or None) for all, or a sequence of one per prompt.
+
+    Raises:
+        ValueError: a sequence whose length is not the number of prompts.
+    """
+    if value is None or isinstance(value, one):
+        return [value] * num_prompts
+    values = list(value)
+    if len(values) != num_prompts:
+        raise ValueError(f"got {len(values)} {what} for {num_prompts} prompts; give one, or one "
+                         "per prompt")
+    return values
+
+
 class LLM:
     """Offline generation over the paged-KV engine.
 
@@ -120,7 +135,7 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True,
                  lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
-                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 priority: int | Sequence[int] | None = None) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order.
 
         Args:
@@ -132,7 +147,8 @@ class LLM:
             use_tqdm: show a progress bar.
             lora_request: the LoRA adapter of every prompt, or one per prompt (None: the base
                 model); needs an engine started with enable_lora=True (docs/lora.md).
-            priority: one per prompt (lower first), with scheduling_policy="priority" (vLLM's).
+            priority: one for all prompts or one per prompt (lower first), with
+                scheduling_policy="priority" (vLLM's).
 
         Raises:
             GenerateError (a ValueError): after the valid requests have finished, if any request
@@ -147,24 +163,11 @@ class LLM:
         prompts = self._as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        if isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params] * len(prompts)
-        else:
-            params_list = list(sampling_params)
-            if len(params_list) != len(prompts):
-                raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} "
-                                 "prompts; give one, or one per prompt")
-        if lora_request is None or isinstance(lora_request, LoRARequest):
-            lora_list = [lora_request] * len(prompts)
-        else:
-            lora_list = list(lora_request)
-            if len(lora_list) != len(prompts):
-                raise ValueError(f"got {len(lora_list)} LoRA requests for {len(prompts)} "
-                                 "prompts; give one, or one per prompt")
-        priorities = [0] * len(prompts) if priority is None else list(priority)
-        if len(priorities) != len(prompts):
-            raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts; give "
-                             "one per prompt")
+        params_list = _per_prompt(sampling_params, SamplingParams, len(prompts),
+                                  "sampling params")
+        lora_list = _per_prompt(lora_request, LoRARequest, len(prompts), "LoRA requests")
+        priorities = _per_prompt(0 if priority is None else priority, int, len(prompts),
+                                 "priorities")
         engine = self.llm_engine
         index_of: dict[str, int] = {}
         errors: dict[int, str] = {}
