@@ -279,15 +279,14 @@ class Scheduler:
             return 1
         return max(steps, 1)
 
-    def _schedule_running(self, out: SchedulerOutput, token_budget: int,
-                          num_steps: int = 1, loras: set[int] | None = None) -> int:
+    def _schedule_running(self, out: SchedulerOutput, token_budget: int, num_steps: int,
+                          loras: set[int]) -> int:
         """Schedule running requests in admission order (decodes, prefill chunks, drafts),
         preempting the most recently admitted ones when blocks run out; with `num_steps` > 1
         (only decodes are running), KV slots for that many tokens each; requests whose LoRA
         adapter would make `loras` exceed max_loras are skipped this step. Returns the budget
         left.
         """
-        loras = set() if loras is None else loras
         cached = out.scheduled_cached_reqs
         req_index = 0
         while req_index < len(self.running) and token_budget > 0:
@@ -337,12 +336,11 @@ class Scheduler:
             loras.add(request.lora_request.lora_int_id)
 
     def _schedule_waiting(self, out: SchedulerOutput, token_budget: int,
-                          loras: set[int] | None = None) -> None:
+                          loras: set[int]) -> None:
         """Admit waiting requests in order (prefix-cache hits count as computed) while budget,
         sequence slots and blocks last. Structured requests whose grammar is still compiling,
         and requests whose LoRA adapter exceeds the step's budget (`loras`, max_loras), wait
         without blocking the others."""
-        loras = set() if loras is None else loras
         compiling: list[Request] = []
         while (self.waiting and token_budget > 0
                and len(self.running) < self.config.max_num_seqs):

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream, StatLogger
-from pagedllm.engine.dp_router import Router, make_router
+from pagedllm.engine.dp_router import LeastLoadedRouter, Router, make_router
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
@@ -32,7 +32,7 @@ class DataParallelAsyncLLM:
         if not replicas:
             raise ValueError("data parallelism needs at least one replica")
         self.replicas = list(replicas)
-        self.router = router or make_router("least_loaded", block_size=1)
+        self.router = router or LeastLoadedRouter()
         first = self.replicas[0]
         self.tokenizer = first.tokenizer
         self.max_model_len = first.max_model_len
