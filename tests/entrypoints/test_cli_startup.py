@@ -104,6 +104,9 @@ def test_no_command_accepts_abbreviated_flags() -> None:
     (["bench", "throughput", "--num-prompt", "3"], "pagedllm bench throughput",
      "did you mean --num-prompts?"),
     (["genrate", "--prompt", "x"], "usage: pagedllm ", "did you mean generate?"),
+    # A misspelt required flag: argparse reports the missing one first; the hint still comes.
+    (["generate", "--promt", "x"], "pagedllm generate",
+     "--promt is not a flag: did you mean --prompt?"),
     # A prefix is no longer taken for the flag it starts.
     (["generate", "--prompt", "x", "--max-tok", "3"], "pagedllm generate",
      "unrecognized arguments: --max-tok"),
