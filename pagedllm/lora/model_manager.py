@@ -1,8 +1,12 @@
 """LoRAModelManager: the worker's adapters: a host LRU of loaded adapters (`max_cpu_loras`),
 `max_loras` device slots in every wrapped layer, and the per-step mapping of tokens to slots.
 
-Between steps (`set_active_loras`, called by the runner before each forward) the adapters of
-the step's requests are made resident: an adapter already in a slot stays there; another takes
+Every live request pins its adapter in the host LRU (`add_request`, when the request reaches
+the worker; `remove_request` when it leaves): a pinned adapter is never evicted, so after a
+request's arrival its adapter is never read from disk again, and an adapter file that changes or
+disappears while its requests run cannot fail a step (`add_request` reports a failed read for
+that request alone). Between steps (`set_active_loras`, called by the runner before each
+forward) the adapters of the step's requests are made resident: an adapter already in a slot stays there; another takes
 a free slot or the least recently used slot no request of this step needs (the scheduler never
 schedules more than `max_loras` distinct adapters in one step, so one always exists).
 """
@@ -44,6 +48,8 @@ class LoRAModelManager:
         self.wrappers = list({id(w): w for w, _ in self.targets.values()}.values())
         # lora_int_id -> adapter on the host, least recently used first.
         self.cpu_cache: OrderedDict[int, LoRAAdapter] = OrderedDict()
+        # lora_int_id -> live requests under it (their adapters stay in cpu_cache).
+        self.pins: dict[int, int] = {}
         # slot -> lora_int_id resident there (None: free); slot_last_used: step counter.
         self.slot_ids: list[int | None] = [None] * lora_config.max_loras
         self.slot_last_used = [0] * lora_config.max_loras
@@ -53,6 +59,30 @@ class LoRAModelManager:
     def active(self) -> bool:
         """Whether the current step has tokens under an adapter."""
         return self.state.mapping is not None
+
+    def add_request(self, lora_request: LoRARequest) -> str | None:
+        """Pin a new live request's adapter on the host, reading it on a miss.
+
+        Returns:
+            None, or the reason the adapter cannot be read (its file changed or went away since
+            the front end checked it): that request then fails alone, unpinned.
+        """
+        try:
+            self._get_adapter(lora_request)
+        except (ValueError, OSError) as e:
+            return f"LoRA adapter {lora_request.lora_name!r} could not be loaded: {e}"
+        lora_id = lora_request.lora_int_id
+        self.pins[lora_id] = self.pins.get(lora_id, 0) + 1
+        return None
+
+    def remove_request(self, lora_int_id: int) -> None:
+        """Unpin the adapter of a request that left the worker (finished or preempted)."""
+        count = self.pins.get(lora_int_id, 0) - 1
+        if count > 0:
+            self.pins[lora_int_id] = count
+        else:
+            self.pins.pop(lora_int_id, None)
+            self._evict_unpinned()
 
     def set_active_loras(self, lora_requests: Sequence[LoRARequest | None],
                          num_scheduled_tokens: np.ndarray) -> None:
@@ -111,15 +141,21 @@ class LoRAModelManager:
 
     def _get_adapter(self, lora_request: LoRARequest) -> LoRAAdapter:
         """The adapter from the host LRU, read from disk on a miss (evicting the least recently
-        used beyond max_cpu_loras)."""
+        used unpinned ones beyond max_cpu_loras)."""
         adapter = self.cpu_cache.get(lora_request.lora_int_id)
         if adapter is None or adapter.lora_request != lora_request:
             adapter = load_peft_adapter(lora_request, self.shapes, self.config.max_lora_rank)
             self.cpu_cache[lora_request.lora_int_id] = adapter
-            while len(self.cpu_cache) > self.config.max_cpu_loras:
-                self.cpu_cache.popitem(last=False)
         self.cpu_cache.move_to_end(lora_request.lora_int_id)
+        self._evict_unpinned()
         return adapter
+
+    def _evict_unpinned(self) -> None:
+        """Drop least recently used adapters no live request pins while the host LRU holds more
+        than max_cpu_loras (pinned ones may keep it above: at most max_num_seqs of them)."""
+        excess = len(self.cpu_cache) - self.config.max_cpu_loras
+        for lora_id in [i for i in self.cpu_cache if i not in self.pins][:max(excess, 0)]:
+            del self.cpu_cache[lora_id]
 
     def _load_slot(self, slot: int, adapter: LoRAAdapter) -> None:
         self.slot_ids[slot] = None

@@ -99,14 +99,18 @@ class AsyncModelRunnerOutput:
             logprobs_k: [num_sampled] top-k kept per row (-1 = none asked).
         prompt_logprobs: already on the host.
         eplb_stats: the worker's EPLB report of this step (None: none).
+        request_errors: {req_id: message} of requests that fail for another reason (an
+            adapter that could not be read).
     """
 
     def __init__(self, req_ids: list[str], sampled_batch_idx: np.ndarray,
                  sampled: SampledTokens | None, failed: dict[int, str],
                  logprobs: LogprobsTensors | None, logprobs_k: np.ndarray,
                  prompt_logprobs: dict[str, tuple[int, LogprobsLists]],
-                 eplb_stats: EplbStats | None = None) -> None:
+                 eplb_stats: EplbStats | None = None,
+                 request_errors: dict[str, str] | None = None) -> None:
         self.eplb_stats = eplb_stats
+        self.request_errors = request_errors or {}
         self.req_ids = req_ids
         self.sampled_batch_idx = sampled_batch_idx
         self.sampled = sampled
@@ -121,7 +125,8 @@ class AsyncModelRunnerOutput:
                                    req_id_to_index={r: i for i, r in enumerate(self.req_ids)},
                                    sampled_token_ids=[[] for _ in self.req_ids],
                                    prompt_logprobs_dict=self.prompt_logprobs,
-                                   eplb_stats=self.eplb_stats)
+                                   eplb_stats=self.eplb_stats,
+                                   request_errors=dict(self.request_errors))
         tokens = self.sampled.host_values() if self.sampled is not None else []
         by_req = dict(zip(self.sampled.req_ids, tokens)) if self.sampled is not None else {}
         lp = None

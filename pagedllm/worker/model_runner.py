@@ -107,6 +107,9 @@ class ModelRunner:
         self.eplb: EplbState | None = None
         # The adapters' slots and per-step token mapping (set by load_model with enable_lora).
         self.lora_manager: LoRAModelManager | None = None
+        # req_id -> why it fails, found while its step's inputs were set up (its adapter could
+        # not be read); sent with that step's output, where the scheduler ends the request.
+        self._request_errors: dict[str, str] = {}
         # Replays pure decode steps (set once the KV cache exists; None = always eager).
         self.graph_runner: CudaGraphRunner | None = None
         self.kv_caches: list[torch.Tensor] = []
@@ -313,9 +316,15 @@ class ModelRunner:
     def _update_states(self, so: SchedulerOutput) -> None:
         self._write_sampled_tokens()
         for req_id in so.finished_req_ids | so.preempted_req_ids:
-            self.states.remove_request(req_id)
+            self._remove_request(req_id)
         for req in so.scheduled_new_reqs:
-            self.states.add_request(req)
+            idx = self.states.add_request(req)
+            if req.lora_request is not None and self.lora_manager is not None:
+                error = self.lora_manager.add_request(req.lora_request)
+                if error is not None:
+                    # It runs on the base model until the scheduler ends it with this error.
+                    self.states.lora_requests[idx] = None
+                    self._request_errors[req.req_id] = error
         cached = so.scheduled_cached_reqs
         for req_id, new_blocks, num_computed in zip(cached.req_ids, cached.new_block_ids,
                                                     cached.num_computed_tokens):
@@ -329,6 +338,19 @@ class ModelRunner:
             idx = self.states.req_id_to_index[req_id]
             start = self.states.num_tokens[idx]
             self.states.token_ids_cpu[idx, start:start + len(drafts)] = drafts
+
+    def _remove_request(self, req_id: str) -> None:
+        """Free a finished or preempted request's slot (and unpin its adapter)."""
+        idx = self.states.req_id_to_index.get(req_id)
+        lora_request = None if idx is None else self.states.lora_requests[idx]
+        if lora_request is not None and self.lora_manager is not None:
+            self.lora_manager.remove_request(lora_request.lora_int_id)
+        self._request_errors.pop(req_id, None)
+        self.states.remove_request(req_id)
+
+    def _take_request_errors(self) -> dict[str, str]:
+        errors, self._request_errors = self._request_errors, {}
+        return errors
 
     def _prepare_inputs(self, so: SchedulerOutput) -> tuple[InputBatch, CommonAttentionMetadata]:
         """The step's inputs: its requests (cached ones first) gathered from the states, and
@@ -564,6 +586,7 @@ class ModelRunner:
                                    sampled_token_ids=[[] for _ in batch.req_ids],
                                    prompt_logprobs_dict=pending.prompt_logprobs)
         self._sample_into(pending, output, grammar_output)
+        output.request_errors.update(self._take_request_errors())
         if self.drafter is not None and len(batch.sampled_batch_idx):
             output.draft_token_ids = self._propose(
                 batch, batch.idx_mapping[batch.sampled_batch_idx])
@@ -646,7 +669,8 @@ class ModelRunner:
         return AsyncModelRunnerOutput(batch.req_ids, batch.sampled_batch_idx, sampled, failed,
                                       lp, self.states.num_logprobs[sampled_rows],
                                       pending.prompt_logprobs,
-                                      None if self.eplb is None else self.eplb.take_stats())
+                                      None if self.eplb is None else self.eplb.take_stats(),
+                                      self._take_request_errors())
 
     def _sample(self, rows: np.ndarray, logits: torch.Tensor):
         """One token per row. Returns (tokens per row, logprob lists or None, first logprob row

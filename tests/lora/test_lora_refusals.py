@@ -129,3 +129,43 @@ def test_chat_takes_the_adapter(base, good):
     assert chat.outputs[0].token_ids == want
     plain = llm.chat(messages, params, use_tqdm=False)[0]
     assert plain.outputs[0].token_ids != want
+
+
+def _run_to_end(engine):
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out
+    return outputs
+
+
+def test_adapter_file_changed_after_admission_fails_that_request_alone(base, good, tmp_path):
+    """The front end checked the adapter; its file breaks before the worker reads it: that
+    request ends with an error, the others go on. Once a request runs, its adapter is pinned
+    on the host: breaking the file then, and crowding the host LRU with other adapters, changes
+    nothing for it."""
+    llm = LLM(str(base), dtype="float32", kv_cache_memory_bytes=4 << 20, enable_lora=True,
+              max_loras=1, max_lora_rank=8, max_cpu_loras=1)
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    doomed = _variant(good, tmp_path, "doomed")
+    pinned = _variant(good, tmp_path, "pinned")
+    other = _variant(good, tmp_path, "other")
+    expected = llm.generate([[5, 6, 7, 8]], params, use_tqdm=False,
+                            lora_request=LoRARequest("pinned", 2, pinned))[0]
+    engine.add_request("doomed", [5, 6, 7, 8], params, LoRARequest("doomed", 1, doomed))
+    engine.add_request("base", [5, 6, 7, 8], params)
+    (tmp_path / "doomed" / "adapter_model.safetensors").write_bytes(b"\x00" * 64)
+    outputs = _run_to_end(engine)
+    assert outputs["doomed"].outputs[0].finish_reason == "error"
+    assert "could not be loaded" in outputs["doomed"].error
+    assert len(outputs["base"].outputs[0].token_ids) == 6
+
+    engine.add_request("pinned", [5, 6, 7, 8], params, LoRARequest("pinned", 2, pinned))
+    engine.step()    # it reached the worker: its adapter is pinned
+    (tmp_path / "pinned" / "adapter_model.safetensors").write_bytes(b"\x00" * 64)
+    engine.add_request("other", [5, 6, 7, 8], params, LoRARequest("other", 3, other))
+    outputs = _run_to_end(engine)
+    assert outputs["pinned"].outputs[0].token_ids == expected.outputs[0].token_ids
+    assert len(outputs["other"].outputs[0].token_ids) == 6
