@@ -64,6 +64,8 @@ class ModelConfig:
             fixed reduction orders in attention and one forward path per model (CPU only; the
             engine refuses at start-up a model whose kernels cannot keep it, naming the layer).
             Costs speed (docs/benchmarks.md, "Batch-invariant mode").
+        enable_sleep_mode: allow `sleep` / `wake_up` (vLLM's; docs/sleep_mode.md). Weight
+            updates (`update_weights`) need no switch.
     """
 
     model: str
@@ -79,6 +81,7 @@ class ModelConfig:
     generation_config: str = "auto"
     override_generation_config: dict[str, Any] = field(default_factory=dict)
     batch_invariant: bool = False
+    enable_sleep_mode: bool = False
 
     def __post_init__(self) -> None:
         self._validate_generation_config()
@@ -623,6 +626,7 @@ def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str
                          generation_config: str = "auto",
                          override_generation_config: dict[str, Any] | None = None,
                          batch_invariant: bool = False,
+                         enable_sleep_mode: bool = False,
                          cpu_threads_bind: str = "auto",
                          cpu_reserved_cores: int | None = 0,
                          enable_lora: bool = False, max_loras: int = 1,
@@ -642,7 +646,8 @@ def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str
                                chat_template=resolve_chat_template(chat_template),
                                generation_config=generation_config,
                                override_generation_config=override_generation_config or {},
-                               batch_invariant=batch_invariant)
+                               batch_invariant=batch_invariant,
+                               enable_sleep_mode=enable_sleep_mode)
     model_path = resolve_model_path(model, revision)
     tokenizer_path = resolve_model_path(tokenizer, revision) if tokenizer else model_path
     info = hf_model_info(model_path)

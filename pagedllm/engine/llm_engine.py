@@ -119,7 +119,9 @@ class LLMEngine:
 
         Raises:
             ValueError: for an invalid request (it is not queued; others are unaffected).
+            EngineSleepingError: the engine is asleep (engine/sleep_mode.py).
         """
+        self.engine_core.check_awake()
         lora_request = self.lora_admission.check(lora_request)
         core_req, prompt_text = self.input_processor.process(request_id, prompt, params,
                                                              priority)
@@ -196,3 +198,19 @@ class LLMEngine:
     def get_eplb_stats(self) -> EplbStats | None:
         """The MoE layers' load imbalance at the last EPLB rebalance (None: none yet)."""
         return self.engine_core.eplb_stats
+
+    # Sleep mode and weight updates: EngineCore's (engine/sleep_mode.py, docs/sleep_mode.md).
+    def sleep(self, level: int = 1) -> None:
+        self.engine_core.sleep(level)
+
+    def wake_up(self) -> None:
+        self.engine_core.wake_up()
+
+    def is_sleeping(self) -> bool:
+        return self.engine_core.is_sleeping()
+
+    def update_weights(self, model_path: str) -> None:
+        self.engine_core.update_weights(model_path)
+
+    def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
+        return self.engine_core.collective_rpc(method, args)

@@ -24,6 +24,7 @@ from pagedllm.layers.vocab_embedding import VocabEmbedding
 from pagedllm.platforms import current_platform
 from pagedllm.worker.async_output import AsyncModelRunnerOutput
 from pagedllm.worker.model_runner import ModelRunner
+from pagedllm.worker.sleep_mode import SleepMode
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +76,8 @@ class Worker:
         self.hf_config = AutoConfig.from_pretrained(
             config.model_path, trust_remote_code=config.model_config.trust_remote_code)
         self.model_runner = ModelRunner(config, self.hf_config, self.device, self.dtype)
+        self.sleep_mode = SleepMode(config.model_path, self.model_runner.load_fresh_model)
+        self._num_blocks = 0   # (set by initialize_kv_cache; wake_up allocates as many)
 
     def load_model(self) -> None:
         self.model_runner.load_model()
@@ -129,6 +132,48 @@ class Worker:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.model_runner.initialize_kv_cache(num_blocks)
+        self._num_blocks = num_blocks
+
+    # ------------------------------------------- sleep mode and weight updates (sleep_mode.py)
+    def sleep(self, level: int) -> int:
+        """Free the KV cache, and the weights per `level` (worker/sleep_mode.py); returns the
+        bytes freed (KV cache + weights leaving the device).
+
+        Raises:
+            ValueError: a level other than 1 or 2, or already asleep.
+        """
+        runner = self.model_runner
+        kv_bytes = sum(c.numel() * c.element_size() for c in runner.kv_caches)
+        weight_bytes = self.sleep_mode.sleep(runner.model, level)
+        runner.release_kv_cache()
+        self.platform.release_freed_memory()
+        return kv_bytes + weight_bytes
+
+    def wake_up(self) -> None:
+        """Weights back (reloaded after level 2), an empty KV cache of the same size again.
+
+        Raises:
+            ValueError, FileNotFoundError: level 2's checkpoint cannot be loaded again.
+        """
+        runner = self.model_runner
+        if self.sleep_mode.wake_up(runner.model):
+            runner.weights_changed()
+        if not runner.kv_caches:
+            runner.initialize_kv_cache(self._num_blocks)
+
+    def stage_weights(self, model_path: str) -> str | None:
+        """Load and check the weights of the checkpoint at `model_path` for `commit_weights`;
+        None when they fit, else why not (nothing changed)."""
+        return self.sleep_mode.stage(self.model_runner.model, model_path)
+
+    def commit_weights(self) -> None:
+        """Copy the staged weights into the model in place."""
+        self.sleep_mode.commit(self.model_runner.model)
+        self.model_runner.weights_changed()
+
+    def discard_weights(self) -> None:
+        """Drop a staged weight update."""
+        self.sleep_mode.discard()
 
     def execute_model(self, scheduler_output: SchedulerOutput,
                       grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
