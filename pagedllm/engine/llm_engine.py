@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 
 from pagedllm.config import EngineConfig, create_engine_config
 from pagedllm.hf_config import hf_model_info
-from pagedllm.core.sched_output import EplbStats
+from pagedllm.core.sched_output import EngineCoreOutput, EplbStats
 from pagedllm.core.scheduler import SchedulerStats
 from pagedllm.engine.engine_core import EngineCore, EngineCoreRequest
 from pagedllm.engine.input_processor import InputProcessor, PromptType
@@ -172,6 +172,18 @@ class LLMEngine:
         ids = [c for r in ids for c in self._parents.pop(r, [r])]
         self.engine_core.abort_requests(ids)
         self.output_processor.abort_requests(ids)
+
+    def abort_with_outputs(self, request_ids: list[str]) -> list[RequestOutput]:
+        """Abort requests as `abort_request` does, and return their final outputs (finish
+        reason "abort"), as a step would have (a pause that aborts them tells their callers)."""
+        ids = [c for r in request_ids for c in self._parents.get(r, [r])]
+        self.engine_core.abort_requests(ids)
+        outputs, _ = self.output_processor.process_outputs(
+            [EngineCoreOutput(req_id, [], finish_reason="abort") for req_id in ids])
+        for out in outputs:
+            if out.finished:
+                self._parents.pop(out.request_id, None)
+        return outputs
 
     def step(self) -> list[RequestOutput]:
         outputs = self.engine_core.step()
