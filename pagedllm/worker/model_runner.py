@@ -304,6 +304,7 @@ class ModelRunner:
         self.kv_caches = []
         for layer in self._attention_layers():
             layer.kv_cache = torch.empty(0)
+        refresh_native_decoder(self.model)   # (its structures hold the caches)
 
     def load_fresh_model(self, model_path: str) -> torch.nn.Module:
         """A new model from the checkpoint at `model_path`, built and processed as `load_model`

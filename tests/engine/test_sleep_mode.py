@@ -6,13 +6,16 @@ the old weights keep serving."""
 
 from __future__ import annotations
 
+import gc
+import os
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.sleep_mode import EngineSleepingError
-from pagedllm.worker.sleep_mode import model_tensors
+from pagedllm.worker.sleep_mode import model_tensors, tensor_bytes
 from tests.fixtures.checkpoints import make_tiny_checkpoint
 
 PROMPTS = [[5, 17, 99, 42, 7, 3, 61], [200, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]]
@@ -111,3 +114,62 @@ def test_update_weights_serves_the_new_checkpoint(llm, checkpoints):
     assert _tokens(llm) == want_base
     with pytest.raises(ValueError, match="not a public Worker method"):
         llm.collective_rpc("_free")
+
+
+@pytest.mark.slow
+def test_tp2_update_weights_and_sleep(checkpoints):
+    """Every rank of a tp=2 engine (mp workers) loads its shard of the update; a refused update
+    leaves both ranks serving the old weights; level 2 reloads each rank's shard."""
+    base, other, wider = checkpoints
+    want_base = _hf_greedy(base, PROMPTS)
+    want_other = _hf_greedy(other, PROMPTS)
+    llm = LLM(str(base), dtype="float32", kv_cache_memory_bytes=1 << 21, enable_sleep_mode=True,
+              tensor_parallel_size=2, distributed_executor_backend="mp")
+    try:
+        assert _tokens(llm) == want_base
+        llm.update_weights(str(other))
+        assert _tokens(llm) == want_other
+        with pytest.raises(ValueError, match="do not fit"):
+            llm.update_weights(str(wider))
+        assert _tokens(llm) == want_other
+        llm.sleep(level=2)
+        llm.wake_up()
+        assert _tokens(llm) == want_other
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs /proc (Linux)")
+def test_sleep_level2_frees_resident_memory(tmp_path, tiny_llama):
+    """Sleep level 2 hands >= 90% of what it frees (weights + KV cache, ~0.5 GiB here) back to
+    the system: the process's resident set shrinks by that much; wake-up restores the tokens."""
+    path = make_tiny_checkpoint(tmp_path / "big", "LlamaForCausalLM", tiny_llama,
+                                hidden_size=1024, intermediate_size=4096, num_hidden_layers=4,
+                                num_attention_heads=8, num_key_value_heads=8,
+                                initializer_range=0.02)
+    llm = LLM(str(path), dtype="float32", kv_cache_memory_bytes=256 << 20, max_num_seqs=4,
+              enable_sleep_mode=True)
+    want = _tokens(llm)
+    engine = llm.llm_engine.engine_core
+    runner = engine.executor.worker.model_runner
+    freeable = (sum(c.numel() * c.element_size() for c in runner.kv_caches)
+                + tensor_bytes(model_tensors(runner.model)))
+    # (touch every KV page, so the cache is resident, as on a busy server)
+    for cache in runner.kv_caches:
+        cache.fill_(0)
+    gc.collect()
+    before = _rss_bytes()
+    llm.sleep(level=2)
+    gc.collect()
+    after = _rss_bytes()
+    print(f"RSS {before / 2**20:.0f} -> {after / 2**20:.0f} MiB; freeable "
+          f"{freeable / 2**20:.0f} MiB; freed {(before - after) / freeable:.1%}")
+    assert before - after >= 0.9 * freeable
+    llm.wake_up()
+    assert _tokens(llm) == want
