@@ -21,6 +21,8 @@ from transformers import AutoTokenizer
 from pagedllm.config import EngineConfig
 from pagedllm.hf_config import hf_model_info
 from pagedllm.core.kv_cache_utils import get_request_block_hasher
+from pagedllm.core.kv_connector.base import KVConnectorScheduler
+from pagedllm.core.kv_connector.factory import create_scheduler_connector
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched_output import (EngineCoreOutput, EplbStats, ModelRunnerOutput,
                                         SchedulerOutput)
@@ -64,6 +66,7 @@ class EngineCore:
         try:
             num_blocks = self.executor.determine_num_blocks()
             self.executor.initialize_kv_cache(num_blocks)
+            kv_connector = self._make_kv_connector()
         except BaseException:
             self.executor.shutdown()
             raise
@@ -82,7 +85,8 @@ class EngineCore:
                                    num_speculative_tokens=spec.num_speculative_tokens
                                    if spec else 0,
                                    max_loras=config.lora_config.max_loras
-                                   if config.lora_config else 0)
+                                   if config.lora_config else 0,
+                                   kv_connector=kv_connector)
         # Async scheduling: steps launched and not yet through update_from_output, oldest first.
         self._in_flight: deque[tuple[SchedulerOutput, object]] = deque()
         self._block_hasher = (get_request_block_hasher(config.cache_config.block_size)
@@ -94,6 +98,27 @@ class EngineCore:
         self.eplb_stats: EplbStats | None = None
         # 0 awake, else the level of the last `sleep` (engine/sleep_mode.py).
         self.sleep_level = 0
+
+    def _make_kv_connector(self) -> KVConnectorScheduler | None:
+        """The KV connector of `kv_transfer_config` (workers' sides first; their tiers' size
+        sets the scheduler side's), or None.
+
+        Raises:
+            ValueError: a model with several KV cache groups (sliding-window layers), which
+                the connectors do not support yet, or settings the connector refuses.
+        """
+        config = self.config.kv_transfer_config
+        if config is None:
+            return None
+        if self.executor.kv_cache_windows() != (None,):
+            raise ValueError(f"kv_transfer_config: {config.kv_connector} supports models with "
+                             "one full-attention KV cache group only (this one has "
+                             "sliding-window layers)")
+        num_tier_blocks = min(self.executor.collective_rpc("init_kv_connector"))
+        logger.info("KV connector %s (%s): a tier of %d blocks", config.kv_connector,
+                    config.kv_role, num_tier_blocks)
+        return create_scheduler_connector(config, self.config.cache_config.block_size,
+                                          num_tier_blocks)
 
     def add_request(self, req: EngineCoreRequest) -> None:
         """Queue a request.

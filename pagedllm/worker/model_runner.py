@@ -297,6 +297,10 @@ class ModelRunner:
         if self.eplb is not None:
             self.eplb.reset()
 
+    def kv_caches_by_layer(self) -> dict[str, torch.Tensor]:
+        """Each attention layer's KV tensor by layer name (a draft model's included)."""
+        return {a.layer_name: a.kv_cache for a in self._attention_layers()}
+
     def release_kv_cache(self) -> None:
         """Drop the KV tensors (and the CUDA graphs that point into them); the memory is freed
         once nothing else holds them. `initialize_kv_cache` allocates them again."""

@@ -23,6 +23,8 @@ from pagedllm.distributed.parallel_state import (destroy_model_parallel, get_pp_
 from pagedllm.layers.vocab_embedding import VocabEmbedding
 from pagedllm.platforms import current_platform
 from pagedllm.worker.async_output import AsyncModelRunnerOutput
+from pagedllm.worker.kv_connector.base import (KVConnectorWorker, create_worker_connector,
+                                                load_before_forward, save_after_forward)
 from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.sleep_mode import SleepMode
 
@@ -78,6 +80,7 @@ class Worker:
         self.model_runner = ModelRunner(config, self.hf_config, self.device, self.dtype)
         self.sleep_mode = SleepMode(config.model_path, self.model_runner.load_fresh_model)
         self._num_blocks = 0   # (set by initialize_kv_cache; wake_up allocates as many)
+        self.kv_connector: KVConnectorWorker | None = None   # (set by init_kv_connector)
 
     def load_model(self) -> None:
         self.model_runner.load_model()
@@ -160,6 +163,8 @@ class Worker:
             runner.weights_changed()
         if not runner.kv_caches:
             runner.initialize_kv_cache(self._num_blocks)
+            if self.kv_connector is not None:
+                self.kv_connector.register_kv_caches(runner.kv_caches_by_layer())
 
     def stage_weights(self, model_path: str) -> str | None:
         """Load and check the weights of the checkpoint at `model_path` for `commit_weights`;
@@ -175,15 +180,27 @@ class Worker:
         """Drop a staged weight update."""
         self.sleep_mode.discard()
 
+    def init_kv_connector(self) -> int:
+        """Create the KV connector's worker side (`kv_transfer_config`) over the allocated KV
+        cache; returns the blocks its tier holds on this rank."""
+        runner = self.model_runner
+        self.kv_connector = create_worker_connector(
+            self.config.kv_transfer_config, runner.kv_caches_by_layer(),
+            runner.kv_cache_bytes_per_block(), self.device)
+        return self.kv_connector.num_tier_blocks()
+
     def execute_model(self, scheduler_output: SchedulerOutput,
                       grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
         """One step, or the `num_steps` decode steps of a multi-step round (whose requests have
-        no grammar: `grammar_output` is the first step's)."""
+        no grammar: `grammar_output` is the first step's); the KV connector's loads before it
+        and saves after it (worker/kv_connector/base.py)."""
         self.platform.before_step()
+        self._load_kv(scheduler_output)
         self.model_runner.execute_model(scheduler_output)
         output = self.model_runner.sample_tokens(grammar_output)
         if scheduler_output.num_steps > 1:
             output = self.model_runner.run_remaining_steps(scheduler_output.num_steps, output)
+        self._save_kv()
         self.platform.after_step()
         return output
 
@@ -192,10 +209,21 @@ class Worker:
                             ) -> AsyncModelRunnerOutput:
         """As `execute_model`, leaving the sampled tokens on the device (async scheduling)."""
         self.platform.before_step()
+        self._load_kv(scheduler_output)
         self.model_runner.execute_model(scheduler_output)
         output = self.model_runner.sample_tokens_async(grammar_output)
+        self._save_kv()
         self.platform.after_step()
         return output
+
+    def _load_kv(self, scheduler_output: SchedulerOutput) -> None:
+        if self.kv_connector is not None:
+            load_before_forward(self.kv_connector, scheduler_output.kv_connector_metadata,
+                                list(self.model_runner.kv_caches_by_layer()))
+
+    def _save_kv(self) -> None:
+        if self.kv_connector is not None:
+            save_after_forward(self.kv_connector, self.model_runner.kv_caches_by_layer())
 
     def layout_summary(self) -> str:
         """One line: this rank's place in the layout, its layers, heads, vocab rows and memory."""
