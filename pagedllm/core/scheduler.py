@@ -51,7 +51,7 @@ from pagedllm.core.sched_output import (EngineCoreOutput, GrammarOutput, ModelRu
                                         NewRequestData, SchedulerOutput)
 
 if TYPE_CHECKING:   # (core/kv_connector imports this folder's modules)
-    from pagedllm.core.kv_connector.base import KVConnectorScheduler
+    from pagedllm.core.kv_connector.base import KVConnectorScheduler, KVConnectorStats
 
 
 @dataclass
@@ -86,6 +86,8 @@ class SchedulerStats:
     prefix_cache_stats: PrefixCacheStats
     num_preemptions: int
     spec_decoding_stats: SpecDecodingStats
+    # The KV connector's counts since start (None: no connector).
+    kv_connector_stats: KVConnectorStats | None = None
 
 
 class Scheduler:
@@ -616,7 +618,9 @@ class Scheduler:
             num_cached_blocks=mgr.num_cached_blocks(),
             prefix_cache_stats=replace(self.kv_cache_manager.prefix_cache_stats),
             num_preemptions=self.num_preemptions,
-            spec_decoding_stats=replace(self.spec_decoding_stats))
+            spec_decoding_stats=replace(self.spec_decoding_stats),
+            kv_connector_stats=(self.kv_connector.stats() if self.kv_connector is not None
+                                else None))
 
 
 def request_needs_sync_step(request: Request) -> bool:

@@ -10,6 +10,8 @@ import random
 import pytest
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.engine.async_llm import IterationStats
+from pagedllm.entrypoints.openai.metrics import PrometheusStatLogger
 
 RNG = random.Random(0)
 PREFIXES = [[RNG.randrange(3, 500) for _ in range(64)] for _ in range(12)]
@@ -47,6 +49,14 @@ def test_tier_hits_and_same_tokens(tiny_llama, without_tier):
     connector = llm.llm_engine.engine_core.scheduler.kv_connector
     stats = connector.stats()
     assert stats.loaded_blocks >= 24 * 4 and stats.stored_blocks > 0
+
+    # /metrics counts the tier's traffic (in blocks).
+    metrics = PrometheusStatLogger("tiny")
+    metrics.record(llm.get_stats(), IterationStats())
+    text = metrics.render().decode()
+    assert f'pagedllm:kv_offload_loaded_blocks_total{{model_name="tiny"}} ' \
+           f'{float(stats.loaded_blocks)}' in text
+    assert "pagedllm:kv_offload_hits_total" in text
 
     llm.update_weights(str(tiny_llama))   # (the same weights: what counts is the reset)
     assert connector.num_tier_blocks_used == 0
