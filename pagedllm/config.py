@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -64,6 +64,8 @@ class ModelConfig:
             fixed reduction orders in attention and one forward path per model (CPU only; the
             engine refuses at start-up a model whose kernels cannot keep it, naming the layer).
             Costs speed (docs/benchmarks.md, "Batch-invariant mode").
+        enable_sleep_mode: allow `sleep` / `wake_up` (vLLM's; docs/sleep_mode.md). Weight
+            updates (`update_weights`) need no switch.
     """
 
     model: str
@@ -79,6 +81,7 @@ class ModelConfig:
     generation_config: str = "auto"
     override_generation_config: dict[str, Any] = field(default_factory=dict)
     batch_invariant: bool = False
+    enable_sleep_mode: bool = False
 
     def __post_init__(self) -> None:
         self._validate_generation_config()
@@ -118,6 +121,49 @@ class ModelConfig:
             raise ValueError(f"override_generation_config: unknown keys {unknown}; known: "
                              f"{sorted(GENERATION_CONFIG_SAMPLING_KEYS)}")
         object.__setattr__(self, "override_generation_config", dict(override))
+
+
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """A KV connector (vLLM's `KVTransferConfig`, `--kv-transfer-config` JSON; see
+    docs/kv_connectors.md).
+
+    Attributes:
+        kv_connector: the connector's name (`pagedllm.core.kv_connector.factory.CONNECTORS`).
+        kv_role: "kv_producer" (saves KV), "kv_consumer" (loads KV) or "kv_both".
+        kv_connector_extra_config: the connector's own settings (e.g. OffloadingConnector's
+            `kv_offloading_size` in GiB).
+        engine_id: this engine's id among the connector's peers (None: not needed).
+    """
+
+    kv_connector: str
+    kv_role: str = "kv_both"
+    kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
+    engine_id: str | None = None
+
+    def __post_init__(self) -> None:
+        from pagedllm.core.kv_connector.factory import CONNECTORS
+        if self.kv_connector not in CONNECTORS:
+            raise ValueError(f"kv_transfer_config: unknown kv_connector {self.kv_connector!r}; "
+                             f"known: {sorted(CONNECTORS)}")
+        if self.kv_role not in KV_ROLES:
+            raise ValueError(f"kv_transfer_config: kv_role must be one of {list(KV_ROLES)}, got "
+                             f"{self.kv_role!r}")
+        if not isinstance(self.kv_connector_extra_config, dict):
+            raise ValueError("kv_transfer_config: kv_connector_extra_config must be an object")
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> KVTransferConfig:
+        """Raises ValueError naming unknown keys or a missing `kv_connector`."""
+        unknown = sorted(set(values) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"kv_transfer_config: unknown keys {unknown}")
+        if "kv_connector" not in values:
+            raise ValueError("kv_transfer_config: kv_connector is required")
+        return cls(**values)
 
 
 @dataclass(frozen=True)
@@ -536,6 +582,8 @@ class EngineConfig:
     default_sampling_params: dict[str, Any] = field(default_factory=dict)
     # Multi-LoRA serving (docs/lora.md); None = off (`enable_lora=False`).
     lora_config: LoRAConfig | None = None
+    # A KV connector (docs/kv_connectors.md); None = none.
+    kv_transfer_config: KVTransferConfig | None = None
 
     def __post_init__(self) -> None:
         if self.reasoning_parser is not None:
@@ -592,6 +640,32 @@ def resolve_chat_template(value: str | None) -> str | None:
                      f"(no {{{{ or {{% in it)")
 
 
+def _kv_transfer_config(config: dict[str, Any] | KVTransferConfig | None,
+                        kv_offloading_size: float | None,
+                        enable_prefix_caching: bool) -> KVTransferConfig | None:
+    """The engine's KV connector: `config` as given, or for `kv_offloading_size` (GiB, vLLM's
+    `--kv-offloading-size`) the OffloadingConnector with that host tier.
+
+    Raises:
+        ValueError: both given, a bad size, a connector that needs prefix caching without it,
+            or an invalid config (naming the key).
+    """
+    if isinstance(config, dict):
+        config = KVTransferConfig.from_dict(config)
+    if kv_offloading_size is not None:
+        if config is not None:
+            raise ValueError("give kv_offloading_size or kv_transfer_config, not both")
+        if not kv_offloading_size > 0:
+            raise ValueError(f"kv_offloading_size must be > 0 GiB, got {kv_offloading_size!r}")
+        config = KVTransferConfig("OffloadingConnector", "kv_both",
+                                  {"kv_offloading_size": float(kv_offloading_size)})
+    if config is not None and config.kv_connector == "OffloadingConnector" \
+            and not enable_prefix_caching:
+        raise ValueError("the OffloadingConnector keys blocks by their prefix hashes: it needs "
+                         "enable_prefix_caching=True")
+    return config
+
+
 def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str = "auto",
                          max_model_len: int | None = None, seed: int = 0,
                          revision: str | None = None, trust_remote_code: bool = False,
@@ -623,10 +697,13 @@ def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str
                          generation_config: str = "auto",
                          override_generation_config: dict[str, Any] | None = None,
                          batch_invariant: bool = False,
+                         enable_sleep_mode: bool = False,
                          cpu_threads_bind: str = "auto",
                          cpu_reserved_cores: int | None = 0,
                          enable_lora: bool = False, max_loras: int = 1,
-                         max_lora_rank: int = 16, max_cpu_loras: int | None = None
+                         max_lora_rank: int = 16, max_cpu_loras: int | None = None,
+                         kv_transfer_config: dict[str, Any] | KVTransferConfig | None = None,
+                         kv_offloading_size: float | None = None
                          ) -> EngineConfig:
     """Build and validate an `EngineConfig` from flat engine arguments (vLLM's names).
 
@@ -642,7 +719,8 @@ def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str
                                chat_template=resolve_chat_template(chat_template),
                                generation_config=generation_config,
                                override_generation_config=override_generation_config or {},
-                               batch_invariant=batch_invariant)
+                               batch_invariant=batch_invariant,
+                               enable_sleep_mode=enable_sleep_mode)
     model_path = resolve_model_path(model, revision)
     tokenizer_path = resolve_model_path(tokenizer, revision) if tokenizer else model_path
     info = hf_model_info(model_path)
@@ -725,6 +803,8 @@ def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str
                                      else tuple(cudagraph_capture_sizes))),
         default_sampling_params=get_diff_sampling_param(model_config, model_path),
         lora_config=lora_config,
+        kv_transfer_config=_kv_transfer_config(kv_transfer_config, kv_offloading_size,
+                                               enable_prefix_caching),
     )
 
 

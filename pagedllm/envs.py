@@ -190,6 +190,11 @@ class EnvOptions:
         "PAGEDLLM_WORKER_MULTIPROC_METHOD", _choice(*_START_METHODS), None,
         "fork, spawn, forkserver", "forkserver (CUDA: spawn)",
         "Start method of the `mp` executor's worker processes.")
+    server_dev_mode: bool = _var(
+        "PAGEDLLM_SERVER_DEV_MODE", _switch, False, "on/off", "off",
+        "The server's development routes (vLLM's VLLM_SERVER_DEV_MODE): /sleep, /wake_up, "
+        "/is_sleeping, /pause, /resume, /is_paused, /update_weights, /collective_rpc "
+        "(docs/sleep_mode.md).")
     preset_dir: Path | None = _var(
         "PAGEDLLM_PRESET_DIR", _path, None, "a directory", "~/.cache/pagedllm/presets",
         "Where `pagedllm bench --preset` keeps the random-weight checkpoints it builds.")

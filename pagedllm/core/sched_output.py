@@ -65,6 +65,8 @@ class SchedulerOutput:
         num_steps: decode steps of this round (multi-step scheduling; > 1 only when every
             scheduled request decodes one token): the worker feeds each sampled token into the
             next forward and returns up to `num_steps` tokens per request.
+        kv_connector_metadata: the KV connector's transfers of this step (its own plain
+            dataclass; None without a connector): see core/kv_connector/base.py.
     """
 
     scheduled_new_reqs: list[NewRequestData]
@@ -75,6 +77,7 @@ class SchedulerOutput:
     preempted_req_ids: set[str]
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     num_steps: int = 1
+    kv_connector_metadata: object = None
 
     @classmethod
     def make_empty(cls) -> SchedulerOutput:

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.kv_cache_groups import KVCacheCapacity, make_kv_cache_groups
@@ -48,6 +49,9 @@ from pagedllm.core.request import Request, RequestStatus, stop_token_reached
 from pagedllm.core.request_queue import check_priority, make_request_queue, priority_key
 from pagedllm.core.sched_output import (EngineCoreOutput, GrammarOutput, ModelRunnerOutput,
                                         NewRequestData, SchedulerOutput)
+
+if TYPE_CHECKING:   # (core/kv_connector imports this folder's modules)
+    from pagedllm.core.kv_connector.base import KVConnectorScheduler, KVConnectorStats
 
 
 @dataclass
@@ -82,6 +86,8 @@ class SchedulerStats:
     prefix_cache_stats: PrefixCacheStats
     num_preemptions: int
     spec_decoding_stats: SpecDecodingStats
+    # The KV connector's counts since start (None: no connector).
+    kv_connector_stats: KVConnectorStats | None = None
 
 
 class Scheduler:
@@ -106,6 +112,8 @@ class Scheduler:
             no speculative decoding); with drafts a step may compute a request's last position.
         max_loras: most distinct LoRA adapters in one step (0 = LoRA off); a request whose
             adapter would exceed it waits for a later step, as for the token budget.
+        kv_connector: supplies prefix tokens beyond the device cache and moves KV blocks
+            (core/kv_connector/base.py for where it is called); None = none.
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
@@ -113,8 +121,11 @@ class Scheduler:
                  structured_output_manager=None,
                  kv_cache_windows: tuple[int | None, ...] = (None,),
                  async_scheduling: bool = False, num_scheduler_steps: int = 1,
-                 num_speculative_tokens: int = 0, max_loras: int = 0) -> None:
+                 num_speculative_tokens: int = 0, max_loras: int = 0,
+                 kv_connector: KVConnectorScheduler | None = None) -> None:
         self.config = scheduler_config
+        # The KV connector's scheduler side (core/kv_connector/base.py), or None.
+        self.kv_connector = kv_connector
         self.max_loras = max_loras
         self.num_scheduler_steps = num_scheduler_steps
         self.max_model_len = max_model_len
@@ -204,6 +215,9 @@ class Scheduler:
     def _free_request(self, request: Request) -> None:
         if self.structured_output_manager is not None:
             self.structured_output_manager.remove_request(request.request_id)
+        if self.kv_connector is not None:
+            self.kv_connector.request_finished(
+                request, self.kv_cache_manager.get_block_ids(request.request_id)[0])
         self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
@@ -251,6 +265,8 @@ class Scheduler:
                 # It samples this step; its token is unknown until update_from_output.
                 self.num_output_placeholders[req_id] = (
                     self.num_output_placeholders.get(req_id, 0) + 1)
+        if self.kv_connector is not None:
+            out.kv_connector_metadata = self.kv_connector.build_connector_meta(out)
         return out
 
     def _num_decode_steps(self) -> int:
@@ -355,28 +371,36 @@ class Scheduler:
                 compiling.append(self.waiting.pop())
                 continue
             hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
-            num_new_tokens = self._num_new_tokens(request, num_hit_tokens, token_budget)
+            # Tokens after the device hits that the KV connector loads instead of computing.
+            num_external = (0 if self.kv_connector is None else
+                            self.kv_connector.get_num_new_matched_tokens(request, num_hit_tokens))
+            num_computed = num_hit_tokens + num_external
+            num_new_tokens = self._num_new_tokens(request, num_computed, token_budget)
             if num_new_tokens == 0:
                 break
             new_block_ids = self.kv_cache_manager.allocate_slots(
-                request, num_new_tokens, hit_blocks, num_hit_tokens,
-                self._lookahead(request, num_hit_tokens + num_new_tokens))
+                request, num_external + num_new_tokens, hit_blocks, num_hit_tokens,
+                self._lookahead(request, num_computed + num_new_tokens))
             if new_block_ids is None:
                 break
             self.waiting.pop()
             self.running.append(request)
             request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_hit_tokens
+            if self.kv_connector is not None:
+                self.kv_connector.update_state_after_alloc(
+                    request, self.kv_cache_manager.get_block_ids(request.request_id)[0],
+                    num_external)
+            request.num_computed_tokens = num_computed
             if request.num_cached_tokens < 0:
                 # Counted once per request: a resumed request's hits on its own blocks are not
                 # prefix sharing.
-                request.num_cached_tokens = num_hit_tokens
+                request.num_cached_tokens = num_computed
                 self.kv_cache_manager.record_prefix_lookup(request.num_tokens, num_hit_tokens)
             out.scheduled_new_reqs.append(NewRequestData(
                 req_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
                 output_token_ids=list(request.output_token_ids),
                 sampling_params=request.sampling_params, block_ids=new_block_ids,
-                num_computed_tokens=num_hit_tokens, lora_request=request.lora_request))
+                num_computed_tokens=num_computed, lora_request=request.lora_request))
             out.num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
             self._add_lora(request, loras)
@@ -579,6 +603,10 @@ class Scheduler:
 
     # ----------------------------------------------------------------- stats
     def reset_prefix_cache(self) -> int:
+        """Drop the prefix cache's entries (and the KV connector's tier: weight updates and
+        sleep call this, after which no stored KV is valid); returns device entries dropped."""
+        if self.kv_connector is not None:
+            self.kv_connector.reset_cache()
         return self.kv_cache_manager.reset_prefix_cache()
 
     def make_stats(self) -> SchedulerStats:
@@ -590,7 +618,9 @@ class Scheduler:
             num_cached_blocks=mgr.num_cached_blocks(),
             prefix_cache_stats=replace(self.kv_cache_manager.prefix_cache_stats),
             num_preemptions=self.num_preemptions,
-            spec_decoding_stats=replace(self.spec_decoding_stats))
+            spec_decoding_stats=replace(self.spec_decoding_stats),
+            kv_connector_stats=(self.kv_connector.stats() if self.kv_connector is not None
+                                else None))
 
 
 def request_needs_sync_step(request: Request) -> bool:

@@ -168,6 +168,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="outputs and logprobs bit for bit the same whatever the batch, the "
                         "chunking, prefix-cache hits or preemptions (fixed reduction orders; "
                         "slower, CPU only)")
+    g.add_argument("--enable-sleep-mode", action="store_true", default=False,
+                   help="allow sleep / wake_up (the dev-mode routes /sleep and /wake_up with "
+                        "PAGEDLLM_SERVER_DEV_MODE=1; docs/sleep_mode.md)")
+    g.add_argument("--kv-transfer-config", type=_json_object,
+                   default=None, metavar="JSON",
+                   help="a KV connector, vLLM's KVTransferConfig: '{\"kv_connector\": "
+                        "\"OffloadingConnector\", \"kv_role\": \"kv_both\", "
+                        "\"kv_connector_extra_config\": {...}}' (docs/kv_connectors.md)")
+    g.add_argument("--kv-offloading-size", type=float, default=None, metavar="GiB",
+                   help="a host-memory tier of this many GiB for the prefix cache (the "
+                        "OffloadingConnector; docs/kv_connectors.md)")
     g.add_argument("--enable-lora", action="store_true",
                    help="serve LoRA adapters (PEFT format) on the base model (docs/lora.md)")
     g.add_argument("--max-loras", type=bounded_int(1), default=1,
@@ -189,7 +200,8 @@ _ENGINE_KEYS = ("tokenizer", "chat_template", "dtype", "quantization", "max_mode
                 "logprobs_mode", "max_logprobs", "max_n", "max_logit_bias", "reasoning_parser",
                 "cudagraph_mode", "enforce_eager", "cudagraph_capture_sizes", "async_scheduling",
                 "num_scheduler_steps", "scheduling_policy", "generation_config",
-                "override_generation_config", "batch_invariant", "cpu_threads_bind",
+                "override_generation_config", "batch_invariant", "enable_sleep_mode",
+                "cpu_threads_bind", "kv_transfer_config", "kv_offloading_size",
                 "cpu_reserved_cores", "enable_lora", "max_loras", "max_lora_rank",
                 "max_cpu_loras")
 

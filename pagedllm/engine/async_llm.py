@@ -190,6 +190,14 @@ class _CallCommand:
     future: concurrent.futures.Future
 
 
+@dataclass
+class _PauseCommand:
+    mode: str   # "abort" | "wait" | "keep" (AsyncLLM.pause_generation)
+    future: concurrent.futures.Future
+
+
+PAUSE_MODES = ("abort", "wait", "keep")
+
 _SHUTDOWN = object()
 
 
@@ -224,6 +232,10 @@ class AsyncLLM:
         self._last_prefix_queries = 0
         self._last_prefix_hits = 0
         self._last_eplb_rebalances = 0
+        # Pause of generation (engine thread): no step while paused; adds are held until resume.
+        self._paused = False
+        self._held_adds: list[_AddCommand] = []
+        self._drain_waiters: list[concurrent.futures.Future] = []   # pauses in mode "wait"
 
     @classmethod
     def from_engine_args(cls, model: str, stat_loggers: Sequence[StatLogger] = (),
@@ -351,6 +363,56 @@ class AsyncLLM:
         self._put(_CallCommand(self._reset_prefix_cache, future))
         return await asyncio.wrap_future(future)
 
+    # ------------------------------------ pause, sleep mode, weight updates (docs/sleep_mode.md)
+    async def _call(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn()` on the engine thread between steps; its result (or exception)."""
+        self.start()
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._put(_CallCommand(fn, future))
+        return await asyncio.wrap_future(future)
+
+    async def pause_generation(self, mode: str = "abort") -> None:
+        """Stop stepping (vLLM's `pause_generation`). `mode`: "abort" finishes the unfinished
+        requests now (finish_reason "abort"), "wait" lets them finish first (returns then),
+        "keep" freezes them where they are (they go on after `resume_generation`). While
+        paused, new requests are queued: their `add_request` returns after the resume.
+
+        Raises:
+            ValueError: an unknown mode.
+        """
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode must be one of {PAUSE_MODES}, got {mode!r}")
+        self.start()
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._put(_PauseCommand(mode, future))
+        await asyncio.wrap_future(future)
+
+    async def resume_generation(self) -> None:
+        """Step again, and queue the requests held while paused (a no-op when not paused)."""
+        await self._call(self._resume)
+
+    async def is_paused(self) -> bool:
+        return await self._call(lambda: self._paused)
+
+    async def sleep(self, level: int = 1) -> None:
+        """`EngineCore.sleep` (needs an idle engine: pause with mode "abort" or "wait"
+        first, or let the requests finish)."""
+        await self._call(lambda: self._reset_counters_after(lambda: self.engine.sleep(level)))
+
+    async def wake_up(self) -> None:
+        await self._call(self.engine.wake_up)
+
+    async def is_sleeping(self) -> bool:
+        return await self._call(self.engine.is_sleeping)
+
+    async def update_weights(self, model_path: str) -> None:
+        """`EngineCore.update_weights` (needs an idle engine, as `sleep`)."""
+        await self._call(lambda: self._reset_counters_after(
+            lambda: self.engine.update_weights(model_path)))
+
+    async def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
+        return await self._call(lambda: self.engine.collective_rpc(method, args))
+
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Stop the engine thread (after its current step), fail what is pending, free the executor.
 
@@ -398,17 +460,22 @@ class AsyncLLM:
     def _run_engine_loop(self) -> None:
         try:
             while True:
-                busy = self.engine.has_unfinished_requests()
+                busy = self.engine.has_unfinished_requests() and not self._paused
                 did_work = self._process_commands(block=not busy)
                 if did_work is None:
                     return
                 iteration = IterationStats()
-                if self.engine.has_unfinished_requests():
+                if not self._paused and self.engine.has_unfinished_requests():
                     outputs = self.engine.step()
                     self._update_times(outputs, iteration)
                     if outputs:
                         self._call_in_loop(self._deliver, outputs)
                     did_work = True
+                if self._drain_waiters and not self.engine.has_unfinished_requests():
+                    self._paused = True
+                    for waiter in self._drain_waiters:
+                        waiter.set_result(None)
+                    self._drain_waiters = []
                 if did_work:
                     self._record(iteration)
         except BaseException as e:  # noqa: BLE001 - any failure must fail every request
@@ -431,7 +498,12 @@ class AsyncLLM:
                 return None
             did_work = True
             if isinstance(command, _AddCommand):
-                self._add(command)
+                if self._paused or self._drain_waiters:
+                    self._held_adds.append(command)
+                else:
+                    self._add(command)
+            elif isinstance(command, _PauseCommand):
+                self._pause(command, aborted)
             elif isinstance(command, _AbortCommand):
                 self._abort(command.request_ids, aborted)
             elif command.future.set_running_or_notify_cancel():  # else: the caller gave up
@@ -455,6 +527,38 @@ class AsyncLLM:
             return
         self._times[command.request.request_id] = _RequestTimes(command.arrival_time)
         command.future.set_result(None)
+
+    def _pause(self, command: _PauseCommand, iteration: IterationStats) -> None:
+        if not command.future.set_running_or_notify_cancel():
+            return
+        if command.mode == "wait" and self.engine.has_unfinished_requests():
+            self._drain_waiters.append(command.future)   # answered once they finished
+            return
+        if command.mode == "abort" and self._times:
+            outputs = self.engine.abort_with_outputs(list(self._times))
+            self._update_times(outputs, iteration)
+            if outputs:
+                self._call_in_loop(self._deliver, outputs)
+        self._paused = True
+        command.future.set_result(None)
+
+    def _resume(self) -> None:
+        self._paused = False
+        for waiter in self._drain_waiters:   # a resume ends a pause still draining
+            waiter.set_result(None)
+        self._drain_waiters = []
+        held, self._held_adds = self._held_adds, []
+        for command in held:
+            self._add(command)
+
+    def _reset_counters_after(self, fn: Callable[[], Any]) -> Any:
+        """`fn()`, which may reset the prefix cache (and its counters): the lookups made before
+        are recorded first, and the counters' baseline follows (as `_reset_prefix_cache`)."""
+        self._record(IterationStats())
+        result = fn()
+        stats = self.engine.get_stats().prefix_cache_stats
+        self._last_prefix_queries, self._last_prefix_hits = stats.queries, stats.hits
+        return result
 
     def _abort(self, request_ids: list[str], iteration: IterationStats) -> None:
         live = [req_id for req_id in request_ids if req_id in self._times]
@@ -527,9 +631,16 @@ class AsyncLLM:
                     command = self._commands.get_nowait()
                 except queue.Empty:
                     break
-                if isinstance(command, (_AddCommand, _CallCommand)) \
+                if isinstance(command, (_AddCommand, _CallCommand, _PauseCommand)) \
                         and command.future.set_running_or_notify_cancel():
                     command.future.set_exception(error)
+            for pending in self._held_adds:
+                if pending.future.set_running_or_notify_cancel():
+                    pending.future.set_exception(error)
+            self._held_adds = []
+            for waiter in self._drain_waiters:
+                waiter.set_exception(error)
+            self._drain_waiters = []
         self._call_in_loop(self._fail_streams, error)
         if first and failed:
             for callback in self._dead_callbacks:

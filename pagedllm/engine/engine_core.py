@@ -21,10 +21,13 @@ from transformers import AutoTokenizer
 from pagedllm.config import EngineConfig
 from pagedllm.hf_config import hf_model_info
 from pagedllm.core.kv_cache_utils import get_request_block_hasher
+from pagedllm.core.kv_connector.base import KVConnectorScheduler
+from pagedllm.core.kv_connector.factory import create_scheduler_connector
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched_output import (EngineCoreOutput, EplbStats, ModelRunnerOutput,
                                         SchedulerOutput)
 from pagedllm.core.scheduler import Scheduler, SchedulerStats
+from pagedllm.engine.sleep_mode import EngineSleepingError, weight_reload_refusal
 from pagedllm.executor.abstract import get_executor_class
 from pagedllm.lora.request import LoRARequest
 from pagedllm.platforms import current_platform
@@ -63,6 +66,7 @@ class EngineCore:
         try:
             num_blocks = self.executor.determine_num_blocks()
             self.executor.initialize_kv_cache(num_blocks)
+            kv_connector = self._make_kv_connector()
         except BaseException:
             self.executor.shutdown()
             raise
@@ -81,7 +85,8 @@ class EngineCore:
                                    num_speculative_tokens=spec.num_speculative_tokens
                                    if spec else 0,
                                    max_loras=config.lora_config.max_loras
-                                   if config.lora_config else 0)
+                                   if config.lora_config else 0,
+                                   kv_connector=kv_connector)
         # Async scheduling: steps launched and not yet through update_from_output, oldest first.
         self._in_flight: deque[tuple[SchedulerOutput, object]] = deque()
         self._block_hasher = (get_request_block_hasher(config.cache_config.block_size)
@@ -91,6 +96,29 @@ class EngineCore:
         self.kv_cache_capacity = self.scheduler.kv_cache_capacity
         # The last EPLB rebalance the driver worker reported (None: none yet, or EPLB off).
         self.eplb_stats: EplbStats | None = None
+        # 0 awake, else the level of the last `sleep` (engine/sleep_mode.py).
+        self.sleep_level = 0
+
+    def _make_kv_connector(self) -> KVConnectorScheduler | None:
+        """The KV connector of `kv_transfer_config` (workers' sides first; their tiers' size
+        sets the scheduler side's), or None.
+
+        Raises:
+            ValueError: a model with several KV cache groups (sliding-window layers), which
+                the connectors do not support yet, or settings the connector refuses.
+        """
+        config = self.config.kv_transfer_config
+        if config is None:
+            return None
+        if self.executor.kv_cache_windows() != (None,):
+            raise ValueError(f"kv_transfer_config: {config.kv_connector} supports models with "
+                             "one full-attention KV cache group only (this one has "
+                             "sliding-window layers)")
+        num_tier_blocks = min(self.executor.collective_rpc("init_kv_connector"))
+        logger.info("KV connector %s (%s): a tier of %d blocks", config.kv_connector,
+                    config.kv_role, num_tier_blocks)
+        return create_scheduler_connector(config, self.config.cache_config.block_size,
+                                          num_tier_blocks)
 
     def add_request(self, req: EngineCoreRequest) -> None:
         """Queue a request.
@@ -98,7 +126,9 @@ class EngineCore:
         Raises:
             ValueError: if it can never fit the KV cache or its id is in use (the InputProcessor
                 checks both before; this is the scheduler's own guard).
+            EngineSleepingError: the engine is asleep (engine/sleep_mode.py).
         """
+        self.check_awake()
         self.scheduler.add_request(Request(req.request_id, req.prompt_token_ids,
                                            req.sampling_params, req.max_tokens,
                                            self._request_block_hasher(req.lora_request),
@@ -191,6 +221,103 @@ class EngineCore:
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
+
+    # ------------------------------------------- sleep mode and weight updates (sleep_mode.py)
+    def is_sleeping(self) -> bool:
+        return self.sleep_level > 0
+
+    def check_awake(self) -> None:
+        """Raises EngineSleepingError while asleep."""
+        if self.sleep_level:
+            raise EngineSleepingError(f"the engine is asleep (sleep level {self.sleep_level}); "
+                                      "it serves requests again after wake_up")
+
+    def _require_idle(self, what: str) -> None:
+        if self.has_unfinished_requests():
+            raise RuntimeError(f"{what} needs an idle engine: "
+                               f"{self.scheduler.get_num_unfinished_requests()} requests are "
+                               "unfinished (let them finish, abort them, or pause generation "
+                               "with mode 'abort')")
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache (level 1; the weights go to host memory, or stay where they are on
+        the CPU) or the KV cache and the weights (level 2; reloaded by `wake_up`). The prefix
+        cache is dropped. A no-op when already asleep at this level or deeper.
+
+        Raises:
+            ValueError: sleep mode not enabled, a level other than 1 or 2, or level 2 where the
+                weights cannot be reloaded (`weight_reload_refusal`).
+            RuntimeError: requests are unfinished.
+        """
+        if not self.config.model_config.enable_sleep_mode:
+            raise ValueError("sleep mode is off; start the engine with enable_sleep_mode=True "
+                             "(--enable-sleep-mode)")
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        if level == 2 and (why := weight_reload_refusal(self.config)):
+            raise ValueError(f"sleep level 2: {why}; use level 1")
+        if self.sleep_level >= level:
+            return
+        if self.sleep_level:
+            self.wake_up()
+        self._require_idle("sleep")
+        self.scheduler.reset_prefix_cache()
+        freed = sum(self.executor.collective_rpc("sleep", (level,)))
+        self.sleep_level = level
+        logger.info("asleep (level %d): %.1f MiB freed", level, freed / 2**20)
+
+    def wake_up(self) -> None:
+        """Weights back (level 2: reloaded from the checkpoint last loaded) and an empty KV
+        cache of the same size; a no-op when awake.
+
+        Raises:
+            ValueError, FileNotFoundError: level 2's checkpoint cannot be loaded again (the
+                engine stays asleep).
+        """
+        if not self.sleep_level:
+            return
+        self.executor.collective_rpc("wake_up")
+        self.sleep_level = 0
+        logger.info("awake")
+
+    def update_weights(self, model_path: str) -> None:
+        """Replace the weights by those of the checkpoint at `model_path` in place, on every
+        rank (each loads its shard), without a restart; the prefix cache is dropped. The
+        engine's config (shapes, RoPE, norms' eps) stays: the checkpoint must have the same
+        architecture and tensor shapes. Every rank loads and checks its shard before any rank
+        copies: a refused update leaves the old weights serving everywhere.
+
+        Raises:
+            ValueError: weights that do not fit (names, shapes or dtypes, named), a checkpoint
+                that cannot be loaded, or an engine whose weights cannot be reloaded.
+            EngineSleepingError: the engine is asleep.
+            RuntimeError: requests are unfinished.
+        """
+        if why := weight_reload_refusal(self.config):
+            raise ValueError(f"update_weights: {why}")
+        self.check_awake()
+        self._require_idle("update_weights")
+        refusals = [r for r in self.executor.collective_rpc("stage_weights", (str(model_path),))
+                    if r is not None]
+        if refusals:
+            self.executor.collective_rpc("discard_weights")
+            raise ValueError(f"update_weights: {refusals[0]}; the old weights keep serving")
+        self.executor.collective_rpc("commit_weights")
+        self.scheduler.reset_prefix_cache()
+        logger.info("weights updated from %s", model_path)
+
+    def collective_rpc(self, method: str, args: tuple = ()) -> list:
+        """`Worker.method(*args)` on every rank (vLLM's `collective_rpc`); results by rank.
+
+        Raises:
+            ValueError: `method` is not a public method of the worker.
+            Whatever the worker raised (uniproc) or WorkerDiedError (mp, Ray).
+        """
+        from pagedllm.worker.worker import Worker
+        if not isinstance(method, str) or method.startswith("_") \
+                or not callable(getattr(Worker, method, None)):
+            raise ValueError(f"collective_rpc: {method!r} is not a public Worker method")
+        return self.executor.collective_rpc(method, tuple(args))
 
     def shutdown(self) -> None:
         self.structured_output_manager.shutdown()

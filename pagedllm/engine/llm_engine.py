@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 
 from pagedllm.config import EngineConfig, create_engine_config
 from pagedllm.hf_config import hf_model_info
-from pagedllm.core.sched_output import EplbStats
+from pagedllm.core.sched_output import EngineCoreOutput, EplbStats
 from pagedllm.core.scheduler import SchedulerStats
 from pagedllm.engine.engine_core import EngineCore, EngineCoreRequest
 from pagedllm.engine.input_processor import InputProcessor, PromptType
@@ -119,7 +119,9 @@ class LLMEngine:
 
         Raises:
             ValueError: for an invalid request (it is not queued; others are unaffected).
+            EngineSleepingError: the engine is asleep (engine/sleep_mode.py).
         """
+        self.engine_core.check_awake()
         lora_request = self.lora_admission.check(lora_request)
         core_req, prompt_text = self.input_processor.process(request_id, prompt, params,
                                                              priority)
@@ -171,6 +173,18 @@ class LLMEngine:
         self.engine_core.abort_requests(ids)
         self.output_processor.abort_requests(ids)
 
+    def abort_with_outputs(self, request_ids: list[str]) -> list[RequestOutput]:
+        """Abort requests as `abort_request` does, and return their final outputs (finish
+        reason "abort"), as a step would have (a pause that aborts them tells their callers)."""
+        ids = [c for r in request_ids for c in self._parents.get(r, [r])]
+        self.engine_core.abort_requests(ids)
+        outputs, _ = self.output_processor.process_outputs(
+            [EngineCoreOutput(req_id, [], finish_reason="abort") for req_id in ids])
+        for out in outputs:
+            if out.finished:
+                self._parents.pop(out.request_id, None)
+        return outputs
+
     def step(self) -> list[RequestOutput]:
         outputs = self.engine_core.step()
         request_outputs, to_abort = self.output_processor.process_outputs(outputs)
@@ -196,3 +210,19 @@ class LLMEngine:
     def get_eplb_stats(self) -> EplbStats | None:
         """The MoE layers' load imbalance at the last EPLB rebalance (None: none yet)."""
         return self.engine_core.eplb_stats
+
+    # Sleep mode and weight updates: EngineCore's (engine/sleep_mode.py, docs/sleep_mode.md).
+    def sleep(self, level: int = 1) -> None:
+        self.engine_core.sleep(level)
+
+    def wake_up(self) -> None:
+        self.engine_core.wake_up()
+
+    def is_sleeping(self) -> bool:
+        return self.engine_core.is_sleeping()
+
+    def update_weights(self, model_path: str) -> None:
+        self.engine_core.update_weights(model_path)
+
+    def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
+        return self.engine_core.collective_rpc(method, args)

@@ -275,6 +275,57 @@ class LLM:
     def get_stats(self) -> SchedulerStats:
         return self.llm_engine.get_stats()
 
+    def sleep(self, level: int = 1) -> None:
+        """Put the engine to sleep (vLLM's `LLM.sleep`; needs enable_sleep_mode=True): level 1
+        frees the KV cache and moves the weights to host memory (on the CPU they stay), level
+        2 frees both (`wake_up` reloads the weights from the checkpoint last loaded). The
+        prefix cache is dropped; `generate` raises EngineSleepingError until `wake_up`.
+        docs/sleep_mode.md.
+
+        Raises:
+            ValueError: sleep mode not enabled, a bad level, or level 2 where weights cannot
+                be reloaded (GGUF, LoRA, EPLB, a draft model).
+        """
+        self._require_runner("generate")
+        self.llm_engine.sleep(level)
+
+    def wake_up(self) -> None:
+        """Weights back and an empty KV cache again (a no-op when awake).
+
+        Raises:
+            ValueError, FileNotFoundError: after level 2, the checkpoint cannot be reloaded.
+        """
+        self._require_runner("generate")
+        self.llm_engine.wake_up()
+
+    def is_sleeping(self) -> bool:
+        self._require_runner("generate")
+        return self.llm_engine.is_sleeping()
+
+    def update_weights(self, model_path: str) -> None:
+        """Load the weights of the checkpoint folder `model_path` in place on every rank,
+        without a restart (same architecture and tensor shapes; the engine's config stays).
+        The prefix cache is dropped.
+
+        Raises:
+            ValueError: weights that do not fit (the old weights keep serving), naming the
+                first mismatching tensors.
+        """
+        self._require_runner("generate")
+        self.llm_engine.update_weights(model_path)
+
+    def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
+        """Call the public Worker method `method(*args)` on every rank (vLLM's
+        `collective_rpc`; a method name only, never a callable); the results by rank. E.g.
+        `collective_rpc("stage_weights", (path,))` then `collective_rpc("commit_weights")`
+        is what `update_weights` does.
+
+        Raises:
+            ValueError: `method` is not a public Worker method.
+        """
+        self._require_runner("generate")
+        return self.llm_engine.collective_rpc(method, args)
+
     @staticmethod
     def _as_prompt_list(prompts) -> list[PromptType]:
         if isinstance(prompts, (str, dict)):

@@ -41,6 +41,16 @@ class Executor(Protocol):
     def kv_cache_windows(self) -> tuple[int | None, ...]:
         """The KV cache groups' sliding windows (the same on every rank)."""
 
+    def collective_rpc(self, method: str, args: tuple = (),
+                       reply_rank: int | None = None) -> list[Any]:
+        """`Worker.method(*args)` on every rank; the results in rank order (only `reply_rank`'s
+        when given, None for the others).
+
+        Raises:
+            WorkerDiedError: a worker died or raised (distributed executors; the uniproc
+                executor raises what the worker raised).
+        """
+
     def execute_model(self, scheduler_output: SchedulerOutput,
                       grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
         """Run one step on every rank (`ModelRunner.execute_model(scheduler_output)` then

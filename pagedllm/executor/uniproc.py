@@ -10,6 +10,7 @@ for each step's host copies (`AsyncModelRunnerOutput.get_output`).
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
@@ -58,6 +59,12 @@ class UniProcExecutor:
             self._model_thread = ThreadPoolExecutor(1, thread_name_prefix="pagedllm-model")
         return AsyncStepFuture(self._model_thread.submit(self.worker.execute_model_async,
                                                          scheduler_output, grammar_output))
+
+    def collective_rpc(self, method: str, args: tuple = (),
+                       reply_rank: int | None = None) -> list[Any]:
+        """`Worker.method(*args)` on the one worker; its result in a list (as the
+        distributed executors answer, one entry per rank)."""
+        return [getattr(self.worker, method)(*args)]
 
     def shutdown(self) -> None:
         if self._model_thread is not None:

@@ -67,3 +67,13 @@ def attach_native_decoder(model: nn.Module) -> int:
             module.layer_stack = NativeDecoderStack(FusedDecoder(layers), module.norm, module.pp)
             attached += 1
     return attached
+
+
+def refresh_native_decoder(model: nn.Module) -> None:
+    """After `model`'s weights changed (storage replaced or values overwritten: sleep mode and
+    weight updates, worker/sleep_mode.py), make every `NativeDecoderStack` inside rebuild its
+    native structures, which hold pointers into the weights and float32 copies of some."""
+    for module in model.modules():
+        stack = getattr(module, "layer_stack", None)
+        if isinstance(stack, NativeDecoderStack):
+            stack.fused.forget_structures()

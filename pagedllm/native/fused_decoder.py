@@ -293,6 +293,12 @@ class FusedDecoder:
         del scratch
         return out
 
+    def forget_structures(self) -> None:
+        """Rebuild the native structures at the next call: the weights' storage or values
+        changed (sleep mode, weight updates; biases and RoPE tables are copied at build)."""
+        self._structs = None
+        self._caches = []
+
     def layer_structs(self) -> ctypes.Array:
         """The layers' native structures, rebuilt if a layer's KV cache was replaced."""
         caches = [attn.kv_cache for attn in self._attention]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 import os
 
@@ -137,6 +139,15 @@ class CpuPlatform(Platform):
             os.sched_setaffinity(0, cpus)
             logger.info("CPU: the front end on CPUs %s (reserved from the kernels)",
                         format_cpu_list(cpus))
+
+    def release_freed_memory(self) -> None:
+        """glibc's `malloc_trim(0)`: the heap's free pages go back to the system (tensors below
+        the mmap threshold live there, and a freed one's pages otherwise stay resident)."""
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            libc.malloc_trim(0)
+        except (OSError, AttributeError):   # not glibc: nothing to trim
+            pass
 
     def kv_cache_budget_bytes(self, memory_utilization: float) -> int:
         """`memory_utilization` of the memory available now, capped at PAGEDLLM_CPU_KVCACHE_SPACE

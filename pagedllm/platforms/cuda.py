@@ -43,6 +43,9 @@ class CudaPlatform(Platform):
     def peak_memory_bytes(self) -> int:
         return torch.cuda.max_memory_allocated()
 
+    def release_freed_memory(self) -> None:
+        torch.cuda.empty_cache()
+
     def seed_everything(self, seed: int) -> None:
         torch.manual_seed(seed)
         torch.cuda.manual_seed_all(seed)

@@ -119,6 +119,10 @@ class Platform(ABC):
         """Peak memory allocated on the device since start (0 if unknown)."""
         return 0
 
+    def release_freed_memory(self) -> None:
+        """Hand memory of freed tensors back to the system (sleep mode: worker/sleep_mode.py)
+        where the allocator keeps it cached (no-op here)."""
+
     def attention_backend_name(self) -> str:
         """Name of the attention backend to use on this platform."""
         return "torch_sdpa"

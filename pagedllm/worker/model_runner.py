@@ -56,6 +56,7 @@ from pagedllm.layers.batch_invariance import check_batch_invariance
 from pagedllm.lora.model_manager import LoRAModelManager
 from pagedllm.lora.peft import LoRAModelShapes
 from pagedllm.model_loader.loader import load_model
+from pagedllm.native.attach import refresh_native_decoder
 from pagedllm.sample.logprobs import LogprobsTensors, compute_logprobs
 from pagedllm.sample.rejection_sampler import rejection_sample
 from pagedllm.sample.sampler import Sampler
@@ -295,11 +296,42 @@ class ModelRunner:
         self.sample_tokens()
         for r in reqs:
             self.states.remove_request(r.req_id)
+        self.release_kv_cache()
+        if self.eplb is not None:
+            self.eplb.reset()
+
+    def kv_caches_by_layer(self) -> dict[str, torch.Tensor]:
+        """Each attention layer's KV tensor by layer name (a draft model's included)."""
+        return {a.layer_name: a.kv_cache for a in self._attention_layers()}
+
+    def release_kv_cache(self) -> None:
+        """Drop the KV tensors (and the CUDA graphs that point into them); the memory is freed
+        once nothing else holds them. `initialize_kv_cache` allocates them again."""
+        self.graph_runner = None
         self.kv_caches = []
         for layer in self._attention_layers():
             layer.kv_cache = torch.empty(0)
-        if self.eplb is not None:
-            self.eplb.reset()
+        refresh_native_decoder(self.model)   # (its structures hold the caches)
+
+    def load_fresh_model(self, model_path: str) -> torch.nn.Module:
+        """A new model from the checkpoint at `model_path`, built and processed as `load_model`
+        builds this runner's (its own config; for weight updates, worker/sleep_mode.py).
+
+        Raises:
+            ValueError, FileNotFoundError, OSError: as `load_model` (model_loader/loader.py).
+        """
+        from transformers import AutoConfig
+        hf_config = AutoConfig.from_pretrained(
+            model_path, trust_remote_code=self.config.model_config.trust_remote_code)
+        return load_model(model_path, hf_config, self.dtype, self.device,
+                          self.config.model_config.quantization)
+
+    def weights_changed(self) -> None:
+        """The model's weights were replaced or overwritten (sleep mode, weight updates): the
+        native structures that point into them or copy parts of them are rebuilt at their next
+        use (CUDA graphs are recaptured by `initialize_kv_cache`)."""
+        refresh_native_decoder(self.model)
+        self.multi_step = self._make_multi_step()
 
     # ----------------------------------------------------------------- one step
     def _write_sampled_tokens(self, wait: bool = False) -> None:

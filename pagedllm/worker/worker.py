@@ -23,7 +23,10 @@ from pagedllm.distributed.parallel_state import (destroy_model_parallel, get_pp_
 from pagedllm.layers.vocab_embedding import VocabEmbedding
 from pagedllm.platforms import current_platform
 from pagedllm.worker.async_output import AsyncModelRunnerOutput
+from pagedllm.worker.kv_connector.base import (KVConnectorWorker, create_worker_connector,
+                                                load_before_forward, save_after_forward)
 from pagedllm.worker.model_runner import ModelRunner
+from pagedllm.worker.sleep_mode import SleepMode
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +78,9 @@ class Worker:
         self.hf_config = AutoConfig.from_pretrained(
             config.model_path, trust_remote_code=config.model_config.trust_remote_code)
         self.model_runner = ModelRunner(config, self.hf_config, self.device, self.dtype)
+        self.sleep_mode = SleepMode(config.model_path, self.model_runner.load_fresh_model)
+        self._num_blocks = 0   # (set by initialize_kv_cache; wake_up allocates as many)
+        self.kv_connector: KVConnectorWorker | None = None   # (set by init_kv_connector)
 
     def load_model(self) -> None:
         self.model_runner.load_model()
@@ -129,16 +135,72 @@ class Worker:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.model_runner.initialize_kv_cache(num_blocks)
+        self._num_blocks = num_blocks
+
+    # ------------------------------------------- sleep mode and weight updates (sleep_mode.py)
+    def sleep(self, level: int) -> int:
+        """Free the KV cache, and the weights per `level` (worker/sleep_mode.py); returns the
+        bytes freed (KV cache + weights leaving the device).
+
+        Raises:
+            ValueError: a level other than 1 or 2, or already asleep.
+        """
+        runner = self.model_runner
+        kv_bytes = sum(c.numel() * c.element_size() for c in runner.kv_caches)
+        weight_bytes = self.sleep_mode.sleep(runner.model, level)
+        runner.release_kv_cache()
+        self.platform.release_freed_memory()
+        return kv_bytes + weight_bytes
+
+    def wake_up(self) -> None:
+        """Weights back (reloaded after level 2), an empty KV cache of the same size again.
+
+        Raises:
+            ValueError, FileNotFoundError: level 2's checkpoint cannot be loaded again.
+        """
+        runner = self.model_runner
+        if self.sleep_mode.wake_up(runner.model):
+            runner.weights_changed()
+        if not runner.kv_caches:
+            runner.initialize_kv_cache(self._num_blocks)
+            if self.kv_connector is not None:
+                self.kv_connector.register_kv_caches(runner.kv_caches_by_layer())
+
+    def stage_weights(self, model_path: str) -> str | None:
+        """Load and check the weights of the checkpoint at `model_path` for `commit_weights`;
+        None when they fit, else why not (nothing changed)."""
+        return self.sleep_mode.stage(self.model_runner.model, model_path)
+
+    def commit_weights(self) -> None:
+        """Copy the staged weights into the model in place."""
+        self.sleep_mode.commit(self.model_runner.model)
+        self.model_runner.weights_changed()
+
+    def discard_weights(self) -> None:
+        """Drop a staged weight update."""
+        self.sleep_mode.discard()
+
+    def init_kv_connector(self) -> int:
+        """Create the KV connector's worker side (`kv_transfer_config`) over the allocated KV
+        cache; returns the blocks its tier holds on this rank."""
+        runner = self.model_runner
+        self.kv_connector = create_worker_connector(
+            self.config.kv_transfer_config, runner.kv_caches_by_layer(),
+            runner.kv_cache_bytes_per_block(), self.device)
+        return self.kv_connector.num_tier_blocks()
 
     def execute_model(self, scheduler_output: SchedulerOutput,
                       grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
         """One step, or the `num_steps` decode steps of a multi-step round (whose requests have
-        no grammar: `grammar_output` is the first step's)."""
+        no grammar: `grammar_output` is the first step's); the KV connector's loads before it
+        and saves after it (worker/kv_connector/base.py)."""
         self.platform.before_step()
+        self._load_kv(scheduler_output)
         self.model_runner.execute_model(scheduler_output)
         output = self.model_runner.sample_tokens(grammar_output)
         if scheduler_output.num_steps > 1:
             output = self.model_runner.run_remaining_steps(scheduler_output.num_steps, output)
+        self._save_kv()
         self.platform.after_step()
         return output
 
@@ -147,10 +209,21 @@ class Worker:
                             ) -> AsyncModelRunnerOutput:
         """As `execute_model`, leaving the sampled tokens on the device (async scheduling)."""
         self.platform.before_step()
+        self._load_kv(scheduler_output)
         self.model_runner.execute_model(scheduler_output)
         output = self.model_runner.sample_tokens_async(grammar_output)
+        self._save_kv()
         self.platform.after_step()
         return output
+
+    def _load_kv(self, scheduler_output: SchedulerOutput) -> None:
+        if self.kv_connector is not None:
+            load_before_forward(self.kv_connector, scheduler_output.kv_connector_metadata,
+                                list(self.model_runner.kv_caches_by_layer()))
+
+    def _save_kv(self) -> None:
+        if self.kv_connector is not None:
+            save_after_forward(self.kv_connector, self.model_runner.kv_caches_by_layer())
 
     def layout_summary(self) -> str:
         """One line: this rank's place in the layout, its layers, heads, vocab rows and memory."""

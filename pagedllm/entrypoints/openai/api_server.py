@@ -34,9 +34,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pagedllm import envs
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.dp_async_llm import DataParallelAsyncLLM
 from pagedllm.entrypoints.openai.anthropic_errors import AnthropicErrorMiddleware
+from pagedllm.entrypoints.openai.dev_routes import add_dev_routes
 from pagedllm.entrypoints.openai.metrics import METRICS_CONTENT_TYPE, PrometheusStatLogger
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                   TokenizeRequest)
@@ -244,7 +246,8 @@ def build_app(async_llm: AsyncLLM | DataParallelAsyncLLM, served_model_names: Se
               reasoning_parser: str | None = None,
               trust_request_chat_template: bool = False,
               lora_modules: Sequence[LoRAModulePath] = (),
-              allow_runtime_lora_updating: bool = False) -> FastAPI:
+              allow_runtime_lora_updating: bool = False,
+              dev_mode: bool | None = None) -> FastAPI:
     """The FastAPI app over a (not necessarily started) `AsyncLLM`.
 
     Args:
@@ -258,6 +261,9 @@ def build_app(async_llm: AsyncLLM | DataParallelAsyncLLM, served_model_names: Se
             trust_request_chat_template: see `ServingChat`.
         lora_modules, allow_runtime_lora_updating: LoRA adapters served from the start, and
             whether /v1/load_lora_adapter and /v1/unload_lora_adapter exist (serving_lora.py).
+        dev_mode: add the development routes (dev_routes.py: sleep mode, pause, weight
+            updates); None: as `PAGEDLLM_SERVER_DEV_MODE` says. With data parallelism they are
+            not added (logged).
 
     Raises:
         ValueError: a `lora_modules` adapter the engine refuses (its reason).
@@ -350,6 +356,13 @@ def build_app(async_llm: AsyncLLM | DataParallelAsyncLLM, served_model_names: Se
     add_tokenization_routes(app, tokenization)
     if allow_runtime_lora_updating:
         add_lora_routes(app, serving.lora_modules)
+
+    if dev_mode if dev_mode is not None else envs.get("PAGEDLLM_SERVER_DEV_MODE"):
+        if isinstance(async_llm, AsyncLLM):
+            add_dev_routes(app, async_llm)
+        else:
+            logger.warning("PAGEDLLM_SERVER_DEV_MODE: the development routes are not served "
+                           "with data parallelism")
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> JSONResponse:

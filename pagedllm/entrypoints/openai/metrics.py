@@ -62,6 +62,20 @@ class PrometheusStatLogger:
                                             "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("pagedllm:prefix_cache_hits",
                                          "Prompt tokens found in the prefix cache.")
+        # The KV connector's tier (docs/kv_connectors.md), in blocks; fed from the cumulative
+        # `KVConnectorStats` (the last values seen per engine).
+        self.kv_connector = {
+            "queries": counter("pagedllm:kv_offload_queries",
+                               "Blocks looked up in the KV tier after a device-cache miss."),
+            "hits": counter("pagedllm:kv_offload_hits", "Blocks found in the KV tier."),
+            "loaded_blocks": counter("pagedllm:kv_offload_loaded_blocks",
+                                     "Blocks loaded from the KV tier into the device cache."),
+            "stored_blocks": counter("pagedllm:kv_offload_stored_blocks",
+                                     "Blocks written to the KV tier."),
+            "evicted_blocks": counter("pagedllm:kv_offload_evicted_blocks",
+                                      "Blocks dropped from the KV tier (LRU)."),
+        }
+        self._last_kv_connector: dict[int, dict[str, int]] = {}
         self.time_to_first_token = histogram("pagedllm:time_to_first_token_seconds",
                                              "Arrival to first generated token.", _TTFT_BUCKETS)
         self.inter_token_latency = histogram("pagedllm:inter_token_latency_seconds",
@@ -108,6 +122,13 @@ class PrometheusStatLogger:
         self.num_preemptions.inc(iteration_stats.num_preemptions)
         self.prefix_cache_queries.inc(iteration_stats.prefix_cache_queries)
         self.prefix_cache_hits.inc(iteration_stats.prefix_cache_hits)
+        kv = scheduler_stats.kv_connector_stats
+        if kv is not None:
+            last = self._last_kv_connector.setdefault(engine, {})
+            for name, counter in self.kv_connector.items():
+                value = getattr(kv, name)
+                counter.inc(max(0, value - last.get(name, 0)))
+                last[name] = value
         self.eplb_rebalances.inc(iteration_stats.num_eplb_rebalances)
         eplb = iteration_stats.eplb_stats
         if eplb is not None:

@@ -23,6 +23,7 @@ from pydantic import BaseModel
 from pagedllm.engine.async_llm import (AsyncLLM, EngineDeadError, RequestFailedError,
                                        RequestStream)
 from pagedllm.engine.input_processor import PromptType, context_length_error
+from pagedllm.engine.sleep_mode import EngineSleepingError
 from pagedllm.entrypoints.openai.protocol import (ErrorInfo, ErrorResponse, PromptTokensDetails,
                                                   UsageInfo, random_id)
 from pagedllm.outputs import RequestOutput
@@ -64,7 +65,7 @@ class OpenAIServingError(Exception):
 def error_from_exception(e: BaseException, request: Any = None) -> OpenAIServingError:
     """Map an engine exception to an HTTP error: ValueError -> 400 whose `param` is the request
     field the message starts with (engine names mapped to the request's own), a request that
-    failed alone in a step -> 500, a dead engine -> 503."""
+    failed alone in a step -> 500, a dead or sleeping engine -> 503."""
     if isinstance(e, OpenAIServingError):
         return e
     if isinstance(e, ValueError):
@@ -75,6 +76,8 @@ def error_from_exception(e: BaseException, request: Any = None) -> OpenAIServing
         return OpenAIServingError(f"the request failed: {e}", 500, code="request_failed")
     if isinstance(e, EngineDeadError):
         return OpenAIServingError(str(e), 503, code="engine_dead")
+    if isinstance(e, EngineSleepingError):
+        return OpenAIServingError(str(e), 503, code="engine_sleeping")
     return OpenAIServingError(f"internal error: {type(e).__name__}: {e}", 500)
 
 

@@ -1,0 +1,1 @@
+"""KV connectors, scheduler side (vLLM's KVConnectorBase_V1 split by role): see base.py."""

@@ -1,0 +1,66 @@
+"""The scheduler side of a KV connector (vLLM's `KVConnectorBase_V1`, role SCHEDULER).
+
+A KV connector moves KV blocks between the device cache and somewhere else (a host-memory or
+disk tier, another engine). Its scheduler side decides, in plain Python and without torch, what
+moves; what it decides for a step travels to the workers in `SchedulerOutput.kv_connector_metadata`
+and their side (`pagedllm/worker/kv_connector/`) moves the bytes at fixed seams of the step:
+
+    Scheduler.schedule()
+      new request:  get_computed_blocks (device prefix hits)
+                    -> get_num_new_matched_tokens(request, num_computed)   tokens it can supply
+                    -> allocate_slots(...)                                 blocks for all of them
+                    -> update_state_after_alloc(request, block_ids, num_external_tokens)
+      end of step:  build_connector_meta(scheduler_output) -> SchedulerOutput.kv_connector_metadata
+    Scheduler._free_request(request) -> request_finished(request, block_ids)
+
+Tokens a connector supplies count as computed (and as cached tokens in the usage), exactly as
+device prefix hits do; the worker loads them before the forward that first reads them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from pagedllm.core.request import Request
+from pagedllm.core.sched_output import SchedulerOutput
+
+
+@dataclass
+class KVConnectorStats:
+    """What a connector moved since start, in blocks (for /metrics)."""
+
+    loaded_blocks: int = 0     # blocks loaded into the device cache (tier hits)
+    stored_blocks: int = 0     # blocks written to the tier
+    evicted_blocks: int = 0    # blocks dropped from the tier (LRU)
+    queries: int = 0           # blocks looked up after the device cache missed
+    hits: int = 0              # of those, found
+
+
+class KVConnectorScheduler(Protocol):
+    """The scheduler side of a connector (one instance, in the engine core)."""
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
+        """Tokens after the first `num_computed_tokens` (device prefix hits, a whole number of
+        blocks) this connector can supply; never past `request.num_tokens - 1` (the last
+        token's logits must be computed)."""
+
+    def update_state_after_alloc(self, request: Request, block_ids: list[int],
+                                 num_external_tokens: int) -> None:
+        """The request was admitted holding `block_ids` (its whole block list, KV cache group
+        0) with `num_external_tokens` of them (after its device hits) to be loaded by the
+        connector before this step's forward."""
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> object:
+        """What the workers do this step (plain, picklable data); resets the step's state."""
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> bool:
+        """The request finished or was preempted; True if its blocks must stay allocated until
+        the workers report its transfer done (asynchronous saves), False to free them now."""
+
+    def reset_cache(self) -> None:
+        """Forget every stored block (the prefix cache was reset: after a weight update no
+        stored KV is valid)."""
+
+    def stats(self) -> KVConnectorStats:
+        """Counts since start."""

@@ -1,0 +1,165 @@
+"""The OffloadingConnector's scheduler side: a tier of KV blocks beyond the device cache (host
+memory; `--kv-offloading-size` GiB), keyed by the blocks' prefix hashes, with LRU eviction.
+
+Every full block a step computes (prompt or output) is stored to the tier after that step's
+forward unless its hash is there already, so the blocks of finished requests and the blocks the
+device cache later evicts stay available. A new request whose device prefix hit ends where the
+tier still holds the following blocks (by hash, consecutively) gets them loaded back into fresh
+device blocks before its first forward instead of recomputing them.
+
+The tier's index (hash -> slot, LRU order) lives here; the bytes live in the workers, which only
+see slot numbers (`OffloadingMetadata`). Transfers are synchronous: a step's loads finish before
+its forward and its stores before the next step, so no block is freed or reused while a transfer
+still reads it (`request_finished` never delays a free). Slots loaded or stored in a step are
+pinned for that step (never evicted for another store of the same step).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from pagedllm.core.kv_connector.base import KVConnectorStats
+from pagedllm.core.request import Request
+from pagedllm.core.sched_output import SchedulerOutput
+
+
+@dataclass
+class OffloadingMetadata:
+    """One step's transfers: device block `load_block_ids[i]` <- tier slot `load_slots[i]`
+    before the forward; tier slot `store_slots[i]` <- device block `store_block_ids[i]` after."""
+
+    load_block_ids: list[int] = field(default_factory=list)
+    load_slots: list[int] = field(default_factory=list)
+    store_block_ids: list[int] = field(default_factory=list)
+    store_slots: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _RequestState:
+    request: Request
+    block_ids: list[int]    # its device blocks (KV cache group 0), in order
+    num_stored: int = 0     # its first blocks already stored or found in the tier
+
+
+class OffloadingConnectorScheduler:
+    """See the module docstring.
+
+    Args:
+        block_size: tokens per block.
+        num_slots: blocks the tier holds (the workers size it from the GiB budget).
+        kv_role: "kv_both" (store and load), "kv_producer" (store only) or "kv_consumer"
+            (load only).
+    """
+
+    def __init__(self, block_size: int, num_slots: int, kv_role: str = "kv_both") -> None:
+        self.block_size = block_size
+        self.num_slots = num_slots
+        self.loads_enabled = kv_role in ("kv_both", "kv_consumer")
+        self.stores_enabled = kv_role in ("kv_both", "kv_producer")
+        self._slot_of: OrderedDict[bytes, int] = OrderedDict()   # LRU order, oldest first
+        self._free_slots = list(range(num_slots - 1, -1, -1))
+        self._requests: dict[str, _RequestState] = {}
+        # Per request matched in get_num_new_matched_tokens: (first block, blocks queried).
+        self._matched: dict[str, tuple[int, int]] = {}
+        self._loads = OffloadingMetadata()
+        self._pinned: set[int] = set()
+        self._stats = KVConnectorStats()
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
+        if (not self.loads_enabled or num_computed_tokens % self.block_size
+                or request.sampling_params.prompt_logprobs is not None):
+            return 0   # (prompt logprobs: every position must be computed, as for device hits)
+        start = num_computed_tokens // self.block_size
+        end = min((request.num_tokens - 1) // self.block_size, len(request.block_hashes))
+        n = 0
+        while start + n < end and request.block_hashes[start + n] in self._slot_of:
+            n += 1
+        self._matched[request.request_id] = (start, max(end - start, 0))
+        return n * self.block_size
+
+    def update_state_after_alloc(self, request: Request, block_ids: list[int],
+                                 num_external_tokens: int) -> None:
+        self._requests[request.request_id] = _RequestState(request, list(block_ids))
+        start, queried = self._matched.pop(request.request_id, (0, 0))
+        n = num_external_tokens // self.block_size
+        self._stats.queries += queried
+        self._stats.hits += n
+        for i in range(start, start + n):
+            block_hash = request.block_hashes[i]
+            slot = self._slot_of[block_hash]
+            self._slot_of.move_to_end(block_hash)
+            self._loads.load_block_ids.append(block_ids[i])
+            self._loads.load_slots.append(slot)
+            self._pinned.add(slot)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OffloadingMetadata:
+        meta, self._loads = self._loads, OffloadingMetadata()
+        self._stats.loaded_blocks += len(meta.load_slots)
+        for new in scheduler_output.scheduled_new_reqs:
+            state = self._requests.get(new.req_id)
+            if state is not None:
+                state.block_ids = list(new.block_ids[0])
+        cached = scheduler_output.scheduled_cached_reqs
+        for req_id, new_block_ids in zip(cached.req_ids, cached.new_block_ids):
+            state = self._requests.get(req_id)
+            if state is not None:
+                state.block_ids.extend(new_block_ids[0])
+        if self.stores_enabled:
+            for req_id in scheduler_output.num_scheduled_tokens:
+                state = self._requests.get(req_id)
+                if state is not None:
+                    self._store_full_blocks(state, meta)
+        self._pinned = set()
+        return meta
+
+    def _store_full_blocks(self, state: _RequestState, meta: OffloadingMetadata) -> None:
+        """Store the request's blocks full by the end of this step that the tier lacks."""
+        request = state.request
+        num_full = min(min(request.num_computed_tokens, request.num_tokens) // self.block_size,
+                       len(request.block_hashes), len(state.block_ids))
+        for i in range(state.num_stored, num_full):
+            block_hash = request.block_hashes[i]
+            if block_hash in self._slot_of:
+                self._slot_of.move_to_end(block_hash)
+            else:
+                slot = self._allocate_slot()
+                if slot is None:
+                    return   # every slot is pinned this step: the rest waits for a later one
+                self._slot_of[block_hash] = slot
+                meta.store_block_ids.append(state.block_ids[i])
+                meta.store_slots.append(slot)
+                self._stats.stored_blocks += 1
+            state.num_stored = i + 1
+
+    def _allocate_slot(self) -> int | None:
+        if self._free_slots:
+            slot = self._free_slots.pop()
+        else:
+            victim = next((h for h, s in self._slot_of.items() if s not in self._pinned), None)
+            if victim is None:
+                return None
+            slot = self._slot_of.pop(victim)
+            self._stats.evicted_blocks += 1
+        self._pinned.add(slot)
+        return slot
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> bool:
+        self._requests.pop(request.request_id, None)
+        self._matched.pop(request.request_id, None)
+        return False
+
+    def reset_cache(self) -> None:
+        self._slot_of.clear()
+        self._free_slots = list(range(self.num_slots - 1, -1, -1))
+        for state in self._requests.values():
+            state.num_stored = 0
+        self._loads = OffloadingMetadata()
+        self._pinned = set()
+
+    def stats(self) -> KVConnectorStats:
+        return KVConnectorStats(**vars(self._stats))
+
+    @property
+    def num_tier_blocks_used(self) -> int:
+        return len(self._slot_of)

@@ -1,0 +1,85 @@
+"""The worker side of a KV connector (vLLM's `KVConnectorBase_V1`, role WORKER), and the seams
+at which the worker calls it in every step (`load_before_forward`, `save_after_forward`).
+
+    Worker.execute_model(scheduler_output):
+        bind_connector_metadata(scheduler_output.kv_connector_metadata)
+        start_load_kv()                          transfers into the device cache start
+        wait_for_layer_load(name) per layer      each layer's loads are complete
+        ... the step's forward (and a multi-step round's later steps) ...
+        save_kv_layer(name, kv_cache) per layer  each layer's blocks to save are handed over
+        wait_for_save()                          the saves no longer read the device blocks
+        clear_connector_metadata()
+    get_finished(finished_req_ids)               requests whose asynchronous transfers ended
+
+NOTE(kv_connector): vLLM calls `wait_for_layer_load` / `save_kv_layer` from inside each
+attention layer, so transfers overlap the other layers' compute. Here the seams sit around the
+whole forward: the CPU fused decoder runs every layer in one native call, and the forward
+context is a frozen per-step object no layer may extend (DESIGN §2). A connector that transfers
+asynchronously still overlaps its loads with the host's input preparation and its saves with the
+scheduling of the next step.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class KVConnectorWorker(Protocol):
+    """The worker side of a connector (one per rank)."""
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """The rank's KV tensors by layer name ([2, num_blocks, block_size, num_kv_heads,
+        head_size] each); called again when they are reallocated (wake-up)."""
+
+    def bind_connector_metadata(self, metadata: object) -> None: ...
+
+    def clear_connector_metadata(self) -> None: ...
+
+    def start_load_kv(self) -> None: ...
+
+    def wait_for_layer_load(self, layer_name: str) -> None: ...
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None: ...
+
+    def wait_for_save(self) -> None: ...
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        """(requests whose saves finished, requests whose loads finished) since the last call:
+        empty for a synchronous connector."""
+
+    def num_tier_blocks(self) -> int:
+        """Blocks the connector's tier holds on this rank (0: it has none)."""
+
+
+def load_before_forward(connector: KVConnectorWorker, metadata: object,
+                        layer_names: list[str]) -> None:
+    """The seam before a step's forward (see the module docstring)."""
+    connector.bind_connector_metadata(metadata)
+    connector.start_load_kv()
+    for name in layer_names:
+        connector.wait_for_layer_load(name)
+
+
+def save_after_forward(connector: KVConnectorWorker, kv_caches: dict[str, torch.Tensor]) -> None:
+    """The seam after a step's forward (and its multi-step round)."""
+    for name, kv_layer in kv_caches.items():
+        connector.save_kv_layer(name, kv_layer)
+    connector.wait_for_save()
+    connector.clear_connector_metadata()
+
+
+def create_worker_connector(config, kv_caches: dict[str, torch.Tensor], bytes_per_block: int,
+                            device: torch.device) -> KVConnectorWorker:
+    """The worker side of `config` (a `KVTransferConfig`) over this rank's KV tensors
+    (`bytes_per_block`: one block over all of them).
+
+    Raises:
+        ValueError: an unknown connector, or settings it refuses.
+    """
+    if config.kv_connector == "OffloadingConnector":
+        from pagedllm.worker.kv_connector.offloading import OffloadingConnectorWorker
+        return OffloadingConnectorWorker(config.kv_connector_extra_config, kv_caches,
+                                         bytes_per_block, device)
+    raise ValueError(f"unknown kv_connector {config.kv_connector!r}")

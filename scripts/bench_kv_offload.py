@@ -1,0 +1,88 @@
+"""Time to first token of repeated prefixes: the OffloadingConnector's host tier vs recompute, in
+one run (docs/kv_connectors.md; the issue's workload, scaled to a small CPU).
+
+Builds a random-weight Llama checkpoint (no download), then for two engines, one with a host tier
+(`kv_offloading_size`) and one without, sends N distinct prefixes (+ a fresh suffix, max_tokens=1,
+one request at a time) twice. The device cache holds only a fraction of the prefixes, so by the
+second pass every prefix has been evicted from it: without the tier the second pass recomputes
+each prefix, with the tier it loads the prefix's blocks back. Prints the median TTFT of each
+engine's second pass, their ratio, and checks that both engines produce the same tokens.
+
+    python scripts/bench_kv_offload.py [--num-prefixes 64 --prefix-len 512 --cache-tokens 4096]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pagedllm import LLM, SamplingParams  # noqa: E402
+from scripts.bench_prefix_cache import build_checkpoint  # noqa: E402
+
+
+def second_pass_ttfts(llm: LLM, first: list[list[int]], second: list[list[int]]
+                      ) -> tuple[list[float], list[int], list[int]]:
+    """Run `first` then `second` one request at a time; the second pass's TTFTs (s), cached
+    tokens and first tokens."""
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    for prompt in first:
+        llm.generate(prompt, params, use_tqdm=False)
+    times, cached, tokens = [], [], []
+    for prompt in second:
+        start = time.perf_counter()
+        (out,) = llm.generate(prompt, params, use_tqdm=False)
+        times.append(time.perf_counter() - start)
+        cached.append(out.num_cached_tokens)
+        tokens.append(out.outputs[0].token_ids[0])
+    return times, cached, tokens
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-prefixes", type=int, default=64)
+    parser.add_argument("--prefix-len", type=int, default=512)
+    parser.add_argument("--suffix-len", type=int, default=16)
+    parser.add_argument("--cache-tokens", type=int, default=4096,
+                        help="device KV cache size in tokens")
+    parser.add_argument("--tier-gib", type=float, default=1.0)
+    parser.add_argument("--hidden-size", type=int, default=384)
+    parser.add_argument("--num-layers", type=int, default=4)
+    parser.add_argument("--block-size", type=int, default=16)
+    args = parser.parse_args()
+
+    rng = random.Random(0)
+    prefixes = [[rng.randrange(3, 250) for _ in range(args.prefix_len)]
+                for _ in range(args.num_prefixes)]
+    first = [p + [rng.randrange(3, 250) for _ in range(args.suffix_len)] for p in prefixes]
+    second = [p + [rng.randrange(3, 250) for _ in range(args.suffix_len)] for p in prefixes]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = build_checkpoint(Path(tmp), args.hidden_size, args.num_layers,
+                                max(2048, args.prefix_len + args.suffix_len + 8))
+        engine = dict(dtype="float32", block_size=args.block_size, max_num_seqs=4,
+                      num_gpu_blocks_override=args.cache_tokens // args.block_size + 1,
+                      max_num_batched_tokens=2048, num_scheduler_steps=1)
+        results = {}
+        for name, extra in (("recompute", {}), ("host tier", {"kv_offloading_size":
+                                                             args.tier_gib})):
+            llm = LLM(str(path), **engine, **extra)
+            results[name] = second_pass_ttfts(llm, first, second)
+            del llm
+    for name, (times, cached, _) in results.items():
+        print(f"{name:10s}: median TTFT {statistics.median(times) * 1e3:7.1f} ms over "
+              f"{len(times)} prompts of {args.prefix_len + args.suffix_len} tokens; cached "
+              f"tokens per prompt {statistics.median(cached):.0f}")
+    ratio = (statistics.median(results["recompute"][0])
+             / statistics.median(results["host tier"][0]))
+    same = results["recompute"][2] == results["host tier"][2]
+    print(f"TTFT ratio recompute / host tier: {ratio:.2f}x; first tokens identical: {same}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""The OffloadingConnector end to end on a tiny Llama: 12 distinct 64-token prefixes against a
+device cache of 23 blocks (368 tokens) do not fit, so their second use hits the host tier;
+greedy and seeded tokens equal those of an engine without the tier, the hits show as cached
+tokens, and a weight update forgets the tier (its KV belongs to the old weights)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.engine.async_llm import IterationStats
+from pagedllm.entrypoints.openai.metrics import PrometheusStatLogger
+
+RNG = random.Random(0)
+PREFIXES = [[RNG.randrange(3, 500) for _ in range(64)] for _ in range(12)]
+FIRST = [p + [RNG.randrange(3, 500) for _ in range(5)] for p in PREFIXES]
+SECOND = [p + [RNG.randrange(3, 500) for _ in range(5)] for p in PREFIXES]
+PARAMS = [SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+          SamplingParams(temperature=1.0, seed=11, max_tokens=4, ignore_eos=True)]
+ENGINE = dict(dtype="float32", num_gpu_blocks_override=24, block_size=16, max_num_seqs=2)
+
+
+def _run(llm: LLM) -> tuple[list, list[int]]:
+    """Tokens of both rounds under both params, and the second round's cached tokens."""
+    tokens, cached = [], []
+    for params in PARAMS:
+        for prompts in (FIRST, SECOND):
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            tokens.append([list(o.outputs[0].token_ids) for o in outs])
+            if prompts is SECOND:
+                cached += [o.num_cached_tokens for o in outs]
+    return tokens, cached
+
+
+@pytest.fixture(scope="module")
+def without_tier(tiny_llama):
+    return _run(LLM(str(tiny_llama), **ENGINE))
+
+
+def test_tier_hits_and_same_tokens(tiny_llama, without_tier):
+    want, cached_without = without_tier
+    assert cached_without == [0] * 24   # the device cache alone keeps none of the prefixes
+    llm = LLM(str(tiny_llama), **ENGINE, kv_offloading_size=0.01)
+    got, cached = _run(llm)
+    assert got == want
+    assert cached == [64] * 24
+    connector = llm.llm_engine.engine_core.scheduler.kv_connector
+    stats = connector.stats()
+    assert stats.loaded_blocks >= 24 * 4 and stats.stored_blocks > 0
+
+    # /metrics counts the tier's traffic (in blocks).
+    metrics = PrometheusStatLogger("tiny")
+    metrics.record(llm.get_stats(), IterationStats())
+    text = metrics.render().decode()
+    assert f'pagedllm:kv_offload_loaded_blocks_total{{model_name="tiny"}} ' \
+           f'{float(stats.loaded_blocks)}' in text
+    assert "pagedllm:kv_offload_hits_total" in text
+
+    llm.update_weights(str(tiny_llama))   # (the same weights: what counts is the reset)
+    assert connector.num_tier_blocks_used == 0
+
+
+def test_tier_config_errors(tiny_llama):
+    with pytest.raises(ValueError, match="needs enable_prefix_caching"):
+        LLM(str(tiny_llama), **ENGINE, kv_offloading_size=0.01, enable_prefix_caching=False)
+    with pytest.raises(ValueError, match="unknown kv_connector"):
+        LLM(str(tiny_llama), **ENGINE, kv_transfer_config={"kv_connector": "Mooncake"})
+    with pytest.raises(ValueError, match="kv_offloading_size must be"):
+        LLM(str(tiny_llama), **ENGINE, kv_transfer_config={
+            "kv_connector": "OffloadingConnector"})
