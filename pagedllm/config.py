@@ -8,6 +8,7 @@ learns it and passed explicitly, never written back into a config. Validation er
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
@@ -476,7 +477,7 @@ def _validate_parallel_layout(hf: dict[str, Any], pc: ParallelConfig) -> None:
         raise ValueError(f"pipeline_parallel_size {pp} exceeds the model's {layers} layers")
 
 
-SPEC_METHODS = ("ngram", "draft_model")
+SPEC_METHODS = ("ngram", "draft_model", "suffix")
 
 
 @dataclass(frozen=True)
@@ -485,10 +486,17 @@ class SpeculativeConfig:
 
     Attributes:
         method: "ngram" (prompt lookup: propose the tokens that followed the last n-gram's
-            previous occurrence) or "draft_model" (a small model with the same tokenizer).
+            previous occurrence), "draft_model" (a small model with the same tokenizer) or
+            "suffix" (suffix decoding over the request's tokens and earlier outputs:
+            spec_decode/suffix.py).
         num_speculative_tokens: draft tokens proposed per step (k).
         prompt_lookup_min / prompt_lookup_max: n-gram sizes tried, longest first (ngram).
         model: the draft model's checkpoint folder or hub id (draft_model).
+        suffix_decoding_max_tree_depth: longest context suffix matched (suffix).
+        suffix_decoding_max_cached_requests: finished requests kept in the global suffix tree,
+            FIFO; 0 disables it (suffix).
+        suffix_decoding_max_spec_factor: drafts per matched token (suffix).
+        suffix_decoding_min_token_prob: lowest path probability proposed (suffix).
     """
 
     method: str
@@ -496,6 +504,10 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     model: str | None = None
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -511,12 +523,28 @@ class SpeculativeConfig:
         if self.method == "draft_model" and not self.model:
             raise ValueError("speculative_config.model (the draft checkpoint) is required for "
                              "method 'draft_model'")
+        self._check_suffix_options()
+
+    def _check_suffix_options(self) -> None:
+        for name, low in (("suffix_decoding_max_tree_depth", 1),
+                          ("suffix_decoding_max_cached_requests", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"speculative_config.{name} must be an int >= {low}, "
+                                 f"got {value!r}")
+        factor, prob = self.suffix_decoding_max_spec_factor, self.suffix_decoding_min_token_prob
+        if (isinstance(factor, bool) or not isinstance(factor, (int, float))
+                or not math.isfinite(factor) or factor <= 0):
+            raise ValueError("speculative_config.suffix_decoding_max_spec_factor must be a "
+                             f"finite number > 0, got {factor!r}")
+        if isinstance(prob, bool) or not isinstance(prob, (int, float)) or not 0 <= prob <= 1:
+            raise ValueError("speculative_config.suffix_decoding_min_token_prob must be in "
+                             f"[0, 1], got {prob!r}")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SpeculativeConfig:
         """Build from vLLM-style JSON keys; unknown keys are a ValueError naming them."""
-        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
-                 "model"}
+        known = {f.name for f in fields(cls)}
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"unknown speculative_config keys {sorted(unknown)}; known: "

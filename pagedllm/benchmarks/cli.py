@@ -67,8 +67,12 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                      help="torch.profiler over a few decode steps; print the top ops")
     lat.add_argument("--profile-steps", type=int, default=8,
                      help="decode steps --profile records (default 8)")
-    lat.add_argument("--compare", action="append", choices=["llamacpp"], default=[],
-                     help="also run the same waves through llama.cpp (same GGUF file)")
+    lat.add_argument("--compare", action="append", choices=["llamacpp", "no-spec"], default=[],
+                     help="also run the same waves through llama.cpp (same GGUF file), or "
+                          "(no-spec) through the engine without --speculative-config")
+    lat.add_argument("--workload", choices=["random", "agent"], default="random",
+                     help="random token ids (default), or agent: code edits and JSON rewrites "
+                          "whose prompts hold text the answer repeats (--input-len ignored)")
     _add_output_args(lat)
     lat.set_defaults(func=run_latency_command)
 
@@ -423,6 +427,47 @@ def _run_baseline(name: str, args: argparse.Namespace, kwargs: dict[str, Any], r
 
 
 def run_latency_command(args: argparse.Namespace) -> int:
+    from pagedllm.benchmarks.report import print_result
+
+    if args.batch_size < 1 or args.num_iters < 1 or args.num_iters_warmup < 0:
+        raise ValueError("--batch-size and --num-iters must be >= 1, --num-iters-warmup >= 0")
+    kwargs = resolve_model(args)
+    if "no-spec" in args.compare and not kwargs.get("speculative_config"):
+        raise ValueError("--compare no-spec needs --speculative-config")
+    model_path = kwargs["model"]
+    result, requests = _run_latency(args, kwargs)
+    results, not_run = [result], []
+    if "no-spec" in args.compare:
+        plain, _ = _run_latency(args, {**kwargs, "speculative_config": None}, requests)
+        # > 1: speculation is faster (the plain engine's TPOT / the speculating one's).
+        plain["tpot_speedup_of_spec"] = plain["tpot_ms_mean"] / result["tpot_ms_mean"]
+        plain["e2e_speedup_of_spec"] = (plain["e2e_latency_ms_mean"]
+                                        / result["e2e_latency_ms_mean"])
+        print_result(plain, f"pagedllm latency without speculation (batch {args.batch_size})")
+        results.append(plain)
+    if "llamacpp" in args.compare:
+        from pagedllm.benchmarks.llamacpp_baseline import run_llamacpp_latency
+
+        gc.collect()
+        try:
+            theirs = run_llamacpp_latency(model_path, requests, args.batch_size,
+                                          result["dtype"], args.llamacpp_converter,
+                                          args.num_iters_warmup)
+        except RuntimeError as e:
+            print(str(e))
+            not_run.append("llamacpp")
+        else:
+            # > 1: our decode steps are faster (their TPOT / ours).
+            theirs["tpot_speedup_vs_llamacpp"] = theirs["tpot_ms_mean"] / result["tpot_ms_mean"]
+            theirs["ttft_speedup_vs_llamacpp"] = theirs["ttft_ms_mean"] / result["ttft_ms_mean"]
+            print_result(theirs, f"llama.cpp latency (batch {args.batch_size})")
+            results.append(theirs)
+    return _finish(args, results, not_run)
+
+
+def _run_latency(args: argparse.Namespace, kwargs: dict[str, Any], requests=None):
+    """One engine's latency run over `requests` (built from the workload flags when None) with
+    the roofline figures; printed. Returns (result, requests)."""
     import torch
 
     from pagedllm import LLM
@@ -430,17 +475,31 @@ def run_latency_command(args: argparse.Namespace) -> int:
                                              measure_memory_bandwidth, roofline, run_latency)
     from pagedllm.benchmarks.report import print_result
 
-    if args.batch_size < 1 or args.num_iters < 1 or args.num_iters_warmup < 0:
-        raise ValueError("--batch-size and --num-iters must be >= 1, --num-iters-warmup >= 0")
-    kwargs = resolve_model(args)
     model_path = kwargs["model"]
     num_prompts = args.batch_size * (args.num_iters + args.num_iters_warmup)
-    requests = build_workload(args, _vocab_size(model_path), num_prompts)
     llm = LLM(**kwargs)
+    if requests is None and args.workload == "agent":
+        from pagedllm.benchmarks.agent_workload import make_agent_workload
+
+        requests = make_agent_workload(llm.get_tokenizer(), num_prompts, args.output_len,
+                                       args.seed)
+    elif requests is None:
+        requests = build_workload(args, _vocab_size(model_path), num_prompts)
     result = run_latency(llm, requests, args.batch_size, args.num_iters_warmup,
                          profile=args.profile, profile_steps=args.profile_steps)
+    spec = llm.get_stats().spec_decoding_stats
+    if spec.num_drafts:
+        result["spec_decoding"] = {
+            "num_drafts": spec.num_drafts, "num_draft_tokens": spec.num_draft_tokens,
+            "num_accepted_tokens": spec.num_accepted_tokens,
+            "mean_accepted_length": spec.mean_accepted_length,
+            "acceptance_rate_per_pos": spec.acceptance_rate_per_pos}
+    del llm
+    gc.collect()
     profile_rows = result.pop("profile_top_ops", None)
     result["model"] = model_path
+    result["workload"] = args.workload
+    result["speculative_config"] = kwargs.get("speculative_config")
     result["dtype"] = _run_dtype_name(kwargs["dtype"])
     run_dtype = getattr(torch, result["dtype"])
     if args.bandwidth_mib > 0 and not math.isnan(result["tpot_ms_mean"]):
@@ -458,26 +517,7 @@ def run_latency_command(args: argparse.Namespace) -> int:
     print_result(result, f"pagedllm latency (batch {args.batch_size})")
     if profile_rows is not None:
         result["profile_top_ops"] = profile_rows
-    results, not_run = [result], []
-    if "llamacpp" in args.compare:
-        from pagedllm.benchmarks.llamacpp_baseline import run_llamacpp_latency
-
-        del llm
-        gc.collect()
-        try:
-            theirs = run_llamacpp_latency(model_path, requests, args.batch_size,
-                                          result["dtype"], args.llamacpp_converter,
-                                          args.num_iters_warmup)
-        except RuntimeError as e:
-            print(str(e))
-            not_run.append("llamacpp")
-        else:
-            # > 1: our decode steps are faster (their TPOT / ours).
-            theirs["tpot_speedup_vs_llamacpp"] = theirs["tpot_ms_mean"] / result["tpot_ms_mean"]
-            theirs["ttft_speedup_vs_llamacpp"] = theirs["ttft_ms_mean"] / result["ttft_ms_mean"]
-            print_result(theirs, f"llama.cpp latency (batch {args.batch_size})")
-            results.append(theirs)
-    return _finish(args, results, not_run)
+    return result, requests
 
 
 def run_gemm_command(args: argparse.Namespace) -> int:

@@ -49,28 +49,10 @@ from pagedllm.core.request import Request, RequestStatus, stop_token_reached
 from pagedllm.core.request_queue import check_priority, make_request_queue, priority_key
 from pagedllm.core.sched_output import (EngineCoreOutput, GrammarOutput, ModelRunnerOutput,
                                         NewRequestData, SchedulerOutput)
+from pagedllm.core.spec_decode_stats import SpecDecodingStats
 
 if TYPE_CHECKING:   # (core/kv_connector imports this folder's modules)
     from pagedllm.core.kv_connector.base import KVConnectorScheduler, KVConnectorStats
-
-
-@dataclass
-class SpecDecodingStats:
-    """Speculative decoding counters since start: steps of a request with drafts, draft tokens
-    verified, draft tokens accepted."""
-
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """Tokens emitted per drafted step (accepted drafts + the target's own token)."""
-        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
 @dataclass
@@ -556,10 +538,7 @@ class Scheduler:
             # Rejected draft positions are not computed: their KV is overwritten later.
             num_accepted = len(new_token_ids) - 1
             request.num_computed_tokens -= len(drafts) - num_accepted
-            stats = self.spec_decoding_stats
-            stats.num_drafts += 1
-            stats.num_draft_tokens += len(drafts)
-            stats.num_accepted_tokens += num_accepted
+            self.spec_decoding_stats.observe_draft(len(drafts), num_accepted)
         if not new_token_ids:
             if req_id in prompt_logprobs:
                 return EngineCoreOutput(req_id, [], new_prompt_logprobs=prompt_logprobs[req_id])
@@ -618,7 +597,7 @@ class Scheduler:
             num_cached_blocks=mgr.num_cached_blocks(),
             prefix_cache_stats=replace(self.kv_cache_manager.prefix_cache_stats),
             num_preemptions=self.num_preemptions,
-            spec_decoding_stats=replace(self.spec_decoding_stats),
+            spec_decoding_stats=self.spec_decoding_stats.copy(),
             kv_connector_stats=(self.kv_connector.stats() if self.kv_connector is not None
                                 else None))
 

@@ -37,6 +37,7 @@ from typing import Any, Protocol
 
 from pagedllm.core.sched_output import EplbStats
 from pagedllm.core.scheduler import SchedulerStats
+from pagedllm.core.spec_decode_stats import SpecDecodingStats
 from pagedllm.engine.engine_core import EngineCoreRequest
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
@@ -153,6 +154,8 @@ class IterationStats:
     num_eplb_rebalances: int = 0
     # The imbalance of the last EPLB rebalance when one happened in this iteration, else None.
     eplb_stats: EplbStats | None = None
+    # Drafts verified in this iteration (speculative decoding).
+    spec_decoding_stats: SpecDecodingStats = field(default_factory=SpecDecodingStats)
 
 
 class StatLogger(Protocol):
@@ -229,6 +232,7 @@ class AsyncLLM:
         # Engine-thread state.
         self._times: dict[str, _RequestTimes] = {}
         self._last_preemptions = 0
+        self._last_spec_decoding = SpecDecodingStats()
         self._last_prefix_queries = 0
         self._last_prefix_hits = 0
         self._last_eplb_rebalances = 0
@@ -609,6 +613,8 @@ class AsyncLLM:
         iteration.prefix_cache_queries = max(0, prefix.queries - self._last_prefix_queries)
         iteration.prefix_cache_hits = max(0, prefix.hits - self._last_prefix_hits)
         self._last_preemptions = stats.num_preemptions
+        iteration.spec_decoding_stats = stats.spec_decoding_stats.minus(self._last_spec_decoding)
+        self._last_spec_decoding = stats.spec_decoding_stats
         self._last_prefix_queries, self._last_prefix_hits = prefix.queries, prefix.hits
         eplb = self.engine.get_eplb_stats()
         if eplb is not None and eplb.num_rebalances != self._last_eplb_rebalances:

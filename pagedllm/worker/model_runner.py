@@ -64,6 +64,7 @@ from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec_decode.draft_model import DraftModelProposer
 from pagedllm.spec_decode.metadata import SpecDecodeMetadata, build_spec_decode_metadata
 from pagedllm.spec_decode.ngram import NgramProposer
+from pagedllm.spec_decode.suffix import SuffixDecodingProposer
 from pagedllm.structured_output.apply import apply_grammar_bitmask
 from pagedllm.worker.async_output import AsyncModelRunnerOutput, SampledTokens, start_host_copy
 from pagedllm.worker.cuda_graph import (CudaGraphInputBuffers, CudaGraphRunner,
@@ -134,11 +135,17 @@ class ModelRunner:
         self._unwritten_tokens: list[SampledTokens] = []
         self._last_sampled: SampledTokens | None = None
         self.spec_config = config.speculative_config
-        self.drafter: NgramProposer | DraftModelProposer | None = None
+        self.drafter: NgramProposer | DraftModelProposer | SuffixDecodingProposer | None = None
         if self.spec_config is not None and self.spec_config.method == "ngram":
             self.drafter = NgramProposer(self.spec_config.num_speculative_tokens,
                                          self.spec_config.prompt_lookup_min,
                                          self.spec_config.prompt_lookup_max)
+        if self.spec_config is not None and self.spec_config.method == "suffix":
+            sc = self.spec_config
+            self.drafter = SuffixDecodingProposer(
+                sc.num_speculative_tokens, sc.suffix_decoding_max_tree_depth,
+                sc.suffix_decoding_max_cached_requests, sc.suffix_decoding_max_spec_factor,
+                sc.suffix_decoding_min_token_prob)
 
     # ----------------------------------------------------------------- set-up
     def load_model(self) -> None:
@@ -296,6 +303,8 @@ class ModelRunner:
         self.sample_tokens()
         for r in reqs:
             self.states.remove_request(r.req_id)
+        if isinstance(self.drafter, SuffixDecodingProposer):
+            self.drafter.remove_requests(r.req_id for r in reqs)
         self.release_kv_cache()
         if self.eplb is not None:
             self.eplb.reset()
@@ -349,6 +358,8 @@ class ModelRunner:
         self._write_sampled_tokens()
         for req_id in so.finished_req_ids | so.preempted_req_ids:
             self._remove_request(req_id)
+        if isinstance(self.drafter, SuffixDecodingProposer):
+            self.drafter.stop_requests(so.finished_req_ids)
         for req in so.scheduled_new_reqs:
             idx = self.states.add_request(req)
             if req.lora_request is not None and self.lora_manager is not None:
@@ -745,6 +756,11 @@ class ModelRunner:
         if isinstance(self.drafter, NgramProposer):
             proposals = [self.drafter.propose_one(st.token_ids_cpu[r, :st.num_tokens[r]], int(m))
                          for r, m in zip(rows, max_drafts)]
+        elif isinstance(self.drafter, SuffixDecodingProposer):
+            proposals = self.drafter.propose(
+                [batch.req_ids[b] for b in batch_rows.tolist()],
+                [st.token_ids_cpu[r, :st.num_tokens[r]] for r in rows],
+                st.num_prompt_tokens[rows], max_drafts)
         else:
             last = st.num_tokens[rows] - 1
             proposals = self.drafter.propose(st.token_ids_cpu[rows, last], last,

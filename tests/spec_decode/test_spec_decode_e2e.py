@@ -31,12 +31,14 @@ def reference(target):
 def _spec(method, tiny_checkpoints, k=3):
     if method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3}
+    if method == "suffix":
+        return {"method": "suffix", "num_speculative_tokens": k}
     # A different tiny model with the same tokenizer: low acceptance, still exact output.
     return {"method": "draft_model", "num_speculative_tokens": k,
             "model": str(tiny_checkpoints["llama_mqa_tied_llama3"])}
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "suffix"])
 def test_greedy_unchanged_batched_chunked(target, reference, tiny_checkpoints, method):
     llm = LLM(target, dtype="float32", kv_cache_memory_bytes=8 << 20, max_num_batched_tokens=16,
               speculative_config=_spec(method, tiny_checkpoints))

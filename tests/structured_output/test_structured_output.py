@@ -99,10 +99,10 @@ def test_params_validation():
         SamplingParams(structured_outputs={"choice": []})
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "suffix"])
 def test_with_speculative_decoding(tiny_checkpoints, method):
     target = str(tiny_checkpoints["llama"])
-    spec = ({"method": "ngram", "num_speculative_tokens": 3} if method == "ngram" else
+    spec = ({"method": method, "num_speculative_tokens": 3} if method != "draft_model" else
             {"method": "draft_model", "model": target, "num_speculative_tokens": 3})
     llm = LLM(target, dtype="float32", kv_cache_memory_bytes=8 << 20, speculative_config=spec)
     # Repetitive prompts so the n-gram proposer drafts (and the grammar must trim them).

@@ -76,6 +76,16 @@ class PrometheusStatLogger:
                                       "Blocks dropped from the KV tier (LRU)."),
         }
         self._last_kv_connector: dict[int, dict[str, int]] = {}
+        self.spec_decode_num_drafts = counter("pagedllm:spec_decode_num_drafts",
+                                              "Requests' steps that verified draft tokens.")
+        self.spec_decode_num_draft_tokens = counter("pagedllm:spec_decode_num_draft_tokens",
+                                                    "Draft tokens verified.")
+        self.spec_decode_num_accepted_tokens = counter(
+            "pagedllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self.spec_decode_num_accepted_tokens_per_pos = Counter(
+            "pagedllm:spec_decode_num_accepted_tokens_per_pos",
+            "Drafts whose token at `position` (0 = the first draft) was accepted.",
+            ["model_name", "position"], registry=registry)
         self.time_to_first_token = histogram("pagedllm:time_to_first_token_seconds",
                                              "Arrival to first generated token.", _TTFT_BUCKETS)
         self.inter_token_latency = histogram("pagedllm:inter_token_latency_seconds",
@@ -130,6 +140,14 @@ class PrometheusStatLogger:
                 counter.inc(max(0, value - last.get(name, 0)))
                 last[name] = value
         self.eplb_rebalances.inc(iteration_stats.num_eplb_rebalances)
+        spec = iteration_stats.spec_decoding_stats
+        if spec.num_drafts:
+            self.spec_decode_num_drafts.inc(spec.num_drafts)
+            self.spec_decode_num_draft_tokens.inc(spec.num_draft_tokens)
+            self.spec_decode_num_accepted_tokens.inc(spec.num_accepted_tokens)
+            for position, n in enumerate(spec.num_accepted_tokens_per_pos):
+                self.spec_decode_num_accepted_tokens_per_pos.labels(
+                    self._model_name, str(position)).inc(n)
         eplb = iteration_stats.eplb_stats
         if eplb is not None:
             for layer, before, after in zip(eplb.layer_ids, eplb.imbalance_before,

@@ -1,0 +1,56 @@
+"""`pagedllm bench latency --workload agent --compare no-spec`: the agent workload and the same
+waves with and without speculative decoding in one run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pagedllm.assets import default_model_path
+from pagedllm.benchmarks.agent_workload import agent_prompts, make_agent_workload
+from tests.benchmarks.test_bench_smoke import KV_BYTES, _load, _run, preset_dir  # noqa: F401
+
+
+def test_agent_prompts_are_seeded_and_hold_the_text_to_repeat():
+    a, b = agent_prompts(4, seed=1), agent_prompts(4, seed=1)
+    assert a == b and a != agent_prompts(4, seed=2)
+    record = json.loads(a[0].split("\n\n", 1)[1])       # the JSON task's record parses
+    assert {"id", "name", "city", "age", "status", "tags"} <= set(record)
+    assert "```python\ndef update_" in a[1]
+
+
+def test_agent_workload_uses_the_chat_template():
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(default_model_path())
+    text = agent_prompts(1)[0]
+    tok.chat_template = None
+    assert make_agent_workload(tok, 1, 16)[0].prompt_token_ids == tok(text)["input_ids"]
+    tok.chat_template = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
+    (request,) = make_agent_workload(tok, 1, 16)
+    assert f"<<{text}>>" in tok.decode(request.prompt_token_ids)
+    assert request.output_len == 16
+    with pytest.raises(ValueError, match="num_prompts"):
+        make_agent_workload(tok, 0, 16)
+
+
+def test_latency_with_and_without_speculation(preset_dir: Path, tmp_path: Path):  # noqa: F811
+    out = tmp_path / "lat.json"
+    rc = _run(["bench", "latency", "--preset", "llama-tiny", "--preset-dir", str(preset_dir),
+               "--dtype", "float32", "--kv-cache-memory-bytes", KV_BYTES, "--workload", "agent",
+               "--output-len", "12", "--num-iters", "2", "--bandwidth-mib", "0",
+               "--speculative-config", '{"method": "suffix", "num_speculative_tokens": 4}',
+               "--compare", "no-spec", "--output-json", str(out)])
+    assert rc == 0
+    spec, plain = _load(out)
+    assert spec["speculative_config"]["method"] == "suffix" and plain["speculative_config"] is None
+    assert spec["num_output_tokens"] == plain["num_output_tokens"] == 24
+    assert spec["workload"] == "agent"
+    assert plain["tpot_speedup_of_spec"] == pytest.approx(plain["tpot_ms_mean"]
+                                                          / spec["tpot_ms_mean"])
+    assert "spec_decoding" not in plain
+    with pytest.raises(ValueError, match="no-spec"):
+        _run(["bench", "latency", "--preset", "llama-tiny", "--preset-dir", str(preset_dir),
+              "--compare", "no-spec"])
