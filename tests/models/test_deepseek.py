@@ -238,8 +238,8 @@ def test_unknown_topk_method_fails_at_load_naming_the_field(checkpoints, tmp_pat
 
 def test_latent_cache_bytes_per_token_equal_the_formula():
     """A latent layer holds kv_lora_rank + qk_rope_head_dim values per token; per-head K/V of
-    the same model (DeepSeek-V2-Lite: 16 heads of 192-value keys and 128-value values, 27
-    layers) would need 2 * H * (dn + dr) / ... far more: at least 5x the bytes per token."""
+    the same model (DeepSeek-V2-Lite: 27 layers, 16 heads of 192-value keys and 128-value
+    values) would need H * (dn + dr + dv) values: at least 5x the bytes per token (8.9x)."""
     block_size, num_layers = 16, 27
     kv_lora_rank, rope, heads, qk_head, v_head = 512, 64, 16, 192, 128
     layers = [MLAAttention(heads, kv_lora_rank, rope, qk_head ** -0.5, f"layer{i}")
@@ -347,3 +347,34 @@ def test_routing_rejects_bad_settings():
         DeepseekRouting(8, 2, "sigmoid", "noaux_tc", n_group=3, topk_group=1)
     with pytest.raises(ValueError, match="topk_group 5"):
         DeepseekRouting(8, 2, "softmax", "group_limited_greedy", n_group=4, topk_group=5)
+
+
+# ---------------------------------------------------------------------------------- parallel
+
+_PARALLEL_PARAMS = [SamplingParams(max_tokens=10, temperature=0.0)]
+
+
+@pytest.mark.slow
+def test_eplb_rebalancing_mid_run_changes_no_token(checkpoints):
+    """DeepSeek routing through the expert map: one process with 2 redundant experts and a
+    rebalance every 3 steps (experts change slots mid-run); same greedy tokens as without."""
+    from tests.distributed.common import run
+    path = checkpoints("v3")
+    eplb = dict(enable_expert_parallel=True, enable_eplb=True,
+                eplb_config={"window_size": 8, "step_interval": 3, "num_redundant_experts": 2})
+    assert run(path, _PARALLEL_PARAMS, **eplb) == run(path, _PARALLEL_PARAMS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant, parallel", [
+    ("v2_lite", dict(tensor_parallel_size=2)),
+    ("v3", dict(tensor_parallel_size=2, enable_expert_parallel=True)),
+    ("glm4_moe", dict(tensor_parallel_size=2)),
+])
+def test_parallel_matches_single_process(checkpoints, variant, parallel):
+    """tp=2 (two worker processes, gloo): MLA heads split, q_a / kv_a projections and the latent
+    cache replicated; experts sharded (or whole per rank with EP). Same greedy tokens."""
+    from tests.distributed.common import run
+    path = checkpoints(variant)
+    assert (run(path, _PARALLEL_PARAMS, distributed_executor_backend="mp", **parallel)
+            == run(path, _PARALLEL_PARAMS))
