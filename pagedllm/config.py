@@ -463,10 +463,11 @@ def _validate_parallel_layout(hf: dict[str, Any], pc: ParallelConfig) -> None:
         raise ValueError(f"tensor_parallel_size {tp} does not divide the model's "
                          f"intermediate_size {inter}")
     if pc.enable_expert_parallel:
-        experts = text.get("num_local_experts") or text.get("num_experts")
+        experts = (text.get("num_local_experts") or text.get("num_experts")
+                   or text.get("n_routed_experts"))   # (DeepSeek / GLM-4 MoE's name)
         if not experts:
             raise ValueError("enable_expert_parallel needs a mixture-of-experts model; the "
-                             "config has no num_local_experts / num_experts")
+                             "config has no num_local_experts / num_experts / n_routed_experts")
         physical = int(experts) + pc.eplb_config.num_redundant_experts
         if physical % tp:
             raise ValueError(f"tensor_parallel_size {tp} does not divide the {physical} physical "

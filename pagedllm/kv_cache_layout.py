@@ -20,8 +20,13 @@ after the K/V bytes, so that the tensor bound to the layer carries them wherever
   +-448 * scale are clamped (vLLM clamps too). They are stored, not hard-wired, so calibrated
   scales can be written later without touching the kernels.
 
-This module is the one place that knows the layout; the backends call `write_kv_cache`,
-`kv_cache_scales` and `dequantize_kv` and never index the allocation themselves.
+An MLA latent cache (attention/backends/mla_torch.py) is the same layout with one tensor instead
+of two and one "head" of kv_lora_rank + qk_rope_head_dim values: [1, num_blocks, block_size, 1,
+latent_size] (`num_kv` = 1 below), its int8 scales [1, num_blocks, block_size, 1] and fp8 scale [1].
+
+This module is the one place that knows the layout; the backends call `write_kv_cache` (or
+`write_cache_rows`), `kv_cache_scales` and `dequantize_kv` and never index the allocation
+themselves.
 """
 
 from __future__ import annotations
@@ -55,9 +60,9 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> tor
     return KV_CACHE_DTYPES[kv_cache_dtype]
 
 
-def _scale_shape(dtype: torch.dtype, num_blocks: int, block_size: int,
-                 num_kv_heads: int) -> tuple[int, ...]:
-    return (2, num_blocks, block_size, num_kv_heads) if dtype == torch.int8 else (2,)
+def _scale_shape(dtype: torch.dtype, num_blocks: int, block_size: int, num_kv_heads: int,
+                 num_kv: int = 2) -> tuple[int, ...]:
+    return (num_kv, num_blocks, block_size, num_kv_heads) if dtype == torch.int8 else (num_kv,)
 
 
 def _data_bytes_padded(numel: int) -> int:
@@ -65,28 +70,31 @@ def _data_bytes_padded(numel: int) -> int:
 
 
 def kv_cache_block_bytes(block_size: int, num_kv_heads: int, head_size: int,
-                         dtype: torch.dtype) -> int:
-    """Bytes of one block of one layer, K and V, scales included (int8: 4 bytes per token and KV
-    head; fp8's two per-tensor scales are per layer, not per block, and not counted)."""
+                         dtype: torch.dtype, num_kv: int = 2) -> int:
+    """Bytes of one block of one layer, K and V (`num_kv` = 2; 1 for an MLA latent cache),
+    scales included (int8: 4 bytes per token and KV head; fp8's per-tensor scales are per
+    layer, not per block, and not counted)."""
     elem = torch.empty((), dtype=dtype).element_size()
     per_token = num_kv_heads * head_size * elem
     if dtype == torch.int8:
         per_token += num_kv_heads * _SCALE_BYTES
-    return 2 * block_size * per_token
+    return num_kv * block_size * per_token
 
 
 def allocate_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
-                      dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """One layer's KV cache [2, num_blocks, block_size, num_kv_heads, head_size] in `dtype`;
-    for int8/fp8 with its scales after it (module docstring), all zero except fp8's scales
-    (1.0). The null block is zero either way."""
-    shape = (2, num_blocks, block_size, num_kv_heads, head_size)
+                      dtype: torch.dtype, device: torch.device,
+                      num_kv: int = 2) -> torch.Tensor:
+    """One layer's KV cache [num_kv, num_blocks, block_size, num_kv_heads, head_size] in
+    `dtype` (num_kv = 2: K and V; 1: an MLA latent cache); for int8/fp8 with its scales after
+    it (module docstring), all zero except fp8's scales (1.0). The null block is zero either
+    way."""
+    shape = (num_kv, num_blocks, block_size, num_kv_heads, head_size)
     if dtype not in KV_CACHE_DTYPES.values():
         cache = torch.empty(shape, dtype=dtype, device=device)
         cache[:, 0].zero_()
         return cache
-    numel = 2 * num_blocks * block_size * num_kv_heads * head_size
-    scale_shape = _scale_shape(dtype, num_blocks, block_size, num_kv_heads)
+    numel = num_kv * num_blocks * block_size * num_kv_heads * head_size
+    scale_shape = _scale_shape(dtype, num_blocks, block_size, num_kv_heads, num_kv)
     num_scales = 1
     for s in scale_shape:
         num_scales *= s
@@ -106,7 +114,8 @@ def kv_cache_scales(kv_cache: torch.Tensor) -> torch.Tensor:
             made by `allocate_kv_cache` (the whole tensor, not a slice of it).
 
     Returns:
-        int8: [2, num_blocks, block_size, num_kv_heads]; fp8: [2] = (k_scale, v_scale).
+        int8: [2, num_blocks, block_size, num_kv_heads]; fp8: [2] = (k_scale, v_scale)
+        (a latent cache: [1, ...] and [1]).
 
     Raises:
         ValueError: if the tensor is not a quantized cache made by `allocate_kv_cache`.
@@ -114,8 +123,8 @@ def kv_cache_scales(kv_cache: torch.Tensor) -> torch.Tensor:
     if not is_quantized_kv_cache(kv_cache) or kv_cache.dim() != 5:
         raise ValueError(f"kv_cache_scales: expected a 5-D int8/fp8 KV cache, got "
                          f"{tuple(kv_cache.shape)} {kv_cache.dtype}")
-    _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
-    scale_shape = _scale_shape(kv_cache.dtype, num_blocks, block_size, num_kv_heads)
+    num_kv, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
+    scale_shape = _scale_shape(kv_cache.dtype, num_blocks, block_size, num_kv_heads, num_kv)
     num_scales = 1
     for s in scale_shape:
         num_scales *= s
@@ -165,30 +174,40 @@ def write_kv_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         (key, value) as the cache now holds them, dequantized, in key's dtype ([n, KVH, D]); for an
         unquantized cache the inputs themselves (a float32 cache of bf16 inputs is not rounded).
     """
+    return (write_cache_rows(kv_cache, 0, key, slot_mapping),
+            write_cache_rows(kv_cache, 1, value, slot_mapping))
+
+
+def write_cache_rows(kv_cache: torch.Tensor, index: int, x: torch.Tensor,
+                     slot_mapping: torch.Tensor) -> torch.Tensor:
+    """Write new rows of K (index 0), V (1) or an MLA latent (0 of a one-tensor cache) into
+    their slots, quantizing for an int8/fp8 cache.
+
+    Args:
+        kv_cache: [num_kv, num_blocks, block_size, num_kv_heads, head_size], any cache dtype.
+        x: [n, num_kv_heads, head_size] for the n new tokens.
+        slot_mapping: [n] int64, block_id * block_size + offset.
+
+    Returns:
+        x as the cache now holds it, dequantized, in x's dtype; for an unquantized cache x
+        itself.
+    """
     num_kv_heads, head_size = kv_cache.shape[-2], kv_cache.shape[-1]
-    flat_k = kv_cache[0].view(-1, num_kv_heads, head_size)
-    flat_v = kv_cache[1].view(-1, num_kv_heads, head_size)
+    flat = kv_cache[index].view(-1, num_kv_heads, head_size)
     if not is_quantized_kv_cache(kv_cache):
-        flat_k.index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
-        flat_v.index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
-        return key, value
+        flat.index_copy_(0, slot_mapping, x.to(kv_cache.dtype))
+        return x
     scales = kv_cache_scales(kv_cache)
     if kv_cache.dtype == torch.int8:
-        flat_sk, flat_sv = scales[0].view(-1, num_kv_heads), scales[1].view(-1, num_kv_heads)
-        out = []
-        for x, flat, flat_s in ((key, flat_k, flat_sk), (value, flat_v, flat_sv)):
-            q, s = quantize_int8(x)
-            flat.index_copy_(0, slot_mapping, q)
-            flat_s.index_copy_(0, slot_mapping, s)
-            out.append((q.to(torch.float32) * s[..., None]).to(key.dtype))
-        return out[0], out[1]
-    k_scale, v_scale = scales.tolist()
-    qk, qv = quantize_fp8(key, k_scale), quantize_fp8(value, v_scale)
+        q, s = quantize_int8(x)
+        flat.index_copy_(0, slot_mapping, q)
+        scales[index].view(-1, num_kv_heads).index_copy_(0, slot_mapping, s)
+        return (q.to(torch.float32) * s[..., None]).to(x.dtype)
+    scale = float(scales[index])
+    q = quantize_fp8(x, scale)
     # NOTE(kv_quant): torch's CPU index ops do not take float8; the bytes are copied as uint8.
-    flat_k.view(torch.uint8).index_copy_(0, slot_mapping, qk.view(torch.uint8))
-    flat_v.view(torch.uint8).index_copy_(0, slot_mapping, qv.view(torch.uint8))
-    return ((qk.to(torch.float32) * k_scale).to(key.dtype),
-            (qv.to(torch.float32) * v_scale).to(key.dtype))
+    flat.view(torch.uint8).index_copy_(0, slot_mapping, q.view(torch.uint8))
+    return (q.to(torch.float32) * scale).to(x.dtype)
 
 
 def dequantize_kv(kv_cache: torch.Tensor, index: int, slots: torch.Tensor,
@@ -196,7 +215,7 @@ def dequantize_kv(kv_cache: torch.Tensor, index: int, slots: torch.Tensor,
     """Rows of K (index 0) or V (index 1) at `slots`, dequantized.
 
     Args:
-        kv_cache: [2, num_blocks, block_size, num_kv_heads, head_size], any cache dtype.
+        kv_cache: [num_kv, num_blocks, block_size, num_kv_heads, head_size], any cache dtype.
         slots: [m] int64 slot ids.
         dtype: the result's dtype.
 

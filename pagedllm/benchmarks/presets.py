@@ -1,4 +1,4 @@
-"""Named random-weight checkpoints (Llama, Mixtral) for benchmarks, built once into a cache folder.
+"""Named random-weight checkpoints (Llama, Mixtral, DeepSeek-V2) for benchmarks, built once into a cache folder.
 
 `preset_path(name, dtype)` returns `<root>/<name>-<dtype>/` (root: `$PAGEDLLM_PRESET_DIR` or
 `~/.cache/pagedllm/presets`), building it on first use with the transformers config and model
@@ -45,9 +45,31 @@ PRESETS: dict[str, dict[str, Any]] = {
                      "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
                      "intermediate_size": 96, "num_local_experts": 4, "num_experts_per_tok": 2,
                      "vocab_size": 1024},
+    # Issue #36: DeepSeek-V2-Lite's shape (MLA without q_lora, 64 routed + 2 shared experts,
+    # top-6, a dense first layer) scaled to hidden 512 and 8 layers: 199M parameters (154M in
+    # the routed experts), 2304 bytes of latent KV cache per token in bf16 (docs/mla.md).
+    "deepseek-v2-lite-200m": {"architecture": "DeepseekV2ForCausalLM", "hidden_size": 512,
+                              "num_hidden_layers": 8, "num_attention_heads": 8,
+                              "num_key_value_heads": 8, "q_lora_rank": None,
+                              "kv_lora_rank": 128, "qk_nope_head_dim": 32,
+                              "qk_rope_head_dim": 16, "v_head_dim": 32,
+                              "intermediate_size": 2048, "moe_intermediate_size": 224,
+                              "n_routed_experts": 64, "n_shared_experts": 2,
+                              "num_experts_per_tok": 6, "first_k_dense_replace": 1,
+                              "topk_method": "greedy", "vocab_size": 32000},
+    "deepseek-v2-lite-tiny": {"architecture": "DeepseekV2ForCausalLM", "hidden_size": 64,
+                              "num_hidden_layers": 2, "num_attention_heads": 4,
+                              "num_key_value_heads": 4, "q_lora_rank": None,
+                              "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+                              "qk_rope_head_dim": 8, "v_head_dim": 16,
+                              "intermediate_size": 128, "moe_intermediate_size": 32,
+                              "n_routed_experts": 8, "n_shared_experts": 2,
+                              "num_experts_per_tok": 3, "first_k_dense_replace": 1,
+                              "topk_method": "greedy", "vocab_size": 1024},
 }
 # HF `architectures` name -> its transformers config class.
-ARCHITECTURE_CONFIGS = {"LlamaForCausalLM": "LlamaConfig", "MixtralForCausalLM": "MixtralConfig"}
+ARCHITECTURE_CONFIGS = {"LlamaForCausalLM": "LlamaConfig", "MixtralForCausalLM": "MixtralConfig",
+                        "DeepseekV2ForCausalLM": "DeepseekV2Config"}
 _COMMON_CONFIG: dict[str, Any] = {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
                                   "tie_word_embeddings": False, "rope_theta": 10000.0}
 # Saved weight dtypes; "auto" and float16 requests save float32 (the engine casts on load).

@@ -18,7 +18,12 @@ type has one group and the whole budget.
 Admission: each group's spec answers how many blocks one request can hold at once
 (`KVCacheGroupSpec.max_num_blocks_per_request`); `KVCacheCapacity` asks every group, and both the
 front end's gate (engine/input_processor.py) and `Scheduler.add_request` refuse with its answer. A
-new group type (an MLA latent cache, a state cache) brings its own rule there, nothing else.
+new group type (a state cache) brings its own rule there, nothing else.
+
+MLA latent caches (DeepSeek-V2/V3, docs/mla.md) are full-attention groups here: one latent
+vector per position, so the same blocks per request, prefix hits and preemption; what differs is
+only the bytes per block (one [kv_lora_rank + qk_rope_head_dim] vector per token and layer
+instead of per-head K and V), a worker-side fact (`worker/kv_cache.py`) that sets num_blocks.
 """
 
 from __future__ import annotations

@@ -32,6 +32,9 @@ class Attention(nn.Module):
         ValueError: for a sliding_window < 1 or a logits_soft_cap <= 0.
     """
 
+    # Tensors of the layer's KV cache (K and V; an MLA layer's latent cache has one).
+    num_kv_tensors = 2
+
     def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float,
                  layer_name: str, sliding_window: int | None = None,
                  logits_soft_cap: float | None = None) -> None:

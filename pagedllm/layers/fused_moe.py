@@ -274,6 +274,21 @@ class FusedMoE(nn.Module):
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
+        return self.forward_routed(hidden, topk_weights, topk_ids)
+
+    def forward_routed(self, hidden: torch.Tensor, topk_weights: torch.Tensor,
+                       topk_ids: torch.Tensor) -> torch.Tensor:
+        """The experts over tokens already routed by the caller (a model's own router, e.g.
+        DeepSeek's group-limited one: layers/moe_routing.py).
+
+        Args:
+            hidden: [n, H].
+            topk_weights: [n, top_k] float32, each pair's weight as applied.
+            topk_ids: [n, top_k] int64 logical expert ids.
+
+        Returns:
+            [n, H] in hidden's dtype (all-reduced over TP ranks unless reduce_results is off).
+        """
         if self.expert_load is not None:
             self.expert_load += torch.bincount(topk_ids.flatten(), minlength=self.num_experts)
         out = fused_experts(hidden, self.w13_weight, self.w2_weight, topk_weights,

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from pagedllm.models.bert import BertForMaskedLM, BertModel
+from pagedllm.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from pagedllm.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from pagedllm.models.llama import (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
                                    Qwen3ForCausalLM)
+from pagedllm.models.glm4_moe import Glm4MoeForCausalLM
 from pagedllm.models.mixtral import MixtralForCausalLM
 from pagedllm.models.olmoe import OlmoeForCausalLM
 from pagedllm.models.phi3 import Phi3ForCausalLM
@@ -15,7 +17,9 @@ _MODELS = {cls.__name__: cls for cls in (LlamaForCausalLM, MistralForCausalLM, Q
                                          Qwen3ForCausalLM, Phi3ForCausalLM, Gemma2ForCausalLM,
                                          Gemma3ForCausalLM, BertModel, BertForMaskedLM,
                                          MixtralForCausalLM, Qwen2MoeForCausalLM,
-                                         Qwen3MoeForCausalLM, OlmoeForCausalLM)}
+                                         Qwen3MoeForCausalLM, OlmoeForCausalLM,
+                                         DeepseekV2ForCausalLM, DeepseekV3ForCausalLM,
+                                         Glm4MoeForCausalLM)}
 
 
 # GGUF `general.architecture` (llama.cpp's names) -> class.

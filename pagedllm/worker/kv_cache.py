@@ -3,6 +3,9 @@
     kv_cache (one per layer): [2, num_blocks, block_size, num_kv_heads, head_size]
                                K = [0], V = [1]; block 0 is the null block (kept zero).
 
+    MLA layers (layers/mla_attention.py): one latent tensor instead of K and V,
+    [1, num_blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim] (`num_kv_tensors` = 1).
+
 With several KV cache groups (core/kv_cache_groups.py) each layer's `num_blocks` is its group's.
 The cache dtype is the model's, or int8 / float8_e4m3fn (`kv_cache_dtype`), whose scales live in
 the same allocation after the K/V (layout in kv_cache_layout.py).
@@ -16,16 +19,32 @@ from pagedllm.kv_cache_layout import (allocate_kv_cache, kv_cache_block_bytes,
                                       resolve_kv_cache_dtype)
 from pagedllm.layers.attention import Attention
 
-__all__ = ["allocate_kv_caches", "kv_cache_bytes_per_block", "kv_cache_layer_groups",
-           "resolve_kv_cache_dtype"]
+__all__ = ["allocate_kv_caches", "describe_kv_bytes_per_token", "kv_cache_bytes_per_block",
+           "kv_cache_layer_groups", "resolve_kv_cache_dtype"]
 
 
 def kv_cache_bytes_per_block(layers: list[Attention], block_size: int,
                              dtype: torch.dtype) -> int:
     """Bytes of one block over all layers (K and V, and an int8 cache's per-token scales);
     `dtype` is the cache dtype (see `resolve_kv_cache_dtype`)."""
-    return sum(kv_cache_block_bytes(block_size, a.num_kv_heads, a.head_size, dtype)
+    return sum(kv_cache_block_bytes(block_size, a.num_kv_heads, a.head_size, dtype,
+                                    a.num_kv_tensors)
                for a in layers)
+
+
+def describe_kv_bytes_per_token(layers: list[Attention], dtype: torch.dtype) -> str:
+    """'N bytes per token' of the cache over `layers`, with the formula for MLA latent layers
+    ('= layers x (kv_lora_rank + qk_rope_head_dim) x bytes per value', + int8's 4-byte scale)."""
+    per_token = kv_cache_bytes_per_block(layers, 1, dtype)
+    text = f"{per_token} bytes per token"
+    latent = [a for a in layers if a.num_kv_tensors == 1]
+    if latent and len(latent) == len(layers) and len({a.head_size for a in latent}) == 1:
+        a = latent[0]
+        elem = torch.empty((), dtype=dtype).element_size()
+        scale = " + 4" if dtype == torch.int8 else ""
+        text += (f" = {len(layers)} MLA layers x ({a.kv_lora_rank} + {a.qk_rope_head_dim} latent "
+                 f"values x {elem} bytes{scale})")
+    return text
 
 
 def allocate_kv_caches(layers: list[Attention], num_blocks: int, block_size: int,
@@ -35,7 +54,7 @@ def allocate_kv_caches(layers: list[Attention], num_blocks: int, block_size: int
     caches = []
     for layer in layers:
         cache = allocate_kv_cache(num_blocks, block_size, layer.num_kv_heads, layer.head_size,
-                                  dtype, device)
+                                  dtype, device, layer.num_kv_tensors)
         layer.kv_cache = cache
         caches.append(cache)
     return caches

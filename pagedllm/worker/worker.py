@@ -23,8 +23,12 @@ from pagedllm.distributed.parallel_state import (destroy_model_parallel, get_pp_
 from pagedllm.layers.vocab_embedding import VocabEmbedding
 from pagedllm.platforms import current_platform
 from pagedllm.worker.async_output import AsyncModelRunnerOutput
+<<<<<<< HEAD
 from pagedllm.worker.kv_connector.base import (KVConnectorWorker, create_worker_connector,
                                                 load_before_forward, save_after_forward)
+=======
+from pagedllm.worker.kv_cache import describe_kv_bytes_per_token
+>>>>>>> h36
 from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.sleep_mode import SleepMode
 
@@ -121,11 +125,12 @@ class Worker:
         total_bytes = sum(g.num_blocks * b for g, b in zip(groups, group_bytes))
         # NOTE(reserved): the figure is the cache's size, set by the budget, not memory in use:
         # a small model's default budget reads like gigabytes used otherwise.
-        logger.info("KV cache: %s; %.1f MiB reserved (%s; blocks are filled as requests need "
-                    "them); attention backend %s",
+        logger.info("KV cache: %s; %.1f MiB reserved (%s, %s; blocks are filled as requests "
+                    "need them); attention backend %s",
                     "; ".join(_describe_group(g, cc.block_size) for g in groups),
                     total_bytes / 2**20,
                     str(runner.kv_cache_dtype).removeprefix("torch."),
+                    describe_kv_bytes_per_token(attn, runner.kv_cache_dtype),
                     attn[0].backend.name if attn else "-")
         return num_blocks
 
