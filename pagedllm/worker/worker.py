@@ -23,12 +23,9 @@ from pagedllm.distributed.parallel_state import (destroy_model_parallel, get_pp_
 from pagedllm.layers.vocab_embedding import VocabEmbedding
 from pagedllm.platforms import current_platform
 from pagedllm.worker.async_output import AsyncModelRunnerOutput
-<<<<<<< HEAD
+from pagedllm.worker.kv_cache import describe_kv_bytes_per_token
 from pagedllm.worker.kv_connector.base import (KVConnectorWorker, create_worker_connector,
                                                 load_before_forward, save_after_forward)
-=======
-from pagedllm.worker.kv_cache import describe_kv_bytes_per_token
->>>>>>> h36
 from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.sleep_mode import SleepMode
 
