@@ -110,25 +110,28 @@ class EngineCoreProc:
     def _process_inputs(self, block: bool) -> None:
         refused: list[EngineCoreOutput] = []
         timeout = _IDLE_POLL_MS if block else 0
+        aborted = False
         while self.inputs.poll(timeout):
             timeout = 0
-            self._handle(self.inputs.recv(copy=False).buffer, refused)
+            aborted |= self._handle(self.inputs.recv(copy=False).buffer, refused)
             if self._stopping:
                 return
         if block and os.getppid() != self.parent_pid:
             logger.error("the front end (pid %d) is gone; the engine core exits",
                          self.parent_pid)
             self._stopping = True
-        if refused:
+        if refused or (aborted and not self.core.has_unfinished_requests()):
+            # (With requests left, the next step's outputs carry the fresh stats.)
             self._send_outputs(refused)
 
-    def _handle(self, frame: memoryview, refused: list[EngineCoreOutput]) -> None:
+    def _handle(self, frame: memoryview, refused: list[EngineCoreOutput]) -> bool:
+        """Act on one input frame; True if it aborted requests."""
         try:
             msg = self.decoder.decode(frame)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             # Not a frame of ours: dropped, never interpreted further.
             logger.error("dropped an undecodable input frame (%d bytes): %s", len(frame), e)
-            return
+            return False
         if isinstance(msg, wire.AddRequest):
             try:
                 self.core.add_request(wire.request_from_wire(msg))
@@ -137,10 +140,12 @@ class EngineCoreProc:
                                                 error=f"refused by the engine core: {e}"))
         elif isinstance(msg, wire.AbortRequests):
             self.core.abort_requests(msg.request_ids)
+            return True
         elif isinstance(msg, wire.CallUtility):
             self.outputs.send(self.encoder.encode(self._call_utility(msg)))
         else:
             self._stopping = True
+        return False
 
     def _call_utility(self, msg: wire.CallUtility) -> wire.UtilityResult:
         try:
