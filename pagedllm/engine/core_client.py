@@ -106,7 +106,9 @@ class MPEngineCoreClient:
             args=(config, self.input_address, self.output_address, os.getpid()))
         self._proc.start()
         self.pid = self._proc.pid
-        self._finalizer = weakref.finalize(self, _release, self._proc, self._zmq, self._dir)
+        self._finalizer = weakref.finalize(self, _release, self._proc, self._inputs,
+                                           self._encoder.encode(wire.Shutdown()), self._zmq,
+                                           self._dir)
         self._poller = zmq.Poller()
         self._poller.register(self._outputs, zmq.POLLIN)
         self._poller.register(self._proc.sentinel, zmq.POLLIN)
@@ -211,11 +213,6 @@ class MPEngineCoreClient:
     def shutdown(self) -> None:
         """Stop the core process (gracefully, then by force) and free the sockets; idempotent."""
         if self._finalizer.alive:
-            if self._dead is None and self._proc.is_alive():
-                try:
-                    self._inputs.send(self._encoder.encode(wire.Shutdown()), zmq.NOBLOCK)
-                except zmq.ZMQError:
-                    pass
             self._dead = self._dead or EngineDeadError("the engine was shut down")
             self._finalizer()
 
@@ -274,8 +271,15 @@ class MPEngineCoreClient:
         self._finalizer()
 
 
-def _release(proc: mp.process.BaseProcess, ctx: zmq.Context, path: str) -> None:
-    """Stop `proc` (join, terminate, kill), close the sockets, remove the socket folder."""
+def _release(proc: mp.process.BaseProcess, inputs: zmq.Socket, shutdown_frame: bytes,
+             ctx: zmq.Context, path: str) -> None:
+    """Stop `proc` (ask it to shut down, then wait, terminate, kill), close the sockets, remove
+    the socket folder (also run at interpreter exit for a client never shut down)."""
+    if proc.is_alive():
+        try:
+            inputs.send(shutdown_frame, zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
     proc.join(_SHUTDOWN_GRACE_S)
     if proc.is_alive():
         proc.terminate()
