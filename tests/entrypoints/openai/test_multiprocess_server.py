@@ -72,9 +72,12 @@ def test_dp2_processes_match_single_replica(mp_server, tiny_llama):
 
 
 def test_sigkill_of_a_replica_fails_its_requests_and_exits_nonzero(tiny_llama):
+    """Two streams, one per replica (round robin); SIGKILL one replica's core process: its stream
+    ends with an error within seconds and the server exits with status 1."""
     port = free_port()
     cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--model", str(tiny_llama),
-           "--multiprocess-mode", "--data-parallel-size", "2", "--port", str(port),
+           "--multiprocess-mode", "--data-parallel-size", "2",
+           "--data-parallel-routing-policy", "round_robin", "--port", str(port),
            "--uvicorn-log-level", "warning", *ENGINE_FLAGS]
     proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
@@ -92,16 +95,17 @@ def test_sigkill_of_a_replica_fails_its_requests_and_exits_nonzero(tiny_llama):
         cores = _core_processes(proc.pid)
         assert len(cores) == 2
         body = {"prompt": "ROMEO:", "max_tokens": 1000, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
-            assert r.status_code == 200
-            lines = r.iter_lines()
-            next(lines)
-            for pid in cores:  # whichever replica serves it
-                os.kill(pid, signal.SIGKILL)
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as first, \
+                httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as second:
+            assert first.status_code == second.status_code == 200
+            streams = [first.iter_lines(), second.iter_lines()]
+            for lines in streams:
+                next(lines)
+            os.kill(min(cores), signal.SIGKILL)
             start = time.monotonic()
-            rest = list(lines)
+            rest = [list(lines) for lines in streams]
         assert time.monotonic() - start < 10
-        assert any('"error"' in line for line in rest), rest[-3:]
+        assert any('"error"' in line for lines in rest for line in lines), rest
         assert proc.wait(timeout=60) == 1
     finally:
         if proc.poll() is None:
