@@ -4,10 +4,12 @@ One background thread owns the engine and is the only thread that touches it: it
 (add, abort, reset, shutdown) from a thread-safe queue, runs `step()` while requests are unfinished,
 and hands each step's outputs to the event loop, where every request has its own asyncio.Queue.
 
-NOTE(async_llm): a thread is enough for now because the heavy work of a step (the model forward,
-sampling) is torch ops that release the GIL, so the event loop keeps serving HTTP while the engine
-computes. Moving the engine core into its own process (vLLM V1's EngineCoreClient over ZMQ) is
-future work; the command/output boundary here is the same one that split would cut along.
+NOTE(async_llm): in-process (the default), the thread runs the whole engine: the heavy work of a
+step (the model forward, sampling) is torch ops that release the GIL, so the event loop keeps
+serving HTTP while the engine computes. With `multiprocess_mode=True` the engine core (scheduler,
+executor, KV cache) runs in its own process (engine/core_client.py, vLLM V1's EngineCoreClient
+over ZeroMQ) and this thread only sends requests and turns the core's token deltas into outputs
+(detokenization, stop strings); a core process that dies fails every request at once.
 
 Admission: `add_request` validates the request completely on the caller's side (the
 `InputProcessor`: tokenization, every range and vocabulary check, grammar parsing) and returns only
@@ -38,6 +40,7 @@ from typing import Any, Protocol
 from pagedllm.core.sched_output import EplbStats
 from pagedllm.core.scheduler import SchedulerStats
 from pagedllm.core.spec_decode_stats import SpecDecodingStats
+from pagedllm.engine.core_client import EngineDeadError
 from pagedllm.engine.engine_core import EngineCoreRequest
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
@@ -47,10 +50,6 @@ from pagedllm.platforms import current_platform
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop stopped (an exception, or shutdown); no request can be served any more."""
 
 
 class RequestFailedError(RuntimeError):
@@ -202,6 +201,8 @@ class _PauseCommand:
 PAUSE_MODES = ("abort", "wait", "keep")
 
 _SHUTDOWN = object()
+# Seconds between liveness checks of the engine core while the engine thread waits idle.
+_HEALTH_CHECK_S = 0.5
 
 
 class AsyncLLM:
@@ -494,9 +495,14 @@ class AsyncLLM:
         aborted = IterationStats()
         while True:
             try:
-                command = self._commands.get(block=block)
+                command = self._commands.get(block=block,
+                                             timeout=_HEALTH_CHECK_S if block else None)
             except queue.Empty:
-                break
+                if not block:
+                    break
+                # Idle: a dead engine-core process must fail /health without a request.
+                self.engine.check_health()
+                continue
             block = False
             if command is _SHUTDOWN:
                 return None

@@ -6,13 +6,17 @@ prompt's prefix in its KV cache, unless it is overloaded, else the one with the 
 in flight); a request stays on its replica until it finishes. It offers the subset of AsyncLLM's
 interface the server uses, so `build_app` serves either.
 
-Replicas live in this process: torch releases the GIL inside its kernels, so their steps overlap
-on different cores. Replicas in their own processes (or machines) are future work.
+By default the replicas live in this process: torch releases the GIL inside its kernels, so
+their steps overlap on different cores. With `multiprocess_mode=True` each replica's engine core
+runs in its own process (engine/core_client.py; started together), while their front ends
+(tokenization, detokenization, routing) stay here. Replicas on other machines (Ray) are future
+work.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -56,8 +60,23 @@ class DataParallelAsyncLLM:
         if data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
         router = make_router(routing_policy, engine_args.get("block_size", 16))
-        return cls([AsyncLLM.from_engine_args(model, stat_loggers=stat_loggers(i), **engine_args)
-                    for i in range(data_parallel_size)], router)
+
+        def build(i: int) -> AsyncLLM:
+            return AsyncLLM.from_engine_args(model, stat_loggers=stat_loggers(i), **engine_args)
+
+        if not engine_args.get("multiprocess_mode"):
+            return cls([build(i) for i in range(data_parallel_size)], router)
+        # Each replica's core loads in its own process: start them all at once.
+        with concurrent.futures.ThreadPoolExecutor(data_parallel_size) as pool:
+            futures = [pool.submit(build, i) for i in range(data_parallel_size)]
+            concurrent.futures.wait(futures)
+        replicas = [f.result() for f in futures if f.exception() is None]
+        for f in futures:
+            if f.exception() is not None:
+                for replica in replicas:
+                    replica.shutdown()
+                raise f.exception()
+        return cls(replicas, router)
 
     @property
     def dead_error(self) -> EngineDeadError | None:

@@ -216,6 +216,21 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
 
+    def get_num_unfinished_requests(self) -> int:
+        return self.scheduler.get_num_unfinished_requests()
+
+    def check_health(self) -> None:
+        """In this process the core lives as long as its caller (the multiprocess client's
+        raises EngineDeadError when its process died)."""
+
+    def call_utility(self, method: str, *args):
+        """`self.<method>(*args)`: the uniform way to call an engine-core method through any
+        client (core_client.py); `method` must be public."""
+        if method.startswith("_"):
+            raise AttributeError(f"{method!r} is private; only public engine-core methods are "
+                                 f"called")
+        return getattr(self, method)(*args)
+
     def reset_prefix_cache(self) -> int:
         return self.scheduler.reset_prefix_cache()
 

@@ -19,7 +19,8 @@ from pagedllm.config import EngineConfig, create_engine_config
 from pagedllm.hf_config import hf_model_info
 from pagedllm.core.sched_output import EngineCoreOutput, EplbStats
 from pagedllm.core.scheduler import SchedulerStats
-from pagedllm.engine.engine_core import EngineCore, EngineCoreRequest
+from pagedllm.engine.core_client import make_engine_core_client
+from pagedllm.engine.engine_core import EngineCoreRequest
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.output_processor import OutputProcessor, ParentRequest
 from pagedllm.logger import init_logger
@@ -52,9 +53,11 @@ class LLMEngine:
 
     Args:
         config: a validated `EngineConfig` (see `from_engine_args` for flat arguments).
+        multiprocess_mode: run the engine core (scheduler, executor, KV cache) in its own
+            process behind `MPEngineCoreClient` (engine/core_client.py) instead of in this one.
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, multiprocess_mode: bool = False) -> None:
         start = time.perf_counter()
         init_logger()
         # Every PAGEDLLM_* variable, read and validated once for this engine (pagedllm/envs.py).
@@ -67,7 +70,7 @@ class LLMEngine:
                                         config.model_config.chat_template)
         eos_ids = info.eos_token_ids or ((self.tokenizer.eos_token_id,)
                                          if self.tokenizer.eos_token_id is not None else ())
-        self.engine_core = EngineCore(config)
+        self.engine_core = make_engine_core_client(config, multiprocess_mode)
         self.input_processor = InputProcessor(
             self.tokenizer, config.max_model_len, info.vocab_size, tuple(eos_ids),
             config.request_limits,
@@ -100,8 +103,9 @@ class LLMEngine:
                     config.cache_config.block_size)
 
     @classmethod
-    def from_engine_args(cls, model: str, **kwargs: Any) -> LLMEngine:
-        return cls(create_engine_config(model, **kwargs))
+    def from_engine_args(cls, model: str, multiprocess_mode: bool = False,
+                         **kwargs: Any) -> LLMEngine:
+        return cls(create_engine_config(model, **kwargs), multiprocess_mode)
 
     def next_request_id(self) -> str:
         return str(next(self._ids))
@@ -199,7 +203,11 @@ class LLMEngine:
         return self.engine_core.has_unfinished_requests()
 
     def get_num_unfinished_requests(self) -> int:
-        return self.engine_core.scheduler.get_num_unfinished_requests()
+        return self.engine_core.get_num_unfinished_requests()
+
+    def check_health(self) -> None:
+        """Raises EngineDeadError if the engine core's process died (multiprocess mode)."""
+        self.engine_core.check_health()
 
     def reset_prefix_cache(self) -> int:
         return self.engine_core.reset_prefix_cache()

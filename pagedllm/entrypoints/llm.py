@@ -94,10 +94,12 @@ class LLM:
             ("MEAN" | "CLS" | "LAST") and `normalize`, the model's pooling defaults.
         runner: "generate", "pooling" (embeddings, `embed`; docs/embeddings.md) or "auto"
             (pooling for architectures without an LM head, e.g. BertModel).
+        multiprocess_mode: run the engine core in its own process (engine/core_client.py;
+            default False: in this process, as vLLM's LLM). Not with runner="pooling".
     """
 
     def __init__(self, model: str | None = None, runner: str = "auto",
-                 **engine_args: Any) -> None:
+                 multiprocess_mode: bool = False, **engine_args: Any) -> None:
         if model is None:
             from pagedllm.assets import default_model_path
             model = default_model_path()
@@ -107,6 +109,8 @@ class LLM:
             runner = "pooling" if is_pooling_model(model, engine_args.get("revision")) \
                 else "generate"
         self.runner = runner
+        if runner == "pooling" and multiprocess_mode:
+            raise ValueError("multiprocess_mode is not supported with runner='pooling'")
         if runner == "pooling":
             self.llm_engine = PoolingEngine.from_engine_args(model, **engine_args)
         else:
@@ -115,7 +119,8 @@ class LLM:
             if unknown:
                 raise TypeError(f"LLM() got unknown engine arguments {unknown}; the engine "
                                 f"arguments are those of pagedllm.config.create_engine_config")
-            self.llm_engine = LLMEngine.from_engine_args(model, **engine_args)
+            self.llm_engine = LLMEngine.from_engine_args(model, multiprocess_mode,
+                                                         **engine_args)
             defaults = self.llm_engine.config.default_sampling_params
             if defaults:
                 logger.info("Using default sampling params from model generation config: %s "

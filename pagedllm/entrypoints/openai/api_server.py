@@ -383,6 +383,7 @@ def run_server(model: str, engine_kwargs: dict[str, Any], host: str = "127.0.0.1
                log_level: str = "info", runner: str = "auto",
                data_parallel_size: int = 1,
                data_parallel_routing_policy: str = "prefix_aware",
+               multiprocess_mode: bool = False,
                max_request_body_bytes: int = MAX_REQUEST_BODY_BYTES,
                tool_call_parser: str | None = None,
                enable_auto_tool_choice: bool = False,
@@ -403,6 +404,7 @@ def run_server(model: str, engine_kwargs: dict[str, Any], host: str = "127.0.0.1
             "auto" (pooling for architectures without an LM head).
         data_parallel_size: engine replicas behind this server (see engine/dp_async_llm.py).
         data_parallel_routing_policy: how a request picks its replica (engine/dp_router.py).
+        multiprocess_mode: each engine core in its own process (engine/core_client.py).
         max_request_body_bytes: larger request bodies get 413.
         tool_call_parser, enable_auto_tool_choice, trust_request_chat_template: see
             `ServingChat` (the reasoning parser is the engine argument `reasoning_parser`).
@@ -422,6 +424,8 @@ def run_server(model: str, engine_kwargs: dict[str, Any], host: str = "127.0.0.1
     async_llm = None
     if runner == "pooling" and data_parallel_size > 1:
         raise ValueError("--data-parallel-size > 1 is not supported with --runner pooling")
+    if runner == "pooling" and multiprocess_mode:
+        raise ValueError("--multiprocess-mode is not supported with --runner pooling")
     if runner == "pooling":
         from pagedllm.entrypoints.openai.embedding_server import build_embedding_app
         app = build_embedding_app(PoolingEngine.from_engine_args(model, **engine_kwargs), names,
@@ -435,6 +439,8 @@ def run_server(model: str, engine_kwargs: dict[str, Any], host: str = "127.0.0.1
             logger.warning("%s; /v1/chat/completions will answer 400, completions work",
                            no_chat_template_message(model))
         metrics = PrometheusStatLogger(names[0])
+        if multiprocess_mode:
+            engine_kwargs = {**engine_kwargs, "multiprocess_mode": True}
         if data_parallel_size > 1:
             async_llm = DataParallelAsyncLLM.from_engine_args(
                 model, data_parallel_size, stat_loggers=lambda i: [metrics.for_engine(i)],

@@ -80,6 +80,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    help="how a request picks its replica: prefix_aware (the replica its prompt's "
                         "prefix went to, unless overloaded), least_loaded (fewest requests in "
                         "flight) or round_robin")
+    g.add_argument("--multiprocess-mode", action=argparse.BooleanOptionalAction, default=False,
+                   help="run each engine core (scheduler, executor, KV cache) in its own "
+                        "process, talking to this server over ZeroMQ IPC sockets (default off: "
+                        "one process; docs/distributed.md)")
     g.add_argument("--runner", default="auto", choices=["auto", "generate", "pooling"],
                    help="pooling: serve /v1/embeddings (docs/embeddings.md); auto: pooling for "
                         "models without an LM head (e.g. BertModel)")
@@ -179,7 +183,7 @@ def check_serve_args(args: argparse.Namespace) -> None:
 
     Raises:
         ValueError: a pooling-only flag without --runner pooling, --data-parallel-size > 1
-            with --runner pooling, or a --host/--port the server cannot listen on.
+            or --multiprocess-mode with --runner pooling, or a --host/--port the server cannot listen on.
         FileNotFoundError: --model or --tokenizer is a path but not a folder.
     """
     for key in ("pooling_type", "normalize"):
@@ -187,6 +191,8 @@ def check_serve_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--{key.replace('_', '-')} needs --runner pooling")
     if args.runner == "pooling" and args.data_parallel_size > 1:
         raise ValueError("--data-parallel-size > 1 is not supported with --runner pooling")
+    if args.runner == "pooling" and args.multiprocess_mode:
+        raise ValueError("--multiprocess-mode is not supported with --runner pooling")
     if (args.lora_modules or args.allow_runtime_lora_updating) and not args.enable_lora:
         raise ValueError("--lora-modules and --allow-runtime-lora-updating need --enable-lora")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
@@ -218,6 +224,7 @@ def run_serve(args: argparse.Namespace) -> int:
                       served_model_names=names, log_level=args.uvicorn_log_level,
                       runner=args.runner, data_parallel_size=args.data_parallel_size,
                       data_parallel_routing_policy=args.data_parallel_routing_policy,
+                      multiprocess_mode=args.multiprocess_mode,
                       max_request_body_bytes=args.max_request_body_bytes,
                       tool_call_parser=args.tool_call_parser,
                       enable_auto_tool_choice=args.enable_auto_tool_choice,

@@ -1,0 +1,312 @@
+"""The front end's handle on the engine core: in this process, or in its own (vLLM V1's
+EngineCoreClient with `multiprocess_mode`).
+
+`make_engine_core_client(config, multiprocess_mode)` returns
+- `multiprocess_mode=False`: the `EngineCore` itself (vLLM's InprocClient; today's behaviour and
+  the default of `LLM` and the server);
+- `multiprocess_mode=True`: an `MPEngineCoreClient`, with the same methods, whose core runs in a
+  spawned process (core_proc.py) behind two ZeroMQ IPC sockets, so tokenization,
+  detokenization, HTTP and JSON in the front end no longer compete with scheduling for one GIL.
+
+Any public method of `EngineCore` is reachable through the client as a *utility call*
+(`client.reset_prefix_cache()` is `client.call_utility("reset_prefix_cache")`): a method added to
+the engine core needs no transport code, provided its arguments and result are plain data or the
+engine's plain dataclasses (core_serial.py converts them by the method's annotations).
+
+Liveness: the client watches the core's process sentinel together with the output socket, so
+`step()` and utility calls raise `EngineDeadError` within a poll interval of the process dying
+(SIGKILL included); `check_health()` asks the same of an idle front end.
+"""
+
+from __future__ import annotations
+
+import builtins
+import functools
+import itertools
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import tempfile
+import typing
+import weakref
+from typing import Any
+
+import msgspec
+import zmq
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.sched_output import EngineCoreOutput, EplbStats
+from pagedllm.core.scheduler import SchedulerStats
+from pagedllm.engine import core_serial as wire
+from pagedllm.engine.core_proc import run_engine_core
+from pagedllm.engine.engine_core import EngineCore, EngineCoreRequest
+from pagedllm.executor.multiproc import check_main_reimportable
+
+logger = logging.getLogger(__name__)
+
+# Milliseconds `step()` waits for the core's next outputs before it returns none (the caller,
+# e.g. AsyncLLM's loop, then takes new commands and calls again).
+_STEP_POLL_MS = 5
+# Seconds the core process gets to load the model and report Ready.
+_START_TIMEOUT_S = 600.0
+# Seconds the core process gets to exit after Shutdown before it is terminated, then killed.
+_SHUTDOWN_GRACE_S = 10.0
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped (an exception, shutdown, or its process died); no request can be
+    served any more."""
+
+
+def make_engine_core_client(config: EngineConfig, multiprocess_mode: bool = False):
+    """The engine core for a front end: `EngineCore(config)` in this process, or an
+    `MPEngineCoreClient(config)` serving it from its own process (see the module docstring).
+
+    Raises:
+        whatever building the core raises (in multiprocess mode, RuntimeError with the core's
+        start-up error, or EngineDeadError if its process died while starting).
+    """
+    return MPEngineCoreClient(config) if multiprocess_mode else EngineCore(config)
+
+
+class MPEngineCoreClient:
+    """`EngineCore`'s interface, served by a core in its own process (single-threaded use: one
+    thread at a time calls it, as `LLMEngine` and `AsyncLLM`'s engine thread do).
+
+    Args:
+        config: validated engine config (sent to the child at spawn).
+        start_timeout_s: how long the core may take to report Ready.
+
+    Attributes:
+        num_blocks, kv_cache_capacity: as `EngineCore`'s (reported by the core at start).
+        eplb_stats: the last EPLB rebalance the core reported (None: none yet).
+        pid: the core process's id.
+    """
+
+    def __init__(self, config: EngineConfig, start_timeout_s: float = _START_TIMEOUT_S) -> None:
+        self.config = config
+        check_main_reimportable("spawn")
+        self._dir = tempfile.mkdtemp(prefix="pagedllm-core-")  # mode 0700: this user only
+        self._zmq = zmq.Context()
+        self._inputs = self._zmq.socket(zmq.PUSH)
+        self._outputs = self._zmq.socket(zmq.PULL)
+        for sock in (self._inputs, self._outputs):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.RCVHWM, 0)
+        self.input_address = f"ipc://{self._dir}/input"
+        self.output_address = f"ipc://{self._dir}/output"
+        self._inputs.bind(self.input_address)
+        self._outputs.bind(self.output_address)
+        self._encoder = wire.make_encoder()
+        self._decoder = wire.make_output_decoder()
+        self._proc = mp.get_context("spawn").Process(
+            target=run_engine_core, name="pagedllm-engine-core",
+            args=(config, self.input_address, self.output_address, os.getpid()))
+        self._proc.start()
+        self.pid = self._proc.pid
+        self._finalizer = weakref.finalize(self, _release, self._proc, self._inputs,
+                                           self._encoder.encode(wire.Shutdown()), self._zmq,
+                                           self._dir)
+        self._poller = zmq.Poller()
+        self._poller.register(self._outputs, zmq.POLLIN)
+        self._poller.register(self._proc.sentinel, zmq.POLLIN)
+        self._dead: EngineDeadError | None = None
+        self._unfinished: set[str] = set()
+        self._pending: list[EngineCoreOutput] = []
+        self._results: dict[int, wire.UtilityResult] = {}
+        self._call_ids = itertools.count()
+        self._ready: wire.Ready | None = None
+        self._stats: SchedulerStats | None = None
+        self.eplb_stats: EplbStats | None = None
+        try:
+            self._wait_ready(start_timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.num_blocks = self._ready.num_blocks
+        self.kv_cache_capacity = self._ready.kv_cache_capacity
+        self._stats = self.call_utility("get_stats")
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        remaining_ms = int(timeout_s * 1000)
+        while self._ready is None:
+            if remaining_ms <= 0:
+                raise RuntimeError(f"the engine-core process did not start within "
+                                   f"{timeout_s:.0f} s")
+            self._receive(min(remaining_ms, 1000))
+            remaining_ms -= 1000
+
+    # ------------------------------------------------------------ EngineCore's interface
+
+    def add_request(self, req: EngineCoreRequest) -> None:
+        """Queue a request in the core (fire and forget: a refusal by the core's own guard
+        comes back as an "error" output of that request).
+
+        Raises:
+            ValueError: the request cannot cross processes (logits processors).
+            EngineDeadError: the core is dead.
+        """
+        self._send(wire.request_to_wire(req))
+        self._unfinished.add(req.request_id)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if self._dead is not None:
+            return
+        self._unfinished.difference_update(request_ids)
+        self._send(wire.AbortRequests(list(request_ids)))
+
+    def step(self) -> list[EngineCoreOutput]:
+        """The outputs the core sent since the last call; waits up to a few milliseconds for
+        some when none are there (may return [] while requests are unfinished).
+
+        Raises:
+            EngineDeadError: the core failed or its process died.
+        """
+        if not self._pending:
+            self._receive(_STEP_POLL_MS)
+        outputs, self._pending = self._pending, []
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._unfinished) or bool(self._pending)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._unfinished)
+
+    def get_stats(self) -> SchedulerStats:
+        """The scheduler's stats as of the core's last step (sent with its outputs)."""
+        return self._stats
+
+    def check_health(self) -> None:
+        """Raises EngineDeadError if the core failed or its process died."""
+        if self._dead is None:
+            self._receive(0)
+        if self._dead is not None:
+            raise self._dead
+
+    def call_utility(self, method: str, *args: Any) -> Any:
+        """Call `EngineCore.<method>(*args)` in the core process and return its result
+        (converted to the method's annotated return type).
+
+        Raises:
+            the method's own exception type when it is a builtin one (ValueError, ...), else
+            RuntimeError, with the core's message; EngineDeadError if the core is dead.
+        """
+        call_id = next(self._call_ids)
+        self._send(wire.CallUtility(call_id, method, list(args)))
+        while call_id not in self._results:
+            self._receive(1000)
+        result = self._results.pop(call_id)
+        if result.error is not None:
+            raise _rebuild_error(result.error)
+        return _convert_result(method, result.result)
+
+    def __getattr__(self, name: str) -> Any:
+        # Public methods of EngineCore that the client does not define itself: utility calls.
+        if not name.startswith("_") and callable(getattr(EngineCore, name, None)):
+            return functools.partial(self.call_utility, name)
+        raise AttributeError(f"{name!r} is not available with the engine core in its own "
+                             f"process (only EngineCore's public methods are)")
+
+    def shutdown(self) -> None:
+        """Stop the core process (gracefully, then by force) and free the sockets; idempotent."""
+        if self._finalizer.alive:
+            self._dead = self._dead or EngineDeadError("the engine was shut down")
+            self._finalizer()
+
+    # ------------------------------------------------------------ transport
+
+    def _send(self, msg: Any) -> None:
+        if self._dead is not None:
+            raise self._dead
+        self._inputs.send(self._encoder.encode(msg), copy=False)
+
+    def _receive(self, timeout_ms: int) -> None:
+        """Handle every frame waiting (after waiting up to `timeout_ms` for the first)."""
+        if self._dead is not None:
+            raise self._dead
+        events = dict(self._poller.poll(timeout_ms))
+        if self._outputs in events:
+            while True:
+                try:
+                    frame = self._outputs.recv(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                self._handle(frame.buffer)
+        if self._dead is None and self._proc.sentinel in events:
+            self._proc.join(1.0)
+            self._dead = EngineDeadError(f"the engine-core process (pid {self.pid}) died "
+                                         f"(exit code {self._proc.exitcode})")
+        if self._dead is not None:
+            logger.error("%s", self._dead)
+            self._fail_pending()
+            raise self._dead
+
+    def _handle(self, frame: memoryview) -> None:
+        try:
+            msg = self._decoder.decode(frame)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            logger.error("dropped an undecodable frame from the engine core socket (%d bytes): "
+                         "%s", len(frame), e)
+            return
+        if isinstance(msg, wire.StepOutputs):
+            self._pending.extend(msg.outputs)
+            self._unfinished.difference_update(o.request_id for o in msg.outputs if o.finished)
+            self._stats = msg.stats
+            if msg.eplb_stats is not None:
+                self.eplb_stats = msg.eplb_stats
+        elif isinstance(msg, wire.UtilityResult):
+            self._results[msg.call_id] = msg
+        elif isinstance(msg, wire.Ready):
+            self._ready = msg
+        else:
+            self._dead = EngineDeadError(msg.message)
+
+    def _fail_pending(self) -> None:
+        """Hand the unfinished requests' callers nothing more: the raise that follows fails
+        them (LLMEngine / AsyncLLM); forget them so nothing waits on them."""
+        self._unfinished.clear()
+        self._finalizer()
+
+
+def _release(proc: mp.process.BaseProcess, inputs: zmq.Socket, shutdown_frame: bytes,
+             ctx: zmq.Context, path: str) -> None:
+    """Stop `proc` (ask it to shut down, then wait, terminate, kill), close the sockets, remove
+    the socket folder (also run at interpreter exit for a client never shut down)."""
+    if proc.is_alive():
+        try:
+            inputs.send(shutdown_frame, zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+    proc.join(_SHUTDOWN_GRACE_S)
+    if proc.is_alive():
+        proc.terminate()
+        proc.join(_SHUTDOWN_GRACE_S)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+    ctx.destroy(linger=0)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _rebuild_error(error: str) -> Exception:
+    """The core's "TypeName: message" as an exception of that builtin type (else RuntimeError)."""
+    name, _, message = error.partition(": ")
+    cls = getattr(builtins, name, None)
+    if isinstance(cls, type) and issubclass(cls, Exception):
+        return cls(message)
+    return RuntimeError(error)
+
+
+def _convert_result(method: str, value: Any) -> Any:
+    """`value` as `EngineCore.<method>`'s annotated return type (as it arrived if the
+    annotation cannot be resolved)."""
+    try:
+        hint = typing.get_type_hints(getattr(EngineCore, method)).get("return")
+    except (AttributeError, NameError, TypeError):
+        return value
+    if hint is None or hint is type(None):
+        return value
+    return msgspec.convert(value, hint, strict=False)

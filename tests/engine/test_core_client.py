@@ -1,0 +1,227 @@
+"""The engine core in its own process (multiprocess_mode): the same outputs as in-process, per-request
+errors stay per request, utility calls, bytes from a socket never run code, and a SIGKILLed core
+fails what is pending at once.
+
+One core process serves the whole module (start-up is the slow part); the last test kills it, so
+it must stay last in this file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pickle
+import signal
+import stat
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+import zmq
+
+from pagedllm import SamplingParams
+from pagedllm.engine import core_serial as wire
+from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError
+from pagedllm.engine.core_client import MPEngineCoreClient
+from pagedllm.engine.core_proc import EngineCoreProc
+from pagedllm.engine.engine_core import EngineCoreRequest
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.sampling_params import RequestOutputKind
+
+ENGINE_KWARGS = {"dtype": "float32", "kv_cache_memory_bytes": 16_000_000, "seed": 0}
+PROMPTS = [f"Prompt {i}: the quick brown fox" + " jumps" * (i % 4) for i in range(5)]
+
+
+@pytest.fixture(scope="module")
+def mp_engine(tiny_llama: Path):
+    engine = LLMEngine.from_engine_args(str(tiny_llama), multiprocess_mode=True, **ENGINE_KWARGS)
+    yield engine
+    engine.engine_core.shutdown()
+
+
+@pytest.fixture(scope="module")
+def inproc_engine(tiny_llama: Path):
+    engine = LLMEngine.from_engine_args(str(tiny_llama), **ENGINE_KWARGS)
+    yield engine
+    engine.engine_core.shutdown()
+
+
+def _run(engine: LLMEngine, requests: dict[str, tuple[str, SamplingParams]]) -> dict:
+    for request_id, (prompt, params) in requests.items():
+        engine.add_request(request_id, prompt, params)
+    finished = {}
+    deadline = time.monotonic() + 60
+    while engine.has_unfinished_requests():
+        assert time.monotonic() < deadline, "requests did not finish"
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    return {request_id: [(c.token_ids, c.text, c.finish_reason,
+                          [{t: round(lp.logprob, 5) for t, lp in d.items()}
+                           for d in c.logprobs or []]) for c in out.outputs]
+            for request_id, out in finished.items()}
+
+
+def _requests() -> dict[str, tuple[str, SamplingParams]]:
+    requests = {f"greedy{i}": (p, SamplingParams(temperature=0.0, max_tokens=10, logprobs=2))
+                for i, p in enumerate(PROMPTS)}
+    requests["seeded_n2"] = (PROMPTS[0], SamplingParams(temperature=1.0, top_p=0.9, seed=7,
+                                                        n=2, max_tokens=10))
+    requests["stop"] = (PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=20,
+                                                   stop=["e"], stop_token_ids=[3]))
+    requests["penalties"] = (PROMPTS[2], SamplingParams(
+        temperature=0.8, seed=1, max_tokens=10, repetition_penalty=1.3, logit_bias={5: 3.0},
+        bad_words=["ab"]))
+    requests["choice"] = (PROMPTS[3], SamplingParams(
+        temperature=0.0, max_tokens=10, structured_outputs={"choice": ["yes", "no"]}))
+    return requests
+
+
+def test_outputs_equal_in_process(mp_engine: LLMEngine, inproc_engine: LLMEngine) -> None:
+    assert isinstance(mp_engine.engine_core, MPEngineCoreClient)
+    expected = _run(inproc_engine, _requests())
+    got = _run(mp_engine, _requests())
+    assert got == expected
+    assert got["choice"][0][1] in ("yes", "no")
+    assert len(got["seeded_n2"]) == 2 and got["seeded_n2"][0] != got["seeded_n2"][1]
+    assert mp_engine.get_num_unfinished_requests() == 0
+    stats = mp_engine.get_stats()
+    assert stats.num_running_reqs == 0 and stats.prefix_cache_stats.requests > 0
+
+
+def test_abort_and_errors_stay_per_request(mp_engine: LLMEngine) -> None:
+    long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    mp_engine.add_request("long", PROMPTS[0], long)
+    mp_engine.add_request("short", PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=4))
+    with pytest.raises(ValueError, match="vocabulary"):
+        mp_engine.add_request("bad", {"prompt_token_ids": [10**9]}, long)
+    with pytest.raises(ValueError, match="logits_processors"):
+        mp_engine.add_request("callable", PROMPTS[2], SamplingParams(
+            logits_processors=[lambda ids, logits: logits]))
+    while not any(out.request_id == "long" for out in mp_engine.step()):
+        pass
+    mp_engine.abort_request("long")
+    finished = {}
+    while mp_engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in mp_engine.step() if o.finished})
+    assert list(finished) == ["short"] and len(finished["short"].outputs[0].token_ids) == 4
+    # The abort freed the core's request (a utility call is ordered after the abort).
+    assert mp_engine.engine_core.call_utility("get_stats").num_running_reqs == 0
+
+    # The core's own guard refuses a request that slipped past the front end's checks (here a
+    # priority under fcfs) alone, as an "error" output; the request beside it completes.
+    client = mp_engine.engine_core
+    good = mp_engine.input_processor.process("ok", PROMPTS[3], SamplingParams(
+        temperature=0.0, max_tokens=3))[0]
+    client.add_request(EngineCoreRequest("prio", good.prompt_token_ids, good.sampling_params,
+                                         3, priority=5))
+    client.add_request(good)
+    outputs = []
+    while client.has_unfinished_requests():
+        outputs += client.step()
+    errors = [o for o in outputs if o.finish_reason == "error"]
+    assert [o.request_id for o in errors] == ["prio"] and "priority" in errors[0].error
+    assert sum(len(o.new_token_ids) for o in outputs if o.request_id == "ok") == 3
+
+
+def test_utility_calls_are_generic(mp_engine: LLMEngine) -> None:
+    client = mp_engine.engine_core
+    assert client.reset_prefix_cache() >= 0          # a public EngineCore method, forwarded
+    assert client.call_utility("get_num_unfinished_requests") == 0
+    stats = client.call_utility("get_stats")
+    assert stats.num_blocks == client.num_blocks    # converted back to SchedulerStats
+    with pytest.raises(AttributeError, match="private"):
+        client.call_utility("_update", None, None)
+    with pytest.raises(AttributeError, match="no method"):
+        client.call_utility("no_such_method")
+    with pytest.raises(AttributeError, match="not available"):
+        client.scheduler  # noqa: B018 - the core's internals stay in its process
+    with pytest.raises(TypeError):
+        client.call_utility("reset_prefix_cache", 1, 2)
+    assert client.reset_prefix_cache() >= 0          # still serving
+
+
+class _RunsCode:
+    """Unpickling this would create `path`."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_socket_bytes_never_run_code(mp_engine: LLMEngine, inproc_engine: LLMEngine,
+                                     tmp_path: Path) -> None:
+    client = mp_engine.engine_core
+    marker = tmp_path / "pwned"
+    payload = pickle.dumps(_RunsCode(str(marker)))
+    # IPC sockets only, in a folder only this user may enter; the core process listens on none.
+    for address in (client.input_address, client.output_address):
+        assert address.startswith("ipc://")
+        folder = Path(address[len("ipc://"):]).parent
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    for decoder in (wire.make_input_decoder(), wire.make_output_decoder()):
+        for frame in (payload, b"\x00\xff garbage", msgspec.msgpack.encode(["add", 1])):
+            with pytest.raises((msgspec.DecodeError, msgspec.ValidationError)):
+                decoder.decode(frame)
+    # A peer that reaches the front end's listening socket: its frames are dropped.
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.connect(client.output_address)
+    sock.send(payload)
+    sock.send(b"\x93\xa6result")
+    sock.close(linger=1000)
+    ctx.term()
+    # The core's side of the loop drops such frames too (checked on an in-process core).
+    proc = EngineCoreProc(inproc_engine.engine_core, None, None, os.getpid())
+    refused: list = []
+    proc._handle(memoryview(payload), refused)
+    assert not refused and not proc._stopping
+    result = proc._call_utility(wire.CallUtility(0, "__class__", []))
+    assert result.error is not None and "private" in result.error
+    out = _run(mp_engine, {"after": (PROMPTS[0], SamplingParams(temperature=0.0,
+                                                                max_tokens=3))})
+    assert len(out["after"][0][0]) == 3
+    assert not marker.exists()
+
+
+def test_async_streaming_abort_and_sigkill(mp_engine: LLMEngine,
+                                           inproc_engine: LLMEngine) -> None:
+    """Must run last: it shuts the module's core down (by killing it)."""
+    params = SamplingParams(temperature=0.0, max_tokens=8, output_kind=RequestOutputKind.DELTA)
+    expected = _run(inproc_engine, {"s": (PROMPTS[4], SamplingParams(temperature=0.0,
+                                                                     max_tokens=8))})
+    async_llm = AsyncLLM(mp_engine)
+    dead: list[BaseException] = []
+
+    async def run():
+        async_llm.on_dead(dead.append)
+        deltas = [out.outputs[0].token_ids async for out in
+                  async_llm.generate(PROMPTS[4], params, "stream")]
+        assert [t for d in deltas for t in d] == expected["s"][0][0] and len(deltas) > 1
+        # Abort by closing the stream after its first output.
+        stream = await async_llm.add_request("abort", PROMPTS[0], SamplingParams(
+            temperature=0.0, max_tokens=500, ignore_eos=True))
+        await stream.__anext__()
+        stream.close()
+        # A pending request when the core process is SIGKILLed: fails at once.
+        stream = await async_llm.add_request("killed", PROMPTS[1], SamplingParams(
+            temperature=0.0, max_tokens=1000, ignore_eos=True))
+        await stream.__anext__()
+        os.kill(mp_engine.engine_core.pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(EngineDeadError, match="died"):
+            async for _ in stream:
+                pass
+        assert time.monotonic() - start < 5
+        with pytest.raises(EngineDeadError):
+            await async_llm.add_request("late", PROMPTS[2], params)
+        await asyncio.sleep(0.1)  # the on_dead callbacks run on the loop
+
+    try:
+        asyncio.run(asyncio.wait_for(run(), 60))
+    finally:
+        async_llm.shutdown()
+    assert dead and async_llm.dead_error is not None  # what /health reports
