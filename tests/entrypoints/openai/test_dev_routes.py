@@ -114,6 +114,7 @@ def test_pause_modes(server):
     thread, result = _in_thread(lambda: _complete(client, max_tokens=40))
     _wait_running(async_llm)
     assert client.post("/pause?mode=wait").status_code == 200
+    thread.join(30)   # (the engine finished it; its response may still be on its way)
     assert result["r"].json()["choices"][0]["finish_reason"] == "length"
     assert client.post("/resume").status_code == 200
     assert client.get("/is_paused").json() == {"is_paused": False}
