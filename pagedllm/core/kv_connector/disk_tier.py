@@ -88,6 +88,7 @@ class DiskTierIndex:
         self.layouts = layouts
         self.capacity_bytes = capacity_bytes
         self._sizes: OrderedDict[bytes, int] = OrderedDict()
+        self._checked: set[bytes] = set()   # blocks whose files passed `check`
         self.used_bytes = 0
         found = []
         for path in self.directory.glob(f"*.r0{SUFFIX}"):
@@ -120,7 +121,11 @@ class DiskTierIndex:
         return self._evict_over_budget(pinned | {block_hash})
 
     def check(self, block_hash: bytes) -> bool:
-        """Whether every rank's file of the block is intact (else the block is dropped)."""
+        """Whether every rank's file of the block is intact (else the block is dropped). A
+        block that passed once is not read again (a request waiting for device blocks asks at
+        every step); the worker still checks the header and size when it loads."""
+        if block_hash in self._checked:
+            return True
         for rank, layout in enumerate(self.layouts):
             try:
                 data = block_file(self.directory, block_hash, rank).read_bytes()
@@ -131,9 +136,11 @@ class DiskTierIndex:
                                "from another model; treated as a miss", block_hash.hex(), rank)
                 self.remove(block_hash)
                 return False
+        self._checked.add(block_hash)
         return True
 
     def remove(self, block_hash: bytes) -> None:
+        self._checked.discard(block_hash)
         size = self._sizes.pop(block_hash, None)
         if size is not None:
             self.used_bytes -= size
