@@ -116,3 +116,19 @@ def _second_round(path, tier: dict) -> tuple[list, list[int]]:
 
 def _first_block_hash(tokens: list[int]) -> bytes:
     return hash_block_tokens(NONE_HASH, tokens[:16])
+
+
+@pytest.mark.slow
+def test_tp2_tier_same_tokens(tiny_llama, without_tier, tmp_path):
+    """tp=2 (mp workers): each rank keeps its shard's host tier and disk files, the scheduler
+    side one index; the tokens equal the single-process engine's without a tier."""
+    want, _ = without_tier
+    llm = LLM(str(tiny_llama), **ENGINE, kv_offloading_size=0.0001,
+              kv_offloading_dir=str(tmp_path / "kv"), tensor_parallel_size=2,
+              distributed_executor_backend="mp")
+    try:
+        got, cached = _run(llm)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    assert got == want and cached == [64] * 24
+    assert {p.name.split(".")[1] for p in (tmp_path / "kv").iterdir()} == {"r0", "r1"}
