@@ -670,10 +670,11 @@ def resolve_chat_template(value: str | None) -> str | None:
 
 
 def _kv_transfer_config(config: dict[str, Any] | KVTransferConfig | None,
-                        kv_offloading_size: float | None,
+                        kv_offloading_size: float | None, kv_offloading_dir: str | None,
                         enable_prefix_caching: bool) -> KVTransferConfig | None:
     """The engine's KV connector: `config` as given, or for `kv_offloading_size` (GiB, vLLM's
-    `--kv-offloading-size`) the OffloadingConnector with that host tier.
+    `--kv-offloading-size`) the OffloadingConnector with that host tier (and a disk tier in
+    `kv_offloading_dir`).
 
     Raises:
         ValueError: both given, a bad size, a connector that needs prefix caching without it,
@@ -686,8 +687,12 @@ def _kv_transfer_config(config: dict[str, Any] | KVTransferConfig | None,
             raise ValueError("give kv_offloading_size or kv_transfer_config, not both")
         if not kv_offloading_size > 0:
             raise ValueError(f"kv_offloading_size must be > 0 GiB, got {kv_offloading_size!r}")
-        config = KVTransferConfig("OffloadingConnector", "kv_both",
-                                  {"kv_offloading_size": float(kv_offloading_size)})
+        extra: dict[str, Any] = {"kv_offloading_size": float(kv_offloading_size)}
+        if kv_offloading_dir is not None:
+            extra["kv_offloading_dir"] = str(kv_offloading_dir)
+        config = KVTransferConfig("OffloadingConnector", "kv_both", extra)
+    elif kv_offloading_dir is not None:
+        raise ValueError("kv_offloading_dir needs kv_offloading_size (the host tier it backs)")
     if config is not None and config.kv_connector == "OffloadingConnector" \
             and not enable_prefix_caching:
         raise ValueError("the OffloadingConnector keys blocks by their prefix hashes: it needs "
@@ -732,7 +737,8 @@ def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str
                          enable_lora: bool = False, max_loras: int = 1,
                          max_lora_rank: int = 16, max_cpu_loras: int | None = None,
                          kv_transfer_config: dict[str, Any] | KVTransferConfig | None = None,
-                         kv_offloading_size: float | None = None
+                         kv_offloading_size: float | None = None,
+                         kv_offloading_dir: str | None = None
                          ) -> EngineConfig:
     """Build and validate an `EngineConfig` from flat engine arguments (vLLM's names).
 
@@ -833,7 +839,7 @@ def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str
         default_sampling_params=get_diff_sampling_param(model_config, model_path),
         lora_config=lora_config,
         kv_transfer_config=_kv_transfer_config(kv_transfer_config, kv_offloading_size,
-                                               enable_prefix_caching),
+                                               kv_offloading_dir, enable_prefix_caching),
     )
 
 

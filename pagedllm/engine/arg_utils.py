@@ -179,6 +179,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-offloading-size", type=float, default=None, metavar="GiB",
                    help="a host-memory tier of this many GiB for the prefix cache (the "
                         "OffloadingConnector; docs/kv_connectors.md)")
+    g.add_argument("--kv-offloading-dir", default=None, metavar="DIR",
+                   help="a disk tier below the host tier (--kv-offloading-size): block files "
+                        "kept across restarts (docs/kv_connectors.md)")
     g.add_argument("--enable-lora", action="store_true",
                    help="serve LoRA adapters (PEFT format) on the base model (docs/lora.md)")
     g.add_argument("--max-loras", type=bounded_int(1), default=1,
@@ -202,6 +205,7 @@ _ENGINE_KEYS = ("tokenizer", "chat_template", "dtype", "quantization", "max_mode
                 "num_scheduler_steps", "scheduling_policy", "generation_config",
                 "override_generation_config", "batch_invariant", "enable_sleep_mode",
                 "cpu_threads_bind", "kv_transfer_config", "kv_offloading_size",
+                "kv_offloading_dir",
                 "cpu_reserved_cores", "enable_lora", "max_loras", "max_lora_rank",
                 "max_cpu_loras")
 

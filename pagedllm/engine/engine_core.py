@@ -114,11 +114,12 @@ class EngineCore:
             raise ValueError(f"kv_transfer_config: {config.kv_connector} supports models with "
                              "one full-attention KV cache group only (this one has "
                              "sliding-window layers)")
-        num_tier_blocks = min(self.executor.collective_rpc("init_kv_connector"))
-        logger.info("KV connector %s (%s): a tier of %d blocks", config.kv_connector,
-                    config.kv_role, num_tier_blocks)
-        return create_scheduler_connector(config, self.config.cache_config.block_size,
-                                          num_tier_blocks)
+        infos = self.executor.collective_rpc("init_kv_connector")
+        logger.info("KV connector %s (%s): a host tier of %d blocks%s", config.kv_connector,
+                    config.kv_role, min(i["num_tier_blocks"] for i in infos),
+                    f", a disk tier in {config.kv_connector_extra_config['kv_offloading_dir']}"
+                    if config.kv_connector_extra_config.get("kv_offloading_dir") else "")
+        return create_scheduler_connector(config, self.config.cache_config.block_size, infos)
 
     def add_request(self, req: EngineCoreRequest) -> None:
         """Queue a request.

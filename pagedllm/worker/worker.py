@@ -25,7 +25,8 @@ from pagedllm.platforms import current_platform
 from pagedllm.worker.async_output import AsyncModelRunnerOutput
 from pagedllm.worker.kv_cache import describe_kv_bytes_per_token
 from pagedllm.worker.kv_connector.base import (KVConnectorWorker, create_worker_connector,
-                                                load_before_forward, save_after_forward)
+                                                load_before_forward, model_fingerprint,
+                                                save_after_forward)
 from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.sleep_mode import SleepMode
 
@@ -182,14 +183,15 @@ class Worker:
         """Drop a staged weight update."""
         self.sleep_mode.discard()
 
-    def init_kv_connector(self) -> int:
+    def init_kv_connector(self) -> dict:
         """Create the KV connector's worker side (`kv_transfer_config`) over the allocated KV
-        cache; returns the blocks its tier holds on this rank."""
+        cache; returns what the scheduler side needs of this rank (`KVConnectorWorker.info`)."""
         runner = self.model_runner
         self.kv_connector = create_worker_connector(
             self.config.kv_transfer_config, runner.kv_caches_by_layer(),
-            runner.kv_cache_bytes_per_block(), self.device)
-        return self.kv_connector.num_tier_blocks()
+            runner.kv_cache_bytes_per_block(), self.device, self.rank,
+            model_fingerprint(self.config.model_path))
+        return self.kv_connector.info()
 
     def execute_model(self, scheduler_output: SchedulerOutput,
                       grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:

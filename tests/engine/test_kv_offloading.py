@@ -1,7 +1,9 @@
 """The OffloadingConnector end to end on a tiny Llama: 12 distinct 64-token prefixes against a
 device cache of 23 blocks (368 tokens) do not fit, so their second use hits the host tier;
 greedy and seeded tokens equal those of an engine without the tier, the hits show as cached
-tokens, and a weight update forgets the tier (its KV belongs to the old weights)."""
+tokens and in /metrics, and a weight update forgets the tier (its KV belongs to the old
+weights). With a disk tier below a small host tier, evicted prefixes come back from disk, a
+restarted engine hits the files of the old one, and bad files are misses."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ import random
 import pytest
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.core.kv_cache_utils import NONE_HASH, hash_block_tokens
+from pagedllm.core.kv_connector.disk_tier import block_file, encode_block_file
 from pagedllm.engine.async_llm import IterationStats
 from pagedllm.entrypoints.openai.metrics import PrometheusStatLogger
 
@@ -70,3 +74,61 @@ def test_tier_config_errors(tiny_llama):
     with pytest.raises(ValueError, match="kv_offloading_size must be"):
         LLM(str(tiny_llama), **ENGINE, kv_transfer_config={
             "kv_connector": "OffloadingConnector"})
+
+
+def test_disk_tier_survives_restart_and_refuses_bad_files(tiny_llama, without_tier, tmp_path):
+    """A host tier of ~13 blocks over a disk tier: the prefixes the host tier evicted come back
+    from disk; a new engine on the same folder hits the files of the old one; a corrupt, a
+    truncated and a foreign (another model's layout) file are misses, the tokens unchanged."""
+    want, _ = without_tier
+    tier = dict(kv_offloading_size=0.0001, kv_offloading_dir=str(tmp_path / "kv"))
+    llm = LLM(str(tiny_llama), **ENGINE, **tier)
+    got, cached = _run(llm)
+    assert got == want and cached == [64] * 24
+    assert llm.llm_engine.engine_core.scheduler.kv_connector.stats().disk_loaded_blocks > 0
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+
+    files = sorted((tmp_path / "kv").glob("*.r0.kv"))
+    assert len(files) >= 12 * 4
+    assert _second_round(tiny_llama, tier) == (want[1], [64] * 12)   # every prefix from disk
+
+    # The first block of prefixes 0, 1, 2: one byte flipped, truncated, another layout.
+    first_blocks = [_first_block_hash(p) for p in PREFIXES[:3]]
+    paths = [block_file(tmp_path / "kv", h, 0) for h in first_blocks]
+    data = bytearray(paths[0].read_bytes())
+    data[-1] ^= 0xFF
+    paths[0].write_bytes(bytes(data))
+    paths[1].write_bytes(paths[1].read_bytes()[:-10])
+    paths[2].write_bytes(encode_block_file(first_blocks[2], "another model", b"\0" * 8192))
+    assert _second_round(tiny_llama, tier) == (want[1], [0, 0, 0] + [64] * 9)
+
+
+def _second_round(path, tier: dict) -> tuple[list, list[int]]:
+    """A new engine's greedy tokens and cached tokens of SECOND."""
+    llm = LLM(str(path), **ENGINE, **tier)
+    try:
+        outs = llm.generate(SECOND, PARAMS[0], use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs], [o.num_cached_tokens for o in outs]
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
+def _first_block_hash(tokens: list[int]) -> bytes:
+    return hash_block_tokens(NONE_HASH, tokens[:16])
+
+
+@pytest.mark.slow
+def test_tp2_tier_same_tokens(tiny_llama, without_tier, tmp_path):
+    """tp=2 (mp workers): each rank keeps its shard's host tier and disk files, the scheduler
+    side one index; the tokens equal the single-process engine's without a tier."""
+    want, _ = without_tier
+    llm = LLM(str(tiny_llama), **ENGINE, kv_offloading_size=0.0001,
+              kv_offloading_dir=str(tmp_path / "kv"), tensor_parallel_size=2,
+              distributed_executor_backend="mp")
+    try:
+        got, cached = _run(llm)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    assert got == want and cached == [64] * 24
+    assert {p.name.split(".")[1] for p in (tmp_path / "kv").iterdir()} == {"r0", "r1"}

@@ -35,6 +35,8 @@ class KVConnectorStats:
     evicted_blocks: int = 0    # blocks dropped from the tier (LRU)
     queries: int = 0           # blocks looked up after the device cache missed
     hits: int = 0              # of those, found
+    disk_loaded_blocks: int = 0    # of `loaded_blocks`, read from the disk tier
+    disk_stored_blocks: int = 0    # blocks written to the disk tier
 
 
 class KVConnectorScheduler(Protocol):

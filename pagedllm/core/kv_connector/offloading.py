@@ -20,19 +20,27 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from pagedllm.core.kv_connector.base import KVConnectorStats
+from pagedllm.core.kv_connector.disk_tier import DiskTierIndex
 from pagedllm.core.request import Request
 from pagedllm.core.sched_output import SchedulerOutput
 
 
 @dataclass
 class OffloadingMetadata:
-    """One step's transfers: device block `load_block_ids[i]` <- tier slot `load_slots[i]`
-    before the forward; tier slot `store_slots[i]` <- device block `store_block_ids[i]` after."""
+    """One step's transfers: device block `load_block_ids[i]` <- host slot `load_slots[i]`
+    before the forward; host slot `store_slots[i]` <- device block `store_block_ids[i]` after;
+    the same with the disk tier's files, named by hash."""
 
     load_block_ids: list[int] = field(default_factory=list)
     load_slots: list[int] = field(default_factory=list)
     store_block_ids: list[int] = field(default_factory=list)
     store_slots: list[int] = field(default_factory=list)
+    # The disk tier (disk_tier.py): device block <- the block file of a hash before the
+    # forward; the block file of a hash <- device block after it.
+    disk_load_block_ids: list[int] = field(default_factory=list)
+    disk_load_hashes: list[bytes] = field(default_factory=list)
+    disk_store_block_ids: list[int] = field(default_factory=list)
+    disk_store_hashes: list[bytes] = field(default_factory=list)
 
 
 @dataclass
@@ -50,10 +58,17 @@ class OffloadingConnectorScheduler:
         num_slots: blocks the tier holds (the workers size it from the GiB budget).
         kv_role: "kv_both" (store and load), "kv_producer" (store only) or "kv_consumer"
             (load only).
+        disk: the disk tier's index (None: no disk tier); every stored block is also written
+            there (write-through), and a block missing from host memory is looked up there.
+        disk_block_bytes: one block's files over all ranks.
     """
 
-    def __init__(self, block_size: int, num_slots: int, kv_role: str = "kv_both") -> None:
+    def __init__(self, block_size: int, num_slots: int, kv_role: str = "kv_both",
+                 disk: DiskTierIndex | None = None, disk_block_bytes: int = 0) -> None:
         self.block_size = block_size
+        self.disk = disk
+        self.disk_block_bytes = disk_block_bytes
+        self._disk_pinned: set[bytes] = set()
         self.num_slots = num_slots
         self.loads_enabled = kv_role in ("kv_both", "kv_consumer")
         self.stores_enabled = kv_role in ("kv_both", "kv_producer")
@@ -73,10 +88,15 @@ class OffloadingConnectorScheduler:
         start = num_computed_tokens // self.block_size
         end = min((request.num_tokens - 1) // self.block_size, len(request.block_hashes))
         n = 0
-        while start + n < end and request.block_hashes[start + n] in self._slot_of:
+        while start + n < end and self._in_a_tier(request.block_hashes[start + n]):
             n += 1
         self._matched[request.request_id] = (start, max(end - start, 0))
         return n * self.block_size
+
+    def _in_a_tier(self, block_hash: bytes) -> bool:
+        """In host memory, or on disk with every rank's file intact (checked now)."""
+        return block_hash in self._slot_of or (
+            self.disk is not None and block_hash in self.disk and self.disk.check(block_hash))
 
     def update_state_after_alloc(self, request: Request, block_ids: list[int],
                                  num_external_tokens: int) -> None:
@@ -87,7 +107,13 @@ class OffloadingConnectorScheduler:
         self._stats.hits += n
         for i in range(start, start + n):
             block_hash = request.block_hashes[i]
-            slot = self._slot_of[block_hash]
+            slot = self._slot_of.get(block_hash)
+            if slot is None:   # (matched on disk)
+                self.disk.touch(block_hash)
+                self._disk_pinned.add(block_hash)
+                self._loads.disk_load_block_ids.append(block_ids[i])
+                self._loads.disk_load_hashes.append(block_hash)
+                continue
             self._slot_of.move_to_end(block_hash)
             self._loads.load_block_ids.append(block_ids[i])
             self._loads.load_slots.append(slot)
@@ -95,7 +121,8 @@ class OffloadingConnectorScheduler:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OffloadingMetadata:
         meta, self._loads = self._loads, OffloadingMetadata()
-        self._stats.loaded_blocks += len(meta.load_slots)
+        self._stats.loaded_blocks += len(meta.load_slots) + len(meta.disk_load_hashes)
+        self._stats.disk_loaded_blocks += len(meta.disk_load_hashes)
         for new in scheduler_output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
             if state is not None:
@@ -111,6 +138,7 @@ class OffloadingConnectorScheduler:
                 if state is not None:
                     self._store_full_blocks(state, meta)
         self._pinned = set()
+        self._disk_pinned = set()
         return meta
 
     def _store_full_blocks(self, state: _RequestState, meta: OffloadingMetadata) -> None:
@@ -120,6 +148,16 @@ class OffloadingConnectorScheduler:
                        len(request.block_hashes), len(state.block_ids))
         for i in range(state.num_stored, num_full):
             block_hash = request.block_hashes[i]
+            if self.disk is not None:
+                if block_hash in self.disk:
+                    self.disk.touch(block_hash)
+                else:
+                    self._disk_pinned.add(block_hash)
+                    self._stats.evicted_blocks += self.disk.add(
+                        block_hash, self.disk_block_bytes, self._disk_pinned)
+                    meta.disk_store_block_ids.append(state.block_ids[i])
+                    meta.disk_store_hashes.append(block_hash)
+                    self._stats.disk_stored_blocks += 1
             if block_hash in self._slot_of:
                 self._slot_of.move_to_end(block_hash)
             else:
@@ -156,6 +194,9 @@ class OffloadingConnectorScheduler:
             state.num_stored = 0
         self._loads = OffloadingMetadata()
         self._pinned = set()
+        self._disk_pinned = set()
+        if self.disk is not None:
+            self.disk.clear()
 
     def stats(self) -> KVConnectorStats:
         return KVConnectorStats(**vars(self._stats))

@@ -73,7 +73,12 @@ class PrometheusStatLogger:
             "stored_blocks": counter("pagedllm:kv_offload_stored_blocks",
                                      "Blocks written to the KV tier."),
             "evicted_blocks": counter("pagedllm:kv_offload_evicted_blocks",
-                                      "Blocks dropped from the KV tier (LRU)."),
+                                      "Blocks dropped from the KV tiers (LRU)."),
+            "disk_loaded_blocks": counter("pagedllm:kv_offload_disk_loaded_blocks",
+                                          "Of the loaded blocks, those read from the disk "
+                                          "tier."),
+            "disk_stored_blocks": counter("pagedllm:kv_offload_disk_stored_blocks",
+                                          "Blocks written to the disk tier."),
         }
         self._last_kv_connector: dict[int, dict[str, int]] = {}
         self.spec_decode_num_drafts = counter("pagedllm:spec_decode_num_drafts",

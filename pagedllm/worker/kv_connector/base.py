@@ -21,6 +21,8 @@ scheduling of the next step.
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -49,8 +51,10 @@ class KVConnectorWorker(Protocol):
         """(requests whose saves finished, requests whose loads finished) since the last call:
         empty for a synchronous connector."""
 
-    def num_tier_blocks(self) -> int:
-        """Blocks the connector's tier holds on this rank (0: it has none)."""
+    def info(self) -> dict:
+        """What the scheduler side needs of this rank (plain data): "num_tier_blocks" (blocks
+        its host tier holds), and with a disk tier "layout" (the string its files carry) and
+        "block_bytes" (one block's file)."""
 
 
 def load_before_forward(connector: KVConnectorWorker, metadata: object,
@@ -70,10 +74,26 @@ def save_after_forward(connector: KVConnectorWorker, kv_caches: dict[str, torch.
     connector.clear_connector_metadata()
 
 
+def model_fingerprint(model_path: str) -> str:
+    """A short digest of a checkpoint folder's identity (its config.json and the names, sizes
+    and modification times of its weight files): stored KV of another model never matches."""
+    folder = Path(model_path)
+    h = hashlib.sha256()
+    config = folder / "config.json"
+    if config.is_file():
+        h.update(config.read_bytes())
+    for path in sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.gguf")):
+        stat = path.stat()
+        h.update(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    return h.hexdigest()[:16]
+
+
 def create_worker_connector(config, kv_caches: dict[str, torch.Tensor], bytes_per_block: int,
-                            device: torch.device) -> KVConnectorWorker:
+                            device: torch.device, rank: int = 0,
+                            fingerprint: str = "") -> KVConnectorWorker:
     """The worker side of `config` (a `KVTransferConfig`) over this rank's KV tensors
-    (`bytes_per_block`: one block over all of them).
+    (`bytes_per_block`: one block over all of them) on global rank `rank`; `fingerprint`
+    identifies the model's weights (`model_fingerprint`) in stored files.
 
     Raises:
         ValueError: an unknown connector, or settings it refuses.
@@ -81,5 +101,5 @@ def create_worker_connector(config, kv_caches: dict[str, torch.Tensor], bytes_pe
     if config.kv_connector == "OffloadingConnector":
         from pagedllm.worker.kv_connector.offloading import OffloadingConnectorWorker
         return OffloadingConnectorWorker(config.kv_connector_extra_config, kv_caches,
-                                         bytes_per_block, device)
+                                         bytes_per_block, device, rank, fingerprint)
     raise ValueError(f"unknown kv_connector {config.kv_connector!r}")
