@@ -25,6 +25,7 @@ from pagedllm.attention.backends.mla_torch import (mla_attention_absorbed,
 from pagedllm.layers.mla_attention import MLAAttention
 from pagedllm.layers.moe_routing import DeepseekRouting
 from pagedllm.models.deepseek_v2 import DeepseekMoE
+from pagedllm.models.registry import resolve_model_class
 from pagedllm.worker.kv_cache import kv_cache_bytes_per_block
 from tests.fixtures.checkpoints import DEFAULT_INITIALIZER_RANGE
 from tests.models.test_gemma import (VOCAB_HIGH, VOCAB_LOW, _params, _prompts,
@@ -323,9 +324,7 @@ def test_router_matches_hf(variant):
         hf.weight.normal_()
         if random_bias:
             hf.e_score_correction_bias.normal_()
-    block = DeepseekMoE(config, getattr(__import__("pagedllm.models.deepseek_v2",
-                                                   fromlist=[arch]), arch).routing(config),
-                        "silu")
+    block = DeepseekMoE(config, resolve_model_class([arch]).routing(config), "silu")
     block.gate.weight.data.copy_(hf.weight)
     if random_bias:
         block.gate.e_score_correction_bias.data.copy_(hf.e_score_correction_bias)
