@@ -11,8 +11,9 @@ heads) instead of per-head K and V:
 
 Each call reads the step's metadata from the forward context (the second reader besides
 `layers/attention.py`, for the same reason: a layer needs its step's metadata) and hands the
-work to the MLA backend (attention/backends/mla_torch.py), which picks the expanded or absorbed
-form per row group. Block accounting is full attention's: one slot per position.
+work to the MLA backend (`get_mla_attention_backend`: mla_cpu_paged, whose decode rows run in the
+native kernel, or the torch reference mla_torch), which picks the expanded or absorbed form per
+row group. Block accounting is full attention's: one slot per position.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedllm.attention.backends.mla_torch import MLATorchBackend
+from pagedllm.attention.backends.selector import get_mla_attention_backend
 from pagedllm.attention.forward_context import get_forward_context
 from pagedllm.attention.metadata import KVCacheGroupsMetadata
 
@@ -54,7 +55,7 @@ class MLAAttention(nn.Module):
         self.head_size = kv_lora_rank + qk_rope_head_dim
         self.scale = scale
         self.layer_name = layer_name
-        self.backend = MLATorchBackend
+        self.backend = get_mla_attention_backend()
         self.kv_cache = torch.empty(0)
 
     @property

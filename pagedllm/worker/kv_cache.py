@@ -41,7 +41,7 @@ def describe_kv_bytes_per_token(layers: list[Attention], dtype: torch.dtype) -> 
     if latent and len(latent) == len(layers) and len({a.head_size for a in latent}) == 1:
         a = latent[0]
         elem = torch.empty((), dtype=dtype).element_size()
-        scale = " + 4" if dtype == torch.int8 else ""
+        scale = " + a 4-byte scale" if dtype == torch.int8 else ""
         text += (f" = {len(layers)} MLA layers x ({a.kv_lora_rank} + {a.qk_rope_head_dim} latent "
                  f"values x {elem} bytes{scale})")
     return text

@@ -25,6 +25,7 @@ from pagedllm.attention.backends.mla_torch import (mla_attention_absorbed,
 from pagedllm.layers.mla_attention import MLAAttention
 from pagedllm.layers.moe_routing import DeepseekRouting
 from pagedllm.models.deepseek_v2 import DeepseekMoE
+from pagedllm.models.registry import resolve_model_class
 from pagedllm.worker.kv_cache import kv_cache_bytes_per_block
 from tests.fixtures.checkpoints import DEFAULT_INITIALIZER_RANGE
 from tests.models.test_gemma import (VOCAB_HIGH, VOCAB_LOW, _params, _prompts,
@@ -154,6 +155,7 @@ def test_greedy_and_logprobs_match_hf_with_chunks_prefix_cache_and_preemption(ch
     llm = _llm(path, kv_cache_memory_bytes=None, num_gpu_blocks_override=12, block_size=8,
                max_model_len=96, enable_prefix_caching=True, max_num_batched_tokens=7,
                max_num_seqs=4)
+    assert _model(llm).model.layer_stack is None   # the module path: no fused decoder
     if variant != "glm4_moe":
         layers = _model(llm).attention_layers()
         assert all(isinstance(a, MLAAttention) for a in layers)
@@ -172,10 +174,11 @@ def test_greedy_and_logprobs_match_hf(checkpoints, variant):
                                             use_tqdm=False), hf_greedy_reference(path))
 
 
-def test_prefix_caching_and_batching_change_nothing(checkpoints):
+def test_prefix_caching_batching_and_backend_change_nothing(checkpoints, monkeypatch):
     """Requests served a 32-token shared prefix from the prefix cache, in 11-token steps of up
-    to 3 requests (decode rows, absorbed, next to prefill chunks, expanded), equal one request
-    at a time with no cache."""
+    to 3 requests (decode rows, absorbed, next to prefill chunks, expanded) on the torch
+    reference backend equal one request at a time with no cache on the platform's backend (on
+    the CPU with kernels: absorbed decode in the native kernel)."""
     rng = random.Random(1)
     prefix = [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(37)]
     prompts = _prompts()[1::2] + [prefix + [rng.randrange(VOCAB_LOW, VOCAB_HIGH)
@@ -184,8 +187,10 @@ def test_prefix_caching_and_batching_change_nothing(checkpoints):
     reference = _llm(path, enable_prefix_caching=False)
     alone = [_tokens_and_logprobs(reference.generate([p], _params(), use_tqdm=False))
              for p in prompts]
+    monkeypatch.setenv("PAGEDLLM_ATTENTION_BACKEND", "torch_sdpa")
     llm = _llm(path, enable_prefix_caching=True, block_size=8, max_num_batched_tokens=11,
                max_num_seqs=3)
+    assert _model(llm).attention_layers()[0].backend.name == "mla_torch"
     outputs = llm.generate(prompts[:3], _params(), use_tqdm=False)
     outputs += [llm.generate(p, _params(), use_tqdm=False)[0] for p in prompts[3:]]
     assert [o.num_cached_tokens for o in outputs[-2:]] == [32, 32]
@@ -320,9 +325,7 @@ def test_router_matches_hf(variant):
         hf.weight.normal_()
         if random_bias:
             hf.e_score_correction_bias.normal_()
-    block = DeepseekMoE(config, getattr(__import__("pagedllm.models.deepseek_v2",
-                                                   fromlist=[arch]), arch).routing(config),
-                        "silu")
+    block = DeepseekMoE(config, resolve_model_class([arch]).routing(config), "silu")
     block.gate.weight.data.copy_(hf.weight)
     if random_bias:
         block.gate.e_score_correction_bias.data.copy_(hf.e_score_correction_bias)
@@ -370,10 +373,12 @@ def test_eplb_rebalancing_mid_run_changes_no_token(checkpoints):
     ("v2_lite", dict(tensor_parallel_size=2)),
     ("v3", dict(tensor_parallel_size=2, enable_expert_parallel=True)),
     ("glm4_moe", dict(tensor_parallel_size=2)),
+    ("v3", dict(pipeline_parallel_size=2)),
 ])
 def test_parallel_matches_single_process(checkpoints, variant, parallel):
     """tp=2 (two worker processes, gloo): MLA heads split, q_a / kv_a projections and the latent
-    cache replicated; experts sharded (or whole per rank with EP). Same greedy tokens."""
+    cache replicated; experts sharded (or whole per rank with EP). pp=2: the 3 layers (one dense,
+    two MoE) split over two stages. Same greedy tokens."""
     from tests.distributed.common import run
     path = checkpoints(variant)
     assert (run(path, _PARALLEL_PARAMS, distributed_executor_backend="mp", **parallel)
