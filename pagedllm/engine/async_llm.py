@@ -426,6 +426,7 @@ class AsyncLLM:
         with self._command_lock:
             if self._dead is None:
                 self._commands.put(_SHUTDOWN)
+                self.engine.wake()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout_s)
             if self._thread.is_alive():
@@ -441,6 +442,7 @@ class AsyncLLM:
             if self._dead is not None:
                 raise self._dead
             self._commands.put(command)
+            self.engine.wake()  # a step waiting for a core process's outputs takes it now
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

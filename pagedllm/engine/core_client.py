@@ -16,6 +16,8 @@ engine's plain dataclasses (core_serial.py converts them by the method's annotat
 Liveness: the client watches the core's process sentinel together with the output socket, so
 `step()` and utility calls raise `EngineDeadError` within a poll interval of the process dying
 (SIGKILL included); `check_health()` asks the same of an idle front end.
+`step()` blocks until outputs arrive (no polling loop); `wake()` lets another thread (AsyncLLM's
+event loop, with a new request) end that wait.
 """
 
 from __future__ import annotations
@@ -45,9 +47,9 @@ from pagedllm.executor.multiproc import check_main_reimportable
 
 logger = logging.getLogger(__name__)
 
-# Milliseconds `step()` waits for the core's next outputs before it returns none (the caller,
-# e.g. AsyncLLM's loop, then takes new commands and calls again).
-_STEP_POLL_MS = 5
+# Milliseconds `step()` waits for the core's next outputs before it returns none; `wake()`
+# (a new command for the caller's loop) ends the wait at once.
+_STEP_POLL_MS = 1000
 # Seconds the core process gets to load the model and report Ready.
 _START_TIMEOUT_S = 600.0
 # Seconds the core process gets to exit after Shutdown before it is terminated, then killed.
@@ -101,6 +103,10 @@ class MPEngineCoreClient:
         self._outputs.bind(self.output_address)
         self._encoder = wire.make_encoder()
         self._decoder = wire.make_output_decoder()
+        # `wake()` writes a byte here to end a `step()` that waits for outputs.
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
         self._proc = mp.get_context("spawn").Process(
             target=run_engine_core, name="pagedllm-engine-core",
             args=(config, self.input_address, self.output_address, os.getpid()))
@@ -108,10 +114,11 @@ class MPEngineCoreClient:
         self.pid = self._proc.pid
         self._finalizer = weakref.finalize(self, _release, self._proc, self._inputs,
                                            self._encoder.encode(wire.Shutdown()), self._zmq,
-                                           self._dir)
+                                           self._dir, (self._wake_r, self._wake_w))
         self._poller = zmq.Poller()
         self._poller.register(self._outputs, zmq.POLLIN)
         self._poller.register(self._proc.sentinel, zmq.POLLIN)
+        self._poller.register(self._wake_r, zmq.POLLIN)
         self._dead: EngineDeadError | None = None
         self._unfinished: set[str] = set()
         self._pending: list[EngineCoreOutput] = []
@@ -157,9 +164,19 @@ class MPEngineCoreClient:
         self._unfinished.difference_update(request_ids)
         self._send(wire.AbortRequests(list(request_ids)))
 
+    def wake(self) -> None:
+        """End a `step()` waiting in another thread for outputs (it returns what it has, maybe
+        nothing): the caller's loop has a new command. Thread-safe."""
+        if not self._finalizer.alive:  # the pipe is closed (its fd may be reused)
+            return
+        try:
+            os.write(self._wake_w, b"\0")
+        except BlockingIOError:  # already woken: the pipe is full
+            pass
+
     def step(self) -> list[EngineCoreOutput]:
-        """The outputs the core sent since the last call; waits up to a few milliseconds for
-        some when none are there (may return [] while requests are unfinished).
+        """The outputs the core sent since the last call; when none are there, waits for some
+        up to a second or until `wake()` (may return [] while requests are unfinished).
 
         Raises:
             EngineDeadError: the core failed or its process died.
@@ -228,6 +245,11 @@ class MPEngineCoreClient:
         if self._dead is not None:
             raise self._dead
         events = dict(self._poller.poll(timeout_ms))
+        if self._wake_r in events:
+            try:
+                os.read(self._wake_r, 4096)
+            except BlockingIOError:
+                pass
         if self._outputs in events:
             while True:
                 try:
@@ -266,13 +288,13 @@ class MPEngineCoreClient:
 
     def _fail_pending(self) -> None:
         """Hand the unfinished requests' callers nothing more: the raise that follows fails
-        them (LLMEngine / AsyncLLM); forget them so nothing waits on them."""
+        them (LLMEngine / AsyncLLM); forget them so nothing waits on them. (`shutdown()`
+        releases the process and the sockets.)"""
         self._unfinished.clear()
-        self._finalizer()
 
 
 def _release(proc: mp.process.BaseProcess, inputs: zmq.Socket, shutdown_frame: bytes,
-             ctx: zmq.Context, path: str) -> None:
+             ctx: zmq.Context, path: str, pipe: tuple[int, int]) -> None:
     """Stop `proc` (ask it to shut down, then wait, terminate, kill), close the sockets, remove
     the socket folder (also run at interpreter exit for a client never shut down)."""
     if proc.is_alive():
@@ -289,6 +311,8 @@ def _release(proc: mp.process.BaseProcess, inputs: zmq.Socket, shutdown_frame: b
         proc.join()
     ctx.destroy(linger=0)
     shutil.rmtree(path, ignore_errors=True)
+    for fd in pipe:
+        os.close(fd)
 
 
 def _rebuild_error(error: str) -> Exception:

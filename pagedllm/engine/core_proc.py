@@ -18,6 +18,7 @@ It also exits when its parent (the front end) is gone, so no engine process outl
 
 from __future__ import annotations
 
+import gc
 import inspect
 import logging
 import os
@@ -63,6 +64,10 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         outputs.send(encoder.encode(wire.EngineFailed(f"{type(e).__name__}: {e}")))
         code = 1
     else:
+        # As LLMEngine does in-process: the objects made so far live as long as the core; keep
+        # them out of the cyclic collector's full passes.
+        gc.collect()
+        gc.freeze()
         outputs.send(encoder.encode(wire.Ready(core.num_blocks, core.kv_cache_capacity)))
         try:
             EngineCoreProc(core, inputs, outputs, parent_pid).run()

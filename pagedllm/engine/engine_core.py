@@ -224,6 +224,9 @@ class EngineCore:
         """In this process the core lives as long as its caller (the multiprocess client's
         raises EngineDeadError when its process died)."""
 
+    def wake(self) -> None:
+        """No-op: `step()` here never waits (the multiprocess client's ends a wait for outputs)."""
+
     def call_utility(self, method: str, *args):
         """`self.<method>(*args)`: the uniform way to call an engine-core method through any
         client (core_client.py); `method` must be public."""

@@ -209,6 +209,11 @@ class LLMEngine:
         """Raises EngineDeadError if the engine core's process died (multiprocess mode)."""
         self.engine_core.check_health()
 
+    def wake(self) -> None:
+        """End a `step()` that another thread runs and that waits for the engine core's outputs
+        (multiprocess mode; a no-op in-process). Thread-safe."""
+        self.engine_core.wake()
+
     def reset_prefix_cache(self) -> int:
         return self.engine_core.reset_prefix_cache()
 

@@ -69,6 +69,12 @@ def test_dp2_processes_match_single_replica(mp_server, tiny_llama):
         chunks = [json.loads(line[6:]) for line in r.iter_lines()
                   if line.startswith("data: {")]
     assert "".join(c["choices"][0]["text"] for c in chunks) == offline[0].outputs[0].text
+    # Per-replica gauges from the stats each core process sends with its outputs.
+    text = httpx.get(mp_server.url + "/metrics", timeout=10).text
+    for engine in ("0", "1"):
+        assert f'pagedllm:num_requests_running{{engine="{engine}",model_name="{MODEL_NAME}"}}' \
+            in text
+    assert mp_server.metric("pagedllm:generation_tokens_total") >= 12 * (len(prompts) + 1)
 
 
 def test_sigkill_of_a_replica_fails_its_requests_and_exits_nonzero(tiny_llama):
