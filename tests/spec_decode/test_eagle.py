@@ -204,3 +204,21 @@ def test_drafts_equal_a_plain_torch_head(target, heads, method):
             tokens = tokens + [token]
             hidden = torch.cat([hidden, last[None]], 0)
     assert drafts == want
+
+
+def test_n_samples_and_structured_output(target, reference, heads):
+    import json as json_
+
+    llm = LLM(target, dtype="float32", kv_cache_memory_bytes=8 << 20,
+              speculative_config={"method": "eagle3", "model": str(heads["eagle3", "authors"]),
+                                  "num_speculative_tokens": 3})
+    n2 = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, n=2)
+    outs = llm.generate(PROMPTS[:2], n2, use_tqdm=False)
+    assert [[c.token_ids for c in o.outputs] for o in outs] == [[r, r] for r in reference[:2]]
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0,
+                                                   "maximum": 9}}, "required": ["a"],
+              "additionalProperties": False}
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=80,
+                             structured_outputs={"json": schema}) for i in range(3)]
+    for o in llm.generate(['{"a": 1} {"a": 1}'] * 3, params, use_tqdm=False):
+        assert set(json_.loads(o.outputs[0].text)) == {"a"}
