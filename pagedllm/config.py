@@ -478,7 +478,7 @@ def _validate_parallel_layout(hf: dict[str, Any], pc: ParallelConfig) -> None:
         raise ValueError(f"pipeline_parallel_size {pp} exceeds the model's {layers} layers")
 
 
-SPEC_METHODS = ("ngram", "draft_model", "suffix")
+SPEC_METHODS = ("ngram", "draft_model", "suffix", "eagle", "eagle3")
 
 
 @dataclass(frozen=True)
@@ -489,10 +489,11 @@ class SpeculativeConfig:
         method: "ngram" (prompt lookup: propose the tokens that followed the last n-gram's
             previous occurrence), "draft_model" (a small model with the same tokenizer) or
             "suffix" (suffix decoding over the request's tokens and earlier outputs:
-            spec_decode/suffix.py).
+            spec_decode/suffix.py), "eagle" / "eagle3" (an EAGLE head fed with the target's
+            hidden states: spec_decode/eagle.py).
         num_speculative_tokens: draft tokens proposed per step (k).
         prompt_lookup_min / prompt_lookup_max: n-gram sizes tried, longest first (ngram).
-        model: the draft model's checkpoint folder or hub id (draft_model).
+        model: the draft model's (or EAGLE head's) checkpoint folder or hub id.
         suffix_decoding_max_tree_depth: longest context suffix matched (suffix).
         suffix_decoding_max_cached_requests: finished requests kept in the global suffix tree,
             FIFO; 0 disables it (suffix).
@@ -521,9 +522,9 @@ class SpeculativeConfig:
             raise ValueError("speculative_config needs 1 <= prompt_lookup_min <= "
                              f"prompt_lookup_max, got {self.prompt_lookup_min}, "
                              f"{self.prompt_lookup_max}")
-        if self.method == "draft_model" and not self.model:
+        if self.method in ("draft_model", "eagle", "eagle3") and not self.model:
             raise ValueError("speculative_config.model (the draft checkpoint) is required for "
-                             "method 'draft_model'")
+                             f"method '{self.method}'")
         self._check_suffix_options()
 
     def _check_suffix_options(self) -> None:
@@ -642,7 +643,8 @@ class EngineConfig:
         """KV slots reserved past each running request's scheduled tokens: a draft model writes
         the KV of the k positions it proposes there (n-gram drafts write none)."""
         spec = self.speculative_config
-        return spec.num_speculative_tokens if spec and spec.method == "draft_model" else 0
+        return (spec.num_speculative_tokens
+                if spec and spec.method in ("draft_model", "eagle", "eagle3") else 0)
 
 
 def resolve_chat_template(value: str | None) -> str | None:
@@ -774,6 +776,8 @@ def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str
     if isinstance(speculative_config, dict):
         speculative_config = SpeculativeConfig.from_dict(speculative_config)
     draft_path = None
+    if speculative_config is not None and speculative_config.method in ("eagle", "eagle3"):
+        draft_path = resolve_model_path(speculative_config.model, None)
     if speculative_config is not None and speculative_config.method == "draft_model":
         draft_path = resolve_model_path(speculative_config.model, None)
         draft_info = hf_model_info(draft_path)

@@ -166,6 +166,9 @@ class LlamaModel(nn.Module):
         # None: the layers always run.
         self.layer_stack: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None],
                                    torch.Tensor | None] | None = None
+        # Layers whose inputs (the residual stream) forward also returns, concatenated, for a
+        # drafter that reads them (EAGLE-3, spec_decode/eagle.py); () = none.
+        self.aux_hidden_state_layers: tuple[int, ...] = ()
 
     def make_layer(self, config, layer_idx: int, family, sliding_window: int | None
                    ) -> nn.Module:
@@ -179,17 +182,23 @@ class LlamaModel(nn.Module):
             dtype = self.layers[self.start_layer].input_layernorm.weight.dtype
             hidden, residual = recv_intermediate(self.pp, input_ids.shape[0], self.hidden_size,
                                                  dtype, input_ids.device)
-        if self.layer_stack is not None:
+        aux_layers = self.aux_hidden_state_layers
+        if self.layer_stack is not None and not aux_layers:
             out = self.layer_stack(positions, hidden, residual)
             if out is not None:
                 return out
-        for layer in self.layers[self.start_layer:self.end_layer]:
-            hidden, residual = layer(positions, hidden, residual)
+        layer_inputs = {}
+        for i in range(self.start_layer, self.end_layer):
+            if i in aux_layers:
+                layer_inputs[i] = hidden if residual is None else hidden + residual
+            hidden, residual = self.layers[i](positions, hidden, residual)
         if not self.pp.is_last_rank:
             send_intermediate(self.pp, hidden, residual)
             return hidden
         hidden, _ = self.norm(hidden, residual)
-        return hidden
+        if not aux_layers:
+            return hidden
+        return hidden, torch.cat([layer_inputs[i] for i in aux_layers], dim=-1)
 
 
 

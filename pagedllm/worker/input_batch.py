@@ -197,11 +197,14 @@ class PendingStep:
         inputs: what the forward ran on.
         logits: [num_logits, vocab] float32 (device), the rows at `batch.logits_indices`.
         prompt_logprobs: req_id -> (first prompt token index covered, its logprobs).
+        hidden_states: [num_tokens, H'] the hidden states a drafter reads (EAGLE: the
+            target's output, EAGLE-3: its auxiliary layers' inputs), else None.
     """
 
     inputs: StepInputs
     logits: torch.Tensor
     prompt_logprobs: dict[str, tuple[int, LogprobsLists]]
+    hidden_states: torch.Tensor | None = None
 
 
 def request_logprobs(lists: LogprobsLists | None, first_row: int, num_tokens: int,

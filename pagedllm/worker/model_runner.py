@@ -62,6 +62,7 @@ from pagedllm.sample.rejection_sampler import rejection_sample
 from pagedllm.sample.sampler import Sampler
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec_decode.draft_model import DraftModelProposer
+from pagedllm.spec_decode.eagle import EAGLE_METHODS, EagleProposer, load_eagle_head
 from pagedllm.spec_decode.metadata import SpecDecodeMetadata, build_spec_decode_metadata
 from pagedllm.spec_decode.ngram import NgramProposer
 from pagedllm.spec_decode.suffix import SuffixDecodingProposer
@@ -69,6 +70,7 @@ from pagedllm.structured_output.apply import apply_grammar_bitmask
 from pagedllm.worker.async_output import AsyncModelRunnerOutput, SampledTokens, start_host_copy
 from pagedllm.worker.cuda_graph import (CudaGraphInputBuffers, CudaGraphRunner,
                                         decode_graph_capture_sizes)
+from pagedllm.worker.eagle_inputs import propose_eagle
 from pagedllm.worker.eplb_state import EplbState
 from pagedllm.worker.input_batch import (InputBatch, PendingStep, RequestStates, StepInputs,
                                          record_sampled_tokens, request_logprobs)
@@ -135,7 +137,8 @@ class ModelRunner:
         self._unwritten_tokens: list[SampledTokens] = []
         self._last_sampled: SampledTokens | None = None
         self.spec_config = config.speculative_config
-        self.drafter: NgramProposer | DraftModelProposer | SuffixDecodingProposer | None = None
+        self.drafter: (NgramProposer | DraftModelProposer | SuffixDecodingProposer
+                       | EagleProposer | None) = None
         if self.spec_config is not None and self.spec_config.method == "ngram":
             self.drafter = NgramProposer(self.spec_config.num_speculative_tokens,
                                          self.spec_config.prompt_lookup_min,
@@ -169,8 +172,25 @@ class ModelRunner:
                                self.device)
             self.drafter = DraftModelProposer(draft, self.spec_config.num_speculative_tokens,
                                               self._run_model, self.block_size, self.device)
+        if self.spec_config is not None and self.spec_config.method in EAGLE_METHODS:
+            self._load_eagle()
         self._setup_kv_cache_groups()
         self.multi_step = self._make_multi_step()
+
+    def _load_eagle(self) -> None:
+        """The EAGLE (-3) head; the target returns the auxiliary layers' inputs EAGLE-3 reads.
+
+        NOTE(eagle): with auxiliary layers the target's layers run eagerly (the native fused
+        decoder stack returns the last hidden state only)."""
+        head, aux = load_eagle_head(self.config.draft_model_path, self.spec_config.method,
+                                    self.model, self.dtype, self.device)
+        if aux:
+            if not hasattr(self.model.model, "aux_hidden_state_layers"):
+                raise ValueError(f"{type(self.model).__name__} cannot feed an EAGLE-3 head "
+                                 "(no auxiliary hidden states)")
+            self.model.model.aux_hidden_state_layers = aux
+        self.drafter = EagleProposer(head, self.spec_config.num_speculative_tokens,
+                                     self._run_model, self.block_size, self.device)
 
     def _make_multi_step(self) -> MultiStepRound:
         """The multi-step rounds over this runner's states, sampler and step phases; the native
@@ -194,7 +214,7 @@ class ModelRunner:
         window, the layers still apply their windows in attention.
         """
         windows = kv_cache_group_windows(a.sliding_window for a in self._attention_layers())
-        if (isinstance(self.drafter, DraftModelProposer)
+        if (isinstance(self.drafter, (DraftModelProposer, EagleProposer))
                 or self.config.parallel_config.pipeline_parallel_size > 1):
             windows = (None,)
         self.kv_cache_windows = windows
@@ -220,7 +240,7 @@ class ModelRunner:
 
     def _attention_layers(self) -> list:
         layers = self.model.attention_layers()
-        if isinstance(self.drafter, DraftModelProposer):
+        if isinstance(self.drafter, (DraftModelProposer, EagleProposer)):
             layers = layers + self.drafter.model.attention_layers()
         return layers
 
@@ -513,9 +533,10 @@ class ModelRunner:
 
     def _run_model(self, model: torch.nn.Module, input_ids: torch.Tensor,
                    positions: torch.Tensor, common: CommonAttentionMetadata,
-                   group_commons: tuple[CommonAttentionMetadata, ...] = ()) -> torch.Tensor:
+                   group_commons: tuple[CommonAttentionMetadata, ...] = (), **inputs):
         """One forward of `model` over a flat batch; the only place the forward context is set.
-        With several KV cache groups, `group_commons` holds each group's metadata."""
+        With several KV cache groups, `group_commons` holds each group's metadata; `inputs`
+        are further model inputs (an EAGLE head's hidden states)."""
         backend = self._attention_backends.get(model)
         # Looked up once per model: listing the layers every step would be a cost of its own
         # (docs/benchmarks.md, "Measurements behind choices in the code").
@@ -530,7 +551,7 @@ class ModelRunner:
         if hasattr(model, "rope_positions"):   # a model whose RoPE rows depend on the step
             positions = model.rope_positions(positions, common.token_seq_lens())
         with set_forward_context(attn_metadata):
-            return model(input_ids, positions)
+            return model(input_ids, positions, **inputs)
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
@@ -556,7 +577,8 @@ class ModelRunner:
     def _forward(self, inputs: StepInputs) -> PendingStep:
         """The forward of prepared inputs -> the logits of the sampled rows."""
         batch, common = inputs.batch, inputs.common
-        if (self.graph_runner is not None and batch.spec_decode_metadata is None
+        eagle = isinstance(self.drafter, EagleProposer)
+        if (self.graph_runner is not None and batch.spec_decode_metadata is None and not eagle
                 and not (self.lora_manager is not None and self.lora_manager.active)
                 and self.graph_runner.can_run(common)):
             hidden = self.graph_runner.run(batch.input_ids, batch.positions,
@@ -566,8 +588,14 @@ class ModelRunner:
                                      batch.group_commons)
         if isinstance(self.drafter, DraftModelProposer):
             self.drafter.catch_up(batch.input_ids, batch.positions, common)
+        drafter_hidden = None
+        if isinstance(hidden, tuple):   # (last hidden, auxiliary layers' inputs): EAGLE-3
+            hidden, drafter_hidden = hidden
+        elif eagle:
+            drafter_hidden = hidden
         logits = self.model.compute_logits(hidden[batch.logits_indices])
-        pending = PendingStep(inputs, logits, self._compute_prompt_logprobs(batch, hidden))
+        pending = PendingStep(inputs, logits, self._compute_prompt_logprobs(batch, hidden),
+                              drafter_hidden)
         if self.eplb is not None:
             # Between steps: this step's outputs are computed, the next one sees the new layout.
             self.eplb.step()
@@ -630,7 +658,10 @@ class ModelRunner:
                                    prompt_logprobs_dict=pending.prompt_logprobs)
         self._sample_into(pending, output, grammar_output)
         output.request_errors.update(self._take_request_errors())
-        if self.drafter is not None and len(batch.sampled_batch_idx):
+        if isinstance(self.drafter, EagleProposer):
+            output.draft_token_ids = propose_eagle(self.drafter, self.states, pending, output,
+                                                   self._max_drafts)
+        elif self.drafter is not None and len(batch.sampled_batch_idx):
             output.draft_token_ids = self._propose(
                 batch, batch.idx_mapping[batch.sampled_batch_idx])
         output.eplb_stats = None if self.eplb is None else self.eplb.take_stats()
@@ -747,11 +778,7 @@ class ModelRunner:
         verifying them would need per-position sampling state.
         """
         st = self.states
-        k = self.spec_config.num_speculative_tokens
-        eligible = (~st.reads_previous_tokens[rows]
-                    & (st.num_tokens[rows] - st.num_prompt_tokens[rows] >= st.min_tokens[rows]))
-        max_drafts = np.where(eligible, np.minimum(k, self.config.max_model_len
-                                                   - st.num_tokens[rows]), 0)
+        max_drafts = self._max_drafts(rows)
         batch_rows = batch.sampled_batch_idx
         if isinstance(self.drafter, NgramProposer):
             proposals = [self.drafter.propose_one(st.token_ids_cpu[r, :st.num_tokens[r]], int(m))
@@ -766,6 +793,16 @@ class ModelRunner:
             proposals = self.drafter.propose(st.token_ids_cpu[rows, last], last,
                                              st.block_table.block_table_np[rows], max_drafts)
         return {batch.req_ids[b]: p for b, p in zip(batch_rows.tolist(), proposals) if p}
+
+    def _max_drafts(self, rows: np.ndarray) -> np.ndarray:
+        """[len(rows)] most drafts each request slot may get next step (0: none; see
+        `_propose`)."""
+        st = self.states
+        k = self.spec_config.num_speculative_tokens
+        eligible = (~st.reads_previous_tokens[rows]
+                    & (st.num_tokens[rows] - st.num_prompt_tokens[rows] >= st.min_tokens[rows]))
+        return np.where(eligible, np.minimum(k, self.config.max_model_len - st.num_tokens[rows]),
+                        0)
 
     # ----------------------------------------------------------------- multi-step rounds
     @torch.inference_mode()
