@@ -125,6 +125,20 @@ class LogprobsLists:
 
 
 @dataclass
+class KVConnectorStats:
+    """What a connector moved since start, in blocks (for /metrics;
+    `SchedulerStats.kv_connector_stats`; the connectors are in core/kv_connector/)."""
+
+    loaded_blocks: int = 0     # blocks loaded into the device cache (tier hits)
+    stored_blocks: int = 0     # blocks written to the tier
+    evicted_blocks: int = 0    # blocks dropped from the tier (LRU)
+    queries: int = 0           # blocks looked up after the device cache missed
+    hits: int = 0              # of those, found
+    disk_loaded_blocks: int = 0    # of `loaded_blocks`, read from the disk tier
+    disk_stored_blocks: int = 0    # blocks written to the disk tier
+
+
+@dataclass
 class EplbStats:
     """The MoE layers' expert-load imbalance at a worker's last EPLB rebalance (worker -> engine).
 

@@ -40,16 +40,19 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.kv_cache_groups import KVCacheCapacity, make_kv_cache_groups
 from pagedllm.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from pagedllm.core.request import Request, RequestStatus, stop_token_reached
 from pagedllm.core.request_queue import check_priority, make_request_queue, priority_key
-from pagedllm.core.sched_output import (EngineCoreOutput, GrammarOutput, ModelRunnerOutput,
-                                        NewRequestData, SchedulerOutput)
-from pagedllm.core.kv_connector.base import KVConnectorScheduler, KVConnectorStats
+from pagedllm.core.sched_output import (EngineCoreOutput, GrammarOutput, KVConnectorStats,
+                                        ModelRunnerOutput, NewRequestData, SchedulerOutput)
 from pagedllm.core.spec_decode_stats import SpecDecodingStats
+
+if TYPE_CHECKING:   # (core/kv_connector imports this folder's modules)
+    from pagedllm.core.kv_connector.base import KVConnectorScheduler
 
 
 @dataclass

@@ -19,24 +19,12 @@ device prefix hits do; the worker loads them before the forward that first reads
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol
 
 from pagedllm.core.request import Request
-from pagedllm.core.sched_output import SchedulerOutput
+from pagedllm.core.sched_output import KVConnectorStats, SchedulerOutput
 
-
-@dataclass
-class KVConnectorStats:
-    """What a connector moved since start, in blocks (for /metrics)."""
-
-    loaded_blocks: int = 0     # blocks loaded into the device cache (tier hits)
-    stored_blocks: int = 0     # blocks written to the tier
-    evicted_blocks: int = 0    # blocks dropped from the tier (LRU)
-    queries: int = 0           # blocks looked up after the device cache missed
-    hits: int = 0              # of those, found
-    disk_loaded_blocks: int = 0    # of `loaded_blocks`, read from the disk tier
-    disk_stored_blocks: int = 0    # blocks written to the disk tier
+__all__ = ["KVConnectorScheduler", "KVConnectorStats"]
 
 
 class KVConnectorScheduler(Protocol):
