@@ -262,7 +262,8 @@ class EngineCore:
         if self.sleep_level:
             self.wake_up()
         self._require_idle("sleep")
-        self.scheduler.reset_prefix_cache()
+        # (The KV connector's tier stays: the weights it was computed with come back.)
+        self.scheduler.reset_prefix_cache(reset_connector=False)
         freed = sum(self.executor.collective_rpc("sleep", (level,)))
         self.sleep_level = level
         logger.info("asleep (level %d): %.1f MiB freed", level, freed / 2**20)
@@ -305,6 +306,9 @@ class EngineCore:
             raise ValueError(f"update_weights: {refusals[0]}; the old weights keep serving")
         self.executor.collective_rpc("commit_weights")
         self.scheduler.reset_prefix_cache()
+        if self.scheduler.kv_connector is not None:
+            self.scheduler.kv_connector.update_worker_infos(
+                self.executor.collective_rpc("kv_connector_info"))
         logger.info("weights updated from %s", model_path)
 
     def collective_rpc(self, method: str, args: tuple = ()) -> list:
