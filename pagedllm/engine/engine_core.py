@@ -322,11 +322,21 @@ class EngineCore:
         if not isinstance(method, str) or method.startswith("_") \
                 or not callable(getattr(Worker, method, None)):
             raise ValueError(f"collective_rpc: {method!r} is not a public Worker method")
+        if method in _ENGINE_MANAGED_WORKER_METHODS:
+            raise ValueError(f"collective_rpc: {method!r} changes state the engine keeps in "
+                             f"step with the workers; call the engine's own method instead "
+                             f"(sleep, wake_up, update_weights, ...)")
         return self.executor.collective_rpc(method, tuple(args))
 
     def shutdown(self) -> None:
         self.structured_output_manager.shutdown()
         self.executor.shutdown()
+
+
+# Worker methods only the engine calls (each has engine-side state to keep in step).
+_ENGINE_MANAGED_WORKER_METHODS = frozenset({
+    "load_model", "determine_num_blocks", "initialize_kv_cache", "init_kv_connector",
+    "execute_model", "execute_model_async", "sleep", "wake_up", "shutdown"})
 
 
 def resolve_async_scheduling(config: EngineConfig, executor_class: type) -> bool:
