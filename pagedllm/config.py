@@ -694,7 +694,8 @@ def _kv_transfer_config(config: dict[str, Any] | KVTransferConfig | None,
             extra["kv_offloading_dir"] = str(kv_offloading_dir)
         config = KVTransferConfig("OffloadingConnector", "kv_both", extra)
     elif kv_offloading_dir is not None:
-        raise ValueError("kv_offloading_dir needs kv_offloading_size (the host tier it backs)")
+        raise ValueError("kv_offloading_dir goes with kv_offloading_size (the host tier it "
+                         "backs), or inside kv_transfer_config's kv_connector_extra_config")
     if config is not None and config.kv_connector == "OffloadingConnector" \
             and not enable_prefix_caching:
         raise ValueError("the OffloadingConnector keys blocks by their prefix hashes: it needs "

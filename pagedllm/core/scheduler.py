@@ -581,10 +581,11 @@ class Scheduler:
         return False
 
     # ----------------------------------------------------------------- stats
-    def reset_prefix_cache(self) -> int:
-        """Drop the prefix cache's entries (and the KV connector's tier: weight updates and
-        sleep call this, after which no stored KV is valid); returns device entries dropped."""
-        if self.kv_connector is not None:
+    def reset_prefix_cache(self, reset_connector: bool = True) -> int:
+        """Drop the prefix cache's entries, and with `reset_connector` the KV connector's
+        stored blocks too (a weight update: no stored KV is valid any more; sleep keeps them);
+        returns device entries dropped."""
+        if reset_connector and self.kv_connector is not None:
             self.kv_connector.reset_cache()
         return self.kv_cache_manager.reset_prefix_cache()
 

@@ -280,7 +280,8 @@ class EngineCore:
         if self.sleep_level:
             self.wake_up()
         self._require_idle("sleep")
-        self.scheduler.reset_prefix_cache()
+        # (The KV connector's tier stays: the weights it was computed with come back.)
+        self.scheduler.reset_prefix_cache(reset_connector=False)
         freed = sum(self.executor.collective_rpc("sleep", (level,)))
         self.sleep_level = level
         logger.info("asleep (level %d): %.1f MiB freed", level, freed / 2**20)
@@ -323,6 +324,9 @@ class EngineCore:
             raise ValueError(f"update_weights: {refusals[0]}; the old weights keep serving")
         self.executor.collective_rpc("commit_weights")
         self.scheduler.reset_prefix_cache()
+        if self.scheduler.kv_connector is not None:
+            self.scheduler.kv_connector.update_worker_infos(
+                self.executor.collective_rpc("kv_connector_info"))
         logger.info("weights updated from %s", model_path)
 
     def collective_rpc(self, method: str, args: tuple = ()) -> list:
@@ -336,11 +340,21 @@ class EngineCore:
         if not isinstance(method, str) or method.startswith("_") \
                 or not callable(getattr(Worker, method, None)):
             raise ValueError(f"collective_rpc: {method!r} is not a public Worker method")
+        if method in _ENGINE_MANAGED_WORKER_METHODS:
+            raise ValueError(f"collective_rpc: {method!r} changes state the engine keeps in "
+                             f"step with the workers; call the engine's own method instead "
+                             f"(sleep, wake_up, update_weights, ...)")
         return self.executor.collective_rpc(method, tuple(args))
 
     def shutdown(self) -> None:
         self.structured_output_manager.shutdown()
         self.executor.shutdown()
+
+
+# Worker methods only the engine calls (each has engine-side state to keep in step).
+_ENGINE_MANAGED_WORKER_METHODS = frozenset({
+    "load_model", "determine_num_blocks", "initialize_kv_cache", "init_kv_connector",
+    "execute_model", "execute_model_async", "sleep", "wake_up", "shutdown"})
 
 
 def resolve_async_scheduling(config: EngineConfig, executor_class: type) -> bool:

@@ -322,11 +322,13 @@ class LLM:
     def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
         """Call the public Worker method `method(*args)` on every rank (vLLM's
         `collective_rpc`; a method name only, never a callable); the results by rank. E.g.
-        `collective_rpc("stage_weights", (path,))` then `collective_rpc("commit_weights")`
-        is what `update_weights` does.
+        `collective_rpc("stage_weights", (path,))`, then `"commit_weights"` (or
+        `"discard_weights"` where a rank refused) is `update_weights` without its prefix-cache
+        reset (call `reset_prefix_cache()` after).
 
         Raises:
-            ValueError: `method` is not a public Worker method.
+            ValueError: `method` is not a public Worker method, or one whose state the engine
+                keeps (sleep, wake_up, execute_model, ...: use the engine's own methods).
         """
         self._require_runner("generate")
         return self.llm_engine.collective_rpc(method, args)

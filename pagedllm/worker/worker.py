@@ -175,9 +175,17 @@ class Worker:
         return self.sleep_mode.stage(self.model_runner.model, model_path)
 
     def commit_weights(self) -> None:
-        """Copy the staged weights into the model in place."""
+        """Copy the staged weights into the model in place (the KV connector's stored files
+        are then marked as of the new checkpoint)."""
         self.sleep_mode.commit(self.model_runner.model)
         self.model_runner.weights_changed()
+        if self.kv_connector is not None:
+            self.kv_connector.set_model_fingerprint(
+                model_fingerprint(self.sleep_mode.weights_path))
+
+    def kv_connector_info(self) -> dict:
+        """`KVConnectorWorker.info()` of this rank's connector."""
+        return self.kv_connector.info()
 
     def discard_weights(self) -> None:
         """Drop a staged weight update."""

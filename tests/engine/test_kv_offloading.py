@@ -1,8 +1,8 @@
 """The OffloadingConnector end to end on a tiny Llama: 12 distinct 64-token prefixes against a
 device cache of 23 blocks (368 tokens) do not fit, so their second use hits the host tier;
 greedy and seeded tokens equal those of an engine without the tier, the hits show as cached
-tokens and in /metrics, and a weight update forgets the tier (its KV belongs to the old
-weights). With a disk tier below a small host tier, evicted prefixes come back from disk, a
+tokens and in /metrics, sleep keeps the tier and a weight update forgets it (its KV belongs
+to the old weights). With a disk tier below a small host tier, evicted prefixes come back from disk, a
 restarted engine hits the files of the old one, and bad files are misses."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import pytest
 from pagedllm import LLM, SamplingParams
 from pagedllm.core.kv_cache_utils import NONE_HASH, hash_block_tokens
 from pagedllm.core.kv_connector.disk_tier import block_file, encode_block_file
+from tests.fixtures.checkpoints import make_tiny_checkpoint
 from pagedllm.engine.async_llm import IterationStats
 from pagedllm.entrypoints.openai.metrics import PrometheusStatLogger
 
@@ -46,7 +47,7 @@ def without_tier(tiny_llama):
 def test_tier_hits_and_same_tokens(tiny_llama, without_tier):
     want, cached_without = without_tier
     assert cached_without == [0] * 24   # the device cache alone keeps none of the prefixes
-    llm = LLM(str(tiny_llama), **ENGINE, kv_offloading_size=0.01)
+    llm = LLM(str(tiny_llama), **ENGINE, kv_offloading_size=0.01, enable_sleep_mode=True)
     got, cached = _run(llm)
     assert got == want
     assert cached == [64] * 24
@@ -61,6 +62,13 @@ def test_tier_hits_and_same_tokens(tiny_llama, without_tier):
     assert f'pagedllm:kv_offload_loaded_blocks_total{{model_name="tiny"}} ' \
            f'{float(stats.loaded_blocks)}' in text
     assert "pagedllm:kv_offload_hits_total" in text
+
+    # Sleep empties the device cache but keeps the tier (the same weights come back).
+    llm.sleep(level=1)
+    llm.wake_up()
+    outs = llm.generate(SECOND, PARAMS[0], use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == want[1]
+    assert [o.num_cached_tokens for o in outs] == [64] * 12
 
     llm.update_weights(str(tiny_llama))   # (the same weights: what counts is the reset)
     assert connector.num_tier_blocks_used == 0
@@ -132,3 +140,18 @@ def test_tp2_tier_same_tokens(tiny_llama, without_tier, tmp_path):
         llm.llm_engine.engine_core.shutdown()
     assert got == want and cached == [64] * 24
     assert {p.name.split(".")[1] for p in (tmp_path / "kv").iterdir()} == {"r0", "r1"}
+
+
+def test_disk_files_of_updated_weights_never_match_the_base(tiny_llama, without_tier, tmp_path):
+    """Blocks stored after a weight update carry the new checkpoint's fingerprint: an engine of
+    the original checkpoint on the same folder recomputes them rather than load them."""
+    want, _ = without_tier
+    other = make_tiny_checkpoint(tmp_path / "seed1", "LlamaForCausalLM", tiny_llama, seed=1)
+    tier = dict(kv_offloading_size=0.0001, kv_offloading_dir=str(tmp_path / "kv"))
+    llm = LLM(str(tiny_llama), **ENGINE, **tier)
+    llm.update_weights(str(other))
+    llm.generate(FIRST, PARAMS[0], use_tqdm=False)
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    assert len(list((tmp_path / "kv").glob("*.kv"))) >= 12 * 4
+    assert _second_round(tiny_llama, tier) == (want[1], [0] * 12)

@@ -114,6 +114,8 @@ def test_update_weights_serves_the_new_checkpoint(llm, checkpoints):
     assert _tokens(llm) == want_base
     with pytest.raises(ValueError, match="not a public Worker method"):
         llm.collective_rpc("_free")
+    with pytest.raises(ValueError, match="call the engine's own method"):
+        llm.collective_rpc("sleep", (1,))
 
 
 @pytest.mark.slow

@@ -48,6 +48,10 @@ class KVConnectorScheduler(Protocol):
         """The request finished or was preempted; True if its blocks must stay allocated until
         the workers report its transfer done (asynchronous saves), False to free them now."""
 
+    def update_worker_infos(self, worker_infos: list[dict]) -> None:
+        """The ranks' `KVConnectorWorker.info()` after a weight update (a disk tier's file
+        layouts carry the new checkpoint's fingerprint)."""
+
     def reset_cache(self) -> None:
         """Forget every stored block (the prefix cache was reset: after a weight update no
         stored KV is valid)."""

@@ -187,6 +187,10 @@ class OffloadingConnectorScheduler:
         self._matched.pop(request.request_id, None)
         return False
 
+    def update_worker_infos(self, worker_infos: list[dict]) -> None:
+        if self.disk is not None:
+            self.disk.layouts = [info["layout"] for info in worker_infos]
+
     def reset_cache(self) -> None:
         self._slot_of.clear()
         self._free_slots = list(range(self.num_slots - 1, -1, -1))

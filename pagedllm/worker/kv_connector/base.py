@@ -51,6 +51,10 @@ class KVConnectorWorker(Protocol):
         """(requests whose saves finished, requests whose loads finished) since the last call:
         empty for a synchronous connector."""
 
+    def set_model_fingerprint(self, fingerprint: str) -> None:
+        """The weights changed (a weight update): what it stores from now on is marked with
+        the new checkpoint's `model_fingerprint`."""
+
     def info(self) -> dict:
         """What the scheduler side needs of this rank (plain data): "num_tier_blocks" (blocks
         its host tier holds), and with a disk tier "layout" (the string its files carry) and

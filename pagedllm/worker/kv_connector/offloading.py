@@ -72,6 +72,9 @@ class OffloadingConnectorWorker:
                 self._host[name] = torch.zeros(shape, dtype=cache.dtype, pin_memory=self._pin)
         self._kv_caches = dict(kv_caches)
 
+    def set_model_fingerprint(self, fingerprint: str) -> None:
+        self.fingerprint = fingerprint
+
     def info(self) -> dict:
         return {"num_tier_blocks": self.num_slots, "layout": self.layout(),
                 "block_bytes": self.bytes_per_block}
