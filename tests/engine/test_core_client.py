@@ -9,6 +9,7 @@ it must stay last in this file.
 from __future__ import annotations
 
 import asyncio
+import multiprocessing as mp
 import os
 import pickle
 import signal
@@ -200,6 +201,19 @@ def test_socket_bytes_never_run_code(mp_engine: LLMEngine, inproc_engine: LLMEng
                                                                 max_tokens=3))})
     assert len(out["after"][0][0][0]) == 3
     assert not marker.exists()
+
+
+@pytest.mark.slow
+def test_start_up_error_is_raised_as_in_process(tiny_llama: Path) -> None:
+    """A core that cannot start (a KV cache too small for one block) raises the in-process
+    engine's error type and message in the front end, and leaves no process behind."""
+    kwargs = {**ENGINE_KWARGS, "kv_cache_memory_bytes": 1000}
+    with pytest.raises(Exception) as in_process:
+        LLMEngine.from_engine_args(str(tiny_llama), **kwargs)
+    with pytest.raises(type(in_process.value), match="KV cache budget") as multiprocess:
+        LLMEngine.from_engine_args(str(tiny_llama), multiprocess_mode=True, **kwargs)
+    assert str(in_process.value) in str(multiprocess.value)
+    assert not [c for c in mp.active_children() if c.name == "pagedllm-engine-core"]
 
 
 def test_async_streaming_abort_and_sigkill(mp_engine: LLMEngine,
