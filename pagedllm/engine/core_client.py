@@ -30,6 +30,7 @@ import multiprocessing as mp
 import os
 import shutil
 import tempfile
+import time
 import typing
 import weakref
 from typing import Any
@@ -66,8 +67,9 @@ def make_engine_core_client(config: EngineConfig, multiprocess_mode: bool = Fals
     `MPEngineCoreClient(config)` serving it from its own process (see the module docstring).
 
     Raises:
-        whatever building the core raises (in multiprocess mode, RuntimeError with the core's
-        start-up error, or EngineDeadError if its process died while starting).
+        whatever building the core raises (in multiprocess mode: the core's start-up error as
+        the same builtin exception type, else RuntimeError, with its message; EngineDeadError
+        if its process died while starting).
     """
     return MPEngineCoreClient(config) if multiprocess_mode else EngineCore(config)
 
@@ -125,10 +127,17 @@ class MPEngineCoreClient:
         self._results: dict[int, wire.UtilityResult] = {}
         self._call_ids = itertools.count()
         self._ready: wire.Ready | None = None
+        self._failure: str | None = None  # the core's EngineFailed message, if any
         self._stats: SchedulerStats | None = None
         self.eplb_stats: EplbStats | None = None
         try:
             self._wait_ready(start_timeout_s)
+        except EngineDeadError as e:
+            self.shutdown()
+            if self._failure is None:
+                raise
+            # The core's start-up error, as the in-process engine would raise it.
+            raise _rebuild_error(self._failure) from e
         except BaseException:
             self.shutdown()
             raise
@@ -137,13 +146,12 @@ class MPEngineCoreClient:
         self._stats = self.call_utility("get_stats")
 
     def _wait_ready(self, timeout_s: float) -> None:
-        remaining_ms = int(timeout_s * 1000)
+        deadline = time.monotonic() + timeout_s
         while self._ready is None:
-            if remaining_ms <= 0:
+            if time.monotonic() >= deadline:
                 raise RuntimeError(f"the engine-core process did not start within "
                                    f"{timeout_s:.0f} s")
-            self._receive(min(remaining_ms, 1000))
-            remaining_ms -= 1000
+            self._receive(1000)
 
     # ------------------------------------------------------------ EngineCore's interface
 
@@ -284,6 +292,7 @@ class MPEngineCoreClient:
         elif isinstance(msg, wire.Ready):
             self._ready = msg
         else:
+            self._failure = msg.message
             self._dead = EngineDeadError(msg.message)
 
     def _fail_pending(self) -> None:

@@ -121,7 +121,7 @@ class EngineCoreProc:
             aborted |= self._handle(self.inputs.recv(copy=False).buffer, refused)
             if self._stopping:
                 return
-        if block and os.getppid() != self.parent_pid:
+        if os.getppid() != self.parent_pid:
             logger.error("the front end (pid %d) is gone; the engine core exits",
                          self.parent_pid)
             self._stopping = True
@@ -140,7 +140,7 @@ class EngineCoreProc:
         if isinstance(msg, wire.AddRequest):
             try:
                 self.core.add_request(wire.request_from_wire(msg))
-            except (ValueError, TypeError) as e:
+            except (ValueError, TypeError, KeyError, msgspec.MsgspecError) as e:
                 refused.append(EngineCoreOutput(msg.request_id, [], finish_reason="error",
                                                 error=f"refused by the engine core: {e}"))
         elif isinstance(msg, wire.AbortRequests):

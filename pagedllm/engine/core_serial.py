@@ -138,7 +138,7 @@ def request_from_wire(msg: AddRequest) -> EngineCoreRequest:
     """Rebuild the request; the sampling parameters pass their constructor's validation again.
 
     Raises:
-        ValueError / TypeError: malformed sampling parameters.
+        ValueError, TypeError, KeyError, msgspec.ValidationError: malformed sampling parameters.
     """
     fields = dict(msg.sampling_params)
     engine_set = {name: fields.pop(name, None) for name in _ENGINE_SET_FIELDS}

@@ -9,6 +9,7 @@ it must stay last in this file.
 from __future__ import annotations
 
 import asyncio
+import multiprocessing as mp
 import os
 import pickle
 import signal
@@ -57,9 +58,11 @@ def _run(engine: LLMEngine, requests: dict[str, tuple[str, SamplingParams]]) -> 
         for out in engine.step():
             if out.finished:
                 finished[out.request_id] = out
-    return {request_id: [(c.token_ids, c.text, c.finish_reason,
-                          [{t: round(lp.logprob, 5) for t, lp in d.items()}
-                           for d in c.logprobs or []]) for c in out.outputs]
+    return {request_id: ([(c.token_ids, c.text, c.finish_reason,
+                           [{t: round(lp.logprob, 5) for t, lp in d.items()}
+                            for d in c.logprobs or []]) for c in out.outputs],
+                         [d and {t: round(lp.logprob, 5) for t, lp in d.items()}
+                          for d in out.prompt_logprobs or []])
             for request_id, out in finished.items()}
 
 
@@ -69,7 +72,8 @@ def _requests() -> dict[str, tuple[str, SamplingParams]]:
     requests["seeded_n2"] = (PROMPTS[0], SamplingParams(temperature=1.0, top_p=0.9, seed=7,
                                                         n=2, max_tokens=10))
     requests["stop"] = (PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=20,
-                                                   stop=["e"], stop_token_ids=[3]))
+                                                   stop=["e"], stop_token_ids=[3],
+                                                   prompt_logprobs=1))
     requests["penalties"] = (PROMPTS[2], SamplingParams(
         temperature=0.8, seed=1, max_tokens=10, repetition_penalty=1.3, logit_bias={5: 3.0},
         bad_words=["ab"]))
@@ -83,15 +87,17 @@ def test_outputs_equal_in_process(mp_engine: LLMEngine, inproc_engine: LLMEngine
     expected = _run(inproc_engine, _requests())
     got = _run(mp_engine, _requests())
     assert got == expected
-    assert got["choice"][0][1] in ("yes", "no")
-    assert len(got["seeded_n2"]) == 2 and got["seeded_n2"][0] != got["seeded_n2"][1]
+    assert got["choice"][0][0][1] in ("yes", "no")
+    assert len(got["stop"][1]) == len(mp_engine.tokenizer(PROMPTS[1]).input_ids)
+    seeded = got["seeded_n2"][0]
+    assert len(seeded) == 2 and seeded[0] != seeded[1]
     assert mp_engine.get_num_unfinished_requests() == 0
     stats = mp_engine.get_stats()
     assert stats.num_running_reqs == 0 and stats.prefix_cache_stats.requests > 0
 
 
 def test_abort_and_errors_stay_per_request(mp_engine: LLMEngine) -> None:
-    long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    long = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)
     mp_engine.add_request("long", PROMPTS[0], long)
     mp_engine.add_request("short", PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=4))
     with pytest.raises(ValueError, match="vocabulary"):
@@ -99,10 +105,13 @@ def test_abort_and_errors_stay_per_request(mp_engine: LLMEngine) -> None:
     with pytest.raises(ValueError, match="logits_processors"):
         mp_engine.add_request("callable", PROMPTS[2], SamplingParams(
             logits_processors=[lambda ids, logits: logits]))
-    while not any(out.request_id == "long" for out in mp_engine.step()):
-        pass
+    finished, seen_long = {}, False
+    while not seen_long:
+        for out in mp_engine.step():
+            seen_long |= out.request_id == "long"
+            if out.finished:
+                finished[out.request_id] = out
     mp_engine.abort_request("long")
-    finished = {}
     while mp_engine.has_unfinished_requests():
         finished.update({o.request_id: o for o in mp_engine.step() if o.finished})
     assert list(finished) == ["short"] and len(finished["short"].outputs[0].token_ids) == 4
@@ -179,12 +188,32 @@ def test_socket_bytes_never_run_code(mp_engine: LLMEngine, inproc_engine: LLMEng
     refused: list = []
     proc._handle(memoryview(payload), refused)
     assert not refused and not proc._stopping
+    # A well-formed frame with malformed sampling parameters fails that request alone.
+    for bad in ({"temperature": -1.0, "output_kind": 0}, {"temperature": 0.0},
+                {"output_kind": 0, "no_such_field": 1}):
+        frame = msgspec.msgpack.encode(wire.AddRequest("bad", [1, 2], bad, 3, None, 0, None))
+        proc._handle(memoryview(frame), refused)
+    assert [o.finish_reason for o in refused] == ["error"] * 3
+    assert not inproc_engine.engine_core.has_unfinished_requests()
     result = proc._call_utility(wire.CallUtility(0, "__class__", []))
     assert result.error is not None and "private" in result.error
     out = _run(mp_engine, {"after": (PROMPTS[0], SamplingParams(temperature=0.0,
                                                                 max_tokens=3))})
-    assert len(out["after"][0][0]) == 3
+    assert len(out["after"][0][0][0]) == 3
     assert not marker.exists()
+
+
+@pytest.mark.slow
+def test_start_up_error_is_raised_as_in_process(tiny_llama: Path) -> None:
+    """A core that cannot start (a KV cache too small for one block) raises the in-process
+    engine's error type and message in the front end, and leaves no process behind."""
+    kwargs = {**ENGINE_KWARGS, "kv_cache_memory_bytes": 1000}
+    with pytest.raises(Exception) as in_process:
+        LLMEngine.from_engine_args(str(tiny_llama), **kwargs)
+    with pytest.raises(type(in_process.value), match="KV cache budget") as multiprocess:
+        LLMEngine.from_engine_args(str(tiny_llama), multiprocess_mode=True, **kwargs)
+    assert str(in_process.value) in str(multiprocess.value)
+    assert not [c for c in mp.active_children() if c.name == "pagedllm-engine-core"]
 
 
 def test_async_streaming_abort_and_sigkill(mp_engine: LLMEngine,
@@ -200,7 +229,7 @@ def test_async_streaming_abort_and_sigkill(mp_engine: LLMEngine,
         async_llm.on_dead(dead.append)
         deltas = [out.outputs[0].token_ids async for out in
                   async_llm.generate(PROMPTS[4], params, "stream")]
-        assert [t for d in deltas for t in d] == expected["s"][0][0] and len(deltas) > 1
+        assert [t for d in deltas for t in d] == expected["s"][0][0][0] and len(deltas) > 1
         # Abort by closing the stream after its first output.
         stream = await async_llm.add_request("abort", PROMPTS[0], SamplingParams(
             temperature=0.0, max_tokens=500, ignore_eos=True))
