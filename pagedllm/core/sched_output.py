@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pagedllm.lora.request import LoRARequest
+from pagedllm.multimodal.inputs import MultiModalFeature
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -17,7 +18,8 @@ class NewRequestData:
     `prompt_token_ids` + `output_token_ids` are all the request's tokens so far; `block_ids` its
     blocks, one list per KV cache group (a plain list of ints is taken as the blocks of a single
     group); `num_computed_tokens` the tokens already in those blocks (prefix-cache hits);
-    `lora_request` its adapter (None: the base model).
+    `lora_request` its adapter (None: the base model); `mm_features` its prompt's images
+    (None: text only).
     """
 
     req_id: str
@@ -27,6 +29,7 @@ class NewRequestData:
     block_ids: tuple[list[int], ...]
     num_computed_tokens: int
     lora_request: LoRARequest | None = None
+    mm_features: list[MultiModalFeature] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_ids, tuple):
@@ -65,6 +68,10 @@ class SchedulerOutput:
         num_steps: decode steps of this round (multi-step scheduling; > 1 only when every
             scheduled request decodes one token): the worker feeds each sampled token into the
             next forward and returns up to `num_steps` tokens per request.
+        scheduled_encoder_inputs: req_id -> indices of its `mm_features` to encode this step
+            (before the forward; each image once, however many requests share it).
+        free_encoder_mm_hashes: image identifiers evicted from the encoder cache: the worker
+            drops their embeddings.
     """
 
     scheduled_new_reqs: list[NewRequestData]
@@ -75,6 +82,8 @@ class SchedulerOutput:
     preempted_req_ids: set[str]
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     num_steps: int = 1
+    scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
+    free_encoder_mm_hashes: list[str] = field(default_factory=list)
 
     @classmethod
     def make_empty(cls) -> SchedulerOutput:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from pagedllm.models.bert import BertForMaskedLM, BertModel
+from pagedllm.models.idefics3 import (Idefics3ForConditionalGeneration,
+                                      SmolVLMForConditionalGeneration)
 from pagedllm.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from pagedllm.models.llama import (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
                                    Qwen3ForCausalLM)
@@ -15,7 +17,9 @@ _MODELS = {cls.__name__: cls for cls in (LlamaForCausalLM, MistralForCausalLM, Q
                                          Qwen3ForCausalLM, Phi3ForCausalLM, Gemma2ForCausalLM,
                                          Gemma3ForCausalLM, BertModel, BertForMaskedLM,
                                          MixtralForCausalLM, Qwen2MoeForCausalLM,
-                                         Qwen3MoeForCausalLM, OlmoeForCausalLM)}
+                                         Qwen3MoeForCausalLM, OlmoeForCausalLM,
+                                         Idefics3ForConditionalGeneration,
+                                         SmolVLMForConditionalGeneration)}
 
 
 # GGUF `general.architecture` (llama.cpp's names) -> class.

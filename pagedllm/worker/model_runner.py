@@ -65,6 +65,7 @@ from pagedllm.spec_decode.metadata import SpecDecodeMetadata, build_spec_decode_
 from pagedllm.spec_decode.ngram import NgramProposer
 from pagedllm.structured_output.apply import apply_grammar_bitmask
 from pagedllm.worker.async_output import AsyncModelRunnerOutput, SampledTokens, start_host_copy
+from pagedllm.worker.encoder_runner import EncoderRunner
 from pagedllm.worker.cuda_graph import (CudaGraphInputBuffers, CudaGraphRunner,
                                         decode_graph_capture_sizes)
 from pagedllm.worker.eplb_state import EplbState
@@ -123,6 +124,8 @@ class ModelRunner:
         # The inputs of execute_model's last forward (a multi-step round starts from them).
         self._last_inputs: StepInputs | None = None
         self.multi_step: MultiStepRound | None = None   # (set by load_model)
+        # Image encoding and embeddings of a vision-language model (set by load_model).
+        self.encoder_runner: EncoderRunner | None = None
         # Each model's attention backend (`_run_model`), the target's and a drafter's.
         self._attention_backends: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # Async scheduling: sampled tokens not yet in token_ids_cpu (oldest first); the last
@@ -158,6 +161,8 @@ class ModelRunner:
                                self.device)
             self.drafter = DraftModelProposer(draft, self.spec_config.num_speculative_tokens,
                                               self._run_model, self.block_size, self.device)
+        if getattr(self.model, "supports_multimodal", False):
+            self.encoder_runner = EncoderRunner(self.model)
         self._setup_kv_cache_groups()
         self.multi_step = self._make_multi_step()
 
@@ -448,9 +453,11 @@ class ModelRunner:
 
     def _run_model(self, model: torch.nn.Module, input_ids: torch.Tensor,
                    positions: torch.Tensor, common: CommonAttentionMetadata,
-                   group_commons: tuple[CommonAttentionMetadata, ...] = ()) -> torch.Tensor:
+                   group_commons: tuple[CommonAttentionMetadata, ...] = (),
+                   inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """One forward of `model` over a flat batch; the only place the forward context is set.
-        With several KV cache groups, `group_commons` holds each group's metadata."""
+        With several KV cache groups, `group_commons` holds each group's metadata;
+        `inputs_embeds` replaces the token embeddings (image placeholders)."""
         backend = self._attention_backends.get(model)
         # Looked up once per model: listing the layers every step would be a cost of its own
         # (docs/benchmarks.md, "Measurements behind choices in the code").
@@ -465,16 +472,22 @@ class ModelRunner:
         if hasattr(model, "rope_positions"):   # a model whose RoPE rows depend on the step
             positions = model.rope_positions(positions, common.token_seq_lens())
         with set_forward_context(attn_metadata):
+            if inputs_embeds is not None:
+                return model(input_ids, positions, inputs_embeds)
             return model(input_ids, positions)
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
         """Run the forward pass of one step; logits are kept for `sample_tokens`."""
         self._update_states(scheduler_output)
+        if self.encoder_runner is not None:
+            self.encoder_runner.update(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             self._pending = self._last_inputs = None
             return
         inputs = StepInputs(*self._prepare_inputs(scheduler_output))
+        if self.encoder_runner is not None:
+            inputs = replace(inputs, batch=self.encoder_runner.with_inputs_embeds(inputs.batch))
         self._set_active_loras(inputs.batch)
         self._pending = self._forward(inputs)
         self._last_inputs = inputs
@@ -492,13 +505,14 @@ class ModelRunner:
         """The forward of prepared inputs -> the logits of the sampled rows."""
         batch, common = inputs.batch, inputs.common
         if (self.graph_runner is not None and batch.spec_decode_metadata is None
+                and batch.inputs_embeds is None
                 and not (self.lora_manager is not None and self.lora_manager.active)
                 and self.graph_runner.can_run(common)):
             hidden = self.graph_runner.run(batch.input_ids, batch.positions,
                                            batch.group_commons or (common,))
         else:
             hidden = self._run_model(self.model, batch.input_ids, batch.positions, common,
-                                     batch.group_commons)
+                                     batch.group_commons, batch.inputs_embeds)
         if isinstance(self.drafter, DraftModelProposer):
             self.drafter.catch_up(batch.input_ids, batch.positions, common)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
