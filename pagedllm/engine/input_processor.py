@@ -105,6 +105,9 @@ class InputProcessor:
             prompt_text, token_ids, mm_features = self._process_multimodal(prompt, params)
         else:
             prompt_text, token_ids = self._tokenize(prompt, params.truncate_prompt_tokens)
+            if isinstance(prompt, dict) and prompt.get("mm_features"):
+                # Token ids with their images already processed (the server's chat path).
+                mm_features = self._check_features(prompt["mm_features"], params)
         if params.truncate_prompt_tokens is not None:
             token_ids = token_ids[-params.truncate_prompt_tokens:]
         check_prompt_token_ids(token_ids, self.vocab_size)
@@ -149,14 +152,31 @@ class InputProcessor:
             raise ValueError(f"prompt: {len(text)} characters cannot fit max_model_len "
                              f"({self.max_model_len}) tokens")
         token_ids, features = self.mm_processor.process(text, data.get("image", []))
+        return text, token_ids, self._check_features(features, params)
+
+    def _check_features(self, features: list, params: SamplingParams
+                        ) -> list[MultiModalFeature]:
+        """Processed images checked against the encoder's budget and cache.
+
+        Raises:
+            ValueError: a text-only model, truncation asked for, a malformed feature, or an
+                image with more embeddings than max_num_encoder_input_tokens or
+                encoder_cache_size (it could never be scheduled).
+        """
+        if self.mm_processor is None:
+            raise ValueError("multi_modal_data: this model takes text only (no images)")
+        if params.truncate_prompt_tokens is not None:
+            raise ValueError("truncate_prompt_tokens cannot cut a prompt with images")
         config = self.mm_processor.config
         cap = min(config.encoder_cache_size, config.max_num_encoder_input_tokens)
         for i, f in enumerate(features):
+            if not isinstance(f, MultiModalFeature):
+                raise ValueError("mm_features must be MultiModalFeature objects")
             if f.num_embeds > cap:
                 raise ValueError(f"multi_modal_data: image {i} needs {f.num_embeds} embeddings, "
                                  f"more than the encoder's budget of {cap} "
                                  "(max_num_encoder_input_tokens, encoder_cache_size)")
-        return text, token_ids, features
+        return list(features)
 
     def _check_params(self, params: SamplingParams) -> None:
         """Checks that need the model, the tokenizer or the engine's caps; fills the bad words'

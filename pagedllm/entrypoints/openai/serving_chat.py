@@ -25,6 +25,7 @@ from pagedllm.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChun
                                                   TokenLogprob, ToolCall, TopLogprob, UsageInfo,
                                                   now_s)
 from pagedllm.entrypoints.openai.serving_beam_search import FinishedStream, beam_search
+from pagedllm.entrypoints.openai.serving_images import has_image_parts, render_image_chat
 from pagedllm.entrypoints.openai.template_thread import RequestTemplateRenderer
 from pagedllm.entrypoints.openai.tool_choice import template_messages, template_tools
 from pagedllm.entrypoints.openai.tool_parsers import ToolParser, get_tool_parser
@@ -155,8 +156,17 @@ class ServingChat:
         """
         model = self.serving.check_request(request, "top_logprobs")
         mode = self._tool_mode(request)
+        mm_features: list = []
+        if has_image_parts(request):
+            rendered, mm_features = await render_image_chat(
+                request, self.serving.async_llm.input_processor.mm_processor)
+        else:
+            rendered = await self._render(request)
         token_ids, params = self.serving.prepare(
-            request, self.serving.check_token_ids(await self._render(request), param="messages"))
+            request, self.serving.check_token_ids(rendered, param="messages"))
+        if mm_features and (request.use_beam_search or len(token_ids) != len(rendered)):
+            raise OpenAIServingError("messages: a prompt with images cannot be truncated or "
+                                     "beam searched", 400, param="messages")
         if mode.parser is not None and mode.parser.needs_special_tokens:
             params.skip_special_tokens = False      # the parser must see its markers
         if request.prompt_logprobs is not None:
@@ -169,7 +179,10 @@ class ServingChat:
             [final] = await beam_search(self.serving, request, [token_ids], params.max_tokens,
                                         request_id)
             return AdmittedChat(model, mode, FinishedStream(final), len(token_ids))
-        [stream] = await self.serving.admit(request, [({"prompt_token_ids": token_ids}, params)],
+        prompt = {"prompt_token_ids": token_ids}
+        if mm_features:
+            prompt["mm_features"] = mm_features
+        [stream] = await self.serving.admit(request, [(prompt, params)],
                                             request_id)
         return AdmittedChat(model, mode, stream, len(token_ids))
 
