@@ -98,7 +98,8 @@ def schedule_encoder_inputs(request: Request, num_computed_tokens: int, num_new_
     `request` (vLLM's `_try_schedule_encoder_inputs`).
 
     Every image whose placeholder range overlaps those tokens must have its embeddings cached
-    or encoded this step. One that is neither cached nor fits the budget or the cache cuts the
+    or encoded this step. A `bidirectional` image whose range starts in this chunk must end in
+    it too (its tokens attend to each other), else the chunk stops before it. One that is neither cached nor fits the budget or the cache cuts the
     step's tokens just before its range (possibly to 0: the request waits). A chunk may end
     inside an image's range: the embeddings stay cached for the next chunk.
 
@@ -118,6 +119,9 @@ def schedule_encoder_inputs(request: Request, num_computed_tokens: int, num_new_
             break
         if start + feature.length <= num_computed_tokens:
             continue
+        if feature.bidirectional and num_computed_tokens <= start < end < start + feature.length:
+            num_new_tokens = start - num_computed_tokens
+            break
         if manager.check_and_update_cache(request, i):
             continue
         if any(request.mm_features[j].identifier == feature.identifier for j in to_encode):

@@ -176,6 +176,12 @@ class InputProcessor:
                 raise ValueError(f"multi_modal_data: image {i} needs {f.num_embeds} embeddings, "
                                  f"more than the encoder's budget of {cap} "
                                  "(max_num_encoder_input_tokens, encoder_cache_size)")
+            step = (None if self.kv_cache_capacity is None
+                    else self.kv_cache_capacity.max_num_scheduled_tokens)
+            if f.bidirectional and step is not None and f.length > step:
+                raise ValueError(f"multi_modal_data: image {i} spans {f.length} tokens, which "
+                                 f"this model computes in one step; more than the "
+                                 f"{step} tokens a step takes (max_num_batched_tokens)")
         return list(features)
 
     def _check_params(self, params: SamplingParams) -> None:

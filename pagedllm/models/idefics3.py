@@ -31,8 +31,9 @@ class VisionEmbeddings(nn.Module):
     """Patch embedding + learned positions bucketed by each patch's fractional coordinates
     (so a tile of another size than `image_size` maps onto the same position table)."""
 
-    def __init__(self, config) -> None:
+    def __init__(self, config, bucketed_positions: bool = True) -> None:
         super().__init__()
+        self.bucketed_positions = bucketed_positions
         self.patch_size = config.patch_size
         self.patch_embedding = nn.Conv2d(config.num_channels, config.hidden_size,
                                          config.patch_size, config.patch_size)
@@ -41,8 +42,13 @@ class VisionEmbeddings(nn.Module):
                                                config.hidden_size)
 
     def position_ids(self, num_h: int, num_w: int, device: torch.device) -> torch.Tensor:
-        """[num_h * num_w] int64 position of each patch of an unpadded num_h x num_w tile."""
+        """[num_h * num_w] int64 position of each patch of an unpadded num_h x num_w tile
+        (plain SigLIP, `bucketed_positions=False`: row-major order of an image_size tile)."""
         n = self.num_patches_per_side
+        if not self.bucketed_positions:
+            if num_h * num_w != n * n:
+                raise ValueError(f"a {num_h}x{num_w}-patch image for a {n}x{n}-patch tower")
+            return torch.arange(n * n, device=device)
         boundaries = torch.arange(1 / n, 1.0, 1 / n, device=device)
         frac_h = torch.clamp(torch.arange(num_h, device=device, dtype=torch.float32)
                              * (1.0 / num_h), max=1.0 - 1e-6)
@@ -89,9 +95,11 @@ class VisionEncoderLayer(nn.Module):
 
 
 class VisionTransformer(nn.Module):
-    def __init__(self, config) -> None:
+    """SigLIP's vision transformer: pixel_values [T, C, H, W] -> [T, patches, Dv]."""
+
+    def __init__(self, config, bucketed_positions: bool = True) -> None:
         super().__init__()
-        self.embeddings = VisionEmbeddings(config)
+        self.embeddings = VisionEmbeddings(config, bucketed_positions)
         self.layers = nn.ModuleList(VisionEncoderLayer(config)
                                     for _ in range(config.num_hidden_layers))
         self.post_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)

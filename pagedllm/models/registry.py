@@ -5,6 +5,7 @@ from __future__ import annotations
 from pagedllm.models.bert import BertForMaskedLM, BertModel
 from pagedllm.models.idefics3 import (Idefics3ForConditionalGeneration,
                                       SmolVLMForConditionalGeneration)
+from pagedllm.models.gemma3_mm import Gemma3ForConditionalGeneration
 from pagedllm.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from pagedllm.models.llama import (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
                                    Qwen3ForCausalLM)
@@ -19,7 +20,8 @@ _MODELS = {cls.__name__: cls for cls in (LlamaForCausalLM, MistralForCausalLM, Q
                                          MixtralForCausalLM, Qwen2MoeForCausalLM,
                                          Qwen3MoeForCausalLM, OlmoeForCausalLM,
                                          Idefics3ForConditionalGeneration,
-                                         SmolVLMForConditionalGeneration)}
+                                         SmolVLMForConditionalGeneration,
+                                         Gemma3ForConditionalGeneration)}
 
 
 # GGUF `general.architecture` (llama.cpp's names) -> class.

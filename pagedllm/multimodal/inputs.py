@@ -31,6 +31,8 @@ class MultiModalFeature:
         is_embed: bool [length]: which tokens of the range take an image embedding (the others,
             e.g. Idefics3's tile separators, keep their token embedding).
         data: the encoder's inputs (e.g. "pixel_values" float32 [num_tiles, 3, H, W]).
+        bidirectional: the decoder attends the range's tokens to each other in both directions
+            (Gemma 3): the range is then computed in one step, never split across chunks.
     """
 
     modality: str
@@ -39,6 +41,7 @@ class MultiModalFeature:
     length: int
     is_embed: np.ndarray
     data: dict[str, np.ndarray]
+    bidirectional: bool = False
 
     @property
     def num_embeds(self) -> int:

@@ -4,14 +4,17 @@ placeholders + one `MultiModalFeature` per image, through the model's Hugging Fa
 
 It runs in the front end (the InputProcessor's admission), never in the engine loop. The
 image processors are the `*ImageProcessorPil` ones (numpy/PIL; torchvision is not needed).
-Per architecture, `_TILES_PER_IMAGE` says how many rows of the processor's `pixel_values`
-belong to each image (Idefics3 / SmolVLM split an image into tiles plus a global view).
+Per architecture, `_FAMILIES` says how many rows of the processor's `pixel_values` belong to
+each image (Idefics3 / SmolVLM split an image into tiles plus a global view; Gemma 3 has one),
+where the image token id is in the HF config, and whether the decoder attends an image's tokens
+bidirectionally (Gemma 3: such an image is never split across prefill chunks).
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -27,16 +30,39 @@ def _idefics3_tiles(hf_processor, images) -> list[int]:
     return [max(1, ip.get_number_of_image_patches(im.height, im.width, {})[0]) for im in images]
 
 
-# Architecture -> (tiles of each image's pixel_values; the HF config key of the image token id).
-_TILES_PER_IMAGE: dict[str, tuple[Callable[[Any, list], list[int]], str]] = {
-    "Idefics3ForConditionalGeneration": (_idefics3_tiles, "image_token_id"),
-    "SmolVLMForConditionalGeneration": (_idefics3_tiles, "image_token_id"),
+def _one_tile(hf_processor, images) -> list[int]:
+    return [1] * len(images)
+
+
+@dataclass(frozen=True)
+class _Family:
+    """How a family's HF processor output maps onto images.
+
+    tiles_per_image: (processor, PIL images) -> rows of pixel_values of each image.
+    image_token_key: the HF config key of the placeholder token each embedding replaces.
+    batched_pixels: pixel_values has a leading batch axis ([1, tiles, 3, H, W]), else
+        [tiles, 3, H, W].
+    bidirectional: the decoder attends an image's placeholders bidirectionally.
+    """
+
+    tiles_per_image: Callable[[Any, list], list[int]]
+    image_token_key: str
+    batched_pixels: bool = True
+    bidirectional: bool = False
+
+
+_IDEFICS3 = _Family(_idefics3_tiles, "image_token_id")
+_FAMILIES: dict[str, _Family] = {
+    "Idefics3ForConditionalGeneration": _IDEFICS3,
+    "SmolVLMForConditionalGeneration": _IDEFICS3,
+    "Gemma3ForConditionalGeneration": _Family(_one_tile, "image_token_index",
+                                              batched_pixels=False, bidirectional=True),
 }
 
 
 def multimodal_architecture(architectures: Sequence[str]) -> str | None:
     """The first of `architectures` that takes images here (None: a text-only model)."""
-    return next((a for a in architectures if a in _TILES_PER_IMAGE), None)
+    return next((a for a in architectures if a in _FAMILIES), None)
 
 
 def image_hash(pixel_values: np.ndarray) -> str:
@@ -51,7 +77,7 @@ class MultiModalProcessor:
 
     Args:
         hf_processor: the checkpoint's `AutoProcessor` (with a PIL image processor).
-        architecture: the model's architecture (a key of `_TILES_PER_IMAGE`).
+        architecture: the model's architecture (a key of `_FAMILIES`).
         image_token_id: the placeholder token each image embedding replaces.
         config: limits (images per prompt, pixels per image).
     """
@@ -59,7 +85,7 @@ class MultiModalProcessor:
     def __init__(self, hf_processor, architecture: str, image_token_id: int,
                  config: MultiModalConfig) -> None:
         self.hf_processor = hf_processor
-        self.tiles_per_image = _TILES_PER_IMAGE[architecture][0]
+        self.family = _FAMILIES[architecture]
         self.image_token_id = image_token_id
         self.image_token: str = hf_processor.image_token
         self.config = config
@@ -82,8 +108,7 @@ class MultiModalProcessor:
                                                          trust_remote_code=trust_remote_code)
         except Exception as e:  # noqa: BLE001 - named in the message
             raise ValueError(f"could not load the image processor of {model_path}: {e}") from e
-        token_key = _TILES_PER_IMAGE[arch][1]
-        return cls(hf_processor, arch, int(hf_config[token_key]), config)
+        return cls(hf_processor, arch, int(hf_config[_FAMILIES[arch].image_token_key]), config)
 
     def load_images(self, images: Any) -> list:
         """PIL RGB images from one image or a list (`load_image`), within the prompt limit.
@@ -130,9 +155,11 @@ class MultiModalProcessor:
         except Exception as e:  # noqa: BLE001 - the processor refused this input
             raise ValueError(f"multi_modal_data: the image processor failed: {e}") from None
         token_ids = [int(t) for t in out["input_ids"][0]]
-        pixel_values = np.asarray(out["pixel_values"][0], dtype=np.float32)
+        pixel_values = np.asarray(out["pixel_values"], dtype=np.float32)
+        if self.family.batched_pixels:
+            pixel_values = pixel_values[0]
         return token_ids, self._features(token_ids, pixel_values,
-                                         self.tiles_per_image(self.hf_processor, images))
+                                         self.family.tiles_per_image(self.hf_processor, images))
 
     def _features(self, token_ids: list[int], pixel_values: np.ndarray,
                   tiles: list[int]) -> list[MultiModalFeature]:
@@ -150,7 +177,8 @@ class MultiModalProcessor:
             data = {"pixel_values": pixel_values[tile0:tile0 + n]}
             features.append(MultiModalFeature(
                 "image", image_hash(data["pixel_values"]), offset, length,
-                ids[offset:offset + length] == self.image_token_id, data))
+                ids[offset:offset + length] == self.image_token_id, data,
+                bidirectional=self.family.bidirectional))
             tile0, tok0 = tile0 + n, tok0 + n * per_tile
         return features
 

@@ -7,6 +7,9 @@ and scatters them over each step's image placeholder positions.
     step's tokens [num_computed, + num_scheduled) of each request
         x its features' ranges (`MultiModalFeature.embed_range`) -> inputs_embeds rows
 
+Images a model attends bidirectionally (Gemma 3) also set the step's `attend_until` (each
+query's last visible key position: the image's last token for the image's own tokens).
+
 The scheduler owns the policy (what is cached, budgets: core/encoder_cache_manager.py); this
 object only follows it. A step without image tokens gets no `inputs_embeds` (the plain token
 path, fused decoder included).
@@ -21,7 +24,7 @@ import torch
 
 from pagedllm.core.sched_output import SchedulerOutput
 from pagedllm.multimodal.inputs import MultiModalFeature
-from pagedllm.worker.input_batch import InputBatch
+from pagedllm.worker.input_batch import InputBatch, StepInputs
 
 
 class EncoderRunner:
@@ -66,10 +69,12 @@ class EncoderRunner:
                                    f"image with {feature.num_embeds} placeholders")
             self.cache[mm_hash] = embeds
 
-    def with_inputs_embeds(self, batch: InputBatch) -> InputBatch:
-        """`batch` with `inputs_embeds` [num_tokens, hidden] when any of its tokens is an image
-        placeholder (token embeddings elsewhere), else `batch` itself."""
-        dst, src = [], []
+    def prepare_inputs(self, inputs: StepInputs) -> StepInputs:
+        """`inputs` with `inputs_embeds` [num_tokens, hidden] when any of its tokens is an image
+        placeholder (token embeddings elsewhere) and, for bidirectional images, `attend_until`
+        in the attention metadata; else `inputs` itself."""
+        batch = inputs.batch
+        dst, src, spans = [], [], []
         for b, req_id in enumerate(batch.req_ids):
             features = self.features.get(req_id)
             if not features:
@@ -82,9 +87,20 @@ class EncoderRunner:
                 if len(positions):
                     dst.append(positions + q0)
                     src.append(self.cache[f.identifier][lo:hi])
+                if f.bidirectional and f.offset < end and f.offset + f.length > start:
+                    first, last = max(start, f.offset), min(end, f.offset + f.length)
+                    spans.append((q0 + first - start, q0 + last - start, f.offset + f.length - 1))
         if not dst:
-            return batch
+            return inputs
         embeds = self.model.embed_input_ids(batch.input_ids).clone()
         index = torch.from_numpy(np.concatenate(dst)).to(embeds.device)
         embeds[index] = torch.cat(src).to(embeds.dtype)
-        return replace(batch, inputs_embeds=embeds)
+        batch, common = replace(batch, inputs_embeds=embeds), inputs.common
+        if spans:
+            attend_until = batch.positions.clone()
+            for lo, hi, last in spans:
+                attend_until[lo:hi] = last
+            common = replace(common, attend_until=attend_until)
+            batch = replace(batch, group_commons=tuple(
+                replace(c, attend_until=attend_until) for c in batch.group_commons))
+        return StepInputs(batch, common)

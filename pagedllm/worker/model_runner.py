@@ -162,6 +162,13 @@ class ModelRunner:
             self.drafter = DraftModelProposer(draft, self.spec_config.num_speculative_tokens,
                                               self._run_model, self.block_size, self.device)
         if getattr(self.model, "supports_multimodal", False):
+            backend = self.model.attention_layers()[0].backend
+            if (getattr(self.model, "mm_bidirectional", False)
+                    and not getattr(backend, "supports_attend_until", False)):
+                raise ValueError(
+                    f"{type(self.model).__name__} attends image tokens bidirectionally, which "
+                    f"the {backend.name} attention backend does not support; use torch_sdpa "
+                    "(PAGEDLLM_ATTENTION_BACKEND=torch_sdpa)")
             self.encoder_runner = EncoderRunner(self.model)
         self._setup_kv_cache_groups()
         self.multi_step = self._make_multi_step()
@@ -487,7 +494,7 @@ class ModelRunner:
             return
         inputs = StepInputs(*self._prepare_inputs(scheduler_output))
         if self.encoder_runner is not None:
-            inputs = replace(inputs, batch=self.encoder_runner.with_inputs_embeds(inputs.batch))
+            inputs = self.encoder_runner.prepare_inputs(inputs)
         self._set_active_loras(inputs.batch)
         self._pending = self._forward(inputs)
         self._last_inputs = inputs
