@@ -6,7 +6,10 @@ images and over-limit requests get a 400 naming the problem while the engine goe
 from __future__ import annotations
 
 import base64
+import functools
+import http.server
 import io
+import threading
 
 import openai
 import pytest
@@ -15,6 +18,7 @@ from fastapi.testclient import TestClient
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.entrypoints.openai.api_server import build_app
+from pagedllm.multimodal.fetch import MediaFetcher
 from tests.fixtures.vlm import draw_image
 
 MAX_TOKENS = 6
@@ -33,13 +37,28 @@ def messages(url: str, text: str = "What is in") -> list[dict]:
 
 
 @pytest.fixture(scope="module")
+def image_server(tmp_path_factory):
+    """A local HTTP server of one PNG (`/cat.png`); yields its base URL."""
+    root = tmp_path_factory.mktemp("images")
+    IMAGE.save(root / "cat.png")
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(root))
+    handler.log_message = lambda *args: None
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+@pytest.fixture(scope="module")
 def client(tiny_idefics3):
     # 3000 pixels per image at most: a 64x64 image is "too large" (refused from its header).
     async_llm = AsyncLLM.from_engine_args(str(tiny_idefics3), dtype="float32",
                                           kv_cache_memory_bytes=1 << 22, max_model_len=256,
                                           limit_mm_per_prompt={"image": 1},
                                           max_image_pixels=3000)
-    with TestClient(build_app(async_llm, ["vlm"], model_root=str(tiny_idefics3))) as http:
+    app = build_app(async_llm, ["vlm"], model_root=str(tiny_idefics3),
+                    media_fetcher=MediaFetcher(("127.0.0.1",)))
+    with TestClient(app) as http:
         yield openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http,
                             max_retries=0)
 
@@ -91,7 +110,8 @@ def test_openai_client_equals_llm_chat(client, chat_tokens, tiny_idefics3):
     ("data:image/png;base64,AAAAAAAA", "cannot decode"),
     ("data:image/png;base64,@@not base64@@", "base64"),
     ("data:text/plain;base64,aGVsbG8=", "not an image"),
-    ("https://example.com/cat.png", "data: URL"),
+    ("https://example.com/cat.png", "not in --allowed-media-domains"),
+    ("file:///etc/passwd", "not read by this server"),
     (png_data_url(draw_image(64, 64, 3)), "more than the limit"),
 ])
 def test_bad_images_are_400_and_the_engine_goes_on(client, url, problem):
@@ -121,3 +141,12 @@ def test_images_for_a_text_only_model_are_refused(tiny_llama):
                      SamplingParams(max_tokens=2), use_tqdm=False)
     [out] = llm.generate(["hi"], SamplingParams(max_tokens=2), use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 2
+
+
+def test_fetched_url_equals_data_url(client, image_server):
+    kwargs = dict(model="vlm", temperature=0, max_tokens=MAX_TOKENS,
+                  extra_body={"ignore_eos": True})
+    by_url = client.chat.completions.create(messages=messages(image_server + "/cat.png"),
+                                            **kwargs)
+    by_data = client.chat.completions.create(messages=messages(png_data_url(IMAGE)), **kwargs)
+    assert by_url.choices[0].message.content == by_data.choices[0].message.content

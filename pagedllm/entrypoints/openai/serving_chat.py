@@ -25,6 +25,7 @@ from pagedllm.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChun
                                                   TokenLogprob, ToolCall, TopLogprob, UsageInfo,
                                                   now_s)
 from pagedllm.entrypoints.openai.serving_beam_search import FinishedStream, beam_search
+from pagedllm.multimodal.fetch import MediaFetcher
 from pagedllm.entrypoints.openai.serving_images import has_image_parts, render_image_chat
 from pagedllm.entrypoints.openai.template_thread import RequestTemplateRenderer
 from pagedllm.entrypoints.openai.tool_choice import template_messages, template_tools
@@ -100,6 +101,8 @@ class ServingChat:
         reasoning_parser: split `reasoning_content` off the output (`pagedllm/reasoning`).
         trust_request_chat_template: allow a request's own `chat_template` (vLLM's
             --trust-request-chat-template; a template is code the server runs).
+        media_fetcher: fetches `http(s)://` and `file:` image URLs under its SSRF rules
+            (multimodal/fetch.py); None: such URLs are refused.
 
     Raises:
         ValueError: an unknown parser name, or auto tool choice without a parser.
@@ -108,8 +111,10 @@ class ServingChat:
     def __init__(self, serving: OpenAIServing, tool_call_parser: str | None = None,
                  enable_auto_tool_choice: bool = False,
                  reasoning_parser: str | None = None,
-                 trust_request_chat_template: bool = False) -> None:
+                 trust_request_chat_template: bool = False,
+                 media_fetcher: MediaFetcher | None = None) -> None:
         self.serving = serving
+        self.media_fetcher = media_fetcher
         self.trust_request_chat_template = trust_request_chat_template
         self._template_renderer = RequestTemplateRenderer()
         self._token_bytes: TokenBytes | None = None
@@ -159,7 +164,8 @@ class ServingChat:
         mm_features: list = []
         if has_image_parts(request):
             rendered, mm_features = await render_image_chat(
-                request, self.serving.async_llm.input_processor.mm_processor)
+                request, self.serving.async_llm.input_processor.mm_processor,
+                self.media_fetcher)
         else:
             rendered = await self._render(request)
         token_ids, params = self.serving.prepare(
