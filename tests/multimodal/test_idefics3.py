@@ -77,3 +77,23 @@ def test_prefix_cache_keyed_by_image(llm):
     # The same image and text hit every full block; another image none past the image start.
     assert same.num_cached_tokens == (len(same.prompt_token_ids) - 1) // block_size * block_size
     assert other.num_cached_tokens <= feature.offset // block_size * block_size
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kwargs", [{"async_scheduling": True},
+                                    {"tensor_parallel_size": 2, "max_num_batched_tokens": 16},
+                                    {"max_num_batched_tokens": 8, "block_size": 8,
+                                     "num_gpu_blocks_override": 14, "max_num_seqs": 3}])
+def test_engine_variants_equal_hf(tiny_idefics3, hf_idefics3_tokens, kwargs):
+    # Async scheduling; tensor parallelism (the vision tower replicated on both ranks); chunks
+    # of 8 tokens under preemption.
+    defaults = {"kv_cache_memory_bytes": 1 << 22} if "num_gpu_blocks_override" not in kwargs \
+        else {}
+    llm = LLM(str(tiny_idefics3), dtype="float32", max_model_len=256, **defaults, **kwargs)
+    assert _generate(llm) == hf_idefics3_tokens
+    before = llm.get_stats().num_encoder_runs
+    [out] = llm.generate([as_engine_prompt("x <image> y", [draw_image(30, 50, 9)])],
+                         SamplingParams(n=3, temperature=1.0, seed=0, max_tokens=3),
+                         use_tqdm=False)
+    assert len(out.outputs) == 3
+    assert llm.get_stats().num_encoder_runs - before == 1
