@@ -259,12 +259,14 @@ class LLM:
         """Beam search per prompt (see pagedllm/beam_search.py for the algorithm and score).
 
         Raises:
-            ValueError: for an invalid prompt.
+            ValueError: for an invalid prompt, or one with images.
         """
         ids = []
         for prompt in self._as_prompt_list(prompts):
             core_req, _ = self.llm_engine.input_processor.process("beam", prompt,
                                                                    SamplingParams(max_tokens=1))
+            if core_req.mm_features:
+                raise ValueError("beam search does not take prompts with images yet")
             ids.append(core_req.prompt_token_ids)
         return run_beam_search(self, ids, params)
 
