@@ -24,7 +24,7 @@ from torch import nn
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.layernorm import GemmaRMSNorm
 from pagedllm.models.gemma import Gemma3ForCausalLM
-from pagedllm.models.idefics3 import VisionTransformer
+from pagedllm.models.idefics3 import VISION_STACKED_PARAMS, VisionTransformer
 from pagedllm.models.utils import load_named_weight
 
 
@@ -103,7 +103,8 @@ class Gemma3ForConditionalGeneration(nn.Module):
                     continue
                 ours = ours.replace("encoder.layers.", "layers.")
                 ours = ours.replace(".self_attn.", ".").replace(".mlp.", ".")
-                loaded.add(load_named_weight(params, "vision_tower." + ours, tensor))
+                loaded.add(load_named_weight(params, "vision_tower." + ours, tensor,
+                                             VISION_STACKED_PARAMS))
             else:
                 raise ValueError(f"checkpoint tensor {name} has no matching parameter")
         loaded |= {f"language_model.{n}" for n in self.language_model.load_weights(text)}

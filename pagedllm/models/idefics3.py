@@ -23,6 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.layers.attention import Attention
+from pagedllm.layers.linear import (ColumnParallelLinear, QKVParallelLinear,
+                                    RowParallelLinear)
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.utils import load_named_weight
 
@@ -66,18 +68,27 @@ class VisionEmbeddings(nn.Module):
         return x + self.position_embedding(self.position_ids(num_h, num_w, x.device))
 
 
+# (our parameter, checkpoint name, shard id) of a vision encoder layer.
+VISION_STACKED_PARAMS = (("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"),
+                         ("qkv_proj", "v_proj", "v"))
+
+
 class VisionEncoderLayer(nn.Module):
+    """Pre-norm transformer layer, bidirectional within each image tile. Its linears are the
+    decoder's (tensor-parallel by heads and MLP columns; the CPU's packed GEMM after loading)."""
+
     def __init__(self, config) -> None:
         super().__init__()
         d = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.head_size = d // self.num_heads
-        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(d, d) for _ in range(3))
-        self.out_proj = nn.Linear(d, d)
+        self.head_size = d // config.num_attention_heads
+        self.qkv_proj = QKVParallelLinear(d, self.head_size, config.num_attention_heads,
+                                          config.num_attention_heads, bias=True)
+        self.num_heads = self.qkv_proj.num_heads
+        self.out_proj = RowParallelLinear(d, d, bias=True)
         self.layer_norm1 = nn.LayerNorm(d, eps=config.layer_norm_eps)
         self.layer_norm2 = nn.LayerNorm(d, eps=config.layer_norm_eps)
-        self.fc1 = nn.Linear(d, config.intermediate_size)
-        self.fc2 = nn.Linear(config.intermediate_size, d)
+        self.fc1 = ColumnParallelLinear(d, config.intermediate_size, bias=True)
+        self.fc2 = RowParallelLinear(config.intermediate_size, d, bias=True)
         if config.hidden_act not in ("gelu_pytorch_tanh", "gelu"):
             raise ValueError(f"unsupported vision hidden_act {config.hidden_act!r}")
         self.approximate = "tanh" if config.hidden_act == "gelu_pytorch_tanh" else "none"
@@ -85,13 +96,14 @@ class VisionEncoderLayer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, N, Dv]: N patches of each of T tiles, attending to all patches of their tile."""
         t, n, d = x.shape
-        h = self.layer_norm1(x)
-        q, k, v = (p(h).view(t, n, self.num_heads, self.head_size).transpose(1, 2)
-                   for p in (self.q_proj, self.k_proj, self.v_proj))
+        h = self.layer_norm1(x).reshape(t * n, d)
+        q, k, v = (y.view(t, n, self.num_heads, self.head_size).transpose(1, 2)
+                   for y in self.qkv_proj(h).chunk(3, dim=-1))
         attn = F.scaled_dot_product_attention(q, k, v, scale=self.head_size ** -0.5)
-        x = x + self.out_proj(attn.transpose(1, 2).reshape(t, n, d))
-        h = self.fc2(F.gelu(self.fc1(self.layer_norm2(x)), approximate=self.approximate))
-        return x + h
+        x = x + self.out_proj(attn.transpose(1, 2).reshape(t * n, -1)).view(t, n, d)
+        h = self.fc1(self.layer_norm2(x).reshape(t * n, d))
+        h = self.fc2(F.gelu(h, approximate=self.approximate))
+        return x + h.view(t, n, d)
 
 
 class VisionTransformer(nn.Module):
@@ -199,7 +211,7 @@ class Idefics3ForConditionalGeneration(nn.Module):
             elif name.startswith("model.vision_model."):
                 ours = name[len("model."):].replace(".encoder.layers.", ".layers.")
                 ours = ours.replace(".self_attn.", ".").replace(".mlp.", ".")
-                loaded.add(load_named_weight(params, ours, tensor))
+                loaded.add(load_named_weight(params, ours, tensor, VISION_STACKED_PARAMS))
             else:
                 raise ValueError(f"checkpoint tensor {name} has no matching parameter")
         loaded |= {f"language_model.{n}" for n in self.language_model.load_weights(text)}
