@@ -582,6 +582,43 @@ class RequestLimits:
 
 
 @dataclass(frozen=True)
+class MultiModalConfig:
+    """Image inputs (docs/multimodal.md); read only by engines of vision-language models.
+
+    Attributes:
+        limit_per_prompt: most items of each modality in one prompt (vLLM's
+            `--limit-mm-per-prompt`), e.g. {"image": 4}.
+        max_image_pixels: most pixels (width x height) of one decoded image: a larger image
+            (a decompression bomb among them) is refused before its pixels are decoded.
+        max_num_encoder_input_tokens: most image embeddings the encoder computes in one step
+            (vLLM's name, the encoder's token budget).
+        encoder_cache_size: most image embeddings (in tokens) kept between steps; an image
+            with more embeddings than this is refused at admission.
+    """
+
+    limit_per_prompt: dict[str, int] = field(default_factory=lambda: {"image": 4})
+    max_image_pixels: int = 1 << 25
+    max_num_encoder_input_tokens: int = 8192
+    encoder_cache_size: int = 8192
+
+    def __post_init__(self) -> None:
+        for modality, limit in self.limit_per_prompt.items():
+            if modality != "image":
+                raise ValueError(f"limit_mm_per_prompt: unknown modality {modality!r} (only "
+                                 "'image' is supported)")
+            if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+                raise ValueError(f"limit_mm_per_prompt: the limit of {modality!r} must be an "
+                                 f"int >= 0, got {limit!r}")
+        for name in ("max_image_pixels", "max_num_encoder_input_tokens", "encoder_cache_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.encoder_cache_size < self.max_num_encoder_input_tokens:
+            raise ValueError(f"encoder_cache_size ({self.encoder_cache_size}) must be >= "
+                             f"max_num_encoder_input_tokens ({self.max_num_encoder_input_tokens})")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """All configs of one engine, validated against each other.
 
@@ -614,6 +651,8 @@ class EngineConfig:
     lora_config: LoRAConfig | None = None
     # A KV connector (docs/kv_connectors.md); None = none.
     kv_transfer_config: KVTransferConfig | None = None
+    # Image inputs of vision-language models (ignored for text-only ones).
+    multimodal_config: MultiModalConfig = MultiModalConfig()
 
     def __post_init__(self) -> None:
         if self.reasoning_parser is not None:
@@ -741,7 +780,11 @@ def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str
                          max_lora_rank: int = 16, max_cpu_loras: int | None = None,
                          kv_transfer_config: dict[str, Any] | KVTransferConfig | None = None,
                          kv_offloading_size: float | None = None,
-                         kv_offloading_dir: str | None = None
+                         kv_offloading_dir: str | None = None,
+                         limit_mm_per_prompt: dict[str, int] | None = None,
+                         max_image_pixels: int = 1 << 25,
+                         max_num_encoder_input_tokens: int = 8192,
+                         encoder_cache_size: int = 8192
                          ) -> EngineConfig:
     """Build and validate an `EngineConfig` from flat engine arguments (vLLM's names).
 
@@ -845,9 +888,15 @@ def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str
         lora_config=lora_config,
         kv_transfer_config=_kv_transfer_config(kv_transfer_config, kv_offloading_size,
                                                kv_offloading_dir, enable_prefix_caching),
+        multimodal_config=MultiModalConfig(
+            limit_per_prompt=(MultiModalConfig().limit_per_prompt if limit_mm_per_prompt is None
+                              else dict(limit_mm_per_prompt)),
+            max_image_pixels=max_image_pixels,
+            max_num_encoder_input_tokens=max_num_encoder_input_tokens,
+            encoder_cache_size=encoder_cache_size),
     )
 
 
 __all__ = ["ModelConfig", "CacheConfig", "SchedulerConfig", "ParallelConfig", "EngineConfig",
-           "EPLBConfig", "SpeculativeConfig", "RequestLimits",
+           "EPLBConfig", "SpeculativeConfig", "RequestLimits", "MultiModalConfig",
            "create_engine_config"]

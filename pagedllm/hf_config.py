@@ -58,6 +58,7 @@ def _eos_ids(model_path: str, hf: dict[str, Any]) -> tuple[int, ...]:
 # Architectures whose attention layers apply their own sliding windows (models/gemma.py,
 # models/llama.py's `layer_sliding_windows`).
 _LAYER_WINDOW_ARCHITECTURES = frozenset({"Gemma2ForCausalLM", "Gemma3ForCausalLM",
+                                         "Gemma3ForConditionalGeneration",
                                          "MistralForCausalLM", "Qwen2ForCausalLM",
                                          "Qwen3ForCausalLM"})
 

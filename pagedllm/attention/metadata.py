@@ -34,6 +34,10 @@ class CommonAttentionMetadata:
         num_reqs, num_actual_tokens, max_query_len, max_seq_len: ints.
         block_size: tokens per KV block.
         causal: False for encoder-only models.
+        attend_until: [num_actual_tokens] int64 on the device, the last key position each
+            query may attend (its own position, except for the tokens of an image a model
+            attends bidirectionally, e.g. Gemma 3: the image's last position); None = causal.
+            Only backends with `supports_attend_until` take it.
         batch_invariant: the engine's batch-invariant mode (`batch_invariant=True`): a backend
             must then compute each query token's output from that token's own context alone,
             in a reduction order that does not depend on the other requests of the step, on
@@ -53,6 +57,7 @@ class CommonAttentionMetadata:
     block_size: int
     causal: bool = True
     batch_invariant: bool = False
+    attend_until: torch.Tensor | None = None
 
     def token_seq_lens(self) -> np.ndarray:
         """[num_actual_tokens] int32: each token's request's `seq_lens` entry."""

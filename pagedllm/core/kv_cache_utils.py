@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from pagedllm.multimodal.inputs import mm_block_keys
+
 if TYPE_CHECKING:
     from pagedllm.core.request import Request
 
@@ -43,7 +45,11 @@ def hash_block_tokens(parent_block_hash: bytes, block_token_ids: list[int] | np.
 
 def get_request_block_hasher(block_size: int,
                              extra_keys: tuple = ()) -> Callable[[Request], list[bytes]]:
-    """Return a function giving the hashes of a request's not-yet-hashed full blocks."""
+    """Return a function giving the hashes of a request's not-yet-hashed full blocks.
+
+    A block over tokens of a prompt's image placeholders also hashes the image's identifier
+    (`mm_block_keys`): the same text with another image never hits, the same image does.
+    """
 
     def hasher(request: Request) -> list[bytes]:
         start = len(request.block_hashes) * block_size
@@ -51,7 +57,10 @@ def get_request_block_hasher(block_size: int,
         new_hashes = []
         tokens = request.all_token_ids
         while start + block_size <= len(tokens):
-            parent = hash_block_tokens(parent, tokens[start:start + block_size], extra_keys)
+            keys = extra_keys
+            if request.mm_features:
+                keys = extra_keys + mm_block_keys(request.mm_features, start, start + block_size)
+            parent = hash_block_tokens(parent, tokens[start:start + block_size], keys)
             new_hashes.append(parent)
             start += block_size
         return new_hashes

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Container
 
 from pagedllm.lora.request import LoRARequest
+from pagedllm.multimodal.inputs import MultiModalFeature
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -66,14 +67,17 @@ class Request:
         arrival_time: time.monotonic() seconds when it reached the engine (now if None).
         priority: under the priority policy, lower values are scheduled first (vLLM's).
         lora_request: the adapter it runs under (None: the base model).
+        mm_features: its prompt's images, in prompt order (None: text only).
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, max_tokens: int,
                  block_hasher: Callable[[Request], list[bytes]] | None = None,
                  arrival_time: float | None = None, priority: int = 0,
-                 lora_request: LoRARequest | None = None) -> None:
+                 lora_request: LoRARequest | None = None,
+                 mm_features: list[MultiModalFeature] | None = None) -> None:
         self.request_id = request_id
+        self.mm_features: list[MultiModalFeature] = list(mm_features or ())
         self.priority = priority
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params

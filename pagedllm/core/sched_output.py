@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pagedllm.lora.request import LoRARequest
+from pagedllm.multimodal.inputs import MultiModalFeature
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -17,7 +18,8 @@ class NewRequestData:
     `prompt_token_ids` + `output_token_ids` are all the request's tokens so far; `block_ids` its
     blocks, one list per KV cache group (a plain list of ints is taken as the blocks of a single
     group); `num_computed_tokens` the tokens already in those blocks (prefix-cache hits);
-    `lora_request` its adapter (None: the base model).
+    `lora_request` its adapter (None: the base model); `mm_features` its prompt's images
+    (None: text only).
     """
 
     req_id: str
@@ -27,6 +29,7 @@ class NewRequestData:
     block_ids: tuple[list[int], ...]
     num_computed_tokens: int
     lora_request: LoRARequest | None = None
+    mm_features: list[MultiModalFeature] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_ids, tuple):
@@ -67,6 +70,10 @@ class SchedulerOutput:
             next forward and returns up to `num_steps` tokens per request.
         kv_connector_metadata: the KV connector's transfers of this step (its own plain
             dataclass; None without a connector): see core/kv_connector/base.py.
+        scheduled_encoder_inputs: req_id -> indices of its `mm_features` to encode this step
+            (before the forward; each image once, however many requests share it).
+        free_encoder_mm_hashes: image identifiers evicted from the encoder cache: the worker
+            drops their embeddings.
     """
 
     scheduled_new_reqs: list[NewRequestData]
@@ -78,6 +85,8 @@ class SchedulerOutput:
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     num_steps: int = 1
     kv_connector_metadata: object = None
+    scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
+    free_encoder_mm_hashes: list[str] = field(default_factory=list)
 
     @classmethod
     def make_empty(cls) -> SchedulerOutput:

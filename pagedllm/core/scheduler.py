@@ -34,6 +34,12 @@ forward and returns up to `num_steps` tokens per request; `update_from_output` a
 conditions token by token, as with accepted drafts. `num_steps` never takes a request past its
 max_tokens or max_model_len, and a round is only made when its slots fit the free blocks (it
 never preempts).
+
+Images (vision-language models): a request's `mm_features` mark its prompt's image placeholder
+ranges. Before a request's tokens are granted, every image their range overlaps must have its
+embeddings in the encoder cache or be encoded this step within the step's encoder budget
+(`max_num_encoder_input_tokens`) and the cache (core/encoder_cache_manager.py); otherwise the
+chunk stops before that image. A chunk may end inside an image: its embeddings stay cached.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from pagedllm.config import CacheConfig, SchedulerConfig
+from pagedllm.core.encoder_cache_manager import EncoderCacheManager, schedule_encoder_inputs
 from pagedllm.core.kv_cache_groups import KVCacheCapacity, make_kv_cache_groups
 from pagedllm.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from pagedllm.core.request import Request, RequestStatus, stop_token_reached
@@ -70,6 +77,8 @@ class SchedulerStats:
     spec_decoding_stats: SpecDecodingStats
     # The KV connector's counts since start (None: no connector).
     kv_connector_stats: KVConnectorStats | None = None
+    # Images encoded since start (each once per cache entry: see encoder_cache_manager.py).
+    num_encoder_runs: int = 0
 
 
 class Scheduler:
@@ -96,6 +105,8 @@ class Scheduler:
             adapter would exceed it waits for a later step, as for the token budget.
         kv_connector: supplies prefix tokens beyond the device cache and moves KV blocks
             (core/kv_connector/base.py for where it is called); None = none.
+        max_num_encoder_input_tokens: most image embeddings encoded in one step.
+        encoder_cache_size: most image embeddings (tokens) the worker keeps between steps.
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
@@ -104,10 +115,16 @@ class Scheduler:
                  kv_cache_windows: tuple[int | None, ...] = (None,),
                  async_scheduling: bool = False, num_scheduler_steps: int = 1,
                  num_speculative_tokens: int = 0, max_loras: int = 0,
-                 kv_connector: KVConnectorScheduler | None = None) -> None:
+                 kv_connector: KVConnectorScheduler | None = None,
+                 max_num_encoder_input_tokens: int = 8192,
+                 encoder_cache_size: int = 8192) -> None:
         self.config = scheduler_config
         # The KV connector's scheduler side (core/kv_connector/base.py), or None.
         self.kv_connector = kv_connector
+        self.max_num_encoder_input_tokens = max_num_encoder_input_tokens
+        self.encoder_cache_manager = EncoderCacheManager(encoder_cache_size)
+        # The encoder budget left in the step being scheduled.
+        self._encoder_budget = max_num_encoder_input_tokens
         self.max_loras = max_loras
         self.num_scheduler_steps = num_scheduler_steps
         self.max_model_len = max_model_len
@@ -201,6 +218,7 @@ class Scheduler:
             self.kv_connector.request_finished(
                 request, self.kv_cache_manager.get_block_ids(request.request_id)[0])
         self.kv_cache_manager.free(request)
+        self.encoder_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
         self.num_output_placeholders.pop(request.request_id, None)
@@ -225,6 +243,7 @@ class Scheduler:
         """Pick this step's requests and tokens, allocate their blocks, advance their
         `num_computed_tokens` (as if the step succeeds)."""
         out = SchedulerOutput.make_empty()
+        self._encoder_budget = self.max_num_encoder_input_tokens
         if self.policy == "priority":
             self._preempt_for_priority(out)
         num_priority_preemptions = len(out.preempted_req_ids)
@@ -247,9 +266,39 @@ class Scheduler:
                 # It samples this step; its token is unknown until update_from_output.
                 self.num_output_placeholders[req_id] = (
                     self.num_output_placeholders.get(req_id, 0) + 1)
+            if request.mm_features:
+                self._free_computed_encoder_inputs(request)
+        out.free_encoder_mm_hashes = self.encoder_cache_manager.take_freed_mm_hashes()
         if self.kv_connector is not None:
             out.kv_connector_metadata = self.kv_connector.build_connector_meta(out)
         return out
+
+    def _encoder_inputs(self, request: Request, num_computed: int, num_new_tokens: int
+                        ) -> tuple[int, list[int]]:
+        """`num_new_tokens` cut where an image can be neither found in the encoder cache nor
+        encoded this step, and the images to encode (`schedule_encoder_inputs`)."""
+        if not request.mm_features or num_new_tokens == 0:
+            return num_new_tokens, []
+        n, to_encode, self._encoder_budget = schedule_encoder_inputs(
+            request, num_computed, num_new_tokens, self._encoder_budget,
+            self.encoder_cache_manager)
+        if n < num_new_tokens and not self.config.enable_chunked_prefill:
+            return 0, []
+        return n, to_encode
+
+    def _commit_encoder_inputs(self, request: Request, to_encode: list[int],
+                               out: SchedulerOutput) -> None:
+        for i in to_encode:
+            self.encoder_cache_manager.allocate(request, i)
+        if to_encode:
+            out.scheduled_encoder_inputs[request.request_id] = to_encode
+
+    def _free_computed_encoder_inputs(self, request: Request) -> None:
+        """Drop `request`'s references to images whose tokens are all computed (after this
+        step); their entries stay cached until their space is needed."""
+        for i, feature in enumerate(request.mm_features):
+            if feature.offset + feature.length <= request.num_computed_tokens:
+                self.encoder_cache_manager.free_encoder_input(request, i)
 
     def _num_decode_steps(self) -> int:
         """Steps of this round: `num_scheduler_steps` when every running request decodes one
@@ -291,6 +340,8 @@ class Scheduler:
             request = self.running[req_index]
             num_new_tokens = self._num_new_tokens(request, request.num_computed_tokens,
                                                   token_budget)
+            num_new_tokens, to_encode = self._encoder_inputs(
+                request, request.num_computed_tokens, num_new_tokens)
             if num_new_tokens == 0 or not self._lora_fits(request, loras):
                 req_index += 1
                 continue
@@ -314,6 +365,7 @@ class Scheduler:
                 out.scheduled_spec_decode_tokens[request.request_id] = \
                     request.spec_token_ids[:num_spec]
             request.spec_token_ids = []
+            self._commit_encoder_inputs(request, to_encode, out)
             cached.req_ids.append(request.request_id)
             cached.new_block_ids.append(new_block_ids)
             cached.num_computed_tokens.append(request.num_computed_tokens)
@@ -358,6 +410,8 @@ class Scheduler:
                             self.kv_connector.get_num_new_matched_tokens(request, num_hit_tokens))
             num_computed = num_hit_tokens + num_external
             num_new_tokens = self._num_new_tokens(request, num_computed, token_budget)
+            num_new_tokens, to_encode = self._encoder_inputs(request, num_computed,
+                                                             num_new_tokens)
             if num_new_tokens == 0:
                 break
             new_block_ids = self.kv_cache_manager.allocate_slots(
@@ -382,7 +436,9 @@ class Scheduler:
                 req_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
                 output_token_ids=list(request.output_token_ids),
                 sampling_params=request.sampling_params, block_ids=new_block_ids,
-                num_computed_tokens=num_computed, lora_request=request.lora_request))
+                num_computed_tokens=num_computed, lora_request=request.lora_request,
+                mm_features=request.mm_features or None))
+            self._commit_encoder_inputs(request, to_encode, out)
             out.num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
             self._add_lora(request, loras)
@@ -475,6 +531,7 @@ class Scheduler:
         self.running.remove(request)
         out.preempted_req_ids.add(request.request_id)
         self.kv_cache_manager.free(request)
+        self.encoder_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
@@ -600,7 +657,8 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             spec_decoding_stats=self.spec_decoding_stats.copy(),
             kv_connector_stats=(self.kv_connector.stats() if self.kv_connector is not None
-                                else None))
+                                else None),
+            num_encoder_runs=self.encoder_cache_manager.num_encoder_runs)
 
 
 def request_needs_sync_step(request: Request) -> bool:

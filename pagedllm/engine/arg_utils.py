@@ -190,6 +190,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="the largest LoRA rank accepted")
     g.add_argument("--max-cpu-loras", type=bounded_int(1), default=None,
                    help="LoRA adapters kept loaded in host memory (default: --max-loras)")
+    g.add_argument("--limit-mm-per-prompt", type=_json_object, default=None,
+                   help='most images in one prompt of a vision-language model, as JSON: '
+                        '\'{"image": 4}\' (the default)')
+    g.add_argument("--max-image-pixels", type=bounded_int(1), default=1 << 25,
+                   help="most pixels (width x height) of one image; larger ones are refused "
+                        "before they are decoded")
+    g.add_argument("--max-num-encoder-input-tokens", type=bounded_int(1), default=8192,
+                   help="most image embeddings the vision encoder computes in one step")
+    g.add_argument("--encoder-cache-size", type=bounded_int(1), default=8192,
+                   help="most image embeddings (tokens) kept between steps")
 
 
 _ENGINE_KEYS = ("tokenizer", "chat_template", "dtype", "quantization", "max_model_len", "seed",
@@ -207,7 +217,8 @@ _ENGINE_KEYS = ("tokenizer", "chat_template", "dtype", "quantization", "max_mode
                 "cpu_threads_bind", "kv_transfer_config", "kv_offloading_size",
                 "kv_offloading_dir",
                 "cpu_reserved_cores", "enable_lora", "max_loras", "max_lora_rank",
-                "max_cpu_loras")
+                "max_cpu_loras", "limit_mm_per_prompt", "max_image_pixels",
+                "max_num_encoder_input_tokens", "encoder_cache_size")
 
 
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:

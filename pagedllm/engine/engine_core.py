@@ -30,6 +30,7 @@ from pagedllm.core.scheduler import Scheduler, SchedulerStats
 from pagedllm.engine.sleep_mode import EngineSleepingError, weight_reload_refusal
 from pagedllm.executor.abstract import get_executor_class
 from pagedllm.lora.request import LoRARequest
+from pagedllm.multimodal.inputs import MultiModalFeature
 from pagedllm.platforms import current_platform
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output.manager import StructuredOutputManager
@@ -48,6 +49,8 @@ class EngineCoreRequest:
     arrival_time: float | None = None
     priority: int = 0
     lora_request: LoRARequest | None = None
+    # The prompt's images (their placeholder ranges and encoder inputs); None: text only.
+    mm_features: list[MultiModalFeature] | None = None
 
 
 class EngineCore:
@@ -75,6 +78,7 @@ class EngineCore:
             lambda: AutoTokenizer.from_pretrained(
                 config.tokenizer_path, trust_remote_code=config.model_config.trust_remote_code),
             hf_model_info(config.model_path).vocab_size, config.reasoning_parser)
+        mm = config.multimodal_config
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config,
                                    config.max_model_len, num_blocks,
                                    config.num_lookahead_tokens,
@@ -86,7 +90,9 @@ class EngineCore:
                                    if spec else 0,
                                    max_loras=config.lora_config.max_loras
                                    if config.lora_config else 0,
-                                   kv_connector=kv_connector)
+                                   kv_connector=kv_connector,
+                                   max_num_encoder_input_tokens=mm.max_num_encoder_input_tokens,
+                                   encoder_cache_size=mm.encoder_cache_size)
         # Async scheduling: steps launched and not yet through update_from_output, oldest first.
         self._in_flight: deque[tuple[SchedulerOutput, object]] = deque()
         self._block_hasher = (get_request_block_hasher(config.cache_config.block_size)
@@ -133,7 +139,8 @@ class EngineCore:
         self.scheduler.add_request(Request(req.request_id, req.prompt_token_ids,
                                            req.sampling_params, req.max_tokens,
                                            self._request_block_hasher(req.lora_request),
-                                           req.arrival_time, req.priority, req.lora_request))
+                                           req.arrival_time, req.priority, req.lora_request,
+                                           req.mm_features))
 
     def _request_block_hasher(self, lora_request: LoRARequest | None):
         """The block hasher of a request under `lora_request`: an adapter changes every

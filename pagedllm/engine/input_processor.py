@@ -15,6 +15,7 @@ from pagedllm.config import RequestLimits
 from pagedllm.core.kv_cache_groups import KVCacheCapacity
 from pagedllm.core.request_queue import check_priority
 from pagedllm.engine.engine_core import EngineCoreRequest
+from pagedllm.multimodal.inputs import MultiModalFeature
 from pagedllm.sampling_params import SamplingParams, check_text
 from pagedllm.structured_output.manager import build_grammar
 
@@ -65,13 +66,17 @@ class InputProcessor:
             scheduler's own `kv_cache_capacity`: a request it would refuse is refused here);
             None = unchecked.
         scheduling_policy: the scheduler's ("fcfs" refuses a non-zero priority).
+        mm_processor: the image processing of a vision-language model
+            (`multimodal.processing.MultiModalProcessor`); None = a text-only model, whose
+            prompts may carry no images.
     """
 
     def __init__(self, tokenizer, max_model_len: int, vocab_size: int,
                  eos_token_ids: tuple[int, ...], limits: RequestLimits = RequestLimits(),
                  kv_cache_capacity: KVCacheCapacity | None = None,
-                 scheduling_policy: str = "fcfs") -> None:
+                 scheduling_policy: str = "fcfs", mm_processor=None) -> None:
         self.tokenizer = tokenizer
+        self.mm_processor = mm_processor
         self.scheduling_policy = scheduling_policy
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -95,7 +100,14 @@ class InputProcessor:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params)}")
         check_priority(priority, self.scheduling_policy)
-        prompt_text, token_ids = self._tokenize(prompt, params.truncate_prompt_tokens)
+        mm_features: list[MultiModalFeature] = []
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
+            prompt_text, token_ids, mm_features = self._process_multimodal(prompt, params)
+        else:
+            prompt_text, token_ids = self._tokenize(prompt, params.truncate_prompt_tokens)
+            if isinstance(prompt, dict) and prompt.get("mm_features"):
+                # Token ids with their images already processed (the server's chat path).
+                mm_features = self._check_features(prompt["mm_features"], params)
         if params.truncate_prompt_tokens is not None:
             token_ids = token_ids[-params.truncate_prompt_tokens:]
         check_prompt_token_ids(token_ids, self.vocab_size)
@@ -112,7 +124,65 @@ class InputProcessor:
                 raise ValueError(f"max_tokens: {e}") from None
         params.update_from_generation_config(self.eos_token_ids)
         return (EngineCoreRequest(request_id, token_ids, params, max_tokens, time.monotonic(),
-                                  priority), prompt_text)
+                                  priority, mm_features=mm_features or None), prompt_text)
+
+    def _process_multimodal(self, prompt: dict[str, Any], params: SamplingParams
+                            ) -> tuple[str, list[int], list[MultiModalFeature]]:
+        """A {"prompt": text with image placeholders, "multi_modal_data": {"image": one or a
+        list}} prompt through the model's processor.
+
+        Raises:
+            ValueError: naming the problem: a text-only model, an unknown modality, truncation
+                asked for, a bad or oversized image, too many images, an image whose
+                embeddings cannot fit the encoder's budget or cache.
+        """
+        data = prompt["multi_modal_data"]
+        if self.mm_processor is None:
+            raise ValueError("multi_modal_data: this model takes text only (no images)")
+        if not isinstance(data, dict) or set(data) - {"image"}:
+            raise ValueError("multi_modal_data must be a dict {'image': image or list of "
+                             "images}")
+        if params.truncate_prompt_tokens is not None:
+            raise ValueError("truncate_prompt_tokens cannot cut a prompt with images")
+        text = prompt.get("prompt")
+        if not isinstance(text, str):
+            raise ValueError("prompt: a prompt with multi_modal_data needs the text 'prompt'")
+        check_text("prompt", text)
+        if len(text) > self.max_prompt_chars(self.max_model_len):
+            raise ValueError(f"prompt: {len(text)} characters cannot fit max_model_len "
+                             f"({self.max_model_len}) tokens")
+        token_ids, features = self.mm_processor.process(text, data.get("image", []))
+        return text, token_ids, self._check_features(features, params)
+
+    def _check_features(self, features: list, params: SamplingParams
+                        ) -> list[MultiModalFeature]:
+        """Processed images checked against the encoder's budget and cache.
+
+        Raises:
+            ValueError: a text-only model, truncation asked for, a malformed feature, or an
+                image with more embeddings than max_num_encoder_input_tokens or
+                encoder_cache_size (it could never be scheduled).
+        """
+        if self.mm_processor is None:
+            raise ValueError("multi_modal_data: this model takes text only (no images)")
+        if params.truncate_prompt_tokens is not None:
+            raise ValueError("truncate_prompt_tokens cannot cut a prompt with images")
+        config = self.mm_processor.config
+        cap = min(config.encoder_cache_size, config.max_num_encoder_input_tokens)
+        for i, f in enumerate(features):
+            if not isinstance(f, MultiModalFeature):
+                raise ValueError("mm_features must be MultiModalFeature objects")
+            if f.num_embeds > cap:
+                raise ValueError(f"multi_modal_data: image {i} needs {f.num_embeds} embeddings, "
+                                 f"more than the encoder's budget of {cap} "
+                                 "(max_num_encoder_input_tokens, encoder_cache_size)")
+            step = (None if self.kv_cache_capacity is None
+                    else self.kv_cache_capacity.max_num_scheduled_tokens)
+            if f.bidirectional and step is not None and f.length > step:
+                raise ValueError(f"multi_modal_data: image {i} spans {f.length} tokens, which "
+                                 f"this model computes in one step; more than the "
+                                 f"{step} tokens a step takes (max_num_batched_tokens)")
+        return list(features)
 
     def _check_params(self, params: SamplingParams) -> None:
         """Checks that need the model, the tokenizer or the engine's caps; fills the bad words'

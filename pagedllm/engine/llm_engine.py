@@ -28,6 +28,7 @@ from pagedllm.lora.admission import LoRAAdmission
 from pagedllm.lora.peft import LoRAModelShapes
 from pagedllm.lora.request import LoRARequest
 from pagedllm.models.registry import resolve_model_class
+from pagedllm.multimodal.processing import MultiModalProcessor
 from pagedllm.outputs import RequestOutput
 from pagedllm.platforms import current_platform
 from pagedllm.sampling_params import SamplingParams
@@ -75,7 +76,10 @@ class LLMEngine:
             self.tokenizer, config.max_model_len, info.vocab_size, tuple(eos_ids),
             config.request_limits,
             kv_cache_capacity=self.engine_core.kv_cache_capacity,
-            scheduling_policy=config.scheduler_config.scheduling_policy)
+            scheduling_policy=config.scheduler_config.scheduling_policy,
+            mm_processor=MultiModalProcessor.from_pretrained(
+                config.model_path, info.raw, config.multimodal_config,
+                config.model_config.trust_remote_code))
         self.output_processor = OutputProcessor(self.tokenizer)
         self.lora_admission = LoRAAdmission(
             config.lora_config,

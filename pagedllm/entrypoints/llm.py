@@ -65,6 +65,14 @@ def chat_prompt_token_ids(tokenizer, conversation: list[dict[str, str]],
         chat_template=chat_template, return_dict=False))
 
 
+def has_content_parts(conversation: list[dict[str, Any]], non_text: bool = False) -> bool:
+    """Whether some message's content is a list of content parts (not a plain string); with
+    `non_text`, a list holding a part whose type is not "text" (an image)."""
+    return any(isinstance(m.get("content"), list) and (not non_text or any(
+        not isinstance(p, dict) or p.get("type") != "text" for p in m["content"]))
+        for m in conversation if isinstance(m, dict))
+
+
 def _per_prompt(value: Any, one: type | tuple[type, ...], num_prompts: int, what: str) -> list:
     """`value` for every prompt: one `one` (or None) for all, or a sequence of one per prompt.
 
@@ -222,6 +230,11 @@ class LLM:
         """Render conversation(s) with the tokenizer's chat template, then `generate` (under
         `lora_request`: one for all conversations or one each).
 
+        A message's content may be a list of OpenAI content parts: {"type": "text", "text"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}} and
+        {"type": "image_pil", "image_pil": PIL image}; such conversations (vision-language
+        models only) are rendered by the model's processor (docs/multimodal.md).
+
         Raises:
             ValueError: an empty conversation, or the tokenizer has no chat template and none
                 is given.
@@ -231,8 +244,18 @@ class LLM:
             if not conv:
                 raise ValueError(f"conversation {i} is empty (no messages)")
         tokenizer = self.get_tokenizer()
-        prompts = [{"prompt_token_ids": chat_prompt_token_ids(
-            tokenizer, conv, add_generation_prompt, chat_template)} for conv in conversations]
+        mm = self.llm_engine.input_processor.mm_processor
+        prompts: list[PromptType] = []
+        for conv in conversations:
+            if mm is None and has_content_parts(conv, non_text=True):
+                raise ValueError("messages: this model takes text only; image content parts "
+                                 "need a vision-language model")
+            if mm is not None and has_content_parts(conv):
+                text, images = mm.render_chat(conv, add_generation_prompt, chat_template)
+                prompts.append({"prompt": text, "multi_modal_data": {"image": images}})
+            else:
+                prompts.append({"prompt_token_ids": chat_prompt_token_ids(
+                    tokenizer, conv, add_generation_prompt, chat_template)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm,
                              lora_request=lora_request)
 
@@ -241,12 +264,14 @@ class LLM:
         """Beam search per prompt (see pagedllm/beam_search.py for the algorithm and score).
 
         Raises:
-            ValueError: for an invalid prompt.
+            ValueError: for an invalid prompt, or one with images.
         """
         ids = []
         for prompt in self._as_prompt_list(prompts):
             core_req, _ = self.llm_engine.input_processor.process("beam", prompt,
                                                                    SamplingParams(max_tokens=1))
+            if core_req.mm_features:
+                raise ValueError("beam search does not take prompts with images yet")
             ids.append(core_req.prompt_token_ids)
         return run_beam_search(self, ids, params)
 

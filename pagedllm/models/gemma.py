@@ -233,10 +233,18 @@ class GemmaModel(nn.Module):
         self.norm = (GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
                      if self.pp.is_last_rank else PPMissingLayer())
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Scaled token embeddings [n, hidden_size] (what the first layer takes)."""
+        hidden = self.embed_tokens(input_ids)
+        return hidden * self.embed_scale.to(hidden.dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """`inputs_embeds` [n, hidden]: already scaled input embeddings (a vision-language
+        model's, image rows unscaled as HF's); first pipeline stage only."""
         if self.pp.is_first_rank:
-            hidden = self.embed_tokens(input_ids)
-            hidden, residual = hidden * self.embed_scale.to(hidden.dtype), None
+            hidden = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+            residual = None
         else:
             dtype = self.layers[self.start_layer].input_layernorm.weight.dtype
             hidden, residual = recv_intermediate(self.pp, input_ids.shape[0], self.hidden_size,

@@ -175,9 +175,13 @@ class LlamaModel(nn.Module):
         """Decoder layer `layer_idx` (a family's model class may build another kind)."""
         return LlamaDecoderLayer(config, layer_idx, family, sliding_window)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """`inputs_embeds` [n, hidden] replaces the token embeddings (a vision-language model's
+        text with image embeddings scattered in; first pipeline stage only)."""
         if self.pp.is_first_rank:
-            hidden, residual = self.embed_tokens(input_ids), None
+            hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+            residual = None
         else:
             dtype = self.layers[self.start_layer].input_layernorm.weight.dtype
             hidden, residual = recv_intermediate(self.pp, input_ids.shape[0], self.hidden_size,

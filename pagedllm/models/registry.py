@@ -5,9 +5,12 @@ from __future__ import annotations
 from pagedllm.models.bert import BertForMaskedLM, BertModel
 from pagedllm.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from pagedllm.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from pagedllm.models.gemma3_mm import Gemma3ForConditionalGeneration
+from pagedllm.models.glm4_moe import Glm4MoeForCausalLM
+from pagedllm.models.idefics3 import (Idefics3ForConditionalGeneration,
+                                      SmolVLMForConditionalGeneration)
 from pagedllm.models.llama import (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
                                    Qwen3ForCausalLM)
-from pagedllm.models.glm4_moe import Glm4MoeForCausalLM
 from pagedllm.models.mixtral import MixtralForCausalLM
 from pagedllm.models.olmoe import OlmoeForCausalLM
 from pagedllm.models.phi3 import Phi3ForCausalLM
@@ -19,7 +22,10 @@ _MODELS = {cls.__name__: cls for cls in (LlamaForCausalLM, MistralForCausalLM, Q
                                          MixtralForCausalLM, Qwen2MoeForCausalLM,
                                          Qwen3MoeForCausalLM, OlmoeForCausalLM,
                                          DeepseekV2ForCausalLM, DeepseekV3ForCausalLM,
-                                         Glm4MoeForCausalLM)}
+                                         Glm4MoeForCausalLM,
+                                         Idefics3ForConditionalGeneration,
+                                         SmolVLMForConditionalGeneration,
+                                         Gemma3ForConditionalGeneration)}
 
 
 # GGUF `general.architecture` (llama.cpp's names) -> class.

@@ -160,6 +160,8 @@ class InputBatch:
             logits_indices holds k+1 rows per sampled request with k drafts).
         group_commons: [num_kv_cache_groups] each group's attention inputs (its block table and
             slot mapping) when the model has several KV cache groups; empty with one.
+        inputs_embeds: [num_tokens, hidden] (device) the decoder's input embeddings when some
+            tokens are image placeholders (worker/encoder_runner.py); None: embed input_ids.
     """
 
     req_ids: list[str]
@@ -173,6 +175,7 @@ class InputBatch:
     sampled_batch_idx: np.ndarray
     spec_decode_metadata: SpecDecodeMetadata | None = None
     group_commons: tuple[CommonAttentionMetadata, ...] = ()
+    inputs_embeds: torch.Tensor | None = None
 
     @property
     def num_reqs(self) -> int:

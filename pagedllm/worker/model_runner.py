@@ -68,6 +68,7 @@ from pagedllm.spec_decode.ngram import NgramProposer
 from pagedllm.spec_decode.suffix import SuffixDecodingProposer
 from pagedllm.structured_output.apply import apply_grammar_bitmask
 from pagedllm.worker.async_output import AsyncModelRunnerOutput, SampledTokens, start_host_copy
+from pagedllm.worker.encoder_runner import EncoderRunner
 from pagedllm.worker.cuda_graph import (CudaGraphInputBuffers, CudaGraphRunner,
                                         decode_graph_capture_sizes)
 from pagedllm.worker.eagle_inputs import propose_eagle
@@ -130,6 +131,8 @@ class ModelRunner:
         # The inputs of execute_model's last forward (a multi-step round starts from them).
         self._last_inputs: StepInputs | None = None
         self.multi_step: MultiStepRound | None = None   # (set by load_model)
+        # Image encoding and embeddings of a vision-language model (set by load_model).
+        self.encoder_runner: EncoderRunner | None = None
         # Each model's attention backend (`_run_model`), the target's and a drafter's.
         self._attention_backends: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # Async scheduling: sampled tokens not yet in token_ids_cpu (oldest first); the last
@@ -174,6 +177,15 @@ class ModelRunner:
                                               self._run_model, self.block_size, self.device)
         if self.spec_config is not None and self.spec_config.method in EAGLE_METHODS:
             self._load_eagle()
+        if getattr(self.model, "supports_multimodal", False):
+            backend = self.model.attention_layers()[0].backend
+            if (getattr(self.model, "mm_bidirectional", False)
+                    and not getattr(backend, "supports_attend_until", False)):
+                raise ValueError(
+                    f"{type(self.model).__name__} attends image tokens bidirectionally, which "
+                    f"the {backend.name} attention backend does not support; use torch_sdpa "
+                    "(PAGEDLLM_ATTENTION_BACKEND=torch_sdpa)")
+            self.encoder_runner = EncoderRunner(self.model)
         self._setup_kv_cache_groups()
         self.multi_step = self._make_multi_step()
 
@@ -533,10 +545,12 @@ class ModelRunner:
 
     def _run_model(self, model: torch.nn.Module, input_ids: torch.Tensor,
                    positions: torch.Tensor, common: CommonAttentionMetadata,
-                   group_commons: tuple[CommonAttentionMetadata, ...] = (), **inputs):
+                   group_commons: tuple[CommonAttentionMetadata, ...] = (),
+                   inputs_embeds: torch.Tensor | None = None, **inputs):
         """One forward of `model` over a flat batch; the only place the forward context is set.
-        With several KV cache groups, `group_commons` holds each group's metadata; `inputs`
-        are further model inputs (an EAGLE head's hidden states)."""
+        With several KV cache groups, `group_commons` holds each group's metadata;
+        `inputs_embeds` replaces the token embeddings (image placeholders); `inputs` are
+        further model inputs (an EAGLE head's hidden states)."""
         backend = self._attention_backends.get(model)
         # Looked up once per model: listing the layers every step would be a cost of its own
         # (docs/benchmarks.md, "Measurements behind choices in the code").
@@ -551,16 +565,22 @@ class ModelRunner:
         if hasattr(model, "rope_positions"):   # a model whose RoPE rows depend on the step
             positions = model.rope_positions(positions, common.token_seq_lens())
         with set_forward_context(attn_metadata):
+            if inputs_embeds is not None:
+                return model(input_ids, positions, inputs_embeds, **inputs)
             return model(input_ids, positions, **inputs)
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
         """Run the forward pass of one step; logits are kept for `sample_tokens`."""
         self._update_states(scheduler_output)
+        if self.encoder_runner is not None:
+            self.encoder_runner.update(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             self._pending = self._last_inputs = None
             return
         inputs = StepInputs(*self._prepare_inputs(scheduler_output))
+        if self.encoder_runner is not None:
+            inputs = self.encoder_runner.prepare_inputs(inputs)
         self._set_active_loras(inputs.batch)
         self._pending = self._forward(inputs)
         self._last_inputs = inputs
@@ -579,13 +599,14 @@ class ModelRunner:
         batch, common = inputs.batch, inputs.common
         eagle = isinstance(self.drafter, EagleProposer)
         if (self.graph_runner is not None and batch.spec_decode_metadata is None and not eagle
+                and batch.inputs_embeds is None
                 and not (self.lora_manager is not None and self.lora_manager.active)
                 and self.graph_runner.can_run(common)):
             hidden = self.graph_runner.run(batch.input_ids, batch.positions,
                                            batch.group_commons or (common,))
         else:
             hidden = self._run_model(self.model, batch.input_ids, batch.positions, common,
-                                     batch.group_commons)
+                                     batch.group_commons, batch.inputs_embeds)
         if isinstance(self.drafter, DraftModelProposer):
             self.drafter.catch_up(batch.input_ids, batch.positions, common)
         drafter_hidden = None

@@ -10,7 +10,8 @@ groups so SDPA runs once per group per layer, never per token:
 (rep = num_heads / num_kv_heads query heads share a KV head and are folded into the query axis)
 
 with a boolean mask [G, 1, Q_max, S_max] allowing key position <= query position (causal, offset
-by the cached context) and < seq_len. The gather indices and masks are built once per step in
+by the cached context) and < seq_len; with `attend_until` (image tokens attended
+bidirectionally) key position <= attend_until of the query instead. The gather indices and masks are built once per step in
 `build_metadata` and shared by every layer; a layer with a sliding window (Gemma's local layers)
 narrows its group masks to key position > query position - window, built on the first such
 layer of the step and cached per window. A layer with attention-logit soft-capping (Gemma 2)
@@ -96,7 +97,10 @@ def _build_group(common: CommonAttentionMetadata, rows: np.ndarray) -> _RequestG
     kv_slots = torch.where(kv_valid, block_ids * bs + kpos % bs, 0)
     mask = kv_valid[:, None, :].expand(-1, q_max, -1)                           # [G, Q_max, S_max]
     if common.causal:
-        mask = mask & (kpos[None, None, :] <= q_pos[:, :, None])
+        horizon = q_pos
+        if common.attend_until is not None:
+            horizon = torch.where(valid_2d, common.attend_until[query_index], q_pos)
+        mask = mask & (kpos[None, None, :] <= horizon[:, :, None])
     valid = valid_2d.reshape(-1)
     window_start = torch.where(valid_2d, q_pos + 1, 0)[:, None, :, None]
     return _RequestGroup(query_index=query_index, kv_slots=kv_slots,
@@ -118,6 +122,8 @@ class TorchSDPABackend:
     """Reference paged attention on any device torch supports."""
 
     name = "torch_sdpa"
+    # Takes CommonAttentionMetadata.attend_until (bidirectional image tokens).
+    supports_attend_until = True
 
     @staticmethod
     def build_metadata(common: CommonAttentionMetadata) -> TorchSDPAMetadata:

@@ -53,6 +53,7 @@ from pagedllm.entrypoints.openai.serving_lora import LoRAModules, add_lora_route
 from pagedllm.entrypoints.openai.serving_messages import ServingMessages
 from pagedllm.entrypoints.openai.serving_models import model_list, resolve_served_model_names
 from pagedllm.lora.request import LoRAModulePath
+from pagedllm.multimodal.fetch import MediaFetcher
 from pagedllm.entrypoints.openai.serving_tokenization import (ServingTokenization,
                                                               add_tokenization_routes)
 from pagedllm.logger import init_logger
@@ -247,7 +248,8 @@ def build_app(async_llm: AsyncLLM | DataParallelAsyncLLM, served_model_names: Se
               trust_request_chat_template: bool = False,
               lora_modules: Sequence[LoRAModulePath] = (),
               allow_runtime_lora_updating: bool = False,
-              dev_mode: bool | None = None) -> FastAPI:
+              dev_mode: bool | None = None,
+              media_fetcher: MediaFetcher | None = None) -> FastAPI:
     """The FastAPI app over a (not necessarily started) `AsyncLLM`.
 
     Args:
@@ -264,6 +266,8 @@ def build_app(async_llm: AsyncLLM | DataParallelAsyncLLM, served_model_names: Se
         dev_mode: add the development routes (dev_routes.py: sleep mode, pause, weight
             updates); None: as `PAGEDLLM_SERVER_DEV_MODE` says. With data parallelism they are
             not added (logged).
+        media_fetcher: fetches image URLs of chat requests (multimodal/fetch.py); None: only
+            data: URLs.
 
     Raises:
         ValueError: a `lora_modules` adapter the engine refuses (its reason).
@@ -280,7 +284,8 @@ def build_app(async_llm: AsyncLLM | DataParallelAsyncLLM, served_model_names: Se
     chats = ServingChat(serving, tool_call_parser=tool_call_parser,
                         enable_auto_tool_choice=enable_auto_tool_choice,
                         reasoning_parser=reasoning_parser,
-                        trust_request_chat_template=trust_request_chat_template)
+                        trust_request_chat_template=trust_request_chat_template,
+                        media_fetcher=media_fetcher)
     responses = ServingResponses(chats)
     messages = ServingMessages(chats)
 
@@ -389,7 +394,8 @@ def run_server(model: str, engine_kwargs: dict[str, Any], host: str = "127.0.0.1
                enable_auto_tool_choice: bool = False,
                trust_request_chat_template: bool = False,
                lora_modules: Sequence[LoRAModulePath] = (),
-               allow_runtime_lora_updating: bool = False) -> int:
+               allow_runtime_lora_updating: bool = False,
+               media_fetcher: MediaFetcher | None = None) -> int:
     """Load the model, then serve until SIGINT/SIGTERM or until the engine dies.
 
     Returns the process exit status: 0 after a signal, 1 if the engine died (so a supervisor
@@ -408,7 +414,7 @@ def run_server(model: str, engine_kwargs: dict[str, Any], host: str = "127.0.0.1
         max_request_body_bytes: larger request bodies get 413.
         tool_call_parser, enable_auto_tool_choice, trust_request_chat_template: see
             `ServingChat` (the reasoning parser is the engine argument `reasoning_parser`).
-        lora_modules, allow_runtime_lora_updating: see `build_app`.
+        lora_modules, allow_runtime_lora_updating, media_fetcher: see `build_app`.
 
     Raises:
         ValueError, FileNotFoundError: invalid engine arguments or a missing model (before any
@@ -455,7 +461,8 @@ def run_server(model: str, engine_kwargs: dict[str, Any], host: str = "127.0.0.1
                         reasoning_parser=engine_kwargs.get("reasoning_parser"),
                         trust_request_chat_template=trust_request_chat_template,
                         lora_modules=lora_modules,
-                        allow_runtime_lora_updating=allow_runtime_lora_updating)
+                        allow_runtime_lora_updating=allow_runtime_lora_updating,
+                        media_fetcher=media_fetcher)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
     server = _Server(config, async_llm.shutdown if async_llm is not None else None)

@@ -20,6 +20,7 @@ from pagedllm.engine.arg_utils import (add_engine_args, bounded_int, engine_kwar
                                        non_empty)
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from pagedllm.lora.request import LoRAModulePath
+from pagedllm.multimodal.fetch import MediaFetcher
 
 _SERVE_USAGE = "%(prog)s [--model MODEL] [--host HOST] [--port PORT] [options] (see --help)"
 
@@ -105,6 +106,16 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--allow-runtime-lora-updating", action="store_true",
                    help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (needs "
                         "--enable-lora)")
+    g.add_argument("--allowed-media-domains", nargs="+", type=non_empty, default=None,
+                   help="hosts (and their subdomains) whose http(s) image URLs the server "
+                        "fetches; none by default (only data: URLs). A host resolving to a "
+                        "private, loopback or link-local address must be listed itself")
+    g.add_argument("--allowed-local-media-path", default=None,
+                   help="folder whose files file: image URLs may name (default: none)")
+    g.add_argument("--max-media-bytes", type=bounded_int(1), default=20 << 20,
+                   help="most bytes of one fetched image")
+    g.add_argument("--media-fetch-timeout", type=float, default=10.0,
+                   help="most seconds to fetch one image URL, redirects included")
     g.add_argument("--trust-request-chat-template", action="store_true",
                    help="accept a request's own `chat_template` (a Jinja template the server "
                         "renders; off by default, as in vLLM)")
@@ -230,4 +241,8 @@ def run_serve(args: argparse.Namespace) -> int:
                       enable_auto_tool_choice=args.enable_auto_tool_choice,
                       trust_request_chat_template=args.trust_request_chat_template,
                       lora_modules=args.lora_modules or (),
-                      allow_runtime_lora_updating=args.allow_runtime_lora_updating)
+                      allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+                      media_fetcher=MediaFetcher(
+                          tuple(args.allowed_media_domains or ()),
+                          args.allowed_local_media_path, args.max_media_bytes,
+                          args.media_fetch_timeout))

@@ -25,6 +25,8 @@ from pagedllm.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChun
                                                   TokenLogprob, ToolCall, TopLogprob, UsageInfo,
                                                   now_s)
 from pagedllm.entrypoints.openai.serving_beam_search import FinishedStream, beam_search
+from pagedllm.multimodal.fetch import MediaFetcher
+from pagedllm.entrypoints.openai.serving_images import has_image_parts, render_image_chat
 from pagedllm.entrypoints.openai.template_thread import RequestTemplateRenderer
 from pagedllm.entrypoints.openai.tool_choice import template_messages, template_tools
 from pagedllm.entrypoints.openai.tool_parsers import ToolParser, get_tool_parser
@@ -99,6 +101,8 @@ class ServingChat:
         reasoning_parser: split `reasoning_content` off the output (`pagedllm/reasoning`).
         trust_request_chat_template: allow a request's own `chat_template` (vLLM's
             --trust-request-chat-template; a template is code the server runs).
+        media_fetcher: fetches `http(s)://` and `file:` image URLs under its SSRF rules
+            (multimodal/fetch.py); None: such URLs are refused.
 
     Raises:
         ValueError: an unknown parser name, or auto tool choice without a parser.
@@ -107,8 +111,10 @@ class ServingChat:
     def __init__(self, serving: OpenAIServing, tool_call_parser: str | None = None,
                  enable_auto_tool_choice: bool = False,
                  reasoning_parser: str | None = None,
-                 trust_request_chat_template: bool = False) -> None:
+                 trust_request_chat_template: bool = False,
+                 media_fetcher: MediaFetcher | None = None) -> None:
         self.serving = serving
+        self.media_fetcher = media_fetcher
         self.trust_request_chat_template = trust_request_chat_template
         self._template_renderer = RequestTemplateRenderer()
         self._token_bytes: TokenBytes | None = None
@@ -155,8 +161,18 @@ class ServingChat:
         """
         model = self.serving.check_request(request, "top_logprobs")
         mode = self._tool_mode(request)
+        mm_features: list = []
+        if has_image_parts(request):
+            rendered, mm_features = await render_image_chat(
+                request, self.serving.async_llm.input_processor.mm_processor,
+                self.media_fetcher)
+        else:
+            rendered = await self._render(request)
         token_ids, params = self.serving.prepare(
-            request, self.serving.check_token_ids(await self._render(request), param="messages"))
+            request, self.serving.check_token_ids(rendered, param="messages"))
+        if mm_features and (request.use_beam_search or len(token_ids) != len(rendered)):
+            raise OpenAIServingError("messages: a prompt with images cannot be truncated or "
+                                     "beam searched", 400, param="messages")
         if mode.parser is not None and mode.parser.needs_special_tokens:
             params.skip_special_tokens = False      # the parser must see its markers
         if request.prompt_logprobs is not None:
@@ -169,7 +185,10 @@ class ServingChat:
             [final] = await beam_search(self.serving, request, [token_ids], params.max_tokens,
                                         request_id)
             return AdmittedChat(model, mode, FinishedStream(final), len(token_ids))
-        [stream] = await self.serving.admit(request, [({"prompt_token_ids": token_ids}, params)],
+        prompt = {"prompt_token_ids": token_ids}
+        if mm_features:
+            prompt["mm_features"] = mm_features
+        [stream] = await self.serving.admit(request, [(prompt, params)],
                                             request_id)
         return AdmittedChat(model, mode, stream, len(token_ids))
 

@@ -1,0 +1,106 @@
+"""EncoderRunner: the worker's side of image inputs - runs the vision encoder for the images
+the scheduler asked for, keeps their embeddings (the encoder cache, keyed by image identifier)
+and scatters them over each step's image placeholder positions.
+
+    SchedulerOutput.scheduled_encoder_inputs  -> model.embed_multimodal (one batch) -> cache
+    SchedulerOutput.free_encoder_mm_hashes    -> dropped from the cache
+    step's tokens [num_computed, + num_scheduled) of each request
+        x its features' ranges (`MultiModalFeature.embed_range`) -> inputs_embeds rows
+
+Images a model attends bidirectionally (Gemma 3) also set the step's `attend_until` (each
+query's last visible key position: the image's last token for the image's own tokens).
+
+The scheduler owns the policy (what is cached, budgets: core/encoder_cache_manager.py); this
+object only follows it. A step without image tokens gets no `inputs_embeds` (the plain token
+path, fused decoder included).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import torch
+
+from pagedllm.core.sched_output import SchedulerOutput
+from pagedllm.multimodal.inputs import MultiModalFeature
+from pagedllm.worker.input_batch import InputBatch, StepInputs
+
+
+class EncoderRunner:
+    """Args:
+        model: a model with `embed_multimodal` and `embed_input_ids`.
+    """
+
+    def __init__(self, model) -> None:
+        self.model = model
+        # Image identifier -> its embeddings [num_embeds, hidden] on the model's device.
+        self.cache: dict[str, torch.Tensor] = {}
+        # Live requests' images (sent with NewRequestData).
+        self.features: dict[str, list[MultiModalFeature]] = {}
+
+    def update(self, so: SchedulerOutput) -> None:
+        """Follow the scheduler: forget dropped requests and evicted images, learn new
+        requests' images, then encode this step's scheduled images in one batch.
+
+        Raises:
+            RuntimeError: an encoder output whose row count differs from the image's
+                placeholders (a processor / model mismatch).
+        """
+        for mm_hash in so.free_encoder_mm_hashes:
+            self.cache.pop(mm_hash, None)
+        for req_id in so.finished_req_ids | so.preempted_req_ids:
+            self.features.pop(req_id, None)
+        for req in so.scheduled_new_reqs:
+            if req.mm_features:
+                self.features[req.req_id] = req.mm_features
+        todo: dict[str, MultiModalFeature] = {}
+        for req_id, indices in so.scheduled_encoder_inputs.items():
+            for i in indices:
+                feature = self.features[req_id][i]
+                if feature.identifier not in self.cache:
+                    todo.setdefault(feature.identifier, feature)
+        if not todo:
+            return
+        outputs = self.model.embed_multimodal([f.data for f in todo.values()])
+        for (mm_hash, feature), embeds in zip(todo.items(), outputs):
+            if embeds.shape[0] != feature.num_embeds:
+                raise RuntimeError(f"the encoder gave {embeds.shape[0]} embeddings for an "
+                                   f"image with {feature.num_embeds} placeholders")
+            self.cache[mm_hash] = embeds
+
+    def prepare_inputs(self, inputs: StepInputs) -> StepInputs:
+        """`inputs` with `inputs_embeds` [num_tokens, hidden] when any of its tokens is an image
+        placeholder (token embeddings elsewhere) and, for bidirectional images, `attend_until`
+        in the attention metadata; else `inputs` itself."""
+        batch = inputs.batch
+        dst, src, spans = [], [], []
+        for b, req_id in enumerate(batch.req_ids):
+            features = self.features.get(req_id)
+            if not features:
+                continue
+            end = int(batch.seq_lens_np[b])
+            start = end - int(batch.num_scheduled_tokens[b])
+            q0 = int(batch.query_start_loc_np[b])
+            for f in features:
+                positions, lo, hi = f.embed_range(start, end)
+                if len(positions):
+                    dst.append(positions + q0)
+                    src.append(self.cache[f.identifier][lo:hi])
+                if f.bidirectional and f.offset < end and f.offset + f.length > start:
+                    first, last = max(start, f.offset), min(end, f.offset + f.length)
+                    spans.append((q0 + first - start, q0 + last - start, f.offset + f.length - 1))
+        if not dst:
+            return inputs
+        embeds = self.model.embed_input_ids(batch.input_ids).clone()
+        index = torch.from_numpy(np.concatenate(dst)).to(embeds.device)
+        embeds[index] = torch.cat(src).to(embeds.dtype)
+        batch, common = replace(batch, inputs_embeds=embeds), inputs.common
+        if spans:
+            attend_until = batch.positions.clone()
+            for lo, hi, last in spans:
+                attend_until[lo:hi] = last
+            common = replace(common, attend_until=attend_until)
+            batch = replace(batch, group_commons=tuple(
+                replace(c, attend_until=attend_until) for c in batch.group_commons))
+        return StepInputs(batch, common)

@@ -1,0 +1,90 @@
+"""Gemma 3 with images: greedy tokens and chosen-token logprobs (fp32) equal HF transformers'
+for prompts with 0, 1 and 2 images, also with chunked prefill (an image's soft tokens are never
+split: they attend to each other bidirectionally) and prefix caching; the logprobs tell the
+bidirectional mask from a causal one (they differ by ~1e-2 on this checkpoint). Backends
+without the mask refuse the model at start."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from tests.fixtures.vlm import build_tiny_gemma3_vision, draw_image
+
+MAX_TOKENS = 5
+WIDE, TALL = draw_image(56, 40, 1), draw_image(64, 16, 2)
+PROMPTS = [("The cat <start_of_image> sees", [WIDE]),
+           ("A <start_of_image> and <start_of_image> too", [WIDE, TALL]),
+           ("Just some text here", [])]
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_gemma3_vision(tmp_path_factory.mktemp("tiny_gemma3_vision"))
+
+
+@pytest.fixture(scope="module")
+def hf_outputs(tiny_gemma3: Path) -> list[tuple[list[int], list[float]]]:
+    import torch
+    from transformers import AutoProcessor, Gemma3ForConditionalGeneration
+
+    processor = AutoProcessor.from_pretrained(tiny_gemma3)
+    model = Gemma3ForConditionalGeneration.from_pretrained(tiny_gemma3,
+                                                           dtype=torch.float32).eval()
+    out = []
+    for text, images in PROMPTS:
+        inputs = processor(text=[text], images=[images] if images else None,
+                           return_tensors="pt")
+        with torch.no_grad():
+            g = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False,
+                               output_scores=True, return_dict_in_generate=True)
+        tokens = g.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+        out.append((tokens, [torch.log_softmax(s[0].float(), -1)[t].item()
+                             for s, t in zip(g.scores, tokens)]))
+    return out
+
+
+def _engine(path: Path, **kwargs) -> LLM:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PAGEDLLM_ATTENTION_BACKEND", "torch_sdpa")
+        return LLM(str(path), dtype="float32", max_model_len=256,
+                   kv_cache_memory_bytes=1 << 22, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"max_num_batched_tokens": 8,
+                                         "enable_prefix_caching": False}])
+def test_equals_hf_tokens_and_logprobs(tiny_gemma3, hf_outputs, kwargs):
+    llm = _engine(tiny_gemma3, **kwargs)
+    prompts = [{"prompt": t, "multi_modal_data": {"image": ims}} if ims else t
+               for t, ims in PROMPTS]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                            logprobs=0)
+    for _ in range(2):     # the second round hits the prefix cache (when on)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        for out, (tokens, logprobs) in zip(outputs, hf_outputs):
+            completion = out.outputs[0]
+            assert completion.token_ids == tokens
+            ours = [lp[t].logprob for lp, t in zip(completion.logprobs, completion.token_ids)]
+            assert ours == pytest.approx(logprobs, abs=1e-4)
+    assert llm.get_stats().num_encoder_runs == 2
+
+
+def test_backends_without_the_mask_refuse_it(tiny_gemma3, monkeypatch):
+    from pagedllm.native.kernels import cpu_kernels
+
+    if cpu_kernels() is None:
+        pytest.skip("the native cpu_paged backend did not build here")
+    monkeypatch.setenv("PAGEDLLM_ATTENTION_BACKEND", "cpu_paged")
+    with pytest.raises(ValueError, match="torch_sdpa"):
+        LLM(str(tiny_gemma3), dtype="float32", max_model_len=256,
+            kv_cache_memory_bytes=1 << 22)
+
+
+def test_an_image_longer_than_a_step_is_refused(tiny_gemma3):
+    # 3 tokens a step for an image of 4 soft tokens that must be computed in one step.
+    llm = _engine(tiny_gemma3, max_num_batched_tokens=3, enable_prefix_caching=False)
+    with pytest.raises(ValueError, match="one step"):
+        llm.generate([{"prompt": "x <start_of_image>", "multi_modal_data": {"image": TALL}}],
+                     SamplingParams(max_tokens=1), use_tqdm=False)

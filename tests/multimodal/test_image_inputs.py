@@ -1,0 +1,75 @@
+"""Image inputs before the engine: decoding PIL images, numpy arrays, bytes and data URLs, and
+the refusals (bad shapes and types, undecodable bytes, a decompression bomb refused from its
+header, too many images, placeholder counts)."""
+
+from __future__ import annotations
+
+import base64
+import io
+import struct
+import zlib
+
+import numpy as np
+import pytest
+
+from pagedllm.multimodal.image import load_image
+from tests.fixtures.vlm import draw_image
+
+
+def png_bytes(image) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def bomb_png(width: int, height: int) -> bytes:
+    """A small PNG whose header claims `width` x `height` pixels (CRC fixed up)."""
+    data = bytearray(png_bytes(draw_image(8, 8, 0)))
+    ihdr = data.index(b"IHDR")
+    data[ihdr + 4:ihdr + 12] = struct.pack(">II", width, height)
+    crc = zlib.crc32(bytes(data[ihdr:ihdr + 17])) & 0xFFFFFFFF
+    data[ihdr + 17:ihdr + 21] = struct.pack(">I", crc)
+    return bytes(data)
+
+
+def test_numpy_and_encoded_images_decode_alike():
+    image = draw_image(24, 16, 5)
+    array = np.asarray(image)
+    for source in (image, array, array.astype(np.float32) / 255.0, png_bytes(image),
+                   "data:image/png;base64," + base64.b64encode(png_bytes(image)).decode()):
+        out = load_image(source, 10_000)
+        assert out.mode == "RGB" and out.size == (24, 16)
+        assert np.array_equal(np.asarray(out), array)
+    assert load_image(array[:, :, 0], 10_000).size == (24, 16)      # greyscale
+
+
+@pytest.mark.parametrize("source, problem", [
+    (np.zeros((4, 4, 2), dtype=np.uint8), "must be"),
+    (np.zeros((4, 4, 3), dtype=np.int32), "uint8 or float"),
+    (b"not an image", "cannot decode"),
+    ("file:///etc/passwd", "data: URL"),
+    (42, "expected a PIL image"),
+    (bomb_png(5000, 5000), "more than the limit"),
+    (bomb_png(100_000, 100_000), "limit"),
+    (np.zeros((200, 200, 3), dtype=np.uint8), "more than the limit"),
+])
+def test_bad_images_name_the_problem(source, problem):
+    with pytest.raises(ValueError, match=problem):
+        load_image(source, 10_000, "image 0")
+
+
+def test_prompt_checks(tiny_idefics3):
+    from pagedllm.config import MultiModalConfig
+    from pagedllm.multimodal.processing import MultiModalProcessor
+    from pagedllm.hf_config import read_hf_config
+
+    mm = MultiModalProcessor.from_pretrained(str(tiny_idefics3), read_hf_config(
+        str(tiny_idefics3)), MultiModalConfig(limit_per_prompt={"image": 2}))
+    image = draw_image(32, 32, 1)
+    with pytest.raises(ValueError, match="1 image placeholder"):
+        mm.process("one <image> only", [image, image])
+    with pytest.raises(ValueError, match="limit of 2"):
+        mm.process("<image><image><image>", [image] * 3)
+    ids, [feature] = mm.process("a <image> b", image)
+    assert feature.num_embeds == 4 * 5 and int(np.sum(np.asarray(ids) ==
+                                                      mm.image_token_id)) == 20
