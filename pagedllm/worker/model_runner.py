@@ -178,6 +178,10 @@ class ModelRunner:
         if self.spec_config is not None and self.spec_config.method in EAGLE_METHODS:
             self._load_eagle()
         if getattr(self.model, "supports_multimodal", False):
+            if pc.pipeline_parallel_size > 1:
+                # Later stages would need the step's image positions (bidirectional masks).
+                raise ValueError(f"{type(self.model).__name__}: pipeline parallelism is not "
+                                 "supported for vision-language models yet")
             backend = self.model.attention_layers()[0].backend
             if (getattr(self.model, "mm_bidirectional", False)
                     and not getattr(backend, "supports_attend_until", False)):

@@ -26,13 +26,21 @@ def tiny_gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def hf_outputs(tiny_gemma3: Path) -> list[tuple[list[int], list[float]]]:
+def hf_gemma3(tiny_gemma3: Path):
+    """(HF processor, HF model in fp32) of the checkpoint."""
     import torch
     from transformers import AutoProcessor, Gemma3ForConditionalGeneration
 
-    processor = AutoProcessor.from_pretrained(tiny_gemma3)
-    model = Gemma3ForConditionalGeneration.from_pretrained(tiny_gemma3,
-                                                           dtype=torch.float32).eval()
+    return (AutoProcessor.from_pretrained(tiny_gemma3),
+            Gemma3ForConditionalGeneration.from_pretrained(tiny_gemma3,
+                                                           dtype=torch.float32).eval())
+
+
+@pytest.fixture(scope="module")
+def hf_outputs(hf_gemma3) -> list[tuple[list[int], list[float]]]:
+    import torch
+
+    processor, model = hf_gemma3
     out = []
     for text, images in PROMPTS:
         inputs = processor(text=[text], images=[images] if images else None,
@@ -88,3 +96,22 @@ def test_an_image_longer_than_a_step_is_refused(tiny_gemma3):
     with pytest.raises(ValueError, match="one step"):
         llm.generate([{"prompt": "x <start_of_image>", "multi_modal_data": {"image": TALL}}],
                      SamplingParams(max_tokens=1), use_tqdm=False)
+
+
+def test_chat_equals_hf(tiny_gemma3, hf_gemma3):
+    import torch
+
+    processor, model = hf_gemma3
+    llm = _engine(tiny_gemma3)
+    [out] = llm.chat([{"role": "user", "content": [
+        {"type": "text", "text": "What is"}, {"type": "image_pil", "image_pil": WIDE}]}],
+        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
+        use_tqdm=False)
+    inputs = processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "text", "text": "What is"},
+                                      {"type": "image", "image": WIDE}]}],
+        add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt")
+    with torch.no_grad():
+        ids = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
+    assert out.prompt_token_ids == inputs["input_ids"][0].tolist()
+    assert out.outputs[0].token_ids == ids[0, inputs["input_ids"].shape[1]:].tolist()
