@@ -21,12 +21,14 @@ import dataclasses
 from typing import Any, Union
 
 import msgspec
+import numpy as np
 
 from pagedllm.core.kv_cache_groups import KVCacheCapacity
 from pagedllm.core.sched_output import EngineCoreOutput, EplbStats
 from pagedllm.core.scheduler import SchedulerStats
 from pagedllm.engine.engine_core import EngineCoreRequest
 from pagedllm.lora.request import LoRARequest
+from pagedllm.multimodal.inputs import MultiModalFeature
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 # SamplingParams fields the engine sets after validation (not constructor arguments).
@@ -34,6 +36,27 @@ _ENGINE_SET_FIELDS = ("_all_stop_token_ids", "_bad_words_token_ids")
 
 
 # ------------------------------------------------------------------ front end -> engine core
+
+class WireArray(msgspec.Struct, array_like=True):
+    """A numpy array as its dtype name (one of `_WIRE_DTYPES`), shape and raw bytes."""
+
+    dtype: str
+    shape: list[int]
+    data: bytes
+
+
+class WireImage(msgspec.Struct, array_like=True):
+    """A `MultiModalFeature` (multimodal/inputs.py): one image's placeholder range and its
+    encoder inputs as arrays."""
+
+    modality: str
+    identifier: str
+    offset: int
+    length: int
+    is_embed: WireArray
+    data: dict[str, WireArray]
+    bidirectional: bool
+
 
 class AddRequest(msgspec.Struct, tag="add", array_like=True):
     request_id: str
@@ -43,6 +66,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     arrival_time: float | None
     priority: int
     lora_request: LoRARequest | None
+    mm_features: list[WireImage] | None = None
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
@@ -117,6 +141,39 @@ def make_output_decoder() -> msgspec.msgpack.Decoder:
     return msgspec.msgpack.Decoder(OutputMessage)
 
 
+# The only array dtypes an image's encoder inputs may cross in (nothing else is rebuilt).
+_WIRE_DTYPES = frozenset({"float32", "float16", "int64", "int32", "uint8", "bool"})
+
+
+def _array_to_wire(array: np.ndarray) -> WireArray:
+    array = np.ascontiguousarray(array)
+    if array.dtype.name not in _WIRE_DTYPES:
+        raise ValueError(f"an image input array of dtype {array.dtype} cannot cross to the "
+                         f"engine-core process")
+    return WireArray(array.dtype.name, list(array.shape), array.tobytes())
+
+
+def _array_from_wire(wire: WireArray) -> np.ndarray:
+    """Raises ValueError: a dtype outside `_WIRE_DTYPES`, or bytes that do not fill the shape."""
+    if wire.dtype not in _WIRE_DTYPES:
+        raise ValueError(f"array dtype {wire.dtype!r} is not accepted")
+    return np.frombuffer(wire.data, dtype=np.dtype(wire.dtype)).reshape(wire.shape).copy()
+
+
+def _image_to_wire(feature: MultiModalFeature) -> WireImage:
+    return WireImage(feature.modality, feature.identifier, feature.offset, feature.length,
+                     _array_to_wire(feature.is_embed),
+                     {k: _array_to_wire(v) for k, v in feature.data.items()},
+                     feature.bidirectional)
+
+
+def _image_from_wire(wire: WireImage) -> MultiModalFeature:
+    return MultiModalFeature(wire.modality, wire.identifier, wire.offset, wire.length,
+                             _array_from_wire(wire.is_embed).astype(bool),
+                             {k: _array_from_wire(v) for k, v in wire.data.items()},
+                             wire.bidirectional)
+
+
 def request_to_wire(req: EngineCoreRequest) -> AddRequest:
     """Raises:
         ValueError: the request carries logits processors (callables cannot cross processes).
@@ -131,14 +188,17 @@ def request_to_wire(req: EngineCoreRequest) -> AddRequest:
     if params.structured_outputs is not None:
         fields["structured_outputs"] = dataclasses.asdict(params.structured_outputs)
     return AddRequest(req.request_id, req.prompt_token_ids, fields, req.max_tokens,
-                      req.arrival_time, req.priority, req.lora_request)
+                      req.arrival_time, req.priority, req.lora_request,
+                      None if req.mm_features is None
+                      else [_image_to_wire(f) for f in req.mm_features])
 
 
 def request_from_wire(msg: AddRequest) -> EngineCoreRequest:
     """Rebuild the request; the sampling parameters pass their constructor's validation again.
 
     Raises:
-        ValueError, TypeError, KeyError, msgspec.ValidationError: malformed sampling parameters.
+        ValueError, TypeError, KeyError, msgspec.ValidationError: malformed sampling parameters
+            or image arrays.
     """
     fields = dict(msg.sampling_params)
     engine_set = {name: fields.pop(name, None) for name in _ENGINE_SET_FIELDS}
@@ -149,4 +209,6 @@ def request_from_wire(msg: AddRequest) -> EngineCoreRequest:
     params._bad_words_token_ids = msgspec.convert(engine_set["_bad_words_token_ids"] or [],
                                                   list[list[int]])
     return EngineCoreRequest(msg.request_id, msg.prompt_token_ids, params, msg.max_tokens,
-                             msg.arrival_time, msg.priority, msg.lora_request)
+                             msg.arrival_time, msg.priority, msg.lora_request,
+                             None if msg.mm_features is None
+                             else [_image_from_wire(f) for f in msg.mm_features])

@@ -82,11 +82,13 @@ def test_prefix_cache_keyed_by_image(llm):
 @pytest.mark.slow
 @pytest.mark.parametrize("kwargs", [{"async_scheduling": True},
                                     {"tensor_parallel_size": 2, "max_num_batched_tokens": 16},
+                                    {"multiprocess_mode": True},
                                     {"max_num_batched_tokens": 8, "block_size": 8,
                                      "num_gpu_blocks_override": 14, "max_num_seqs": 3}])
 def test_engine_variants_equal_hf(tiny_idefics3, hf_idefics3_tokens, kwargs):
-    # Async scheduling; tensor parallelism (the vision tower replicated on both ranks); chunks
-    # of 8 tokens under preemption.
+    # Async scheduling; tensor parallelism (the vision tower replicated on both ranks); the
+    # engine core in its own process (the images cross its socket); chunks of 8 tokens under
+    # preemption.
     defaults = {"kv_cache_memory_bytes": 1 << 22} if "num_gpu_blocks_override" not in kwargs \
         else {}
     llm = LLM(str(tiny_idefics3), dtype="float32", max_model_len=256, **defaults, **kwargs)

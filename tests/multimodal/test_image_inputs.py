@@ -73,3 +73,31 @@ def test_prompt_checks(tiny_idefics3):
     ids, [feature] = mm.process("a <image> b", image)
     assert feature.num_embeds == 4 * 5 and int(np.sum(np.asarray(ids) ==
                                                       mm.image_token_id)) == 20
+
+
+def test_images_cross_to_the_engine_core_process_as_plain_arrays():
+    """multiprocess_mode: an image's placeholder range and encoder inputs survive the wire
+    format; a frame naming any other array dtype is refused, never interpreted."""
+    import msgspec
+
+    from pagedllm import SamplingParams
+    from pagedllm.engine.core_serial import (make_encoder, make_input_decoder,
+                                             request_from_wire, request_to_wire)
+    from pagedllm.engine.engine_core import EngineCoreRequest
+    from pagedllm.multimodal.inputs import MultiModalFeature
+
+    pixels = np.random.default_rng(0).standard_normal((2, 3, 4, 4)).astype(np.float32)
+    feature = MultiModalFeature("image", "ab" * 32, 3, 5, np.array([0, 1, 1, 1, 0], bool),
+                                {"pixel_values": pixels}, bidirectional=True)
+    req = EngineCoreRequest("r", [1, 2, 3, 4, 5, 6, 7, 8, 9], SamplingParams(max_tokens=2), 2,
+                            mm_features=[feature])
+    frame = make_encoder().encode(request_to_wire(req))
+    [back] = request_from_wire(make_input_decoder().decode(frame)).mm_features
+    assert (back.identifier, back.offset, back.length, back.bidirectional) == \
+        ("ab" * 32, 3, 5, True)
+    assert back.is_embed.tolist() == feature.is_embed.tolist()
+    np.testing.assert_array_equal(back.data["pixel_values"], pixels)
+    bad = msgspec.msgpack.decode(frame)
+    bad[8][0][5]["pixel_values"][0] = "object"
+    with pytest.raises(ValueError, match="dtype 'object' is not accepted"):
+        request_from_wire(make_input_decoder().decode(msgspec.msgpack.encode(bad)))
