@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pagedllm.models.bert import BertForMaskedLM, BertModel
 from pagedllm.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from pagedllm.models.mamba2 import Mamba2ForCausalLM
 from pagedllm.models.llama import (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
                                    Qwen3ForCausalLM)
 from pagedllm.models.mixtral import MixtralForCausalLM
@@ -15,7 +16,8 @@ _MODELS = {cls.__name__: cls for cls in (LlamaForCausalLM, MistralForCausalLM, Q
                                          Qwen3ForCausalLM, Phi3ForCausalLM, Gemma2ForCausalLM,
                                          Gemma3ForCausalLM, BertModel, BertForMaskedLM,
                                          MixtralForCausalLM, Qwen2MoeForCausalLM,
-                                         Qwen3MoeForCausalLM, OlmoeForCausalLM)}
+                                         Qwen3MoeForCausalLM, OlmoeForCausalLM,
+                                         Mamba2ForCausalLM)}
 
 
 # GGUF `general.architecture` (llama.cpp's names) -> class.
