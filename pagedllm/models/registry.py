@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pagedllm.models.bert import BertForMaskedLM, BertModel
 from pagedllm.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from pagedllm.models.lfm2 import Lfm2ForCausalLM
 from pagedllm.models.mamba2 import Mamba2ForCausalLM
 from pagedllm.models.llama import (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
                                    Qwen3ForCausalLM)
@@ -17,7 +18,7 @@ _MODELS = {cls.__name__: cls for cls in (LlamaForCausalLM, MistralForCausalLM, Q
                                          Gemma3ForCausalLM, BertModel, BertForMaskedLM,
                                          MixtralForCausalLM, Qwen2MoeForCausalLM,
                                          Qwen3MoeForCausalLM, OlmoeForCausalLM,
-                                         Mamba2ForCausalLM)}
+                                         Mamba2ForCausalLM, Lfm2ForCausalLM)}
 
 
 # GGUF `general.architecture` (llama.cpp's names) -> class.

@@ -1,0 +1,143 @@
+"""Hybrid / state-space models end to end against HF `transformers` (fp32, greedy) on tiny random
+checkpoints: Mamba-2 (SSD mixers only) and LFM2 (short convolutions + attention layers).
+
+One engine per configuration serves prompts of different lengths together (mixed prefill and
+decode steps): the default, chunked prefill with a token budget that splits the scan's chunks
+(chunk_size 8, budget 13), preemption (a KV / token-slot budget far below the batch), and prefix
+caching off. Tokens must equal HF `generate` and chosen-token logprobs agree within 1e-4. Prefix
+caching is mode "none" for hybrids: a repeated prompt gets no hit and the same tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from pagedllm import LLM, SamplingParams
+from tests.fixtures.checkpoints import make_tiny_checkpoint
+
+MODELS = {
+    "mamba2": ("Mamba2ForCausalLM", dict(
+        num_heads=8, head_dim=16, expand=2, n_groups=2, state_size=16, chunk_size=8,
+        conv_kernel=4, layer_norm_epsilon=1e-5, time_step_min=0.01, time_step_max=0.1)),
+    "lfm2": ("Lfm2ForCausalLM", dict(
+        layer_types=["conv", "full_attention", "conv"], num_hidden_layers=3, conv_L_cache=3,
+        norm_eps=1e-5, block_auto_adjust_ff_dim=False)),
+}
+PROMPT_LENGTHS = (40, 5, 1, 19)   # the longest first: it fills the "preempt" cache
+MAX_TOKENS = 8
+LOGPROB_TOL = 1e-4
+# name -> LLM keyword arguments (block_size 16; the scan's chunk is 8 tokens).
+CONFIGS = {
+    "default": {},
+    "chunked": dict(max_num_batched_tokens=13),
+    "preempt": dict(block_size=4, num_gpu_blocks_override=13, max_num_batched_tokens=64),
+    "no_prefix_caching": dict(enable_prefix_caching=False, max_num_seqs=2),
+}
+
+
+@pytest.fixture(scope="module")
+def hybrid_checkpoints(tmp_path_factory, byte_level_tokenizer_dir):
+    root = tmp_path_factory.mktemp("hybrid")
+    return {name: make_tiny_checkpoint(root / name, arch, byte_level_tokenizer_dir, **kw)
+            for name, (arch, kw) in MODELS.items()}
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(3, 250) for _ in range(n)] for n in PROMPT_LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def hf_references(hybrid_checkpoints):
+    """model name -> [(tokens, logprobs)] of HF greedy decoding for each prompt.
+
+    NOTE(hybrid tests): full forwards without a cache (HF's `generate` costs ~2 s per call here,
+    mostly overhead); greedy tokens are the same, and the logprobs of HF's cached path differ
+    from these by rounding only."""
+    refs = {}
+    for name, path in hybrid_checkpoints.items():
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        refs[name] = []
+        for prompt in _prompts():
+            ids, tokens, logprobs = list(prompt), [], []
+            with torch.no_grad():
+                for _ in range(MAX_TOKENS):
+                    lp = torch.log_softmax(hf(torch.tensor([ids])).logits[0, -1].float(), -1)
+                    tokens.append(int(lp.argmax()))
+                    logprobs.append(lp[tokens[-1]].item())
+                    ids.append(tokens[-1])
+            refs[name].append((tokens, logprobs))
+    return refs
+
+
+def _greedy() -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+
+
+def _check(outs, refs) -> None:
+    for prompt, out, (want, want_lp) in zip(_prompts(), outs, refs):
+        completion = out.outputs[0]
+        assert list(completion.token_ids) == want, f"prompt of {len(prompt)} tokens"
+        got = [step[t].logprob for step, t in zip(completion.logprobs, completion.token_ids)]
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want_lp),
+                                   atol=LOGPROB_TOL, rtol=0)
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("model", list(MODELS))
+def test_greedy_matches_hf(hybrid_checkpoints, hf_references, model, config):
+    llm = LLM(str(hybrid_checkpoints[model]), dtype="float32", kv_cache_memory_bytes=4 << 20,
+              **CONFIGS[config])
+    prompts = [{"prompt_token_ids": p} for p in _prompts()]
+    _check(llm.generate(prompts, _greedy(), use_tqdm=False), hf_references[model])
+    stats = llm.get_stats()
+    if config == "preempt":
+        assert stats.num_preemptions > 0
+    if config == "default":
+        # Prefix caching mode "none": the same prompts again get no hit and the same tokens.
+        again = llm.generate(prompts, _greedy(), use_tqdm=False)
+        assert all(o.num_cached_tokens == 0 for o in again)
+        _check(again, hf_references[model])
+    scheduler = llm.llm_engine.engine_core.scheduler
+    assert all(not g.req_to_blocks for g in scheduler.kv_cache_manager.groups)
+
+
+def test_state_memory_in_startup_log(hybrid_checkpoints, caplog):
+    with caplog.at_level("INFO", logger="pagedllm"):
+        LLM(str(hybrid_checkpoints["lfm2"]), dtype="float32", kv_cache_memory_bytes=4 << 20,
+            max_num_seqs=4)
+    # Two conv layers of a [64, 2] float32 window: 1 KiB per request.
+    assert "4 state slots (one per running request) of 0.001 MiB state memory per request" \
+        in caplog.text
+
+
+def test_too_long_prompt_is_refused_alone(hybrid_checkpoints, hf_references):
+    llm = LLM(str(hybrid_checkpoints["lfm2"]), dtype="float32", num_gpu_blocks_override=4)
+    engine = llm.llm_engine
+    with pytest.raises(ValueError, match="KV blocks"):
+        engine.add_request("long", {"prompt_token_ids": [5] * 60}, _greedy())
+    outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()[:2]], _greedy(),
+                        use_tqdm=False)
+    _check(outs, hf_references["lfm2"][:2])
+
+
+def test_unsupported_layer_type_fails_at_load(hybrid_checkpoints, tmp_path):
+    path = tmp_path / "lfm2_sliding"
+    shutil.copytree(hybrid_checkpoints["lfm2"], path)
+    config = json.loads((path / "config.json").read_text())
+    config["layer_types"] = ["conv", "sliding_attention", "conv"]
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="sliding_attention"):
+        LLM(str(path), dtype="float32", kv_cache_memory_bytes=4 << 20)
+
+
+def test_speculative_decoding_is_refused(hybrid_checkpoints):
+    with pytest.raises(ValueError, match="cannot be rolled back"):
+        LLM(str(hybrid_checkpoints["mamba2"]), dtype="float32", kv_cache_memory_bytes=4 << 20,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2})
