@@ -11,6 +11,7 @@ from pagedllm.models.llama import (LlamaForCausalLM, MistralForCausalLM, Qwen2Fo
 from pagedllm.models.mixtral import MixtralForCausalLM
 from pagedllm.models.olmoe import OlmoeForCausalLM
 from pagedllm.models.phi3 import Phi3ForCausalLM
+from pagedllm.models.qwen3_next import Qwen3NextForCausalLM
 from pagedllm.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
 _MODELS = {cls.__name__: cls for cls in (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
@@ -18,7 +19,8 @@ _MODELS = {cls.__name__: cls for cls in (LlamaForCausalLM, MistralForCausalLM, Q
                                          Gemma3ForCausalLM, BertModel, BertForMaskedLM,
                                          MixtralForCausalLM, Qwen2MoeForCausalLM,
                                          Qwen3MoeForCausalLM, OlmoeForCausalLM,
-                                         Mamba2ForCausalLM, Lfm2ForCausalLM)}
+                                         Mamba2ForCausalLM, Lfm2ForCausalLM,
+                                         Qwen3NextForCausalLM)}
 
 
 # GGUF `general.architecture` (llama.cpp's names) -> class.

@@ -1,10 +1,12 @@
-"""Hybrid / state-space models end to end against HF `transformers` (fp32, greedy) on tiny random
-checkpoints: Mamba-2 (SSD mixers only) and LFM2 (short convolutions + attention layers).
+"""Hybrid / state-space models end to end against HF `transformers` (greedy) on tiny random
+checkpoints: Mamba-2 (SSD mixers only), LFM2 (short convolutions + attention layers) and
+Qwen3-Next (Gated DeltaNet + gated attention, MoE with a shared expert and a dense layer).
 
 One engine per configuration serves prompts of different lengths together (mixed prefill and
 decode steps): the default, chunked prefill with a token budget that splits the scan's chunks
 (chunk_size 8, budget 13), preemption (a KV / token-slot budget far below the batch), and prefix
-caching off. Tokens must equal HF `generate` and chosen-token logprobs agree within 1e-4. Prefix
+caching off. The engine runs in float32; its tokens must equal HF's greedy decoding and its
+chosen-token logprobs agree within 1e-4 (or HF's own float32 error: see `hf_references`). Prefix
 caching is mode "none" for hybrids: a repeated prompt gets no hit and the same tokens.
 """
 
@@ -28,15 +30,24 @@ MODELS = {
     "lfm2": ("Lfm2ForCausalLM", dict(
         layer_types=["conv", "full_attention", "conv"], num_hidden_layers=3, conv_L_cache=3,
         norm_eps=1e-5, block_auto_adjust_ff_dim=False)),
+    "qwen3_next": ("Qwen3NextForCausalLM", dict(
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+        num_hidden_layers=3, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, mlp_only_layers=[1], norm_topk_prob=True,
+        seed=1)),
 }
-PROMPT_LENGTHS = (40, 5, 1, 19)   # the longest first: it fills the "preempt" cache
+# The longest first: it fills the "preempt" cache. 70 tokens: two of the delta rule's 64-token
+# scan chunks (Mamba-2's chunk here is 8).
+PROMPT_LENGTHS = (70, 40, 5, 1, 19)
 MAX_TOKENS = 8
 LOGPROB_TOL = 1e-4
 # name -> LLM keyword arguments (block_size 16; the scan's chunk is 8 tokens).
 CONFIGS = {
     "default": {},
     "chunked": dict(max_num_batched_tokens=13),
-    "preempt": dict(block_size=4, num_gpu_blocks_override=13, max_num_batched_tokens=64),
+    "preempt": dict(block_size=4, num_gpu_blocks_override=21, max_num_batched_tokens=64),
     "no_prefix_caching": dict(enable_prefix_caching=False, max_num_seqs=2),
 }
 
@@ -53,26 +64,47 @@ def _prompts() -> list[list[int]]:
     return [[rng.randrange(3, 250) for _ in range(n)] for n in PROMPT_LENGTHS]
 
 
+def _hf_greedy(path, name: str, dtype: torch.dtype) -> list[tuple[list[int], list[float]]]:
+    """[(tokens, logprobs)] of HF greedy decoding of each prompt in `dtype`: a prefill with HF's
+    cache, then one token per forward (what `generate` does, without its ~2 s of overhead per
+    call on this machine)."""
+    extra = {"experts_implementation": "eager"} if name == "qwen3_next" else {}
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **extra)
+    refs = []
+    for prompt in _prompts():
+        tokens, logprobs = [], []
+        with torch.no_grad():
+            out = hf(torch.tensor([prompt]), use_cache=True)
+            for i in range(MAX_TOKENS):
+                lp = torch.log_softmax(out.logits[0, -1].double(), -1)
+                tokens.append(int(lp.argmax()))
+                logprobs.append(lp[tokens[-1]].item())
+                if i + 1 < MAX_TOKENS:
+                    out = hf(torch.tensor([[tokens[-1]]]), cache=out.cache, use_cache=True,
+                             position_ids=torch.tensor([[len(prompt) + i]]))
+        refs.append((tokens, logprobs))
+    return refs
+
+
 @pytest.fixture(scope="module")
 def hf_references(hybrid_checkpoints):
-    """model name -> [(tokens, logprobs)] of HF greedy decoding for each prompt.
+    """model name -> [(tokens, logprobs, tolerances)] per prompt.
 
-    NOTE(hybrid tests): full forwards without a cache (HF's `generate` costs ~2 s per call here,
-    mostly overhead); greedy tokens are the same, and the logprobs of HF's cached path differ
-    from these by rounding only."""
+    NOTE(hybrid tests): the reference is HF in float64, and the bound on a step's logprob is
+    1e-4 or twice HF's own float32 error there, whichever is larger. Random Qwen3-Next
+    checkpoints have a few ill-conditioned steps where float32 rounding alone moves the
+    logprob past 1e-4: on this one, the 19-token prompt's first token is 3e-4 off in HF's
+    float32 path and 2e-4 in the engine's (1e-5 at the other steps, where both stay < 1e-4).
+    HF float32 greedy tokens equal the float64 ones (asserted)."""
     refs = {}
     for name, path in hybrid_checkpoints.items():
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        exact = _hf_greedy(path, name, torch.float64)
+        fp32 = _hf_greedy(path, name, torch.float32)
         refs[name] = []
-        for prompt in _prompts():
-            ids, tokens, logprobs = list(prompt), [], []
-            with torch.no_grad():
-                for _ in range(MAX_TOKENS):
-                    lp = torch.log_softmax(hf(torch.tensor([ids])).logits[0, -1].float(), -1)
-                    tokens.append(int(lp.argmax()))
-                    logprobs.append(lp[tokens[-1]].item())
-                    ids.append(tokens[-1])
-            refs[name].append((tokens, logprobs))
+        for (tokens, lps), (tokens32, lps32) in zip(exact, fp32):
+            assert tokens32 == tokens
+            refs[name].append((tokens, lps, [max(LOGPROB_TOL, 2 * abs(a - b))
+                                             for a, b in zip(lps, lps32)]))
     return refs
 
 
@@ -81,16 +113,22 @@ def _greedy() -> SamplingParams:
 
 
 def _check(outs, refs) -> None:
-    for prompt, out, (want, want_lp) in zip(_prompts(), outs, refs):
+    for prompt, out, (want, want_lp, tol) in zip(_prompts(), outs, refs):
         completion = out.outputs[0]
         assert list(completion.token_ids) == want, f"prompt of {len(prompt)} tokens"
         got = [step[t].logprob for step, t in zip(completion.logprobs, completion.token_ids)]
-        torch.testing.assert_close(torch.tensor(got), torch.tensor(want_lp),
-                                   atol=LOGPROB_TOL, rtol=0)
+        errors = [abs(a - b) for a, b in zip(got, want_lp)]
+        assert all(e <= t for e, t in zip(errors, tol)), (len(prompt), errors, tol)
 
 
-@pytest.mark.parametrize("config", list(CONFIGS))
-@pytest.mark.parametrize("model", list(MODELS))
+# The default run: every model with the default and chunked configurations, LFM2 (attention
+# and state groups) with the other two; the rest is `slow`.
+CASES = [pytest.param(model, config, marks=() if config in ("default", "chunked")
+                      or model == "lfm2" else pytest.mark.slow)
+         for model in MODELS for config in CONFIGS]
+
+
+@pytest.mark.parametrize("model,config", CASES)
 def test_greedy_matches_hf(hybrid_checkpoints, hf_references, model, config):
     llm = LLM(str(hybrid_checkpoints[model]), dtype="float32", kv_cache_memory_bytes=4 << 20,
               **CONFIGS[config])
@@ -118,13 +156,13 @@ def test_state_memory_in_startup_log(hybrid_checkpoints, caplog):
 
 
 def test_too_long_prompt_is_refused_alone(hybrid_checkpoints, hf_references):
-    llm = LLM(str(hybrid_checkpoints["lfm2"]), dtype="float32", num_gpu_blocks_override=4)
+    llm = LLM(str(hybrid_checkpoints["lfm2"]), dtype="float32", num_gpu_blocks_override=6)
     engine = llm.llm_engine
     with pytest.raises(ValueError, match="KV blocks"):
-        engine.add_request("long", {"prompt_token_ids": [5] * 60}, _greedy())
-    outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()[:2]], _greedy(),
+        engine.add_request("long", {"prompt_token_ids": [5] * 90}, _greedy())
+    outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], _greedy(),
                         use_tqdm=False)
-    _check(outs, hf_references["lfm2"][:2])
+    _check(outs, hf_references["lfm2"])
 
 
 def test_unsupported_layer_type_fails_at_load(hybrid_checkpoints, tmp_path):
