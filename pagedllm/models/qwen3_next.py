@@ -15,6 +15,11 @@ layers, and a mixture of experts with a shared expert.
 
 `config.layer_types` ("linear_attention" / "full_attention") says which layer is which. HF
 transformers' Qwen3-Next torch path is the oracle.
+
+Qwen3.5's text model (`Qwen3_5ForCausalLM`) is the same stack with the Gated DeltaNet's inputs
+projected separately (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a; q, k, v contiguous rather
+than grouped per key head) and dense MLPs only. Its multimodal RoPE (interleaved sections) is
+plain RoPE for text, where the three position components are equal.
 """
 
 from __future__ import annotations
@@ -51,9 +56,10 @@ def _param(*shape: int) -> nn.Parameter:
 class GatedDeltaNet(nn.Module):
     """hidden [n, hidden_size] -> [n, hidden_size] over the state cache."""
 
-    def __init__(self, config, layer_idx: int) -> None:
+    def __init__(self, config, layer_idx: int, separate_projections: bool = False) -> None:
         super().__init__()
         hidden = config.hidden_size
+        self.separate_projections = separate_projections
         self.num_v_heads = config.linear_num_value_heads
         self.num_k_heads = config.linear_num_key_heads
         self.head_k_dim = config.linear_key_head_dim
@@ -68,8 +74,15 @@ class GatedDeltaNet(nn.Module):
         self.value_dim = self.head_v_dim * self.num_v_heads
         self.conv_dim = 2 * self.key_dim + self.value_dim
         k = config.linear_conv_kernel_dim
-        self.in_proj_qkvz = ColumnParallelLinear(hidden, 2 * self.key_dim + 2 * self.value_dim)
-        self.in_proj_ba = ColumnParallelLinear(hidden, 2 * self.num_v_heads)
+        if separate_projections:   # Qwen3.5
+            self.in_proj_qkv = ColumnParallelLinear(hidden, self.conv_dim)
+            self.in_proj_z = ColumnParallelLinear(hidden, self.value_dim)
+            self.in_proj_b = ColumnParallelLinear(hidden, self.num_v_heads)
+            self.in_proj_a = ColumnParallelLinear(hidden, self.num_v_heads)
+        else:
+            self.in_proj_qkvz = ColumnParallelLinear(hidden,
+                                                     2 * self.key_dim + 2 * self.value_dim)
+            self.in_proj_ba = ColumnParallelLinear(hidden, 2 * self.num_v_heads)
         self.conv1d = nn.Module()
         self.conv1d.weight = _param(self.conv_dim, 1, k)
         self.dt_bias = _param(self.num_v_heads)
@@ -101,9 +114,14 @@ class GatedDeltaNet(nn.Module):
         meta = self.state.metadata()
         conv_state, recurrent_state = self.state.states
         n = hidden.shape[0]
-        q, k, v, z, b, a = self._split(self.in_proj_qkvz(hidden), self.in_proj_ba(hidden))
-        qkv = F.silu(causal_conv1d_varlen(torch.cat([q, k, v], dim=-1), self.conv1d.weight[:, 0],
-                                          None, conv_state, meta))
+        if self.separate_projections:
+            qkv = self.in_proj_qkv(hidden)
+            z = self.in_proj_z(hidden).view(n, self.num_v_heads, self.head_v_dim)
+            b, a = self.in_proj_b(hidden), self.in_proj_a(hidden)
+        else:
+            q, k, v, z, b, a = self._split(self.in_proj_qkvz(hidden), self.in_proj_ba(hidden))
+            qkv = torch.cat([q, k, v], dim=-1)
+        qkv = F.silu(causal_conv1d_varlen(qkv, self.conv1d.weight[:, 0], None, conv_state, meta))
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         per = self.num_v_heads // self.num_k_heads
         q = q.reshape(n, self.num_k_heads, self.head_k_dim).repeat_interleave(per, dim=1)
@@ -151,14 +169,15 @@ class GatedAttention(nn.Module):
 
 
 class Qwen3NextDecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int, layer_type: str) -> None:
+    def __init__(self, config, layer_idx: int, layer_type: str,
+                 separate_projections: bool = False) -> None:
         super().__init__()
         self.is_attention_layer = layer_type == "full_attention"
         if self.is_attention_layer:
             self.self_attn = GatedAttention(config, layer_idx)
         else:
-            self.linear_attn = GatedDeltaNet(config, layer_idx)
-        if is_sparse_layer(config, layer_idx):
+            self.linear_attn = GatedDeltaNet(config, layer_idx, separate_projections)
+        if getattr(config, "num_experts", 0) and is_sparse_layer(config, layer_idx):
             self.mlp = SparseMoeBlock(config.hidden_size, config.num_experts,
                                       config.num_experts_per_tok, config.moe_intermediate_size,
                                       bool(config.norm_topk_prob), config.hidden_act,
@@ -185,6 +204,8 @@ class Qwen3NextForCausalLM(nn.Module):
     """
 
     stacked_params_mapping = (("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1))
+    # Qwen3.5's Gated DeltaNet input projections (see the module docstring).
+    separate_projections = False
 
     def __init__(self, config) -> None:
         super().__init__()
@@ -198,8 +219,9 @@ class Qwen3NextForCausalLM(nn.Module):
         self.config = config
         self.model = nn.Module()
         self.model.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.model.layers = nn.ModuleList(Qwen3NextDecoderLayer(config, i, t)
-                                          for i, t in enumerate(layer_types))
+        self.model.layers = nn.ModuleList(
+            Qwen3NextDecoderLayer(config, i, t, self.separate_projections)
+            for i, t in enumerate(layer_types))
         self.model.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = LMHead(config.vocab_size, config.hidden_size,
@@ -241,3 +263,9 @@ class Qwen3NextForCausalLM(nn.Module):
                 target = load_named_weight(params, name, tensor, self.stacked_params_mapping)
             loaded.add(target)
         return loaded
+
+
+class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
+    """Qwen3.5's text model (see the module docstring); the API of `Qwen3NextForCausalLM`."""
+
+    separate_projections = True

@@ -11,7 +11,7 @@ from pagedllm.models.llama import (LlamaForCausalLM, MistralForCausalLM, Qwen2Fo
 from pagedllm.models.mixtral import MixtralForCausalLM
 from pagedllm.models.olmoe import OlmoeForCausalLM
 from pagedllm.models.phi3 import Phi3ForCausalLM
-from pagedllm.models.qwen3_next import Qwen3NextForCausalLM
+from pagedllm.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3NextForCausalLM
 from pagedllm.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
 _MODELS = {cls.__name__: cls for cls in (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
@@ -20,7 +20,7 @@ _MODELS = {cls.__name__: cls for cls in (LlamaForCausalLM, MistralForCausalLM, Q
                                          MixtralForCausalLM, Qwen2MoeForCausalLM,
                                          Qwen3MoeForCausalLM, OlmoeForCausalLM,
                                          Mamba2ForCausalLM, Lfm2ForCausalLM,
-                                         Qwen3NextForCausalLM)}
+                                         Qwen3NextForCausalLM, Qwen3_5ForCausalLM)}
 
 
 # GGUF `general.architecture` (llama.cpp's names) -> class.

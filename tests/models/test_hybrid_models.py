@@ -1,6 +1,7 @@
 """Hybrid / state-space models end to end against HF `transformers` (greedy) on tiny random
-checkpoints: Mamba-2 (SSD mixers only), LFM2 (short convolutions + attention layers) and
-Qwen3-Next (Gated DeltaNet + gated attention, MoE with a shared expert and a dense layer).
+checkpoints: Mamba-2 (SSD mixers only), LFM2 (short convolutions + attention layers),
+Qwen3-Next (Gated DeltaNet + gated attention, MoE with a shared expert and a dense layer) and
+Qwen3.5's text model (its Gated DeltaNet projections, dense MLPs).
 
 One engine per configuration serves prompts of different lengths together (mixed prefill and
 decode steps): the default, chunked prefill with a token budget that splits the scan's chunks
@@ -37,6 +38,10 @@ MODELS = {
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
         shared_expert_intermediate_size=48, mlp_only_layers=[1], norm_topk_prob=True,
         seed=1)),
+    "qwen3_5": ("Qwen3_5ForCausalLM", dict(
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+        num_hidden_layers=3, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4)),
 }
 # The longest first: it fills the "preempt" cache. 70 tokens: two of the delta rule's 64-token
 # scan chunks (Mamba-2's chunk here is 8).
@@ -52,11 +57,23 @@ CONFIGS = {
 }
 
 
+class _Lazy(dict):
+    """name -> value, computed by `make(name)` on first access."""
+
+    def __init__(self, make) -> None:
+        super().__init__()
+        self._make = make
+
+    def __missing__(self, name: str):
+        self[name] = self._make(name)
+        return self[name]
+
+
 @pytest.fixture(scope="module")
 def hybrid_checkpoints(tmp_path_factory, byte_level_tokenizer_dir):
     root = tmp_path_factory.mktemp("hybrid")
-    return {name: make_tiny_checkpoint(root / name, arch, byte_level_tokenizer_dir, **kw)
-            for name, (arch, kw) in MODELS.items()}
+    return _Lazy(lambda name: make_tiny_checkpoint(root / name, MODELS[name][0],
+                                                   byte_level_tokenizer_dir, **MODELS[name][1]))
 
 
 def _prompts() -> list[list[int]]:
@@ -96,16 +113,17 @@ def hf_references(hybrid_checkpoints):
     logprob past 1e-4: on this one, the 19-token prompt's first token is 3e-4 off in HF's
     float32 path and 2e-4 in the engine's (1e-5 at the other steps, where both stay < 1e-4).
     HF float32 greedy tokens equal the float64 ones (asserted)."""
-    refs = {}
-    for name, path in hybrid_checkpoints.items():
-        exact = _hf_greedy(path, name, torch.float64)
-        fp32 = _hf_greedy(path, name, torch.float32)
-        refs[name] = []
-        for (tokens, lps), (tokens32, lps32) in zip(exact, fp32):
+    def make(name: str) -> list:
+        path = hybrid_checkpoints[name]
+        refs = []
+        for (tokens, lps), (tokens32, lps32) in zip(_hf_greedy(path, name, torch.float64),
+                                                    _hf_greedy(path, name, torch.float32)):
             assert tokens32 == tokens
-            refs[name].append((tokens, lps, [max(LOGPROB_TOL, 2 * abs(a - b))
-                                             for a, b in zip(lps, lps32)]))
-    return refs
+            refs.append((tokens, lps, [max(LOGPROB_TOL, 2 * abs(a - b))
+                                       for a, b in zip(lps, lps32)]))
+        return refs
+
+    return _Lazy(make)
 
 
 def _greedy() -> SamplingParams:
@@ -121,10 +139,13 @@ def _check(outs, refs) -> None:
         assert all(e <= t for e, t in zip(errors, tol)), (len(prompt), errors, tol)
 
 
-# The default run: every model with the default and chunked configurations, LFM2 (attention
-# and state groups) with the other two; the rest is `slow`.
-CASES = [pytest.param(model, config, marks=() if config in ("default", "chunked")
-                      or model == "lfm2" else pytest.mark.slow)
+# The default run: Mamba-2 and Qwen3-Next with the default and chunked configurations, LFM2
+# (attention and state groups) with all, Qwen3.5 chunked; the rest is `slow`.
+DEFAULT_CASES = {("mamba2", "default"), ("mamba2", "chunked"), ("qwen3_next", "default"),
+                 ("qwen3_next", "chunked"), ("qwen3_5", "chunked")} | {
+                     ("lfm2", config) for config in CONFIGS}
+CASES = [pytest.param(model, config, marks=() if (model, config) in DEFAULT_CASES
+                      else pytest.mark.slow)
          for model in MODELS for config in CONFIGS]
 
 
