@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pagedllm.models.bert import BertForMaskedLM, BertModel
 from pagedllm.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from pagedllm.models.granitemoehybrid import GraniteMoeHybridForCausalLM
 from pagedllm.models.lfm2 import Lfm2ForCausalLM
 from pagedllm.models.mamba2 import Mamba2ForCausalLM
 from pagedllm.models.llama import (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
@@ -20,7 +21,8 @@ _MODELS = {cls.__name__: cls for cls in (LlamaForCausalLM, MistralForCausalLM, Q
                                          MixtralForCausalLM, Qwen2MoeForCausalLM,
                                          Qwen3MoeForCausalLM, OlmoeForCausalLM,
                                          Mamba2ForCausalLM, Lfm2ForCausalLM,
-                                         Qwen3NextForCausalLM, Qwen3_5ForCausalLM)}
+                                         Qwen3NextForCausalLM, Qwen3_5ForCausalLM,
+                                         GraniteMoeHybridForCausalLM)}
 
 
 # GGUF `general.architecture` (llama.cpp's names) -> class.

@@ -1,7 +1,8 @@
 """Hybrid / state-space models end to end against HF `transformers` (greedy) on tiny random
 checkpoints: Mamba-2 (SSD mixers only), LFM2 (short convolutions + attention layers),
 Qwen3-Next (Gated DeltaNet + gated attention, MoE with a shared expert and a dense layer) and
-Qwen3.5's text model (its Gated DeltaNet projections, dense MLPs).
+Qwen3.5's text model (its Gated DeltaNet projections, dense MLPs) and Granite 4 hybrid (Mamba-2
++ attention layers, MoE + shared MLP, Granite's multipliers).
 
 One engine per configuration serves prompts of different lengths together (mixed prefill and
 decode steps): the default, chunked prefill with a token budget that splits the scan's chunks
@@ -42,6 +43,13 @@ MODELS = {
         layer_types=["linear_attention", "full_attention", "linear_attention"],
         num_hidden_layers=3, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
         linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4)),
+    "granite_hybrid": ("GraniteMoeHybridForCausalLM", dict(
+        layer_types=["linear_attention", "attention", "linear_attention"], num_hidden_layers=3,
+        mamba_n_heads=8, mamba_d_head=16, mamba_expand=2, mamba_n_groups=2, mamba_d_state=16,
+        mamba_chunk_size=8, mamba_d_conv=4, num_local_experts=4, num_experts_per_tok=2,
+        intermediate_size=32, shared_intermediate_size=48, position_embedding_type="rope",
+        embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.3,
+        logits_scaling=2.0)),
 }
 # The longest first: it fills the "preempt" cache. 70 tokens: two of the delta rule's 64-token
 # scan chunks (Mamba-2's chunk here is 8).
@@ -85,7 +93,8 @@ def _hf_greedy(path, name: str, dtype: torch.dtype) -> list[tuple[list[int], lis
     """[(tokens, logprobs)] of HF greedy decoding of each prompt in `dtype`: a prefill with HF's
     cache, then one token per forward (what `generate` does, without its ~2 s of overhead per
     call on this machine)."""
-    extra = {"experts_implementation": "eager"} if name == "qwen3_next" else {}
+    extra = ({"experts_implementation": "eager"} if name in ("qwen3_next", "granite_hybrid")
+             else {})
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **extra)
     refs = []
     for prompt in _prompts():
@@ -140,9 +149,10 @@ def _check(outs, refs) -> None:
 
 
 # The default run: Mamba-2 and Qwen3-Next with the default and chunked configurations, LFM2
-# (attention and state groups) with all, Qwen3.5 chunked; the rest is `slow`.
+# (attention and state groups) with all, Qwen3.5 and Granite chunked; the rest is `slow`.
 DEFAULT_CASES = {("mamba2", "default"), ("mamba2", "chunked"), ("qwen3_next", "default"),
-                 ("qwen3_next", "chunked"), ("qwen3_5", "chunked")} | {
+                 ("qwen3_next", "chunked"), ("qwen3_5", "chunked"),
+                 ("granite_hybrid", "chunked")} | {
                      ("lfm2", config) for config in CONFIGS}
 CASES = [pytest.param(model, config, marks=() if (model, config) in DEFAULT_CASES
                       else pytest.mark.slow)
