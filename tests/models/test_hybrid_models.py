@@ -210,3 +210,14 @@ def test_speculative_decoding_is_refused(hybrid_checkpoints):
     with pytest.raises(ValueError, match="cannot be rolled back"):
         LLM(str(hybrid_checkpoints["mamba2"]), dtype="float32", kv_cache_memory_bytes=4 << 20,
             speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+
+
+@pytest.mark.parametrize("options", [dict(async_scheduling=True),
+                                     dict(num_scheduler_steps=1, max_num_seqs=3)])
+def test_async_and_single_steps_match_hf(hybrid_checkpoints, hf_references, options):
+    """Asynchronous scheduling (an output placeholder per step, inputs filled on the device)
+    and single steps (no multi-step rounds) leave the states as the default engine does."""
+    llm = LLM(str(hybrid_checkpoints["lfm2"]), dtype="float32", kv_cache_memory_bytes=4 << 20,
+              **options)
+    _check(llm.generate([{"prompt_token_ids": p} for p in _prompts()], _greedy(),
+                        use_tqdm=False), hf_references["lfm2"])
