@@ -213,7 +213,8 @@ def test_speculative_decoding_is_refused(hybrid_checkpoints):
 
 
 @pytest.mark.parametrize("options", [dict(async_scheduling=True),
-                                     dict(num_scheduler_steps=1, max_num_seqs=3)])
+                                     pytest.param(dict(num_scheduler_steps=1, max_num_seqs=3),
+                                                  marks=pytest.mark.slow)])
 def test_async_and_single_steps_match_hf(hybrid_checkpoints, hf_references, options):
     """Asynchronous scheduling (an output placeholder per step, inputs filled on the device)
     and single steps (no multi-step rounds) leave the states as the default engine does."""
