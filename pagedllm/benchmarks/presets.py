@@ -66,10 +66,33 @@ PRESETS: dict[str, dict[str, Any]] = {
                               "n_routed_experts": 8, "n_shared_experts": 2,
                               "num_experts_per_tok": 3, "first_k_dense_replace": 1,
                               "topk_method": "greedy", "vocab_size": 1024},
+    # Issue #37: Qwen3-Next's layout (3 Gated DeltaNet layers to 1 gated-attention layer, MoE
+    # with a shared expert on every layer) scaled to hidden 768, 12 layers: ~196M parameters
+    # (49M embedding + LM head, 127M in the MoE blocks, 20M in the token mixers).
+    "qwen3-next-200m": {"architecture": "Qwen3NextForCausalLM", "hidden_size": 768,
+                        "num_hidden_layers": 12, "num_attention_heads": 8,
+                        "num_key_value_heads": 2, "head_dim": 64,
+                        "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 3,
+                        "linear_num_key_heads": 4, "linear_num_value_heads": 8,
+                        "linear_key_head_dim": 64, "linear_value_head_dim": 64,
+                        "linear_conv_kernel_dim": 4, "num_experts": 16,
+                        "num_experts_per_tok": 2, "moe_intermediate_size": 256,
+                        "shared_expert_intermediate_size": 512, "intermediate_size": 2048,
+                        "vocab_size": 32000},
+    "qwen3-next-tiny": {"architecture": "Qwen3NextForCausalLM", "hidden_size": 64,
+                        "num_hidden_layers": 4, "num_attention_heads": 4,
+                        "num_key_value_heads": 2, "head_dim": 16,
+                        "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+                        "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                        "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+                        "num_experts": 4, "num_experts_per_tok": 2,
+                        "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64,
+                        "intermediate_size": 128, "vocab_size": 1024},
 }
 # HF `architectures` name -> its transformers config class.
 ARCHITECTURE_CONFIGS = {"LlamaForCausalLM": "LlamaConfig", "MixtralForCausalLM": "MixtralConfig",
-                        "DeepseekV2ForCausalLM": "DeepseekV2Config"}
+                        "DeepseekV2ForCausalLM": "DeepseekV2Config",
+                        "Qwen3NextForCausalLM": "Qwen3NextConfig"}
 _COMMON_CONFIG: dict[str, Any] = {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
                                   "tie_word_embeddings": False, "rope_theta": 10000.0}
 # Saved weight dtypes; "auto" and float16 requests save float32 (the engine casts on load).

@@ -18,18 +18,31 @@ type has one group and the whole budget.
 Admission: each group's spec answers how many blocks one request can hold at once
 (`KVCacheGroupSpec.max_num_blocks_per_request`); `KVCacheCapacity` asks every group, and both the
 front end's gate (engine/input_processor.py) and `Scheduler.add_request` refuse with its answer. A
-new group type (a state cache) brings its own rule there, nothing else.
+new group type brings its own rule there, nothing else.
 
 MLA latent caches (DeepSeek-V2/V3, docs/mla.md) are full-attention groups here: one latent
 vector per position, so the same blocks per request, prefix hits and preemption; what differs is
 only the bytes per block (one [kv_lora_rank + qk_rope_head_dim] vector per token and layer
 instead of per-head K and V), a worker-side fact (`worker/kv_cache.py`) that sets num_blocks.
+
+State group (`STATE_GROUP` in the group list, last): the recurrent layers of a hybrid model
+(Mamba-2, short convolutions) keep a fixed-size state per request instead of a KV entry per
+token (vLLM's MambaSpec). A "block" of that group is one state slot: a request holds exactly one
+from its first allocation until it finishes or is preempted, whatever its length, and the pool
+has one per running request (`1 + max_num_seqs`, the null block included). Its memory is the
+slots' bytes (`num_blocks_for_budget` counts it like any group's). Prefix caching mode "none":
+the group never reports a hit, so a hybrid model's requests get no prefix hits (a state for a
+prefix would have to be checkpointed at its boundary). See core/state_cache_group_manager.py.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+
+
+# The group-list entry of a state cache group (beside attention groups' sliding windows).
+STATE_GROUP = "state"
 
 
 def cdiv(a: int, b: int) -> int:
@@ -44,10 +57,12 @@ class KVCacheGroupSpec:
         sliding_window: the layers' window in tokens (a query at position p reads keys > p - W);
             None = full attention.
         num_blocks: blocks of the group's pool, the null block included.
+        state: a state cache group (one slot per request; `sliding_window` is None).
     """
 
     sliding_window: int | None
     num_blocks: int
+    state: bool = False
 
     def max_num_blocks_per_request(self, num_slots: int, block_size: int,
                                    max_num_scheduled_tokens: int,
@@ -73,14 +88,19 @@ class KVCacheGroupSpec:
         at most cdiv(min(W + block_size - 2 + n + la, num_slots), block_size) blocks, reached
         when (c - W + 1) % block_size == block_size - 1. (vLLM's SlidingWindowSpec prices
         cdiv(min(W - 1 + max_num_batched_tokens, max_model_len), block_size) + 1, one block more
-        when W - 1 + n is 1 past a multiple of block_size or all slots fit.)
+        when W - 1 + n is 1 past a multiple of block_size or all slots fit.) A state group: one
+        slot, whatever the length.
         """
+        if self.state:
+            return 1
         if self.sliding_window is None:
             return cdiv(num_slots, block_size)
         return cdiv(min(self.sliding_window + block_size - 2 + max_num_scheduled_tokens
                         + num_lookahead_tokens, num_slots), block_size)
 
     def describe(self) -> str:
+        if self.state:
+            return "state"
         return ("full attention" if self.sliding_window is None
                 else f"sliding window {self.sliding_window}")
 
@@ -199,7 +219,8 @@ def make_kv_cache_groups(num_blocks: int, windows: Sequence[int | None], block_s
 
     Args:
         num_blocks: blocks of group 0, the null block included.
-        windows: the groups' windows, from `kv_cache_group_windows`.
+        windows: the groups' windows, from `kv_cache_group_windows`, and `STATE_GROUP` last for
+            a model with recurrent layers (a pool of `1 + max_num_seqs` state slots).
         block_size, max_num_seqs, max_num_batched_tokens, num_lookahead_tokens: the scheduler's
             limits (they bound what a sliding group can hold; see `sliding_window_block_cap`).
 
@@ -212,6 +233,9 @@ def make_kv_cache_groups(num_blocks: int, windows: Sequence[int | None], block_s
         raise ValueError(f"num_blocks must be >= 2 (one is the null block), got {num_blocks}")
     specs = [KVCacheGroupSpec(windows[0], num_blocks)]
     for window in windows[1:]:
+        if window == STATE_GROUP:
+            specs.append(KVCacheGroupSpec(None, 1 + max_num_seqs, state=True))
+            continue
         cap = sliding_window_block_cap(window, block_size, max_num_seqs, max_num_batched_tokens,
                                        num_lookahead_tokens)
         specs.append(KVCacheGroupSpec(window, min(num_blocks, cap)))

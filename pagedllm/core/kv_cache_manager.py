@@ -16,6 +16,7 @@ from pagedllm.core.block_pool import BlockPool, KVCacheBlock
 from pagedllm.core.kv_cache_group_manager import KVCacheGroupManager
 from pagedllm.core.kv_cache_groups import KVCacheGroupSpec
 from pagedllm.core.request import Request
+from pagedllm.core.state_cache_group_manager import StateCacheGroupManager
 
 
 @dataclass
@@ -64,7 +65,8 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.kv_cache_groups = specs
-        self.groups = [KVCacheGroupManager(spec, block_size, enable_caching) for spec in specs]
+        self.groups = [(StateCacheGroupManager if spec.state else KVCacheGroupManager)(
+            spec, block_size, enable_caching) for spec in specs]
         self.prefix_cache_stats = PrefixCacheStats()
 
     @property

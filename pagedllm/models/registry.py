@@ -7,13 +7,17 @@ from pagedllm.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCaus
 from pagedllm.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from pagedllm.models.gemma3_mm import Gemma3ForConditionalGeneration
 from pagedllm.models.glm4_moe import Glm4MoeForCausalLM
+from pagedllm.models.granitemoehybrid import GraniteMoeHybridForCausalLM
 from pagedllm.models.idefics3 import (Idefics3ForConditionalGeneration,
                                       SmolVLMForConditionalGeneration)
+from pagedllm.models.lfm2 import Lfm2ForCausalLM
 from pagedllm.models.llama import (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
                                    Qwen3ForCausalLM)
+from pagedllm.models.mamba2 import Mamba2ForCausalLM
 from pagedllm.models.mixtral import MixtralForCausalLM
 from pagedllm.models.olmoe import OlmoeForCausalLM
 from pagedllm.models.phi3 import Phi3ForCausalLM
+from pagedllm.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3NextForCausalLM
 from pagedllm.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
 _MODELS = {cls.__name__: cls for cls in (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
@@ -25,7 +29,10 @@ _MODELS = {cls.__name__: cls for cls in (LlamaForCausalLM, MistralForCausalLM, Q
                                          Glm4MoeForCausalLM,
                                          Idefics3ForConditionalGeneration,
                                          SmolVLMForConditionalGeneration,
-                                         Gemma3ForConditionalGeneration)}
+                                         Gemma3ForConditionalGeneration,
+                                         Mamba2ForCausalLM, Lfm2ForCausalLM,
+                                         Qwen3NextForCausalLM, Qwen3_5ForCausalLM,
+                                         GraniteMoeHybridForCausalLM)}
 
 
 # GGUF `general.architecture` (llama.cpp's names) -> class.

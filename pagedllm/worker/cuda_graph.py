@@ -117,6 +117,8 @@ def decode_graph_capture_sizes(config: CudaGraphConfig, max_num_seqs: int, devic
         reason = f"{world_size} ranks"
     elif any(isinstance(m, FusedMoE) for m in model.modules()):
         reason = "the fused MoE layer syncs with the host"
+    elif getattr(model, "state_layers", None) is not None:
+        reason = "recurrent (state-cache) layers split the batch by host-side query lengths"
     elif getattr(model, "_original_max_position", None) is not None:
         reason = "long-context RoPE reads host-side sequence lengths"
     if reason is not None:

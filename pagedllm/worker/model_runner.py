@@ -46,13 +46,15 @@ import torch
 from pagedllm.attention.forward_context import set_forward_context
 from pagedllm.attention.metadata import CommonAttentionMetadata, KVCacheGroupsMetadata
 from pagedllm.config import EngineConfig
-from pagedllm.core.kv_cache_groups import (KVCacheGroupSpec, kv_cache_group_windows,
+from pagedllm.attention.backends.selector import get_attention_backend
+from pagedllm.core.kv_cache_groups import (STATE_GROUP, KVCacheGroupSpec, kv_cache_group_windows,
                                            make_kv_cache_groups)
 from pagedllm.core.sched_output import (GrammarOutput, LogprobsLists, ModelRunnerOutput,
                                         NewRequestData, SchedulerOutput)
 from pagedllm.distributed.parallel_state import (ExpertParallelLayout,
                                                  set_expert_parallel_layout)
 from pagedllm.layers.batch_invariance import check_batch_invariance
+from pagedllm.layers.state_cache import StateCacheMetadata
 from pagedllm.lora.model_manager import LoRAModelManager
 from pagedllm.lora.peft import LoRAModelShapes
 from pagedllm.model_loader.loader import load_model
@@ -79,6 +81,8 @@ from pagedllm.worker.kv_cache import (allocate_kv_caches, kv_cache_bytes_per_blo
                                       kv_cache_layer_groups, resolve_kv_cache_dtype)
 from pagedllm.worker.multi_step import MultiStepRound, RoundSteps
 from pagedllm.worker.pipeline_sampler import pipeline_stage_sampler
+from pagedllm.worker.state_cache import (allocate_state_caches, model_state_layers,
+                                         release_state_caches, state_bytes_per_slot)
 from pagedllm.worker.sampling_inputs import build_sampling_metadata
 
 
@@ -229,10 +233,22 @@ class ModelRunner:
         to be agreed across ranks); both keep one group for all layers: no block leaves a
         window, the layers still apply their windows in attention.
         """
-        windows = kv_cache_group_windows(a.sliding_window for a in self._attention_layers())
+        attention = self._attention_layers()
+        windows = (kv_cache_group_windows(a.sliding_window for a in attention) if attention
+                   else (None,))
         if (isinstance(self.drafter, (DraftModelProposer, EagleProposer))
                 or self.config.parallel_config.pipeline_parallel_size > 1):
             windows = (None,)
+        if model_state_layers(self.model):
+            # NOTE(state_cache): a hybrid model's recurrent layers keep one state slot per
+            # request (core/state_cache_group_manager.py); a draft would need a state per
+            # draft position, rolled back to the accepted one, which is not implemented.
+            if self.drafter is not None:
+                raise ValueError(f"speculative decoding ({self.spec_config.method}) is not "
+                                 f"supported for {type(self.model).__name__}: its recurrent "
+                                 "layers keep one state per request, which cannot be rolled "
+                                 "back to the accepted draft token")
+            windows = windows + (STATE_GROUP,)
         self.kv_cache_windows = windows
         if len(windows) != len(self.states.block_tables):
             self.states = RequestStates(self.max_num_reqs, self.config.max_model_len,
@@ -265,10 +281,20 @@ class ModelRunner:
         return kv_cache_bytes_per_block(self._attention_layers(), self.block_size,
                                         self.kv_cache_dtype)
 
+    @property
+    def _attention_windows(self) -> tuple[int | None, ...]:
+        """The attention groups' windows (the state group, if any, is last)."""
+        return tuple(w for w in self.kv_cache_windows if w != STATE_GROUP)
+
     def kv_cache_group_bytes_per_block(self) -> list[int]:
-        """[num_kv_cache_groups] bytes of one block over each group's layers."""
-        return [kv_cache_bytes_per_block(layers, self.block_size, self.kv_cache_dtype) for layers in
-                kv_cache_layer_groups(self._attention_layers(), self.kv_cache_windows)]
+        """[num_kv_cache_groups] bytes of one block over each group's layers (a state group:
+        one request's states)."""
+        sizes = [kv_cache_bytes_per_block(layers, self.block_size, self.kv_cache_dtype)
+                 for layers in kv_cache_layer_groups(self._attention_layers(),
+                                                     self._attention_windows)]
+        if STATE_GROUP in self.kv_cache_windows:
+            sizes.append(state_bytes_per_slot(model_state_layers(self.model)))
+        return sizes
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate every group's KV tensors (`num_blocks` is group 0's), then capture the
@@ -277,7 +303,7 @@ class ModelRunner:
         self._allocate_kv_caches(self.kv_cache_groups(num_blocks))
         sizes = decode_graph_capture_sizes(
             self.config.cudagraph_config, self.max_num_reqs, self.device,
-            self.model.attention_layers()[0].backend, self.model,
+            self._attention_backend(self.model), self.model,
             self.config.parallel_config.world_size)
         if sizes:
             self.set_graph_runner(CudaGraphRunner(self.new_graph_input_buffers(), sizes,
@@ -304,11 +330,15 @@ class ModelRunner:
         self.graph_runner = graph_runner
 
     def _allocate_kv_caches(self, groups: tuple[KVCacheGroupSpec, ...]) -> None:
-        layer_groups = kv_cache_layer_groups(self._attention_layers(), self.kv_cache_windows)
+        layer_groups = kv_cache_layer_groups(self._attention_layers(), self._attention_windows)
         self.kv_caches = [cache for spec, layers in zip(groups, layer_groups)
                           for cache in allocate_kv_caches(layers, spec.num_blocks,
                                                           self.block_size, self.kv_cache_dtype,
                                                           self.device)]
+        for spec in groups:
+            if spec.state:
+                self.kv_caches += allocate_state_caches(model_state_layers(self.model),
+                                                        spec.num_blocks, self.device)
 
     @torch.inference_mode()
     def profile_run(self, max_tokens: int | None = None) -> None:
@@ -323,14 +353,17 @@ class ModelRunner:
                                                      if num_tokens % per_req else [])
         blocks_per_req = -(-per_req // self.block_size)
         num_blocks = 1 + blocks_per_req * len(lens)
-        # Every group as large as group 0 here: the dummy requests hold all their blocks.
-        self._allocate_kv_caches(tuple(KVCacheGroupSpec(w, num_blocks)
-                                       for w in self.kv_cache_windows))
+        # Every group as large as group 0 here: the dummy requests hold all their blocks (a
+        # state group: one slot each).
+        self._allocate_kv_caches(tuple(
+            KVCacheGroupSpec(None, 1 + len(lens), state=True) if w == STATE_GROUP
+            else KVCacheGroupSpec(w, num_blocks) for w in self.kv_cache_windows))
         params = SamplingParams(temperature=1.0, top_p=0.9, top_k=5, max_tokens=1)
         reqs = [NewRequestData(
             f"_profile_{i}", [0] * n, [], params,
-            (list(range(1 + i * blocks_per_req, 1 + (i + 1) * blocks_per_req)),)
-            * len(self.kv_cache_windows), 0) for i, n in enumerate(lens)]
+            tuple([1 + i] if w == STATE_GROUP
+                  else list(range(1 + i * blocks_per_req, 1 + (i + 1) * blocks_per_req))
+                  for w in self.kv_cache_windows), 0) for i, n in enumerate(lens)]
         out = SchedulerOutput.make_empty()
         out.scheduled_new_reqs = reqs
         out.num_scheduled_tokens = {r.req_id: len(r.prompt_token_ids) for r in reqs}
@@ -356,6 +389,7 @@ class ModelRunner:
         self.kv_caches = []
         for layer in self._attention_layers():
             layer.kv_cache = torch.empty(0)
+        release_state_caches(model_state_layers(self.model))
         refresh_native_decoder(self.model)   # (its structures hold the caches)
 
     def load_fresh_model(self, model_path: str) -> torch.nn.Module:
@@ -539,7 +573,7 @@ class ModelRunner:
                 torch.from_numpy(table.compute_slot_mapping(rows, positions)), non_blocking=True)
             max_blocks = int(table.num_blocks_per_row[idx_mapping].max())
             block_table = table.block_table_np[idx_mapping, :max_blocks]   # a copy
-            if window is not None:
+            if isinstance(window, int):
                 # Rows' num_skipped_blocks (core/kv_cache_groups.py), vectorised.
                 skipped = np.maximum(0, (num_computed.astype(np.int64) - window + 1)
                                      // self.block_size)
@@ -555,15 +589,13 @@ class ModelRunner:
         With several KV cache groups, `group_commons` holds each group's metadata;
         `inputs_embeds` replaces the token embeddings (image placeholders); `inputs` are
         further model inputs (an EAGLE head's hidden states)."""
-        backend = self._attention_backends.get(model)
-        # Looked up once per model: listing the layers every step would be a cost of its own
-        # (docs/benchmarks.md, "Measurements behind choices in the code").
-        if backend is None:
-            backend = self._attention_backends[model] = model.attention_layers()[0].backend
+        backend = self._attention_backend(model)
         if group_commons:
             attn_metadata = KVCacheGroupsMetadata(
-                self.kv_cache_windows, tuple(backend.build_metadata(c) for c in group_commons),
-                common)
+                self.kv_cache_windows,
+                tuple(StateCacheMetadata.from_common(c) if w == STATE_GROUP
+                      else backend.build_metadata(c)
+                      for w, c in zip(self.kv_cache_windows, group_commons)), common)
         else:
             attn_metadata = backend.build_metadata(common)
         if hasattr(model, "rope_positions"):   # a model whose RoPE rows depend on the step
@@ -572,6 +604,17 @@ class ModelRunner:
             if inputs_embeds is not None:
                 return model(input_ids, positions, inputs_embeds, **inputs)
             return model(input_ids, positions, **inputs)
+
+    def _attention_backend(self, model: torch.nn.Module):
+        """The attention backend of `model`'s layers (the platform's for a model without
+        attention layers). Looked up once per model: listing the layers every step would be a
+        cost of its own (docs/benchmarks.md, "Measurements behind choices in the code")."""
+        backend = self._attention_backends.get(model)
+        if backend is None:
+            layers = model.attention_layers()
+            backend = layers[0].backend if layers else get_attention_backend()
+            self._attention_backends[model] = backend
+        return backend
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:

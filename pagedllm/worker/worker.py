@@ -37,8 +37,12 @@ logger = logging.getLogger(__name__)
 PROFILE_WARMUP_TOKENS = 64
 
 
-def _describe_group(group: KVCacheGroupSpec, block_size: int) -> str:
-    """'4096 blocks x 16 tokens = 65536 tokens' (+ the group's attention type)."""
+def _describe_group(group: KVCacheGroupSpec, block_size: int, bytes_per_block: int) -> str:
+    """'4096 blocks x 16 tokens = 65536 tokens' (+ the group's attention type); a state group:
+    its slots and the state memory per request."""
+    if group.state:
+        return (f"{group.num_blocks - 1} state slots (one per running request) of "
+                f"{bytes_per_block / 2**20:.3f} MiB state memory per request")
     kind = ("full attention" if group.sliding_window is None
             else f"sliding window {group.sliding_window}")
     return (f"{group.num_blocks - 1} blocks x {block_size} tokens = "
@@ -111,7 +115,10 @@ class Worker:
             num_blocks = num_blocks_for_budget(
                 budget, group_bytes, runner.kv_cache_windows, cc.block_size, sc.max_num_seqs,
                 sc.max_num_batched_tokens, self.config.num_lookahead_tokens)
-            if cc.kv_cache_memory_bytes is None and self.platform.cap_kv_cache_at_need:
+            if ((cc.kv_cache_memory_bytes is None and self.platform.cap_kv_cache_at_need)
+                    or (group_bytes[0] == 0 and num_blocks >= 2)):
+                # (A model without attention layers, e.g. Mamba-2: group 0's blocks cost
+                # nothing and only count token slots; as many as its requests can use.)
                 # Enough for max_num_seqs requests at max_model_len, no more (Platform docs).
                 num_blocks = min(num_blocks,
                                  1 + sc.max_num_seqs * self.config.max_num_blocks_per_req)
@@ -125,7 +132,8 @@ class Worker:
         # a small model's default budget reads like gigabytes used otherwise.
         logger.info("KV cache: %s; %.1f MiB reserved (%s, %s; blocks are filled as requests "
                     "need them); attention backend %s",
-                    "; ".join(_describe_group(g, cc.block_size) for g in groups),
+                    "; ".join(_describe_group(g, cc.block_size, b)
+                              for g, b in zip(groups, group_bytes)),
                     total_bytes / 2**20,
                     str(runner.kv_cache_dtype).removeprefix("torch."),
                     describe_kv_bytes_per_token(attn, runner.kv_cache_dtype),
@@ -249,10 +257,11 @@ class Worker:
         kv_bytes = sum(c.numel() * c.element_size()
                        + (kv_cache_scales(c).nbytes if is_quantized_kv_cache(c) else 0)
                        for c in self.model_runner.kv_caches)   # (int8 / fp8: with the scales)
+        layers = (f"{len(attn)} layers ({attn[0].layer_name} .. {attn[-1].layer_name}), "
+                  f"{attn[0].num_heads} attention heads and {attn[0].num_kv_heads} KV heads per "
+                  "layer" if attn else "no attention layers")
         return (f"rank {self.rank} (tp {tp.rank_in_group}/{tp.world_size}, pp "
-                f"{pp.rank_in_group}/{pp.world_size}): {len(attn)} layers "
-                f"({attn[0].layer_name} .. {attn[-1].layer_name}), {attn[0].num_heads} "
-                f"attention heads and {attn[0].num_kv_heads} KV heads per layer, {rows}; weights "
+                f"{pp.rank_in_group}/{pp.world_size}): {layers}, {rows}; weights "
                 f"{weight_bytes / 2**20:.1f} MiB, KV cache {kv_bytes / 2**20:.1f} MiB, peak "
                 f"device memory {self.platform.peak_memory_bytes() / 2**20:.1f} MiB"
                 + (f"; {self.platform.placement}" if self.platform.placement else ""))

@@ -1,0 +1,120 @@
+"""StateCache: a recurrent layer's view of the state cache (the state-space twin of Attention).
+
+A recurrent layer (Mamba-2's SSD mixer, LFM2's short convolution) keeps per request a fixed-size
+state instead of a growing KV cache. Its tensors live in slots (core/state_cache_group_manager.py:
+one slot per running request, slot 0 the null slot) and are bound here by the worker:
+
+    states[i]: [num_slots, *state_shapes[i]]   e.g. conv window [num_slots, C, K - 1] and
+                                                SSM state [num_slots, H, P, N]
+
+Each step's `StateCacheMetadata` (built once per step by the runner from the state group's block
+table) tells the layer which slot each request owns, where its tokens sit in the flat batch, and
+whether its state continues a computed prefix (`num_computed_tokens > 0`) or starts from zero (a
+new request, or one recomputed after preemption). Like `layers/attention.py` this module reads
+the forward context; the models never do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from pagedllm.attention.forward_context import get_forward_context
+from pagedllm.attention.metadata import CommonAttentionMetadata, KVCacheGroupsMetadata
+
+
+@dataclass(frozen=True)
+class StateCacheMetadata:
+    """One step's facts for the recurrent layers.
+
+    Attributes:
+        state_indices: [num_reqs] int64 on the device, each request's state slot.
+        has_initial_state: [num_reqs] bool on the device, whether the slot holds the state after
+            the request's computed tokens (False: start from zeros).
+        query_start_loc: [num_reqs + 1] int64 on the device, cumulative query lengths.
+        query_start_loc_cpu: [num_reqs + 1] int64 numpy, the same.
+        token_req_index: [num_tokens] int64 on the device, the request of each token.
+        token_offset: [num_tokens] int64 on the device, each token's index inside its query.
+        decode_reqs / prefill_reqs: int64 numpy, requests with one query token / more.
+        num_reqs, num_tokens, max_query_len: ints.
+    """
+
+    state_indices: torch.Tensor
+    has_initial_state: torch.Tensor
+    query_start_loc: torch.Tensor
+    query_start_loc_cpu: np.ndarray
+    token_req_index: torch.Tensor
+    token_offset: torch.Tensor
+    decode_reqs: np.ndarray
+    prefill_reqs: np.ndarray
+    num_reqs: int
+    num_tokens: int
+    max_query_len: int
+
+    @classmethod
+    def from_common(cls, common: CommonAttentionMetadata) -> StateCacheMetadata:
+        """Built from the state group's common metadata (its block table's column 0 is each
+        request's slot)."""
+        r = common.num_reqs
+        qsl = common.query_start_loc_cpu[:r + 1].astype(np.int64)
+        query_lens = np.diff(qsl)
+        num_computed = common.seq_lens_cpu[:r].astype(np.int64) - query_lens
+        req_index = np.repeat(np.arange(r, dtype=np.int64), query_lens)
+        offset = np.arange(int(qsl[-1]), dtype=np.int64) - qsl[req_index]
+        device = common.block_table.device
+
+        def dev(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(device, non_blocking=True)
+
+        return cls(state_indices=common.block_table[:r, 0].to(torch.int64),
+                   has_initial_state=dev(num_computed > 0), query_start_loc=dev(qsl),
+                   query_start_loc_cpu=qsl, token_req_index=dev(req_index),
+                   token_offset=dev(offset),
+                   decode_reqs=np.nonzero(query_lens == 1)[0].astype(np.int64),
+                   prefill_reqs=np.nonzero(query_lens > 1)[0].astype(np.int64),
+                   num_reqs=r, num_tokens=int(qsl[-1]),
+                   max_query_len=int(query_lens.max()) if r else 0)
+
+
+class StateCache(nn.Module):
+    """The state tensors of one recurrent layer and the step's metadata.
+
+    Args:
+        state_shapes: the per-request shape of each state tensor (without the slot dim).
+        state_dtypes: each tensor's dtype.
+        layer_name: for messages (e.g. "model.layers.0.conv").
+    """
+
+    def __init__(self, state_shapes: tuple[tuple[int, ...], ...],
+                 state_dtypes: tuple[torch.dtype, ...], layer_name: str) -> None:
+        super().__init__()
+        if len(state_shapes) != len(state_dtypes):
+            raise ValueError(f"{layer_name}: {len(state_shapes)} state shapes, "
+                             f"{len(state_dtypes)} dtypes")
+        self.state_shapes = tuple(tuple(s) for s in state_shapes)
+        self.state_dtypes = tuple(state_dtypes)
+        self.layer_name = layer_name
+        # Bound by the worker (worker/state_cache.py): [num_slots, *state_shapes[i]] each.
+        self.states: list[torch.Tensor] = []
+
+    def bytes_per_slot(self) -> int:
+        """Bytes of one request's states in this layer."""
+        return sum(int(np.prod(s)) * torch.empty(0, dtype=d).element_size()
+                   for s, d in zip(self.state_shapes, self.state_dtypes))
+
+    @staticmethod
+    def metadata() -> StateCacheMetadata:
+        """This step's metadata (from the forward context).
+
+        Raises:
+            RuntimeError: outside a forward, or when the engine set up no state group.
+        """
+        attn_metadata = get_forward_context().attn_metadata
+        if isinstance(attn_metadata, KVCacheGroupsMetadata):
+            for m in attn_metadata.group_metadata:
+                if isinstance(m, StateCacheMetadata):
+                    return m
+        raise RuntimeError("a recurrent layer ran without a state cache group")

@@ -1,0 +1,191 @@
+"""Granite 4 hybrid (`GraniteMoeHybridForCausalLM`): Mamba-2 layers with attention layers, each
+followed by a mixture of experts plus a shared MLP, and Granite's scalar multipliers.
+
+    embed * embedding_multiplier
+      -> [ RMSNorm -> (Mamba-2 mixer | attention) -> res + out * residual_multiplier
+           -> RMSNorm -> (MoE + shared MLP | shared MLP) -> res + out * residual_multiplier ] x L
+      -> RMSNorm -> LM head / logits_scaling
+
+The Mamba-2 mixer is `models/mamba2.py`'s (the config's `mamba_*` fields); attention scales q.k
+by `attention_multiplier` and uses RoPE only when `position_embedding_type` is "rope"; the
+router takes the top-k logits and softmaxes them (= softmax, top-k, renormalise). HF
+transformers' torch path is the oracle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+from pagedllm.layers.activation import SiluAndMul
+from pagedllm.layers.attention import Attention
+from pagedllm.layers.fused_moe import FusedMoE
+from pagedllm.layers.layernorm import RMSNorm
+from pagedllm.layers.linear import ColumnParallelLinear
+from pagedllm.layers.rotary_embedding import RotaryEmbedding, rope_parameters_from_hf
+from pagedllm.layers.state_cache import StateCache
+from pagedllm.layers.vocab_embedding import LMHead, VocabEmbedding
+from pagedllm.models.mamba2 import Mamba2Mixer, check_hybrid_parallelism
+from pagedllm.models.moe import ReplicatedLinear, _load_expert_tensor
+from pagedllm.models.utils import load_named_weight
+
+LAYER_TYPES = ("linear_attention", "attention", "full_attention")
+# Checkpoint name pieces -> ours (the routed experts live under `mlp`, as in models/moe.py).
+_CHECKPOINT_RENAMES = ((".block_sparse_moe.router.layer.", ".mlp.gate."),
+                       (".block_sparse_moe.input_linear.weight", ".mlp.experts.gate_up_proj"),
+                       (".block_sparse_moe.output_linear.weight", ".mlp.experts.down_proj"))
+
+
+def _mamba2_view(config) -> SimpleNamespace:
+    """The Mamba-2 mixer's config fields from Granite's `mamba_*` ones."""
+    return SimpleNamespace(
+        hidden_size=config.hidden_size, expand=config.mamba_expand, num_heads=config.mamba_n_heads,
+        head_dim=config.mamba_d_head, n_groups=config.mamba_n_groups,
+        state_size=config.mamba_d_state, chunk_size=config.mamba_chunk_size,
+        hidden_act=config.hidden_act, time_step_limit=config.time_step_limit,
+        conv_kernel=config.mamba_d_conv, use_bias=config.mamba_proj_bias,
+        use_conv_bias=config.mamba_conv_bias, layer_norm_epsilon=config.rms_norm_eps)
+
+
+class GraniteAttention(nn.Module):
+    def __init__(self, config, layer_idx: int) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_size = hidden // heads
+        bias = bool(config.attention_bias)
+        self.num_heads, self.num_kv_heads = heads, kv_heads
+        self.q_proj = ColumnParallelLinear(hidden, heads * self.head_size, bias)
+        self.k_proj = ColumnParallelLinear(hidden, kv_heads * self.head_size, bias)
+        self.v_proj = ColumnParallelLinear(hidden, kv_heads * self.head_size, bias)
+        self.o_proj = ColumnParallelLinear(heads * self.head_size, hidden, bias)
+        self.rotary_emb = (RotaryEmbedding(self.head_size, config.max_position_embeddings,
+                                           rope_parameters_from_hf(config.to_dict()))
+                           if config.position_embedding_type == "rope" else None)
+        self.attn = Attention(heads, self.head_size, kv_heads, config.attention_multiplier,
+                              f"model.layers.{layer_idx}.self_attn")
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        n = hidden.shape[0]
+        q = self.q_proj(hidden).view(n, self.num_heads, self.head_size)
+        k = self.k_proj(hidden).view(n, self.num_kv_heads, self.head_size)
+        if self.rotary_emb is not None:
+            q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q.reshape(n, -1), k.reshape(n, -1), self.v_proj(hidden)))
+
+
+class GraniteSharedMLP(nn.Module):
+    """input_linear -> [gate | up] -> silu(gate) * up -> output_linear."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.input_linear = ColumnParallelLinear(hidden, 2 * intermediate)
+        self.output_linear = ColumnParallelLinear(intermediate, hidden)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.output_linear(self.act_fn(self.input_linear(x)))
+
+
+class GraniteMoeHybridDecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int, layer_type: str) -> None:
+        super().__init__()
+        self.is_attention_layer = layer_type != "linear_attention"
+        if self.is_attention_layer:
+            self.self_attn = GraniteAttention(config, layer_idx)
+        else:
+            self.mamba = Mamba2Mixer(_mamba2_view(config), layer_idx)
+            self.mamba.state.layer_name = f"model.layers.{layer_idx}.mamba"
+        self.mlp = None   # the routed experts: mlp.gate (router), mlp.experts
+        if config.num_local_experts > 0:
+            self.mlp = nn.Module()
+            self.mlp.gate = ReplicatedLinear(config.hidden_size, config.num_local_experts)
+            self.mlp.experts = FusedMoE(config.num_local_experts, config.num_experts_per_tok,
+                                    config.hidden_size, config.intermediate_size, True,
+                                    hidden_act=config.hidden_act)
+        self.shared_mlp = GraniteSharedMLP(config.hidden_size, config.shared_intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.residual_multiplier = config.residual_multiplier
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        h = self.input_layernorm(hidden)
+        h = self.self_attn(positions, h) if self.is_attention_layer else self.mamba(h)
+        hidden = hidden + h * self.residual_multiplier
+        h = self.post_attention_layernorm(hidden)
+        out = self.shared_mlp(h)
+        if self.mlp is not None:
+            out = self.mlp.experts(h, self.mlp.gate(h)) + out
+        return hidden + out * self.residual_multiplier
+
+
+class GraniteMoeHybridForCausalLM(nn.Module):
+    """forward(input_ids [n] int64, positions [n] int64) -> hidden [n, hidden_size];
+    compute_logits(hidden [m, hidden_size]) -> [m, vocab_size] float32.
+
+    Raises:
+        ValueError: at construction, for a layer type other than "linear_attention" /
+            "attention" (naming it), or with tensor / pipeline parallelism.
+    """
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        check_hybrid_parallelism("GraniteMoeHybridForCausalLM")
+        layer_types = list(config.layers_block_type)
+        unknown = sorted(set(layer_types) - set(LAYER_TYPES))
+        if unknown:
+            raise ValueError(f"GraniteMoeHybridForCausalLM: layer type(s) {unknown} are not "
+                             f"supported (supported: {list(LAYER_TYPES)})")
+        self.config = config
+        self.embedding_multiplier = config.embedding_multiplier
+        self.logits_scaling = config.logits_scaling
+        self.model = nn.Module()
+        self.model.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.model.layers = nn.ModuleList(GraniteMoeHybridDecoderLayer(config, i, t)
+                                          for i, t in enumerate(layer_types))
+        self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size,
+                              tie_to=self.model.embed_tokens if self.tie_word_embeddings
+                              else None)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.model.embed_tokens(input_ids) * self.embedding_multiplier
+        for layer in self.model.layers:
+            hidden = layer(positions, hidden)
+        return self.model.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden) / self.logits_scaling
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers if layer.is_attention_layer]
+
+    def state_layers(self) -> list[StateCache]:
+        return [layer.mamba.state for layer in self.model.layers
+                if not layer.is_attention_layer]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load HF-named tensors (the experts' stacked `input_linear` [E, 2I, H] and
+        `output_linear` [E, H, I] load as FusedMoE's fused gate_up / down tensors).
+
+        Raises:
+            ValueError: for a tensor that matches no parameter, or a shape mismatch.
+        """
+        params = dict(self.named_parameters())
+        loaded = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            for theirs, ours in _CHECKPOINT_RENAMES:
+                name = name.replace(theirs, ours)
+            target = _load_expert_tensor(params, name, tensor, ())
+            if target is None:
+                target = load_named_weight(params, name, tensor)
+            loaded.add(target)
+        return loaded

@@ -1,0 +1,170 @@
+"""Mamba-2 (`Mamba2ForCausalLM`): a decoder of SSD mixers, no attention.
+
+    embed -> [ RMSNorm -> Mamba2Mixer -> +res ] x L -> RMSNorm -> LM head
+
+    Mamba2Mixer:  in_proj -> [ z | xBC | dt ]
+                  xBC -> causal depthwise conv1d (window state) -> silu -> [ x | B | C ]
+                  y = SSD(x, softplus(dt + dt_bias), A = -exp(A_log), B, C) + D x   (SSM state)
+                  out_proj(gated_rms_norm(y, z))
+
+Each mixer keeps a conv window [conv_dim, K - 1] and an SSM state [H, P, N] (float32) per
+request in the state cache (layers/state_cache.py); the ops are layers/state_ops.py. Reference:
+Dao & Gu, "Transformers are SSMs" (2024); HF transformers' Mamba2 torch path is the oracle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from pagedllm.distributed.parallel_state import (get_pp_group,
+                                                 get_tensor_model_parallel_world_size)
+from pagedllm.layers.layernorm import RMSNorm
+from pagedllm.layers.linear import ColumnParallelLinear, default_weight_loader
+from pagedllm.layers.state_cache import StateCache
+from pagedllm.layers.state_ops import causal_conv1d_varlen, gated_rms_norm, ssd_varlen
+from pagedllm.layers.vocab_embedding import LMHead, VocabEmbedding
+from pagedllm.models.utils import load_named_weight
+
+
+def check_hybrid_parallelism(arch: str) -> None:
+    """Hybrid models run on one rank: their recurrent layers are not sharded.
+
+    Raises:
+        ValueError: naming the architecture, with tensor or pipeline parallelism.
+    """
+    if get_tensor_model_parallel_world_size() > 1 or get_pp_group().world_size > 1:
+        raise ValueError(f"{arch}: tensor and pipeline parallelism are not implemented for its "
+                         "recurrent (state-space / convolution) layers; run it on one rank")
+
+
+def _weight(*shape: int) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(*shape), requires_grad=False)
+    p.weight_loader = default_weight_loader
+    return p
+
+
+class Mamba2Mixer(nn.Module):
+    """hidden [n, hidden_size] -> [n, hidden_size] over the state cache."""
+
+    def __init__(self, config, layer_idx: int) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.intermediate_size = int(config.expand * hidden)
+        self.num_heads = config.num_heads
+        self.head_dim = config.head_dim
+        self.n_groups = config.n_groups
+        self.state_size = config.state_size
+        self.chunk_size = config.chunk_size
+        if self.num_heads * self.head_dim != self.intermediate_size:
+            raise ValueError(f"Mamba2: num_heads * head_dim = {self.num_heads * self.head_dim} "
+                             f"!= expand * hidden_size = {self.intermediate_size}")
+        if config.hidden_act != "silu":
+            raise ValueError(f"Mamba2: hidden_act {config.hidden_act!r} is not implemented "
+                             "(only 'silu')")
+        limit = tuple(config.time_step_limit)
+        self.dt_limit = None if limit == (0.0, float("inf")) else limit
+        self.conv_dim = self.intermediate_size + 2 * self.n_groups * self.state_size
+        k = config.conv_kernel
+        self.in_proj = ColumnParallelLinear(
+            hidden, self.intermediate_size + self.conv_dim + self.num_heads, config.use_bias)
+        self.conv1d = nn.Module()
+        self.conv1d.weight = _weight(self.conv_dim, 1, k)
+        self.conv1d.bias = _weight(self.conv_dim) if config.use_conv_bias else None
+        self.dt_bias = _weight(self.num_heads)
+        self.A_log = _weight(self.num_heads)
+        self.D = _weight(self.num_heads)
+        self.norm = nn.Module()
+        self.norm.weight = _weight(self.intermediate_size)
+        self.norm_eps = config.layer_norm_epsilon
+        self.out_proj = ColumnParallelLinear(self.intermediate_size, hidden, config.use_bias)
+        self.state = StateCache(((self.conv_dim, k - 1),
+                                 (self.num_heads, self.head_dim, self.state_size)),
+                                (torch.get_default_dtype(), torch.float32),
+                                f"backbone.layers.{layer_idx}.mixer")
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        meta = self.state.metadata()
+        conv_state, ssm_state = self.state.states
+        n = hidden.shape[0]
+        z, xbc, dt = self.in_proj(hidden).split(
+            [self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
+        xbc = nn.functional.silu(causal_conv1d_varlen(
+            xbc, self.conv1d.weight[:, 0], self.conv1d.bias, conv_state, meta))
+        x, b, c = xbc.split([self.intermediate_size, self.n_groups * self.state_size,
+                             self.n_groups * self.state_size], dim=-1)
+        dt = nn.functional.softplus(dt.float() + self.dt_bias.float())
+        y = ssd_varlen(x.reshape(n, self.num_heads, self.head_dim), dt,
+                       -torch.exp(self.A_log.float()),
+                       b.reshape(n, self.n_groups, self.state_size),
+                       c.reshape(n, self.n_groups, self.state_size), self.D, ssm_state, meta,
+                       self.chunk_size, self.dt_limit)
+        y = gated_rms_norm(y.reshape(n, -1), z, self.norm.weight, self.norm_eps,
+                           self.intermediate_size // self.n_groups)
+        return self.out_proj(y.to(hidden.dtype))
+
+
+class Mamba2Block(nn.Module):
+    def __init__(self, config, layer_idx: int) -> None:
+        super().__init__()
+        self.residual_in_fp32 = bool(config.residual_in_fp32)
+        self.norm = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
+        self.mixer = Mamba2Mixer(config, layer_idx)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        dtype = self.norm.weight.dtype
+        residual = hidden.float() if self.residual_in_fp32 else hidden
+        out = self.mixer(self.norm(hidden.to(dtype)))
+        return residual + out
+
+
+class Mamba2ForCausalLM(nn.Module):
+    """forward(input_ids [n] int64, positions [n] int64) -> hidden [n, hidden_size];
+    compute_logits(hidden [m, hidden_size]) -> [m, vocab_size] float32."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        check_hybrid_parallelism("Mamba2ForCausalLM")
+        self.config = config
+        self.backbone = nn.Module()
+        self.backbone.embeddings = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.backbone.layers = nn.ModuleList(Mamba2Block(config, i)
+                                             for i in range(config.num_hidden_layers))
+        self.backbone.norm_f = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size,
+                              tie_to=self.backbone.embeddings if self.tie_word_embeddings
+                              else None)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.backbone.embeddings(input_ids)
+        dtype = hidden.dtype
+        for layer in self.backbone.layers:
+            hidden = layer(hidden)
+        return self.backbone.norm_f(hidden.to(dtype))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden)
+
+    def attention_layers(self) -> list:
+        return []
+
+    def state_layers(self) -> list[StateCache]:
+        return [layer.mixer.state for layer in self.backbone.layers]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load HF-named tensors ("backbone.embedding." is HF's old name of the embeddings).
+
+        Raises:
+            ValueError: for a tensor that matches no parameter, or a shape mismatch.
+        """
+        params = dict(self.named_parameters())
+        loaded = set()
+        for name, tensor in weights:
+            name = name.replace("backbone.embedding.", "backbone.embeddings.")
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            loaded.add(load_named_weight(params, name, tensor))
+        return loaded
