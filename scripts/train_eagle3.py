@@ -171,7 +171,7 @@ def main() -> None:
             mask = y[idx] >= 0
             correct += int((logits.argmax(-1)[mask] == y[idx][mask]).sum())
             seen += int(mask.sum())
-            loss_sum += float(loss) * len(idx)
+            loss_sum += loss.item() * len(idx)
         print(f"epoch {epoch}: loss {loss_sum / len(seqs):.3f}, step-1 accuracy "
               f"{correct / max(seen, 1):.3f} ({time.time() - t0:.0f} s)")
     out = Path(args.out)
