@@ -109,3 +109,65 @@ def test_mtp_on_a_model_without_mtp_layers_fails_at_start(tmp_path, byte_level_t
     path = build_checkpoint("v3", tmp_path / "no_tensors", byte_level_tokenizer_dir)
     with pytest.raises(Exception, match=r"lacks MTP weights \(model\.layers\.3\.\*\)"):
         _llm(path, speculative_config=MTP)
+
+
+def _rms(x, w, eps=1e-6):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def test_drafts_equal_the_mtp_module_run_by_transformers(mtp_checkpoint):
+    """The engine's k drafts after the prefill step equal the MTP module (tech report sec.
+    2.2) computed without a KV cache: HF's final hidden states of the target, enorm / hnorm /
+    eh_proj in plain torch, the MTP decoder layer as HF's own `DeepseekV3DecoderLayer` holding
+    the checkpoint's MTP tensors, shared_head.norm and HF's LM head; each draft step appends
+    the layer's pre-norm output as the next hidden state (the oracle of the plumbing, the
+    token shift, the weights' layout and the MTP layer's own latent KV cache)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
+
+    k = 3
+    hf = AutoModelForCausalLM.from_pretrained(mtp_checkpoint, dtype=torch.float32,
+                                              attn_implementation="eager").eval()
+    num_layers = hf.config.num_hidden_layers
+    p = f"model.layers.{num_layers}."
+    t = {n[len(p):]: v for n, v in load_file(str(mtp_checkpoint / "model.safetensors")).items()
+         if n.startswith(p)}
+    layer = DeepseekV3DecoderLayer(hf.config, num_layers).eval()
+    experts = hf.config.n_routed_experts
+    state = {n: v for n, v in t.items() if n.startswith(("self_attn.", "input_layernorm",
+                                                         "post_attention", "mlp.gate",
+                                                         "mlp.shared_experts"))}
+    state["mlp.experts.gate_up_proj"] = torch.stack([torch.cat(
+        [t[f"mlp.experts.{e}.gate_proj.weight"], t[f"mlp.experts.{e}.up_proj.weight"]])
+        for e in range(experts)])
+    state["mlp.experts.down_proj"] = torch.stack([t[f"mlp.experts.{e}.down_proj.weight"]
+                                                  for e in range(experts)])
+    layer.load_state_dict(state, strict=True)
+
+    prompt = _prompts()[2]
+    llm = _llm(mtp_checkpoint, speculative_config={**MTP, "num_speculative_tokens": k})
+    engine = llm.llm_engine
+    engine.add_request("r", {"prompt_token_ids": prompt}, _params())
+    engine.step()
+    request = engine.engine_core.scheduler.requests["r"]
+    drafts, first = list(request.spec_token_ids), request.output_token_ids[0]
+    with torch.no_grad():
+        hidden = hf.model(torch.tensor([prompt])).last_hidden_state[0]
+        assert int(hf.lm_head(hidden[-1]).argmax()) == first
+        tokens = prompt[1:] + [first]
+        want = []
+        for _ in range(k):
+            n = len(tokens)
+            embed = hf.model.embed_tokens(torch.tensor(tokens))
+            embed[0] = 0    # position 0 (vLLM masks it)
+            h = torch.cat([_rms(embed, t["enorm.weight"]), _rms(hidden, t["hnorm.weight"])],
+                          -1) @ t["eh_proj.weight"].T
+            positions = torch.arange(n)[None]
+            mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+            out = layer(h[None], attention_mask=mask, position_ids=positions,
+                        position_embeddings=hf.model.rotary_emb(h[None], positions))
+            out = (out[0] if isinstance(out, tuple) else out)[0]
+            want.append(int(hf.lm_head(_rms(out[-1], t["shared_head.norm.weight"])).argmax()))
+            tokens = tokens + [want[-1]]
+            hidden = torch.cat([hidden, out[-1:]], 0)
+    assert len(drafts) == k and drafts == want
