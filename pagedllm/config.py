@@ -478,7 +478,7 @@ def _validate_parallel_layout(hf: dict[str, Any], pc: ParallelConfig) -> None:
         raise ValueError(f"pipeline_parallel_size {pp} exceeds the model's {layers} layers")
 
 
-SPEC_METHODS = ("ngram", "draft_model", "suffix", "eagle", "eagle3")
+SPEC_METHODS = ("ngram", "draft_model", "suffix", "eagle", "eagle3", "mtp")
 
 
 @dataclass(frozen=True)
@@ -490,7 +490,8 @@ class SpeculativeConfig:
             previous occurrence), "draft_model" (a small model with the same tokenizer) or
             "suffix" (suffix decoding over the request's tokens and earlier outputs:
             spec_decode/suffix.py), "eagle" / "eagle3" (an EAGLE head fed with the target's
-            hidden states: spec_decode/eagle.py).
+            hidden states: spec_decode/eagle.py), "mtp" (the target checkpoint's own
+            DeepSeek-V3 multi-token-prediction layer: spec_decode/mtp.py).
         num_speculative_tokens: draft tokens proposed per step (k).
         prompt_lookup_min / prompt_lookup_max: n-gram sizes tried, longest first (ngram).
         model: the draft model's (or EAGLE head's) checkpoint folder or hub id.
@@ -683,7 +684,7 @@ class EngineConfig:
         the KV of the k positions it proposes there (n-gram drafts write none)."""
         spec = self.speculative_config
         return (spec.num_speculative_tokens
-                if spec and spec.method in ("draft_model", "eagle", "eagle3") else 0)
+                if spec and spec.method in ("draft_model", "eagle", "eagle3", "mtp") else 0)
 
 
 def resolve_chat_template(value: str | None) -> str | None:
@@ -822,6 +823,10 @@ def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str
     draft_path = None
     if speculative_config is not None and speculative_config.method in ("eagle", "eagle3"):
         draft_path = resolve_model_path(speculative_config.model, None)
+    if (speculative_config is not None and speculative_config.method == "mtp"
+            and not info.raw.get("num_nextn_predict_layers")):
+        raise ValueError(f"speculative_config method 'mtp' needs a model with MTP layers "
+                         f"(num_nextn_predict_layers > 0 in config.json); {model_path} has none")
     if speculative_config is not None and speculative_config.method == "draft_model":
         draft_path = resolve_model_path(speculative_config.model, None)
         draft_info = hf_model_info(draft_path)

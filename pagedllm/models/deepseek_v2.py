@@ -222,7 +222,7 @@ class DeepseekV2ForCausalLM(MoeForCausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """As `MoeForCausalLM.load_weights`, skipping the multi-token-prediction layers that
         DeepSeek-V3 / GLM-4 MoE checkpoints append (`model.layers.{i}.*`, i >= num_hidden_layers;
-        speculative decoding with them is not built here)."""
+        the "mtp" drafter loads them itself: spec_decode/mtp.py)."""
         num_layers = self.config.num_hidden_layers
 
         def target_layers(named):

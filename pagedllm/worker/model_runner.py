@@ -65,6 +65,7 @@ from pagedllm.sample.sampler import Sampler
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec_decode.draft_model import DraftModelProposer
 from pagedllm.spec_decode.eagle import EAGLE_METHODS, EagleProposer, load_eagle_head
+from pagedllm.spec_decode.mtp import load_mtp_head
 from pagedllm.spec_decode.metadata import SpecDecodeMetadata, build_spec_decode_metadata
 from pagedllm.spec_decode.ngram import NgramProposer
 from pagedllm.spec_decode.suffix import SuffixDecodingProposer
@@ -181,6 +182,11 @@ class ModelRunner:
                                               self._run_model, self.block_size, self.device)
         if self.spec_config is not None and self.spec_config.method in EAGLE_METHODS:
             self._load_eagle()
+        if self.spec_config is not None and self.spec_config.method == "mtp":
+            self.drafter = EagleProposer(
+                load_mtp_head(self.config.model_path, self.model, self.dtype, self.device),
+                self.spec_config.num_speculative_tokens, self._run_model, self.block_size,
+                self.device)
         if getattr(self.model, "supports_multimodal", False):
             if pc.pipeline_parallel_size > 1:
                 # Later stages would need the step's image positions (bidirectional masks).
