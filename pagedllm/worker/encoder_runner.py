@@ -39,6 +39,29 @@ class EncoderRunner:
         # Live requests' images (sent with NewRequestData).
         self.features: dict[str, list[MultiModalFeature]] = {}
 
+    @classmethod
+    def for_model(cls, model, pipeline_parallel_size: int) -> EncoderRunner | None:
+        """The encoder runner of a vision-language model (None for a text-only one).
+
+        Raises:
+            ValueError: pipeline parallelism (later stages would need the step's image
+                positions for their bidirectional masks), or a model that attends image tokens
+                bidirectionally on a backend without `attend_until` (Gemma 3 off torch_sdpa).
+        """
+        if not getattr(model, "supports_multimodal", False):
+            return None
+        if pipeline_parallel_size > 1:
+            raise ValueError(f"{type(model).__name__}: pipeline parallelism is not supported "
+                             "for vision-language models yet")
+        backend = model.attention_layers()[0].backend
+        if (getattr(model, "mm_bidirectional", False)
+                and not getattr(backend, "supports_attend_until", False)):
+            raise ValueError(
+                f"{type(model).__name__} attends image tokens bidirectionally, which the "
+                f"{backend.name} attention backend does not support; use torch_sdpa "
+                "(PAGEDLLM_ATTENTION_BACKEND=torch_sdpa)")
+        return cls(model)
+
     def update(self, so: SchedulerOutput) -> None:
         """Follow the scheduler: forget dropped requests and evicted images, learn new
         requests' images, then encode this step's scheduled images in one batch.

@@ -64,16 +64,15 @@ from pagedllm.sample.rejection_sampler import rejection_sample
 from pagedllm.sample.sampler import Sampler
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec_decode.draft_model import DraftModelProposer
-from pagedllm.spec_decode.eagle import EAGLE_METHODS, EagleProposer, load_eagle_head
-from pagedllm.spec_decode.mtp import load_mtp_head
+from pagedllm.spec_decode.eagle import EagleProposer
 from pagedllm.spec_decode.metadata import SpecDecodeMetadata, build_spec_decode_metadata
-from pagedllm.spec_decode.ngram import NgramProposer
 from pagedllm.spec_decode.suffix import SuffixDecodingProposer
 from pagedllm.structured_output.apply import apply_grammar_bitmask
 from pagedllm.worker.async_output import AsyncModelRunnerOutput, SampledTokens, start_host_copy
 from pagedllm.worker.encoder_runner import EncoderRunner
 from pagedllm.worker.cuda_graph import (CudaGraphInputBuffers, CudaGraphRunner,
                                         decode_graph_capture_sizes)
+from pagedllm.worker.drafters import Drafter, make_drafter, max_drafts, propose_drafts
 from pagedllm.worker.eagle_inputs import propose_eagle
 from pagedllm.worker.eplb_state import EplbState
 from pagedllm.worker.input_batch import (InputBatch, PendingStep, RequestStates, StepInputs,
@@ -145,18 +144,7 @@ class ModelRunner:
         self._unwritten_tokens: list[SampledTokens] = []
         self._last_sampled: SampledTokens | None = None
         self.spec_config = config.speculative_config
-        self.drafter: (NgramProposer | DraftModelProposer | SuffixDecodingProposer
-                       | EagleProposer | None) = None
-        if self.spec_config is not None and self.spec_config.method == "ngram":
-            self.drafter = NgramProposer(self.spec_config.num_speculative_tokens,
-                                         self.spec_config.prompt_lookup_min,
-                                         self.spec_config.prompt_lookup_max)
-        if self.spec_config is not None and self.spec_config.method == "suffix":
-            sc = self.spec_config
-            self.drafter = SuffixDecodingProposer(
-                sc.num_speculative_tokens, sc.suffix_decoding_max_tree_depth,
-                sc.suffix_decoding_max_cached_requests, sc.suffix_decoding_max_spec_factor,
-                sc.suffix_decoding_min_token_prob)
+        self.drafter: Drafter | None = None   # (set by load_model: worker/drafters.py)
 
     # ----------------------------------------------------------------- set-up
     def load_model(self) -> None:
@@ -173,50 +161,11 @@ class ModelRunner:
             self.lora_manager = LoRAModelManager(
                 self.model, LoRAModelShapes.from_hf_config(self.hf_config.to_dict()),
                 self.config.lora_config, self.device, self.dtype)
-        if self.spec_config is not None and self.spec_config.method == "draft_model":
-            from transformers import AutoConfig
-            draft_path = self.config.draft_model_path
-            draft = load_model(draft_path, AutoConfig.from_pretrained(draft_path), self.dtype,
-                               self.device)
-            self.drafter = DraftModelProposer(draft, self.spec_config.num_speculative_tokens,
-                                              self._run_model, self.block_size, self.device)
-        if self.spec_config is not None and self.spec_config.method in EAGLE_METHODS:
-            self._load_eagle()
-        if self.spec_config is not None and self.spec_config.method == "mtp":
-            self.drafter = EagleProposer(
-                load_mtp_head(self.config.model_path, self.model, self.dtype, self.device),
-                self.spec_config.num_speculative_tokens, self._run_model, self.block_size,
-                self.device)
-        if getattr(self.model, "supports_multimodal", False):
-            if pc.pipeline_parallel_size > 1:
-                # Later stages would need the step's image positions (bidirectional masks).
-                raise ValueError(f"{type(self.model).__name__}: pipeline parallelism is not "
-                                 "supported for vision-language models yet")
-            backend = self.model.attention_layers()[0].backend
-            if (getattr(self.model, "mm_bidirectional", False)
-                    and not getattr(backend, "supports_attend_until", False)):
-                raise ValueError(
-                    f"{type(self.model).__name__} attends image tokens bidirectionally, which "
-                    f"the {backend.name} attention backend does not support; use torch_sdpa "
-                    "(PAGEDLLM_ATTENTION_BACKEND=torch_sdpa)")
-            self.encoder_runner = EncoderRunner(self.model)
+        self.drafter = make_drafter(self.config, self.model, self.dtype, self.device,
+                                    self._run_model, self.block_size)
+        self.encoder_runner = EncoderRunner.for_model(self.model, pc.pipeline_parallel_size)
         self._setup_kv_cache_groups()
         self.multi_step = self._make_multi_step()
-
-    def _load_eagle(self) -> None:
-        """The EAGLE (-3) head; the target returns the auxiliary layers' inputs EAGLE-3 reads.
-
-        NOTE(eagle): with auxiliary layers the target's layers run eagerly (the native fused
-        decoder stack returns the last hidden state only)."""
-        head, aux = load_eagle_head(self.config.draft_model_path, self.spec_config.method,
-                                    self.model, self.dtype, self.device)
-        if aux:
-            if not hasattr(self.model.model, "aux_hidden_state_layers"):
-                raise ValueError(f"{type(self.model).__name__} cannot feed an EAGLE-3 head "
-                                 "(no auxiliary hidden states)")
-            self.model.model.aux_hidden_state_layers = aux
-        self.drafter = EagleProposer(head, self.spec_config.num_speculative_tokens,
-                                     self._run_model, self.block_size, self.device)
 
     def _make_multi_step(self) -> MultiStepRound:
         """The multi-step rounds over this runner's states, sampler and step phases; the native
@@ -736,8 +685,10 @@ class ModelRunner:
             output.draft_token_ids = propose_eagle(self.drafter, self.states, pending, output,
                                                    self._max_drafts)
         elif self.drafter is not None and len(batch.sampled_batch_idx):
-            output.draft_token_ids = self._propose(
-                batch, batch.idx_mapping[batch.sampled_batch_idx])
+            rows = batch.idx_mapping[batch.sampled_batch_idx]
+            output.draft_token_ids = propose_drafts(
+                self.drafter, self.states, [batch.req_ids[b] for b in batch.sampled_batch_idx],
+                rows, self._max_drafts(rows))
         output.eplb_stats = None if self.eplb is None else self.eplb.take_stats()
         return output
 
@@ -844,39 +795,10 @@ class ModelRunner:
         return (tokens, None if lp is None else _to_lists(lp), spec.cu_num_logits[:-1].tolist(),
                 failed)
 
-    def _propose(self, batch: InputBatch, rows: np.ndarray) -> dict[str, list[int]]:
-        """Draft tokens for the next step of each sampled request that can use them.
-
-        Requests whose sampling depends on the tokens before each position
-        (`SamplingParams.reads_previous_tokens`, or min_tokens not reached) get no drafts:
-        verifying them would need per-position sampling state.
-        """
-        st = self.states
-        max_drafts = self._max_drafts(rows)
-        batch_rows = batch.sampled_batch_idx
-        if isinstance(self.drafter, NgramProposer):
-            proposals = [self.drafter.propose_one(st.token_ids_cpu[r, :st.num_tokens[r]], int(m))
-                         for r, m in zip(rows, max_drafts)]
-        elif isinstance(self.drafter, SuffixDecodingProposer):
-            proposals = self.drafter.propose(
-                [batch.req_ids[b] for b in batch_rows.tolist()],
-                [st.token_ids_cpu[r, :st.num_tokens[r]] for r in rows],
-                st.num_prompt_tokens[rows], max_drafts)
-        else:
-            last = st.num_tokens[rows] - 1
-            proposals = self.drafter.propose(st.token_ids_cpu[rows, last], last,
-                                             st.block_table.block_table_np[rows], max_drafts)
-        return {batch.req_ids[b]: p for b, p in zip(batch_rows.tolist(), proposals) if p}
-
     def _max_drafts(self, rows: np.ndarray) -> np.ndarray:
-        """[len(rows)] most drafts each request slot may get next step (0: none; see
-        `_propose`)."""
-        st = self.states
-        k = self.spec_config.num_speculative_tokens
-        eligible = (~st.reads_previous_tokens[rows]
-                    & (st.num_tokens[rows] - st.num_prompt_tokens[rows] >= st.min_tokens[rows]))
-        return np.where(eligible, np.minimum(k, self.config.max_model_len - st.num_tokens[rows]),
-                        0)
+        """[len(rows)] most drafts each request slot may get next step (`max_drafts`)."""
+        return max_drafts(self.states, rows, self.spec_config.num_speculative_tokens,
+                          self.config.max_model_len)
 
     # ----------------------------------------------------------------- multi-step rounds
     @torch.inference_mode()
