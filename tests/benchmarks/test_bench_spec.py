@@ -40,13 +40,13 @@ def test_latency_with_and_without_speculation(preset_dir: Path, tmp_path: Path):
     out = tmp_path / "lat.json"
     rc = _run(["bench", "latency", "--preset", "llama-tiny", "--preset-dir", str(preset_dir),
                "--dtype", "float32", "--kv-cache-memory-bytes", KV_BYTES, "--workload", "agent",
-               "--output-len", "12", "--num-iters", "2", "--bandwidth-mib", "0",
+               "--output-len", "8", "--num-iters", "1", "--bandwidth-mib", "0",
                "--speculative-config", '{"method": "suffix", "num_speculative_tokens": 4}',
                "--compare", "no-spec", "--output-json", str(out)])
     assert rc == 0
     spec, plain = _load(out)
     assert spec["speculative_config"]["method"] == "suffix" and plain["speculative_config"] is None
-    assert spec["num_output_tokens"] == plain["num_output_tokens"] == 24
+    assert spec["num_output_tokens"] == plain["num_output_tokens"] == 8
     assert spec["workload"] == "agent"
     assert plain["tpot_speedup_of_spec"] == pytest.approx(plain["tpot_ms_mean"]
                                                           / spec["tpot_ms_mean"])
