@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pagedllm import LLM
+from pagedllm import LLM, SamplingParams
 from tests.models.test_deepseek import VARIANTS, build_checkpoint
 from tests.models.test_gemma import _params, _prompts
 
@@ -171,3 +171,14 @@ def test_drafts_equal_the_mtp_module_run_by_transformers(mtp_checkpoint):
             tokens = tokens + [want[-1]]
             hidden = torch.cat([hidden, out[-1:]], 0)
     assert len(drafts) == k and drafts == want
+
+
+@pytest.mark.slow
+def test_mtp_under_tensor_parallelism_matches_single_process(mtp_checkpoint):
+    """tp=2 (two worker processes, gloo) with MTP: the head's MLA heads and experts are split
+    as the target's; the same greedy tokens as one process without speculation."""
+    from tests.distributed.common import run
+    params = [SamplingParams(max_tokens=10, temperature=0.0)]
+    assert (run(mtp_checkpoint, params, distributed_executor_backend="mp",
+                tensor_parallel_size=2, speculative_config=MTP)
+            == run(mtp_checkpoint, params))
