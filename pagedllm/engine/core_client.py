@@ -44,6 +44,7 @@ from pagedllm.core.scheduler import SchedulerStats
 from pagedllm.engine import core_serial as wire
 from pagedllm.engine.core_proc import run_engine_core
 from pagedllm.engine.engine_core import EngineCore, EngineCoreRequest
+from pagedllm.engine.sleep_mode import EngineSleepingError
 from pagedllm.executor.multiproc import check_main_reimportable
 
 logger = logging.getLogger(__name__)
@@ -90,6 +91,7 @@ class MPEngineCoreClient:
 
     def __init__(self, config: EngineConfig, start_timeout_s: float = _START_TIMEOUT_S) -> None:
         self.config = config
+        self._sleep_level = 0   # mirrored from the sleep / wake_up calls made through us
         check_main_reimportable("spawn")
         self._dir = tempfile.mkdtemp(prefix="pagedllm-core-")  # mode 0700: this user only
         self._zmq = zmq.Context()
@@ -162,9 +164,30 @@ class MPEngineCoreClient:
         Raises:
             ValueError: the request cannot cross processes (logits processors).
             EngineDeadError: the core is dead.
+            EngineSleepingError: the core is asleep (known here: sleep and wake-up go through
+                this client), so the request is refused before it is sent.
         """
+        self.check_awake()
         self._send(wire.request_to_wire(req))
         self._unfinished.add(req.request_id)
+
+    # Sleep state mirrored on this side: every request checks it (engine/sleep_mode.py).
+    def sleep(self, level: int = 1) -> None:
+        self.call_utility("sleep", level)
+        self._sleep_level = max(self._sleep_level, level)
+
+    def wake_up(self) -> None:
+        self.call_utility("wake_up")
+        self._sleep_level = 0
+
+    def is_sleeping(self) -> bool:
+        return bool(self._sleep_level)
+
+    def check_awake(self) -> None:
+        """Raises EngineSleepingError while the core sleeps (no round trip)."""
+        if self._sleep_level:
+            raise EngineSleepingError(f"the engine is asleep (sleep level {self._sleep_level}); "
+                                      "it serves requests again after wake_up")
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if self._dead is not None:
@@ -325,8 +348,11 @@ def _release(proc: mp.process.BaseProcess, inputs: zmq.Socket, shutdown_frame: b
 
 
 def _rebuild_error(error: str) -> Exception:
-    """The core's "TypeName: message" as an exception of that builtin type (else RuntimeError)."""
+    """The core's "TypeName: message" as an exception of that builtin type or of
+    EngineSleepingError (else RuntimeError)."""
     name, _, message = error.partition(": ")
+    if name == EngineSleepingError.__name__:
+        return EngineSleepingError(message)
     cls = getattr(builtins, name, None)
     if isinstance(cls, type) and issubclass(cls, Exception):
         return cls(message)

@@ -13,6 +13,7 @@ processors); speculative decoding makes every step synchronous. See docs/archite
 from __future__ import annotations
 
 import logging
+import os
 from collections import deque
 from dataclasses import dataclass
 
@@ -322,6 +323,8 @@ class EngineCore:
         """
         if why := weight_reload_refusal(self.config):
             raise ValueError(f"update_weights: {why}")
+        if not os.path.isdir(model_path):
+            raise ValueError(f"update_weights: model folder not found: {model_path}")
         self.check_awake()
         self._require_idle("update_weights")
         refusals = [r for r in self.executor.collective_rpc("stage_weights", (str(model_path),))

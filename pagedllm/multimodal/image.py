@@ -14,7 +14,7 @@ import re
 import warnings
 
 import numpy as np
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
 _DATA_URL = re.compile(r"data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^;,]*)*),(?P<data>.*)",
                        re.DOTALL)
@@ -45,8 +45,13 @@ def decode_image_bytes(data: bytes, max_pixels: int, what: str = "image") -> Ima
             image.load()
     except ValueError:
         raise
-    except Image.DecompressionBombError as e:
-        raise ValueError(f"{what}: {e}") from None
+    except Image.DecompressionBombError:
+        # PIL's own cap (far above ours) fired while it read the header.
+        raise ValueError(f"{what}: the image declares more pixels than the limit of "
+                         f"{max_pixels} pixels (--max-image-pixels); not decoded") from None
+    except UnidentifiedImageError:
+        raise ValueError(f"{what}: cannot decode the image (not an image format PIL "
+                         f"reads)") from None
     except Exception as e:  # noqa: BLE001 - any decoder failure is the input's fault
         raise ValueError(f"{what}: cannot decode the image ({type(e).__name__}: {e})") from None
     return image.convert("RGB")
@@ -101,7 +106,8 @@ def load_image(image, max_pixels: int, what: str = "image") -> Image.Image:
     if isinstance(image, str):
         if image.startswith("data:"):
             return decode_data_url(image, max_pixels, what)
-        raise ValueError(f"{what}: a string image must be a data: URL (remote and local URLs "
-                         "are not fetched)")
+        raise ValueError(f"{what}: this URL is not fetched: give a data: URL, or on the server "
+                         "an http(s): or file: URL that --allowed-media-domains / "
+                         "--allowed-local-media-path allow")
     raise ValueError(f"{what}: expected a PIL image, a numpy array, bytes or a data: URL, got "
                      f"{type(image).__name__}")

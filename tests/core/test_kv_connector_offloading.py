@@ -100,3 +100,13 @@ def test_roles_and_reset():
 def test_transfer_config_errors(values, message):
     with pytest.raises(ValueError, match=message):
         KVTransferConfig.from_dict(values)
+
+
+def test_disk_tier_folder_that_is_a_file_is_refused_by_name(tmp_path):
+    from pagedllm.core.kv_connector.disk_tier import make_tier_folder
+
+    a_file = tmp_path / "afile"
+    a_file.write_text("x")
+    with pytest.raises(ValueError, match="kv_offloading_dir .*afile.* cannot be used"):
+        make_tier_folder(a_file)
+    assert make_tier_folder(tmp_path / "new" / "kv").is_dir()

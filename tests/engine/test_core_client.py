@@ -28,9 +28,11 @@ from pagedllm.engine.core_client import MPEngineCoreClient
 from pagedllm.engine.core_proc import EngineCoreProc
 from pagedllm.engine.engine_core import EngineCoreRequest
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.sleep_mode import EngineSleepingError
 from pagedllm.sampling_params import RequestOutputKind
 
-ENGINE_KWARGS = {"dtype": "float32", "kv_cache_memory_bytes": 16_000_000, "seed": 0}
+ENGINE_KWARGS = {"dtype": "float32", "kv_cache_memory_bytes": 16_000_000, "seed": 0,
+                 "enable_sleep_mode": True}
 PROMPTS = [f"Prompt {i}: the quick brown fox" + " jumps" * (i % 4) for i in range(5)]
 
 
@@ -149,6 +151,29 @@ def test_utility_calls_are_generic(mp_engine: LLMEngine) -> None:
     with pytest.raises(TypeError):
         client.call_utility("reset_prefix_cache", 1, 2)
     assert client.reset_prefix_cache() >= 0          # still serving
+
+
+def test_sleeping_core_refuses_requests_and_survives(mp_engine: LLMEngine) -> None:
+    """Asleep, a request is refused on the front end with EngineSleepingError (what the server
+    turns into 503 engine_sleeping); one that reaches the core anyway is refused there alone,
+    and the core serves again after wake_up."""
+    client = mp_engine.engine_core
+    params = SamplingParams(temperature=0.0, max_tokens=3)
+    mp_engine.sleep(1)
+    assert mp_engine.is_sleeping()
+    with pytest.raises(EngineSleepingError, match="asleep"):
+        mp_engine.add_request("asleep", PROMPTS[0], params)
+    sneaked = mp_engine.input_processor.process("sneaked", PROMPTS[0], params)[0]
+    client._send(wire.request_to_wire(sneaked))   # past the client's own check
+    client._unfinished.add("sneaked")
+    outputs = []
+    while client.has_unfinished_requests():
+        outputs += client.step()
+    assert [o.finish_reason for o in outputs] == ["error"] and "asleep" in outputs[0].error
+    mp_engine.wake_up()
+    assert not mp_engine.is_sleeping()
+    [(token_ids, *_)], _ = _run(mp_engine, {"awake": (PROMPTS[0], params)})["awake"]
+    assert len(token_ids) == 3
 
 
 class _RunsCode:

@@ -109,7 +109,12 @@ def test_disk_tier_survives_restart_and_refuses_bad_files(tiny_llama, without_ti
     paths[0].write_bytes(bytes(data))
     paths[1].write_bytes(paths[1].read_bytes()[:-10])
     paths[2].write_bytes(encode_block_file(first_blocks[2], "another model", b"\0" * 8192))
+    # Prefix 0's second block too: indexed at start-up, behind the first bad one, so not
+    # checked by the lookup; storing the recomputed block must replace it all the same.
+    second_block = hash_block_tokens(first_blocks[0], PREFIXES[0][16:32])
+    block_file(tmp_path / "kv", second_block, 0).write_bytes(b"garbage")
     assert _second_round(tiny_llama, tier) == (want[1], [0, 0, 0] + [64] * 9)
+    assert _second_round(tiny_llama, tier) == (want[1], [64] * 12)   # all written anew
 
 
 def _second_round(path, tier: dict) -> tuple[list, list[int]]:

@@ -32,6 +32,21 @@ MAGIC = b"PAGEDKV1"
 SUFFIX = ".kv"
 
 
+def make_tier_folder(directory: str | Path) -> Path:
+    """The disk tier's folder, created if absent.
+
+    Raises:
+        ValueError: naming kv_offloading_dir, when the path is a file or cannot be created.
+    """
+    path = Path(directory)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"kv_offloading_dir {str(path)!r} cannot be used as the disk tier's "
+                         f"folder: {e.strerror or e}") from None
+    return path
+
+
 def block_file(directory: Path, block_hash: bytes, rank: int) -> Path:
     return directory / f"{block_hash.hex()}.r{rank}{SUFFIX}"
 
@@ -83,8 +98,7 @@ class DiskTierIndex:
     """
 
     def __init__(self, directory: str | Path, layouts: list[str], capacity_bytes: int) -> None:
-        self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self.directory = make_tier_folder(directory)
         self.layouts = layouts
         self.capacity_bytes = capacity_bytes
         self._sizes: OrderedDict[bytes, int] = OrderedDict()

@@ -149,7 +149,8 @@ class OffloadingConnectorScheduler:
         for i in range(state.num_stored, num_full):
             block_hash = request.block_hashes[i]
             if self.disk is not None:
-                if block_hash in self.disk:
+                # (check: a file indexed at start-up but corrupt is dropped and written anew)
+                if block_hash in self.disk and self.disk.check(block_hash):
                     self.disk.touch(block_hash)
                 else:
                     self._disk_pinned.add(block_hash)

@@ -7,12 +7,11 @@ ordinary memory too (a separate, larger budget than the device cache's, on the s
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from pagedllm.core.kv_connector.disk_tier import (block_file, decode_block_file,
-                                                  encode_block_file, write_block_file)
+                                                  encode_block_file, make_tier_folder,
+                                                  write_block_file)
 from pagedllm.core.kv_connector.offloading import OffloadingMetadata
 
 GiB = 1 << 30
@@ -49,9 +48,7 @@ class OffloadingConnectorWorker:
         self.rank = rank
         self.fingerprint = fingerprint
         directory = extra_config.get("kv_offloading_dir")
-        self.disk_dir = Path(directory) if directory else None
-        if self.disk_dir is not None:
-            self.disk_dir.mkdir(parents=True, exist_ok=True)
+        self.disk_dir = make_tier_folder(directory) if directory else None
         # Disk stores of the step: layer name -> [n, 2, block_size, heads, head_size] on host.
         self._disk_rows: dict[str, torch.Tensor] = {}
         self._pin = device.type == "cuda"
