@@ -269,7 +269,9 @@ def test_async_streaming_abort_and_sigkill(mp_engine: LLMEngine,
         with pytest.raises(EngineDeadError, match="died"):
             async for _ in stream:
                 pass
-        assert time.monotonic() - start < 5
+        # At once (the client waits on the process sentinel), not at a request timeout; the
+        # margin is for a loaded 2-core machine.
+        assert time.monotonic() - start < 15
         with pytest.raises(EngineDeadError):
             await async_llm.add_request("late", PROMPTS[2], params)
         await asyncio.sleep(0.1)  # the on_dead callbacks run on the loop
