@@ -56,7 +56,7 @@ GREEDY = {"model": MODEL_NAME, "prompt": "The quick brown fox", "max_tokens": 8,
           "temperature": 0.0}
 # Fuzzing examples per operation and generation mode (schemathesis), default and slow runs; the
 # hypothesis tests take a few times more (a request costs about 10 ms).
-FAST_EXAMPLES, SLOW_EXAMPLES = 40, 1000
+FAST_EXAMPLES, SLOW_EXAMPLES = 20, 1000
 
 
 class FuzzServer:
