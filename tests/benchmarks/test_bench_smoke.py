@@ -232,6 +232,7 @@ def test_decode_bytes_of_a_gguf_file_count_its_blocks(preset_dir: Path, tmp_path
     assert info["kv_bytes_per_context_token"] == 2 * 2 * 2 * 16 * 2   # layers, KV heads, dim
 
 
+@pytest.mark.slow
 def test_co_tenants_run_copies_at_once_and_report_the_sum(preset_dir: Path, tmp_path: Path):
     from pagedllm.entrypoints.cli import main
 

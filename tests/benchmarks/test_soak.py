@@ -241,6 +241,7 @@ def _assert_passed(rc: int, result: dict, num_requests: int) -> None:
     assert result["kv_capacity"]["tokens"] > 0 and result["server_stop"] is not None
 
 
+@pytest.mark.slow
 def test_short_soak_passes(tmp_path: Path):
     # About 25 s here (2 cores): start-up 5 s, requests 12-16 s, shutdown 5 s.
     rc, result = _soak(tmp_path, "--num-requests", "150", "--concurrency", "16",

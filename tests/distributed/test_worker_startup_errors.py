@@ -65,6 +65,7 @@ def test_script_on_stdin_runs_with_fork(tiny_llama, tmp_path):
     assert "GENERATED 4" in done.stdout, done.stdout + done.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_spawn_bootstrap_failure_is_quoted_in_the_error(tiny_llama, tmp_path):
     # Unguarded, each spawned worker runs the script again and multiprocessing refuses to start
     # processes from a bootstrapping one: a failure before any pagedllm code in the worker.
@@ -77,6 +78,7 @@ def test_spawn_bootstrap_failure_is_quoted_in_the_error(tiny_llama, tmp_path):
     assert "finished its bootstrapping phase" in done.stdout
 
 
+@pytest.mark.slow
 def test_forkserver_bootstrap_failure_names_the_main_module(tiny_llama, tmp_path):
     # A forkserver worker's bootstrap prints to the server's stderr (not capturable per worker):
     # the error names the likely cause instead.

@@ -63,6 +63,7 @@ def _summaries(screen: str) -> list[tuple[int, int, int, str]]:
     return [(int(n), int(p), int(c), finish) for n, p, c, finish in SUMMARY.findall(screen)]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(TMUX is None, reason="tmux is not installed")
 def test_chat_in_a_terminal_streams_stops_on_ctrl_c_and_reuses_the_prefix():
     # NOTE(speed): the portable torch paths (PAGEDLLM_CPU_KERNELS=0) need no kernel build and

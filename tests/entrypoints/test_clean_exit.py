@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 
 def _run_cli(args: list[str], cwd: Path) -> tuple[int, str]:
     """`python -m pagedllm.entrypoints.cli *args`: (exit status, stdout and stderr merged)."""
@@ -23,6 +25,7 @@ def _last_line(output: str) -> str:
     return output.rstrip().splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_bench_throughput_building_its_preset_exits_cleanly(tmp_path):
     """The preset is built in the process (transformers' LlamaForCausalLM, hence triton) before
     the engine freezes the collector: the case that printed the leak report."""

@@ -150,6 +150,7 @@ def test_ctrl_c_in_a_terminal_reaches_worker_processes_too(tiny_llama):
     assert b"Traceback" not in err and err.rstrip().endswith(b"^C interrupted")
 
 
+@pytest.mark.slow
 def test_ctrl_c_while_loading_exits_130_without_a_traceback():
     proc = _start_generate(["--prompt", "x", *SMALL_KV])
     try:

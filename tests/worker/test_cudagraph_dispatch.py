@@ -83,6 +83,7 @@ def _prompts(n, seed=0, lo=2, hi=12):
     return [rng.integers(3, 100, int(rng.integers(lo, hi))).tolist() for _ in range(n)]
 
 
+@pytest.mark.slow
 def test_padded_decode_steps_give_the_eager_tokens(llm):
     """Batches of 1, 3, 5 and 9 requests: decode steps pad to 1, 4, 8 and (9 > 8) run eagerly."""
     runner = _runner(llm)

@@ -24,6 +24,7 @@ def test_resolve_served_model_names() -> None:
         resolve_served_model_names("m", [" "])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("runner", ["generate", "pooling"])
 def test_served_name_is_the_model_argument_as_given(tiny_llama: Path, runner: str) -> None:
     # A relative path, not the folder's name nor its absolute path: what the user typed.
