@@ -108,6 +108,7 @@ def _free_port() -> int:
 
 @pytest.mark.skipif(importlib.util.find_spec("pagedllm.entrypoints.openai.api_server") is None,
                     reason="the OpenAI server module is not there yet")
+@pytest.mark.slow
 def test_serve_against_a_live_server(preset_dir: Path, tmp_path: Path):
     import httpx
 

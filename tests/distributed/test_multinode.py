@@ -16,6 +16,7 @@ from pagedllm.executor.multiproc import get_open_port
 from tests.distributed.common import ENGINE_ARGS, PROMPTS
 
 
+@pytest.mark.slow
 def test_two_nodes_tp2_matches_tp1_and_fails_loudly_when_a_node_dies(tiny_checkpoints, tmp_path):
     path = str(tiny_checkpoints["llama"])
     params = SamplingParams(max_tokens=8, temperature=0.0)

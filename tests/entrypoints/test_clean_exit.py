@@ -38,6 +38,7 @@ def test_bench_throughput_building_its_preset_exits_cleanly(tmp_path):
     assert _last_line(output).startswith("machine: "), output[-2000:]
 
 
+@pytest.mark.slow
 def test_verify_exits_cleanly(tiny_llama, tmp_path):
     rc, output = _run_cli(["verify", str(tiny_llama), "--max-tokens", "2", "--num-prompts", "1",
                            "--kv-cache-memory-bytes", str(4 << 20)], tmp_path)

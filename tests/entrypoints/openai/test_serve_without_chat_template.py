@@ -4,11 +4,13 @@ serving completions; chat requests get a 400 naming `messages` (issue #40)."""
 from __future__ import annotations
 
 import httpx
+import pytest
 
 from tests.entrypoints.openai.server_process import running_server
 from tests.fixtures.gguf_files import write_gguf
 
 
+@pytest.mark.slow
 def test_serve_warns_at_start_up_and_serves_completions(tiny_llama, tmp_path):
     path = write_gguf(tiny_llama, tmp_path / "no_template.gguf", "Q8_0", add_chat_template=False)
     log = tmp_path / "serve.log"
