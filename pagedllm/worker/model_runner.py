@@ -3,7 +3,8 @@
 This file orchestrates only; the parts live elsewhere: request state (`input_batch.py`), slot
 mapping (`block_table.py`), attention metadata (`attention/`), sampling inputs
 (`sampling_inputs.py`), the sampler and rejection sampler (`sample/`), draft proposers and
-spec-decode metadata (`spec_decode/`), KV allocation (`kv_cache.py`).
+spec-decode metadata (`spec_decode/`), KV allocation (`kv_cache.py`), KV cache groups and tensors
+(`kv_cache_runner.py`, a mixin).
 
     execute_model(scheduler_output):  update states -> prepare inputs -> attention metadata
                                       -> forward over the flat batch -> logits at logits_indices
@@ -47,8 +48,7 @@ from pagedllm.attention.forward_context import set_forward_context
 from pagedllm.attention.metadata import CommonAttentionMetadata, KVCacheGroupsMetadata
 from pagedllm.config import EngineConfig
 from pagedllm.attention.backends.selector import get_attention_backend
-from pagedllm.core.kv_cache_groups import (STATE_GROUP, KVCacheGroupSpec, kv_cache_group_windows,
-                                           make_kv_cache_groups)
+from pagedllm.core.kv_cache_groups import STATE_GROUP, KVCacheGroupSpec
 from pagedllm.core.sched_output import (GrammarOutput, LogprobsLists, ModelRunnerOutput,
                                         NewRequestData, SchedulerOutput)
 from pagedllm.distributed.parallel_state import (ExpertParallelLayout,
@@ -77,16 +77,14 @@ from pagedllm.worker.eagle_inputs import propose_eagle
 from pagedllm.worker.eplb_state import EplbState
 from pagedllm.worker.input_batch import (InputBatch, PendingStep, RequestStates, StepInputs,
                                          record_sampled_tokens, request_logprobs)
-from pagedllm.worker.kv_cache import (allocate_kv_caches, kv_cache_bytes_per_block,
-                                      kv_cache_layer_groups, resolve_kv_cache_dtype)
+from pagedllm.worker.kv_cache import resolve_kv_cache_dtype
+from pagedllm.worker.kv_cache_runner import KVCacheRunnerMixin
 from pagedllm.worker.multi_step import MultiStepRound, RoundSteps
 from pagedllm.worker.pipeline_sampler import pipeline_stage_sampler
-from pagedllm.worker.state_cache import (allocate_state_caches, model_state_layers,
-                                         release_state_caches, state_bytes_per_slot)
 from pagedllm.worker.sampling_inputs import build_sampling_metadata
 
 
-class ModelRunner:
+class ModelRunner(KVCacheRunnerMixin):
     """Owns the model, the KV cache tensors and the persistent request states of one worker
     (the later steps of multi-step rounds: `multi_step`, a `MultiStepRound` built by
     `load_model` from the states, the sampler and this runner's step phases).
@@ -179,78 +177,6 @@ class ModelRunner:
         return MultiStepRound(self.states, steps, self.sampler, self.block_size,
                               self.model if native else None)
 
-    def _setup_kv_cache_groups(self) -> None:
-        """One KV cache group per attention type of the layers, or a single group where
-        several cannot be used.
-
-        NOTE(kv_cache_groups): a draft model shares the target's block table (its proposer writes
-        through group 0's), and pipeline stages hold different layers (their groups would have
-        to be agreed across ranks); both keep one group for all layers: no block leaves a
-        window, the layers still apply their windows in attention.
-        """
-        attention = self._attention_layers()
-        windows = (kv_cache_group_windows(a.sliding_window for a in attention) if attention
-                   else (None,))
-        if (isinstance(self.drafter, (DraftModelProposer, EagleProposer))
-                or self.config.parallel_config.pipeline_parallel_size > 1):
-            windows = (None,)
-        if model_state_layers(self.model):
-            # NOTE(state_cache): a hybrid model's recurrent layers keep one state slot per
-            # request (core/state_cache_group_manager.py); a draft would need a state per
-            # draft position, rolled back to the accepted one, which is not implemented.
-            if self.drafter is not None:
-                raise ValueError(f"speculative decoding ({self.spec_config.method}) is not "
-                                 f"supported for {type(self.model).__name__}: its recurrent "
-                                 "layers keep one state per request, which cannot be rolled "
-                                 "back to the accepted draft token")
-            windows = windows + (STATE_GROUP,)
-        self.kv_cache_windows = windows
-        if len(windows) != len(self.states.block_tables):
-            self.states = RequestStates(self.max_num_reqs, self.config.max_model_len,
-                                        self.config.max_num_blocks_per_req, self.block_size,
-                                        len(windows))
-            self.slot_mappings = torch.zeros((len(windows), self.max_num_tokens),
-                                             dtype=torch.int64, device=self.device)
-
-    @property
-    def slot_mapping(self) -> torch.Tensor:
-        """[max_num_tokens] int64, group 0's slot mapping buffer."""
-        return self.slot_mappings[0]
-
-    def kv_cache_groups(self, num_blocks: int) -> tuple[KVCacheGroupSpec, ...]:
-        """The groups of a cache whose group 0 has `num_blocks` blocks (the scheduler makes the
-        same ones from the same numbers)."""
-        sc = self.config.scheduler_config
-        return make_kv_cache_groups(num_blocks, self.kv_cache_windows, self.block_size,
-                                    sc.max_num_seqs, sc.max_num_batched_tokens,
-                                    self.config.num_lookahead_tokens)
-
-    def _attention_layers(self) -> list:
-        layers = self.model.attention_layers()
-        if isinstance(self.drafter, (DraftModelProposer, EagleProposer)):
-            layers = layers + self.drafter.model.attention_layers()
-        return layers
-
-    def kv_cache_bytes_per_block(self) -> int:
-        """Bytes of one block over every layer (the draft model's included)."""
-        return kv_cache_bytes_per_block(self._attention_layers(), self.block_size,
-                                        self.kv_cache_dtype)
-
-    @property
-    def _attention_windows(self) -> tuple[int | None, ...]:
-        """The attention groups' windows (the state group, if any, is last)."""
-        return tuple(w for w in self.kv_cache_windows if w != STATE_GROUP)
-
-    def kv_cache_group_bytes_per_block(self) -> list[int]:
-        """[num_kv_cache_groups] bytes of one block over each group's layers (a state group:
-        one request's states)."""
-        sizes = [kv_cache_bytes_per_block(layers, self.block_size, self.kv_cache_dtype)
-                 for layers in kv_cache_layer_groups(self._attention_layers(),
-                                                     self._attention_windows)]
-        if STATE_GROUP in self.kv_cache_windows:
-            sizes.append(state_bytes_per_slot(model_state_layers(self.model)))
-        return sizes
-
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate every group's KV tensors (`num_blocks` is group 0's), then capture the
         decode CUDA graphs where they apply (`decode_graph_capture_sizes`)."""
@@ -283,17 +209,6 @@ class ModelRunner:
 
         graph_runner.capture(forward)
         self.graph_runner = graph_runner
-
-    def _allocate_kv_caches(self, groups: tuple[KVCacheGroupSpec, ...]) -> None:
-        layer_groups = kv_cache_layer_groups(self._attention_layers(), self._attention_windows)
-        self.kv_caches = [cache for spec, layers in zip(groups, layer_groups)
-                          for cache in allocate_kv_caches(layers, spec.num_blocks,
-                                                          self.block_size, self.kv_cache_dtype,
-                                                          self.device)]
-        for spec in groups:
-            if spec.state:
-                self.kv_caches += allocate_state_caches(model_state_layers(self.model),
-                                                        spec.num_blocks, self.device)
 
     @torch.inference_mode()
     def profile_run(self, max_tokens: int | None = None) -> None:
@@ -332,20 +247,6 @@ class ModelRunner:
         self.release_kv_cache()
         if self.eplb is not None:
             self.eplb.reset()
-
-    def kv_caches_by_layer(self) -> dict[str, torch.Tensor]:
-        """Each attention layer's KV tensor by layer name (a draft model's included)."""
-        return {a.layer_name: a.kv_cache for a in self._attention_layers()}
-
-    def release_kv_cache(self) -> None:
-        """Drop the KV tensors (and the CUDA graphs that point into them); the memory is freed
-        once nothing else holds them. `initialize_kv_cache` allocates them again."""
-        self.graph_runner = None
-        self.kv_caches = []
-        for layer in self._attention_layers():
-            layer.kv_cache = torch.empty(0)
-        release_state_caches(model_state_layers(self.model))
-        refresh_native_decoder(self.model)   # (its structures hold the caches)
 
     def load_fresh_model(self, model_path: str) -> torch.nn.Module:
         """A new model from the checkpoint at `model_path`, built and processed as `load_model`
