@@ -276,10 +276,12 @@ class Scheduler:
     def _encoder_inputs(self, request: Request, num_computed: int, num_new_tokens: int
                         ) -> tuple[int, list[int]]:
         """`num_new_tokens` cut where an image can be neither found in the encoder cache nor
-        encoded this step, and the images to encode (`schedule_encoder_inputs`)."""
+        encoded this step, and the images to encode (`schedule_encoder_inputs`). The step's
+        encoder budget is spent only by `_commit_encoder_inputs`, once the request is scheduled
+        (a request skipped for its LoRA adapter or its KV blocks spends none)."""
         if not request.mm_features or num_new_tokens == 0:
             return num_new_tokens, []
-        n, to_encode, self._encoder_budget = schedule_encoder_inputs(
+        n, to_encode, _ = schedule_encoder_inputs(
             request, num_computed, num_new_tokens, self._encoder_budget,
             self.encoder_cache_manager)
         if n < num_new_tokens and not self.config.enable_chunked_prefill:
@@ -290,6 +292,7 @@ class Scheduler:
                                out: SchedulerOutput) -> None:
         for i in to_encode:
             self.encoder_cache_manager.allocate(request, i)
+            self._encoder_budget -= request.mm_features[i].num_embeds
         if to_encode:
             out.scheduled_encoder_inputs[request.request_id] = to_encode
 

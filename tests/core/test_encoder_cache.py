@@ -117,3 +117,15 @@ def test_block_hashes_cover_image_identifiers():
     assert a.block_hashes[:2] == b.block_hashes[:2]
     assert all(x != y for x, y in zip(a.block_hashes[2:], b.block_hashes[2:]))
     assert a.block_hashes == c.block_hashes
+
+
+def test_encoder_budget_is_spent_only_by_a_scheduled_request():
+    # A request looked at but then skipped (its LoRA adapter does not fit the step, or it gets
+    # no KV blocks) must leave the step's encoder budget to the requests after it.
+    sched = make_scheduler(encoder_budget=12)
+    req = add(sched, "a", [feature("x", 4, 14)])
+    n, to_encode = sched._encoder_inputs(req, 0, 40)
+    assert (n, to_encode) == (40, [0])
+    assert sched._encoder_budget == 12
+    sched._commit_encoder_inputs(req, to_encode, SchedulerOutput.make_empty())
+    assert sched._encoder_budget == 0
