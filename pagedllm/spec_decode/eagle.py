@@ -217,6 +217,12 @@ def load_eagle_head(path: str, method: str, target: nn.Module, dtype: torch.dtyp
         finally:
             torch.set_default_dtype(prev)
     tensors = _read_tensors(folder)
+    if not any(n.removeprefix("model.") == "fc.weight" for n in tensors):
+        archs = json.loads((folder / "config.json").read_text()).get("architectures")
+        raise ValueError(f"{path} is not an {method.upper()} head: it has no `fc` tensor (the "
+                         f"projection of the target's hidden states; its architectures: "
+                         f"{archs}). A small model of the target's family is method "
+                         "'draft_model'")
     params = dict(head.named_parameters())
     loaded: set[str] = set()
     for name, tensor in tensors.items():

@@ -114,6 +114,13 @@ def test_wrong_method_for_layout_is_an_error(target, heads):
                                 "num_speculative_tokens": 2})
 
 
+def test_a_full_model_as_eagle_head_is_an_error_naming_draft_model(target):
+    with pytest.raises(ValueError, match="not an EAGLE head.*'draft_model'"):
+        LLM(target, dtype="float32", kv_cache_memory_bytes=8 << 20,
+            speculative_config={"method": "eagle", "model": target,
+                                "num_speculative_tokens": 2})
+
+
 def _rms(x, w, eps=1e-6):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
