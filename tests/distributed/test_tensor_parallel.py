@@ -42,7 +42,7 @@ def test_killed_worker_fails_loudly_without_orphans(tiny_checkpoints):
         start = time.monotonic()
         with pytest.raises(WorkerDiedError, match="rank 1"):
             llm.generate(PROMPTS, SamplingParams(max_tokens=4), use_tqdm=False)
-        assert time.monotonic() - start < 10
+        assert time.monotonic() - start < 30     # a bound against a hang, not a speed check
     finally:
         llm.llm_engine.engine_core.shutdown()
     for proc in executor.procs:
