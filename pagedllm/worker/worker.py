@@ -136,7 +136,8 @@ class Worker:
                               for g, b in zip(groups, group_bytes)),
                     total_bytes / 2**20,
                     str(runner.kv_cache_dtype).removeprefix("torch."),
-                    describe_kv_bytes_per_token(attn, runner.kv_cache_dtype),
+                    describe_kv_bytes_per_token(attn, runner.kv_cache_dtype,
+                                                runner.indexer_cache_dtype),
                     attn[0].backend.name if attn else "-")
         return num_blocks
 
