@@ -185,8 +185,9 @@ def test_sparse_forms_equal_dense_masked_attention():
     mask = torch.zeros(g, q_len, s + 1, dtype=torch.bool)
     mask.scatter_(2, torch.where(positions < 0, s, positions), True)
     want = mla_attention_expanded(q_nope, q_pe, latent, w, mask[:, None, :, :s], 0.3)
-    got = sparse_mla_expanded(q_nope, q_pe, latent, positions, w, 0.3)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for max_gather in (1 << 26, 500):   # (all queries at once; one query at a time)
+        got = sparse_mla_expanded(q_nope, q_pe, latent, positions, w, 0.3, max_gather)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     rows = torch.arange(g)[:, None, None]
     selected = latent[rows, positions.clamp(min=0)].reshape(g * q_len, topk, -1)
     got = sparse_mla_absorbed(q_nope.reshape(g * q_len, heads, dn),

@@ -21,7 +21,11 @@ read only the selected entries:
         with q = [W_UK^T q_nope | q_pe] over them as one shared head (cost per token: K latents).
     prefill rows (query_len > 1), expanded: expand the chunk's context latents to per-head K/V
         once (shared by the chunk's queries), then each query gathers its K selected keys and
-        values and attends over them (scores [Q, H, K], not [Q, H, S]).
+        values and attends over them (scores [Q, H, K], not [Q, H, S]; the gathered [Q, K, H,
+        dn + dv] is built a slice of queries at a time, under _GATHER_ELEMENTS).
+
+The indexer's own scores are dense: [Q, S] per row group and layer (Hi heads summed), as HF's
+and vLLM's indexers score every context token; only the attention is sparse.
 
 The indexer's scores are float32 (as HF's). NOTE(dsa): HF's reference and vLLM's CUDA path
 apply a Hadamard rotation to q_I / k_I before quantizing them to fp8; the rotation is
@@ -41,6 +45,10 @@ from pagedllm.attention.backends.torch_sdpa import TorchSDPABackend, TorchSDPAMe
 from pagedllm.attention.metadata import CommonAttentionMetadata
 from pagedllm.indexer_cache_layout import read_indexer_keys, write_indexer_keys
 from pagedllm.kv_cache_layout import dequantize_kv, write_cache_rows
+
+# Most elements of the per-query gathered keys and values `sparse_mla_expanded` holds at once
+# (256 MiB in float32).
+_GATHER_ELEMENTS = 1 << 26
 
 
 @dataclass(frozen=True)
@@ -110,8 +118,8 @@ def sparse_mla_absorbed(q_nope: torch.Tensor, q_pe: torch.Tensor, selected: torc
 
 
 def sparse_mla_expanded(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
-                        positions: torch.Tensor, w_kv_b: torch.Tensor,
-                        scale: float) -> torch.Tensor:
+                        positions: torch.Tensor, w_kv_b: torch.Tensor, scale: float,
+                        max_gather_elements: int = _GATHER_ELEMENTS) -> torch.Tensor:
     """Sparse MLA in the expanded form: the context expanded once, each query attending over
     its selected keys and values only.
 
@@ -121,20 +129,31 @@ def sparse_mla_expanded(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.
         positions: [G, Q, K] int64 selected context positions, -1 = none (at least one per
             query).
         w_kv_b: [H, dn + dv, L]; scale: softmax scale.
+        max_gather_elements: most elements of gathered keys and values held at once (the
+            queries are taken a slice at a time).
 
     Returns:
         [G, Q, H, dv] in q_nope's dtype.
     """
     num_heads, dn_dv, kv_lora_rank = w_kv_b.shape
-    dn = q_nope.shape[-1]
+    num_rows, q_len, _, dn = q_nope.shape
     c_kv, k_pe = latent.split([kv_lora_rank, latent.shape[-1] - kv_lora_rank], dim=-1)
     k_nope, v = torch.einsum("gsl,hel->gshe", c_kv, w_kv_b).split([dn, dn_dv - dn], dim=-1)
-    rows = torch.arange(latent.shape[0], device=latent.device)[:, None, None]
-    pos = positions.clamp(min=0)
-    scores = (torch.einsum("gqhd,gqkhd->gqhk", q_nope, k_nope[rows, pos])
-              + torch.einsum("gqhr,gqkr->gqhk", q_pe, k_pe[rows, pos])) * scale
-    probs = scores.float().masked_fill((positions < 0)[:, :, None, :], float("-inf")).softmax(-1)
-    return torch.einsum("gqhk,gqkhd->gqhd", probs.to(v.dtype), v[rows, pos])
+    rows = torch.arange(num_rows, device=latent.device)[:, None, None]
+    out = q_nope.new_empty(num_rows, q_len, num_heads, dn_dv - dn)
+    # The gathered keys and values are [G, Q, K, H, dn + dv] (+ k_pe): a slice of the queries
+    # at a time keeps them under max_gather_elements (the expansion is MLA's prefill's).
+    per_query = num_rows * positions.shape[-1] * (num_heads * dn_dv + k_pe.shape[-1])
+    step = max(1, max_gather_elements // max(per_query, 1))
+    for start in range(0, q_len, step):
+        sl = slice(start, start + step)
+        pos = positions[:, sl].clamp(min=0)
+        scores = (torch.einsum("gqhd,gqkhd->gqhk", q_nope[:, sl], k_nope[rows, pos])
+                  + torch.einsum("gqhr,gqkr->gqhk", q_pe[:, sl], k_pe[rows, pos])) * scale
+        probs = scores.float().masked_fill((positions[:, sl] < 0)[:, :, None, :],
+                                           float("-inf")).softmax(-1)
+        out[:, sl] = torch.einsum("gqhk,gqkhd->gqhd", probs.to(v.dtype), v[rows, pos])
+    return out
 
 
 class DSATorchBackend:
