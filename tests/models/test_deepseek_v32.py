@@ -139,6 +139,38 @@ def test_indexer_cache_dtype_refused_where_not_supported(tiny_llama):
         indexer_cache_bytes_per_token(18, torch.int8)
 
 
+@pytest.mark.slow
+def test_mtp_greedy_identical(tmp_path, byte_level_tokenizer_dir):
+    """V3.2 with its MTP layer (random, in vLLM's layout, its own indexer included) as the
+    drafter (k = 2, 7-token chunks, prefix caching): the same greedy tokens as without."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.spec_decode.test_mtp import MTP, add_mtp_tensors
+    path = build_checkpoint("v32", tmp_path / "mtp", byte_level_tokenizer_dir,
+                            {"num_nextn_predict_layers": 1})
+    add_mtp_tensors(path)
+    cfg = VARIANTS["v32"][2]
+    h, heads, dim = cfg["hidden_size"], cfg["index_n_heads"], cfg["index_head_dim"]
+    g = torch.Generator().manual_seed(2)
+    p = f"model.layers.{cfg['num_hidden_layers']}.self_attn.indexer."
+    file = path / "model.safetensors"
+    tensors = load_file(str(file))
+    tensors.update({p + "wq_b.weight": torch.randn(heads * dim, cfg["q_lora_rank"], generator=g),
+                    p + "wk.weight": torch.randn(dim, h, generator=g) * 0.1,
+                    p + "k_norm.weight": 1 + 0.2 * torch.randn(dim, generator=g),
+                    p + "k_norm.bias": 0.2 * torch.randn(dim, generator=g),
+                    p + "weights_proj.weight": torch.randn(heads, h, generator=g) * 0.1})
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in _llm(path).generate(_prompts(), params,
+                                                                use_tqdm=False)]
+    llm = _llm(path, speculative_config=MTP, max_num_batched_tokens=7, block_size=8)
+    drafter_layers = llm.llm_engine.engine_core.executor.worker.model_runner.drafter.model
+    assert isinstance(drafter_layers.attention_layers()[1], IndexerKCache)
+    got = [o.outputs[0].token_ids for o in llm.generate(_prompts(), params, use_tqdm=False)]
+    assert got == want
+
+
 # ---------------------------------------------------------------------------------- the ops
 
 def test_indexer_selection_matches_hf_indexer():
