@@ -145,6 +145,13 @@ class Worker:
         """The KV cache groups' sliding windows (None = full attention), group 0 first."""
         return self.model_runner.kv_cache_windows
 
+    def kv_cache_bytes_per_token(self) -> int:
+        """Bytes of KV cache one token takes on this rank, over every layer (an MLA latent, a
+        DSA indexer key, int8 scales and a draft model's layers included): the start-up log's
+        figure."""
+        runner = self.model_runner
+        return runner.kv_cache_bytes_per_block() // runner.block_size
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.model_runner.initialize_kv_cache(num_blocks)
         self._num_blocks = num_blocks

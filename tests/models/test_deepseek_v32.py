@@ -16,12 +16,15 @@ import shutil
 import pytest
 import torch
 import transformers
+from prometheus_client.parser import text_string_to_metric_families
 
 from pagedllm import SamplingParams
 from pagedllm.attention.backends.dsa_torch import (indexer_scores, select_topk,
                                                    sparse_mla_absorbed, sparse_mla_expanded)
 from pagedllm.attention.backends.mla_torch import mla_attention_expanded
 from pagedllm.config import CacheConfig
+from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.entrypoints.openai.metrics import PrometheusStatLogger
 from pagedllm.indexer_cache_layout import (allocate_indexer_cache, indexer_cache_bytes_per_token,
                                            read_indexer_keys, write_indexer_keys)
 from pagedllm.layers.deepseek_rope import deepseek_rope_parameters
@@ -100,6 +103,24 @@ def test_plain_engine_matches_hf_and_int8_indexer_cache_stays_close(v32, hf_want
                             for o in llm.generate(_prompts(), params, use_tqdm=False)), []))
     moved = (got - torch.tensor(sum(hf_want[2], []))).abs() > 1e-3
     assert 0 < moved.float().mean() < 0.25
+
+
+@pytest.mark.parametrize("multiprocess_mode", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_bytes_per_token_gauge_on_metrics(v32, multiprocess_mode):
+    """/metrics' `pagedllm:kv_cache_bytes_per_token` (set when the AsyncLLM is built; in
+    multiprocess mode it comes with the core's Ready message) equals the formula: per layer
+    (L + dr) latent values and D indexer values, float32."""
+    metrics = PrometheusStatLogger("m")
+    async_llm = AsyncLLM.from_engine_args(str(v32), stat_loggers=[metrics], dtype="float32",
+                                          kv_cache_memory_bytes=1 << 20,
+                                          multiprocess_mode=multiprocess_mode)
+    try:
+        samples = {s.name: s.value
+                   for family in text_string_to_metric_families(metrics.render().decode())
+                   for s in family.samples}
+    finally:
+        async_llm.shutdown()
+    assert samples["pagedllm:kv_cache_bytes_per_token"] == _LAYERS * (_LATENT + _INDEX_DIM) * 4
 
 
 def test_sparsity_matters_on_this_checkpoint(v32, hf_want):
