@@ -386,11 +386,13 @@ def test_eplb_rebalancing_mid_run_changes_no_token(checkpoints):
     ("v3", dict(tensor_parallel_size=2, enable_expert_parallel=True)),
     ("glm4_moe", dict(tensor_parallel_size=2)),
     ("v3", dict(pipeline_parallel_size=2)),
+    ("v32", dict(tensor_parallel_size=2)),
 ])
 def test_parallel_matches_single_process(checkpoints, variant, parallel):
     """tp=2 (two worker processes, gloo): MLA heads split, q_a / kv_a projections and the latent
     cache replicated; experts sharded (or whole per rank with EP). pp=2: the 3 layers (one dense,
-    two MoE) split over two stages. Same greedy tokens."""
+    two MoE) split over two stages. V3.2: the indexer and its cache replicated too, each rank
+    selecting the same tokens for its heads. Same greedy tokens."""
     from tests.distributed.common import run
     path = checkpoints(variant)
     assert (run(path, _PARALLEL_PARAMS, distributed_executor_backend="mp", **parallel)

@@ -93,7 +93,9 @@ def test_plain_engine_matches_hf_and_int8_indexer_cache_stays_close(v32, hf_want
         _prompts(), _params(prompt_logprobs=True), use_tqdm=False), hf_want)
 
     llm = _llm(v32, indexer_cache_dtype="int8")
-    runner = llm.llm_engine.engine_core.executor.worker.model_runner
+    worker = llm.llm_engine.engine_core.executor.worker
+    assert "KV cache" in worker.layout_summary()   # (C8 rows hold their scales)
+    runner = worker.model_runner
     cache = _model(llm).attention_layers()[1].kv_cache
     assert cache.dtype == torch.int8 and cache.shape[-1] == _INDEX_DIM + 4
     assert runner.model.attention_layers()[0].kv_cache.dtype == torch.float32
