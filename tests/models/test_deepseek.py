@@ -387,6 +387,7 @@ def test_eplb_rebalancing_mid_run_changes_no_token(checkpoints):
     ("glm4_moe", dict(tensor_parallel_size=2)),
     ("v3", dict(pipeline_parallel_size=2)),
     ("v32", dict(tensor_parallel_size=2)),
+    ("v32", dict(pipeline_parallel_size=2)),
 ])
 def test_parallel_matches_single_process(checkpoints, variant, parallel):
     """tp=2 (two worker processes, gloo): MLA heads split, q_a / kv_a projections and the latent
