@@ -35,8 +35,8 @@ from tests.models.test_deepseek import (LOGPROB_TOL, VARIANTS, _assert_close_to_
 from tests.models.test_gemma import (_params, _prompts, _tokens_and_logprobs,
                                      hf_greedy_reference)
 
-# Layers, latent and indexer sizes of VARIANTS["v32"].
-_LAYERS, _LATENT, _INDEX_DIM, _TOPK = 3, 32 + 8, 16, 4
+# Layers, latent and indexer sizes of VARIANTS["v32"] (its index_topk is 4).
+_LAYERS, _LATENT, _INDEX_DIM = 3, 32 + 8, 16
 
 
 @pytest.fixture(scope="module")
