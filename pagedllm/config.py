@@ -182,6 +182,8 @@ class CacheConfig:
         cache_dtype: the KV cache dtype (engine arg `kv_cache_dtype`, vLLM's name): "auto" (= the
             model dtype), "int8" (per token and KV head scales) or "fp8_e4m3" (float8 e4m3fn,
             per-tensor scales); "fp8" is taken as "fp8_e4m3". See docs/benchmarks.md.
+        indexer_cache_dtype: DeepSeek-V3.2's DSA indexer K cache: "auto" (follows cache_dtype),
+            "int8" or "fp8_e4m3" with a scale per token (the "C8" cache; docs/mla.md).
     """
 
     block_size: int = 16
@@ -190,6 +192,7 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
     cache_dtype: str = "auto"
+    indexer_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -207,6 +210,11 @@ class CacheConfig:
         if self.cache_dtype not in ("auto", "int8", "fp8_e4m3"):
             raise ValueError("kv_cache_dtype must be 'auto', 'int8' or 'fp8_e4m3' (= 'fp8'), got "
                              f"{self.cache_dtype!r}")
+        if self.indexer_cache_dtype == "fp8":
+            object.__setattr__(self, "indexer_cache_dtype", "fp8_e4m3")
+        if self.indexer_cache_dtype not in ("auto", "int8", "fp8_e4m3"):
+            raise ValueError("indexer_cache_dtype must be 'auto', 'int8' or 'fp8_e4m3' (= 'fp8'), "
+                             f"got {self.indexer_cache_dtype!r}")
 
 
 # Most decode steps per scheduling round: the per-round work is amortized well before this, and
@@ -592,7 +600,7 @@ def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str
                          cudagraph_mode: str = "FULL_DECODE_ONLY", enforce_eager: bool = False,
                          cudagraph_capture_sizes: Sequence[int] | None = None,
                          quantization: str | None = None,
-                         kv_cache_dtype: str = "auto",
+                         kv_cache_dtype: str = "auto", indexer_cache_dtype: str = "auto",
                          async_scheduling: bool | None = None,
                          num_scheduler_steps: int | None = None,
                          scheduling_policy: str = "fcfs",
@@ -694,7 +702,8 @@ def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str
                                  gpu_memory_utilization=gpu_memory_utilization,
                                  num_gpu_blocks_override=num_gpu_blocks_override,
                                  enable_prefix_caching=enable_prefix_caching,
-                                 cache_dtype=kv_cache_dtype),
+                                 cache_dtype=kv_cache_dtype,
+                                 indexer_cache_dtype=indexer_cache_dtype),
         scheduler_config=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
                                          max_num_seqs=max_num_seqs,
                                          enable_chunked_prefill=enable_chunked_prefill,

@@ -78,6 +78,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    choices=["auto", "int8", "fp8_e4m3", "fp8"],
                    help="KV cache dtype: auto (the model's), int8 (a scale per token and KV head) "
                         "or fp8_e4m3 (= fp8; per-tensor scales 1.0); CPU backends only for now")
+    g.add_argument("--indexer-cache-dtype", default="auto",
+                   choices=["auto", "int8", "fp8_e4m3", "fp8"],
+                   help="DeepSeek-V3.2's DSA indexer K cache: auto (follows --kv-cache-dtype), "
+                        "or int8 / fp8_e4m3 with a scale per token (the C8 cache)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="context length in tokens, prompt + output (default: the model's "
                         "max_position_embeddings)")
@@ -203,7 +207,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 _ENGINE_KEYS = ("tokenizer", "chat_template", "dtype", "quantization", "max_model_len", "seed",
-                "block_size", "kv_cache_dtype",
+                "block_size", "kv_cache_dtype", "indexer_cache_dtype",
                 "kv_cache_memory_bytes", "gpu_memory_utilization", "num_gpu_blocks_override",
                 "enable_prefix_caching", "max_num_batched_tokens", "max_num_seqs",
                 "enable_chunked_prefill", "trust_remote_code", "tensor_parallel_size",

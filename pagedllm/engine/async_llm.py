@@ -163,6 +163,9 @@ class StatLogger(Protocol):
     def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
         ...
 
+    # Optional: record_engine_info(kv_cache_bytes_per_token: int) -> None, called once when
+    # the AsyncLLM is built (PrometheusStatLogger's gauge).
+
 
 @dataclass
 class _RequestTimes:
@@ -221,6 +224,9 @@ class AsyncLLM:
         self.vocab_size: int = engine.input_processor.vocab_size
         self.default_sampling_params = engine.config.default_sampling_params
         self.stat_loggers = list(stat_loggers)
+        for stat_logger in self.stat_loggers:   # (an optional part of the StatLogger protocol)
+            if hasattr(stat_logger, "record_engine_info"):
+                stat_logger.record_engine_info(engine.engine_core.kv_cache_bytes_per_token)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._command_lock = threading.Lock()  # orders "put a command" against "mark dead"
         self._dead: EngineDeadError | None = None

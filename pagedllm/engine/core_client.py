@@ -84,7 +84,8 @@ class MPEngineCoreClient:
         start_timeout_s: how long the core may take to report Ready.
 
     Attributes:
-        num_blocks, kv_cache_capacity: as `EngineCore`'s (reported by the core at start).
+        num_blocks, kv_cache_capacity, kv_cache_bytes_per_token: as `EngineCore`'s (reported
+            by the core at start).
         eplb_stats: the last EPLB rebalance the core reported (None: none yet).
         pid: the core process's id.
     """
@@ -145,6 +146,7 @@ class MPEngineCoreClient:
             raise
         self.num_blocks = self._ready.num_blocks
         self.kv_cache_capacity = self._ready.kv_cache_capacity
+        self.kv_cache_bytes_per_token = self._ready.kv_cache_bytes_per_token
         self._stats = self.call_utility("get_stats")
 
     def _wait_ready(self, timeout_s: float) -> None:

@@ -68,7 +68,8 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         # them out of the cyclic collector's full passes.
         gc.collect()
         gc.freeze()
-        outputs.send(encoder.encode(wire.Ready(core.num_blocks, core.kv_cache_capacity)))
+        outputs.send(encoder.encode(wire.Ready(core.num_blocks, core.kv_cache_capacity,
+                                               core.kv_cache_bytes_per_token)))
         try:
             EngineCoreProc(core, inputs, outputs, parent_pid).run()
         except BaseException as e:  # noqa: BLE001 - reported to the front end, then exit

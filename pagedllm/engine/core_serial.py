@@ -95,6 +95,7 @@ class Ready(msgspec.Struct, tag="ready", array_like=True):
 
     num_blocks: int
     kv_cache_capacity: KVCacheCapacity
+    kv_cache_bytes_per_token: int = 0
 
 
 class StepOutputs(msgspec.Struct, tag="outputs", array_like=True):

@@ -99,6 +99,9 @@ class EngineCore:
         self._block_hasher = (get_request_block_hasher(config.cache_config.block_size)
                               if config.cache_config.enable_prefix_caching else None)
         self.num_blocks = num_blocks
+        # The largest over the ranks (pipeline stages hold different layers), for /metrics.
+        self.kv_cache_bytes_per_token = max(
+            self.executor.collective_rpc("kv_cache_bytes_per_token"))
         # What one request can ever hold (the front end's gate asks it, as add_request does).
         self.kv_cache_capacity = self.scheduler.kv_cache_capacity
         # The last EPLB rebalance the driver worker reported (None: none yet, or EPLB off).

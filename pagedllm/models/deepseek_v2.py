@@ -115,20 +115,33 @@ class DeepseekMLAAttention(nn.Module):
                                  deepseek_softmax_scale(qk_head_dim, rope),
                                  f"model.layers.{layer_idx}.self_attn")
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    def project(self, positions: torch.Tensor, hidden: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(q_nope [n, H, dn], q_pe [n, H, dr] and latent [n, L + dr] with RoPE applied,
+        q_resid [n, q_lora_rank] = RMSNorm(q_a_proj(x)) or None without q_lora)."""
         n = hidden.shape[0]
+        q_resid = None
         if self.q_lora_rank is None:
             q = self.q_proj(hidden)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+            q_resid = self.q_a_layernorm(self.q_a_proj(hidden))
+            q = self.q_b_proj(q_resid)
         q_nope, q_pe = q.view(n, self.num_heads, -1).split(
             [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         c_kv, k_pe = self.kv_a_proj_with_mqa(hidden).split(
             [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe[:, None, :])
         latent = torch.cat((self.kv_a_layernorm(c_kv), k_pe[:, 0]), dim=-1)
-        w_kv_b = self.kv_b_proj.weight.view(self.num_heads, -1, self.kv_lora_rank)
-        return self.o_proj(self.attn(q_nope, q_pe, latent, w_kv_b))
+        return q_nope, q_pe, latent, q_resid
+
+    @property
+    def w_kv_b(self) -> torch.Tensor:
+        """[H, dn + dv, L] kv_b_proj's weight per head (this rank's heads)."""
+        return self.kv_b_proj.weight.view(self.num_heads, -1, self.kv_lora_rank)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        q_nope, q_pe, latent, _ = self.project(positions, hidden)
+        return self.o_proj(self.attn(q_nope, q_pe, latent, self.w_kv_b))
 
 
 class DeepseekRouterGate(nn.Module):
@@ -213,8 +226,13 @@ class DeepseekV2ForCausalLM(MoeForCausalLM):
                                     bool(getattr(config, "rope_interleave", True)))
 
     @classmethod
+    def is_dense_layer(cls, config, layer_idx: int) -> bool:
+        """Whether layer `layer_idx` has a dense MLP (layers < first_k_dense_replace)."""
+        return layer_idx < (getattr(config, "first_k_dense_replace", None) or 0)
+
+    @classmethod
     def make_mlp(cls, config, layer_idx: int) -> nn.Module:
-        if layer_idx < (getattr(config, "first_k_dense_replace", None) or 0):
+        if cls.is_dense_layer(config, layer_idx):
             return LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
                             bool(getattr(config, "mlp_bias", False)))
         return DeepseekMoE(config, cls.routing(config), config.hidden_act)

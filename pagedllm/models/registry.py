@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pagedllm.models.bert import BertForMaskedLM, BertModel
 from pagedllm.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+from pagedllm.models.deepseek_v32 import DeepseekV32ForCausalLM
 from pagedllm.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from pagedllm.models.gemma3_mm import Gemma3ForConditionalGeneration
 from pagedllm.models.glm4_moe import Glm4MoeForCausalLM
@@ -26,6 +27,7 @@ _MODELS = {cls.__name__: cls for cls in (LlamaForCausalLM, MistralForCausalLM, Q
                                          MixtralForCausalLM, Qwen2MoeForCausalLM,
                                          Qwen3MoeForCausalLM, OlmoeForCausalLM,
                                          DeepseekV2ForCausalLM, DeepseekV3ForCausalLM,
+                                         DeepseekV32ForCausalLM,
                                          Glm4MoeForCausalLM,
                                          Idefics3ForConditionalGeneration,
                                          SmolVLMForConditionalGeneration,

@@ -71,7 +71,9 @@ class MtpHead(nn.Module):
         self.shared_head = _SharedHead(h, eps)
 
     def attention_layers(self) -> list:
-        return [self.mtp_block.self_attn.attn]
+        """The MTP layer's cache layers (DeepSeek-V3.2's: the latent's and the indexer's)."""
+        attn = self.mtp_block.self_attn
+        return attn.cache_layers() if hasattr(attn, "cache_layers") else [attn.attn]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,6 +14,8 @@ import torch
 
 from pagedllm.core.kv_cache_groups import (STATE_GROUP, KVCacheGroupSpec, kv_cache_group_windows,
                                            make_kv_cache_groups)
+from pagedllm.indexer_cache_layout import resolve_indexer_cache_dtype
+from pagedllm.layers.sparse_mla_attention import IndexerKCache
 from pagedllm.native.attach import refresh_native_decoder
 from pagedllm.spec_decode.draft_model import DraftModelProposer
 from pagedllm.spec_decode.eagle import EagleProposer
@@ -37,6 +39,11 @@ class KVCacheRunnerMixin:
         window, the layers still apply their windows in attention.
         """
         attention = self._attention_layers()
+        if (self.config.cache_config.indexer_cache_dtype != "auto"
+                and not any(isinstance(a, IndexerKCache) for a in attention)):
+            raise ValueError(f"indexer_cache_dtype={self.config.cache_config.indexer_cache_dtype!r}"
+                             f" applies to DSA models (DeepSeek-V3.2's lightning indexer); "
+                             f"{type(self.model).__name__} has no indexer cache")
         windows = (kv_cache_group_windows(a.sliding_window for a in attention) if attention
                    else (None,))
         if (isinstance(self.drafter, (DraftModelProposer, EagleProposer))
@@ -79,10 +86,16 @@ class KVCacheRunnerMixin:
             layers = layers + self.drafter.model.attention_layers()
         return layers
 
+    @property
+    def indexer_cache_dtype(self) -> torch.dtype:
+        """The DSA indexer caches' dtype (`indexer_cache_dtype`; "auto": the KV cache's)."""
+        return resolve_indexer_cache_dtype(self.config.cache_config.indexer_cache_dtype,
+                                           self.kv_cache_dtype)
+
     def kv_cache_bytes_per_block(self) -> int:
         """Bytes of one block over every layer (the draft model's included)."""
         return kv_cache_bytes_per_block(self._attention_layers(), self.block_size,
-                                        self.kv_cache_dtype)
+                                        self.kv_cache_dtype, self.indexer_cache_dtype)
 
     @property
     def _attention_windows(self) -> tuple[int | None, ...]:
@@ -92,7 +105,8 @@ class KVCacheRunnerMixin:
     def kv_cache_group_bytes_per_block(self) -> list[int]:
         """[num_kv_cache_groups] bytes of one block over each group's layers (a state group:
         one request's states)."""
-        sizes = [kv_cache_bytes_per_block(layers, self.block_size, self.kv_cache_dtype)
+        sizes = [kv_cache_bytes_per_block(layers, self.block_size, self.kv_cache_dtype,
+                                          self.indexer_cache_dtype)
                  for layers in kv_cache_layer_groups(self._attention_layers(),
                                                      self._attention_windows)]
         if STATE_GROUP in self.kv_cache_windows:
@@ -104,7 +118,7 @@ class KVCacheRunnerMixin:
         self.kv_caches = [cache for spec, layers in zip(groups, layer_groups)
                           for cache in allocate_kv_caches(layers, spec.num_blocks,
                                                           self.block_size, self.kv_cache_dtype,
-                                                          self.device)]
+                                                          self.device, self.indexer_cache_dtype)]
         for spec in groups:
             if spec.state:
                 self.kv_caches += allocate_state_caches(model_state_layers(self.model),

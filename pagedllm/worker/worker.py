@@ -13,7 +13,6 @@ import logging
 
 from transformers import AutoConfig
 
-from pagedllm.kv_cache_layout import is_quantized_kv_cache, kv_cache_scales
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_groups import KVCacheGroupSpec, num_blocks_for_budget
 from pagedllm.core.sched_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
@@ -136,13 +135,21 @@ class Worker:
                               for g, b in zip(groups, group_bytes)),
                     total_bytes / 2**20,
                     str(runner.kv_cache_dtype).removeprefix("torch."),
-                    describe_kv_bytes_per_token(attn, runner.kv_cache_dtype),
+                    describe_kv_bytes_per_token(attn, runner.kv_cache_dtype,
+                                                runner.indexer_cache_dtype),
                     attn[0].backend.name if attn else "-")
         return num_blocks
 
     def kv_cache_windows(self) -> tuple[int | None, ...]:
         """The KV cache groups' sliding windows (None = full attention), group 0 first."""
         return self.model_runner.kv_cache_windows
+
+    def kv_cache_bytes_per_token(self) -> int:
+        """Bytes of KV cache one token takes on this rank, over every layer (an MLA latent, a
+        DSA indexer key, int8 scales and a draft model's layers included): the start-up log's
+        figure."""
+        runner = self.model_runner
+        return runner.kv_cache_bytes_per_block() // runner.block_size
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.model_runner.initialize_kv_cache(num_blocks)
@@ -254,9 +261,11 @@ class Worker:
         rows = (f"vocab rows [{vocab.vocab_start_index}, {vocab.vocab_end_index})"
                 if vocab is not None else "no vocab rows")
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        kv_bytes = sum(c.numel() * c.element_size()
-                       + (kv_cache_scales(c).nbytes if is_quantized_kv_cache(c) else 0)
-                       for c in self.model_runner.kv_caches)   # (int8 / fp8: with the scales)
+        # Each allocation once, whole: int8 / fp8 caches with their scales, C8 indexer caches
+        # (scales in the rows), caches that are views of one buffer.
+        storages = {c.untyped_storage().data_ptr(): c.untyped_storage().nbytes()
+                    for c in self.model_runner.kv_caches}
+        kv_bytes = sum(storages.values())
         layers = (f"{len(attn)} layers ({attn[0].layer_name} .. {attn[-1].layer_name}), "
                   f"{attn[0].num_heads} attention heads and {attn[0].num_kv_heads} KV heads per "
                   "layer" if attn else "no attention layers")

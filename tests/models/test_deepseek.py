@@ -66,6 +66,13 @@ VARIANTS: dict[str, tuple[str, str, dict[str, Any], bool]] = {
                       attention_bias=True, max_position_embeddings=1024, rms_norm_eps=1e-6,
                       initializer_range=DEFAULT_INITIALIZER_RANGE, tie_word_embeddings=False),
                  True),
+    # V3.2: V3 plus the DSA lightning indexer; index_topk 4 is below every prompt but the
+    # first, so most queries attend to 4 of their context tokens (tests/models/test_deepseek_v32.py).
+    "v32": ("DeepseekV32ForCausalLM", "DeepseekV32Config",
+            dict(_MLA, q_lora_rank=24, num_experts_per_tok=3, n_shared_experts=1,
+                 first_k_dense_replace=1, n_group=4, topk_group=2, norm_topk_prob=True,
+                 routed_scaling_factor=2.5, index_topk=4, index_n_heads=8, index_head_dim=16,
+                 rope_parameters=dict(rope_type="default", rope_theta=10000.0)), True),
     # V2 with group-limited greedy routing and V2's routed_scaling_factor (slow).
     "v2_group": ("DeepseekV2ForCausalLM", "DeepseekV2Config",
                  dict(_MLA, q_lora_rank=None, num_experts_per_tok=2, n_shared_experts=1,
@@ -91,6 +98,11 @@ def build_checkpoint(name: str, out_dir: Path, tokenizer_dir: Path,
     config.architectures = [arch]
     torch.manual_seed(0)
     model = getattr(transformers, arch)(config).to(torch.float32).eval()
+    with torch.no_grad():
+        for module in model.modules():   # (V3.2's indexer k_norm: not the identity)
+            if isinstance(module, torch.nn.LayerNorm):
+                module.weight.normal_(1.0, 0.2)
+                module.bias.normal_(0.0, 0.2)
     if random_bias:
         for layer in model.model.layers:
             gate = getattr(layer.mlp, "gate", None)
@@ -374,11 +386,14 @@ def test_eplb_rebalancing_mid_run_changes_no_token(checkpoints):
     ("v3", dict(tensor_parallel_size=2, enable_expert_parallel=True)),
     ("glm4_moe", dict(tensor_parallel_size=2)),
     ("v3", dict(pipeline_parallel_size=2)),
+    ("v32", dict(tensor_parallel_size=2)),
+    ("v32", dict(pipeline_parallel_size=2)),
 ])
 def test_parallel_matches_single_process(checkpoints, variant, parallel):
     """tp=2 (two worker processes, gloo): MLA heads split, q_a / kv_a projections and the latent
     cache replicated; experts sharded (or whole per rank with EP). pp=2: the 3 layers (one dense,
-    two MoE) split over two stages. Same greedy tokens."""
+    two MoE) split over two stages. V3.2: the indexer and its cache replicated too, each rank
+    selecting the same tokens for its heads. Same greedy tokens."""
     from tests.distributed.common import run
     path = checkpoints(variant)
     assert (run(path, _PARALLEL_PARAMS, distributed_executor_backend="mp", **parallel)

@@ -55,6 +55,10 @@ class PrometheusStatLogger:
                                           "Requests waiting to be scheduled.")
         self.kv_cache_usage = gauge("pagedllm:kv_cache_usage_perc",
                                     "Fraction of KV-cache blocks in use (1 = full).")
+        self.kv_cache_bytes_per_token = gauge(
+            "pagedllm:kv_cache_bytes_per_token",
+            "KV cache bytes one token takes on a rank, over every layer (an MLA latent, a DSA "
+            "indexer key and int8 scales included; the largest over the ranks).")
         self.prompt_tokens = counter("pagedllm:prompt_tokens", "Prefilled prompt tokens.")
         self.generation_tokens = counter("pagedllm:generation_tokens", "Generated tokens.")
         self.num_preemptions = counter("pagedllm:num_preemptions", "Preemptions (recompute).")
@@ -125,6 +129,11 @@ class PrometheusStatLogger:
                        self.kv_cache_usage):
             family.labels(self._model_name, str(engine))
 
+    def record_engine_info(self, kv_cache_bytes_per_token: int, engine: int = 0) -> None:
+        """Set replica `engine`'s start-up facts (its KV cache bytes per token)."""
+        self.kv_cache_bytes_per_token.labels(self._model_name, str(engine)).set(
+            kv_cache_bytes_per_token)
+
     def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats,
                engine: int = 0) -> None:
         """Record one engine-loop iteration of replica `engine`."""
@@ -183,3 +192,6 @@ class EngineStatLogger:
 
     def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
         self.metrics.record(scheduler_stats, iteration_stats, self.engine)
+
+    def record_engine_info(self, kv_cache_bytes_per_token: int) -> None:
+        self.metrics.record_engine_info(kv_cache_bytes_per_token, self.engine)

@@ -1,0 +1,212 @@
+"""DeepSeek Sparse Attention (DSA, DeepSeek-V3.2): the lightning indexer's top-k selection and
+sparse MLA over the selected latents; torch reference ops and backend.
+
+DSA (DeepSeek-V3.2-Exp report; transformers' `DeepseekV32Indexer`, vLLM's `Indexer` +
+`FlashMLASparseBackend`) puts a small scorer in front of MLA (mla_torch.py). Per layer, for a
+query token t at position p and every context token s <= p of its request:
+
+    index score  I[t, s] = sum_h w[t, h] * relu(scale_I * q_I[t, h] . k_I[s])
+                 (q_I [Hi, D] from q_resid, k_I [D] cached per token in the indexer cache,
+                  w [Hi] = weights_proj(x) * Hi^-0.5, scale_I = D^-0.5; RoPE on the first
+                  qk_rope_head_dim of q_I and k_I)
+    selected     S(t) = the index_topk context positions of highest I[t, .], causal
+                 (all of them while p + 1 <= index_topk)
+    attention    MLA with the softmax over S(t) only.
+
+Selections are positions in the request's context (as `torch_sdpa`'s row groups gather it), -1
+for none, so the same rows index the latent cache through the group's `kv_slots`. Both MLA forms
+read only the selected entries:
+
+    decode rows (query_len == 1), absorbed: gather the K selected latents [K, L + dr] and attend
+        with q = [W_UK^T q_nope | q_pe] over them as one shared head (cost per token: K latents).
+    prefill rows (query_len > 1), expanded: expand the chunk's context latents to per-head K/V
+        once (shared by the chunk's queries), then each query gathers its K selected keys and
+        values and attends over them (scores [Q, H, K], not [Q, H, S]; the gathered [Q, K, H,
+        dn + dv] is built a slice of queries at a time, under _GATHER_ELEMENTS).
+
+The indexer's own scores are dense: [Q, S] per row group and layer (Hi heads summed), as HF's
+and vLLM's indexers score every context token; only the attention is sparse.
+
+The indexer's scores are float32 (as HF's). NOTE(dsa): HF's reference and vLLM's CUDA path
+apply a Hadamard rotation to q_I / k_I before quantizing them to fp8; the rotation is
+orthogonal (scores unchanged) and only helps quantization, so the float path skips it, and the
+C8 cache quantizes k_I per token without it (indexer_cache_layout.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm.attention.backends.mla_torch import mla_attention_absorbed
+from pagedllm.attention.backends.torch_sdpa import TorchSDPABackend, TorchSDPAMetadata
+from pagedllm.attention.metadata import CommonAttentionMetadata
+from pagedllm.indexer_cache_layout import read_indexer_keys, write_indexer_keys
+from pagedllm.kv_cache_layout import dequantize_kv, write_cache_rows
+
+# Most elements of the per-query gathered keys and values `sparse_mla_expanded` holds at once
+# (256 MiB in float32).
+_GATHER_ELEMENTS = 1 << 26
+
+
+@dataclass(frozen=True)
+class IndexerInputs:
+    """One layer's indexer tensors for the step's tokens.
+
+    q: [num_tokens, Hi, D] indexer queries (RoPE applied); k: [num_tokens, D] indexer keys (RoPE
+    applied; written to `cache`); weights: [num_tokens, Hi] float32 head weights (Hi^-0.5
+    included); cache: the layer's indexer cache (indexer_cache_layout.py); scale: D^-0.5;
+    topk: index_topk.
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    weights: torch.Tensor
+    cache: torch.Tensor
+    scale: float
+    topk: int
+
+
+def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+    """The lightning indexer's scores (module docstring), as HF's `DeepseekV32Indexer`.
+
+    Args:
+        q: [G, Q, Hi, D]; weights: [G, Q, Hi] (Hi^-0.5 included); keys: [G, S, D].
+        scale: D^-0.5.
+
+    Returns:
+        [G, Q, S] float32.
+    """
+    scores = torch.einsum("gqhd,gsd->gqhs", q.float(), keys.float()) * scale
+    return torch.einsum("gqh,gqhs->gqs", weights.float(), F.relu(scores))
+
+
+def select_topk(scores: torch.Tensor, mask: torch.Tensor, topk: int) -> torch.Tensor:
+    """The top-`topk` context positions of each query among those `mask` allows.
+
+    Args:
+        scores: [G, Q, S] float32; mask: [G, Q, S] bool (True = may attend; causal).
+        topk: index_topk.
+
+    Returns:
+        [G, Q, min(topk, S)] int64 positions, -1 where fewer than topk are allowed.
+    """
+    masked = scores.masked_fill(~mask, float("-inf"))
+    values, positions = masked.topk(min(topk, scores.shape[-1]), dim=-1)
+    return torch.where(values == float("-inf"), -1, positions)
+
+
+def sparse_mla_absorbed(q_nope: torch.Tensor, q_pe: torch.Tensor, selected: torch.Tensor,
+                        valid: torch.Tensor, w_kv_b: torch.Tensor, scale: float) -> torch.Tensor:
+    """Sparse MLA in the absorbed form: each query over its own gathered latents.
+
+    Args:
+        q_nope: [T, H, dn]; q_pe: [T, H, dr] (RoPE applied).
+        selected: [T, K, L + dr] each query's selected latents; valid: [T, K] bool (at least
+            one True per row).
+        w_kv_b: [H, dn + dv, L]; scale: softmax scale.
+
+    Returns:
+        [T, H, dv].
+    """
+    out = mla_attention_absorbed(q_nope[:, None], q_pe[:, None], selected, w_kv_b,
+                                 valid[:, None, None, :], scale)
+    return out[:, 0]
+
+
+def sparse_mla_expanded(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
+                        positions: torch.Tensor, w_kv_b: torch.Tensor, scale: float,
+                        max_gather_elements: int = _GATHER_ELEMENTS) -> torch.Tensor:
+    """Sparse MLA in the expanded form: the context expanded once, each query attending over
+    its selected keys and values only.
+
+    Args:
+        q_nope: [G, Q, H, dn]; q_pe: [G, Q, H, dr] (RoPE applied).
+        latent: [G, S, L + dr] the context's latents.
+        positions: [G, Q, K] int64 selected context positions, -1 = none (at least one per
+            query).
+        w_kv_b: [H, dn + dv, L]; scale: softmax scale.
+        max_gather_elements: most elements of gathered keys and values held at once (the
+            queries are taken a slice at a time).
+
+    Returns:
+        [G, Q, H, dv] in q_nope's dtype.
+    """
+    num_heads, dn_dv, kv_lora_rank = w_kv_b.shape
+    num_rows, q_len, _, dn = q_nope.shape
+    c_kv, k_pe = latent.split([kv_lora_rank, latent.shape[-1] - kv_lora_rank], dim=-1)
+    k_nope, v = torch.einsum("gsl,hel->gshe", c_kv, w_kv_b).split([dn, dn_dv - dn], dim=-1)
+    rows = torch.arange(num_rows, device=latent.device)[:, None, None]
+    out = q_nope.new_empty(num_rows, q_len, num_heads, dn_dv - dn)
+    # The gathered keys and values are [G, Q, K, H, dn + dv] (+ k_pe): a slice of the queries
+    # at a time keeps them under max_gather_elements (the expansion is MLA's prefill's).
+    per_query = num_rows * positions.shape[-1] * (num_heads * dn_dv + k_pe.shape[-1])
+    step = max(1, max_gather_elements // max(per_query, 1))
+    for start in range(0, q_len, step):
+        sl = slice(start, start + step)
+        pos = positions[:, sl].clamp(min=0)
+        scores = (torch.einsum("gqhd,gqkhd->gqhk", q_nope[:, sl], k_nope[rows, pos])
+                  + torch.einsum("gqhr,gqkr->gqhk", q_pe[:, sl], k_pe[rows, pos])) * scale
+        probs = scores.float().masked_fill((positions[:, sl] < 0)[:, :, None, :],
+                                           float("-inf")).softmax(-1)
+        out[:, sl] = torch.einsum("gqhk,gqkhd->gqhd", probs.to(v.dtype), v[rows, pos])
+    return out
+
+
+class DSATorchBackend:
+    """Reference DSA over the paged latent and indexer caches, on any device torch supports
+    (module docstring). Row groups as `torch_sdpa` builds them."""
+
+    name = "dsa_torch"
+
+    @staticmethod
+    def build_metadata(common: CommonAttentionMetadata) -> TorchSDPAMetadata:
+        return TorchSDPABackend.build_metadata(common)
+
+    @staticmethod
+    def forward(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
+                kv_cache: torch.Tensor, metadata: TorchSDPAMetadata, w_kv_b: torch.Tensor,
+                scale: float, indexer: IndexerInputs) -> torch.Tensor:
+        """Write the new tokens' latents and indexer keys, select each query's top-k context
+        tokens and attend over them.
+
+        Args:
+            q_nope, q_pe, latent, kv_cache, metadata, w_kv_b, scale: as `MLATorchBackend.forward`.
+            indexer: the layer's indexer tensors and cache.
+
+        Returns:
+            [num_tokens, H, dv] (padded tokens are zero).
+        """
+        common = metadata.common
+        n = common.num_actual_tokens
+        slots = common.slot_mapping[:n]
+        write_cache_rows(kv_cache, 0, latent[:n, None], slots)
+        write_indexer_keys(indexer.cache, indexer.k[:n], slots)
+        num_heads, dn_dv, _ = w_kv_b.shape
+        out = q_nope.new_zeros(q_nope.shape[0], num_heads, dn_dv - q_nope.shape[-1])
+        latent_size = kv_cache.shape[-1]
+        for g in metadata.groups:
+            num_rows, q_len = g.query_index.shape
+            keys = read_indexer_keys(indexer.cache, g.kv_slots.reshape(-1))
+            scores = indexer_scores(indexer.q[g.query_index], indexer.weights[g.query_index],
+                                    keys.view(num_rows, -1, keys.shape[-1]), indexer.scale)
+            positions = select_topk(scores, g.attn_mask[:, 0], indexer.topk)    # [G, Q, K]
+            if q_len == 1:
+                pos = positions[:, 0]
+                chosen = g.kv_slots.gather(1, pos.clamp(min=0))                  # [G, K]
+                selected = dequantize_kv(kv_cache, 0, chosen.reshape(-1), q_nope.dtype)
+                tokens = g.query_index[:, 0]
+                o = sparse_mla_absorbed(q_nope[tokens], q_pe[tokens],
+                                        selected.view(num_rows, -1, latent_size), pos >= 0,
+                                        w_kv_b, scale)
+                out[tokens] = o
+                continue
+            ctx = dequantize_kv(kv_cache, 0, g.kv_slots.reshape(-1), q_nope.dtype)
+            o = sparse_mla_expanded(q_nope[g.query_index], q_pe[g.query_index],
+                                    ctx.view(num_rows, -1, latent_size), positions, w_kv_b,
+                                    scale)
+            out[g.out_index] = o.reshape(num_rows * q_len, num_heads, -1)[g.valid]
+        return out
