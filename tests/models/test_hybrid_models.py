@@ -9,7 +9,9 @@ decode steps): the default, chunked prefill with a token budget that splits the 
 (chunk_size 8, budget 13), preemption (a KV / token-slot budget far below the batch), and prefix
 caching off. The engine runs in float32; its tokens must equal HF's greedy decoding and its
 chosen-token logprobs agree within 1e-4 (or HF's own float32 error: see `hf_references`). Prefix
-caching is mode "none" for hybrids: a repeated prompt gets no hit and the same tokens.
+caching is mode "align" (the default): a repeated batch hits at each prompt's last block
+boundary and gives the same tokens (tests/models/test_hybrid_prefix_caching.py: partial
+prefixes, mode "none", the server's usage).
 """
 
 from __future__ import annotations
@@ -161,18 +163,27 @@ CASES = [pytest.param(model, config, marks=() if (model, config) in DEFAULT_CASE
 
 @pytest.mark.parametrize("model,config", CASES)
 def test_greedy_matches_hf(hybrid_checkpoints, hf_references, model, config):
-    llm = LLM(str(hybrid_checkpoints[model]), dtype="float32", kv_cache_memory_bytes=4 << 20,
+    llm = LLM(str(hybrid_checkpoints[model]), dtype="float32", kv_cache_memory_bytes=8 << 20,
               **CONFIGS[config])
     prompts = [{"prompt_token_ids": p} for p in _prompts()]
     _check(llm.generate(prompts, _greedy(), use_tqdm=False), hf_references[model])
     stats = llm.get_stats()
     if config == "preempt":
         assert stats.num_preemptions > 0
-    if config == "default":
-        # Prefix caching mode "none": the same prompts again get no hit and the same tokens.
+    if config in ("default", "chunked"):
+        # Prefix caching mode "align": the same prompts again hit at their last block
+        # boundary (block_size 16: 64 of 70 tokens, 32 of 40, 16 of 19) and give the same
+        # tokens.
         again = llm.generate(prompts, _greedy(), use_tqdm=False)
-        assert all(o.num_cached_tokens == 0 for o in again)
+        assert [o.num_cached_tokens for o in again] == [
+            n - n % 16 if n % 16 else n - 16 for n in PROMPT_LENGTHS]
         _check(again, hf_references[model])
+    if config == "preempt":
+        # The cache keeps the blocks of the prompts that finished last (block_size 4): the
+        # 19-token one hits 16 tokens, then its batch preempts and resumes again.
+        again = llm.generate(prompts[::-1], _greedy(), use_tqdm=False)
+        assert again[0].num_cached_tokens == 16
+        _check(again[::-1], hf_references[model])
     scheduler = llm.llm_engine.engine_core.scheduler
     assert all(not g.req_to_blocks for g in scheduler.kv_cache_manager.groups)
 
@@ -181,9 +192,11 @@ def test_state_memory_in_startup_log(hybrid_checkpoints, caplog):
     with caplog.at_level("INFO", logger="pagedllm"):
         LLM(str(hybrid_checkpoints["lfm2"]), dtype="float32", kv_cache_memory_bytes=4 << 20,
             max_num_seqs=4)
-    # Two conv layers of a [64, 2] float32 window: 1 KiB per request.
-    assert "4 state slots (one per running request) of 0.001 MiB state memory per request" \
-        in caplog.text
+    # Two conv layers of a [64, 2] float32 window: 1 KiB per request; mode "align" doubles
+    # the slots (steps that cross a block boundary, checkpoints).
+    assert ("8 state slots (one per running request, and as many for steps that cross a block "
+            "and for prefix-cache checkpoints: mamba_cache_mode align) of 0.001 MiB state "
+            "memory per request (0.008 MiB in all)") in caplog.text
 
 
 def test_too_long_prompt_is_refused_alone(hybrid_checkpoints, hf_references):
