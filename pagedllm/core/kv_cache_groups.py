@@ -37,7 +37,8 @@ are position-aligned like a full-attention group's blocks, a step's final state 
 entry of its last token, and an entry written by a step that ended on its block's end is a
 checkpoint registered under that block's hash; a request holds at most 2 slots at once (the
 entry it reads and the one it writes), and the pool has `max_num_seqs` more slots than in mode
-"none" for those and for checkpoints (LRU; `num_state_slots`). See core/state_cache_group_manager.py.
+"none" for those and for checkpoints (LRU; `num_state_slots`). See
+core/state_cache_group_manager.py.
 """
 
 from __future__ import annotations

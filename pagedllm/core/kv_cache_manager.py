@@ -188,8 +188,9 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         """Release a request's blocks in every group; its tail blocks are evicted first."""
+        hashes = request.block_hashes if self.enable_caching else None
         for group in self.groups:
-            group.free(request.request_id)
+            group.free(request.request_id, hashes)
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         return tuple([b.block_id for b in g.req_to_blocks.get(request_id, [])]

@@ -21,13 +21,13 @@ block boundaries so that they do (`align_prefill_tokens`):
     block_size 4, prompt of 10 tokens: steps [0, 8) then [8, 10)
     entries   | null | s(8) | s(10) ...        s(8): a checkpoint, registered under hash[1]
 
-Such an entry is registered under the block's hash (one step later, so that no request admitted
-in the step that writes it reads it first) and stays a hit after the request frees it, until the
-pool evicts it (least recently freed first, the BlockPool's free queue). Entries before the one a
-step reads are freed as the request moves on, so it holds at most 2 slots. A hit is the longest
-block run whose last block has a checkpoint (`find_longest_cache_hit`); the KV cache manager
-shortens it until every group agrees. The same duck-typed interface as `KVCacheGroupManager`,
-which the KV cache manager drives.
+Such an entry is registered under the block's hash (at the request's next step or when it is
+freed, so that no request admitted in the step that writes it reads it first) and stays a hit
+after the request frees it, until the pool evicts it (least recently freed first, the
+BlockPool's free queue). Entries before the one a step reads are freed as the request moves on,
+so it holds at most 2 slots. A hit is the longest block run whose last block has a checkpoint
+(`find_longest_cache_hit`); the KV cache manager shortens it until every group agrees. The same
+duck-typed interface as `KVCacheGroupManager`, which the KV cache manager drives.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ class StateCacheGroupManager:
         """No hit (mode "none"): a state exists only at the end of its own request's tokens."""
         return []
 
-    def free(self, request_id: str) -> None:
+    def free(self, request_id: str, block_hashes: list[bytes] | None = None) -> None:
         self.block_pool.free_blocks(self.req_to_blocks.pop(request_id, []))
 
     def num_live_blocks(self, request_id: str) -> int:
@@ -184,11 +184,17 @@ class AlignedStateCacheGroupManager:
                 return [pool.null_block] * (e - 1) + [block]
         return []
 
-    def free(self, request_id: str) -> None:
-        """Release the request's slots (its checkpoints stay hits until evicted; the state of
-        its last step, not yet registered, is dropped)."""
-        self._pending.pop(request_id, None)
-        self._ready.pop(request_id, None)
+    def free(self, request_id: str, block_hashes: list[bytes] | None = None) -> None:
+        """Release the request's slots; its checkpoints stay hits until evicted. With
+        `block_hashes`, its last steps' checkpoints are registered first: a request is freed
+        (finished, or preempted) in a later scheduler call than the one that scheduled its last
+        step, which has run, or runs before any step scheduled from now on."""
+        for entries in (self._ready, self._pending):
+            j = entries.pop(request_id, None)
+            blocks = self.req_to_blocks.get(request_id, [])
+            if j is not None and block_hashes is not None and j < min(len(block_hashes),
+                                                                      len(blocks)):
+                self.block_pool.cache_full_blocks(blocks, block_hashes, j, j + 1)
         self.block_pool.free_blocks(self.req_to_blocks.pop(request_id, []))
 
     def num_live_blocks(self, request_id: str) -> int:
@@ -201,13 +207,18 @@ def align_prefill_tokens(num_prompt_tokens: int, num_tokens: int, num_computed: 
     """Mode "align": `num_new_tokens` cut so that a prefill step ends on a block boundary, where
     its final state becomes a checkpoint (vLLM's `Scheduler._mamba_block_aligned_split`).
 
-    A step that would end before the last block boundary of the request's tokens, `last =
-    num_tokens - num_tokens % block_size`, ends at the last boundary it reaches (unless it
-    reaches none: a chunk budget under a block); a step that would pass `last` ends there, and the
-    tokens after it follow in the next step. Decodes (and the tail after `last`) are left alone:
+    A step that would end before the last block boundary a prefix hit of the request's tokens
+    can reach, `last = (num_tokens - 1) // block_size * block_size` (a hit leaves at least one
+    token to compute), ends at the last boundary it reaches (unless it reaches none: a chunk
+    budget under a block); a step that would pass `last` ends there, and the tokens after it
+    follow in the next step. Decodes (and the tail after `last`) are left alone:
 
         block_size 16, 70 prompt tokens, budget 40:  [0, 32) [32, 64) [64, 70)
         the same unchunked:                          [0, 64) [64, 70)
+        64 prompt tokens:                            [0, 48) [48, 64)
+
+    (vLLM's last position is num_tokens rounded down, so an identical prompt of a multiple of
+    block_size tokens gets no hit there.)
 
     Args:
         num_prompt_tokens, num_tokens: the request's prompt and all tokens (outputs included).
@@ -217,7 +228,7 @@ def align_prefill_tokens(num_prompt_tokens: int, num_tokens: int, num_computed: 
     """
     if num_new_tokens <= 0 or num_computed >= max(num_prompt_tokens, num_tokens - 1):
         return num_new_tokens
-    last = num_tokens - num_tokens % block_size
+    last = (num_tokens - 1) // block_size * block_size
     end = num_computed + num_new_tokens
     if end < last:
         aligned = end // block_size * block_size

@@ -94,7 +94,7 @@ def test_align_prefill_tokens_ends_steps_on_block_boundaries():
     assert align_prefill_tokens(70, 70, 64, 6, 16) == 6           # the tail
     assert align_prefill_tokens(70, 70, 0, 70, 16) == 64          # unchunked: [0, 64) [64, 70)
     assert align_prefill_tokens(70, 70, 0, 10, 16) == 10          # under a block: left alone
-    assert align_prefill_tokens(64, 64, 0, 64, 16) == 64          # ends on the boundary itself
+    assert align_prefill_tokens(64, 64, 0, 64, 16) == 48          # a hit leaves 1 token
     assert align_prefill_tokens(70, 71, 70, 1, 16) == 1           # a decode
 
 
@@ -113,7 +113,7 @@ def test_align_checkpoints_hit_after_the_writing_step():
     blocks, num_hit = mgr.get_computed_blocks(b)
     assert num_hit == 8 and [x.block_id for x in blocks.blocks[1]] == [0, ids[1][1]]
     a.num_computed_tokens = 10
-    mgr.free(a)                                           # the checkpoint outlives its request
+    mgr.free(a)             # the checkpoints outlive the request (s(8), and s(12) is not one)
     c = make_request("c", list(range(8)) + [99, 98, 97, 96, 95])   # shares 2 blocks, not 3
     blocks, num_hit = mgr.get_computed_blocks(c)
     assert num_hit == 8
