@@ -1,8 +1,9 @@
 """Hybrid / state-space models end to end against HF `transformers` (greedy) on tiny random
 checkpoints: Mamba-2 (SSD mixers only), LFM2 (short convolutions + attention layers),
 Qwen3-Next (Gated DeltaNet + gated attention, MoE with a shared expert and a dense layer) and
-Qwen3.5's text model (its Gated DeltaNet projections, dense MLPs) and Granite 4 hybrid (Mamba-2
-+ attention layers, MoE + shared MLP, Granite's multipliers).
+Qwen3.5's text model (its Gated DeltaNet projections, dense MLPs), Granite 4 hybrid (Mamba-2
++ attention layers, MoE + shared MLP, Granite's multipliers) and Falcon-H1 (a Mamba-2 mixer and
+attention side by side in every layer, muP multipliers, the gated norm before the gate).
 
 One engine per configuration serves prompts of different lengths together (mixed prefill and
 decode steps): the default, chunked prefill with a token budget that splits the scan's chunks
@@ -52,6 +53,19 @@ MODELS = {
         intermediate_size=32, shared_intermediate_size=48, position_embedding_type="rope",
         embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.3,
         logits_scaling=2.0)),
+    "falcon_h1": ("FalconH1ForCausalLM", dict(
+        intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, mamba_d_ssm=128,
+        mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4,
+        mamba_chunk_size=8, mamba_rms_norm=True, mamba_norm_before_gate=True,
+        lm_head_multiplier=0.5, embedding_multiplier=2.0, mlp_multipliers=[0.7, 1.3],
+        key_multiplier=0.8, attention_in_multiplier=1.1, attention_out_multiplier=0.9,
+        ssm_multipliers=[1.1, 0.9, 1.2, 0.8, 1.05], ssm_in_multiplier=0.95,
+        ssm_out_multiplier=1.2)),
+    # Falcon-H1's defaults for the mixer's output: no gated norm, y * silu(z).
+    "falcon_h1_no_norm": ("FalconH1ForCausalLM", dict(
+        intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, mamba_d_ssm=128,
+        mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4,
+        mamba_chunk_size=8, mamba_rms_norm=False, ssm_in_multiplier=0.95)),
 }
 # The longest first: it fills the "preempt" cache. 70 tokens: two of the delta rule's 64-token
 # scan chunks (Mamba-2's chunk here is 8).
@@ -154,7 +168,7 @@ def _check(outs, refs) -> None:
 # (attention and state groups) with all, Qwen3.5 and Granite chunked; the rest is `slow`.
 DEFAULT_CASES = {("mamba2", "default"), ("mamba2", "chunked"), ("qwen3_next", "default"),
                  ("qwen3_next", "chunked"), ("qwen3_5", "chunked"),
-                 ("granite_hybrid", "chunked")} | {
+                 ("granite_hybrid", "chunked"), ("falcon_h1", "chunked")} | {
                      ("lfm2", config) for config in CONFIGS}
 CASES = [pytest.param(model, config, marks=() if (model, config) in DEFAULT_CASES
                       else pytest.mark.slow)
