@@ -37,7 +37,7 @@ def _run(llm: LLM, prompts: list[list[int]]):
     return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
 
-@pytest.mark.parametrize("model", ["mamba2", "qwen3_next"])
+@pytest.mark.parametrize("model", ["mamba2", pytest.param("qwen3_next", marks=pytest.mark.slow)])
 def test_partial_prefix_hit_matches_no_prefix_caching(hybrid_checkpoints, model):  # noqa: F811
     """Budget 32: the first batch's prefills end at 32 and 64 (checkpoints there), so the
     second batch hits 32 of its 40 shared tokens and 16 of its 20 (block_size 16)."""
