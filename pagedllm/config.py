@@ -184,6 +184,10 @@ class CacheConfig:
             per-tensor scales); "fp8" is taken as "fp8_e4m3". See docs/benchmarks.md.
         indexer_cache_dtype: DeepSeek-V3.2's DSA indexer K cache: "auto" (follows cache_dtype),
             "int8" or "fp8_e4m3" with a scale per token (the "C8" cache; docs/mla.md).
+        mamba_cache_mode: prefix caching of a hybrid model's recurrent states (vLLM's name):
+            "align" (states checkpointed at block boundaries, so prefixes hit) or "none" (their
+            requests get no prefix hits); with prefix caching off always "none". Models without
+            recurrent layers ignore it. See docs/hybrid_models.md.
     """
 
     block_size: int = 16
@@ -193,6 +197,7 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     cache_dtype: str = "auto"
     indexer_cache_dtype: str = "auto"
+    mamba_cache_mode: str = "align"
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -215,6 +220,14 @@ class CacheConfig:
         if self.indexer_cache_dtype not in ("auto", "int8", "fp8_e4m3"):
             raise ValueError("indexer_cache_dtype must be 'auto', 'int8' or 'fp8_e4m3' (= 'fp8'), "
                              f"got {self.indexer_cache_dtype!r}")
+        if self.mamba_cache_mode not in ("none", "align"):
+            raise ValueError(f"mamba_cache_mode must be 'none' or 'align', got "
+                             f"{self.mamba_cache_mode!r}")
+
+    @property
+    def align_state_checkpoints(self) -> bool:
+        """Whether recurrent states are checkpointed for prefix hits (mode "align" in effect)."""
+        return self.enable_prefix_caching and self.mamba_cache_mode == "align"
 
 
 # Most decode steps per scheduling round: the per-round work is amortized well before this, and
@@ -601,6 +614,7 @@ def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str
                          cudagraph_capture_sizes: Sequence[int] | None = None,
                          quantization: str | None = None,
                          kv_cache_dtype: str = "auto", indexer_cache_dtype: str = "auto",
+                         mamba_cache_mode: str = "align",
                          async_scheduling: bool | None = None,
                          num_scheduler_steps: int | None = None,
                          scheduling_policy: str = "fcfs",
@@ -703,7 +717,8 @@ def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str
                                  num_gpu_blocks_override=num_gpu_blocks_override,
                                  enable_prefix_caching=enable_prefix_caching,
                                  cache_dtype=kv_cache_dtype,
-                                 indexer_cache_dtype=indexer_cache_dtype),
+                                 indexer_cache_dtype=indexer_cache_dtype,
+                                 mamba_cache_mode=mamba_cache_mode),
         scheduler_config=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
                                          max_num_seqs=max_num_seqs,
                                          enable_chunked_prefill=enable_chunked_prefill,

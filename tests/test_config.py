@@ -38,12 +38,13 @@ def test_windowed_layers_do_not_cap_context(tiny_checkpoints, tmp_path, variant,
 
 @pytest.mark.parametrize("make", [lambda: CacheConfig(block_size=12),
                                   lambda: CacheConfig(gpu_memory_utilization=0.0),
+                                  lambda: CacheConfig(mamba_cache_mode="all"),
                                   lambda: SchedulerConfig(max_num_seqs=0)])
 def test_invalid_values_name_the_field(make):
     with pytest.raises(ValueError) as info:
         make()
     assert any(name in str(info.value) for name in ("block_size", "gpu_memory_utilization",
-                                                     "max_num_seqs"))
+                                                     "mamba_cache_mode", "max_num_seqs"))
 
 
 def test_max_model_len_beyond_model(tiny_checkpoints):

@@ -58,15 +58,16 @@ class KVCacheGroupManager:
         self.num_window_freed_blocks += len(removed)
 
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
-                                   new_computed_blocks: list[KVCacheBlock]) -> int:
+                                   new_computed_blocks: list[KVCacheBlock],
+                                   num_computed_after_step: int | None = None) -> int:
         """Free blocks an allocation for `num_tokens` slots takes (new blocks, plus hits that
-        now sit in the free queue)."""
+        now sit in the free queue). (`num_computed_after_step`: for a state group's sake.)"""
         num_held = len(self.req_to_blocks.get(request_id, ())) + len(new_computed_blocks)
         num_new = max(cdiv(num_tokens, self.block_size) - num_held, 0)
         return num_new + sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
 
-    def allocate(self, request_id: str, num_tokens: int,
-                 new_computed_blocks: list[KVCacheBlock]) -> list[KVCacheBlock]:
+    def allocate(self, request_id: str, num_tokens: int, new_computed_blocks: list[KVCacheBlock],
+                 num_computed_after_step: int | None = None) -> list[KVCacheBlock]:
         """Take the hits and enough new blocks for `num_tokens` slots (callers check
         `get_num_blocks_to_allocate` first). Returns the blocks appended (hits first)."""
         blocks = self.req_to_blocks.setdefault(request_id, [])
@@ -114,8 +115,9 @@ class KVCacheGroupManager:
         skipped = self.num_skipped_blocks(best * self.block_size)
         return [pool.null_block] * skipped + cached[skipped:best]
 
-    def free(self, request_id: str) -> None:
-        """Release the request's blocks; its tail blocks become the first eviction candidates."""
+    def free(self, request_id: str, block_hashes: list[bytes] | None = None) -> None:
+        """Release the request's blocks; its tail blocks become the first eviction candidates.
+        (`block_hashes`: for a state group's sake.)"""
         blocks = self.req_to_blocks.pop(request_id, [])
         self.num_cached_block.pop(request_id, None)
         self.block_pool.free_blocks(list(reversed(blocks)))

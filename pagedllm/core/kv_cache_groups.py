@@ -30,9 +30,15 @@ State group (`STATE_GROUP` in the group list, last): the recurrent layers of a h
 token (vLLM's MambaSpec). A "block" of that group is one state slot: a request holds exactly one
 from its first allocation until it finishes or is preempted, whatever its length, and the pool
 has one per running request (`1 + max_num_seqs`, the null block included). Its memory is the
-slots' bytes (`num_blocks_for_budget` counts it like any group's). Prefix caching mode "none":
-the group never reports a hit, so a hybrid model's requests get no prefix hits (a state for a
-prefix would have to be checkpointed at its boundary). See core/state_cache_group_manager.py.
+slots' bytes (`num_blocks_for_budget` counts it like any group's). Prefix caching mode "none"
+(`STATE_GROUP`): the group never reports a hit, so a hybrid model's requests get no prefix hits.
+Mode "align" (`STATE_ALIGN_GROUP`, vLLM's mamba_cache_mode "align"): a request's state entries
+are position-aligned like a full-attention group's blocks, a step's final state is written to the
+entry of its last token, and an entry written by a step that ended on its block's end is a
+checkpoint registered under that block's hash; a request holds at most 2 slots at once (the
+entry it reads and the one it writes), and the pool has `max_num_seqs` more slots than in mode
+"none" for those and for checkpoints (LRU; `num_state_slots`). See
+core/state_cache_group_manager.py.
 """
 
 from __future__ import annotations
@@ -43,6 +49,22 @@ from dataclasses import dataclass
 
 # The group-list entry of a state cache group (beside attention groups' sliding windows).
 STATE_GROUP = "state"
+# The same, with prefix caching mode "align" (states checkpointed at block boundaries).
+STATE_ALIGN_GROUP = "state_align"
+
+
+def is_state_group(window: int | str | None) -> bool:
+    """Whether a group-list entry is a state group (either prefix-caching mode)."""
+    return window in (STATE_GROUP, STATE_ALIGN_GROUP)
+
+
+def num_state_slots(max_num_seqs: int, align: bool) -> int:
+    """Slots of a state group's pool, the null slot included: one per running request (mode
+    "none"); mode "align": `max_num_seqs` more, taken by the steps that cross a block boundary
+    (they read one entry and write the next) and, while free, keeping checkpoints (LRU). Where
+    every running request crosses a boundary at once they are all in use, and what does not
+    fit is preempted as for KV blocks."""
+    return 1 + (2 * max_num_seqs if align else max_num_seqs)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -58,11 +80,13 @@ class KVCacheGroupSpec:
             None = full attention.
         num_blocks: blocks of the group's pool, the null block included.
         state: a state cache group (one slot per request; `sliding_window` is None).
+        align: a state group in prefix-caching mode "align" (at most 2 slots per request).
     """
 
     sliding_window: int | None
     num_blocks: int
     state: bool = False
+    align: bool = False
 
     def max_num_blocks_per_request(self, num_slots: int, block_size: int,
                                    max_num_scheduled_tokens: int,
@@ -89,10 +113,11 @@ class KVCacheGroupSpec:
         when (c - W + 1) % block_size == block_size - 1. (vLLM's SlidingWindowSpec prices
         cdiv(min(W - 1 + max_num_batched_tokens, max_model_len), block_size) + 1, one block more
         when W - 1 + n is 1 past a multiple of block_size or all slots fit.) A state group: one
-        slot, whatever the length.
+        slot, whatever the length (mode "align": 2, the entry a step reads and the one it
+        writes).
         """
         if self.state:
-            return 1
+            return 2 if self.align else 1
         if self.sliding_window is None:
             return cdiv(num_slots, block_size)
         return cdiv(min(self.sliding_window + block_size - 2 + max_num_scheduled_tokens
@@ -100,7 +125,7 @@ class KVCacheGroupSpec:
 
     def describe(self) -> str:
         if self.state:
-            return "state"
+            return "state (align)" if self.align else "state"
         return ("full attention" if self.sliding_window is None
                 else f"sliding window {self.sliding_window}")
 
@@ -219,8 +244,9 @@ def make_kv_cache_groups(num_blocks: int, windows: Sequence[int | None], block_s
 
     Args:
         num_blocks: blocks of group 0, the null block included.
-        windows: the groups' windows, from `kv_cache_group_windows`, and `STATE_GROUP` last for
-            a model with recurrent layers (a pool of `1 + max_num_seqs` state slots).
+        windows: the groups' windows, from `kv_cache_group_windows`, and `STATE_GROUP` or
+            `STATE_ALIGN_GROUP` last for a model with recurrent layers (a pool of
+            `num_state_slots` state slots).
         block_size, max_num_seqs, max_num_batched_tokens, num_lookahead_tokens: the scheduler's
             limits (they bound what a sliding group can hold; see `sliding_window_block_cap`).
 
@@ -233,8 +259,10 @@ def make_kv_cache_groups(num_blocks: int, windows: Sequence[int | None], block_s
         raise ValueError(f"num_blocks must be >= 2 (one is the null block), got {num_blocks}")
     specs = [KVCacheGroupSpec(windows[0], num_blocks)]
     for window in windows[1:]:
-        if window == STATE_GROUP:
-            specs.append(KVCacheGroupSpec(None, 1 + max_num_seqs, state=True))
+        if is_state_group(window):
+            align = window == STATE_ALIGN_GROUP
+            specs.append(KVCacheGroupSpec(None, num_state_slots(max_num_seqs, align), state=True,
+                                          align=align))
             continue
         cap = sliding_window_block_cap(window, block_size, max_num_seqs, max_num_batched_tokens,
                                        num_lookahead_tokens)

@@ -16,7 +16,8 @@ from pagedllm.core.block_pool import BlockPool, KVCacheBlock
 from pagedllm.core.kv_cache_group_manager import KVCacheGroupManager
 from pagedllm.core.kv_cache_groups import KVCacheGroupSpec
 from pagedllm.core.request import Request
-from pagedllm.core.state_cache_group_manager import StateCacheGroupManager
+from pagedllm.core.state_cache_group_manager import (AlignedStateCacheGroupManager,
+                                                     StateCacheGroupManager)
 
 
 @dataclass
@@ -65,8 +66,9 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.kv_cache_groups = specs
-        self.groups = [(StateCacheGroupManager if spec.state else KVCacheGroupManager)(
-            spec, block_size, enable_caching) for spec in specs]
+        self.groups = [(AlignedStateCacheGroupManager if spec.align else StateCacheGroupManager
+                        if spec.state else KVCacheGroupManager)(spec, block_size, enable_caching)
+                       for spec in specs]
         self.prefix_cache_stats = PrefixCacheStats()
 
     @property
@@ -171,10 +173,10 @@ class KVCacheManager:
             group.remove_skipped_blocks(rid, request.num_computed_tokens)
         num_slots = total + num_lookahead_tokens
         for group, group_hits in zip(self.groups, hits):
-            if (group.get_num_blocks_to_allocate(rid, num_slots, group_hits)
+            if (group.get_num_blocks_to_allocate(rid, num_slots, group_hits, total)
                     > group.block_pool.get_num_free_blocks()):
                 return None
-        new_ids = tuple([b.block_id for b in group.allocate(rid, num_slots, group_hits)]
+        new_ids = tuple([b.block_id for b in group.allocate(rid, num_slots, group_hits, total)]
                         for group, group_hits in zip(self.groups, hits))
         if self.enable_caching:
             # Only blocks whose tokens are all known (and computed by the end of this step) can be
@@ -186,8 +188,9 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         """Release a request's blocks in every group; its tail blocks are evicted first."""
+        hashes = request.block_hashes if self.enable_caching else None
         for group in self.groups:
-            group.free(request.request_id)
+            group.free(request.request_id, hashes)
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         return tuple([b.block_id for b in g.req_to_blocks.get(request_id, [])]

@@ -50,13 +50,15 @@ from typing import TYPE_CHECKING
 
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.encoder_cache_manager import EncoderCacheManager, schedule_encoder_inputs
-from pagedllm.core.kv_cache_groups import KVCacheCapacity, make_kv_cache_groups
+from pagedllm.core.kv_cache_groups import (STATE_ALIGN_GROUP, KVCacheCapacity,
+                                           make_kv_cache_groups)
 from pagedllm.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from pagedllm.core.request import Request, RequestStatus, stop_token_reached
 from pagedllm.core.request_queue import check_priority, make_request_queue, priority_key
 from pagedllm.core.sched_output import (EngineCoreOutput, GrammarOutput, KVConnectorStats,
                                         ModelRunnerOutput, NewRequestData, SchedulerOutput)
 from pagedllm.core.spec_decode_stats import SpecDecodingStats
+from pagedllm.core.state_cache_group_manager import align_prefill_tokens
 
 if TYPE_CHECKING:   # (core/kv_connector imports this folder's modules)
     from pagedllm.core.kv_connector.base import KVConnectorScheduler
@@ -129,6 +131,8 @@ class Scheduler:
         self.num_scheduler_steps = num_scheduler_steps
         self.max_model_len = max_model_len
         self.block_size = cache_config.block_size
+        # Prefix caching mode "align" of a hybrid model: prefill steps end on block boundaries.
+        self._align_state = STATE_ALIGN_GROUP in kv_cache_windows
         groups = make_kv_cache_groups(num_blocks, kv_cache_windows, cache_config.block_size,
                                       scheduler_config.max_num_seqs,
                                       scheduler_config.max_num_batched_tokens,
@@ -489,7 +493,11 @@ class Scheduler:
             n = min(n, threshold)
         if n > token_budget and not self.config.enable_chunked_prefill:
             return 0
-        return min(n, token_budget)
+        n = min(n, token_budget)
+        if self._align_state:
+            n = align_prefill_tokens(request.num_prompt_tokens, request.num_tokens, num_computed,
+                                     n, self.block_size)
+        return n
 
     def _preemption_victim(self, candidates: list[Request]) -> Request:
         """The running request to preempt among `candidates` (a tail of `running`): the most

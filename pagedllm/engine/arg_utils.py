@@ -98,6 +98,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="KV cache blocks to allocate, instead of those the memory budget gives")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV blocks of equal prompt prefixes across requests (on)")
+    g.add_argument("--mamba-cache-mode", choices=("align", "none"), default="align",
+                   help="prefix caching of hybrid models' recurrent states: 'align' checkpoints "
+                        "them at block boundaries so that prefixes hit, 'none' gives those "
+                        "models no hits (default align; docs/hybrid_models.md)")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget of one engine step (default: chosen by the platform)")
     g.add_argument("--max-num-seqs", type=int, default=128,
@@ -207,7 +211,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 _ENGINE_KEYS = ("tokenizer", "chat_template", "dtype", "quantization", "max_model_len", "seed",
-                "block_size", "kv_cache_dtype", "indexer_cache_dtype",
+                "block_size", "kv_cache_dtype", "indexer_cache_dtype", "mamba_cache_mode",
                 "kv_cache_memory_bytes", "gpu_memory_utilization", "num_gpu_blocks_override",
                 "enable_prefix_caching", "max_num_batched_tokens", "max_num_seqs",
                 "enable_chunked_prefill", "trust_remote_code", "tensor_parallel_size",

@@ -12,6 +12,13 @@ table) tells the layer which slot each request owns, where its tokens sit in the
 whether its state continues a computed prefix (`num_computed_tokens > 0`) or starts from zero (a
 new request, or one recomputed after preemption). Like `layers/attention.py` this module reads
 the forward context; the models never do.
+
+Prefix-caching mode "align" (core/state_cache_group_manager.py): the state group's block table
+row is position-aligned, and a request's slot for a step is the entry of its last token,
+(seq_len - 1) // block_size. Where that differs from the entry its computed prefix ended in,
+(num_computed - 1) // block_size, the step starts by copying that slot into the new one
+(`copy_src` -> `copy_dst`, `copy_state_slots`; the runner does it once per step for all
+layers), so the old entry keeps the state at its block's end as a checkpoint.
 """
 
 from __future__ import annotations
@@ -40,6 +47,8 @@ class StateCacheMetadata:
         token_offset: [num_tokens] int64 on the device, each token's index inside its query.
         decode_reqs / prefill_reqs: int64 numpy, requests with one query token / more.
         num_reqs, num_tokens, max_query_len: ints.
+        copy_src / copy_dst: [num_copies] int64 on the device, slots to copy before the step
+            (mode "align"; empty otherwise).
     """
 
     state_indices: torch.Tensor
@@ -53,15 +62,20 @@ class StateCacheMetadata:
     num_reqs: int
     num_tokens: int
     max_query_len: int
+    copy_src: torch.Tensor
+    copy_dst: torch.Tensor
 
     @classmethod
-    def from_common(cls, common: CommonAttentionMetadata) -> StateCacheMetadata:
-        """Built from the state group's common metadata (its block table's column 0 is each
-        request's slot)."""
+    def from_common(cls, common: CommonAttentionMetadata,
+                    align: bool = False) -> StateCacheMetadata:
+        """Built from the state group's common metadata: its block table's column 0 is each
+        request's slot, or (`align`, mode "align") column (seq_len - 1) // block_size, after a
+        copy from column (num_computed - 1) // block_size where that differs."""
         r = common.num_reqs
         qsl = common.query_start_loc_cpu[:r + 1].astype(np.int64)
         query_lens = np.diff(qsl)
-        num_computed = common.seq_lens_cpu[:r].astype(np.int64) - query_lens
+        seq_lens = common.seq_lens_cpu[:r].astype(np.int64)
+        num_computed = seq_lens - query_lens
         req_index = np.repeat(np.arange(r, dtype=np.int64), query_lens)
         offset = np.arange(int(qsl[-1]), dtype=np.int64) - qsl[req_index]
         device = common.block_table.device
@@ -69,14 +83,31 @@ class StateCacheMetadata:
         def dev(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(a).to(device, non_blocking=True)
 
-        return cls(state_indices=common.block_table[:r, 0].to(torch.int64),
+        table = common.block_table[:r].to(torch.int64)
+        rows = np.arange(r, dtype=np.int64)
+        write = (seq_lens - 1) // common.block_size if align else np.zeros(r, np.int64)
+        read = np.maximum(num_computed - 1, 0) // common.block_size if align else write
+        copy = np.nonzero((num_computed > 0) & (read != write))[0].astype(np.int64)
+        state_indices = table[dev(rows), dev(write)] if align else table[:, 0]
+        return cls(state_indices=state_indices,
                    has_initial_state=dev(num_computed > 0), query_start_loc=dev(qsl),
                    query_start_loc_cpu=qsl, token_req_index=dev(req_index),
                    token_offset=dev(offset),
                    decode_reqs=np.nonzero(query_lens == 1)[0].astype(np.int64),
                    prefill_reqs=np.nonzero(query_lens > 1)[0].astype(np.int64),
                    num_reqs=r, num_tokens=int(qsl[-1]),
-                   max_query_len=int(query_lens.max()) if r else 0)
+                   max_query_len=int(query_lens.max()) if r else 0,
+                   copy_src=table[dev(copy), dev(read[copy])],
+                   copy_dst=table[dev(copy), dev(write[copy])])
+
+
+def copy_state_slots(states: list[torch.Tensor], meta: StateCacheMetadata) -> None:
+    """Copy slots `meta.copy_src` into `meta.copy_dst` in every state tensor ([num_slots, ...]
+    each), before a step of mode "align" (no-op when there are none)."""
+    if meta.copy_src.numel() == 0:
+        return
+    for t in states:
+        t.index_copy_(0, meta.copy_dst, t.index_select(0, meta.copy_src))
 
 
 class StateCache(nn.Module):

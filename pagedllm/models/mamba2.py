@@ -52,7 +52,10 @@ class Mamba2Mixer(nn.Module):
     def __init__(self, config, layer_idx: int) -> None:
         super().__init__()
         hidden = config.hidden_size
-        self.intermediate_size = int(config.expand * hidden)
+        # (Falcon-H1's view sets `ssm_intermediate_size`, its mamba_d_ssm; also `rms_norm`,
+        # `norm_before_gate` and `out_proj_bias`, which Mamba-2 configs do not have.)
+        self.intermediate_size = (getattr(config, "ssm_intermediate_size", None)
+                                  or int(config.expand * hidden))
         self.num_heads = config.num_heads
         self.head_dim = config.head_dim
         self.n_groups = config.n_groups
@@ -76,10 +79,14 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = _weight(self.num_heads)
         self.A_log = _weight(self.num_heads)
         self.D = _weight(self.num_heads)
-        self.norm = nn.Module()
-        self.norm.weight = _weight(self.intermediate_size)
+        self.rms_norm = getattr(config, "rms_norm", True)
+        self.norm_before_gate = getattr(config, "norm_before_gate", False)
+        if self.rms_norm:
+            self.norm = nn.Module()
+            self.norm.weight = _weight(self.intermediate_size)
         self.norm_eps = config.layer_norm_epsilon
-        self.out_proj = ColumnParallelLinear(self.intermediate_size, hidden, config.use_bias)
+        self.out_proj = ColumnParallelLinear(self.intermediate_size, hidden,
+                                             getattr(config, "out_proj_bias", config.use_bias))
         self.state = StateCache(((self.conv_dim, k - 1),
                                  (self.num_heads, self.head_dim, self.state_size)),
                                 (torch.get_default_dtype(), torch.float32),
@@ -101,8 +108,16 @@ class Mamba2Mixer(nn.Module):
                        b.reshape(n, self.n_groups, self.state_size),
                        c.reshape(n, self.n_groups, self.state_size), self.D, ssm_state, meta,
                        self.chunk_size, self.dt_limit)
-        y = gated_rms_norm(y.reshape(n, -1), z, self.norm.weight, self.norm_eps,
-                           self.intermediate_size // self.n_groups)
+        y = y.reshape(n, -1)
+        group_size = self.intermediate_size // self.n_groups
+        if not self.rms_norm:
+            y = y * nn.functional.silu(z.float())
+        elif self.norm_before_gate:     # weight * RMSNorm(y) * silu(z), Falcon-H1's option
+            g = y.float().reshape(n, -1, group_size)
+            g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.norm_eps)
+            y = self.norm.weight * g.reshape(n, -1) * nn.functional.silu(z.float())
+        else:
+            y = gated_rms_norm(y, z, self.norm.weight, self.norm_eps, group_size)
         return self.out_proj(y.to(hidden.dtype))
 
 

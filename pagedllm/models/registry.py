@@ -5,6 +5,7 @@ from __future__ import annotations
 from pagedllm.models.bert import BertForMaskedLM, BertModel
 from pagedllm.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from pagedllm.models.deepseek_v32 import DeepseekV32ForCausalLM
+from pagedllm.models.falcon_h1 import FalconH1ForCausalLM
 from pagedllm.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from pagedllm.models.gemma3_mm import Gemma3ForConditionalGeneration
 from pagedllm.models.glm4_moe import Glm4MoeForCausalLM
@@ -34,7 +35,7 @@ _MODELS = {cls.__name__: cls for cls in (LlamaForCausalLM, MistralForCausalLM, Q
                                          Gemma3ForConditionalGeneration,
                                          Mamba2ForCausalLM, Lfm2ForCausalLM,
                                          Qwen3NextForCausalLM, Qwen3_5ForCausalLM,
-                                         GraniteMoeHybridForCausalLM)}
+                                         GraniteMoeHybridForCausalLM, FalconH1ForCausalLM)}
 
 
 # GGUF `general.architecture` (llama.cpp's names) -> class.

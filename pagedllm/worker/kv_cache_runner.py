@@ -3,16 +3,17 @@ per block, and allocating and releasing their tensors (`KVCacheRunnerMixin`).
 
 A mixin of `ModelRunner` (worker/model_runner.py), as vLLM splits its GPU model runner: it reads
 the runner's `model`, `drafter`, `config`, `block_size`, `kv_cache_dtype`, `device`, `states` and
-`kv_cache_windows`, and writes `kv_cache_windows`, `states`, `slot_mappings`, `kv_caches` and
-`graph_runner`. KV cache groups: core/kv_cache_groups.py; the state group of hybrid models:
-core/state_cache_group_manager.py and worker/state_cache.py.
+`kv_cache_windows`, and writes `kv_cache_windows`, `states`, `slot_mappings`, `kv_caches`,
+`state_caches` and `graph_runner`. KV cache groups: core/kv_cache_groups.py; the state group of
+hybrid models: core/state_cache_group_manager.py and worker/state_cache.py.
 """
 
 from __future__ import annotations
 
 import torch
 
-from pagedllm.core.kv_cache_groups import (STATE_GROUP, KVCacheGroupSpec, kv_cache_group_windows,
+from pagedllm.core.kv_cache_groups import (STATE_ALIGN_GROUP, STATE_GROUP, KVCacheGroupSpec,
+                                           is_state_group, kv_cache_group_windows,
                                            make_kv_cache_groups)
 from pagedllm.indexer_cache_layout import resolve_indexer_cache_dtype
 from pagedllm.layers.sparse_mla_attention import IndexerKCache
@@ -58,7 +59,9 @@ class KVCacheRunnerMixin:
                                  f"supported for {type(self.model).__name__}: its recurrent "
                                  "layers keep one state per request, which cannot be rolled "
                                  "back to the accepted draft token")
-            windows = windows + (STATE_GROUP,)
+            windows = windows + (STATE_ALIGN_GROUP
+                                 if self.config.cache_config.align_state_checkpoints
+                                 else STATE_GROUP,)
         self.kv_cache_windows = windows
         if len(windows) != len(self.states.block_tables):
             self.states = RequestStates(self.max_num_reqs, self.config.max_model_len,
@@ -100,7 +103,7 @@ class KVCacheRunnerMixin:
     @property
     def _attention_windows(self) -> tuple[int | None, ...]:
         """The attention groups' windows (the state group, if any, is last)."""
-        return tuple(w for w in self.kv_cache_windows if w != STATE_GROUP)
+        return tuple(w for w in self.kv_cache_windows if not is_state_group(w))
 
     def kv_cache_group_bytes_per_block(self) -> list[int]:
         """[num_kv_cache_groups] bytes of one block over each group's layers (a state group:
@@ -109,7 +112,7 @@ class KVCacheRunnerMixin:
                                           self.indexer_cache_dtype)
                  for layers in kv_cache_layer_groups(self._attention_layers(),
                                                      self._attention_windows)]
-        if STATE_GROUP in self.kv_cache_windows:
+        if is_state_group(self.kv_cache_windows[-1]):
             sizes.append(state_bytes_per_slot(model_state_layers(self.model)))
         return sizes
 
@@ -119,10 +122,12 @@ class KVCacheRunnerMixin:
                           for cache in allocate_kv_caches(layers, spec.num_blocks,
                                                           self.block_size, self.kv_cache_dtype,
                                                           self.device, self.indexer_cache_dtype)]
+        self.state_caches = []
         for spec in groups:
             if spec.state:
-                self.kv_caches += allocate_state_caches(model_state_layers(self.model),
-                                                        spec.num_blocks, self.device)
+                self.state_caches = allocate_state_caches(model_state_layers(self.model),
+                                                          spec.num_blocks, self.device)
+                self.kv_caches += self.state_caches
 
     def kv_caches_by_layer(self) -> dict[str, torch.Tensor]:
         """Each attention layer's KV tensor by layer name (a draft model's included)."""
@@ -133,6 +138,7 @@ class KVCacheRunnerMixin:
         once nothing else holds them. `initialize_kv_cache` allocates them again."""
         self.graph_runner = None
         self.kv_caches = []
+        self.state_caches = []
         for layer in self._attention_layers():
             layer.kv_cache = torch.empty(0)
         release_state_caches(model_state_layers(self.model))

@@ -48,13 +48,13 @@ from pagedllm.attention.forward_context import set_forward_context
 from pagedllm.attention.metadata import CommonAttentionMetadata, KVCacheGroupsMetadata
 from pagedllm.config import EngineConfig
 from pagedllm.attention.backends.selector import get_attention_backend
-from pagedllm.core.kv_cache_groups import STATE_GROUP, KVCacheGroupSpec
+from pagedllm.core.kv_cache_groups import STATE_ALIGN_GROUP, KVCacheGroupSpec, is_state_group
 from pagedllm.core.sched_output import (GrammarOutput, LogprobsLists, ModelRunnerOutput,
                                         NewRequestData, SchedulerOutput)
 from pagedllm.distributed.parallel_state import (ExpertParallelLayout,
                                                  set_expert_parallel_layout)
 from pagedllm.layers.batch_invariance import check_batch_invariance
-from pagedllm.layers.state_cache import StateCacheMetadata
+from pagedllm.layers.state_cache import StateCacheMetadata, copy_state_slots
 from pagedllm.lora.model_manager import LoRAModelManager
 from pagedllm.lora.peft import LoRAModelShapes
 from pagedllm.model_loader.loader import load_model
@@ -120,6 +120,8 @@ class ModelRunner(KVCacheRunnerMixin):
         # Replays pure decode steps (set once the KV cache exists; None = always eager).
         self.graph_runner: CudaGraphRunner | None = None
         self.kv_caches: list[torch.Tensor] = []
+        # The state group's tensors (also in kv_caches), [num_slots, ...] each.
+        self.state_caches: list[torch.Tensor] = []
         # The KV cache groups' windows (set by load_model; one full-attention group until then).
         self.kv_cache_windows: tuple[int | None, ...] = (None,)
         # Persistent input buffers, sliced per step.
@@ -226,12 +228,13 @@ class ModelRunner(KVCacheRunnerMixin):
         # Every group as large as group 0 here: the dummy requests hold all their blocks (a
         # state group: one slot each).
         self._allocate_kv_caches(tuple(
-            KVCacheGroupSpec(None, 1 + len(lens), state=True) if w == STATE_GROUP
+            KVCacheGroupSpec(None, 1 + len(lens), state=True) if is_state_group(w)
             else KVCacheGroupSpec(w, num_blocks) for w in self.kv_cache_windows))
         params = SamplingParams(temperature=1.0, top_p=0.9, top_k=5, max_tokens=1)
         reqs = [NewRequestData(
             f"_profile_{i}", [0] * n, [], params,
-            tuple([1 + i] if w == STATE_GROUP
+            tuple([0] * ((n - 1) // self.block_size * (w == STATE_ALIGN_GROUP)) + [1 + i]
+                  if is_state_group(w)
                   else list(range(1 + i * blocks_per_req, 1 + (i + 1) * blocks_per_req))
                   for w in self.kv_cache_windows), 0) for i, n in enumerate(lens)]
         out = SchedulerOutput.make_empty()
@@ -449,9 +452,11 @@ class ModelRunner(KVCacheRunnerMixin):
         if group_commons:
             attn_metadata = KVCacheGroupsMetadata(
                 self.kv_cache_windows,
-                tuple(StateCacheMetadata.from_common(c) if w == STATE_GROUP
-                      else backend.build_metadata(c)
+                tuple(StateCacheMetadata.from_common(c, w == STATE_ALIGN_GROUP)
+                      if is_state_group(w) else backend.build_metadata(c)
                       for w, c in zip(self.kv_cache_windows, group_commons)), common)
+            if self.state_caches:
+                copy_state_slots(self.state_caches, attn_metadata.group_metadata[-1])
         else:
             attn_metadata = backend.build_metadata(common)
         if hasattr(model, "rope_positions"):   # a model whose RoPE rows depend on the step

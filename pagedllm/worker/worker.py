@@ -39,6 +39,12 @@ PROFILE_WARMUP_TOKENS = 64
 def _describe_group(group: KVCacheGroupSpec, block_size: int, bytes_per_block: int) -> str:
     """'4096 blocks x 16 tokens = 65536 tokens' (+ the group's attention type); a state group:
     its slots and the state memory per request."""
+    if group.state and group.align:
+        total_mib = (group.num_blocks - 1) * bytes_per_block / 2**20
+        return (f"{group.num_blocks - 1} state slots (one per running request, and as many "
+                f"for steps that cross a block and for prefix-cache checkpoints: "
+                f"mamba_cache_mode align) of {bytes_per_block / 2**20:.3f} MiB state memory "
+                f"per request ({total_mib:.3f} MiB in all)")
     if group.state:
         return (f"{group.num_blocks - 1} state slots (one per running request) of "
                 f"{bytes_per_block / 2**20:.3f} MiB state memory per request")

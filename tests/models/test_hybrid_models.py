@@ -1,15 +1,18 @@
 """Hybrid / state-space models end to end against HF `transformers` (greedy) on tiny random
 checkpoints: Mamba-2 (SSD mixers only), LFM2 (short convolutions + attention layers),
 Qwen3-Next (Gated DeltaNet + gated attention, MoE with a shared expert and a dense layer) and
-Qwen3.5's text model (its Gated DeltaNet projections, dense MLPs) and Granite 4 hybrid (Mamba-2
-+ attention layers, MoE + shared MLP, Granite's multipliers).
+Qwen3.5's text model (its Gated DeltaNet projections, dense MLPs), Granite 4 hybrid (Mamba-2
++ attention layers, MoE + shared MLP, Granite's multipliers) and Falcon-H1 (a Mamba-2 mixer and
+attention side by side in every layer, muP multipliers, the gated norm before the gate).
 
 One engine per configuration serves prompts of different lengths together (mixed prefill and
 decode steps): the default, chunked prefill with a token budget that splits the scan's chunks
 (chunk_size 8, budget 13), preemption (a KV / token-slot budget far below the batch), and prefix
 caching off. The engine runs in float32; its tokens must equal HF's greedy decoding and its
 chosen-token logprobs agree within 1e-4 (or HF's own float32 error: see `hf_references`). Prefix
-caching is mode "none" for hybrids: a repeated prompt gets no hit and the same tokens.
+caching is mode "align" (the default): a repeated batch hits at each prompt's last block
+boundary and gives the same tokens (tests/models/test_hybrid_prefix_caching.py: partial
+prefixes, mode "none", the server's usage).
 """
 
 from __future__ import annotations
@@ -50,6 +53,19 @@ MODELS = {
         intermediate_size=32, shared_intermediate_size=48, position_embedding_type="rope",
         embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.3,
         logits_scaling=2.0)),
+    "falcon_h1": ("FalconH1ForCausalLM", dict(
+        intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, mamba_d_ssm=128,
+        mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4,
+        mamba_chunk_size=8, mamba_rms_norm=True, mamba_norm_before_gate=True,
+        lm_head_multiplier=0.5, embedding_multiplier=2.0, mlp_multipliers=[0.7, 1.3],
+        key_multiplier=0.8, attention_in_multiplier=1.1, attention_out_multiplier=0.9,
+        ssm_multipliers=[1.1, 0.9, 1.2, 0.8, 1.05], ssm_in_multiplier=0.95,
+        ssm_out_multiplier=1.2)),
+    # Falcon-H1's defaults for the mixer's output: no gated norm, y * silu(z).
+    "falcon_h1_no_norm": ("FalconH1ForCausalLM", dict(
+        intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, mamba_d_ssm=128,
+        mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4,
+        mamba_chunk_size=8, mamba_rms_norm=False, ssm_in_multiplier=0.95)),
 }
 # The longest first: it fills the "preempt" cache. 70 tokens: two of the delta rule's 64-token
 # scan chunks (Mamba-2's chunk here is 8).
@@ -152,7 +168,7 @@ def _check(outs, refs) -> None:
 # (attention and state groups) with all, Qwen3.5 and Granite chunked; the rest is `slow`.
 DEFAULT_CASES = {("mamba2", "default"), ("mamba2", "chunked"), ("qwen3_next", "default"),
                  ("qwen3_next", "chunked"), ("qwen3_5", "chunked"),
-                 ("granite_hybrid", "chunked")} | {
+                 ("granite_hybrid", "chunked"), ("falcon_h1", "chunked")} | {
                      ("lfm2", config) for config in CONFIGS}
 CASES = [pytest.param(model, config, marks=() if (model, config) in DEFAULT_CASES
                       else pytest.mark.slow)
@@ -161,18 +177,27 @@ CASES = [pytest.param(model, config, marks=() if (model, config) in DEFAULT_CASE
 
 @pytest.mark.parametrize("model,config", CASES)
 def test_greedy_matches_hf(hybrid_checkpoints, hf_references, model, config):
-    llm = LLM(str(hybrid_checkpoints[model]), dtype="float32", kv_cache_memory_bytes=4 << 20,
+    llm = LLM(str(hybrid_checkpoints[model]), dtype="float32", kv_cache_memory_bytes=8 << 20,
               **CONFIGS[config])
     prompts = [{"prompt_token_ids": p} for p in _prompts()]
     _check(llm.generate(prompts, _greedy(), use_tqdm=False), hf_references[model])
     stats = llm.get_stats()
     if config == "preempt":
         assert stats.num_preemptions > 0
-    if config == "default":
-        # Prefix caching mode "none": the same prompts again get no hit and the same tokens.
+    if config in ("default", "chunked"):
+        # Prefix caching mode "align": the same prompts again hit at their last block
+        # boundary (block_size 16: 64 of 70 tokens, 32 of 40, 16 of 19) and give the same
+        # tokens.
         again = llm.generate(prompts, _greedy(), use_tqdm=False)
-        assert all(o.num_cached_tokens == 0 for o in again)
+        assert [o.num_cached_tokens for o in again] == [
+            n - n % 16 if n % 16 else n - 16 for n in PROMPT_LENGTHS]
         _check(again, hf_references[model])
+    if config == "preempt":
+        # The cache keeps the blocks of the prompts that finished last (block_size 4): the
+        # 19-token one hits 16 tokens, then its batch preempts and resumes again.
+        again = llm.generate(prompts[::-1], _greedy(), use_tqdm=False)
+        assert again[0].num_cached_tokens == 16
+        _check(again[::-1], hf_references[model])
     scheduler = llm.llm_engine.engine_core.scheduler
     assert all(not g.req_to_blocks for g in scheduler.kv_cache_manager.groups)
 
@@ -181,9 +206,11 @@ def test_state_memory_in_startup_log(hybrid_checkpoints, caplog):
     with caplog.at_level("INFO", logger="pagedllm"):
         LLM(str(hybrid_checkpoints["lfm2"]), dtype="float32", kv_cache_memory_bytes=4 << 20,
             max_num_seqs=4)
-    # Two conv layers of a [64, 2] float32 window: 1 KiB per request.
-    assert "4 state slots (one per running request) of 0.001 MiB state memory per request" \
-        in caplog.text
+    # Two conv layers of a [64, 2] float32 window: 1 KiB per request; mode "align" doubles
+    # the slots (steps that cross a block boundary, checkpoints).
+    assert ("8 state slots (one per running request, and as many for steps that cross a block "
+            "and for prefix-cache checkpoints: mamba_cache_mode align) of 0.001 MiB state "
+            "memory per request (0.008 MiB in all)") in caplog.text
 
 
 def test_too_long_prompt_is_refused_alone(hybrid_checkpoints, hf_references):

@@ -1,0 +1,194 @@
+"""Falcon-H1 (`FalconH1ForCausalLM`): every layer runs a Mamba-2 mixer and attention side by
+side on the same normed input, then an MLP; muP multipliers scale each path.
+
+    embed * embedding_multiplier
+      -> [ h = RMSNorm(x)
+           x += Mamba2Mixer(h) * ssm_out_multiplier + Attention(h * attention_in_multiplier)
+                * attention_out_multiplier
+           x += MLP(RMSNorm(x)) ]  x L                     (k scaled by key_multiplier)
+      -> RMSNorm -> LM head * lm_head_multiplier
+
+    MLP(x) = down(up(x) * silu(gate(x) * gate_multiplier)) * down_multiplier
+
+The mixer is `models/mamba2.py`'s (the config's `mamba_*` fields; intermediate size
+`mamba_d_ssm`; the gated RMSNorm is optional, `mamba_rms_norm`, and may normalise before the
+gate, `mamba_norm_before_gate`). Its input multiplier and per-section muP vector
+(`ssm_multipliers` over z | x | B | C | dt of `in_proj`'s output) are folded into `in_proj`'s
+rows at load (`in_proj(h * s) * m = (m * s * W) h + m * b`). Every layer holds both an attention
+KV cache and a state slot. Reference: TII, "Falcon-H1" (2025); HF transformers' torch path is
+the oracle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+from pagedllm.layers.attention import Attention
+from pagedllm.layers.layernorm import RMSNorm
+from pagedllm.layers.linear import ColumnParallelLinear
+from pagedllm.layers.rotary_embedding import RotaryEmbedding, rope_parameters_from_hf
+from pagedllm.layers.state_cache import StateCache
+from pagedllm.layers.vocab_embedding import LMHead, VocabEmbedding
+from pagedllm.models.mamba2 import Mamba2Mixer, check_hybrid_parallelism
+from pagedllm.models.utils import load_named_weight
+
+
+def _ssm_intermediate_size(config) -> int:
+    return (config.mamba_d_ssm if config.mamba_d_ssm is not None
+            else int(config.mamba_expand * config.hidden_size))
+
+
+def _mamba2_view(config) -> SimpleNamespace:
+    """The Mamba-2 mixer's config fields from Falcon-H1's `mamba_*` ones."""
+    return SimpleNamespace(
+        hidden_size=config.hidden_size, expand=config.mamba_expand,
+        ssm_intermediate_size=_ssm_intermediate_size(config), num_heads=config.mamba_n_heads,
+        head_dim=config.mamba_d_head, n_groups=config.mamba_n_groups,
+        state_size=config.mamba_d_state, chunk_size=config.mamba_chunk_size,
+        hidden_act=config.hidden_act, time_step_limit=config.time_step_limit,
+        conv_kernel=config.mamba_d_conv, use_bias=config.mamba_proj_bias,
+        out_proj_bias=config.projectors_bias, use_conv_bias=config.mamba_conv_bias,
+        layer_norm_epsilon=config.rms_norm_eps, rms_norm=bool(config.mamba_rms_norm),
+        norm_before_gate=bool(config.mamba_norm_before_gate))
+
+
+def mup_vector(config) -> torch.Tensor:
+    """[2 I + 2 G N + H] float32: `ssm_multipliers` over in_proj's z | x | B | C | dt rows (HF's
+    compute_mup_vector)."""
+    i = _ssm_intermediate_size(config)
+    gn = config.mamba_n_groups * config.mamba_d_state
+    sizes = (i, i, gn, gn, config.mamba_n_heads)
+    return torch.cat([torch.full((n,), float(m)) for n, m in zip(sizes, config.ssm_multipliers)])
+
+
+class FalconH1Attention(nn.Module):
+    def __init__(self, config, layer_idx: int) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_size = getattr(config, "head_dim", None) or hidden // heads
+        bias = bool(config.attention_bias)
+        self.num_heads, self.num_kv_heads = heads, kv_heads
+        self.key_multiplier = config.key_multiplier
+        self.q_proj = ColumnParallelLinear(hidden, heads * self.head_size, bias)
+        self.k_proj = ColumnParallelLinear(hidden, kv_heads * self.head_size, bias)
+        self.v_proj = ColumnParallelLinear(hidden, kv_heads * self.head_size, bias)
+        self.o_proj = ColumnParallelLinear(heads * self.head_size, hidden, bias)
+        self.rotary_emb = RotaryEmbedding(self.head_size, config.max_position_embeddings,
+                                          rope_parameters_from_hf(config.to_dict()))
+        self.attn = Attention(heads, self.head_size, kv_heads, self.head_size ** -0.5,
+                              f"model.layers.{layer_idx}.self_attn")
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        n = hidden.shape[0]
+        q = self.q_proj(hidden).view(n, self.num_heads, self.head_size)
+        k = (self.k_proj(hidden) * self.key_multiplier).view(n, self.num_kv_heads,
+                                                             self.head_size)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q.reshape(n, -1), k.reshape(n, -1), self.v_proj(hidden)))
+
+
+class FalconH1MLP(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        hidden, inter, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        if config.hidden_act != "silu":
+            raise ValueError(f"FalconH1ForCausalLM: hidden_act {config.hidden_act!r} is not "
+                             "implemented (only 'silu')")
+        self.gate_proj = ColumnParallelLinear(hidden, inter, bias)
+        self.up_proj = ColumnParallelLinear(hidden, inter, bias)
+        self.down_proj = ColumnParallelLinear(inter, hidden, bias)
+        self.gate_multiplier, self.down_multiplier = config.mlp_multipliers
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = nn.functional.silu(self.gate_proj(x) * self.gate_multiplier)
+        return self.down_proj(self.up_proj(x) * gate) * self.down_multiplier
+
+
+class FalconH1DecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int) -> None:
+        super().__init__()
+        self.mamba = Mamba2Mixer(_mamba2_view(config), layer_idx)
+        self.mamba.state.layer_name = f"model.layers.{layer_idx}.mamba"
+        self.self_attn = FalconH1Attention(config, layer_idx)
+        self.feed_forward = FalconH1MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.pre_ff_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attention_in_multiplier = config.attention_in_multiplier
+        self.attention_out_multiplier = config.attention_out_multiplier
+        self.ssm_out_multiplier = config.ssm_out_multiplier
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        h = self.input_layernorm(hidden)
+        attn = self.self_attn(positions, h * self.attention_in_multiplier)
+        hidden = (hidden + self.mamba(h) * self.ssm_out_multiplier
+                  + attn * self.attention_out_multiplier)
+        return hidden + self.feed_forward(self.pre_ff_layernorm(hidden))
+
+
+class FalconH1ForCausalLM(nn.Module):
+    """forward(input_ids [n] int64, positions [n] int64) -> hidden [n, hidden_size];
+    compute_logits(hidden [m, hidden_size]) -> [m, vocab_size] float32.
+
+    Raises:
+        ValueError: at construction, with tensor / pipeline parallelism or an activation other
+            than silu.
+    """
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        check_hybrid_parallelism("FalconH1ForCausalLM")
+        self.config = config
+        self.embedding_multiplier = config.embedding_multiplier
+        self.lm_head_multiplier = config.lm_head_multiplier
+        self.model = nn.Module()
+        self.model.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.model.layers = nn.ModuleList(FalconH1DecoderLayer(config, i)
+                                          for i in range(config.num_hidden_layers))
+        self.model.final_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size,
+                              tie_to=self.model.embed_tokens if self.tie_word_embeddings
+                              else None)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.model.embed_tokens(input_ids) * self.embedding_multiplier
+        for layer in self.model.layers:
+            hidden = layer(positions, hidden)
+        return self.model.final_layernorm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden) * self.lm_head_multiplier
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def state_layers(self) -> list[StateCache]:
+        return [layer.mamba.state for layer in self.model.layers]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load HF-named tensors; each mixer's `in_proj` rows are scaled by the muP vector and
+        its input multiplier as they load.
+
+        Raises:
+            ValueError: for a tensor that matches no parameter, or a shape mismatch.
+        """
+        params = dict(self.named_parameters())
+        scale = mup_vector(self.config)
+        loaded = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            if name.endswith((".mamba.in_proj.weight", ".mamba.in_proj.bias")):
+                # (a checkpoint tensor is read lazily: read it to scale it)
+                t = tensor.materialize() if hasattr(tensor, "materialize") else tensor
+                rows = scale * (self.config.ssm_in_multiplier if name.endswith("weight") else 1.0)
+                tensor = (t.float() * rows.view(-1, *([1] * (t.dim() - 1)))).to(t.dtype)
+            loaded.add(load_named_weight(params, name, tensor))
+        return loaded
