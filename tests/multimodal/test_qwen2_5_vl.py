@@ -1,7 +1,8 @@
 """Qwen2.5-VL end to end: greedy fp32 tokens equal HF transformers' `generate` for prompts
 with 0, 1 and 2 images of different sizes (M-RoPE positions, window attention in the ViT), with
 chunked prefill splitting image placeholder runs, prefix caching and preemption on and off;
-each image is encoded once; the prompt's M-RoPE positions equal HF's `get_rope_index`."""
+each image is encoded once; the prompt's M-RoPE positions equal HF's `get_rope_index`;
+`LLM.chat` with an image part equals HF's chat template + `generate`."""
 
 from __future__ import annotations
 
@@ -104,12 +105,34 @@ def test_mrope_positions_equal_hf_rope_index(tiny_qwen_vl, hf_model):
     assert [f.data["image_grid_thw"].tolist() for f in features] == [[1, 6, 10], [1, 12, 4]]
 
 
-def test_greedy_equals_hf(tiny_qwen_vl, hf_tokens):
-    llm = LLM(str(tiny_qwen_vl), dtype="float32", max_model_len=256,
-              kv_cache_memory_bytes=1 << 22)
+@pytest.fixture(scope="module")
+def llm(tiny_qwen_vl) -> LLM:
+    return LLM(str(tiny_qwen_vl), dtype="float32", max_model_len=256,
+               kv_cache_memory_bytes=1 << 22)
+
+
+def test_greedy_equals_hf(llm, hf_tokens):
+    before = llm.get_stats().num_encoder_runs
     assert _generate(llm) == hf_tokens
     # 4 image items, 2 distinct images: each encoded once.
-    assert llm.get_stats().num_encoder_runs == 2
+    assert llm.get_stats().num_encoder_runs - before == 2
+
+
+def test_chat_equals_hf_template(llm, hf_model):
+    import torch
+
+    model, tokenizer = hf_model
+    image = draw_image(32, 32, 5)
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Look: "},
+                                             {"type": "image"},
+                                             {"type": "text", "text": " what is it?"}]}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    inputs = _hf_inputs(tokenizer, text, [image])
+    with torch.no_grad():
+        ids = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
+    messages[0]["content"][1] = {"type": "image_pil", "image_pil": image}
+    [out] = llm.chat(messages, GREEDY, use_tqdm=False)
+    assert out.outputs[0].token_ids == ids[0, inputs["input_ids"].shape[1]:].tolist()
 
 
 def test_chunked_prefill_splits_images_no_prefix_cache(tiny_qwen_vl, hf_tokens):
