@@ -7,8 +7,8 @@ image processors are the `*ImageProcessorPil` ones (numpy/PIL; torchvision is no
 Per architecture, `_FAMILIES` says how many rows of the processor's `pixel_values` belong to
 each image (Idefics3 / SmolVLM split an image into tiles plus a global view; Gemma 3 has one),
 where the image token id is in the HF config, and whether the decoder attends an image's tokens
-bidirectionally (Gemma 3: such an image is never split across prefill chunks). Qwen2.5-VL has
-its own processor (`multimodal/qwen_vl.py`: HF's needs torchvision) and splits its output by
+bidirectionally (Gemma 3: such an image is never split across prefill chunks). Qwen2.5-VL and
+Qwen3-VL have their own processor (`multimodal/qwen_vl.py`: HF's needs torchvision) and splits its output by
 each image's patch grid.
 """
 
@@ -67,14 +67,15 @@ def _qwen_vl_features(hf_processor, out, token_ids: list[int], image_token_id: i
 
 
 _IDEFICS3 = _Family(_idefics3_tiles, "image_token_id")
+_QWEN_VL = _Family(_one_tile, "image_token_id", load_processor=QwenVLProcessor.from_pretrained,
+                   make_features=_qwen_vl_features)
 _FAMILIES: dict[str, _Family] = {
     "Idefics3ForConditionalGeneration": _IDEFICS3,
     "SmolVLMForConditionalGeneration": _IDEFICS3,
     "Gemma3ForConditionalGeneration": _Family(_one_tile, "image_token_index",
                                               batched_pixels=False, bidirectional=True),
-    "Qwen2_5_VLForConditionalGeneration": _Family(
-        _one_tile, "image_token_id", load_processor=QwenVLProcessor.from_pretrained,
-        make_features=_qwen_vl_features),
+    "Qwen2_5_VLForConditionalGeneration": _QWEN_VL,
+    "Qwen3VLForConditionalGeneration": _QWEN_VL,
 }
 
 
