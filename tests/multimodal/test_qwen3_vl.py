@@ -1,7 +1,7 @@
 """Qwen3-VL end to end: greedy fp32 tokens equal HF transformers' `generate` for prompts with
 0, 1 and 2 images of different sizes (DeepStack features added after the first decoder layers,
 interleaved M-RoPE, interpolated learned vision positions), with chunked prefill splitting the
-images, prefix caching and preemption; each image is encoded once per engine."""
+images, prefix caching and preemption, and without any of them; each image is encoded once."""
 
 from __future__ import annotations
 
@@ -34,6 +34,14 @@ def hf_tokens(tiny_qwen3_vl) -> list[list[int]]:
             ids = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
         out.append(ids[0, inputs["input_ids"].shape[1]:].tolist())
     return out
+
+
+def test_greedy_equals_hf(tiny_qwen3_vl, hf_tokens):
+    llm = LLM(str(tiny_qwen3_vl), dtype="float32", max_model_len=256,
+              kv_cache_memory_bytes=1 << 22, enable_prefix_caching=False)
+    assert _generate(llm) == hf_tokens
+    # 4 image items, 2 distinct images: each encoded once.
+    assert llm.get_stats().num_encoder_runs == 2
 
 
 def test_greedy_equals_hf_chunked_preempted_prefix_cached(tiny_qwen3_vl, hf_tokens):
