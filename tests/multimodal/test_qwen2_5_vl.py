@@ -153,3 +153,16 @@ def test_preemption_and_prefix_caching(tiny_qwen_vl, hf_tokens):
     assert _generate(llm) == hf_tokens
     assert llm.get_stats().num_preemptions > 0
     assert _generate(llm) == hf_tokens
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kwargs", [{"async_scheduling": True},
+                                    {"tensor_parallel_size": 2, "max_num_batched_tokens": 16},
+                                    {"multiprocess_mode": True}])
+def test_engine_variants_equal_hf(tiny_qwen_vl, hf_tokens, kwargs):
+    # Async scheduling (positions from the step's token indices, not its sampled ids); tensor
+    # parallelism (the ViT's heads and MLP split over both ranks); the engine core in its own
+    # process (the image grids cross its socket).
+    llm = LLM(str(tiny_qwen_vl), dtype="float32", max_model_len=256,
+              kv_cache_memory_bytes=1 << 22, **kwargs)
+    assert _generate(llm) == hf_tokens
