@@ -187,7 +187,8 @@ class LlamaModel(nn.Module):
             hidden, residual = recv_intermediate(self.pp, input_ids.shape[0], self.hidden_size,
                                                  dtype, input_ids.device)
         aux_layers = self.aux_hidden_state_layers
-        if self.layer_stack is not None and not aux_layers:
+        # (M-RoPE's three position rows, [3, n], take the layers: models/qwen2_5_vl.py)
+        if self.layer_stack is not None and not aux_layers and positions.ndim == 1:
             out = self.layer_stack(positions, hidden, residual)
             if out is not None:
                 return out

@@ -7,7 +7,9 @@ image processors are the `*ImageProcessorPil` ones (numpy/PIL; torchvision is no
 Per architecture, `_FAMILIES` says how many rows of the processor's `pixel_values` belong to
 each image (Idefics3 / SmolVLM split an image into tiles plus a global view; Gemma 3 has one),
 where the image token id is in the HF config, and whether the decoder attends an image's tokens
-bidirectionally (Gemma 3: such an image is never split across prefill chunks).
+bidirectionally (Gemma 3: such an image is never split across prefill chunks). Qwen2.5-VL and
+Qwen3-VL have their own processor (`multimodal/qwen_vl.py`: HF's needs torchvision) and splits its output by
+each image's patch grid.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import numpy as np
 from pagedllm.config import MultiModalConfig
 from pagedllm.multimodal.image import load_image
 from pagedllm.multimodal.inputs import MultiModalFeature
+from pagedllm.multimodal.qwen_vl import QwenVLProcessor, qwen_vl_features
 
 
 def _idefics3_tiles(hf_processor, images) -> list[int]:
@@ -43,20 +46,36 @@ class _Family:
     batched_pixels: pixel_values has a leading batch axis ([1, tiles, 3, H, W]), else
         [tiles, 3, H, W].
     bidirectional: the decoder attends an image's placeholders bidirectionally.
+    load_processor: (model path, trust_remote_code) -> processor; None: `AutoProcessor`.
+    make_features: (processor, its output, token ids, image token id) -> one feature per
+        image; None: equal tiles of `tiles_per_image`.
     """
 
     tiles_per_image: Callable[[Any, list], list[int]]
     image_token_key: str
     batched_pixels: bool = True
     bidirectional: bool = False
+    load_processor: Callable[[str, bool], Any] | None = None
+    make_features: Callable[..., list[MultiModalFeature]] | None = None
+
+
+def _qwen_vl_features(hf_processor, out, token_ids: list[int], image_token_id: int
+                      ) -> list[MultiModalFeature]:
+    return qwen_vl_features(out, token_ids, image_token_id, hf_processor.merge_size,
+                            lambda data: image_hash(data["pixel_values"],
+                                                    data["image_grid_thw"]))
 
 
 _IDEFICS3 = _Family(_idefics3_tiles, "image_token_id")
+_QWEN_VL = _Family(_one_tile, "image_token_id", load_processor=QwenVLProcessor.from_pretrained,
+                   make_features=_qwen_vl_features)
 _FAMILIES: dict[str, _Family] = {
     "Idefics3ForConditionalGeneration": _IDEFICS3,
     "SmolVLMForConditionalGeneration": _IDEFICS3,
     "Gemma3ForConditionalGeneration": _Family(_one_tile, "image_token_index",
                                               batched_pixels=False, bidirectional=True),
+    "Qwen2_5_VLForConditionalGeneration": _QWEN_VL,
+    "Qwen3VLForConditionalGeneration": _QWEN_VL,
 }
 
 
@@ -65,9 +84,12 @@ def multimodal_architecture(architectures: Sequence[str]) -> str | None:
     return next((a for a in architectures if a in _FAMILIES), None)
 
 
-def image_hash(pixel_values: np.ndarray) -> str:
-    """Hex SHA-256 of an image's encoder inputs (shape and float32 bytes)."""
+def image_hash(pixel_values: np.ndarray, grid: np.ndarray | None = None) -> str:
+    """Hex SHA-256 of an image's encoder inputs (shape, float32 bytes and the patch grid, where
+    the shape alone does not fix the image's layout)."""
     h = hashlib.sha256(repr(pixel_values.shape).encode())
+    if grid is not None:
+        h.update(repr(np.asarray(grid).tolist()).encode())
     h.update(np.ascontiguousarray(pixel_values, dtype=np.float32).tobytes())
     return h.hexdigest()
 
@@ -103,9 +125,10 @@ class MultiModalProcessor:
         if arch is None:
             return None
         from transformers import AutoProcessor
+        load = _FAMILIES[arch].load_processor or (
+            lambda path, trust: AutoProcessor.from_pretrained(path, trust_remote_code=trust))
         try:
-            hf_processor = AutoProcessor.from_pretrained(model_path,
-                                                         trust_remote_code=trust_remote_code)
+            hf_processor = load(model_path, trust_remote_code)
         except Exception as e:  # noqa: BLE001 - named in the message
             raise ValueError(f"could not load the image processor of {model_path}: {e}") from e
         return cls(hf_processor, arch, int(hf_config[_FAMILIES[arch].image_token_key]), config)
@@ -155,6 +178,9 @@ class MultiModalProcessor:
         except Exception as e:  # noqa: BLE001 - the processor refused this input
             raise ValueError(f"multi_modal_data: the image processor failed: {e}") from None
         token_ids = [int(t) for t in out["input_ids"][0]]
+        if self.family.make_features is not None:
+            return token_ids, self.family.make_features(self.hf_processor, out, token_ids,
+                                                        self.image_token_id)
         pixel_values = np.asarray(out["pixel_values"], dtype=np.float32)
         if self.family.batched_pixels:
             pixel_values = pixel_values[0]

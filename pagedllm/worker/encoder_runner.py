@@ -10,6 +10,11 @@ and scatters them over each step's image placeholder positions.
 Images a model attends bidirectionally (Gemma 3) also set the step's `attend_until` (each
 query's last visible key position: the image's last token for the image's own tokens).
 
+A model with M-RoPE (Qwen2.5-VL: `get_mrope_input_positions`) gets each request's three-row
+prompt positions and decode delta computed once, when the request reaches the worker (again
+after a preemption), and `rope_positions` turns a step's token indices into its RoPE positions:
+[3, n] when a step holds image tokens, else [n] shifted by each request's delta.
+
 The scheduler owns the policy (what is cached, budgets: core/encoder_cache_manager.py); this
 object only follows it. A step without image tokens gets no `inputs_embeds` (the plain token
 path, fused decoder included).
@@ -38,6 +43,10 @@ class EncoderRunner:
         self.cache: dict[str, torch.Tensor] = {}
         # Live requests' images (sent with NewRequestData).
         self.features: dict[str, list[MultiModalFeature]] = {}
+        # M-RoPE models: live image requests' (prompt positions int64 [3, num_prompt_tokens],
+        # mrope_position_delta); requests without images use plain positions.
+        self.mrope: dict[str, tuple[np.ndarray, int]] = {}
+        self.uses_mrope = hasattr(model, "get_mrope_input_positions")
 
     @classmethod
     def for_model(cls, model, pipeline_parallel_size: int) -> EncoderRunner | None:
@@ -46,7 +55,7 @@ class EncoderRunner:
         Raises:
             ValueError: pipeline parallelism (later stages would need the step's image
                 positions for their bidirectional masks), or a model that attends image tokens
-                bidirectionally on a backend without `attend_until` (Gemma 3 off torch_sdpa).
+                bidirectionally on a backend without `attend_until` (Gemma 3 on triton_paged).
         """
         if not getattr(model, "supports_multimodal", False):
             return None
@@ -74,9 +83,13 @@ class EncoderRunner:
             self.cache.pop(mm_hash, None)
         for req_id in so.finished_req_ids | so.preempted_req_ids:
             self.features.pop(req_id, None)
+            self.mrope.pop(req_id, None)
         for req in so.scheduled_new_reqs:
             if req.mm_features:
                 self.features[req.req_id] = req.mm_features
+                if self.uses_mrope:
+                    self.mrope[req.req_id] = self.model.get_mrope_input_positions(
+                        len(req.prompt_token_ids), req.mm_features)
         todo: dict[str, MultiModalFeature] = {}
         for req_id, indices in so.scheduled_encoder_inputs.items():
             for i in indices:
@@ -127,3 +140,31 @@ class EncoderRunner:
             batch = replace(batch, group_commons=tuple(
                 replace(c, attend_until=attend_until) for c in batch.group_commons))
         return StepInputs(batch, common)
+
+    def rope_positions(self, batch: InputBatch) -> torch.Tensor:
+        """The RoPE positions of `batch`'s tokens: `batch.positions` (token indices, [n] int64)
+        unless an M-RoPE request is in it; then its prompt tokens take their rows of the
+        request's positions and later tokens index + delta: [3, n] when some token's rows
+        differ (an image token), else [n]."""
+        if not self.mrope or not any(r in self.mrope for r in batch.req_ids):
+            return batch.positions
+        num_scheduled = batch.num_scheduled_tokens
+        starts = batch.seq_lens_np - num_scheduled
+        qsl = batch.query_start_loc_np
+        n = int(qsl[-1])
+        index = (np.repeat(starts - qsl[:-1], num_scheduled) + np.arange(n)).astype(np.int64)
+        positions = np.broadcast_to(index, (3, n)).copy()
+        for b, req_id in enumerate(batch.req_ids):
+            state = self.mrope.get(req_id)
+            if state is None:
+                continue
+            table, delta = state
+            lo, hi = int(qsl[b]), int(qsl[b + 1])
+            p = index[lo:hi]
+            in_prompt = p < table.shape[1]
+            rows = positions[:, lo:hi]
+            rows[:, in_prompt] = table[:, p[in_prompt]]
+            rows[:, ~in_prompt] += delta
+        if (positions[0] == positions[1]).all() and (positions[0] == positions[2]).all():
+            positions = positions[0]
+        return torch.from_numpy(np.ascontiguousarray(positions)).to(batch.positions.device)

@@ -172,7 +172,8 @@ class ModelRunner(KVCacheRunnerMixin):
         loop may take them on the CPU with one KV cache group and nothing between steps (drafts,
         EPLB)."""
         native = (self.device.type == "cpu" and self.drafter is None and self.eplb is None
-                  and len(self.kv_cache_windows) == 1)
+                  and len(self.kv_cache_windows) == 1
+                  and not getattr(self.model, "uses_mrope", False))   # (per-request deltas)
         steps = RoundSteps(advance=self._advance_decode_inputs,
                            gather=self._gather_decode_inputs, forward=self._forward,
                            sample=self._sample_into)
@@ -506,14 +507,17 @@ class ModelRunner(KVCacheRunnerMixin):
         """The forward of prepared inputs -> the logits of the sampled rows."""
         batch, common = inputs.batch, inputs.common
         eagle = isinstance(self.drafter, EagleProposer)
+        positions = batch.positions
+        if self.encoder_runner is not None:   # M-RoPE positions of image requests
+            positions = self.encoder_runner.rope_positions(batch)
         if (self.graph_runner is not None and batch.spec_decode_metadata is None and not eagle
-                and batch.inputs_embeds is None
+                and batch.inputs_embeds is None and positions.ndim == 1
                 and not (self.lora_manager is not None and self.lora_manager.active)
                 and self.graph_runner.can_run(common)):
-            hidden = self.graph_runner.run(batch.input_ids, batch.positions,
+            hidden = self.graph_runner.run(batch.input_ids, positions,
                                            batch.group_commons or (common,))
         else:
-            hidden = self._run_model(self.model, batch.input_ids, batch.positions, common,
+            hidden = self._run_model(self.model, batch.input_ids, positions, common,
                                      batch.group_commons, batch.inputs_embeds)
         if isinstance(self.drafter, DraftModelProposer):
             self.drafter.catch_up(batch.input_ids, batch.positions, common)

@@ -1,8 +1,8 @@
 """Gemma 3 with images: greedy tokens and chosen-token logprobs (fp32) equal HF transformers'
 for prompts with 0, 1 and 2 images, also with chunked prefill (an image's soft tokens are never
 split: they attend to each other bidirectionally) and prefix caching; the logprobs tell the
-bidirectional mask from a causal one (they differ by ~1e-2 on this checkpoint). Backends
-without the mask refuse the model at start."""
+bidirectional mask from a causal one (they differ by ~1e-2 on this checkpoint). Both CPU
+backends take the mask (`cpu_paged` runs the steps with image tokens through torch_sdpa)."""
 
 from __future__ import annotations
 
@@ -54,16 +54,25 @@ def hf_outputs(hf_gemma3) -> list[tuple[list[int], list[float]]]:
     return out
 
 
-def _engine(path: Path, **kwargs) -> LLM:
+def _engine(path: Path, backend: str = "torch_sdpa", **kwargs) -> LLM:
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PAGEDLLM_ATTENTION_BACKEND", "torch_sdpa")
+        mp.setenv("PAGEDLLM_ATTENTION_BACKEND", backend)
         return LLM(str(path), dtype="float32", max_model_len=256,
                    kv_cache_memory_bytes=1 << 22, **kwargs)
 
 
+def _paged_backend() -> str:
+    """cpu_paged (the CPU default) where its native kernel builds, else torch_sdpa."""
+    from pagedllm.native.kernels import cpu_kernels
+
+    return "cpu_paged" if cpu_kernels() is not None else "torch_sdpa"
+
+
 @pytest.mark.parametrize("kwargs", [{}, {"max_num_batched_tokens": 8,
-                                         "enable_prefix_caching": False}])
+                                         "enable_prefix_caching": False, "backend": None}])
 def test_equals_hf_tokens_and_logprobs(tiny_gemma3, hf_outputs, kwargs):
+    if "backend" in kwargs:
+        kwargs = {**kwargs, "backend": _paged_backend()}
     llm = _engine(tiny_gemma3, **kwargs)
     prompts = [{"prompt": t, "multi_modal_data": {"image": ims}} if ims else t
                for t, ims in PROMPTS]
@@ -77,17 +86,6 @@ def test_equals_hf_tokens_and_logprobs(tiny_gemma3, hf_outputs, kwargs):
             ours = [lp[t].logprob for lp, t in zip(completion.logprobs, completion.token_ids)]
             assert ours == pytest.approx(logprobs, abs=1e-4)
     assert llm.get_stats().num_encoder_runs == 2
-
-
-def test_backends_without_the_mask_refuse_it(tiny_gemma3, monkeypatch):
-    from pagedllm.native.kernels import cpu_kernels
-
-    if cpu_kernels() is None:
-        pytest.skip("the native cpu_paged backend did not build here")
-    monkeypatch.setenv("PAGEDLLM_ATTENTION_BACKEND", "cpu_paged")
-    with pytest.raises(ValueError, match="torch_sdpa"):
-        LLM(str(tiny_gemma3), dtype="float32", max_model_len=256,
-            kv_cache_memory_bytes=1 << 22)
 
 
 def test_an_image_longer_than_a_step_is_refused(tiny_gemma3):

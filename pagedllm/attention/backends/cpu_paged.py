@@ -25,6 +25,10 @@ the kernel's per-token path (`query_tile` 1, no SDPA and no tiles), where each t
 depend only on its own context: a long context is split at fixed positions (every 256 keys), the
 same for a decode and for a token inside a prefill chunk.
 
+A step with `CommonAttentionMetadata.attend_until` (Gemma 3's image tokens attending to each
+other bidirectionally) runs whole through `torch_sdpa`, whose masks take it; the kernel has
+only causal and window masks. Only prefill steps that hold image tokens carry it.
+
 Per-layer attention variants (Gemma): a sliding window and attention-logit soft-capping are
 arguments of the kernel. A fresh request stays on SDPA only where SDPA computes the same thing:
 no soft-capping, and a window (if any) that covers its whole sequence; otherwise the kernel takes
@@ -107,6 +111,8 @@ class CpuPagedBackend:
     """Paged attention on the CPU through the native kernel (needs `cpu_kernels()`)."""
 
     name = "cpu_paged"
+    # Takes CommonAttentionMetadata.attend_until, through torch_sdpa for the steps with it.
+    supports_attend_until = True
 
     @staticmethod
     def is_available() -> bool:
@@ -139,7 +145,8 @@ class CpuPagedBackend:
             kv_cache: [2, num_blocks, block_size, num_kv_heads, head_size], float32, bfloat16,
                 or int8 / float8_e4m3fn with their scales (kv_cache_layout.py); other dtypes go through
                 torch_sdpa.
-            metadata: from `build_metadata`.
+            metadata: from `build_metadata` (a step with `attend_until` goes through
+                torch_sdpa).
             scale: softmax scale (usually head_size ** -0.5).
             sliding_window: a query at position p attends only to key positions > p - window
                 (HF's sliding-window mask); None = the whole causal context.
@@ -149,7 +156,8 @@ class CpuPagedBackend:
         Returns:
             [num_tokens, num_heads, head_size] in query's dtype (padded tokens are zero).
         """
-        if kv_cache.dtype not in KERNEL_CACHE_DTYPES:
+        if (kv_cache.dtype not in KERNEL_CACHE_DTYPES
+                or metadata.common.attend_until is not None):
             return TorchSDPABackend.forward(query, key, value, kv_cache,
                                             metadata.sdpa_metadata(), scale, sliding_window,
                                             logits_soft_cap)

@@ -1,0 +1,296 @@
+"""Qwen2.5-VL: a windowed-attention ViT, a patch merger and our Qwen2 decoder with M-RoPE.
+
+    image patches [P, C*Tp*ps*ps] (P = t*h*w, rows in 2x2 merge-block order)
+        -> linear patch embed -> [P, Dv]  (HF's Conv3d with kernel = stride = patch)
+        -> reorder by window (`vision_window_index`)
+        -> [ RMSNorm -> MHA with 2-D RoPE (h, w) inside each window, or the whole image in
+             `fullatt_block_indexes` -> +res -> RMSNorm -> SwiGLU -> +res ] x depth
+        -> merger: RMSNorm -> each 2x2 block concatenated [P/4, 4 Dv] -> Linear -> GELU -> Linear
+        -> back to raster order -> [P/4, D]   (one row per <|image_pad|> token)
+
+The decoder is `Qwen2ForCausalLM` with each layer's RoPE swapped for `MRotaryEmbedding`
+(three position rows, `mrope_section`). A prompt's positions come from
+`get_mrope_input_positions` (computed once when a request reaches the worker: see
+worker/encoder_runner.py). References: HF transformers' Qwen2_5_VLForConditionalGeneration and
+`transformers.vision_utils` (window index, vision position ids); Qwen2.5-VL technical report
+(2025); vLLM's qwen2_5_vl.py and MRotaryEmbedding.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.layers.attention import Attention
+from pagedllm.layers.layernorm import RMSNorm
+from pagedllm.layers.linear import (ColumnParallelLinear, QKVParallelLinear,
+                                    RowParallelLinear)
+from pagedllm.layers.mrotary_embedding import MRotaryEmbedding
+from pagedllm.layers.rotary_embedding import default_inv_freq, rope_parameters_from_hf
+from pagedllm.models.llama import LlamaMLP, Qwen2ForCausalLM
+from pagedllm.models.utils import load_named_weight
+from pagedllm.multimodal.inputs import MultiModalFeature
+from pagedllm.multimodal.qwen_vl import mrope_input_positions
+
+
+def vision_position_ids(grids: list[tuple[int, int, int]], merge: int) -> np.ndarray:
+    """int64 [P, 2] (h, w) of every patch of the images, in merge-block order."""
+    out = []
+    for t, h, w in grids:
+        hh, ww = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
+        shape = (h // merge, merge, w // merge, merge)
+        hw = np.stack([hh.reshape(shape).transpose(0, 2, 1, 3).ravel(),
+                       ww.reshape(shape).transpose(0, 2, 1, 3).ravel()], axis=-1)
+        out.append(np.tile(hw, (t, 1)))
+    return np.concatenate(out)
+
+
+def vision_window_index(grids: list[tuple[int, int, int]], merge: int, window: int
+                        ) -> tuple[np.ndarray, np.ndarray]:
+    """The merge blocks reordered window by window, and the windows' boundaries in patches.
+
+    Each image's grid of merge blocks (h/merge x w/merge) is cut into `window` x `window`
+    tiles from the top left (the last row/column of tiles may be smaller); blocks are listed
+    tile by tile, row-major inside a tile.
+
+    Returns:
+        (window_index int64 [P / merge^2]: the block at each new place, cu_window_seqlens
+        int64 [num_windows + 1]: cumulative patches per window, empty windows dropped).
+    """
+    index, cu, base = [], [0], 0
+    for t, h, w in grids:
+        lh, lw = h // merge, w // merge
+        blocks = np.arange(t * lh * lw).reshape(t, lh, lw)
+        for ti in range(t):
+            for r in range(0, lh, window):
+                for c in range(0, lw, window):
+                    tile = blocks[ti, r:r + window, c:c + window].ravel()
+                    index.append(tile + base)
+                    cu.append(cu[-1] + len(tile) * merge * merge)
+        base += t * lh * lw
+    return np.concatenate(index), np.asarray(cu, dtype=np.int64)
+
+
+def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      cu_seqlens: np.ndarray) -> torch.Tensor:
+    """Bidirectional attention inside each segment [cu[i], cu[i+1]) of q, k, v [P, H, D];
+    segments of equal length go through one batched SDPA. Returns [P, H, D]."""
+    lengths = np.diff(cu_seqlens)
+    out = torch.empty_like(q)
+    for length in np.unique(lengths):
+        starts = torch.from_numpy(cu_seqlens[:-1][lengths == length]).to(q.device)
+        idx = (starts[:, None] + torch.arange(int(length), device=q.device)).reshape(-1)
+        s = len(starts)
+        qs, ks, vs = (x[idx].view(s, int(length), *x.shape[1:]).transpose(1, 2)
+                      for x in (q, k, v))
+        o = F.scaled_dot_product_attention(qs, ks, vs)
+        out[idx] = o.transpose(1, 2).reshape(-1, *q.shape[1:])
+    return out
+
+
+class VisionAttention(nn.Module):
+    """Multi-head attention with 2-D RoPE (HF's rotate-half over the whole head)."""
+
+    def __init__(self, dim: int, num_heads: int) -> None:
+        super().__init__()
+        self.head_size = dim // num_heads
+        self.qkv = QKVParallelLinear(dim, self.head_size, num_heads, num_heads, bias=True)
+        self.num_heads = self.qkv.num_heads
+        self.proj = RowParallelLinear(dim, dim, bias=True)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cu_seqlens: np.ndarray) -> torch.Tensor:
+        """x [P, Dv]; cos/sin float32 [P, head_size / 2]."""
+        n = x.shape[0]
+        q, k, v = (y.view(n, self.num_heads, self.head_size)
+                   for y in self.qkv(x).chunk(3, dim=-1))
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return self.proj(segment_attention(q, k, v, cu_seqlens).reshape(n, -1))
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE in float32 (as HF's `apply_rotary_pos_emb_vision`)."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.norm1 = RMSNorm(config.hidden_size, 1e-6)
+        self.norm2 = RMSNorm(config.hidden_size, 1e-6)
+        self.attn = VisionAttention(config.hidden_size, config.num_heads)
+        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
+                            bias=True)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cu_seqlens: np.ndarray) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, cu_seqlens)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchMerger(nn.Module):
+    """RMSNorm, then each merge block's patches concatenated -> Linear -> GELU -> Linear."""
+
+    def __init__(self, out_dim: int, context_dim: int, merge: int) -> None:
+        super().__init__()
+        self.hidden_size = context_dim * merge * merge
+        self.ln_q = RMSNorm(context_dim, 1e-6)
+        self.fc1 = ColumnParallelLinear(self.hidden_size, self.hidden_size, bias=True)
+        self.fc2 = RowParallelLinear(self.hidden_size, out_dim, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(self.ln_q(x).view(-1, self.hidden_size))))
+
+
+class Qwen2_5_VisionTransformer(nn.Module):
+    """pixel_values [P, C*Tp*ps*ps] of images with grids [(t, h, w)] -> [P / merge^2, D]."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.merge = config.spatial_merge_size
+        self.window = config.window_size // config.spatial_merge_size // config.patch_size
+        self.fullatt_block_indexes = set(config.fullatt_block_indexes)
+        patch_dim = (config.in_channels * config.temporal_patch_size * config.patch_size ** 2)
+        self.patch_embed = nn.Linear(patch_dim, config.hidden_size, bias=False)
+        self.blocks = nn.ModuleList(VisionBlock(config) for _ in range(config.depth))
+        self.merger = PatchMerger(config.out_hidden_size, config.hidden_size, self.merge)
+        head_size = config.hidden_size // config.num_heads
+        theta = float((getattr(config, "rope_parameters", None) or {}).get("rope_theta", 1e4))
+        self.register_buffer("inv_freq", default_inv_freq(head_size // 2, theta),
+                             persistent=False)
+
+    def forward(self, pixel_values: torch.Tensor, grids: list[tuple[int, int, int]]
+                ) -> torch.Tensor:
+        unit = self.merge * self.merge
+        x = self.patch_embed(pixel_values.to(self.patch_embed.weight.dtype))
+        n = x.shape[0]
+        window_index, cu_window = vision_window_index(grids, self.merge, self.window)
+        cu_full = np.concatenate([[0], np.cumsum([h * w for t, h, w in grids
+                                                  for _ in range(t)])]).astype(np.int64)
+        order = torch.from_numpy(window_index).to(x.device)
+        x = x.view(n // unit, unit, -1)[order].reshape(n, -1)
+        pos = torch.from_numpy(vision_position_ids(grids, self.merge)).to(x.device)
+        freqs = (pos[..., None].float() * self.inv_freq).flatten(1)      # [P, head/2]
+        freqs = freqs.view(n // unit, unit, -1)[order].reshape(n, -1)
+        cos, sin = freqs.cos(), freqs.sin()
+        for i, block in enumerate(self.blocks):
+            cu = cu_full if i in self.fullatt_block_indexes else cu_window
+            x = block(x, cos, sin, cu)
+        merged = self.merger(x)
+        return merged[torch.argsort(order)]
+
+
+class Qwen2_5_VLForConditionalGeneration(nn.Module):
+    """forward(input_ids [n], positions [n] or [3, n] int64, inputs_embeds [n, D] | None) ->
+    hidden [n, D]; embed_multimodal(list of {"pixel_values" float32 [t*h*w, C*Tp*ps*ps],
+    "image_grid_thw" int64 [3]}) -> per image [t*h*w / merge^2, D];
+    get_mrope_input_positions(num_prompt_tokens, features) -> ([3, L] int64, delta)."""
+
+    supports_multimodal = True
+    uses_mrope = True
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.config = config
+        text = copy.deepcopy(config.text_config)
+        text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings",
+                                                getattr(text, "tie_word_embeddings", False)))
+        self.visual = Qwen2_5_VisionTransformer(config.vision_config)
+        self.language_model = Qwen2ForCausalLM(text)
+        rope = rope_parameters_from_hf(text.to_dict())
+        section = rope.get("mrope_section")
+        if section is None:
+            raise ValueError("Qwen2.5-VL text config has no mrope_section")
+        for layer in self.language_model.model.layers:
+            attn = getattr(layer, "self_attn", None)
+            if attn is not None:
+                attn.rotary_emb = MRotaryEmbedding(attn.head_size, text.max_position_embeddings,
+                                                   rope, section)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        return self.language_model.model(input_ids, positions, inputs_embeds)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.language_model.compute_logits(hidden)
+
+    def attention_layers(self) -> list[Attention]:
+        return self.language_model.attention_layers()
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.language_model.model.embed_tokens(input_ids)
+
+    def get_mrope_input_positions(self, num_tokens: int, features: list[MultiModalFeature]
+                                  ) -> tuple[np.ndarray, int]:
+        return mrope_input_positions(num_tokens, features,
+                                     self.config.vision_config.spatial_merge_size)
+
+    def embed_multimodal(self, items: list[dict[str, np.ndarray]]) -> list[torch.Tensor]:
+        """Encode all images in one pass of the tower (attention stays inside each image)."""
+        device = self.visual.patch_embed.weight.device
+        grids = [tuple(int(x) for x in item["image_grid_thw"]) for item in items]
+        pixels = torch.cat([torch.from_numpy(np.asarray(item["pixel_values"],
+                                                        dtype=np.float32))
+                            for item in items]).to(device)
+        out = self.visual(pixels, grids)
+        unit = self.visual.merge ** 2
+        dtype = self.language_model.model.embed_tokens.weight.dtype
+        return list(out.to(dtype).split([t * h * w // unit for t, h, w in grids]))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """HF names: model.visual.*, model.language_model.*, lm_head.weight (also the older
+        visual.* / model.layers.* layout).
+
+        Raises:
+            ValueError: for a tensor whose name matches no parameter, or a shape mismatch.
+        """
+        params = dict(self.named_parameters())
+        text: list[tuple[str, torch.Tensor]] = []
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name.startswith("model.language_model."):
+                text.append(("model." + name[len("model.language_model."):], tensor))
+            elif name.startswith(("model.visual.", "visual.")):
+                loaded.add(self._load_visual(params, name.split("visual.", 1)[1], tensor))
+            elif name.startswith(("lm_head.", "model.")):
+                text.append((name, tensor))
+            else:
+                raise ValueError(f"checkpoint tensor {name} has no matching parameter")
+        loaded |= {f"language_model.{n}" for n in self.language_model.load_weights(text)}
+        return loaded
+
+    def _load_visual(self, params: dict[str, nn.Parameter], name: str,
+                     tensor) -> str:
+        """One vision tensor (a lazy `CheckpointTensor` is read whole: the tower is small)."""
+        if hasattr(tensor, "materialize"):
+            tensor = tensor.materialize()
+        ours = "visual." + name
+        if name == "patch_embed.proj.weight":
+            return load_named_weight(params, "visual.patch_embed.weight",
+                                     tensor.reshape(tensor.shape[0], -1))
+        ours = ours.replace(".merger.mlp.0.", ".merger.fc1.").replace(".merger.mlp.2.",
+                                                                      ".merger.fc2.")
+        if ".attn.qkv." in ours:
+            param = params.get(ours)
+            if param is None:
+                raise ValueError(f"checkpoint tensor visual.{name} has no matching parameter")
+            for shard, part in zip("qkv", tensor.chunk(3, dim=0)):
+                param.weight_loader(param, part, shard)
+            return ours
+        if ".mlp.gate_proj." in ours or ".mlp.up_proj." in ours:
+            shard = 0 if ".gate_proj." in ours else 1
+            ours = ours.replace(".gate_proj.", ".gate_up_proj.").replace(".up_proj.",
+                                                                         ".gate_up_proj.")
+            param = params.get(ours)
+            if param is None:
+                raise ValueError(f"checkpoint tensor visual.{name} has no matching parameter")
+            param.weight_loader(param, tensor, shard)
+            return ours
+        return load_named_weight(params, ours, tensor)
