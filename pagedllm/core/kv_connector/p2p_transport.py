@@ -80,26 +80,34 @@ def transfer_file(shm_dir: Path, engine_id: str, key: str, rank: int) -> Path:
 def check_transfer_file(path: Path, key: str, layout: str) -> str | None:
     """None if `path` starts with a header for `key` and `layout` and has the size the header
     says (disk_tier.py's format; the payload is not read), else what is wrong."""
+    return read_transfer_header(path, key, layout)[1]
+
+
+def read_transfer_header(path: Path, key: str, layout: str) -> tuple[int, str | None]:
+    """(the payload's byte offset in `path`, None) when `check_transfer_file` passes, else
+    (0, what is wrong)."""
     try:
         with path.open("rb") as f:
             head = f.read(len(MAGIC) + 4)
             if len(head) < len(MAGIC) + 4 or not head.startswith(MAGIC):
-                return f"{path} is not a KV transfer file"
+                return 0, f"{path} is not a KV transfer file"
             (header_len,) = struct.unpack_from("<I", head, len(MAGIC))
             header = json.loads(f.read(header_len).decode())
             size = path.stat().st_size
     except FileNotFoundError:
-        return f"{path} is missing"
+        return 0, f"{path} is missing"
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        return f"{path} cannot be read: {e}"
+        return 0, f"{path} cannot be read: {e}"
     if not isinstance(header, dict) or header.get("hash") != key:
-        return f"{path} holds another request's KV"
+        return 0, f"{path} holds another request's KV"
     if header.get("layout") != layout:
-        return (f"{path} has KV layout {header.get('layout')!r}, this rank needs {layout!r} "
-                "(another model, dtype, block size or tensor-parallel size)")
-    if size != len(MAGIC) + 4 + header_len + header.get("payload_bytes", -1):
-        return f"{path} is truncated"
-    return None
+        return 0, (f"{path} has KV layout {header.get('layout')!r}, this rank needs "
+                   f"{layout!r} (another model, dtype, block size or tensor-parallel size)")
+    offset = len(MAGIC) + 4 + header_len
+    payload_bytes = header.get("payload_bytes")
+    if not isinstance(payload_bytes, int) or size != offset + payload_bytes:
+        return 0, f"{path} is truncated"
+    return offset, None
 
 
 @dataclass

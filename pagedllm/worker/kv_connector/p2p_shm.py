@@ -11,12 +11,12 @@ raw bytes, layer order), so blocks [first, first + n) are one contiguous slice:
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from pagedllm.core.kv_connector.disk_tier import (decode_block_file, encode_block_file,
-                                                  write_block_file)
+from pagedllm.core.kv_connector.disk_tier import encode_block_file, write_block_file
 from pagedllm.core.kv_connector.p2p_shm import P2pShmMetadata, engine_id_of, shm_dir_of
-from pagedllm.core.kv_connector.p2p_transport import transfer_file
+from pagedllm.core.kv_connector.p2p_transport import read_transfer_header, transfer_file
 from pagedllm.worker.kv_connector.base import check_unquantized, kv_layout
 
 
@@ -82,24 +82,24 @@ class P2pShmConnectorWorker:
         layout = self.layout()
         for load in self._meta.loads:
             path = transfer_file(self.shm_dir, load.engine_id, load.key, self.rank)
-            try:
-                data = path.read_bytes()
-            except OSError as e:
-                raise RuntimeError(f"KV transfer: {path} vanished after it was pulled: "
-                                   f"{e}") from e
-            payload = decode_block_file(data, bytes.fromhex(load.key), layout, check_crc=False)
-            end = (load.first_block + len(load.block_ids)) * self.bytes_per_block
-            if payload is None or len(payload) < end:
-                raise RuntimeError(f"KV transfer: {path} changed after it was pulled")
-            raw = torch.frombuffer(bytearray(payload[load.first_block * self.bytes_per_block:
-                                                     end]), dtype=torch.uint8)
-            offset = 0
-            for block_id in load.block_ids:
-                for cache in self._kv_caches.values():
-                    block = cache[:, block_id]
-                    n = block.numel() * block.element_size()
-                    block.copy_(raw[offset:offset + n].view(cache.dtype).view(block.shape))
-                    offset += n
+            offset, problem = read_transfer_header(path, load.key, layout)
+            n = len(load.block_ids)
+            start = offset + load.first_block * self.bytes_per_block
+            if problem is None and path.stat().st_size < start + n * self.bytes_per_block:
+                problem = f"{path} is too short"
+            if problem is not None:
+                raise RuntimeError(f"KV transfer: {problem} (after it was pulled)")
+            # [n, bytes_per_block]: each block's layers, K and V (the module docstring).
+            raw = torch.from_numpy(np.fromfile(path, dtype=np.uint8, count=n * self.bytes_per_block,
+                                               offset=start)).view(n, self.bytes_per_block)
+            block_ids = torch.tensor(load.block_ids, dtype=torch.int64, device=self.device)
+            column = 0
+            for cache in self._kv_caches.values():
+                shape = (n, 2) + tuple(cache.shape[2:])
+                layer_bytes = cache[:, 0].numel() * cache.element_size()
+                rows = raw[:, column:column + layer_bytes].contiguous().view(cache.dtype)
+                cache[:, block_ids] = rows.view(shape).transpose(0, 1).to(self.device)
+                column += layer_bytes
             path.unlink(missing_ok=True)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -121,8 +121,10 @@ class P2pShmConnectorWorker:
         rows = [self._rows[name] for name in self._kv_caches]
         self._rows = {}
         for i, export in enumerate(self._meta.exports):
-            payload = b"".join(layer[i][j].view(torch.uint8).numpy().tobytes()
-                               for j in range(len(export.block_ids)) for layer in rows)
+            n = len(export.block_ids)
+            # [n, bytes_per_block]: each block's layers in order (the module docstring).
+            payload = torch.cat([layer[i].view(torch.uint8).view(n, -1) for layer in rows],
+                                dim=1).numpy().tobytes()
             path = transfer_file(self.shm_dir, self.engine_id, export.key, self.rank)
             write_block_file(path, encode_block_file(bytes.fromhex(export.key), layout,
                                                      payload))
