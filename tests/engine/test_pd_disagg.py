@@ -64,7 +64,9 @@ def pair(tiny_llama, tmp_path_factory):
     port = free_port()
     prefill = LLM(str(tiny_llama), **ENGINE, kv_transfer_config=pd_config("kv_producer", port,
                                                                           shm))
-    decode = LLM(str(tiny_llama), **ENGINE, enable_prefix_caching=False,
+    # (The decode instance schedules asynchronously, CUDA's default: a waiting request and
+    # the in-flight steps.)
+    decode = LLM(str(tiny_llama), **ENGINE, enable_prefix_caching=False, async_scheduling=True,
                  kv_transfer_config=pd_config("kv_consumer", port, shm, transfer_timeout=2))
     yield prefill, decode, shm, port
     prefill.llm_engine.engine_core.shutdown()
@@ -162,3 +164,33 @@ def test_config_errors_name_the_key(config, match):
     values = {"kv_connector": "P2pShmConnector", "kv_role": "kv_producer", **config}
     with pytest.raises(ValueError, match=match):
         KVTransferConfig.from_dict(values)
+
+
+@pytest.mark.slow
+def test_tp2_pair_and_a_layout_mismatch(tiny_llama, tmp_path):
+    """tp=2 on both sides (mp workers): each rank writes and reads its own shard's file, and the
+    tokens equal one engine's; a tp=1 decode instance refuses a tp=2 prefill's KV by layout."""
+    port = free_port()
+    tp2 = dict(tensor_parallel_size=2, distributed_executor_backend="mp")
+    single = LLM(str(tiny_llama), **ENGINE)
+    want = [list(o.outputs[0].token_ids)
+            for o in single.generate(PROMPTS, PARAMS[1], use_tqdm=False)]
+    prefill = LLM(str(tiny_llama), **ENGINE, **tp2,
+                  kv_transfer_config=pd_config("kv_producer", port, tmp_path))
+    decode = LLM(str(tiny_llama), **ENGINE, **tp2,
+                 kv_transfer_config=pd_config("kv_consumer", port, tmp_path))
+    narrow = LLM(str(tiny_llama), **ENGINE,
+                 kv_transfer_config=pd_config("kv_consumer", port, tmp_path))
+    try:
+        outs = disaggregated(prefill, decode, PROMPTS, PARAMS[1])
+        assert [list(o.outputs[0].token_ids) for o in outs] == want
+        first = prefill.generate(PROMPTS[:1], with_params(PARAMS[0], 1,
+                                                          {"do_remote_decode": True}),
+                                 use_tqdm=False)[0]
+        refused = generate(narrow, PROMPTS[:1], with_params(PARAMS[0], 2,
+                                                            first.kv_transfer_params))[0]
+        assert "KV layouts" in refused.outputs[0].error
+        assert list(tmp_path.iterdir()) == []
+    finally:
+        for llm in (prefill, decode, narrow):
+            llm.llm_engine.engine_core.shutdown()

@@ -18,7 +18,6 @@ alone (`KVTransferError`). The transport is p2p_transport.py.
 
 from __future__ import annotations
 
-import logging
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +30,6 @@ from pagedllm.core.kv_connector.p2p_transport import (PullReply, TransferClient,
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched_output import SchedulerOutput
 
-logger = logging.getLogger(__name__)
 
 
 
