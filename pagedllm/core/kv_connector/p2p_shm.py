@@ -274,8 +274,9 @@ class P2pShmConsumerScheduler:
             problem = next(filter(None, (check_transfer_file(path, key, layout)
                                          for path, layout in zip(files, self.layouts))), None)
         if problem is not None:
-            for path in files:
-                path.unlink(missing_ok=True)
+            # (the producer's ranks may outnumber ours: the files are ours to delete now)
+            for rank in range(max(len(reply.layouts), len(self.layouts))):
+                transfer_file(self.shm_dir, engine_id, key, rank).unlink(missing_ok=True)
             return PullReply(False, problem)
         return reply
 
