@@ -138,23 +138,23 @@ class KVTransferConfig:
         kv_connector_extra_config: the connector's own settings (e.g. OffloadingConnector's
             `kv_offloading_size` in GiB).
         engine_id: this engine's id among the connector's peers (None: not needed).
+        kv_ip, kv_port: the prefill instance's transfer endpoint (P2pShmConnector: where a
+            kv_producer binds and the only peer a kv_consumer pulls from).
     """
 
     kv_connector: str
     kv_role: str = "kv_both"
     kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
     engine_id: str | None = None
+    kv_ip: str = "127.0.0.1"
+    kv_port: int = 14579
 
     def __post_init__(self) -> None:
-        from pagedllm.core.kv_connector.factory import CONNECTORS
-        if self.kv_connector not in CONNECTORS:
-            raise ValueError(f"kv_transfer_config: unknown kv_connector {self.kv_connector!r}; "
-                             f"known: {sorted(CONNECTORS)}")
+        from pagedllm.core.kv_connector.factory import validate_transfer_config
+        validate_transfer_config(self)
         if self.kv_role not in KV_ROLES:
             raise ValueError(f"kv_transfer_config: kv_role must be one of {list(KV_ROLES)}, got "
                              f"{self.kv_role!r}")
-        if not isinstance(self.kv_connector_extra_config, dict):
-            raise ValueError("kv_transfer_config: kv_connector_extra_config must be an object")
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> KVTransferConfig:

@@ -73,6 +73,9 @@ class RequestOutput:
     prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    # A KV connector's answer with the final output (prefill/decode disaggregation: what the
+    # decode instance needs; docs/kv_connectors.md); None: none.
+    kv_transfer_params: dict | None = None
 
     @property
     def error(self) -> str | None:

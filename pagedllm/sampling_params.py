@@ -123,6 +123,9 @@ class SamplingParams:
             this request's logits before sampling, in order.
         structured_outputs: a `StructuredOutputsParams` (or a dict of its fields): the output
             must satisfy a JSON schema, regex, choice or grammar.
+        extra_args: plain data for engine components (vLLM's); "kv_transfer_params" (an
+            object) is read by the KV connector (prefill/decode disaggregation,
+            docs/kv_connectors.md).
 
     Raises:
         ValueError: on any out-of-range field, naming it.
@@ -155,6 +158,7 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     logits_processors: list[LogitsProcessor] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    extra_args: dict[str, Any] | None = None
     # Set by the engine (generation config, tokenizer); not user fields.
     _all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
     _bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
@@ -232,6 +236,12 @@ class SamplingParams:
                      "include_stop_str_in_output", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.extra_args is not None and (
+                not isinstance(self.extra_args, dict)
+                or not all(isinstance(k, str) for k in self.extra_args)):
+            raise ValueError("extra_args must be an object with string keys")
+        if not isinstance((self.extra_args or {}).get("kv_transfer_params", {}), dict):
+            raise ValueError("extra_args: kv_transfer_params must be an object")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         if self.logits_processors is not None and (

@@ -101,6 +101,12 @@ class Request:
         self._update_block_hashes()
 
     @property
+    def kv_transfer_params(self) -> dict | None:
+        """What the caller passed for a KV connector (vLLM's
+        `sampling_params.extra_args["kv_transfer_params"]`); None: nothing."""
+        return (self.sampling_params.extra_args or {}).get("kv_transfer_params")
+
+    @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
 

@@ -133,6 +133,12 @@ class LogprobsLists:
         self.ranks.extend(other.ranks)
 
 
+class KVTransferError(RuntimeError):
+    """A KV connector cannot supply one request's KV (its peer is dead, a transfer timed out,
+    its `kv_transfer_params` are bad): the scheduler fails that request alone
+    (core/kv_connector/base.py)."""
+
+
 @dataclass
 class KVConnectorStats:
     """What a connector moved since start, in blocks (for /metrics;
@@ -205,6 +211,9 @@ class EngineCoreOutput:
     new_prompt_logprobs: tuple[int, LogprobsLists] | None = None
     # With finish_reason "error": what failed.
     error: str | None = None
+    # With the final output: what a KV connector returns to the caller (prefill/decode
+    # disaggregation: how the decode instance finds this request's KV).
+    kv_transfer_params: dict | None = None
 
     @property
     def finished(self) -> bool:

@@ -56,7 +56,8 @@ from pagedllm.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from pagedllm.core.request import Request, RequestStatus, stop_token_reached
 from pagedllm.core.request_queue import check_priority, make_request_queue, priority_key
 from pagedllm.core.sched_output import (EngineCoreOutput, GrammarOutput, KVConnectorStats,
-                                        ModelRunnerOutput, NewRequestData, SchedulerOutput)
+                                        KVTransferError, ModelRunnerOutput, NewRequestData,
+                                        SchedulerOutput)
 from pagedllm.core.spec_decode_stats import SpecDecodingStats
 from pagedllm.core.state_cache_group_manager import align_prefill_tokens
 
@@ -215,11 +216,13 @@ class Scheduler:
                     req_id, [], finish_reason="error", error=error,
                     num_cached_tokens=max(request.num_cached_tokens, 0)))
 
-    def _free_request(self, request: Request) -> None:
+    def _free_request(self, request: Request) -> dict | None:
+        """Free a finished request; the connector's `kv_transfer_params` for its output."""
         if self.structured_output_manager is not None:
             self.structured_output_manager.remove_request(request.request_id)
+        kv_transfer_params = None
         if self.kv_connector is not None:
-            self.kv_connector.request_finished(
+            _, kv_transfer_params = self.kv_connector.request_finished(
                 request, self.kv_cache_manager.get_block_ids(request.request_id)[0])
         self.kv_cache_manager.free(request)
         self.encoder_cache_manager.free(request)
@@ -228,6 +231,7 @@ class Scheduler:
         self.num_output_placeholders.pop(request.request_id, None)
         if request_needs_sync_step(request):
             self._num_sync_requests -= 1
+        return kv_transfer_params
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
@@ -412,9 +416,19 @@ class Scheduler:
                 compiling.append(self.waiting.pop())
                 continue
             hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
-            # Tokens after the device hits that the KV connector loads instead of computing.
-            num_external = (0 if self.kv_connector is None else
-                            self.kv_connector.get_num_new_matched_tokens(request, num_hit_tokens))
+            # Tokens after the device hits that the KV connector loads instead of computing
+            # (None: its transfer runs; it waits like a compiling grammar).
+            try:
+                num_external = (0 if self.kv_connector is None else
+                                self.kv_connector.get_num_new_matched_tokens(request,
+                                                                             num_hit_tokens))
+            except KVTransferError as e:
+                self.finish_requests(request.request_id, RequestStatus.FINISHED_ERROR,
+                                     f"KV transfer failed: {e}")
+                continue
+            if num_external is None:
+                compiling.append(self.waiting.pop())
+                continue
             num_computed = num_hit_tokens + num_external
             num_new_tokens = self._num_new_tokens(request, num_computed, token_budget)
             num_new_tokens, to_encode = self._encoder_inputs(request, num_computed,
@@ -582,7 +596,11 @@ class Scheduler:
         for request in finished:
             # With async scheduling a request preempted while its step ran may finish waiting.
             (self.running if request in self.running else self.waiting).remove(request)
-            self._free_request(request)
+            kv_transfer_params = self._free_request(request)
+            if kv_transfer_params is not None:
+                for out in outputs:
+                    if out.request_id == request.request_id:
+                        out.kv_transfer_params = kv_transfer_params
         for req_id, message in errors.items():
             self.finish_requests(req_id, RequestStatus.FINISHED_ERROR, message)
         outputs.extend(self._error_outputs)

@@ -125,10 +125,15 @@ class EngineCore:
                              "one full-attention KV cache group only (this one has "
                              "sliding-window layers)")
         infos = self.executor.collective_rpc("init_kv_connector")
-        logger.info("KV connector %s (%s): a host tier of %d blocks%s", config.kv_connector,
-                    config.kv_role, min(i["num_tier_blocks"] for i in infos),
-                    f", a disk tier in {config.kv_connector_extra_config['kv_offloading_dir']}"
-                    if config.kv_connector_extra_config.get("kv_offloading_dir") else "")
+        if config.kv_connector == "OffloadingConnector":
+            logger.info("KV connector %s (%s): a host tier of %d blocks%s",
+                        config.kv_connector, config.kv_role,
+                        min(i["num_tier_blocks"] for i in infos),
+                        f", a disk tier in {config.kv_connector_extra_config['kv_offloading_dir']}"
+                        if config.kv_connector_extra_config.get("kv_offloading_dir") else "")
+        else:
+            logger.info("KV connector %s (%s), transfer endpoint %s:%d", config.kv_connector,
+                        config.kv_role, config.kv_ip, config.kv_port)
         return create_scheduler_connector(config, self.config.cache_config.block_size, infos)
 
     def add_request(self, req: EngineCoreRequest) -> None:
@@ -360,6 +365,8 @@ class EngineCore:
         return self.executor.collective_rpc(method, tuple(args))
 
     def shutdown(self) -> None:
+        if self.scheduler.kv_connector is not None:
+            self.scheduler.kv_connector.shutdown()
         self.structured_output_manager.shutdown()
         self.executor.shutdown()
 

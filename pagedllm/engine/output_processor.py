@@ -61,6 +61,7 @@ class RequestState:
     error: str | None = None
     num_cached_tokens: int = 0
     sent_tokens: int = 0
+    kv_transfer_params: dict | None = None
 
     @property
     def finished(self) -> bool:
@@ -138,6 +139,8 @@ class OutputProcessor:
 
     def _update_state(self, state: RequestState, out: EngineCoreOutput) -> None:
         state.num_cached_tokens = out.num_cached_tokens
+        if out.kv_transfer_params is not None:
+            state.kv_transfer_params = out.kv_transfer_params
         if out.new_prompt_logprobs is not None and state.prompt_logprobs is not None:
             self._add_prompt_logprobs(state, *out.new_prompt_logprobs)
         if out.new_token_ids:
@@ -245,7 +248,8 @@ class OutputProcessor:
         if parent is None:
             return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids,
                                  [completion], state.finished, state.prompt_logprobs,
-                                 state.num_cached_tokens)
+                                 state.num_cached_tokens,
+                                 kv_transfer_params=state.kv_transfer_params)
         parent.outputs[state.index] = completion
         if state.finished:
             parent.finished_children.add(state.index)

@@ -12,6 +12,7 @@ from pagedllm.entrypoints.chat_cli import add_chat_parser
 from pagedllm.entrypoints.cli_parser import CLIArgumentParser
 from pagedllm.entrypoints.cli_sampling import add_sampling_args
 from pagedllm.entrypoints.openai.cli_args import add_serve_parser
+from pagedllm.entrypoints.openai.pd_proxy import add_proxy_parser
 from pagedllm.entrypoints.verify import add_verify_parser
 
 # Tokens `pagedllm generate` makes when neither --max-tokens nor the model's max_new_tokens says.
@@ -113,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(subparsers)
     add_bench_parser(subparsers)
     add_verify_parser(subparsers)
+    add_proxy_parser(subparsers)
     return parser
 
 

@@ -95,7 +95,11 @@ def test_roles_and_reset():
     ({"kv_connector": "NixlConnector"}, "unknown kv_connector 'NixlConnector'"),
     ({"kv_connector": "OffloadingConnector", "kv_role": "kv_sender"}, "kv_role must be one of"),
     ({"kv_role": "kv_both"}, "kv_connector is required"),
-    ({"kv_connector": "OffloadingConnector", "kv_port": 1}, r"unknown keys \['kv_port'\]"),
+    ({"kv_connector": "OffloadingConnector", "kv_buffer_size": 1},
+     r"unknown keys \['kv_buffer_size'\]"),
+    ({"kv_connector": "OffloadingConnector",
+      "kv_connector_extra_config": {"kv_offloading_size": 1, "cpu_bytes": 2}},
+     r"unknown kv_connector_extra_config keys \['cpu_bytes'\] for OffloadingConnector"),
 ])
 def test_transfer_config_errors(values, message):
     with pytest.raises(ValueError, match=message):

@@ -122,6 +122,11 @@ _VALID: dict[str, st.SearchStrategy] = {
     "structured_outputs": st.sampled_from([{"choice": ["yes", "no"]}, {"regex": "[a-c]{1,3}"},
                                            {"json_object": True},
                                            {"json": {"type": "integer"}}]),
+    # (An engine without a KV connector ignores kv_transfer_params.)
+    "extra_args": st.none() | st.fixed_dictionaries({}, optional={
+        "kv_transfer_params": st.dictionaries(
+            st.sampled_from(["do_remote_decode", "do_remote_prefill", "remote_port", "x"]),
+            st.booleans() | st.integers(0, 70000) | st.text(max_size=4), max_size=3)}),
 }
 assert set(_VALID) == set(FIELDS), set(FIELDS) ^ set(_VALID)
 

@@ -22,18 +22,24 @@ from __future__ import annotations
 from typing import Protocol
 
 from pagedllm.core.request import Request
-from pagedllm.core.sched_output import KVConnectorStats, SchedulerOutput
+from pagedllm.core.sched_output import KVConnectorStats, KVTransferError, SchedulerOutput
 
-__all__ = ["KVConnectorScheduler", "KVConnectorStats"]
+__all__ = ["KVConnectorScheduler", "KVConnectorStats", "KVTransferError"]
 
 
 class KVConnectorScheduler(Protocol):
     """The scheduler side of a connector (one instance, in the engine core)."""
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
+                                   ) -> int | None:
         """Tokens after the first `num_computed_tokens` (device prefix hits, a whole number of
         blocks) this connector can supply; never past `request.num_tokens - 1` (the last
-        token's logits must be computed)."""
+        token's logits must be computed). None: not known yet (an asynchronous lookup or
+        transfer runs; the request waits without blocking the others and is asked again).
+
+        Raises:
+            KVTransferError: the request cannot get its KV (it fails alone).
+        """
 
     def update_state_after_alloc(self, request: Request, block_ids: list[int],
                                  num_external_tokens: int) -> None:
@@ -44,9 +50,12 @@ class KVConnectorScheduler(Protocol):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> object:
         """What the workers do this step (plain, picklable data); resets the step's state."""
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> bool:
-        """The request finished or was preempted; True if its blocks must stay allocated until
-        the workers report its transfer done (asynchronous saves), False to free them now."""
+    def request_finished(self, request: Request, block_ids: list[int]
+                         ) -> tuple[bool, dict | None]:
+        """The request finished (vLLM's signature): whether its blocks must stay allocated
+        until the workers report its transfer done (asynchronous saves; no connector here asks
+        it, the scheduler frees them at once), and the `kv_transfer_params` its final output
+        carries (None: none)."""
 
     def update_worker_infos(self, worker_infos: list[dict]) -> None:
         """The ranks' `KVConnectorWorker.info()` after a weight update (a disk tier's file
@@ -58,3 +67,6 @@ class KVConnectorScheduler(Protocol):
 
     def stats(self) -> KVConnectorStats:
         """Counts since start."""
+
+    def shutdown(self) -> None:
+        """Release sockets and threads (the engine shuts down)."""

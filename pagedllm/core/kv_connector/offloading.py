@@ -183,10 +183,11 @@ class OffloadingConnectorScheduler:
         self._pinned.add(slot)
         return slot
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> bool:
+    def request_finished(self, request: Request, block_ids: list[int]
+                         ) -> tuple[bool, dict | None]:
         self._requests.pop(request.request_id, None)
         self._matched.pop(request.request_id, None)
-        return False
+        return False, None
 
     def update_worker_infos(self, worker_infos: list[dict]) -> None:
         if self.disk is not None:
@@ -205,6 +206,9 @@ class OffloadingConnectorScheduler:
 
     def stats(self) -> KVConnectorStats:
         return KVConnectorStats(**vars(self._stats))
+
+    def shutdown(self) -> None:
+        """Nothing to release: the tiers' bytes live in the workers."""
 
     @property
     def num_tier_blocks_used(self) -> int:

@@ -188,6 +188,10 @@ class _SamplingRequest(_StrictModel):
     truncate_prompt_tokens: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # vLLM's prefill/decode disaggregation handshake (docs/kv_connectors.md): read by the KV
+    # connector; {"do_remote_decode": true} to a prefill instance, its answer's
+    # kv_transfer_params to the decode instance.
+    kv_transfer_params: dict[str, Any] | None = None
     # Accepted and ignored: they do not change the answer.
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -310,7 +314,11 @@ class _SamplingRequest(_StrictModel):
         defaults = {**BUILTIN_SAMPLING_DEFAULTS, **(default_sampling_params or {})}
         sampling = {name: defaults[name] if getattr(self, name) is None else getattr(self, name)
                     for name in BUILTIN_SAMPLING_DEFAULTS}
+        if self.kv_transfer_params is not None and self.n != 1:
+            raise ValueError("kv_transfer_params (prefill/decode disaggregation) needs n=1")
         return SamplingParams(
+            extra_args=(None if self.kv_transfer_params is None
+                        else {"kv_transfer_params": self.kv_transfer_params}),
             logprobs=self.num_logprobs(), logit_bias=self.logit_bias,
             allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
             n=self.n, **sampling,
@@ -543,6 +551,8 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    # A prefill instance's answer for the decode instance (docs/kv_connectors.md).
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class FunctionCallOutput(BaseModel):
@@ -602,6 +612,8 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
     # With the request's prompt_logprobs: per prompt token (the first one has null).
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+    # A prefill instance's answer for the decode instance (docs/kv_connectors.md).
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class ChatStreamChoice(BaseModel):
@@ -630,6 +642,8 @@ class CompletionChunk(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    # A prefill instance's answer for the decode instance (docs/kv_connectors.md).
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class TokenizeRequest(_StrictModel):

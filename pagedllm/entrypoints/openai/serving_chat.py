@@ -148,7 +148,8 @@ class ServingChat:
         return ChatCompletionResponse(
             id=response_id, created=created, model=chat.model, usage=self.usage(final),
             choices=choices,
-            prompt_logprobs=prompt_logprobs_of(final, request.return_tokens_as_token_ids))
+            prompt_logprobs=prompt_logprobs_of(final, request.return_tokens_as_token_ids),
+            kv_transfer_params=final.kv_transfer_params)
 
     async def admit_chat(self, request: ChatCompletionRequest, request_id: str) -> AdmittedChat:
         """Check, render and queue a chat request as engine request `request_id` (or run its

@@ -114,6 +114,11 @@ class ServingCompletion:
                 f"{len(texts)} prompts x n={request.n} would be {len(texts) * request.n} "
                 f"sequences, more than {MAX_SEQUENCES_PER_REQUEST} per request; send several "
                 f"requests", 400, param="n" if request.n > MAX_SEQUENCES_PER_REQUEST else "prompt")
+        if request.kv_transfer_params is not None and (len(texts) != 1
+                                                       or request.use_beam_search):
+            raise OpenAIServingError("kv_transfer_params (prefill/decode disaggregation) needs "
+                                     "one prompt and no beam search", 400,
+                                     param="kv_transfer_params")
         prompts = [self._prepare(p, request) for p in texts]
         response_id, engine_id = self.serving.request_ids(request, "cmpl")
         created = now_s()
@@ -141,7 +146,8 @@ class ServingCompletion:
                     finish_reason=completion.finish_reason, stop_reason=completion.stop_reason))
         choices.sort(key=lambda c: c.index)
         return CompletionResponse(id=response_id, created=created, model=model, choices=choices,
-                                  usage=usage_of(finals))
+                                  usage=usage_of(finals),
+                                  kv_transfer_params=finals[0].kv_transfer_params)
 
     async def _stream(self, request: CompletionRequest, prompts: list[_PreparedPrompt],
                       streams: list[RequestStream], response_id: str, created: int,

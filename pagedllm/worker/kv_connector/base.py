@@ -92,6 +92,25 @@ def model_fingerprint(model_path: str) -> str:
     return h.hexdigest()[:16]
 
 
+def kv_layout(kv_caches: dict[str, torch.Tensor], fingerprint: str, rank: int) -> str:
+    """What a stored or transferred block of rank `rank` must say to be loaded there: the
+    model's fingerprint (`model_fingerprint`), the rank, and each layer's name, dtype and block
+    shape."""
+    layers = ";".join(f"{name}:{str(c.dtype)[6:]}:{'x'.join(map(str, c.shape[2:]))}"
+                      for name, c in kv_caches.items())
+    return f"{fingerprint};rank{rank};{layers}"
+
+
+def check_unquantized(connector: str, kv_caches: dict[str, torch.Tensor]) -> None:
+    """Raises ValueError unless every KV tensor is [2, num_blocks, block_size, heads,
+    head_size] (a quantized cache's scales share its allocation)."""
+    for name, cache in kv_caches.items():
+        if cache.dim() != 5 or cache.shape[0] != 2:
+            raise ValueError(f"{connector}: layer {name}'s KV cache has shape "
+                             f"{tuple(cache.shape)}; only unquantized caches "
+                             "[2, blocks, block_size, heads, head_size] are supported")
+
+
 def create_worker_connector(config, kv_caches: dict[str, torch.Tensor], bytes_per_block: int,
                             device: torch.device, rank: int = 0,
                             fingerprint: str = "") -> KVConnectorWorker:
@@ -106,4 +125,8 @@ def create_worker_connector(config, kv_caches: dict[str, torch.Tensor], bytes_pe
         from pagedllm.worker.kv_connector.offloading import OffloadingConnectorWorker
         return OffloadingConnectorWorker(config.kv_connector_extra_config, kv_caches,
                                          bytes_per_block, device, rank, fingerprint)
+    if config.kv_connector == "P2pShmConnector":
+        from pagedllm.worker.kv_connector.p2p_shm import P2pShmConnectorWorker
+        return P2pShmConnectorWorker(config, kv_caches, bytes_per_block, device, rank,
+                                     fingerprint)
     raise ValueError(f"unknown kv_connector {config.kv_connector!r}")

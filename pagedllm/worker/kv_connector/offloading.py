@@ -13,6 +13,7 @@ from pagedllm.core.kv_connector.disk_tier import (block_file, decode_block_file,
                                                   encode_block_file, make_tier_folder,
                                                   write_block_file)
 from pagedllm.core.kv_connector.offloading import OffloadingMetadata
+from pagedllm.worker.kv_connector.base import check_unquantized, kv_layout
 
 GiB = 1 << 30
 
@@ -58,11 +59,8 @@ class OffloadingConnectorWorker:
         self._meta: OffloadingMetadata | None = None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        check_unquantized("OffloadingConnector", kv_caches)
         for name, cache in kv_caches.items():
-            if cache.dim() != 5 or cache.shape[0] != 2:
-                raise ValueError(f"OffloadingConnector: layer {name}'s KV cache has shape "
-                                 f"{tuple(cache.shape)}; only unquantized caches "
-                                 "[2, blocks, block_size, heads, head_size] are supported")
             shape = (2, self.num_slots) + tuple(cache.shape[2:])
             host = self._host.get(name)
             if host is None or host.shape != shape or host.dtype != cache.dtype:
@@ -79,9 +77,7 @@ class OffloadingConnectorWorker:
     def layout(self) -> str:
         """What a block file of this rank must say to be loaded here: the model's
         fingerprint, the rank, and each layer's name, dtype and block shape."""
-        layers = ";".join(f"{name}:{str(c.dtype)[6:]}:{'x'.join(map(str, c.shape[2:]))}"
-                          for name, c in self._kv_caches.items())
-        return f"{self.fingerprint};rank{self.rank};{layers}"
+        return kv_layout(self._kv_caches, self.fingerprint, self.rank)
 
     def bind_connector_metadata(self, metadata: object) -> None:
         self._meta = metadata if isinstance(metadata, OffloadingMetadata) else None
