@@ -22,9 +22,10 @@ import pytest
 import zmq
 
 from pagedllm import SamplingParams
+from pagedllm.core.scheduler import SchedulerStats
 from pagedllm.engine import core_serial as wire
 from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError
-from pagedllm.engine.core_client import MPEngineCoreClient
+from pagedllm.engine.core_client import MPEngineCoreClient, SpawnLauncher
 from pagedllm.engine.core_proc import EngineCoreProc
 from pagedllm.engine.engine_core import EngineCoreRequest
 from pagedllm.engine.llm_engine import LLMEngine
@@ -209,16 +210,16 @@ def test_socket_bytes_never_run_code(mp_engine: LLMEngine, inproc_engine: LLMEng
     sock.close(linger=1000)
     ctx.term()
     # The core's side of the loop drops such frames too (checked on an in-process core).
-    proc = EngineCoreProc(inproc_engine.engine_core, None, None, os.getpid())
+    proc = EngineCoreProc(inproc_engine.engine_core, [], [], os.getpid())
     refused: list = []
-    proc._handle(memoryview(payload), refused)
+    proc._handle(0, memoryview(payload), refused)
     assert not refused and not proc._stopping
     # A well-formed frame with malformed sampling parameters fails that request alone.
     for bad in ({"temperature": -1.0, "output_kind": 0}, {"temperature": 0.0},
                 {"output_kind": 0, "no_such_field": 1}):
         frame = msgspec.msgpack.encode(wire.AddRequest("bad", [1, 2], bad, 3, None, 0, None))
-        proc._handle(memoryview(frame), refused)
-    assert [o.finish_reason for o in refused] == ["error"] * 3
+        proc._handle(0, memoryview(frame), refused)
+    assert [o.finish_reason for _, o in refused] == ["error"] * 3
     assert not inproc_engine.engine_core.has_unfinished_requests()
     result = proc._call_utility(wire.CallUtility(0, "__class__", []))
     assert result.error is not None and "private" in result.error
@@ -226,6 +227,42 @@ def test_socket_bytes_never_run_code(mp_engine: LLMEngine, inproc_engine: LLMEng
                                                                 max_tokens=3))})
     assert len(out["after"][0][0][0]) == 3
     assert not marker.exists()
+
+
+class _TcpLauncher(SpawnLauncher):
+    """A local core process reached over TCP + CURVE, as a Ray actor on another node is."""
+
+    bind_host = "127.0.0.1"
+
+
+@pytest.mark.slow
+def test_tcp_transport_admits_only_its_core(tiny_llama: Path, inproc_engine: LLMEngine,
+                                            tmp_path: Path) -> None:
+    """Over TCP (the Ray backend's transport) the sockets listen on the configured address
+    only, and a peer without the core's CURVE key pair neither receives requests nor gets its
+    bytes (a pickle) read: the requests still finish as in-process, and nothing ran."""
+    config = inproc_engine.config
+    engine = LLMEngine(config, multiprocess_mode=_TcpLauncher())
+    try:
+        client = engine.engine_core
+        assert client.input_address.startswith("tcp://127.0.0.1:")
+        marker = tmp_path / "pwned"
+        ctx = zmq.Context()
+        thief = ctx.socket(zmq.PULL)     # would take every other request from a plain PUSH
+        thief.connect(client.input_address)
+        forger = ctx.socket(zmq.PUSH)
+        forger.connect(client.output_address)
+        forger.send(pickle.dumps(_RunsCode(str(marker))), zmq.NOBLOCK)
+        requests = {f"r{i}": (p, SamplingParams(temperature=0.0, max_tokens=6))
+                    for i, p in enumerate(PROMPTS)}
+        assert _run(engine, requests) == _run(inproc_engine, requests)
+        assert not thief.poll(500)
+        thief.close(linger=0)
+        forger.close(linger=0)
+        ctx.term()
+        assert not marker.exists()
+    finally:
+        engine.engine_core.shutdown()
 
 
 @pytest.mark.slow
@@ -247,7 +284,13 @@ def test_async_streaming_abort_and_sigkill(mp_engine: LLMEngine,
     params = SamplingParams(temperature=0.0, max_tokens=8, output_kind=RequestOutputKind.DELTA)
     expected = _run(inproc_engine, {"s": (PROMPTS[4], SamplingParams(temperature=0.0,
                                                                      max_tokens=8))})
-    async_llm = AsyncLLM(mp_engine)
+    recorded: list[SchedulerStats] = []
+
+    class Recorder:
+        def record(self, scheduler_stats, iteration_stats) -> None:
+            recorded.append(scheduler_stats)
+
+    async_llm = AsyncLLM(mp_engine, [Recorder()])
     dead: list[BaseException] = []
 
     async def run():
@@ -260,6 +303,12 @@ def test_async_streaming_abort_and_sigkill(mp_engine: LLMEngine,
             temperature=0.0, max_tokens=500, ignore_eos=True))
         await stream.__anext__()
         stream.close()
+        # The gauges follow the abort: the last stats recorded (an idle loop records nothing
+        # more) show no request running (they kept showing 1 after a client disconnect).
+        deadline = time.monotonic() + 10
+        while recorded[-1].num_running_reqs or recorded[-1].num_waiting_reqs:
+            assert time.monotonic() < deadline, recorded[-1]
+            await asyncio.sleep(0.05)
         # A pending request when the core process is SIGKILLed: fails at once.
         stream = await async_llm.add_request("killed", PROMPTS[1], SamplingParams(
             temperature=0.0, max_tokens=1000, ignore_eos=True))
