@@ -2,10 +2,11 @@
 talking to the same engine-core process(es).
 
     launcher (this process)
-      binds host:port once ───────────────┐ the listening socket, inherited by every API server:
-      spawns D engine-core processes      │ the kernel hands each new connection to one of them
-      spawns N API-server processes  ◄────┘ each: HTTP, JSON, tokenization, detokenization,
-      waits                                 routing over the D cores (core_client.AttachLauncher)
+      checks host:port is free            each API server listens on host:port with
+      spawns D engine-core processes      SO_REUSEPORT: the kernel spreads new connections over
+      spawns N API-server processes       them by a hash of the client's address and port; each:
+      waits                               HTTP, JSON, tokenization, detokenization, routing over
+                                          the D cores (core_client.AttachLauncher)
 
       API server a ──PUSH ipc in_{d,a}──► engine core d (one PULL per API server; a request's
                    ◄─PULL ipc out_{d,a}──  outputs go back to the API server it came from)
@@ -39,8 +40,6 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from typing import Any
-
-import uvicorn
 
 from pagedllm.config import create_engine_config
 from pagedllm.engine.core_client import AttachLauncher
@@ -80,7 +79,9 @@ def run_api_server_pool(model: str, engine_kwargs: dict[str, Any], api_server_co
     folder = tempfile.mkdtemp(prefix="pagedllm-api-pool-")   # mode 0700: this user only
     endpoints = [[CoreEndpoints(f"ipc://{folder}/in-{d}-{a}", f"ipc://{folder}/out-{d}-{a}")
                   for a in range(api_server_count)] for d in range(data_parallel_size)]
-    listener = uvicorn.Config(app=None, host=host, port=port).bind_socket()
+    # Held (bound, not listening) until the API servers listen: nobody else takes the port.
+    # (Only processes of this user may join a SO_REUSEPORT group on Linux.)
+    placeholder = reuse_port_socket(host, port)
     cores: list[mp.process.BaseProcess] = []
     servers: list[mp.process.BaseProcess] = []
     wake_r, wake_w = os.pipe()
@@ -105,16 +106,16 @@ def run_api_server_pool(model: str, engine_kwargs: dict[str, Any], api_server_co
             launchers = [AttachLauncher(endpoints[d][a], cores[d].pid)
                          for d in range(data_parallel_size)]
             server = ctx.Process(target=_api_server_main, name=f"pagedllm-api-server-{a}",
-                                 args=(a, listener, model, engine_kwargs, launchers,
+                                 args=(a, host, port, model, engine_kwargs, launchers,
                                        server_kwargs or {}))
             server.start()
             servers.append(server)
-        listener.close()   # the API servers hold it now
         logger.info("%d API servers (pids %s) on http://%s:%d, %d engine cores (pids %s)",
                     api_server_count, [s.pid for s in servers], host, port,
                     data_parallel_size, [c.pid for c in cores])
         return _wait(cores, servers, wake_r, stopping)
     finally:
+        placeholder.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         _stop(servers, cores)
@@ -158,11 +159,31 @@ def _stop(servers: Sequence[mp.process.BaseProcess],
                 proc.join()
 
 
-def _api_server_main(index: int, listener: socket.socket, model: str,
+def reuse_port_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port with SO_REUSEADDR and SO_REUSEPORT (not listening yet).
+
+    Raises:
+        ValueError: host:port cannot be bound (in use without SO_REUSEPORT, not local).
+    """
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+def _api_server_main(index: int, host: str, port: int, model: str,
                      engine_kwargs: dict[str, Any], launchers: list[AttachLauncher],
                      server_kwargs: dict[str, Any]) -> None:
-    """One API server of the pool: `run_server` on the shared socket, over the pool's cores."""
+    """One API server of the pool: `run_server` on its own SO_REUSEPORT socket of host:port,
+    over the pool's cores."""
     from pagedllm.entrypoints.openai.api_server import run_server
 
-    sys.exit(run_server(model, engine_kwargs, core_launchers=launchers, sockets=[listener],
-                        **server_kwargs))
+    sys.exit(run_server(model, engine_kwargs, core_launchers=launchers,
+                        sockets=[reuse_port_socket(host, port)], **server_kwargs))
