@@ -210,15 +210,6 @@ class MPEngineCoreClient:
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.RCVHWM, 0)
         self._auth = None
-        if launcher.bind_host is None:
-            endpoints = launcher.fixed_endpoints or CoreEndpoints(f"ipc://{self._dir}/input",
-                                                                  f"ipc://{self._dir}/output")
-            self.input_address = endpoints.input_address
-            self.output_address = endpoints.output_address
-            self._inputs.bind(self.input_address)
-            self._outputs.bind(self.output_address)
-        else:
-            endpoints = self._bind_tcp(launcher.bind_host)
         self._encoder = wire.make_encoder()
         self._decoder = wire.make_output_decoder()
         # `wake()` writes a byte here to end a `step()` that waits for outputs.
@@ -226,6 +217,15 @@ class MPEngineCoreClient:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         try:
+            if launcher.bind_host is None:
+                endpoints = launcher.fixed_endpoints or CoreEndpoints(
+                    f"ipc://{self._dir}/input", f"ipc://{self._dir}/output")
+                self.input_address = endpoints.input_address
+                self.output_address = endpoints.output_address
+                self._inputs.bind(self.input_address)
+                self._outputs.bind(self.output_address)
+            else:
+                endpoints = self._bind_tcp(launcher.bind_host)
             self._proc = launcher.launch(config, endpoints, os.getpid())
         except BaseException:
             _release(None, self._inputs, b"", self._zmq, self._auth, self._dir,

@@ -229,6 +229,52 @@ def test_socket_bytes_never_run_code(mp_engine: LLMEngine, inproc_engine: LLMEng
     assert not marker.exists()
 
 
+def test_core_serves_several_front_ends(inproc_engine: LLMEngine) -> None:
+    """One core, two front ends (the API-server pool's layout): each request's outputs and each
+    utility result go back to the front end that sent it, aborts are acknowledged to their
+    sender, and a front end with no request on the core still gets the stats once it is idle."""
+    ctx = zmq.Context()
+    fronts, pulls, pushes = [], [], []
+    for i in range(2):
+        to_core, from_core = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+        to_core.bind(f"inproc://in{i}")
+        from_core.bind(f"inproc://out{i}")
+        pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+        pull.connect(f"inproc://in{i}")
+        push.connect(f"inproc://out{i}")
+        fronts.append((to_core, from_core))
+        pulls.append(pull)
+        pushes.append(push)
+    proc = EngineCoreProc(inproc_engine.engine_core, pulls, pushes, os.getpid())
+    encoder, decoder = wire.make_encoder(), wire.make_output_decoder()
+    params = {"temperature": 0.0, "max_tokens": 3, "output_kind": 0}
+    prompt = inproc_engine.tokenizer.encode(PROMPTS[0])
+    fronts[0][0].send(encoder.encode(wire.AddRequest("a", prompt, params, 3, None, 0, None)))
+    fronts[1][0].send(encoder.encode(wire.AddRequest("b", prompt, params, 3, None, 0, None)))
+    fronts[1][0].send(encoder.encode(wire.AddRequest("c", prompt, params, 3, None, 0, None)))
+    fronts[1][0].send(encoder.encode(wire.AbortRequests(["c"])))
+    proc._process_inputs(block=False)
+    fronts[1][0].send(encoder.encode(wire.CallUtility(7, "get_num_unfinished_requests", [])))
+    proc._process_inputs(block=False)
+    while proc.core.has_unfinished_requests():
+        proc._send_outputs(proc.core.step())
+    received: list[list] = [[], []]
+    for i, (_, from_core) in enumerate(fronts):
+        while from_core.poll(100):
+            received[i].append(decoder.decode(from_core.recv()))
+    steps = [[m for m in msgs if isinstance(m, wire.StepOutputs)] for msgs in received]
+    ids = [{o.request_id for m in msgs for o in m.outputs} for msgs in steps]
+    assert ids == [{"a"}, {"b"}]
+    assert [sum(m.aborts_handled for m in msgs) for msgs in steps] == [0, 1]
+    results = [m for m in received[1] if isinstance(m, wire.UtilityResult)]
+    assert [(r.call_id, r.result) for r in results] == [(7, 2)]
+    assert not any(isinstance(m, wire.UtilityResult) for m in received[0])
+    assert steps[0][-1].stats.num_running_reqs == steps[1][-1].stats.num_running_reqs == 0
+    for sock in (*pulls, *pushes, *(s for pair in fronts for s in pair)):
+        sock.close(linger=0)
+    ctx.term()
+
+
 class _TcpLauncher(SpawnLauncher):
     """A local core process reached over TCP + CURVE, as a Ray actor on another node is."""
 
