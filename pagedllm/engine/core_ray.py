@@ -111,6 +111,9 @@ class RayCoreLauncher:
     """Starts replica `index`'s engine core in bundle `index` of `placement` (see
     `core_client.CoreLauncher`)."""
 
+    fixed_endpoints = None
+    shared = False
+
     def __init__(self, placement: RayReplicaPlacement, index: int) -> None:
         self.placement = placement
         self.index = index

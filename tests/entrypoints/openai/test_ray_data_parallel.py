@@ -33,12 +33,13 @@ ROOT = Path(__file__).resolve().parents[3]
 RAY = str(Path(sys.executable).with_name("ray"))
 
 
-def _start_node(args: list[str], env: dict[str, str]) -> subprocess.Popen:
+def _start_node(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
     """`ray start --block ARGS` in its own session, so the node's processes are ended by
-    process group."""
-    return subprocess.Popen([RAY, "start", "--block", "--disable-usage-stats", *args], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    process group; its output goes to `log`."""
+    with log.open("w") as out:
+        return subprocess.Popen([RAY, "start", "--block", "--disable-usage-stats", *args],
+                                env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
 
 
 def _stop_node(proc: subprocess.Popen) -> None:
@@ -65,27 +66,39 @@ def ray_cluster(tmp_path_factory) -> Iterator[dict[str, str]]:
     temp_dir = tmp_path_factory.mktemp("ray")
     nodes = [_start_node(["--head", "--node-ip-address", "127.0.0.1", "--port", str(port),
                           "--num-cpus", "1", "--include-dashboard=false",
-                          "--temp-dir", str(temp_dir)], env)]
+                          "--temp-dir", str(temp_dir)], env, temp_dir / "head.log")]
     try:
-        _wait_for_nodes(env, 1)
-        nodes.append(_start_node(["--address", f"127.0.0.1:{port}", "--node-ip-address",
-                                  "127.0.0.1", "--num-cpus", "1",
-                                  "--resources", '{"second_node": 1}'], env))
-        _wait_for_nodes(env, 2)
+        assert _wait_for_nodes(env, 1, nodes), "the Ray head did not start"
+        # NOTE(test): a node gives its raylet 30 s to register (fixed in Ray); on a loaded
+        # machine that can pass, and the node exits: start it again.
+        for attempt in range(3):
+            nodes.append(_start_node(["--address", f"127.0.0.1:{port}", "--node-ip-address",
+                                      "127.0.0.1", "--num-cpus", "1",
+                                      "--resources", '{"second_node": 1}'], env,
+                                     temp_dir / f"second-{attempt}.log"))
+            if _wait_for_nodes(env, 2, nodes[-1:]) or attempt == 2:
+                break
+            _stop_node(nodes.pop())
+        assert nodes[-1].poll() is None, "the second Ray node did not start"
         yield env
     finally:
         for node in reversed(nodes):
             _stop_node(node)
 
 
-def _wait_for_nodes(env: dict[str, str], count: int, timeout_s: float = 180) -> None:
+def _wait_for_nodes(env: dict[str, str], count: int, nodes: list[subprocess.Popen],
+                    timeout_s: float = 400) -> bool:
+    """True once the cluster has `count` live nodes; False if one of `nodes` exited first."""
     code = ("import ray, sys; ray.init(); "
             "sys.exit(0 if sum(n['Alive'] for n in ray.nodes()) >= %d else 3)" % count)
     deadline = time.monotonic() + timeout_s
     while subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                          timeout=timeout_s).returncode != 0:
+        if any(n.poll() is not None for n in nodes):
+            return False
         assert time.monotonic() < deadline, f"the Ray cluster did not reach {count} nodes"
-        time.sleep(2)
+        time.sleep(3)
+    return True
 
 
 def _core_actor_pids() -> list[int]:
