@@ -6,7 +6,10 @@ EngineCoreClient with `multiprocess_mode`).
   the default of `LLM` and the server);
 - `multiprocess_mode=True`: an `MPEngineCoreClient`, with the same methods, whose core runs in a
   spawned process (core_proc.py) behind two ZeroMQ IPC sockets, so tokenization,
-  detokenization, HTTP and JSON in the front end no longer compete with scheduling for one GIL.
+  detokenization, HTTP and JSON in the front end no longer compete with scheduling for one GIL;
+- `multiprocess_mode=<a CoreLauncher>`: the same client, its core started by that launcher, e.g.
+  as a Ray actor on any node of a cluster (core_ray.py, `--data-parallel-backend ray`): then the
+  sockets are TCP, bound to the launcher's `bind_host` only and protected by CURVE.
 
 Any public method of `EngineCore` is reachable through the client as a *utility call*
 (`client.reset_prefix_cache()` is `client.call_utility("reset_prefix_cache")`): a method added to
@@ -28,21 +31,23 @@ import itertools
 import logging
 import multiprocessing as mp
 import os
+import select
 import shutil
 import tempfile
 import time
 import typing
 import weakref
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 import zmq
+import zmq.auth.thread
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import EngineCoreOutput, EplbStats
 from pagedllm.core.scheduler import SchedulerStats
 from pagedllm.engine import core_serial as wire
-from pagedllm.engine.core_proc import run_engine_core
+from pagedllm.engine.core_proc import CoreEndpoints, run_engine_core
 from pagedllm.engine.engine_core import EngineCore, EngineCoreRequest
 from pagedllm.engine.sleep_mode import EngineSleepingError
 from pagedllm.executor.multiproc import check_main_reimportable
@@ -63,16 +68,117 @@ class EngineDeadError(RuntimeError):
     served any more."""
 
 
-def make_engine_core_client(config: EngineConfig, multiprocess_mode: bool = False):
+class CoreHandle(Protocol):
+    """A started engine core, as the client watches and stops it (the subset of
+    `multiprocessing.Process` it uses)."""
+
+    pid: int | None
+    sentinel: int       # a file descriptor that becomes readable when the core has ended
+    exitcode: int | None
+
+    def is_alive(self) -> bool: ...
+
+    def join(self, timeout: float | None = None) -> None: ...
+
+    def terminate(self) -> None: ...
+
+    def kill(self) -> None: ...
+
+
+class CoreLauncher(Protocol):
+    """Starts an engine core that connects to a client's sockets.
+
+    `bind_host` None: the core runs on this machine and the client binds IPC sockets in a
+    private folder; else the client binds TCP sockets on that address only (an address of this
+    machine the core's node can reach) with CURVE encryption and authentication.
+    `fixed_endpoints`: IPC endpoints chosen by whoever started a shared core (the client binds
+    them instead of its own). `shared`: the core serves other front ends too: the client
+    never stops it (whoever started it does)."""
+
+    bind_host: str | None
+    fixed_endpoints: CoreEndpoints | None
+    shared: bool
+
+    def launch(self, config: EngineConfig, endpoints: CoreEndpoints,
+               parent_pid: int) -> CoreHandle: ...
+
+
+class SpawnLauncher:
+    """The core in a process spawned on this machine (`multiprocess_mode=True`)."""
+
+    bind_host = None
+    fixed_endpoints = None
+    shared = False
+
+    def launch(self, config: EngineConfig, endpoints: CoreEndpoints,
+               parent_pid: int) -> CoreHandle:
+        check_main_reimportable("spawn")
+        proc = mp.get_context("spawn").Process(target=run_engine_core,
+                                               name="pagedllm-engine-core",
+                                               args=(config, endpoints, parent_pid))
+        proc.start()
+        return proc
+
+
+class AttachLauncher:
+    """An engine-core process started by someone else (the API-server pool,
+    entrypoints/openai/api_server_pool.py) that serves several front ends; this client binds
+    `endpoints` (IPC, in the pool's private folder) and watches process `pid`.
+
+    Raises (launch): OSError if process `pid` does not exist.
+    """
+
+    bind_host = None
+    shared = True
+
+    def __init__(self, endpoints: CoreEndpoints, pid: int) -> None:
+        self.fixed_endpoints = endpoints
+        self.pid = pid
+
+    def launch(self, config: EngineConfig, endpoints: CoreEndpoints,
+               parent_pid: int) -> CoreHandle:
+        return PidHandle(self.pid)
+
+
+class PidHandle:
+    """A process of this machine that is not our child, as a `CoreHandle`: its pidfd is the
+    sentinel (Linux >= 5.3); stopping it is its parent's business."""
+
+    exitcode = None
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.sentinel = os.pidfd_open(pid)
+        weakref.finalize(self, os.close, self.sentinel)
+
+    def is_alive(self) -> bool:
+        return not select.select([self.sentinel], [], [], 0)[0]
+
+    def join(self, timeout: float | None = None) -> None:
+        select.select([self.sentinel], [], [], timeout)
+
+    def terminate(self) -> None:
+        pass
+
+    def kill(self) -> None:
+        pass
+
+
+def make_engine_core_client(config: EngineConfig,
+                            multiprocess_mode: bool | CoreLauncher = False):
     """The engine core for a front end: `EngineCore(config)` in this process, or an
-    `MPEngineCoreClient(config)` serving it from its own process (see the module docstring).
+    `MPEngineCoreClient(config)` serving it from its own process, started by
+    `multiprocess_mode` when that is a `CoreLauncher` (see the module docstring).
 
     Raises:
         whatever building the core raises (in multiprocess mode: the core's start-up error as
         the same builtin exception type, else RuntimeError, with its message; EngineDeadError
         if its process died while starting).
     """
-    return MPEngineCoreClient(config) if multiprocess_mode else EngineCore(config)
+    if not multiprocess_mode:
+        return EngineCore(config)
+    launcher = None if multiprocess_mode is True else multiprocess_mode
+    return MPEngineCoreClient(config, launcher=launcher)
 
 
 class MPEngineCoreClient:
@@ -82,6 +188,7 @@ class MPEngineCoreClient:
     Args:
         config: validated engine config (sent to the child at spawn).
         start_timeout_s: how long the core may take to report Ready.
+        launcher: starts the core (default: `SpawnLauncher`, a process on this machine).
 
     Attributes:
         num_blocks, kv_cache_capacity, kv_cache_bytes_per_token: as `EngineCore`'s (reported
@@ -90,10 +197,11 @@ class MPEngineCoreClient:
         pid: the core process's id.
     """
 
-    def __init__(self, config: EngineConfig, start_timeout_s: float = _START_TIMEOUT_S) -> None:
+    def __init__(self, config: EngineConfig, start_timeout_s: float = _START_TIMEOUT_S,
+                 launcher: CoreLauncher | None = None) -> None:
         self.config = config
         self._sleep_level = 0   # mirrored from the sleep / wake_up calls made through us
-        check_main_reimportable("spawn")
+        launcher = launcher or SpawnLauncher()
         self._dir = tempfile.mkdtemp(prefix="pagedllm-core-")  # mode 0700: this user only
         self._zmq = zmq.Context()
         self._inputs = self._zmq.socket(zmq.PUSH)
@@ -102,30 +210,43 @@ class MPEngineCoreClient:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.RCVHWM, 0)
-        self.input_address = f"ipc://{self._dir}/input"
-        self.output_address = f"ipc://{self._dir}/output"
-        self._inputs.bind(self.input_address)
-        self._outputs.bind(self.output_address)
+        self._auth = None
         self._encoder = wire.make_encoder()
         self._decoder = wire.make_output_decoder()
         # `wake()` writes a byte here to end a `step()` that waits for outputs.
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
-        self._proc = mp.get_context("spawn").Process(
-            target=run_engine_core, name="pagedllm-engine-core",
-            args=(config, self.input_address, self.output_address, os.getpid()))
-        self._proc.start()
+        try:
+            if launcher.bind_host is None:
+                endpoints = launcher.fixed_endpoints or CoreEndpoints(
+                    f"ipc://{self._dir}/input", f"ipc://{self._dir}/output")
+                self.input_address = endpoints.input_address
+                self.output_address = endpoints.output_address
+                self._inputs.bind(self.input_address)
+                self._outputs.bind(self.output_address)
+            else:
+                endpoints = self._bind_tcp(launcher.bind_host)
+            self._proc = launcher.launch(config, endpoints, os.getpid())
+        except BaseException:
+            _release(None, self._inputs, b"", self._zmq, self._auth, self._dir,
+                     (self._wake_r, self._wake_w))
+            raise
         self.pid = self._proc.pid
-        self._finalizer = weakref.finalize(self, _release, self._proc, self._inputs,
+        self._finalizer = weakref.finalize(self, _release,
+                                           None if launcher.shared else self._proc, self._inputs,
                                            self._encoder.encode(wire.Shutdown()), self._zmq,
-                                           self._dir, (self._wake_r, self._wake_w))
+                                           self._auth, self._dir, (self._wake_r, self._wake_w))
         self._poller = zmq.Poller()
         self._poller.register(self._outputs, zmq.POLLIN)
         self._poller.register(self._proc.sentinel, zmq.POLLIN)
         self._poller.register(self._wake_r, zmq.POLLIN)
         self._dead: EngineDeadError | None = None
         self._unfinished: set[str] = set()
+        # Aborts sent that no StepOutputs has acknowledged yet (each carries the stats after
+        # the aborts it counts): the caller's loop keeps stepping until all are, so its gauges
+        # never keep aborted requests (a disconnected stream left num_requests_running at 1).
+        self._unacked_aborts = 0
         self._pending: list[EngineCoreOutput] = []
         self._results: dict[int, wire.UtilityResult] = {}
         self._call_ids = itertools.count()
@@ -148,6 +269,26 @@ class MPEngineCoreClient:
         self.kv_cache_capacity = self._ready.kv_cache_capacity
         self.kv_cache_bytes_per_token = self._ready.kv_cache_bytes_per_token
         self._stats = self.call_utility("get_stats")
+
+    def _bind_tcp(self, host: str) -> CoreEndpoints:
+        """Bind both sockets on `host` (free ports) as CURVE servers that accept only a key
+        pair made here for the core; the core receives it with its endpoints."""
+        server_public, server_secret = zmq.curve_keypair()
+        core_public, core_secret = zmq.curve_keypair()
+        self._auth = zmq.auth.thread.ThreadAuthenticator(self._zmq)
+        self._auth.start()
+        self._auth.configure_curve_callback("*", _OnlyKey(core_public))
+        where = f"[{host}]" if ":" in host else host
+        addresses = []
+        for sock in (self._inputs, self._outputs):
+            sock.ipv6 = ":" in host
+            sock.curve_server = True
+            sock.curve_secretkey = server_secret
+            port = sock.bind_to_random_port(f"tcp://{where}")
+            addresses.append(f"tcp://{where}:{port}")
+        self.input_address, self.output_address = addresses
+        return CoreEndpoints(self.input_address, self.output_address, server_public,
+                             core_public, core_secret)
 
     def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -196,6 +337,7 @@ class MPEngineCoreClient:
             return
         self._unfinished.difference_update(request_ids)
         self._send(wire.AbortRequests(list(request_ids)))
+        self._unacked_aborts += 1
 
     def wake(self) -> None:
         """End a `step()` waiting in another thread for outputs (it returns what it has, maybe
@@ -220,7 +362,9 @@ class MPEngineCoreClient:
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._unfinished) or bool(self._pending)
+        """True while requests are unfinished, outputs undelivered, or an abort unacknowledged
+        (the core acknowledges with its next step's outputs, or alone once it is idle)."""
+        return bool(self._unfinished) or bool(self._pending) or self._unacked_aborts > 0
 
     def get_num_unfinished_requests(self) -> int:
         return len(self._unfinished)
@@ -310,6 +454,7 @@ class MPEngineCoreClient:
             self._pending.extend(msg.outputs)
             self._unfinished.difference_update(o.request_id for o in msg.outputs if o.finished)
             self._stats = msg.stats
+            self._unacked_aborts -= msg.aborts_handled
             if msg.eplb_stats is not None:
                 self.eplb_stats = msg.eplb_stats
         elif isinstance(msg, wire.UtilityResult):
@@ -327,22 +472,39 @@ class MPEngineCoreClient:
         self._unfinished.clear()
 
 
-def _release(proc: mp.process.BaseProcess, inputs: zmq.Socket, shutdown_frame: bytes,
-             ctx: zmq.Context, path: str, pipe: tuple[int, int]) -> None:
+class _OnlyKey:
+    """ZeroMQ CURVE credentials check: the one client public key (z85) made for the core."""
+
+    def __init__(self, key: bytes) -> None:
+        self._key = key
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        if key != self._key:
+            logger.warning("refused a CURVE connection to the engine-core sockets with an "
+                           "unknown key")
+        return key == self._key
+
+
+def _release(proc: CoreHandle | None, inputs: zmq.Socket, shutdown_frame: bytes,
+             ctx: zmq.Context, auth: zmq.auth.thread.ThreadAuthenticator | None, path: str,
+             pipe: tuple[int, int]) -> None:
     """Stop `proc` (ask it to shut down, then wait, terminate, kill), close the sockets, remove
     the socket folder (also run at interpreter exit for a client never shut down)."""
-    if proc.is_alive():
-        try:
-            inputs.send(shutdown_frame, zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass
-    proc.join(_SHUTDOWN_GRACE_S)
-    if proc.is_alive():
-        proc.terminate()
+    if proc is not None:
+        if proc.is_alive():
+            try:
+                inputs.send(shutdown_frame, zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
         proc.join(_SHUTDOWN_GRACE_S)
-    if proc.is_alive():
-        proc.kill()
-        proc.join()
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(_SHUTDOWN_GRACE_S)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    if auth is not None:
+        auth.stop()
     ctx.destroy(linger=0)
     shutil.rmtree(path, ignore_errors=True)
     for fd in pipe:

@@ -6,14 +6,18 @@
                                                                  EngineCore.step() while busy
     step(): outputs, stats, utility results   ◄──PULL── PUSH    StepOutputs after every step
 
-The front end binds both IPC sockets in a private (0700) directory and this process connects to
-them: it listens on nothing. Frames are decoded into declared types only (core_serial.py).
+The front end binds both sockets and this process connects to them: it listens on nothing. On one
+machine they are IPC sockets in a private (0700) directory; a core on another machine (a Ray
+actor, core_ray.py) connects over TCP with CURVE (ZeroMQ's encryption and authentication: the
+front end accepts only the key pair it made for this core). Frames are decoded into declared
+types only (core_serial.py).
 
 The loop: take every waiting input (blocking while the core has nothing to do), run one step,
 send its outputs with the scheduler's stats. A request the core's own guard refuses (id in use,
 can never fit: the front end checks both first) comes back as an "error" output for that request
 only; an exception in a step is engine-wide: the process reports `EngineFailed` and exits 1.
-It also exits when its parent (the front end) is gone, so no engine process outlives its server.
+It also exits when its parent (the front end) is gone, so no engine process outlives its server
+(a Ray actor has no such parent: Ray ends an actor whose owner, the front end, died).
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ import logging
 import os
 import sys
 import typing
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -42,68 +48,123 @@ logger = logging.getLogger(__name__)
 _IDLE_POLL_MS = 500
 
 
-def run_engine_core(config: EngineConfig, input_address: str, output_address: str,
-                    parent_pid: int) -> None:
-    """Process entry point: build the core, report `Ready`, serve until `Shutdown` or failure.
+@dataclass(frozen=True)
+class CoreEndpoints:
+    """Where an engine core connects: the front end's two sockets and, for TCP, the CURVE keys
+    (z85 bytes) of this core's key pair and of the front end (None on IPC).
 
-    Exits with status 1 after reporting `EngineFailed` when start-up or a step fails.
+    Attributes:
+        input_address, output_address: ZeroMQ endpoints ("ipc://..." or "tcp://host:port").
+        curve_server_key: the front end's public key.
+        curve_public_key, curve_secret_key: the key pair the front end made for this core and
+            accepts alone.
+    """
+
+    input_address: str
+    output_address: str
+    curve_server_key: bytes | None = None
+    curve_public_key: bytes | None = None
+    curve_secret_key: bytes | None = None
+
+
+def run_engine_core(config: EngineConfig, endpoints: CoreEndpoints | Sequence[CoreEndpoints],
+                    parent_pid: int) -> None:
+    """Process entry point: `serve_engine_core`, then exit with its status."""
+    sys.exit(serve_engine_core(config, endpoints, parent_pid))
+
+
+def serve_engine_core(config: EngineConfig, endpoints: CoreEndpoints | Sequence[CoreEndpoints],
+                      parent_pid: int | None) -> int:
+    """Build the core, report `Ready` to every front end (one per `endpoints`: several API
+    server processes share a core), serve until `Shutdown` or failure; `parent_pid`: stop when
+    this process's parent is no longer that process (None: no such check).
+
+    Returns:
+        0 after Shutdown; 1 after reporting `EngineFailed` (start-up or a step failed).
     """
     init_logger()
+    clients = [endpoints] if isinstance(endpoints, CoreEndpoints) else list(endpoints)
     ctx = zmq.Context()
-    inputs = ctx.socket(zmq.PULL)
-    outputs = ctx.socket(zmq.PUSH)
-    inputs.connect(input_address)
-    outputs.connect(output_address)
+    inputs = [ctx.socket(zmq.PULL) for _ in clients]
+    outputs = [ctx.socket(zmq.PUSH) for _ in clients]
+    for client, pull, push in zip(clients, inputs, outputs):
+        for sock in (pull, push):
+            if client.curve_server_key is not None:
+                sock.curve_serverkey = client.curve_server_key
+                sock.curve_publickey = client.curve_public_key
+                sock.curve_secretkey = client.curve_secret_key
+            if client.input_address.startswith("tcp://["):
+                sock.ipv6 = True
+        pull.connect(client.input_address)
+        push.connect(client.output_address)
     encoder = wire.make_encoder()
+
+    def send_all(msg: Any) -> None:
+        frame = encoder.encode(msg)
+        for push in outputs:
+            push.send(frame)
+
     code = 0
     try:
         current_platform.configure_options()
         core = EngineCore(config)
     except BaseException as e:  # noqa: BLE001 - reported to the front end, then exit
         logger.exception("the engine core failed to start")
-        outputs.send(encoder.encode(wire.EngineFailed(f"{type(e).__name__}: {e}")))
+        send_all(wire.EngineFailed(f"{type(e).__name__}: {e}"))
         code = 1
     else:
         # As LLMEngine does in-process: the objects made so far live as long as the core; keep
         # them out of the cyclic collector's full passes.
         gc.collect()
         gc.freeze()
-        outputs.send(encoder.encode(wire.Ready(core.num_blocks, core.kv_cache_capacity,
-                                               core.kv_cache_bytes_per_token)))
+        send_all(wire.Ready(core.num_blocks, core.kv_cache_capacity,
+                            core.kv_cache_bytes_per_token))
         try:
             EngineCoreProc(core, inputs, outputs, parent_pid).run()
         except BaseException as e:  # noqa: BLE001 - reported to the front end, then exit
             logger.exception("the engine core failed")
-            outputs.send(encoder.encode(wire.EngineFailed(
-                f"the engine core failed: {type(e).__name__}: {e}")))
+            send_all(wire.EngineFailed(f"the engine core failed: {type(e).__name__}: {e}"))
             code = 1
         finally:
             core.shutdown()
-    outputs.close(linger=2000)
-    inputs.close(linger=0)
+    for push in outputs:
+        push.close(linger=2000)
+    for pull in inputs:
+        pull.close(linger=0)
     ctx.term()
-    sys.exit(code)
+    return code
 
 
 class EngineCoreProc:
-    """Serves one `EngineCore` over the two sockets (see the module docstring).
+    """Serves one `EngineCore` to one or more front ends (see the module docstring).
 
     Args:
         core: the engine core (built in this process).
-        inputs: a connected zmq PULL socket (front end -> core).
-        outputs: a connected zmq PUSH socket (core -> front end).
+        inputs, outputs: per front end, a connected zmq PULL socket (front end -> core) and
+            PUSH socket (core -> front end). A request's outputs and a utility call's result go
+            to the front end it came from; each front end with requests on this core gets the
+            scheduler's stats after every step, every front end when the core falls idle.
         parent_pid: the front end's pid; the loop ends when the parent changes (it died).
+            None: no parent to watch (a Ray actor).
     """
 
-    def __init__(self, core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket,
-                 parent_pid: int) -> None:
+    def __init__(self, core: EngineCore, inputs: zmq.Socket | Sequence[zmq.Socket],
+                 outputs: zmq.Socket | Sequence[zmq.Socket], parent_pid: int | None) -> None:
         self.core = core
-        self.inputs = inputs
-        self.outputs = outputs
+        self.inputs = [inputs] if isinstance(inputs, zmq.Socket) else list(inputs)
+        self.outputs = [outputs] if isinstance(outputs, zmq.Socket) else list(outputs)
         self.parent_pid = parent_pid
         self.encoder = wire.make_encoder()
         self.decoder = wire.make_input_decoder()
         self._stopping = False
+        self._poller = zmq.Poller()
+        for sock in self.inputs:
+            self._poller.register(sock, zmq.POLLIN)
+        self._client_of_socket = {sock: i for i, sock in enumerate(self.inputs)}
+        self._client_of: dict[str, int] = {}   # unfinished request id -> front end
+        # Per front end: AbortRequests acted on since its last StepOutputs (which acknowledges
+        # them).
+        self._aborts_handled = [0] * len(self.inputs)
 
     def run(self) -> None:
         while not self._stopping:
@@ -114,24 +175,32 @@ class EngineCoreProc:
                 self._send_outputs(self.core.step())
 
     def _process_inputs(self, block: bool) -> None:
-        refused: list[EngineCoreOutput] = []
+        refused: list[tuple[int, EngineCoreOutput]] = []
         timeout = _IDLE_POLL_MS if block else 0
         aborted = False
-        while self.inputs.poll(timeout):
+        while events := self._poller.poll(timeout):
             timeout = 0
-            aborted |= self._handle(self.inputs.recv(copy=False).buffer, refused)
-            if self._stopping:
-                return
-        if os.getppid() != self.parent_pid:
+            for sock, _ in events:
+                client = self._client_of_socket[sock]
+                while True:
+                    try:
+                        frame = sock.recv(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    aborted |= self._handle(client, frame.buffer, refused)
+                    if self._stopping:
+                        return
+        if self.parent_pid is not None and os.getppid() != self.parent_pid:
             logger.error("the front end (pid %d) is gone; the engine core exits",
                          self.parent_pid)
             self._stopping = True
         if refused or (aborted and not self.core.has_unfinished_requests()):
             # (With requests left, the next step's outputs carry the fresh stats.)
-            self._send_outputs(refused)
+            self._send_outputs([], refused)
 
-    def _handle(self, frame: memoryview, refused: list[EngineCoreOutput]) -> bool:
-        """Act on one input frame; True if it aborted requests."""
+    def _handle(self, client: int, frame: memoryview,
+                refused: list[tuple[int, EngineCoreOutput]]) -> bool:
+        """Act on one input frame of front end `client`; True if it aborted requests."""
         try:
             msg = self.decoder.decode(frame)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
@@ -142,13 +211,19 @@ class EngineCoreProc:
             try:
                 self.core.add_request(wire.request_from_wire(msg))
             except Exception as e:  # noqa: BLE001 - the core's guard refused it: it fails alone
-                refused.append(EngineCoreOutput(msg.request_id, [], finish_reason="error",
-                                                error=f"refused by the engine core: {e}"))
+                refused.append((client, EngineCoreOutput(
+                    msg.request_id, [], finish_reason="error",
+                    error=f"refused by the engine core: {e}")))
+            else:
+                self._client_of[msg.request_id] = client
         elif isinstance(msg, wire.AbortRequests):
             self.core.abort_requests(msg.request_ids)
+            for request_id in msg.request_ids:
+                self._client_of.pop(request_id, None)
+            self._aborts_handled[client] += 1
             return True
         elif isinstance(msg, wire.CallUtility):
-            self.outputs.send(self.encoder.encode(self._call_utility(msg)))
+            self.outputs[client].send(self.encoder.encode(self._call_utility(msg)))
         else:
             self._stopping = True
         return False
@@ -166,9 +241,28 @@ class EngineCoreProc:
                                       f"{msg.method} cannot cross processes: {e}")
         return wire.UtilityResult(msg.call_id, result, None)
 
-    def _send_outputs(self, outputs: list[EngineCoreOutput]) -> None:
-        self.outputs.send(self.encoder.encode(wire.StepOutputs(
-            outputs, self.core.get_stats(), self.core.eplb_stats)))
+    def _send_outputs(self, outputs: list[EngineCoreOutput],
+                      refused: Sequence[tuple[int, EngineCoreOutput]] = ()) -> None:
+        """Send each front end its requests' outputs with the stats: those with requests on
+        this core or aborts to acknowledge, every one when the core is idle."""
+        per_client: list[list[EngineCoreOutput]] = [[] for _ in self.outputs]
+        busy = set(self._client_of.values())
+        for out in outputs:
+            client = self._client_of.get(out.request_id, 0)
+            per_client[client].append(out)
+            if out.finished:
+                self._client_of.pop(out.request_id, None)
+        for client, out in refused:
+            per_client[client].append(out)
+        idle = not self.core.has_unfinished_requests()
+        stats = self.core.get_stats()
+        for client, push in enumerate(self.outputs):
+            if (per_client[client] or self._aborts_handled[client] or client in busy
+                    or idle):
+                push.send(self.encoder.encode(wire.StepOutputs(
+                    per_client[client], stats, self.core.eplb_stats,
+                    self._aborts_handled[client])))
+                self._aborts_handled[client] = 0
 
 
 def utility_method(core: Any, name: str):

@@ -99,11 +99,13 @@ class Ready(msgspec.Struct, tag="ready", array_like=True):
 
 
 class StepOutputs(msgspec.Struct, tag="outputs", array_like=True):
-    """One step's per-request deltas and the scheduler's state after it."""
+    """One step's per-request deltas and the scheduler's state after it; `aborts_handled`:
+    the AbortRequests messages the core acted on since its previous StepOutputs."""
 
     outputs: list[EngineCoreOutput]
     stats: SchedulerStats
     eplb_stats: EplbStats | None
+    aborts_handled: int = 0
 
 
 class UtilityResult(msgspec.Struct, tag="result", array_like=True):

@@ -9,8 +9,9 @@ interface the server uses, so `build_app` serves either.
 By default the replicas live in this process: torch releases the GIL inside its kernels, so
 their steps overlap on different cores. With `multiprocess_mode=True` each replica's engine core
 runs in its own process (engine/core_client.py; started together), while their front ends
-(tokenization, detokenization, routing) stay here. Replicas on other machines (Ray) are future
-work.
+(tokenization, detokenization, routing) stay here. With `data_parallel_backend="ray"` each
+replica's core is a Ray actor on any node of a Ray cluster (engine/core_ray.py; implies
+multiprocess mode), talking to this front end over ZeroMQ TCP with CURVE.
 """
 
 from __future__ import annotations
@@ -27,12 +28,17 @@ from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
+# `--data-parallel-backend`: replicas' engine cores on this machine, or Ray actors (vLLM's names).
+DATA_PARALLEL_BACKENDS = ("mp", "ray")
+
 
 class DataParallelAsyncLLM:
-    """Args: the replicas (at least one, all serving the same model) and the router (None:
-    least loaded)."""
+    """Args: the replicas (at least one, all serving the same model), the router (None:
+    least loaded), and what to run after the replicas' shutdown (e.g. free their Ray
+    placement)."""
 
-    def __init__(self, replicas: Sequence[AsyncLLM], router: Router | None = None) -> None:
+    def __init__(self, replicas: Sequence[AsyncLLM], router: Router | None = None,
+                 on_shutdown: Callable[[], None] | None = None) -> None:
         if not replicas:
             raise ValueError("data parallelism needs at least one replica")
         self.replicas = list(replicas)
@@ -45,26 +51,55 @@ class DataParallelAsyncLLM:
         self.input_processor = first.input_processor
         self._in_flight = [0] * len(self.replicas)
         self._replica_of: dict[str, int] = {}
+        self._on_shutdown = on_shutdown
 
     @classmethod
     def from_engine_args(cls, model: str, data_parallel_size: int,
                          stat_loggers: Callable[[int], Sequence[StatLogger]] = lambda i: (),
                          routing_policy: str = "prefix_aware",
+                         data_parallel_backend: str = "mp",
+                         data_parallel_address: str | None = None,
+                         core_launchers: Sequence[Any] | None = None,
                          **engine_args: Any) -> DataParallelAsyncLLM:
         """Build `data_parallel_size` replicas, replica i with `stat_loggers(i)`, routed by
-        `routing_policy` (dp_router.ROUTING_POLICIES).
+        `routing_policy` (dp_router.ROUTING_POLICIES); `data_parallel_backend` "mp" (cores in
+        this process, or in processes of this machine with `multiprocess_mode`) or "ray" (each
+        core a Ray actor; `data_parallel_address`: the address of this machine the replicas
+        connect to, default the one Ray knows this node by). `core_launchers`: one
+        `core_client.CoreLauncher` per replica, for cores started elsewhere (the API-server
+        pool's); overrides the backend.
 
         Raises:
-            ValueError: a size < 1 or an unknown policy (before any replica loads).
+            ValueError: a size < 1, an unknown policy or backend (before any replica loads).
+            ImportError: "ray" without Ray installed.
+            RuntimeError: the Ray cluster cannot place the replicas.
         """
         if data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
+        if data_parallel_backend not in DATA_PARALLEL_BACKENDS:
+            raise ValueError(f"data_parallel_backend must be one of {DATA_PARALLEL_BACKENDS}, "
+                             f"got {data_parallel_backend!r}")
         router = make_router(routing_policy, engine_args.get("block_size", 16))
+        launchers: list[Any] = [engine_args.pop("multiprocess_mode", False)] * data_parallel_size
+        placement = None
+        if core_launchers is not None:
+            if len(core_launchers) != data_parallel_size:
+                raise ValueError(f"{len(core_launchers)} core launchers for "
+                                 f"{data_parallel_size} replicas")
+            launchers = list(core_launchers)
+        elif data_parallel_backend == "ray":
+            from pagedllm.engine.core_ray import RayReplicaPlacement
+
+            placement = RayReplicaPlacement(
+                data_parallel_size, engine_args.get("tensor_parallel_size", 1)
+                * engine_args.get("pipeline_parallel_size", 1), data_parallel_address)
+            launchers = [placement.launcher(i) for i in range(data_parallel_size)]
 
         def build(i: int) -> AsyncLLM:
-            return AsyncLLM.from_engine_args(model, stat_loggers=stat_loggers(i), **engine_args)
+            return AsyncLLM.from_engine_args(model, stat_loggers=stat_loggers(i),
+                                             multiprocess_mode=launchers[i], **engine_args)
 
-        if not engine_args.get("multiprocess_mode"):
+        if not launchers[0]:
             return cls([build(i) for i in range(data_parallel_size)], router)
         # Each replica's core loads in its own process: start them all at once.
         with concurrent.futures.ThreadPoolExecutor(data_parallel_size) as pool:
@@ -75,8 +110,10 @@ class DataParallelAsyncLLM:
             if f.exception() is not None:
                 for replica in replicas:
                     replica.shutdown()
+                if placement is not None:
+                    placement.shutdown()
                 raise f.exception()
-        return cls(replicas, router)
+        return cls(replicas, router, placement.shutdown if placement is not None else None)
 
     @property
     def dead_error(self) -> EngineDeadError | None:
@@ -159,3 +196,6 @@ class DataParallelAsyncLLM:
     def shutdown(self, timeout_s: float = 30.0) -> None:
         for replica in self.replicas:
             replica.shutdown(timeout_s)
+        if self._on_shutdown is not None:
+            on_shutdown, self._on_shutdown = self._on_shutdown, None
+            on_shutdown()

@@ -19,7 +19,7 @@ from pagedllm.config import EngineConfig, create_engine_config
 from pagedllm.hf_config import hf_model_info
 from pagedllm.core.sched_output import EngineCoreOutput, EplbStats
 from pagedllm.core.scheduler import SchedulerStats
-from pagedllm.engine.core_client import make_engine_core_client
+from pagedllm.engine.core_client import CoreLauncher, make_engine_core_client
 from pagedllm.engine.engine_core import EngineCoreRequest
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.output_processor import OutputProcessor, ParentRequest
@@ -55,10 +55,12 @@ class LLMEngine:
     Args:
         config: a validated `EngineConfig` (see `from_engine_args` for flat arguments).
         multiprocess_mode: run the engine core (scheduler, executor, KV cache) in its own
-            process behind `MPEngineCoreClient` (engine/core_client.py) instead of in this one.
+            process behind `MPEngineCoreClient` (engine/core_client.py) instead of in this one;
+            a `CoreLauncher` says where (e.g. a Ray actor, engine/core_ray.py).
     """
 
-    def __init__(self, config: EngineConfig, multiprocess_mode: bool = False) -> None:
+    def __init__(self, config: EngineConfig,
+                 multiprocess_mode: bool | CoreLauncher = False) -> None:
         start = time.perf_counter()
         init_logger()
         # Every PAGEDLLM_* variable, read and validated once for this engine (pagedllm/envs.py).
@@ -107,7 +109,7 @@ class LLMEngine:
                     config.cache_config.block_size)
 
     @classmethod
-    def from_engine_args(cls, model: str, multiprocess_mode: bool = False,
+    def from_engine_args(cls, model: str, multiprocess_mode: bool | CoreLauncher = False,
                          **kwargs: Any) -> LLMEngine:
         return cls(create_engine_config(model, **kwargs), multiprocess_mode)
 

@@ -28,6 +28,28 @@ from pagedllm.platforms import current_platform
 logger = logging.getLogger(__name__)
 
 
+def init_ray(num_cpus: int) -> bool:
+    """Join the Ray cluster named by `RAY_ADDRESS`, or start a local Ray instance of `num_cpus`
+    CPUs when it is unset; nothing when Ray is initialised already.
+
+    Returns:
+        True if this call initialised Ray (the caller then calls `ray.shutdown()` when done).
+
+    Raises:
+        ImportError: Ray is not installed (`pip install ray`, or the `ray` extra).
+    """
+    import ray
+
+    if ray.is_initialized():
+        return False
+    address = os.environ.get("RAY_ADDRESS")
+    init_kwargs: dict[str, Any] = {"address": address, "log_to_driver": True}
+    if address is None:
+        init_kwargs.update(num_cpus=num_cpus, include_dashboard=False)
+    ray.init(**init_kwargs)
+    return True
+
+
 class RayWorkerWrapper:
     """The body of a Ray actor: creates its Worker once told its rank, then runs its methods."""
 
@@ -76,14 +98,7 @@ class RayExecutor(DistributedExecutorBase):
         self.world_size = config.parallel_config.world_size
         self.driver_rank = driver_rank(config)
         self._closed = False
-        self._owns_ray = not ray.is_initialized()
-        if self._owns_ray:
-            address = os.environ.get("RAY_ADDRESS")
-            init_kwargs: dict[str, Any] = {"address": address, "log_to_driver": True}
-            if address is None:
-                init_kwargs.update(num_cpus=max(self.world_size, os.cpu_count() or 1),
-                                   include_dashboard=False)
-            ray.init(**init_kwargs)
+        self._owns_ray = init_ray(max(self.world_size, os.cpu_count() or 1))
         self.actors: list[Any] = []
         self.placement_group = None
         try:

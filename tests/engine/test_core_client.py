@@ -22,9 +22,10 @@ import pytest
 import zmq
 
 from pagedllm import SamplingParams
+from pagedllm.core.scheduler import SchedulerStats
 from pagedllm.engine import core_serial as wire
 from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError
-from pagedllm.engine.core_client import MPEngineCoreClient
+from pagedllm.engine.core_client import MPEngineCoreClient, SpawnLauncher
 from pagedllm.engine.core_proc import EngineCoreProc
 from pagedllm.engine.engine_core import EngineCoreRequest
 from pagedllm.engine.llm_engine import LLMEngine
@@ -209,16 +210,16 @@ def test_socket_bytes_never_run_code(mp_engine: LLMEngine, inproc_engine: LLMEng
     sock.close(linger=1000)
     ctx.term()
     # The core's side of the loop drops such frames too (checked on an in-process core).
-    proc = EngineCoreProc(inproc_engine.engine_core, None, None, os.getpid())
+    proc = EngineCoreProc(inproc_engine.engine_core, [], [], os.getpid())
     refused: list = []
-    proc._handle(memoryview(payload), refused)
+    proc._handle(0, memoryview(payload), refused)
     assert not refused and not proc._stopping
     # A well-formed frame with malformed sampling parameters fails that request alone.
     for bad in ({"temperature": -1.0, "output_kind": 0}, {"temperature": 0.0},
                 {"output_kind": 0, "no_such_field": 1}):
         frame = msgspec.msgpack.encode(wire.AddRequest("bad", [1, 2], bad, 3, None, 0, None))
-        proc._handle(memoryview(frame), refused)
-    assert [o.finish_reason for o in refused] == ["error"] * 3
+        proc._handle(0, memoryview(frame), refused)
+    assert [o.finish_reason for _, o in refused] == ["error"] * 3
     assert not inproc_engine.engine_core.has_unfinished_requests()
     result = proc._call_utility(wire.CallUtility(0, "__class__", []))
     assert result.error is not None and "private" in result.error
@@ -226,6 +227,88 @@ def test_socket_bytes_never_run_code(mp_engine: LLMEngine, inproc_engine: LLMEng
                                                                 max_tokens=3))})
     assert len(out["after"][0][0][0]) == 3
     assert not marker.exists()
+
+
+def test_core_serves_several_front_ends(inproc_engine: LLMEngine) -> None:
+    """One core, two front ends (the API-server pool's layout): each request's outputs and each
+    utility result go back to the front end that sent it, aborts are acknowledged to their
+    sender, and a front end with no request on the core still gets the stats once it is idle."""
+    ctx = zmq.Context()
+    fronts, pulls, pushes = [], [], []
+    for i in range(2):
+        to_core, from_core = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+        to_core.bind(f"inproc://in{i}")
+        from_core.bind(f"inproc://out{i}")
+        pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+        pull.connect(f"inproc://in{i}")
+        push.connect(f"inproc://out{i}")
+        fronts.append((to_core, from_core))
+        pulls.append(pull)
+        pushes.append(push)
+    proc = EngineCoreProc(inproc_engine.engine_core, pulls, pushes, os.getpid())
+    encoder, decoder = wire.make_encoder(), wire.make_output_decoder()
+    params = {"temperature": 0.0, "max_tokens": 3, "output_kind": 0}
+    prompt = inproc_engine.tokenizer.encode(PROMPTS[0])
+    fronts[0][0].send(encoder.encode(wire.AddRequest("a", prompt, params, 3, None, 0, None)))
+    fronts[1][0].send(encoder.encode(wire.AddRequest("b", prompt, params, 3, None, 0, None)))
+    fronts[1][0].send(encoder.encode(wire.AddRequest("c", prompt, params, 3, None, 0, None)))
+    fronts[1][0].send(encoder.encode(wire.AbortRequests(["c"])))
+    proc._process_inputs(block=False)
+    fronts[1][0].send(encoder.encode(wire.CallUtility(7, "get_num_unfinished_requests", [])))
+    proc._process_inputs(block=False)
+    while proc.core.has_unfinished_requests():
+        proc._send_outputs(proc.core.step())
+    received: list[list] = [[], []]
+    for i, (_, from_core) in enumerate(fronts):
+        while from_core.poll(100):
+            received[i].append(decoder.decode(from_core.recv()))
+    steps = [[m for m in msgs if isinstance(m, wire.StepOutputs)] for msgs in received]
+    ids = [{o.request_id for m in msgs for o in m.outputs} for msgs in steps]
+    assert ids == [{"a"}, {"b"}]
+    assert [sum(m.aborts_handled for m in msgs) for msgs in steps] == [0, 1]
+    results = [m for m in received[1] if isinstance(m, wire.UtilityResult)]
+    assert [(r.call_id, r.result) for r in results] == [(7, 2)]
+    assert not any(isinstance(m, wire.UtilityResult) for m in received[0])
+    assert steps[0][-1].stats.num_running_reqs == steps[1][-1].stats.num_running_reqs == 0
+    for sock in (*pulls, *pushes, *(s for pair in fronts for s in pair)):
+        sock.close(linger=0)
+    ctx.term()
+
+
+class _TcpLauncher(SpawnLauncher):
+    """A local core process reached over TCP + CURVE, as a Ray actor on another node is."""
+
+    bind_host = "127.0.0.1"
+
+
+@pytest.mark.slow
+def test_tcp_transport_admits_only_its_core(tiny_llama: Path, inproc_engine: LLMEngine,
+                                            tmp_path: Path) -> None:
+    """Over TCP (the Ray backend's transport) the sockets listen on the configured address
+    only, and a peer without the core's CURVE key pair neither receives requests nor gets its
+    bytes (a pickle) read: the requests still finish as in-process, and nothing ran."""
+    config = inproc_engine.config
+    engine = LLMEngine(config, multiprocess_mode=_TcpLauncher())
+    try:
+        client = engine.engine_core
+        assert client.input_address.startswith("tcp://127.0.0.1:")
+        marker = tmp_path / "pwned"
+        ctx = zmq.Context()
+        thief = ctx.socket(zmq.PULL)     # would take every other request from a plain PUSH
+        thief.connect(client.input_address)
+        forger = ctx.socket(zmq.PUSH)
+        forger.connect(client.output_address)
+        forger.send(pickle.dumps(_RunsCode(str(marker))), zmq.NOBLOCK)
+        requests = {f"r{i}": (p, SamplingParams(temperature=0.0, max_tokens=6))
+                    for i, p in enumerate(PROMPTS)}
+        assert _run(engine, requests) == _run(inproc_engine, requests)
+        assert not thief.poll(500)
+        thief.close(linger=0)
+        forger.close(linger=0)
+        ctx.term()
+        assert not marker.exists()
+    finally:
+        engine.engine_core.shutdown()
 
 
 @pytest.mark.slow
@@ -247,7 +330,13 @@ def test_async_streaming_abort_and_sigkill(mp_engine: LLMEngine,
     params = SamplingParams(temperature=0.0, max_tokens=8, output_kind=RequestOutputKind.DELTA)
     expected = _run(inproc_engine, {"s": (PROMPTS[4], SamplingParams(temperature=0.0,
                                                                      max_tokens=8))})
-    async_llm = AsyncLLM(mp_engine)
+    recorded: list[SchedulerStats] = []
+
+    class Recorder:
+        def record(self, scheduler_stats, iteration_stats) -> None:
+            recorded.append(scheduler_stats)
+
+    async_llm = AsyncLLM(mp_engine, [Recorder()])
     dead: list[BaseException] = []
 
     async def run():
@@ -260,6 +349,12 @@ def test_async_streaming_abort_and_sigkill(mp_engine: LLMEngine,
             temperature=0.0, max_tokens=500, ignore_eos=True))
         await stream.__anext__()
         stream.close()
+        # The gauges follow the abort: the last stats recorded (an idle loop records nothing
+        # more) show no request running (they kept showing 1 after a client disconnect).
+        deadline = time.monotonic() + 10
+        while recorded[-1].num_running_reqs or recorded[-1].num_waiting_reqs:
+            assert time.monotonic() < deadline, recorded[-1]
+            await asyncio.sleep(0.05)
         # A pending request when the core process is SIGKILLed: fails at once.
         stream = await async_llm.add_request("killed", PROMPTS[1], SamplingParams(
             temperature=0.0, max_tokens=1000, ignore_eos=True))

@@ -389,13 +389,17 @@ def run_server(model: str, engine_kwargs: dict[str, Any], host: str = "127.0.0.1
                data_parallel_size: int = 1,
                data_parallel_routing_policy: str = "prefix_aware",
                multiprocess_mode: bool = False,
+               data_parallel_backend: str = "mp",
+               data_parallel_address: str | None = None,
                max_request_body_bytes: int = MAX_REQUEST_BODY_BYTES,
                tool_call_parser: str | None = None,
                enable_auto_tool_choice: bool = False,
                trust_request_chat_template: bool = False,
                lora_modules: Sequence[LoRAModulePath] = (),
                allow_runtime_lora_updating: bool = False,
-               media_fetcher: MediaFetcher | None = None) -> int:
+               media_fetcher: MediaFetcher | None = None,
+               core_launchers: Sequence[Any] | None = None,
+               sockets: Sequence[Any] | None = None) -> int:
     """Load the model, then serve until SIGINT/SIGTERM or until the engine dies.
 
     Returns the process exit status: 0 after a signal, 1 if the engine died (so a supervisor
@@ -411,10 +415,17 @@ def run_server(model: str, engine_kwargs: dict[str, Any], host: str = "127.0.0.1
         data_parallel_size: engine replicas behind this server (see engine/dp_async_llm.py).
         data_parallel_routing_policy: how a request picks its replica (engine/dp_router.py).
         multiprocess_mode: each engine core in its own process (engine/core_client.py).
+        data_parallel_backend, data_parallel_address: "ray": each replica's core a Ray actor
+            (engine/core_ray.py; implies multiprocess_mode), see
+            `DataParallelAsyncLLM.from_engine_args`.
         max_request_body_bytes: larger request bodies get 413.
         tool_call_parser, enable_auto_tool_choice, trust_request_chat_template: see
             `ServingChat` (the reasoning parser is the engine argument `reasoning_parser`).
         lora_modules, allow_runtime_lora_updating, media_fetcher: see `build_app`.
+        core_launchers: engine cores started elsewhere, one `core_client.CoreLauncher` per
+            replica (an API server of the pool, api_server_pool.py); overrides
+            data_parallel_size and the backend.
+        sockets: listening sockets to serve on instead of binding host:port (the pool's).
 
     Raises:
         ValueError, FileNotFoundError: invalid engine arguments or a missing model (before any
@@ -447,10 +458,20 @@ def run_server(model: str, engine_kwargs: dict[str, Any], host: str = "127.0.0.1
         metrics = PrometheusStatLogger(names[0])
         if multiprocess_mode:
             engine_kwargs = {**engine_kwargs, "multiprocess_mode": True}
-        if data_parallel_size > 1:
+        if core_launchers is not None:
+            engine_kwargs = {k: v for k, v in engine_kwargs.items() if k != "multiprocess_mode"}
+            async_llm = DataParallelAsyncLLM.from_engine_args(
+                model, len(core_launchers), stat_loggers=lambda i: [metrics.for_engine(i)],
+                routing_policy=data_parallel_routing_policy, core_launchers=core_launchers,
+                **engine_kwargs) if len(core_launchers) > 1 else AsyncLLM.from_engine_args(
+                model, stat_loggers=[metrics], multiprocess_mode=core_launchers[0],
+                **engine_kwargs)
+        elif data_parallel_size > 1 or data_parallel_backend == "ray":
             async_llm = DataParallelAsyncLLM.from_engine_args(
                 model, data_parallel_size, stat_loggers=lambda i: [metrics.for_engine(i)],
-                routing_policy=data_parallel_routing_policy, **engine_kwargs)
+                routing_policy=data_parallel_routing_policy,
+                data_parallel_backend=data_parallel_backend,
+                data_parallel_address=data_parallel_address, **engine_kwargs)
         else:
             async_llm = AsyncLLM.from_engine_args(model, stat_loggers=[metrics],
                                                   **engine_kwargs)
@@ -477,7 +498,7 @@ def run_server(model: str, engine_kwargs: dict[str, Any], host: str = "127.0.0.1
     previous = {sig: signal.signal(sig, _exit_after_graceful_shutdown)
                 for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        server.run()
+        server.run(sockets=list(sockets) if sockets is not None else None)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

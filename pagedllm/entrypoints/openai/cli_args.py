@@ -81,6 +81,17 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    help="how a request picks its replica: prefix_aware (the replica its prompt's "
                         "prefix went to, unless overloaded), least_loaded (fewest requests in "
                         "flight) or round_robin")
+    g.add_argument("--data-parallel-backend", "-dpb", default="mp", choices=["mp", "ray"],
+                   help="where the replicas' engine cores run: mp (this machine) or ray (Ray "
+                        "actors on a Ray cluster's nodes, joined through $RAY_ADDRESS; implies "
+                        "--multiprocess-mode; docs/distributed.md)")
+    g.add_argument("--data-parallel-address", "-dpa", type=non_empty, default=None,
+                   help="with --data-parallel-backend ray: the address of this machine the "
+                        "replicas connect to; the server's engine sockets bind there only "
+                        "(default: the address Ray knows this node by)")
+    g.add_argument("--api-server-count", "-asc", type=bounded_int(1), default=1,
+                   help="API-server processes sharing --port, all talking to the engine "
+                        "core process(es); > 1 implies --multiprocess-mode (docs/distributed.md)")
     g.add_argument("--multiprocess-mode", action=argparse.BooleanOptionalAction, default=False,
                    help="run each engine core (scheduler, executor, KV cache) in its own "
                         "process, talking to this server over ZeroMQ IPC sockets (default off: "
@@ -204,6 +215,20 @@ def check_serve_args(args: argparse.Namespace) -> None:
         raise ValueError("--data-parallel-size > 1 is not supported with --runner pooling")
     if args.runner == "pooling" and args.multiprocess_mode:
         raise ValueError("--multiprocess-mode is not supported with --runner pooling")
+    if args.data_parallel_backend == "ray" and args.runner == "pooling":
+        raise ValueError("--data-parallel-backend ray is not supported with --runner pooling")
+    if args.api_server_count > 1:
+        if args.runner == "pooling":
+            raise ValueError("--api-server-count > 1 is not supported with --runner pooling")
+        if args.data_parallel_backend == "ray":
+            raise ValueError("--api-server-count > 1 is not supported with "
+                             "--data-parallel-backend ray (the engine cores' sockets are IPC)")
+        if args.enable_sleep_mode or args.allow_runtime_lora_updating:
+            raise ValueError("--api-server-count > 1 cannot be combined with "
+                             "--enable-sleep-mode or --allow-runtime-lora-updating (a change "
+                             "made through one API server would not be known to the others)")
+    if args.data_parallel_backend != "ray" and args.data_parallel_address is not None:
+        raise ValueError("--data-parallel-address needs --data-parallel-backend ray")
     if (args.lora_modules or args.allow_runtime_lora_updating) and not args.enable_lora:
         raise ValueError("--lora-modules and --allow-runtime-lora-updating need --enable-lora")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
@@ -231,18 +256,27 @@ def run_serve(args: argparse.Namespace) -> int:
     for key in ("pooling_type", "normalize"):
         if getattr(args, key) is not None:
             kwargs[key] = getattr(args, key)
-    return run_server(model, kwargs, host=args.host, port=args.port, api_key=args.api_key,
-                      served_model_names=names, log_level=args.uvicorn_log_level,
-                      runner=args.runner, data_parallel_size=args.data_parallel_size,
-                      data_parallel_routing_policy=args.data_parallel_routing_policy,
+    server_kwargs = dict(
+        api_key=args.api_key, served_model_names=names, log_level=args.uvicorn_log_level,
+        runner=args.runner, data_parallel_routing_policy=args.data_parallel_routing_policy,
+        max_request_body_bytes=args.max_request_body_bytes,
+        tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        trust_request_chat_template=args.trust_request_chat_template,
+        lora_modules=args.lora_modules or (),
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+        media_fetcher=MediaFetcher(
+            tuple(args.allowed_media_domains or ()),
+            args.allowed_local_media_path, args.max_media_bytes,
+            args.media_fetch_timeout))
+    if args.api_server_count > 1:
+        from pagedllm.entrypoints.openai.api_server_pool import run_api_server_pool
+
+        return run_api_server_pool(model, kwargs, args.api_server_count, args.host, args.port,
+                                   args.data_parallel_size,
+                                   {**server_kwargs, "host": args.host, "port": args.port})
+    return run_server(model, kwargs, host=args.host, port=args.port,
+                      data_parallel_size=args.data_parallel_size,
                       multiprocess_mode=args.multiprocess_mode,
-                      max_request_body_bytes=args.max_request_body_bytes,
-                      tool_call_parser=args.tool_call_parser,
-                      enable_auto_tool_choice=args.enable_auto_tool_choice,
-                      trust_request_chat_template=args.trust_request_chat_template,
-                      lora_modules=args.lora_modules or (),
-                      allow_runtime_lora_updating=args.allow_runtime_lora_updating,
-                      media_fetcher=MediaFetcher(
-                          tuple(args.allowed_media_domains or ()),
-                          args.allowed_local_media_path, args.max_media_bytes,
-                          args.media_fetch_timeout))
+                      data_parallel_backend=args.data_parallel_backend,
+                      data_parallel_address=args.data_parallel_address, **server_kwargs)

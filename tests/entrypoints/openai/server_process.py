@@ -23,7 +23,8 @@ def free_port() -> int:
 
 
 @contextmanager
-def running_server(serve_args: list[str], env: dict[str, str] | None = None, stderr=None
+def running_server(serve_args: list[str], env: dict[str, str] | None = None, stderr=None,
+                   startup_timeout_s: float = STARTUP_TIMEOUT_S
                    ) -> Iterator[tuple[subprocess.Popen, str]]:
     """Run `pagedllm serve SERVE_ARGS --port P`, wait for /health, yield (process, base url);
     on exit SIGTERM it and require a graceful exit (status 0). `stderr`: where the server's
@@ -35,7 +36,7 @@ def running_server(serve_args: list[str], env: dict[str, str] | None = None, std
                             stderr=stderr)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        deadline = time.monotonic() + startup_timeout_s
         while True:
             assert proc.poll() is None, f"server exited with {proc.returncode} during start-up"
             try:

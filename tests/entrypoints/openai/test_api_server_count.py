@@ -1,0 +1,124 @@
+"""`pagedllm serve --api-server-count 2`: two API-server processes on one port, over one engine
+core process: both serve (the kernel spreads connections over them), the outputs are the
+in-process engine's, the gauges (sent by the core) agree, and SIGTERM ends all with status 0.
+With `-dp 2`: the same text, and SIGKILL of one core stops the pool with status 1.
+
+Slow: three processes load the model on a small machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from tests.entrypoints.openai.server_process import free_port, running_server
+from tests.entrypoints.openai.test_openai_server import ENGINE_FLAGS, ENGINE_KWARGS
+
+pytestmark = pytest.mark.slow
+
+
+def test_two_api_servers_both_serve_one_core(tiny_llama):
+    prompts = [f"Request number {i} says" for i in range(32)]
+    offline = LLM(str(tiny_llama), **ENGINE_KWARGS).generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    args = ["--model", str(tiny_llama), "--api-server-count", "2",
+            "--uvicorn-log-level", "warning", *ENGINE_FLAGS]
+    with running_server(args, startup_timeout_s=600) as (proc, url):
+        async def one(prompt: str) -> str:
+            # A connection of its own each: SO_REUSEPORT picks the API server per connection.
+            async with httpx.AsyncClient(timeout=120) as client:
+                r = await client.post(url + "/v1/completions", json={
+                    "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True})
+                assert r.status_code == 200, r.text
+                return r.json()["choices"][0]["text"]
+
+        async def run():
+            return await asyncio.gather(*(one(p) for p in prompts))
+
+        assert asyncio.run(run()) == [o.outputs[0].text for o in offline]
+        # Each API server counts the requests it served; new connections reach both.
+        totals, running = set(), set()
+        for _ in range(40):
+            text = httpx.get(url + "/metrics", timeout=30).text
+            totals.add(float(re.search(
+                r'request_success_total\{finished_reason="length"[^}]*\} (\S+)', text)[1]))
+            running.add(float(re.search(r"num_requests_running\{[^}]*\} (\S+)", text)[1]))
+            if len(totals) == 2:
+                break
+        assert len(totals) == 2 and sum(totals) == len(prompts) and min(totals) > 0, totals
+        assert running == {0.0}
+
+
+def _pool_children(launcher_pid: int) -> list[int]:
+    """The launcher's engine-core and API-server processes (multiprocessing spawn children)."""
+    pids = []
+    for task in Path(f"/proc/{launcher_pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
+                pids.append(int(child))
+    return sorted(pids)
+
+
+def test_dp2_pool_and_a_killed_core_stops_everything(tiny_llama):
+    """`-dp 2 --api-server-count 2`: two cores, two API servers, greedy text as in-process;
+    SIGKILL of one core ends the in-flight streams it served with an error, and every process of
+    the pool is gone with the launcher's status 1 (nothing hangs)."""
+    prompts = [f"Request number {i} says" for i in range(8)]
+    offline = LLM(str(tiny_llama), **ENGINE_KWARGS).generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "pagedllm.entrypoints.cli", "serve",
+                             "--model", str(tiny_llama), "--api-server-count", "2", "-dp", "2",
+                             "--data-parallel-routing-policy", "round_robin",
+                             "--port", str(port), "--uvicorn-log-level", "warning",
+                             *ENGINE_FLAGS], env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            assert proc.poll() is None
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+        children = _pool_children(proc.pid)
+        assert len(children) == 4, children   # 2 cores (spawned first), 2 API servers
+        texts = [httpx.post(url + "/v1/completions", timeout=120, json={
+            "prompt": p, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+        ).json()["choices"][0]["text"] for p in prompts]
+        assert texts == [o.outputs[0].text for o in offline]
+        body = {"prompt": "ROMEO:", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+        with contextlib.ExitStack() as stack:
+            streams = [stack.enter_context(httpx.stream("POST", url + "/v1/completions",
+                                                        json=body, timeout=60))
+                       for _ in range(4)]
+            lines = [s.iter_lines() for s in streams]
+            for it in lines:
+                next(it)
+            os.kill(children[0], signal.SIGKILL)
+            start = time.monotonic()
+            rest = [list(it) for it in lines]
+        assert time.monotonic() - start < 60
+        assert any('"error"' in line for r in rest for line in r), rest
+        assert proc.wait(timeout=90) == 1
+        for pid in children:
+            assert not Path(f"/proc/{pid}").exists() or \
+                Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
