@@ -81,3 +81,10 @@ def test_native_shrink_expand_match_torch_reference(dtype, slices, k):
     tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=5e-2)
     torch.testing.assert_close(got.float(), want, **tol)
 
+
+
+def test_step_rows_outside_the_batch_refused():
+    with pytest.raises(ValueError, match="outside 2 adapter tokens of a 3-token batch"):
+        NativeLoRAStep(np.array([0, 3]), np.array([[0, 0, 2, 4]]), 3)
+    with pytest.raises(ValueError, match="outside"):
+        NativeLoRAStep(np.array([0, 1]), np.array([[0, 0, 3, 4]]), 3)
