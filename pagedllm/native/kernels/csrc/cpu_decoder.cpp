@@ -20,6 +20,9 @@
 // cpu_gguf_q8_linear.cpp) inside this layer's parallel region, or int8 rows
 // with per-row scales (layers/quantization/int8.py; weight-only or W8A8), run by the kernels of
 // int8_blocks.h likewise.
+// With LoRA adapters (DecoderLayerWeights.lora, DecoderStep.lora), each of the four linears'
+// outputs gets the step's adapter tokens' x A^T B^T, grouped by adapter slot (lora_kernel.h),
+// as loops of the same parallel region.
 // RMSNorm: Zhang & Sennrich (2019); RoPE: Su et al. (2021), GPT-NeoX layout (the halves of a head
 // are rotated together), as HF Llama.
 
