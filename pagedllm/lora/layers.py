@@ -1,6 +1,7 @@
 """LoRA by wrapping: `wrap_lora_layers` replaces a Llama-family model's projections with
-`LoRALinear`s (the base layer inside, unchanged) and gates its native decoder stack, so model
-files carry no LoRA branch.
+`LoRALinear`s (the base layer inside, unchanged) and hands their slots to the model's native
+decoder stack (the fused decoder applies them inside its layers), so model files carry no LoRA
+branch.
 
 Every wrapper reads the same `LoRAStepState`, which the runner sets once per step
 (`LoRAModelManager.set_active_loras`) before the forward: the step's adapter tokens by slot.
@@ -20,8 +21,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pagedllm.lora.ops import LoRAMapping, lora_expand, lora_shrink
+from pagedllm.lora.ops import LoRAMapping, add_lora
 from pagedllm.models.llama import LlamaDecoderLayer, LlamaModel
+from pagedllm.native.attach import NativeDecoderStack
+from pagedllm.native.kernels.lora import NativeLoRAStep, lora_linear_weights
 
 
 @dataclass
@@ -30,6 +33,10 @@ class LoRAStepState:
     step has an adapter (the wrappers then add nothing and the native stack may run)."""
 
     mapping: LoRAMapping | None = None
+
+    def native_step(self) -> NativeLoRAStep | None:
+        """The step's adapter tokens for the native kernels (None: no adapter token)."""
+        return None if self.mapping is None else self.mapping.native
 
 
 @dataclass(frozen=True)
@@ -43,7 +50,9 @@ class LoRASlice:
 
 class LoRALinear(nn.Module):
     """A linear layer plus the step's adapters: y = base(x) + per token x A_s^T B_s^T, where s
-    is the adapter slot of the token's request (none for base tokens).
+    is the adapter slot of the token's request (none for base tokens). The slots (lora/ops.py
+    layouts) are allocated once and written in place, so the native structure pointing at them
+    (`native`, for the CPU kernels and the fused decoder) stays valid.
 
     Args:
         base_layer: the model's linear layer (any quantization method; its output is float).
@@ -66,8 +75,11 @@ class LoRALinear(nn.Module):
             max_loras, width, base_layer.input_size_per_partition, device=device, dtype=dtype),
             persistent=False)
         self.register_buffer("lora_b", torch.zeros(
-            max_loras, base_layer.output_size_per_partition, width, device=device, dtype=dtype),
+            max_loras, width, base_layer.output_size_per_partition, device=device, dtype=dtype),
             persistent=False)
+        self.slice_ends = tuple(p.offset + p.size for p in slices)
+        self.native = lora_linear_weights(self.lora_a, self.lora_b, self.slice_ends,
+                                          max_lora_rank)
 
     def reset_lora(self, slot: int) -> None:
         """Zero slot `slot` (an adapter that leaves this layer out then adds nothing)."""
@@ -82,20 +94,22 @@ class LoRALinear(nn.Module):
         start = slice_index * self.max_lora_rank
         piece = self.slices[slice_index]
         self.lora_a[slot, start:start + rank].copy_(lora_a)
-        self.lora_b[slot, piece.offset:piece.offset + piece.size, start:start + rank].copy_(
-            lora_b)
+        self.lora_b[slot, start:start + rank, piece.offset:piece.offset + piece.size].copy_(
+            lora_b.t())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base_layer(x)
         mapping = self.state.mapping
         if mapping is not None:
-            lora_expand(y, lora_shrink(x, self.lora_a, mapping), self.lora_b, mapping)
+            add_lora(x, y, self.lora_a, self.lora_b, self.native, mapping, self.max_lora_rank,
+                     self.slice_ends)
         return y
 
 
 class LoRAGatedLayerStack:
     """A model's native decoder stack (`LlamaModel.layer_stack`) that declines every step with
-    adapter tokens: the fused decoder knows no LoRA, so those steps run the Python layers."""
+    adapter tokens: for a stack that cannot apply adapters (not a `NativeDecoderStack`, or
+    slots the native kernels do not take), those steps run the Python layers."""
 
     def __init__(self, inner, state: LoRAStepState) -> None:
         self.inner = inner
@@ -147,8 +161,17 @@ def wrap_lora_layers(model: nn.Module, state: LoRAStepState, max_loras: int,
                  [LoRASlice("gate_proj", 0, gate), LoRASlice("up_proj", gate, up)])
             wrap(mlp, "down_proj", idx,
                  [LoRASlice("down_proj", 0, mlp.down_proj.output_size_per_partition)])
-        if stack.layer_stack is not None:
-            stack.layer_stack = LoRAGatedLayerStack(stack.layer_stack, state)
+        native = stack.layer_stack
+        layer_wrappers = [[getattr(owner, attr) for owner, attr in (
+            (stack.layers[i].self_attn, "qkv_proj"), (stack.layers[i].self_attn, "o_proj"),
+            (stack.layers[i].mlp, "gate_up_proj"), (stack.layers[i].mlp, "down_proj"))]
+            for i in range(stack.start_layer, stack.end_layer)]
+        if isinstance(native, NativeDecoderStack) and all(
+                w.native is not None for ws in layer_wrappers for w in ws):
+            native.fused.attach_lora([[w.native for w in ws] for ws in layer_wrappers],
+                                     state.native_step)
+        elif native is not None:
+            stack.layer_stack = LoRAGatedLayerStack(native, state)
     if not targets:
         raise ValueError(f"LoRA: {type(model).__name__} has no Llama-family decoder layers")
     return targets

@@ -25,6 +25,7 @@ from pagedllm.lora.layers import LoRAStepState, wrap_lora_layers
 from pagedllm.lora.ops import LoRAMapping
 from pagedllm.lora.peft import LoRAAdapter, LoRAModelShapes, load_peft_adapter
 from pagedllm.lora.request import LoRARequest
+from pagedllm.native.kernels.lora import NativeLoRAStep
 
 
 class LoRAModelManager:
@@ -52,6 +53,7 @@ class LoRAModelManager:
         self.pins: dict[int, int] = {}
         # slot -> lora_int_id resident there (None: free); slot_last_used: step counter.
         self.slot_ids: list[int | None] = [None] * lora_config.max_loras
+        self.slot_ranks = [0] * lora_config.max_loras   # the resident adapter's rank
         self.slot_last_used = [0] * lora_config.max_loras
         self._step = 0
 
@@ -117,12 +119,21 @@ class LoRAModelManager:
         ends = np.cumsum(counts)
         segments = tuple((slot, int(ends[slot] - counts[slot]), int(ends[slot]))
                          for slot in np.nonzero(counts)[0].tolist())
-        if len(segments) == 1 and counts[segments[0][0]] == len(token_slots):
-            self.state.mapping = LoRAMapping(None, segments)
-            return
         # Adapter tokens sorted by slot (stable); base tokens (-1) sort first and are cut.
         order = np.argsort(token_slots, kind="stable")[len(token_slots) - int(ends[-1]):]
-        self.state.mapping = LoRAMapping(torch.from_numpy(order).to(self.device), segments)
+        native = None
+        if self.device.type == "cpu":
+            native = NativeLoRAStep(order, np.array(
+                [(*seg, self.slot_ranks[seg[0]]) for seg in segments], dtype=np.int64),
+                len(token_slots))
+        token_slots_dev = None
+        if self.device.type == "cuda":
+            token_slots_dev = torch.from_numpy(token_slots[order].astype(np.int32)).to(
+                self.device)
+        whole = len(segments) == 1 and counts[segments[0][0]] == len(token_slots)
+        self.state.mapping = LoRAMapping(
+            None if whole else torch.from_numpy(order).to(self.device), segments, native,
+            token_slots_dev)
 
     def _ensure_resident(self, lora_request: LoRARequest, needed: set[int]) -> int:
         """The slot holding `lora_request`'s adapter, loading it into one if absent (never
@@ -165,6 +176,7 @@ class LoRAModelManager:
             wrapper, slice_index = self.targets[key]
             wrapper.set_lora(slot, slice_index, lora_a, lora_b)
         self.slot_ids[slot] = adapter.lora_request.lora_int_id
+        self.slot_ranks[slot] = adapter.rank
 
     def remove_lora(self, lora_int_id: int) -> bool:
         """Forget an adapter (host copy and slot); True if it was held."""

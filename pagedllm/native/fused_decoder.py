@@ -16,16 +16,23 @@ scales (`kernel_weight`) and run on the kernels of `csrc/int8_blocks.h`, the mod
 and runs everything else: long fresh prefills (torch's flash attention is faster there), tensor
 parallelism (the row-parallel all-reduce sits between the native phases), other KV/weight dtypes,
 and `PAGEDLLM_CPU_FUSED_DECODER=0`. Tests compare both paths.
+
+LoRA adapters (lora/layers.py) are applied inside the layers when attached (`attach_lora`):
+after each linear the step's adapter tokens get their slot's x A^T B^T, grouped by slot
+(`csrc/lora_kernel.h`), so a step with adapter tokens stays on this path and in the native
+decode loop.
 """
 
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable, Sequence
 
 import torch
 
 from pagedllm.attention.backends.cpu_paged import CpuPagedMetadata
 from pagedllm.native.kernels import abi, cpu_kernels
+from pagedllm.native.kernels.lora import LoRALinearWeights, NativeLoRAStep
 from pagedllm.native.kernels.ops import gguf_segment_structs
 from pagedllm.platforms import current_platform
 
@@ -126,6 +133,34 @@ class FusedDecoder:
         # pointed at; a layer bound to another cache (the profiling run's caches are replaced by
         # the real ones) makes the next call rebuild.
         self._caches: list[torch.Tensor] = []
+        # LoRA (`attach_lora`): per layer its four linears' slots, and the step's adapter
+        # tokens (None: no adapter token in the step).
+        self._lora_layers: list[ctypes.Array] | None = None
+        self._lora_step: Callable[[], NativeLoRAStep | None] | None = None
+
+    def attach_lora(self, layer_weights: Sequence[Sequence[LoRALinearWeights]],
+                    step: Callable[[], NativeLoRAStep | None]) -> None:
+        """Apply adapters inside the layers from now on.
+
+        Args:
+            layer_weights: per layer, its qkv, o, gate_up and down linears' adapter slots
+                (`native.kernels.lora.lora_linear_weights`; their tensors outlive this).
+            step: returns the current step's adapter tokens, or None when it has none; read at
+                every call (and every native decode round).
+
+        Raises:
+            ValueError: not one entry of four per layer.
+        """
+        if len(layer_weights) != len(self.layers) or any(len(w) != 4 for w in layer_weights):
+            raise ValueError(f"fused decoder: LoRA slots for {len(layer_weights)} layers, "
+                             f"expected four linears for each of {len(self.layers)}")
+        self._lora_layers = [(LoRALinearWeights * 4)(*w) for w in layer_weights]
+        self._lora_step = step
+        self.forget_structures()
+
+    def lora_step(self) -> NativeLoRAStep | None:
+        """The current step's adapter tokens (None: none, or no adapters attached)."""
+        return None if self._lora_step is None else self._lora_step()
 
     @staticmethod
     def supports(layers) -> bool:
@@ -193,6 +228,9 @@ class FusedDecoder:
         kv_cache = self._attention[0].kv_cache
         if not (kv_cache.dtype == self.dtype and kv_cache.dim() == 5):
             return False
+        lora = self.lora_step()
+        if lora is not None and lora.batch_tokens != num_tokens:
+            return False   # adapter rows mapped for another batch (a round's other steps)
         if batch_invariant:
             return self.min_window is None
         return (num_tokens <= self.max_step_tokens()
@@ -257,6 +295,9 @@ class FusedDecoder:
             s.num_heads, s.num_kv_heads = attn.num_heads, attn.num_kv_heads
             s.intermediate_size = self.intermediate_size
             s.eps, s.scale = layer.input_layernorm.eps, attn.attn.scale
+        if self._lora_layers is not None:
+            for s, lora in zip(structs, self._lora_layers):
+                s.lora = ctypes.addressof(lora)
         self._keepalive = keep + keep_structs
         return structs
 
@@ -316,11 +357,12 @@ class FusedDecoder:
         float32), with its float32 scratch (this decoder's, shared by its steps: one step at a
         time); keep the tensor alive while the step is in use. `query_tile`: the attention's
         query tokens per work item (0: the kernel's default; 1: every token on the per-token
-        path, the batch-invariant mode).
+        path, the batch-invariant mode). With adapters attached it carries the step's adapter
+        tokens (`lora_step`), which must be mapped for a batch of `num_tokens`.
 
         Raises:
             ValueError: the block table [num_reqs, max_blocks] is not int32 with unit column
-                stride.
+                stride, or adapter rows mapped for another batch size.
         """
         if block_table.dtype != torch.int32 or block_table.stride(1) != 1:
             raise ValueError("fused decoder: the block table must be int32 with unit column stride")
@@ -340,6 +382,12 @@ class FusedDecoder:
             residual=residual, delta=delta,
             normed=parts[0], qkv_out=parts[1], attn_out=parts[2], gate_up_out=parts[3],
             act=parts[4])
+        lora = self.lora_step()
+        if lora is not None:
+            if lora.batch_tokens != num_tokens:
+                raise ValueError(f"fused decoder: adapter rows mapped for {lora.batch_tokens} "
+                                 f"tokens, the step has {num_tokens}")
+            step.lora = lora.address
         return step, scratch
 
     def max_step_tokens(self) -> int:

@@ -94,7 +94,7 @@ def test_grouped_shrink_expand_matches_dense_reference():
     n, d_in, d_out, width, slots = 11, 6, 5, 4, 3
     x = torch.randn(n, d_in)
     lora_a = torch.randn(slots, width, d_in)
-    lora_b = torch.randn(slots, d_out, width)
+    lora_b = torch.randn(slots, width, d_out)   # B^T per slot
     token_slots = [2, -1, 0, 0, 2, -1, 1, 2, 0, -1, 1]
     order = [t for s in range(slots) for t in range(n) if token_slots[t] == s]
     counts = [token_slots.count(s) for s in range(slots)]
@@ -105,13 +105,13 @@ def test_grouped_shrink_expand_matches_dense_reference():
     want = y.clone()
     for t, s in enumerate(token_slots):
         if s >= 0:
-            want[t] += lora_b[s] @ (lora_a[s] @ x[t])
+            want[t] += lora_b[s].t() @ (lora_a[s] @ x[t])
     lora_expand(y, lora_shrink(x, lora_a, mapping), lora_b, mapping)
     torch.testing.assert_close(y, want)
     whole = LoRAMapping(None, ((1, 0, n),))
     y = torch.zeros(n, d_out)
     lora_expand(y, lora_shrink(x, lora_a, whole), lora_b, whole)
-    torch.testing.assert_close(y, x @ lora_a[1].t() @ lora_b[1].t())
+    torch.testing.assert_close(y, x @ lora_a[1].t() @ lora_b[1])
 
 
 def test_chat_takes_the_adapter(base, good):

@@ -21,7 +21,7 @@ import re
 
 # Bump when a declaration below changes (the loaded library reports the version it was
 # compiled with; a stale library in the cache is refused).
-ABI_VERSION = 10
+ABI_VERSION = 11
 
 STRUCTS = """
 /* One weight's rows of one GGML type (layers/quantization/gguf.py `kernel_segments`). */
@@ -94,6 +94,7 @@ struct DecoderLayerWeights {
   int64_t int8_activations[4];     /* 1: W8A8 (x quantized per token) */
   int64_t gguf_q8_activations[4];  /* 1: x rounded to 8 bits per block (integer dots) */
   int64_t packed[4];               /* 1: float weight in packed GEMM panels */
+  const struct LoRALinearWeights* lora;  /* [4] per linear as above, or null: no adapters */
 };
 
 /* One step of the fused decoder over its buffers (cpu_decoder.cpp). */
@@ -116,6 +117,7 @@ struct DecoderStep {
   float* attn_out;                 /* [num_tokens, q_size] scratch */
   float* gate_up_out;              /* [num_tokens, 2 * intermediate] scratch */
   float* act;                      /* [num_tokens, intermediate] scratch */
+  const struct LoRAStepArgs* lora; /* the step's adapter tokens, or null: none */
 };
 
 /* An embedding table or LM head for the decode loop (cpu_decode_loop.cpp); kind 0 dense rows,
@@ -158,6 +160,28 @@ struct DecodeLoopArgs {
   const int64_t* stop_offsets;     /* row b's stop tokens: stop_ids[stop_offsets[b] ..
                                       stop_offsets[b + 1]) */
   const int64_t* stop_ids;
+};
+
+/* One linear layer's adapter slots (lora_kernel.h, lora/layers.py): width = num_slices *
+   max_rank; slice i of a merged layer (qkv, gate_up) owns A rows / B^T rows [i max_rank,
+   (i + 1) max_rank) and output columns [slice_end[i - 1], slice_end[i]). */
+struct LoRALinearWeights {
+  const void* lora_a;              /* [max_loras, width, in_features] */
+  const void* lora_b;              /* [max_loras, width, out_features] (B^T per slot) */
+  int64_t dtype;                   /* 0 float32, 1 bfloat16 */
+  int64_t in_features;
+  int64_t out_features;
+  int64_t max_rank;
+  int64_t num_slices;              /* 1 to 3 */
+  int64_t slice_end[3];
+};
+
+/* One step's adapter tokens by slot (lora/ops.py LoRAMapping). */
+struct LoRAStepArgs {
+  const int64_t* token_indices;    /* [num_lora_tokens] batch rows, sorted by slot */
+  const int64_t* segments;         /* [num_segments, 4]: slot, start, end (into token_indices),
+                                      the slot's adapter rank */
+  int64_t num_segments;
 };
 """
 
@@ -232,6 +256,12 @@ int fused_moe_experts(const void* hidden, int act_dtype, int64_t num_tokens, int
                       const void* w13, const void* w2, int weight_dtype, int64_t num_experts,
                       int64_t I, const int64_t* topk_ids, const float* topk_weights,
                       int64_t top_k, void* out);
+
+/* cpu_lora.cpp: 0, or < 0 for a bad dtype (0 float32, 1 bfloat16) */
+int lora_shrink(const void* x, int64_t ldx, int x_dtype, const LoRALinearWeights* w,
+                const LoRAStepArgs* step, float* shrunk);
+int lora_expand(const float* shrunk, const LoRALinearWeights* w, const LoRAStepArgs* step,
+                void* y, int64_t ldy, int y_dtype);
 """
 
 _SCALARS = {"int": ctypes.c_int, "int32_t": ctypes.c_int32, "int64_t": ctypes.c_int64,

@@ -20,6 +20,9 @@
 // cpu_gguf_q8_linear.cpp) inside this layer's parallel region, or int8 rows
 // with per-row scales (layers/quantization/int8.py; weight-only or W8A8), run by the kernels of
 // int8_blocks.h likewise.
+// With LoRA adapters (DecoderLayerWeights.lora, DecoderStep.lora), each of the four linears'
+// outputs gets the step's adapter tokens' x A^T B^T, grouped by adapter slot (lora_kernel.h),
+// as loops of the same parallel region.
 // RMSNorm: Zhang & Sennrich (2019); RoPE: Su et al. (2021), GPT-NeoX layout (the halves of a head
 // are rotated together), as HF Llama.
 
@@ -37,6 +40,7 @@
 #include "gguf_q8_dot.h"
 #include "int8_blocks.h"
 #include "linear_kernel.h"
+#include "lora_kernel.h"
 #include "packed_gemm.h"
 
 namespace {
@@ -57,9 +61,19 @@ struct ActivationScratch {
   float* xs;
   gguf::Q8Rows gguf_q8;
   packed::XStage<uint16_t>* packed_x;
+  float* lora_shrunk;   // [adapter tokens, widest LoRA width] (null: no adapter token)
 };
 
 enum WeightIndex { kQKV = 0, kO = 1, kGateUp = 2, kDown = 3 };
+
+// The step's adapters on linear `index`'s output (lora_kernel.h), if the step has adapter
+// tokens and the layer adapter slots: y[tokens] += (x[tokens] A^T) B^T, grouped by slot.
+inline void layer_lora(const DecoderLayerWeights& lw, const DecoderStep& s, int index,
+                       const float* x, int64_t ldx, float* y, int64_t ldy,
+                       const ActivationScratch& scratch) {
+  if (s.lora != nullptr && lw.lora != nullptr)
+    lora::apply_tiles(lw.lora[index], *s.lora, x, ldx, y, ldy, scratch.lora_shrunk);
+}
 
 // One linear phase of the layer (an orphaned work-sharing loop, see linear_kernel.h): on the
 // GGUF segments of weight `index` if it has any (x rounded to 8 bits first if so marked), on
@@ -192,6 +206,7 @@ void decoder_layer(const DecoderLayerWeights& w, const DecoderStep& s, bool add_
 
     layer_linear<T>(w, kQKV, s.normed, H, M, H, w.qkv, qkv_size, w.qkv_bias, s.qkv_out,
                     qkv_size, act_scratch);
+    layer_lora(w, s, kQKV, s.normed, H, s.qkv_out, qkv_size, act_scratch);
 
     // q/k norm, RoPE, and the KV-cache write: one (token, head) per iteration.
     const int64_t heads = w.num_heads + w.num_kv_heads;
@@ -226,6 +241,7 @@ void decoder_layer(const DecoderLayerWeights& w, const DecoderStep& s, bool add_
 
     layer_linear<T>(w, kO, s.attn_out, q_size, M, q_size, w.o, H, w.o_bias, s.delta, H,
                     act_scratch);
+    layer_lora(w, s, kO, s.attn_out, q_size, s.delta, H, act_scratch);
 
 #pragma omp for
     for (int64_t m = 0; m < M; ++m)
@@ -234,6 +250,7 @@ void decoder_layer(const DecoderLayerWeights& w, const DecoderStep& s, bool add_
 
     layer_linear<T>(w, kGateUp, s.normed, H, M, H, w.gate_up, 2 * I, w.gate_up_bias,
                     s.gate_up_out, 2 * I, act_scratch);
+    layer_lora(w, s, kGateUp, s.normed, H, s.gate_up_out, 2 * I, act_scratch);
 
 #pragma omp for
     for (int64_t item = 0; item < M * act_chunks; ++item) {
@@ -245,6 +262,7 @@ void decoder_layer(const DecoderLayerWeights& w, const DecoderStep& s, bool add_
 
     layer_linear<T>(w, kDown, s.act, I, M, I, w.down, H, w.down_bias, s.delta, H,
                     act_scratch);
+    layer_lora(w, s, kDown, s.act, I, s.delta, H, act_scratch);
   }
 }
 
@@ -307,8 +325,16 @@ void decoder_layers(const DecoderLayerWeights* layers, int num_layers, const Dec
   // (Not value-initialised: every row is written before it is read.)
   const std::unique_ptr<packed::XStage<uint16_t>[]> packed_x(
       stage_packed ? new packed::XStage<uint16_t>[M * max_k_packed] : nullptr);
+  // Shrunk rows of the adapter tokens, for the widest LoRA linear.
+  int64_t lora_width = 0;
+  for (int l = 0; l < num_layers && step->lora != nullptr; ++l)
+    for (int i = 0; i < 4 && layers[l].lora != nullptr; ++i)
+      lora_width = std::max(lora_width, lora::width(layers[l].lora[i]));
+  std::vector<float> lora_shrunk(
+      lora_width > 0 ? static_cast<size_t>(lora::num_tokens(*step->lora) * lora_width) : 0);
   const ActivationScratch act_scratch{max_k > 0 ? xq.data() : nullptr, xs.data(), q8.rows(),
-                                      packed_x.get()};
+                                      packed_x.get(),
+                                      lora_width > 0 ? lora_shrunk.data() : nullptr};
   for (int l = 0; l < num_layers; ++l) {
     const bool add = l > 0 || add_delta_first != 0;
     if (dtype == 0)
