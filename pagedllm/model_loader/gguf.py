@@ -250,6 +250,9 @@ def _write_view(folder: Path, path: Path, reader, model_cls) -> None:
                                 {t.name: t.shape for t in tensor_table(reader)})
         except ValueError as e:
             raise ValueError(f"GGUF file {path}: {e}") from e
+        special = _generation_config(reader)   # the file's own ids, not the config defaults
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            setattr(config, key, special.get(key))
     else:
         config.architectures = [model_cls.__name__]
         _fix_transformers_config(config, reader, path)
