@@ -20,6 +20,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.entrypoints.cli import main
+from pagedllm.entrypoints.verify import load_reference_model
 from pagedllm.layers.fused_moe import FusedMoE
 from pagedllm.model_loader.gguf import prepare_gguf_view
 from pagedllm.native.kernels import cpu_kernels
@@ -147,6 +148,12 @@ def test_verify_passes_against_the_checkpoint(files, capsys):
     assert main(argv) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["passed"] and max(p["max_logprob_diff"] for p in report["prompts"]) < 1e-3
+
+
+def test_verify_without_a_reference_says_to_pass_one(files):
+    _, gguf_file = files("v2_lite")
+    with pytest.raises(ValueError, match="--reference"):
+        load_reference_model(str(gguf_file))
 
 
 @pytest.mark.parametrize("change,message", [
