@@ -38,7 +38,7 @@ import torch
 from pagedllm import envs
 from pagedllm.model_loader.slicing import narrow_index
 
-VIEW_FORMAT = 3  # bump when the files of a view change
+VIEW_FORMAT = 4  # bump when the files of a view change
 SOURCE_FILE = "gguf.json"
 
 # GGML tensor types loaded (dequantized with `gguf.quants.dequantize`, checked against independent
@@ -275,6 +275,22 @@ def _fix_transformers_config(config, reader, path: Path) -> None:
         _add_gemma2_settings(config, reader)
     elif arch == "phi3":
         _add_phi3_settings(config, reader)
+    if arch in ("qwen2moe", "qwen3moe"):
+        _add_qwen_moe_settings(config, reader, arch)
+
+
+def _add_qwen_moe_settings(config, reader, arch: str) -> None:
+    """Qwen MoE settings transformers' GGUF reader drops: the expert and shared-expert sizes
+    (`{arch}.expert_feed_forward_length`, `expert_shared_feed_forward_length`), and for
+    Qwen3-MoE `norm_topk_prob`, which files do not store: llama.cpp always renormalises
+    Qwen3-MoE's top-k weights (the released models set it) and never Qwen2-MoE's."""
+    size = _metadata(reader, f"{arch}.expert_feed_forward_length")
+    if size is not None:
+        config.moe_intermediate_size = int(size)
+    shared = _metadata(reader, f"{arch}.expert_shared_feed_forward_length")
+    if shared is not None:
+        config.shared_expert_intermediate_size = int(shared)
+    config.norm_topk_prob = arch == "qwen3moe"
 
 
 def metadata_values(reader) -> dict[str, Any]:
