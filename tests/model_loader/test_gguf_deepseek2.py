@@ -139,6 +139,17 @@ def test_q8_0_experts_stay_in_blocks_and_equal_the_dequantized_load(files):
                                atol=1e-4, rtol=0)
 
 
+def test_default_quantization_falls_back_where_a_linear_cannot_keep_blocks(files):
+    # V3's q_b_proj reads q_lora_rank = 24 columns, no whole 32-weight block: the converter
+    # stores it in F16 and the default load dequantizes the file instead of failing.
+    _, gguf_file = files("v3", "Q8_0")
+    llm = LLM(str(gguf_file), **ENGINE_ARGS)
+    model = llm.llm_engine.engine_core.executor.worker.model_runner.model
+    assert all(m.quant_method is None for m in model.modules() if isinstance(m, FusedMoE))
+    with pytest.raises(ValueError, match="block boundaries"):
+        LLM(str(gguf_file), quantization="gguf", **ENGINE_ARGS)
+
+
 @pytest.mark.slow
 def test_verify_passes_against_the_checkpoint(files, capsys):
     # (F32: the fixture's init range 0.5 makes Q8_0's rounding move logprobs by ~1.)
