@@ -127,7 +127,7 @@ def test_q8_0_experts_stay_in_blocks_and_equal_the_dequantized_load(files):
     assert moes and all(m.gguf_expert_types == {"w13": "Q8_0", "w2": "Q8_0"} for m in moes)
     # 8 experts x [2 x 32 rows + 64 rows] x 2 blocks x 34 bytes: the file's own bytes.
     assert all(m.w13_weight.dtype == torch.uint8 and m.w13_weight.shape == (8, 64, 68)
-               and m.w2_weight.shape == (8, 64, 34) for m in moes)
+               and m.w2_weight.shape == (8, 64, 34) and m.gguf_grouped for m in moes)
     outs = llm.generate(_prompts(), GREEDY, use_tqdm=False)
     del llm
     tokens = [list(o.outputs[0].token_ids) for o in outs]

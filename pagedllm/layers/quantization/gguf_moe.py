@@ -12,7 +12,9 @@ Experts are most of a MoE model's bytes, so keeping them in blocks is what makes
 file's memory footprint that of the file. Gate and up rows must share a type (one w13 type per
 layer), and down rows another; a file that mixes types across experts of one tensor, or whose
 type's blocks do not divide the input dimension, raises `GGUFLayoutUnsupported` and the loader
-dequantizes the whole checkpoint instead (as for linear layers). Plain rows (no row groups).
+dequantizes the whole checkpoint instead (as for linear layers). Once loaded, each expert's
+rows go to the kernels' row-group layout (`gguf_group_rows`, as `GGUFLinearMethod`'s;
+`PAGEDLLM_GGUF_ROW_GROUPS=0` keeps plain rows); EPLB moves whole slots, so either layout moves.
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ import torch
 from torch import nn
 
 from pagedllm.layers.quantization.gguf import (GGUFLayoutUnsupported, gguf_q8_activations_enabled,
-                                               gguf_row_bytes)
-from pagedllm.native.kernels.ops import GGUF_KERNEL_TYPES, gguf_linear
+                                               gguf_row_bytes, gguf_row_groups_enabled)
+from pagedllm.native.kernels.ops import GGUF_KERNEL_TYPES, gguf_group_rows, gguf_linear
 
 
 class GGUFMoEMethod:
@@ -41,10 +43,12 @@ class GGUFMoEMethod:
     def __init__(self, quantize_activations: bool | None = None) -> None:
         self.quantize_activations = (gguf_q8_activations_enabled() if quantize_activations is None
                                      else quantize_activations)
+        self.group_rows = gguf_row_groups_enabled()
 
     def create_weights(self, layer: nn.Module) -> None:
         """Forget the float expert weights (their storage is replaced at the first load)."""
         layer.gguf_expert_types = {}
+        layer.gguf_grouped = False
         for param in (layer.w13_weight, layer.w2_weight):
             param.data = torch.empty(0, dtype=torch.uint8)
 
@@ -100,9 +104,22 @@ class GGUFMoEMethod:
         if tuple(part.shape[-2:]) != want:
             raise ValueError(f"shape mismatch: GGUF expert tensor {name} "
                              f"{tuple(loaded.shape)} vs expert weight {want}")
+        if layer.gguf_grouped:
+            raise ValueError(f"GGUF expert tensor {name}: the experts are already regrouped "
+                             f"(loaded once)")
         raw = part.materialize_raw()
         for slot in np.flatnonzero(layer.local_logical_ids() == expert_id).tolist():
             param.data[slot].narrow(0, offset, raw.shape[0]).copy_(raw)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Put every expert's rows in the kernels' row-group layout (in place). Idempotent."""
+        if layer.gguf_grouped or not self.group_rows or layer.w13_weight.dim() != 3:
+            return
+        for key, param in (("w13", layer.w13_weight), ("w2", layer.w2_weight)):
+            for slot in range(param.shape[0]):
+                param.data[slot].copy_(gguf_group_rows(param.data[slot],
+                                                       layer.gguf_expert_types[key]))
+        layer.gguf_grouped = True
 
     def apply(self, layer: nn.Module, hidden: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
@@ -112,10 +129,11 @@ class GGUFMoEMethod:
 
         w13_type, w2_type = layer.gguf_expert_types["w13"], layer.gguf_expert_types["w2"]
         w13, w2, q8 = layer.w13_weight.data, layer.w2_weight.data, self.quantize_activations
+        grouped = layer.gguf_grouped
 
         def expert_forward(expert: int, x: torch.Tensor) -> torch.Tensor:
-            gate_up = gguf_linear(x, w13[expert], w13_type, None, q8)
-            return gguf_linear(layer.act_fn(gate_up), w2[expert], w2_type, None, q8)
+            gate_up = gguf_linear(x, w13[expert], w13_type, None, q8, grouped)
+            return gguf_linear(layer.act_fn(gate_up), w2[expert], w2_type, None, q8, grouped)
 
         return fused_experts_torch(hidden, w13, w2, topk_weights, topk_ids, layer.expert_map,
                                    layer.act_fn, expert_forward=expert_forward)
