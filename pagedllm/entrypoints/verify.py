@@ -168,7 +168,9 @@ def load_reference_model(model: str):
     """transformers' model for a checkpoint folder or .gguf file, float32, eval mode.
 
     A .gguf file is read as transformers reads it (`from_pretrained(folder, gguf_file=name)`,
-    dequantized). Raises whatever `from_pretrained` raises (OSError, ValueError, ...).
+    dequantized). Raises whatever `from_pretrained` raises (OSError, ValueError, ...); for a
+    .gguf architecture transformers cannot read (deepseek2, mamba2), a ValueError saying to pass
+    `--reference` (the checkpoint folder the file was converted from).
     """
     import torch
     from transformers import AutoModelForCausalLM
@@ -177,8 +179,15 @@ def load_reference_model(model: str):
 
     if is_gguf_path(model):
         path = Path(model).expanduser().resolve()
-        hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                  dtype=torch.float32)
+        try:
+            hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                      dtype=torch.float32)
+        except ValueError as e:
+            if "not supported" not in str(e):
+                raise
+            raise ValueError(f"transformers cannot read {model} as a reference ({e}); pass "
+                             f"--reference with the checkpoint folder it was converted "
+                             f"from") from e
     else:
         hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     return hf.eval()

@@ -166,6 +166,14 @@ class FusedMoE(nn.Module):
         self.w13_weight.weight_loader = self.weight_loader
         self.w2_weight.weight_loader = self.weight_loader
         self.act_fn = SiluAndMul()
+        # None: float experts; else e.g. a `GGUFMoEMethod` (layers/quantization/gguf_moe.py)
+        # that stores the experts its own way and runs them (`set_expert_method`).
+        self.quant_method = None
+
+    def set_expert_method(self, method) -> None:
+        """Store (and run) the experts by `method` from now on; the weights are loaded after."""
+        method.create_weights(self)
+        self.quant_method = method
 
     def set_placement(self, placement: ExpertPlacement, layer: int) -> None:
         """Adopt layer `layer` of `placement` as this layer's maps (the weights of the local
@@ -226,6 +234,9 @@ class FusedMoE(nn.Module):
             ValueError: for an unknown shard id, a shard id that does not fit `param`, an
                 expert id out of range, or a shape mismatch (naming both shapes).
         """
+        if self.quant_method is not None:
+            self.quant_method.load_weight(self, param, loaded, shard_id, expert_id)
+            return
         is_w13 = param is self.w13_weight
         if expert_id is None:
             self._load_all_experts(param, loaded, shard_id, is_w13)
@@ -291,8 +302,12 @@ class FusedMoE(nn.Module):
         """
         if self.expert_load is not None:
             self.expert_load += torch.bincount(topk_ids.flatten(), minlength=self.num_experts)
-        out = fused_experts(hidden, self.w13_weight, self.w2_weight, topk_weights,
-                            self._physical_ids(topk_ids), self.expert_map, self.act_fn)
+        if self.quant_method is not None:
+            out = self.quant_method.apply(self, hidden, topk_weights,
+                                          self._physical_ids(topk_ids))
+        else:
+            out = fused_experts(hidden, self.w13_weight, self.w2_weight, topk_weights,
+                                self._physical_ids(topk_ids), self.expert_map, self.act_fn)
         if self.reduce_results and self.tp_size > 1:
             out = tensor_model_parallel_all_reduce(out)
         return out
@@ -350,7 +365,8 @@ def native_moe_applies(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
 
 def fused_experts_torch(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                         topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                        expert_map: torch.Tensor, act_fn: nn.Module) -> torch.Tensor:
+                        expert_map: torch.Tensor, act_fn: nn.Module,
+                        expert_forward=None) -> torch.Tensor:
     """Run each token through its routed local experts and sum them, weighted (torch ops).
 
     The n*k (token, slot) pairs are sorted by local expert (a stable sort, so an expert's rows
@@ -370,6 +386,8 @@ def fused_experts_torch(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tenso
             logical ids when there are no redundant experts and no rebalance).
         expert_map: [P] int64, physical id -> local slot or -1.
         act_fn: gated activation [m, 2*I_p] -> [m, I_p].
+        expert_forward: (local expert, rows [m, H]) -> [m, H], replacing the two float GEMMs
+            (experts stored otherwise, e.g. in GGUF blocks: layers/quantization/gguf_moe.py).
 
     Returns:
         [n, H] in hidden's dtype (this rank's partial sum under TP).
@@ -389,8 +407,11 @@ def fused_experts_torch(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tenso
         if count == 0:
             continue
         rows = slice(start, start + count)
-        gate_up = current_platform.linear(x[rows], w13[expert])
-        rows_out[rows] = current_platform.linear(act_fn(gate_up), w2[expert])
+        if expert_forward is not None:
+            rows_out[rows] = expert_forward(expert, x[rows])
+        else:
+            gate_up = current_platform.linear(x[rows], w13[expert])
+            rows_out[rows] = current_platform.linear(act_fn(gate_up), w2[expert])
         start += count
     weights = topk_weights.flatten()[order].unsqueeze(1)                # [m, 1] float32
     # NOTE(combine): the scatter-add back to the tokens is written as an un-sort into the

@@ -38,7 +38,7 @@ import torch
 from pagedllm import envs
 from pagedllm.model_loader.slicing import narrow_index
 
-VIEW_FORMAT = 3  # bump when the files of a view change
+VIEW_FORMAT = 4  # bump when the files of a view change
 SOURCE_FILE = "gguf.json"
 
 # GGML tensor types loaded (dequantized with `gguf.quants.dequantize`, checked against independent
@@ -198,7 +198,7 @@ def prepare_gguf_view(gguf_file: str) -> str:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        _write_view(tmp, path, reader, model_cls.__name__)
+        _write_view(tmp, path, reader, model_cls)
         source = GGUFSource(str(path), architecture, stat.st_size, stat.st_mtime_ns,
                             tensor_table(reader))
         (tmp / SOURCE_FILE).write_text(source.to_json())
@@ -213,9 +213,16 @@ def prepare_gguf_view(gguf_file: str) -> str:
     return str(view)
 
 
-def _write_view(folder: Path, path: Path, reader, architecture_name: str) -> None:
-    """config.json, the tokenizer files and generation_config.json of `path`, into `folder`."""
-    from transformers import AutoConfig, AutoTokenizer
+def _write_view(folder: Path, path: Path, reader, model_cls) -> None:
+    """config.json, the tokenizer files and generation_config.json of `path`, into `folder`.
+
+    The config is transformers' reading of the file, or for a family whose architecture
+    transformers' GGUF reader does not know (deepseek2, mamba2, qwen3next) the family's own
+    (`model_cls.gguf_hf_config(metadata_values(reader), {tensor name: torch-order shape})`,
+    which raises ValueError naming a missing or unsupported key); the tokenizer is
+    always transformers' (its tokenizer reading does not depend on the architecture).
+    """
+    from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerFast
 
     kwargs = {"gguf_file": path.name, "local_files_only": True}
     # transformers reads the folder it is given: tokenizer or config files of another checkpoint
@@ -227,13 +234,36 @@ def _write_view(folder: Path, path: Path, reader, architecture_name: str) -> Non
             source = alone
         except OSError:   # no symlinks here (some Windows set-ups): read the file in place
             source = str(path.parent)
+        own_config = getattr(model_cls, "gguf_hf_config", None)
         try:
-            config = AutoConfig.from_pretrained(source, **kwargs)
-            tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+            if own_config is None:
+                config = AutoConfig.from_pretrained(source, **kwargs)
+                tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+            else:
+                tokenizer = PreTrainedTokenizerFast.from_pretrained(source, **kwargs)
         except (OSError, ValueError, KeyError, NotImplementedError) as e:
             raise ValueError(f"transformers could not read the config or tokenizer of GGUF file "
                              f"{path}: {e}") from e
-    config.architectures = [architecture_name]
+    if own_config is not None:
+        try:
+            config = own_config(metadata_values(reader),
+                                {t.name: t.shape for t in tensor_table(reader)})
+        except ValueError as e:
+            raise ValueError(f"GGUF file {path}: {e}") from e
+        special = _generation_config(reader)   # the file's own ids, not the config defaults
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            setattr(config, key, special.get(key))
+    else:
+        config.architectures = [model_cls.__name__]
+        _fix_transformers_config(config, reader, path)
+    config.save_pretrained(str(folder))
+    tokenizer.save_pretrained(str(folder))
+    (folder / "generation_config.json").write_text(
+        json.dumps(_generation_config(reader), indent=2))
+
+
+def _fix_transformers_config(config, reader, path: Path) -> None:
+    """What transformers' GGUF config reader leaves out or gets wrong for its families."""
     arch = _metadata(reader, "general.architecture")
     # NOTE(gguf): transformers reads head_dim from rope.dimension_count for llama only; the
     # converter writes the true head size as attention.key_length (Qwen3: 128 != hidden/heads).
@@ -245,10 +275,42 @@ def _write_view(folder: Path, path: Path, reader, architecture_name: str) -> Non
         _add_gemma2_settings(config, reader)
     elif arch == "phi3":
         _add_phi3_settings(config, reader)
-    config.save_pretrained(str(folder))
-    tokenizer.save_pretrained(str(folder))
-    (folder / "generation_config.json").write_text(
-        json.dumps(_generation_config(reader), indent=2))
+    if arch in ("qwen2moe", "qwen3moe"):
+        _add_qwen_moe_settings(config, reader, arch)
+
+
+def _add_qwen_moe_settings(config, reader, arch: str) -> None:
+    """Qwen MoE settings transformers' GGUF reader drops: the expert and shared-expert sizes
+    (`{arch}.expert_feed_forward_length`, `expert_shared_feed_forward_length`), and for
+    Qwen3-MoE `norm_topk_prob`, which files do not store: llama.cpp always renormalises
+    Qwen3-MoE's top-k weights (the released models set it) and never Qwen2-MoE's."""
+    size = _metadata(reader, f"{arch}.expert_feed_forward_length")
+    if size is not None:
+        config.moe_intermediate_size = int(size)
+    shared = _metadata(reader, f"{arch}.expert_shared_feed_forward_length")
+    if shared is not None:
+        config.shared_expert_intermediate_size = int(shared)
+    config.norm_topk_prob = arch == "qwen3moe"
+
+
+def metadata_values(reader) -> dict[str, Any]:
+    """Every metadata key of an open file (`open_gguf`) but the tokenizer's, as Python values:
+    numbers, strings, bools, and arrays of them as lists (llama.cpp writes per-layer values,
+    e.g. LFM2's `attention.head_count_kv`, as arrays)."""
+    from gguf import GGUFValueType
+
+    values: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if key.startswith(("tokenizer.", "GGUF.")) or not field.types:
+            continue
+        if field.types[0] == GGUFValueType.ARRAY:
+            if len(field.types) > 1 and field.types[1] == GGUFValueType.STRING:
+                values[key] = [bytes(field.parts[i]).decode("utf-8") for i in field.data]
+            else:
+                values[key] = [field.parts[i].tolist()[0] for i in field.data]
+        else:
+            values[key] = _metadata(reader, key)
+    return values
 
 
 def _add_gemma2_settings(config, reader) -> None:
@@ -495,6 +557,11 @@ class GGUFTensor:
         """The GGML type name of the tensor in the file ("Q4_1")."""
         return self._info.tensor_type
 
+    def expert(self, expert: int) -> GGUFExpert:
+        """Expert `expert` of this 3-D tensor of stacked experts, as a lazy 2-D tensor
+        (`GGUFExpert`; ValueError when this is no such tensor)."""
+        return GGUFExpert(self, expert)
+
     def materialize_raw(self) -> torch.Tensor:
         """The selected slice still in its GGML block format, for quantized linear layers
         (`layers/quantization/gguf.py`).
@@ -502,6 +569,8 @@ class GGUFTensor:
         Returns:
             [rows, row_bytes] uint8 (a copy): each row the slice's blocks in file order.
 
+        A 3-D tensor (llama.cpp's stacked experts, [experts, rows, cols]) must be narrowed to
+        one expert first; its rows and columns are then sliced as a 2-D tensor's.
         A map (`map`) must only reorder rows (as `unpermute_rope_rows` does): it is applied to
         the row numbers and the byte rows are gathered in that order. A slice of the input
         (last) dimension must start and end on block boundaries.
@@ -514,12 +583,18 @@ class GGUFTensor:
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
         info = self._info
-        if info.tensor_type in ("F32", "F16", "BF16") or len(info.shape) != 2:
+        index = self._index or tuple(slice(0, d) for d in info.shape)
+        one_expert = len(info.shape) == 3 and index[0].stop - index[0].start == 1
+        if info.tensor_type in ("F32", "F16", "BF16") or not (len(info.shape) == 2 or
+                                                              one_expert):
             raise ValueError(f"GGUF tensor {info.name} ({info.tensor_type}, shape "
-                             f"{info.shape}) is not a 2-D tensor of quantized blocks")
+                             f"{info.shape}) is not a 2-D tensor (or one expert of a 3-D one) "
+                             f"of quantized blocks")
+        if one_expert and self._transforms:
+            raise ValueError(f"GGUF tensor {info.name}: a map of stacked experts cannot apply "
+                             f"to quantized blocks")
         block_size, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[info.tensor_type]]
-        rows, cols = (slice(0, info.shape[0]), slice(0, info.shape[1])) \
-            if self._index is None else self._index
+        rows, cols = index[-2:]
         if cols.start % block_size or cols.stop % block_size:
             raise ValueError(f"GGUF tensor {info.name} ({info.tensor_type}): columns "
                              f"[{cols.start}, {cols.stop}) do not fall on {block_size}-weight "
@@ -530,7 +605,9 @@ class GGUFTensor:
         except ValueError as e:
             raise ValueError(f"GGUF tensor {info.name} ({info.tensor_type}) does not unpack: "
                              f"{e}") from e
-        if self._transforms:
+        if one_expert:
+            data = data[index[0].start]
+        elif self._transforms:
             data = data[self._row_order().numpy()]
         data = data[rows, cols.start // block_size * block_bytes:
                     cols.stop // block_size * block_bytes]
@@ -559,6 +636,41 @@ class GGUFTensor:
         return perm
 
 
+class GGUFExpert:
+    """Expert `expert` of a lazy 3-D GGUF tensor of stacked experts ([experts, rows, cols],
+    llama.cpp's `ffn_*_exps`), seen as a lazy 2-D tensor [rows, cols] with GGUFTensor's
+    `narrow`, `materialize`, `materialize_raw`, `tensor_type` and `name`: a loader reads that
+    expert's bytes only.
+
+    Raises (construction): ValueError for a tensor that is not 3-D or an expert out of range.
+    """
+
+    def __init__(self, stacked: GGUFTensor, expert: int) -> None:
+        if len(stacked.shape) != 3 or not 0 <= expert < stacked.shape[0]:
+            raise ValueError(f"GGUF tensor {stacked.name} {tuple(stacked.shape)}: no expert "
+                             f"{expert} of a 3-D tensor of stacked experts")
+        self._inner = stacked.narrow(0, expert, 1)
+        self.name, self.dtype = f"{stacked.name}[{expert}]", stacked.dtype
+        self.shape = torch.Size(self._inner.shape[1:])
+
+    @property
+    def tensor_type(self) -> str:
+        return self._inner.tensor_type
+
+    def narrow(self, dim: int, start: int, length: int) -> GGUFExpert:
+        out = object.__new__(GGUFExpert)
+        out._inner = self._inner.narrow(dim % 2 + 1, start, length)
+        out.name, out.dtype = self.name, self.dtype
+        out.shape = torch.Size(out._inner.shape[1:])
+        return out
+
+    def materialize(self) -> torch.Tensor:
+        return self._inner.materialize()[0]
+
+    def materialize_raw(self) -> torch.Tensor:
+        return self._inner.materialize_raw()
+
+
 def iterate_gguf_tensors(source: GGUFSource,
                          dtype: torch.dtype) -> Iterator[tuple[str, GGUFTensor]]:
     """Yield (GGUF name, lazy tensor) for every tensor of the file; nothing is dequantized yet.
@@ -574,7 +686,7 @@ def iterate_gguf_tensors(source: GGUFSource,
         yield info.name, GGUFTensor(buffer, info, dtype)
 
 
-__all__ = ["GGUFSource", "GGUFTensor", "GGUFTensorInfo", "SUPPORTED_TENSOR_TYPES",
+__all__ = ["GGUFExpert", "GGUFSource", "GGUFTensor", "GGUFTensorInfo", "SUPPORTED_TENSOR_TYPES",
            "check_tensor_types", "dequantize", "gguf_cache_root", "is_gguf_path",
-           "iterate_gguf_tensors", "open_gguf", "prepare_gguf_view", "read_gguf_source",
+           "iterate_gguf_tensors", "metadata_values", "open_gguf", "prepare_gguf_view", "read_gguf_source",
            "tensor_data", "tensor_table"]

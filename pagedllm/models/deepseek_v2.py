@@ -41,6 +41,7 @@ from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import ColumnParallelLinear, RowParallelLinear, default_weight_loader
 from pagedllm.layers.mla_attention import MLAAttention
 from pagedllm.layers.moe_routing import DeepseekRouting
+from pagedllm.models.deepseek_gguf import deepseek2_checkpoint_weights, deepseek2_hf_config
 from pagedllm.models.llama import LlamaMLP
 from pagedllm.models.moe import MoeForCausalLM, ReplicatedLinear
 
@@ -204,6 +205,18 @@ class DeepseekV2ForCausalLM(MoeForCausalLM):
     # NOTE(deepseek): HF's V2 rotates interleaved pairs (a complex multiply); V3 reads
     # `rope_interleave` (default True).
     stacked_params_mapping = (("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1))
+    # llama.cpp's GGUF architecture (V2 and V3 files alike: models/deepseek_gguf.py).
+    gguf_architecture: str | None = "deepseek2"
+
+    @classmethod
+    def gguf_hf_config(cls, metadata: dict, tensors: dict):
+        """The HF config of a `deepseek2` GGUF file (`deepseek_gguf.deepseek2_hf_config`)."""
+        return deepseek2_hf_config(metadata, tensors)
+
+    @classmethod
+    def gguf_checkpoint_weights(cls, config, weights):
+        """HF-named tensors of a `deepseek2` GGUF file (`deepseek2_checkpoint_weights`)."""
+        return deepseek2_checkpoint_weights(config, weights, cls.__name__)
 
     @classmethod
     def routing(cls, config) -> DeepseekRouting:
@@ -259,3 +272,4 @@ class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
 
     scoring_func = "sigmoid"
     default_topk_method = "noaux_tc"
+    gguf_architecture = None   # deepseek2 files resolve to V2, whose config picks V3

@@ -22,6 +22,8 @@ from pagedllm.models.llama import LlamaAttention
 class Glm4MoeForCausalLM(DeepseekV3ForCausalLM):
     """GLM-4 MoE causal LM (see `MoeForCausalLM` for the API)."""
 
+    gguf_architecture = None   # llama.cpp's glm4moe files are not read (yet)
+
     stacked_params_mapping = (("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"),
                               ("qkv_proj", "v_proj", "v"), ("gate_up_proj", "gate_proj", 0),
                               ("gate_up_proj", "up_proj", 1))

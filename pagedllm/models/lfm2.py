@@ -30,6 +30,7 @@ from pagedllm.layers.state_cache import StateCache
 from pagedllm.layers.state_ops import causal_conv1d_varlen
 from pagedllm.layers.vocab_embedding import LMHead, VocabEmbedding
 from pagedllm.models.mamba2 import check_hybrid_parallelism
+from pagedllm.models.hybrid_gguf import lfm2_checkpoint_weights
 from pagedllm.models.utils import load_named_weight
 
 LAYER_TYPES = ("conv", "full_attention")
@@ -138,6 +139,12 @@ class Lfm2ForCausalLM(nn.Module):
     stacked_params_mapping = (("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"),
                               ("qkv_proj", "v_proj", "v"), ("gate_up_proj", "w1", 0),
                               ("gate_up_proj", "w3", 1))
+    gguf_architecture = "lfm2"
+
+    @classmethod
+    def gguf_checkpoint_weights(cls, config, weights):
+        """HF-named tensors of an `lfm2` GGUF file (`hybrid_gguf.lfm2_checkpoint_weights`)."""
+        return lfm2_checkpoint_weights(weights, cls.__name__)
 
     def __init__(self, config) -> None:
         super().__init__()

@@ -26,6 +26,7 @@ from pagedllm.layers.linear import ColumnParallelLinear, default_weight_loader
 from pagedllm.layers.state_cache import StateCache
 from pagedllm.layers.state_ops import causal_conv1d_varlen, gated_rms_norm, ssd_varlen
 from pagedllm.layers.vocab_embedding import LMHead, VocabEmbedding
+from pagedllm.models.hybrid_gguf import mamba2_checkpoint_weights, mamba2_hf_config
 from pagedllm.models.utils import load_named_weight
 
 
@@ -138,6 +139,18 @@ class Mamba2Block(nn.Module):
 class Mamba2ForCausalLM(nn.Module):
     """forward(input_ids [n] int64, positions [n] int64) -> hidden [n, hidden_size];
     compute_logits(hidden [m, hidden_size]) -> [m, vocab_size] float32."""
+
+    gguf_architecture = "mamba2"
+
+    @classmethod
+    def gguf_hf_config(cls, metadata: dict, tensors: dict):
+        """The HF config of a `mamba2` GGUF file (`hybrid_gguf.mamba2_hf_config`)."""
+        return mamba2_hf_config(metadata, tensors)
+
+    @classmethod
+    def gguf_checkpoint_weights(cls, config, weights):
+        """HF-named tensors of a `mamba2` GGUF file (`hybrid_gguf.mamba2_checkpoint_weights`)."""
+        return mamba2_checkpoint_weights(config, weights, cls.__name__)
 
     def __init__(self, config) -> None:
         super().__init__()

@@ -37,8 +37,9 @@ def get_linear_method(name: str) -> LinearMethodBase:
 def quantize_linear_layers(model: nn.Module, name: str) -> int:
     """Give every linear layer of `model` (those with `set_quant_method`, layers/linear.py) a
     new `name` method; its weight is re-created empty, to be loaded afterwards. With "gguf",
-    token embeddings and LM heads (`set_embedding_method`, layers/vocab_embedding.py) keep
-    their blocks too; modules sharing one weight (a tied LM head) share one method.
+    token embeddings and LM heads (`set_embedding_method`, layers/vocab_embedding.py) and
+    fused-MoE experts (`set_expert_method`, layers/quantization/gguf_moe.py) keep their blocks
+    too; modules sharing one weight (a tied LM head) share one method.
 
     Returns:
         The number of layers changed.
@@ -51,6 +52,10 @@ def quantize_linear_layers(model: nn.Module, name: str) -> int:
     for module in model.modules():
         if hasattr(module, "set_quant_method"):
             module.set_quant_method(get_linear_method(name))
+            count += 1
+        elif hasattr(module, "set_expert_method") and name == "gguf":
+            from pagedllm.layers.quantization.gguf_moe import GGUFMoEMethod
+            module.set_expert_method(GGUFMoEMethod())
             count += 1
         elif hasattr(module, "set_embedding_method") and name == "gguf":
             key = id(module.weight)

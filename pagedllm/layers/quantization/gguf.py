@@ -116,7 +116,9 @@ class GGUFLinearMethod(LinearMethodBase):
     def create_weights(self, layer: nn.Module, input_size_per_partition: int,
                        output_size_per_partition: int, weight_loader) -> None:
         if input_size_per_partition % GGUF_BLOCK_SIZE:
-            raise ValueError(
+            # (GGUFLayoutUnsupported: the default quantization then dequantizes the file, e.g.
+            # a DeepSeek q_b_proj over a q_lora_rank of 24, which the converter stores in F16)
+            raise GGUFLayoutUnsupported(
                 f"{type(layer).__name__}: an input shard of {input_size_per_partition} columns "
                 f"does not fall on {GGUF_BLOCK_SIZE}-weight GGUF block boundaries (with tensor "
                 f"parallelism, the row-parallel input split must); use quantization='none' or "
