@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass
@@ -76,6 +76,28 @@ class RequestOutput:
     # A KV connector's answer with the final output (prefill/decode disaggregation: what the
     # decode instance needs; docs/kv_connectors.md); None: none.
     kv_transfer_params: dict | None = None
+
+    def add_delta(self, later: RequestOutput) -> RequestOutput:
+        """This DELTA output followed by `later` (the next DELTA output of the same request) as
+        one DELTA output (vLLM's `RequestOutput.add` with aggregation): each sequence's new text,
+        token ids and logprobs concatenated, its state (finish and stop reasons, error,
+        cumulative logprob) and the request's (finished, metrics, ...) taken from `later`; the
+        prompt logprobs, sent once, kept from whichever carries them. Neither is modified."""
+        merged = {c.index: replace(c, token_ids=list(c.token_ids),
+                                   logprobs=None if c.logprobs is None else list(c.logprobs))
+                  for c in self.outputs}
+        for c in later.outputs:
+            first = merged.get(c.index)
+            if first is None:
+                merged[c.index] = c
+                continue
+            logprobs = (c.logprobs if first.logprobs is None else
+                        first.logprobs + (c.logprobs or []))
+            merged[c.index] = replace(c, text=first.text + c.text,
+                                      token_ids=first.token_ids + list(c.token_ids),
+                                      logprobs=logprobs)
+        return replace(later, outputs=[merged[i] for i in sorted(merged)],
+                       prompt_logprobs=later.prompt_logprobs or self.prompt_logprobs)
 
     @property
     def error(self) -> str | None:

@@ -47,7 +47,7 @@ from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.platforms import current_platform
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -65,8 +65,9 @@ class RequestFailedError(RuntimeError):
 class RequestStream:
     """The outputs of one admitted request, as an async iterator of cumulative RequestOutputs.
 
-    Outputs may be coalesced when the consumer is slower than the engine (each one is
-    cumulative, so only the latest matters); the last one yielded has `finished=True`. Closing
+    Outputs may be coalesced when the consumer is slower than the engine: a cumulative output
+    replaces the ones before it, DELTA outputs (`delta`) are concatenated
+    (`RequestOutput.add_delta`), so no token is lost; the last one yielded has `finished=True`. Closing
     the stream (`close()`, idempotent) before that aborts the request. Iterating raises
     `RequestFailedError` if the request failed alone, `EngineDeadError` if the engine died.
 
@@ -74,11 +75,13 @@ class RequestStream:
         request_id: the request's id.
         queue: where the engine's outputs (or an exception) arrive, on the event loop.
         on_close: called once with `(request_id, finished)` when the stream closes.
+        delta: the request's outputs are RequestOutputKind.DELTA.
     """
 
     def __init__(self, request_id: str, queue: asyncio.Queue,
-                 on_close: Callable[[str, bool], None]) -> None:
+                 on_close: Callable[[str, bool], None], delta: bool = False) -> None:
         self.request_id = request_id
+        self._delta = delta
         self._queue = queue
         self._on_close: list[Callable[[str, bool], None]] | None = [on_close]
         self.finished = False
@@ -94,7 +97,9 @@ class RequestStream:
             item = await self._queue.get()
             while not isinstance(item, BaseException) and not item.finished \
                     and not self._queue.empty():
-                item = self._queue.get_nowait()
+                later = self._queue.get_nowait()
+                item = (item.add_delta(later) if self._delta
+                        and not isinstance(later, BaseException) else later)
         except BaseException:
             self.close()  # cancelled while waiting: abort
             raise
@@ -310,7 +315,8 @@ class AsyncLLM:
         core_request.lora_request = lora_request
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
-        stream = RequestStream(request_id, queue, self._close_stream)
+        stream = RequestStream(request_id, queue, self._close_stream,
+                               sampling_params.output_kind == RequestOutputKind.DELTA)
         future: concurrent.futures.Future = concurrent.futures.Future()
         try:
             self._put(_AddCommand(core_request, prompt_text, time.monotonic(), future))
