@@ -34,12 +34,12 @@ def _import_kernels():
         from triton.runtime.interpreter import InterpretedFunction
 
         module = importlib.import_module("pagedllm.lora.triton_ops")
+        if DEVICE.type == "cpu" and not (isinstance(triton.language.zeros, InterpretedFunction)
+                                         and module.INTERPRETED):
+            pytest.skip("triton was imported in this process before without TRITON_INTERPRET=1; "
+                        "run this module in its own process", allow_module_level=True)
         # The first launch imports more of triton under the setting (see test_triton_paged).
         _run(module, *CASES[1], torch.float32)
-    if DEVICE.type == "cpu" and not (isinstance(triton.language.zeros, InterpretedFunction)
-                                     and module.INTERPRETED):
-        pytest.skip("triton was imported in this process before without TRITON_INTERPRET=1; run "
-                    "this module in its own process", allow_module_level=True)
     return module
 
 
