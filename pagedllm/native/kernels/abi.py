@@ -21,7 +21,7 @@ import re
 
 # Bump when a declaration below changes (the loaded library reports the version it was
 # compiled with; a stale library in the cache is refused).
-ABI_VERSION = 10
+ABI_VERSION = 11
 
 STRUCTS = """
 /* One weight's rows of one GGML type (layers/quantization/gguf.py `kernel_segments`). */
@@ -159,6 +159,15 @@ struct DecodeLoopArgs {
                                       stop_offsets[b + 1]) */
   const int64_t* stop_ids;
 };
+
+/* The varlen batch of one recurrent-layer call (cpu_state_scan.cpp); requests contiguous. */
+struct StateBatch {
+  const int64_t* query_start_loc;  /* [num_reqs + 1] */
+  const int64_t* state_indices;    /* [num_reqs] each request's state slot */
+  const uint8_t* has_initial_state;  /* [num_reqs] 0: the request starts from a zero state */
+  int64_t num_reqs;
+  int64_t num_slots;               /* slots of the state tensors (index bound) */
+};
 """
 
 ENTRY_POINTS = """
@@ -232,6 +241,21 @@ int fused_moe_experts(const void* hidden, int act_dtype, int64_t num_tokens, int
                       const void* w13, const void* w2, int weight_dtype, int64_t num_experts,
                       int64_t I, const int64_t* topk_ids, const float* topk_weights,
                       int64_t top_k, void* out);
+
+/* cpu_state_scan.cpp: dtype 0 float32 / 1 bfloat16 activations (state_dtype likewise for the
+   conv window; SSM and delta-rule states float32); 0, or -1 for a slot out of range. */
+int causal_conv1d_varlen_cpu(const StateBatch* batch, const void* x, int64_t ldx,
+                             int64_t channels, int64_t width, const float* weight,
+                             const float* bias, void* conv_states, int state_dtype, int silu,
+                             void* out, int dtype);
+int ssd_scan_varlen_cpu(const StateBatch* batch, const void* x, const float* dt, const float* A,
+                        const void* B, const void* C, const float* D, float* ssm_states,
+                        int64_t H, int64_t P, int64_t G, int64_t N, float dt_min, float dt_max,
+                        int clamp_prefill, int dtype, float* y);
+int gated_delta_rule_varlen_cpu(const StateBatch* batch, const void* q, const void* k,
+                                const void* v, const float* g, const float* beta,
+                                float* states, int64_t H, int64_t Hk, int64_t dk, int64_t dv,
+                                int dtype, float* out);
 """
 
 _SCALARS = {"int": ctypes.c_int, "int32_t": ctypes.c_int32, "int64_t": ctypes.c_int64,
