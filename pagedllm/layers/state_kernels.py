@@ -24,6 +24,10 @@ from pagedllm.native.kernels import state_scan
 
 BACKENDS = ("native", "triton", "torch")
 
+# The backend of calls that name none; None: by device (benchmarks set "torch" to time the
+# reference ops inside the engine, scripts/bench_hybrid_state.py).
+DEFAULT_BACKEND: str | None = None
+
 # One StateBatch struct per (step metadata, slot count): every layer of a step shares it.
 _last_batch: tuple[StateCacheMetadata, int, state_scan.StateBatchArgs] | None = None
 
@@ -37,11 +41,13 @@ def _native_batch(meta: StateCacheMetadata, num_slots: int) -> state_scan.StateB
 
 
 def pick_backend(backend: str | None, *tensors: torch.Tensor) -> str:
-    """The backend of a call: `backend` if given (one of BACKENDS), else by device.
+    """The backend of a call: `backend` if given (one of BACKENDS), else `DEFAULT_BACKEND` if
+    set, else by device.
 
     Raises:
         ValueError: an unknown backend name.
     """
+    backend = backend if backend is not None else DEFAULT_BACKEND
     if backend is not None:
         if backend not in BACKENDS:
             raise ValueError(f"unknown state-op backend {backend!r}; expected one of {BACKENDS}")

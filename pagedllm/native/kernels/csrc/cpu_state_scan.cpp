@@ -35,6 +35,10 @@ using pagedllm::store;
 using pagedllm::to_float;
 
 constexpr int64_t kConvBlock = 64;
+// Below this many multiply-adds a call runs on one thread: a parallel region's fork and barrier
+// cost more than the work (a batch-1 decode step), and much more on a loaded machine, where a
+// descheduled thread holds the barrier up.
+constexpr int64_t kParallelWork = int64_t{1} << 20;
 
 bool slot_ok(const StateBatch* b, int64_t r) {
   const int64_t s = b->state_indices[r];
@@ -78,8 +82,10 @@ template <typename T, typename S>
 int conv_all(const StateBatch* b, const T* x, int64_t ldx, int64_t channels, int64_t width,
              const float* weight, const float* bias, S* conv_states, int silu, T* out) {
   const int64_t blocks = (channels + kConvBlock - 1) / kConvBlock;
+  const int64_t work = b->query_start_loc[b->num_reqs] * channels * width;
   int bad = 0;
-#pragma omp parallel for collapse(2) schedule(dynamic) reduction(| : bad)
+#pragma omp parallel for collapse(2) schedule(dynamic) reduction(| : bad) \
+    if (work > kParallelWork)
   for (int64_t r = 0; r < b->num_reqs; ++r)
     for (int64_t cb = 0; cb < blocks; ++cb) {
       if (!slot_ok(b, r)) {
@@ -99,8 +105,10 @@ int ssd_all(const StateBatch* b, const T* x, const float* dt, const float* A, co
             const T* C, const float* D, float* ssm_states, int64_t H, int64_t P, int64_t G,
             int64_t N, float dt_min, float dt_max, int clamp_prefill, float* y) {
   const int64_t heads_per_group = H / G;
+  const int64_t work = b->query_start_loc[b->num_reqs] * H * P * N * 2;
   int bad = 0;
-#pragma omp parallel for collapse(2) schedule(dynamic) reduction(| : bad)
+#pragma omp parallel for collapse(2) schedule(dynamic) reduction(| : bad) \
+    if (work > kParallelWork)
   for (int64_t r = 0; r < b->num_reqs; ++r)
     for (int64_t h = 0; h < H; ++h) {
       if (!slot_ok(b, r)) {
@@ -157,8 +165,10 @@ int gated_delta_all(const StateBatch* b, const T* q, const T* k, const T* v, con
                     int64_t dv, float* out) {
   const int64_t per = H / Hk;
   const float q_scale = 1.0f / std::sqrt(static_cast<float>(dk));
+  const int64_t work = b->query_start_loc[b->num_reqs] * H * dk * dv * 4;
   int bad = 0;
-#pragma omp parallel for collapse(2) schedule(dynamic) reduction(| : bad)
+#pragma omp parallel for collapse(2) schedule(dynamic) reduction(| : bad) \
+    if (work > kParallelWork)
   for (int64_t r = 0; r < b->num_reqs; ++r)
     for (int64_t h = 0; h < H; ++h) {
       if (!slot_ok(b, r)) {
