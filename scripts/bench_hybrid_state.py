@@ -170,6 +170,7 @@ class _LayerTimers:
         self.classes = {"gdn": qwen3_next.GatedDeltaNet, "attn": qwen3_next.GatedAttention}
         self.saved = {k: c.forward for k, c in self.classes.items()}
         self.total = {k: 0.0 for k in self.classes}
+        self.calls = {k: 0 for k in self.classes}
         for key, cls in self.classes.items():
             cls.forward = self._wrap(key, self.saved[key])
 
@@ -178,11 +179,15 @@ class _LayerTimers:
             start = time.perf_counter()
             out = forward(module, *a, **kw)
             self.total[key] += time.perf_counter() - start
+            self.calls[key] += 1
             return out
         return timed
 
-    def reset(self) -> dict[str, float]:
-        out, self.total = self.total, {k: 0.0 for k in self.classes}
+    def reset(self) -> tuple[dict[str, float], dict[str, int]]:
+        """(seconds, forward calls) per layer kind since the last reset."""
+        out = (self.total, self.calls)
+        self.total = {k: 0.0 for k in self.classes}
+        self.calls = {k: 0 for k in self.classes}
         return out
 
     def restore(self) -> None:
@@ -192,6 +197,7 @@ class _LayerTimers:
 
 def bench_curve(args) -> list[dict]:
     from pagedllm import LLM, SamplingParams
+    from pagedllm.benchmarks.presets import PRESETS
 
     lengths = [int(v) for v in args.lengths.split(",")]
     max_len = max(lengths) + args.decode_steps + 16
@@ -199,6 +205,7 @@ def bench_curve(args) -> list[dict]:
     llm = LLM(model=model, dtype=args.dtype, max_model_len=max_len, max_num_seqs=2,
               max_num_batched_tokens=args.prefill_chunk, enable_prefix_caching=False)
     engine = llm.llm_engine
+    n_gdn = PRESETS["qwen3-next-200m"]["layer_types"].count("linear_attention")
     timers = _LayerTimers()
     rows = []
     rng = np.random.default_rng(1)
@@ -216,40 +223,44 @@ def bench_curve(args) -> list[dict]:
                     produced = len(out.outputs[0].token_ids)
             prefill_s = time.perf_counter() - start
             timers.reset()
-            steps = []
+            start = time.perf_counter()
             while engine.has_unfinished_requests():
-                t0 = time.perf_counter()
                 engine.step()
-                steps.append((time.perf_counter() - t0, timers.reset()))
-            steps = steps[1:] if len(steps) > 2 else steps
-            best = min(steps, key=lambda s: s[0])
-            med = sorted(s[0] for s in steps)[len(steps) // 2]
-            row = dict(context=length, prefill_s=prefill_s, step_ms_median=med * 1e3,
-                       step_ms_best=best[0] * 1e3,
-                       gdn_ms_median=float(np.median([s[1]["gdn"] for s in steps])) * 1e3,
-                       attn_ms_median=float(np.median([s[1]["attn"] for s in steps])) * 1e3)
+            decode_s = time.perf_counter() - start
+            layer_s, calls = timers.reset()
+            # one Gated DeltaNet forward per layer and decode forward (a step may run several)
+            tokens = max(1, calls["gdn"] // n_gdn)
+            row = dict(context=length, prefill_s=prefill_s, decode_tokens=tokens,
+                       ms_per_token=decode_s / tokens * 1e3,
+                       gdn_ms_per_token=layer_s["gdn"] / tokens * 1e3,
+                       attn_ms_per_token=layer_s["attn"] / tokens * 1e3)
             rows.append(row)
     finally:
         timers.restore()
     rows = rows[1:]
-    print(f"\n{'context':>8s} {'prefill s':>9s} {'step ms':>8s} {'best':>7s} "
+    print(f"\n{'context':>8s} {'prefill s':>9s} {'tokens':>6s} {'ms/token':>9s} "
           f"{'9 GDN ms':>9s} {'3 attn ms':>9s}")
     for r in rows:
-        print(f"{r['context']:8d} {r['prefill_s']:9.1f} {r['step_ms_median']:8.2f} "
-              f"{r['step_ms_best']:7.2f} {r['gdn_ms_median']:9.3f} {r['attn_ms_median']:9.3f}")
+        print(f"{r['context']:8d} {r['prefill_s']:9.1f} {r['decode_tokens']:6d} "
+              f"{r['ms_per_token']:9.2f} {r['gdn_ms_per_token']:9.3f} "
+              f"{r['attn_ms_per_token']:9.3f}")
     return rows
 
 
 def plot_curve(rows: list[dict], path: str) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed: no plot (the table above has the figures)")
+        return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     ctx = [r["context"] for r in rows]
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
-    ax.plot(ctx, [r["step_ms_median"] for r in rows], "o-", label="whole decode step")
-    ax.plot(ctx, [r["attn_ms_median"] for r in rows], "s-", label="3 attention layers")
-    ax.plot(ctx, [r["gdn_ms_median"] for r in rows], "^-", label="9 Gated DeltaNet layers")
+    ax.plot(ctx, [r["ms_per_token"] for r in rows], "o-", label="whole decode step")
+    ax.plot(ctx, [r["attn_ms_per_token"] for r in rows], "s-", label="3 attention layers")
+    ax.plot(ctx, [r["gdn_ms_per_token"] for r in rows], "^-", label="9 Gated DeltaNet layers")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("ms per decode token (batch 1)")
