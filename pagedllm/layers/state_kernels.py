@@ -6,14 +6,17 @@
 
 Backends, picked per call by `backend=None` (auto): "native" on the CPU when the C++ library
 built (`native/kernels/state_scan.py`, a token-by-token scan in C++; float32/bfloat16
-activations), "triton" on CUDA (`layers/triton_state_ops.py`), else "torch", the vectorised
-references of `layers/state_ops.py` / `layers/gated_delta_ops.py` (kept for tests and as the
-fallback). `PAGEDLLM_CPU_KERNELS=0` turns the native kernels off with the others. The three
-backends compute the same recurrences; they differ in rounding only (the chunked torch form
-regroups sums per chunk).
+activations), "triton" on CUDA when triton is installed (`layers/triton_state_ops.py`), else
+"torch", the vectorised references of `layers/state_ops.py` / `layers/gated_delta_ops.py` (kept
+for tests and as the fallback). `PAGEDLLM_CPU_KERNELS=0` turns the native kernels off with the
+others. The three backends compute the same recurrences; they differ in rounding only (the
+chunked torch form regroups sums per chunk).
 """
 
 from __future__ import annotations
+
+import functools
+import importlib.util
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +43,11 @@ def _native_batch(meta: StateCacheMetadata, num_slots: int) -> state_scan.StateB
     return _last_batch[2]
 
 
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
 def pick_backend(backend: str | None, *tensors: torch.Tensor) -> str:
     """The backend of a call: `backend` if given (one of BACKENDS), else `DEFAULT_BACKEND` if
     set, else by device.
@@ -55,7 +63,7 @@ def pick_backend(backend: str | None, *tensors: torch.Tensor) -> str:
     device = tensors[0].device.type
     if device == "cpu" and state_scan.state_scan_supported(*tensors):
         return "native"
-    if device == "cuda":
+    if device == "cuda" and _triton_installed():
         return "triton"
     return "torch"
 
