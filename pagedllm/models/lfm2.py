@@ -27,7 +27,7 @@ from pagedllm.layers.linear import (ColumnParallelLinear, MergedColumnParallelLi
                                     QKVParallelLinear, default_weight_loader)
 from pagedllm.layers.rotary_embedding import RotaryEmbedding, rope_parameters_from_hf
 from pagedllm.layers.state_cache import StateCache
-from pagedllm.layers.state_ops import causal_conv1d_varlen
+from pagedllm.layers.state_kernels import causal_conv1d_varlen
 from pagedllm.layers.vocab_embedding import LMHead, VocabEmbedding
 from pagedllm.models.mamba2 import check_hybrid_parallelism
 from pagedllm.models.hybrid_gguf import lfm2_checkpoint_weights

@@ -24,7 +24,8 @@ from pagedllm.distributed.parallel_state import (get_pp_group,
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import ColumnParallelLinear, default_weight_loader
 from pagedllm.layers.state_cache import StateCache
-from pagedllm.layers.state_ops import causal_conv1d_varlen, gated_rms_norm, ssd_varlen
+from pagedllm.layers.state_kernels import causal_conv1d_varlen, ssd_varlen
+from pagedllm.layers.state_ops import gated_rms_norm
 from pagedllm.layers.vocab_embedding import LMHead, VocabEmbedding
 from pagedllm.models.hybrid_gguf import mamba2_checkpoint_weights, mamba2_hf_config
 from pagedllm.models.utils import load_named_weight
@@ -99,8 +100,8 @@ class Mamba2Mixer(nn.Module):
         n = hidden.shape[0]
         z, xbc, dt = self.in_proj(hidden).split(
             [self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
-        xbc = nn.functional.silu(causal_conv1d_varlen(
-            xbc, self.conv1d.weight[:, 0], self.conv1d.bias, conv_state, meta))
+        xbc = causal_conv1d_varlen(xbc, self.conv1d.weight[:, 0], self.conv1d.bias, conv_state,
+                                   meta, activation="silu")
         x, b, c = xbc.split([self.intermediate_size, self.n_groups * self.state_size,
                              self.n_groups * self.state_size], dim=-1)
         dt = nn.functional.softplus(dt.float() + self.dt_bias.float())

@@ -31,12 +31,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.layers.attention import Attention
-from pagedllm.layers.gated_delta_ops import gated_delta_rule_varlen
 from pagedllm.layers.layernorm import GemmaRMSNorm
 from pagedllm.layers.linear import ColumnParallelLinear, default_weight_loader
 from pagedllm.layers.rotary_embedding import RotaryEmbedding, rope_parameters_from_hf
 from pagedllm.layers.state_cache import StateCache
-from pagedllm.layers.state_ops import causal_conv1d_varlen
+from pagedllm.layers.state_kernels import causal_conv1d_varlen, gated_delta_rule_varlen
 from pagedllm.layers.vocab_embedding import LMHead, VocabEmbedding
 from pagedllm.models.llama import LlamaMLP
 from pagedllm.models.mamba2 import check_hybrid_parallelism
@@ -121,11 +120,12 @@ class GatedDeltaNet(nn.Module):
         else:
             q, k, v, z, b, a = self._split(self.in_proj_qkvz(hidden), self.in_proj_ba(hidden))
             qkv = torch.cat([q, k, v], dim=-1)
-        qkv = F.silu(causal_conv1d_varlen(qkv, self.conv1d.weight[:, 0], None, conv_state, meta))
+        qkv = causal_conv1d_varlen(qkv, self.conv1d.weight[:, 0], None, conv_state, meta,
+                                   activation="silu")
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        per = self.num_v_heads // self.num_k_heads
-        q = q.reshape(n, self.num_k_heads, self.head_k_dim).repeat_interleave(per, dim=1)
-        k = k.reshape(n, self.num_k_heads, self.head_k_dim).repeat_interleave(per, dim=1)
+        # q, k keep their key heads: value head h reads key head h // (H_v / H_k).
+        q = q.reshape(n, self.num_k_heads, self.head_k_dim)
+        k = k.reshape(n, self.num_k_heads, self.head_k_dim)
         v = v.reshape(n, self.num_v_heads, self.head_v_dim)
         beta = b.float().sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())

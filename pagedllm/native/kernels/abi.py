@@ -21,7 +21,7 @@ import re
 
 # Bump when a declaration below changes (the loaded library reports the version it was
 # compiled with; a stale library in the cache is refused).
-ABI_VERSION = 11
+ABI_VERSION = 12
 
 STRUCTS = """
 /* One weight's rows of one GGML type (layers/quantization/gguf.py `kernel_segments`). */
@@ -183,6 +183,15 @@ struct LoRAStepArgs {
                                       the slot's adapter rank */
   int64_t num_segments;
 };
+
+/* The varlen batch of one recurrent-layer call (cpu_state_scan.cpp); requests contiguous. */
+struct StateBatch {
+  const int64_t* query_start_loc;  /* [num_reqs + 1] */
+  const int64_t* state_indices;    /* [num_reqs] each request's state slot */
+  const uint8_t* has_initial_state;  /* [num_reqs] 0: the request starts from a zero state */
+  int64_t num_reqs;
+  int64_t num_slots;               /* slots of the state tensors (index bound) */
+};
 """
 
 ENTRY_POINTS = """
@@ -262,6 +271,20 @@ int lora_shrink(const void* x, int64_t ldx, int x_dtype, const LoRALinearWeights
                 const LoRAStepArgs* step, float* shrunk);
 int lora_expand(const float* shrunk, const LoRALinearWeights* w, const LoRAStepArgs* step,
                 void* y, int64_t ldy, int y_dtype);
+/* cpu_state_scan.cpp: dtype 0 float32 / 1 bfloat16 activations (state_dtype likewise for the
+   conv window; SSM and delta-rule states float32); 0, or -1 for a slot out of range. */
+int causal_conv1d_varlen_cpu(const StateBatch* batch, const void* x, int64_t ldx,
+                             int64_t channels, int64_t width, const float* weight,
+                             const float* bias, void* conv_states, int state_dtype, int silu,
+                             void* out, int dtype);
+int ssd_scan_varlen_cpu(const StateBatch* batch, const void* x, const float* dt, const float* A,
+                        const void* B, const void* C, const float* D, float* ssm_states,
+                        int64_t H, int64_t P, int64_t G, int64_t N, float dt_min, float dt_max,
+                        int clamp_prefill, int dtype, float* y);
+int gated_delta_rule_varlen_cpu(const StateBatch* batch, const void* q, const void* k,
+                                const void* v, const float* g, const float* beta,
+                                float* states, int64_t H, int64_t Hk, int64_t dk, int64_t dv,
+                                int dtype, float* out);
 """
 
 _SCALARS = {"int": ctypes.c_int, "int32_t": ctypes.c_int32, "int64_t": ctypes.c_int64,

@@ -1,0 +1,261 @@
+// The recurrent (state-space / linear-attention) layers' ops over a varlen token batch
+// (pagedllm/native/kernels/state_ops.py; the torch references are layers/state_ops.py and
+// layers/gated_delta_ops.py):
+//
+//   causal_conv1d_varlen_cpu     depthwise causal conv1d with a per-request window state
+//                                (Mamba-2's conv1d, LFM2's short conv, Gated DeltaNet's conv)
+//   ssd_scan_varlen_cpu          Mamba-2's selective state update h_t = exp(dt A) h_{t-1} +
+//                                dt x_t B_t^T, y_t = h_t C_t + D x_t  (Dao & Gu 2024, eq. 1/2)
+//   gated_delta_rule_varlen_cpu  the gated delta rule S_t = exp(g_t) S_{t-1} (I - beta k k^T) +
+//                                beta k v^T, o_t = S_t^T q_t (Yang et al., ICLR 2025, eq. 10)
+//
+// All three are the recurrent form run token by token inside each request: prefill chunks and
+// decode tokens take the same code, so a chunk split anywhere gives the same numbers, and the
+// work per token is O(state size), the chunked algorithms' O(chunk * state) matrix form is not
+// used (on a CPU the sequential scan with the state in L1/L2 is faster; see
+// docs/hybrid_models.md). Work items are (request, head) pairs (conv: (request, 64-channel
+// block)), run in parallel with OpenMP; the state of one item stays in the thread's cache for
+// the whole request. The state is float32 (the conv window in the activation dtype, as the
+// engine stores it); activations are float32 or bfloat16 (dtype 0 / 1), the arithmetic float32.
+// Each entry point returns 0, or -1 when a request's slot is out of range (that request is
+// skipped, the others still run).
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include <omp.h>
+
+#include "cpu_vec.h"
+#include "pagedllm_abi.h"
+
+namespace {
+
+using pagedllm::store;
+using pagedllm::to_float;
+
+constexpr int64_t kConvBlock = 64;
+// Below this many multiply-adds a call runs on one thread: a parallel region's fork and barrier
+// cost more than the work (a batch-1 decode step), and much more on a loaded machine, where a
+// descheduled thread holds the barrier up.
+constexpr int64_t kParallelWork = int64_t{1} << 20;
+
+bool slot_ok(const StateBatch* b, int64_t r) {
+  const int64_t s = b->state_indices[r];
+  return s >= 0 && s < b->num_slots;
+}
+
+template <typename T, typename S>
+void conv_block(const StateBatch* b, int64_t r, int64_t c0, int64_t c1, const T* x, int64_t ldx,
+                int64_t width, const float* weight, const float* bias, S* conv_states,
+                int64_t channels, bool silu, T* out, int64_t ldo) {
+  const int64_t k1 = width - 1, nc = c1 - c0;
+  const int64_t slot = b->state_indices[r];
+  S* state = conv_states + slot * channels * k1;
+  // win[j * nc + i]: channel c0 + i's input j steps back from the oldest of the window.
+  std::vector<float> win(static_cast<size_t>(k1 * nc), 0.0f);
+  if (b->has_initial_state[r])
+    for (int64_t i = 0; i < nc; ++i)
+      for (int64_t j = 0; j < k1; ++j) win[j * nc + i] = to_float(state[(c0 + i) * k1 + j]);
+  std::vector<float> acc(static_cast<size_t>(nc)), xt(static_cast<size_t>(nc));
+  for (int64_t t = b->query_start_loc[r]; t < b->query_start_loc[r + 1]; ++t) {
+    for (int64_t i = 0; i < nc; ++i) {
+      xt[i] = to_float(x[t * ldx + c0 + i]);
+      acc[i] = (bias ? bias[c0 + i] : 0.0f) + weight[(c0 + i) * width + k1] * xt[i];
+    }
+    for (int64_t j = 0; j < k1; ++j)
+      for (int64_t i = 0; i < nc; ++i) acc[i] += weight[(c0 + i) * width + j] * win[j * nc + i];
+    for (int64_t j = 0; j + 1 < k1; ++j)
+      for (int64_t i = 0; i < nc; ++i) win[j * nc + i] = win[(j + 1) * nc + i];
+    if (k1 > 0)
+      for (int64_t i = 0; i < nc; ++i) win[(k1 - 1) * nc + i] = xt[i];
+    for (int64_t i = 0; i < nc; ++i) {
+      const float v = silu ? acc[i] / (1.0f + std::exp(-acc[i])) : acc[i];
+      store(v, out + t * ldo + c0 + i);
+    }
+  }
+  for (int64_t i = 0; i < nc; ++i)
+    for (int64_t j = 0; j < k1; ++j) store(win[j * nc + i], state + (c0 + i) * k1 + j);
+}
+
+template <typename T, typename S>
+int conv_all(const StateBatch* b, const T* x, int64_t ldx, int64_t channels, int64_t width,
+             const float* weight, const float* bias, S* conv_states, int silu, T* out) {
+  const int64_t blocks = (channels + kConvBlock - 1) / kConvBlock;
+  const int64_t work = b->query_start_loc[b->num_reqs] * channels * width;
+  int bad = 0;
+#pragma omp parallel for collapse(2) schedule(dynamic) reduction(| : bad) \
+    if (work > kParallelWork)
+  for (int64_t r = 0; r < b->num_reqs; ++r)
+    for (int64_t cb = 0; cb < blocks; ++cb) {
+      if (!slot_ok(b, r)) {
+        bad = 1;
+        continue;
+      }
+      const int64_t c0 = cb * kConvBlock;
+      const int64_t c1 = c0 + kConvBlock < channels ? c0 + kConvBlock : channels;
+      conv_block(b, r, c0, c1, x, ldx, width, weight, bias, conv_states, channels, silu != 0,
+                 out, channels);
+    }
+  return bad ? -1 : 0;
+}
+
+template <typename T>
+int ssd_all(const StateBatch* b, const T* x, const float* dt, const float* A, const T* B,
+            const T* C, const float* D, float* ssm_states, int64_t H, int64_t P, int64_t G,
+            int64_t N, float dt_min, float dt_max, int clamp_prefill, float* y) {
+  const int64_t heads_per_group = H / G;
+  const int64_t work = b->query_start_loc[b->num_reqs] * H * P * N * 2;
+  int bad = 0;
+#pragma omp parallel for collapse(2) schedule(dynamic) reduction(| : bad) \
+    if (work > kParallelWork)
+  for (int64_t r = 0; r < b->num_reqs; ++r)
+    for (int64_t h = 0; h < H; ++h) {
+      if (!slot_ok(b, r)) {
+        bad = 1;
+        continue;
+      }
+      float* S = ssm_states + (b->state_indices[r] * H + h) * P * N;
+      if (!b->has_initial_state[r])
+        for (int64_t i = 0; i < P * N; ++i) S[i] = 0.0f;
+      const int64_t start = b->query_start_loc[r], end = b->query_start_loc[r + 1];
+      const bool clamp = clamp_prefill && end - start > 1;
+      const int64_t g = h / heads_per_group;
+      std::vector<float> bt(static_cast<size_t>(N)), ct(static_cast<size_t>(N));
+      for (int64_t t = start; t < end; ++t) {
+        float d = dt[t * H + h];
+        if (clamp) d = d < dt_min ? dt_min : (d > dt_max ? dt_max : d);
+        const float decay = std::exp(d * A[h]);
+        for (int64_t n = 0; n < N; ++n) {
+          bt[n] = to_float(B[(t * G + g) * N + n]);
+          ct[n] = to_float(C[(t * G + g) * N + n]);
+        }
+        const T* xt = x + (t * H + h) * P;
+        float* yt = y + (t * H + h) * P;
+        for (int64_t p = 0; p < P; ++p) {
+          const float xp = to_float(xt[p]);
+          const float s = d * xp;
+          float* row = S + p * N;
+          float acc = 0.0f;
+          for (int64_t n = 0; n < N; ++n) {
+            row[n] = row[n] * decay + s * bt[n];
+            acc += row[n] * ct[n];
+          }
+          yt[p] = acc + D[h] * xp;
+        }
+      }
+    }
+  return bad ? -1 : 0;
+}
+
+template <typename T>
+void load_l2_normalised(const T* src, int64_t n, float scale, float* dst) {
+  float ss = 0.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    dst[i] = to_float(src[i]);
+    ss += dst[i] * dst[i];
+  }
+  const float f = scale / std::sqrt(ss + 1e-6f);
+  for (int64_t i = 0; i < n; ++i) dst[i] *= f;
+}
+
+template <typename T>
+int gated_delta_all(const StateBatch* b, const T* q, const T* k, const T* v, const float* g,
+                    const float* beta, float* states, int64_t H, int64_t Hk, int64_t dk,
+                    int64_t dv, float* out) {
+  const int64_t per = H / Hk;
+  const float q_scale = 1.0f / std::sqrt(static_cast<float>(dk));
+  const int64_t work = b->query_start_loc[b->num_reqs] * H * dk * dv * 4;
+  int bad = 0;
+#pragma omp parallel for collapse(2) schedule(dynamic) reduction(| : bad) \
+    if (work > kParallelWork)
+  for (int64_t r = 0; r < b->num_reqs; ++r)
+    for (int64_t h = 0; h < H; ++h) {
+      if (!slot_ok(b, r)) {
+        bad = 1;
+        continue;
+      }
+      float* S = states + (b->state_indices[r] * H + h) * dk * dv;   // [dk, dv]
+      if (!b->has_initial_state[r])
+        for (int64_t i = 0; i < dk * dv; ++i) S[i] = 0.0f;
+      const int64_t hk = h / per;
+      std::vector<float> qt(static_cast<size_t>(dk)), kt(static_cast<size_t>(dk));
+      std::vector<float> kv(static_cast<size_t>(dv)), delta(static_cast<size_t>(dv));
+      for (int64_t t = b->query_start_loc[r]; t < b->query_start_loc[r + 1]; ++t) {
+        load_l2_normalised(q + (t * Hk + hk) * dk, dk, q_scale, qt.data());
+        load_l2_normalised(k + (t * Hk + hk) * dk, dk, 1.0f, kt.data());
+        const float decay = std::exp(g[t * H + h]), bt = beta[t * H + h];
+        // Pass 1: decay the state and read k's memory, kv = S^T k.
+        for (int64_t j = 0; j < dv; ++j) kv[j] = 0.0f;
+        for (int64_t i = 0; i < dk; ++i) {
+          float* row = S + i * dv;
+          const float ki = kt[i];
+          for (int64_t j = 0; j < dv; ++j) {
+            row[j] *= decay;
+            kv[j] += ki * row[j];
+          }
+        }
+        const T* vt = v + (t * H + h) * dv;
+        for (int64_t j = 0; j < dv; ++j) delta[j] = (to_float(vt[j]) - kv[j]) * bt;
+        // Pass 2: the rank-one update S += k delta^T and the output o = S^T q.
+        float* ot = out + (t * H + h) * dv;
+        for (int64_t j = 0; j < dv; ++j) ot[j] = 0.0f;
+        for (int64_t i = 0; i < dk; ++i) {
+          float* row = S + i * dv;
+          const float ki = kt[i], qi = qt[i];
+          for (int64_t j = 0; j < dv; ++j) {
+            row[j] += ki * delta[j];
+            ot[j] += qi * row[j];
+          }
+        }
+      }
+    }
+  return bad ? -1 : 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+int causal_conv1d_varlen_cpu(const StateBatch* batch, const void* x, int64_t ldx,
+                             int64_t channels, int64_t width, const float* weight,
+                             const float* bias, void* conv_states, int state_dtype, int silu,
+                             void* out, int dtype) {
+  if (dtype == 0 && state_dtype == 0)
+    return conv_all(batch, static_cast<const float*>(x), ldx, channels, width, weight, bias,
+                    static_cast<float*>(conv_states), silu, static_cast<float*>(out));
+  if (dtype == 0 && state_dtype == 1)
+    return conv_all(batch, static_cast<const float*>(x), ldx, channels, width, weight, bias,
+                    static_cast<uint16_t*>(conv_states), silu, static_cast<float*>(out));
+  if (dtype == 1 && state_dtype == 0)
+    return conv_all(batch, static_cast<const uint16_t*>(x), ldx, channels, width, weight, bias,
+                    static_cast<float*>(conv_states), silu, static_cast<uint16_t*>(out));
+  return conv_all(batch, static_cast<const uint16_t*>(x), ldx, channels, width, weight, bias,
+                  static_cast<uint16_t*>(conv_states), silu, static_cast<uint16_t*>(out));
+}
+
+int ssd_scan_varlen_cpu(const StateBatch* batch, const void* x, const float* dt, const float* A,
+                        const void* B, const void* C, const float* D, float* ssm_states,
+                        int64_t H, int64_t P, int64_t G, int64_t N, float dt_min, float dt_max,
+                        int clamp_prefill, int dtype, float* y) {
+  if (dtype == 0)
+    return ssd_all(batch, static_cast<const float*>(x), dt, A, static_cast<const float*>(B),
+                   static_cast<const float*>(C), D, ssm_states, H, P, G, N, dt_min, dt_max,
+                   clamp_prefill, y);
+  return ssd_all(batch, static_cast<const uint16_t*>(x), dt, A, static_cast<const uint16_t*>(B),
+                 static_cast<const uint16_t*>(C), D, ssm_states, H, P, G, N, dt_min, dt_max,
+                 clamp_prefill, y);
+}
+
+int gated_delta_rule_varlen_cpu(const StateBatch* batch, const void* q, const void* k,
+                                const void* v, const float* g, const float* beta,
+                                float* states, int64_t H, int64_t Hk, int64_t dk, int64_t dv,
+                                int dtype, float* out) {
+  if (dtype == 0)
+    return gated_delta_all(batch, static_cast<const float*>(q), static_cast<const float*>(k),
+                           static_cast<const float*>(v), g, beta, states, H, Hk, dk, dv, out);
+  return gated_delta_all(batch, static_cast<const uint16_t*>(q), static_cast<const uint16_t*>(k),
+                         static_cast<const uint16_t*>(v), g, beta, states, H, Hk, dk, dv, out);
+}
+
+}  // extern "C"
