@@ -30,16 +30,16 @@ def _import_kernels():
         from triton.runtime.interpreter import InterpretedFunction
 
         module = importlib.import_module("pagedllm.layers.triton_state_ops")
+        if DEVICE.type == "cpu" and not (isinstance(triton.language.zeros, InterpretedFunction)
+                                         and module.INTERPRETED):
+            pytest.skip("triton was imported in this process before without TRITON_INTERPRET=1; "
+                        "run this module in its own process", allow_module_level=True)
         # The first launch imports more of triton under the setting (see test_triton_paged).
         from tests.native.test_state_scan import _meta
         meta = _meta(dict(query_lens=[1], computed=[0], slots=[0]), DEVICE)
         module.causal_conv1d_varlen_triton(torch.zeros(1, 2, device=DEVICE),
                                            torch.zeros(2, 2, device=DEVICE), None,
                                            torch.zeros(1, 2, 1, device=DEVICE), meta)
-    if DEVICE.type == "cpu" and not (isinstance(triton.language.zeros, InterpretedFunction)
-                                     and module.INTERPRETED):
-        pytest.skip("triton was imported in this process before without TRITON_INTERPRET=1; run "
-                    "this module in its own process", allow_module_level=True)
     return module
 
 
