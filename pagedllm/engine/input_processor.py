@@ -11,8 +11,9 @@ import functools
 import time
 from typing import Any
 
-from pagedllm.config import RequestLimits
+from pagedllm.config import KVTransferConfig, RequestLimits
 from pagedllm.core.kv_cache_groups import KVCacheCapacity
+from pagedllm.core.kv_connector.p2p_shm import check_remote_prefill_params
 from pagedllm.core.request_queue import check_priority
 from pagedllm.engine.engine_core import EngineCoreRequest
 from pagedllm.multimodal.inputs import MultiModalFeature
@@ -74,8 +75,10 @@ class InputProcessor:
     def __init__(self, tokenizer, max_model_len: int, vocab_size: int,
                  eos_token_ids: tuple[int, ...], limits: RequestLimits = RequestLimits(),
                  kv_cache_capacity: KVCacheCapacity | None = None,
-                 scheduling_policy: str = "fcfs", mm_processor=None) -> None:
+                 scheduling_policy: str = "fcfs", mm_processor=None,
+                 kv_transfer_config: KVTransferConfig | None = None) -> None:
         self.tokenizer = tokenizer
+        self.kv_transfer_config = kv_transfer_config
         self.mm_processor = mm_processor
         self.scheduling_policy = scheduling_policy
         self.max_model_len = max_model_len
@@ -112,6 +115,7 @@ class InputProcessor:
             token_ids = token_ids[-params.truncate_prompt_tokens:]
         check_prompt_token_ids(token_ids, self.vocab_size)
         self._check_params(params)
+        self._check_kv_transfer_params(params)
         if len(token_ids) > self.max_model_len:
             raise ValueError(f"the prompt has {len(token_ids)} tokens, more than max_model_len "
                              f"({self.max_model_len})")
@@ -125,6 +129,15 @@ class InputProcessor:
         params.update_from_generation_config(self.eos_token_ids)
         return (EngineCoreRequest(request_id, token_ids, params, max_tokens, time.monotonic(),
                                   priority, mm_features=mm_features or None), prompt_text)
+
+    def _check_kv_transfer_params(self, params: SamplingParams) -> None:
+        """A remote-prefill request to a P2pShmConnector consumer names its configured peer
+        (`check_remote_prefill_params`); ValueError otherwise."""
+        kv = (params.extra_args or {}).get("kv_transfer_params")
+        config = self.kv_transfer_config
+        if (kv and kv.get("do_remote_prefill") and config is not None
+                and config.kv_connector == "P2pShmConnector" and config.kv_role == "kv_consumer"):
+            check_remote_prefill_params(kv, config.kv_ip, config.kv_port, params.prompt_logprobs)
 
     def _process_multimodal(self, prompt: dict[str, Any], params: SamplingParams
                             ) -> tuple[str, list[int], list[MultiModalFeature]]:

@@ -81,7 +81,8 @@ class LLMEngine:
             scheduling_policy=config.scheduler_config.scheduling_policy,
             mm_processor=MultiModalProcessor.from_pretrained(
                 config.model_path, info.raw, config.multimodal_config,
-                config.model_config.trust_remote_code))
+                config.model_config.trust_remote_code),
+            kv_transfer_config=config.kv_transfer_config)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.lora_admission = LoRAAdmission(
             config.lora_config,

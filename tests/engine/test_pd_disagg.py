@@ -108,14 +108,21 @@ def test_bad_params_fail_alone(pair):
     foreign = {**good[0].kv_transfer_params, "remote_port": port + 1}
     unsafe = {**good[0].kv_transfer_params, "remote_engine_id": "../etc"}
     plain = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
-    outs = generate(decode, [PROMPTS[0], PROMPTS[0], PROMPTS[1], PROMPTS[2]],
-                    [with_params(params, 3, foreign), with_params(params, 3, unsafe),
-                     with_params(params, 3, good[1].kv_transfer_params), plain])
-    errors = [o.outputs[0].error for o in outs]
+    missing = {"do_remote_prefill": True}
+    # Checked by the front end (a 400 on the server): rejected before reaching the engine.
+    with pytest.raises(GenerateError) as rejected:
+        decode.generate([PROMPTS[0]] * 3 + [PROMPTS[1], PROMPTS[2]],
+                        [with_params(params, 3, foreign), with_params(params, 3, unsafe),
+                         with_params(params, 3, missing),
+                         with_params(params, 3, good[1].kv_transfer_params), plain],
+                        use_tqdm=False)
+    errors, outs = rejected.value.errors, rejected.value.outputs
     assert "accepts only 127.0.0.1" in errors[0]
     assert "remote_engine_id" in errors[1]
-    assert errors[2:] == [None, None]
-    assert len(outs[2].outputs[0].token_ids) == 3 and len(outs[3].outputs[0].token_ids) == 3
+    assert "needs remote_host, remote_port, remote_engine_id, remote_request_id" in errors[2]
+    assert sorted(errors) == [0, 1, 2]
+    assert [o.outputs[0].error for o in outs[3:]] == [None, None]
+    assert len(outs[3].outputs[0].token_ids) == 3 and len(outs[4].outputs[0].token_ids) == 3
     # The first request's files were never pulled: the prefill instance still offers them.
     assert prefill.llm_engine.engine_core.scheduler.kv_connector.server.num_offers() == 1
 

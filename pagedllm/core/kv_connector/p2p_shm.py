@@ -70,6 +70,36 @@ def shm_dir_of(config) -> Path:
     return Path(config.kv_connector_extra_config.get("shm_dir", P2P_SHM_DEFAULTS["shm_dir"]))
 
 
+def check_remote_prefill_params(params: dict, host: str, port: int,
+                                prompt_logprobs: int | None) -> str:
+    """Check a decode request's `kv_transfer_params` ({"do_remote_prefill": true, ...}) against
+    this consumer's one prefill peer `host`:`port` (kv_ip, kv_port) before any transfer; the
+    front end runs it too, so a client's bad params are a 400, not a failed request.
+
+    Returns:
+        the remote engine id (a safe file-name part).
+
+    Raises:
+        ValueError: naming the field: a missing or other peer, a missing remote_request_id, an
+            unsafe remote_engine_id, or prompt_logprobs (they need every prompt position here).
+    """
+    missing = [k for k in ("remote_host", "remote_port", "remote_engine_id", "remote_request_id")
+               if params.get(k) in (None, "")]
+    if missing:
+        raise ValueError(f"kv_transfer_params: do_remote_prefill needs {', '.join(missing)} "
+                         "(the prefill instance's answer, as `pagedllm proxy` forwards it)")
+    if (params["remote_host"], params["remote_port"]) != (host, port):
+        raise ValueError(f"kv_transfer_params name the prefill peer {params['remote_host']}:"
+                         f"{params['remote_port']}; this instance accepts only {host}:{port} "
+                         "(kv_ip, kv_port)")
+    if not isinstance(params["remote_request_id"], str):
+        raise ValueError("kv_transfer_params: remote_request_id must be a string")
+    if prompt_logprobs is not None:
+        raise ValueError("prompt_logprobs need every prompt position computed here; they "
+                         "cannot be combined with a remote prefill (kv_transfer_params)")
+    return check_engine_id(params["remote_engine_id"], "kv_transfer_params: remote_engine_id")
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -232,23 +262,12 @@ class P2pShmConsumerScheduler:
             KVTransferError: a peer other than the configured one, a bad engine or request id,
                 or a request that needs every prompt position computed (prompt_logprobs).
         """
-        if (params.get("remote_host"), params.get("remote_port")) != (self.host, self.port):
-            raise KVTransferError(
-                f"kv_transfer_params name the prefill peer {params.get('remote_host')}:"
-                f"{params.get('remote_port')}; this instance accepts only {self.host}:"
-                f"{self.port} (kv_ip, kv_port)")
-        remote_id = params.get("remote_request_id")
-        if not isinstance(remote_id, str) or not remote_id:
-            raise KVTransferError("kv_transfer_params: remote_request_id must be a string")
         try:
-            engine_id = check_engine_id(params.get("remote_engine_id"),
-                                        "kv_transfer_params: remote_engine_id")
+            engine_id = check_remote_prefill_params(params, self.host, self.port,
+                                                    request.sampling_params.prompt_logprobs)
         except ValueError as e:
             raise KVTransferError(str(e)) from None
-        if request.sampling_params.prompt_logprobs is not None:
-            raise KVTransferError("prompt_logprobs need every prompt position computed here; "
-                                  "they cannot be combined with a remote prefill")
-        key = transfer_key(remote_id)
+        key = transfer_key(params["remote_request_id"])
         pull = _Pull(engine_id, key, self._pool.submit(self._pull, engine_id, key))
         self._pulls[request.request_id] = pull
         return pull
