@@ -205,7 +205,8 @@ def check_serve_args(args: argparse.Namespace) -> None:
 
     Raises:
         ValueError: a pooling-only flag without --runner pooling, --data-parallel-size > 1
-            or --multiprocess-mode with --runner pooling, or a --host/--port the server cannot listen on.
+            or --multiprocess-mode with --runner pooling, --data-parallel-size > 1 with the
+            P2pShmConnector, or a --host/--port the server cannot listen on.
         FileNotFoundError: --model or --tokenizer is a path but not a folder.
     """
     for key in ("pooling_type", "normalize"):
@@ -213,6 +214,11 @@ def check_serve_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--{key.replace('_', '-')} needs --runner pooling")
     if args.runner == "pooling" and args.data_parallel_size > 1:
         raise ValueError("--data-parallel-size > 1 is not supported with --runner pooling")
+    if (args.data_parallel_size > 1 and (getattr(args, "kv_transfer_config", None) or {})
+            .get("kv_connector") == "P2pShmConnector"):
+        raise ValueError("--data-parallel-size > 1 is not supported with P2pShmConnector "
+                         "(each replica would bind the same kv_port): run one prefill/decode "
+                         "pair per port")
     if args.runner == "pooling" and args.multiprocess_mode:
         raise ValueError("--multiprocess-mode is not supported with --runner pooling")
     if args.data_parallel_backend == "ray" and args.runner == "pooling":
