@@ -251,20 +251,7 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
         Raises:
             ValueError: for a tensor whose name matches no parameter, or a shape mismatch.
         """
-        params = dict(self.named_parameters())
-        text: list[tuple[str, torch.Tensor]] = []
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if name.startswith("model.language_model."):
-                text.append(("model." + name[len("model.language_model."):], tensor))
-            elif name.startswith(("model.visual.", "visual.")):
-                loaded.add(self._load_visual(params, name.split("visual.", 1)[1], tensor))
-            elif name.startswith(("lm_head.", "model.")):
-                text.append((name, tensor))
-            else:
-                raise ValueError(f"checkpoint tensor {name} has no matching parameter")
-        loaded |= {f"language_model.{n}" for n in self.language_model.load_weights(text)}
-        return loaded
+        return load_qwen_vl_weights(self, weights)
 
     def _load_visual(self, params: dict[str, nn.Parameter], name: str,
                      tensor) -> str:
@@ -294,3 +281,27 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
             param.weight_loader(param, tensor, shard)
             return ours
         return load_named_weight(params, ours, tensor)
+
+
+def load_qwen_vl_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]
+                         ) -> set[str]:
+    """A Qwen VL checkpoint's tensors into `model` (Qwen2.5-VL or Qwen3-VL): `model.visual.*`
+    (or `visual.*`) through `model._load_visual`, `model.language_model.*` / `model.*` /
+    `lm_head.*` through its decoder's `load_weights`. Returns the loaded parameter names.
+
+    Raises:
+        ValueError: for a tensor whose name matches no parameter, or a shape mismatch.
+    """
+    params = dict(model.named_parameters())
+    text: list[tuple[str, torch.Tensor]] = []
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        if name.startswith("model.language_model."):
+            text.append(("model." + name[len("model.language_model."):], tensor))
+        elif name.startswith(("model.visual.", "visual.")):
+            loaded.add(model._load_visual(params, name.split("visual.", 1)[1], tensor))
+        elif name.startswith(("lm_head.", "model.")):
+            text.append((name, tensor))
+        else:
+            raise ValueError(f"checkpoint tensor {name} has no matching parameter")
+    return loaded | {f"language_model.{n}" for n in model.language_model.load_weights(text)}

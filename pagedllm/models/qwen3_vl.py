@@ -33,7 +33,8 @@ from pagedllm.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pagedllm.layers.mrotary_embedding import MRotaryEmbedding
 from pagedllm.layers.rotary_embedding import default_inv_freq, rope_parameters_from_hf
 from pagedllm.models.llama import Qwen3ForCausalLM
-from pagedllm.models.qwen2_5_vl import VisionAttention, vision_position_ids
+from pagedllm.models.qwen2_5_vl import (VisionAttention, load_qwen_vl_weights,
+                                        vision_position_ids)
 from pagedllm.models.utils import load_named_weight
 from pagedllm.multimodal.inputs import MultiModalFeature
 from pagedllm.multimodal.qwen_vl import mrope_input_positions
@@ -212,20 +213,7 @@ class Qwen3VLForConditionalGeneration(nn.Module):
         Raises:
             ValueError: for a tensor whose name matches no parameter, or a shape mismatch.
         """
-        params = dict(self.named_parameters())
-        text: list[tuple[str, torch.Tensor]] = []
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if name.startswith("model.language_model."):
-                text.append(("model." + name[len("model.language_model."):], tensor))
-            elif name.startswith(("model.visual.", "visual.")):
-                loaded.add(self._load_visual(params, name.split("visual.", 1)[1], tensor))
-            elif name.startswith(("lm_head.", "model.")):
-                text.append((name, tensor))
-            else:
-                raise ValueError(f"checkpoint tensor {name} has no matching parameter")
-        loaded |= {f"language_model.{n}" for n in self.language_model.load_weights(text)}
-        return loaded
+        return load_qwen_vl_weights(self, weights)
 
     def _load_visual(self, params: dict[str, nn.Parameter], name: str, tensor) -> str:
         """One vision tensor (a lazy `CheckpointTensor` is read whole: the tower is small)."""
