@@ -186,16 +186,20 @@ def test_beam_search_equals_brute_force(tmp_path, byte_level_tokenizer_dir):
         n = len(tokens) - (1 if tokens[-1] == 1 else 0)
         return lp / n ** penalty
 
+    # One batched forward over every full-length tail: a causal model's logits at a position do
+    # not depend on the tokens after it, so the rows also score the shorter (EOS-ended) tails.
+    tails = list(itertools.product(range(vocab), repeat=length))
+    with torch.inference_mode():
+        lps = hf(torch.tensor([prompt + list(t) for t in tails])).logits.log_softmax(-1)
+    row_of = {t: i for i, t in enumerate(tails)}
     candidates = []
     for n in range(1, length + 1):
         for tail in itertools.product(range(vocab), repeat=n):
             if 1 in tail[:-1] or (n < length and tail[-1] != 1):
                 continue  # EOS only at the end; shorter sequences must end in EOS
-            tokens = prompt + list(tail)
-            with torch.inference_mode():
-                lps = hf(torch.tensor([tokens])).logits[0].log_softmax(-1)
-            lp = sum(lps[len(prompt) - 1 + i, t].item() for i, t in enumerate(tail))
-            candidates.append((score(tokens, lp), tokens))
+            row = row_of[tail + (0,) * (length - n)]
+            lp = sum(lps[row, len(prompt) - 1 + i, t].item() for i, t in enumerate(tail))
+            candidates.append((score(prompt + list(tail), lp), prompt + list(tail)))
     best = sorted(candidates, key=lambda c: c[0], reverse=True)[:width]
     assert [s.tokens for s in got.sequences][:20] == [t for _, t in best][:20]
     for seq, (sc, _) in zip(got.sequences, best):
