@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -19,6 +20,9 @@ from transformers import AutoModelForCausalLM
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import create_engine_config
+from pagedllm.core.routed_experts import RoutedExpertsRecord
+from pagedllm.core.sched_output import EngineCoreOutput
+from pagedllm.engine.core_serial import make_encoder
 from tests.models.test_gemma import VOCAB_HIGH, VOCAB_LOW
 from tests.models.test_moe import MOE_VARIANTS, _build
 
@@ -117,6 +121,31 @@ def test_disabled_engine_and_opted_out_request_return_none(checkpoints):
     out = llm.generate([prompt, prompt], [opted_out, GREEDY], use_tqdm=False)
     assert out[0].outputs[0].routed_experts is None
     assert out[1].outputs[0].routed_experts.shape == (len(prompt) + 11, 4, 2)
+
+
+def test_record_overwrites_by_position_and_crosses_the_engine_core_wire():
+    rows = np.arange(24, dtype=np.int16).reshape(4, 3, 2)
+    record = RoutedExpertsRecord()
+    record.write(0, rows[:3] + 100)
+    record.write(2, rows[2:])          # position 2 recomputed (preemption): overwritten
+    record.write(0, rows[:2])
+    out = EngineCoreOutput("r", [1], "stop", routed_experts=record.result(5))
+    back = msgspec.msgpack.decode(make_encoder().encode(out), type=EngineCoreOutput)
+    want = np.concatenate([rows, np.full((1, 3, 2), -1, dtype=np.int16)]).astype(np.int32)
+    np.testing.assert_array_equal(back.routed_experts.to_numpy(), want)
+    assert RoutedExpertsRecord().result(3) is None
+
+
+@pytest.mark.slow
+def test_engine_core_process_returns_them(checkpoints, hf_models):
+    """multiprocess_mode: the rows cross the msgpack wire from the engine-core process."""
+    llm = LLM(str(checkpoints("mixtral")), dtype="float32", kv_cache_memory_bytes=8 << 20,
+              multiprocess_mode=True, enable_return_routed_experts=True)
+    try:
+        out = llm.generate(_prompts(2)[:2], GREEDY, use_tqdm=False)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    assert_matches_hf(out, hf_models("mixtral"), 2, 4)
 
 
 def test_dense_model_and_unsupported_combinations_are_refused(checkpoints, tiny_llama):
