@@ -243,7 +243,8 @@ class ModelRunner(KVCacheRunnerMixin):
         self._allocate_kv_caches(tuple(
             KVCacheGroupSpec(None, 1 + len(lens), state=True) if is_state_group(w)
             else KVCacheGroupSpec(w, num_blocks) for w in self.kv_cache_windows))
-        params = SamplingParams(temperature=1.0, top_p=0.9, top_k=5, max_tokens=1)
+        params = SamplingParams(temperature=1.0, top_p=0.9, top_k=5, max_tokens=1,
+                                return_routed_experts=False)
         reqs = [NewRequestData(
             f"_profile_{i}", [0] * n, [], params,
             tuple([0] * ((n - 1) // self.block_size * (w == STATE_ALIGN_GROUP)) + [1 + i]
