@@ -23,6 +23,8 @@ from pagedllm.config import create_engine_config
 from pagedllm.core.routed_experts import RoutedExpertsRecord
 from pagedllm.core.sched_output import EngineCoreOutput
 from pagedllm.engine.core_serial import make_encoder
+from tests.models.test_deepseek import VARIANTS as DEEPSEEK_VARIANTS
+from tests.models.test_deepseek import build_checkpoint as build_deepseek
 from tests.models.test_gemma import VOCAB_HIGH, VOCAB_LOW
 from tests.models.test_moe import MOE_VARIANTS, _build
 
@@ -36,7 +38,8 @@ def checkpoints(tmp_path_factory, byte_level_tokenizer_dir):
 
     def get(name: str) -> Path:
         if name not in paths:
-            paths[name] = _build(name, root / name, byte_level_tokenizer_dir)
+            build = build_deepseek if name in DEEPSEEK_VARIANTS else _build
+            paths[name] = build(name, root / name, byte_level_tokenizer_dir)
         return paths[name]
 
     return get
@@ -65,6 +68,21 @@ def hf_routed_experts(hf, token_ids: list[int], top_k: int) -> np.ndarray:
     return np.sort(torch.stack(ids, dim=1).numpy(), axis=-1)
 
 
+def hf_router_topk(hf, token_ids: list[int]) -> np.ndarray:
+    """[len(token_ids), num_moe_layers, top_k]: the ids HF's DeepSeek / GLM-4 routers
+    (`*TopkRouter`, which return (logits, weights, ids)) chose, sorted per row."""
+    ids = []
+    hooks = [m.register_forward_hook(lambda _m, _i, out: ids.append(out[2]))
+             for m in hf.modules() if type(m).__name__.endswith("TopkRouter")]
+    try:
+        with torch.no_grad():
+            hf(torch.tensor([token_ids]))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return np.sort(torch.stack(ids, dim=1).numpy(), axis=-1)
+
+
 def _prompts(seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     prefix = [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(21)]
@@ -73,15 +91,16 @@ def _prompts(seed: int) -> list[list[int]]:
     return alone + shared
 
 
-def assert_matches_hf(outputs, hf, top_k: int, num_moe_layers: int) -> None:
+def assert_matches_hf(outputs, hf, top_k: int, num_moe_layers: int,
+                      reference=None) -> None:
+    reference = reference or (lambda tokens: hf_routed_experts(hf, tokens, top_k))
     for out in outputs:
         completion = out.outputs[0]
         tokens = list(out.prompt_token_ids) + list(completion.token_ids)
         got = completion.routed_experts
         assert got is not None and got.dtype == np.int32
         assert got.shape == (len(tokens) - 1, num_moe_layers, top_k)
-        np.testing.assert_array_equal(np.sort(got, axis=-1),
-                                      hf_routed_experts(hf, tokens[:-1], top_k))
+        np.testing.assert_array_equal(np.sort(got, axis=-1), reference(tokens[:-1]))
 
 
 @pytest.mark.parametrize("variant, num_moe_layers", [("mixtral", 4), ("qwen2_moe", 3)])
@@ -97,6 +116,20 @@ def test_routed_experts_match_hf_router(checkpoints, hf_models, variant, num_moe
     outputs += llm.generate(prompts[4:], GREEDY, use_tqdm=False)
     assert outputs[-1].num_cached_tokens == 16
     assert_matches_hf(outputs, hf_models(variant), top_k, num_moe_layers)
+
+
+@pytest.mark.parametrize("variant", [pytest.param("v3", marks=pytest.mark.slow), "glm4_moe"])
+def test_deepseek_style_routers_match_hf(checkpoints, hf_models, variant):
+    """Sigmoid scores with a correction bias, group-limited (FusedMoE.forward_routed); the
+    first layer is dense (2 MoE layers)."""
+    top_k = DEEPSEEK_VARIANTS[variant][2]["num_experts_per_tok"]
+    llm = LLM(str(checkpoints(variant)), dtype="float32", kv_cache_memory_bytes=8 << 20,
+              block_size=8, max_num_batched_tokens=7, max_num_seqs=3,
+              enable_return_routed_experts=True)
+    hf = hf_models(variant)
+    outputs = llm.generate(_prompts(4)[1:], GREEDY, use_tqdm=False)
+    assert outputs[-1].num_cached_tokens == 16
+    assert_matches_hf(outputs, hf, top_k, 2, lambda tokens: hf_router_topk(hf, tokens))
 
 
 def test_preemption_recomputes_without_duplicates(checkpoints, hf_models):
