@@ -4,7 +4,8 @@ This file orchestrates only; the parts live elsewhere: request state (`input_bat
 mapping (`block_table.py`), attention metadata (`attention/`), sampling inputs
 (`sampling_inputs.py`), the sampler and rejection sampler (`sample/`), draft proposers and
 spec-decode metadata (`spec_decode/`), KV allocation (`kv_cache.py`), KV cache groups and tensors
-(`kv_cache_runner.py`, a mixin).
+(`kv_cache_runner.py`, a mixin), routed-experts capture of MoE models (`routed_experts.py`: each
+step's router choices, sent with its output).
 
     execute_model(scheduler_output):  update states -> prepare inputs -> attention metadata
                                       -> forward over the flat batch -> logits at logits_indices
