@@ -67,6 +67,9 @@ class ModelConfig:
             Costs speed (docs/benchmarks.md, "Batch-invariant mode").
         enable_sleep_mode: allow `sleep` / `wake_up` (vLLM's; docs/sleep_mode.md). Weight
             updates (`update_weights`) need no switch.
+        enable_return_routed_experts: record the experts each MoE layer's router chose for
+            every token and return them with each finished sequence
+            (`CompletionOutput.routed_experts`, vLLM's; docs/kv_connectors.md, "RL use").
     """
 
     model: str
@@ -83,6 +86,7 @@ class ModelConfig:
     override_generation_config: dict[str, Any] = field(default_factory=dict)
     batch_invariant: bool = False
     enable_sleep_mode: bool = False
+    enable_return_routed_experts: bool = False
 
     def __post_init__(self) -> None:
         self._validate_generation_config()
@@ -519,6 +523,21 @@ class EngineConfig:
             # TODO(issue #38): A/B sharded like their base layer.
             raise ValueError("enable_lora is not supported with tensor or pipeline parallelism "
                              "yet (issue #38); use one process")
+        if self.model_config.enable_return_routed_experts:
+            self._validate_return_routed_experts()
+
+    def _validate_return_routed_experts(self) -> None:
+        """Refuse what routed-experts capture cannot serve (as vLLM refuses pipeline
+        parallelism): the last pipeline stage would see only its own layers' routing, and a KV
+        connector's loaded tokens have no routing recorded on this engine."""
+        if self.parallel_config.pipeline_parallel_size > 1:
+            raise ValueError("enable_return_routed_experts is not supported with "
+                             "pipeline_parallel_size > 1 (each stage sees only its own layers' "
+                             "routing); use tensor or expert parallelism")
+        if self.kv_transfer_config is not None:
+            raise ValueError("enable_return_routed_experts cannot be combined with a KV "
+                             "connector (kv_transfer_config / kv_offloading_size): tokens it "
+                             "loads carry no routing")
 
     @property
     def max_num_blocks_per_req(self) -> int:
@@ -623,6 +642,7 @@ def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str
                          override_generation_config: dict[str, Any] | None = None,
                          batch_invariant: bool = False,
                          enable_sleep_mode: bool = False,
+                         enable_return_routed_experts: bool = False,
                          cpu_threads_bind: str = "auto",
                          cpu_reserved_cores: int | None = 0,
                          enable_lora: bool = False, max_loras: int = 1,
@@ -650,7 +670,8 @@ def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str
                                generation_config=generation_config,
                                override_generation_config=override_generation_config or {},
                                batch_invariant=batch_invariant,
-                               enable_sleep_mode=enable_sleep_mode)
+                               enable_sleep_mode=enable_sleep_mode,
+                               enable_return_routed_experts=enable_return_routed_experts)
     model_path = resolve_model_path(model, revision)
     tokenizer_path = resolve_model_path(tokenizer, revision) if tokenizer else model_path
     info = hf_model_info(model_path)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+import numpy as np
+
 
 @dataclass
 class Logprob:
@@ -36,6 +38,14 @@ class CompletionOutput:
             belongs to this request alone failed inside a step: see `error`).
         stop_reason: the stop string or stop token id that ended it; None for EOS or length.
         error: with finish_reason "error", what failed (e.g. its logits processor's exception).
+        routed_experts: with the final output, on an engine built with
+            `enable_return_routed_experts` (vLLM's): [num_tokens, num_moe_layers, top_k] int32
+            numpy array, the experts each MoE layer's router chose (logical ids in the
+            router's order: by descending weight for softmax top-k routers) for every token of
+            prompt + output but the last, which was never an input; -1 where none is known.
+            Cached prompt tokens carry the routing recorded when their blocks were computed.
+            None otherwise (a request with `return_routed_experts=False`, a disabled engine,
+            outputs before the final one, an aborted request).
     """
 
     index: int
@@ -46,6 +56,7 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None
+    routed_experts: np.ndarray | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

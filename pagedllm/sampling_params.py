@@ -126,6 +126,10 @@ class SamplingParams:
         extra_args: plain data for engine components (vLLM's); "kv_transfer_params" (an
             object) is read by the KV connector (prefill/decode disaggregation,
             docs/kv_connectors.md).
+        return_routed_experts: on an engine built with `enable_return_routed_experts`, return
+            this request's routed experts with its final output
+            (`CompletionOutput.routed_experts`); False skips them (nothing is copied for it).
+            Without the engine option this field does nothing (the output has None).
 
     Raises:
         ValueError: on any out-of-range field, naming it.
@@ -159,6 +163,7 @@ class SamplingParams:
     logits_processors: list[LogitsProcessor] | None = None
     structured_outputs: StructuredOutputsParams | None = None
     extra_args: dict[str, Any] | None = None
+    return_routed_experts: bool = True
     # Set by the engine (generation config, tokenizer); not user fields.
     _all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
     _bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
@@ -236,6 +241,9 @@ class SamplingParams:
                      "include_stop_str_in_output", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.return_routed_experts, bool):
+            raise ValueError(f"return_routed_experts must be a boolean, got "
+                             f"{self.return_routed_experts!r}")
         if self.extra_args is not None and (
                 not isinstance(self.extra_args, dict)
                 or not all(isinstance(k, str) for k in self.extra_args)):

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pagedllm.core.routed_experts import RoutedExperts
 from pagedllm.lora.request import LoRARequest
 from pagedllm.multimodal.inputs import MultiModalFeature
 from pagedllm.sampling_params import SamplingParams
@@ -196,6 +197,10 @@ class ModelRunnerOutput:
     request_errors: dict[str, str] = field(default_factory=dict)
     # Set on the steps after which EPLB rebalanced the experts (None otherwise).
     eplb_stats: EplbStats | None = None
+    # Routed-experts capture (core/routed_experts.py): req_id -> (first position, rows
+    # [m, num_moe_layers, top_k] int16) of the positions this step computed for requests that
+    # asked; with a request's first step also its cached prefix's rows (from position 0).
+    routed_experts: dict[str, tuple[int, np.ndarray]] = field(default_factory=dict)
 
 
 @dataclass
@@ -214,6 +219,9 @@ class EngineCoreOutput:
     # With the final output: what a KV connector returns to the caller (prefill/decode
     # disaggregation: how the decode instance finds this request's KV).
     kv_transfer_params: dict | None = None
+    # With the final output of a request that asked, on an engine with routed-experts capture:
+    # [num_tokens - 1, num_moe_layers, top_k] (core/routed_experts.py).
+    routed_experts: RoutedExperts | None = None
 
     @property
     def finished(self) -> bool:

@@ -54,6 +54,7 @@ from pagedllm.core.kv_cache_groups import (STATE_ALIGN_GROUP, KVCacheCapacity,
                                            make_kv_cache_groups)
 from pagedllm.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from pagedllm.core.request import Request, RequestStatus, stop_token_reached
+from pagedllm.core.routed_experts import RoutedExpertsRecord
 from pagedllm.core.request_queue import check_priority, make_request_queue, priority_key
 from pagedllm.core.sched_output import (EngineCoreOutput, GrammarOutput, KVConnectorStats,
                                         KVTransferError, ModelRunnerOutput, NewRequestData,
@@ -613,6 +614,11 @@ class Scheduler:
         req_id = request.request_id
         prompt_logprobs = model_runner_output.prompt_logprobs_dict
         new_token_ids = model_runner_output.sampled_token_ids[index]
+        routed = model_runner_output.routed_experts.get(req_id)
+        if routed is not None:
+            if request.routed_experts is None:
+                request.routed_experts = RoutedExpertsRecord()
+            request.routed_experts.write(*routed)
         if new_token_ids and self.num_output_placeholders.get(req_id):
             self.num_output_placeholders[req_id] -= 1
         if new_token_ids and scheduler_output.num_steps > len(new_token_ids):
@@ -650,7 +656,11 @@ class Scheduler:
             finish_reason=request.get_finished_reason(), stop_reason=request.stop_reason,
             num_cached_tokens=max(request.num_cached_tokens, 0),
             new_logprobs=logprobs.slice(0, len(accepted)) if logprobs else None,
-            new_prompt_logprobs=prompt_logprobs.get(req_id))
+            new_prompt_logprobs=prompt_logprobs.get(req_id),
+            # Every token but the last was an input of some forward (its routing).
+            routed_experts=(request.routed_experts.result(request.num_tokens - 1)
+                            if request.is_finished() and request.routed_experts is not None
+                            else None))
 
     def _check_stop(self, request: Request, token_id: int) -> bool:
         params = request.sampling_params

@@ -386,10 +386,20 @@ def resolve_async_scheduling(config: EngineConfig, executor_class: type) -> bool
     Speculative decoding needs each step's tokens to propose the next drafts: every step is
     then synchronous (logged).
 
+    Routed-experts capture (`enable_return_routed_experts`) reads each step's routing with
+    its output, so it keeps every step synchronous (vLLM's R3 users turn async scheduling off
+    likewise).
+
     Raises:
-        ValueError: async_scheduling=True with an executor that cannot (mp, ray).
+        ValueError: async_scheduling=True with an executor that cannot (mp, ray), or with
+            enable_return_routed_experts.
     """
     requested = config.scheduler_config.async_scheduling
+    if config.model_config.enable_return_routed_experts:
+        if requested:
+            raise ValueError("async_scheduling cannot be combined with "
+                             "enable_return_routed_experts; drop --async-scheduling")
+        return False
     supported = getattr(executor_class, "supports_async_scheduling", False)
     backend = config.parallel_config.distributed_executor_backend
     if requested and not supported:
@@ -418,18 +428,23 @@ def resolve_num_scheduler_steps(config: EngineConfig, async_scheduling: bool) ->
     processing and the detokenizer run on the cores that also run the forward (at batch 1 of a
     small quantized model a sizeable share of each step: docs/architecture.md, "Multi-step
     rounds"; docs/benchmarks.md, "Measurements behind choices in the code"); 1 elsewhere (CUDA
-    overlaps them through async scheduling), and 1 with speculative decoding, async scheduling
-    or EPLB. `AsyncLLM.from_engine_args` (the server) passes 1 unless told otherwise.
+    overlaps them through async scheduling), and 1 with speculative decoding, async scheduling,
+    EPLB or routed-experts capture. `AsyncLLM.from_engine_args` (the server) passes 1 unless told otherwise.
 
     Raises:
-        ValueError: more than one step together with speculative decoding, async scheduling or
-            EPLB (each needs the engine between steps).
+        ValueError: more than one step together with speculative decoding, async scheduling,
+            EPLB (each needs the engine between steps) or routed-experts capture (it collects
+            each step's routing with that step's output).
     """
     requested = config.scheduler_config.num_scheduler_steps
+    routed = config.model_config.enable_return_routed_experts
     if requested is None:
         return (DEFAULT_CPU_NUM_SCHEDULER_STEPS if current_platform.device_type == "cpu"
                 and not async_scheduling and config.speculative_config is None
-                and not config.parallel_config.enable_eplb else 1)
+                and not config.parallel_config.enable_eplb and not routed else 1)
+    if requested > 1 and routed:
+        raise ValueError(f"num_scheduler_steps={requested} cannot be combined with "
+                         f"enable_return_routed_experts; use 1")
     if requested > 1 and config.parallel_config.enable_eplb:
         raise ValueError(f"num_scheduler_steps={requested} cannot be combined with EPLB (it "
                          f"reports each rebalance with the step that made it); use 1")

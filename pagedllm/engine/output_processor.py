@@ -14,6 +14,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from pagedllm.core.sched_output import EngineCoreOutput, LogprobsLists
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.logprob_strings import ContextDecoder
@@ -62,6 +64,9 @@ class RequestState:
     num_cached_tokens: int = 0
     sent_tokens: int = 0
     kv_transfer_params: dict | None = None
+    # [num_tokens, num_moe_layers, top_k] int32, set with the final output (routed-experts
+    # capture).
+    routed_experts: np.ndarray | None = None
 
     @property
     def finished(self) -> bool:
@@ -148,6 +153,11 @@ class OutputProcessor:
         if out.finished and not state.finished:
             state.finish_reason, state.stop_reason = out.finish_reason, out.stop_reason
             state.error = out.error
+        if out.routed_experts is not None:
+            # A stop string may have cut the tokens short of the core's: the routing of the
+            # tokens kept but the last.
+            num_inputs = len(state.prompt_token_ids) + len(state.token_ids) - 1
+            state.routed_experts = out.routed_experts.to_numpy()[:num_inputs]
         if state.finished and state.logprob_decoder is not None:
             # Tokens still held (an unfinished character at the end): their text, as the output
             # text has it, goes to the last token.
@@ -237,7 +247,8 @@ class OutputProcessor:
             index=state.index, text=text, token_ids=state.token_ids[start:],
             cumulative_logprob=state.cumulative_logprob,
             logprobs=None if state.logprobs is None else state.logprobs[start:],
-            finish_reason=state.finish_reason, stop_reason=state.stop_reason, error=state.error)
+            finish_reason=state.finish_reason, stop_reason=state.stop_reason, error=state.error,
+            routed_experts=state.routed_experts if finished else None)
 
     def _make_output(self, state: RequestState) -> RequestOutput | None:
         kind = state.params.output_kind

@@ -44,6 +44,7 @@ from pagedllm.distributed.parallel_state import (get_expert_parallel_layout,
 from pagedllm.native.kernels import cpu_kernels
 from pagedllm.native.kernels.ops import cpu_fused_moe, fused_moe_supported
 from pagedllm.layers.activation import SiluAndMul
+from pagedllm.layers.routed_experts import RoutedExpertsCapture
 from pagedllm.platforms import current_platform
 
 # Checkpoint shard ids of one expert (vLLM's, the names of Mixtral's tensors): gate, down, up;
@@ -169,6 +170,10 @@ class FusedMoE(nn.Module):
         # None: float experts; else e.g. a `GGUFMoEMethod` (layers/quantization/gguf_moe.py)
         # that stores the experts its own way and runs them (`set_expert_method`).
         self.quant_method = None
+        # Routed-experts capture (worker/routed_experts.py binds it): the buffer this layer's
+        # router choices go to, and this layer's index among the model's MoE layers.
+        self.routed_experts_capture: RoutedExpertsCapture | None = None
+        self.moe_layer_index = 0
 
     def set_expert_method(self, method) -> None:
         """Store (and run) the experts by `method` from now on; the weights are loaded after."""
@@ -300,6 +305,8 @@ class FusedMoE(nn.Module):
         Returns:
             [n, H] in hidden's dtype (all-reduced over TP ranks unless reduce_results is off).
         """
+        if self.routed_experts_capture is not None:
+            self.routed_experts_capture.record(self.moe_layer_index, topk_ids)
         if self.expert_load is not None:
             self.expert_load += torch.bincount(topk_ids.flatten(), minlength=self.num_experts)
         if self.quant_method is not None:

@@ -4,7 +4,8 @@ This file orchestrates only; the parts live elsewhere: request state (`input_bat
 mapping (`block_table.py`), attention metadata (`attention/`), sampling inputs
 (`sampling_inputs.py`), the sampler and rejection sampler (`sample/`), draft proposers and
 spec-decode metadata (`spec_decode/`), KV allocation (`kv_cache.py`), KV cache groups and tensors
-(`kv_cache_runner.py`, a mixin).
+(`kv_cache_runner.py`, a mixin), routed-experts capture of MoE models (`routed_experts.py`: each
+step's router choices, sent with its output).
 
     execute_model(scheduler_output):  update states -> prepare inputs -> attention metadata
                                       -> forward over the flat batch -> logits at logits_indices
@@ -81,6 +82,7 @@ from pagedllm.worker.kv_cache import resolve_kv_cache_dtype
 from pagedllm.worker.kv_cache_runner import KVCacheRunnerMixin
 from pagedllm.worker.multi_step import MultiStepRound, RoundSteps
 from pagedllm.worker.pipeline_sampler import pipeline_stage_sampler
+from pagedllm.worker.routed_experts import RoutedExpertsRecorder
 from pagedllm.worker.sampling_inputs import build_sampling_metadata
 
 
@@ -145,6 +147,10 @@ class ModelRunner(KVCacheRunnerMixin):
         self._last_sampled: SampledTokens | None = None
         self.spec_config = config.speculative_config
         self.drafter: Drafter | None = None   # (set by load_model: worker/drafters.py)
+        # Routed-experts capture (enable_return_routed_experts; set by load_model), and the
+        # last forward's rows per request until sample_tokens sends them.
+        self.routed_experts: RoutedExpertsRecorder | None = None
+        self._routed_experts_rows: dict[str, tuple[int, np.ndarray]] = {}
 
     # ----------------------------------------------------------------- set-up
     def load_model(self) -> None:
@@ -165,6 +171,10 @@ class ModelRunner(KVCacheRunnerMixin):
                                     self._run_model, self.block_size)
         self.encoder_runner = EncoderRunner.for_model(self.model, pc.pipeline_parallel_size)
         self._setup_kv_cache_groups()
+        if self.config.model_config.enable_return_routed_experts:
+            self.routed_experts = RoutedExpertsRecorder(
+                self.model, max(self.max_num_tokens, self.max_num_reqs), self.device,
+                self.kv_cache_windows)
         self.multi_step = self._make_multi_step()
 
     def _make_multi_step(self) -> MultiStepRound:
@@ -184,7 +194,10 @@ class ModelRunner(KVCacheRunnerMixin):
         """Allocate every group's KV tensors (`num_blocks` is group 0's), then capture the
         decode CUDA graphs where they apply (`decode_graph_capture_sizes`)."""
         self.graph_runner = None
-        self._allocate_kv_caches(self.kv_cache_groups(num_blocks))
+        groups = self.kv_cache_groups(num_blocks)
+        self._allocate_kv_caches(groups)
+        if self.routed_experts is not None:
+            self.routed_experts.allocate(groups, self.block_size)
         sizes = decode_graph_capture_sizes(
             self.config.cudagraph_config, self.max_num_reqs, self.device,
             self._attention_backend(self.model), self.model,
@@ -231,7 +244,8 @@ class ModelRunner(KVCacheRunnerMixin):
         self._allocate_kv_caches(tuple(
             KVCacheGroupSpec(None, 1 + len(lens), state=True) if is_state_group(w)
             else KVCacheGroupSpec(w, num_blocks) for w in self.kv_cache_windows))
-        params = SamplingParams(temperature=1.0, top_p=0.9, top_k=5, max_tokens=1)
+        params = SamplingParams(temperature=1.0, top_p=0.9, top_k=5, max_tokens=1,
+                                return_routed_experts=False)
         reqs = [NewRequestData(
             f"_profile_{i}", [0] * n, [], params,
             tuple([0] * ((n - 1) // self.block_size * (w == STATE_ALIGN_GROUP)) + [1 + i]
@@ -484,6 +498,8 @@ class ModelRunner(KVCacheRunnerMixin):
         self._update_states(scheduler_output)
         if self.encoder_runner is not None:
             self.encoder_runner.update(scheduler_output)
+        if self.routed_experts is not None:
+            self.routed_experts.update(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             self._pending = self._last_inputs = None
             return
@@ -493,6 +509,9 @@ class ModelRunner(KVCacheRunnerMixin):
         self._set_active_loras(inputs.batch)
         self._pending = self._forward(inputs)
         self._last_inputs = inputs
+        if self.routed_experts is not None:
+            self._routed_experts_rows = self.routed_experts.collect(
+                inputs.batch, self.slot_mappings, self.states)
 
     def _set_active_loras(self, batch: InputBatch) -> None:
         """Map the batch's tokens to adapter slots for the next forwards (LoRA engines only).
@@ -591,6 +610,7 @@ class ModelRunner(KVCacheRunnerMixin):
                                    prompt_logprobs_dict=pending.prompt_logprobs)
         self._sample_into(pending, output, grammar_output)
         output.request_errors.update(self._take_request_errors())
+        output.routed_experts, self._routed_experts_rows = self._routed_experts_rows, {}
         if isinstance(self.drafter, EagleProposer):
             output.draft_token_ids = propose_eagle(self.drafter, self.states, pending, output,
                                                    self._max_drafts)

@@ -127,6 +127,8 @@ _VALID: dict[str, st.SearchStrategy] = {
         "kv_transfer_params": st.dictionaries(
             st.sampled_from(["do_remote_decode", "do_remote_prefill", "remote_port", "x"]),
             st.booleans() | st.integers(0, 70000) | st.text(max_size=4), max_size=3)}),
+    # (An engine without enable_return_routed_experts ignores it.)
+    "return_routed_experts": st.booleans(),
 }
 assert set(_VALID) == set(FIELDS), set(FIELDS) ^ set(_VALID)
 

@@ -41,6 +41,11 @@ def with_params(params: SamplingParams, max_tokens: int, kv_transfer_params: dic
                           extra_args={"kv_transfer_params": kv_transfer_params})
 
 
+def transfer_files(shm_dir) -> list:
+    """The transfer files in `shm_dir` (not the live producer's lock file: shm_owner.py)."""
+    return [p for p in shm_dir.iterdir() if not p.name.endswith(".lock")]
+
+
 def generate(llm: LLM, prompts, params) -> list:
     """The outputs, those of failed requests included (finish_reason "error")."""
     try:
@@ -84,7 +89,8 @@ def test_same_tokens_as_one_engine(tiny_llama, pair):
         assert [list(o.outputs[0].token_ids) for o in outs] == want
         # The decode instance loaded every prompt token but the last.
         assert [o.num_cached_tokens for o in outs] == [len(p) - 1 for p in PROMPTS]
-    assert list(shm.iterdir()) == []   # every transfer file was pulled and deleted
+    # Every transfer file was pulled and deleted (the live producer's lock file stays).
+    assert transfer_files(shm) == []
     first = prefill.generate(PROMPTS[:1], with_params(PARAMS[0], 1, {"do_remote_decode": True}),
                              use_tqdm=False)[0]
     assert first.kv_transfer_params == {
@@ -197,7 +203,7 @@ def test_tp2_pair_and_a_layout_mismatch(tiny_llama, tmp_path):
         refused = generate(narrow, PROMPTS[:1], with_params(PARAMS[0], 2,
                                                             first.kv_transfer_params))[0]
         assert "KV layouts" in refused.outputs[0].error
-        assert list(tmp_path.iterdir()) == []
+        assert transfer_files(tmp_path) == []
     finally:
         for llm in (prefill, decode, narrow):
             llm.llm_engine.engine_core.shutdown()

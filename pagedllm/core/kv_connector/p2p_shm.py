@@ -27,6 +27,7 @@ from pagedllm.core.kv_connector.factory import P2P_SHM_DEFAULTS
 from pagedllm.core.kv_connector.p2p_transport import (PullReply, TransferClient, TransferServer,
                                                       check_engine_id, check_transfer_file,
                                                       transfer_file, transfer_key)
+from pagedllm.core.kv_connector.shm_owner import ShmOwnership
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched_output import SchedulerOutput
 
@@ -127,8 +128,14 @@ class P2pShmProducerScheduler:
         self.engine_id = engine_id_of(config)
         self.host, self.port = config.kv_ip, config.kv_port
         self.shm_dir = shm_dir_of(config)
-        self.server = TransferServer(config.kv_ip, config.kv_port, extra["kv_peer_ip"],
-                                     float(extra["transfer_ttl"]))
+        # Holds the engine id in shm_dir and removes dead producers' files (shm_owner.py).
+        self.ownership = ShmOwnership(self.shm_dir, self.engine_id)
+        try:
+            self.server = TransferServer(config.kv_ip, config.kv_port, extra["kv_peer_ip"],
+                                         float(extra["transfer_ttl"]))
+        except BaseException:
+            self.ownership.release()
+            raise
         self._requests: dict[str, _Export] = {}
         self._stats = KVConnectorStats()
 
@@ -194,6 +201,7 @@ class P2pShmProducerScheduler:
 
     def shutdown(self) -> None:
         self.server.close()
+        self.ownership.release()
 
 
 @dataclass
