@@ -17,9 +17,33 @@ def tiny_qwen2_vl(tmp_path_factory: pytest.TempPathFactory):
     return build_tiny_qwen2_vl(tmp_path_factory.mktemp("tiny_qwen2_vl"))
 
 
-def test_greedy_equals_hf_chunked_prefill(tiny_qwen2_vl):
+@pytest.fixture(scope="module")
+def hf_model(tiny_qwen2_vl):
     import torch
-    from transformers import AutoConfig, AutoTokenizer, Qwen2VLForConditionalGeneration
+    from transformers import Qwen2VLForConditionalGeneration
+
+    return Qwen2VLForConditionalGeneration.from_pretrained(tiny_qwen2_vl,
+                                                           dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def hf_tokens(tiny_qwen2_vl, hf_model) -> list[list[int]]:
+    import torch
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen2_vl)
+    out = []
+    for text, images in qwen_prompts():
+        inputs = _hf_inputs(tokenizer, text, images)
+        with torch.no_grad():
+            ids = hf_model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
+        out.append(ids[0, inputs["input_ids"].shape[1]:].tolist())
+    return out
+
+
+def test_greedy_equals_hf_chunked_prefill(tiny_qwen2_vl, hf_model, hf_tokens):
+    import torch
+    from transformers import AutoConfig
 
     from pagedllm.model_loader.loader import load_model
 
@@ -27,15 +51,6 @@ def test_greedy_equals_hf_chunked_prefill(tiny_qwen2_vl):
     llm = LLM(str(tiny_qwen2_vl), dtype="float32", max_model_len=256,
               kv_cache_memory_bytes=1 << 22, max_num_batched_tokens=8, max_num_seqs=2,
               enable_prefix_caching=False)
-    hf = Qwen2VLForConditionalGeneration.from_pretrained(tiny_qwen2_vl,
-                                                         dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen2_vl)
-    hf_tokens = []
-    for text, images in qwen_prompts():
-        inputs = _hf_inputs(tokenizer, text, images)
-        with torch.no_grad():
-            ids = hf.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
-        hf_tokens.append(ids[0, inputs["input_ids"].shape[1]:].tolist())
     assert _generate(llm) == hf_tokens
     # 4 image items, 2 distinct images: each encoded once.
     assert llm.get_stats().num_encoder_runs == 2
@@ -49,6 +64,18 @@ def test_greedy_equals_hf_chunked_prefill(tiny_qwen2_vl):
     items = [{"pixel_values": p.numpy(), "image_grid_thw": g.numpy()}
              for p, g in zip(out["pixel_values"].split(sizes), out["image_grid_thw"])]
     with torch.no_grad():
-        ref = hf.model.get_image_features(out["pixel_values"], out["image_grid_thw"])
+        ref = hf_model.model.get_image_features(out["pixel_values"], out["image_grid_thw"])
         for a, b in zip(ours.embed_multimodal(items), ref.pooler_output, strict=True):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_preemption_prefix_caching_equal_hf(tiny_qwen2_vl, hf_tokens):
+    # TP 2 splits the tower's fused qkv shard by shard; 10 blocks of 8 tokens make requests
+    # preempt each other; the second round hits the prefix cache.
+    llm = LLM(str(tiny_qwen2_vl), dtype="float32", max_model_len=256, tensor_parallel_size=2,
+              block_size=8, num_gpu_blocks_override=10, max_num_batched_tokens=16,
+              enable_prefix_caching=True)
+    assert _generate(llm) == hf_tokens
+    assert llm.get_stats().num_preemptions > 0
+    assert _generate(llm) == hf_tokens
