@@ -1,4 +1,4 @@
-"""Qwen2.5-VL: a windowed-attention ViT, a patch merger and our Qwen2 decoder with M-RoPE.
+"""Qwen2.5-VL and Qwen2-VL: a ViT, a patch merger and our Qwen2 decoder with M-RoPE.
 
     image patches [P, C*Tp*ps*ps] (P = t*h*w, rows in 2x2 merge-block order)
         -> linear patch embed -> [P, Dv]  (HF's Conv3d with kernel = stride = patch)
@@ -8,24 +8,29 @@
         -> merger: RMSNorm -> each 2x2 block concatenated [P/4, 4 Dv] -> Linear -> GELU -> Linear
         -> back to raster order -> [P/4, D]   (one row per <|image_pad|> token)
 
-The decoder is `Qwen2ForCausalLM` with each layer's RoPE swapped for `MRotaryEmbedding`
-(three position rows, `mrope_section`). A prompt's positions come from
+Qwen2-VL's tower (`QwenVisionLayout.qwen2_vl`) is the same without windows (every block over
+the whole image), with LayerNorm (with bias) for RMSNorm and an fc1 -> quick-GELU -> fc2 MLP
+for the SwiGLU. The decoder is `Qwen2ForCausalLM` with each layer's RoPE swapped for
+`MRotaryEmbedding` (three position rows, `mrope_section`). A prompt's positions come from
 `get_mrope_input_positions` (computed once when a request reaches the worker: see
-worker/encoder_runner.py). References: HF transformers' Qwen2_5_VLForConditionalGeneration and
-`transformers.vision_utils` (window index, vision position ids); Qwen2.5-VL technical report
-(2025); vLLM's qwen2_5_vl.py and MRotaryEmbedding.
+worker/encoder_runner.py). References: HF transformers' Qwen2_5_VLForConditionalGeneration,
+Qwen2VLForConditionalGeneration and `transformers.vision_utils` (window index, vision position
+ids); the Qwen2-VL (2024) and Qwen2.5-VL (2025) technical reports; vLLM's qwen2_5_vl.py,
+qwen2_vl.py and MRotaryEmbedding.
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.layers.activation import get_act_fn
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import (ColumnParallelLinear, QKVParallelLinear,
@@ -33,7 +38,7 @@ from pagedllm.layers.linear import (ColumnParallelLinear, QKVParallelLinear,
 from pagedllm.layers.mrotary_embedding import MRotaryEmbedding
 from pagedllm.layers.rotary_embedding import default_inv_freq, rope_parameters_from_hf
 from pagedllm.models.llama import LlamaMLP, Qwen2ForCausalLM
-from pagedllm.models.utils import load_named_weight
+from pagedllm.models.utils import load_fused_qkv_weight, load_named_weight
 from pagedllm.multimodal.inputs import MultiModalFeature
 from pagedllm.multimodal.qwen_vl import mrope_input_positions
 
@@ -74,6 +79,13 @@ def vision_window_index(grids: list[tuple[int, int, int]], merge: int, window: i
                     cu.append(cu[-1] + len(tile) * merge * merge)
         base += t * lh * lw
     return np.concatenate(index), np.asarray(cu, dtype=np.int64)
+
+
+def image_cu_seqlens(grids: list[tuple[int, int, int]]) -> np.ndarray:
+    """int64 [sum(t) + 1]: cumulative patches per frame (h * w each) of the images, the
+    segments of full (per-image) attention."""
+    return np.concatenate([[0], np.cumsum([h * w for t, h, w in grids
+                                           for _ in range(t)])]).astype(np.int64)
 
 
 def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -120,14 +132,34 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
 
 
-class VisionBlock(nn.Module):
-    def __init__(self, config) -> None:
+class VisionMLP(nn.Module):
+    """fc1 -> activation -> fc2 (Qwen2-VL's and Qwen3-VL's vision MLP): [P, dim] -> [P, dim]."""
+
+    def __init__(self, dim: int, hidden_size: int, hidden_act: str) -> None:
         super().__init__()
-        self.norm1 = RMSNorm(config.hidden_size, 1e-6)
-        self.norm2 = RMSNorm(config.hidden_size, 1e-6)
-        self.attn = VisionAttention(config.hidden_size, config.num_heads)
-        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
-                            bias=True)
+        self.fc1 = ColumnParallelLinear(dim, hidden_size, bias=True)
+        self.fc2 = RowParallelLinear(hidden_size, dim, bias=True)
+        self.act = get_act_fn(hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+def vision_norm(rms: bool, dim: int) -> nn.Module:
+    """The towers' eps-1e-6 norm: RMSNorm (Qwen2.5-VL) or LayerNorm with bias (Qwen2-VL,
+    Qwen3-VL)."""
+    return RMSNorm(dim, 1e-6) if rms else nn.LayerNorm(dim, eps=1e-6)
+
+
+class VisionBlock(nn.Module):
+    """Pre-norm ViT block: x + attn(norm1(x)), then x + mlp(norm2(x)); x [P, dim]."""
+
+    def __init__(self, dim: int, num_heads: int, rms_norm: bool, mlp: nn.Module) -> None:
+        super().__init__()
+        self.norm1 = vision_norm(rms_norm, dim)
+        self.norm2 = vision_norm(rms_norm, dim)
+        self.attn = VisionAttention(dim, num_heads)
+        self.mlp = mlp
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cu_seqlens: np.ndarray) -> torch.Tensor:
@@ -136,12 +168,12 @@ class VisionBlock(nn.Module):
 
 
 class PatchMerger(nn.Module):
-    """RMSNorm, then each merge block's patches concatenated -> Linear -> GELU -> Linear."""
+    """Norm, then each merge block's patches concatenated -> Linear -> GELU -> Linear."""
 
-    def __init__(self, out_dim: int, context_dim: int, merge: int) -> None:
+    def __init__(self, out_dim: int, context_dim: int, merge: int, rms_norm: bool) -> None:
         super().__init__()
         self.hidden_size = context_dim * merge * merge
-        self.ln_q = RMSNorm(context_dim, 1e-6)
+        self.ln_q = vision_norm(rms_norm, context_dim)
         self.fc1 = ColumnParallelLinear(self.hidden_size, self.hidden_size, bias=True)
         self.fc2 = RowParallelLinear(self.hidden_size, out_dim, bias=True)
 
@@ -149,52 +181,102 @@ class PatchMerger(nn.Module):
         return self.fc2(F.gelu(self.fc1(self.ln_q(x).view(-1, self.hidden_size))))
 
 
-class Qwen2_5_VisionTransformer(nn.Module):
-    """pixel_values [P, C*Tp*ps*ps] of images with grids [(t, h, w)] -> [P / merge^2, D]."""
+@dataclass(frozen=True)
+class QwenVisionLayout:
+    """What the Qwen2-VL and Qwen2.5-VL towers differ in, read from the HF vision config.
 
-    def __init__(self, config) -> None:
+    width: the blocks' hidden size Dv; out_dim: the merger's output D (the decoder's width);
+    rms_norm / gated_mlp: RMSNorm and a SwiGLU MLP (Qwen2.5-VL) or LayerNorm and
+    fc1-act-fc2 (Qwen2-VL); window: a window's side in merge blocks, None where every block
+    attends over the whole image (Qwen2-VL).
+    """
+
+    width: int
+    out_dim: int
+    num_heads: int
+    intermediate_size: int
+    hidden_act: str
+    rms_norm: bool
+    gated_mlp: bool
+    window: int | None
+    fullatt_block_indexes: frozenset[int]
+
+    @classmethod
+    def qwen2_5_vl(cls, config) -> QwenVisionLayout:
+        return cls(config.hidden_size, config.out_hidden_size, config.num_heads,
+                   config.intermediate_size, config.hidden_act, rms_norm=True, gated_mlp=True,
+                   window=config.window_size // config.spatial_merge_size // config.patch_size,
+                   fullatt_block_indexes=frozenset(config.fullatt_block_indexes))
+
+    @classmethod
+    def qwen2_vl(cls, config) -> QwenVisionLayout:
+        return cls(config.embed_dim, config.hidden_size, config.num_heads,
+                   int(config.embed_dim * config.mlp_ratio), config.hidden_act, rms_norm=False,
+                   gated_mlp=False, window=None, fullatt_block_indexes=frozenset())
+
+    def mlp(self) -> nn.Module:
+        if self.gated_mlp:
+            return LlamaMLP(self.width, self.intermediate_size, self.hidden_act, bias=True)
+        return VisionMLP(self.width, self.intermediate_size, self.hidden_act)
+
+
+class Qwen2_5_VisionTransformer(nn.Module):
+    """pixel_values [P, C*Tp*ps*ps] of images with grids [(t, h, w)] -> [P / merge^2, D].
+
+    Qwen2.5-VL's tower (`QwenVisionLayout.qwen2_5_vl`) or Qwen2-VL's (`.qwen2_vl`: no
+    windows); `config` is the HF vision config (patch and merge sizes, depth, RoPE theta)."""
+
+    def __init__(self, config, layout: QwenVisionLayout) -> None:
         super().__init__()
         self.merge = config.spatial_merge_size
-        self.window = config.window_size // config.spatial_merge_size // config.patch_size
-        self.fullatt_block_indexes = set(config.fullatt_block_indexes)
+        self.window = layout.window
+        self.fullatt_block_indexes = layout.fullatt_block_indexes
         patch_dim = (config.in_channels * config.temporal_patch_size * config.patch_size ** 2)
-        self.patch_embed = nn.Linear(patch_dim, config.hidden_size, bias=False)
-        self.blocks = nn.ModuleList(VisionBlock(config) for _ in range(config.depth))
-        self.merger = PatchMerger(config.out_hidden_size, config.hidden_size, self.merge)
-        head_size = config.hidden_size // config.num_heads
+        self.patch_embed = nn.Linear(patch_dim, layout.width, bias=False)
+        self.blocks = nn.ModuleList(
+            VisionBlock(layout.width, layout.num_heads, layout.rms_norm, layout.mlp())
+            for _ in range(config.depth))
+        self.merger = PatchMerger(layout.out_dim, layout.width, self.merge, layout.rms_norm)
+        head_size = layout.width // layout.num_heads
         theta = float((getattr(config, "rope_parameters", None) or {}).get("rope_theta", 1e4))
         self.register_buffer("inv_freq", default_inv_freq(head_size // 2, theta),
                              persistent=False)
 
     def forward(self, pixel_values: torch.Tensor, grids: list[tuple[int, int, int]]
                 ) -> torch.Tensor:
-        unit = self.merge * self.merge
         x = self.patch_embed(pixel_values.to(self.patch_embed.weight.dtype))
-        n = x.shape[0]
-        window_index, cu_window = vision_window_index(grids, self.merge, self.window)
-        cu_full = np.concatenate([[0], np.cumsum([h * w for t, h, w in grids
-                                                  for _ in range(t)])]).astype(np.int64)
-        order = torch.from_numpy(window_index).to(x.device)
-        x = x.view(n // unit, unit, -1)[order].reshape(n, -1)
         pos = torch.from_numpy(vision_position_ids(grids, self.merge)).to(x.device)
         freqs = (pos[..., None].float() * self.inv_freq).flatten(1)      # [P, head/2]
-        freqs = freqs.view(n // unit, unit, -1)[order].reshape(n, -1)
+        cu_full = image_cu_seqlens(grids)
+        cu_window, order = cu_full, None
+        if self.window is not None:
+            n, unit = x.shape[0], self.merge * self.merge
+            window_index, cu_window = vision_window_index(grids, self.merge, self.window)
+            order = torch.from_numpy(window_index).to(x.device)
+            x = x.view(n // unit, unit, -1)[order].reshape(n, -1)
+            freqs = freqs.view(n // unit, unit, -1)[order].reshape(n, -1)
         cos, sin = freqs.cos(), freqs.sin()
         for i, block in enumerate(self.blocks):
             cu = cu_full if i in self.fullatt_block_indexes else cu_window
             x = block(x, cos, sin, cu)
         merged = self.merger(x)
-        return merged[torch.argsort(order)]
+        return merged if order is None else merged[torch.argsort(order)]
 
 
 class Qwen2_5_VLForConditionalGeneration(nn.Module):
     """forward(input_ids [n], positions [n] or [3, n] int64, inputs_embeds [n, D] | None) ->
     hidden [n, D]; embed_multimodal(list of {"pixel_values" float32 [t*h*w, C*Tp*ps*ps],
     "image_grid_thw" int64 [3]}) -> per image [t*h*w / merge^2, D];
-    get_mrope_input_positions(num_prompt_tokens, features) -> ([3, L] int64, delta)."""
+    get_mrope_input_positions(num_prompt_tokens, features) -> ([3, L] int64, delta).
+
+    Raises (construction): ValueError when the text config has no `mrope_section`, or for a
+    vision `hidden_act` not implemented."""
 
     supports_multimodal = True
     uses_mrope = True
+    vision_layout = staticmethod(QwenVisionLayout.qwen2_5_vl)
+    # Checkpoint -> our names inside the tower (see `load_qwen_vl_visual_weight`).
+    visual_renames = ((".merger.mlp.0.", ".merger.fc1."), (".merger.mlp.2.", ".merger.fc2."))
 
     def __init__(self, config) -> None:
         super().__init__()
@@ -202,12 +284,13 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
         text = copy.deepcopy(config.text_config)
         text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings",
                                                 getattr(text, "tie_word_embeddings", False)))
-        self.visual = Qwen2_5_VisionTransformer(config.vision_config)
+        self.visual = Qwen2_5_VisionTransformer(config.vision_config,
+                                                self.vision_layout(config.vision_config))
         self.language_model = Qwen2ForCausalLM(text)
         rope = rope_parameters_from_hf(text.to_dict())
         section = rope.get("mrope_section")
         if section is None:
-            raise ValueError("Qwen2.5-VL text config has no mrope_section")
+            raise ValueError(f"{type(self).__name__}: the text config has no mrope_section")
         for layer in self.language_model.model.layers:
             attn = getattr(layer, "self_attn", None)
             if attn is not None:
@@ -253,40 +336,50 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
         """
         return load_qwen_vl_weights(self, weights)
 
-    def _load_visual(self, params: dict[str, nn.Parameter], name: str,
-                     tensor) -> str:
-        """One vision tensor (a lazy `CheckpointTensor` is read whole: the tower is small)."""
-        if hasattr(tensor, "materialize"):
-            tensor = tensor.materialize()
-        ours = "visual." + name
-        if name == "patch_embed.proj.weight":
-            return load_named_weight(params, "visual.patch_embed.weight",
-                                     tensor.reshape(tensor.shape[0], -1))
-        ours = ours.replace(".merger.mlp.0.", ".merger.fc1.").replace(".merger.mlp.2.",
-                                                                      ".merger.fc2.")
-        if ".attn.qkv." in ours:
-            param = params.get(ours)
-            if param is None:
-                raise ValueError(f"checkpoint tensor visual.{name} has no matching parameter")
-            for shard, part in zip("qkv", tensor.chunk(3, dim=0)):
-                param.weight_loader(param, part, shard)
-            return ours
-        if ".mlp.gate_proj." in ours or ".mlp.up_proj." in ours:
-            shard = 0 if ".gate_proj." in ours else 1
-            ours = ours.replace(".gate_proj.", ".gate_up_proj.").replace(".up_proj.",
-                                                                         ".gate_up_proj.")
-            param = params.get(ours)
-            if param is None:
-                raise ValueError(f"checkpoint tensor visual.{name} has no matching parameter")
-            param.weight_loader(param, tensor, shard)
-            return ours
-        return load_named_weight(params, ours, tensor)
+
+class Qwen2VLForConditionalGeneration(Qwen2_5_VLForConditionalGeneration):
+    """Qwen2-VL: Qwen2.5-VL's model with Qwen2-VL's tower (LayerNorm, a quick-GELU fc1/fc2
+    MLP, every block over the whole image, the merger's `ln_q` a LayerNorm); the same Qwen2
+    decoder with contiguous M-RoPE sections, processing and positions."""
+
+    vision_layout = staticmethod(QwenVisionLayout.qwen2_vl)
+
+
+# Qwen2.5-VL's SwiGLU vision MLP: HF's gate_proj / up_proj into our gate_up_proj.
+_VISION_STACKED_PARAMS = (("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1))
+
+
+def load_qwen_vl_visual_weight(params: dict[str, nn.Parameter], name: str, tensor,
+                               renames: tuple[tuple[str, str], ...]) -> str:
+    """One tensor of a Qwen VL vision tower (`name` after `visual.`) into its parameter: the
+    Conv3d patch embedding reshaped to our linear's [Dv, C*Tp*ps*ps], the fused `attn.qkv`
+    shard by shard, a SwiGLU's gate/up into `gate_up_proj`, other names after `renames`
+    (substring pairs). A lazy `CheckpointTensor` is read whole (the tower is small).
+
+    Returns:
+        Our parameter's name.
+
+    Raises:
+        ValueError: for a tensor whose name matches no parameter, or a shape mismatch.
+    """
+    if hasattr(tensor, "materialize"):
+        tensor = tensor.materialize()
+    if name == "patch_embed.proj.weight":
+        return load_named_weight(params, "visual.patch_embed.weight",
+                                 tensor.reshape(tensor.shape[0], -1))
+    ours = "visual." + name.replace("patch_embed.proj.", "patch_embed.")
+    for old, new in renames:
+        ours = ours.replace(old, new)
+    if ".attn.qkv." in ours:
+        return load_fused_qkv_weight(params, ours, tensor)
+    return load_named_weight(params, ours, tensor, _VISION_STACKED_PARAMS)
 
 
 def load_qwen_vl_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]
                          ) -> set[str]:
-    """A Qwen VL checkpoint's tensors into `model` (Qwen2.5-VL or Qwen3-VL): `model.visual.*`
-    (or `visual.*`) through `model._load_visual`, `model.language_model.*` / `model.*` /
+    """A Qwen VL checkpoint's tensors into `model` (Qwen2-VL, Qwen2.5-VL or Qwen3-VL):
+    `model.visual.*` (or `visual.*`) through `load_qwen_vl_visual_weight` with the model's
+    `visual_renames`, `model.language_model.*` / `model.*` /
     `lm_head.*` through its decoder's `load_weights`. Returns the loaded parameter names.
 
     Raises:
@@ -299,7 +392,8 @@ def load_qwen_vl_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Te
         if name.startswith("model.language_model."):
             text.append(("model." + name[len("model.language_model."):], tensor))
         elif name.startswith(("model.visual.", "visual.")):
-            loaded.add(model._load_visual(params, name.split("visual.", 1)[1], tensor))
+            loaded.add(load_qwen_vl_visual_weight(params, name.split("visual.", 1)[1], tensor,
+                                                  model.visual_renames))
         elif name.startswith(("lm_head.", "model.")):
             text.append((name, tensor))
         else:

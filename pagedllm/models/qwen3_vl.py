@@ -33,31 +33,10 @@ from pagedllm.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pagedllm.layers.mrotary_embedding import MRotaryEmbedding
 from pagedllm.layers.rotary_embedding import default_inv_freq, rope_parameters_from_hf
 from pagedllm.models.llama import Qwen3ForCausalLM
-from pagedllm.models.qwen2_5_vl import (VisionAttention, load_qwen_vl_weights,
-                                        vision_position_ids)
-from pagedllm.models.utils import load_named_weight
+from pagedllm.models.qwen2_5_vl import (VisionBlock, VisionMLP, image_cu_seqlens,
+                                        load_qwen_vl_weights, vision_position_ids)
 from pagedllm.multimodal.inputs import MultiModalFeature
 from pagedllm.multimodal.qwen_vl import mrope_input_positions
-
-
-class Qwen3VisionBlock(nn.Module):
-    def __init__(self, config) -> None:
-        super().__init__()
-        d = config.hidden_size
-        self.norm1 = nn.LayerNorm(d, eps=1e-6)
-        self.norm2 = nn.LayerNorm(d, eps=1e-6)
-        self.attn = VisionAttention(d, config.num_heads)
-        self.linear_fc1 = ColumnParallelLinear(d, config.intermediate_size, bias=True)
-        self.linear_fc2 = RowParallelLinear(config.intermediate_size, d, bias=True)
-        if config.hidden_act not in ("gelu_pytorch_tanh", "gelu"):
-            raise ValueError(f"unsupported vision hidden_act {config.hidden_act!r}")
-        self.approximate = "tanh" if config.hidden_act == "gelu_pytorch_tanh" else "none"
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cu_seqlens: np.ndarray) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, cu_seqlens)
-        h = F.gelu(self.linear_fc1(self.norm2(x)), approximate=self.approximate)
-        return x + self.linear_fc2(h)
 
 
 class Qwen3PatchMerger(nn.Module):
@@ -92,7 +71,11 @@ class Qwen3VisionTransformer(nn.Module):
         self.patch_embed = nn.Linear(patch_dim, config.hidden_size, bias=True)
         self.pos_embed = nn.Embedding(config.num_position_embeddings, config.hidden_size)
         self.side = int(round(config.num_position_embeddings ** 0.5))
-        self.blocks = nn.ModuleList(Qwen3VisionBlock(config) for _ in range(config.depth))
+        self.blocks = nn.ModuleList(
+            VisionBlock(config.hidden_size, config.num_heads, rms_norm=False,
+                        mlp=VisionMLP(config.hidden_size, config.intermediate_size,
+                                      config.hidden_act))
+            for _ in range(config.depth))
         self.merger = Qwen3PatchMerger(config, postshuffle_norm=False)
         self.deepstack_visual_indexes = list(config.deepstack_visual_indexes)
         self.deepstack_merger_list = nn.ModuleList(
@@ -124,8 +107,7 @@ class Qwen3VisionTransformer(nn.Module):
         pos = torch.from_numpy(vision_position_ids(grids, self.merge)).to(x.device)
         freqs = (pos[..., None].float() * self.inv_freq).flatten(1)      # [P, head/2]
         cos, sin = freqs.cos(), freqs.sin()
-        cu = np.concatenate([[0], np.cumsum([h * w for t, h, w in grids
-                                             for _ in range(t)])]).astype(np.int64)
+        cu = image_cu_seqlens(grids)
         deepstack = []
         for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, cu)
@@ -143,6 +125,8 @@ class Qwen3VLForConditionalGeneration(nn.Module):
 
     supports_multimodal = True
     uses_mrope = True
+    # Checkpoint -> our names inside the tower (see `load_qwen_vl_visual_weight`).
+    visual_renames = ((".mlp.linear_fc", ".mlp.fc"),)
 
     def __init__(self, config) -> None:
         super().__init__()
@@ -214,22 +198,3 @@ class Qwen3VLForConditionalGeneration(nn.Module):
             ValueError: for a tensor whose name matches no parameter, or a shape mismatch.
         """
         return load_qwen_vl_weights(self, weights)
-
-    def _load_visual(self, params: dict[str, nn.Parameter], name: str, tensor) -> str:
-        """One vision tensor (a lazy `CheckpointTensor` is read whole: the tower is small)."""
-        if hasattr(tensor, "materialize"):
-            tensor = tensor.materialize()
-        ours = "visual." + name.replace(".mlp.linear_fc", ".linear_fc")
-        if name == "patch_embed.proj.weight":
-            return load_named_weight(params, "visual.patch_embed.weight",
-                                     tensor.reshape(tensor.shape[0], -1))
-        if name == "patch_embed.proj.bias":
-            return load_named_weight(params, "visual.patch_embed.bias", tensor)
-        if ".attn.qkv." in ours:
-            param = params.get(ours)
-            if param is None:
-                raise ValueError(f"checkpoint tensor visual.{name} has no matching parameter")
-            for shard, part in zip("qkv", tensor.chunk(3, dim=0)):
-                param.weight_loader(param, part, shard)
-            return ours
-        return load_named_weight(params, ours, tensor)

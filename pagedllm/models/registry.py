@@ -19,7 +19,8 @@ from pagedllm.models.mamba2 import Mamba2ForCausalLM
 from pagedllm.models.mixtral import MixtralForCausalLM
 from pagedllm.models.olmoe import OlmoeForCausalLM
 from pagedllm.models.phi3 import Phi3ForCausalLM
-from pagedllm.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
+from pagedllm.models.qwen2_5_vl import (Qwen2_5_VLForConditionalGeneration,
+                                        Qwen2VLForConditionalGeneration)
 from pagedllm.models.qwen3_vl import Qwen3VLForConditionalGeneration
 from pagedllm.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3NextForCausalLM
 from pagedllm.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
@@ -38,6 +39,7 @@ _MODELS = {cls.__name__: cls for cls in (LlamaForCausalLM, MistralForCausalLM, Q
                                          Mamba2ForCausalLM, Lfm2ForCausalLM,
                                          Qwen3NextForCausalLM, Qwen3_5ForCausalLM,
                                          GraniteMoeHybridForCausalLM, FalconH1ForCausalLM,
+                                         Qwen2VLForConditionalGeneration,
                                          Qwen2_5_VLForConditionalGeneration,
                                          Qwen3VLForConditionalGeneration)}
 

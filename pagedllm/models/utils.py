@@ -49,6 +49,28 @@ def load_named_weight(params: dict[str, nn.Parameter], name: str, tensor,
     return name
 
 
+def load_fused_qkv_weight(params: dict[str, nn.Parameter], name: str, tensor) -> str:
+    """Load a checkpoint's fused `qkv` tensor of multi-head attention with q, k and v of equal
+    width (a ViT's `attn.qkv`: rows [q | k | v], [3 * H * D] or [3 * H * D, in]) into the
+    `QKVParallelLinear` parameter `name`, shard by shard (so tensor parallelism splits each).
+
+    Returns:
+        `name`.
+
+    Raises:
+        ValueError: if no parameter is named `name`, or the rows do not split in three.
+    """
+    param = params.get(name)
+    if param is None:
+        raise ValueError(f"checkpoint tensor {name} has no matching parameter")
+    if tensor.shape[0] % 3:
+        raise ValueError(f"checkpoint tensor {name} has {tensor.shape[0]} rows, not three equal "
+                         f"q, k, v parts")
+    for shard, part in zip("qkv", tensor.chunk(3, dim=0)):
+        param.weight_loader(param, part, shard)
+    return name
+
+
 def load_causal_lm_weights(model: nn.Module, weights, stacked_params_mapping: StackedParamsMapping,
                            tie_word_embeddings: bool) -> set[str]:
     """Load HF-named checkpoint tensors into a decoder-only causal LM laid out as

@@ -74,6 +74,7 @@ _FAMILIES: dict[str, _Family] = {
     "SmolVLMForConditionalGeneration": _IDEFICS3,
     "Gemma3ForConditionalGeneration": _Family(_one_tile, "image_token_index",
                                               batched_pixels=False, bidirectional=True),
+    "Qwen2VLForConditionalGeneration": _QWEN_VL,
     "Qwen2_5_VLForConditionalGeneration": _QWEN_VL,
     "Qwen3VLForConditionalGeneration": _QWEN_VL,
 }
