@@ -24,8 +24,6 @@ plain RoPE for text, where the three position components are equal.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -36,12 +34,10 @@ from pagedllm.layers.linear import ColumnParallelLinear, default_weight_loader
 from pagedllm.layers.rotary_embedding import RotaryEmbedding, rope_parameters_from_hf
 from pagedllm.layers.state_cache import StateCache
 from pagedllm.layers.state_kernels import causal_conv1d_varlen, gated_delta_rule_varlen
-from pagedllm.layers.vocab_embedding import LMHead, VocabEmbedding
+from pagedllm.models.hybrid import HybridForCausalLM
 from pagedllm.models.llama import LlamaMLP
-from pagedllm.models.mamba2 import check_hybrid_parallelism
-from pagedllm.models.moe import SparseMoeBlock, _load_expert_tensor
+from pagedllm.models.moe import SparseMoeBlock
 from pagedllm.models.qwen_moe import is_sparse_layer
-from pagedllm.models.utils import load_named_weight
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 
@@ -194,9 +190,9 @@ class Qwen3NextDecoderLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
-class Qwen3NextForCausalLM(nn.Module):
-    """forward(input_ids [n] int64, positions [n] int64) -> hidden [n, hidden_size];
-    compute_logits(hidden [m, hidden_size]) -> [m, vocab_size] float32.
+class Qwen3NextForCausalLM(HybridForCausalLM):
+    """Qwen3-Next's stack (`model.{embed_tokens,layers,norm}`) on `HybridForCausalLM`; its API.
+    MTP tensors of released checkpoints are skipped (no MTP drafter here).
 
     Raises:
         ValueError: at construction, for a layer type other than "linear_attention" /
@@ -204,65 +200,15 @@ class Qwen3NextForCausalLM(nn.Module):
     """
 
     stacked_params_mapping = (("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1))
+    skipped_weight_prefixes = ("mtp.",)
     # Qwen3.5's Gated DeltaNet input projections (see the module docstring).
     separate_projections = False
 
     def __init__(self, config) -> None:
-        super().__init__()
-        arch = type(self).__name__
-        check_hybrid_parallelism(arch)
-        layer_types = list(config.layer_types)
-        unknown = sorted(set(layer_types) - set(LAYER_TYPES))
-        if unknown:
-            raise ValueError(f"{arch}: layer type(s) {unknown} are not supported (supported: "
-                             f"{list(LAYER_TYPES)})")
-        self.config = config
-        self.model = nn.Module()
-        self.model.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.model.layers = nn.ModuleList(
-            Qwen3NextDecoderLayer(config, i, t, self.separate_projections)
-            for i, t in enumerate(layer_types))
-        self.model.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size,
-                              tie_to=self.model.embed_tokens if self.tie_word_embeddings
-                              else None)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
-            hidden = layer(positions, hidden)
-        return self.model.norm(hidden)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden)
-
-    def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.layers if layer.is_attention_layer]
-
-    def state_layers(self) -> list[StateCache]:
-        return [layer.linear_attn.state for layer in self.model.layers
-                if not layer.is_attention_layer]
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load HF-named tensors (experts per expert or transformers 5's fused tensors; MTP
-        tensors of released checkpoints are skipped: no MTP drafter here).
-
-        Raises:
-            ValueError: for a tensor that matches no parameter, or a shape mismatch.
-        """
-        params = dict(self.named_parameters())
-        loaded = set()
-        for name, tensor in weights:
-            if name.startswith("mtp.") or "rotary_emb.inv_freq" in name:
-                continue
-            if name == "lm_head.weight" and self.tie_word_embeddings:
-                continue
-            target = _load_expert_tensor(params, name, tensor, ())
-            if target is None:
-                target = load_named_weight(params, name, tensor, self.stacked_params_mapping)
-            loaded.add(target)
-        return loaded
+        super().__init__(
+            config, config.layer_types, LAYER_TYPES,
+            lambda i, t: Qwen3NextDecoderLayer(config, i, t, self.separate_projections),
+            GemmaRMSNorm(config.hidden_size, config.rms_norm_eps))
 
 
 class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
