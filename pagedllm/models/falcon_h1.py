@@ -21,8 +21,6 @@ the oracle.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 from torch import nn
 
@@ -31,26 +29,12 @@ from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import ColumnParallelLinear
 from pagedllm.layers.rotary_embedding import RotaryEmbedding, rope_parameters_from_hf
 from pagedllm.models.hybrid import HybridForCausalLM
-from pagedllm.models.mamba2 import Mamba2Mixer
+from pagedllm.models.mamba2 import Mamba2Mixer, mamba_mixer_config
 
 
 def _ssm_intermediate_size(config) -> int:
     return (config.mamba_d_ssm if config.mamba_d_ssm is not None
             else int(config.mamba_expand * config.hidden_size))
-
-
-def _mamba2_view(config) -> SimpleNamespace:
-    """The Mamba-2 mixer's config fields from Falcon-H1's `mamba_*` ones."""
-    return SimpleNamespace(
-        hidden_size=config.hidden_size, expand=config.mamba_expand,
-        ssm_intermediate_size=_ssm_intermediate_size(config), num_heads=config.mamba_n_heads,
-        head_dim=config.mamba_d_head, n_groups=config.mamba_n_groups,
-        state_size=config.mamba_d_state, chunk_size=config.mamba_chunk_size,
-        hidden_act=config.hidden_act, time_step_limit=config.time_step_limit,
-        conv_kernel=config.mamba_d_conv, use_bias=config.mamba_proj_bias,
-        out_proj_bias=config.projectors_bias, use_conv_bias=config.mamba_conv_bias,
-        layer_norm_epsilon=config.rms_norm_eps, rms_norm=bool(config.mamba_rms_norm),
-        norm_before_gate=bool(config.mamba_norm_before_gate))
 
 
 def mup_vector(config) -> torch.Tensor:
@@ -109,7 +93,10 @@ class FalconH1MLP(nn.Module):
 class FalconH1DecoderLayer(nn.Module):
     def __init__(self, config, layer_idx: int) -> None:
         super().__init__()
-        self.mamba = Mamba2Mixer(_mamba2_view(config), layer_idx)
+        self.mamba = Mamba2Mixer(mamba_mixer_config(
+            config, ssm_intermediate_size=_ssm_intermediate_size(config),
+            out_proj_bias=config.projectors_bias, rms_norm=bool(config.mamba_rms_norm),
+            norm_before_gate=bool(config.mamba_norm_before_gate)), layer_idx)
         self.mamba.state.layer_name = f"model.layers.{layer_idx}.mamba"
         self.self_attn = FalconH1Attention(config, layer_idx)
         self.feed_forward = FalconH1MLP(config)

@@ -14,8 +14,6 @@ transformers' torch path is the oracle.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 from torch import nn
 
@@ -26,7 +24,7 @@ from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import ColumnParallelLinear
 from pagedllm.layers.rotary_embedding import RotaryEmbedding, rope_parameters_from_hf
 from pagedllm.models.hybrid import HybridForCausalLM
-from pagedllm.models.mamba2 import Mamba2Mixer
+from pagedllm.models.mamba2 import Mamba2Mixer, mamba_mixer_config
 from pagedllm.models.moe import ReplicatedLinear
 
 LAYER_TYPES = ("linear_attention", "attention", "full_attention")
@@ -34,17 +32,6 @@ LAYER_TYPES = ("linear_attention", "attention", "full_attention")
 _CHECKPOINT_RENAMES = ((".block_sparse_moe.router.layer.", ".mlp.gate."),
                        (".block_sparse_moe.input_linear.weight", ".mlp.experts.gate_up_proj"),
                        (".block_sparse_moe.output_linear.weight", ".mlp.experts.down_proj"))
-
-
-def _mamba2_view(config) -> SimpleNamespace:
-    """The Mamba-2 mixer's config fields from Granite's `mamba_*` ones."""
-    return SimpleNamespace(
-        hidden_size=config.hidden_size, expand=config.mamba_expand, num_heads=config.mamba_n_heads,
-        head_dim=config.mamba_d_head, n_groups=config.mamba_n_groups,
-        state_size=config.mamba_d_state, chunk_size=config.mamba_chunk_size,
-        hidden_act=config.hidden_act, time_step_limit=config.time_step_limit,
-        conv_kernel=config.mamba_d_conv, use_bias=config.mamba_proj_bias,
-        use_conv_bias=config.mamba_conv_bias, layer_norm_epsilon=config.rms_norm_eps)
 
 
 class GraniteAttention(nn.Module):
@@ -94,7 +81,7 @@ class GraniteMoeHybridDecoderLayer(nn.Module):
         if self.is_attention_layer:
             self.self_attn = GraniteAttention(config, layer_idx)
         else:
-            self.mamba = Mamba2Mixer(_mamba2_view(config), layer_idx)
+            self.mamba = Mamba2Mixer(mamba_mixer_config(config), layer_idx)
             self.mamba.state.layer_name = f"model.layers.{layer_idx}.mamba"
         self.mlp = None   # the routed experts: mlp.gate (router), mlp.experts
         if config.num_local_experts > 0:

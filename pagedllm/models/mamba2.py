@@ -14,6 +14,8 @@ Dao & Gu, "Transformers are SSMs" (2024); HF transformers' Mamba2 torch path is 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 from torch import nn
 
@@ -30,6 +32,19 @@ def _weight(*shape: int) -> nn.Parameter:
     p = nn.Parameter(torch.empty(*shape), requires_grad=False)
     p.weight_loader = default_weight_loader
     return p
+
+
+def mamba_mixer_config(config, **extra) -> SimpleNamespace:
+    """The Mamba-2 mixer's config fields from a hybrid config's `mamba_*` ones (Granite 4
+    hybrid, Falcon-H1), plus a family's `extra` fields (see `Mamba2Mixer`)."""
+    return SimpleNamespace(
+        hidden_size=config.hidden_size, expand=config.mamba_expand,
+        num_heads=config.mamba_n_heads, head_dim=config.mamba_d_head,
+        n_groups=config.mamba_n_groups, state_size=config.mamba_d_state,
+        chunk_size=config.mamba_chunk_size, hidden_act=config.hidden_act,
+        time_step_limit=config.time_step_limit, conv_kernel=config.mamba_d_conv,
+        use_bias=config.mamba_proj_bias, use_conv_bias=config.mamba_conv_bias,
+        layer_norm_epsilon=config.rms_norm_eps, **extra)
 
 
 class Mamba2Mixer(nn.Module):
