@@ -21,9 +21,6 @@ the oracle.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from types import SimpleNamespace
-
 import torch
 from torch import nn
 
@@ -31,29 +28,13 @@ from pagedllm.layers.attention import Attention
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import ColumnParallelLinear
 from pagedllm.layers.rotary_embedding import RotaryEmbedding, rope_parameters_from_hf
-from pagedllm.layers.state_cache import StateCache
-from pagedllm.layers.vocab_embedding import LMHead, VocabEmbedding
-from pagedllm.models.mamba2 import Mamba2Mixer, check_hybrid_parallelism
-from pagedllm.models.utils import load_named_weight
+from pagedllm.models.hybrid import HybridForCausalLM
+from pagedllm.models.mamba2 import Mamba2Mixer, mamba_mixer_config
 
 
 def _ssm_intermediate_size(config) -> int:
     return (config.mamba_d_ssm if config.mamba_d_ssm is not None
             else int(config.mamba_expand * config.hidden_size))
-
-
-def _mamba2_view(config) -> SimpleNamespace:
-    """The Mamba-2 mixer's config fields from Falcon-H1's `mamba_*` ones."""
-    return SimpleNamespace(
-        hidden_size=config.hidden_size, expand=config.mamba_expand,
-        ssm_intermediate_size=_ssm_intermediate_size(config), num_heads=config.mamba_n_heads,
-        head_dim=config.mamba_d_head, n_groups=config.mamba_n_groups,
-        state_size=config.mamba_d_state, chunk_size=config.mamba_chunk_size,
-        hidden_act=config.hidden_act, time_step_limit=config.time_step_limit,
-        conv_kernel=config.mamba_d_conv, use_bias=config.mamba_proj_bias,
-        out_proj_bias=config.projectors_bias, use_conv_bias=config.mamba_conv_bias,
-        layer_norm_epsilon=config.rms_norm_eps, rms_norm=bool(config.mamba_rms_norm),
-        norm_before_gate=bool(config.mamba_norm_before_gate))
 
 
 def mup_vector(config) -> torch.Tensor:
@@ -112,7 +93,10 @@ class FalconH1MLP(nn.Module):
 class FalconH1DecoderLayer(nn.Module):
     def __init__(self, config, layer_idx: int) -> None:
         super().__init__()
-        self.mamba = Mamba2Mixer(_mamba2_view(config), layer_idx)
+        self.mamba = Mamba2Mixer(mamba_mixer_config(
+            config, ssm_intermediate_size=_ssm_intermediate_size(config),
+            out_proj_bias=config.projectors_bias, rms_norm=bool(config.mamba_rms_norm),
+            norm_before_gate=bool(config.mamba_norm_before_gate)), layer_idx)
         self.mamba.state.layer_name = f"model.layers.{layer_idx}.mamba"
         self.self_attn = FalconH1Attention(config, layer_idx)
         self.feed_forward = FalconH1MLP(config)
@@ -130,9 +114,10 @@ class FalconH1DecoderLayer(nn.Module):
         return hidden + self.feed_forward(self.pre_ff_layernorm(hidden))
 
 
-class FalconH1ForCausalLM(nn.Module):
-    """forward(input_ids [n] int64, positions [n] int64) -> hidden [n, hidden_size];
-    compute_logits(hidden [m, hidden_size]) -> [m, vocab_size] float32.
+class FalconH1ForCausalLM(HybridForCausalLM):
+    """Falcon-H1's stack (`model.{embed_tokens,layers,final_layernorm}`) on
+    `HybridForCausalLM`; its API. Each mixer's `in_proj` rows are scaled by the muP vector and
+    its input multiplier as they load.
 
     Raises:
         ValueError: at construction, with tensor / pipeline parallelism or an activation other
@@ -140,55 +125,21 @@ class FalconH1ForCausalLM(nn.Module):
     """
 
     def __init__(self, config) -> None:
-        super().__init__()
-        check_hybrid_parallelism("FalconH1ForCausalLM")
-        self.config = config
-        self.embedding_multiplier = config.embedding_multiplier
+        super().__init__(config, None, (), lambda i, _: FalconH1DecoderLayer(config, i),
+                         RMSNorm(config.hidden_size, config.rms_norm_eps),
+                         norm="final_layernorm",
+                         embedding_multiplier=config.embedding_multiplier)
         self.lm_head_multiplier = config.lm_head_multiplier
-        self.model = nn.Module()
-        self.model.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.model.layers = nn.ModuleList(FalconH1DecoderLayer(config, i)
-                                          for i in range(config.num_hidden_layers))
-        self.model.final_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size,
-                              tie_to=self.model.embed_tokens if self.tie_word_embeddings
-                              else None)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.model.embed_tokens(input_ids) * self.embedding_multiplier
-        for layer in self.model.layers:
-            hidden = layer(positions, hidden)
-        return self.model.final_layernorm(hidden)
+        self._in_proj_scale = mup_vector(config)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden) * self.lm_head_multiplier
 
-    def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
-
-    def state_layers(self) -> list[StateCache]:
-        return [layer.mamba.state for layer in self.model.layers]
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load HF-named tensors; each mixer's `in_proj` rows are scaled by the muP vector and
-        its input multiplier as they load.
-
-        Raises:
-            ValueError: for a tensor that matches no parameter, or a shape mismatch.
-        """
-        params = dict(self.named_parameters())
-        scale = mup_vector(self.config)
-        loaded = set()
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
-                continue
-            if name == "lm_head.weight" and self.tie_word_embeddings:
-                continue
-            if name.endswith((".mamba.in_proj.weight", ".mamba.in_proj.bias")):
-                # (a checkpoint tensor is read lazily: read it to scale it)
-                t = tensor.materialize() if hasattr(tensor, "materialize") else tensor
-                rows = scale * (self.config.ssm_in_multiplier if name.endswith("weight") else 1.0)
-                tensor = (t.float() * rows.view(-1, *([1] * (t.dim() - 1)))).to(t.dtype)
-            loaded.add(load_named_weight(params, name, tensor))
-        return loaded
+    def checkpoint_tensors(self, name: str, tensor):
+        if name.endswith((".mamba.in_proj.weight", ".mamba.in_proj.bias")):
+            # (a checkpoint tensor is read lazily: read it to scale it)
+            t = tensor.materialize() if hasattr(tensor, "materialize") else tensor
+            rows = self._in_proj_scale * (self.config.ssm_in_multiplier
+                                          if name.endswith("weight") else 1.0)
+            tensor = (t.float() * rows.view(-1, *([1] * (t.dim() - 1)))).to(t.dtype)
+        return ((name, tensor),)

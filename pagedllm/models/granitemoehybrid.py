@@ -14,9 +14,6 @@ transformers' torch path is the oracle.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from types import SimpleNamespace
-
 import torch
 from torch import nn
 
@@ -26,28 +23,15 @@ from pagedllm.layers.fused_moe import FusedMoE
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import ColumnParallelLinear
 from pagedllm.layers.rotary_embedding import RotaryEmbedding, rope_parameters_from_hf
-from pagedllm.layers.state_cache import StateCache
-from pagedllm.layers.vocab_embedding import LMHead, VocabEmbedding
-from pagedllm.models.mamba2 import Mamba2Mixer, check_hybrid_parallelism
-from pagedllm.models.moe import ReplicatedLinear, _load_expert_tensor
-from pagedllm.models.utils import load_named_weight
+from pagedllm.models.hybrid import HybridForCausalLM
+from pagedllm.models.mamba2 import Mamba2Mixer, mamba_mixer_config
+from pagedllm.models.moe import ReplicatedLinear
 
 LAYER_TYPES = ("linear_attention", "attention", "full_attention")
 # Checkpoint name pieces -> ours (the routed experts live under `mlp`, as in models/moe.py).
 _CHECKPOINT_RENAMES = ((".block_sparse_moe.router.layer.", ".mlp.gate."),
                        (".block_sparse_moe.input_linear.weight", ".mlp.experts.gate_up_proj"),
                        (".block_sparse_moe.output_linear.weight", ".mlp.experts.down_proj"))
-
-
-def _mamba2_view(config) -> SimpleNamespace:
-    """The Mamba-2 mixer's config fields from Granite's `mamba_*` ones."""
-    return SimpleNamespace(
-        hidden_size=config.hidden_size, expand=config.mamba_expand, num_heads=config.mamba_n_heads,
-        head_dim=config.mamba_d_head, n_groups=config.mamba_n_groups,
-        state_size=config.mamba_d_state, chunk_size=config.mamba_chunk_size,
-        hidden_act=config.hidden_act, time_step_limit=config.time_step_limit,
-        conv_kernel=config.mamba_d_conv, use_bias=config.mamba_proj_bias,
-        use_conv_bias=config.mamba_conv_bias, layer_norm_epsilon=config.rms_norm_eps)
 
 
 class GraniteAttention(nn.Module):
@@ -97,7 +81,7 @@ class GraniteMoeHybridDecoderLayer(nn.Module):
         if self.is_attention_layer:
             self.self_attn = GraniteAttention(config, layer_idx)
         else:
-            self.mamba = Mamba2Mixer(_mamba2_view(config), layer_idx)
+            self.mamba = Mamba2Mixer(mamba_mixer_config(config), layer_idx)
             self.mamba.state.layer_name = f"model.layers.{layer_idx}.mamba"
         self.mlp = None   # the routed experts: mlp.gate (router), mlp.experts
         if config.num_local_experts > 0:
@@ -122,9 +106,10 @@ class GraniteMoeHybridDecoderLayer(nn.Module):
         return hidden + out * self.residual_multiplier
 
 
-class GraniteMoeHybridForCausalLM(nn.Module):
-    """forward(input_ids [n] int64, positions [n] int64) -> hidden [n, hidden_size];
-    compute_logits(hidden [m, hidden_size]) -> [m, vocab_size] float32.
+class GraniteMoeHybridForCausalLM(HybridForCausalLM):
+    """Granite 4 hybrid's stack (`model.{embed_tokens,layers,norm}`) on `HybridForCausalLM`;
+    its API. The experts' stacked `input_linear` [E, 2I, H] and `output_linear` [E, H, I] load
+    as FusedMoE's fused gate_up / down tensors.
 
     Raises:
         ValueError: at construction, for a layer type other than "linear_attention" /
@@ -132,60 +117,16 @@ class GraniteMoeHybridForCausalLM(nn.Module):
     """
 
     def __init__(self, config) -> None:
-        super().__init__()
-        check_hybrid_parallelism("GraniteMoeHybridForCausalLM")
-        layer_types = list(config.layers_block_type)
-        unknown = sorted(set(layer_types) - set(LAYER_TYPES))
-        if unknown:
-            raise ValueError(f"GraniteMoeHybridForCausalLM: layer type(s) {unknown} are not "
-                             f"supported (supported: {list(LAYER_TYPES)})")
-        self.config = config
-        self.embedding_multiplier = config.embedding_multiplier
+        super().__init__(config, config.layers_block_type, LAYER_TYPES,
+                         lambda i, t: GraniteMoeHybridDecoderLayer(config, i, t),
+                         RMSNorm(config.hidden_size, config.rms_norm_eps),
+                         embedding_multiplier=config.embedding_multiplier)
         self.logits_scaling = config.logits_scaling
-        self.model = nn.Module()
-        self.model.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.model.layers = nn.ModuleList(GraniteMoeHybridDecoderLayer(config, i, t)
-                                          for i, t in enumerate(layer_types))
-        self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size,
-                              tie_to=self.model.embed_tokens if self.tie_word_embeddings
-                              else None)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.model.embed_tokens(input_ids) * self.embedding_multiplier
-        for layer in self.model.layers:
-            hidden = layer(positions, hidden)
-        return self.model.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden) / self.logits_scaling
 
-    def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.layers if layer.is_attention_layer]
-
-    def state_layers(self) -> list[StateCache]:
-        return [layer.mamba.state for layer in self.model.layers
-                if not layer.is_attention_layer]
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load HF-named tensors (the experts' stacked `input_linear` [E, 2I, H] and
-        `output_linear` [E, H, I] load as FusedMoE's fused gate_up / down tensors).
-
-        Raises:
-            ValueError: for a tensor that matches no parameter, or a shape mismatch.
-        """
-        params = dict(self.named_parameters())
-        loaded = set()
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
-                continue
-            if name == "lm_head.weight" and self.tie_word_embeddings:
-                continue
-            for theirs, ours in _CHECKPOINT_RENAMES:
-                name = name.replace(theirs, ours)
-            target = _load_expert_tensor(params, name, tensor, ())
-            if target is None:
-                target = load_named_weight(params, name, tensor)
-            loaded.add(target)
-        return loaded
+    def checkpoint_tensors(self, name: str, tensor):
+        for theirs, ours in _CHECKPOINT_RENAMES:
+            name = name.replace(theirs, ours)
+        return ((name, tensor),)

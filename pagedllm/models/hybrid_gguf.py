@@ -1,5 +1,6 @@
 """llama.cpp's GGUF files of the hybrid families: `lfm2` (LFM2's short-conv / attention
-layers) as `Lfm2ForCausalLM` checkpoints, `mamba2` as `Mamba2ForCausalLM` checkpoints.
+layers) as `Lfm2ForCausalLM` checkpoints, `mamba2` as `Mamba2ForCausalLM` checkpoints,
+`qwen3next` as `Qwen3NextForCausalLM` checkpoints.
 
 LFM2's config comes from transformers' own GGUF reader (it knows `lfm2`: the per-layer
 `attention.head_count_kv` array gives the attention layers); the tensors are renamed here.
@@ -14,6 +15,23 @@ The converter stores A = -exp(A_log) as `ssm_a` [heads, 1] (A_log = log(-A) back
 inner / groups]. Files keep neither HF's scan `chunk_size` (the default 256 is used: the scan's
 chunking changes only the order of float sums) nor `time_step_limit` (HF's default (0, inf),
 which llama.cpp applies too).
+
+Qwen3-Next's config is read here too (transformers' GGUF reader does not know `qwen3next`):
+the layer types from `full_attention_interval` (layer i is full attention when (i + 1) is a
+multiple of it; llama.cpp's default 4), the Gated DeltaNet's sizes from `ssm.*` (group_count =
+key heads, time_step_rank = value heads, state_size = key head size, inner_size = value heads x
+value head size), RoPE's fraction from `rope.dimension_count` / `attention.key_length`; every
+layer is sparse (llama.cpp requires a router in each) and the top-k weights are renormalised
+(llama.cpp always does). convert_hf_to_gguf.py's Qwen3NextModel stores every RMSNorm weight but
+the Gated DeltaNet's gated norm as 1 + w (the engine's norms take w: 1 is subtracted back),
+A = -exp(A_log) as `ssm_a`, `dt_bias` as `ssm_dt.bias`, the conv weight squeezed, and splits the
+grouped `in_proj_qkvz` into `attn_qkv` [q | k | v] and `attn_gate` (z): the engine's own layout
+(models/qwen3_next.py). Files of its earlier converter keep `in_proj_qkvz` whole as `ssm_in`;
+both load. `ssm_ba` is HF's grouped `in_proj_ba`; the stacked experts load one expert at a time
+(models/moe_gguf.py), so quantized experts keep their blocks. Later converters append the MTP
+layers as `nextn_predict_layers` extra blocks after the model's: they are counted out of the
+layers and their tensors skipped (no MTP drafter here, as for a safetensors checkpoint's
+`mtp.*`).
 """
 
 from __future__ import annotations
@@ -25,6 +43,7 @@ import torch
 
 from pagedllm.models.gguf_keys import GGUFKeys, vocab_size
 from pagedllm.models.llama import gguf_to_hf_name
+from pagedllm.models.moe_gguf import QWEN_MOE_TENSOR_NAMES, qwen_moe_checkpoint_weights
 
 # llama.cpp's tensor names -> HF checkpoint names for LFM2; "{}" is the layer index.
 LFM2_TENSOR_NAMES = {
@@ -132,3 +151,111 @@ def mamba2_checkpoint_weights(config, weights: Iterable[tuple[str, Any]],
         elif hf_name.endswith(".mixer.norm.weight") and len(tensor.shape) == 2:
             tensor = tensor.materialize().reshape(-1)     # [groups, inner / groups] -> [inner]
         yield hf_name, tensor
+
+
+# llama.cpp's tensor names -> HF checkpoint names for Qwen3-Next beyond the Qwen MoE ones (the
+# router, shared expert and stacked experts); "{}" is the layer index.
+QWEN3NEXT_TENSOR_NAMES = {
+    **QWEN_MOE_TENSOR_NAMES,
+    "blk.{}.post_attention_norm": "model.layers.{}.post_attention_layernorm",
+    "blk.{}.attn_qkv": "model.layers.{}.linear_attn.in_proj_qkv",
+    "blk.{}.attn_gate": "model.layers.{}.linear_attn.in_proj_z",
+    "blk.{}.ssm_in": "model.layers.{}.linear_attn.in_proj_qkvz",   # the earlier converter's
+    "blk.{}.ssm_ba": "model.layers.{}.linear_attn.in_proj_ba",
+    "blk.{}.ssm_conv1d": "model.layers.{}.linear_attn.conv1d",
+    "blk.{}.ssm_dt": "model.layers.{}.linear_attn.dt",             # .bias -> dt_bias
+    "blk.{}.ssm_norm": "model.layers.{}.linear_attn.norm",
+    "blk.{}.ssm_out": "model.layers.{}.linear_attn.out_proj",
+}
+# HF names of the norms the converter stores as 1 + w (Qwen3-Next's zero-centred RMSNorms).
+_ONE_PLUS_W_NORMS = ("_layernorm.weight", ".q_norm.weight", ".k_norm.weight")
+
+
+def qwen3next_hf_config(metadata: dict[str, Any], tensors: dict[str, tuple[int, ...]]):
+    """The HF `Qwen3NextConfig` of a `qwen3next` file, with `architectures` set (module
+    docstring).
+
+    Raises:
+        ValueError: naming a missing key, no experts, or Gated DeltaNet sizes that do not
+            divide (value heads by key heads, inner size by value heads).
+    """
+    import transformers
+
+    k = GGUFKeys(metadata, "qwen3next")
+    layers = k.integer("block_count") - k.integer("nextn_predict_layers", 0)
+    interval = k.integer("full_attention_interval", 4)
+    if interval <= 0:
+        raise ValueError(f"metadata key qwen3next.full_attention_interval = {interval} is not "
+                         f"positive")
+    hidden, heads = k.integer("embedding_length"), k.integer("attention.head_count")
+    head_dim = k.integer("attention.key_length", hidden // heads)
+    key_heads, value_heads = k.integer("ssm.group_count"), k.integer("ssm.time_step_rank")
+    inner = k.integer("ssm.inner_size")
+    if key_heads <= 0 or value_heads % key_heads or inner % value_heads:
+        raise ValueError(f"metadata keys qwen3next.ssm.group_count = {key_heads}, "
+                         f"qwen3next.ssm.time_step_rank = {value_heads}, qwen3next.ssm.inner_size"
+                         f" = {inner}: the value heads must be a multiple of the key heads and "
+                         f"divide the inner size")
+    experts = k.integer("expert_count")
+    if experts <= 0:
+        raise ValueError(f"metadata key qwen3next.expert_count = {experts}: llama.cpp's "
+                         f"qwen3next has a mixture of experts in every layer")
+    rope_dim = k.integer("rope.dimension_count", head_dim)
+    moe_size = k.integer("expert_feed_forward_length")
+    config = transformers.AutoConfig.for_model(
+        "qwen3_next", vocab_size=vocab_size(k, tensors), hidden_size=hidden,
+        num_hidden_layers=layers,
+        layer_types=["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                     for i in range(layers)],
+        intermediate_size=k.integer("feed_forward_length", moe_size),
+        num_attention_heads=heads, num_key_value_heads=k.integer("attention.head_count_kv"),
+        head_dim=head_dim, max_position_embeddings=k.integer("context_length"),
+        rms_norm_eps=k.number("attention.layer_norm_rms_epsilon"),
+        rope_parameters={"rope_type": "default",
+                         "rope_theta": k.number("rope.freq_base", 10000.0),
+                         "partial_rotary_factor": rope_dim / head_dim},
+        linear_conv_kernel_dim=k.integer("ssm.conv_kernel"),
+        linear_key_head_dim=k.integer("ssm.state_size"), linear_num_key_heads=key_heads,
+        linear_num_value_heads=value_heads, linear_value_head_dim=inner // value_heads,
+        num_experts=experts, num_experts_per_tok=k.integer("expert_used_count"),
+        moe_intermediate_size=moe_size,
+        shared_expert_intermediate_size=k.integer("expert_shared_feed_forward_length", 0),
+        decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+        attention_bias=any(name.endswith(".attn_q.bias") for name in tensors),
+        tie_word_embeddings="output.weight" not in tensors)
+    config.architectures = ["Qwen3NextForCausalLM"]
+    return config
+
+
+def qwen3next_checkpoint_weights(config, weights: Iterable[tuple[str, Any]],
+                                 family: str) -> Iterator[tuple[str, Any]]:
+    """HF-named checkpoint tensors of a `qwen3next` file's tensors (module docstring); the
+    linear layers' and experts' tensors stay lazy GGUF tensors (quantized blocks kept). Blocks
+    past `config.num_hidden_layers` (MTP layers) are skipped.
+
+    Raises:
+        ValueError: naming a tensor with no counterpart in `family`.
+    """
+    for name, tensor in weights:
+        layer, _, stem = name.partition(".")[2].partition(".")
+        if name.startswith("blk.") and layer.isdigit() and int(layer) >= config.num_hidden_layers:
+            continue
+        if name.startswith("blk.") and stem == "ssm_a":   # A = -exp(A_log), [value heads]
+            yield f"model.layers.{layer}.linear_attn.A_log", tensor.map(lambda a: torch.log(-a))
+            continue
+        for hf_name, tensor in qwen_moe_checkpoint_weights([(name, tensor)], family,
+                                                           QWEN3NEXT_TENSOR_NAMES):
+            yield _qwen3next_tensor(hf_name, tensor)
+
+
+def _qwen3next_tensor(hf_name: str, tensor) -> tuple[str, Any]:
+    """Undo the converter's value changes of one renamed tensor (module docstring)."""
+    if hf_name.endswith(_ONE_PLUS_W_NORMS) or hf_name == "model.norm.weight":
+        tensor = tensor.map(lambda w: w - 1.0)
+    elif hf_name.endswith(".linear_attn.dt.bias"):
+        hf_name = hf_name.replace(".dt.bias", ".dt_bias")
+    elif hf_name.endswith(".conv1d.weight") and len(tensor.shape) == 2:
+        tensor = tensor.materialize().unsqueeze(1)    # [conv_dim, K] -> [conv_dim, 1, K]
+    elif hf_name.endswith(".shared_expert_gate.weight") and len(tensor.shape) == 1:
+        tensor = tensor.materialize().unsqueeze(0)    # [hidden] -> [1, hidden]
+    return hf_name, tensor

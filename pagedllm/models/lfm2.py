@@ -15,8 +15,6 @@ transformers' Lfm2 torch path is the oracle.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 from torch import nn
 
@@ -28,10 +26,8 @@ from pagedllm.layers.linear import (ColumnParallelLinear, MergedColumnParallelLi
 from pagedllm.layers.rotary_embedding import RotaryEmbedding, rope_parameters_from_hf
 from pagedllm.layers.state_cache import StateCache
 from pagedllm.layers.state_kernels import causal_conv1d_varlen
-from pagedllm.layers.vocab_embedding import LMHead, VocabEmbedding
-from pagedllm.models.mamba2 import check_hybrid_parallelism
+from pagedllm.models.hybrid import HybridForCausalLM
 from pagedllm.models.hybrid_gguf import lfm2_checkpoint_weights
-from pagedllm.models.utils import load_named_weight
 
 LAYER_TYPES = ("conv", "full_attention")
 
@@ -127,9 +123,9 @@ class Lfm2DecoderLayer(nn.Module):
         return hidden + ff.w2(self.act_fn(ff.gate_up_proj(self.ffn_norm(hidden))))
 
 
-class Lfm2ForCausalLM(nn.Module):
-    """forward(input_ids [n] int64, positions [n] int64) -> hidden [n, hidden_size];
-    compute_logits(hidden [m, hidden_size]) -> [m, vocab_size] float32.
+class Lfm2ForCausalLM(HybridForCausalLM):
+    """LFM2's stack (`model.{embed_tokens,layers,embedding_norm}`, tied embeddings by default)
+    on `HybridForCausalLM`; its API.
 
     Raises:
         ValueError: at construction, for a layer type other than "conv" / "full_attention"
@@ -147,51 +143,7 @@ class Lfm2ForCausalLM(nn.Module):
         return lfm2_checkpoint_weights(weights, cls.__name__)
 
     def __init__(self, config) -> None:
-        super().__init__()
-        check_hybrid_parallelism("Lfm2ForCausalLM")
-        layer_types = list(config.layer_types)
-        unknown = sorted(set(layer_types) - set(LAYER_TYPES))
-        if unknown:
-            raise ValueError(f"Lfm2ForCausalLM: layer type(s) {unknown} are not supported "
-                             f"(supported: {list(LAYER_TYPES)})")
-        self.config = config
-        self.model = nn.Module()
-        self.model.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.model.layers = nn.ModuleList(Lfm2DecoderLayer(config, i, t)
-                                          for i, t in enumerate(layer_types))
-        self.model.embedding_norm = RMSNorm(config.hidden_size, config.norm_eps)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size,
-                              tie_to=self.model.embed_tokens if self.tie_word_embeddings
-                              else None)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
-            hidden = layer(positions, hidden)
-        return self.model.embedding_norm(hidden)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden)
-
-    def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.layers if layer.is_attention_layer]
-
-    def state_layers(self) -> list[StateCache]:
-        return [layer.conv.state for layer in self.model.layers if not layer.is_attention_layer]
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load HF-named tensors.
-
-        Raises:
-            ValueError: for a tensor that matches no parameter, or a shape mismatch.
-        """
-        params = dict(self.named_parameters())
-        loaded = set()
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
-                continue
-            if name == "lm_head.weight" and self.tie_word_embeddings:
-                continue
-            loaded.add(load_named_weight(params, name, tensor, self.stacked_params_mapping))
-        return loaded
+        super().__init__(config, config.layer_types, LAYER_TYPES,
+                         lambda i, t: Lfm2DecoderLayer(config, i, t),
+                         RMSNorm(config.hidden_size, config.norm_eps), norm="embedding_norm",
+                         tie_word_embeddings=True)

@@ -14,38 +14,37 @@ Dao & Gu, "Transformers are SSMs" (2024); HF transformers' Mamba2 torch path is 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from types import SimpleNamespace
 
 import torch
 from torch import nn
 
-from pagedllm.distributed.parallel_state import (get_pp_group,
-                                                 get_tensor_model_parallel_world_size)
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import ColumnParallelLinear, default_weight_loader
 from pagedllm.layers.state_cache import StateCache
 from pagedllm.layers.state_kernels import causal_conv1d_varlen, ssd_varlen
 from pagedllm.layers.state_ops import gated_rms_norm
-from pagedllm.layers.vocab_embedding import LMHead, VocabEmbedding
+from pagedllm.models.hybrid import HybridForCausalLM
 from pagedllm.models.hybrid_gguf import mamba2_checkpoint_weights, mamba2_hf_config
-from pagedllm.models.utils import load_named_weight
-
-
-def check_hybrid_parallelism(arch: str) -> None:
-    """Hybrid models run on one rank: their recurrent layers are not sharded.
-
-    Raises:
-        ValueError: naming the architecture, with tensor or pipeline parallelism.
-    """
-    if get_tensor_model_parallel_world_size() > 1 or get_pp_group().world_size > 1:
-        raise ValueError(f"{arch}: tensor and pipeline parallelism are not implemented for its "
-                         "recurrent (state-space / convolution) layers; run it on one rank")
 
 
 def _weight(*shape: int) -> nn.Parameter:
     p = nn.Parameter(torch.empty(*shape), requires_grad=False)
     p.weight_loader = default_weight_loader
     return p
+
+
+def mamba_mixer_config(config, **extra) -> SimpleNamespace:
+    """The Mamba-2 mixer's config fields from a hybrid config's `mamba_*` ones (Granite 4
+    hybrid, Falcon-H1), plus a family's `extra` fields (see `Mamba2Mixer`)."""
+    return SimpleNamespace(
+        hidden_size=config.hidden_size, expand=config.mamba_expand,
+        num_heads=config.mamba_n_heads, head_dim=config.mamba_d_head,
+        n_groups=config.mamba_n_groups, state_size=config.mamba_d_state,
+        chunk_size=config.mamba_chunk_size, hidden_act=config.hidden_act,
+        time_step_limit=config.time_step_limit, conv_kernel=config.mamba_d_conv,
+        use_bias=config.mamba_proj_bias, use_conv_bias=config.mamba_conv_bias,
+        layer_norm_epsilon=config.rms_norm_eps, **extra)
 
 
 class Mamba2Mixer(nn.Module):
@@ -130,16 +129,16 @@ class Mamba2Block(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
         self.mixer = Mamba2Mixer(config, layer_idx)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         dtype = self.norm.weight.dtype
         residual = hidden.float() if self.residual_in_fp32 else hidden
         out = self.mixer(self.norm(hidden.to(dtype)))
         return residual + out
 
 
-class Mamba2ForCausalLM(nn.Module):
-    """forward(input_ids [n] int64, positions [n] int64) -> hidden [n, hidden_size];
-    compute_logits(hidden [m, hidden_size]) -> [m, vocab_size] float32."""
+class Mamba2ForCausalLM(HybridForCausalLM):
+    """Mamba-2's stack (`backbone.{embeddings,layers,norm_f}`) on `HybridForCausalLM`; its API.
+    HF's old name of the embeddings, "backbone.embedding.", loads too."""
 
     gguf_architecture = "mamba2"
 
@@ -154,46 +153,9 @@ class Mamba2ForCausalLM(nn.Module):
         return mamba2_checkpoint_weights(config, weights, cls.__name__)
 
     def __init__(self, config) -> None:
-        super().__init__()
-        check_hybrid_parallelism("Mamba2ForCausalLM")
-        self.config = config
-        self.backbone = nn.Module()
-        self.backbone.embeddings = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.backbone.layers = nn.ModuleList(Mamba2Block(config, i)
-                                             for i in range(config.num_hidden_layers))
-        self.backbone.norm_f = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size,
-                              tie_to=self.backbone.embeddings if self.tie_word_embeddings
-                              else None)
+        super().__init__(config, None, (), lambda i, _: Mamba2Block(config, i),
+                         RMSNorm(config.hidden_size, config.layer_norm_epsilon),
+                         stack="backbone", embedding="embeddings", norm="norm_f")
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.backbone.embeddings(input_ids)
-        dtype = hidden.dtype
-        for layer in self.backbone.layers:
-            hidden = layer(hidden)
-        return self.backbone.norm_f(hidden.to(dtype))
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden)
-
-    def attention_layers(self) -> list:
-        return []
-
-    def state_layers(self) -> list[StateCache]:
-        return [layer.mixer.state for layer in self.backbone.layers]
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load HF-named tensors ("backbone.embedding." is HF's old name of the embeddings).
-
-        Raises:
-            ValueError: for a tensor that matches no parameter, or a shape mismatch.
-        """
-        params = dict(self.named_parameters())
-        loaded = set()
-        for name, tensor in weights:
-            name = name.replace("backbone.embedding.", "backbone.embeddings.")
-            if name == "lm_head.weight" and self.tie_word_embeddings:
-                continue
-            loaded.add(load_named_weight(params, name, tensor))
-        return loaded
+    def checkpoint_tensors(self, name: str, tensor):
+        return ((name.replace("backbone.embedding.", "backbone.embeddings."), tensor),)

@@ -30,9 +30,11 @@ EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
 _EXPERTS = re.compile(r"blk\.(\d+)\.(ffn_gate_exps|ffn_up_exps|ffn_down_exps)\.weight")
 
 
-def qwen_moe_checkpoint_weights(weights: Iterable[tuple[str, Any]],
-                                family: str) -> Iterator[tuple[str, Any]]:
-    """HF-named checkpoint tensors of a `qwen2moe` / `qwen3moe` file's tensors.
+def qwen_moe_checkpoint_weights(weights: Iterable[tuple[str, Any]], family: str,
+                                names: dict[str, str] = QWEN_MOE_TENSOR_NAMES
+                                ) -> Iterator[tuple[str, Any]]:
+    """HF-named checkpoint tensors of a `qwen2moe` / `qwen3moe` file's tensors (`names`: the
+    family's name map beside the stacked experts; `qwen3next` extends it).
 
     Raises:
         ValueError: naming a tensor with no counterpart in `family`.
@@ -44,7 +46,7 @@ def qwen_moe_checkpoint_weights(weights: Iterable[tuple[str, Any]],
                 yield (f"model.layers.{experts[1]}.mlp.experts.{e}."
                        f"{EXPERT_TENSORS[experts[2]]}.weight", tensor.expert(e))
             continue
-        hf_name = gguf_to_hf_name(name, QWEN_MOE_TENSOR_NAMES)
+        hf_name = gguf_to_hf_name(name, names)
         if hf_name is None:
             raise ValueError(f"GGUF tensor {name} has no counterpart in {family}")
         yield hf_name, tensor

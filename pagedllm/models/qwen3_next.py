@@ -5,7 +5,7 @@ layers, and a mixture of experts with a shared expert.
                -> RMSNorm -> (sparse MoE + shared expert | dense MLP) -> +res ] x L
           -> RMSNorm -> LM head                 (RMSNorms: x * (1 + w), zero-centred weights)
 
-    GatedDeltaNet:  in_proj_qkvz -> q, k, v, z (grouped per key head);  in_proj_ba -> b, a
+    GatedDeltaNet:  in_proj_qkv -> [q | k | v];  in_proj_z -> z;  in_proj_b -> b, in_proj_a -> a
                     [q|k|v] -> causal depthwise conv1d (window state) -> silu
                     beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias)
                     o = gated delta rule(q, k, v, g, beta) (recurrent state [H_v, d_k, d_v])
@@ -16,15 +16,22 @@ layers, and a mixture of experts with a shared expert.
 `config.layer_types` ("linear_attention" / "full_attention") says which layer is which. HF
 transformers' Qwen3-Next torch path is the oracle.
 
-Qwen3.5's text model (`Qwen3_5ForCausalLM`) is the same stack with the Gated DeltaNet's inputs
-projected separately (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a; q, k, v contiguous rather
-than grouped per key head) and dense MLPs only. Its multimodal RoPE (interleaved sections) is
-plain RoPE for text, where the three position components are equal.
+Qwen3-Next's checkpoints fuse the Gated DeltaNet's input projections, grouped per key head:
+`in_proj_qkvz` rows [q | k | v of its value heads | z of them] per key head, `in_proj_ba` rows
+[b | a of its value heads] per key head. They are re-ordered as they load into the separate
+projections above (`split_grouped_rows`; q, k, v contiguous, value heads in order), the layout
+of Qwen3.5's checkpoints and of llama.cpp's `qwen3next` files (its converter splits
+`in_proj_qkvz` the same way into `attn_qkv` and `attn_gate`), so no step re-orders them.
+
+Qwen3.5's text model (`Qwen3_5ForCausalLM`) is the same stack with those separate projections
+in its checkpoints and dense MLPs only. Its multimodal RoPE (interleaved sections) is plain RoPE
+for text, where the three position components are equal.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -36,12 +43,11 @@ from pagedllm.layers.linear import ColumnParallelLinear, default_weight_loader
 from pagedllm.layers.rotary_embedding import RotaryEmbedding, rope_parameters_from_hf
 from pagedllm.layers.state_cache import StateCache
 from pagedllm.layers.state_kernels import causal_conv1d_varlen, gated_delta_rule_varlen
-from pagedllm.layers.vocab_embedding import LMHead, VocabEmbedding
+from pagedllm.models.hybrid import HybridForCausalLM
+from pagedllm.models.hybrid_gguf import qwen3next_checkpoint_weights, qwen3next_hf_config
 from pagedllm.models.llama import LlamaMLP
-from pagedllm.models.mamba2 import check_hybrid_parallelism
-from pagedllm.models.moe import SparseMoeBlock, _load_expert_tensor
+from pagedllm.models.moe import SparseMoeBlock
 from pagedllm.models.qwen_moe import is_sparse_layer
-from pagedllm.models.utils import load_named_weight
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 
@@ -52,13 +58,44 @@ def _param(*shape: int) -> nn.Parameter:
     return p
 
 
+def grouped_rows_order(num_groups: int, sizes: Sequence[int]) -> torch.Tensor:
+    """[num_groups * sum(sizes)] int64: the row order that turns rows grouped as
+    [part 0 | part 1 | ...] per group (part i of `sizes[i]` rows) into [part 0 of every group |
+    part 1 of every group | ...]."""
+    rows = torch.arange(num_groups * sum(sizes)).view(num_groups, sum(sizes))
+    return torch.cat([part.reshape(-1) for part in rows.split(list(sizes), dim=1)])
+
+
+def split_grouped_rows(tensor: Any, num_groups: int, sizes: Sequence[int],
+                       parts: Sequence[int]) -> list[Any]:
+    """Re-order a checkpoint tensor's rows by `grouped_rows_order` and cut them into `parts`
+    (row counts): a GGUF tensor stays lazy (a row map, then row slices: quantized blocks stay
+    blocks), any other is read first.
+
+    Raises:
+        ValueError: when the groups or `parts` do not add up to the tensor's rows.
+    """
+    order = grouped_rows_order(num_groups, sizes)
+    if sum(parts) != tensor.shape[0] or len(order) != tensor.shape[0]:
+        raise ValueError(f"a tensor of {tensor.shape[0]} rows cannot be split into {list(parts)} "
+                         f"({num_groups} groups of {list(sizes)} rows)")
+    if hasattr(tensor, "map"):   # model_loader.gguf.GGUFTensor
+        whole = tensor.map(lambda t: t[order])
+    else:
+        whole = (tensor.materialize() if hasattr(tensor, "materialize") else tensor)[order]
+    out, start = [], 0
+    for rows in parts:
+        out.append(whole.narrow(0, start, rows))
+        start += rows
+    return out
+
+
 class GatedDeltaNet(nn.Module):
     """hidden [n, hidden_size] -> [n, hidden_size] over the state cache."""
 
-    def __init__(self, config, layer_idx: int, separate_projections: bool = False) -> None:
+    def __init__(self, config, layer_idx: int) -> None:
         super().__init__()
         hidden = config.hidden_size
-        self.separate_projections = separate_projections
         self.num_v_heads = config.linear_num_value_heads
         self.num_k_heads = config.linear_num_key_heads
         self.head_k_dim = config.linear_key_head_dim
@@ -73,15 +110,10 @@ class GatedDeltaNet(nn.Module):
         self.value_dim = self.head_v_dim * self.num_v_heads
         self.conv_dim = 2 * self.key_dim + self.value_dim
         k = config.linear_conv_kernel_dim
-        if separate_projections:   # Qwen3.5
-            self.in_proj_qkv = ColumnParallelLinear(hidden, self.conv_dim)
-            self.in_proj_z = ColumnParallelLinear(hidden, self.value_dim)
-            self.in_proj_b = ColumnParallelLinear(hidden, self.num_v_heads)
-            self.in_proj_a = ColumnParallelLinear(hidden, self.num_v_heads)
-        else:
-            self.in_proj_qkvz = ColumnParallelLinear(hidden,
-                                                     2 * self.key_dim + 2 * self.value_dim)
-            self.in_proj_ba = ColumnParallelLinear(hidden, 2 * self.num_v_heads)
+        self.in_proj_qkv = ColumnParallelLinear(hidden, self.conv_dim)
+        self.in_proj_z = ColumnParallelLinear(hidden, self.value_dim)
+        self.in_proj_b = ColumnParallelLinear(hidden, self.num_v_heads)
+        self.in_proj_a = ColumnParallelLinear(hidden, self.num_v_heads)
         self.conv1d = nn.Module()
         self.conv1d.weight = _param(self.conv_dim, 1, k)
         self.dt_bias = _param(self.num_v_heads)
@@ -95,31 +127,29 @@ class GatedDeltaNet(nn.Module):
                                 (torch.get_default_dtype(), torch.float32),
                                 f"model.layers.{layer_idx}.linear_attn")
 
-    def _split(self, qkvz: torch.Tensor, ba: torch.Tensor):
-        """HF's grouped layout: per key head [q | k | v of its value heads | z of them], and
-        [b | a] of its value heads. Returns q, k [n, key_dim], v, z [n, H_v, d_v], b, a
-        [n, H_v]."""
-        n = qkvz.shape[0]
+    def grouped_checkpoint_tensors(self, name: str, tensor) -> list[tuple[str, Any]]:
+        """Qwen3-Next's grouped `in_proj_qkvz` / `in_proj_ba` (`name` ends in
+        "in_proj_qkvz.weight" or "in_proj_ba.weight") as (name, tensor) of the separate
+        projections (module docstring)."""
         per = self.num_v_heads // self.num_k_heads
-        qkvz = qkvz.view(n, self.num_k_heads, -1)
-        q, k, v, z = qkvz.split([self.head_k_dim, self.head_k_dim, per * self.head_v_dim,
-                                 per * self.head_v_dim], dim=-1)
-        b, a = ba.view(n, self.num_k_heads, -1).split([per, per], dim=-1)
-        return (q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1),
-                z.reshape(n, self.num_v_heads, self.head_v_dim),
-                b.reshape(n, self.num_v_heads), a.reshape(n, self.num_v_heads))
+        prefix = name.rsplit(".", 2)[0]
+        if name.endswith("in_proj_qkvz.weight"):
+            sizes = (self.head_k_dim, self.head_k_dim, per * self.head_v_dim,
+                     per * self.head_v_dim)
+            qkv, z = split_grouped_rows(tensor, self.num_k_heads, sizes,
+                                        (self.conv_dim, self.value_dim))
+            return [(f"{prefix}.in_proj_qkv.weight", qkv), (f"{prefix}.in_proj_z.weight", z)]
+        b, a = split_grouped_rows(tensor, self.num_k_heads, (per, per),
+                                  (self.num_v_heads, self.num_v_heads))
+        return [(f"{prefix}.in_proj_b.weight", b), (f"{prefix}.in_proj_a.weight", a)]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         meta = self.state.metadata()
         conv_state, recurrent_state = self.state.states
         n = hidden.shape[0]
-        if self.separate_projections:
-            qkv = self.in_proj_qkv(hidden)
-            z = self.in_proj_z(hidden).view(n, self.num_v_heads, self.head_v_dim)
-            b, a = self.in_proj_b(hidden), self.in_proj_a(hidden)
-        else:
-            q, k, v, z, b, a = self._split(self.in_proj_qkvz(hidden), self.in_proj_ba(hidden))
-            qkv = torch.cat([q, k, v], dim=-1)
+        qkv = self.in_proj_qkv(hidden)
+        z = self.in_proj_z(hidden).view(n, self.num_v_heads, self.head_v_dim)
+        b, a = self.in_proj_b(hidden), self.in_proj_a(hidden)
         qkv = causal_conv1d_varlen(qkv, self.conv1d.weight[:, 0], None, conv_state, meta,
                                    activation="silu")
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
@@ -169,14 +199,13 @@ class GatedAttention(nn.Module):
 
 
 class Qwen3NextDecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int, layer_type: str,
-                 separate_projections: bool = False) -> None:
+    def __init__(self, config, layer_idx: int, layer_type: str) -> None:
         super().__init__()
         self.is_attention_layer = layer_type == "full_attention"
         if self.is_attention_layer:
             self.self_attn = GatedAttention(config, layer_idx)
         else:
-            self.linear_attn = GatedDeltaNet(config, layer_idx, separate_projections)
+            self.linear_attn = GatedDeltaNet(config, layer_idx)
         if getattr(config, "num_experts", 0) and is_sparse_layer(config, layer_idx):
             self.mlp = SparseMoeBlock(config.hidden_size, config.num_experts,
                                       config.num_experts_per_tok, config.moe_intermediate_size,
@@ -194,9 +223,11 @@ class Qwen3NextDecoderLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
-class Qwen3NextForCausalLM(nn.Module):
-    """forward(input_ids [n] int64, positions [n] int64) -> hidden [n, hidden_size];
-    compute_logits(hidden [m, hidden_size]) -> [m, vocab_size] float32.
+class Qwen3NextForCausalLM(HybridForCausalLM):
+    """Qwen3-Next's stack (`model.{embed_tokens,layers,norm}`) on `HybridForCausalLM`; its API.
+    The grouped `in_proj_qkvz` / `in_proj_ba` load re-ordered (module docstring); MTP tensors
+    of released checkpoints are skipped (no MTP drafter here). llama.cpp's `qwen3next` files
+    load through `hybrid_gguf.qwen3next_hf_config` / `qwen3next_checkpoint_weights`.
 
     Raises:
         ValueError: at construction, for a layer type other than "linear_attention" /
@@ -204,68 +235,38 @@ class Qwen3NextForCausalLM(nn.Module):
     """
 
     stacked_params_mapping = (("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1))
-    # Qwen3.5's Gated DeltaNet input projections (see the module docstring).
-    separate_projections = False
+    skipped_weight_prefixes = ("mtp.",)
+    gguf_architecture: str | None = "qwen3next"
+
+    @classmethod
+    def gguf_hf_config(cls, metadata: dict, tensors: dict):
+        """The HF config of a `qwen3next` GGUF file (`hybrid_gguf.qwen3next_hf_config`)."""
+        return qwen3next_hf_config(metadata, tensors)
+
+    @classmethod
+    def gguf_checkpoint_weights(cls, config, weights):
+        """HF-named tensors of a `qwen3next` GGUF file
+        (`hybrid_gguf.qwen3next_checkpoint_weights`)."""
+        return qwen3next_checkpoint_weights(config, weights, cls.__name__)
 
     def __init__(self, config) -> None:
-        super().__init__()
-        arch = type(self).__name__
-        check_hybrid_parallelism(arch)
-        layer_types = list(config.layer_types)
-        unknown = sorted(set(layer_types) - set(LAYER_TYPES))
-        if unknown:
-            raise ValueError(f"{arch}: layer type(s) {unknown} are not supported (supported: "
-                             f"{list(LAYER_TYPES)})")
-        self.config = config
-        self.model = nn.Module()
-        self.model.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.model.layers = nn.ModuleList(
-            Qwen3NextDecoderLayer(config, i, t, self.separate_projections)
-            for i, t in enumerate(layer_types))
-        self.model.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size,
-                              tie_to=self.model.embed_tokens if self.tie_word_embeddings
-                              else None)
+        super().__init__(config, config.layer_types, LAYER_TYPES,
+                         lambda i, t: Qwen3NextDecoderLayer(config, i, t),
+                         GemmaRMSNorm(config.hidden_size, config.rms_norm_eps))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
-            hidden = layer(positions, hidden)
-        return self.model.norm(hidden)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden)
-
-    def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.layers if layer.is_attention_layer]
-
-    def state_layers(self) -> list[StateCache]:
-        return [layer.linear_attn.state for layer in self.model.layers
-                if not layer.is_attention_layer]
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load HF-named tensors (experts per expert or transformers 5's fused tensors; MTP
-        tensors of released checkpoints are skipped: no MTP drafter here).
-
-        Raises:
-            ValueError: for a tensor that matches no parameter, or a shape mismatch.
-        """
-        params = dict(self.named_parameters())
-        loaded = set()
-        for name, tensor in weights:
-            if name.startswith("mtp.") or "rotary_emb.inv_freq" in name:
-                continue
-            if name == "lm_head.weight" and self.tie_word_embeddings:
-                continue
-            target = _load_expert_tensor(params, name, tensor, ())
-            if target is None:
-                target = load_named_weight(params, name, tensor, self.stacked_params_mapping)
-            loaded.add(target)
-        return loaded
+    def checkpoint_tensors(self, name: str, tensor) -> Iterable[tuple[str, Any]]:
+        if name.endswith((".linear_attn.in_proj_qkvz.weight", ".linear_attn.in_proj_ba.weight")):
+            layer = name.split(".")[2]
+            if name.startswith("model.layers.") and layer.isdigit() \
+                    and int(layer) < len(self.model.layers) \
+                    and hasattr(self.model.layers[int(layer)], "linear_attn"):
+                return self.model.layers[int(layer)].linear_attn.grouped_checkpoint_tensors(
+                    name, tensor)
+        return ((name, tensor),)
 
 
 class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
-    """Qwen3.5's text model (see the module docstring); the API of `Qwen3NextForCausalLM`."""
+    """Qwen3.5's text model (see the module docstring); the API of `Qwen3NextForCausalLM`.
+    (llama.cpp's `qwen35` files are not read.)"""
 
-    separate_projections = True
+    gguf_architecture = None

@@ -1,11 +1,14 @@
-"""llama.cpp's GGUF files of the hybrid families: `lfm2` (LFM2 short-conv + attention) and
-`mamba2` (its config read from the file's `mamba2.ssm.*` keys).
+"""llama.cpp's GGUF files of the hybrid families: `lfm2` (LFM2 short-conv + attention),
+`mamba2` (its config read from the file's `mamba2.ssm.*` keys) and `qwen3next` (Gated DeltaNet +
+gated attention, experts with a shared expert; its config read from the file too).
 
 Oracle: the safetensors checkpoint the file was converted from (tests/fixtures/gguf_converted.py
-writes what convert_hf_to_gguf.py writes; checked identical, tensor by tensor, with the real
-converter of llama-cpp-python 0.3.36 at F32 and Q8_0): greedy tokens equal and logprobs within
-1e-4 at F32; a Q8_0 file's linear layers stay in blocks and equal the dequantized load;
-malformed files fail at load naming the tensor or key.
+writes what convert_hf_to_gguf.py writes; for lfm2 and mamba2 checked identical, tensor by
+tensor, with the real converter of llama-cpp-python 0.3.36 at F32 and Q8_0; the qwen3next
+writer follows the converter's Qwen3NextModel source, no converter being installed here):
+greedy tokens equal and logprobs within 1e-4 at F32 (Qwen3-Next: HF transformers' own greedy
+decoding); a Q8_0 file's linear layers (and Qwen3-Next's experts) stay in blocks and equal the
+dequantized load; malformed files fail at load naming the tensor or key.
 """
 
 from __future__ import annotations
@@ -14,10 +17,24 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.layers.fused_moe import FusedMoE
 from pagedllm.native.kernels import cpu_kernels
 from tests.fixtures.checkpoints import make_tiny_checkpoint
 from tests.fixtures.gguf_converted import write_converted_gguf
-from tests.models.test_hybrid_models import MODELS
+from tests.models.test_hybrid_models import MODELS, _hf_greedy, _prompts
+
+# Qwen3-Next as llama.cpp runs it: every layer sparse (its converter maps no dense MLP), equal
+# key and value head sizes (its loader sizes the gated norm by the key head size), 3 Gated
+# DeltaNet layers to 1 attention layer (the converter's default full_attention_interval, 4, as
+# the config does not store it), sizes that fall on 32-weight blocks; norms not all zero, so a
+# lost `1 + w` shows.
+QWEN3_NEXT = ("Qwen3NextForCausalLM", dict(
+    layer_types=["linear_attention"] * 3 + ["full_attention"], num_hidden_layers=4,
+    head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+    linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+    moe_intermediate_size=32, shared_expert_intermediate_size=64, norm_topk_prob=True,
+    norm_weight_std=0.1, seed=1))
+FAMILIES = {**MODELS, "qwen3_next": QWEN3_NEXT}
 
 ENGINE_ARGS = dict(dtype="float32", kv_cache_memory_bytes=8 << 20)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
@@ -34,18 +51,19 @@ def gguf_view_cache(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory, byte_level_tokenizer_dir):
-    """files(family, outtype) -> (checkpoint folder, .gguf file), built on first use."""
+    """files(family, outtype, **writer options) -> (checkpoint folder, .gguf file), built on
+    first use."""
     root = tmp_path_factory.mktemp("hybrid_gguf")
     checkpoints: dict = {}
 
-    def get(family: str, outtype: str = "F32"):
+    def get(family: str, outtype: str = "F32", **options):
         if family not in checkpoints:
-            checkpoints[family] = make_tiny_checkpoint(root / family, MODELS[family][0],
+            checkpoints[family] = make_tiny_checkpoint(root / family, FAMILIES[family][0],
                                                        byte_level_tokenizer_dir,
-                                                       **MODELS[family][1])
-        out = root / f"{family}-{outtype}.gguf"
+                                                       **FAMILIES[family][1])
+        out = root / f"{family}-{outtype}{''.join(sorted(options))}.gguf"
         if not out.exists():
-            write_converted_gguf(checkpoints[family], out, outtype)
+            write_converted_gguf(checkpoints[family], out, outtype, **options)
         return checkpoints[family], out
 
     return get
@@ -94,12 +112,85 @@ def test_q8_0_file_stays_in_blocks_and_equals_the_dequantized_load(files, family
                                atol=1e-4, rtol=0)
 
 
+@pytest.fixture(scope="module")
+def qwen3_next_hf(files):
+    """[(tokens, logprobs)] of HF's float32 greedy decoding of `_prompts()` (70, 40, 5, 1 and 19
+    tokens: the 70 spans two of the delta rule's 64-token scan chunks) on the Qwen3-Next
+    checkpoint."""
+    checkpoint, _ = files("qwen3_next")
+    return _hf_greedy(checkpoint, "qwen3_next", torch.float32)
+
+
+def _run_hf_prompts(model, **kwargs) -> tuple[list[list[int]], list[list[float]], LLM]:
+    """Greedy tokens and chosen-token logprobs per prompt of `_prompts()` (8 tokens, as HF's)."""
+    llm = LLM(str(model), **{**ENGINE_ARGS, **kwargs})
+    outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], GREEDY,
+                        use_tqdm=False)
+    return ([list(o.outputs[0].token_ids) for o in outs],
+            [[step[t].logprob for t, step in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
+             for o in outs], llm)
+
+
+def test_qwen3next_f32_file_greedy_equals_hf(files, qwen3_next_hf):
+    _, gguf_file = files("qwen3_next")
+    tokens, logprobs, llm = _run_hf_prompts(gguf_file, quantization="none")
+    config = llm.llm_engine.engine_core.executor.worker.model_runner.model.config
+    assert list(config.layer_types) == QWEN3_NEXT[1]["layer_types"]
+    assert (config.linear_num_value_heads, config.linear_value_head_dim,
+            config.rope_parameters["partial_rotary_factor"]) == (4, 16, 0.25)
+    assert tokens == [want for want, _ in qwen3_next_hf]
+    torch.testing.assert_close(torch.tensor(logprobs),
+                               torch.tensor([lps for _, lps in qwen3_next_hf]),
+                               atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("options", [dict(legacy_qkvz=True), dict(nextn_layers=1)],
+                         ids=["legacy_ssm_in", "mtp_block"])
+def test_qwen3next_other_file_layouts_equal_the_converters(files, options):
+    """The converter's earlier layout (HF's grouped `in_proj_qkvz` whole, as `ssm_in`) loads
+    into the same weights as its `attn_qkv` + `attn_gate`, and a file with an MTP block after
+    the model's (later converters) loads the model's: identical outputs."""
+    _, plain = files("qwen3_next")
+    _, other = files("qwen3_next", **options)
+    want_tokens, want_logprobs, _ = _run(plain, quantization="none")
+    tokens, logprobs, llm = _run(other, quantization="none")
+    assert len(llm.llm_engine.engine_core.executor.worker.model_runner.model.model.layers) == 4
+    assert (tokens, logprobs) == (want_tokens, want_logprobs)
+
+
+@pytest.mark.skipif(cpu_kernels() is None, reason="CPU kernels did not build")
+def test_qwen3next_q8_0_file_keeps_layers_and_experts_in_blocks(files):
+    _, gguf_file = files("qwen3_next", "Q8_0")
+    tokens, logprobs, llm = _run(gguf_file, quantization="gguf")
+    model = llm.llm_engine.engine_core.executor.worker.model_runner.model
+    delta_net = model.model.layers[0].linear_attn
+    # in_proj_b / in_proj_a: rows of the one `ssm_ba` tensor, re-ordered in their blocks
+    assert {delta_net.in_proj_qkv.gguf_quant_type, delta_net.in_proj_z.gguf_quant_type,
+            delta_net.in_proj_b.gguf_quant_type, delta_net.in_proj_a.gguf_quant_type,
+            model.model.layers[3].self_attn.q_proj.gguf_quant_type} == {"Q8_0"}
+    moes = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    assert len(moes) == 4
+    assert all(m.gguf_expert_types == {"w13": "Q8_0", "w2": "Q8_0"} for m in moes)
+    del llm
+    want_tokens, want_logprobs, _ = _run(gguf_file, quantization="none")
+    assert tokens == want_tokens
+    torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(want_logprobs),
+                               atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("family,change,message", [
     ("lfm2", dict(drop_tensors=("blk.2.shortconv.in_proj.weight",)),
      r"model\.layers\.2\.conv\.in_proj"),
     ("mamba2", dict(drop_tensors=("blk.1.ssm_a",)), r"backbone\.layers\.1\.mixer\.A_log"),
     ("mamba2", dict(metadata_overrides={"mamba2.ssm.inner_size": None}),
      r"mamba2\.ssm\.inner_size"),
+    ("qwen3_next", dict(drop_tensors=("blk.2.attn_gate.weight",)),
+     r"model\.layers\.2\.linear_attn\.in_proj_z"),
+    ("qwen3_next", dict(metadata_overrides={"qwen3next.ssm.time_step_rank": 3}),
+     r"qwen3next\.ssm\.time_step_rank = 3"),
+    ("qwen3_next", dict(metadata_overrides={"qwen3next.expert_count": None}),
+     r"qwen3next\.expert_count"),
 ])
 def test_malformed_file_fails_at_load_naming_it(files, tmp_path, family, change, message):
     checkpoint, _ = files(family)
