@@ -35,7 +35,8 @@ from torch import nn
 
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.model_loader.loader import iterate_checkpoint_tensors
-from pagedllm.models.moe import MoeDecoderLayer, ReplicatedLinear, _load_expert_tensor
+from pagedllm.models.moe import (MoeDecoderLayer, ReplicatedLinear, _load_expert_tensor,
+                                  check_experts_complete)
 from pagedllm.models.utils import load_named_weight
 from pagedllm.sample.ops.argmax import row_argmax
 
@@ -164,11 +165,12 @@ def load_mtp_head(model_path: str, target: nn.Module, dtype: torch.dtype,
     first = config.num_hidden_layers
     params = dict(head.named_parameters())
     loaded: set[str] = set()
+    seen: dict[str, set] = {}
     for name, tensor in iterate_checkpoint_tensors(model_path, dtype):
         name = _head_param_name(name, first, count)
         if name is None:
             continue
-        target_name = _load_expert_tensor(params, name, tensor, ())
+        target_name = _load_expert_tensor(params, name, tensor, (), seen)
         if target_name is None:
             target_name = load_named_weight(params, name, tensor,
                                             type(target).stacked_params_mapping)
@@ -184,6 +186,7 @@ def load_mtp_head(model_path: str, target: nn.Module, dtype: torch.dtype,
             f"num_nextn_predict_layers = {count}, modules model.layers.{first}.* to "
             f"model.layers.{first + count - 1}.*): {shown}"
             f"{' ...' if len(missing) > 8 else ''}")
+    check_experts_complete(head, seen)
     from pagedllm.layers.quantization.base import process_weights_after_loading
 
     process_weights_after_loading(head)
