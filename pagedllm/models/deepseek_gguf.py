@@ -88,6 +88,7 @@ EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
 # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_* values.
 _GATING_FUNCS = {1: "softmax", 2: "sigmoid"}
 _LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_BLOCK = re.compile(r"blk\.(\d+)\.")   # any tensor of a block (MTP's `nextn.*` too)
 
 
 def deepseek2_hf_config(metadata: dict[str, Any], tensors: dict[str, tuple[int, ...]]):
@@ -247,9 +248,10 @@ def deepseek2_checkpoint_weights(config, weights: Iterable[tuple[str, Any]], fam
     heads, layers = config.num_attention_heads, config.num_hidden_layers
     pending: dict[int, dict[str, Any]] = {}   # layer -> {"attn_k_b": t, "attn_v_b": t}
     for name, tensor in weights:
-        layer = _LAYER.fullmatch(name)
-        if layer is not None and int(layer[1]) >= layers:
+        block = _BLOCK.match(name)
+        if block is not None and int(block[1]) >= layers:
             continue   # an MTP block (nextn): the "mtp" drafter is not loaded from GGUF
+        layer = _LAYER.fullmatch(name)
         if layer is not None and layer[2] in ("attn_k_b", "attn_v_b"):
             parts = pending.setdefault(int(layer[1]), {})
             parts[layer[2]] = tensor

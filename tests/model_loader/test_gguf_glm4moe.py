@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from pagedllm import LLM
 from pagedllm.entrypoints.cli import main
@@ -46,7 +47,8 @@ def gguf_view_cache(tmp_path_factory):
 @pytest.fixture(scope="module")
 def files(tmp_path_factory, byte_level_tokenizer_dir):
     """files(outtype, init="default") -> (checkpoint folder, .gguf file), built on first use;
-    init "verify" builds the checkpoint with VERIFY_INIT."""
+    init "verify" builds the checkpoint with VERIFY_INIT, "mtp" the default one plus an MTP
+    block (`add_mtp_block`)."""
     root = tmp_path_factory.mktemp("glm4moe_gguf")
     checkpoints: dict[str, Path] = {}
     made: dict[tuple[str, str], Path] = {}
@@ -56,12 +58,33 @@ def files(tmp_path_factory, byte_level_tokenizer_dir):
             checkpoints[init] = build_checkpoint("glm4_moe", root / init,
                                                  byte_level_tokenizer_dir,
                                                  VERIFY_INIT if init == "verify" else None)
+            if init == "mtp":
+                add_mtp_block(checkpoints[init])
         if (init, outtype) not in made:
             made[init, outtype] = write_converted_gguf(
                 checkpoints[init], root / f"{init}-{outtype}.gguf", outtype)
         return checkpoints[init], made[init, outtype]
 
     return get
+
+
+def add_mtp_block(path: Path) -> None:
+    """Append the MTP block the config's num_nextn_predict_layers = 1 announces
+    (`model.layers.3.*`: a copy of layer 2's decoder tensors plus random eh_proj, the norms and
+    the copies of the embedding and head that released GLM-4.5 checkpoints carry)."""
+    file = path / "model.safetensors"
+    tensors = load_file(str(file))
+    h = tensors["model.norm.weight"].shape[0]
+    g = torch.Generator().manual_seed(3)
+    block = {name.replace("model.layers.2.", "model.layers.3."): t.clone()
+             for name, t in tensors.items() if name.startswith("model.layers.2.")}
+    for name, t in (("eh_proj.weight", torch.randn(h, 2 * h, generator=g) * 0.1),
+                    ("enorm.weight", torch.ones(h)), ("hnorm.weight", torch.ones(h)),
+                    ("shared_head.norm.weight", torch.ones(h)),
+                    ("embed_tokens.weight", tensors["model.embed_tokens.weight"].clone()),
+                    ("shared_head.head.weight", tensors["lm_head.weight"].clone())):
+        block[f"model.layers.3.{name}"] = t
+    save_file({**tensors, **block}, str(file), metadata={"format": "pt"})
 
 
 def _run(model: Path, **kwargs) -> tuple[list[list[int]], list[list[float]]]:
@@ -91,6 +114,19 @@ def test_f32_file_greedy_and_logprobs_equal_hf(files):
     assert tokens == want_tokens
     torch.testing.assert_close(torch.tensor(sum(logprobs, [])),
                                torch.tensor(sum(want_logprobs, [])), atol=1e-4, rtol=0)
+
+
+def test_mtp_block_is_skipped(files):
+    """A file converted from a checkpoint that holds its MTP block (blk.3.*, with the
+    converter's `nextn.*` tensors; block_count 4) runs the 3 decoder layers only: the same
+    tokens and logprobs as the file without it."""
+    _, plain = files("F32")
+    _, with_mtp = files("F32", init="mtp")
+    tokens, logprobs = _run(with_mtp, quantization="none")
+    want_tokens, want_logprobs = _run(plain, quantization="none")
+    assert tokens == want_tokens
+    torch.testing.assert_close(torch.tensor(sum(logprobs, [])),
+                               torch.tensor(sum(want_logprobs, [])), atol=1e-5, rtol=0)
 
 
 @pytest.mark.slow
