@@ -7,6 +7,7 @@ reported, and models without MTP layers are refused at start naming the problem.
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pagedllm import LLM, SamplingParams
-from tests.models.test_deepseek import VARIANTS, build_checkpoint
+from tests.models.test_deepseek import VARIANTS, _Records, build_checkpoint
 from tests.models.test_gemma import _params, _prompts
 
 MTP = {"method": "mtp", "num_speculative_tokens": 2}
@@ -154,7 +155,18 @@ def test_two_mtp_modules_load_and_cycle_by_draft_step(two_module_checkpoint):
     want = _greedy(_llm(two_module_checkpoint), prompts)
     weights = load_file(str(two_module_checkpoint / "model.safetensors"))
     for k, module_1_runs in ((1, False), (2, True)):
-        llm, head, caches = _mtp_engine(two_module_checkpoint, k)
+        handler, log = _Records(), logging.getLogger("pagedllm.worker.worker")
+        log.addHandler(handler)
+        old_level = log.level
+        log.setLevel(logging.INFO)
+        try:
+            llm, head, caches = _mtp_engine(two_module_checkpoint, k)
+        finally:
+            log.removeHandler(handler)
+            log.setLevel(old_level)
+        # The start-up log's bytes per token count the MTP modules' latent caches too.
+        assert any("800 bytes per token = 5 MLA layers x (32 + 8 latent values x 4 bytes)" in m
+                   for m in handler.messages)
         assert len(head.layers) == 2 and caches[0] is not caches[1]
         for j in range(2):
             torch.testing.assert_close(head.layers[j].eh_proj.weight,
