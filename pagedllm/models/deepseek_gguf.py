@@ -1,6 +1,7 @@
 """llama.cpp's `deepseek2` GGUF files (DeepSeek-V2 / V2-Lite / V3 and their conversions) as
-checkpoints of `DeepseekV2ForCausalLM` / `DeepseekV3ForCausalLM`: the HF config from the file's
-metadata and the file's tensors under HF names.
+checkpoints of `DeepseekV2ForCausalLM` / `DeepseekV3ForCausalLM`, and its `glm4moe` files as
+checkpoints of `Glm4MoeForCausalLM` (DeepSeek-V3's MoE under GQA attention): the HF config from
+the file's metadata and the file's tensors under HF names.
 
 Config (llama.cpp's `deepseek2.*` keys, as convert_hf_to_gguf.py's DeepseekV2Model writes them):
 
@@ -26,6 +27,13 @@ Tensors: `attn_k_b` [H, kv_lora_rank, nope] (W_UK transposed per head) and `attn
 lazy tensor per expert (`GGUFTensor.expert`), so quantized experts stay in their blocks
 (layers/quantization/gguf_moe.py). No Q/K row permutation: DeepSeek's RoPE is interleaved in
 both layouts. MTP blocks past `block_count` (converted only by newer tools) are skipped.
+
+`glm4moe` (convert_hf_to_gguf.py's Glm4MoeModel): `block_count` counts the MTP blocks too, so
+num_hidden_layers = block_count - `nextn_predict_layers`, and those blocks are skipped;
+head_dim = `attention.key_length`, partial_rotary_factor = `rope.dimension_count` / head_dim;
+q/k norms and q/k/v biases from their tensors' presence (`attn_q_norm`, `attn_q.bias`);
+`post_attention_norm` is HF's post_attention_layernorm; the routing keys are deepseek2's
+(sigmoid only: GLM-4 MoE has no other). No Q/K row permutation (NeoX halves in both layouts).
 """
 
 from __future__ import annotations
@@ -63,12 +71,24 @@ DEEPSEEK2_TENSOR_NAMES = {
     "blk.{}.ffn_up_shexp": "model.layers.{}.mlp.shared_experts.up_proj",
     "blk.{}.ffn_down_shexp": "model.layers.{}.mlp.shared_experts.down_proj",
 }
+# glm4moe: Llama's attention names (biases, q/k norms) plus deepseek2's MoE names.
+GLM4MOE_TENSOR_NAMES = {
+    **{k: v for k, v in DEEPSEEK2_TENSOR_NAMES.items()
+       if ".attn_" not in k and k != "blk.{}.ffn_norm"},
+    **{f"blk.{{}}.{stem}": f"model.layers.{{}}.self_attn.{hf}"
+       for stem, hf in (("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_v", "v_proj"),
+                        ("attn_output", "o_proj"), ("attn_q_norm", "q_norm"),
+                        ("attn_k_norm", "k_norm"))},
+    "blk.{}.attn_norm": "model.layers.{}.input_layernorm",
+    "blk.{}.post_attention_norm": "model.layers.{}.post_attention_layernorm",
+}
 # Stacked experts: llama.cpp's tensor -> HF's per-expert projection.
 EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
                   "ffn_down_exps": "down_proj"}
 # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_* values.
 _GATING_FUNCS = {1: "softmax", 2: "sigmoid"}
 _LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_BLOCK = re.compile(r"blk\.(\d+)\.")   # any tensor of a block (MTP's `nextn.*` too)
 
 
 def deepseek2_hf_config(metadata: dict[str, Any], tensors: dict[str, tuple[int, ...]]):
@@ -130,6 +150,60 @@ def deepseek2_hf_config(metadata: dict[str, Any], tensors: dict[str, tuple[int, 
     return config
 
 
+def glm4moe_hf_config(metadata: dict[str, Any], tensors: dict[str, tuple[int, ...]]):
+    """The HF config (`Glm4MoeConfig`, architectures set) of a `glm4moe` file (module
+    docstring).
+
+    Raises:
+        ValueError: naming a missing key, a gating function other than sigmoid (2), more MTP
+            blocks than blocks, or a RoPE scaling type.
+    """
+    import transformers
+
+    k = GGUFKeys(metadata, "glm4moe")
+    gating = k.integer("expert_gating_func", 2)
+    if gating != 2:
+        raise ValueError(f"metadata key glm4moe.expert_gating_func = {gating} is not supported "
+                         f"(GLM-4 MoE routes with sigmoid scores, 2)")
+    nextn = k.integer("nextn_predict_layers", 0)
+    num_layers = k.integer("block_count") - nextn
+    if num_layers < 1:
+        raise ValueError(f"metadata keys glm4moe.block_count = {k.integer('block_count')} and "
+                         f"glm4moe.nextn_predict_layers = {nextn} leave no decoder layer")
+    heads = k.integer("attention.head_count")
+    head_dim = k.integer("attention.key_length", None) or k.integer("embedding_length") // heads
+    rope = _rope_parameters(k)
+    if rope["rope_type"] != "default":
+        raise ValueError(f"metadata key glm4moe.rope.scaling.type = {rope['rope_type']!r} is "
+                         f"not supported for glm4moe (supported: none)")
+    rope["partial_rotary_factor"] = k.integer("rope.dimension_count", head_dim // 2) / head_dim
+    config = transformers.AutoConfig.for_model(
+        "glm4_moe",
+        vocab_size=vocab_size(k, tensors),
+        hidden_size=k.integer("embedding_length"),
+        intermediate_size=k.integer("feed_forward_length"),
+        moe_intermediate_size=k.integer("expert_feed_forward_length"),
+        num_hidden_layers=num_layers, num_nextn_predict_layers=nextn,
+        num_attention_heads=heads, num_key_value_heads=k.integer("attention.head_count_kv"),
+        head_dim=head_dim,
+        max_position_embeddings=k.integer("context_length"),
+        rms_norm_eps=k.number("attention.layer_norm_rms_epsilon"),
+        n_routed_experts=k.integer("expert_count"),
+        num_experts_per_tok=k.integer("expert_used_count"),
+        n_shared_experts=k.integer("expert_shared_count", 0),
+        first_k_dense_replace=k.integer("leading_dense_block_count", 0),
+        routed_scaling_factor=k.number("expert_weights_scale", 1.0),
+        norm_topk_prob=bool(k.get("expert_weights_norm", False)),
+        n_group=k.integer("expert_group_count", None) or 1,
+        topk_group=k.integer("expert_group_used_count", None) or 1,
+        use_qk_norm="blk.0.attn_q_norm.weight" in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors,
+        rope_parameters=rope, tie_word_embeddings="output.weight" not in tensors,
+        hidden_act="silu")
+    config.architectures = ["Glm4MoeForCausalLM"]
+    return config
+
+
 def _rope_parameters(k: GGUFKeys) -> dict[str, Any]:
     """HF `rope_parameters` from `rope.freq_base` and the `rope.scaling.*` keys.
 
@@ -141,7 +215,7 @@ def _rope_parameters(k: GGUFKeys) -> dict[str, Any]:
     if scaling == "none":
         return {"rope_type": "default", "rope_theta": theta}
     if scaling != "yarn":
-        raise ValueError(f"metadata key deepseek2.rope.scaling.type = {scaling!r} is not "
+        raise ValueError(f"metadata key {k.arch}.rope.scaling.type = {scaling!r} is not "
                          f"supported (supported: none, yarn)")
     params = {"rope_type": "yarn", "rope_theta": theta,
               "factor": k.number("rope.scaling.factor"),
@@ -155,14 +229,17 @@ def _rope_parameters(k: GGUFKeys) -> dict[str, Any]:
     return params
 
 
-def deepseek2_checkpoint_weights(config, weights: Iterable[tuple[str, Any]],
-                                 family: str) -> Iterator[tuple[str, Any]]:
-    """HF-named checkpoint tensors of a `deepseek2` file's tensors (module docstring).
+def deepseek2_checkpoint_weights(config, weights: Iterable[tuple[str, Any]], family: str,
+                                 names: dict[str, str] = DEEPSEEK2_TENSOR_NAMES
+                                 ) -> Iterator[tuple[str, Any]]:
+    """HF-named checkpoint tensors of a `deepseek2` (or, with GLM4MOE_TENSOR_NAMES, a
+    `glm4moe`) file's tensors (module docstring).
 
     Args:
         config: the HF config (head count, head dims, layer count).
         weights: (llama.cpp name, lazy GGUF tensor), as `iterate_gguf_tensors` yields them.
         family: the class name, for messages.
+        names: llama.cpp -> HF names of the tensors that are not experts.
 
     Raises:
         ValueError: naming a tensor with no counterpart, or a layer with only one of
@@ -171,9 +248,10 @@ def deepseek2_checkpoint_weights(config, weights: Iterable[tuple[str, Any]],
     heads, layers = config.num_attention_heads, config.num_hidden_layers
     pending: dict[int, dict[str, Any]] = {}   # layer -> {"attn_k_b": t, "attn_v_b": t}
     for name, tensor in weights:
-        layer = _LAYER.fullmatch(name)
-        if layer is not None and int(layer[1]) >= layers:
+        block = _BLOCK.match(name)
+        if block is not None and int(block[1]) >= layers:
             continue   # an MTP block (nextn): the "mtp" drafter is not loaded from GGUF
+        layer = _LAYER.fullmatch(name)
         if layer is not None and layer[2] in ("attn_k_b", "attn_v_b"):
             parts = pending.setdefault(int(layer[1]), {})
             parts[layer[2]] = tensor
@@ -187,7 +265,7 @@ def deepseek2_checkpoint_weights(config, weights: Iterable[tuple[str, Any]],
                 yield (f"model.layers.{layer[1]}.mlp.experts.{e}."
                        f"{EXPERT_TENSORS[layer[2]]}.weight", tensor.expert(e))
             continue
-        hf_name = gguf_to_hf_name(name, DEEPSEEK2_TENSOR_NAMES)
+        hf_name = gguf_to_hf_name(name, names)
         if hf_name is None:
             raise ValueError(f"GGUF tensor {name} has no counterpart in {family}")
         if hf_name.endswith(".mlp.gate.bias"):

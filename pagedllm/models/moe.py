@@ -167,12 +167,13 @@ class MoeForCausalLM(nn.Module):
         elsewhere = tuple(f"{n}." for n, m in self.named_modules()
                           if isinstance(m, PPMissingLayer))
         loaded: set[str] = set()
+        seen: dict[str, set] = {}
 
         def dense(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
             for name, tensor in named:
                 for old, new in self.checkpoint_renames:
                     name = name.replace(old, new)
-                target = _load_expert_tensor(params, name, tensor, elsewhere)
+                target = _load_expert_tensor(params, name, tensor, elsewhere, seen)
                 if target is None:
                     yield name, tensor
                 elif target:
@@ -180,13 +181,17 @@ class MoeForCausalLM(nn.Module):
 
         loaded |= load_causal_lm_weights(self, dense(weights), self.stacked_params_mapping,
                                          self.tie_word_embeddings)
+        check_experts_complete(self, seen)
         return loaded
 
 
 def _load_expert_tensor(params: dict[str, nn.Parameter], name: str, tensor,
-                        elsewhere: tuple[str, ...]) -> str | None:
+                        elsewhere: tuple[str, ...], seen: dict[str, set] | None = None
+                        ) -> str | None:
     """Load `tensor` if `name` is an expert weight: returns the parameter's name ("" for a
     tensor of another pipeline stage, skipped), or None when `name` is no expert weight.
+    `seen` (parameter name -> {(expert id, shard id)}, or the shard id of an all-experts
+    tensor) records what was loaded, for `check_experts_complete`.
 
     Raises:
         ValueError: for an expert tensor without a matching parameter or shard id.
@@ -209,4 +214,33 @@ def _load_expert_tensor(params: dict[str, nn.Parameter], name: str, tensor,
     if param is None:
         raise ValueError(f"checkpoint tensor {name} has no matching parameter")
     param.weight_loader(param, tensor, shard_id, expert_id)
+    if seen is not None:
+        seen.setdefault(target, set()).add(shard_id if expert_id is None
+                                           else (expert_id, shard_id))
     return target
+
+
+_EXPERT_PROJECTIONS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def check_experts_complete(model: nn.Module, seen: dict[str, set]) -> None:
+    """Every expert of every `FusedMoE` parameter that `_load_expert_tensor` loaded got each
+    of its projections (gate and up for w13, down for w2): a checkpoint that ships a layer's
+    gate but not its up projections would otherwise leave half of w13 unset.
+
+    Raises:
+        ValueError: naming the first missing expert tensor (HF name) and the count missing.
+    """
+    modules = dict(model.named_modules())
+    for target, got in seen.items():
+        prefix, _, param = target.rpartition(".")
+        fused, shards = ("w13", ("w1", "w3")) if param == "w13_weight" else ("w2", ("w2",))
+        if fused in got:
+            continue
+        missing = [(e, s) for e in range(modules[prefix].num_experts) for s in shards
+                   if (e, s) not in got]
+        if missing:
+            e, s = missing[0]
+            raise ValueError(f"checkpoint lacks expert tensor {prefix}.{e}."
+                             f"{_EXPERT_PROJECTIONS[s]}.weight ({len(missing)} expert "
+                             f"projections of {prefix} missing)")

@@ -19,6 +19,8 @@ model). Each step (`EagleProposer`):
    prefill chunk, or the last token and the accepted drafts), with the token after each one;
 2. from each sampled request's last row, k - 1 more greedy steps feed the head's own
    (pre-norm) output back as the hidden state.
+The head is called with the draft step `spec_step_idx` (0 for the catch-up, i for the i-th
+further step): a head of several layers (DeepSeek MTP modules) picks its layer by it.
 Greedy drafts: a one-hot proposal, so outputs stay exact under the rejection sampler.
 
 Checkpoint formats (`load_eagle_head`):
@@ -52,8 +54,8 @@ EAGLE_METHODS = ("eagle", "eagle3")
 _STACKED = (("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qkv_proj", "v_proj", "v"),
             ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1))
 
-# (model, input_ids [n], positions [n], common metadata, hidden_states=[n, H']) -> ([n, H] for
-# logits, [n, H] hidden for the next draft step)
+# (model, input_ids [n], positions [n], common metadata, hidden_states=[n, H'], spec_step_idx=i)
+# -> ([n, H] for logits, [n, H] hidden for the next draft step)
 RunHead = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -109,10 +111,12 @@ class EagleHead(nn.Module):
         return [self.self_attn.attn]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                hidden_states: torch.Tensor, spec_step_idx: int = 0
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids [n] (the token after each position), positions [n], hidden_states [n, H]
         (or [n, 3H] target aux states for EAGLE-3's first step, [n, H] target states for
-        EAGLE) -> (hidden for logits [n, H], hidden for the next step [n, H])."""
+        EAGLE) -> (hidden for logits [n, H], hidden for the next step [n, H]).
+        `spec_step_idx` (the draft step) is the proposer's interface; one layer serves all."""
         embed = (self.embed_tokens or self._target[0].model.embed_tokens)(input_ids)
         if not self.eagle3:
             h = self.fc(torch.cat([embed, hidden_states.to(embed.dtype)], dim=-1))
@@ -290,7 +294,7 @@ class EagleProposer:
             max_drafts: [B] most drafts allowed per request.
         """
         logits_hidden, next_hidden = self.run_head(self.model, input_ids, positions, common,
-                                                   hidden_states=hidden)
+                                                   hidden_states=hidden, spec_step_idx=0)
         if not len(last_rows):
             return []
         rows = torch.from_numpy(last_rows).to(self.device)
@@ -320,7 +324,7 @@ class EagleProposer:
             logits_hidden, new_hidden = self.run_head(
                 self.model, torch.from_numpy(tokens[active]).to(self.device),
                 torch.from_numpy(p).to(self.device), step_common,
-                hidden_states=hidden_b[idx])
+                hidden_states=hidden_b[idx], spec_step_idx=i)
             new_tokens = self.model.draft_token_ids(logits_hidden).cpu().numpy()
             for j, b in enumerate(active):
                 drafts[b].append(int(new_tokens[j]))

@@ -1,24 +1,31 @@
 """DeepSeek-V3 multi-token prediction (MTP) as the drafter (DeepSeek-V3 technical report,
-arXiv:2412.19437 sec. 2.2; vLLM's `deepseek_mtp.py` is the reference for the layout and the
-reuse of one MTP layer for every draft step).
+arXiv:2412.19437 sec. 2.2; vLLM's `deepseek_mtp.py` is the reference for the layout and for
+which MTP layer runs at which draft step).
 
-The checkpoint's MTP module k sits after the target's layers, `model.layers.{L + k}.*`
-(L = num_hidden_layers), and runs, per position p with the token t_{p+1} after it:
+The checkpoint's MTP modules j = 0 .. n - 1 (n = `num_nextn_predict_layers`) sit after the
+target's layers, `model.layers.{L + j}.*` (L = num_hidden_layers); module j runs, per position p
+with the token t_{p+1} after it:
 
     h   = eh_proj([enorm(embed(t_{p+1})), hnorm(hidden_p)])        (eh_proj: 2H -> H, no bias)
-    out = decoder layer L (MLA attention + DeepSeek MoE, a normal DeepSeek layer) -> h + residual
+    out = decoder layer L + j (MLA + DeepSeek MoE, a normal DeepSeek layer) -> h + residual
     logits = lm_head(shared_head.norm(out))
+
+Draft step i (0: the catch-up over the kept positions, which gives the first draft; i >= 1: the
+i-th further draft) runs module i % n, vLLM's rule (`DeepSeekMultiTokenPredictor.forward`:
+`spec_step_idx % num_mtp_layers`). Each module has its own latent KV cache. As in vLLM, the
+catch-up runs module 0 only, so module j >= 1 writes its cache only at the positions where it
+drafts; its entries at the other positions are whatever the block held (drafts only: the
+rejection sampler keeps the outputs exact whatever a draft is).
 
 `embed` and `lm_head` are the target's (`shared_head.head` and `embed_tokens`, copies of them
 in released checkpoints, are not loaded). hidden_p is the target's last (final-normed) hidden
-state for the first draft, then the MTP layer's own pre-norm `out` (vLLM); the embedding row at
-position 0 is zeroed, as vLLM does. The layer's MLA attention has its own latent KV cache
-(`attention_layers`), over the target's block ids as an EAGLE head's.
+state for the first draft, then the previous step's pre-norm `out` (vLLM); the embedding row
+at position 0 is zeroed, as vLLM does. The modules' latent KV caches (`attention_layers`) are
+over the target's block ids, as an EAGLE head's.
 
 `MtpHead` has the EAGLE head's interface (`forward`, `draft_token_ids`, `attention_layers`),
-so `EagleProposer` and the runner's EAGLE plumbing (worker/eagle_inputs.py) drive it as is.
-NOTE(mtp): with `num_nextn_predict_layers` > 1 only the first MTP layer is loaded and reused
-for every draft step (vLLM cycles through the layers).
+so `EagleProposer` and the runner's EAGLE plumbing (worker/eagle_inputs.py) drive it as is;
+the proposer passes the draft step as `spec_step_idx`.
 """
 
 from __future__ import annotations
@@ -28,7 +35,8 @@ from torch import nn
 
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.model_loader.loader import iterate_checkpoint_tensors
-from pagedllm.models.moe import MoeDecoderLayer, ReplicatedLinear, _load_expert_tensor
+from pagedllm.models.moe import (MoeDecoderLayer, ReplicatedLinear, _load_expert_tensor,
+                                  check_experts_complete)
 from pagedllm.models.utils import load_named_weight
 from pagedllm.sample.ops.argmax import row_argmax
 
@@ -48,59 +56,100 @@ class _SharedHead(nn.Module):
         self.norm = RMSNorm(hidden_size, eps)
 
 
-class MtpHead(nn.Module):
-    """One DeepSeek MTP module over the target's embedding and LM head.
+class MtpLayer(nn.Module):
+    """One MTP module (checkpoint `model.layers.{layer_idx}.*`): enorm, hnorm, eh_proj, the
+    DeepSeek decoder layer `mtp_block` and `shared_head.norm`.
 
-    Args:
-        config: the target's HF config (DeepSeek-V3 fields).
-        target: the loaded target (`DeepseekV2ForCausalLM` family: its `make_attention` /
-            `make_mlp` build the MTP decoder layer, index num_hidden_layers).
-
-    forward(input_ids [n] int64, positions [n] int64, hidden_states [n, H]) ->
+    forward(embed [n, H], positions [n] int64, hidden_states [n, H]) ->
     (normed hidden for the logits [n, H], pre-norm hidden for the next draft step [n, H]).
     """
 
-    def __init__(self, config, target: nn.Module) -> None:
+    def __init__(self, config, layer_idx: int, family: type) -> None:
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
-        self._target = (target,)   # not registered: its weights are the target's
         self.enorm = RMSNorm(h, eps)
         self.hnorm = RMSNorm(h, eps)
         self.eh_proj = ReplicatedLinear(2 * h, h)
-        self.mtp_block = MoeDecoderLayer(config, config.num_hidden_layers, type(target), None)
+        self.mtp_block = MoeDecoderLayer(config, layer_idx, family, None)
         self.shared_head = _SharedHead(h, eps)
 
-    def attention_layers(self) -> list:
-        """The MTP layer's cache layers (DeepSeek-V3.2's: the latent's and the indexer's)."""
-        attn = self.mtp_block.self_attn
-        return attn.cache_layers() if hasattr(attn, "cache_layers") else [attn.attn]
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+    def forward(self, embed: torch.Tensor, positions: torch.Tensor,
                 hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        embed = self._target[0].model.embed_tokens(input_ids)
-        embed = embed.masked_fill((positions == 0)[:, None], 0)
         h = self.eh_proj(torch.cat([self.enorm(embed),
                                     self.hnorm(hidden_states.to(embed.dtype))], dim=-1))
         h, residual = self.mtp_block(positions, h, None)
         out = h + residual
         return self.shared_head.norm(out), out
 
+
+class MtpHead(nn.Module):
+    """The checkpoint's n DeepSeek MTP modules over the target's embedding and LM head.
+
+    Args:
+        config: the target's HF config (DeepSeek-V3 fields; n = `num_nextn_predict_layers`).
+        target: the loaded target (`DeepseekV2ForCausalLM` family: its `make_attention` /
+            `make_mlp` build the MTP decoder layers, indices num_hidden_layers + j).
+
+    forward(input_ids [n] int64, positions [n] int64, hidden_states [n, H], spec_step_idx) ->
+    (normed hidden for the logits [n, H], pre-norm hidden for the next draft step [n, H]),
+    computed by module `spec_step_idx % n` (vLLM's rule).
+    """
+
+    def __init__(self, config, target: nn.Module) -> None:
+        super().__init__()
+        self._target = (target,)   # not registered: its weights are the target's
+        first = config.num_hidden_layers
+        self.layers = nn.ModuleList(MtpLayer(config, first + j, type(target))
+                                    for j in range(num_mtp_layers(config)))
+
+    def attention_layers(self) -> list:
+        """The MTP modules' cache layers in module order (DeepSeek-V3.2's: each module's
+        latent cache layer, then its indexer's)."""
+        out = []
+        for layer in self.layers:
+            attn = layer.mtp_block.self_attn
+            out += attn.cache_layers() if hasattr(attn, "cache_layers") else [attn.attn]
+        return out
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                hidden_states: torch.Tensor, spec_step_idx: int = 0
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        embed = self._target[0].model.embed_tokens(input_ids)
+        embed = embed.masked_fill((positions == 0)[:, None], 0)
+        return self.layers[spec_step_idx % len(self.layers)](embed, positions, hidden_states)
+
     def draft_token_ids(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [m, H] (normed) -> [m] int64 greedy draft tokens."""
         return row_argmax(self._target[0].compute_logits(hidden))
 
 
+def _head_param_name(name: str, first: int, count: int) -> str | None:
+    """Checkpoint name -> MtpHead parameter name; None for tensors that are not an MTP
+    module's own (the target's, the copies of its embedding and head, rotary buffers)."""
+    if not name.startswith("model.layers."):
+        return None
+    index, _, rest = name[len("model.layers."):].partition(".")
+    if not index.isdigit() or not first <= int(index) < first + count:
+        return None
+    if rest in _SHARED_WITH_TARGET or "rotary_emb.inv_freq" in rest:
+        return None
+    return f"layers.{int(index) - first}.{rest if rest.startswith(_OWN) else 'mtp_block.' + rest}"
+
+
 def load_mtp_head(model_path: str, target: nn.Module, dtype: torch.dtype,
                   device: torch.device) -> MtpHead:
-    """Build the MTP head of the target checkpoint at `model_path` and load its first MTP
-    module's tensors (`model.layers.{num_hidden_layers}.*`).
+    """Build the MTP head of the target checkpoint at `model_path` and load its
+    `num_nextn_predict_layers` MTP modules (`model.layers.{num_hidden_layers + j}.*`).
 
     Raises:
         ValueError: a config without MTP layers (`num_nextn_predict_layers`), a target family
-            without DeepSeek layers, or MTP tensors missing from / unknown to the checkpoint.
+            without DeepSeek layers, or MTP tensors missing from the checkpoint (named, with
+            the modules that lack them: a config that claims more modules than the
+            checkpoint ships fails here).
     """
     config = target.config
-    if num_mtp_layers(config) < 1:
+    count = num_mtp_layers(config)
+    if count < 1:
         raise ValueError(f"speculative method 'mtp' needs MTP layers, but {model_path} has "
                          "num_nextn_predict_layers = 0 (no multi-token-prediction module)")
     if not hasattr(type(target), "make_attention"):
@@ -113,26 +162,31 @@ def load_mtp_head(model_path: str, target: nn.Module, dtype: torch.dtype,
             head = MtpHead(config, target)
         finally:
             torch.set_default_dtype(prev)
-    prefix = f"model.layers.{config.num_hidden_layers}."
+    first = config.num_hidden_layers
     params = dict(head.named_parameters())
     loaded: set[str] = set()
+    seen: dict[str, set] = {}
     for name, tensor in iterate_checkpoint_tensors(model_path, dtype):
-        if not name.startswith(prefix):
+        name = _head_param_name(name, first, count)
+        if name is None:
             continue
-        name = name[len(prefix):]
-        if name in _SHARED_WITH_TARGET or "rotary_emb.inv_freq" in name:
-            continue
-        if not name.startswith(_OWN):
-            name = f"mtp_block.{name}"
-        target_name = _load_expert_tensor(params, name, tensor, ())
+        target_name = _load_expert_tensor(params, name, tensor, (), seen)
         if target_name is None:
             target_name = load_named_weight(params, name, tensor,
                                             type(target).stacked_params_mapping)
         loaded.add(target_name)
-    missing = set(params) - loaded
+    missing = sorted(set(params) - loaded)
     if missing:
-        raise ValueError(f"checkpoint {model_path} lacks MTP weights ({prefix}*) for: "
-                         f"{sorted(missing)[:8]}{' ...' if len(missing) > 8 else ''}")
+        modules = sorted({int(m.split(".")[1]) + first for m in missing})
+        shown = [f"model.layers.{int(m.split('.')[1]) + first}."
+                 f"{m.split('.', 2)[2].removeprefix('mtp_block.')}" for m in missing[:8]]
+        raise ValueError(
+            f"checkpoint {model_path} lacks MTP weights of module(s) "
+            f"{', '.join(f'model.layers.{i}.*' for i in modules)} (its config says "
+            f"num_nextn_predict_layers = {count}, modules model.layers.{first}.* to "
+            f"model.layers.{first + count - 1}.*): {shown}"
+            f"{' ...' if len(missing) > 8 else ''}")
+    check_experts_complete(head, seen)
     from pagedllm.layers.quantization.base import process_weights_after_loading
 
     process_weights_after_loading(head)

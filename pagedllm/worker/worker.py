@@ -130,7 +130,7 @@ class Worker:
         if num_blocks < 2:
             raise ValueError(f"KV cache budget holds {num_blocks} blocks of {sum(group_bytes)} "
                              "bytes; at least 2 are needed. Give the cache more memory.")
-        attn = runner.model.attention_layers()
+        attn = runner._attention_layers()   # a drafter's layers (MTP modules) included
         groups = runner.kv_cache_groups(num_blocks)
         total_bytes = sum(g.num_blocks * b for g, b in zip(groups, group_bytes))
         # NOTE(reserved): the figure is the cache's size, set by the budget, not memory in use:

@@ -6,6 +6,9 @@ reported, and models without MTP layers are refused at start naming the problem.
 
 from __future__ import annotations
 
+import json
+import logging
+import shutil
 from pathlib import Path
 
 import pytest
@@ -13,15 +16,24 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pagedllm import LLM, SamplingParams
-from tests.models.test_deepseek import VARIANTS, build_checkpoint
+from tests.models.test_deepseek import VARIANTS, _Records, build_checkpoint
 from tests.models.test_gemma import _params, _prompts
 
 MTP = {"method": "mtp", "num_speculative_tokens": 2}
 
 
-def add_mtp_tensors(path: Path, seed: int = 1) -> None:
-    """Append one random MTP module (`model.layers.{num_hidden_layers}.*`, per-expert tensors
-    as released DeepSeek-V3 checkpoints hold them) to the checkpoint's safetensors file."""
+def add_mtp_tensors(path: Path, seed: int = 1, num_modules: int = 1) -> None:
+    """Append `num_modules` random MTP modules (`model.layers.{num_hidden_layers + j}.*`,
+    module j seeded `seed + j`, per-expert tensors as released DeepSeek-V3 checkpoints hold
+    them) to the checkpoint's safetensors file."""
+    file = path / "model.safetensors"
+    tensors = load_file(str(file))
+    for j in range(num_modules):
+        tensors.update(_mtp_module(tensors, j, seed + j))
+    save_file(tensors, str(file), metadata={"format": "pt"})
+
+
+def _mtp_module(target: dict[str, torch.Tensor], j: int, seed: int) -> dict[str, torch.Tensor]:
     _, _, cfg, _ = VARIANTS["v3"]
     h, heads, inter = cfg["hidden_size"], cfg["num_attention_heads"], cfg["moe_intermediate_size"]
     q_lora, kv_lora = 24, cfg["kv_lora_rank"]
@@ -34,7 +46,7 @@ def add_mtp_tensors(path: Path, seed: int = 1) -> None:
     def norm(n):
         return 1 + r(n)
 
-    p = f"model.layers.{cfg['num_hidden_layers']}."
+    p = f"model.layers.{cfg['num_hidden_layers'] + j}."
     t = {"enorm.weight": norm(h), "hnorm.weight": norm(h), "eh_proj.weight": r(h, 2 * h),
          "shared_head.norm.weight": norm(h),
          "input_layernorm.weight": norm(h), "post_attention_layernorm.weight": norm(h),
@@ -53,13 +65,10 @@ def add_mtp_tensors(path: Path, seed: int = 1) -> None:
         t.update({f"mlp.experts.{e}.gate_proj.weight": r(inter, h),
                   f"mlp.experts.{e}.up_proj.weight": r(inter, h),
                   f"mlp.experts.{e}.down_proj.weight": r(h, inter)})
-    file = path / "model.safetensors"
-    tensors = load_file(str(file))
     # The copies of the target's embedding and head that released checkpoints carry (unused).
-    tensors[p + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
-    tensors[p + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
-    tensors.update({p + k: v.contiguous() for k, v in t.items()})
-    save_file(tensors, str(file), metadata={"format": "pt"})
+    t["embed_tokens.weight"] = target["model.embed_tokens.weight"].clone()
+    t["shared_head.head.weight"] = target["lm_head.weight"].clone()
+    return {p + k: v.contiguous() for k, v in t.items()}
 
 
 @pytest.fixture(scope="module")
@@ -107,8 +116,93 @@ def test_mtp_on_a_model_without_mtp_layers_fails_at_start(tmp_path, byte_level_t
         _llm(path, speculative_config=MTP)
     # transformers' V3 config says 1 by default but saves no MTP tensors: named at load.
     path = build_checkpoint("v3", tmp_path / "no_tensors", byte_level_tokenizer_dir)
-    with pytest.raises(Exception, match=r"lacks MTP weights \(model\.layers\.3\.\*\)"):
+    with pytest.raises(Exception,
+                       match=r"lacks MTP weights of module\(s\) model\.layers\.3\.\*"):
         _llm(path, speculative_config=MTP)
+
+
+@pytest.fixture(scope="module")
+def two_module_checkpoint(tmp_path_factory, byte_level_tokenizer_dir) -> Path:
+    """A tiny V3 checkpoint whose config says num_nextn_predict_layers = 2, with two random
+    MTP modules (model.layers.3.* and model.layers.4.*, different seeds)."""
+    path = build_checkpoint("v3", tmp_path_factory.mktemp("mtp2") / "v3_mtp2",
+                            byte_level_tokenizer_dir, {"num_nextn_predict_layers": 2})
+    add_mtp_tensors(path, num_modules=2)
+    return path
+
+
+def _greedy(llm: LLM, prompts) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids)
+            for o in llm.generate(prompts, _params(), use_tqdm=False)]
+
+
+def _mtp_engine(path: Path, k: int):
+    """An MTP engine (k drafts) and its two MTP modules' latent caches, zeroed."""
+    llm = _llm(path, speculative_config={**MTP, "num_speculative_tokens": k})
+    runner = llm.llm_engine.engine_core.executor.worker.model_runner
+    caches = [a.kv_cache for a in runner._attention_layers()[-2:]]
+    for cache in caches:
+        cache.zero_()
+    return llm, runner.drafter.model, caches
+
+
+def test_two_mtp_modules_load_and_cycle_by_draft_step(two_module_checkpoint):
+    """Both modules load with their own weights and latent caches (3 target layers + 2);
+    draft step i runs module i % 2 (vLLM's rule): with k = 1 only module 0 ever runs, so
+    module 1's cache stays untouched; with k = 2 module 1 drafts the second token and writes
+    its cache. Greedy tokens equal the engine without MTP either way."""
+    prompts = _prompts()
+    want = _greedy(_llm(two_module_checkpoint), prompts)
+    weights = load_file(str(two_module_checkpoint / "model.safetensors"))
+    for k, module_1_runs in ((1, False), (2, True)):
+        handler, log = _Records(), logging.getLogger("pagedllm.worker.worker")
+        log.addHandler(handler)
+        old_level = log.level
+        log.setLevel(logging.INFO)
+        try:
+            llm, head, caches = _mtp_engine(two_module_checkpoint, k)
+        finally:
+            log.removeHandler(handler)
+            log.setLevel(old_level)
+        # The start-up log's bytes per token count the MTP modules' latent caches too.
+        assert any("800 bytes per token = 5 MLA layers x (32 + 8 latent values x 4 bytes)" in m
+                   for m in handler.messages)
+        assert len(head.layers) == 2 and caches[0] is not caches[1]
+        for j in range(2):
+            torch.testing.assert_close(head.layers[j].eh_proj.weight,
+                                       weights[f"model.layers.{3 + j}.eh_proj.weight"])
+        assert _greedy(llm, prompts) == want
+        assert bool(caches[0].any())
+        assert bool(caches[1].any()) == module_1_runs
+        stats = llm.get_stats().spec_decoding_stats
+        assert stats.num_drafts > 0 and len(stats.num_accepted_tokens_per_pos) <= k
+
+
+def test_config_claiming_more_mtp_modules_than_shipped_fails_naming_them(
+        two_module_checkpoint, tmp_path):
+    """num_nextn_predict_layers = 3 over a checkpoint that ships modules 3 and 4 only: the
+    load fails naming module model.layers.5.* and its tensors."""
+    path = tmp_path / "claims_3"
+    shutil.copytree(two_module_checkpoint, path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 3}))
+    with pytest.raises(Exception, match=r"module\(s\) model\.layers\.5\.\* \(its config says "
+                                        r"num_nextn_predict_layers = 3.*model\.layers\.5\.eh_proj"):
+        _llm(path, speculative_config=MTP)
+
+
+@pytest.mark.slow
+def test_two_mtp_modules_greedy_identical_for_k_1_2_3(two_module_checkpoint):
+    """k = 1, 2, 3 over two MTP modules (k = 3 runs modules 0, 1, 0): greedy tokens equal the
+    engine without MTP; prints the acceptance per draft position."""
+    prompts = _prompts()
+    want = _greedy(_llm(two_module_checkpoint), prompts)
+    for k in (1, 2, 3):
+        llm = _llm(two_module_checkpoint, speculative_config={**MTP, "num_speculative_tokens": k})
+        assert _greedy(llm, prompts) == want
+        stats = llm.get_stats().spec_decoding_stats
+        print(f"k={k}: accepted {stats.num_accepted_tokens} of {stats.num_draft_tokens} draft "
+              f"tokens, per position {stats.num_accepted_tokens_per_pos}")
 
 
 def _rms(x, w, eps=1e-6):
