@@ -188,10 +188,11 @@ def test_fp8_calibrated_scales_and_backends_agree(cache_dtype):
 def test_portable_kernel_reads_quantized_caches(cache_dtype):
     """The kernels' portable path (built without AVX2/FMA, what a CPU without AVX2 runs) on a
     quantized cache, called directly, against dense attention over the dequantized K/V."""
-    from pagedllm.native.kernels import build_cpu_kernels
     from pagedllm.native.kernels.ops import paged_attention
 
-    lib = build_cpu_kernels(("-mno-avx2", "-mno-fma"))
+    from tests.fixtures.kernel_builds import kernel_build
+
+    lib = kernel_build("portable")
     shape = (6, 3, 32, 8)
     common, q, k, v, cache, reqs = _random_step(shape, cache_dtype, 5, seed=11)
     write_kv_cache(cache, k, v, common.slot_mapping)

@@ -21,11 +21,12 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import ModelConfig
-from pagedllm.native.kernels import build_cpu_kernels, cpu_kernels
+from pagedllm.native.kernels import cpu_kernels
 from pagedllm.layers.quantization.int8 import (Int8LinearMethod, quantize_activations_per_token,
                                                quantize_weight_per_channel)
 from pagedllm.model_loader.loader import load_model
 from pagedllm.native.fused_decoder import FusedDecoder
+from tests.fixtures.kernel_builds import kernel_build
 from tests.native.test_fused_decoder import _continuation_logits
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="CPU kernels did not build")
@@ -121,7 +122,7 @@ def test_fused_decoder_equals_the_module_path(tiny_llama, monkeypatch, quantizat
 @pytest.fixture(scope="module")
 def portable_kernels():
     """The kernel library built without AVX2/FMA (the scalar int8 code paths)."""
-    return build_cpu_kernels(("-mno-avx2", "-mno-fma"))
+    return kernel_build("portable")
 
 
 @pytest.mark.parametrize("quantization", ["int8", "w8a8"])

@@ -103,7 +103,8 @@ def assert_matches_hf(outputs, hf, top_k: int, num_moe_layers: int,
         np.testing.assert_array_equal(np.sort(got, axis=-1), reference(tokens[:-1]))
 
 
-@pytest.mark.parametrize("variant, num_moe_layers", [("mixtral", 4), ("qwen2_moe", 3)])
+@pytest.mark.parametrize("variant, num_moe_layers",
+                         [("mixtral", 4), pytest.param("qwen2_moe", 3, marks=pytest.mark.slow)])
 def test_routed_experts_match_hf_router(checkpoints, hf_models, variant, num_moe_layers):
     """Chunks of 7 tokens shared by up to 3 requests, then two requests whose 16-token prefix
     comes from the prefix cache; Qwen2-MoE's layer 2 is dense (3 MoE layers)."""
@@ -118,7 +119,8 @@ def test_routed_experts_match_hf_router(checkpoints, hf_models, variant, num_moe
     assert_matches_hf(outputs, hf_models(variant), top_k, num_moe_layers)
 
 
-@pytest.mark.parametrize("variant", [pytest.param("v3", marks=pytest.mark.slow), "glm4_moe"])
+@pytest.mark.parametrize("variant", [pytest.param("v3", marks=pytest.mark.slow),
+                                     pytest.param("glm4_moe", marks=pytest.mark.slow)])
 def test_deepseek_style_routers_match_hf(checkpoints, hf_models, variant):
     """Sigmoid scores with a correction bias, group-limited (FusedMoE.forward_routed); the
     first layer is dense (2 MoE layers)."""

@@ -9,7 +9,8 @@ import torch
 
 from pagedllm.distributed.parallel_state import (ExpertParallelLayout,
                                                  set_expert_parallel_layout)
-from pagedllm.native.kernels import build_cpu_kernels, cpu_kernels
+from pagedllm.native.kernels import cpu_kernels
+from tests.fixtures.kernel_builds import kernel_build
 from pagedllm.native.kernels.ops import cpu_fused_moe, fused_moe_supported
 from pagedllm.layers.activation import GeluAndMul, SiluAndMul
 from pagedllm.layers.fused_moe import (FusedMoE, fused_experts, fused_experts_torch,
@@ -127,7 +128,7 @@ def test_bad_operands_are_refused_naming_them():
 
 def test_portable_build_matches_naive_loop():
     """The kernel compiled without AVX2/FMA (what such CPUs run), fp32 tight and bf16."""
-    lib = build_cpu_kernels(("-mno-avx2", "-mno-fma"))
+    lib = kernel_build("portable")
     hidden, w13, w2, weights, ids = _problem(23, 8, 24, 40, 2, seed=4)
     ids[5, 1] = -1
     torch.testing.assert_close(cpu_fused_moe(hidden, w13, w2, weights, ids, lib=lib).double(),

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from pagedllm.native.kernels import build_cpu_kernels, cpu_kernels
+from pagedllm.native.kernels import cpu_kernels
+from tests.fixtures.kernel_builds import kernel_build
 from pagedllm.native.kernels.ops import (GGUF_GROUP_ROWS, GGUF_KERNEL_TYPES, gguf_group_rows,
                                          gguf_linear, gguf_linear_segments, gguf_segment_structs,
                                          gguf_ungroup_rows)
@@ -84,7 +85,7 @@ def _call(lib: ctypes.CDLL, x: torch.Tensor, blocks: torch.Tensor, tensor_type: 
 
 @pytest.fixture(scope="module")
 def portable_lib():
-    return build_cpu_kernels(("-mno-avx2", "-mno-fma", "-mno-f16c"))
+    return kernel_build("portable")
 
 
 @pytest.mark.parametrize("tensor_type", TYPES)
@@ -193,17 +194,15 @@ def test_bad_operands_are_named():
 # same way (tight: only the float summation order differs) and against float32 x (the rounding
 # error bound).
 
-Q8_BUILDS = {"native": (), "avx2": ("-mno-avx512vnni",),
-             "portable": ("-mno-avx2", "-mno-fma", "-mno-f16c")}
+Q8_BUILDS = ("native", "avx2", "portable")
 # (M, N, K): batch 1, M off the 4-row kernel and a batched-decode size, N off the 4- and 2-row
 # weight tiles; in 256-weight blocks for every type.
 Q8_SHAPES = [(1, 1, 256), (1, 37, 512), (3, 5, 256), (6, 19, 512), (32, 9, 256)]
 
 
 @pytest.fixture(scope="module")
-def q8_libs(portable_lib):
-    return {"native": cpu_kernels(), "avx2": build_cpu_kernels(Q8_BUILDS["avx2"]),
-            "portable": portable_lib}
+def q8_libs():
+    return {name: kernel_build(name) for name in Q8_BUILDS}
 
 
 def _round_activations(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 import pagedllm.native.kernels.ops as ops
-from pagedllm.native.kernels import build_cpu_kernels, cpu_kernels
+from pagedllm.native.kernels import cpu_kernels
+from tests.fixtures.kernel_builds import kernel_build
 from pagedllm.layers.quantization.int8 import (quantize_activations_per_token,
                                                quantize_weight_per_channel)
 
@@ -117,7 +118,7 @@ def test_errors():
 @pytest.mark.parametrize("m,n,k", [(1, 7, 13), (5, 33, 40), (13, 64, 100)])
 def test_portable_build(monkeypatch, m, n, k):
     """The kernels built without AVX2/FMA (the scalar paths) against the same references."""
-    monkeypatch.setattr(ops, "cpu_kernels", lambda: build_cpu_kernels(("-mno-avx2", "-mno-fma")))
+    monkeypatch.setattr(ops, "cpu_kernels", lambda: kernel_build("portable"))
     g = torch.Generator().manual_seed(k)
     qweight, scale = quantize_weight_per_channel(torch.randn(n, k, generator=g))
     x, bias = torch.randn(m, k, generator=g), torch.randn(n, generator=g)

@@ -10,12 +10,12 @@ import torch.nn.functional as F
 import pagedllm.native.kernels.ops as ops
 from pagedllm import LLM, SamplingParams
 from pagedllm.core.sched_output import NewRequestData
-from pagedllm.native.kernels import build_cpu_kernels, cpu_kernels
+from pagedllm.native.kernels import cpu_kernels
+from tests.fixtures.kernel_builds import BUILD_FLAGS, kernel_build
 from tests.fixtures.runner_steps import run_step
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="CPU kernels did not build")
 
-BUILDS = {"native": (), "avx2": ("-mno-avx512f",), "portable": ("-mno-avx2", "-mno-fma")}
 # (M, N, K): odd row counts over every register tile's remainder, N off the 16-column panels
 # (a tail panel), K read whole, and K cut into 256-wide blocks (partial sums carried between
 # blocks: the 48-row block of (50, 40, 1040) holds more than kMaxWholeK x values, its 2-row
@@ -24,10 +24,9 @@ SHAPES = [(1, 40, 24), (3, 77, 264), (7, 129, 64), (33, 100, 520), (100, 48, 40)
           (515, 33, 16), (50, 40, 1040)]
 
 
-@pytest.fixture(scope="module", params=list(BUILDS))
+@pytest.fixture(scope="module", params=list(BUILD_FLAGS))
 def lib(request):
-    return cpu_kernels() if request.param == "native" else build_cpu_kernels(
-        BUILDS[request.param])
+    return kernel_build(request.param)
 
 
 def _operands(m: int, n: int, k: int, wdtype: torch.dtype, seed: int):

@@ -11,7 +11,8 @@ import pagedllm.attention.backends.cpu_paged as cpu_paged
 import pagedllm.native.kernels.ops as ops
 import pagedllm.native.fused_decoder as fused_decoder
 from pagedllm.attention.backends.cpu_paged import CpuPagedBackend
-from pagedllm.native.kernels import build_cpu_kernels, cpu_kernels
+from pagedllm.native.kernels import cpu_kernels
+from tests.fixtures.kernel_builds import kernel_build
 from tests.attention import test_backends as backend_tests
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="CPU kernels did not build")
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="CPU kernels did n
 
 @pytest.fixture(scope="module")
 def portable_lib():
-    return build_cpu_kernels(("-mno-avx2", "-mno-fma"))
+    return kernel_build("portable")
 
 
 @pytest.fixture

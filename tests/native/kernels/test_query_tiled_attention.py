@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from pagedllm.kv_cache_layout import allocate_kv_cache, dequantize_kv, write_kv_cache
-from pagedllm.native.kernels import build_cpu_kernels, cpu_kernels
+from pagedllm.native.kernels import cpu_kernels
+from tests.fixtures.kernel_builds import kernel_build
 from pagedllm.native.kernels.ops import paged_attention
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="CPU kernels did not build")
@@ -139,7 +140,7 @@ def test_register_blocked_tiles_of_each_build(build):
     """Runs of 16+ query tokens with head sizes % 32 == 0 take the register-blocked tiles: the
     row-lane tiles (attention_row_lanes.h) in AVX-512 builds, attend_tile_gemm in AVX2 ones;
     causal and not, GQA, every cache dtype, contexts over several 64-key chunks."""
-    lib = cpu_kernels() if build == "native" else build_cpu_kernels(("-mno-avx512f",))
+    lib = kernel_build(build)
     for i, cache_dtype in enumerate(CACHE_DTYPES):
         _check(lib, (8, 2, 32, 16), cache_dtype, q_lens=[70, 1, 16, 33], ctx=[150, 20, 0, 5],
                seed=10 + i, tiles=(16,), causal=bool(i % 2))
@@ -169,7 +170,7 @@ def test_query_tile_must_be_positive():
 @pytest.mark.slow   # builds the portable kernel library (a minute on a loaded 2-core machine)
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=str)
 def test_portable_build_tiles(cache_dtype):
-    lib = build_cpu_kernels(("-mno-avx2", "-mno-fma"))
+    lib = kernel_build("portable")
     _check(lib, (6, 3, 32, 8), cache_dtype, q_lens=[1, 29, 17, 4], ctx=[20, 7, 0, 33], seed=5,
            window=9, soft_cap=5.0)
     _check(lib, (4, 1, 16, 4), cache_dtype, q_lens=[18, 1, 40], ctx=[3, 9, 21], seed=6)
