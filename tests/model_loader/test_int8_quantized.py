@@ -125,6 +125,7 @@ def portable_kernels():
     return kernel_build("portable")
 
 
+@pytest.mark.slow   # builds the portable kernel library
 @pytest.mark.parametrize("quantization", ["int8", "w8a8"])
 def test_portable_fused_decoder_equals_the_module_path(tiny_llama, portable_kernels,
                                                        monkeypatch, quantization):

@@ -126,6 +126,7 @@ def test_bad_operands_are_refused_naming_them():
     assert not fused_moe_supported(hidden, w13.transpose(1, 2), w2)
 
 
+@pytest.mark.slow   # builds the portable kernel library
 def test_portable_build_matches_naive_loop():
     """The kernel compiled without AVX2/FMA (what such CPUs run), fp32 tight and bf16."""
     lib = kernel_build("portable")

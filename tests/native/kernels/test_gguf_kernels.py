@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from pagedllm.native.kernels import cpu_kernels
-from tests.fixtures.kernel_builds import kernel_build
+from tests.fixtures.kernel_builds import BUILD_FLAGS, BUILD_PARAMS, kernel_build
 from pagedllm.native.kernels.ops import (GGUF_GROUP_ROWS, GGUF_KERNEL_TYPES, gguf_group_rows,
                                          gguf_linear, gguf_linear_segments, gguf_segment_structs,
                                          gguf_ungroup_rows)
@@ -83,9 +83,6 @@ def _call(lib: ctypes.CDLL, x: torch.Tensor, blocks: torch.Tensor, tensor_type: 
     return y
 
 
-@pytest.fixture(scope="module")
-def portable_lib():
-    return kernel_build("portable")
 
 
 @pytest.mark.parametrize("tensor_type", TYPES)
@@ -103,10 +100,10 @@ def test_matches_dequantized_reference(tensor_type):
 
 
 @pytest.mark.parametrize("grouped", [False, True], ids=["plain", "grouped"])
-@pytest.mark.parametrize("build", ["native", "portable"])
+@pytest.mark.parametrize("build", [b for b in BUILD_PARAMS if b != "avx2"])
 @pytest.mark.parametrize("tensor_type", TYPES)
-def test_random_block_bytes_both_builds(build, tensor_type, grouped, portable_lib):
-    lib = cpu_kernels() if build == "native" else portable_lib
+def test_random_block_bytes_both_builds(build, tensor_type, grouped):
+    lib = kernel_build(build)
     for seed, (m, n, k) in enumerate(_shapes(tensor_type)):
         blocks = _random_blocks(tensor_type, n, k, seed)
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed))
@@ -194,15 +191,11 @@ def test_bad_operands_are_named():
 # same way (tight: only the float summation order differs) and against float32 x (the rounding
 # error bound).
 
-Q8_BUILDS = ("native", "avx2", "portable")
 # (M, N, K): batch 1, M off the 4-row kernel and a batched-decode size, N off the 4- and 2-row
 # weight tiles; in 256-weight blocks for every type.
 Q8_SHAPES = [(1, 1, 256), (1, 37, 512), (3, 5, 256), (6, 19, 512), (32, 9, 256)]
 
 
-@pytest.fixture(scope="module")
-def q8_libs():
-    return {name: kernel_build(name) for name in Q8_BUILDS}
 
 
 def _round_activations(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -232,7 +225,9 @@ def _q8_call(lib, x: torch.Tensor, parts, n: int, bias: torch.Tensor | None = No
     return y
 
 
-def test_q8_builds_take_their_integer_paths(q8_libs):
+@pytest.mark.slow   # builds the portable (and, with AVX-512, the AVX2) library
+def test_q8_builds_take_their_integer_paths():
+    q8_libs = {name: kernel_build(name) for name in BUILD_FLAGS}
     vnni = "avx512_vnni" in open("/proc/cpuinfo").read()
     assert q8_libs["portable"].gguf_q8_dot_isa() == 0
     if "avx2" in open("/proc/cpuinfo").read():
@@ -240,14 +235,14 @@ def test_q8_builds_take_their_integer_paths(q8_libs):
         assert q8_libs["native"].gguf_q8_dot_isa() == (2 if vnni else 1)
 
 
-@pytest.mark.parametrize("build", list(Q8_BUILDS))
-def test_activation_rounding_is_exact(build, q8_libs):
+@pytest.mark.parametrize("build", BUILD_PARAMS)
+def test_activation_rounding_is_exact(build):
     from pagedllm.native.kernels.ops import gguf_quantize_activations
     g = torch.Generator().manual_seed(3)
     x = torch.randn(5, 128, generator=g) * torch.tensor([1e-3, 1.0, 30.0, 0.0]).repeat_interleave(
         32)
     x[1, :32] = torch.arange(32) - 15.5      # x * (1 / d) lands on halves: ties to even
-    q, d, ds = gguf_quantize_activations(x, q8_libs[build])
+    q, d, ds = gguf_quantize_activations(x, kernel_build(build))
     xb = x.reshape(5, 4, 32)
     want_d = xb.abs().amax(-1) / 127
     inv = torch.where(want_d != 0, 1 / want_d, torch.zeros_like(want_d))
@@ -259,15 +254,15 @@ def test_activation_rounding_is_exact(build, q8_libs):
         gguf_quantize_activations(torch.randn(2, 48))
 
 
-@pytest.mark.parametrize("build", list(Q8_BUILDS))
-def test_k_activation_rounding_is_exact(build, q8_libs):
+@pytest.mark.parametrize("build", BUILD_PARAMS)
+def test_k_activation_rounding_is_exact(build):
     """The K-quants' 256-value blocks: one scale per block, int16 sums per 16 values."""
     from pagedllm.native.kernels.ops import gguf_quantize_activations
     g = torch.Generator().manual_seed(4)
     x = torch.randn(3, 768, generator=g) * torch.tensor([1e-3, 30.0, 0.0]).repeat_interleave(256)
     x[1, :32] = torch.arange(32) - 15.5      # ties to even again
     x[1, :32] *= x[1, 256:512].abs().max() / 127
-    q, d, bsums = gguf_quantize_activations(x, q8_libs[build], block=256)
+    q, d, bsums = gguf_quantize_activations(x, kernel_build(build), block=256)
     xb = x.reshape(3, 3, 256)
     want_d = xb.abs().amax(-1) / 127
     inv = torch.where(want_d != 0, 1 / want_d, torch.zeros_like(want_d))
@@ -280,9 +275,9 @@ def test_k_activation_rounding_is_exact(build, q8_libs):
 
 
 @pytest.mark.parametrize("grouped", [False, True], ids=["plain", "grouped"])
-@pytest.mark.parametrize("build", list(Q8_BUILDS))
+@pytest.mark.parametrize("build", BUILD_PARAMS)
 @pytest.mark.parametrize("tensor_type", TYPES)
-def test_q8_activations_match_the_rounded_reference(build, tensor_type, grouped, q8_libs):
+def test_q8_activations_match_the_rounded_reference(build, tensor_type, grouped):
     for seed, (m, n, k) in enumerate(Q8_SHAPES):
         blocks = _random_blocks(tensor_type, n, k, seed)
         g = torch.Generator().manual_seed(seed)
@@ -294,7 +289,7 @@ def test_q8_activations_match_the_rounded_reference(build, tensor_type, grouped,
         qweight = torch.from_numpy(blocks)
         if grouped:
             qweight = gguf_group_rows(qweight, tensor_type)
-        got = _q8_call(q8_libs[build], x, [(0, tensor_type, qweight, grouped)], n, bias)
+        got = _q8_call(kernel_build(build), x, [(0, tensor_type, qweight, grouped)], n, bias)
         _assert_close(got, want, scale)
         # Against float32 x: within the rounding error (|x - x_q| <= d / 2 per element).
         want_f, scale_f = _reference(x, blocks, tensor_type, bias)
@@ -320,8 +315,8 @@ def test_q8_activations_of_real_quantized_weights_stay_close(tensor_type):
     assert not torch.equal(got, exact)
 
 
-@pytest.mark.parametrize("build", ["native", "portable"])
-def test_row_segments_of_mixed_types(build, portable_lib):
+@pytest.mark.parametrize("build", [b for b in BUILD_PARAMS if b != "avx2"])
+def test_row_segments_of_mixed_types(build):
     """A qkv-like weight: Q4_K rows, then Q6_K rows, then Q8_0 rows, in one call (segments
     given out of order), with a bias and M off the 4-row kernel; the same in the row-group
     layout (9 rows: two groups and a plain row)."""
@@ -342,7 +337,7 @@ def test_row_segments_of_mixed_types(build, portable_lib):
         else:
             structs = gguf_segment_structs(layout, k)
             got = torch.empty(6, sum(sizes))
-            assert portable_lib.linear_gguf_segments(x.data_ptr(), k, 6, k, structs,
+            assert kernel_build(build).linear_gguf_segments(x.data_ptr(), k, 6, k, structs,
                                                      len(structs), bias.data_ptr(),
                                                      got.data_ptr(), sum(sizes)) == 0
         _assert_close(got, want, scale)
@@ -350,8 +345,8 @@ def test_row_segments_of_mixed_types(build, portable_lib):
         gguf_linear_segments(x, parts[:2], sum(sizes))
 
 
-@pytest.mark.parametrize("build", list(Q8_BUILDS))
-def test_q8_activations_on_row_segments_of_mixed_types(build, q8_libs):
+@pytest.mark.parametrize("build", BUILD_PARAMS)
+def test_q8_activations_on_row_segments_of_mixed_types(build):
     """The fused-qkv case of a Q4_K_M file on 8-bit activations, with 32-value types mixed in:
     x is rounded once per block family for all segments (Q4_K, Q6_K, Q4_1 and Q5_0 rows; out
     of order), M = 1 and M off the 4-row kernel."""
@@ -374,19 +369,19 @@ def test_q8_activations_on_row_segments_of_mixed_types(build, q8_libs):
             want.append(x_q.double() @ w.T)
             scale.append(x_q.double().abs() @ w.abs().T)
         want, scale = torch.cat(want, 1) + bias.double(), torch.cat(scale, 1)
-        _assert_close(_q8_call(q8_libs[build], x, parts[::-1], sum(sizes), bias), want, scale)
-        _assert_close(_q8_call(q8_libs[build], x, grouped_parts, sum(sizes), bias), want, scale)
+        _assert_close(_q8_call(kernel_build(build), x, parts[::-1], sum(sizes), bias), want, scale)
+        _assert_close(_q8_call(kernel_build(build), x, grouped_parts, sum(sizes), bias), want, scale)
         if build == "native":
             _assert_close(gguf_linear_segments(x, parts, sum(sizes), bias,
                                                quantize_activations=True), want, scale)
 
 
 @pytest.mark.parametrize("grouped", [False, True], ids=["plain", "grouped"])
-@pytest.mark.parametrize("build", ["native", "portable"])
-def test_dequantize_rows_for_embedding_lookups(build, grouped, portable_lib):
+@pytest.mark.parametrize("build", [b for b in BUILD_PARAMS if b != "avx2"])
+def test_dequantize_rows_for_embedding_lookups(build, grouped):
     """Rows 0, 2 (in the first row group when grouped) and 5 (a plain tail row of 6)."""
     from pagedllm.native.kernels.ops import gguf_dequantize_rows
-    lib = cpu_kernels() if build == "native" else portable_lib
+    lib = kernel_build(build)
     ids = torch.tensor([[2, 0], [5, 2]])
     for seed, tensor_type in enumerate(TYPES):
         k = GGUF_KERNEL_TYPES[tensor_type].block_weights * 2

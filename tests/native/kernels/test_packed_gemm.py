@@ -11,7 +11,7 @@ import pagedllm.native.kernels.ops as ops
 from pagedllm import LLM, SamplingParams
 from pagedllm.core.sched_output import NewRequestData
 from pagedllm.native.kernels import cpu_kernels
-from tests.fixtures.kernel_builds import BUILD_FLAGS, kernel_build
+from tests.fixtures.kernel_builds import BUILD_PARAMS, kernel_build
 from tests.fixtures.runner_steps import run_step
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="CPU kernels did not build")
@@ -24,7 +24,7 @@ SHAPES = [(1, 40, 24), (3, 77, 264), (7, 129, 64), (33, 100, 520), (100, 48, 40)
           (515, 33, 16), (50, 40, 1040)]
 
 
-@pytest.fixture(scope="module", params=list(BUILD_FLAGS))
+@pytest.fixture(scope="module", params=BUILD_PARAMS)
 def lib(request):
     return kernel_build(request.param)
 

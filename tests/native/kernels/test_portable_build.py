@@ -15,7 +15,9 @@ from pagedllm.native.kernels import cpu_kernels
 from tests.fixtures.kernel_builds import kernel_build
 from tests.attention import test_backends as backend_tests
 
-pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="CPU kernels did not build")
+# Slow: the portable library is a compile of its own (the default run compiles only the native one).
+pytestmark = [pytest.mark.skipif(cpu_kernels() is None, reason="CPU kernels did not build"),
+              pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

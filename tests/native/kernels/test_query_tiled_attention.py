@@ -12,7 +12,7 @@ import torch
 
 from pagedllm.kv_cache_layout import allocate_kv_cache, dequantize_kv, write_kv_cache
 from pagedllm.native.kernels import cpu_kernels
-from tests.fixtures.kernel_builds import kernel_build
+from tests.fixtures.kernel_builds import BUILD_PARAMS, kernel_build
 from pagedllm.native.kernels.ops import paged_attention
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="CPU kernels did not build")
@@ -135,7 +135,7 @@ def test_tiles_non_causal_and_row_subset():
            ctx=[9, 0, 4, 13], seed=4, rows=[0, 3])
 
 
-@pytest.mark.parametrize("build", ["native", "avx2"])
+@pytest.mark.parametrize("build", BUILD_PARAMS[:2])
 def test_register_blocked_tiles_of_each_build(build):
     """Runs of 16+ query tokens with head sizes % 32 == 0 take the register-blocked tiles: the
     row-lane tiles (attention_row_lanes.h) in AVX-512 builds, attend_tile_gemm in AVX2 ones;
