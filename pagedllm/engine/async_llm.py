@@ -577,7 +577,10 @@ class AsyncLLM:
 
     def _reset_counters_after(self, fn: Callable[[], Any]) -> Any:
         """`fn()`, which may reset the prefix cache (and its counters): the lookups made before
-        are recorded first, and the counters' baseline follows (as `_reset_prefix_cache`)."""
+        are recorded first, and the counters' baseline follows: the engine's stats right after
+        the call (restarted at 0; an engine core in its own process sends them before the call
+        returns; with several front ends this front end's share, which a reset leaves as it is:
+        engine/core_stat_shares.py)."""
         self._record(IterationStats())
         result = fn()
         stats = self.engine.get_stats().prefix_cache_stats
@@ -597,10 +600,7 @@ class AsyncLLM:
                 now - times.arrival_time))
 
     def _reset_prefix_cache(self) -> int:
-        self._record(IterationStats())  # count lookups made before the counters restart at 0
-        num_blocks = self.engine.reset_prefix_cache()
-        self._last_prefix_queries = self._last_prefix_hits = 0
-        return num_blocks
+        return self._reset_counters_after(self.engine.reset_prefix_cache)
 
     def _update_times(self, outputs: list[RequestOutput], iteration: IterationStats) -> None:
         now = time.monotonic()

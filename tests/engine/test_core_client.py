@@ -232,7 +232,8 @@ def test_socket_bytes_never_run_code(mp_engine: LLMEngine, inproc_engine: LLMEng
 def test_core_serves_several_front_ends(inproc_engine: LLMEngine) -> None:
     """One core, two front ends (the API-server pool's layout): each request's outputs and each
     utility result go back to the front end that sent it, aborts are acknowledged to their
-    sender, and a front end with no request on the core still gets the stats once it is idle."""
+    sender, a front end with no request on the core still gets the stats once it is idle, and
+    the counters the front ends receive add up to the core's (each gets its share)."""
     ctx = zmq.Context()
     fronts, pulls, pushes = [], [], []
     for i in range(2):
@@ -245,6 +246,7 @@ def test_core_serves_several_front_ends(inproc_engine: LLMEngine) -> None:
         fronts.append((to_core, from_core))
         pulls.append(pull)
         pushes.append(push)
+    base = inproc_engine.engine_core.get_stats().prefix_cache_stats
     proc = EngineCoreProc(inproc_engine.engine_core, pulls, pushes, os.getpid())
     encoder, decoder = wire.make_encoder(), wire.make_output_decoder()
     params = {"temperature": 0.0, "max_tokens": 3, "output_kind": 0}
@@ -270,6 +272,10 @@ def test_core_serves_several_front_ends(inproc_engine: LLMEngine) -> None:
     assert [(r.call_id, r.result) for r in results] == [(7, 2)]
     assert not any(isinstance(m, wire.UtilityResult) for m in received[0])
     assert steps[0][-1].stats.num_running_reqs == steps[1][-1].stats.num_running_reqs == 0
+    end = inproc_engine.engine_core.get_stats().prefix_cache_stats
+    shares = [msgs[-1].stats.prefix_cache_stats for msgs in steps]
+    assert sum(s.queries for s in shares) == end.queries - base.queries
+    assert sum(s.requests for s in shares) == end.requests - base.requests == 2
     for sock in (*pulls, *pushes, *(s for pair in fronts for s in pair)):
         sock.close(linger=0)
     ctx.term()
