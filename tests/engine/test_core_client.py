@@ -139,7 +139,11 @@ def test_abort_and_errors_stay_per_request(mp_engine: LLMEngine) -> None:
 
 def test_utility_calls_are_generic(mp_engine: LLMEngine) -> None:
     client = mp_engine.engine_core
+    _run(mp_engine, {"lookup": (PROMPTS[0], SamplingParams(max_tokens=1))})
+    assert client.get_stats().prefix_cache_stats.queries > 0
     assert client.reset_prefix_cache() >= 0          # a public EngineCore method, forwarded
+    # The core sends its stats before a utility call's result: get_stats() is the reset's.
+    assert client.get_stats().prefix_cache_stats.queries == 0
     assert client.call_utility("get_num_unfinished_requests") == 0
     stats = client.call_utility("get_stats")
     assert stats.num_blocks == client.num_blocks    # converted back to SchedulerStats
