@@ -34,7 +34,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 if TYPE_CHECKING:   # (annotations only: a light import for the API-server pool's launcher)
     from pagedllm.core.scheduler import SchedulerStats
-    from pagedllm.engine.async_llm import IterationStats
+    from pagedllm.engine.iteration_stats import IterationStats
 
 METRICS_CONTENT_TYPE = CONTENT_TYPE_LATEST
 

@@ -25,7 +25,7 @@ import os, sys, time
 from pagedllm.core.kv_cache_manager import PrefixCacheStats
 from pagedllm.core.scheduler import SchedulerStats
 from pagedllm.core.spec_decode_stats import SpecDecodingStats
-from pagedllm.engine.async_llm import FinishedRequestStats, IterationStats
+from pagedllm.engine.iteration_stats import FinishedRequestStats, IterationStats
 from pagedllm.entrypoints.openai.metrics import PrometheusStatLogger
 
 def stats(running, waiting):
