@@ -34,15 +34,14 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any
 
-from pagedllm.core.sched_output import EplbStats
-from pagedllm.core.scheduler import SchedulerStats
 from pagedllm.core.spec_decode_stats import SpecDecodingStats
 from pagedllm.engine.core_client import EngineDeadError
 from pagedllm.engine.engine_core import EngineCoreRequest
 from pagedllm.engine.input_processor import PromptType
+from pagedllm.engine.iteration_stats import FinishedRequestStats, IterationStats, StatLogger
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
@@ -131,45 +130,6 @@ class RequestStream:
 
     async def aclose(self) -> None:
         self.close()
-
-
-@dataclass
-class FinishedRequestStats:
-    """One request that left the engine (finished or aborted)."""
-
-    finish_reason: str  # "stop" | "length" | "abort"
-    num_prompt_tokens: int
-    num_generation_tokens: int
-    e2e_latency_s: float  # arrival (generate() called) -> last output, seconds
-
-
-@dataclass
-class IterationStats:
-    """What happened in one engine-loop iteration (deltas, not totals)."""
-
-    num_prompt_tokens: int = 0  # prompts of requests that produced their first token
-    num_generation_tokens: int = 0
-    time_to_first_tokens_s: list[float] = field(default_factory=list)
-    inter_token_latencies_s: list[float] = field(default_factory=list)
-    finished_requests: list[FinishedRequestStats] = field(default_factory=list)
-    num_preemptions: int = 0
-    prefix_cache_queries: int = 0  # tokens looked up
-    prefix_cache_hits: int = 0  # tokens found
-    num_eplb_rebalances: int = 0
-    # The imbalance of the last EPLB rebalance when one happened in this iteration, else None.
-    eplb_stats: EplbStats | None = None
-    # Drafts verified in this iteration (speculative decoding).
-    spec_decoding_stats: SpecDecodingStats = field(default_factory=SpecDecodingStats)
-
-
-class StatLogger(Protocol):
-    """Receives the engine's state after each loop iteration (called on the engine thread)."""
-
-    def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
-        ...
-
-    # Optional: record_engine_info(kv_cache_bytes_per_token: int) -> None, called once when
-    # the AsyncLLM is built (PrometheusStatLogger's gauge).
 
 
 @dataclass
@@ -577,7 +537,10 @@ class AsyncLLM:
 
     def _reset_counters_after(self, fn: Callable[[], Any]) -> Any:
         """`fn()`, which may reset the prefix cache (and its counters): the lookups made before
-        are recorded first, and the counters' baseline follows (as `_reset_prefix_cache`)."""
+        are recorded first, and the counters' baseline follows: the engine's stats right after
+        the call (restarted at 0; an engine core in its own process sends them before the call
+        returns; with several front ends this front end's share, which a reset leaves as it is:
+        engine/core_stat_shares.py)."""
         self._record(IterationStats())
         result = fn()
         stats = self.engine.get_stats().prefix_cache_stats
@@ -597,10 +560,7 @@ class AsyncLLM:
                 now - times.arrival_time))
 
     def _reset_prefix_cache(self) -> int:
-        self._record(IterationStats())  # count lookups made before the counters restart at 0
-        num_blocks = self.engine.reset_prefix_cache()
-        self._last_prefix_queries = self._last_prefix_hits = 0
-        return num_blocks
+        return self._reset_counters_after(self.engine.reset_prefix_cache)
 
     def _update_times(self, outputs: list[RequestOutput], iteration: IterationStats) -> None:
         now = time.monotonic()

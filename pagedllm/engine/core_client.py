@@ -268,7 +268,9 @@ class MPEngineCoreClient:
         self.num_blocks = self._ready.num_blocks
         self.kv_cache_capacity = self._ready.kv_cache_capacity
         self.kv_cache_bytes_per_token = self._ready.kv_cache_bytes_per_token
-        self._stats = self.call_utility("get_stats")
+        # The core answers every utility call with its stats first (this front end's view of
+        # them when the core serves several: engine/core_stat_shares.py); they set _stats.
+        self.call_utility("get_stats")
 
     def _bind_tcp(self, host: str) -> CoreEndpoints:
         """Bind both sockets on `host` (free ports) as CURVE servers that accept only a key
@@ -370,7 +372,9 @@ class MPEngineCoreClient:
         return len(self._unfinished)
 
     def get_stats(self) -> SchedulerStats:
-        """The scheduler's stats as of the core's last step (sent with its outputs)."""
+        """The scheduler's stats as of the core's last step (sent with its outputs) or utility
+        call (sent before its result); when the core serves several front ends, the counters
+        are this front end's share (engine/core_stat_shares.py)."""
         return self._stats
 
     def check_health(self) -> None:

@@ -38,6 +38,7 @@ import zmq
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import EngineCoreOutput
 from pagedllm.engine import core_serial as wire
+from pagedllm.engine.core_stat_shares import CounterShares
 from pagedllm.engine.engine_core import EngineCore
 from pagedllm.logger import init_logger
 from pagedllm.platforms import current_platform
@@ -143,7 +144,9 @@ class EngineCoreProc:
         inputs, outputs: per front end, a connected zmq PULL socket (front end -> core) and
             PUSH socket (core -> front end). A request's outputs and a utility call's result go
             to the front end it came from; each front end with requests on this core gets the
-            scheduler's stats after every step, every front end when the core falls idle.
+            scheduler's stats after every step, every front end when the core falls idle. With
+            several front ends each receives its share of the counters (core_stat_shares.py),
+            so that their sum is the core's count.
         parent_pid: the front end's pid; the loop ends when the parent changes (it died).
             None: no parent to watch (a Ray actor).
     """
@@ -165,6 +168,8 @@ class EngineCoreProc:
         # Per front end: AbortRequests acted on since its last StepOutputs (which acknowledges
         # them).
         self._aborts_handled = [0] * len(self.inputs)
+        self._shares = (CounterShares(len(self.outputs), core.get_stats(), core.eplb_stats)
+                        if len(self.outputs) > 1 else None)
 
     def run(self) -> None:
         while not self._stopping:
@@ -223,7 +228,15 @@ class EngineCoreProc:
             self._aborts_handled[client] += 1
             return True
         elif isinstance(msg, wire.CallUtility):
-            self.outputs[client].send(self.encoder.encode(self._call_utility(msg)))
+            result = self._call_utility(msg)
+            # The stats after the call go first (it may have reset counters, e.g. the prefix
+            # cache's): the caller's get_stats() right after the call sees them.
+            stats, eplb = self.core.get_stats(), self.core.eplb_stats
+            if self._shares is not None:
+                self._shares.rebase(stats, eplb)
+                stats, eplb = self._shares.view(client, stats, eplb)
+            self.outputs[client].send(self.encoder.encode(wire.StepOutputs([], stats, eplb)))
+            self.outputs[client].send(self.encoder.encode(result))
         else:
             self._stopping = True
         return False
@@ -255,14 +268,21 @@ class EngineCoreProc:
         for client, out in refused:
             per_client[client].append(out)
         idle = not self.core.has_unfinished_requests()
-        stats = self.core.get_stats()
-        for client, push in enumerate(self.outputs):
-            if (per_client[client] or self._aborts_handled[client] or client in busy
-                    or idle):
-                push.send(self.encoder.encode(wire.StepOutputs(
-                    per_client[client], stats, self.core.eplb_stats,
-                    self._aborts_handled[client])))
-                self._aborts_handled[client] = 0
+        recipients = [client for client in range(len(self.outputs))
+                      if per_client[client] or self._aborts_handled[client] or client in busy
+                      or idle]
+        stats, eplb = self.core.get_stats(), self.core.eplb_stats
+        if self._shares is not None and recipients:
+            # The counters' increments go to a front end that records them now: one with
+            # outputs, else with requests on the core, else with aborts acknowledged.
+            self._shares.give(min(recipients, key=lambda c: (
+                not per_client[c], c not in busy, not self._aborts_handled[c], c)), stats, eplb)
+        for client in recipients:
+            mine, my_eplb = (self._shares.view(client, stats, eplb)
+                             if self._shares is not None else (stats, eplb))
+            self.outputs[client].send(self.encoder.encode(wire.StepOutputs(
+                per_client[client], mine, my_eplb, self._aborts_handled[client])))
+            self._aborts_handled[client] = 0
 
 
 def utility_method(core: Any, name: str):

@@ -139,7 +139,11 @@ def test_abort_and_errors_stay_per_request(mp_engine: LLMEngine) -> None:
 
 def test_utility_calls_are_generic(mp_engine: LLMEngine) -> None:
     client = mp_engine.engine_core
+    _run(mp_engine, {"lookup": (PROMPTS[0], SamplingParams(max_tokens=1))})
+    assert client.get_stats().prefix_cache_stats.queries > 0
     assert client.reset_prefix_cache() >= 0          # a public EngineCore method, forwarded
+    # The core sends its stats before a utility call's result: get_stats() is the reset's.
+    assert client.get_stats().prefix_cache_stats.queries == 0
     assert client.call_utility("get_num_unfinished_requests") == 0
     stats = client.call_utility("get_stats")
     assert stats.num_blocks == client.num_blocks    # converted back to SchedulerStats
@@ -232,7 +236,8 @@ def test_socket_bytes_never_run_code(mp_engine: LLMEngine, inproc_engine: LLMEng
 def test_core_serves_several_front_ends(inproc_engine: LLMEngine) -> None:
     """One core, two front ends (the API-server pool's layout): each request's outputs and each
     utility result go back to the front end that sent it, aborts are acknowledged to their
-    sender, and a front end with no request on the core still gets the stats once it is idle."""
+    sender, a front end with no request on the core still gets the stats once it is idle, and
+    the counters the front ends receive add up to the core's (each gets its share)."""
     ctx = zmq.Context()
     fronts, pulls, pushes = [], [], []
     for i in range(2):
@@ -245,6 +250,7 @@ def test_core_serves_several_front_ends(inproc_engine: LLMEngine) -> None:
         fronts.append((to_core, from_core))
         pulls.append(pull)
         pushes.append(push)
+    base = inproc_engine.engine_core.get_stats().prefix_cache_stats
     proc = EngineCoreProc(inproc_engine.engine_core, pulls, pushes, os.getpid())
     encoder, decoder = wire.make_encoder(), wire.make_output_decoder()
     params = {"temperature": 0.0, "max_tokens": 3, "output_kind": 0}
@@ -270,6 +276,10 @@ def test_core_serves_several_front_ends(inproc_engine: LLMEngine) -> None:
     assert [(r.call_id, r.result) for r in results] == [(7, 2)]
     assert not any(isinstance(m, wire.UtilityResult) for m in received[0])
     assert steps[0][-1].stats.num_running_reqs == steps[1][-1].stats.num_running_reqs == 0
+    end = inproc_engine.engine_core.get_stats().prefix_cache_stats
+    shares = [msgs[-1].stats.prefix_cache_stats for msgs in steps]
+    assert sum(s.queries for s in shares) == end.queries - base.queries
+    assert sum(s.requests for s in shares) == end.requests - base.requests == 2
     for sock in (*pulls, *pushes, *(s for pair in fronts for s in pair)):
         sock.close(linger=0)
     ctx.term()

@@ -22,9 +22,10 @@ makes every API server fail its requests and exit 1; any API server that exits o
 the pool, and the launcher exits 1. The cores ignore SIGINT (a Ctrl-C reaches the whole process
 group; only the API servers react to it, so they end gracefully).
 
-Limits (docs/distributed.md): /metrics of one API server shows its own counters (the gauges,
-sent by the cores, agree); sleep mode and runtime LoRA changes made through one API server are
-not known to the others, so they are refused with more than one API server.
+Metrics: /metrics of any API server shows the whole server (prometheus_client's multiprocess
+mode over a private folder made here and removed at exit; metrics.py). Limits
+(docs/distributed.md): sleep mode and runtime LoRA changes made through one API server are not
+known to the others, so they are refused with more than one API server.
 """
 
 from __future__ import annotations
@@ -38,12 +39,13 @@ import signal
 import socket
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from pagedllm.config import create_engine_config
 from pagedllm.engine.core_client import AttachLauncher
 from pagedllm.engine.core_proc import CoreEndpoints, run_engine_core
+from pagedllm.entrypoints.openai.metrics import setup_multiprocess_metrics
 from pagedllm.executor.multiproc import check_main_reimportable
 from pagedllm.logger import init_logger
 
@@ -86,6 +88,7 @@ def run_api_server_pool(model: str, engine_kwargs: dict[str, Any], api_server_co
     servers: list[mp.process.BaseProcess] = []
     wake_r, wake_w = os.pipe()
     stopping: list[int] = []
+    clean_up_metrics: Callable[[], None] = lambda: None
 
     def on_signal(signum: int, frame: Any) -> None:
         stopping.append(signum)
@@ -102,6 +105,8 @@ def run_api_server_pool(model: str, engine_kwargs: dict[str, Any], api_server_co
             core.start()
             cores.append(core)
         signal.signal(signal.SIGINT, on_signal)
+        # One /metrics for all API servers (prometheus_client's multiprocess mode, metrics.py).
+        clean_up_metrics = setup_multiprocess_metrics()
         for a in range(api_server_count):
             launchers = [AttachLauncher(endpoints[d][a], cores[d].pid)
                          for d in range(data_parallel_size)]
@@ -119,6 +124,7 @@ def run_api_server_pool(model: str, engine_kwargs: dict[str, Any], api_server_co
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         _stop(servers, cores)
+        clean_up_metrics()
         os.close(wake_r)
         os.close(wake_w)
         shutil.rmtree(folder, ignore_errors=True)

@@ -6,15 +6,35 @@ servers or tests in one process never share or clash over metrics. With data-par
 each replica records through `for_engine(i)`: the gauges (running, waiting, KV usage) carry an
 `engine` label per replica (vLLM's label), so no replica overwrites another's, while counters and
 histograms add up over the replicas.
+
+Several API-server processes (`--api-server-count N`, api_server_pool.py) answer /metrics for
+the whole server through prometheus_client's multiprocess mode, as vLLM does: the pool makes a
+private folder for `PROMETHEUS_MULTIPROC_DIR` before it starts the API servers
+(`setup_multiprocess_metrics`, removed at exit), every API server's metrics write their values
+there, and /metrics of any of them renders all of them: counters and histograms summed over the
+API servers (each counts the requests it served; an engine core gives each API server its own
+share of the core's counters, engine/core_stat_shares.py, so they add up to the core's count),
+the engine gauges (`multiprocess_mode="mostrecent"`, vLLM's choice) the value written last by
+any API server for each replica, since every API server receives the same core's gauges and
+must not add them up.
 """
 
 from __future__ import annotations
 
-from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
-                               generate_latest)
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from pagedllm.core.scheduler import SchedulerStats
-from pagedllm.engine.async_llm import IterationStats
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
+                               generate_latest, values)
+from prometheus_client.multiprocess import MultiProcessCollector
+
+if TYPE_CHECKING:   # (annotations only: a light import for the API-server pool's launcher)
+    from pagedllm.core.scheduler import SchedulerStats
+    from pagedllm.engine.iteration_stats import IterationStats
 
 METRICS_CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -26,10 +46,48 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 
 _E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
                 60.0, 120.0, 300.0)
 FINISH_REASONS = ("stop", "length", "abort")
+# prometheus_client's switch (read when it is imported); it also honours the lower-case name.
+MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+logger = logging.getLogger(__name__)
+
+
+def multiprocess_dir() -> str | None:
+    """The folder of prometheus_client's multiprocess mode in this process (None: off)."""
+    return os.environ.get(MULTIPROC_DIR_ENV) or os.environ.get(MULTIPROC_DIR_ENV.lower())
+
+
+def setup_multiprocess_metrics() -> Callable[[], None]:
+    """Turn on prometheus_client's multiprocess mode for the processes this one starts from now
+    (spawned: they import prometheus_client with the variable set): a new private folder (mode
+    0700) as `PROMETHEUS_MULTIPROC_DIR`, unless the user set one (used as it is, with vLLM's
+    warning: it must be emptied between runs).
+
+    Returns:
+        the clean-up, to call once those processes have ended: removes the folder it made and
+        the variable.
+    """
+    if multiprocess_dir() is not None:
+        logger.warning("%s is set by the user (%s): it must be emptied between runs, or "
+                       "/metrics shows the counters of earlier runs too", MULTIPROC_DIR_ENV,
+                       multiprocess_dir())
+        return lambda: None
+    folder = tempfile.mkdtemp(prefix="pagedllm-metrics-")
+    os.environ[MULTIPROC_DIR_ENV] = folder
+
+    def clean_up() -> None:
+        if os.environ.get(MULTIPROC_DIR_ENV) == folder:
+            del os.environ[MULTIPROC_DIR_ENV]
+        shutil.rmtree(folder, ignore_errors=True)
+    return clean_up
 
 
 class PrometheusStatLogger:
     """Engine metrics for one served model.
+
+    With `PROMETHEUS_MULTIPROC_DIR` set before prometheus_client was imported (the API-server
+    pool's processes), `render` shows the metrics of every process writing to that folder (see
+    the module docstring); one PrometheusStatLogger per process then.
 
     Args:
         model_name: value of the `model_name` label on every metric.
@@ -38,9 +96,19 @@ class PrometheusStatLogger:
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
         labels, registry = ["model_name"], self.registry
+        # Multiprocess mode: the metrics above write to the folder; /metrics reads all of it.
+        self._render_registry = registry
+        if multiprocess_dir() is not None:
+            if values.ValueClass is values.MutexValue:
+                logger.warning("%s was set after prometheus_client was imported: /metrics "
+                               "shows this process's metrics only", MULTIPROC_DIR_ENV)
+            else:
+                self._render_registry = CollectorRegistry()
+                MultiProcessCollector(self._render_registry)
 
         def gauge(name: str, doc: str) -> Gauge:     # a family: one series per engine
-            return Gauge(name, doc, ["model_name", "engine"], registry=registry)
+            return Gauge(name, doc, ["model_name", "engine"], registry=registry,
+                         multiprocess_mode="mostrecent")
 
         def counter(name: str, doc: str) -> Counter:
             return Counter(name, doc, labels, registry=registry).labels(model_name)
@@ -116,7 +184,8 @@ class PrometheusStatLogger:
             "pagedllm:eplb_imbalance",
             "Per MoE layer, max / mean over the EP ranks of the tokens routed to each rank's "
             "experts in the window of the last EPLB rebalance, under the placement before and "
-            "after it (1 = balanced).", ["model_name", "layer", "when"], registry=registry)
+            "after it (1 = balanced).", ["model_name", "layer", "when"], registry=registry,
+            multiprocess_mode="mostrecent")
 
     def for_engine(self, engine: int) -> EngineStatLogger:
         """The stat logger of data-parallel replica `engine` (its gauges labelled with it)."""
@@ -181,7 +250,7 @@ class PrometheusStatLogger:
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
-        return generate_latest(self.registry)
+        return generate_latest(self._render_registry)
 
 
 class EngineStatLogger:

@@ -1,6 +1,7 @@
 """`pagedllm serve --api-server-count 2`: two API-server processes on one port, over one engine
 core process: both serve (the kernel spreads connections over them), the outputs are the
-in-process engine's, the gauges (sent by the core) agree, and SIGTERM ends all with status 0.
+in-process engine's, /metrics of either is the whole server's (counters summed, gauges
+current), and SIGTERM ends all with status 0 and removes the metrics folder.
 With `-dp 2`: the same text, and SIGKILL of one core stops the pool with status 1.
 
 Slow: three processes load the model on a small machine.
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from pagedllm import LLM, SamplingParams
 from tests.entrypoints.openai.server_process import free_port, running_server
@@ -28,10 +30,33 @@ from tests.entrypoints.openai.test_openai_server import ENGINE_FLAGS, ENGINE_KWA
 pytestmark = pytest.mark.slow
 
 
-def test_two_api_servers_both_serve_one_core(tiny_llama):
+def _metric(url: str, sample: str) -> float:
+    """One sample of a fresh scrape (a new connection: any API server may answer)."""
+    text = httpx.get(url + "/metrics", timeout=30).text
+    found = re.findall(re.escape(sample).replace(r"\*", "[^}]*") + r" (\S+)", text)
+    assert len(found) == 1, (sample, found)
+    return float(found[0])
+
+
+def _served_by_pid(folder: Path) -> dict[int, float]:
+    """Requests each API server counted, from its own file in the metrics folder."""
+    return {int(path.stem.split("_")[1]): sum(
+        s.value for metric in MultiProcessCollector.merge([str(path)]) for s in metric.samples
+        if s.name == "pagedllm:request_success_total") for path in folder.glob("counter_*.db")}
+
+
+def test_two_api_servers_one_core_one_metrics(tiny_llama):
+    """Both API servers serve (the kernel spreads connections over them), the text is the
+    in-process engine's, and /metrics of either is the whole server's: counters add up to the
+    requests sent (the per-process files show both counted some), the core's counters are not
+    counted twice, and the engine gauges are current whichever API server answers (before,
+    each showed the state of its own last step: an API server without requests showed 0
+    running while the other streamed). The metrics folder is gone after SIGTERM."""
     prompts = [f"Request number {i} says" for i in range(32)]
-    offline = LLM(str(tiny_llama), **ENGINE_KWARGS).generate(
-        prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    llm = LLM(str(tiny_llama), **ENGINE_KWARGS)
+    offline = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6,
+                                                   ignore_eos=True), use_tqdm=False)
+    prefix_queries = llm.get_stats().prefix_cache_stats.queries
     args = ["--model", str(tiny_llama), "--api-server-count", "2",
             "--uvicorn-log-level", "warning", *ENGINE_FLAGS]
     with running_server(args, startup_timeout_s=600) as (proc, url):
@@ -47,17 +72,43 @@ def test_two_api_servers_both_serve_one_core(tiny_llama):
             return await asyncio.gather(*(one(p) for p in prompts))
 
         assert asyncio.run(run()) == [o.outputs[0].text for o in offline]
-        # Each API server counts the requests it served; new connections reach both.
-        totals, running = set(), set()
-        for _ in range(40):
-            text = httpx.get(url + "/metrics", timeout=30).text
-            totals.add(float(re.search(
-                r'request_success_total\{finished_reason="length"[^}]*\} (\S+)', text)[1]))
-            running.add(float(re.search(r"num_requests_running\{[^}]*\} (\S+)", text)[1]))
-            if len(totals) == 2:
-                break
-        assert len(totals) == 2 and sum(totals) == len(prompts) and min(totals) > 0, totals
-        assert running == {0.0}
+        for _ in range(8):      # whichever API server answers
+            assert _metric(url, "pagedllm:request_success_total{finished_reason=\"length\"*}"
+                           ) == len(prompts)
+            assert _metric(url, "pagedllm:generation_tokens_total{*}") == 6 * len(prompts)
+            assert _metric(url, "pagedllm:prompt_tokens_total{*}") == sum(
+                len(o.prompt_token_ids) for o in offline)
+            assert _metric(url, "pagedllm:prefix_cache_queries_total{*}") == prefix_queries
+            assert _metric(url, "pagedllm:num_requests_running{*}") == 0
+        # One stream on one API server: every scrape, through either, sees it running.
+        body = {"prompt": "ROMEO:", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as stream:
+            lines = stream.iter_lines()
+            for _ in range(3):
+                next(lines)
+            running = [_metric(url, "pagedllm:num_requests_running{*}") for _ in range(8)]
+            assert running == [1.0] * 8, running
+        deadline = time.monotonic() + 30
+        while _metric(url, "pagedllm:num_requests_running{*}") != 0:
+            assert time.monotonic() < deadline, "the gauge kept the closed stream"
+            time.sleep(0.2)
+        assert [_metric(url, "pagedllm:num_requests_running{*}") for _ in range(8)] == [0] * 8
+        # Both API servers counted some of the requests (their own files in the folder).
+        folders = {pid: _environ(pid).get("PROMETHEUS_MULTIPROC_DIR")
+                   for pid in _pool_children(proc.pid)}
+        api_servers = [pid for pid, folder in folders.items() if folder]
+        assert len(api_servers) == 2 and len(folders) == 3, folders   # and one core
+        folder = Path(folders[api_servers[0]])
+        assert folders[api_servers[1]] == str(folder)
+        served = _served_by_pid(folder)
+        assert sorted(served) == sorted(api_servers) and min(served.values()) > 0, served
+        assert sum(served.values()) == len(prompts) + 1      # and the stream (aborted)
+    assert not folder.exists()
+
+
+def _environ(pid: int) -> dict[str, str]:
+    pairs = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(p.decode(errors="replace").partition("=")[::2] for p in pairs if p)
 
 
 def _pool_children(launcher_pid: int) -> list[int]:
