@@ -67,9 +67,10 @@ def test_batched_matches_sentence_transformers(llm: LLM, reference: np.ndarray) 
 
 
 def test_one_by_one_matches_batched(llm: LLM, reference: np.ndarray) -> None:
-    single = np.concatenate([_vectors(llm.embed(s)) for s in SENTENCES])
-    assert _cos(single, reference).min() > 0.9999
-    np.testing.assert_allclose(single, _vectors(llm.embed(SENTENCES)), atol=1e-5)
+    picked = SENTENCES[::5]            # every fifth: short and long ones
+    single = np.concatenate([_vectors(llm.embed(s)) for s in picked])
+    assert _cos(single, reference[::5]).min() > 0.9999
+    np.testing.assert_allclose(single, _vectors(llm.embed(SENTENCES))[::5], atol=1e-5)
 
 
 def test_similar_sentences_score_higher(llm: LLM) -> None:
