@@ -37,7 +37,13 @@ def references(tiny_checkpoints, tmp_path_factory):
                               for i, (name, path) in enumerate(folders.items())]
             prompts = _prompts(5)[:6]
             per_prompt = [loras[i % len(loras)] for i in range(len(prompts))]
-            want = [_hf_reference(base, lora, [p])[0] for p, lora in zip(prompts, per_prompt)]
+            rows = {lora: [i for i, other in enumerate(per_prompt) if other == lora]
+                    for lora in loras}
+            want = [None] * len(prompts)
+            for lora, indices in rows.items():    # one HF + peft model per adapter
+                refs = _hf_reference(base, lora, [prompts[i] for i in indices])
+                for i, ref in zip(indices, refs):
+                    want[i] = ref
             cache[variant] = base, prompts, per_prompt, want
         return cache[variant]
 
