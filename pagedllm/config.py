@@ -519,10 +519,6 @@ class EngineConfig:
         if self.speculative_config is not None and self.parallel_config.pipeline_parallel_size > 1:
             raise ValueError("speculative_config is not supported with pipeline_parallel_size > 1 "
                              "(issue #11); use tensor parallelism")
-        if self.lora_config is not None and self.parallel_config.world_size > 1:
-            # TODO(issue #38): A/B sharded like their base layer.
-            raise ValueError("enable_lora is not supported with tensor or pipeline parallelism "
-                             "yet (issue #38); use one process")
         if self.model_config.enable_return_routed_experts:
             self._validate_return_routed_experts()
 

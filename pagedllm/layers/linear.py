@@ -1,7 +1,7 @@
 """Linear layers with tensor-parallel sharding and per-parameter weight loaders.
 
 Column-parallel layers split the output dimension across ranks, row-parallel ones the input
-dimension (followed by an all-reduce, visible in `RowParallelLinear.forward`). Fused layers
+dimension (followed by an all-reduce, visible in `RowParallelLinear.reduce_partial`). Fused layers
 (`QKVParallelLinear`, `MergedColumnParallelLinear`) hold several checkpoint tensors in one weight;
 their `weight_loader(param, loaded, shard_id)` copies each into its rows.
 
@@ -165,10 +165,19 @@ class RowParallelLinear(nn.Module):
         else:
             default_weight_loader(param, part)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.quant_method.apply(self, x)
+    def forward_partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sum x_shard W_shard^T [n, output_size] (x: [n,
+        input_size_per_partition]), before the all-reduce and without the bias. A wrapper may
+        add its own partial sums to it (LoRA, lora/layers.py) so they are reduced once."""
+        return self.quant_method.apply(self, x)
+
+    def reduce_partial(self, y: torch.Tensor) -> torch.Tensor:
+        """Sum the ranks' partial outputs `y` [n, output_size] (all-reduce) and add the bias."""
         if self.tp_size > 1:
             y = tensor_model_parallel_all_reduce(y)
         if self.bias is not None:
             y = y + self.bias
         return y
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.reduce_partial(self.forward_partial(x))

@@ -12,6 +12,16 @@ only.
 Merged layers hold one slice per checkpoint projection:
 
     qkv_proj:     [ q_proj | k_proj | v_proj ]      gate_up_proj: [ gate_proj | up_proj ]
+
+Tensor parallelism shards A and B like their base layer (vLLM's and Punica's layout): a
+column-parallel base (qkv_proj, gate_up_proj) keeps A whole and holds this rank's output rows of
+each projection's B (the k/v rows of the KV heads it holds, replicated heads included); a
+row-parallel base (o_proj, down_proj) holds this rank's input columns of A and all of B, and its
+partial sums x_shard A_shard^T B^T are added to the base layer's before the one all-reduce
+(summed over ranks: x A^T B^T).
+
+    column-parallel, rank t:   A [r, in]              B^T [r, this rank's rows of each slice]
+    row-parallel, rank t:      A [r, in / tp] (t-th)   B^T [r, out]
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from pagedllm.layers.linear import RowParallelLinear
 from pagedllm.lora.ops import LoRAMapping, add_lora
 from pagedllm.models.llama import LlamaDecoderLayer, LlamaModel
 from pagedllm.native.attach import NativeDecoderStack
@@ -41,18 +52,28 @@ class LoRAStepState:
 
 @dataclass(frozen=True)
 class LoRASlice:
-    """One checkpoint projection inside a (possibly merged) layer's output rows."""
+    """One checkpoint projection inside a (possibly merged) layer's output rows.
+
+    Attributes:
+        module: the checkpoint projection (q_proj, ...).
+        offset, size: its rows in this rank's output of the layer.
+        shard: which `size` rows of the projection's B this rank holds: rows
+            [shard * size, (shard + 1) * size) (0 for an unsharded output).
+    """
 
     module: str
     offset: int
     size: int
+    shard: int = 0
 
 
 class LoRALinear(nn.Module):
     """A linear layer plus the step's adapters: y = base(x) + per token x A_s^T B_s^T, where s
     is the adapter slot of the token's request (none for base tokens). The slots (lora/ops.py
     layouts) are allocated once and written in place, so the native structure pointing at them
-    (`native`, for the CPU kernels and the fused decoder) stays valid.
+    (`native`, for the CPU kernels and the fused decoder) stays valid. Under tensor parallelism
+    the slots hold this rank's shards (module docstring); for a row-parallel base the adapter's
+    partial sums join the base layer's before its all-reduce.
 
     Args:
         base_layer: the model's linear layer (any quantization method; its output is float).
@@ -78,6 +99,10 @@ class LoRALinear(nn.Module):
             max_loras, width, base_layer.output_size_per_partition, device=device, dtype=dtype),
             persistent=False)
         self.slice_ends = tuple(p.offset + p.size for p in slices)
+        # A row-parallel base: its rank's input columns of A, and the reduce after the adapter.
+        self.row_parallel = isinstance(base_layer, RowParallelLinear)
+        self.input_offset = (base_layer.tp_rank * base_layer.input_size_per_partition
+                             if self.row_parallel else 0)
         self.native = lora_linear_weights(self.lora_a, self.lora_b, self.slice_ends,
                                           max_lora_rank)
 
@@ -88,22 +113,28 @@ class LoRALinear(nn.Module):
 
     def set_lora(self, slot: int, slice_index: int, lora_a: torch.Tensor,
                  lora_b: torch.Tensor) -> None:
-        """Write one projection's A [r, in_features] and scaled B [slice size, r] into slot
-        `slot` (r <= max_lora_rank; the rest of the slot's width stays zero)."""
+        """Write one projection's A [r, in_features] and scaled B [out_features, r] (whole,
+        as in the checkpoint) into slot `slot`, keeping this rank's shard of each (r <=
+        max_lora_rank; the rest of the slot's width stays zero)."""
         rank = lora_a.shape[0]
         start = slice_index * self.max_lora_rank
         piece = self.slices[slice_index]
-        self.lora_a[slot, start:start + rank].copy_(lora_a)
+        self.lora_a[slot, start:start + rank].copy_(
+            lora_a.narrow(1, self.input_offset, self.lora_a.shape[2]))
         self.lora_b[slot, start:start + rank, piece.offset:piece.offset + piece.size].copy_(
-            lora_b.t())
+            lora_b.narrow(0, piece.shard * piece.size, piece.size).t())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base_layer(x)
         mapping = self.state.mapping
-        if mapping is not None:
-            add_lora(x, y, self.lora_a, self.lora_b, self.native, mapping, self.max_lora_rank,
-                     self.slice_ends)
-        return y
+        if mapping is None:
+            return self.base_layer(x)
+        # Row-parallel: x is this rank's input shard, and its partial LoRA sum joins the base
+        # layer's partial output before the all-reduce, so both are reduced once.
+        row = self.row_parallel
+        y = self.base_layer.forward_partial(x) if row else self.base_layer(x)
+        add_lora(x, y, self.lora_a, self.lora_b, self.native, mapping, self.max_lora_rank,
+                 self.slice_ends)
+        return self.base_layer.reduce_partial(y) if row else y
 
 
 class LoRAGatedLayerStack:
@@ -152,13 +183,19 @@ def wrap_lora_layers(model: nn.Module, state: LoRAStepState, max_loras: int,
                                  f"decoder layer")
             attn, mlp = layer.self_attn, layer.mlp
             q, kv = attn.q_size, attn.kv_size
-            wrap(attn, "qkv_proj", idx, [LoRASlice("q_proj", 0, q), LoRASlice("k_proj", q, kv),
-                                         LoRASlice("v_proj", q + kv, kv)])
+            # This rank's q heads, and its KV heads (one KV head may serve several ranks).
+            tp_rank, kv_shard = attn.qkv_proj.tp_rank, \
+                attn.qkv_proj.tp_rank // attn.qkv_proj.num_kv_head_replicas
+            wrap(attn, "qkv_proj", idx, [LoRASlice("q_proj", 0, q, tp_rank),
+                                         LoRASlice("k_proj", q, kv, kv_shard),
+                                         LoRASlice("v_proj", q + kv, kv, kv_shard)])
             wrap(attn, "o_proj", idx,
                  [LoRASlice("o_proj", 0, attn.o_proj.output_size_per_partition)])
             gate, up = (s // mlp.gate_up_proj.tp_size for s in mlp.gate_up_proj.output_sizes)
+            tp_rank = mlp.gate_up_proj.tp_rank
             wrap(mlp, "gate_up_proj", idx,
-                 [LoRASlice("gate_proj", 0, gate), LoRASlice("up_proj", gate, up)])
+                 [LoRASlice("gate_proj", 0, gate, tp_rank),
+                  LoRASlice("up_proj", gate, up, tp_rank)])
             wrap(mlp, "down_proj", idx,
                  [LoRASlice("down_proj", 0, mlp.down_proj.output_size_per_partition)])
         native = stack.layer_stack

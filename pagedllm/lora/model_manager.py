@@ -6,9 +6,16 @@ the worker; `remove_request` when it leaves): a pinned adapter is never evicted,
 request's arrival its adapter is never read from disk again, and an adapter file that changes or
 disappears while its requests run cannot fail a step (`add_request` reports a failed read for
 that request alone). Between steps (`set_active_loras`, called by the runner before each
-forward) the adapters of the step's requests are made resident: an adapter already in a slot stays there; another takes
-a free slot or the least recently used slot no request of this step needs (the scheduler never
-schedules more than `max_loras` distinct adapters in one step, so one always exists).
+forward) the adapters of the step's requests are made resident: an adapter already in a slot
+stays there; another takes a free slot or the least recently used slot no request of this step
+needs (the scheduler never schedules more than `max_loras` distinct adapters in one step, so one
+always exists).
+
+Under tensor or pipeline parallelism every rank runs its own manager. Each request, with its
+adapter, reaches every rank in the SchedulerOutput, so an adapter first named at run time is read
+by every rank when its first request arrives, and each keeps its own shard of its own stage's
+layers (lora/layers.py). Every rank sees the same steps and applies the same rules, so the ranks
+fill the same slots.
 """
 
 from __future__ import annotations
@@ -173,7 +180,12 @@ class LoRAModelManager:
         for wrapper in self.wrappers:
             wrapper.reset_lora(slot)
         for key, (lora_a, lora_b) in adapter.weights.items():
-            wrapper, slice_index = self.targets[key]
+            target = self.targets.get(key)
+            if target is None:
+                # Another pipeline stage's layer (adapters are checked against the whole
+                # model when read; each stage wraps only its own layers).
+                continue
+            wrapper, slice_index = target
             wrapper.set_lora(slot, slice_index, lora_a, lora_b)
         self.slot_ids[slot] = adapter.lora_request.lora_int_id
         self.slot_ranks[slot] = adapter.rank
