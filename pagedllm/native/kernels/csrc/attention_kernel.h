@@ -255,6 +255,14 @@ inline void block_values(float* acc, const float* p, const T* v, int64_t stride,
 // context alone.
 constexpr int kSplitLen = 256;
 
+// The end (exclusive) of the key positions query token t at position pos sees: pos + 1
+// (causal), attend_until[t] + 1 with `attend_until` (at most seq_len), or seq_len (not causal).
+inline int key_end(int causal, const int64_t* attend_until, int t, int pos, int seq_len) {
+  if (!causal) return seq_len;
+  if (attend_until == nullptr) return pos + 1;
+  return static_cast<int>(std::min<int64_t>(attend_until[t] + 1, seq_len));
+}
+
 struct AttentionPlan {
   // Per unit (query token, split): its request, its token index, its split (-1: not split,
   // the output is written directly) and, for a split, where its partial state goes.
@@ -270,15 +278,17 @@ struct AttentionPlan {
 
 inline AttentionPlan plan_attention(const int32_t* query_start_loc, const int32_t* rows,
                                     int num_rows, const int32_t* seq_lens, int num_kv_heads,
-                                    int num_heads, int head_size, int num_threads, int causal) {
+                                    int num_heads, int head_size, int num_threads, int causal,
+                                    const int64_t* attend_until = nullptr) {
   AttentionPlan p;
   int32_t partials = 0;
   for (int i = 0; i < num_rows; ++i) {
     const int r = rows[i];
     const int q_len = query_start_loc[r + 1] - query_start_loc[r];
     for (int t = query_start_loc[r]; t < query_start_loc[r + 1]; ++t) {
-      // The token's context: keys [0, position] (causal) or the whole sequence.
-      const int ctx = causal ? seq_lens[r] - q_len + (t - query_start_loc[r]) + 1 : seq_lens[r];
+      // The token's context: keys [0, its horizon] (causal) or the whole sequence.
+      const int ctx = key_end(causal, attend_until, t,
+                              seq_lens[r] - q_len + (t - query_start_loc[r]), seq_lens[r]);
       const int splits = (ctx + kSplitLen - 1) / kSplitLen;
       if (splits <= 1) {
         p.item_row.push_back(r);
@@ -338,6 +348,9 @@ struct AttentionArgs {
   const float* k_scales = nullptr;
   const float* v_scales = nullptr;
   float k_scale = 1.f, v_scale = 1.f;
+  // Per query token (flat index) the last key position it may see, causal only (Gemma 3's image
+  // tokens see their whole image); nullptr = its own position.
+  const int64_t* attend_until = nullptr;
 };
 
 // The work-sharing loops over the plan's items, then the merge of the split rows, to be called
@@ -385,7 +398,7 @@ void attention_items(const AttentionArgs<T, TQ>& a, const AttentionPlan& plan) {
     // Key positions [ctx_begin, ctx_end) (within the split's piece, if split), walked block by
     // block; a range starting inside a block enters it at an offset (n keys from `offset`).
     int ctx_begin = a.window > 0 ? std::max(0, pos + 1 - a.window) : 0;
-    int ctx_end = a.causal ? pos + 1 : seq_len;
+    int ctx_end = key_end(a.causal, a.attend_until, t, pos, seq_len);
     if (split >= 0) {
       ctx_begin = std::max(ctx_begin, split * kSplitLen);
       ctx_end = std::min(ctx_end, (split + 1) * kSplitLen);
@@ -842,7 +855,7 @@ void attention_tile_items(const AttentionArgs<T, TQ>& a, const QueryTilePlan& pl
     int lo = std::numeric_limits<int>::max(), hi = 0;  // the union of the tile's key ranges
     for (int i = 0; i < nq; ++i) {
       const int pos = seq_len - q_len + (t0 + i - a.query_start_loc[r]);
-      end[i] = a.causal ? pos + 1 : seq_len;
+      end[i] = key_end(a.causal, a.attend_until, t0 + i, pos, seq_len);
       begin[i] = a.window > 0 ? std::max(0, pos + 1 - a.window) : 0;
       lo = std::min(lo, begin[i]);
       hi = std::max(hi, end[i]);
@@ -939,7 +952,8 @@ struct StepAttentionPlan {
 inline StepAttentionPlan plan_step_attention(const int32_t* query_start_loc, const int32_t* rows,
                                              int num_rows, const int32_t* seq_lens,
                                              int num_kv_heads, int num_heads, int head_size,
-                                             int num_threads, int query_tile, int causal) {
+                                             int num_threads, int query_tile, int causal,
+                                             const int64_t* attend_until = nullptr) {
   StepAttentionPlan p;
   std::vector<int32_t> token_rows;  // the requests left to the per-token items
   if (query_tile > 1) {
@@ -953,7 +967,7 @@ inline StepAttentionPlan plan_step_attention(const int32_t* query_start_loc, con
   }
   p.tokens = plan_attention(query_start_loc, token_rows.data(),
                             static_cast<int>(token_rows.size()), seq_lens, num_kv_heads,
-                            num_heads, head_size, num_threads, causal);
+                            num_heads, head_size, num_threads, causal, attend_until);
   return p;
 }
 
