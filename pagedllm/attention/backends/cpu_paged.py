@@ -26,8 +26,11 @@ depend only on its own context: a long context is split at fixed positions (ever
 same for a decode and for a token inside a prefill chunk.
 
 A step with `CommonAttentionMetadata.attend_until` (Gemma 3's image tokens attending to each
-other bidirectionally) runs whole through `torch_sdpa`, whose masks take it; the kernel has
-only causal and window masks. Only prefill steps that hold image tokens carry it.
+other bidirectionally; only prefill steps that hold image tokens carry it) stays on the same
+paths: the kernel takes each query's horizon from it, and a fresh request holding image tokens
+gets SDPA with a boolean mask (key position <= attend_until of the query, built once per step)
+instead of `is_causal` (on the CPU its flash kernel takes masks; measured faster than the kernel
+for such fresh prompts, docs/multimodal.md).
 
 Per-layer attention variants (Gemma): a sliding window and attention-logit soft-capping are
 arguments of the kernel. A fresh request stays on SDPA only where SDPA computes the same thing:
@@ -61,6 +64,10 @@ class CpuPagedMetadata:
         all_rows: [num_reqs] int32 numpy, every request (the fused decoder path attends to all
             of them with the kernel).
         fresh_rows: requests whose sequence is entirely new this step (token range start, end).
+        attend_until: the step's `attend_until` as a contiguous int64 CPU tensor (kernel
+            input), or None.
+        fresh_masks: {start of a fresh request's tokens: [1, 1, L, L] bool SDPA mask} for the
+            fresh requests with image tokens (their horizons differ from their positions).
     """
 
     common: CommonAttentionMetadata
@@ -69,6 +76,8 @@ class CpuPagedMetadata:
     kernel_rows: np.ndarray
     all_rows: np.ndarray
     fresh_rows: tuple[tuple[int, int], ...]
+    attend_until: torch.Tensor | None = None
+    fresh_masks: dict[int, torch.Tensor] = field(default_factory=dict)
     _sdpa: TorchSDPAMetadata | None = field(default=None, repr=False)
     _splits: dict = field(default_factory=dict, repr=False)
 
@@ -111,7 +120,7 @@ class CpuPagedBackend:
     """Paged attention on the CPU through the native kernel (needs `cpu_kernels()`)."""
 
     name = "cpu_paged"
-    # Takes CommonAttentionMetadata.attend_until, through torch_sdpa for the steps with it.
+    # Takes CommonAttentionMetadata.attend_until (the kernel, and masks for fresh requests).
     supports_attend_until = True
 
     @staticmethod
@@ -127,10 +136,21 @@ class CpuPagedBackend:
         fresh = (query_lens == seq_lens) & (query_lens > 1) & (not common.batch_invariant)
         kernel_rows = np.nonzero(~fresh)[0].astype(np.int32)
         fresh_rows = tuple((int(qsl[r]), int(qsl[r + 1])) for r in np.nonzero(fresh)[0])
+        attend_until, fresh_masks = None, {}
+        if common.attend_until is not None and common.causal:
+            attend_until = common.attend_until.to("cpu", torch.int64).contiguous()
+            for start, end in fresh_rows:
+                # A fresh request's positions are 0 .. L - 1: its horizons, request-local.
+                until = attend_until[start:end]
+                positions = torch.arange(end - start)
+                if torch.equal(until, positions):
+                    continue
+                fresh_masks[start] = (positions[None, :] <= until[:, None])[None, None]
         return CpuPagedMetadata(common=common, query_start_loc=qsl, seq_lens=seq_lens,
                                 kernel_rows=kernel_rows,
                                 all_rows=np.arange(common.num_reqs, dtype=np.int32),
-                                fresh_rows=fresh_rows)
+                                fresh_rows=fresh_rows, attend_until=attend_until,
+                                fresh_masks=fresh_masks)
 
     @staticmethod
     def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -145,8 +165,7 @@ class CpuPagedBackend:
             kv_cache: [2, num_blocks, block_size, num_kv_heads, head_size], float32, bfloat16,
                 or int8 / float8_e4m3fn with their scales (kv_cache_layout.py); other dtypes go through
                 torch_sdpa.
-            metadata: from `build_metadata` (a step with `attend_until` goes through
-                torch_sdpa).
+            metadata: from `build_metadata`.
             scale: softmax scale (usually head_size ** -0.5).
             sliding_window: a query at position p attends only to key positions > p - window
                 (HF's sliding-window mask); None = the whole causal context.
@@ -156,8 +175,7 @@ class CpuPagedBackend:
         Returns:
             [num_tokens, num_heads, head_size] in query's dtype (padded tokens are zero).
         """
-        if (kv_cache.dtype not in KERNEL_CACHE_DTYPES
-                or metadata.common.attend_until is not None):
+        if kv_cache.dtype not in KERNEL_CACHE_DTYPES:
             return TorchSDPABackend.forward(query, key, value, kv_cache,
                                             metadata.sdpa_metadata(), scale, sliding_window,
                                             logits_soft_cap)
@@ -186,12 +204,17 @@ class CpuPagedBackend:
             if rep > 1:
                 k = k.repeat_interleave(rep, dim=1)
                 v = v.repeat_interleave(rep, dim=1)
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=common.causal, scale=scale)
+            mask = metadata.fresh_masks.get(start)
+            if mask is None:
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=common.causal,
+                                                   scale=scale)
+            else:
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
             out[start:end] = o[0].transpose(0, 1)
 
         if len(rows):
             paged_attention(query, kv_cache, common.block_table, metadata.query_start_loc,
                             metadata.seq_lens, rows, scale, common.causal, sliding_window,
                             logits_soft_cap, query_tile=1 if common.batch_invariant else None,
-                            out=out, checked=False)
+                            out=out, checked=False, attend_until=metadata.attend_until)
         return out if query.dtype == torch.float32 else out.to(query.dtype)
