@@ -132,7 +132,7 @@ def test_sliding_window_and_soft_cap_match_dense(backend, shape, window, soft_ca
 @pytest.mark.parametrize("seed", range(2))
 def test_image_spans_match_dense(backend, shape, window, soft_cap, seed, monkeypatch):
     """Bidirectional image spans in fresh prompts, later chunks and beside decodes; cpu_paged
-    computes them itself (SDPA with a mask for fresh prompts, else the kernel), never through
+    computes them in its kernel (fresh prompts without images stay on SDPA), never through
     torch_sdpa."""
     if backend is CpuPagedBackend:
         def no_fallback(*args, **kwargs):

@@ -26,11 +26,10 @@ depend only on its own context: a long context is split at fixed positions (ever
 same for a decode and for a token inside a prefill chunk.
 
 A step with `CommonAttentionMetadata.attend_until` (Gemma 3's image tokens attending to each
-other bidirectionally; only prefill steps that hold image tokens carry it) stays on the same
-paths: the kernel takes each query's horizon from it, and a fresh request holding image tokens
-gets SDPA with a boolean mask (key position <= attend_until of the query, built once per step)
-instead of `is_causal` (on the CPU its flash kernel takes masks; measured faster than the kernel
-for such fresh prompts, docs/multimodal.md).
+other bidirectionally; only prefill steps that hold image tokens carry it) stays on this
+backend: the kernel takes each query's horizon from it, and a fresh request holding image tokens
+moves to the kernel (SDPA's `is_causal` cannot express the mask; SDPA with a boolean mask was
+measured no faster than the kernel there, docs/multimodal.md).
 
 Per-layer attention variants (Gemma): a sliding window and attention-logit soft-capping are
 arguments of the kernel. A fresh request stays on SDPA only where SDPA computes the same thing:
@@ -66,8 +65,6 @@ class CpuPagedMetadata:
         fresh_rows: requests whose sequence is entirely new this step (token range start, end).
         attend_until: the step's `attend_until` as a contiguous int64 CPU tensor (kernel
             input), or None.
-        fresh_masks: {start of a fresh request's tokens: [1, 1, L, L] bool SDPA mask} for the
-            fresh requests with image tokens (their horizons differ from their positions).
     """
 
     common: CommonAttentionMetadata
@@ -77,7 +74,6 @@ class CpuPagedMetadata:
     all_rows: np.ndarray
     fresh_rows: tuple[tuple[int, int], ...]
     attend_until: torch.Tensor | None = None
-    fresh_masks: dict[int, torch.Tensor] = field(default_factory=dict)
     _sdpa: TorchSDPAMetadata | None = field(default=None, repr=False)
     _splits: dict = field(default_factory=dict, repr=False)
 
@@ -120,7 +116,7 @@ class CpuPagedBackend:
     """Paged attention on the CPU through the native kernel (needs `cpu_kernels()`)."""
 
     name = "cpu_paged"
-    # Takes CommonAttentionMetadata.attend_until (the kernel, and masks for fresh requests).
+    # Takes CommonAttentionMetadata.attend_until (in the kernel).
     supports_attend_until = True
 
     @staticmethod
@@ -134,23 +130,19 @@ class CpuPagedBackend:
         seq_lens = np.ascontiguousarray(common.seq_lens_cpu[:common.num_reqs], dtype=np.int32)
         query_lens = qsl[1:] - qsl[:-1]
         fresh = (query_lens == seq_lens) & (query_lens > 1) & (not common.batch_invariant)
-        kernel_rows = np.nonzero(~fresh)[0].astype(np.int32)
-        fresh_rows = tuple((int(qsl[r]), int(qsl[r + 1])) for r in np.nonzero(fresh)[0])
-        attend_until, fresh_masks = None, {}
+        attend_until = None
         if common.attend_until is not None and common.causal:
             attend_until = common.attend_until.to("cpu", torch.int64).contiguous()
-            for start, end in fresh_rows:
-                # A fresh request's positions are 0 .. L - 1: its horizons, request-local.
-                until = attend_until[start:end]
-                positions = torch.arange(end - start)
-                if torch.equal(until, positions):
-                    continue
-                fresh_masks[start] = (positions[None, :] <= until[:, None])[None, None]
+            for r in np.nonzero(fresh)[0]:
+                # A fresh request's positions are 0 .. L - 1; image tokens see further.
+                until = attend_until[qsl[r]:qsl[r + 1]]
+                fresh[r] = torch.equal(until, torch.arange(len(until)))
+        kernel_rows = np.nonzero(~fresh)[0].astype(np.int32)
+        fresh_rows = tuple((int(qsl[r]), int(qsl[r + 1])) for r in np.nonzero(fresh)[0])
         return CpuPagedMetadata(common=common, query_start_loc=qsl, seq_lens=seq_lens,
                                 kernel_rows=kernel_rows,
                                 all_rows=np.arange(common.num_reqs, dtype=np.int32),
-                                fresh_rows=fresh_rows, attend_until=attend_until,
-                                fresh_masks=fresh_masks)
+                                fresh_rows=fresh_rows, attend_until=attend_until)
 
     @staticmethod
     def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -204,12 +196,7 @@ class CpuPagedBackend:
             if rep > 1:
                 k = k.repeat_interleave(rep, dim=1)
                 v = v.repeat_interleave(rep, dim=1)
-            mask = metadata.fresh_masks.get(start)
-            if mask is None:
-                o = F.scaled_dot_product_attention(q, k, v, is_causal=common.causal,
-                                                   scale=scale)
-            else:
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=common.causal, scale=scale)
             out[start:end] = o[0].transpose(0, 1)
 
         if len(rows):
