@@ -197,6 +197,8 @@ def test_portable_build_tiles(cache_dtype):
     _check(lib, (6, 3, 32, 8), cache_dtype, q_lens=[1, 29, 17, 4], ctx=[20, 7, 0, 33], seed=5,
            window=9, soft_cap=5.0)
     _check(lib, (4, 1, 16, 4), cache_dtype, q_lens=[18, 1, 40], ctx=[3, 9, 21], seed=6)
+    _check(lib, (4, 2, 32, 16), cache_dtype, seed=11, window=8, image_spans=IMAGE_SPANS,
+           **IMAGE_STEP)
 
 
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=str)
