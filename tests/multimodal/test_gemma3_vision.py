@@ -2,7 +2,8 @@
 for prompts with 0, 1 and 2 images, also with chunked prefill (an image's soft tokens are never
 split: they attend to each other bidirectionally) and prefix caching; the logprobs tell the
 bidirectional mask from a causal one (they differ by ~1e-2 on this checkpoint). Both CPU
-backends take the mask; `cpu_paged` in its native kernel, never falling back to torch_sdpa. (triton_paged: tests/attention/test_triton_paged.py.)"""
+backends take the mask; `cpu_paged` in its native kernel, never falling back to torch_sdpa
+(triton_paged: tests/attention/test_triton_paged.py)."""
 
 from __future__ import annotations
 

@@ -28,9 +28,10 @@ continues after the cached context) and sees key positions `<= position` (causal
 window W, `> position - W`. With `attend_until` (Gemma 3's image tokens, which attend to each
 other bidirectionally) a query's causal horizon is `attend_until[token]` instead of its position
 (the window still counts from the position); the block's KV loop then runs to the largest horizon
-of its rows. Without it the kernel is compiled without the load (a constexpr switch). Scores are fp32: `s = scale * q.k`, then `cap * tanh(s / cap)` with
-soft-capping; both dots take operands in the query dtype (fp32, fp16 or bf16; K/V tiles and the
-probabilities are cast to it) and accumulate in fp32; fp32 dots use IEEE precision (no TF32).
+of its rows. Without it the kernel is compiled without the load (a constexpr switch). Scores are
+fp32: `s = scale * q.k`, then `cap * tanh(s / cap)` with soft-capping; both dots take operands
+in the query dtype (fp32, fp16 or bf16; K/V tiles and the probabilities are cast to it) and
+accumulate in fp32; fp32 dots use IEEE precision (no TF32).
 Head sizes that are not a power of two are padded with masked lanes.
 """
 

@@ -18,9 +18,10 @@
 // Query i of request r sits at position p = seq_lens[r] - query_len[r] + i; with `causal` it attends
 // to positions [0, p], otherwise to [0, seq_lens[r]). With `attend_until` ([num_tokens] int64,
 // causal only) token t attends to [0, attend_until[t]] instead: Gemma 3's image tokens see their
-// whole image (HF's "causal OR same image" mask); the window still counts from p. A sliding `window` > 0 (Mistral, Gemma's local
-// layers) drops the positions <= p - window, so a causal query sees its last `window` positions
-// (itself included), as HF's sliding-window mask does; the blocks before the window are not read.
+// whole image (HF's "causal OR same image" mask); the window still counts from p. A sliding
+// `window` > 0 (Mistral, Gemma's local layers) drops the positions <= p - window, so a causal
+// query sees its last `window` positions (itself included), as HF's sliding-window mask does;
+// the blocks before the window are not read.
 // A `soft_cap` > 0 (Gemma 2) maps each scaled score s to soft_cap * tanh(s / soft_cap) before
 // the softmax.
 //
