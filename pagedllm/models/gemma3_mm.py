@@ -8,7 +8,8 @@ projector and our Gemma 3 text decoder.
 The decoder attends the soft tokens of one image to each other in both directions (HF's
 blockwise OR causal mask, in global and local layers): the feature's `bidirectional` flag makes
 the scheduler compute an image's tokens in one chunk and the runner set `attend_until`; only
-attention backends with `supports_attend_until` (torch_sdpa, cpu_paged) run this model. Token
+attention backends with `supports_attend_until` (torch_sdpa, cpu_paged, triton_paged) run this
+model. Token
 embeddings are scaled by sqrt(hidden); the image rows are not (as HF). References: HF transformers'
 Gemma3ForConditionalGeneration; Gemma 3 technical report (2025); SigLIP (Zhai et al., 2023).
 """

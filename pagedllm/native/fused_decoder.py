@@ -199,8 +199,9 @@ class FusedDecoder:
 
     def applies(self, num_tokens: int, metadata) -> bool:
         """Whether this step takes the fused path: the `cpu_paged` attention backend, no padded
-        tokens, the KV cache in the weights' dtype, at most the platform's
-        `fused_decoder_max_tokens` (and MAX_SCRATCH_BYTES of scratch), and not a large step
+        tokens, no `attend_until` (bidirectional image tokens), the KV cache in the weights'
+        dtype, at most the platform's `fused_decoder_max_tokens` (and MAX_SCRATCH_BYTES of
+        scratch), and not a large step
         with a long fresh prompt (see LONG_STEP_TOKENS), and no sequence longer than the
         layers' smallest sliding window (the native attention has no window). A model with
         several KV cache groups gets a `KVCacheGroupsMetadata` (one block table per group; the
@@ -208,7 +209,8 @@ class FusedDecoder:
         are all still held while every sequence fits the window. In the batch-invariant mode
         the answer is the same for every step (see `takes`)."""
         if not (isinstance(metadata, CpuPagedMetadata)
-                and metadata.common.num_actual_tokens == num_tokens):
+                and metadata.common.num_actual_tokens == num_tokens
+                and metadata.common.attend_until is None):   # (its layers attend causally)
             return False
         batch_invariant = metadata.common.batch_invariant
         if not self.takes(num_tokens, int(metadata.seq_lens.max(initial=0)), batch_invariant):

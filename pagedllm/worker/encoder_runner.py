@@ -55,7 +55,7 @@ class EncoderRunner:
         Raises:
             ValueError: pipeline parallelism (later stages would need the step's image
                 positions for their bidirectional masks), or a model that attends image tokens
-                bidirectionally on a backend without `attend_until` (Gemma 3 on triton_paged).
+                bidirectionally on a backend without `supports_attend_until`.
         """
         if not getattr(model, "supports_multimodal", False):
             return None

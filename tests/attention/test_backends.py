@@ -1,8 +1,11 @@
 """Both paged attention backends against dense causal attention on random mixed batches
 (decodes, first prefill chunks, later chunks over a cached context; MHA, GQA and MQA), with and
-without a sliding window and attention-logit soft-capping (Gemma)."""
+without a sliding window and attention-logit soft-capping (Gemma), and with bidirectional image
+spans (`attend_until`, Gemma 3)."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -13,10 +16,11 @@ from pagedllm.attention.backends.torch_sdpa import TorchSDPABackend
 from pagedllm.attention.metadata import CommonAttentionMetadata
 
 
-def _dense(q, k, v, scale, window=None, soft_cap=None):
+def _dense(q, k, v, scale, window=None, soft_cap=None, horizon=None):
     """q [Q, H, D] at the end of k/v [S, KVH, D]: causal attention, GQA by repetition. A window
     keeps key positions > query position - window (HF's sliding-window mask); soft_cap maps
-    scores s to cap * tanh(s / cap)."""
+    scores s to cap * tanh(s / cap); horizon [Q]: each query's last visible key position in
+    place of its own (image tokens seeing their whole image)."""
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale
@@ -24,7 +28,7 @@ def _dense(q, k, v, scale, window=None, soft_cap=None):
         scores = soft_cap * torch.tanh(scores / soft_cap)
     n_q, n_k = q.shape[0], k.shape[0]
     k_pos, q_pos = torch.arange(n_k)[None, :], (n_k - n_q + torch.arange(n_q))[:, None]
-    mask = k_pos <= q_pos
+    mask = k_pos <= (q_pos if horizon is None else horizon[:, None])
     if window is not None:
         mask &= k_pos > q_pos - window
     scores = scores.masked_fill(~mask, float("-inf"))
@@ -40,8 +44,10 @@ SHAPES = [(4, 2, 8, 4), (6, 6, 64, 16), (8, 1, 16, 8), (12, 12, 16, 4), (14, 7, 
 
 
 def _run_random_step(backend, shape, dtype, num_reqs, seed, window=None, soft_cap=None,
-                     max_query_len=12):
-    """One random mixed step through `backend`, checked against `_dense` per request."""
+                     max_query_len=12, images=False):
+    """One random mixed step through `backend`, checked against `_dense` per request; with
+    `images` a random image span in every request of 3 or more query tokens (its tokens attend
+    up to its last one, `attend_until`)."""
     rng = np.random.default_rng(seed)
     H, KVH, D, bs = shape
     num_blocks = 80
@@ -71,6 +77,13 @@ def _run_random_step(backend, shape, dtype, num_reqs, seed, window=None, soft_ca
         seq_lens_cpu=seq_lens.astype(np.int32), block_table=torch.from_numpy(block_table),
         slot_mapping=torch.from_numpy(slots), num_reqs=num_reqs, num_actual_tokens=int(qsl[-1]),
         max_query_len=int(q_lens.max()), max_seq_len=int(seq_lens.max()), block_size=bs)
+    horizons = [torch.arange(ctx[r], seq_lens[r]) for r in range(num_reqs)]
+    if images:
+        for r in np.nonzero(q_lens >= 3)[0]:
+            first = int(rng.integers(0, q_lens[r] - 2))
+            last = int(rng.integers(first + 1, q_lens[r]))
+            horizons[r][first:last + 1] = ctx[r] + last
+        common = replace(common, attend_until=torch.cat(horizons))
     qs = [torch.randn(q_lens[r], H, D).to(dtype) for r in range(num_reqs)]
     new_k = torch.cat([full_k[r][ctx[r]:] for r in range(num_reqs)])
     new_v = torch.cat([full_v[r][ctx[r]:] for r in range(num_reqs)])
@@ -79,7 +92,8 @@ def _run_random_step(backend, shape, dtype, num_reqs, seed, window=None, soft_ca
                           logits_soft_cap=soft_cap)
     assert out.dtype == dtype
     want = torch.cat([_dense(qs[r].float(), full_k[r].float(), full_v[r].float(), D ** -0.5,
-                             window, soft_cap) for r in range(num_reqs)])
+                             window, soft_cap, horizons[r] if images else None)
+                      for r in range(num_reqs)])
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), want, atol=tol, rtol=tol)
     # the new tokens' K/V landed in their slots
@@ -109,6 +123,23 @@ def test_sliding_window_and_soft_cap_match_dense(backend, shape, window, soft_ca
     # Prefill chunks up to 30 tokens, so fresh requests longer than the window take the kernel.
     _run_random_step(backend, shape, dtype, 6, 0, window=window, soft_cap=soft_cap,
                      max_query_len=30)
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.name)
+@pytest.mark.parametrize("shape,window,soft_cap", [((4, 2, 32, 16), None, None),
+                                                   ((6, 3, 32, 8), 8, None),
+                                                   ((8, 1, 16, 4), None, 3.0)], ids=str)
+@pytest.mark.parametrize("seed", range(2))
+def test_image_spans_match_dense(backend, shape, window, soft_cap, seed, monkeypatch):
+    """Bidirectional image spans in fresh prompts, later chunks and beside decodes; cpu_paged
+    computes them in its kernel (fresh prompts without images stay on SDPA), never through
+    torch_sdpa."""
+    if backend is CpuPagedBackend:
+        def no_fallback(*args, **kwargs):
+            raise AssertionError("cpu_paged fell back to torch_sdpa")
+        monkeypatch.setattr(TorchSDPABackend, "forward", no_fallback)
+    _run_random_step(backend, shape, torch.float32, 8, seed, window=window, soft_cap=soft_cap,
+                     max_query_len=30, images=True)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

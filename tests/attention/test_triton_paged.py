@@ -1,7 +1,8 @@
 """The Triton paged-attention backend against the torch_sdpa backend (the oracle) on small mixed
 steps: head sizes 64/80/96/128, GQA ratios 1-4, block sizes 16/32, decode-only, prefill-only,
 mixed and chunked-prefill continuations, sliding windows, soft-capping, encoder (non-causal)
-steps, padded batches, and the reshape-and-cache kernel alone.
+steps, padded batches, bidirectional image spans (`attend_until`, Gemma 3; also end to end
+against HF), and the reshape-and-cache kernel alone.
 
 On a GPU the kernels run compiled on CUDA tensors; without one they run on CPU tensors in triton's
 interpreter. The interpreter is chosen when `@triton.jit` decorates a function, and triton's own
@@ -321,3 +322,121 @@ def test_engine_greedy_tokens_match_torch_sdpa(tiny_checkpoints, arch, monkeypat
         tokens[name] = [o.outputs[0].token_ids
                         for o in llm.generate(prompts, params, use_tqdm=False)]
     assert tokens["triton_paged"] == tokens["torch_sdpa"]
+
+
+# Image spans per step kind: (request, first query index, number of tokens). They cross the
+# kernel's query blocks (8 tokens at GQA ratio 2) and KV tiles (32 positions), end at a
+# request's last query, start at its first (right after a cached context), sit two to a request
+# and beside decodes of the same step.
+IMAGE_SPANS = {
+    "chunked": [(0, 3, 12), (1, 0, 8), (2, 0, 11), (2, 14, 7)],
+    "mixed": [(0, 2, 6), (3, 4, 9)],
+    "prefill": [(0, 1, 5), (1, 6, 11), (2, 20, 13)],
+}
+
+
+def _with_attend_until(common: CommonAttentionMetadata, spans) -> CommonAttentionMetadata:
+    """`common` with `attend_until` set as the runner sets it: each token's own position,
+    the span's last position for the tokens of an image span."""
+    from dataclasses import replace
+
+    qsl, seq_lens = common.query_start_loc_cpu, common.seq_lens_cpu.astype(np.int64)
+    q_lens = np.diff(qsl)
+    attend_until = np.concatenate([np.arange(s - q, s) for s, q in zip(seq_lens, q_lens)])
+    for r, first, length in spans:
+        start = int(qsl[r]) + first
+        attend_until[start:start + length] = attend_until[start + length - 1]
+    return replace(common, attend_until=torch.from_numpy(attend_until).to(DEVICE))
+
+
+@pytest.mark.parametrize("kind,num_heads,dtype,sliding_window,logits_soft_cap", [
+    ("chunked", 4, torch.float32, None, None),
+    ("mixed", 4, torch.float32, 8, None),
+    ("prefill", 8, torch.bfloat16, None, None),
+    ("chunked", 6, torch.float32, 5, 3.0),
+], ids=str)
+def test_attend_until_matches_torch_sdpa(kind, num_heads, dtype, sliding_window,
+                                         logits_soft_cap):
+    """Bidirectional image spans (CommonAttentionMetadata.attend_until): each query's horizon
+    comes from it; the sliding window still counts from the query's own position."""
+    query, key, value, kv_cache, common = _make_step(kind, num_heads, 2, 64, 16, dtype)
+    common = _with_attend_until(common, IMAGE_SPANS[kind])
+    scale = 64 ** -0.5
+    want_cache = kv_cache.clone()
+    want = TorchSDPABackend.forward(query, key, value, want_cache,
+                                    TorchSDPABackend.build_metadata(common), scale,
+                                    sliding_window=sliding_window,
+                                    logits_soft_cap=logits_soft_cap)
+    causal = TorchSDPABackend.forward(query, key, value, want_cache.clone(),
+                                      TorchSDPABackend.build_metadata(
+                                          _with_attend_until(common, [])), scale,
+                                      sliding_window=sliding_window,
+                                      logits_soft_cap=logits_soft_cap)
+    assert (want - causal).abs().max() > 0.05     # the spans change the outputs
+    out = TritonPagedBackend.forward(query, key, value, kv_cache,
+                                     TritonPagedBackend.build_metadata(common), scale,
+                                     sliding_window=sliding_window,
+                                     logits_soft_cap=logits_soft_cap)
+    torch.testing.assert_close(kv_cache, want_cache, atol=0, rtol=0)
+    tol = TOL[dtype]
+    torch.testing.assert_close(out.float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_bad_attend_until_is_refused():
+    ops = KERNELS["triton_unified_attention"]
+    query, _, _, kv_cache, common = _make_step("prefill", 4, 2, 64, 16, torch.float32)
+    n = common.num_actual_tokens
+    for bad in (torch.zeros(n - 1, dtype=torch.int64, device=DEVICE),
+                torch.zeros(n, dtype=torch.float32, device=DEVICE),
+                torch.zeros(2 * n, dtype=torch.int64, device=DEVICE)[::2]):
+        with pytest.raises(ValueError, match="attend_until must be"):
+            ops.unified_attention(query, kv_cache[0], kv_cache[1], torch.empty_like(query),
+                                  common.query_start_loc, common.seq_lens, common.block_table,
+                                  n, common.max_query_len, 0.125, attend_until=bad)
+    with pytest.raises(ValueError, match="causal steps only"):
+        ops.unified_attention(query, kv_cache[0], kv_cache[1], torch.empty_like(query),
+                              common.query_start_loc, common.seq_lens, common.block_table, n,
+                              common.max_query_len, 0.125, causal=False,
+                              attend_until=torch.zeros(n, dtype=torch.int64, device=DEVICE))
+
+
+@pytest.mark.parametrize("kwargs,rounds", [
+    ({"max_num_batched_tokens": 8}, 1),      # ~5 s (20 s on a loaded machine): the interpreter
+    pytest.param({}, 2, marks=pytest.mark.slow)], ids=["chunked", "prefix_cached"])
+def test_gemma3_images_equal_hf_in_the_kernel(tmp_path, monkeypatch, kwargs, rounds):
+    """End to end: a tiny Gemma 3 with images (bidirectional soft tokens, a sliding and a global
+    layer) on triton_paged gives HF's greedy tokens and chosen-token logprobs (they tell the
+    bidirectional mask from a causal one), with 8-token chunks (an image's soft tokens stay in
+    one chunk, after a cached context), and unchunked with a second round hitting the prefix
+    cache."""
+    from transformers import AutoProcessor, Gemma3ForConditionalGeneration
+
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.layers.attention import Attention
+    from tests.fixtures.vlm import build_tiny_gemma3_vision, draw_image
+
+    path = build_tiny_gemma3_vision(tmp_path / "gemma3")
+    images = [draw_image(56, 40, 1), draw_image(64, 16, 2)]
+    text = "A <start_of_image> and <start_of_image> too"
+    processor = AutoProcessor.from_pretrained(path)
+    hf = Gemma3ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    inputs = processor(text=[text], images=[images], return_tensors="pt")
+    with torch.no_grad():
+        g = hf.generate(**inputs, max_new_tokens=3, do_sample=False, output_scores=True,
+                        return_dict_in_generate=True)
+    want = g.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+    want_lp = [torch.log_softmax(s[0], -1)[t].item() for s, t in zip(g.scores, want)]
+    monkeypatch.setenv("PAGEDLLM_ATTENTION_BACKEND", "triton_paged")
+    llm = LLM(str(path), dtype="float32", max_model_len=128, kv_cache_memory_bytes=1 << 21,
+              **kwargs)
+    model = llm.llm_engine.engine_core.executor.worker.model_runner.model
+    assert {m.backend.name for m in model.modules()
+            if isinstance(m, Attention)} == {"triton_paged"}
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=0)
+    for _ in range(rounds):
+        [out] = llm.generate([{"prompt": text, "multi_modal_data": {"image": images}}], params,
+                             use_tqdm=False)
+        completion = out.outputs[0]
+        assert completion.token_ids == want
+        ours = [lp[t].logprob for lp, t in zip(completion.logprobs, completion.token_ids)]
+        assert ours == pytest.approx(want_lp, abs=1e-4)

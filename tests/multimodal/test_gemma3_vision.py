@@ -2,7 +2,8 @@
 for prompts with 0, 1 and 2 images, also with chunked prefill (an image's soft tokens are never
 split: they attend to each other bidirectionally) and prefix caching; the logprobs tell the
 bidirectional mask from a causal one (they differ by ~1e-2 on this checkpoint). Both CPU
-backends take the mask (`cpu_paged` runs the steps with image tokens through torch_sdpa)."""
+backends take the mask; `cpu_paged` in its native kernel, never falling back to torch_sdpa
+(triton_paged: tests/attention/test_triton_paged.py)."""
 
 from __future__ import annotations
 
@@ -68,11 +69,18 @@ def _paged_backend() -> str:
     return "cpu_paged" if cpu_kernels() is not None else "torch_sdpa"
 
 
-@pytest.mark.parametrize("kwargs", [{}, {"max_num_batched_tokens": 8,
-                                         "enable_prefix_caching": False, "backend": None}])
-def test_equals_hf_tokens_and_logprobs(tiny_gemma3, hf_outputs, kwargs):
+@pytest.mark.parametrize("kwargs", [{}, {"backend": None},
+                                    {"max_num_batched_tokens": 8, "enable_prefix_caching": False,
+                                     "backend": None}])
+def test_equals_hf_tokens_and_logprobs(tiny_gemma3, hf_outputs, kwargs, monkeypatch):
     if "backend" in kwargs:
         kwargs = {**kwargs, "backend": _paged_backend()}
+        if kwargs["backend"] == "cpu_paged":
+            from pagedllm.attention.backends.torch_sdpa import TorchSDPABackend
+
+            def no_fallback(*args, **kwargs):
+                raise AssertionError("cpu_paged fell back to torch_sdpa")
+            monkeypatch.setattr(TorchSDPABackend, "forward", no_fallback)
     llm = _engine(tiny_gemma3, **kwargs)
     prompts = [{"prompt": t, "multi_modal_data": {"image": ims}} if ims else t
                for t, ims in PROMPTS]

@@ -26,8 +26,10 @@ depend only on its own context: a long context is split at fixed positions (ever
 same for a decode and for a token inside a prefill chunk.
 
 A step with `CommonAttentionMetadata.attend_until` (Gemma 3's image tokens attending to each
-other bidirectionally) runs whole through `torch_sdpa`, whose masks take it; the kernel has
-only causal and window masks. Only prefill steps that hold image tokens carry it.
+other bidirectionally; only prefill steps that hold image tokens carry it) stays on this
+backend: the kernel takes each query's horizon from it, and a fresh request holding image tokens
+moves to the kernel (SDPA's `is_causal` cannot express the mask; SDPA with a boolean mask was
+measured no faster than the kernel there, docs/multimodal.md).
 
 Per-layer attention variants (Gemma): a sliding window and attention-logit soft-capping are
 arguments of the kernel. A fresh request stays on SDPA only where SDPA computes the same thing:
@@ -61,6 +63,8 @@ class CpuPagedMetadata:
         all_rows: [num_reqs] int32 numpy, every request (the fused decoder path attends to all
             of them with the kernel).
         fresh_rows: requests whose sequence is entirely new this step (token range start, end).
+        attend_until: the step's `attend_until` as a contiguous int64 CPU tensor (kernel
+            input), or None.
     """
 
     common: CommonAttentionMetadata
@@ -69,6 +73,7 @@ class CpuPagedMetadata:
     kernel_rows: np.ndarray
     all_rows: np.ndarray
     fresh_rows: tuple[tuple[int, int], ...]
+    attend_until: torch.Tensor | None = None
     _sdpa: TorchSDPAMetadata | None = field(default=None, repr=False)
     _splits: dict = field(default_factory=dict, repr=False)
 
@@ -111,7 +116,7 @@ class CpuPagedBackend:
     """Paged attention on the CPU through the native kernel (needs `cpu_kernels()`)."""
 
     name = "cpu_paged"
-    # Takes CommonAttentionMetadata.attend_until, through torch_sdpa for the steps with it.
+    # Takes CommonAttentionMetadata.attend_until (in the kernel).
     supports_attend_until = True
 
     @staticmethod
@@ -125,12 +130,19 @@ class CpuPagedBackend:
         seq_lens = np.ascontiguousarray(common.seq_lens_cpu[:common.num_reqs], dtype=np.int32)
         query_lens = qsl[1:] - qsl[:-1]
         fresh = (query_lens == seq_lens) & (query_lens > 1) & (not common.batch_invariant)
+        attend_until = None
+        if common.attend_until is not None and common.causal:
+            attend_until = common.attend_until.to("cpu", torch.int64).contiguous()
+            for r in np.nonzero(fresh)[0]:
+                # A fresh request's positions are 0 .. L - 1; image tokens see further.
+                until = attend_until[qsl[r]:qsl[r + 1]]
+                fresh[r] = torch.equal(until, torch.arange(len(until)))
         kernel_rows = np.nonzero(~fresh)[0].astype(np.int32)
         fresh_rows = tuple((int(qsl[r]), int(qsl[r + 1])) for r in np.nonzero(fresh)[0])
         return CpuPagedMetadata(common=common, query_start_loc=qsl, seq_lens=seq_lens,
                                 kernel_rows=kernel_rows,
                                 all_rows=np.arange(common.num_reqs, dtype=np.int32),
-                                fresh_rows=fresh_rows)
+                                fresh_rows=fresh_rows, attend_until=attend_until)
 
     @staticmethod
     def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -145,8 +157,7 @@ class CpuPagedBackend:
             kv_cache: [2, num_blocks, block_size, num_kv_heads, head_size], float32, bfloat16,
                 or int8 / float8_e4m3fn with their scales (kv_cache_layout.py); other dtypes go through
                 torch_sdpa.
-            metadata: from `build_metadata` (a step with `attend_until` goes through
-                torch_sdpa).
+            metadata: from `build_metadata`.
             scale: softmax scale (usually head_size ** -0.5).
             sliding_window: a query at position p attends only to key positions > p - window
                 (HF's sliding-window mask); None = the whole causal context.
@@ -156,8 +167,7 @@ class CpuPagedBackend:
         Returns:
             [num_tokens, num_heads, head_size] in query's dtype (padded tokens are zero).
         """
-        if (kv_cache.dtype not in KERNEL_CACHE_DTYPES
-                or metadata.common.attend_until is not None):
+        if kv_cache.dtype not in KERNEL_CACHE_DTYPES:
             return TorchSDPABackend.forward(query, key, value, kv_cache,
                                             metadata.sdpa_metadata(), scale, sliding_window,
                                             logits_soft_cap)
@@ -193,5 +203,5 @@ class CpuPagedBackend:
             paged_attention(query, kv_cache, common.block_table, metadata.query_start_loc,
                             metadata.seq_lens, rows, scale, common.causal, sliding_window,
                             logits_soft_cap, query_tile=1 if common.batch_invariant else None,
-                            out=out, checked=False)
+                            out=out, checked=False, attend_until=metadata.attend_until)
         return out if query.dtype == torch.float32 else out.to(query.dtype)

@@ -7,7 +7,9 @@ Per layer and step two launches, no gather and no per-request split:
    alike, walking each request's block table with an online softmax (FlashAttention-2), with the
    layer's sliding window and logit soft-capping (see `attention/ops/triton_unified_attention.py`).
 
-Encoder-only steps (`causal=False`) run in the same kernel without the causal mask. The kernels
+Encoder-only steps (`causal=False`) run in the same kernel without the causal mask. A step with
+`CommonAttentionMetadata.attend_until` (Gemma 3's image tokens attending to each other
+bidirectionally) passes it to the kernel, which then takes each query's horizon from it. The kernels
 need triton; this module imports them on first use, so it imports (and the selector can list the
 backend) where triton is missing. On CPU tensors they run only in triton's interpreter, chosen
 by `TRITON_INTERPRET=1` in the environment when triton and the kernel modules are imported (its
@@ -44,6 +46,8 @@ class TritonPagedBackend:
     # Launches depend only on device tensors and the (padded) sizes: decode steps may be
     # captured in CUDA graphs (worker/cuda_graph.py).
     supports_cuda_graphs = True
+    # Takes CommonAttentionMetadata.attend_until (bidirectional image tokens) in the kernel.
+    supports_attend_until = True
 
     @staticmethod
     def is_available() -> bool:
@@ -106,5 +110,6 @@ class TritonPagedBackend:
             query, key_cache, value_cache, out, common.query_start_loc[:common.num_reqs + 1],
             common.seq_lens[:common.num_reqs], common.block_table, n, common.max_query_len,
             scale, causal=common.causal, sliding_window=sliding_window,
-            logits_soft_cap=logits_soft_cap)
+            logits_soft_cap=logits_soft_cap,
+            attend_until=common.attend_until if common.causal else None)
         return out

@@ -25,9 +25,13 @@ before it are skipped) to the last position any query of the block may see (caus
 
 Query i of request r sits at absolute position `seq_lens[r] - query_len[r] + i` (chunked prefill
 continues after the cached context) and sees key positions `<= position` (causal) and, with a
-window W, `> position - W`. Scores are fp32: `s = scale * q.k`, then `cap * tanh(s / cap)` with
-soft-capping; both dots take operands in the query dtype (fp32, fp16 or bf16; K/V tiles and the
-probabilities are cast to it) and accumulate in fp32; fp32 dots use IEEE precision (no TF32).
+window W, `> position - W`. With `attend_until` (Gemma 3's image tokens, which attend to each
+other bidirectionally) a query's causal horizon is `attend_until[token]` instead of its position
+(the window still counts from the position); the block's KV loop then runs to the largest horizon
+of its rows. Without it the kernel is compiled without the load (a constexpr switch). Scores are
+fp32: `s = scale * q.k`, then `cap * tanh(s / cap)` with soft-capping; both dots take operands
+in the query dtype (fp32, fp16 or bf16; K/V tiles and the probabilities are cast to it) and
+accumulate in fp32; fp32 dots use IEEE precision (no TF32).
 Head sizes that are not a power of two are padded with masked lanes.
 """
 
@@ -76,7 +80,7 @@ def _dot(a, b, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
 @triton.jit
 def _unified_attention_kernel(
     out_ptr, q_ptr, key_cache_ptr, value_cache_ptr,
-    block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
+    block_table_ptr, seq_lens_ptr, query_start_loc_ptr, attend_until_ptr,
     scale, soft_cap, num_reqs,
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
     stride_k_blk, stride_k_slot, stride_k_head,
@@ -86,7 +90,7 @@ def _unified_attention_kernel(
     HEAD_SIZE: tl.constexpr, HEAD_SIZE_PADDED: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_SIZE: tl.constexpr,
     CAUSAL: tl.constexpr, SLIDING_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_ATTEND_UNTIL: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     q_block_global = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -109,6 +113,12 @@ def _unified_attention_kernel(
     dim_valid = offs_d < HEAD_SIZE
     token = (q_start + q_index).to(tl.int64)
     q_pos = context_len + q_index                                          # absolute position
+    # The last key position each row may see (causal): its own, or its image's last one.
+    if USE_ATTEND_UNTIL:
+        horizon = tl.load(attend_until_ptr + token, mask=row_valid, other=0).to(tl.int32)
+        horizon = tl.where(row_valid, horizon, q_pos)
+    else:
+        horizon = q_pos
 
     q = tl.load(q_ptr + token[:, None] * stride_q_tok + head[:, None] * stride_q_head
                 + offs_d[None, :], mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
@@ -116,7 +126,10 @@ def _unified_attention_kernel(
     # Key positions [kv_lo, kv_hi) cover every query row of the block.
     first_q_pos = context_len + q_block_local * BLOCK_Q
     if CAUSAL:
-        kv_hi = tl.minimum(first_q_pos + BLOCK_Q, seq_len)
+        if USE_ATTEND_UNTIL:
+            kv_hi = tl.minimum(tl.max(tl.where(row_valid, horizon, 0)) + 1, seq_len)
+        else:
+            kv_hi = tl.minimum(first_q_pos + BLOCK_Q, seq_len)
     else:
         kv_hi = seq_len
     kv_lo = 0
@@ -147,7 +160,7 @@ def _unified_attention_kernel(
             s = _soft_cap(s, soft_cap)
         allowed = row_valid[:, None] & k_valid[None, :]
         if CAUSAL:
-            allowed = allowed & (k_pos[None, :] <= q_pos[:, None])
+            allowed = allowed & (k_pos[None, :] <= horizon[:, None])
         if SLIDING_WINDOW > 0:
             allowed = allowed & (k_pos[None, :] > q_pos[:, None] - SLIDING_WINDOW)
         s = tl.where(allowed, s, float("-inf"))
@@ -184,7 +197,8 @@ def unified_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
                       out: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                       block_table: torch.Tensor, num_actual_tokens: int, max_query_len: int,
                       scale: float, causal: bool = True, sliding_window: int | None = None,
-                      logits_soft_cap: float | None = None) -> None:
+                      logits_soft_cap: float | None = None,
+                      attend_until: torch.Tensor | None = None) -> None:
     """Paged attention of a mixed prefill/decode batch, written into `out` (in place).
 
     Args:
@@ -204,10 +218,16 @@ def unified_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
         causal: False for encoder-only models (every query sees all `seq_len` keys).
         sliding_window: a query at position p sees key positions > p - window; None = all.
         logits_soft_cap: scores s become cap * tanh(s / cap) before the softmax; None = off.
+        attend_until: [>= num_actual_tokens] int32/int64 on query's device, contiguous: the
+            last key position each query token may see (causal steps only; at least its own
+            position, less than its request's seq_len), e.g. an image's last position for that
+            image's tokens (Gemma 3); None = its own position (causal).
 
     Raises:
         ValueError: for shapes that do not fit each other, num_heads not a multiple of
-            num_kv_heads, a dtype other than fp32/fp16/bf16, or a non-contiguous head dimension.
+            num_kv_heads, a dtype other than fp32/fp16/bf16, a non-contiguous head dimension,
+            or an `attend_until` that is not a contiguous int32/int64 vector covering the
+            tokens (or is given with causal=False).
     """
     num_tokens, num_heads, head_size = query.shape
     num_kv_heads = key_cache.shape[2]
@@ -231,6 +251,16 @@ def unified_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
             raise ValueError(f"unified_attention: {name} needs a contiguous last dimension")
     if block_table.stride(-1) != 1:
         raise ValueError("unified_attention: block_table needs a contiguous last dimension")
+    if attend_until is not None:
+        if not causal:
+            raise ValueError("unified_attention: attend_until applies to causal steps only")
+        if (attend_until.dim() != 1 or attend_until.dtype not in (torch.int32, torch.int64)
+                or attend_until.stride(0) != 1 or attend_until.shape[0] < num_actual_tokens
+                or attend_until.device != query.device):
+            raise ValueError(f"unified_attention: attend_until must be a contiguous int32/int64 "
+                             f"vector of >= {num_actual_tokens} tokens on {query.device}, got "
+                             f"{attend_until.dtype} {tuple(attend_until.shape)} on "
+                             f"{attend_until.device}")
     num_reqs = seq_lens.shape[0]
     if query_start_loc.shape != (num_reqs + 1,):
         raise ValueError(f"unified_attention: query_start_loc shape "
@@ -251,6 +281,7 @@ def unified_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
     grid = (num_actual_tokens // block_q + num_reqs, num_kv_heads)
     _unified_attention_kernel[grid](
         out, query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
+        seq_lens if attend_until is None else attend_until,   # (not read without it)
         float(scale), float(logits_soft_cap or 1.0), num_reqs,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
@@ -261,6 +292,6 @@ def unified_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
         HEAD_SIZE_PADDED=max(_MIN_DOT_SIZE, triton.next_power_of_2(head_size)),
         BLOCK_Q=block_q, BLOCK_M=block_m, TILE_SIZE=tile_size,
         CAUSAL=bool(causal), SLIDING_WINDOW=int(sliding_window or 0),
-        USE_SOFT_CAP=logits_soft_cap is not None,
+        USE_SOFT_CAP=logits_soft_cap is not None, USE_ATTEND_UNTIL=attend_until is not None,
         DOT_DTYPE=dot_dtype, DOT_PRECISION="ieee" if dot_dtype == tl.float32 else None,
     )

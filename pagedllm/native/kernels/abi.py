@@ -21,7 +21,7 @@ import re
 
 # Bump when a declaration below changes (the loaded library reports the version it was
 # compiled with; a stale library in the cache is refused).
-ABI_VERSION = 12
+ABI_VERSION = 13
 
 STRUCTS = """
 /* One weight's rows of one GGML type (layers/quantization/gguf.py `kernel_segments`). */
@@ -46,6 +46,9 @@ struct PagedAttentionArgs {
   int64_t block_table_stride;
   const int32_t* query_start_loc;  /* [num_reqs + 1] */
   const int32_t* seq_lens;         /* [num_reqs] */
+  const int64_t* attend_until;     /* [num_tokens] each query's last visible key position
+                                      (causal; Gemma 3's image tokens: their image's last
+                                      one), or null: its own position */
   const int32_t* rows;             /* [num_rows]: the requests to compute */
   int32_t num_rows;
   int32_t num_heads;

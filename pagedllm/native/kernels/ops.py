@@ -289,13 +289,15 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: to
                     scale: float, causal: bool = True, sliding_window: int | None = None,
                     logits_soft_cap: float | None = None, query_tile: int | None = None,
                     lib: ctypes.CDLL | None = None, out: torch.Tensor | None = None,
-                    checked: bool = True) -> torch.Tensor:
+                    checked: bool = True,
+                    attend_until: torch.Tensor | None = None) -> torch.Tensor:
     """Paged attention of the given requests over a KV cache with the native kernel
     (`csrc/cpu_attention.cpp`, one `PagedAttentionArgs` per call); the one wrapper of it, used
     by `CpuPagedBackend` (which writes the cache first) and the tests.
 
     Query token i of request r sits at position seq_lens[r] - query_len[r] + i and attends
-    (causally, within the window, soft-capped) to the K/V its block table points to.
+    (causally, within the window, soft-capped) to the K/V its block table points to; with
+    `attend_until` token t's causal horizon is attend_until[t] instead of its position.
 
     Args:
         query: [num_tokens, num_heads, head_size] float32 on the CPU (other float dtypes are
@@ -319,12 +321,18 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: to
             zero tensor).
         checked: validate the arguments (the backend, whose metadata builder made them,
             skips it on its per-layer calls).
+        attend_until: [>= num_tokens of `rows`] int64 contiguous CPU tensor, the last key
+            position each query token (flat index) may see when `causal`: at least its own
+            position, below its request's seq_len (larger values are clipped to it); Gemma 3's
+            image tokens see their image's last position. Ignored when not causal. None = its
+            own position.
 
     Returns:
         `out`: [num_tokens, num_heads, head_size] float32.
 
     Raises:
-        ValueError: an unsupported cache dtype, mismatched shapes, or query_tile < 1.
+        ValueError: an unsupported cache dtype, mismatched shapes, query_tile < 1, or an
+            attend_until that is not a contiguous int64 CPU vector covering the tokens.
         RuntimeError: the native kernels are unavailable.
     """
     lib = lib if lib is not None else cpu_kernels()
@@ -334,7 +342,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: to
     cache_dtype = _CACHE_DTYPE_CODES.get(kv_cache.dtype)
     if checked:
         _check_paged_attention(query, kv_cache, block_table, query_start_loc, seq_lens, rows,
-                               query_tile, cache_dtype)
+                               query_tile, cache_dtype, attend_until)
     q32 = query.to(torch.float32).contiguous()
     if out is None:
         out = torch.zeros(q32.shape, dtype=torch.float32)
@@ -343,6 +351,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: to
         value_cache=kv_cache[1].data_ptr(), k_scale=1.0, v_scale=1.0,
         block_table=block_table.data_ptr(), block_table_stride=block_table.stride(0),
         query_start_loc=query_start_loc.ctypes.data, seq_lens=seq_lens.ctypes.data,
+        attend_until=None if attend_until is None else attend_until.data_ptr(),
         rows=rows.ctypes.data, num_rows=len(rows), num_heads=query.shape[1],
         num_kv_heads=kv_cache.shape[3], head_size=query.shape[2],
         block_size=kv_cache.shape[2], causal=int(causal), window=sliding_window or 0,
@@ -358,7 +367,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: to
 
 
 def _check_paged_attention(query, kv_cache, block_table, query_start_loc, seq_lens, rows,
-                           query_tile, cache_dtype) -> None:
+                           query_tile, cache_dtype, attend_until) -> None:
     if query_tile is not None and query_tile < 1:
         raise ValueError(f"paged_attention: query_tile must be >= 1, got {query_tile}")
     if cache_dtype is None:
@@ -375,6 +384,13 @@ def _check_paged_attention(query, kv_cache, block_table, query_start_loc, seq_le
                     ("rows", rows)):
         if a.dtype != np.int32 or not a.flags.c_contiguous:
             raise ValueError(f"paged_attention: {name} must be a contiguous int32 array")
+    if attend_until is not None and (
+            attend_until.dtype != torch.int64 or attend_until.dim() != 1
+            or attend_until.device.type != "cpu" or attend_until.stride(0) != 1
+            or attend_until.shape[0] < int(query_start_loc[-1])):
+        raise ValueError(f"paged_attention: attend_until must be a contiguous int64 CPU vector "
+                         f"of >= {int(query_start_loc[-1])} tokens, got {attend_until.dtype} "
+                         f"{tuple(attend_until.shape)} on {attend_until.device}")
 
 
 class GGUFBlockType(NamedTuple):

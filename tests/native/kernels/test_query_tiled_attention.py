@@ -1,8 +1,8 @@
 """The query-tiled path of the CPU paged attention kernel (a tile of a request's query tokens per
 work item; register-blocked tiles for long query runs) against the per-token path (query_tile=1)
 and dense attention, on random mixed batches: decodes and multi-token chunks over cached contexts, tiles that do not divide the query
-lengths, MHA / GQA / MQA, block sizes, sliding windows, soft-capping, every cache dtype, and the
-portable (no AVX2) build."""
+lengths, MHA / GQA / MQA, block sizes, sliding windows, soft-capping, every cache dtype,
+bidirectional image spans (`attend_until`, Gemma 3), and the portable (no AVX2) build."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from pagedllm.kv_cache_layout import allocate_kv_cache, dequantize_kv, write_kv_
 from pagedllm.native.kernels import cpu_kernels
 from tests.fixtures.kernel_builds import BUILD_PARAMS, kernel_build
 from pagedllm.native.kernels.ops import paged_attention
+from pagedllm.native.kernels.ops import paged_attention as _paged_attention
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="CPU kernels did not build")
 
@@ -23,8 +24,9 @@ GEMM_MIN_QUERY_LEN = 16
 SPLIT_LEN = 256
 
 
-def _dense(q, k, v, scale, causal, window, soft_cap):
-    """q [Q, H, D] at the end of k/v [S, KVH, D]; HF's masks (causal, key > query - window)."""
+def _dense(q, k, v, scale, causal, window, soft_cap, horizon=None):
+    """q [Q, H, D] at the end of k/v [S, KVH, D]; HF's masks (causal, key > query - window);
+    `horizon` [Q] (causal): each query's last visible key position in place of its own."""
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     scores = torch.einsum("qhd,khd->hqk", q.double(), k.double()) * scale
@@ -32,7 +34,8 @@ def _dense(q, k, v, scale, causal, window, soft_cap):
         scores = soft_cap * torch.tanh(scores / soft_cap)
     k_pos = torch.arange(k.shape[0])[None, :]
     q_pos = (k.shape[0] - q.shape[0] + torch.arange(q.shape[0]))[:, None]
-    mask = k_pos <= q_pos if causal else torch.ones_like(k_pos <= q_pos)
+    last = q_pos if horizon is None else torch.as_tensor(horizon)[:, None]
+    mask = k_pos <= last if causal else torch.ones_like(k_pos <= q_pos)
     if window is not None:
         mask = mask & (k_pos > q_pos - window)
     scores = scores.masked_fill(~mask, float("-inf"))
@@ -66,14 +69,31 @@ def _random_step(shape, cache_dtype, q_lens, ctx, seed):
     return query, cache, torch.from_numpy(table), qsl, seq_lens, slots
 
 
+def _attend_until(qsl, seq_lens, spans) -> torch.Tensor:
+    """[num_tokens] int64 as the runner makes it: each token's position, the span's last one
+    for the tokens of an image span (request, first query index, length)."""
+    q_lens = np.diff(qsl)
+    until = np.concatenate([np.arange(s - q, s) for s, q in zip(seq_lens.astype(np.int64),
+                                                                 q_lens)])
+    for r, first, length in spans:
+        start = int(qsl[r]) + first
+        until[start:start + length] = until[start + length - 1]
+    return torch.from_numpy(until)
+
+
 def _check(lib, shape, cache_dtype, q_lens, ctx, seed, tiles=(2, 5, 16), causal=True,
-           window=None, soft_cap=None, rows=None):
+           window=None, soft_cap=None, rows=None, image_spans=None):
     query, cache, table, qsl, seq_lens, slots = _random_step(shape, cache_dtype, q_lens, ctx,
                                                              seed)
     rows = np.arange(len(q_lens), dtype=np.int32) if rows is None else np.asarray(rows,
                                                                                  np.int32)
     scale = shape[2] ** -0.5
     args = (query, cache, table, qsl, seq_lens, rows, scale, causal, window, soft_cap)
+    until = None if image_spans is None else _attend_until(qsl, seq_lens, image_spans)
+
+    def paged_attention(*args, **kwargs):
+        return _paged_attention(*args, attend_until=until, **kwargs)
+
     per_token = paged_attention(*args, query_tile=1, lib=lib)
     # Requests of at least GEMM_MIN_QUERY_LEN query tokens take the register-blocked tiles
     # (AVX2 builds, head sizes % 32 == 0), which sum in another order: close to the per-token
@@ -86,6 +106,8 @@ def _check(lib, shape, cache_dtype, q_lens, ctx, seed, tiles=(2, 5, 16), causal=
     gemm = (q_lens >= GEMM_MIN_QUERY_LEN)[req]
     token_ctx = (seq_lens[req] - q_lens[req] + np.arange(len(query)) - qsl[req] + 1 if causal
                  else seq_lens[req])
+    if until is not None and causal:
+        token_ctx = until.numpy() + 1
     exact = ~gemm & ((token_ctx <= SPLIT_LEN) | (q_lens[req] == 1))
     tiled_outputs = [paged_attention(*args, query_tile=tile, lib=lib) for tile in tiles]
     tiled_outputs.append(paged_attention(*args, lib=lib))   # the default tile
@@ -103,7 +125,7 @@ def _check(lib, shape, cache_dtype, q_lens, ctx, seed, tiles=(2, 5, 16), causal=
                 continue
             kv = slice(seq_start[r], seq_start[r + 1])
             want = _dense(query[qsl[r]:qsl[r + 1]], k_all[kv], v_all[kv], scale, causal,
-                          window, soft_cap)
+                          window, soft_cap, None if until is None else until[qsl[r]:qsl[r + 1]])
             torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
@@ -139,11 +161,13 @@ def test_tiles_non_causal_and_row_subset():
 def test_register_blocked_tiles_of_each_build(build):
     """Runs of 16+ query tokens with head sizes % 32 == 0 take the register-blocked tiles: the
     row-lane tiles (attention_row_lanes.h) in AVX-512 builds, attend_tile_gemm in AVX2 ones;
-    causal and not, GQA, every cache dtype, contexts over several 64-key chunks."""
+    causal and not, GQA, every cache dtype, contexts over several 64-key chunks, image spans
+    (attend_until) across the chunks."""
     lib = kernel_build(build)
     for i, cache_dtype in enumerate(CACHE_DTYPES):
         _check(lib, (8, 2, 32, 16), cache_dtype, q_lens=[70, 1, 16, 33], ctx=[150, 20, 0, 5],
-               seed=10 + i, tiles=(16,), causal=bool(i % 2))
+               seed=10 + i, tiles=(16,), causal=bool(i % 2),
+               image_spans=[(0, 10, 50), (2, 0, 16), (3, 4, 20)] if i % 2 else None)
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -174,6 +198,8 @@ def test_portable_build_tiles(cache_dtype):
     _check(lib, (6, 3, 32, 8), cache_dtype, q_lens=[1, 29, 17, 4], ctx=[20, 7, 0, 33], seed=5,
            window=9, soft_cap=5.0)
     _check(lib, (4, 1, 16, 4), cache_dtype, q_lens=[18, 1, 40], ctx=[3, 9, 21], seed=6)
+    _check(lib, (4, 2, 32, 16), cache_dtype, seed=11, window=8, image_spans=IMAGE_SPANS,
+           **IMAGE_STEP)
 
 
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=str)
@@ -221,3 +247,43 @@ def test_per_token_path_depends_on_each_tokens_context_alone(cache_dtype, window
                                  np.array([271 + i], np.int32), np.zeros(1, np.int32), scale,
                                  True, window, None, query_tile=1)
         assert torch.equal(decode[0], whole[i]), i
+
+
+# (request, first query index, tokens): image spans over q_lens [37, 1, 21, 70, 16] after
+# contexts [11, 30, 0, 150, 0]: across 16-token tiles and 64-token GEMM tiles, at a chunk's
+# start after a cached context, up to a request's last query, two in one request, beside a
+# decode; the 70-token run's contexts cross the per-token path's 256-key split.
+IMAGE_STEP = dict(q_lens=[37, 1, 21, 70, 16], ctx=[11, 30, 0, 150, 0])
+IMAGE_SPANS = [(0, 0, 9), (0, 12, 25), (2, 3, 14), (3, 5, 60), (4, 15, 1)]
+
+
+@pytest.mark.parametrize("shape,window,soft_cap,cache_dtype", [
+    ((4, 2, 32, 16), None, None, torch.float32), ((8, 1, 16, 8), 8, None, torch.bfloat16),
+    ((6, 3, 64, 16), 20, 4.0, torch.int8), ((4, 4, 40, 4), None, None, torch.float8_e4m3fn)],
+    ids=str)
+def test_attend_until_equals_dense(shape, window, soft_cap, cache_dtype):
+    """Bidirectional image spans: every path (per-token items, per-row and register-blocked
+    tiles) against dense attention with HF's "causal OR same image" mask, the window counted
+    from the query's own position."""
+    _check(cpu_kernels(), shape, cache_dtype, seed=11, window=window, soft_cap=soft_cap,
+           image_spans=IMAGE_SPANS, **IMAGE_STEP)
+
+
+def test_attend_until_changes_outputs_only_where_it_differs():
+    """The spans' tokens (and only they, in a causal step without a window) differ from causal
+    attention; a bad attend_until is refused."""
+    shape = (4, 2, 32, 16)
+    query, cache, table, qsl, seq_lens, _ = _random_step(shape, torch.float32, seed=12,
+                                                         **IMAGE_STEP)
+    rows = np.arange(len(seq_lens), dtype=np.int32)
+    args = (query, cache, table, qsl, seq_lens, rows, shape[2] ** -0.5)
+    until = _attend_until(qsl, seq_lens, IMAGE_SPANS)
+    causal = paged_attention(*args)
+    spans = paged_attention(*args, attend_until=until)
+    positions = _attend_until(qsl, seq_lens, [])
+    assert torch.equal(paged_attention(*args, attend_until=positions), causal)
+    differs = (spans - causal).abs().amax(dim=(1, 2)) > 1e-3
+    assert torch.equal(differs, until > positions)
+    for bad in (until[:-1], until.to(torch.int32), until.repeat_interleave(2)[::2]):
+        with pytest.raises(ValueError, match="attend_until must be"):
+            paged_attention(*args, attend_until=bad)

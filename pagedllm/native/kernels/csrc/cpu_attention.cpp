@@ -16,9 +16,12 @@
 //   rows         [num_rows] int32: the requests to process (the others are left untouched)
 //   out          [num_tokens, num_heads, head_size]            float32
 // Query i of request r sits at position p = seq_lens[r] - query_len[r] + i; with `causal` it attends
-// to positions [0, p], otherwise to [0, seq_lens[r]). A sliding `window` > 0 (Mistral, Gemma's local
-// layers) drops the positions <= p - window, so a causal query sees its last `window` positions
-// (itself included), as HF's sliding-window mask does; the blocks before the window are not read.
+// to positions [0, p], otherwise to [0, seq_lens[r]). With `attend_until` ([num_tokens] int64,
+// causal only) token t attends to [0, attend_until[t]] instead: Gemma 3's image tokens see their
+// whole image (HF's "causal OR same image" mask); the window still counts from p. A sliding
+// `window` > 0 (Mistral, Gemma's local layers) drops the positions <= p - window, so a causal
+// query sees its last `window` positions (itself included), as HF's sliding-window mask does;
+// the blocks before the window are not read.
 // A `soft_cap` > 0 (Gemma 2) maps each scaled score s to soft_cap * tanh(s / soft_cap) before
 // the softmax.
 //
@@ -50,18 +53,21 @@ template <typename T>
 void attend_paged(const float* query, const T* key_cache, const T* value_cache,
                      const int32_t* block_table, int64_t block_table_stride,
                      const int32_t* query_start_loc, const int32_t* seq_lens,
-                     const int32_t* rows, int num_rows, float* out, int num_heads,
+                     const int64_t* attend_until, const int32_t* rows, int num_rows,
+                     float* out, int num_heads,
                      int num_kv_heads, int head_size, int block_size, float scale, int causal,
                      int window, float soft_cap, const float* k_scales = nullptr,
                      const float* v_scales = nullptr, float k_scale = 1.f,
                      float v_scale = 1.f, int query_tile = kDefaultQueryTile) {
   const StepAttentionPlan plan =
       plan_step_attention(query_start_loc, rows, num_rows, seq_lens, num_kv_heads, num_heads,
-                          head_size, omp_get_max_threads(), query_tile, causal);
+                          head_size, omp_get_max_threads(), query_tile, causal,
+                          attend_until);
   AttentionArgs<T, float> args{query, static_cast<int64_t>(num_heads) * head_size,
                                key_cache, value_cache, block_table, block_table_stride,
                                query_start_loc, seq_lens, out, num_heads, num_kv_heads,
                                head_size, block_size, scale, causal, window, soft_cap};
+  args.attend_until = attend_until;
   args.k_scales = k_scales;
   args.v_scales = v_scales;
   args.k_scale = k_scale;
@@ -85,7 +91,8 @@ void paged_attention(const PagedAttentionArgs* args) {
 #define PAGEDLLM_ATTEND(T, k_scales, v_scales, k_scale, v_scale)                             \
   attend_paged<T>(a.query, static_cast<const T*>(a.key_cache),                             \
                      static_cast<const T*>(a.value_cache), a.block_table,                     \
-                     a.block_table_stride, a.query_start_loc, a.seq_lens, a.rows, a.num_rows, \
+                     a.block_table_stride, a.query_start_loc, a.seq_lens,              \
+                     a.causal ? a.attend_until : nullptr, a.rows, a.num_rows,                 \
                      a.out, a.num_heads, a.num_kv_heads, a.head_size, a.block_size, a.scale,  \
                      a.causal, a.window, a.soft_cap, k_scales, v_scales, k_scale, v_scale,    \
                      tile)
