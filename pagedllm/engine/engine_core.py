@@ -385,7 +385,8 @@ def resolve_async_scheduling(config: EngineConfig, executor_class: type) -> bool
     None picks it where it helps: CUDA (the device runs step N while the host prepares N+1) with
     an executor that supports it (`supports_async_scheduling`: uniproc). It stays off on the
     CPU: there the forward is host work too and measured no faster (docs/architecture.md).
-    It combines with speculative decoding (placeholder drafts: core/scheduler.py).
+    True combines with speculative decoding (placeholder drafts: core/scheduler.py); None
+    leaves it off with speculation (measured on the CPU only: docs/spec_decode.md).
 
     Routed-experts capture (`enable_return_routed_experts`) reads each step's routing with
     its output, so it keeps every step synchronous (vLLM's R3 users turn async scheduling off
@@ -409,7 +410,8 @@ def resolve_async_scheduling(config: EngineConfig, executor_class: type) -> bool
     if requested is None:
         # Multi-step rounds asked for explicitly: they replace async scheduling.
         requested = (supported and current_platform.device_type == "cuda"
-                     and (config.scheduler_config.num_scheduler_steps or 1) == 1)
+                     and (config.scheduler_config.num_scheduler_steps or 1) == 1
+                     and config.speculative_config is None)
     return bool(requested)
 
 

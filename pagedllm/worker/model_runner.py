@@ -34,10 +34,8 @@ the device and counts each as a placeholder token of its request (`num_tokens` +
 `execute_model` fills those positions of its inputs from the device tensor, and writes earlier
 steps' tokens into `token_ids_cpu` once their host copies are done. Requests whose sampling reads
 their previous tokens on the host only ever run in synchronous steps (the engine guarantees it),
-so `token_ids_cpu` is complete whenever such a step samples. With speculative decoding the
-model thread samples, verifies and drafts each step to the end on the host (`sample_tokens`); the
-scheduler's placeholder drafts and optimistic positions of the next step are resolved from what
-it kept (worker/async_drafts.py).
+so `token_ids_cpu` is complete whenever such a step samples. With speculative decoding each step
+is finished on the host (`sample_tokens`): worker/async_drafts.py fills the next one's drafts.
 """
 
 from __future__ import annotations

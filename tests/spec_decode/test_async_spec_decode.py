@@ -235,3 +235,21 @@ def test_scheduler_placeholder_drafts_rollback_and_preemption_in_flight():
     s4 = sched.schedule()   # b is recomputed from scratch, without drafts
     assert [r.req_id for r in s4.scheduled_new_reqs] == ["b"]
     assert s4.num_scheduled_tokens["b"] == 8 and "b" not in s4.scheduled_spec_decode_tokens
+
+
+def test_default_stays_synchronous_with_speculation(target, monkeypatch):
+    """async_scheduling=None: on for CUDA, but not with speculation (not measured there)."""
+    from types import SimpleNamespace
+
+    from pagedllm.config import create_engine_config
+    from pagedllm.engine import engine_core
+    from pagedllm.executor.uniproc import UniProcExecutor
+
+    monkeypatch.setattr(engine_core, "current_platform", SimpleNamespace(device_type="cuda"))
+    ngram = {"method": "ngram", "num_speculative_tokens": 3}
+    assert engine_core.resolve_async_scheduling(create_engine_config(target), UniProcExecutor)
+    assert not engine_core.resolve_async_scheduling(
+        create_engine_config(target, speculative_config=ngram), UniProcExecutor)
+    assert engine_core.resolve_async_scheduling(
+        create_engine_config(target, speculative_config=ngram, async_scheduling=True),
+        UniProcExecutor)
