@@ -12,6 +12,8 @@ exact for any number of drafts).
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from pagedllm import LLM, SamplingParams
@@ -116,6 +118,34 @@ def test_mtp_greedy_identical_async_on_off(tmp_path_factory, byte_level_tokenize
                   params,
                   num_gpu_blocks_override=10, block_size=8, max_model_len=96,
                   max_num_batched_tokens=7, max_num_seqs=4)
+
+
+@pytest.mark.parametrize("method", ["draft_model", "eagle3"])
+def test_stops_n_min_tokens_and_logprobs_equal_synchronous(target, spec_configs, method):
+    """The async-scheduling pressure workload (shared prefixes, 13 usable blocks of 8 tokens,
+    a 40-token budget, prefix caching) in greedy form with stop tokens inside accepted runs,
+    min_tokens, n = 2 and logprobs: outputs, finish reasons and logprobs equal synchronous
+    steps of the same engine."""
+    from tests.engine.test_async_scheduling import assert_same_outputs, pressure_workload
+
+    prompts, _ = pressure_workload(24)
+    rng = random.Random(5)
+    params = [SamplingParams(temperature=0.0, max_tokens=rng.randint(1, 24),
+                             ignore_eos=i % 5 != 1, logprobs=2 if i % 3 == 0 else None,
+                             n=2 if i % 7 == 0 else 1, min_tokens=3 if i % 6 == 2 else 0,
+                             stop_token_ids=rng.sample(range(3, 500), 40) if i % 5 == 1 else None)
+              for i in range(len(prompts))]
+    kwargs = {"dtype": "float32", "enable_prefix_caching": True, "block_size": 8,
+              "num_gpu_blocks_override": 14, "max_num_batched_tokens": 40, "max_num_seqs": 8,
+              "speculative_config": spec_configs[method]}
+    expected = LLM(target, async_scheduling=False, **kwargs).generate(prompts, params,
+                                                                      use_tqdm=False)
+    llm = LLM(target, async_scheduling=True, **kwargs)
+    spy = StepSpy(llm)
+    assert_same_outputs(llm.generate(prompts, params, use_tqdm=False), expected)
+    spy.check_overlapped()
+    assert llm.get_stats().num_preemptions > 0
+    assert any(c.finish_reason == "stop" for o in expected for c in o.outputs)
 
 
 def test_structured_request_switches_to_synchronous_steps(target, reference, spec_configs):
