@@ -665,8 +665,10 @@ class Scheduler:
             num_accepted = len(new_token_ids) - 1
             if rollback:
                 request.num_computed_tokens -= len(drafts) - num_accepted
-            self.spec_decoding_stats.observe_draft(
-                model_runner_output.num_draft_tokens.get(req_id, len(drafts)), num_accepted)
+            # (Placeholder slots the worker had fewer drafts for count as it verified them.)
+            num_verified = model_runner_output.num_draft_tokens.get(req_id, len(drafts))
+            if num_verified:
+                self.spec_decoding_stats.observe_draft(num_verified, num_accepted)
         if not new_token_ids:
             if req_id in prompt_logprobs:
                 return EngineCoreOutput(req_id, [], new_prompt_logprobs=prompt_logprobs[req_id])

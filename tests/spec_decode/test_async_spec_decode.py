@@ -259,7 +259,10 @@ def test_scheduler_placeholder_drafts_rollback_and_preemption_in_flight():
     assert (b.num_tokens, b.num_computed_tokens, b.spec_token_ids) == (8, 0, [])
     stats = sched.spec_decoding_stats
     assert (stats.num_draft_tokens, stats.num_accepted_tokens) == (2 + 2 + 1 + 2, 1 + 0 + 1 + 0)
-    sched.update_from_output(s3, _runner_output({"a": [16]}, {"a": [17]}))
+    # s3: the runner had no draft for a's slots (counted as no verification at all).
+    sched.update_from_output(s3, _runner_output({"a": [16]}, {"a": [17]},
+                                                num_draft_tokens={"a": 0}))
+    assert stats.num_drafts == 4
     assert (a.num_tokens, a.num_computed_tokens, a.spec_token_ids) == (11, 10, [17])
     sched.finish_requests("a")   # (room for b)
     s4 = sched.schedule()   # b is recomputed from scratch, without drafts
