@@ -665,7 +665,7 @@ class Scheduler:
             num_accepted = len(new_token_ids) - 1
             if rollback:
                 request.num_computed_tokens -= len(drafts) - num_accepted
-            # (Placeholder slots the worker had fewer drafts for count as it verified them.)
+            # (Placeholder slots: as many drafts as the worker had and verified.)
             num_verified = model_runner_output.num_draft_tokens.get(req_id, len(drafts))
             if num_verified:
                 self.spec_decoding_stats.observe_draft(num_verified, num_accepted)
