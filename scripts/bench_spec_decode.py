@@ -7,12 +7,17 @@ the shipped draft model, checks that the outputs are identical, and prints outpu
 speed-up, acceptance rate and mean accepted length per drafted step.
 
     python scripts/bench_spec_decode.py [--num-prompts 8] [--max-tokens 96] [--k 4]
+
+`--compare-async` runs every method with synchronous steps and with `async_scheduling` (step N+1
+scheduled with placeholder drafts before step N's output is processed), alternating the two
+`--repeats` times, and prints the median wall time per model step and output tokens/s of each.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 from pagedllm import LLM, SamplingParams
@@ -38,15 +43,58 @@ def _prompts(n: int) -> list[str]:
     return out
 
 
-def _run(model: str, prompts: list[str], params: SamplingParams, spec: dict | None):
-    llm = LLM(model, speculative_config=spec, enable_prefix_caching=False)
+def _run(model: str, prompts: list[str], params: SamplingParams, spec: dict | None,
+         async_scheduling: bool | None = None, step_times: list[float] | None = None):
+    """Tokens, output tokens/s and spec-decode stats of one timed run; with `step_times`, the
+    run's wall time per model step (executor call) is appended to it."""
+    # (Single steps where the sync/async comparison asks: the plain engine's CPU default runs
+    # multi-step rounds, which async scheduling and speculation replace.)
+    llm = LLM(model, speculative_config=spec, enable_prefix_caching=False,
+              async_scheduling=async_scheduling,
+              num_scheduler_steps=None if async_scheduling is None else 1)
     llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+    executor = llm.llm_engine.engine_core.executor
+    execute, num_steps = executor.execute_model, [0]
+
+    def counted(*args, **kwargs):
+        num_steps[0] += 1
+        return execute(*args, **kwargs)
+
+    executor.execute_model = counted
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
+    if step_times is not None:
+        step_times.append(elapsed / num_steps[0])
     tokens = [o.outputs[0].token_ids for o in outs]
     stats = llm.get_stats().spec_decoding_stats
     return tokens, sum(map(len, tokens)) / elapsed, stats
+
+
+def _compare_async(target: str, methods: list[tuple[str, dict | None]], prompts: list[str],
+                   params: SamplingParams, repeats: int) -> dict:
+    """Each method with synchronous and asynchronous steps, alternated `repeats` times: median
+    ms per model step and output tokens/s, and whether the tokens were the same."""
+    print(f"{'method':<12} {'ms/step sync':>13} {'ms/step async':>14} {'tok/s sync':>11} "
+          f"{'tok/s async':>12} same")
+    results = {}
+    for name, spec in methods:
+        steps: dict[bool, list[float]] = {False: [], True: []}
+        tps: dict[bool, list[float]] = {False: [], True: []}
+        tokens: dict[bool, list] = {}
+        for _ in range(repeats):
+            for mode in (False, True):
+                tokens[mode], rate, _ = _run(target, prompts, params, spec, mode, steps[mode])
+                tps[mode].append(rate)
+        med = {m: (1e3 * statistics.median(steps[m]), statistics.median(tps[m]))
+               for m in (False, True)}
+        same = tokens[False] == tokens[True]
+        results[name] = {"ms_per_step": {"sync": med[False][0], "async": med[True][0]},
+                         "output_tokens_per_s": {"sync": med[False][1], "async": med[True][1]},
+                         "same_tokens": same}
+        print(f"{name:<12} {med[False][0]:13.2f} {med[True][0]:14.2f} {med[False][1]:11.1f} "
+              f"{med[True][1]:12.1f} {same}")
+    return results
 
 
 def main() -> None:
@@ -55,10 +103,24 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--output-json", default=None)
+    parser.add_argument("--compare-async", action="store_true",
+                        help="each method with synchronous and with asynchronous scheduling")
+    parser.add_argument("--repeats", type=int, default=3, help="paired runs (--compare-async)")
     args = parser.parse_args()
     target, draft = model_path(DEFAULT_MODEL_NAME), model_path(DEFAULT_DRAFT_MODEL_NAME)
     prompts = _prompts(args.num_prompts)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    if args.compare_async:
+        k = args.k
+        results = _compare_async(target, [
+            ("none", None), ("ngram", {"method": "ngram", "num_speculative_tokens": k}),
+            ("suffix", {"method": "suffix", "num_speculative_tokens": k}),
+            ("draft_model", {"method": "draft_model", "model": draft,
+                             "num_speculative_tokens": k})], prompts, params, args.repeats)
+        if args.output_json:
+            with open(args.output_json, "w") as f:
+                json.dump(results, f, indent=2)
+        return
     base_tokens, base_tps, _ = _run(target, prompts, params, None)
     results = {"baseline": {"output_tokens_per_s": base_tps}}
     print(f"{'method':<12} {'tok/s':>8} {'speed-up':>9} {'accept':>7} {'mean len':>9} same")

@@ -37,6 +37,11 @@ class NewRequestData:
             self.block_ids = (list(self.block_ids),)
 
 
+# A draft slot scheduled before the drafts are known (async scheduling with speculative decoding):
+# the worker fills it with the draft it proposed in the request's previous step.
+DRAFT_PLACEHOLDER = -1
+
+
 @dataclass
 class CachedRequestData:
     """Requests the worker already holds: their new blocks (one list per KV cache group) and
@@ -65,7 +70,13 @@ class SchedulerOutput:
         preempted_req_ids: requests preempted this step: the worker drops them (they return later
             as new requests).
         scheduled_spec_decode_tokens: req_id -> draft tokens verified this step (they follow the
-            request's tokens; `num_scheduled_tokens` counts them).
+            request's tokens; `num_scheduled_tokens` counts them). With async scheduling they
+            may be DRAFT_PLACEHOLDER each: slots for the drafts the worker proposed in the
+            request's previous step, not yet known to the scheduler; the worker verifies its
+            own drafts there (fewer if it has fewer: it then computes fewer tokens).
+        optimistic_req_ids: cached requests whose `num_computed_tokens` counts every draft of
+            their previous step, still running when this one was scheduled, as accepted (async
+            scheduling with speculative decoding); the worker subtracts the ones it rejected.
         num_steps: decode steps of this round (multi-step scheduling; > 1 only when every
             scheduled request decodes one token): the worker feeds each sampled token into the
             next forward and returns up to `num_steps` tokens per request.
@@ -88,6 +99,7 @@ class SchedulerOutput:
     kv_connector_metadata: object = None
     scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
     free_encoder_mm_hashes: list[str] = field(default_factory=list)
+    optimistic_req_ids: set[str] = field(default_factory=set)
 
     @classmethod
     def make_empty(cls) -> SchedulerOutput:
@@ -192,6 +204,9 @@ class ModelRunnerOutput:
     prompt_logprobs_dict: dict[str, tuple[int, LogprobsLists]] = field(default_factory=dict)
     # Draft tokens proposed for each request's next step (speculative decoding).
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Requests that verified fewer drafts than scheduled (placeholder slots the worker had fewer
+    # drafts for): req_id -> drafts verified. The acceptance statistics count these.
+    num_draft_tokens: dict[str, int] = field(default_factory=dict)
     # Requests whose own sampling code failed this step (a logits processor raised): req_id ->
     # message. Nothing was sampled for them; the scheduler finishes them with "error".
     request_errors: dict[str, str] = field(default_factory=dict)

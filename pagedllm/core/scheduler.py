@@ -24,6 +24,16 @@ blocks are only published once all their tokens are known (`allocate_slots` cach
 that runs before any later reader. Requests whose sampling needs their previous tokens on the
 host (see `needs_sync_step`) make the engine run synchronous steps while they live.
 
+With speculative decoding too, a step that verifies d drafts counts 1 + d placeholders (as if
+every draft is accepted) and leaves the request `num_speculative_tokens` DRAFT_PLACEHOLDER drafts,
+so the next step is scheduled for the new token plus the drafts the worker proposes meanwhile
+(vLLM's optimistic scheduling of placeholder drafts). Its `num_computed_tokens` then counts the
+previous step's rejected drafts as computed: the step lists the request in `optimistic_req_ids`
+and the worker, which knows how many it rejected, corrects its positions; `update_from_output`
+rolls the scheduler's count back as in synchronous steps. Drafts a step's output brings are
+taken only when no later step of the request is already scheduled (synchronous steps, the last
+step of a drain); otherwise the worker already holds and uses them.
+
 Multi-step rounds (`num_scheduler_steps`, vLLM V0's multi-step scheduling): when every running
 request decodes, none needs the host between its tokens (structured output, logits processors)
 and no waiting request could be admitted (none waits, or max_num_seqs are running), one
@@ -56,9 +66,9 @@ from pagedllm.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from pagedllm.core.request import Request, RequestStatus, stop_token_reached
 from pagedllm.core.routed_experts import RoutedExpertsRecord
 from pagedllm.core.request_queue import check_priority, make_request_queue, priority_key
-from pagedllm.core.sched_output import (EngineCoreOutput, GrammarOutput, KVConnectorStats,
-                                        KVTransferError, ModelRunnerOutput, NewRequestData,
-                                        SchedulerOutput)
+from pagedllm.core.sched_output import (DRAFT_PLACEHOLDER, EngineCoreOutput, GrammarOutput,
+                                        KVConnectorStats, KVTransferError, ModelRunnerOutput,
+                                        NewRequestData, SchedulerOutput)
 from pagedllm.core.spec_decode_stats import SpecDecodingStats
 from pagedllm.core.state_cache_group_manager import align_prefill_tokens
 
@@ -168,6 +178,13 @@ class Scheduler:
         self.num_output_placeholders: dict[str, int] = {}
         # Live requests whose sampling reads their previous tokens on the host.
         self._num_sync_requests = 0
+        self.num_speculative_tokens = num_speculative_tokens
+        # Async scheduling with speculative decoding: placeholder drafts (module docstring).
+        self._placeholder_drafts = async_scheduling and num_speculative_tokens > 0
+        # req_id -> its steps with drafts scheduled and not yet through update_from_output, and
+        # how many of those must not roll back num_computed_tokens (preempted since).
+        self._draft_steps_in_flight: dict[str, int] = {}
+        self._void_draft_rollbacks: dict[str, int] = {}
 
     # ----------------------------------------------------------------- requests in and out
     def add_request(self, request: Request) -> None:
@@ -230,6 +247,8 @@ class Scheduler:
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
         self.num_output_placeholders.pop(request.request_id, None)
+        self._draft_steps_in_flight.pop(request.request_id, None)
+        self._void_draft_rollbacks.pop(request.request_id, None)
         if request_needs_sync_step(request):
             self._num_sync_requests -= 1
         return kv_transfer_params
@@ -268,13 +287,22 @@ class Scheduler:
         out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
         for req_id, n in out.num_scheduled_tokens.items():
             request = self.requests[req_id]
+            num_drafts = len(out.scheduled_spec_decode_tokens.get(req_id, ()))
+            if self._draft_steps_in_flight.get(req_id):
+                # Its previous step's drafts are counted as accepted (module docstring).
+                out.optimistic_req_ids.add(req_id)
+            if num_drafts:
+                self._draft_steps_in_flight[req_id] = (
+                    self._draft_steps_in_flight.get(req_id, 0) + 1)
             # (A multi-step round: its later steps compute one token each.)
             request.num_computed_tokens += n + out.num_steps - 1
             if (self.async_scheduling and request.num_computed_tokens
                     >= request.num_tokens + self.num_output_placeholders.get(req_id, 0)):
-                # It samples this step; its token is unknown until update_from_output.
+                # It samples this step; its tokens are unknown until update_from_output.
                 self.num_output_placeholders[req_id] = (
-                    self.num_output_placeholders.get(req_id, 0) + 1)
+                    self.num_output_placeholders.get(req_id, 0) + 1 + num_drafts)
+                if self._placeholder_drafts:
+                    request.spec_token_ids = [DRAFT_PLACEHOLDER] * self.num_speculative_tokens
             if request.mm_features:
                 self._free_computed_encoder_inputs(request)
         out.free_encoder_mm_hashes = self.encoder_cache_manager.take_freed_mm_hashes()
@@ -561,8 +589,12 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
-        # Its in-flight tokens still arrive (appended while it waits); it is recomputed later.
+        # Its in-flight tokens still arrive (appended while it waits); it is recomputed later,
+        # so their drafts must not roll its num_computed_tokens back.
         self.num_output_placeholders.pop(request.request_id, None)
+        if self._draft_steps_in_flight.get(request.request_id):
+            self._void_draft_rollbacks[request.request_id] = \
+                self._draft_steps_in_flight[request.request_id]
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.add(request)
@@ -619,18 +651,24 @@ class Scheduler:
             if request.routed_experts is None:
                 request.routed_experts = RoutedExpertsRecord()
             request.routed_experts.write(*routed)
+        drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
         if new_token_ids and self.num_output_placeholders.get(req_id):
-            self.num_output_placeholders[req_id] -= 1
+            self.num_output_placeholders[req_id] = max(
+                0, self.num_output_placeholders[req_id] - 1 - len(drafts or ()))
         if new_token_ids and scheduler_output.num_steps > len(new_token_ids):
             # A multi-step round the worker ended early (a request of it sampled a stop token):
             # the round's later slots stay the request's, for its next tokens.
             request.num_computed_tokens -= scheduler_output.num_steps - len(new_token_ids)
-        drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
+        rollback = bool(drafts) and self._end_draft_step(req_id)
         if drafts and new_token_ids:
             # Rejected draft positions are not computed: their KV is overwritten later.
             num_accepted = len(new_token_ids) - 1
-            request.num_computed_tokens -= len(drafts) - num_accepted
-            self.spec_decoding_stats.observe_draft(len(drafts), num_accepted)
+            if rollback:
+                request.num_computed_tokens -= len(drafts) - num_accepted
+            # (Placeholder slots: as many drafts as the worker had and verified.)
+            num_verified = model_runner_output.num_draft_tokens.get(req_id, len(drafts))
+            if num_verified:
+                self.spec_decoding_stats.observe_draft(num_verified, num_accepted)
         if not new_token_ids:
             if req_id in prompt_logprobs:
                 return EngineCoreOutput(req_id, [], new_prompt_logprobs=prompt_logprobs[req_id])
@@ -645,7 +683,11 @@ class Scheduler:
             if structured and self.structured_output_manager.accept_tokens(req_id, [token_id]):
                 request.status = RequestStatus.FINISHED_STOPPED
                 break
-        if not request.is_finished():
+        if request.status != RequestStatus.RUNNING:
+            # (Preempted while its step ran: it restarts without drafts.)
+            request.spec_token_ids = []
+        elif not self.num_output_placeholders.get(req_id):
+            # (Else its next step is scheduled already, with placeholder drafts.)
             drafts = model_runner_output.draft_token_ids.get(req_id, [])
             if structured and drafts:
                 drafts = self.structured_output_manager.validate_tokens(req_id, drafts)
@@ -661,6 +703,23 @@ class Scheduler:
             routed_experts=(request.routed_experts.result(request.num_tokens - 1)
                             if request.is_finished() and request.routed_experts is not None
                             else None))
+
+    def _end_draft_step(self, req_id: str) -> bool:
+        """One of `req_id`'s steps with drafts came through `update_from_output`: whether its
+        rejected drafts roll num_computed_tokens back (not if preempted since it was scheduled)."""
+        left = self._draft_steps_in_flight.get(req_id, 0) - 1
+        if left > 0:
+            self._draft_steps_in_flight[req_id] = left
+        else:
+            self._draft_steps_in_flight.pop(req_id, None)
+        void = self._void_draft_rollbacks.get(req_id, 0)
+        if not void:
+            return True
+        if void > 1:
+            self._void_draft_rollbacks[req_id] = void - 1
+        else:
+            del self._void_draft_rollbacks[req_id]
+        return False
 
     def _check_stop(self, request: Request, token_id: int) -> bool:
         params = request.sampling_params

@@ -7,7 +7,9 @@ and updates the scheduler with N's tokens (`_step_async`), so at most two steps 
 the host's scheduling of N+1 and the caller's output processing of N overlap N+1's forward. Steps
 fall back to synchronous (in-flight steps drained first) while a live request needs its previous
 tokens on the host (`Scheduler.needs_sync_step`: structured output, penalties, bad words, logits
-processors); speculative decoding makes every step synchronous. See docs/architecture.md.
+processors). With speculative decoding step N+1 is scheduled with placeholder drafts before
+step N's accepted tokens and drafts reach the scheduler (core/scheduler.py, worker/async_drafts.py;
+docs/spec_decode.md). See docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -383,8 +385,8 @@ def resolve_async_scheduling(config: EngineConfig, executor_class: type) -> bool
     None picks it where it helps: CUDA (the device runs step N while the host prepares N+1) with
     an executor that supports it (`supports_async_scheduling`: uniproc). It stays off on the
     CPU: there the forward is host work too and measured no faster (docs/architecture.md).
-    Speculative decoding needs each step's tokens to propose the next drafts: every step is
-    then synchronous (logged).
+    True combines with speculative decoding (placeholder drafts: core/scheduler.py); None
+    leaves it off with speculation (measured on the CPU only: docs/spec_decode.md).
 
     Routed-experts capture (`enable_return_routed_experts`) reads each step's routing with
     its output, so it keeps every step synchronous (vLLM's R3 users turn async scheduling off
@@ -408,12 +410,8 @@ def resolve_async_scheduling(config: EngineConfig, executor_class: type) -> bool
     if requested is None:
         # Multi-step rounds asked for explicitly: they replace async scheduling.
         requested = (supported and current_platform.device_type == "cuda"
-                     and (config.scheduler_config.num_scheduler_steps or 1) == 1)
-    if requested and config.speculative_config is not None:
-        logger.info("async_scheduling: speculative decoding (%s) proposes drafts from each "
-                    "step's tokens; every step runs synchronously",
-                    config.speculative_config.method)
-        return False
+                     and (config.scheduler_config.num_scheduler_steps or 1) == 1
+                     and config.speculative_config is None)
     return bool(requested)
 
 

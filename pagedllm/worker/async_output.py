@@ -84,6 +84,17 @@ class SampledTokens:
                 token_ids_cpu[slot, pos] = tok
 
 
+class CompletedModelRunnerOutput:
+    """A step's `ModelRunnerOutput` already complete on the host, behind the interface of
+    `AsyncModelRunnerOutput` (speculative decoding: the model thread finishes each step)."""
+
+    def __init__(self, output: ModelRunnerOutput) -> None:
+        self.output = output
+
+    def get_output(self) -> ModelRunnerOutput:
+        return self.output
+
+
 class AsyncModelRunnerOutput:
     """The `ModelRunnerOutput` of a step whose sampled tokens are still being copied.
 

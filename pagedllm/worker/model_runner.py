@@ -33,8 +33,9 @@ Asynchronous scheduling (worker/async_output.py): `sample_tokens_async` keeps th
 the device and counts each as a placeholder token of its request (`num_tokens` + 1); the next
 `execute_model` fills those positions of its inputs from the device tensor, and writes earlier
 steps' tokens into `token_ids_cpu` once their host copies are done. Requests whose sampling reads
-their previous tokens on the host, and speculative decoding, only ever run in synchronous steps
-(the engine guarantees it), so `token_ids_cpu` is complete whenever such a step samples.
+their previous tokens on the host only ever run in synchronous steps (the engine guarantees it),
+so `token_ids_cpu` is complete whenever such a step samples. With speculative decoding each step
+is finished on the host (`sample_tokens`): worker/async_drafts.py fills the next one's drafts.
 """
 
 from __future__ import annotations
@@ -69,7 +70,9 @@ from pagedllm.spec_decode.eagle import EagleProposer
 from pagedllm.spec_decode.metadata import SpecDecodeMetadata, build_spec_decode_metadata
 from pagedllm.spec_decode.suffix import SuffixDecodingProposer
 from pagedllm.structured_output.apply import apply_grammar_bitmask
-from pagedllm.worker.async_output import AsyncModelRunnerOutput, SampledTokens, start_host_copy
+from pagedllm.worker.async_drafts import AsyncDrafts
+from pagedllm.worker.async_output import (AsyncModelRunnerOutput, CompletedModelRunnerOutput,
+                                          SampledTokens, start_host_copy)
 from pagedllm.worker.encoder_runner import EncoderRunner
 from pagedllm.worker.cuda_graph import (CudaGraphInputBuffers, CudaGraphRunner,
                                         decode_graph_capture_sizes)
@@ -147,6 +150,8 @@ class ModelRunner(KVCacheRunnerMixin):
         self._last_sampled: SampledTokens | None = None
         self.spec_config = config.speculative_config
         self.drafter: Drafter | None = None   # (set by load_model: worker/drafters.py)
+        # The last step's drafts and rejections, for placeholder drafts (async scheduling).
+        self.async_drafts = AsyncDrafts()
         # Routed-experts capture (enable_return_routed_experts; set by load_model), and the
         # last forward's rows per request until sample_tokens sends them.
         self.routed_experts: RoutedExpertsRecorder | None = None
@@ -495,6 +500,8 @@ class ModelRunner(KVCacheRunnerMixin):
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
         """Run the forward pass of one step; logits are kept for `sample_tokens`."""
+        if self.drafter is not None:
+            scheduler_output = self.async_drafts.resolve(scheduler_output)
         self._update_states(scheduler_output)
         if self.encoder_runner is not None:
             self.encoder_runner.update(scheduler_output)
@@ -619,6 +626,8 @@ class ModelRunner(KVCacheRunnerMixin):
             output.draft_token_ids = propose_drafts(
                 self.drafter, self.states, [batch.req_ids[b] for b in batch.sampled_batch_idx],
                 rows, self._max_drafts(rows))
+        if self.drafter is not None:
+            self.async_drafts.record(output)
         output.eplb_stats = None if self.eplb is None else self.eplb.take_stats()
         return output
 
@@ -654,16 +663,19 @@ class ModelRunner(KVCacheRunnerMixin):
 
     @torch.inference_mode()
     def sample_tokens_async(self, grammar_output: GrammarOutput | None = None
-                            ) -> AsyncModelRunnerOutput:
+                            ) -> AsyncModelRunnerOutput | CompletedModelRunnerOutput:
         """Sample for the rows of the last `execute_model` without reading the tokens on the
         host: each sampled request's `num_tokens` grows by one placeholder, the ids stay on the
         device for the next step's inputs, and the returned object's `get_output()` waits for
-        their host copy (and records them: `record_sampled_tokens`).
+        their host copy (and records them: `record_sampled_tokens`). With speculative decoding
+        the step is sampled, verified and drafted to the end (`sample_tokens`): the next step's
+        placeholder drafts need its drafts and rejections (worker/async_drafts.py).
 
         Raises:
-            RuntimeError: when the step verified drafts (speculative decoding runs in
-                synchronous steps only).
+            RuntimeError: when the step verified drafts without a drafter (a caller bug).
         """
+        if self.drafter is not None:
+            return CompletedModelRunnerOutput(self.sample_tokens(grammar_output))
         pending, self._pending = self._pending, None
         if pending is None:
             self._last_sampled = None
@@ -671,7 +683,7 @@ class ModelRunner(KVCacheRunnerMixin):
                                           np.zeros(0, dtype=np.int32), {})
         batch = pending.inputs.batch
         if batch.spec_decode_metadata is not None:
-            raise RuntimeError("a step with draft tokens cannot be sampled asynchronously")
+            raise RuntimeError("a step with draft tokens but no drafter")
         sampled_rows = batch.idx_mapping[batch.sampled_batch_idx]
         failed: dict[int, str] = {}
         sampled = lp = None

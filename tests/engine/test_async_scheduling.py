@@ -4,7 +4,7 @@ Oracle: the engine with synchronous steps. Greedy and seeded tokens, finish reas
 be identical with async scheduling on, through batching, chunked prefill, prefix caching,
 preemption (a tiny KV cache), stop tokens / strings / max_tokens (the extra token computed after a
 stop is dropped), n > 1, aborts mid-run, and the features that fall back to synchronous steps
-(structured output, penalties, n-gram speculative decoding). On the CPU the steps run in the
+(structured output, penalties), and n-gram speculative decoding. On the CPU the steps run in the
 uniproc executor's model thread, so the device-side filling of placeholder inputs and the
 overlapped output path are exercised as they are on CUDA.
 """
@@ -171,7 +171,9 @@ def test_abort_mid_run(sync_llm, async_llm):
     assert stats.num_running_reqs == stats.num_waiting_reqs == 0 and stats.kv_cache_usage == 0
 
 
-def test_ngram_spec_decode_runs_synchronously(tiny_llama, sync_llm):
+def test_ngram_spec_decode_runs_asynchronously(tiny_llama, sync_llm):
+    """Speculative decoding keeps async scheduling (placeholder drafts; every method is checked
+    in tests/spec_decode/test_async_spec_decode.py)."""
     rng = random.Random(13)
     motif = random_tokens(rng, 5)
     prompts = [motif * 4 + random_tokens(rng, 3), random_tokens(rng, 9)]
@@ -179,7 +181,7 @@ def test_ngram_spec_decode_runs_synchronously(tiny_llama, sync_llm):
               async_scheduling=True,
               speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                   "prompt_lookup_min": 2, "prompt_lookup_max": 4})
-    assert not llm.llm_engine.engine_core.async_scheduling
+    assert llm.llm_engine.engine_core.async_scheduling
     assert completions(llm.generate(prompts, greedy(10), use_tqdm=False)) == completions(
         sync_llm.generate(prompts, greedy(10), use_tqdm=False))
 
