@@ -46,15 +46,15 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 
 _E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
                 60.0, 120.0, 300.0)
 FINISH_REASONS = ("stop", "length", "abort")
-# prometheus_client's switch (read when it is imported); it also honours the lower-case name.
-MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 logger = logging.getLogger(__name__)
 
 
 def multiprocess_dir() -> str | None:
     """The folder of prometheus_client's multiprocess mode in this process (None: off)."""
-    return os.environ.get(MULTIPROC_DIR_ENV) or os.environ.get(MULTIPROC_DIR_ENV.lower())
+    # prometheus_client's switch (read when it is imported); it also honours the lower-case name.
+    return (os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+            or os.environ.get("prometheus_multiproc_dir"))
 
 
 def setup_multiprocess_metrics() -> Callable[[], None]:
@@ -68,16 +68,16 @@ def setup_multiprocess_metrics() -> Callable[[], None]:
         the variable.
     """
     if multiprocess_dir() is not None:
-        logger.warning("%s is set by the user (%s): it must be emptied between runs, or "
-                       "/metrics shows the counters of earlier runs too", MULTIPROC_DIR_ENV,
+        logger.warning("PROMETHEUS_MULTIPROC_DIR is set by the user (%s): it must be emptied "
+                       "between runs, or /metrics shows the counters of earlier runs too",
                        multiprocess_dir())
         return lambda: None
     folder = tempfile.mkdtemp(prefix="pagedllm-metrics-")
-    os.environ[MULTIPROC_DIR_ENV] = folder
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = folder
 
     def clean_up() -> None:
-        if os.environ.get(MULTIPROC_DIR_ENV) == folder:
-            del os.environ[MULTIPROC_DIR_ENV]
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR") == folder:
+            del os.environ["PROMETHEUS_MULTIPROC_DIR"]
         shutil.rmtree(folder, ignore_errors=True)
     return clean_up
 
@@ -100,8 +100,8 @@ class PrometheusStatLogger:
         self._render_registry = registry
         if multiprocess_dir() is not None:
             if values.ValueClass is values.MutexValue:
-                logger.warning("%s was set after prometheus_client was imported: /metrics "
-                               "shows this process's metrics only", MULTIPROC_DIR_ENV)
+                logger.warning("PROMETHEUS_MULTIPROC_DIR was set after prometheus_client was "
+                               "imported: /metrics shows this process's metrics only")
             else:
                 self._render_registry = CollectorRegistry()
                 MultiProcessCollector(self._render_registry)

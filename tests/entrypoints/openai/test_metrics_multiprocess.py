@@ -18,7 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from pagedllm.entrypoints.openai.metrics import MULTIPROC_DIR_ENV, setup_multiprocess_metrics
+from pagedllm.entrypoints.openai.metrics import setup_multiprocess_metrics
+
+MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"   # prometheus_client's switch
 
 _SCRIPT = r"""
 import os, sys, time
