@@ -4,7 +4,8 @@ against absorbed attention computed from the cache in torch: several requests of
 lengths, block tables that are random permutations of the blocks, decode-only and mixed steps,
 float32 / bfloat16 / int8 / fp8 latent caches, head counts not a power of two and above one
 program's head block, split-K over the context, padded tokens; end to end on a tiny
-DeepSeek-V2-Lite checkpoint against HF's greedy tokens.
+DeepSeek-V2-Lite checkpoint against HF's greedy tokens, and (slow) with int8 / fp8 latent
+caches against mla_torch.
 
 Without a GPU the kernels run on CPU tensors in triton's interpreter
 (tests/attention/triton_interpreter.py); nothing here has run compiled on a GPU.
@@ -195,3 +196,25 @@ def test_engine_greedy_tokens_match_hf(tmp_path, byte_level_tokenizer_dir, monke
     assert {a.backend.name for a in layers} == {"mla_triton"}
     _assert_close_to_hf(llm.generate(_prompts(), _params(prompt_logprobs=True), use_tqdm=False),
                         hf_greedy_reference(path))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+def test_engine_quantized_latent_cache_matches_mla_torch(tmp_path, byte_level_tokenizer_dir,
+                                                         monkeypatch, kv_cache_dtype):
+    """With an int8 / fp8 latent cache, mla_triton (in-kernel dequantization) and mla_torch
+    (dequantized gathers) read the same stored values: equal greedy tokens, logprobs within
+    1e-4."""
+    from tests.models.test_deepseek import _llm, _model, _params, _prompts, build_checkpoint
+    from tests.models.test_gemma import _tokens_and_logprobs
+
+    path = build_checkpoint("v2_lite", tmp_path / "v2_lite", byte_level_tokenizer_dir)
+    results = {}
+    for backend, mla in (("torch_sdpa", "mla_torch"), ("triton_paged", "mla_triton")):
+        monkeypatch.setenv("PAGEDLLM_ATTENTION_BACKEND", backend)
+        llm = _llm(path, kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=16)
+        assert _model(llm).attention_layers()[0].backend.name == mla
+        results[mla] = _tokens_and_logprobs(llm.generate(_prompts(), _params(), use_tqdm=False))
+    assert results["mla_triton"][0] == results["mla_torch"][0]
+    torch.testing.assert_close(torch.tensor(sum(results["mla_triton"][1], [])),
+                               torch.tensor(sum(results["mla_torch"][1], [])), atol=1e-4, rtol=0)
