@@ -15,8 +15,6 @@ is slow: the default cases keep to a covering subset, the full product is marked
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import itertools
 import os
 
@@ -24,36 +22,12 @@ import numpy as np
 import pytest
 import torch
 
+from tests.attention.triton_interpreter import import_triton_kernels
+
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 _ENV_BEFORE = os.environ.get("TRITON_INTERPRET")
-
-
-def _import_kernels() -> dict:
-    """{module short name: module} of the kernel modules, interpreted without a GPU; skips the
-    test module where that cannot be had."""
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed", allow_module_level=True)
-    names = ("triton_unified_attention", "triton_reshape_and_cache")
-    with pytest.MonkeyPatch.context() as mp:
-        if DEVICE.type == "cpu":
-            mp.setenv("TRITON_INTERPRET", "1")
-        import triton
-        from triton.runtime.interpreter import InterpretedFunction
-
-        modules = {n: importlib.import_module(f"pagedllm.attention.ops.{n}") for n in names}
-        # NOTE: the first launch imports more of triton (triton.experimental.gluon, which checks
-        # the interpreter setting on import); one tiny launch here does it under the setting.
-        cache = torch.zeros(1, 1, 1, 1, device=DEVICE)
-        modules["triton_reshape_and_cache"].reshape_and_cache(
-            cache[0], cache[0], cache, cache, torch.zeros(1, dtype=torch.int64, device=DEVICE))
-    if DEVICE.type == "cpu" and not (isinstance(triton.language.zeros, InterpretedFunction)
-                                     and all(m.INTERPRETED for m in modules.values())):
-        pytest.skip("triton was imported in this process before without TRITON_INTERPRET=1; run "
-                    "this module in its own process", allow_module_level=True)
-    return modules
-
-
-KERNELS = _import_kernels()
+KERNELS = import_triton_kernels(("triton_unified_attention", "triton_reshape_and_cache"),
+                                DEVICE)
 
 from pagedllm.attention.backends.torch_sdpa import TorchSDPABackend  # noqa: E402
 from pagedllm.attention.backends.triton_paged import TritonPagedBackend  # noqa: E402

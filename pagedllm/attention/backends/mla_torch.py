@@ -113,17 +113,29 @@ class MLATorchBackend:
         """
         common = metadata.common
         n = common.num_actual_tokens
-        latent_size = kv_cache.shape[-1]
         write_cache_rows(kv_cache, 0, latent[:n, None], common.slot_mapping[:n])
         num_heads, dn_dv, _ = w_kv_b.shape
-        dn = q_nope.shape[-1]
-        out = q_nope.new_zeros(q_nope.shape[0], num_heads, dn_dv - dn)
-        for g in metadata.groups:
-            num_rows, q_len = g.query_index.shape
-            ctx = dequantize_kv(kv_cache, 0, g.kv_slots.reshape(-1), q_nope.dtype)
-            ctx = ctx.view(num_rows, -1, latent_size)                        # [G, S, L + dr]
-            attend = mla_attention_absorbed if q_len == 1 else mla_attention_expanded
-            o = attend(q_nope[g.query_index], q_pe[g.query_index], ctx, w_kv_b, g.attn_mask,
-                       scale)
-            out[g.out_index] = o.reshape(num_rows * q_len, num_heads, -1)[g.valid]
+        out = q_nope.new_zeros(q_nope.shape[0], num_heads, dn_dv - q_nope.shape[-1])
+        attend_row_groups(out, metadata.groups, q_nope, q_pe, kv_cache, w_kv_b, scale)
         return out
+
+
+def attend_row_groups(out: torch.Tensor, groups, q_nope: torch.Tensor, q_pe: torch.Tensor,
+                      kv_cache: torch.Tensor, w_kv_b: torch.Tensor, scale: float) -> None:
+    """MLA of the rows of `groups` (torch_sdpa's row groups) over their latents gathered and
+    dequantized from the cache: decode groups (query_len 1) in the absorbed form, the others in
+    the expanded form; written into `out` [num_tokens, H, dv] at the rows' tokens.
+
+    Args:
+        q_nope, q_pe, kv_cache, w_kv_b, scale: as `MLATorchBackend.forward` (the new tokens'
+            latents already written).
+    """
+    num_heads = w_kv_b.shape[0]
+    latent_size = kv_cache.shape[-1]
+    for g in groups:
+        num_rows, q_len = g.query_index.shape
+        ctx = dequantize_kv(kv_cache, 0, g.kv_slots.reshape(-1), q_nope.dtype)
+        ctx = ctx.view(num_rows, -1, latent_size)                            # [G, S, L + dr]
+        attend = mla_attention_absorbed if q_len == 1 else mla_attention_expanded
+        o = attend(q_nope[g.query_index], q_pe[g.query_index], ctx, w_kv_b, g.attn_mask, scale)
+        out[g.out_index] = o.reshape(num_rows * q_len, num_heads, -1)[g.valid]

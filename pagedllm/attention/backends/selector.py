@@ -5,6 +5,7 @@ from __future__ import annotations
 from pagedllm.attention.backends.cpu_paged import CpuPagedBackend
 from pagedllm.attention.backends.mla_cpu import MLACpuBackend
 from pagedllm.attention.backends.mla_torch import MLATorchBackend
+from pagedllm.attention.backends.mla_triton import MLATritonBackend
 from pagedllm.attention.backends.torch_sdpa import TorchSDPABackend
 from pagedllm.attention.backends.triton_paged import TritonPagedBackend
 from pagedllm.platforms import current_platform
@@ -42,10 +43,14 @@ def get_attention_backend():
 
 
 def get_mla_attention_backend():
-    """The backend of MLA layers (layers/mla_attention.py): `mla_cpu_paged` (the native
-    kernel for absorbed decode) where the platform's attention backend is `cpu_paged`, else the
-    torch reference `mla_torch` (any device; `PAGEDLLM_ATTENTION_BACKEND=torch_sdpa` picks it
-    on the CPU)."""
-    if current_platform.attention_backend_name() == "cpu_paged" and MLACpuBackend.is_available():
+    """The backend of MLA layers (layers/mla_attention.py), following the platform's attention
+    backend: `mla_cpu_paged` (the native kernel for absorbed decode) for `cpu_paged`,
+    `mla_triton` (the Triton kernel for absorbed decode; CUDA's default) for `triton_paged`,
+    else the torch reference `mla_torch` (any device; `PAGEDLLM_ATTENTION_BACKEND=torch_sdpa`
+    picks it)."""
+    name = current_platform.attention_backend_name()
+    if name == "cpu_paged" and MLACpuBackend.is_available():
         return MLACpuBackend
+    if name == "triton_paged" and MLATritonBackend.is_available():
+        return MLATritonBackend
     return MLATorchBackend
