@@ -138,7 +138,8 @@ class EnvOptions:
         "PAGEDLLM_ATTENTION_BACKEND", _text, None, "cpu_paged, torch_sdpa, triton_paged",
         "the platform's choice",
         "Overrides the platform's attention backend (CPU: cpu_paged when the kernels build, "
-        "CUDA: triton_paged when triton is installed, else torch_sdpa).")
+        "CUDA: triton_paged when triton is installed, else torch_sdpa). MLA layers follow "
+        "it: mla_cpu_paged, mla_triton or mla_torch.")
     cpu_kernels: bool = _switch_var(
         "PAGEDLLM_CPU_KERNELS",
         "The native CPU kernels; off: torch ops everywhere. Read when the kernel library is "
