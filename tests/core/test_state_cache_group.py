@@ -104,7 +104,7 @@ def test_align_checkpoints_hit_after_the_writing_step():
     mgr = KVCacheManager(64, BS, True, groups)
     a = make_request("a", list(range(10)))
     ids = mgr.allocate_slots(a, 8)                        # [0, 8): writes entry 1
-    assert ids[1][0] == 0 and ids[1][1] != 0
+    assert ids[1][0] != 0 and ids[1][1] != 0              # and entry 0, a boundary inside it
     b = make_request("b", list(range(10)))
     assert mgr.get_computed_blocks(b)[1] == 0              # not before the step has run
     a.num_computed_tokens = 8
@@ -114,6 +114,9 @@ def test_align_checkpoints_hit_after_the_writing_step():
     assert num_hit == 8 and [x.block_id for x in blocks.blocks[1]] == [0, ids[1][1]]
     a.num_computed_tokens = 10
     mgr.free(a)             # the checkpoints outlive the request (s(8), and s(12) is not one)
+    e = make_request("e", list(range(4)) + [99, 98, 97, 96, 95])    # shares 1 block: s(4)
+    blocks, num_hit = mgr.get_computed_blocks(e)
+    assert num_hit == 4 and [x.block_id for x in blocks.blocks[1]] == [ids[1][0]]
     c = make_request("c", list(range(8)) + [99, 98, 97, 96, 95])   # shares 2 blocks, not 3
     blocks, num_hit = mgr.get_computed_blocks(c)
     assert num_hit == 8
