@@ -81,7 +81,8 @@ class StateCacheGroupManager:
         """No hit (mode "none"): a state exists only at the end of its own request's tokens."""
         return []
 
-    def free(self, request_id: str, block_hashes: list[bytes] | None = None) -> None:
+    def free(self, request_id: str, block_hashes: list[bytes] | None = None,
+             num_computed_tokens: int | None = None) -> None:
         self.block_pool.free_blocks(self.req_to_blocks.pop(request_id, []))
 
     def num_live_blocks(self, request_id: str) -> int:
@@ -217,13 +218,17 @@ class AlignedStateCacheGroupManager:
                 return [pool.null_block] * (e - 1) + [block]
         return []
 
-    def free(self, request_id: str, block_hashes: list[bytes] | None = None) -> None:
+    def free(self, request_id: str, block_hashes: list[bytes] | None = None,
+             num_computed_tokens: int | None = None) -> None:
         """Release the request's slots; its checkpoints stay hits until evicted. With
         `block_hashes`, its last step's checkpoints are registered first: a request is freed
         (finished, or preempted) in a later scheduler call than the one that scheduled its last
-        step, which has run, or runs before any step scheduled from now on (the block ends of a
-        multi-step round's later steps are dropped: the round may have ended before them)."""
-        self._register(request_id, self._scheduled_end.pop(request_id, 0), block_hashes)
+        step, which has run, or runs before any step scheduled from now on. Those up to
+        `num_computed_tokens` are (a multi-step round that ended early wrote no later ones);
+        without it, those up to its last step's first token's end."""
+        scheduled = self._scheduled_end.pop(request_id, 0)
+        self._register(request_id, scheduled if num_computed_tokens is None
+                       else num_computed_tokens, block_hashes)
         self._hashes.pop(request_id, None)
         self.block_pool.free_blocks(self.req_to_blocks.pop(request_id, []))
 
