@@ -98,8 +98,8 @@ def _conv1d_kernel(x_ptr, w_ptr, bias_ptr, state_ptr, out_ptr, qsl_ptr, slots_pt
 
 @triton.jit
 def _ssd_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, state_ptr, y_ptr, qsl_ptr, slots_ptr,
-                init_ptr, emit_start_ptr, emit_off_ptr, emit_slot_ptr, dt_min, dt_max, H, G, P, N, CLAMP: tl.constexpr, BP: tl.constexpr,
-                BN: tl.constexpr):
+                init_ptr, emit_start_ptr, emit_off_ptr, emit_slot_ptr, dt_min, dt_max, H, G, P,
+                N, CLAMP: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr):
     r = tl.program_id(0)
     h = tl.program_id(1)
     pb = tl.program_id(2)
