@@ -19,13 +19,18 @@ the exact state at its block's end when a step ended there; the scheduler ends p
 block boundaries so that they do (`align_prefill_tokens`):
 
     block_size 4, prompt of 10 tokens: steps [0, 8) then [8, 10)
-    entries   | null | s(8) | s(10) ...        s(8): a checkpoint, registered under hash[1]
+    entries   | s(4) | s(8) | s(10) ...   s(4), s(8): checkpoints under hash[0], hash[1]
 
-Such an entry is registered under the block's hash (at the request's next step or when it is
-freed, so that no request admitted in the step that writes it reads it first) and stays a hit
-after the request frees it, until the pool evicts it (least recently freed first, the
-BlockPool's free queue). Entries before the one a step reads are freed as the request moves on,
-so it holds at most 2 slots. A hit is the longest block run whose last block has a checkpoint
+The boundaries a step passes inside its query (4 above) get a slot too where enough are free
+(more than `num_reserved`), and the scans emit the state there as they pass (layers/
+state_cache.py, `emit_*`); without a slot the entry stays null. A multi-step round's later
+steps end on block boundaries in its own entries. Each such entry is registered under the
+block's hash (at the request's next step or when it is freed, so that no request admitted in
+the step that writes it reads it first; only up to the tokens the request has computed by then)
+and stays a hit after the request frees it, until the pool evicts it (least recently freed
+first, the BlockPool's free queue). Entries before the one a step reads are freed as the
+request moves on, so it holds 2 slots, and those of the boundaries inside its last step until
+its next one. A hit is the longest block run whose last block has a checkpoint
 (`find_longest_cache_hit`); the KV cache manager shortens it until every group agrees. The same
 duck-typed interface as `KVCacheGroupManager`, which the KV cache manager drives.
 """
