@@ -6,8 +6,10 @@ Builds a random-weight Qwen3-Next checkpoint (Gated DeltaNet and gated attention
 download) in a temp folder and times `generate` with `max_tokens=1`:
   - miss: the prefix cache is reset before the request, so the whole prompt is computed;
   - hit:  the same prompt again: the states are restored from the checkpoint at the last block
-          boundary and only the tokens after it are computed.
-Prints the median TTFT of each and their ratio (all figures from the same run).
+          boundary and only the tokens after it are computed;
+  - partial hit: a prompt sharing the first half of the missed one, then different tokens: it
+          resumes from a checkpoint the scans emitted inside the miss's one prefill step.
+Prints the median TTFT of each and their ratios (all figures from the same run).
 
     python scripts/bench_hybrid_prefix_cache.py [--hidden-size 256 --num-layers 4 --prompt-len 2000]
 """
@@ -59,6 +61,9 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-num-seqs", type=int, default=128,
+                        help="also sets the state slots (1 + 2 x this in mode align), which "
+                             "bound the checkpoints one prefill step can keep")
     args = parser.parse_args()
 
     rng = random.Random(0)
@@ -66,7 +71,7 @@ def main() -> None:
         max_len = 2 * args.prompt_len
         path = build_checkpoint(Path(tmp), args.hidden_size, args.num_layers, max_len)
         engines = {mode: LLM(str(path), dtype="float32", block_size=args.block_size,
-                             max_num_batched_tokens=max_len, max_num_seqs=4,
+                             max_num_batched_tokens=max_len, max_num_seqs=args.max_num_seqs,
                              mamba_cache_mode=mode, kv_cache_memory_bytes=256 << 20)
                    for mode in ("align", "none")}
 
@@ -75,7 +80,7 @@ def main() -> None:
 
         for llm in engines.values():
             ttft(llm, tokens(args.prompt_len))  # warm-up (lazy init, allocator)
-        miss, hit, none = [], [], []
+        miss, hit, none, partial, partial_cached = [], [], [], [], []
         expected = (args.prompt_len - 1) // args.block_size * args.block_size
         for _ in range(args.repeats):
             prompt = tokens(args.prompt_len)
@@ -86,21 +91,28 @@ def main() -> None:
             seconds, cached = ttft(engines["align"], prompt)
             assert cached == 0, cached
             miss.append(seconds)
-            seconds, cached = ttft(engines["align"], prompt)
-            assert cached == args.prompt_len - args.prompt_len % args.block_size or \
-                cached == expected, cached
+            seconds, hit_cached = ttft(engines["align"], prompt)
+            assert hit_cached == args.prompt_len - args.prompt_len % args.block_size or \
+                hit_cached == expected, hit_cached
             hit.append(seconds)
+            half = prompt[:args.prompt_len // 2] + tokens(args.prompt_len - args.prompt_len // 2)
+            seconds, cached = ttft(engines["align"], half)
+            partial.append(seconds)
+            partial_cached.append(cached)
 
-    none_s, miss_s, hit_s = (statistics.median(x) for x in (none, miss, hit))
+    none_s, miss_s, hit_s, part_s = (statistics.median(x) for x in (none, miss, hit, partial))
     print(f"model: random Qwen3-Next, hidden {args.hidden_size}, {args.num_layers} layers "
           f"(3 Gated DeltaNet : 1 attention), float32; prompt {args.prompt_len} tokens; "
           f"block_size {args.block_size}; {args.repeats} repeats")
     print(f"TTFT mode none (no hit):  {none_s * 1e3:8.1f} ms (median; min {min(none) * 1e3:.1f})")
     print(f"TTFT mode align, miss:    {miss_s * 1e3:8.1f} ms (median; min {min(miss) * 1e3:.1f})")
     print(f"TTFT mode align, hit:     {hit_s * 1e3:8.1f} ms (median; min {min(hit) * 1e3:.1f}; "
-          f"{cached} tokens from the cache)")
-    print(f"hit vs miss: {miss_s / hit_s:.1f}x faster; align miss vs none: "
-          f"{miss_s / none_s:.2f}x")
+          f"{hit_cached} tokens from the cache)")
+    print(f"TTFT mode align, half:    {part_s * 1e3:8.1f} ms (median; min "
+          f"{min(partial) * 1e3:.1f}; {statistics.median(partial_cached):.0f} tokens from the "
+          f"cache: first half shared)")
+    print(f"hit vs miss: {miss_s / hit_s:.1f}x faster; half-shared vs miss: "
+          f"{miss_s / part_s:.2f}x faster; align miss vs none: {miss_s / none_s:.2f}x")
 
 
 if __name__ == "__main__":

@@ -115,9 +115,10 @@ class KVCacheGroupManager:
         skipped = self.num_skipped_blocks(best * self.block_size)
         return [pool.null_block] * skipped + cached[skipped:best]
 
-    def free(self, request_id: str, block_hashes: list[bytes] | None = None) -> None:
+    def free(self, request_id: str, block_hashes: list[bytes] | None = None,
+             num_computed_tokens: int | None = None) -> None:
         """Release the request's blocks; its tail blocks become the first eviction candidates.
-        (`block_hashes`: for a state group's sake.)"""
+        (`block_hashes`, `num_computed_tokens`: for a state group's sake.)"""
         blocks = self.req_to_blocks.pop(request_id, [])
         self.num_cached_block.pop(request_id, None)
         self.block_pool.free_blocks(list(reversed(blocks)))

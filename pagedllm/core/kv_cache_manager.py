@@ -190,7 +190,7 @@ class KVCacheManager:
         """Release a request's blocks in every group; its tail blocks are evicted first."""
         hashes = request.block_hashes if self.enable_caching else None
         for group in self.groups:
-            group.free(request.request_id, hashes)
+            group.free(request.request_id, hashes, request.num_computed_tokens)
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         return tuple([b.block_id for b in g.req_to_blocks.get(request_id, [])]

@@ -19,13 +19,18 @@ the exact state at its block's end when a step ended there; the scheduler ends p
 block boundaries so that they do (`align_prefill_tokens`):
 
     block_size 4, prompt of 10 tokens: steps [0, 8) then [8, 10)
-    entries   | null | s(8) | s(10) ...        s(8): a checkpoint, registered under hash[1]
+    entries   | s(4) | s(8) | s(10) ...   s(4), s(8): checkpoints under hash[0], hash[1]
 
-Such an entry is registered under the block's hash (at the request's next step or when it is
-freed, so that no request admitted in the step that writes it reads it first) and stays a hit
-after the request frees it, until the pool evicts it (least recently freed first, the
-BlockPool's free queue). Entries before the one a step reads are freed as the request moves on,
-so it holds at most 2 slots. A hit is the longest block run whose last block has a checkpoint
+The boundaries a step passes inside its query (4 above) get a slot too where enough are free
+(more than `num_reserved`), and the scans emit the state there as they pass (layers/
+state_cache.py, `emit_*`); without a slot the entry stays null. A multi-step round's later
+steps end on block boundaries in its own entries. Each such entry is registered under the
+block's hash (at the request's next step or when it is freed, so that no request admitted in
+the step that writes it reads it first; only up to the tokens the request has computed by then)
+and stays a hit after the request frees it, until the pool evicts it (least recently freed
+first, the BlockPool's free queue). Entries before the one a step reads are freed as the
+request moves on, so it holds 2 slots, and those of the boundaries inside its last step until
+its next one. A hit is the longest block run whose last block has a checkpoint
 (`find_longest_cache_hit`); the KV cache manager shortens it until every group agrees. The same
 duck-typed interface as `KVCacheGroupManager`, which the KV cache manager drives.
 """
@@ -81,7 +86,8 @@ class StateCacheGroupManager:
         """No hit (mode "none"): a state exists only at the end of its own request's tokens."""
         return []
 
-    def free(self, request_id: str, block_hashes: list[bytes] | None = None) -> None:
+    def free(self, request_id: str, block_hashes: list[bytes] | None = None,
+             num_computed_tokens: int | None = None) -> None:
         self.block_pool.free_blocks(self.req_to_blocks.pop(request_id, []))
 
     def num_live_blocks(self, request_id: str) -> int:
@@ -95,7 +101,8 @@ class AlignedStateCacheGroupManager:
         spec: the group (`spec.state` and `spec.align`; `num_blocks` slots, null slot 0
             included: `num_state_slots(max_num_seqs, True)`).
         block_size: tokens per block (the attention groups' and the block hashes').
-        enable_caching: register checkpoints under block hashes (off: slots are only moved).
+        enable_caching: register checkpoints under block hashes (off: slots are only moved,
+            and no slot is taken for the boundaries inside a step).
     """
 
     sliding_window = None
@@ -105,17 +112,42 @@ class AlignedStateCacheGroupManager:
             raise ValueError("AlignedStateCacheGroupManager needs a state group spec in mode "
                              "'align'")
         self.block_size = block_size
+        self.enable_caching = enable_caching
         self.block_pool = BlockPool(spec.num_blocks, enable_caching)
+        # Slots the boundaries inside steps never take: one per request `max_num_seqs` can run
+        # (spec.num_blocks = 1 + 2 * max_num_seqs), for the steps' required entries.
+        self.num_reserved = (spec.num_blocks - 1) // 2
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
-        # request -> entry a step being scheduled ends on exactly (a checkpoint once it ran).
-        self._pending: dict[str, int] = {}
-        # request -> entry of a step already scheduled earlier: registered by `cache_blocks`.
-        self._ready: dict[str, int] = {}
+        # request -> entries its scheduled steps write at a block's end (checkpoints once they
+        # ran), and the tokens computed for certain once its last scheduled step ran.
+        self._pending: dict[str, list[int]] = {}
+        self._scheduled_end: dict[str, int] = {}
+        # request -> its block hashes (the request's own list, extended as tokens come).
+        self._hashes: dict[str, list[bytes]] = {}
         self.num_window_freed_blocks = 0
 
+    def _register(self, request_id: str, num_computed: int,
+                  block_hashes: list[bytes] | None) -> None:
+        """Register the request's pending checkpoints whose blocks are computed
+        (`num_computed` tokens) under their hashes; drop the rest (never written: a multi-step
+        round that ended early)."""
+        pending = self._pending.pop(request_id, [])
+        blocks = self.req_to_blocks.get(request_id, [])
+        if block_hashes is None:
+            return
+        null = self.block_pool.null_block
+        for j in pending:
+            if ((j + 1) * self.block_size <= num_computed and j < len(block_hashes)
+                    and j < len(blocks) and blocks[j] is not null):
+                self.block_pool.cache_full_blocks(blocks, block_hashes, j, j + 1)
+
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
-        """Free the entries before the one the next step reads, (num_computed_tokens - 1) //
-        block_size; registered checkpoints among them stay hits until evicted."""
+        """At the request's next step: register the checkpoints its earlier steps wrote (they
+        have run, or run before any step scheduled from now on, so no request admitted in the
+        step that wrote one read it first), then free the entries before the one the next
+        step reads, (num_computed_tokens - 1) // block_size; registered checkpoints among them
+        stay hits until evicted."""
+        self._register(request_id, num_computed_tokens, self._hashes.get(request_id))
         blocks = self.req_to_blocks.get(request_id)
         if not blocks or num_computed_tokens < 1:
             return
@@ -136,8 +168,9 @@ class AlignedStateCacheGroupManager:
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
                                    new_computed_blocks: list[KVCacheBlock],
                                    num_computed_after_step: int | None = None) -> int:
-        """Free slots an allocation takes: a new slot per write entry the request lacks, and
-        the hit's checkpoint when it sits in the free queue."""
+        """Free slots an allocation needs: a new slot per write entry the request lacks, and
+        the hit's checkpoint when it sits in the free queue (the boundaries inside the step
+        take slots only where more are free, `allocate`)."""
         num_held = len(self.req_to_blocks.get(request_id, ())) + len(new_computed_blocks)
         entries = self._write_entries(num_tokens, num_computed_after_step)
         num_new = max(0, entries.stop - max(entries.start, num_held))
@@ -145,33 +178,39 @@ class AlignedStateCacheGroupManager:
 
     def allocate(self, request_id: str, num_tokens: int, new_computed_blocks: list[KVCacheBlock],
                  num_computed_after_step: int | None = None) -> list[KVCacheBlock]:
-        """Take the hit (null entries, then the checkpoint) and a slot for each write entry,
-        null entries between. Returns the entries appended (hits first).
+        """Take the hit (null entries, then the checkpoint), a slot for each write entry, and
+        between them (the block boundaries the step passes inside its query) a slot for each
+        boundary while more than `num_reserved` slots are free (spread over them when fewer;
+        null entries for the rest). Returns the entries appended (hits first).
 
-        The entry the previous step scheduled ends on (if it ended on a block's end) becomes
-        registrable now, and this step's one pending."""
-        if request_id in self._pending:
-            self._ready[request_id] = self._pending.pop(request_id)
+        The step's checkpoints become pending: the boundaries inside it that got a slot, its
+        end if on a block's end, and the block ends of a multi-step round's later steps."""
         blocks = self.req_to_blocks.setdefault(request_id, [])
         self.block_pool.touch(new_computed_blocks)
         blocks.extend(new_computed_blocks)
         start = len(blocks)
         entries = self._write_entries(num_tokens, num_computed_after_step)
         null = self.block_pool.null_block
-        blocks.extend([null] * max(0, entries.start - len(blocks)))
+        gap = max(0, entries.start - len(blocks))
+        num_free = self.block_pool.get_num_free_blocks() - max(0, entries.stop - entries.start)
+        take = min(gap, max(0, num_free - self.num_reserved)) if self.enable_caching else 0
+        # Evenly spread picks of `take` among the gap's entries (all of them when take == gap).
+        picks = {start + (i + 1) * gap // take - 1 for i in range(take)} if take else set()
+        new = iter(self.block_pool.get_new_blocks(take))
+        blocks.extend(next(new) if start + i in picks else null for i in range(gap))
         blocks.extend(self.block_pool.get_new_blocks(max(0, entries.stop - len(blocks))))
         end = num_tokens if num_computed_after_step is None else num_computed_after_step
-        if end > 0 and end % self.block_size == 0:
-            self._pending[request_id] = end // self.block_size - 1
+        if self.enable_caching:
+            bs = self.block_size
+            ends = range(max(cdiv(end, bs) - 1, 0), num_tokens // bs)
+            self._pending[request_id] = sorted(picks) + list(ends)
+        self._scheduled_end[request_id] = end
         return new_computed_blocks + blocks[start:]
 
     def cache_blocks(self, request_id: str, block_hashes: list[bytes], num_full: int) -> None:
-        """Register the checkpoint of the request's previous step (if it ended on a block's
-        end, its block is full and the request still holds the entry)."""
-        j = self._ready.pop(request_id, None)
-        blocks = self.req_to_blocks.get(request_id, [])
-        if j is not None and j < min(num_full, len(block_hashes), len(blocks)):
-            self.block_pool.cache_full_blocks(blocks, block_hashes, j, j + 1)
+        """Keep the request's block hashes, for registering its checkpoints at its next step
+        (`remove_skipped_blocks`)."""
+        self._hashes[request_id] = block_hashes
 
     def find_longest_cache_hit(self, block_hashes: list[bytes],
                                max_num_blocks: int) -> list[KVCacheBlock]:
@@ -184,17 +223,18 @@ class AlignedStateCacheGroupManager:
                 return [pool.null_block] * (e - 1) + [block]
         return []
 
-    def free(self, request_id: str, block_hashes: list[bytes] | None = None) -> None:
+    def free(self, request_id: str, block_hashes: list[bytes] | None = None,
+             num_computed_tokens: int | None = None) -> None:
         """Release the request's slots; its checkpoints stay hits until evicted. With
-        `block_hashes`, its last steps' checkpoints are registered first: a request is freed
+        `block_hashes`, its last step's checkpoints are registered first: a request is freed
         (finished, or preempted) in a later scheduler call than the one that scheduled its last
-        step, which has run, or runs before any step scheduled from now on."""
-        for entries in (self._ready, self._pending):
-            j = entries.pop(request_id, None)
-            blocks = self.req_to_blocks.get(request_id, [])
-            if j is not None and block_hashes is not None and j < min(len(block_hashes),
-                                                                      len(blocks)):
-                self.block_pool.cache_full_blocks(blocks, block_hashes, j, j + 1)
+        step, which has run, or runs before any step scheduled from now on. Those up to
+        `num_computed_tokens` are (a multi-step round that ended early wrote no later ones);
+        without it, those up to its last step's first token's end."""
+        scheduled = self._scheduled_end.pop(request_id, 0)
+        self._register(request_id, scheduled if num_computed_tokens is None
+                       else num_computed_tokens, block_hashes)
+        self._hashes.pop(request_id, None)
         self.block_pool.free_blocks(self.req_to_blocks.pop(request_id, []))
 
     def num_live_blocks(self, request_id: str) -> int:

@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagedllm.layers.state_cache import StateCacheMetadata
+from pagedllm.layers.state_cache import StateCacheMetadata, emitted_slots
+from pagedllm.layers.state_ops import rows_of_token
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -25,16 +26,21 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                           beta: torch.Tensor, initial_state: torch.Tensor, chunk_size: int = 64
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
+                           beta: torch.Tensor, initial_state: torch.Tensor, chunk_size: int = 64,
+                           emit_at: tuple[torch.Tensor, torch.Tensor] | None = None
+                           ) -> tuple[torch.Tensor, ...]:
     """The chunked gated delta rule of a padded batch (float32; q already normalised and scaled).
 
     Args:
         q, k: [R, H, L, d_k]; v: [R, H, L, d_v]; g (log decay <= 0), beta: [R, H, L];
         initial_state: [R, H, d_k, d_v].
+        emit_at: optional (rows [E], positions [E]) int64: also return the state after each of
+            these (row, position) pairs, S_t = exp(G_t) S_start + sum over the chunk's tokens
+            s <= t of exp(G_t - G_s) k_s v_new_s^T, from its chunk's start state.
 
     Returns:
-        (o [R, H, L, d_v], final state [R, H, d_k, d_v]).
+        (o [R, H, L, d_v], final state [R, H, d_k, d_v]), and with `emit_at` the emitted
+        states [E, H, d_k, d_v] third.
     """
     r, h, length, _ = k.shape
     pad = (-length) % chunk_size
@@ -63,11 +69,25 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     chunk_decay = g_cum[..., -1].exp()[..., None, None]                   # [R, H, nc, 1, 1]
     state = initial_state.to(v.dtype)
     out = torch.empty_like(v)
+    starts, v_news = [], []
     for i in range(nc):
         v_new = u[:, :, i] - w[:, :, i] @ state
         out[:, :, i] = q_decayed[:, :, i] @ state + attn[:, :, i] @ v_new
+        if emit_at is not None:
+            starts.append(state)
+            v_news.append(v_new)
         state = state * chunk_decay[:, :, i] + k_to_end[:, :, i].transpose(-1, -2) @ v_new
-    return out.reshape(r, h, nc * chunk_size, -1)[:, :, :length], state
+    out = out.reshape(r, h, nc * chunk_size, -1)[:, :, :length]
+    if emit_at is None:
+        return out, state
+    rows, pos = emit_at
+    ci, li = pos // chunk_size, pos % chunk_size
+    start = torch.stack(starts, 2)[rows, :, ci]                           # [E, H, d_k, d_v]
+    v_new = torch.stack(v_news, 2)[rows, :, ci]                           # [E, H, c, d_v]
+    weights = decay[rows, :, ci, li]                                      # [E, H, c]
+    emitted = (g_cum[rows, :, ci, li].exp()[..., None, None] * start
+               + torch.einsum("ehs,ehsk,ehsv->ehkv", weights, k[rows, :, ci], v_new))
+    return out, state, emitted
 
 
 def gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -79,7 +99,8 @@ def gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
         q, k: [num_tokens, H, d_k] (value heads: grouped heads already repeated), raw (this
             function L2-normalises them and scales q); v: [num_tokens, H, d_v];
         g: [num_tokens, H] log decay; beta: [num_tokens, H];
-        states: [num_slots, H, d_k, d_v] float32.
+        states: [num_slots, H, d_k, d_v] float32; the state after each of `meta`'s emit
+            tokens is written to its emit slot.
 
     Returns:
         o [num_tokens, H, d_v] float32.
@@ -117,8 +138,12 @@ def gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
 
         slots = meta.state_indices[reqs]
         init = states[slots].float() * meta.has_initial_state[reqs, None, None, None]
-        o, final = chunk_gated_delta_rule(padded(q), padded(k), padded(v), padded(g),
-                                          padded(beta), init, chunk_size)
+        keep, emit_slots = emitted_slots(meta)
+        emit_tok = meta.emit_token[keep]
+        emit_at = (rows_of_token(row_of_req, meta, emit_tok), meta.token_offset[emit_tok])
+        o, final, emitted = chunk_gated_delta_rule(padded(q), padded(k), padded(v), padded(g),
+                                                   padded(beta), init, chunk_size, emit_at)
         states.index_copy_(0, slots, final.to(states.dtype))
+        states.index_copy_(0, emit_slots, emitted.to(states.dtype))
         out[tok] = o.transpose(1, 2)[rows, offs]
     return out

@@ -18,7 +18,10 @@ row is position-aligned, and a request's slot for a step is the entry of its las
 (seq_len - 1) // block_size. Where that differs from the entry its computed prefix ended in,
 (num_computed - 1) // block_size, the step starts by copying that slot into the new one
 (`copy_src` -> `copy_dst`, `copy_state_slots`; the runner does it once per step for all
-layers), so the old entry keeps the state at its block's end as a checkpoint.
+layers), so the old entry keeps the state at its block's end as a checkpoint. The block
+boundaries a step passes inside its query (a long prefill) are checkpointed too: the scans emit
+the state after each boundary's last token into that entry's slot where the scheduler gave the
+entry one (`emit_*`; a null entry, slot 0, is skipped).
 """
 
 from __future__ import annotations
@@ -49,6 +52,14 @@ class StateCacheMetadata:
         num_reqs, num_tokens, max_query_len: ints.
         copy_src / copy_dst: [num_copies] int64 on the device, slots to copy before the step
             (mode "align"; empty otherwise).
+        emit_start: [num_reqs + 1] int64 on the device, each request's run of the emit arrays
+            (mode "align": the block boundaries inside its query; all zeros otherwise);
+            emit_start_cpu the same as numpy.
+        emit_offset: [num_emits] int64 on the device, ascending inside a request: the index in
+            its query of a block's last token; the state after it is also written to ...
+        emit_slot: [num_emits] int64 on the device, ... this slot (the block's entry; 0, the
+            null slot, means none and is skipped).
+        emit_token: [num_emits] int64 on the device, the same tokens' flat indices.
     """
 
     state_indices: torch.Tensor
@@ -64,13 +75,24 @@ class StateCacheMetadata:
     max_query_len: int
     copy_src: torch.Tensor
     copy_dst: torch.Tensor
+    emit_start: torch.Tensor
+    emit_start_cpu: np.ndarray
+    emit_offset: torch.Tensor
+    emit_slot: torch.Tensor
+    emit_token: torch.Tensor
+
+    @property
+    def num_emits(self) -> int:
+        return int(self.emit_start_cpu[-1])
 
     @classmethod
     def from_common(cls, common: CommonAttentionMetadata,
                     align: bool = False) -> StateCacheMetadata:
         """Built from the state group's common metadata: its block table's column 0 is each
         request's slot, or (`align`, mode "align") column (seq_len - 1) // block_size, after a
-        copy from column (num_computed - 1) // block_size where that differs."""
+        copy from column (num_computed - 1) // block_size where that differs; then the entries
+        j of the boundaries (j + 1) * block_size inside the query, after the one it reads and
+        before the one it writes, are emitted (`emit_*`)."""
         r = common.num_reqs
         qsl = common.query_start_loc_cpu[:r + 1].astype(np.int64)
         query_lens = np.diff(qsl)
@@ -88,6 +110,14 @@ class StateCacheMetadata:
         write = (seq_lens - 1) // common.block_size if align else np.zeros(r, np.int64)
         read = np.maximum(num_computed - 1, 0) // common.block_size if align else write
         copy = np.nonzero((num_computed > 0) & (read != write))[0].astype(np.int64)
+        bs = common.block_size
+        first = -(-num_computed // bs)                      # the first entry after `read`
+        counts = np.maximum(write - first, 0) if align else np.zeros(r, np.int64)
+        emit_start = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        emit_req = np.repeat(rows, counts)
+        emit_col = (np.arange(int(emit_start[-1]), dtype=np.int64) - emit_start[emit_req]
+                    + first[emit_req])
+        emit_offset = (emit_col + 1) * bs - 1 - num_computed[emit_req]
         state_indices = table[dev(rows), dev(write)] if align else table[:, 0]
         return cls(state_indices=state_indices,
                    has_initial_state=dev(num_computed > 0), query_start_loc=dev(qsl),
@@ -98,7 +128,10 @@ class StateCacheMetadata:
                    num_reqs=r, num_tokens=int(qsl[-1]),
                    max_query_len=int(query_lens.max()) if r else 0,
                    copy_src=table[dev(copy), dev(read[copy])],
-                   copy_dst=table[dev(copy), dev(write[copy])])
+                   copy_dst=table[dev(copy), dev(write[copy])],
+                   emit_start=dev(emit_start), emit_start_cpu=emit_start,
+                   emit_offset=dev(emit_offset), emit_slot=table[dev(emit_req), dev(emit_col)],
+                   emit_token=dev(qsl[emit_req] + emit_offset))
 
 
 def copy_state_slots(states: list[torch.Tensor], meta: StateCacheMetadata) -> None:
@@ -108,6 +141,13 @@ def copy_state_slots(states: list[torch.Tensor], meta: StateCacheMetadata) -> No
         return
     for t in states:
         t.index_copy_(0, meta.copy_dst, t.index_select(0, meta.copy_src))
+
+
+def emitted_slots(meta: StateCacheMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """(emit indices, slots) of the step's emits that have a slot (not the null slot 0), for
+    the torch references (a host sync on a GPU)."""
+    keep = torch.nonzero(meta.emit_slot != 0).squeeze(1)
+    return keep, meta.emit_slot[keep]
 
 
 class StateCache(nn.Module):

@@ -39,7 +39,8 @@ def _native_batch(meta: StateCacheMetadata, num_slots: int) -> state_scan.StateB
     global _last_batch
     if _last_batch is None or _last_batch[0] is not meta or _last_batch[1] != num_slots:
         _last_batch = (meta, num_slots, state_scan.StateBatchArgs(
-            meta.query_start_loc, meta.state_indices, meta.has_initial_state, num_slots))
+            meta.query_start_loc, meta.state_indices, meta.has_initial_state, num_slots,
+            (meta.emit_start, meta.emit_offset, meta.emit_slot) if meta.num_emits else None))
     return _last_batch[2]
 
 

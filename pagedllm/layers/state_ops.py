@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagedllm.layers.state_cache import StateCacheMetadata
+from pagedllm.layers.state_cache import StateCacheMetadata, emitted_slots
 
 
 def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -30,7 +30,8 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         x: [num_tokens, C] the step's inputs, requests contiguous (meta.query_start_loc).
         weight: [C, K] depthwise kernel; bias: [C] or None.
         conv_states: [num_slots, C, K - 1], read at and written to each request's slot (the last
-            K - 1 inputs after this step).
+            K - 1 inputs after this step); the window after each of `meta`'s emit tokens is
+            written to its emit slot.
         meta: the step's state metadata.
 
     Returns:
@@ -58,6 +59,10 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     last = end[:, None] - k1 + torch.arange(k1, device=device)                 # [R, K-1]
     conv_states.index_copy_(0, meta.state_indices,
                             ext[last].transpose(1, 2).to(conv_states.dtype))
+    if meta.num_emits:
+        keep, emit_slots = emitted_slots(meta)
+        at = token_pos[meta.emit_token[keep]][:, None] - k1 + 1 + torch.arange(k1, device=device)
+        conv_states.index_copy_(0, emit_slots, ext[at].transpose(1, 2).to(conv_states.dtype))
     return out
 
 
@@ -73,8 +78,10 @@ def segment_sum(x: torch.Tensor) -> torch.Tensor:
 
 
 def ssd_chunk_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                   c: torch.Tensor, chunk_size: int, initial_states: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+                   c: torch.Tensor, chunk_size: int, initial_states: torch.Tensor,
+                   emit_at: tuple[torch.Tensor, torch.Tensor] | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor,
+                                                                  torch.Tensor]:
     """The chunked SSD scan of a padded batch (float32 throughout).
 
     h_t = exp(dt_t * A) h_{t-1} + dt_t x_t B_t^T,  y_t = h_t C_t   (per head; h [P, N])
@@ -83,9 +90,13 @@ def ssd_chunk_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.
         x: [R, L, H, P]; dt: [R, L, H] (after softplus; 0 at padded positions, which then
             leave the state unchanged); a: [H] (A, negative); b, c: [R, L, H, N] (groups
             expanded to heads); initial_states: [R, H, P, N].
+        emit_at: optional (rows [E], positions [E]) int64: also return the state after each
+            of these (row, position) pairs, h_t = exp(A_cum(s..t]) h_s + sum over the chunk's
+            tokens up to t, from its chunk's start state.
 
     Returns:
-        (y [R, L, H, P] without the D skip, final states [R, H, P, N]).
+        (y [R, L, H, P] without the D skip, final states [R, H, P, N]), and with `emit_at`
+        the emitted states [E, H, P, N] third.
     """
     rr, length, h, p = x.shape
     pad = (-length) % chunk_size
@@ -113,7 +124,14 @@ def ssd_chunk_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.
     # 4. the start state's contribution inside each chunk
     y_off = torch.einsum("bclhn,bchpn,bhcl->bclhp", c, start_states, torch.exp(da_cum))
     y = (y_diag + y_off).reshape(rr, nc * chunk_size, h, p)[:, :length]
-    return y, final
+    if emit_at is None:
+        return y, final
+    rows, pos = emit_at
+    ci, li = pos // chunk_size, pos % chunk_size
+    weights = decay[rows, :, ci, li]                                     # [E, H, s]
+    emitted = (torch.exp(da_cum[rows, :, ci, li])[..., None, None] * start_states[rows, ci]
+               + torch.einsum("ehs,eshn,eshp->ehpn", weights, b[rows, ci], xdt[rows, ci]))
+    return y, final, emitted
 
 
 def ssd_varlen(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
@@ -128,6 +146,8 @@ def ssd_varlen(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tens
         b, c: [num_tokens, G, N]; d: [H] skip; ssm_states: [num_slots, H, P, N] float32.
         chunk_size: the scan's chunk length (the checkpoint's, as HF uses it).
         dt_limit: clamp of dt in the chunked form (HF clamps there only; None = no clamp).
+        The state after each of `meta`'s emit tokens (prefill requests only have them) is
+        written to its emit slot.
 
     Returns:
         y [num_tokens, H, P] float32 (y_t = h_t C_t + D x_t).
@@ -169,10 +189,29 @@ def ssd_varlen(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tens
             x32[tok], dts, b32[tok], c32[tok])
         slots = meta.state_indices[reqs]
         init = ssm_states[slots].float() * meta.has_initial_state[reqs, None, None, None]
-        yp, final = ssd_chunk_scan(xp, dtp, a.float(), bp, cp, chunk_size, init)
+        keep, emit_slots = emitted_slots(meta)
+        emit_tok = meta.emit_token[keep]
+        emit_at = (rows_of_token(row_of_req, meta, emit_tok), meta.token_offset[emit_tok])
+        yp, final, emitted = ssd_chunk_scan(xp, dtp, a.float(), bp, cp, chunk_size, init,
+                                            emit_at)
         ssm_states.index_copy_(0, slots, final.to(ssm_states.dtype))
+        ssm_states.index_copy_(0, emit_slots, emitted.to(ssm_states.dtype))
         y[tok] = yp[rows, offs]
     return y + d.float()[:, None] * x32
+
+
+def rows_of_token(row_of_req: torch.Tensor, meta: StateCacheMetadata,
+                  tokens: torch.Tensor) -> torch.Tensor:
+    """The padded-batch rows of flat token indices `tokens` ([E] int64; `row_of_req`: [num_reqs]
+    row of each request, -1 for those not in the padded batch).
+
+    Raises:
+        ValueError: a token of a request not in the padded batch (an emit of a decode).
+    """
+    rows = row_of_req[meta.token_req_index[tokens]]
+    if bool((rows < 0).any()):
+        raise ValueError("a state emit at a token of a one-token (decode) request")
+    return rows
 
 
 def gated_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,

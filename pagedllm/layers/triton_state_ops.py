@@ -4,7 +4,9 @@
 
 Each program owns a tile of one request's state in registers and runs the recurrence token by
 token over the request's tokens of the step (prefill chunk or decode token alike), then writes
-the tile back to the request's slot:
+the tile back to the request's slot; after a token the step lists as a block boundary (the
+metadata's `emit_*`, prefix-caching mode "align") it also stores the tile into that boundary's
+slot (a masked store: no branch in the loop):
 
     causal conv1d       program (request, channel block): the K-tap window read from the
                         request's inputs or, before them, its conv state
@@ -33,6 +35,7 @@ from pagedllm.layers.state_cache import StateCacheMetadata
 
 @triton.jit
 def _conv1d_kernel(x_ptr, w_ptr, bias_ptr, state_ptr, out_ptr, qsl_ptr, slots_ptr, init_ptr,
+                   emit_start_ptr, emit_off_ptr, emit_slot_ptr,
                    stride_x, C, K: tl.constexpr, KPAD: tl.constexpr, BC: tl.constexpr,
                    HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
     r = tl.program_id(0)
@@ -51,6 +54,10 @@ def _conv1d_kernel(x_ptr, w_ptr, bias_ptr, state_ptr, out_ptr, qsl_ptr, slots_pt
     if HAS_BIAS:
         bias = tl.load(bias_ptr + c, mask=cmask, other=0.0)
     state_base = state_ptr + slot * C * (K - 1) + c[:, None] * (K - 1)
+    e = tl.load(emit_start_ptr + r)
+    e_end = tl.load(emit_start_ptr + r + 1)
+    j = tl.arange(0, KPAD)
+    jmask = j < K - 1
     for t in range(start, end):
         idx = (t - start) - (K - 1) + kk                                 # [KPAD] input index
         xm = cmask[:, None] & (kmask & (idx >= 0))[None, :]
@@ -61,10 +68,24 @@ def _conv1d_kernel(x_ptr, w_ptr, bias_ptr, state_ptr, out_ptr, qsl_ptr, slots_pt
         if SILU:
             acc = acc / (1.0 + tl.exp(-acc))
         tl.store(out_ptr + t * C + c, acc.to(out_ptr.dtype.element_ty), mask=cmask)
+        # A block boundary: the window after this token (the taps just read, less the oldest).
+        ei = tl.where(e < e_end, e, 0)          # the emit arrays have an element 0 always
+        hit = (e < e_end) & (tl.load(emit_off_ptr + ei) == t - start)
+        emit = tl.where(hit, tl.load(emit_slot_ptr + ei), 0).to(tl.int64)
+        # (a scalar condition enters masks through tl.where: `mask & scalar` fails in
+        # triton's interpreter)
+        wm = tl.where(hit & (emit != 0), cmask[:, None] & jmask[None, :], False)
+        widx = (t - start) - (K - 1) + 1 + j
+        wx = tl.load(x_ptr + (start + widx)[None, :] * stride_x + c[:, None],
+                     mask=wm & (widx >= 0)[None, :], other=0.0)
+        ws = tl.load(state_base + (K - 1 + widx)[None, :], mask=wm & (widx < 0)[None, :],
+                     other=0.0) * init
+        tl.store(state_ptr + emit * C * (K - 1) + c[:, None] * (K - 1) + j[None, :],
+                 (wx.to(tl.float32) + ws.to(tl.float32)).to(state_ptr.dtype.element_ty),
+                 mask=wm)
+        e += hit.to(e.dtype)
     # The new window: the last K - 1 inputs (from the state when the request has fewer).
     length = end - start
-    j = tl.arange(0, KPAD)
-    jmask = j < K - 1
     idx = length - (K - 1) + j
     xm = cmask[:, None] & (jmask & (idx >= 0))[None, :]
     xv = tl.load(x_ptr + (start + idx)[None, :] * stride_x + c[:, None], mask=xm, other=0.0)
@@ -77,8 +98,8 @@ def _conv1d_kernel(x_ptr, w_ptr, bias_ptr, state_ptr, out_ptr, qsl_ptr, slots_pt
 
 @triton.jit
 def _ssd_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, state_ptr, y_ptr, qsl_ptr, slots_ptr,
-                init_ptr, dt_min, dt_max, H, G, P, N, CLAMP: tl.constexpr, BP: tl.constexpr,
-                BN: tl.constexpr):
+                init_ptr, emit_start_ptr, emit_off_ptr, emit_slot_ptr, dt_min, dt_max, H, G, P,
+                N, CLAMP: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr):
     r = tl.program_id(0)
     h = tl.program_id(1)
     pb = tl.program_id(2)
@@ -96,6 +117,8 @@ def _ssd_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, state_ptr, y_ptr, qsl
     d = tl.load(d_ptr + h)
     g = h // (H // G)
     clamp = CLAMP & (end - start > 1)
+    e = tl.load(emit_start_ptr + r)
+    e_end = tl.load(emit_start_ptr + r + 1)
     for t in range(start, end):
         dt = tl.load(dt_ptr + t * H + h)
         if clamp:
@@ -106,12 +129,19 @@ def _ssd_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, state_ptr, y_ptr, qsl
         s = s * tl.exp(dt * a) + (dt * x)[:, None] * bv[None, :]
         y = tl.sum(s * cv[None, :], axis=1) + d * x
         tl.store(y_ptr + (t * H + h) * P + p, y, mask=pm)
+        ei = tl.where(e < e_end, e, 0)          # the emit arrays have an element 0 always
+        hit = (e < e_end) & (tl.load(emit_off_ptr + ei) == t - start)
+        emit = tl.where(hit, tl.load(emit_slot_ptr + ei), 0).to(tl.int64)
+        tl.store(state_ptr + ((emit * H + h) * P + p[:, None]) * N + n[None, :], s,
+                 mask=tl.where(hit & (emit != 0), smask, False))
+        e += hit.to(e.dtype)
     tl.store(sptr, s, mask=smask)
 
 
 @triton.jit
 def _gated_delta_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, o_ptr, qsl_ptr,
-                        slots_ptr, init_ptr, scale, H, HK, DK, DV, BK: tl.constexpr,
+                        slots_ptr, init_ptr, emit_start_ptr, emit_off_ptr, emit_slot_ptr,
+                        scale, H, HK, DK, DV, BK: tl.constexpr,
                         BV: tl.constexpr):
     r = tl.program_id(0)
     h = tl.program_id(1)
@@ -127,6 +157,8 @@ def _gated_delta_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, o_ptr, 
     sptr = state_ptr + ((slot * H + h) * DK + kd[:, None]) * DV + vd[None, :]
     s = tl.load(sptr, mask=smask, other=0.0) * init
     hk = h // (H // HK)
+    e = tl.load(emit_start_ptr + r)
+    e_end = tl.load(emit_start_ptr + r + 1)
     for t in range(start, end):
         q = tl.load(q_ptr + (t * HK + hk) * DK + kd, mask=km, other=0.0).to(tl.float32)
         k = tl.load(k_ptr + (t * HK + hk) * DK + kd, mask=km, other=0.0).to(tl.float32)
@@ -138,6 +170,12 @@ def _gated_delta_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, o_ptr, 
         s = s + k[:, None] * delta[None, :]
         o = tl.sum(s * q[:, None], axis=0)
         tl.store(o_ptr + (t * H + h) * DV + vd, o, mask=vm)
+        ei = tl.where(e < e_end, e, 0)          # the emit arrays have an element 0 always
+        hit = (e < e_end) & (tl.load(emit_off_ptr + ei) == t - start)
+        emit = tl.where(hit, tl.load(emit_slot_ptr + ei), 0).to(tl.int64)
+        tl.store(state_ptr + ((emit * H + h) * DK + kd[:, None]) * DV + vd[None, :], s,
+                 mask=tl.where(hit & (emit != 0), smask, False))
+        e += hit.to(e.dtype)
     tl.store(sptr, s, mask=smask)
 
 
@@ -146,9 +184,16 @@ def _gated_delta_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, o_ptr, 
 INTERPRETED: bool = isinstance(_gated_delta_kernel, InterpretedFunction)
 
 
-def _batch(meta: StateCacheMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _batch(meta: StateCacheMetadata) -> tuple[torch.Tensor, ...]:
+    """query starts, slots, initial-state flags, emit starts, emit offsets, emit slots (the
+    last two of one element when there are no emits: never read then)."""
+    emits = (meta.emit_offset, meta.emit_slot)
+    if meta.num_emits == 0:
+        emits = tuple(torch.zeros(1, dtype=torch.int64, device=meta.emit_start.device)
+                      for _ in emits)
     return (meta.query_start_loc.to(torch.int64), meta.state_indices.to(torch.int64),
-            meta.has_initial_state.to(torch.int32))
+            meta.has_initial_state.to(torch.int32), meta.emit_start.to(torch.int64),
+            *(t.to(torch.int64).contiguous() for t in emits))
 
 
 def causal_conv1d_varlen_triton(x: torch.Tensor, weight: torch.Tensor,
@@ -164,12 +209,12 @@ def causal_conv1d_varlen_triton(x: torch.Tensor, weight: torch.Tensor,
     out = torch.empty(n, c, dtype=x.dtype, device=x.device)
     if meta.num_reqs == 0:
         return out
-    qsl, slots, init = _batch(meta)
+    batch = _batch(meta)
     w = weight.float().contiguous()
     b = w if bias is None else bias.float().contiguous()
     bc = 64
     _conv1d_kernel[(meta.num_reqs, triton.cdiv(c, bc))](
-        x, w, b, conv_states, out, qsl, slots, init, x.stride(0), c, K=k,
+        x, w, b, conv_states, out, *batch, x.stride(0), c, K=k,
         KPAD=triton.next_power_of_2(k), BC=bc, HAS_BIAS=bias is not None, SILU=silu)
     return out
 
@@ -186,12 +231,12 @@ def ssd_varlen_triton(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: tor
     y = torch.empty(n, h, p, dtype=torch.float32, device=x.device)
     if meta.num_reqs == 0:
         return y
-    qsl, slots, init = _batch(meta)
+    batch = _batch(meta)
     lo, hi = dt_limit if dt_limit is not None else (0.0, float("inf"))
     bp = min(32, triton.next_power_of_2(p))
     _ssd_kernel[(meta.num_reqs, h, triton.cdiv(p, bp))](
         x.contiguous(), dt.float().contiguous(), a.float().contiguous(), b.contiguous(),
-        c.contiguous(), d.float().contiguous(), ssm_states, y, qsl, slots, init, lo, hi, h, g,
+        c.contiguous(), d.float().contiguous(), ssm_states, y, *batch, lo, hi, h, g,
         p, sn, CLAMP=dt_limit is not None, BP=bp, BN=triton.next_power_of_2(sn))
     return y
 
@@ -207,10 +252,10 @@ def gated_delta_rule_varlen_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Te
     out = torch.empty(n, h, dv, dtype=torch.float32, device=q.device)
     if meta.num_reqs == 0:
         return out
-    qsl, slots, init = _batch(meta)
+    batch = _batch(meta)
     bv = min(32, triton.next_power_of_2(dv))
     _gated_delta_kernel[(meta.num_reqs, h, triton.cdiv(dv, bv))](
         q.contiguous(), k.contiguous(), v.contiguous(), g.float().contiguous(),
-        beta.float().contiguous(), states, out, qsl, slots, init, dk ** -0.5, h, hk, dk, dv,
+        beta.float().contiguous(), states, out, *batch, dk ** -0.5, h, hk, dk, dv,
         BK=triton.next_power_of_2(dk), BV=bv)
     return out

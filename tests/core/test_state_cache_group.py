@@ -104,7 +104,7 @@ def test_align_checkpoints_hit_after_the_writing_step():
     mgr = KVCacheManager(64, BS, True, groups)
     a = make_request("a", list(range(10)))
     ids = mgr.allocate_slots(a, 8)                        # [0, 8): writes entry 1
-    assert ids[1][0] == 0 and ids[1][1] != 0
+    assert ids[1][0] != 0 and ids[1][1] != 0              # and entry 0, a boundary inside it
     b = make_request("b", list(range(10)))
     assert mgr.get_computed_blocks(b)[1] == 0              # not before the step has run
     a.num_computed_tokens = 8
@@ -114,6 +114,9 @@ def test_align_checkpoints_hit_after_the_writing_step():
     assert num_hit == 8 and [x.block_id for x in blocks.blocks[1]] == [0, ids[1][1]]
     a.num_computed_tokens = 10
     mgr.free(a)             # the checkpoints outlive the request (s(8), and s(12) is not one)
+    e = make_request("e", list(range(4)) + [99, 98, 97, 96, 95])    # shares 1 block: s(4)
+    blocks, num_hit = mgr.get_computed_blocks(e)
+    assert num_hit == 4 and [x.block_id for x in blocks.blocks[1]] == [ids[1][0]]
     c = make_request("c", list(range(8)) + [99, 98, 97, 96, 95])   # shares 2 blocks, not 3
     blocks, num_hit = mgr.get_computed_blocks(c)
     assert num_hit == 8
@@ -125,7 +128,7 @@ def test_align_checkpoints_hit_after_the_writing_step():
     mgr.check_invariants()
 
 
-def test_align_scheduler_with_preemption_holds_two_slots_at_most():
+def test_align_scheduler_with_preemption_bounds_slots_per_request():
     rng = random.Random(1)
     sched = Scheduler(SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=10),
                       CacheConfig(block_size=BS, enable_prefix_caching=True), 256, 10,
@@ -140,7 +143,11 @@ def test_align_scheduler_with_preemption_holds_two_slots_at_most():
         out = sched.schedule()
         for r in sched.running:
             live = [b for b in state.req_to_blocks[r.request_id] if b.block_id != 0]
-            assert 1 <= len(live) <= 2
+            # 2, and the boundaries inside the step just scheduled (when they got slots)
+            end = r.num_computed_tokens
+            start = end - out.num_scheduled_tokens.get(r.request_id, 0)
+            inside = max(0, (end - 1) // BS - -(-start // BS))
+            assert 1 <= len(live) <= 2 + inside
         for req in out.scheduled_new_reqs:
             num_hit_tokens += req.num_computed_tokens
             assert req.num_computed_tokens % BS == 0

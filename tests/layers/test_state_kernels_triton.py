@@ -1,7 +1,8 @@
 """The recurrent layers' Triton kernels (layers/triton_state_ops.py) against the per-token float64
 recurrences and the torch reference ops, on the mixed varlen batch of
 tests/native/test_state_scan.py (fresh, continued, decode, stale-slot requests; grouped heads),
-float32 and bfloat16 activations, and a request split into chunks.
+float32 and bfloat16 activations, a request split into chunks, and the states emitted at the
+block boundaries inside a step (prefix-caching mode "align").
 
 On a GPU the kernels run compiled on CUDA tensors; without one they run on CPU tensors in
 triton's interpreter, imported with TRITON_INTERPRET=1 as tests/attention/test_triton_paged.py
@@ -45,8 +46,8 @@ def _import_kernels():
 
 KERNELS = _import_kernels()
 
-from tests.native.test_state_scan import (STATE_CASE, _meta, float64_expected,  # noqa: E402
-                                          make_inputs, run_backend)
+from tests.native.test_state_scan import (STATE_CASE, _meta, check_emitted_states,  # noqa: E402
+                                          float64_expected, make_inputs, run_backend)
 
 # The shared case with shorter requests (the interpreter runs every token of every program).
 CASE = dict(STATE_CASE, query_lens=[5, 3, 1, 1, 1], computed=[0, 5, 20, 0, 4], channels=40)
@@ -91,3 +92,7 @@ def test_triton_chunk_split_equals_whole():
         torch.testing.assert_close(torch.cat(outs[k]), whole[k], atol=1e-6, rtol=1e-6, msg=k)
     for k in ("conv", "ssm", "delta"):
         torch.testing.assert_close(state[k][2], whole[k][2], atol=1e-6, rtol=1e-6, msg=k)
+
+
+def test_triton_ops_emit_block_boundary_states():
+    check_emitted_states("triton", DEVICE, atol=3e-5)

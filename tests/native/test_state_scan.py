@@ -3,7 +3,8 @@ against the per-token float64 recurrences of tests/layers/test_state_ops.py and 
 reference ops, on a mixed varlen batch: a fresh prompt, a continued chunk, decodes, a fresh
 one-token prompt over a stale slot, grouped heads (H_k < H, G < H) and a channel count that
 spans two conv blocks; chunks split anywhere equal the whole; bfloat16 activations; and the
-dispatcher (layers/state_kernels.py) choosing the kernels on the CPU.
+dispatcher (layers/state_kernels.py) choosing the kernels on the CPU; prefix-caching mode
+"align": the states at the block boundaries inside a step, emitted into their entries' slots.
 
 `STATE_CASE` and `run_backend` are shared with the Triton test (tests/layers/
 test_state_kernels_triton.py).
@@ -11,10 +12,13 @@ test_state_kernels_triton.py).
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
+from pagedllm.attention.metadata import CommonAttentionMetadata
 from pagedllm.layers import state_kernels
+from pagedllm.layers.state_cache import StateCacheMetadata
 from pagedllm.layers.gated_delta_ops import l2norm
 from pagedllm.native.kernels import cpu_kernels
 from tests.layers.test_state_ops import _delta_rule_reference, _metadata, _ssd_reference
@@ -188,3 +192,75 @@ def test_dispatch_and_bad_input():
                                                inputs["conv"].float().clone(), meta,
                                                backend="torch")
     torch.testing.assert_close(silu, torch.nn.functional.silu(plain), atol=1e-5, rtol=1e-5)
+
+
+# Mode "align", blocks of 4: a fresh 10-token prompt (entries 0, 1 emitted inside the step into
+# slots 1, 2; it ends in slot 3), a chunk over tokens 6 .. 12 (reads entry 1, slot 4, copied to
+# its write slot 6; emits entry 2 into slot 5), a fresh 9-token prompt whose entry 0 is null (no
+# slot: skipped) and entry 1 emitted into slot 7, and a decode that crosses into entry 2.
+EMIT_CASE = dict(STATE_CASE, query_lens=[10, 7, 9, 1], computed=[0, 6, 0, 8],
+                 slots=[3, 6, 8, 10], num_slots=11, channels=40)
+EMIT_TABLE = [[1, 2, 3, 0], [0, 4, 5, 6], [0, 7, 8, 0], [0, 9, 10, 0]]
+EMIT_BLOCK = 4
+# (request, token index in its query, slot) of each emit the metadata must list.
+EMITS = [(0, 3, 1), (0, 7, 2), (1, 5, 5), (2, 3, 0), (2, 7, 7)]
+
+
+def emit_meta(device="cpu") -> StateCacheMetadata:
+    """EMIT_CASE's mode-"align" metadata (block table EMIT_TABLE)."""
+    query_lens, computed = np.array(EMIT_CASE["query_lens"]), np.array(EMIT_CASE["computed"])
+    qsl = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
+    seq_lens = (computed + query_lens).astype(np.int32)
+    common = CommonAttentionMetadata(
+        query_start_loc=torch.from_numpy(qsl).to(device), query_start_loc_cpu=qsl,
+        seq_lens=torch.from_numpy(seq_lens).to(device), seq_lens_cpu=seq_lens,
+        block_table=torch.tensor(EMIT_TABLE, dtype=torch.int32, device=device),
+        slot_mapping=torch.zeros(int(qsl[-1]), dtype=torch.int64, device=device),
+        num_reqs=len(query_lens), num_actual_tokens=int(qsl[-1]),
+        max_query_len=int(query_lens.max()), max_seq_len=int(seq_lens.max()),
+        block_size=EMIT_BLOCK)
+    return StateCacheMetadata.from_common(common, align=True)
+
+
+def check_emitted_states(backend: str, device="cpu", atol=2e-5) -> None:
+    """`backend` on EMIT_CASE: outputs and final states equal the float64 recurrences, each
+    emitted slot holds its request's state after its token, the null slot 0 is untouched."""
+    meta = emit_meta(device)
+    got_emits = list(zip(np.repeat(np.arange(4), np.diff(meta.emit_start_cpu)),
+                         meta.emit_offset.tolist(), meta.emit_slot.tolist()))
+    assert got_emits == EMITS
+    assert meta.copy_src.tolist() == [4, 9] and meta.copy_dst.tolist() == [6, 10]
+    inputs = make_inputs(6, EMIT_CASE)
+    for name in ("conv", "ssm", "delta"):          # the runner's copies before the step
+        inputs[name][meta.copy_dst.cpu()] = inputs[name][meta.copy_src.cpu()]
+    got = run_backend(backend, inputs, meta, device=device)
+    expected = float64_expected(inputs, EMIT_CASE)
+    final = EMIT_CASE["slots"]
+    for name, want in expected.items():
+        rows = final if name in ("conv", "ssm", "delta") else slice(None)
+        torch.testing.assert_close(got[name][rows], want[rows], atol=atol, rtol=atol, msg=name)
+    starts = np.concatenate([[0], np.cumsum(EMIT_CASE["query_lens"])])
+    for req, offset, slot in EMITS:
+        if slot == 0:
+            continue
+        # The request alone, its query cut after the emitted token: its final state.
+        case = dict(EMIT_CASE, query_lens=[offset + 1], computed=[EMIT_CASE["computed"][req]],
+                    slots=[EMIT_CASE["slots"][req]])
+        part = {k: (v[starts[req]:starts[req] + offset + 1]
+                    if v.shape[0] == starts[-1] and k not in ("weight", "bias") else v)
+                for k, v in inputs.items()}
+        want = float64_expected(part, case)
+        for name in ("conv", "ssm", "delta"):
+            torch.testing.assert_close(got[name][slot], want[name][case["slots"][0]], atol=atol,
+                                       rtol=atol, msg=f"{name} emitted into slot {slot}")
+    for name in ("conv", "ssm", "delta"):
+        assert torch.equal(got[name][0], inputs[name][0].float().double()), name
+
+
+def test_reference_ops_emit_block_boundary_states():
+    check_emitted_states("torch")
+
+
+@needs_kernels
+def test_native_ops_emit_block_boundary_states():
+    check_emitted_states("native")

@@ -21,7 +21,7 @@ import re
 
 # Bump when a declaration below changes (the loaded library reports the version it was
 # compiled with; a stale library in the cache is refused).
-ABI_VERSION = 13
+ABI_VERSION = 14
 
 STRUCTS = """
 /* One weight's rows of one GGML type (layers/quantization/gguf.py `kernel_segments`). */
@@ -194,6 +194,12 @@ struct StateBatch {
   const uint8_t* has_initial_state;  /* [num_reqs] 0: the request starts from a zero state */
   int64_t num_reqs;
   int64_t num_slots;               /* slots of the state tensors (index bound) */
+  const int64_t* emit_start;       /* [num_reqs + 1] each request's run of emit_offset /
+                                      emit_slot, or null: no emits */
+  const int64_t* emit_offset;      /* [num_emits] ascending inside a request: a token's index
+                                      in its request's query; the state after it is copied ... */
+  const int64_t* emit_slot;        /* [num_emits] ... to this slot (block-boundary checkpoints;
+                                      0, the null slot: none) */
 };
 """
 

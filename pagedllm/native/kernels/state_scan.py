@@ -25,10 +25,15 @@ class StateBatchArgs:
         state_indices: [num_reqs] int64, each request's slot.
         has_initial_state: [num_reqs] bool, False: start from a zero state.
         num_slots: the state tensors' first dim (slots out of [0, num_slots) are refused).
+        emits: None, or (emit_start [num_reqs + 1], emit_offset [E], emit_slot [E]) int64: the
+            state after token `emit_offset[e]` of request r's query (ascending inside each
+            request, e in emit_start[r] .. emit_start[r + 1]) is also copied into slot
+            `emit_slot[e]` (`StateCacheMetadata`'s block-boundary checkpoints).
     """
 
     def __init__(self, query_start_loc: torch.Tensor, state_indices: torch.Tensor,
-                 has_initial_state: torch.Tensor, num_slots: int) -> None:
+                 has_initial_state: torch.Tensor, num_slots: int,
+                 emits: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
         self._qsl = query_start_loc.to(torch.int64).contiguous()
         self._slots = state_indices.to(torch.int64).contiguous()
         self._init = has_initial_state.to(torch.uint8).contiguous()
@@ -37,8 +42,17 @@ class StateBatchArgs:
             raise ValueError(f"state batch: {r} slots, {self._qsl.shape[0]} query starts and "
                              f"{self._init.shape[0]} initial-state flags (need R, R + 1, R)")
         self.num_tokens = int(self._qsl[-1]) if r else 0
+        emit_ptrs = (None, None, None)
+        if emits is not None and emits[1].numel():
+            self._emits = tuple(t.to(torch.int64).contiguous() for t in emits)
+            if (self._emits[0].shape[0] != r + 1
+                    or self._emits[1].shape != self._emits[2].shape):
+                raise ValueError(f"state batch: emit_start of {self._emits[0].shape[0]} entries "
+                                 f"for {r} requests, or emit offsets and slots of unequal "
+                                 f"lengths")
+            emit_ptrs = tuple(t.data_ptr() for t in self._emits)
         self.struct = abi.struct("StateBatch")(self._qsl.data_ptr(), self._slots.data_ptr(),
-                                               self._init.data_ptr(), r, num_slots)
+                                               self._init.data_ptr(), r, num_slots, *emit_ptrs)
 
     @property
     def ptr(self) -> int:
@@ -55,7 +69,8 @@ def state_scan_supported(*tensors: torch.Tensor) -> bool:
 
 def _check(rc: int, what: str) -> None:
     if rc != 0:
-        raise ValueError(f"{what}: a request's state slot is out of range of the state tensor")
+        raise ValueError(f"{what}: a request's state slot (or a slot it emits a checkpoint "
+                         f"to) is out of range of the state tensor")
 
 
 def causal_conv1d_varlen_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

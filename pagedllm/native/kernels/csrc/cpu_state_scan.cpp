@@ -17,9 +17,15 @@
 // block)), run in parallel with OpenMP; the state of one item stays in the thread's cache for
 // the whole request. The state is float32 (the conv window in the activation dtype, as the
 // engine stores it); activations are float32 or bfloat16 (dtype 0 / 1), the arithmetic float32.
-// Each entry point returns 0, or -1 when a request's slot is out of range (that request is
-// skipped, the others still run).
+// Each entry point returns 0, or -1 when a request's slot (or one of its emit slots) is out of
+// range (that request is skipped, the others still run).
+//
+// Emits (StateBatch.emit_*, prefix-caching mode "align"): a request may list tokens of its
+// query after which its state is also copied, as it stands, into another slot; the runner asks
+// for the block boundaries a step passes, so each becomes a checkpoint. Slot 0 (the null slot:
+// a boundary the scheduler gave no slot) is skipped.
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -42,8 +48,30 @@ constexpr int64_t kParallelWork = int64_t{1} << 20;
 
 bool slot_ok(const StateBatch* b, int64_t r) {
   const int64_t s = b->state_indices[r];
-  return s >= 0 && s < b->num_slots;
+  if (s < 0 || s >= b->num_slots) return false;
+  if (b->emit_start)
+    for (int64_t e = b->emit_start[r]; e < b->emit_start[r + 1]; ++e)
+      if (b->emit_slot[e] < 0 || b->emit_slot[e] >= b->num_slots) return false;
+  return true;
 }
+
+// Walks one request's emits along its tokens: `due(t)` is the slot to copy the state into
+// after the token at flat index t (0: none, the null slot), or -1.
+class Emits {
+ public:
+  Emits(const StateBatch* b, int64_t r)
+      : offset_(b->emit_offset), slot_(b->emit_slot), start_(b->query_start_loc[r]),
+        e_(b->emit_start ? b->emit_start[r] : 0), end_(b->emit_start ? b->emit_start[r + 1] : 0) {}
+  int64_t due(int64_t t) {
+    if (e_ < end_ && t - start_ == offset_[e_]) return slot_[e_++];
+    return -1;
+  }
+
+ private:
+  const int64_t* offset_;
+  const int64_t* slot_;
+  int64_t start_, e_, end_;
+};
 
 template <typename T, typename S>
 void conv_block(const StateBatch* b, int64_t r, int64_t c0, int64_t c1, const T* x, int64_t ldx,
@@ -58,6 +86,11 @@ void conv_block(const StateBatch* b, int64_t r, int64_t c0, int64_t c1, const T*
     for (int64_t i = 0; i < nc; ++i)
       for (int64_t j = 0; j < k1; ++j) win[j * nc + i] = to_float(state[(c0 + i) * k1 + j]);
   std::vector<float> acc(static_cast<size_t>(nc)), xt(static_cast<size_t>(nc));
+  Emits emits(b, r);
+  auto save = [&](S* dst) {
+    for (int64_t i = 0; i < nc; ++i)
+      for (int64_t j = 0; j < k1; ++j) store(win[j * nc + i], dst + (c0 + i) * k1 + j);
+  };
   for (int64_t t = b->query_start_loc[r]; t < b->query_start_loc[r + 1]; ++t) {
     for (int64_t i = 0; i < nc; ++i) {
       xt[i] = to_float(x[t * ldx + c0 + i]);
@@ -73,9 +106,10 @@ void conv_block(const StateBatch* b, int64_t r, int64_t c0, int64_t c1, const T*
       const float v = silu ? acc[i] / (1.0f + std::exp(-acc[i])) : acc[i];
       store(v, out + t * ldo + c0 + i);
     }
+    const int64_t emit = emits.due(t);
+    if (emit > 0) save(conv_states + emit * channels * k1);
   }
-  for (int64_t i = 0; i < nc; ++i)
-    for (int64_t j = 0; j < k1; ++j) store(win[j * nc + i], state + (c0 + i) * k1 + j);
+  save(state);
 }
 
 template <typename T, typename S>
@@ -122,6 +156,7 @@ int ssd_all(const StateBatch* b, const T* x, const float* dt, const float* A, co
       const bool clamp = clamp_prefill && end - start > 1;
       const int64_t g = h / heads_per_group;
       std::vector<float> bt(static_cast<size_t>(N)), ct(static_cast<size_t>(N));
+      Emits emits(b, r);
       for (int64_t t = start; t < end; ++t) {
         float d = dt[t * H + h];
         if (clamp) d = d < dt_min ? dt_min : (d > dt_max ? dt_max : d);
@@ -143,6 +178,8 @@ int ssd_all(const StateBatch* b, const T* x, const float* dt, const float* A, co
           }
           yt[p] = acc + D[h] * xp;
         }
+        const int64_t emit = emits.due(t);
+        if (emit > 0) std::copy(S, S + P * N, ssm_states + (emit * H + h) * P * N);
       }
     }
   return bad ? -1 : 0;
@@ -181,6 +218,7 @@ int gated_delta_all(const StateBatch* b, const T* q, const T* k, const T* v, con
       const int64_t hk = h / per;
       std::vector<float> qt(static_cast<size_t>(dk)), kt(static_cast<size_t>(dk));
       std::vector<float> kv(static_cast<size_t>(dv)), delta(static_cast<size_t>(dv));
+      Emits emits(b, r);
       for (int64_t t = b->query_start_loc[r]; t < b->query_start_loc[r + 1]; ++t) {
         load_l2_normalised(q + (t * Hk + hk) * dk, dk, q_scale, qt.data());
         load_l2_normalised(k + (t * Hk + hk) * dk, dk, 1.0f, kt.data());
@@ -208,6 +246,8 @@ int gated_delta_all(const StateBatch* b, const T* q, const T* k, const T* v, con
             ot[j] += qi * row[j];
           }
         }
+        const int64_t emit = emits.due(t);
+        if (emit > 0) std::copy(S, S + dk * dv, states + (emit * H + h) * dk * dv);
       }
     }
   return bad ? -1 : 0;
