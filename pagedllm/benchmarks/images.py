@@ -176,7 +176,7 @@ def run_hf_images(family: str, model_path: str, texts: list[str], images: list,
     import torch
     import transformers
 
-    from pagedllm.benchmarks.hf_baseline import _pad_id
+    from pagedllm.benchmarks.hf_baseline import pad_token_id
     from pagedllm.benchmarks.report import PeakRSSMonitor
     from pagedllm.benchmarks.throughput import throughput_figures
     from pagedllm.benchmarks.workload import BenchRequest
@@ -198,7 +198,7 @@ def run_hf_images(family: str, model_path: str, texts: list[str], images: list,
     with PeakRSSMonitor() as mem, torch.inference_mode():
         model = getattr(transformers, hf_class).from_pretrained(model_path, dtype=dtype)
         model = model.to(device).eval()
-        pad_id = _pad_id(model)
+        pad_id = pad_token_id(model)
         generate(texts[:1], images[:1], 2)
         tokens: list[list[int]] = []
         prompt_lens: list[int] = []
