@@ -220,9 +220,11 @@ def run_images_command(args: argparse.Namespace) -> int:
     and save them; returns the exit status.
 
     Raises:
-        ValueError: an unknown preset, a bad --image-size / --num-prompts / --output-len, or a
-            model outside the supported vision-language architectures.
+        ValueError: an unknown preset, a bad --image-size / --num-prompts / --output-len /
+            --hf-batch-size, or a model outside the supported vision-language architectures.
     """
+    import torch
+
     from pagedllm import LLM
     from pagedllm.benchmarks.cli import _finish, _run_dtype_name, dtype_name
     from pagedllm.benchmarks.report import print_result
@@ -230,8 +232,8 @@ def run_images_command(args: argparse.Namespace) -> int:
     from pagedllm.engine.arg_utils import engine_kwargs_from_args
     from pagedllm.platforms import current_platform
 
-    if args.num_prompts < 1 or args.output_len < 1:
-        raise ValueError("--num-prompts and --output-len must be >= 1")
+    if args.num_prompts < 1 or args.output_len < 1 or (args.hf_batch_size or 1) < 1:
+        raise ValueError("--num-prompts, --output-len and --hf-batch-size must be >= 1")
     image_size = parse_image_size(args.image_size) if args.image_size else None
     if args.preset:
         from pagedllm.benchmarks.vlm_presets import VLM_PRESETS, vlm_preset_path
@@ -244,8 +246,6 @@ def run_images_command(args: argparse.Namespace) -> int:
     family = model_family(kwargs["model"])
     texts, images = image_workload(family, args.num_prompts, image_size or (256, 192),
                                    args.seed)
-    import torch
-
     llm = LLM(**kwargs)
     # The engine's planned thread count: its governor may lower torch's count under load and
     # leave it so; HF runs with the planned count.
