@@ -1,5 +1,5 @@
-"""`pagedllm bench {throughput,latency,gemm,perplexity,serve,soak}`: flags, model resolution and the
-runners.
+"""`pagedllm bench {throughput,latency,gemm,perplexity,serve,soak,eplb,images}`: flags, model
+resolution and the runners.
 
 Wire into the top-level CLI with `add_bench_parser(subparsers)`; each sub-command sets
 `args.func`, which returns the exit code.
@@ -22,8 +22,8 @@ _DTYPE_ALIASES = {"bf16": "bfloat16", "fp32": "float32", "float": "float32", "fp
 
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Register `bench` with the sub-commands `throughput`, `latency`, `perplexity`, `serve` and
-    `soak`."""
+    """Register `bench` with the sub-commands `throughput`, `latency`, `gemm`, `perplexity`,
+    `serve`, `soak`, `eplb` and `images`."""
     bench = subparsers.add_parser("bench", help="benchmark the engine (offline or a server)")
     sub = bench.add_subparsers(dest="bench_command", required=True)
 
@@ -126,6 +126,8 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     _add_soak_parser(sub)
     from pagedllm.benchmarks.eplb import add_eplb_parser
     add_eplb_parser(sub)
+    from pagedllm.benchmarks.images import add_images_parser
+    add_images_parser(sub)
     return bench
 
 

@@ -30,7 +30,9 @@ def load_hf_model(model_path: str, dtype: torch.dtype):
     return model.to(current_platform.device).eval()
 
 
-def _pad_id(model) -> int:
+def pad_token_id(model) -> int:
+    """The id HF `generate` pads with: the generation config's pad id, else its (first) EOS
+    id, else the same two of the model config, else 0."""
     for source in (model.generation_config, model.config):
         for name in ("pad_token_id", "eos_token_id"):
             value = getattr(source, name, None)
@@ -44,7 +46,7 @@ def _pad_id(model) -> int:
 @torch.inference_mode()
 def hf_generate_batch(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """Greedy-generate exactly `max_new_tokens` tokens for each (left-padded) prompt."""
-    pad_id = _pad_id(model)
+    pad_id = pad_token_id(model)
     width = max(len(p) for p in prompts)
     input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)

@@ -1,4 +1,5 @@
-"""Named random-weight checkpoints (Llama, Mixtral, DeepSeek-V2) for benchmarks, built once into a cache folder.
+"""Named random-weight checkpoints (Llama, Mixtral, DeepSeek-V2, Qwen3-Next) for benchmarks,
+built once into a cache folder (vision-language presets: `vlm_presets.py`).
 
 `preset_path(name, dtype)` returns `<root>/<name>-<dtype>/` (root: `$PAGEDLLM_PRESET_DIR` or
 `~/.cache/pagedllm/presets`), building it on first use with the transformers config and model
@@ -16,7 +17,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from pagedllm import envs
 
@@ -126,17 +127,26 @@ def preset_path(name: str, dtype: str | None = "float32", root: str | Path | Non
         raise ValueError(f"unknown preset {name!r}; known: {sorted(PRESETS)}")
     save_dtype = saved_dtype(dtype)
     root = Path(root) if root is not None else default_preset_root()
-    out_dir = root / f"{name}-{save_dtype}"
+    config_kwargs = dict(PRESETS[name])
+    architecture = config_kwargs.pop("architecture", "LlamaForCausalLM")
+    return build_once(root / f"{name}-{save_dtype}",
+                      lambda tmp: build_checkpoint(tmp, config_kwargs, save_dtype, seed,
+                                                   architecture),
+                      {"preset": name, "dtype": save_dtype})
+
+
+def build_once(out_dir: Path, build: Callable[[Path], Any], marker: dict[str, Any]) -> str:
+    """`out_dir` as a string, first running `build(tmp_dir)` into a temporary sibling that is
+    renamed into place with a `.complete` marker holding `marker` (JSON), unless a complete
+    `out_dir` exists. An interrupted build leaves nothing that is picked up later."""
     if (out_dir / _MARKER).is_file():
         return str(out_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
     os.chmod(tmp_dir, 0o755)
     try:
-        config_kwargs = dict(PRESETS[name])
-        architecture = config_kwargs.pop("architecture", "LlamaForCausalLM")
-        build_checkpoint(tmp_dir, config_kwargs, save_dtype, seed, architecture)
-        (tmp_dir / _MARKER).write_text(json.dumps({"preset": name, "dtype": save_dtype}))
+        build(tmp_dir)
+        (tmp_dir / _MARKER).write_text(json.dumps(marker))
         if out_dir.exists():  # a stale, incomplete folder
             shutil.rmtree(out_dir)
         os.replace(tmp_dir, out_dir)

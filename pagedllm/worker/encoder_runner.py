@@ -22,6 +22,7 @@ path, fused decoder included).
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 import numpy as np
@@ -47,6 +48,10 @@ class EncoderRunner:
         # mrope_position_delta); requests without images use plain positions.
         self.mrope: dict[str, tuple[np.ndarray, int]] = {}
         self.uses_mrope = hasattr(model, "get_mrope_input_positions")
+        # Counters since start-up (`stats()`): encoder batches run, images encoded, seconds.
+        self.num_encoder_batches = 0
+        self.num_encoded_images = 0
+        self.encoder_time_s = 0.0
 
     @classmethod
     def for_model(cls, model, pipeline_parallel_size: int) -> EncoderRunner | None:
@@ -98,12 +103,26 @@ class EncoderRunner:
                     todo.setdefault(feature.identifier, feature)
         if not todo:
             return
+        start = time.perf_counter()
         outputs = self.model.embed_multimodal([f.data for f in todo.values()])
+        if outputs and outputs[0].is_cuda:   # the timer must see the kernels finish
+            torch.cuda.synchronize(outputs[0].device)
+        self.encoder_time_s += time.perf_counter() - start
+        self.num_encoder_batches += 1
+        self.num_encoded_images += len(todo)
         for (mm_hash, feature), embeds in zip(todo.items(), outputs):
             if embeds.shape[0] != feature.num_embeds:
                 raise RuntimeError(f"the encoder gave {embeds.shape[0]} embeddings for an "
                                    f"image with {feature.num_embeds} placeholders")
             self.cache[mm_hash] = embeds
+
+    def stats(self) -> dict[str, float]:
+        """Counters since start-up: `num_encoder_batches` (calls of the vision encoder, one per
+        step that encoded anything), `num_encoded_images` and `encoder_time_s` (wall seconds
+        inside `embed_multimodal`, the tower and connector; on CUDA up to a synchronize)."""
+        return {"num_encoder_batches": self.num_encoder_batches,
+                "num_encoded_images": self.num_encoded_images,
+                "encoder_time_s": self.encoder_time_s}
 
     def prepare_inputs(self, inputs: StepInputs) -> StepInputs:
         """`inputs` with `inputs_embeds` [num_tokens, hidden] when any of its tokens is an image

@@ -281,6 +281,12 @@ class Worker:
                 f"device memory {self.platform.peak_memory_bytes() / 2**20:.1f} MiB"
                 + (f"; {self.platform.placement}" if self.platform.placement else ""))
 
+    def encoder_stats(self) -> dict[str, float] | None:
+        """The vision encoder's counters on this rank (`EncoderRunner.stats`: batches, images,
+        seconds since start-up); None for a text-only model. For `collective_rpc`."""
+        runner = self.model_runner.encoder_runner
+        return None if runner is None else runner.stats()
+
     def shutdown(self) -> None:
         """Leave the process groups (a no-op for the single-process engine)."""
         if self.config.parallel_config.world_size > 1:
