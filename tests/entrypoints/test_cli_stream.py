@@ -163,6 +163,7 @@ def test_ctrl_c_while_loading_exits_130_without_a_traceback():
     assert b"Traceback" not in err and err.rstrip().endswith(b"^C interrupted")
 
 
+@pytest.mark.slow   # a CLI run of its own
 def test_start_up_lines_name_the_users_file_and_say_reserved(tiny_llama, tmp_path):
     path = write_gguf(tiny_llama, tmp_path / "tiny.gguf", "Q8_0")
     proc = _start_generate(["--model", str(path), *SMALL_KV, "--prompt", "hi", "--max-tokens",

@@ -133,6 +133,7 @@ def test_serve_flags():
         check_serve_args(args)
 
 
+@pytest.mark.slow   # a server start; bad adapters are refused offline in test_lora_refusals
 def test_bad_lora_module_stops_the_server_at_start(tiny_llama, tmp_path):
     import subprocess
     import sys

@@ -249,6 +249,7 @@ def test_stale_views_are_pruned(gguf_file, tmp_path, monkeypatch):
     assert prune_stale_views() == []
 
 
+@pytest.mark.slow   # worker processes; tp=2 is checked by default on safetensors
 def test_tensor_parallel_gguf_matches_tp1(gguf_file):
     from tests.distributed.common import run
 

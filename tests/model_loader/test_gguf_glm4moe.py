@@ -116,6 +116,7 @@ def test_f32_file_greedy_and_logprobs_equal_hf(files):
                                torch.tensor(sum(want_logprobs, [])), atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow   # deepseek2 files with MTP blocks are checked by default
 def test_mtp_block_is_skipped(files):
     """A file converted from a checkpoint that holds its MTP block (blk.3.*, with the
     converter's `nextn.*` tensors; block_count 4) runs the 3 decoder layers only: the same

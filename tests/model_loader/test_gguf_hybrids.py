@@ -131,6 +131,7 @@ def _run_hf_prompts(model, **kwargs) -> tuple[list[list[int]], list[list[float]]
              for o in outs], llm)
 
 
+@pytest.mark.slow   # HF's Qwen3-Next reference is slow; the Q8_0 file check stays default
 def test_qwen3next_f32_file_greedy_equals_hf(files, qwen3_next_hf):
     _, gguf_file = files("qwen3_next")
     tokens, logprobs, llm = _run_hf_prompts(gguf_file, quantization="none")

@@ -23,7 +23,9 @@ from pagedllm.config import create_engine_config
 from pagedllm.layers.attention import Attention
 
 VARIANTS = ["gemma3", "gemma3_untied_softcap", "gemma2", "gemma2_mqa_tied"]
-BACKENDS = ["torch_sdpa",
+# torch_sdpa (the reference backend, compared with cpu_paged op by op in
+# tests/attention/test_backends.py) runs these model checks in the slow run only.
+BACKENDS = [pytest.param("torch_sdpa", marks=pytest.mark.slow),
             pytest.param("cpu_paged", marks=pytest.mark.skipif(
                 not CpuPagedBackend.is_available(), reason="CPU kernels did not build"))]
 PROMPT_LENGTHS = (3, 20, 41, 57)

@@ -61,7 +61,9 @@ MOE_VARIANTS: dict[str, tuple[str, str, dict[str, Any]]] = {
                   dict(intermediate_size=32, num_experts=8, num_experts_per_tok=2,
                        num_key_value_heads=1, num_hidden_layers=2)),
 }
-HF_VARIANTS = ["mixtral", "qwen2_moe", "qwen2_moe_60x4", "qwen3_moe", "olmoe"]
+# qwen2_moe_60x4 (many experts) and OLMoE in the slow run; the others by default.
+HF_VARIANTS = ["mixtral", "qwen2_moe", pytest.param("qwen2_moe_60x4", marks=pytest.mark.slow),
+               "qwen3_moe", pytest.param("olmoe", marks=pytest.mark.slow)]
 
 
 def _build(name: str, out_dir: Path, tokenizer_dir: Path) -> Path:

@@ -19,7 +19,9 @@ from pagedllm.attention.backends.cpu_paged import CpuPagedBackend
 from tests.distributed.common import run
 
 VARIANTS = ["phi3", "phi3_longrope", "phi3_longrope_partial"]
-BACKENDS = ["torch_sdpa",
+# torch_sdpa (the reference backend, compared with cpu_paged op by op in
+# tests/attention/test_backends.py) runs these model checks in the slow run only.
+BACKENDS = [pytest.param("torch_sdpa", marks=pytest.mark.slow),
             pytest.param("cpu_paged", marks=pytest.mark.skipif(
                 not CpuPagedBackend.is_available(), reason="CPU kernels did not build"))]
 PROMPT_LENGTHS = (3, 15, 22, 33, 40, 57)   # 22 + 10 tokens = 32: still short

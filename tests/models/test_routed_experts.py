@@ -145,6 +145,7 @@ def test_preemption_recomputes_without_duplicates(checkpoints, hf_models):
     assert_matches_hf(outputs, hf_models("mixtral"), 2, 4)
 
 
+@pytest.mark.slow   # two more engines
 def test_disabled_engine_and_opted_out_request_return_none(checkpoints):
     path = str(checkpoints("mixtral"))
     prompt = _prompts(2)[0]

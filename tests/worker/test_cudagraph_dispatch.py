@@ -145,7 +145,8 @@ def _requests(runner, lengths, computed, tag):
     return reqs
 
 
-@pytest.mark.parametrize("kind", ["decode", "mixed", "spec", "spec_without_drafts"])
+@pytest.mark.parametrize("kind", ["decode", "mixed", "spec",
+                                  pytest.param("spec_without_drafts", marks=pytest.mark.slow)])
 def test_dispatch_by_step_kind(llm, kind):
     """Only pure decode steps (one query token per request, no drafts) take the graph runner;
     its logits equal the eager forward's."""

@@ -231,6 +231,7 @@ def test_vllm_xargs_empty_is_accepted(tool_server) -> None:
     assert _chat(tool_server, messages=MESSAGES, vllm_xargs={})["choices"]
 
 
+@pytest.mark.slow   # a second server; priority scheduling is checked in tests/core
 def test_priority_on_a_priority_server(shipped_server) -> None:
     body = {"prompt": "ROMEO:", "max_tokens": 4, "temperature": 0}
     plain = _post(shipped_server, "/v1/completions", body).json()["choices"][0]["text"]
