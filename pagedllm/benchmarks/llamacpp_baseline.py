@@ -35,16 +35,50 @@ INSTALL_HINT = (
     "tar xf /tmp/lcpp/llama_cpp_python-*.tar.gz -C /tmp/lcpp\n"
     "    pip install gguf sentencepiece\n"
     "  then pass --llamacpp-converter /tmp/lcpp/llama_cpp_python-*/vendor/llama.cpp/"
-    "convert_hf_to_gguf.py")
+    "convert_hf_to_gguf.py\n"
+    "  (installed in a separate venv of the same Python version: set "
+    "PAGEDLLM_LLAMACPP_SITE_PACKAGES=<venv>/lib/pythonX.Y/site-packages)")
 
 _GGUF_OUTTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 
 
 def llamacpp_unavailable_reason() -> str | None:
-    """None when `llama_cpp` imports; else the message to print."""
+    """None when `llama_cpp` can be imported (after `use_peer_site_packages()`); else the
+    message to print."""
+    try:
+        use_peer_site_packages()
+    except ValueError as e:
+        return f"llama.cpp comparison skipped: {e}"
     if importlib.util.find_spec("llama_cpp") is None:
         return INSTALL_HINT
     return None
+
+
+def use_peer_site_packages() -> Path | None:
+    """Append $PAGEDLLM_LLAMACPP_SITE_PACKAGES (a separate venv's site-packages holding
+    llama-cpp-python, so the engine's own environment stays clean) to the END of `sys.path`:
+    modules of this environment keep precedence, only the missing ones (`llama_cpp`, its
+    `diskcache`) come from there. Returns the directory, or None when the variable is unset.
+
+    Raises:
+        ValueError: the directory does not exist, or it belongs to another Python version
+            (`pythonX.Y` in its path differs from this interpreter's: llama_cpp's compiled
+            parts and pure-Python dependencies are per version).
+    """
+    site = envs.get("PAGEDLLM_LLAMACPP_SITE_PACKAGES")
+    if site is None:
+        return None
+    if not site.is_dir():
+        raise ValueError(f"PAGEDLLM_LLAMACPP_SITE_PACKAGES={site} is not a directory")
+    here = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    versions = [p for p in site.resolve().parts if p.startswith("python3")]
+    if versions and versions[-1] != here:
+        raise ValueError(f"PAGEDLLM_LLAMACPP_SITE_PACKAGES={site} is for {versions[-1]}, this "
+                         f"interpreter is {here}")
+    if str(site) not in sys.path:
+        sys.path.append(str(site))
+        importlib.invalidate_caches()
+    return site
 
 
 def find_converter(explicit: str | None = None) -> Path | None:

@@ -1,0 +1,51 @@
+"""`PAGEDLLM_LLAMACPP_SITE_PACKAGES`: llama-cpp-python from a separate venv's site-packages."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from pagedllm.benchmarks.llamacpp_baseline import (llamacpp_unavailable_reason,
+                                                   use_peer_site_packages)
+
+
+def test_unset_changes_nothing(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.delenv("PAGEDLLM_LLAMACPP_SITE_PACKAGES", raising=False)
+    before = list(sys.path)
+    assert use_peer_site_packages() is None
+    assert sys.path == before
+
+
+def test_peer_modules_come_last(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    """The directory is appended: a module only it has imports from it, one this environment
+    has too (pytest) keeps coming from this environment."""
+    site = tmp_path / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "sp"
+    (site / "pagedllm_fake_peer_mod").mkdir(parents=True)
+    (site / "pagedllm_fake_peer_mod" / "__init__.py").write_text("X = 7\n")
+    (site / "pytest.py").write_text("raise ImportError('peer shadowed this environment')\n")
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setenv("PAGEDLLM_LLAMACPP_SITE_PACKAGES", str(site))
+    assert use_peer_site_packages() == site
+    assert sys.path[-1] == str(site)
+    use_peer_site_packages()
+    assert sys.path.count(str(site)) == 1
+    spec = importlib.util.find_spec("pagedllm_fake_peer_mod")
+    assert spec is not None and Path(spec.origin).is_relative_to(site)
+    assert not Path(importlib.util.find_spec("pytest").origin).is_relative_to(site)
+
+
+def test_bad_directory_is_named(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setenv("PAGEDLLM_LLAMACPP_SITE_PACKAGES", str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="PAGEDLLM_LLAMACPP_SITE_PACKAGES=.*missing is not a dir"):
+        use_peer_site_packages()
+    other = tmp_path / "lib" / "python3.1" / "site-packages"
+    other.mkdir(parents=True)
+    monkeypatch.setenv("PAGEDLLM_LLAMACPP_SITE_PACKAGES", str(other))
+    with pytest.raises(ValueError, match="is for python3.1, this interpreter is python3"):
+        use_peer_site_packages()
+    reason = llamacpp_unavailable_reason()
+    assert reason is not None and "python3.1" in reason and str(other) not in sys.path
