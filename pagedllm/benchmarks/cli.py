@@ -37,6 +37,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                     help="static batch size of the HF baseline (default min(num_prompts, 32))")
     tp.add_argument("--llamacpp-batch-size", type=int, default=None,
                     help="sequences llama.cpp decodes together (default min(num_prompts, 64))")
+    tp.add_argument("--llamacpp-threads", type=bounded_int(1), default=None, metavar="N",
+                    help="llama.cpp's n_threads (default: the machine's CPU count); set it to "
+                         "the engine's thread count for a same-threads comparison")
     tp.add_argument("--co-tenants", type=bounded_int(1), default=1, metavar="N",
                     help="run one copy alone, then N copies at once, and report each copy's "
                          "figures, their sum and sum / alone (a shared machine)")
@@ -419,6 +422,7 @@ def _run_baseline(name: str, args: argparse.Namespace, kwargs: dict[str, Any], r
         return run_llamacpp_throughput(
             kwargs["model"], requests, str(dtype).removeprefix("torch."),
             args.llamacpp_converter,
+            num_threads=args.llamacpp_threads,
             batch_size=args.llamacpp_batch_size or min(len(requests), 64),
             before_timing=before_timing)
     except RuntimeError as e:

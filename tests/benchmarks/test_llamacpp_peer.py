@@ -49,3 +49,22 @@ def test_bad_directory_is_named(monkeypatch: pytest.MonkeyPatch, tmp_path: Path)
         use_peer_site_packages()
     reason = llamacpp_unavailable_reason()
     assert reason is not None and "python3.1" in reason and str(other) not in sys.path
+
+
+def test_llamacpp_threads_flag_reaches_the_runner(monkeypatch: pytest.MonkeyPatch):
+    """`--llamacpp-threads` is llama.cpp's n_threads; without it the runner picks its default."""
+    import argparse
+
+    from pagedllm.benchmarks import cli, llamacpp_baseline
+
+    seen = []
+    monkeypatch.setattr(llamacpp_baseline, "run_llamacpp_throughput",
+                        lambda *a, num_threads=None, **k: (seen.append(num_threads), None)[1])
+    parser = argparse.ArgumentParser()
+    cli.add_bench_parser(parser.add_subparsers(dest="command", required=True))
+    for extra, want in ((["--llamacpp-threads", "1"], 1), ([], None)):
+        args = parser.parse_args(["bench", "throughput", "--model", "m", *extra])
+        cli._run_baseline("llamacpp", args, {"model": "m", "dtype": "float32"}, [object()])
+        assert seen[-1] == want
+    with pytest.raises(SystemExit):
+        parser.parse_args(["bench", "throughput", "--model", "m", "--llamacpp-threads", "0"])
