@@ -112,7 +112,9 @@ def convert_to_gguf(model_path: str, dtype_name: str, converter: Path) -> Path:
     pre-tokenizers, so a checkpoint with another tokenizer (the synthetic one of `--preset`) is
     converted from a stand-in directory: the same config and weights with a Llama-2-style
     byte-fallback BPE vocabulary of the same size. The benchmark feeds token ids, never text, so
-    both engines see the same inputs.
+    both engines see the same inputs. A Qwen3-Next checkpoint without MTP tensors (the preset's:
+    transformers saves none) trips the converter's MTP count assertion; it is converted again with
+    the converter's own `--no-mtp`, which leaves the MTP block out.
 
     Raises:
         RuntimeError: with the converter's output when it fails.
@@ -121,12 +123,16 @@ def convert_to_gguf(model_path: str, dtype_name: str, converter: Path) -> Path:
     out = Path(model_path) / f"model-{outtype}.gguf"
     if out.is_file():
         return out
+    extra: list[str] = []
     err = _run_converter(converter, Path(model_path), out, outtype)
+    if err is not None and _NO_MTP_FAILURE in err:
+        extra = ["--no-mtp"]
+        err = _run_converter(converter, Path(model_path), out, outtype, extra)
     if err is not None and ("pre-tokenizer was not recognized" in err
                             or "Cannot find Llama BPE tokenizer" in err):
         with tempfile.TemporaryDirectory() as tmp:
             err = _run_converter(converter, _stand_in_vocab_dir(Path(model_path), Path(tmp)),
-                                 out, outtype)
+                                 out, outtype, extra)
     if err is not None:
         raise RuntimeError(f"GGUF conversion failed ({converter}):\n{err[-2000:]}")
     return out
@@ -180,10 +186,16 @@ def preset_gguf(model_path: str, gguf_type: str, converter: str | None = None) -
     return out
 
 
-def _run_converter(converter: Path, model_dir: Path, out: Path, outtype: str) -> str | None:
-    """None on success, else the converter's stderr."""
+# The converter's failure on a Qwen3-Next checkpoint that has no MTP tensors and no
+# `mtp_num_hidden_layers` (llama.cpp's conversion/qwen.py, `_QwenMtpMixin.__init__`).
+_NO_MTP_FAILURE = "assert self.opt_num_mtp_layers != 0"
+
+
+def _run_converter(converter: Path, model_dir: Path, out: Path, outtype: str,
+                   extra: list[str] | None = None) -> str | None:
+    """None on success, else the converter's stderr; `extra`: more converter options."""
     proc = subprocess.run([sys.executable, str(converter), str(model_dir), "--outfile", str(out),
-                           "--outtype", outtype], capture_output=True, text=True)
+                           "--outtype", outtype, *(extra or [])], capture_output=True, text=True)
     return None if proc.returncode == 0 and out.is_file() else proc.stderr
 
 

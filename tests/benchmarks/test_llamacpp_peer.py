@@ -68,3 +68,25 @@ def test_llamacpp_threads_flag_reaches_the_runner(monkeypatch: pytest.MonkeyPatc
         assert seen[-1] == want
     with pytest.raises(SystemExit):
         parser.parse_args(["bench", "throughput", "--model", "m", "--llamacpp-threads", "0"])
+
+
+def test_converter_retried_with_no_mtp(tmp_path: Path):
+    """A checkpoint without MTP tensors trips llama.cpp's Qwen3-Next converter; the conversion is
+    rerun with its `--no-mtp` (a stand-in converter that fails the same way without it)."""
+    from pagedllm.benchmarks.llamacpp_baseline import convert_to_gguf
+
+    converter = tmp_path / "convert_hf_to_gguf.py"
+    converter.write_text(
+        "import sys\n"
+        "if '--no-mtp' not in sys.argv:\n"
+        "    sys.exit('    assert self.opt_num_mtp_layers != 0\\nAssertionError')\n"
+        "open(sys.argv[sys.argv.index('--outfile') + 1], 'w').write(' '.join(sys.argv[1:]))\n")
+    model = tmp_path / "model"
+    model.mkdir()
+    out = convert_to_gguf(str(model), "float32", converter)
+    assert out == model / "model-f32.gguf" and out.read_text().endswith("--outtype f32 --no-mtp")
+    other = tmp_path / "other"
+    other.mkdir()
+    converter.write_text("import sys\nsys.exit('KeyError: some tensor')\n")
+    with pytest.raises(RuntimeError, match="(?s)GGUF conversion failed.*KeyError: some tensor"):
+        convert_to_gguf(str(other), "float32", converter)
