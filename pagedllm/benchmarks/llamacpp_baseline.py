@@ -4,7 +4,9 @@ Never a hard dependency: without `llama_cpp`, `llamacpp_unavailable_reason()` sa
 it and the comparison is skipped. The checkpoint is converted to GGUF with llama.cpp's
 `convert_hf_to_gguf.py` (shipped in llama-cpp-python's source distribution under
 vendor/llama.cpp/), found via `--llamacpp-converter`, `$PAGEDLLM_LLAMACPP_CONVERTER` or next to the
-installed package. Sequences are batched through llama.cpp's low-level `llama_decode` API
+installed package. `llama_cpp` may live in a separate environment of the same Python version:
+$PAGEDLLM_LLAMACPP_SITE_PACKAGES names its site-packages (`use_peer_site_packages`). Sequences
+are batched through llama.cpp's low-level `llama_decode` API
 (continuous batching over `n_seq_max` slots), so the comparison is batched on both sides.
 """
 
