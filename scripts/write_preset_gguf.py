@@ -14,12 +14,18 @@ deepseek2, written from the converter's source for qwen3next), tokenizer as GPT-
 converted file (`<preset folder>/model-f32.gguf`), so llama.cpp runs the same weights as the
 engine; the bench feeds token ids, so the vocabulary step does not change the workload.
 
+A DeepSeek-V2 file without q_lora (the preset, as V2-Lite) gets `deepseek2.attention.q_lora_rank`
+= 0: the converter writes no such key then, and llama.cpp (src/models/deepseek2.cpp) reads the
+key as required unless the model has V2-Lite's own layer count (26 or 27), so the preset's 8-layer
+file would not load; with 0 it takes its no-q_lora path (`wq`), as for V2-Lite.
+
     PYTHONPATH=. python scripts/write_preset_gguf.py qwen3-next-200m deepseek-v2-lite-200m
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from pagedllm.benchmarks.presets import preset_path
@@ -35,7 +41,11 @@ def main() -> None:
         folder = Path(preset_path(name, "float32", args.preset_dir))
         out = folder / "model-f32.gguf"
         tmp = out.with_suffix(".tmp")
-        write_converted_gguf(folder, tmp, "F32")
+        config = json.loads((folder / "config.json").read_text())
+        overrides = ({"deepseek2.attention.q_lora_rank": 0}
+                     if config["architectures"][0].startswith("Deepseek")
+                     and config.get("q_lora_rank") is None else None)
+        write_converted_gguf(folder, tmp, "F32", metadata_overrides=overrides)
         tmp.replace(out)
         print(out)
 
