@@ -203,6 +203,11 @@ class EnvOptions:
         "PAGEDLLM_LLAMACPP_CONVERTER", _path, None, "a file", "beside the llama_cpp package",
         "llama.cpp's convert_hf_to_gguf.py for `pagedllm bench --compare llamacpp`, when "
         "`--llamacpp-converter` is not given.")
+    llamacpp_site_packages: Path | None = _var(
+        "PAGEDLLM_LLAMACPP_SITE_PACKAGES", _path, None, "a directory", "none",
+        "A site-packages directory holding llama-cpp-python (a separate venv of the same Python "
+        "version), appended to `sys.path` for `pagedllm bench --compare llamacpp` / "
+        "`--gguf-type` when `llama_cpp` is not importable otherwise.")
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> EnvOptions:

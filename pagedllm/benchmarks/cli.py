@@ -21,6 +21,12 @@ _DTYPE_ALIASES = {"bf16": "bfloat16", "fp32": "float32", "float": "float32", "fp
                   "half": "float16"}
 
 
+def _add_llamacpp_threads_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--llamacpp-threads", type=bounded_int(1), default=None, metavar="N",
+                        help="llama.cpp's n_threads (default: the machine's CPU count); set it "
+                             "to the engine's thread count for a same-threads comparison")
+
+
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register `bench` with the sub-commands `throughput`, `latency`, `gemm`, `perplexity`,
     `serve`, `soak`, `eplb` and `images`."""
@@ -37,6 +43,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                     help="static batch size of the HF baseline (default min(num_prompts, 32))")
     tp.add_argument("--llamacpp-batch-size", type=int, default=None,
                     help="sequences llama.cpp decodes together (default min(num_prompts, 64))")
+    _add_llamacpp_threads_arg(tp)
     tp.add_argument("--co-tenants", type=bounded_int(1), default=1, metavar="N",
                     help="run one copy alone, then N copies at once, and report each copy's "
                          "figures, their sum and sum / alone (a shared machine)")
@@ -70,6 +77,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     lat.add_argument("--compare", action="append", choices=["llamacpp", "no-spec"], default=[],
                      help="also run the same waves through llama.cpp (same GGUF file), or "
                           "(no-spec) through the engine without --speculative-config")
+    _add_llamacpp_threads_arg(lat)
     lat.add_argument("--workload", choices=["random", "agent"], default="random",
                      help="random token ids (default), or agent: code edits and JSON rewrites "
                           "whose prompts hold text the answer repeats (--input-len ignored)")
@@ -421,6 +429,7 @@ def _run_baseline(name: str, args: argparse.Namespace, kwargs: dict[str, Any], r
         return run_llamacpp_throughput(
             kwargs["model"], requests, str(dtype).removeprefix("torch."),
             args.llamacpp_converter,
+            num_threads=args.llamacpp_threads,
             batch_size=args.llamacpp_batch_size or min(len(requests), 64),
             before_timing=before_timing)
     except RuntimeError as e:
@@ -454,7 +463,8 @@ def run_latency_command(args: argparse.Namespace) -> int:
         try:
             theirs = run_llamacpp_latency(model_path, requests, args.batch_size,
                                           result["dtype"], args.llamacpp_converter,
-                                          args.num_iters_warmup)
+                                          args.num_iters_warmup,
+                                          num_threads=args.llamacpp_threads)
         except RuntimeError as e:
             print(str(e))
             not_run.append("llamacpp")

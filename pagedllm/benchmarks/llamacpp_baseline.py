@@ -4,7 +4,9 @@ Never a hard dependency: without `llama_cpp`, `llamacpp_unavailable_reason()` sa
 it and the comparison is skipped. The checkpoint is converted to GGUF with llama.cpp's
 `convert_hf_to_gguf.py` (shipped in llama-cpp-python's source distribution under
 vendor/llama.cpp/), found via `--llamacpp-converter`, `$PAGEDLLM_LLAMACPP_CONVERTER` or next to the
-installed package. Sequences are batched through llama.cpp's low-level `llama_decode` API
+installed package. `llama_cpp` may live in a separate environment of the same Python version:
+$PAGEDLLM_LLAMACPP_SITE_PACKAGES names its site-packages (`use_peer_site_packages`). Sequences
+are batched through llama.cpp's low-level `llama_decode` API
 (continuous batching over `n_seq_max` slots), so the comparison is batched on both sides.
 """
 
@@ -35,16 +37,50 @@ INSTALL_HINT = (
     "tar xf /tmp/lcpp/llama_cpp_python-*.tar.gz -C /tmp/lcpp\n"
     "    pip install gguf sentencepiece\n"
     "  then pass --llamacpp-converter /tmp/lcpp/llama_cpp_python-*/vendor/llama.cpp/"
-    "convert_hf_to_gguf.py")
+    "convert_hf_to_gguf.py\n"
+    "  (installed in a separate venv of the same Python version: set "
+    "PAGEDLLM_LLAMACPP_SITE_PACKAGES=<venv>/lib/pythonX.Y/site-packages)")
 
 _GGUF_OUTTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 
 
 def llamacpp_unavailable_reason() -> str | None:
-    """None when `llama_cpp` imports; else the message to print."""
+    """None when `llama_cpp` can be imported (after `use_peer_site_packages()`); else the
+    message to print."""
+    try:
+        use_peer_site_packages()
+    except ValueError as e:
+        return f"llama.cpp comparison skipped: {e}"
     if importlib.util.find_spec("llama_cpp") is None:
         return INSTALL_HINT
     return None
+
+
+def use_peer_site_packages() -> Path | None:
+    """Append $PAGEDLLM_LLAMACPP_SITE_PACKAGES (a separate venv's site-packages holding
+    llama-cpp-python, so the engine's own environment stays clean) to the END of `sys.path`:
+    modules of this environment keep precedence, only the missing ones (`llama_cpp`, its
+    `diskcache`) come from there. Returns the directory, or None when the variable is unset.
+
+    Raises:
+        ValueError: the directory does not exist, or it belongs to another Python version
+            (`pythonX.Y` in its path differs from this interpreter's: llama_cpp's compiled
+            parts and pure-Python dependencies are per version).
+    """
+    site = envs.get("PAGEDLLM_LLAMACPP_SITE_PACKAGES")
+    if site is None:
+        return None
+    if not site.is_dir():
+        raise ValueError(f"PAGEDLLM_LLAMACPP_SITE_PACKAGES={site} is not a directory")
+    here = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    versions = [p for p in site.resolve().parts if p.startswith("python3")]
+    if versions and versions[-1] != here:
+        raise ValueError(f"PAGEDLLM_LLAMACPP_SITE_PACKAGES={site} is for {versions[-1]}, this "
+                         f"interpreter is {here}")
+    if str(site) not in sys.path:
+        sys.path.append(str(site))
+        importlib.invalidate_caches()
+    return site
 
 
 def find_converter(explicit: str | None = None) -> Path | None:
@@ -78,7 +114,9 @@ def convert_to_gguf(model_path: str, dtype_name: str, converter: Path) -> Path:
     pre-tokenizers, so a checkpoint with another tokenizer (the synthetic one of `--preset`) is
     converted from a stand-in directory: the same config and weights with a Llama-2-style
     byte-fallback BPE vocabulary of the same size. The benchmark feeds token ids, never text, so
-    both engines see the same inputs.
+    both engines see the same inputs. A Qwen3-Next checkpoint without MTP tensors (the preset's:
+    transformers saves none) trips the converter's MTP count assertion; it is converted again with
+    the converter's own `--no-mtp`, which leaves the MTP block out.
 
     Raises:
         RuntimeError: with the converter's output when it fails.
@@ -87,12 +125,16 @@ def convert_to_gguf(model_path: str, dtype_name: str, converter: Path) -> Path:
     out = Path(model_path) / f"model-{outtype}.gguf"
     if out.is_file():
         return out
+    extra: list[str] = []
     err = _run_converter(converter, Path(model_path), out, outtype)
+    if err is not None and _NO_MTP_FAILURE in err:
+        extra = ["--no-mtp"]
+        err = _run_converter(converter, Path(model_path), out, outtype, extra)
     if err is not None and ("pre-tokenizer was not recognized" in err
                             or "Cannot find Llama BPE tokenizer" in err):
         with tempfile.TemporaryDirectory() as tmp:
             err = _run_converter(converter, _stand_in_vocab_dir(Path(model_path), Path(tmp)),
-                                 out, outtype)
+                                 out, outtype, extra)
     if err is not None:
         raise RuntimeError(f"GGUF conversion failed ({converter}):\n{err[-2000:]}")
     return out
@@ -146,10 +188,16 @@ def preset_gguf(model_path: str, gguf_type: str, converter: str | None = None) -
     return out
 
 
-def _run_converter(converter: Path, model_dir: Path, out: Path, outtype: str) -> str | None:
-    """None on success, else the converter's stderr."""
+# The converter's failure on a Qwen3-Next checkpoint that has no MTP tensors and no
+# `mtp_num_hidden_layers` (llama.cpp's conversion/qwen.py, `_QwenMtpMixin.__init__`).
+_NO_MTP_FAILURE = "assert self.opt_num_mtp_layers != 0"
+
+
+def _run_converter(converter: Path, model_dir: Path, out: Path, outtype: str,
+                   extra: list[str] | None = None) -> str | None:
+    """None on success, else the converter's stderr; `extra`: more converter options."""
     proc = subprocess.run([sys.executable, str(converter), str(model_dir), "--outfile", str(out),
-                           "--outtype", outtype], capture_output=True, text=True)
+                           "--outtype", outtype, *(extra or [])], capture_output=True, text=True)
     return None if proc.returncode == 0 and out.is_file() else proc.stderr
 
 

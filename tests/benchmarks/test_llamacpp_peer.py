@@ -1,0 +1,92 @@
+"""`PAGEDLLM_LLAMACPP_SITE_PACKAGES`: llama-cpp-python from a separate venv's site-packages."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from pagedllm.benchmarks.llamacpp_baseline import (llamacpp_unavailable_reason,
+                                                   use_peer_site_packages)
+
+
+def test_unset_changes_nothing(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.delenv("PAGEDLLM_LLAMACPP_SITE_PACKAGES", raising=False)
+    before = list(sys.path)
+    assert use_peer_site_packages() is None
+    assert sys.path == before
+
+
+def test_peer_modules_come_last(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    """The directory is appended: a module only it has imports from it, one this environment
+    has too (pytest) keeps coming from this environment."""
+    site = tmp_path / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "sp"
+    (site / "pagedllm_fake_peer_mod").mkdir(parents=True)
+    (site / "pagedllm_fake_peer_mod" / "__init__.py").write_text("X = 7\n")
+    (site / "pytest.py").write_text("raise ImportError('peer shadowed this environment')\n")
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setenv("PAGEDLLM_LLAMACPP_SITE_PACKAGES", str(site))
+    assert use_peer_site_packages() == site
+    assert sys.path[-1] == str(site)
+    use_peer_site_packages()
+    assert sys.path.count(str(site)) == 1
+    spec = importlib.util.find_spec("pagedllm_fake_peer_mod")
+    assert spec is not None and Path(spec.origin).is_relative_to(site)
+    assert not Path(importlib.util.find_spec("pytest").origin).is_relative_to(site)
+
+
+def test_bad_directory_is_named(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setenv("PAGEDLLM_LLAMACPP_SITE_PACKAGES", str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="PAGEDLLM_LLAMACPP_SITE_PACKAGES=.*missing is not a dir"):
+        use_peer_site_packages()
+    other = tmp_path / "lib" / "python3.1" / "site-packages"
+    other.mkdir(parents=True)
+    monkeypatch.setenv("PAGEDLLM_LLAMACPP_SITE_PACKAGES", str(other))
+    with pytest.raises(ValueError, match="is for python3.1, this interpreter is python3"):
+        use_peer_site_packages()
+    reason = llamacpp_unavailable_reason()
+    assert reason is not None and "python3.1" in reason and str(other) not in sys.path
+
+
+def test_llamacpp_threads_flag_reaches_the_runner(monkeypatch: pytest.MonkeyPatch):
+    """`--llamacpp-threads` is llama.cpp's n_threads; without it the runner picks its default."""
+    import argparse
+
+    from pagedllm.benchmarks import cli, llamacpp_baseline
+
+    seen = []
+    monkeypatch.setattr(llamacpp_baseline, "run_llamacpp_throughput",
+                        lambda *a, num_threads=None, **k: (seen.append(num_threads), None)[1])
+    parser = argparse.ArgumentParser()
+    cli.add_bench_parser(parser.add_subparsers(dest="command", required=True))
+    for extra, want in ((["--llamacpp-threads", "1"], 1), ([], None)):
+        args = parser.parse_args(["bench", "throughput", "--model", "m", *extra])
+        cli._run_baseline("llamacpp", args, {"model": "m", "dtype": "float32"}, [object()])
+        assert seen[-1] == want
+    with pytest.raises(SystemExit):
+        parser.parse_args(["bench", "throughput", "--model", "m", "--llamacpp-threads", "0"])
+
+
+def test_converter_retried_with_no_mtp(tmp_path: Path):
+    """A checkpoint without MTP tensors trips llama.cpp's Qwen3-Next converter; the conversion is
+    rerun with its `--no-mtp` (a stand-in converter that fails the same way without it)."""
+    from pagedllm.benchmarks.llamacpp_baseline import convert_to_gguf
+
+    converter = tmp_path / "convert_hf_to_gguf.py"
+    converter.write_text(
+        "import sys\n"
+        "if '--no-mtp' not in sys.argv:\n"
+        "    sys.exit('    assert self.opt_num_mtp_layers != 0\\nAssertionError')\n"
+        "open(sys.argv[sys.argv.index('--outfile') + 1], 'w').write(' '.join(sys.argv[1:]))\n")
+    model = tmp_path / "model"
+    model.mkdir()
+    out = convert_to_gguf(str(model), "float32", converter)
+    assert out == model / "model-f32.gguf" and out.read_text().endswith("--outtype f32 --no-mtp")
+    other = tmp_path / "other"
+    other.mkdir()
+    converter.write_text("import sys\nsys.exit('KeyError: some tensor')\n")
+    with pytest.raises(RuntimeError, match="(?s)GGUF conversion failed.*KeyError: some tensor"):
+        convert_to_gguf(str(other), "float32", converter)
