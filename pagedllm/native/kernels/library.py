@@ -4,7 +4,8 @@ The sources live in `csrc/`. `cpu_kernels()` compiles them once per (source, com
 flags) into a cache directory (`$PAGEDLLM_KERNEL_CACHE`, default `~/.cache/pagedllm/kernels`) and
 returns the loaded library, or None when they cannot be used (no compiler, a failed build, or
 `PAGEDLLM_CPU_KERNELS` set to 0/false/off/no); callers then fall back to torch ops. Building
-needs only g++ with OpenMP (seconds, no torch headers; `$CXX` picks another compiler): the
+needs only g++ with OpenMP (no torch headers; one compiler process per source and core, then one
+link; `$CXX` picks another compiler): the
 library shares the OpenMP runtime torch loaded.
 """
 
@@ -67,12 +68,33 @@ def _build(compiler: str, flags: tuple[str, ...], target: Path) -> None:
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             out = Path(tmp) / target.name
             (Path(tmp) / "pagedllm_abi.h").write_text(abi.c_header())
-            cmd = [compiler, *flags, f"-I{tmp}", *(str(csrc / s) for s in _SOURCES), "-o",
-                   str(out)]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            if proc.returncode != 0:
-                raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
+            # One object per source, compiled by as many processes as this process may use
+            # cores, then one link.
+            compile_flags = [f for f in flags if f != "-shared"]
+            objects = [Path(tmp) / f"{Path(s).stem}.o" for s in _SOURCES]
+            jobs = [[compiler, *compile_flags, f"-I{tmp}", "-c", str(csrc / s), "-o", str(o)]
+                    for s, o in zip(_SOURCES, objects)]
+            _run_all(jobs, max(1, len(os.sched_getaffinity(0))))
+            _run_all([[compiler, *flags, *map(str, objects), "-o", str(out)]], 1)
             os.replace(out, target)
+
+
+def _run_all(commands: list[list[str]], parallel: int) -> None:
+    """Run `commands`, at most `parallel` at a time. Raises RuntimeError naming the first that
+    fails, with the end of its stderr (the others are waited for)."""
+    pending, running, failed = list(commands), [], None
+    while pending or running:
+        while pending and len(running) < parallel:
+            cmd = pending.pop(0)
+            running.append((cmd, subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
+                                                  stderr=subprocess.PIPE, text=True)))
+        cmd, proc = running.pop(0)
+        stderr = proc.communicate()[1]
+        if proc.returncode != 0 and failed is None:
+            failed = f"{' '.join(cmd)} failed:\n{stderr[-2000:]}"
+            pending.clear()
+    if failed is not None:
+        raise RuntimeError(failed)
 
 
 def cpu_kernels() -> ctypes.CDLL | None:
@@ -119,7 +141,7 @@ def build_cpu_kernels(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     import torch  # noqa: F401  (load torch's OpenMP runtime first, so the library shares it)
     if not target.exists():
         logger.info("compiling the CPU kernels (first run on this machine or after an "
-                    "update; once, about a minute on 2 cores) into %s", target)
+                    "update; once, about half a minute on 2 idle cores) into %s", target)
         _build(compiler, flags, target)
     lib = ctypes.CDLL(str(target))
     version = lib.pagedllm_abi_version()
