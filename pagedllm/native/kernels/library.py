@@ -4,9 +4,9 @@ The sources live in `csrc/`. `cpu_kernels()` compiles them once per (source, com
 flags) into a cache directory (`$PAGEDLLM_KERNEL_CACHE`, default `~/.cache/pagedllm/kernels`) and
 returns the loaded library, or None when they cannot be used (no compiler, a failed build, or
 `PAGEDLLM_CPU_KERNELS` set to 0/false/off/no); callers then fall back to torch ops. Building
-needs only g++ with OpenMP (no torch headers; one compiler process per source and core, then one
-link; `$CXX` picks another compiler): the
-library shares the OpenMP runtime torch loaded.
+needs only g++ with OpenMP (no torch headers; `$CXX` picks another compiler), one compiler
+process per source and usable core, then one link; the library shares the OpenMP runtime torch
+loaded.
 """
 
 from __future__ import annotations
