@@ -39,13 +39,15 @@ class CompletionOutput:
         stop_reason: the stop string or stop token id that ended it; None for EOS or length.
         error: with finish_reason "error", what failed (e.g. its logits processor's exception).
         routed_experts: with the final output, on an engine built with
-            `enable_return_routed_experts` (vLLM's): [num_tokens, num_moe_layers, top_k] int32
+            `enable_return_routed_experts` (vLLM's): [num_tokens - 1, num_moe_layers, top_k] int32
             numpy array, the experts each MoE layer's router chose (logical ids in the
             router's order: by descending weight for softmax top-k routers) for every token of
             prompt + output but the last, which was never an input; -1 where none is known.
             Cached prompt tokens carry the routing recorded when their blocks were computed.
             None otherwise (a request with `return_routed_experts=False`, a disabled engine,
-            outputs before the final one, an aborted request).
+            outputs before the final one, an aborted request, and a request that a stop
+            string ended before the engine core finished it: the front end finds stop strings
+            and aborts the request in the core, whose routing is then not sent).
     """
 
     index: int
