@@ -232,7 +232,8 @@ def run_images_command(args: argparse.Namespace) -> int:
     from pagedllm.engine.arg_utils import engine_kwargs_from_args
     from pagedllm.platforms import current_platform
 
-    if args.num_prompts < 1 or args.output_len < 1 or (args.hf_batch_size or 1) < 1:
+    if args.num_prompts < 1 or args.output_len < 1 or (
+            args.hf_batch_size is not None and args.hf_batch_size < 1):
         raise ValueError("--num-prompts, --output-len and --hf-batch-size must be >= 1")
     image_size = parse_image_size(args.image_size) if args.image_size else None
     if args.preset:

@@ -87,6 +87,8 @@ def test_workload_is_seeded_and_bad_input_is_named(tmp_path: Path):
         vlm_preset_path("no-such-vlm", tmp_path)
     with pytest.raises(ValueError, match="bench images supports"):
         _run(["bench", "images", "--model", vlm_text_only(tmp_path)])
+    with pytest.raises(ValueError, match="--hf-batch-size must be >= 1"):
+        _run(["bench", "images", "--preset", "smolvlm-tiny", "--hf-batch-size", "0"])
 
 
 def vlm_text_only(tmp_path: Path) -> str:
