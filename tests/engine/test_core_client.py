@@ -353,7 +353,8 @@ def test_async_streaming_abort_and_sigkill(mp_engine: LLMEngine,
         async_llm.on_dead(dead.append)
         deltas = [out.outputs[0].token_ids async for out in
                   async_llm.generate(PROMPTS[4], params, "stream")]
-        assert [t for d in deltas for t in d] == expected["s"][0][0][0] and len(deltas) > 1
+        # (How many deltas is timing: a consumer that falls behind gets them merged.)
+        assert [t for d in deltas for t in d] == expected["s"][0][0][0]
         # Abort by closing the stream after its first output.
         stream = await async_llm.add_request("abort", PROMPTS[0], SamplingParams(
             temperature=0.0, max_tokens=500, ignore_eos=True))
