@@ -83,7 +83,8 @@ def load_image(image, max_pixels: int, what: str = "image") -> Image.Image:
     in [0, 1]), encoded bytes or a `data:` URL string.
 
     Raises:
-        ValueError: naming `what` and the problem (type, shape, decoding, pixel cap).
+        ValueError: naming `what` and the problem (type, shape, float values outside [0, 1],
+            decoding, pixel cap).
     """
     if isinstance(image, Image.Image):
         check_pixels(image.width, image.height, max_pixels, what)
@@ -97,7 +98,12 @@ def load_image(image, max_pixels: int, what: str = "image") -> Image.Image:
             if not np.issubdtype(image.dtype, np.floating):
                 raise ValueError(f"{what}: a numpy image must be uint8 or float, got "
                                  f"{image.dtype}")
-            image = (np.clip(image, 0.0, 1.0) * 255).round().astype(np.uint8)
+            if image.size and not (np.isfinite(image).all() and image.min() >= 0.0
+                                   and image.max() <= 1.0):
+                raise ValueError(f"{what}: a float numpy image must hold values in [0, 1] "
+                                 f"(got {np.nanmin(image):g} .. {np.nanmax(image):g}); scale a "
+                                 "0-255 image by 1/255 or pass uint8")
+            image = (image * 255).round().astype(np.uint8)
         if image.ndim == 3 and image.shape[2] == 1:
             image = image[:, :, 0]
         return Image.fromarray(image).convert("RGB")

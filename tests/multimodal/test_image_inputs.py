@@ -46,6 +46,8 @@ def test_numpy_and_encoded_images_decode_alike():
 @pytest.mark.parametrize("source, problem", [
     (np.zeros((4, 4, 2), dtype=np.uint8), "must be"),
     (np.zeros((4, 4, 3), dtype=np.int32), "uint8 or float"),
+    (np.full((4, 4, 3), 2.0, dtype=np.float32), r"values in \[0, 1\] \(got 2 \.\. 2\)"),
+    (np.full((4, 4, 3), np.nan, dtype=np.float32), r"values in \[0, 1\]"),
     (b"not an image", r"cannot decode the image \(not an image format"),
     ("file:///etc/passwd", "data: URL"),
     (42, "expected a PIL image"),
