@@ -101,7 +101,7 @@ def load_image(image, max_pixels: int, what: str = "image") -> Image.Image:
             if image.size and not (np.isfinite(image).all() and image.min() >= 0.0
                                    and image.max() <= 1.0):
                 raise ValueError(f"{what}: a float numpy image must hold values in [0, 1] "
-                                 f"(got {np.nanmin(image):g} .. {np.nanmax(image):g}); scale a "
+                                 f"(got {image.min():g} .. {image.max():g}); scale a "
                                  "0-255 image by 1/255 or pass uint8")
             image = (image * 255).round().astype(np.uint8)
         if image.ndim == 3 and image.shape[2] == 1:
