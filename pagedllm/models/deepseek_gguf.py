@@ -136,18 +136,28 @@ def deepseek2_hf_config(metadata: dict[str, Any], tensors: dict[str, tuple[int, 
         q_lora_rank=k.integer("attention.q_lora_rank", None),
         kv_lora_rank=k.integer("attention.kv_lora_rank"),
         qk_rope_head_dim=rope_dim, qk_nope_head_dim=qk_head - rope_dim, v_head_dim=v_head,
-        n_routed_experts=k.integer("expert_count"),
-        num_experts_per_tok=k.integer("expert_used_count"),
-        n_shared_experts=k.integer("expert_shared_count", 0),
-        first_k_dense_replace=k.integer("leading_dense_block_count", 0),
-        routed_scaling_factor=k.number("expert_weights_scale", 1.0),
-        norm_topk_prob=bool(k.get("expert_weights_norm", False)),
+        **_deepseek_moe_fields(k),
         n_group=n_group, topk_group=topk_group, topk_method=topk_method,
         rope_parameters=_rope_parameters(k),
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias=False, hidden_act="silu")
     config.architectures = [arch]
     return config
+
+
+def _deepseek_moe_fields(k: GGUFKeys) -> dict[str, Any]:
+    """The DeepSeek-MoE config fields both `deepseek2` and `glm4moe` files store under the same
+    keys: expert counts, dense leading layers, routed scaling and top-k renormalisation.
+
+    Raises:
+        ValueError: naming a missing expert_count / expert_used_count key.
+    """
+    return dict(n_routed_experts=k.integer("expert_count"),
+                num_experts_per_tok=k.integer("expert_used_count"),
+                n_shared_experts=k.integer("expert_shared_count", 0),
+                first_k_dense_replace=k.integer("leading_dense_block_count", 0),
+                routed_scaling_factor=k.number("expert_weights_scale", 1.0),
+                norm_topk_prob=bool(k.get("expert_weights_norm", False)))
 
 
 def glm4moe_hf_config(metadata: dict[str, Any], tensors: dict[str, tuple[int, ...]]):
@@ -188,12 +198,7 @@ def glm4moe_hf_config(metadata: dict[str, Any], tensors: dict[str, tuple[int, ..
         head_dim=head_dim,
         max_position_embeddings=k.integer("context_length"),
         rms_norm_eps=k.number("attention.layer_norm_rms_epsilon"),
-        n_routed_experts=k.integer("expert_count"),
-        num_experts_per_tok=k.integer("expert_used_count"),
-        n_shared_experts=k.integer("expert_shared_count", 0),
-        first_k_dense_replace=k.integer("leading_dense_block_count", 0),
-        routed_scaling_factor=k.number("expert_weights_scale", 1.0),
-        norm_topk_prob=bool(k.get("expert_weights_norm", False)),
+        **_deepseek_moe_fields(k),
         n_group=k.integer("expert_group_count", None) or 1,
         topk_group=k.integer("expert_group_used_count", None) or 1,
         use_qk_norm="blk.0.attn_q_norm.weight" in tensors,
