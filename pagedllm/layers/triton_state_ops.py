@@ -34,6 +34,15 @@ from pagedllm.layers.state_cache import StateCacheMetadata
 
 
 @triton.jit
+def _boundary_slot(e, e_end, offset, emit_off_ptr, emit_slot_ptr):
+    """(hit, slot): whether the request's next boundary entry `e` (of [e, e_end)) is at query
+    offset `offset`, and its state slot (int64; 0 when not hit, the null slot)."""
+    ei = tl.where(e < e_end, e, 0)          # the emit arrays have an element 0 always
+    hit = (e < e_end) & (tl.load(emit_off_ptr + ei) == offset)
+    return hit, tl.where(hit, tl.load(emit_slot_ptr + ei), 0).to(tl.int64)
+
+
+@triton.jit
 def _conv1d_kernel(x_ptr, w_ptr, bias_ptr, state_ptr, out_ptr, qsl_ptr, slots_ptr, init_ptr,
                    emit_start_ptr, emit_off_ptr, emit_slot_ptr,
                    stride_x, C, K: tl.constexpr, KPAD: tl.constexpr, BC: tl.constexpr,
@@ -69,9 +78,7 @@ def _conv1d_kernel(x_ptr, w_ptr, bias_ptr, state_ptr, out_ptr, qsl_ptr, slots_pt
             acc = acc / (1.0 + tl.exp(-acc))
         tl.store(out_ptr + t * C + c, acc.to(out_ptr.dtype.element_ty), mask=cmask)
         # A block boundary: the window after this token (the taps just read, less the oldest).
-        ei = tl.where(e < e_end, e, 0)          # the emit arrays have an element 0 always
-        hit = (e < e_end) & (tl.load(emit_off_ptr + ei) == t - start)
-        emit = tl.where(hit, tl.load(emit_slot_ptr + ei), 0).to(tl.int64)
+        hit, emit = _boundary_slot(e, e_end, t - start, emit_off_ptr, emit_slot_ptr)
         # (a scalar condition enters masks through tl.where: `mask & scalar` fails in
         # triton's interpreter)
         wm = tl.where(hit & (emit != 0), cmask[:, None] & jmask[None, :], False)
@@ -129,9 +136,7 @@ def _ssd_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, state_ptr, y_ptr, qsl
         s = s * tl.exp(dt * a) + (dt * x)[:, None] * bv[None, :]
         y = tl.sum(s * cv[None, :], axis=1) + d * x
         tl.store(y_ptr + (t * H + h) * P + p, y, mask=pm)
-        ei = tl.where(e < e_end, e, 0)          # the emit arrays have an element 0 always
-        hit = (e < e_end) & (tl.load(emit_off_ptr + ei) == t - start)
-        emit = tl.where(hit, tl.load(emit_slot_ptr + ei), 0).to(tl.int64)
+        hit, emit = _boundary_slot(e, e_end, t - start, emit_off_ptr, emit_slot_ptr)
         tl.store(state_ptr + ((emit * H + h) * P + p[:, None]) * N + n[None, :], s,
                  mask=tl.where(hit & (emit != 0), smask, False))
         e += hit.to(e.dtype)
@@ -170,9 +175,7 @@ def _gated_delta_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, o_ptr, 
         s = s + k[:, None] * delta[None, :]
         o = tl.sum(s * q[:, None], axis=0)
         tl.store(o_ptr + (t * H + h) * DV + vd, o, mask=vm)
-        ei = tl.where(e < e_end, e, 0)          # the emit arrays have an element 0 always
-        hit = (e < e_end) & (tl.load(emit_off_ptr + ei) == t - start)
-        emit = tl.where(hit, tl.load(emit_slot_ptr + ei), 0).to(tl.int64)
+        hit, emit = _boundary_slot(e, e_end, t - start, emit_off_ptr, emit_slot_ptr)
         tl.store(state_ptr + ((emit * H + h) * DK + kd[:, None]) * DV + vd[None, :], s,
                  mask=tl.where(hit & (emit != 0), smask, False))
         e += hit.to(e.dtype)
