@@ -11,7 +11,6 @@ import enum
 import time
 from collections.abc import Callable, Container
 
-from pagedllm.core.routed_experts import RoutedExpertsRecord
 from pagedllm.lora.request import LoRARequest
 from pagedllm.multimodal.inputs import MultiModalFeature
 from pagedllm.sampling_params import SamplingParams
@@ -97,9 +96,6 @@ class Request:
         self.num_preemptions = 0
         # Draft tokens proposed for the next step (speculative decoding); not part of the tokens.
         self.spec_token_ids: list[int] = []
-        # Routing rows by position (routed-experts capture; core/routed_experts.py), created
-        # when the worker first sends some.
-        self.routed_experts: RoutedExpertsRecord | None = None
         self._block_hasher = block_hasher
         self.block_hashes: list[bytes] = []
         self._update_block_hashes()

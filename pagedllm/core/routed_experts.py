@@ -8,9 +8,13 @@ for every token a request's forward passes computed, the experts each MoE layer'
 
 The last token (the final output) is never an input, so it has no routing (vLLM's shape).
 The worker sends, each step, the rows of the positions it computed for a request
-(`ModelRunnerOutput.routed_experts`: first position, rows); `RoutedExpertsRecord` writes them
-at those positions, so positions computed again (after preemption, or a rejected draft's
-position) are overwritten, never appended twice. Positions nobody sent stay -1.
+(`ModelRunnerOutput.routed_experts`: first position, rows); the scheduler passes them on at
+once with that step's delta (`EngineCoreOutput.new_routed_experts`, as `RoutedExperts`), and
+the front end's `RoutedExpertsRecord` writes them at those positions, so positions computed
+again (after preemption, or a rejected draft's position) are overwritten, never appended
+twice. Positions nobody sent stay -1. Because the rows reach the front end with the tokens
+they belong to, a request that a stop string ends there (and that the front end then aborts
+in the core) still has every row its returned tokens need; nothing waits for the core.
 """
 
 from __future__ import annotations
@@ -27,10 +31,10 @@ NO_EXPERT = -1
 
 @dataclass
 class RoutedExperts:
-    """A finished request's routed experts on their way to the front end (msgpack-safe).
+    """Routing rows on their way from the core to the front end (msgpack-safe).
 
     Attributes:
-        shape: [num_tokens, num_moe_layers, top_k].
+        shape: [num_positions, num_moe_layers, top_k].
         data: the array's bytes, int16 little-endian, C order.
     """
 
@@ -42,7 +46,7 @@ class RoutedExperts:
         return cls(list(array.shape), np.ascontiguousarray(array, dtype="<i2").tobytes())
 
     def to_numpy(self) -> np.ndarray:
-        """[num_tokens, num_moe_layers, top_k] int32 (vLLM's dtype), a fresh array.
+        """[num_positions, num_moe_layers, top_k] int16, a read-only view of `data`.
 
         Raises:
             ValueError: when the bytes do not fill the shape.
@@ -51,15 +55,16 @@ class RoutedExperts:
         if len(self.shape) != 3 or array.size != int(np.prod(self.shape)):
             raise ValueError(f"routed experts of shape {self.shape} do not match "
                              f"{array.size} values")
-        return array.reshape(self.shape).astype(np.int32)
+        return array.reshape(self.shape)
 
 
 class RoutedExpertsRecord:
-    """One request's routing rows by position, grown as positions arrive.
+    """One request's routing rows by position, grown as positions arrive (kept by the front
+    end's OutputProcessor).
 
-    `write(start, rows)`: rows [m, num_moe_layers, top_k] int16 of positions
-    [start, start + m). `result(num_positions)`: the first `num_positions` rows (-1 where
-    none arrived).
+    `write(start, rows)`: rows [m, num_moe_layers, top_k] (int16 values) of positions
+    [start, start + m). `result(num_positions)`: the first `num_positions` rows as int32 (-1
+    where none arrived).
     """
 
     def __init__(self) -> None:
@@ -77,13 +82,12 @@ class RoutedExpertsRecord:
             self._rows = grown
         self._rows[start:end] = rows
 
-    def result(self, num_positions: int) -> RoutedExperts | None:
-        """The rows of positions [0, num_positions) (None when nothing was written)."""
+    def result(self, num_positions: int) -> np.ndarray | None:
+        """[num_positions, num_moe_layers, top_k] int32 (vLLM's dtype), a fresh array: the rows
+        of positions [0, num_positions); None when nothing was written."""
         if self._rows is None:
             return None
-        rows = self._rows[:num_positions]
-        if rows.shape[0] < num_positions:
-            pad = np.full((num_positions - rows.shape[0],) + rows.shape[1:], NO_EXPERT,
-                          dtype=ROUTED_EXPERTS_DTYPE)
-            rows = np.concatenate([rows, pad])
-        return RoutedExperts.from_numpy(rows)
+        rows = np.full((num_positions,) + self._rows.shape[1:], NO_EXPERT, dtype=np.int32)
+        kept = min(num_positions, self._rows.shape[0])
+        rows[:kept] = self._rows[:kept]
+        return rows

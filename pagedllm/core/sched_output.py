@@ -234,9 +234,10 @@ class EngineCoreOutput:
     # With the final output: what a KV connector returns to the caller (prefill/decode
     # disaggregation: how the decode instance finds this request's KV).
     kv_transfer_params: dict | None = None
-    # With the final output of a request that asked, on an engine with routed-experts capture:
-    # [num_tokens - 1, num_moe_layers, top_k] (core/routed_experts.py).
-    routed_experts: RoutedExperts | None = None
+    # Routed-experts capture, for a request that asked (core/routed_experts.py): (first
+    # position, rows [m, num_moe_layers, top_k]) of the positions this step computed; sent with
+    # every step's delta (a prefill chunk's delta may carry these alone).
+    new_routed_experts: tuple[int, RoutedExperts] | None = None
 
     @property
     def finished(self) -> bool:

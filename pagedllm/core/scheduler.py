@@ -64,7 +64,7 @@ from pagedllm.core.kv_cache_groups import (STATE_ALIGN_GROUP, KVCacheCapacity,
                                            make_kv_cache_groups)
 from pagedllm.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from pagedllm.core.request import Request, RequestStatus, stop_token_reached
-from pagedllm.core.routed_experts import RoutedExpertsRecord
+from pagedllm.core.routed_experts import RoutedExperts
 from pagedllm.core.request_queue import check_priority, make_request_queue, priority_key
 from pagedllm.core.sched_output import (DRAFT_PLACEHOLDER, EngineCoreOutput, GrammarOutput,
                                         KVConnectorStats, KVTransferError, ModelRunnerOutput,
@@ -647,10 +647,8 @@ class Scheduler:
         prompt_logprobs = model_runner_output.prompt_logprobs_dict
         new_token_ids = model_runner_output.sampled_token_ids[index]
         routed = model_runner_output.routed_experts.get(req_id)
-        if routed is not None:
-            if request.routed_experts is None:
-                request.routed_experts = RoutedExpertsRecord()
-            request.routed_experts.write(*routed)
+        # (Passed on at once: the front end keeps them, core/routed_experts.py.)
+        new_routed = None if routed is None else (routed[0], RoutedExperts.from_numpy(routed[1]))
         drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
         if new_token_ids and self.num_output_placeholders.get(req_id):
             self.num_output_placeholders[req_id] = max(
@@ -670,8 +668,10 @@ class Scheduler:
             if num_verified:
                 self.spec_decoding_stats.observe_draft(num_verified, num_accepted)
         if not new_token_ids:
-            if req_id in prompt_logprobs:
-                return EngineCoreOutput(req_id, [], new_prompt_logprobs=prompt_logprobs[req_id])
+            if req_id in prompt_logprobs or new_routed is not None:
+                return EngineCoreOutput(req_id, [],
+                                        new_prompt_logprobs=prompt_logprobs.get(req_id),
+                                        new_routed_experts=new_routed)
             return None
         accepted: list[int] = []
         structured = request.sampling_params.structured_outputs is not None
@@ -699,10 +699,7 @@ class Scheduler:
             num_cached_tokens=max(request.num_cached_tokens, 0),
             new_logprobs=logprobs.slice(0, len(accepted)) if logprobs else None,
             new_prompt_logprobs=prompt_logprobs.get(req_id),
-            # Every token but the last was an input of some forward (its routing).
-            routed_experts=(request.routed_experts.result(request.num_tokens - 1)
-                            if request.is_finished() and request.routed_experts is not None
-                            else None))
+            new_routed_experts=new_routed)
 
     def _end_draft_step(self, req_id: str) -> bool:
         """One of `req_id`'s steps with drafts came through `update_from_output`: whether its

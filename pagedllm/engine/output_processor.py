@@ -4,9 +4,11 @@ Per request it detokenizes incrementally, applies stop strings (a match finishes
 finish_reason "stop" and stop_reason the string; the caller must then abort it in the core),
 leaves the text of the stop token that ended a request in the core out of the text (an EOS's
 always, a `stop_token_ids` hit's unless include_stop_str_in_output; the id stays in token_ids),
-collects logprobs and prompt logprobs, and emits outputs per `output_kind` (cumulative, delta or
-final only). Requests with n > 1 are n child requests in the core; their parent here gathers the
-children's CompletionOutputs (by index) into one RequestOutput.
+collects logprobs and prompt logprobs, keeps each request's routed experts (the rows every delta
+brings, core/routed_experts.py; returned with the final output for the tokens returned), and
+emits outputs per `output_kind` (cumulative, delta or final only). Requests with n > 1 are n
+child requests in the core; their parent here gathers the children's CompletionOutputs (by
+index) into one RequestOutput.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pagedllm.core.routed_experts import RoutedExpertsRecord
 from pagedllm.core.sched_output import EngineCoreOutput, LogprobsLists
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.logprob_strings import ContextDecoder
@@ -64,8 +67,9 @@ class RequestState:
     num_cached_tokens: int = 0
     sent_tokens: int = 0
     kv_transfer_params: dict | None = None
-    # [num_tokens, num_moe_layers, top_k] int32, set with the final output (routed-experts
-    # capture).
+    # Routed-experts capture: the rows received so far by position, and, set when the request
+    # finishes (not aborted, not failed), [num_tokens - 1, num_moe_layers, top_k] int32.
+    routing: RoutedExpertsRecord | None = None
     routed_experts: np.ndarray | None = None
 
     @property
@@ -127,6 +131,8 @@ class OutputProcessor:
                 self._update_state(state, out)
                 if state.finished and not out.finished:
                     to_abort.append(out.request_id)
+                if _routing_only(out) and not state.finished:
+                    continue  # a prefill chunk's routing rows: nothing to tell the caller
                 request_output = self._make_output(state)
             except Exception as e:  # noqa: BLE001 - this request's own failure
                 logger.exception("request %s failed in output processing", out.request_id)
@@ -153,11 +159,19 @@ class OutputProcessor:
         if out.finished and not state.finished:
             state.finish_reason, state.stop_reason = out.finish_reason, out.stop_reason
             state.error = out.error
-        if out.routed_experts is not None:
-            # A stop string may have cut the tokens short of the core's: the routing of the
-            # tokens kept but the last.
+        if out.new_routed_experts is not None:
+            if state.routing is None:
+                state.routing = RoutedExpertsRecord()
+            start, rows = out.new_routed_experts
+            state.routing.write(start, rows.to_numpy())
+        if state.finished and state.routing is not None and state.finish_reason not in (
+                "abort", "error"):
+            # Every returned token but the last was an input of some forward. A stop string
+            # found here may have cut the core's tokens short (the rest of this delta, e.g.
+            # accepted drafts, is dropped): their routing is dropped with them.
             num_inputs = len(state.prompt_token_ids) + len(state.token_ids) - 1
-            state.routed_experts = out.routed_experts.to_numpy()[:num_inputs]
+            state.routed_experts = state.routing.result(num_inputs)
+            state.routing = None
         if state.finished and state.logprob_decoder is not None:
             # Tokens still held (an unfinished character at the end): their text, as the output
             # text has it, goes to the last token.
@@ -274,3 +288,9 @@ class OutputProcessor:
                    else [parent.outputs[i] for i in sorted(parent.outputs)])
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outputs,
                              finished, parent.prompt_logprobs, parent.num_cached_tokens)
+
+
+def _routing_only(out: EngineCoreOutput) -> bool:
+    """Whether `out` carries nothing but routed-experts rows (an unfinished prefill chunk)."""
+    return (not out.new_token_ids and not out.finished and out.new_prompt_logprobs is None
+            and out.new_routed_experts is not None)
