@@ -18,6 +18,13 @@ can never fit: the front end checks both first) comes back as an "error" output 
 only; an exception in a step is engine-wide: the process reports `EngineFailed` and exits 1.
 It also exits when its parent (the front end) is gone, so no engine process outlives its server
 (a Ray actor has no such parent: Ray ends an actor whose owner, the front end, died).
+
+Signals: the process ignores SIGTERM and SIGINT. Both reach a whole process group at once (a
+terminal's Ctrl-C, systemd's stop or `kill -TERM -<pgid>`), and the front ends, which get them
+too, shut down gracefully: they finish or fail their open requests through this core, so it must
+outlive them. It stops when its front end says so: the `Shutdown` message (a core of one front
+end), the launcher's stop pipe (the API-server pool: EOF or a byte), or its parent's death; a
+process that must go at once is killed (SIGKILL), which the front ends see as an engine death.
 """
 
 from __future__ import annotations
@@ -26,10 +33,12 @@ import gc
 import inspect
 import logging
 import os
+import signal
 import sys
 import typing
 from collections.abc import Sequence
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from typing import Any
 
 import msgspec
@@ -69,16 +78,20 @@ class CoreEndpoints:
 
 
 def run_engine_core(config: EngineConfig, endpoints: CoreEndpoints | Sequence[CoreEndpoints],
-                    parent_pid: int) -> None:
-    """Process entry point: `serve_engine_core`, then exit with its status."""
-    sys.exit(serve_engine_core(config, endpoints, parent_pid))
+                    parent_pid: int, stop: Connection | None = None) -> None:
+    """Process entry point: ignore SIGTERM and SIGINT (see the module docstring; the worker
+    processes of its executor inherit that), `serve_engine_core`, then exit with its status."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    sys.exit(serve_engine_core(config, endpoints, parent_pid, stop))
 
 
 def serve_engine_core(config: EngineConfig, endpoints: CoreEndpoints | Sequence[CoreEndpoints],
-                      parent_pid: int | None) -> int:
+                      parent_pid: int | None, stop: Connection | None = None) -> int:
     """Build the core, report `Ready` to every front end (one per `endpoints`: several API
     server processes share a core), serve until `Shutdown` or failure; `parent_pid`: stop when
-    this process's parent is no longer that process (None: no such check).
+    this process's parent is no longer that process (None: no such check); `stop`: the read
+    end of a pipe whose EOF (or any byte) stops the core as `Shutdown` does (None: none).
 
     Returns:
         0 after Shutdown; 1 after reporting `EngineFailed` (start-up or a step failed).
@@ -121,7 +134,7 @@ def serve_engine_core(config: EngineConfig, endpoints: CoreEndpoints | Sequence[
         send_all(wire.Ready(core.num_blocks, core.kv_cache_capacity,
                             core.kv_cache_bytes_per_token))
         try:
-            EngineCoreProc(core, inputs, outputs, parent_pid).run()
+            EngineCoreProc(core, inputs, outputs, parent_pid, stop).run()
         except BaseException as e:  # noqa: BLE001 - reported to the front end, then exit
             logger.exception("the engine core failed")
             send_all(wire.EngineFailed(f"the engine core failed: {type(e).__name__}: {e}"))
@@ -149,10 +162,13 @@ class EngineCoreProc:
             so that their sum is the core's count.
         parent_pid: the front end's pid; the loop ends when the parent changes (it died).
             None: no parent to watch (a Ray actor).
+        stop: the read end of the launcher's stop pipe; the loop ends when it is readable (a
+            byte, or EOF: the launcher closed it or died). None: no such pipe.
     """
 
     def __init__(self, core: EngineCore, inputs: zmq.Socket | Sequence[zmq.Socket],
-                 outputs: zmq.Socket | Sequence[zmq.Socket], parent_pid: int | None) -> None:
+                 outputs: zmq.Socket | Sequence[zmq.Socket], parent_pid: int | None,
+                 stop: Connection | None = None) -> None:
         self.core = core
         self.inputs = [inputs] if isinstance(inputs, zmq.Socket) else list(inputs)
         self.outputs = [outputs] if isinstance(outputs, zmq.Socket) else list(outputs)
@@ -163,6 +179,9 @@ class EngineCoreProc:
         self._poller = zmq.Poller()
         for sock in self.inputs:
             self._poller.register(sock, zmq.POLLIN)
+        self._stop_fd = None if stop is None else stop.fileno()
+        if self._stop_fd is not None:
+            self._poller.register(self._stop_fd, zmq.POLLIN)
         self._client_of_socket = {sock: i for i, sock in enumerate(self.inputs)}
         self._client_of: dict[str, int] = {}   # unfinished request id -> front end
         # Per front end: AbortRequests acted on since its last StepOutputs (which acknowledges
@@ -186,6 +205,10 @@ class EngineCoreProc:
         while events := self._poller.poll(timeout):
             timeout = 0
             for sock, _ in events:
+                if sock == self._stop_fd:
+                    logger.info("the launcher stops the engine core")
+                    self._stopping = True
+                    return
                 client = self._client_of_socket[sock]
                 while True:
                     try:

@@ -1,6 +1,6 @@
 """The engine core in its own process (multiprocess_mode): the same outputs as in-process, per-request
-errors stay per request, utility calls, bytes from a socket never run code, and a SIGKILLed core
-fails what is pending at once.
+errors stay per request, utility calls, bytes from a socket never run code, signals to the process
+group leave the core serving, and a SIGKILLed core fails what is pending at once.
 
 One core process serves the whole module (start-up is the slow part); the last test kills it, so
 it must stay last in this file.
@@ -14,6 +14,7 @@ import os
 import pickle
 import signal
 import stat
+import threading
 import time
 from pathlib import Path
 
@@ -332,6 +333,36 @@ def test_start_up_error_is_raised_as_in_process(tiny_llama: Path) -> None:
         LLMEngine.from_engine_args(str(tiny_llama), multiprocess_mode=True, **kwargs)
     assert str(in_process.value) in str(multiprocess.value)
     assert not [c for c in mp.active_children() if c.name == "pagedllm-engine-core"]
+
+
+def test_group_signals_leave_the_core_serving_until_told(mp_engine: LLMEngine,
+                                                         inproc_engine: LLMEngine) -> None:
+    """SIGTERM and SIGINT reach a whole process group (systemd's stop, a Ctrl-C): the core
+    ignores them and serves on, for its front ends' graceful shutdown; the API-server pool's
+    stop pipe (its write end closed) ends the core's loop."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        os.kill(mp_engine.engine_core.pid, sig)
+    time.sleep(0.3)
+    mp_engine.check_health()
+    requests = {"after_signals": (PROMPTS[3], SamplingParams(temperature=0.0, max_tokens=5))}
+    assert _run(mp_engine, requests) == _run(inproc_engine, requests)
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    pull.bind("inproc://stop-in")
+    push.bind("inproc://stop-out")
+    stop_r, stop_w = mp.Pipe(duplex=False)
+    proc = EngineCoreProc(inproc_engine.engine_core, pull, push, None, stop_r)
+    loop = threading.Thread(target=proc.run)
+    loop.start()
+    loop.join(0.6)
+    assert loop.is_alive()          # idle, waiting for input
+    stop_w.close()
+    loop.join(5)
+    assert not loop.is_alive()
+    stop_r.close()
+    for sock in (pull, push):
+        sock.close(linger=0)
+    ctx.term()
 
 
 def test_async_streaming_abort_and_sigkill(mp_engine: LLMEngine,

@@ -17,10 +17,13 @@ fast, and N front ends lift the bound (as vLLM's API-server scale-out does). Eve
 this machine: the sockets are IPC in a private (0700) folder, and the cores listen on nothing.
 
 Life cycle: SIGTERM or SIGINT to the launcher -> SIGTERM to every API server (each shuts down
-gracefully, as a single server does), then the cores are stopped; exit 0. A core that dies
-makes every API server fail its requests and exit 1; any API server that exits on its own stops
-the pool, and the launcher exits 1. The cores ignore SIGINT (a Ctrl-C reaches the whole process
-group; only the API servers react to it, so they end gracefully).
+gracefully, as a single server does), then the cores are stopped through their stop pipe (the
+launcher closes its end); exit 0. A core that dies makes every API server fail its requests and
+exit 1; any API server that exits on its own stops the pool, and the launcher exits 1. The cores
+ignore SIGTERM and SIGINT (engine/core_proc.py): a Ctrl-C, systemd's stop or `kill -TERM
+-<pgid>` reaches the whole process group, and only the launcher and the API servers react to
+it, so the API servers end gracefully over live cores and the whole pool exits 0. A core that
+must go at once is killed (SIGKILL): that is an engine death (exit 1).
 
 Metrics: /metrics of any API server shows the whole server (prometheus_client's multiprocess
 mode over a private folder made here and removed at exit; metrics.py). Limits
@@ -87,6 +90,8 @@ def run_api_server_pool(model: str, engine_kwargs: dict[str, Any], api_server_co
     cores: list[mp.process.BaseProcess] = []
     servers: list[mp.process.BaseProcess] = []
     wake_r, wake_w = os.pipe()
+    # The cores' stop pipe: they stop when this end is closed (or the launcher dies).
+    stop_r, stop_w = ctx.Pipe(duplex=False)
     stopping: list[int] = []
     clean_up_metrics: Callable[[], None] = lambda: None
 
@@ -96,15 +101,18 @@ def run_api_server_pool(model: str, engine_kwargs: dict[str, Any], api_server_co
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        # The cores inherit SIGINT ignored (Python keeps an inherited SIG_IGN): a Ctrl-C is the
+        # The cores start with SIGINT and SIGTERM ignored (Python keeps an inherited SIG_IGN;
+        # run_engine_core ignores them too once it runs): a signal to the process group is the
         # API servers' to handle.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        for sig in previous:
+            signal.signal(sig, signal.SIG_IGN)
         for d in range(data_parallel_size):
             core = ctx.Process(target=run_engine_core, name=f"pagedllm-engine-core-{d}",
-                               args=(config, endpoints[d], os.getpid()))
+                               args=(config, endpoints[d], os.getpid(), stop_r))
             core.start()
             cores.append(core)
-        signal.signal(signal.SIGINT, on_signal)
+        for sig in previous:
+            signal.signal(sig, on_signal)
         # One /metrics for all API servers (prometheus_client's multiprocess mode, metrics.py).
         clean_up_metrics = setup_multiprocess_metrics()
         for a in range(api_server_count):
@@ -123,7 +131,8 @@ def run_api_server_pool(model: str, engine_kwargs: dict[str, Any], api_server_co
         placeholder.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        _stop(servers, cores)
+        _stop(servers, cores, stop_w)
+        stop_r.close()
         clean_up_metrics()
         os.close(wake_r)
         os.close(wake_w)
@@ -151,18 +160,25 @@ def _wait(cores: Sequence[mp.process.BaseProcess], servers: Sequence[mp.process.
     return 0 if all(s.exitcode == 0 for s in servers) else 1
 
 
-def _stop(servers: Sequence[mp.process.BaseProcess],
-          cores: Sequence[mp.process.BaseProcess]) -> None:
-    """SIGTERM every process still alive (API servers first), wait, then SIGKILL."""
-    for group in (servers, cores):
-        for proc in group:
-            if proc.is_alive():
-                proc.terminate()
-        for proc in group:
-            proc.join(_STOP_GRACE_S)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+def _stop(servers: Sequence[mp.process.BaseProcess], cores: Sequence[mp.process.BaseProcess],
+          stop_cores: multiprocessing.connection.Connection) -> None:
+    """Stop every process still alive, API servers first (SIGTERM), then the cores (EOF on
+    their stop pipe, whose write end `stop_cores` is: they ignore SIGTERM); wait for each up
+    to the grace period, then SIGKILL."""
+    for proc in servers:
+        if proc.is_alive():
+            proc.terminate()
+    _join_or_kill(servers)
+    stop_cores.close()
+    _join_or_kill(cores)
+
+
+def _join_or_kill(procs: Sequence[mp.process.BaseProcess]) -> None:
+    for proc in procs:
+        proc.join(_STOP_GRACE_S)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
 
 
 def reuse_port_socket(host: str, port: int) -> socket.socket:

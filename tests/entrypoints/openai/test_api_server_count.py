@@ -1,7 +1,8 @@
 """`pagedllm serve --api-server-count 2`: two API-server processes on one port, over one engine
 core process: both serve (the kernel spreads connections over them), the outputs are the
 in-process engine's, /metrics of either is the whole server's (counters summed, gauges
-current), and SIGTERM ends all with status 0 and removes the metrics folder.
+current), and SIGTERM ends all with status 0 and removes the metrics folder; so does SIGTERM to
+the whole process group (systemd's stop), with no ERROR logged and nothing left behind.
 With `-dp 2`: the same text, and SIGKILL of one core stops the pool with status 1.
 
 Slow: three processes load the model on a small machine.
@@ -16,6 +17,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -173,3 +175,76 @@ def test_dp2_pool_and_a_killed_core_stops_everything(tiny_llama):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def _wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float = 600) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, f"the server exited with {proc.returncode} while starting"
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "the server did not become healthy in time"
+        time.sleep(0.5)
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes of process group `pgid`."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+def test_sigterm_to_the_process_group_is_a_clean_shutdown(tiny_llama, tmp_path):
+    """systemd's stop (`kill -TERM -<pgid>`) reaches the launcher, both API servers and the
+    core at once: the request in flight finishes, the pool exits 0 with no ERROR line or
+    traceback (the core outlives the API servers: it ignores SIGTERM and stops when the
+    launcher closes its stop pipe), no process of the group is left, and the temporary folders
+    (IPC sockets, metrics) are gone. (A core's SIGKILL is an engine death: the test above.)"""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    log = tmp_path / "server.log"
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with open(log, "wb") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "pagedllm.entrypoints.cli", "serve",
+                                 "--model", str(tiny_llama), "--api-server-count", "2",
+                                 "--port", str(port), "--uvicorn-log-level", "warning",
+                                 *ENGINE_FLAGS],
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(tmp)},
+                                stdout=subprocess.DEVNULL, stderr=stderr,
+                                start_new_session=True)
+    try:
+        _wait_healthy(proc, url)
+        assert len(_pool_children(proc.pid)) == 3
+        assert len(_group_members(proc.pid)) >= 4       # launcher, core, 2 API servers
+        in_flight: list[httpx.Response] = []
+        request = threading.Thread(target=lambda: in_flight.append(httpx.post(
+            url + "/v1/completions", timeout=120, json={
+                "prompt": "ROMEO:", "max_tokens": 200, "ignore_eos": True})))
+        request.start()
+        time.sleep(0.5)
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0
+        request.join(60)
+        assert in_flight and in_flight[0].status_code == 200, in_flight
+        assert in_flight[0].json()["choices"][0]["finish_reason"] == "length"
+        deadline = time.monotonic() + 10
+        while _group_members(proc.pid):
+            assert time.monotonic() < deadline, _group_members(proc.pid)
+            time.sleep(0.2)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    text = log.read_text(errors="replace")
+    assert "ERROR" not in text and "Traceback" not in text and "leaked" not in text, text
+    assert list(tmp.iterdir()) == []
