@@ -39,9 +39,11 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     _add_workload_args(tp, num_prompts=True)
     tp.add_argument("--compare", action="append", choices=["hf", "llamacpp"], default=[],
                     help="also run the workload through HF transformers / llama.cpp (repeatable)")
-    tp.add_argument("--hf-batch-size", type=int, default=None,
+    # (Sizes with a default are refused below their least meaningful value by the parser:
+    # code that reads them as `value or default` would take a 0 as the default silently.)
+    tp.add_argument("--hf-batch-size", type=bounded_int(1), default=None, metavar="N",
                     help="static batch size of the HF baseline (default min(num_prompts, 32))")
-    tp.add_argument("--llamacpp-batch-size", type=int, default=None,
+    tp.add_argument("--llamacpp-batch-size", type=bounded_int(1), default=None, metavar="N",
                     help="sequences llama.cpp decodes together (default min(num_prompts, 64))")
     _add_llamacpp_threads_arg(tp)
     tp.add_argument("--co-tenants", type=bounded_int(1), default=1, metavar="N",
@@ -68,11 +70,11 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     lat.add_argument("--batch-size", type=int, default=1, help="requests per wave (default 1)")
     lat.add_argument("--num-iters", type=int, default=3, help="timed waves (default 3)")
     lat.add_argument("--num-iters-warmup", type=int, default=1, help="untimed waves (default 1)")
-    lat.add_argument("--bandwidth-mib", type=int, default=256,
+    lat.add_argument("--bandwidth-mib", type=bounded_int(0), default=256,
                      help="buffer size of the memory-bandwidth probe (0 = skip it)")
     lat.add_argument("--profile", action="store_true",
                      help="torch.profiler over a few decode steps; print the top ops")
-    lat.add_argument("--profile-steps", type=int, default=8,
+    lat.add_argument("--profile-steps", type=bounded_int(1), default=8,
                      help="decode steps --profile records (default 8)")
     lat.add_argument("--compare", action="append", choices=["llamacpp", "no-spec"], default=[],
                      help="also run the same waves through llama.cpp (same GGUF file), or "
@@ -102,9 +104,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     _add_model_args(ppl)
     ppl.add_argument("--input-file", default=None,
                      help="UTF-8 text to score (default: a built-in English passage)")
-    ppl.add_argument("--window", type=int, default=None,
+    ppl.add_argument("--window", type=bounded_int(2), default=None, metavar="N",
                      help="tokens per window (default and at most --max-model-len)")
-    ppl.add_argument("--max-windows", type=int, default=None,
+    ppl.add_argument("--max-windows", type=bounded_int(1), default=None, metavar="N",
                      help="score only the first N windows (default: all)")
     ppl.add_argument("--compare", action="append", choices=["llamacpp"], default=[],
                      help="also score the same windows with llama.cpp on the same GGUF file")
@@ -118,13 +120,13 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                      help="model name sent in requests (default: the server's first model)")
     srv.add_argument("--api-key", default=None,
                      help="sent as `Authorization: Bearer KEY`")
-    srv.add_argument("--vocab-size", type=int, default=None,
+    srv.add_argument("--vocab-size", type=bounded_int(2), default=None, metavar="N",
                      help="vocabulary for random prompts (default: from --preset, or the "
                           "config.json of the server's model root)")
     srv.add_argument("--preset", default=None, help="take the vocabulary size from this preset")
     srv.add_argument("--request-rate", type=float, default=math.inf,
                      help="Poisson arrival rate in requests/s (default inf: all at once)")
-    srv.add_argument("--max-concurrency", type=int, default=None,
+    srv.add_argument("--max-concurrency", type=bounded_int(1), default=None, metavar="N",
                      help="most requests in flight at once (default: no limit)")
     srv.add_argument("--seed", type=int, default=0,
                      help="seed of the random prompts and arrival times (default 0)")
@@ -151,13 +153,13 @@ def _add_soak_parser(sub: argparse._SubParsersAction) -> None:
     target.add_argument("--model", default=None,
                         help="checkpoint of the started server (default: the shipped model); "
                              "with --url, the model name sent (default: the server's first)")
-    target.add_argument("--vocab-size", type=int, default=None,
+    target.add_argument("--vocab-size", type=bounded_int(2), default=None, metavar="N",
                         help="with --url: the model's vocabulary (default: from the checkpoint "
                              "that /v1/models names)")
     target.add_argument("--dtype", default="float32", help="of the started server")
     target.add_argument("--kv-cache-memory-bytes", type=int, default=2 * 2**20,
                         help="of the started server: small, to force preemption (default 2 MiB)")
-    target.add_argument("--max-num-seqs", type=int, default=None,
+    target.add_argument("--max-num-seqs", type=bounded_int(1), default=None, metavar="N",
                         help="of the started server (default: the server's)")
     target.add_argument("--serve-arg", action="append", default=[], metavar="FLAG",
                         help="extra flag for the started server, e.g. --serve-arg=--no-enable-"
