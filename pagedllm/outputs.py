@@ -44,10 +44,10 @@ class CompletionOutput:
             router's order: by descending weight for softmax top-k routers) for every token of
             prompt + output but the last, which was never an input; -1 where none is known.
             Cached prompt tokens carry the routing recorded when their blocks were computed.
-            None otherwise (a request with `return_routed_experts=False`, a disabled engine,
-            outputs before the final one, an aborted request, and a request that a stop
-            string ended before the engine core finished it: the front end finds stop strings
-            and aborts the request in the core, whose routing is then not sent).
+            The rows follow the tokens returned, also when a stop string ended the request
+            (tokens of the same step after the one that completed it are dropped with their
+            rows). None otherwise (a request with `return_routed_experts=False`, a disabled
+            engine, outputs before the final one, an aborted or failed request).
     """
 
     index: int
