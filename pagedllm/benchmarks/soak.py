@@ -17,7 +17,9 @@ small enough to force preemption) or `--url`'s, and passes only if every check h
   idle_metrics           once idle, the running / waiting / KV-usage gauges of /metrics are 0
   rss_drift              the server's RSS at the end at most --rss-drift-limit above its RSS
                          after the warm-up (the first 10% of requests, valid only); a server the
-                         soak started only (--url: skipped with a note); shrinking is fine
+                         soak started only (--url: skipped with a note); shrinking is fine.
+                         RSS is summed over the server's process tree (engine-core and API-server
+                         processes included; soak_server.py), and reported per process too
   time_limit             all requests are sent and answered within --max-duration-s
 
 Bounded: each request has a timeout, the run a time limit (the end checks take at most
@@ -43,7 +45,7 @@ from pagedllm.benchmarks.soak_cases import (CHAT, DISCONNECT, INVALID, VALID, So
                                             make_cases, num_warmup)
 from pagedllm.benchmarks.soak_client import Outcome, send_case
 from pagedllm.benchmarks.soak_server import (IDLE_GAUGES, PREEMPTIONS, ManagedServer,
-                                             loopback_url, parse_metrics)
+                                             ProcessRss, loopback_url, parse_metrics)
 
 CHECKS = ("no_5xx", "invalid_rejected", "invalid_stream_status", "error_object", "error_param",
           "valid_completed", "stream_error_event", "server_alive", "idle_metrics", "rss_drift",
@@ -281,12 +283,12 @@ async def run_soak(url: str, config: SoakConfig, deadline: float, server: Manage
                 found.append(_watch_process(server, config.server_rss_limit_bytes, state))
             return found
 
-        rss_warm = None
+        rss_warm: list[ProcessRss] = []
         if await _guarded(_run_cases(cases[:warmup], send, config.concurrency, state),
                           watchers(), deadline, state):
             await _wait_idle(control, min(config.idle_timeout_s,
                                           max(1.0, deadline - time.monotonic())))
-            rss_warm = server.rss_bytes() if server is not None else None
+            rss_warm = server.rss_by_process() if server is not None else []
             await _guarded(_run_cases(cases[warmup:], send, config.concurrency, state),
                            watchers(), deadline, state)
         elapsed = time.monotonic() - start
@@ -299,7 +301,8 @@ async def run_soak(url: str, config: SoakConfig, deadline: float, server: Manage
         health = await _health_problem(control)
     end = {"metrics": metrics, "idle": idle, "idle_wait_s": idle_s, "health": health,
            "exit_code": server.exit_code() if server is not None else None,
-           "rss_warm": rss_warm, "rss_end": server.rss_bytes() if server is not None else None}
+           "rss_warm": rss_warm,
+           "rss_end": server.rss_by_process() if server is not None else []}
     return soak_figures(cases, state, end, config, elapsed, model, chat)
 
 
@@ -330,14 +333,44 @@ def _end_failures(end: dict[str, Any], config: SoakConfig, state: _State) -> lis
         readings = {g: end["metrics"].get(g) for g in IDLE_GAUGES}
         fail("idle_metrics", f"not idle {end['idle_wait_s']:.0f} s after the last request "
                              f"answered: {readings}")
-    warm, last = end["rss_warm"], end["rss_end"]
+    warm, last = _total(end["rss_warm"]), _total(end["rss_end"])
     if warm and last and not dead and (last - warm) / warm > config.rss_drift_limit:
+        grown = sorted(rss_per_process(end["rss_warm"], end["rss_end"]),
+                       key=lambda p: -((p["end_mib"] or 0) - (p["after_warmup_mib"] or 0)))
         fail("rss_drift", f"RSS {warm / _MIB:.0f} MiB after the warm-up, {last / _MIB:.0f} MiB "
                           f"at the end (+{100 * (last - warm) / warm:.1f}%, limit "
-                          f"{100 * config.rss_drift_limit:.0f}%); largest rises: "
+                          f"{100 * config.rss_drift_limit:.0f}%; summed over "
+                          f"{len(end['rss_end'])} processes, most grown: "
+                          + ", ".join(_process_line(p) for p in grown[:3])
+                          + "); largest rises: "
                           + ("; ".join(_rss_rises(state)) or f"none over {_RSS_JUMP // _MIB} "
                                                               "MiB"))
     return rows
+
+
+def _total(tree: list[ProcessRss]) -> int | None:
+    return sum(p.rss_bytes for p in tree) if tree else None
+
+
+def rss_per_process(warm: list[ProcessRss], end: list[ProcessRss]) -> list[dict[str, Any]]:
+    """Per process of the server's tree (after the warm-up, then at the end; by pid, in the
+    tree's order): {"pid", "name", "after_warmup_mib", "end_mib"}, None where the process was
+    not there (started or ended in between)."""
+    at_warm = {p.pid: p for p in warm}
+    at_end = {p.pid: p for p in end}
+    rows = []
+    for pid in dict.fromkeys([p.pid for p in warm] + [p.pid for p in end]):
+        first, last = at_warm.get(pid), at_end.get(pid)
+        rows.append({"pid": pid, "name": (last or first).name,
+                     "after_warmup_mib": first.rss_bytes / _MIB if first else None,
+                     "end_mib": last.rss_bytes / _MIB if last else None})
+    return rows
+
+
+def _process_line(row: dict[str, Any]) -> str:
+    mib = [f"{v:.0f}" if v is not None else "-" for v in (row["after_warmup_mib"],
+                                                           row["end_mib"])]
+    return f"pid {row['pid']} {row['name']} {mib[0]} -> {mib[1]} MiB"
 
 
 def _rss_rises(state: _State, limit: int = 3) -> list[str]:
@@ -365,10 +398,11 @@ def soak_figures(cases: list[SoakCase], state: _State, end: dict[str, Any], conf
         statuses[o.case.label][o.status] += 1
     rows = _failure_rows(outcomes) + _end_failures(end, config, state)
     counts = Counter(row["check"] for row in rows)
-    warm, last = end["rss_warm"], end["rss_end"]
+    warm, last = _total(end["rss_warm"]), _total(end["rss_end"])
     rss = ({"after_warmup_mib": warm / _MIB, "end_mib": last / _MIB,
             "drift_pct": 100 * (last - warm) / warm, "peak_mib": state.peak_rss / _MIB,
-            "largest_rises": _rss_rises(state)}
+            "largest_rises": _rss_rises(state),
+            "processes": rss_per_process(end["rss_warm"], end["rss_end"])}
            if warm and last else {"note": "not measured (--url server, or the run was cut "
                                           "short)"})
     metrics = end["metrics"]
@@ -403,6 +437,12 @@ def print_soak_report(result: dict[str, Any]) -> None:
 
     print_result({k: v for k, v in result.items() if k not in ("failures", "failed_checks")},
                  "server soak")
+    processes = result["server_rss"].get("processes") or []
+    if processes:
+        print(f"server RSS by process (after the warm-up -> at the end), {len(processes)} "
+              f"processes:")
+        for row in processes:
+            print(f"  {_process_line(row)}")
     if result["passed"]:
         print("PASSED: every check held")
         return

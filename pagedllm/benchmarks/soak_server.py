@@ -2,7 +2,16 @@
 check of a `--url`, and readings of a server (/metrics gauges, RSS).
 
 `ManagedServer` owns one subprocess in its own session, logging to a file; `stop()` always ends it
-(SIGTERM, then SIGKILL after a grace period), so the soak never leaves a server behind.
+(SIGTERM, then SIGKILL of its whole process group after a grace period), so the soak never
+leaves a server behind.
+
+RSS is the server's whole process tree (`process_tree_rss`): the launcher and every descendant,
+such as the engine-core process (`--multiprocess-mode`), the API-server processes
+(`--api-server-count`), data-parallel replicas and tensor-parallel workers; the launcher alone
+can be a small fraction of the server. It is read from /proc (Linux, as the rest of the soak's
+readings): psutil would do the same, but the package does not depend on it. The sum counts a
+page shared by several processes (the Python and torch libraries' code) once per process; the
+drift check compares sums of the same tree, so that share cancels out.
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import httpx
@@ -67,6 +77,54 @@ def process_rss_bytes(pid: int) -> int | None:
     except OSError:
         return None
     return None
+
+
+@dataclass(frozen=True)
+class ProcessRss:
+    """One process of a tree: its pid, parent's pid, name (/proc's `comm`) and RSS in bytes."""
+
+    pid: int
+    ppid: int
+    name: str
+    rss_bytes: int
+
+
+def _stat_fields(pid: int) -> tuple[str, int] | None:
+    """(comm, ppid) of a live process from /proc/PID/stat; None if it is gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+    except OSError:
+        return None
+    name = text[text.find("(") + 1:text.rfind(")")]
+    state, ppid = text[text.rfind(")") + 2:].split()[:2]
+    return None if state in ("Z", "X") else (name, int(ppid))
+
+
+def process_tree_rss(root_pid: int) -> list[ProcessRss]:
+    """`root_pid` and each of its live descendants with its RSS, the root first, then by depth
+    (parents are found from every process's /proc/PID/stat); [] if the root cannot be read. A
+    process that ends while the tree is read is left out."""
+    children: dict[int, list[int]] = {}
+    names: dict[int, str] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            fields = _stat_fields(int(entry))
+            if fields is not None:
+                names[int(entry)] = fields[0]
+                children.setdefault(fields[1], []).append(int(entry))
+    if root_pid not in names:
+        return []
+    tree, frontier, parent_of = [], [root_pid], {root_pid: 0}
+    while frontier:
+        pid = frontier.pop(0)
+        rss = process_rss_bytes(pid)
+        if rss is not None:
+            tree.append(ProcessRss(pid, parent_of[pid], names[pid], rss))
+        for child in sorted(children.get(pid, ())):
+            parent_of[child] = pid
+            frontier.append(child)
+    return tree
 
 
 def free_port() -> int:
@@ -130,7 +188,15 @@ class ManagedServer:
         return self.proc.poll() if self.proc is not None else None
 
     def rss_bytes(self) -> int | None:
-        return process_rss_bytes(self.proc.pid) if self.proc is not None else None
+        """The RSS summed over the server's process tree (None: not started, or gone)."""
+        tree = self.rss_by_process()
+        return sum(p.rss_bytes for p in tree) if tree else None
+
+    def rss_by_process(self) -> list[ProcessRss]:
+        """The server's processes with their RSS (`process_tree_rss`; [] when not running)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return []
+        return process_tree_rss(self.proc.pid)
 
     def kv_capacity(self) -> dict[str, int] | None:
         """{"blocks", "block_size", "tokens"} from the server's start-up log, if it said."""
@@ -151,8 +217,13 @@ class ManagedServer:
         return "\n".join(self.log_text().splitlines()[-num_lines:])
 
     def kill(self) -> None:
+        """SIGKILL the server's whole process group (its session: every process it started
+        that did not leave it), then reap the launcher."""
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
             self.proc.wait()
 
     def stop(self, grace_s: float = 30.0) -> int | None:

@@ -7,6 +7,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -16,12 +19,14 @@ from pathlib import Path
 import pytest
 
 from pagedllm.benchmarks.cli import add_bench_parser
-from pagedllm.benchmarks.soak import SoakConfig, run_soak
+from pagedllm.benchmarks.soak import SoakConfig, rss_per_process, run_soak
 from pagedllm.benchmarks.soak_cases import (CHAT, COMPLETIONS, DISCONNECT, DISCONNECT_MODES,
                                             INVALID, MAX_VALID_TOKENS, MUTATIONS, VALID,
                                             SoakCase, make_cases, num_warmup)
 from pagedllm.benchmarks.soak_client import check_invalid, check_stream, check_valid
-from pagedllm.benchmarks.soak_server import free_port, loopback_url, parse_metrics
+from pagedllm.benchmarks.soak_server import (ManagedServer, ProcessRss, free_port, loopback_url,
+                                             parse_metrics, process_rss_bytes,
+                                             process_tree_rss)
 
 VOCAB = 4096
 
@@ -218,6 +223,51 @@ def test_soak_reports_a_careless_server(careless_server: str):
     assert result["end_state"]["idle"] and "note" in result["server_rss"]
     rows = result["failures"]
     assert all(r["request"].startswith("POST /v1/") for r in rows if r["index"] is not None)
+
+
+# ------------------------------------------------------------------ RSS of a process tree
+_BALLAST_MIB = 64
+
+
+def test_rss_is_summed_over_the_process_tree():
+    """A launcher whose memory sits in a grandchild (as a server's sits in its engine-core
+    and API-server processes): the tree's RSS counts it, per process and summed, and kill()
+    ends the whole tree."""
+    ballast = (f"import time; b = b'x' * ({_BALLAST_MIB} << 20); print('ready', flush=True); "
+               f"time.sleep(60)")
+    script = f"sleep 60 & ( {sys.executable} -c \"{ballast}\" & wait ) & wait"
+    server = ManagedServer([])
+    server.proc = subprocess.Popen(["sh", "-c", script], start_new_session=True,
+                                   stdout=subprocess.PIPE)
+    try:
+        assert server.proc.stdout.readline().strip() == b"ready"
+        tree = server.rss_by_process()
+        pids = [p.pid for p in tree]
+        assert len(tree) == 4 and pids[0] == server.proc.pid, tree  # sh, sleep, sh, python
+        assert all(p.ppid in pids for p in tree[1:]) and tree[0].ppid == 0
+        ballast_proc = max(tree, key=lambda p: p.rss_bytes)
+        assert ballast_proc.ppid != server.proc.pid           # a grandchild
+        assert ballast_proc.rss_bytes > _BALLAST_MIB << 20
+        assert process_rss_bytes(server.proc.pid) < (_BALLAST_MIB << 20) // 4  # the launcher
+        total = server.rss_bytes()
+        assert abs(total - sum(p.rss_bytes for p in tree)) < 4 << 20
+    finally:
+        server.kill()
+    deadline = time.monotonic() + 10
+    while any(os.path.exists(f"/proc/{pid}") and process_tree_rss(pid) for pid in pids):
+        assert time.monotonic() < deadline, "kill() left part of the tree running"
+        time.sleep(0.05)
+    assert server.rss_bytes() is None and server.rss_by_process() == []
+
+
+def test_rss_per_process_rows_follow_processes_by_pid():
+    mib = 1 << 20
+    warm = [ProcessRss(10, 0, "python3", 100 * mib), ProcessRss(11, 10, "python3", 50 * mib)]
+    end = [ProcessRss(10, 0, "python3", 110 * mib), ProcessRss(12, 10, "python3", 20 * mib)]
+    assert rss_per_process(warm, end) == [
+        {"pid": 10, "name": "python3", "after_warmup_mib": 100.0, "end_mib": 110.0},
+        {"pid": 11, "name": "python3", "after_warmup_mib": 50.0, "end_mib": None},
+        {"pid": 12, "name": "python3", "after_warmup_mib": None, "end_mib": 20.0}]
 
 
 # ------------------------------------------------------------------ against `pagedllm serve`
