@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from pagedllm.attention.backends.mla_torch import attend_row_groups
-from pagedllm.attention.backends.torch_sdpa import _build_group
+from pagedllm.attention.backends.torch_sdpa import build_row_group
 from pagedllm.attention.backends.triton_paged import TritonPagedBackend
 from pagedllm.attention.metadata import CommonAttentionMetadata
 from pagedllm.kv_cache_layout import is_quantized_kv_cache, kv_cache_scales, write_cache_rows
@@ -71,7 +71,7 @@ class MLATritonBackend:
         is_decode = np.diff(qsl) == 1
         decode_rows, prefill_rows = np.nonzero(is_decode)[0], np.nonzero(~is_decode)[0]
         device = common.seq_lens.device
-        groups = (_build_group(common, prefill_rows),) if len(prefill_rows) else ()
+        groups = (build_row_group(common, prefill_rows),) if len(prefill_rows) else ()
         return MLATritonMetadata(
             common=common, prefill_groups=groups,
             decode_reqs=torch.from_numpy(decode_rows.astype(np.int32)).to(device),
