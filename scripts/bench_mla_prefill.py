@@ -1,5 +1,5 @@
-"""MLA prefill on the CPU: one layer's `mla_cpu_paged` call with a chunk in the absorbed form (native
-kernel) against the expanded form (torch), in one run.
+"""MLA prefill on the CPU: one layer's `mla_cpu_paged` call with a chunk in the absorbed form
+(native kernel) against the expanded form (torch), in one run.
 
 One request: a chunk of Q new tokens over a cached prefix of C tokens, at the attention shape
 of DeepSeek-V2-Lite (16 heads, L 512, dr 64, dn = dv = 128) or of the `deepseek-v2-lite-200m`
@@ -74,14 +74,15 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     print(f"shape {args.shape} {shape}, {args.dtype}, cache {args.cache_dtype}, "
           f"{args.threads} threads, best of {args.repeats} (CPU time)")
-    print("| chunk Q | cached prefix C | absorbed (kernel) | expanded (torch) | expanded / absorbed |")
+    print("| chunk Q | cached prefix C | absorbed (kernel) | expanded (torch) "
+          "| expanded / absorbed |")
     print("|---|---|---|---|---|")
     for ctx in args.contexts:
         for q_len in args.query_lens:
             q_nope, q_pe, latent, cache, common, w_kv_b = make_step(q_len, ctx, shape, dtype,
                                                                     args.cache_dtype)
-            forms = {"absorbed": MLACpuBackend.build_metadata(common, q_len),
-                     "expanded": MLACpuBackend.build_metadata(common, 1)}
+            forms = {form: MLACpuBackend.build_metadata(common, form)
+                     for form in ("absorbed", "expanded")}
             best = {k: float("inf") for k in forms}
             for _ in range(args.repeats):
                 for name, metadata in forms.items():

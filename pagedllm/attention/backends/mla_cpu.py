@@ -91,8 +91,8 @@ class MLACpuMetadata:
         common: the step's metadata.
         torch_metadata: row groups of every request, for the batch-invariant mode (else None).
         query_start_loc, seq_lens: [num_reqs + 1] / [num_reqs] int32 numpy (kernel inputs).
-        prefill_form: "auto" (`prefers_absorbed`), "absorbed" or "expanded" (every prefill
-            chunk in that form; decodes are absorbed either way).
+        prefill_form: "auto" (`mla_torch.prefers_absorbed`), "absorbed" or "expanded" (every
+            prefill chunk in that form; decodes are absorbed either way).
         splits: the step's `MLACpuStepSplit` per layer shape (dn, dr, dv, L), made on the
             first call of each shape (`split`).
     """
@@ -142,7 +142,7 @@ class MLACpuBackend:
 
         Args:
             common: the step's metadata.
-            prefill_form: one of PREFILL_FORMS (tests and benchmarks force a form).
+            prefill_form: one of `mla_torch.PREFILL_FORMS` (tests and benchmarks force a form).
 
         Raises:
             ValueError: for another prefill_form.
