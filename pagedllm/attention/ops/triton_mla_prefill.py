@@ -43,8 +43,6 @@ DEFAULT_BLOCK_M = 64
 MAX_BLOCK_H = 64
 _TILE_SIZE = 16
 
-__all__ = ["INTERPRETED", "mla_prefill", "plan_query_tiles", "query_block"]
-
 
 @triton.jit
 def _mla_prefill_kernel(
