@@ -11,9 +11,10 @@ heads) instead of per-head K and V:
 
 Each call reads the step's metadata from the forward context (the second reader besides
 `layers/attention.py`, for the same reason: a layer needs its step's metadata) and hands the
-work to the MLA backend (`get_mla_attention_backend`: mla_cpu_paged, whose decode rows run in the
-native kernel, mla_triton, whose decode rows run in a Triton kernel, or the torch reference
-mla_torch), which picks the expanded or absorbed form per row group. Block accounting is full attention's: one slot per position.
+work to the MLA backend (`get_mla_attention_backend`: mla_cpu_paged, whose decode rows and
+short prefill chunks run absorbed in the native kernel, mla_triton, whose absorbed rows run in
+Triton kernels, or the torch reference mla_torch), which picks the expanded or absorbed form
+per request (`mla_torch.prefers_absorbed`) or row group. Block accounting is full attention's: one slot per position.
 """
 
 from __future__ import annotations

@@ -1,9 +1,11 @@
-"""The Triton MLA backend (`mla_triton`: absorbed decode in `triton_mla_decode`, prefill rows on
-the torch expanded form) against the torch reference `mla_torch`, and the decode kernel alone
-against absorbed attention computed from the cache in torch: several requests of ragged
-lengths, block tables that are random permutations of the blocks, decode-only and mixed steps,
-float32 / bfloat16 / int8 / fp8 latent caches, head counts not a power of two and above one
-program's head block, split-K over the context, padded tokens; end to end on a tiny
+"""The Triton MLA backend (`mla_triton`: absorbed decode in `triton_mla_decode`, prefill chunks in
+`triton_mla_prefill` or on the torch expanded form) against the torch reference `mla_torch`,
+and each kernel alone against absorbed attention computed from the cache in torch (causal for
+the prefill kernel): several requests of ragged lengths, block tables that are random
+permutations of the blocks, decode-only, mixed and chunked-prefill steps (absorbed, expanded
+and split between the forms), float32 / bfloat16 / int8 / fp8 latent caches, head counts not a
+power of two and above one program's head block, split-K over the context, padded tokens; end
+to end on a tiny
 DeepSeek-V2-Lite checkpoint against HF's greedy tokens, and (slow) with int8 / fp8 latent
 caches against mla_torch.
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -22,7 +25,7 @@ from tests.attention.triton_interpreter import import_triton_kernels
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 _ENV_BEFORE = os.environ.get("TRITON_INTERPRET")
-KERNELS = import_triton_kernels(("triton_mla_decode",), DEVICE)
+KERNELS = import_triton_kernels(("triton_mla_decode", "triton_mla_prefill"), DEVICE)
 
 from pagedllm.attention.backends.mla_torch import MLATorchBackend  # noqa: E402
 from pagedllm.attention.backends.mla_triton import MLATritonBackend  # noqa: E402
@@ -74,16 +77,22 @@ def _mla_step(kind: str, num_heads: int, cache_dtype: str, dtype: torch.dtype,
             _latent_cache(kv_cache, cache_dtype, dtype), common, w_kv_b.to(DEVICE))
 
 
-@pytest.mark.parametrize("kind,num_heads,cache_dtype,dtype,kv_lora_rank", [
-    ("decode", 4, "auto", torch.float32, L),
-    ("mixed", 4, "auto", torch.float32, L),
-    ("mixed", 20, "auto", torch.float32, 48),     # 20 heads, L not a power of two
-    ("decode", 4, "auto", torch.bfloat16, L),
-    ("mixed", 4, "int8", torch.float32, L),
-    ("mixed", 4, "fp8_e4m3", torch.float32, L),
-    ("mixed", 8, "int8", torch.bfloat16, L),
+@pytest.mark.parametrize("kind,num_heads,cache_dtype,dtype,kv_lora_rank,prefill_form", [
+    ("decode", 4, "auto", torch.float32, L, "auto"),
+    ("mixed", 4, "auto", torch.float32, L, "auto"),         # one chunk absorbed, one expanded
+    ("mixed", 20, "auto", torch.float32, 48, "auto"),       # 20 heads, L not a power of two
+    ("decode", 4, "auto", torch.bfloat16, L, "auto"),
+    ("mixed", 4, "int8", torch.float32, L, "auto"),
+    ("mixed", 4, "fp8_e4m3", torch.float32, L, "auto"),
+    ("mixed", 8, "int8", torch.bfloat16, L, "auto"),
+    ("chunked", 4, "auto", torch.float32, L, "absorbed"),   # chunks over cached prefixes
+    ("chunked", 20, "auto", torch.bfloat16, 48, "absorbed"),
+    ("chunked", 4, "int8", torch.float32, L, "absorbed"),
+    ("chunked", 4, "fp8_e4m3", torch.float32, L, "absorbed"),
+    ("chunked", 4, "auto", torch.float32, L, "expanded"),
 ], ids=str)
-def test_backend_matches_mla_torch(kind, num_heads, cache_dtype, dtype, kv_lora_rank):
+def test_backend_matches_mla_torch(kind, num_heads, cache_dtype, dtype, kv_lora_rank,
+                                   prefill_form):
     """Same cache writes (bit for bit) and outputs as the torch reference; padded tokens zero."""
     q_nope, q_pe, latent, cache, common, w_kv_b = _mla_step(
         kind, num_heads, cache_dtype, dtype, kv_lora_rank, num_padded_tokens=2)
@@ -91,10 +100,15 @@ def test_backend_matches_mla_torch(kind, num_heads, cache_dtype, dtype, kv_lora_
     want_cache = _clone_cache(cache)
     want = MLATorchBackend.forward(q_nope, q_pe, latent, want_cache,
                                    MLATorchBackend.build_metadata(common), w_kv_b, scale)
-    metadata = MLATritonBackend.build_metadata(common)
+    metadata = MLATritonBackend.build_metadata(common, prefill_form)
     assert len(metadata.decode_reqs) == sum(common.query_start_loc_cpu[1:]
                                             - common.query_start_loc_cpu[:-1] == 1)
     out = MLATritonBackend.forward(q_nope, q_pe, latent, cache, metadata, w_kv_b, scale)
+    for split in metadata.splits.values():
+        # auto, mixed: the chunk of 13 tokens over 3 cached is absorbed at L 32, not at L 48.
+        num_absorbed = {"absorbed": len(metadata.prefill_rows), "expanded": 0,
+                        "auto": int(kv_lora_rank == L)}[prefill_form]
+        assert len(set(split.tiles[0].tolist())) == num_absorbed
     assert out.dtype == dtype and out.shape == want.shape
     assert torch.equal(cache.view(torch.uint8), want_cache.view(torch.uint8))
     if cache.element_size() == 1:
@@ -148,6 +162,62 @@ def test_decode_kernel_split_k(cache_dtype, num_heads, split_tokens, block_h):
                            common.seq_lens, reqs[r:r + 1], scale, int(common.seq_lens_cpu[r]),
                            scales=scales, split_tokens=split_tokens, block_h=block_h)
     assert torch.equal(alone[0], out[r])
+
+
+def _causal_absorbed_reference(q_lat, q_pe, cache, common, rows, scale):
+    """Causal absorbed attention of the chunks of `rows` (their tokens in order) in float64
+    over the dequantized latents: [T, H, L]."""
+    block_size = common.block_size
+    qsl = common.query_start_loc_cpu
+    outs, first = [], 0
+    for r in rows:
+        q_len, s = int(qsl[r + 1] - qsl[r]), int(common.seq_lens_cpu[r])
+        pos = torch.arange(s)
+        slots = common.block_table[r].cpu().long()[pos // block_size] * block_size \
+            + pos % block_size
+        ctx = dequantize_kv(cache, 0, slots.to(cache.device), torch.float64)[:, 0].cpu()
+        c_kv, k_pe = ctx[:, :q_lat.shape[-1]], ctx[:, q_lat.shape[-1]:]
+        t = slice(first, first + q_len)
+        scores = (torch.einsum("thl,sl->ths", q_lat[t].double().cpu(), c_kv)
+                  + torch.einsum("thr,sr->ths", q_pe[t].double().cpu(), k_pe)) * scale
+        q_pos = s - q_len + torch.arange(q_len)
+        scores = scores.masked_fill(pos[None, None] > q_pos[:, None, None], float("-inf"))
+        outs.append(scores.softmax(-1) @ c_kv)
+        first += q_len
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("cache_dtype,num_heads,block_q,block_h", [
+    ("auto", 20, 2, 16),     # two head blocks, the second with 4 heads of 16
+    ("int8", 4, 4, 4),       # tiles of 4 tokens: a chunk's last tile short
+    ("fp8_e4m3", 4, 16, 4),
+], ids=str)
+def test_prefill_kernel_matches_causal_reference(cache_dtype, num_heads, block_q, block_h):
+    """The prefill kernel alone, chunks over cached prefixes (tiles crossing block and latent
+    tile boundaries) against causal absorbed attention from the cache in float64."""
+    ops = KERNELS["triton_mla_prefill"]
+    _, _, _, cache, common, _ = _mla_step("chunked", num_heads, cache_dtype, torch.float32)
+    # (_make_step leaves the new tokens' latents unwritten: random rows are as good.)
+    rows = np.arange(common.num_reqs)
+    num_tokens = common.num_actual_tokens
+    gen = torch.Generator().manual_seed(3)
+    q_lat = torch.randn(num_tokens, num_heads, L, generator=gen).to(DEVICE)
+    q_pe = torch.randn(num_tokens, num_heads, DR, generator=gen).to(DEVICE)
+    tiles = ops.plan_query_tiles(common.query_start_loc_cpu, common.seq_lens_cpu, rows, block_q)
+    assert tiles.shape[1] == sum(-(-q // block_q) for q in np.diff(common.query_start_loc_cpu))
+    scales = kv_cache_scales(cache) if cache.element_size() == 1 else None
+    out = ops.mla_prefill(q_lat, q_pe, cache, common.block_table,
+                          torch.from_numpy(tiles).to(DEVICE), block_q, block_h, 0.2,
+                          scales=scales)
+    want = _causal_absorbed_reference(q_lat, q_pe, cache, common, rows, 0.2)
+    torch.testing.assert_close(out.double().cpu(), want, atol=2e-5, rtol=2e-5)
+    with pytest.raises(ValueError, match="block_h 24"):
+        ops.mla_prefill(q_lat, q_pe, cache, common.block_table,
+                        torch.from_numpy(tiles).to(DEVICE), 1, 24, 0.2, scales=scales)
+    with pytest.raises(ValueError, match="tiles must be int32"):
+        ops.mla_prefill(q_lat, q_pe, cache, common.block_table,
+                        torch.from_numpy(tiles).long().to(DEVICE), block_q, block_h, 0.2,
+                        scales=scales)
 
 
 def test_bad_inputs_are_refused():

@@ -1,39 +1,86 @@
-"""MLA on the CPU: absorbed decode through the native paged-attention kernel.
+"""MLA on the CPU: absorbed decode and absorbed prefill through the native paged-attention kernel.
 
-In the absorbed form (attention/backends/mla_torch.py) a decode row's H query heads attend over
+In the absorbed form (attention/backends/mla_torch.py) the H query heads of a token attend over
 the request's latents as one shared KV head of size L + dr, with the latents' first L values as
 the values. That is multi-query attention whose key and value caches are the same tensor, so
 the native paged kernel (`csrc/cpu_attention.cpp`, the one `CpuPagedBackend` uses) runs it
 unchanged: key_cache = value_cache = the latent cache, num_kv_heads 1, head_size L + dr. The
-kernel walks the block table and reads each latent row where it lies, once per token for all
-heads (no gather into a padded copy, no expansion); its output's last dr channels (the "values"
-of k_pe) are dropped. The cost of the extra dr channels is dr / (L + dr) of the value work
-(11% at DeepSeek's 512 + 64).
+kernel walks the block table and reads each latent row where it lies (no gather into a padded
+copy, no expansion); its output's last dr channels (the "values" of k_pe) are dropped. The
+cost of the extra dr channels is dr / (L + dr) of the value work (11% at DeepSeek's 512 + 64).
 
-    decode rows (query_len == 1):  q = [W_UK^T q_nope | q_pe] [n, H, L + dr] -> kernel
-                                   -> o_lat = out[..., :L] -> W_UV o_lat
-    other rows (prefill chunks):   the torch expanded form, as `MLATorchBackend`
+    kernel rows:  q = [W_UK^T q_nope | q_pe] [n, H, L + dr] -> kernel -> o_lat = out[..., :L]
+                  -> W_UV o_lat
+    other rows:   the torch expanded form (`mla_torch.attend_row_groups`)
 
-Used for float32 / bfloat16 latent caches when the kernel library is built; int8 / fp8 latent
-caches (whose scales the kernel would read per K and V tensor) and the batch-invariant mode run
-every row through `MLATorchBackend`.
+Kernel rows are the decodes (query_len 1: per-token work items, split over long contexts) and
+the prefill chunks the rule below gives to the absorbed form. A chunk runs on the kernel's
+query-tiled path: a work item is a tile of the chunk's consecutive query tokens, whose tokens x
+H heads are the rows of one register-blocked block (`attend_tile_gemm`, AVX2 builds with (L +
+dr) % 32 == 0), so each latent row is read and widened once per tile for all heads and all the
+tile's queries, causal within the chunk, int8 / fp8 latents dequantized in the loop (int8: the
+per-token scale on scores and probabilities; fp8: the per-tensor scale on q and the output).
+Work items are tiles only (one KV head: heads are not split), so the tile length is chosen per
+step to give every thread a tile (`_query_tile`).
+
+Absorbed or expanded per chunk: `mla_torch.prefers_absorbed`, the multiply-add counts of the
+two forms with the kernel's cost per multiply-add relative to torch's GEMMs,
+ABSORBED_COST_FACTOR, measured (docs/mla.md, "Prefill on the CPU"). A fresh prefill (no cached
+prefix) always runs expanded; a short chunk over a long prefix runs absorbed below about
+(dn + dv) L / (2 alpha (L + dr) - dn - dr - dv) tokens: ~100 at DeepSeek-V2's dn = dv = 128,
+dr = 64, L = 512, ~25 at the 200M bench preset's 32 / 16 / 32 / 128. The split depends on the
+layer's dimensions, so it is made on the step's first MLA layer call and kept in the metadata
+for the others.
+
+The batch-invariant mode runs every row through `MLATorchBackend` (a decode's floats must not
+depend on the batch; the torch groups give that).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from pagedllm.attention.backends.mla_torch import MLATorchBackend, mla_attention_expanded
-from pagedllm.attention.backends.torch_sdpa import TorchSDPABackend, TorchSDPAMetadata
+from pagedllm.attention.backends.mla_torch import (MLATorchBackend, absorbed_rows_mask,
+                                                    attend_row_groups, check_prefill_form)
+from pagedllm.attention.backends.torch_sdpa import TorchSDPAMetadata, build_row_group
 from pagedllm.attention.metadata import CommonAttentionMetadata
-from pagedllm.kv_cache_layout import dequantize_kv, write_cache_rows
+from pagedllm.kv_cache_layout import is_quantized_kv_cache, kv_cache_scales, write_cache_rows
 from pagedllm.native.kernels import cpu_kernels
 from pagedllm.native.kernels.ops import paged_attention
 
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+# The kernel's cost per multiply-add of the absorbed form relative to torch's GEMMs in the
+# expanded form (module docstring; measured in docs/mla.md, "Prefill on the CPU").
+ABSORBED_COST_FACTOR = 1.25
+# The kernel's register-blocked tiles are this many times its `query_tile` argument long.
+_GEMM_TILE_FACTOR = 4
+
+
+def _query_tile(max_query_len: int) -> int:
+    """The kernel's query_tile for the longest kernel prefill chunk: its register-blocked tiles
+    (_GEMM_TILE_FACTOR x query_tile tokens) as long as possible while every thread gets one
+    (between 8 and 64 tokens: query_tile 2..16)."""
+    threads = max(1, torch.get_num_threads())
+    return max(2, min(16, -(-max_query_len // (_GEMM_TILE_FACTOR * threads))))
+
+
+@dataclass(frozen=True)
+class MLACpuStepSplit:
+    """A step's rows split between the kernel and the expanded form, for one layer shape.
+
+    Attributes:
+        kernel_rows: [R] int32 numpy, the requests the kernel computes (absorbed).
+        kernel_tokens: [T] int64, the flat token indices of those requests.
+        query_tile: the kernel's `query_tile` for this step.
+        expanded_groups: torch row groups of the prefill rows run in the expanded form.
+    """
+
+    kernel_rows: np.ndarray
+    kernel_tokens: torch.Tensor
+    query_tile: int
+    expanded_groups: tuple
 
 
 @dataclass(frozen=True)
@@ -41,26 +88,46 @@ class MLACpuMetadata:
     """Per-step inputs, built once and shared by all layers.
 
     Attributes:
-        sdpa: the torch row groups (`MLATorchBackend.build_metadata`), for the prefill rows and
-            for the fallback.
+        common: the step's metadata.
+        torch_metadata: row groups of every request, for the batch-invariant mode (else None).
         query_start_loc, seq_lens: [num_reqs + 1] / [num_reqs] int32 numpy (kernel inputs).
-        decode_rows: [R] int32 numpy, the requests with one query token (the kernel's).
-        decode_tokens: [R] int64 on the device, their token indices.
+        prefill_form: "auto" (`mla_torch.prefers_absorbed`), "absorbed" or "expanded" (every
+            prefill chunk in that form; decodes are absorbed either way).
+        splits: the step's `MLACpuStepSplit` per layer shape (dn, dr, dv, L), made on the
+            first call of each shape (`split`).
     """
 
-    sdpa: TorchSDPAMetadata
+    common: CommonAttentionMetadata
+    torch_metadata: TorchSDPAMetadata | None
     query_start_loc: np.ndarray
     seq_lens: np.ndarray
-    decode_rows: np.ndarray
-    decode_tokens: torch.Tensor
+    prefill_form: str = "auto"
+    splits: dict = field(default_factory=dict)
 
-    @property
-    def common(self) -> CommonAttentionMetadata:
-        return self.sdpa.common
+    def split(self, dims: tuple[int, int, int, int]) -> MLACpuStepSplit:
+        """The split of this step's rows for a layer of dimensions (dn, dr, dv, L)."""
+        found = self.splits.get(dims)
+        if found is not None:
+            return found
+        query_lens = np.diff(self.query_start_loc)
+        absorbed = absorbed_rows_mask(query_lens, self.seq_lens, dims, self.prefill_form,
+                                      ABSORBED_COST_FACTOR)
+        rows = np.nonzero(absorbed)[0].astype(np.int32)
+        expanded = np.nonzero(~absorbed)[0]
+        qsl = self.query_start_loc
+        tokens = (np.concatenate([np.arange(qsl[r], qsl[r + 1]) for r in rows]) if len(rows)
+                  else np.zeros(0))
+        found = MLACpuStepSplit(
+            rows, torch.from_numpy(tokens.astype(np.int64)),
+            _query_tile(int(query_lens[rows].max()) if len(rows) else 1),
+            (build_row_group(self.common, expanded),) if len(expanded) else ())
+        self.splits[dims] = found
+        return found
 
 
 class MLACpuBackend:
-    """MLA with the native kernel for decode rows (module docstring)."""
+    """MLA with the native kernel for decode rows and the prefill chunks the absorbed form
+    serves better (module docstring)."""
 
     name = "mla_cpu_paged"
 
@@ -69,51 +136,68 @@ class MLACpuBackend:
         return cpu_kernels() is not None
 
     @staticmethod
-    def build_metadata(common: CommonAttentionMetadata) -> MLACpuMetadata:
+    def build_metadata(common: CommonAttentionMetadata,
+                       prefill_form: str = "auto") -> MLACpuMetadata:
+        """The step's kernel inputs; the rows' split is made per layer shape (`split`).
+
+        Args:
+            common: the step's metadata.
+            prefill_form: one of `mla_torch.PREFILL_FORMS` (tests and benchmarks force a form).
+
+        Raises:
+            ValueError: for another prefill_form.
+        """
+        check_prefill_form(MLACpuBackend.name, prefill_form)
         qsl = np.ascontiguousarray(common.query_start_loc_cpu[:common.num_reqs + 1],
                                    dtype=np.int32)
         seq_lens = np.ascontiguousarray(common.seq_lens_cpu[:common.num_reqs], dtype=np.int32)
-        decode = (np.diff(qsl) == 1) & (not common.batch_invariant)
-        rows = np.nonzero(decode)[0].astype(np.int32)
-        return MLACpuMetadata(TorchSDPABackend.build_metadata(common), qsl, seq_lens, rows,
-                              torch.from_numpy(qsl[rows].astype(np.int64)))
+        torch_metadata = (MLATorchBackend.build_metadata(common) if common.batch_invariant
+                          else None)
+        return MLACpuMetadata(common, torch_metadata, qsl, seq_lens, prefill_form)
 
     @staticmethod
     def forward(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
                 kv_cache: torch.Tensor, metadata: MLACpuMetadata, w_kv_b: torch.Tensor,
                 scale: float) -> torch.Tensor:
         """As `MLATorchBackend.forward` (same arguments and result)."""
-        if kv_cache.dtype not in _KERNEL_DTYPES or not len(metadata.decode_rows):
-            return MLATorchBackend.forward(q_nope, q_pe, latent, kv_cache, metadata.sdpa,
-                                           w_kv_b, scale)
+        if metadata.torch_metadata is not None:
+            return MLATorchBackend.forward(q_nope, q_pe, latent, kv_cache,
+                                           metadata.torch_metadata, w_kv_b, scale)
         common = metadata.common
         n = common.num_actual_tokens
-        latent_size = kv_cache.shape[-1]
         write_cache_rows(kv_cache, 0, latent[:n, None], common.slot_mapping[:n])
         num_heads, dn_dv, kv_lora_rank = w_kv_b.shape
-        dn = q_nope.shape[-1]
+        dn, dr = q_nope.shape[-1], q_pe.shape[-1]
+        split = metadata.split((dn, dr, dn_dv - dn, kv_lora_rank))
         out = q_nope.new_zeros(q_nope.shape[0], num_heads, dn_dv - dn)
-
-        tokens = metadata.decode_tokens
-        w_uk, w_uv = w_kv_b.split([dn, dn_dv - dn], dim=1)
-        q_lat = torch.einsum("thd,hdl->thl", q_nope[tokens], w_uk)
-        q = torch.zeros(q_nope.shape[0], num_heads, latent_size, dtype=torch.float32)
-        q[tokens] = torch.cat((q_lat, q_pe[tokens]), dim=-1).float()
-        # Key and value caches are the same latent tensor (stride 0 over the K/V axis).
-        one = kv_cache[0]
-        kv = one.as_strided((2,) + tuple(one.shape), (0,) + one.stride())
-        o = paged_attention(q, kv, common.block_table, metadata.query_start_loc,
-                            metadata.seq_lens, metadata.decode_rows, scale, checked=False)
-        o_lat = o[tokens, :, :kv_lora_rank].to(q_nope.dtype)
-        out[tokens] = torch.einsum("thl,hvl->thv", o_lat, w_uv)
-
-        for g in metadata.sdpa.groups:
-            num_rows, q_len = g.query_index.shape
-            if q_len == 1:
-                continue
-            ctx = dequantize_kv(kv_cache, 0, g.kv_slots.reshape(-1), q_nope.dtype)
-            o = mla_attention_expanded(q_nope[g.query_index], q_pe[g.query_index],
-                                       ctx.view(num_rows, -1, latent_size), w_kv_b,
-                                       g.attn_mask, scale)
-            out[g.out_index] = o.reshape(num_rows * q_len, num_heads, -1)[g.valid]
+        if len(split.kernel_rows):
+            out[split.kernel_tokens] = _absorbed_in_kernel(q_nope, q_pe, kv_cache, metadata,
+                                                           split, w_kv_b, scale)
+        attend_row_groups(out, split.expanded_groups, q_nope, q_pe, kv_cache, w_kv_b, scale)
         return out
+
+
+def _absorbed_in_kernel(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+                        metadata: MLACpuMetadata, split: MLACpuStepSplit, w_kv_b: torch.Tensor,
+                        scale: float) -> torch.Tensor:
+    """The absorbed form of the kernel rows' tokens: [T, H, dv] in q_nope's dtype."""
+    num_heads, dn_dv, kv_lora_rank = w_kv_b.shape
+    dn = q_nope.shape[-1]
+    tokens = split.kernel_tokens
+    w_uk, w_uv = w_kv_b.split([dn, dn_dv - dn], dim=1)
+    q_lat = torch.einsum("thd,hdl->thl", q_nope[tokens], w_uk)
+    q = torch.empty(q_nope.shape[0], num_heads, kv_cache.shape[-1], dtype=torch.float32)
+    q[tokens] = torch.cat((q_lat, q_pe[tokens]), dim=-1).float()
+    # Key and value caches are the same latent tensor (stride 0 over the K/V axis), and so
+    # are an int8 cache's K and V scales.
+    one = kv_cache[0]
+    kv = one.as_strided((2,) + tuple(one.shape), (0,) + one.stride())
+    scales = None
+    if is_quantized_kv_cache(kv_cache):
+        scales = kv_cache_scales(kv_cache)
+        scales = scales.expand((2,) + tuple(scales.shape[1:]))
+    o = paged_attention(q, kv, metadata.common.block_table, metadata.query_start_loc,
+                        metadata.seq_lens, split.kernel_rows, scale,
+                        query_tile=split.query_tile, checked=False, scales=scales)
+    o_lat = o[tokens, :, :kv_lora_rank].to(q_nope.dtype)
+    return torch.einsum("thl,hvl->thv", o_lat, w_uv)

@@ -27,6 +27,7 @@ the caller's (DeepSeek: (dn + dr)^-0.5 times YaRN's mscale^2).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -139,3 +140,57 @@ def attend_row_groups(out: torch.Tensor, groups, q_nope: torch.Tensor, q_pe: tor
         attend = mla_attention_absorbed if q_len == 1 else mla_attention_expanded
         o = attend(q_nope[g.query_index], q_pe[g.query_index], ctx, w_kv_b, g.attn_mask, scale)
         out[g.out_index] = o.reshape(num_rows * q_len, num_heads, -1)[g.valid]
+
+
+# How the kernel backends (mla_cpu_paged, mla_triton) run prefill chunks: "auto" per
+# `prefers_absorbed`, or every chunk "absorbed" or "expanded" (tests, benchmarks).
+PREFILL_FORMS = ("auto", "absorbed", "expanded")
+
+
+def prefers_absorbed(query_lens: np.ndarray, seq_lens: np.ndarray, dims: tuple[int, int, int, int],
+                     cost_factor: float) -> np.ndarray:
+    """Per request, whether the absorbed form costs less than the expanded one; decodes
+    (query_len 1) always do.
+
+    Multiply-adds per head for a chunk of Q tokens over S positions (cached prefix C = S - Q):
+
+        absorbed: Q (dn + dv) L  (W_UK into q, W_UV into o)  +  2 (L + dr) Q (C + Q / 2)
+                  (scores and values over L + dr channels; a kernel skips the masked keys)
+        expanded: S (dn + dv) L  (expand the context)  +  Q S (dn + dr + dv)  (SDPA, masked
+                  keys included)
+
+    The Q (dn + dv) L terms cancel; the absorbed form is chosen when cost_factor times its
+    attention term is below the expanded form's rest. `cost_factor` is the absorbed kernel's
+    cost per multiply-add relative to the expanded form's GEMMs (measured per backend).
+
+    Args:
+        query_lens, seq_lens: [num_reqs] new tokens and positions (cached prefix included).
+        dims: (dn, dr, dv, L) = qk_nope_head_dim, qk_rope_head_dim, v_head_dim, kv_lora_rank.
+        cost_factor: as above.
+
+    Returns:
+        [num_reqs] bool.
+    """
+    dn, dr, dv, lat = dims
+    q = query_lens.astype(np.float64)
+    s = seq_lens.astype(np.float64)
+    expanded = (s - q) * (dn + dv) * lat + q * s * (dn + dr + dv)
+    absorbed = cost_factor * 2 * (lat + dr) * q * (s - q / 2)
+    return (query_lens == 1) | (absorbed < expanded)
+
+
+def absorbed_rows_mask(query_lens: np.ndarray, seq_lens: np.ndarray,
+                       dims: tuple[int, int, int, int], prefill_form: str,
+                       cost_factor: float) -> np.ndarray:
+    """[num_reqs] bool: the requests to run in the absorbed form under `prefill_form` (one of
+    PREFILL_FORMS; "auto": `prefers_absorbed` with `cost_factor`). Decodes always are."""
+    if prefill_form == "auto":
+        return prefers_absorbed(query_lens, seq_lens, dims, cost_factor)
+    return (query_lens == 1) | (prefill_form == "absorbed")
+
+
+def check_prefill_form(backend: str, prefill_form: str) -> None:
+    """Raises ValueError naming `backend` for a prefill_form not in PREFILL_FORMS."""
+    if prefill_form not in PREFILL_FORMS:
+        raise ValueError(f"{backend}: prefill_form must be one of {PREFILL_FORMS}, "
+                         f"got {prefill_form!r}")

@@ -44,8 +44,9 @@ def get_attention_backend():
 
 def get_mla_attention_backend():
     """The backend of MLA layers (layers/mla_attention.py), following the platform's attention
-    backend: `mla_cpu_paged` (the native kernel for absorbed decode) for `cpu_paged`,
-    `mla_triton` (the Triton kernel for absorbed decode; CUDA's default) for `triton_paged`,
+    backend: `mla_cpu_paged` (the native kernel for absorbed decode and short prefill chunks)
+    for `cpu_paged`, `mla_triton` (Triton kernels for absorbed decode and prefill; CUDA's
+    default) for `triton_paged`,
     else the torch reference `mla_torch` (any device; `PAGEDLLM_ATTENTION_BACKEND=torch_sdpa`
     picks it)."""
     name = current_platform.attention_backend_name()

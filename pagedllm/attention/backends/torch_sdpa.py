@@ -74,7 +74,11 @@ class TorchSDPAMetadata:
     groups: tuple[_RequestGroup, ...]
 
 
-def _build_group(common: CommonAttentionMetadata, rows: np.ndarray) -> _RequestGroup:
+def build_row_group(common: CommonAttentionMetadata, rows: np.ndarray) -> _RequestGroup:
+    """One SDPA row group of the requests `rows` (int numpy indices, at least one): their
+    queries and contexts padded to the group's longest, with the gather indices and the
+    [G, 1, Q_max, S_max] mask described in the module docstring (built on the device of
+    `common.seq_lens`). Shared with the MLA backends, which run their torch rows on it."""
     device = common.seq_lens.device
     qsl = common.query_start_loc_cpu
     query_lens = (qsl[1:] - qsl[:-1])[rows]
@@ -133,7 +137,7 @@ class TorchSDPABackend:
         groups = []
         for rows in (np.nonzero(is_decode)[0], np.nonzero(~is_decode)[0]):
             if len(rows):
-                groups.append(_build_group(common, rows))
+                groups.append(build_row_group(common, rows))
         return TorchSDPAMetadata(common=common, groups=tuple(groups))
 
     @staticmethod

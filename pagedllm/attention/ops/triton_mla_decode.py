@@ -219,6 +219,62 @@ def num_kv_splits(max_seq_len: int, split_tokens: int = DEFAULT_SPLIT_TOKENS) ->
     return max(1, min(MAX_KV_SPLITS, -(-max_seq_len // split_tokens)))
 
 
+def check_latent_inputs(who: str, q_lat: torch.Tensor, q_pe: torch.Tensor,
+                        kv_cache: torch.Tensor, block_table: torch.Tensor,
+                        scales: torch.Tensor | None) -> int:
+    """Checks the absorbed queries and the latent cache the MLA kernels take (`mla_decode`'s
+    arguments; `who` names the caller in messages) and returns the cache's quantization mode
+    (constexpr QUANT: 0 float, 1 int8 per token, 2 fp8 per tensor).
+
+    Raises:
+        ValueError: shapes that do not fit each other, an unsupported dtype, a quantized cache
+            without its scales, or a non-contiguous last dimension.
+    """
+    num_rows, num_heads, kv_lora_rank = q_lat.shape
+    rope_dim = q_pe.shape[-1]
+    if (kv_cache.dim() != 5 or kv_cache.shape[0] != 1 or kv_cache.shape[3] != 1
+            or kv_cache.shape[4] != kv_lora_rank + rope_dim):
+        raise ValueError(f"{who}: latent cache {tuple(kv_cache.shape)} does not fit "
+                         f"queries of L={kv_lora_rank} and dr={rope_dim}; expected [1, "
+                         f"num_blocks, block_size, 1, {kv_lora_rank + rope_dim}]")
+    if q_pe.shape[:2] != (num_rows, num_heads) or q_pe.dtype != q_lat.dtype:
+        raise ValueError(f"{who}: q_pe {tuple(q_pe.shape)} {q_pe.dtype} does not fit q_lat "
+                         f"{tuple(q_lat.shape)} {q_lat.dtype}")
+    if q_lat.dtype not in _TL_DTYPES:
+        raise ValueError(f"{who}: query dtype {q_lat.dtype} is not one of float32, "
+                         "float16, bfloat16")
+    if kv_cache.dtype == torch.int8:
+        quant = _QUANT_PER_TOKEN
+        want_scales = (1, kv_cache.shape[1], kv_cache.shape[2], 1)
+    elif kv_cache.dtype == torch.float8_e4m3fn:
+        quant, want_scales = _QUANT_PER_TENSOR, (1,)
+    elif kv_cache.dtype in _TL_DTYPES:
+        quant, want_scales = _QUANT_NONE, None
+    else:
+        raise ValueError(f"{who}: latent cache dtype {kv_cache.dtype} is not supported")
+    if want_scales is not None and (scales is None or tuple(scales.shape) != want_scales
+                                    or scales.dtype != torch.float32
+                                    or not scales.is_contiguous()):
+        raise ValueError(f"{who}: a {kv_cache.dtype} cache needs its contiguous float32 "
+                         f"scales of shape {list(want_scales)} (kv_cache_scales)")
+    for name, t in (("q_lat", q_lat), ("q_pe", q_pe), ("kv_cache", kv_cache),
+                    ("block_table", block_table)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{who}: {name} needs a contiguous last dimension")
+    return quant
+
+
+def dot_dtype_for(dtype: torch.dtype):
+    """The tl dtype of dot operands for queries of `dtype` (fp32 under triton's interpreter for
+    bf16, whose interpreted dots multiply bf16 operands as raw bits)."""
+    dot_dtype = _TL_DTYPES[dtype]
+    if INTERPRETED and dot_dtype == tl.bfloat16:
+        # NOTE: triton 3.9's interpreter multiplies bf16 dot operands as their raw uint16 bits
+        # (see triton_unified_attention); products of bf16 values are exact in fp32.
+        dot_dtype = tl.float32
+    return dot_dtype
+
+
 def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
                block_table: torch.Tensor, seq_lens: torch.Tensor, decode_reqs: torch.Tensor,
                scale: float, max_seq_len: int, scales: torch.Tensor | None = None,
@@ -253,35 +309,7 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
     """
     num_rows, num_heads, kv_lora_rank = q_lat.shape
     rope_dim = q_pe.shape[-1]
-    if (kv_cache.dim() != 5 or kv_cache.shape[0] != 1 or kv_cache.shape[3] != 1
-            or kv_cache.shape[4] != kv_lora_rank + rope_dim):
-        raise ValueError(f"mla_decode: latent cache {tuple(kv_cache.shape)} does not fit "
-                         f"queries of L={kv_lora_rank} and dr={rope_dim}; expected [1, "
-                         f"num_blocks, block_size, 1, {kv_lora_rank + rope_dim}]")
-    if q_pe.shape[:2] != (num_rows, num_heads) or q_pe.dtype != q_lat.dtype:
-        raise ValueError(f"mla_decode: q_pe {tuple(q_pe.shape)} {q_pe.dtype} does not fit q_lat "
-                         f"{tuple(q_lat.shape)} {q_lat.dtype}")
-    if q_lat.dtype not in _TL_DTYPES:
-        raise ValueError(f"mla_decode: query dtype {q_lat.dtype} is not one of float32, "
-                         "float16, bfloat16")
-    if kv_cache.dtype == torch.int8:
-        quant = _QUANT_PER_TOKEN
-        want_scales = (1, kv_cache.shape[1], kv_cache.shape[2], 1)
-    elif kv_cache.dtype == torch.float8_e4m3fn:
-        quant, want_scales = _QUANT_PER_TENSOR, (1,)
-    elif kv_cache.dtype in _TL_DTYPES:
-        quant, want_scales = _QUANT_NONE, None
-    else:
-        raise ValueError(f"mla_decode: latent cache dtype {kv_cache.dtype} is not supported")
-    if want_scales is not None and (scales is None or tuple(scales.shape) != want_scales
-                                    or scales.dtype != torch.float32
-                                    or not scales.is_contiguous()):
-        raise ValueError(f"mla_decode: a {kv_cache.dtype} cache needs its contiguous float32 "
-                         f"scales of shape {list(want_scales)} (kv_cache_scales)")
-    for name, t in (("q_lat", q_lat), ("q_pe", q_pe), ("kv_cache", kv_cache),
-                    ("block_table", block_table)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"mla_decode: {name} needs a contiguous last dimension")
+    quant = check_latent_inputs("mla_decode", q_lat, q_pe, kv_cache, block_table, scales)
     if decode_reqs.shape != (num_rows,):
         raise ValueError(f"mla_decode: decode_reqs shape {tuple(decode_reqs.shape)} != "
                          f"({num_rows},)")
@@ -297,11 +325,7 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
     part_lse = torch.empty(num_rows, splits, num_heads, dtype=torch.float32,
                            device=q_lat.device)
     block_h = min(block_h, max(_MIN_DOT_SIZE, triton.next_power_of_2(num_heads)))
-    dot_dtype = _TL_DTYPES[q_lat.dtype]
-    if INTERPRETED and dot_dtype == tl.bfloat16:
-        # NOTE: triton 3.9's interpreter multiplies bf16 dot operands as their raw uint16 bits
-        # (see triton_unified_attention); products of bf16 values are exact in fp32.
-        dot_dtype = tl.float32
+    dot_dtype = dot_dtype_for(q_lat.dtype)
     cache = kv_cache[0, :, :, 0]                       # [num_blocks, block_size, L + dr]
     l_padded = max(_MIN_DOT_SIZE, triton.next_power_of_2(kv_lora_rank))
     _mla_decode_stage1_kernel[(num_rows, splits, triton.cdiv(num_heads, block_h))](

@@ -9,7 +9,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from pagedllm.kv_cache_layout import kv_cache_scales
+from pagedllm.kv_cache_layout import is_quantized_kv_cache, kv_cache_scales
 from pagedllm.native.kernels import abi, cpu_kernels
 
 _LINEAR_DTYPES = (torch.float32, torch.bfloat16)
@@ -290,7 +290,8 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: to
                     logits_soft_cap: float | None = None, query_tile: int | None = None,
                     lib: ctypes.CDLL | None = None, out: torch.Tensor | None = None,
                     checked: bool = True,
-                    attend_until: torch.Tensor | None = None) -> torch.Tensor:
+                    attend_until: torch.Tensor | None = None,
+                    scales: torch.Tensor | None = None) -> torch.Tensor:
     """Paged attention of the given requests over a KV cache with the native kernel
     (`csrc/cpu_attention.cpp`, one `PagedAttentionArgs` per call); the one wrapper of it, used
     by `CpuPagedBackend` (which writes the cache first) and the tests.
@@ -357,11 +358,12 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: to
         block_size=kv_cache.shape[2], causal=int(causal), window=sliding_window or 0,
         scale=scale, soft_cap=logits_soft_cap or 0.0, query_tile=query_tile or 0,
         cache_dtype=cache_dtype, out=out.data_ptr())
-    if kv_cache.dtype == torch.int8:
+    if is_quantized_kv_cache(kv_cache) and scales is None:
         scales = kv_cache_scales(kv_cache)
+    if kv_cache.dtype == torch.int8:
         args.k_scales, args.v_scales = scales[0].data_ptr(), scales[1].data_ptr()
     elif kv_cache.dtype == torch.float8_e4m3fn:
-        args.k_scale, args.v_scale = kv_cache_scales(kv_cache).tolist()
+        args.k_scale, args.v_scale = scales.tolist()
     lib.paged_attention(ctypes.byref(args))
     return out
 
