@@ -241,3 +241,27 @@ def test_refusals_name_the_reason(setup, tmp_path, tiny_checkpoints):
         llm.generate("hi", PARAMS, use_tqdm=False,
                      lora_request=LoRARequest("bad", 9, str(dense)))
     assert llm.generate("hi", PARAMS, use_tqdm=False, lora_request=loras["experts_r4"])
+
+
+@pytest.mark.slow
+def test_tensor_parallel_expert_adapters_match_one_process(setup):
+    """tp=2 on worker processes: each rank holds its shard of the experts' adapters (B13's rows
+    of gate and up, A2's columns) and the tokens and logprobs equal the single-process
+    engine's."""
+    base, loras, llm = setup
+    prompts = [{"prompt_token_ids": p} for p in _prompts()[:4]]
+    per_prompt = [None, loras["experts_r8"], loras["experts_r4"], loras["experts_r8"]]
+    want = [_tokens_and_logprobs(o) for o in llm.generate(
+        prompts, PARAMS, use_tqdm=False, lora_request=per_prompt)]
+    tp = LLM(str(base), dtype="float32", kv_cache_memory_bytes=8 << 20, enable_lora=True,
+             max_loras=2, max_lora_rank=8, max_num_batched_tokens=32, max_num_seqs=6,
+             tensor_parallel_size=2, distributed_executor_backend="mp")
+    try:
+        got = [_tokens_and_logprobs(o) for o in tp.generate(
+            prompts, PARAMS, use_tqdm=False, lora_request=per_prompt)]
+    finally:
+        tp.llm_engine.engine_core.shutdown()
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, want):
+        assert tokens == want_tokens
+        torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(want_logprobs),
+                                   atol=LOGPROB_TOL, rtol=0)
