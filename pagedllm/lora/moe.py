@@ -67,7 +67,7 @@ class LoRAFusedMoE(nn.Module):
     def __init__(self, base_layer: FusedMoE, max_loras: int, max_lora_rank: int, state,
                  device: torch.device, dtype: torch.dtype) -> None:
         super().__init__()
-        if base_layer.use_ep:
+        if base_layer.use_ep or base_layer.num_redundant_experts:
             raise ValueError("LoRA on MoE experts is not supported with expert parallelism "
                              "(enable_expert_parallel): start the engine without it")
         if base_layer.quant_method is not None:
