@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import gc
 import math
+import statistics
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -60,6 +61,10 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                          "same requests one adapter at a time (docs/lora.md)")
     tp.add_argument("--lora-rank", type=bounded_int(1), default=16, metavar="R",
                     help="rank of the --num-loras adapters (default 16)")
+    tp.add_argument("--lora-rounds", type=bounded_int(1), default=1, metavar="K",
+                    help="with --num-loras: alternate the base and the adapter runs K times "
+                         "in the one engine and report each round's ratio and their median "
+                         "(drift of a shared machine then hits both sides; default 1)")
     _add_output_args(tp)
     tp.set_defaults(func=run_throughput_command)
 
@@ -351,20 +356,32 @@ def _run_lora_throughput(args: argparse.Namespace, kwargs: dict[str, Any], reque
         kwargs = dict(kwargs, enable_lora=True, max_loras=max(kwargs["max_loras"], len(loras)),
                       max_lora_rank=max(kwargs["max_lora_rank"], args.lora_rank))
         llm = LLM(**kwargs)
-        base, _ = run_throughput(llm, requests)
-        base.update(model=kwargs["model"], dtype=_run_dtype_name(kwargs["dtype"]))
-        print_result(base, "pagedllm throughput, base model")
-        # Warm-up: every adapter loaded once, so the timed run measures serving, not disk reads.
-        llm.generate([{"prompt_token_ids": warmup_prompt(requests)}] * len(loras),
-                     SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False,
-                     lora_request=loras)
-        ours, tokens = run_throughput(llm, requests, warmup=False,
-                                      lora_requests=request_loras(len(requests), loras))
-        ours.update(backend="pagedllm+lora", num_loras=len(loras), lora_rank=args.lora_rank)
-        ratios = compare(ours, base)
-        print_result(ours, f"pagedllm throughput, {len(loras)} adapters")
-        print_result(ratios, "pagedllm with adapters / base model")
+        rounds = []
+        for k in range(args.lora_rounds):
+            base, _ = run_throughput(llm, requests, warmup=k == 0)
+            base.update(model=kwargs["model"], dtype=_run_dtype_name(kwargs["dtype"]))
+            print_result(base, f"pagedllm throughput, base model (round {k + 1})")
+            if k == 0:
+                # Warm-up: every adapter loaded once, so the timed runs measure serving, not
+                # disk reads.
+                llm.generate([{"prompt_token_ids": warmup_prompt(requests)}] * len(loras),
+                             SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False,
+                             lora_request=loras)
+            ours, tokens = run_throughput(llm, requests, warmup=False,
+                                          lora_requests=request_loras(len(requests), loras))
+            ours.update(backend="pagedllm+lora", num_loras=len(loras),
+                        lora_rank=args.lora_rank)
+            ratios = compare(ours, base)
+            print_result(ours, f"pagedllm throughput, {len(loras)} adapters (round {k + 1})")
+            print_result(ratios, f"pagedllm with adapters / base model (round {k + 1})")
+            rounds.append(ratios["output_tokens_per_s_ratio"])
         ours["comparison"] = ratios
+        if len(rounds) > 1:
+            ratios["rounds_output_tokens_per_s_ratio"] = rounds
+            ratios["median_output_tokens_per_s_ratio"] = statistics.median(rounds)
+            print_result({"per_round": [round(r, 3) for r in rounds],
+                          "median": round(statistics.median(rounds), 3)},
+                         "adapters / base model, output tokens/s over the rounds")
         results, not_run = [base, ours], []
         del llm
         gc.collect()

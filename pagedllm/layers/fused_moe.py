@@ -293,7 +293,7 @@ class FusedMoE(nn.Module):
         return self.forward_routed(hidden, topk_weights, topk_ids)
 
     def forward_routed(self, hidden: torch.Tensor, topk_weights: torch.Tensor,
-                       topk_ids: torch.Tensor) -> torch.Tensor:
+                       topk_ids: torch.Tensor, experts_fn=None) -> torch.Tensor:
         """The experts over tokens already routed by the caller (a model's own router, e.g.
         DeepSeek's group-limited one: layers/moe_routing.py).
 
@@ -301,6 +301,9 @@ class FusedMoE(nn.Module):
             hidden: [n, H].
             topk_weights: [n, top_k] float32, each pair's weight as applied.
             topk_ids: [n, top_k] int64 logical expert ids.
+            experts_fn: (hidden, topk_weights, physical ids [n, top_k]) -> [n, H], this
+                rank's partial output, run instead of the layer's own expert computation
+                (the LoRA wrapper's experts with adapters: lora/moe.py); None: the layer's.
 
         Returns:
             [n, H] in hidden's dtype (all-reduced over TP ranks unless reduce_results is off).
@@ -309,7 +312,9 @@ class FusedMoE(nn.Module):
             self.routed_experts_capture.record(self.moe_layer_index, topk_ids)
         if self.expert_load is not None:
             self.expert_load += torch.bincount(topk_ids.flatten(), minlength=self.num_experts)
-        if self.quant_method is not None:
+        if experts_fn is not None:
+            out = experts_fn(hidden, topk_weights, self._physical_ids(topk_ids))
+        elif self.quant_method is not None:
             out = self.quant_method.apply(self, hidden, topk_weights,
                                           self._physical_ids(topk_ids))
         else:
@@ -399,18 +404,11 @@ def fused_experts_torch(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tenso
     Returns:
         [n, H] in hidden's dtype (this rank's partial sum under TP).
     """
-    num_tokens, top_k = topk_ids.shape
-    num_local = w13.shape[0]
-    local_ids = expert_map[topk_ids].flatten()                          # [n*k]
-    local_ids = torch.where(local_ids < 0, num_local, local_ids)
-    order = torch.argsort(local_ids, stable=True)                       # [n*k]
-    counts = torch.bincount(local_ids, minlength=num_local + 1).tolist()
-    num_rows = num_tokens * top_k - counts[num_local]
-    order = order[:num_rows]
-    x = hidden[order // top_k]                                          # [m, H]
+    order, counts = sort_routed_pairs(topk_ids, expert_map, w13.shape[0])
+    x = hidden[order // topk_ids.shape[1]]                              # [m, H]
     rows_out = torch.empty_like(x)
     start = 0
-    for expert, count in enumerate(counts[:num_local]):
+    for expert, count in enumerate(counts):
         if count == 0:
             continue
         rows = slice(start, start + count)
@@ -420,15 +418,43 @@ def fused_experts_torch(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tenso
             gate_up = current_platform.linear(x[rows], w13[expert])
             rows_out[rows] = current_platform.linear(act_fn(gate_up), w2[expert])
         start += count
+    return combine_routed_pairs(rows_out, topk_weights, order, hidden.dtype)
+
+
+def sort_routed_pairs(topk_ids: torch.Tensor, expert_map: torch.Tensor, num_local: int
+                      ) -> tuple[torch.Tensor, list[int]]:
+    """The (token, slot) pairs routed to local experts, grouped by local expert.
+
+    Args:
+        topk_ids: [n, k] int64 physical expert ids; expert_map: [P] int64 physical id ->
+            local slot or -1; num_local: local experts (L).
+
+    Returns:
+        (order [m] int64: flat pair ids t*k + j sorted by local expert (stable, so each
+        expert's rows keep token order; pairs of non-local experts dropped), counts: L rows
+        per local expert).
+    """
+    local_ids = expert_map[topk_ids].flatten()                          # [n*k]
+    local_ids = torch.where(local_ids < 0, num_local, local_ids)
+    order = torch.argsort(local_ids, stable=True)                       # [n*k]
+    counts = torch.bincount(local_ids, minlength=num_local + 1).tolist()
+    return order[:topk_ids.numel() - counts[num_local]], counts[:num_local]
+
+
+def combine_routed_pairs(rows_out: torch.Tensor, topk_weights: torch.Tensor,
+                         order: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Sum each token's expert outputs, weighted: rows_out [m, H] (the pairs `order` lists,
+    `sort_routed_pairs`) times topk_weights [n, k] float32 -> [n, H] in `dtype`."""
+    num_tokens, top_k = topk_weights.shape
     weights = topk_weights.flatten()[order].unsqueeze(1)                # [m, 1] float32
     # NOTE(combine): the scatter-add back to the tokens is written as an un-sort into the
     # [n*k, H] pair layout plus a sum over k, not `index_add_`: both give the same sums, but
     # CPU `index_add_` (scatter_add_) opens a parallel region even for a decode step's few
     # rows, costly on a loaded machine (index_put_ and the sum stay single-threaded below
     # torch's grain size; docs/benchmarks.md, "Measurements behind choices in the code").
-    pairs = hidden.new_zeros(num_tokens * top_k, hidden.shape[1])      # [n*k, H]
-    pairs[order] = (rows_out.float() * weights).to(hidden.dtype)
-    return pairs.view(num_tokens, top_k, hidden.shape[1]).sum(dim=1)
+    pairs = rows_out.new_zeros(num_tokens * top_k, rows_out.shape[1], dtype=dtype)
+    pairs[order] = (rows_out.float() * weights).to(dtype)
+    return pairs.view(num_tokens, top_k, rows_out.shape[1]).sum(dim=1)
 
 
 def _narrow(loaded, dim: int, start: int, length: int):

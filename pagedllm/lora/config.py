@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Architectures whose layers the LoRA wrappers know (the Llama family of models/llama.py).
+# Architectures whose layers the LoRA wrappers know (the Llama family of models/llama.py; the
+# MoE families whose every layer is a sparse block without a shared expert).
 LORA_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                      "Qwen3ForCausalLM")
+                      "Qwen3ForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM")
+LORA_MOE_ARCHITECTURES = ("MixtralForCausalLM", "OlmoeForCausalLM")
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """LoRA by wrapping: `wrap_lora_layers` replaces a Llama-family model's projections with
 `LoRALinear`s (the base layer inside, unchanged) and hands their slots to the model's native
 decoder stack (the fused decoder applies them inside its layers), so model files carry no LoRA
-branch.
+branch. A MoE model's (Mixtral, OLMoE) attention projections are wrapped the same way and its
+experts in a `LoRAFusedMoE` (lora/moe.py).
 
 Every wrapper reads the same `LoRAStepState`, which the runner sets once per step
 (`LoRAModelManager.set_active_loras`) before the forward: the step's adapter tokens by slot.
@@ -33,7 +34,9 @@ from torch import nn
 
 from pagedllm.layers.linear import RowParallelLinear
 from pagedllm.lora.ops import LoRAMapping, add_lora
+from pagedllm.lora.moe import EXPERT_SLICES, LoRAFusedMoE
 from pagedllm.models.llama import LlamaDecoderLayer, LlamaModel
+from pagedllm.models.moe import MoeDecoderLayer, SparseMoeBlock
 from pagedllm.native.attach import NativeDecoderStack
 from pagedllm.native.kernels.lora import NativeLoRAStep, lora_linear_weights
 
@@ -154,17 +157,20 @@ class LoRAGatedLayerStack:
 
 def wrap_lora_layers(model: nn.Module, state: LoRAStepState, max_loras: int,
                      max_lora_rank: int, device: torch.device, dtype: torch.dtype
-                     ) -> dict[tuple[int, str], tuple[LoRALinear, int]]:
-    """Wrap every Llama-family decoder layer's projections of `model` in `LoRALinear`s.
+                     ) -> dict[tuple[int, str], tuple[nn.Module, int]]:
+    """Wrap the projections of every decoder layer of `model` in `LoRALinear`s: a Llama-family
+    layer's, or a MoE layer's (Mixtral, OLMoE) attention projections and its experts (in a
+    `LoRAFusedMoE`, lora/moe.py).
 
     Returns:
         (layer index, checkpoint module name) -> (its wrapper, slice index), for loading
-        adapters into slots.
+        adapters into slots (the experts' modules: lora.moe.EXPERT_SLICES).
 
     Raises:
-        ValueError: when `model` has no Llama-family decoder layer or other layer kinds.
+        ValueError: when `model` has no decoder layer of these kinds, or a layer of another
+            kind (e.g. a MoE block with a shared expert), or experts `LoRAFusedMoE` refuses.
     """
-    targets: dict[tuple[int, str], tuple[LoRALinear, int]] = {}
+    targets: dict[tuple[int, str], tuple[nn.Module, int]] = {}
 
     def wrap(owner: nn.Module, attr: str, layer_idx: int, slices: list[LoRASlice]) -> None:
         wrapper = LoRALinear(getattr(owner, attr), slices, max_loras, max_lora_rank, state,
@@ -176,21 +182,24 @@ def wrap_lora_layers(model: nn.Module, state: LoRAStepState, max_loras: int,
     for stack in model.modules():
         if not isinstance(stack, LlamaModel):
             continue
+        dense = True
         for idx in range(stack.start_layer, stack.end_layer):
             layer = stack.layers[idx]
-            if type(layer) is not LlamaDecoderLayer:
+            if type(layer) not in (LlamaDecoderLayer, MoeDecoderLayer):
                 raise ValueError(f"LoRA: layer {idx} is a {type(layer).__name__}, not a Llama "
-                                 f"decoder layer")
-            attn, mlp = layer.self_attn, layer.mlp
-            q, kv = attn.q_size, attn.kv_size
-            # This rank's q heads, and its KV heads (one KV head may serve several ranks).
-            tp_rank, kv_shard = attn.qkv_proj.tp_rank, \
-                attn.qkv_proj.tp_rank // attn.qkv_proj.num_kv_head_replicas
-            wrap(attn, "qkv_proj", idx, [LoRASlice("q_proj", 0, q, tp_rank),
-                                         LoRASlice("k_proj", q, kv, kv_shard),
-                                         LoRASlice("v_proj", q + kv, kv, kv_shard)])
-            wrap(attn, "o_proj", idx,
-                 [LoRASlice("o_proj", 0, attn.o_proj.output_size_per_partition)])
+                                 f"or MoE decoder layer")
+            _wrap_attention(layer.self_attn, idx, wrap)
+            mlp = layer.mlp
+            if isinstance(mlp, SparseMoeBlock):
+                if mlp.shared_expert is not None:
+                    raise ValueError(f"LoRA: layer {idx}'s MoE block has a shared expert, "
+                                     f"which LoRA does not cover yet")
+                mlp.experts = LoRAFusedMoE(mlp.experts, max_loras, max_lora_rank, state,
+                                           device, dtype)
+                for i, module in enumerate(EXPERT_SLICES):
+                    targets[(idx, module)] = (mlp.experts, i)
+                dense = False
+                continue
             gate, up = (s // mlp.gate_up_proj.tp_size for s in mlp.gate_up_proj.output_sizes)
             tp_rank = mlp.gate_up_proj.tp_rank
             wrap(mlp, "gate_up_proj", idx,
@@ -202,13 +211,26 @@ def wrap_lora_layers(model: nn.Module, state: LoRAStepState, max_loras: int,
         layer_wrappers = [[getattr(owner, attr) for owner, attr in (
             (stack.layers[i].self_attn, "qkv_proj"), (stack.layers[i].self_attn, "o_proj"),
             (stack.layers[i].mlp, "gate_up_proj"), (stack.layers[i].mlp, "down_proj"))]
-            for i in range(stack.start_layer, stack.end_layer)]
-        if isinstance(native, NativeDecoderStack) and all(
+            for i in range(stack.start_layer, stack.end_layer)] if dense else []
+        if dense and isinstance(native, NativeDecoderStack) and all(
                 w.native is not None for ws in layer_wrappers for w in ws):
             native.fused.attach_lora([[w.native for w in ws] for ws in layer_wrappers],
                                      state.native_step)
         elif native is not None:
             stack.layer_stack = LoRAGatedLayerStack(native, state)
     if not targets:
-        raise ValueError(f"LoRA: {type(model).__name__} has no Llama-family decoder layers")
+        raise ValueError(f"LoRA: {type(model).__name__} has no Llama-family or MoE decoder "
+                         f"layers")
     return targets
+
+
+def _wrap_attention(attn: nn.Module, idx: int, wrap) -> None:
+    """Wrap a decoder layer's merged qkv_proj and its o_proj (Llama's attention, OLMoE's)."""
+    q, kv = attn.q_size, attn.kv_size
+    # This rank's q heads, and its KV heads (one KV head may serve several ranks).
+    tp_rank, kv_shard = attn.qkv_proj.tp_rank, \
+        attn.qkv_proj.tp_rank // attn.qkv_proj.num_kv_head_replicas
+    wrap(attn, "qkv_proj", idx, [LoRASlice("q_proj", 0, q, tp_rank),
+                                 LoRASlice("k_proj", q, kv, kv_shard),
+                                 LoRASlice("v_proj", q + kv, kv, kv_shard)])
+    wrap(attn, "o_proj", idx, [LoRASlice("o_proj", 0, attn.o_proj.output_size_per_partition)])

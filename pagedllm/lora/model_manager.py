@@ -29,6 +29,7 @@ from torch import nn
 
 from pagedllm.lora.config import LoRAConfig
 from pagedllm.lora.layers import LoRAStepState, wrap_lora_layers
+from pagedllm.lora.moe import LoRAFusedMoE
 from pagedllm.lora.ops import LoRAMapping
 from pagedllm.lora.peft import LoRAAdapter, LoRAModelShapes, load_peft_adapter
 from pagedllm.lora.request import LoRARequest
@@ -54,6 +55,7 @@ class LoRAModelManager:
         self.targets = wrap_lora_layers(model, self.state, lora_config.max_loras,
                                         lora_config.max_lora_rank, device, dtype)
         self.wrappers = list({id(w): w for w, _ in self.targets.values()}.values())
+        self.has_experts = any(isinstance(w, LoRAFusedMoE) for w in self.wrappers)
         # lora_int_id -> adapter on the host, least recently used first.
         self.cpu_cache: OrderedDict[int, LoRAAdapter] = OrderedDict()
         # lora_int_id -> live requests under it (their adapters stay in cpu_cache).
@@ -138,9 +140,11 @@ class LoRAModelManager:
             token_slots_dev = torch.from_numpy(token_slots[order].astype(np.int32)).to(
                 self.device)
         whole = len(segments) == 1 and counts[segments[0][0]] == len(token_slots)
+        batch_slots = torch.from_numpy(token_slots).to(self.device) if self.has_experts \
+            else None
         self.state.mapping = LoRAMapping(
             None if whole else torch.from_numpy(order).to(self.device), segments, native,
-            token_slots_dev)
+            token_slots_dev, batch_slots)
 
     def _ensure_resident(self, lora_request: LoRARequest, needed: set[int]) -> int:
         """The slot holding `lora_request`'s adapter, loading it into one if absent (never

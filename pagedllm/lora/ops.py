@@ -39,12 +39,16 @@ class LoRAMapping:
             segment with its adapter's rank), or None.
         token_slots: [m] int32 on the device, the slot of each of token_indices' tokens, for
             the Triton kernels (None off CUDA).
+        batch_slots: [n] int64 on the device, the slot of every token of the batch (-1: the
+            base model), for the MoE experts' wrappers (lora/moe.py; None for a model
+            without them).
     """
 
     token_indices: torch.Tensor | None
     segments: tuple[tuple[int, int, int], ...]
     native: NativeLoRAStep | None = None
     token_slots: torch.Tensor | None = None
+    batch_slots: torch.Tensor | None = None
 
 
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, mapping: LoRAMapping

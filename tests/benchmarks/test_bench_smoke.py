@@ -256,11 +256,14 @@ def test_throughput_with_loras_against_hf_peft(preset_dir: Path, tmp_path: Path)
     rc = _run(["bench", "throughput", "--preset", "llama-tiny", "--preset-dir", str(preset_dir),
                "--dtype", "float32", "--kv-cache-memory-bytes", KV_BYTES, "--num-prompts", "6",
                "--input-len", "16", "--output-len", "6", "--num-loras", "3", "--lora-rank", "8",
-               "--compare", "hf", "--output-json", str(out)])
+               "--lora-rounds", "2", "--compare", "hf", "--output-json", str(out)])
     assert rc == 0
     base, ours, hf = _load(out)
     assert (base["backend"], ours["backend"], hf["backend"]) == ("pagedllm", "pagedllm+lora",
                                                                   "hf+peft")
     assert ours["num_wrong_output_lens"] == 0 and ours["comparison"]["output_tokens_per_s_ratio"] > 0
+    rounds = ours["comparison"]["rounds_output_tokens_per_s_ratio"]   # --lora-rounds 2
+    assert len(rounds) == 2 and min(rounds) <= ours["comparison"][
+        "median_output_tokens_per_s_ratio"] <= max(rounds)
     # fp32 greedy under the same adapters: the engine and HF + peft agree.
     assert hf["comparison"]["greedy_identical_requests"] == "6/6"

@@ -24,13 +24,16 @@ ADAPTERS = {
 
 
 def make_peft_adapter(base: Path, out: Path, rank: int, targets: list[str], alpha: float,
-                      use_rslora: bool, seed: int, b_std: float = 0.2) -> Path:
-    """Save a PEFT LoRA adapter of `base` with random non-zero B matrices in `out`."""
+                      use_rslora: bool, seed: int, b_std: float = 0.2,
+                      parameters: list[str] | None = None) -> Path:
+    """Save a PEFT LoRA adapter of `base` with random non-zero B matrices in `out`
+    (`parameters`: PEFT's `target_parameters`, e.g. a MoE block's 3-D expert weights)."""
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha,
                                                   target_modules=targets, lora_dropout=0.0,
-                                                  use_rslora=use_rslora))
+                                                  use_rslora=use_rslora,
+                                                  target_parameters=parameters))
     with torch.no_grad():
         for name, param in peft_model.named_parameters():
             if "lora_B" in name:
