@@ -5,11 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # Architectures whose layers the LoRA wrappers know (the Llama family of models/llama.py; the
-# MoE families whose every layer is a sparse block without a shared expert).
+# MoE families of models/mixtral.py, olmoe.py, qwen_moe.py, deepseek_v2.py and glm4_moe.py,
+# shared experts and dense layers among the sparse ones included).
+LORA_MOE_ARCHITECTURES = ("MixtralForCausalLM", "OlmoeForCausalLM", "Qwen2MoeForCausalLM",
+                          "Qwen3MoeForCausalLM", "DeepseekV2ForCausalLM",
+                          "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM")
 LORA_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                      "Qwen3ForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM")
-LORA_MOE_ARCHITECTURES = ("MixtralForCausalLM", "OlmoeForCausalLM")
-
+                      "Qwen3ForCausalLM", *LORA_MOE_ARCHITECTURES)
 
 @dataclass(frozen=True)
 class LoRAConfig:

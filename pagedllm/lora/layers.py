@@ -1,8 +1,9 @@
 """LoRA by wrapping: `wrap_lora_layers` replaces a Llama-family model's projections with
 `LoRALinear`s (the base layer inside, unchanged) and hands their slots to the model's native
 decoder stack (the fused decoder applies them inside its layers), so model files carry no LoRA
-branch. A MoE model's (Mixtral, OLMoE) attention projections are wrapped the same way and its
-experts in a `LoRAFusedMoE` (lora/moe.py).
+branch. A MoE model's attention projections (Llama's, or DeepSeek MLA's q/q_a/q_b/kv_a/o),
+dense layers and shared experts are wrapped the same way and its routed experts in a
+`LoRAFusedMoE` (lora/moe.py).
 
 Every wrapper reads the same `LoRAStepState`, which the runner sets once per step
 (`LoRAModelManager.set_active_loras`) before the forward: the step's adapter tokens by slot.
@@ -35,7 +36,8 @@ from torch import nn
 from pagedllm.layers.linear import RowParallelLinear
 from pagedllm.lora.ops import LoRAMapping, add_lora
 from pagedllm.lora.moe import EXPERT_SLICES, LoRAFusedMoE
-from pagedllm.models.llama import LlamaDecoderLayer, LlamaModel
+from pagedllm.models.deepseek_v2 import DeepseekMLAAttention, DeepseekMoE
+from pagedllm.models.llama import LlamaDecoderLayer, LlamaMLP, LlamaModel
 from pagedllm.models.moe import MoeDecoderLayer, SparseMoeBlock
 from pagedllm.native.attach import NativeDecoderStack
 from pagedllm.native.kernels.lora import NativeLoRAStep, lora_linear_weights
@@ -159,7 +161,9 @@ def wrap_lora_layers(model: nn.Module, state: LoRAStepState, max_loras: int,
                      max_lora_rank: int, device: torch.device, dtype: torch.dtype
                      ) -> dict[tuple[int, str], tuple[nn.Module, int]]:
     """Wrap the projections of every decoder layer of `model` in `LoRALinear`s: a Llama-family
-    layer's, or a MoE layer's (Mixtral, OLMoE) attention projections and its experts (in a
+    layer's, or a MoE model's (Mixtral, OLMoE, Qwen2/3-MoE, DeepSeek-V2/V3, GLM-4 MoE)
+    attention projections (Llama's or MLA's), its dense layers' MLPs, its sparse blocks'
+    shared experts (and Qwen2-MoE's shared-expert gate) and its routed experts (in a
     `LoRAFusedMoE`, lora/moe.py).
 
     Returns:
@@ -168,7 +172,7 @@ def wrap_lora_layers(model: nn.Module, state: LoRAStepState, max_loras: int,
 
     Raises:
         ValueError: when `model` has no decoder layer of these kinds, or a layer of another
-            kind (e.g. a MoE block with a shared expert), or experts `LoRAFusedMoE` refuses.
+            kind, or experts `LoRAFusedMoE` refuses.
     """
     targets: dict[tuple[int, str], tuple[nn.Module, int]] = {}
 
@@ -188,25 +192,30 @@ def wrap_lora_layers(model: nn.Module, state: LoRAStepState, max_loras: int,
             if type(layer) not in (LlamaDecoderLayer, MoeDecoderLayer):
                 raise ValueError(f"LoRA: layer {idx} is a {type(layer).__name__}, not a Llama "
                                  f"or MoE decoder layer")
-            _wrap_attention(layer.self_attn, idx, wrap)
+            if isinstance(layer.self_attn, DeepseekMLAAttention):
+                _wrap_mla(layer.self_attn, idx, wrap)
+                dense = False
+            else:
+                _wrap_attention(layer.self_attn, idx, wrap)
             mlp = layer.mlp
-            if isinstance(mlp, SparseMoeBlock):
-                if mlp.shared_expert is not None:
-                    raise ValueError(f"LoRA: layer {idx}'s MoE block has a shared expert, "
-                                     f"which LoRA does not cover yet")
+            if isinstance(mlp, (SparseMoeBlock, DeepseekMoE)):
                 mlp.experts = LoRAFusedMoE(mlp.experts, max_loras, max_lora_rank, state,
                                            device, dtype)
                 for i, module in enumerate(EXPERT_SLICES):
                     targets[(idx, module)] = (mlp.experts, i)
+                # The shared expert is a plain MLP (Qwen2-MoE's `shared_expert` with its
+                # sigmoid gate, DeepSeek's `shared_experts`): ordinary LoRA on its linears.
+                for prefix in ("shared_expert", "shared_experts"):
+                    if getattr(mlp, prefix, None) is not None:
+                        _wrap_mlp(getattr(mlp, prefix), idx, wrap, f"{prefix}.")
+                if getattr(mlp, "shared_expert_gate", None) is not None:
+                    wrap(mlp, "shared_expert_gate", idx, [LoRASlice("shared_expert_gate", 0, 1)])
                 dense = False
                 continue
-            gate, up = (s // mlp.gate_up_proj.tp_size for s in mlp.gate_up_proj.output_sizes)
-            tp_rank = mlp.gate_up_proj.tp_rank
-            wrap(mlp, "gate_up_proj", idx,
-                 [LoRASlice("gate_proj", 0, gate, tp_rank),
-                  LoRASlice("up_proj", gate, up, tp_rank)])
-            wrap(mlp, "down_proj", idx,
-                 [LoRASlice("down_proj", 0, mlp.down_proj.output_size_per_partition)])
+            if not isinstance(mlp, LlamaMLP):
+                raise ValueError(f"LoRA: layer {idx}'s MLP is a {type(mlp).__name__}, which "
+                                 f"LoRA does not cover")
+            _wrap_mlp(mlp, idx, wrap, "")
         native = stack.layer_stack
         layer_wrappers = [[getattr(owner, attr) for owner, attr in (
             (stack.layers[i].self_attn, "qkv_proj"), (stack.layers[i].self_attn, "o_proj"),
@@ -222,6 +231,32 @@ def wrap_lora_layers(model: nn.Module, state: LoRAStepState, max_loras: int,
         raise ValueError(f"LoRA: {type(model).__name__} has no Llama-family or MoE decoder "
                          f"layers")
     return targets
+
+
+def _wrap_mlp(mlp: LlamaMLP, idx: int, wrap, prefix: str) -> None:
+    """Wrap a SwiGLU MLP's merged gate_up_proj and its down_proj (a dense layer's MLP, or a
+    MoE block's shared expert: `prefix` "shared_expert." / "shared_experts.")."""
+    gate, up = (s // mlp.gate_up_proj.tp_size for s in mlp.gate_up_proj.output_sizes)
+    tp_rank = mlp.gate_up_proj.tp_rank
+    wrap(mlp, "gate_up_proj", idx, [LoRASlice(f"{prefix}gate_proj", 0, gate, tp_rank),
+                                    LoRASlice(f"{prefix}up_proj", gate, up, tp_rank)])
+    wrap(mlp, "down_proj", idx,
+         [LoRASlice(f"{prefix}down_proj", 0, mlp.down_proj.output_size_per_partition)])
+
+
+def _wrap_mla(attn: DeepseekMLAAttention, idx: int, wrap) -> None:
+    """Wrap DeepSeek MLA's projections that run as linear layers: q_proj (or q_a_proj and
+    q_b_proj), kv_a_proj_with_mqa and o_proj. kv_b_proj is read per head, never as a linear
+    layer, and stays without adapters (lora.peft.REFUSED_MODULES refuses adapters on it).
+    q_proj / q_b_proj are column-parallel by heads (this rank's rows of B); q_a_proj and
+    kv_a_proj_with_mqa are replicated (all of B on every rank)."""
+    names = ["kv_a_proj_with_mqa", "o_proj"] + (
+        ["q_proj"] if attn.q_lora_rank is None else ["q_a_proj", "q_b_proj"])
+    for name in names:
+        base = getattr(attn, name)
+        wrap(attn, name, idx, [LoRASlice(name, 0, base.output_size_per_partition,
+                                         getattr(base, "tp_rank", 0)
+                                         if name in ("q_proj", "q_b_proj") else 0)])
 
 
 def _wrap_attention(attn: nn.Module, idx: int, wrap) -> None:

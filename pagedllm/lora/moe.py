@@ -125,12 +125,21 @@ class LoRAFusedMoE(nn.Module):
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         base = self.base_layer
-        mapping = self.state.mapping
-        if mapping is None:
+        if self.state.mapping is None:
             return base(hidden, router_logits)
         topk_weights, topk_ids = select_experts(router_logits, base.top_k, base.renormalize)
-        return base.forward_routed(hidden, topk_weights, topk_ids,
-                                   experts_fn=partial(self._experts, mapping.batch_slots))
+        return self.forward_routed(hidden, topk_weights, topk_ids)
+
+    def forward_routed(self, hidden: torch.Tensor, topk_weights: torch.Tensor,
+                       topk_ids: torch.Tensor) -> torch.Tensor:
+        """`FusedMoE.forward_routed` (tokens routed by the model's own router, e.g.
+        DeepSeek's) with the adapters' deltas."""
+        mapping = self.state.mapping
+        if mapping is None:
+            return self.base_layer.forward_routed(hidden, topk_weights, topk_ids)
+        return self.base_layer.forward_routed(
+            hidden, topk_weights, topk_ids, experts_fn=partial(self._experts,
+                                                               mapping.batch_slots))
 
     def _experts(self, token_slots: torch.Tensor, hidden: torch.Tensor,
                  topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:

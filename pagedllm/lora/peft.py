@@ -44,11 +44,21 @@ from pagedllm.lora.request import LoRARequest
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 
-# The projections an adapter may target and the decoder block that holds them.
+# The projections an adapter may target and the decoder block that holds them: Llama-family
+# attention and MLP, DeepSeek's MLA projections, and a Qwen2-MoE shared expert's gate.
 LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                       "down_proj")
+                       "down_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa",
+                       "shared_expert_gate")
+# Modules PEFT can target that the engine refuses, with the reason.
+REFUSED_MODULES = {
+    "kv_b_proj": "MLA never runs kv_b_proj as a linear layer: its weight is read per head "
+                 "(W_UK absorbed into the query, W_UV into the output, or both expanding the "
+                 "cached latents), so an adapter on it would need those per-head matrices "
+                 "re-made per adapter; target q_proj / q_a_proj / q_b_proj / "
+                 "kv_a_proj_with_mqa / o_proj instead"}
 _TENSOR_NAME = re.compile(
-    r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
+    r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\."
+    r"((?:shared_experts?\.)?\w+)\.lora_([AB])\.weight")
 # Expert tensors (module docstring): all experts of a 3-D parameter, or one expert's module.
 _EXPERTS_PREFIX = r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts"
 _FUSED_EXPERTS_TENSOR = re.compile(_EXPERTS_PREFIX + r"((?:\.base_layer)*)\.lora_([AB])\.weight")
@@ -66,35 +76,111 @@ class LoRAModelShapes:
 
     Attributes:
         num_layers: decoder layers.
-        features: module name -> (in_features, out_features) of that projection (unsharded);
-            a MoE model (every layer sparse) has no dense gate/up/down_proj.
+        features: module name -> (in_features, out_features) of the projections every layer
+            has (unsharded): the attention's, and the dense MLP's in a dense model.
         experts: (num_experts, hidden_size, expert intermediate size) of a MoE model's
             sparse blocks, or None.
+        layer_features: per layer, the modules only some layers have: a dense MLP's
+            gate/up/down_proj on a MoE model's dense layers, a shared expert's
+            ("shared_expert.gate_proj", "shared_experts.down_proj", ...) and
+            "shared_expert_gate" on its sparse layers. Empty for a dense model.
+        sparse_layers: the layers with routed experts (all of them when `experts` is set and
+            this is None).
     """
 
     num_layers: int
     features: dict[str, tuple[int, int]]
     experts: tuple[int, int, int] | None = None
+    layer_features: tuple[dict[str, tuple[int, int]], ...] = ()
+    sparse_layers: frozenset[int] | None = None
+
+    def module_features(self, layer: int, module: str) -> tuple[int, int] | None:
+        """(in_features, out_features) of `module` in layer `layer`, None if it lacks it."""
+        found = self.features.get(module)
+        if found is None and self.layer_features:
+            found = self.layer_features[layer].get(module)
+        return found
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether layer `layer` has routed experts."""
+        return self.experts is not None and (self.sparse_layers is None
+                                             or layer in self.sparse_layers)
+
+    def layer_modules(self, layer: int) -> dict[str, tuple[int, int]]:
+        """Every projection of layer `layer` an adapter may target, with its features."""
+        return {**self.features, **(self.layer_features[layer] if self.layer_features else {})}
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> LoRAModelShapes:
-        """From a Llama-family or MoE (Mixtral, OLMoE: a sparse block in every layer)
-        config.json (as a dict)."""
+        """From a supported architecture's config.json (as a dict): Llama-family attention or
+        DeepSeek's MLA (`kv_lora_rank`); a dense MLP, or MoE blocks (Mixtral, OLMoE,
+        Qwen2-MoE / Qwen3-MoE, DeepSeek-V2 / V3, GLM-4 MoE) with their dense layers and
+        shared experts placed by the model files' own rules."""
         hidden = hf["hidden_size"]
         heads = hf["num_attention_heads"]
-        kv_heads = hf.get("num_key_value_heads") or heads
-        head_dim = hf.get("head_dim") or hidden // heads
         inter = hf["intermediate_size"]
-        features = {
-            "q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv_heads * head_dim),
-            "v_proj": (hidden, kv_heads * head_dim), "o_proj": (heads * head_dim, hidden)}
-        num_experts = hf.get("num_local_experts") or hf.get("num_experts")
-        if num_experts:
-            return cls(hf["num_hidden_layers"], features, (
-                num_experts, hidden, hf.get("moe_intermediate_size") or inter))
-        features.update({"gate_proj": (hidden, inter), "up_proj": (hidden, inter),
-                         "down_proj": (inter, hidden)})
-        return cls(hf["num_hidden_layers"], features)
+        num_layers = hf["num_hidden_layers"]
+        if hf.get("kv_lora_rank"):
+            features = _mla_features(hf)
+        else:
+            kv_heads = hf.get("num_key_value_heads") or heads
+            head_dim = hf.get("head_dim") or hidden // heads
+            features = {
+                "q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv_heads * head_dim),
+                "v_proj": (hidden, kv_heads * head_dim), "o_proj": (heads * head_dim, hidden)}
+        dense_mlp = _mlp_features(hidden, inter)
+        num_experts = (hf.get("num_local_experts") or hf.get("num_experts")
+                       or hf.get("n_routed_experts"))
+        if not num_experts:
+            return cls(num_layers, {**features, **dense_mlp})
+        moe_inter = hf.get("moe_intermediate_size") or inter
+        sparse, shared = _moe_layout(hf, num_layers, moe_inter)
+        layer_features = tuple(
+            ({f"{prefix}.{m}": f for prefix, size in shared.items() if size
+              for m, f in _mlp_features(hidden, size).items()}
+             | ({"shared_expert_gate": (hidden, 1)} if shared.get("shared_expert") else {}))
+            if i in sparse else dict(dense_mlp) for i in range(num_layers))
+        return cls(num_layers, features, (num_experts, hidden, moe_inter), layer_features,
+                   frozenset(sparse))
+
+
+def _mlp_features(hidden: int, inter: int) -> dict[str, tuple[int, int]]:
+    return {"gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
+
+
+def _mla_features(hf: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """DeepSeek MLA's projections an adapter may target (kv_b_proj: REFUSED_MODULES)."""
+    hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
+    qk_head = hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"]
+    features = {"kv_a_proj_with_mqa": (hidden, hf["kv_lora_rank"] + hf["qk_rope_head_dim"]),
+                "o_proj": (heads * hf["v_head_dim"], hidden)}
+    q_rank = hf.get("q_lora_rank")
+    if q_rank:
+        features.update(q_a_proj=(hidden, q_rank), q_b_proj=(q_rank, heads * qk_head))
+    else:
+        features["q_proj"] = (hidden, heads * qk_head)
+    return features
+
+
+def _moe_layout(hf: dict[str, Any], num_layers: int, moe_inter: int
+                ) -> tuple[set[int], dict[str, int]]:
+    """(the sparse layers, shared expert module prefix -> its intermediate size) of a MoE
+    config, by the rules of the model files (models/qwen_moe.py, models/deepseek_v2.py)."""
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(**hf)
+    if hf.get("n_routed_experts"):       # DeepSeek-V2 / V3, GLM-4 MoE
+        from pagedllm.models.deepseek_v2 import DeepseekV2ForCausalLM
+        sparse = {i for i in range(num_layers)
+                  if not DeepseekV2ForCausalLM.is_dense_layer(config, i)}
+        return sparse, {"shared_experts": (hf.get("n_shared_experts") or 0) * moe_inter}
+    if hf.get("num_local_experts"):      # Mixtral
+        return set(range(num_layers)), {}
+    from pagedllm.models.qwen_moe import is_sparse_layer   # Qwen2/3-MoE, OLMoE
+    sparse = {i for i in range(num_layers) if is_sparse_layer(config, i)}
+    shared = hf.get("shared_expert_intermediate_size") \
+        if "Qwen2MoeForCausalLM" in (hf.get("architectures") or ()) else 0
+    return sparse, {"shared_expert": shared or 0}
 
 
 @dataclass
@@ -103,9 +189,10 @@ class LoRAAdapter:
 
     Attributes:
         lora_request: the request that named it.
-        rank: r of adapter_config.json.
+        rank: the largest rank of its modules (r of adapter_config.json, or more where
+            `rank_pattern` says so).
         scaling: lora_alpha / r (rsLoRA: lora_alpha / sqrt(r)), already folded into `weights`'
-            B matrices.
+            B matrices (each module's own, where rank_pattern / alpha_pattern match it).
         weights: (layer index, module name) -> (A [rank, in_features], B [out_features, rank]
             * scaling), float32 on the CPU; modules the adapter leaves out are absent. MoE
             experts are stacked over the E experts under the modules "experts.gate_up"
@@ -133,8 +220,63 @@ def _read_config(folder: Path) -> dict[str, Any]:
     return config
 
 
-def _check_config(folder: Path, config: dict[str, Any], max_lora_rank: int) -> tuple[int, float]:
-    """The adapter's (rank, scaling); ValueError naming any option this engine cannot apply."""
+@dataclass(frozen=True)
+class _Ranks:
+    """An adapter's rank and lora_alpha, with PEFT's per-module `rank_pattern` /
+    `alpha_pattern` (regex keys matched against the module path as `peft.utils.other.
+    get_pattern_key` does: the first key K with `(.*\\.)?(K)$` matching the path)."""
+
+    r: int
+    alpha: float
+    rslora: bool
+    rank_pattern: dict[str, int]
+    alpha_pattern: dict[str, float]
+
+    @staticmethod
+    def _lookup(pattern: dict, path: str, default):
+        for key, value in pattern.items():
+            if re.match(rf"(.*\.)?({key})$", path):
+                return value
+        return default
+
+    def rank(self, path: str) -> int:
+        """The rank of the module at `path` (e.g. "model.layers.1.mlp.experts.gate_up_proj")."""
+        return self._lookup(self.rank_pattern, path, self.r)
+
+    def scaling(self, path: str) -> float:
+        """lora_alpha / r of the module at `path` (rsLoRA: lora_alpha / sqrt(r))."""
+        rank = self.rank(path)
+        alpha = self._lookup(self.alpha_pattern, path, self.alpha)
+        return float(alpha / math.sqrt(rank) if self.rslora else alpha / rank)
+
+
+def _check_patterns(folder: Path, config: dict[str, Any]) -> tuple[dict, dict]:
+    """`rank_pattern` and `alpha_pattern`, checked (regex keys, positive numbers)."""
+    patterns = []
+    for option in ("rank_pattern", "alpha_pattern"):
+        pattern = config.get(option) or {}
+        if not isinstance(pattern, dict):
+            raise ValueError(f"LoRA adapter {folder}: {option} must be a JSON object")
+        for key, value in pattern.items():
+            try:
+                re.compile(key)
+            except re.error as e:
+                raise ValueError(f"LoRA adapter {folder}: {option} key {key!r} is not a "
+                                 f"regular expression ({e})") from None
+            bad = (isinstance(value, bool) or not isinstance(value, (int, float))
+                   or not math.isfinite(value) or value <= 0
+                   or (option == "rank_pattern" and not isinstance(value, int)))
+            if bad:
+                raise ValueError(f"LoRA adapter {folder}: {option}[{key!r}] must be a "
+                                 f"positive {'integer' if option == 'rank_pattern' else 'number'}"
+                                 f", got {value!r}")
+        patterns.append(dict(pattern))
+    return patterns[0], patterns[1]
+
+
+def _check_config(folder: Path, config: dict[str, Any], max_lora_rank: int) -> _Ranks:
+    """The adapter's ranks and alphas; ValueError naming any option this engine cannot
+    apply."""
     peft_type = config.get("peft_type", "LORA")
     if peft_type != "LORA":
         raise ValueError(f"LoRA adapter {folder}: peft_type {peft_type!r} is not supported "
@@ -144,8 +286,6 @@ def _check_config(folder: Path, config: dict[str, Any], max_lora_rank: int) -> t
         "modules_to_save": config.get("modules_to_save"),
         "lora_bias": config.get("lora_bias"),
         "fan_in_fan_out": config.get("fan_in_fan_out"),
-        "rank_pattern": config.get("rank_pattern"),
-        "alpha_pattern": config.get("alpha_pattern"),
         "trainable_token_indices": config.get("trainable_token_indices"),
     }
     for option, value in unsupported.items():
@@ -165,19 +305,25 @@ def _check_config(folder: Path, config: dict[str, Any], max_lora_rank: int) -> t
         raise ValueError(f"LoRA adapter {folder}: lora_alpha must be a number, got {alpha!r}")
     targets = config.get("target_modules")
     if isinstance(targets, list):
+        refused = sorted(set(targets) & REFUSED_MODULES.keys())
+        if refused:
+            raise ValueError(f"LoRA adapter {folder}: target module {refused[0]!r} is not "
+                             f"supported: {REFUSED_MODULES[refused[0]]}")
         unknown = sorted(set(targets) - set(LORA_TARGET_MODULES) - set(EXPERT_MODULES))
         if unknown:
             raise ValueError(f"LoRA adapter {folder}: target modules {unknown} are not "
                              f"supported (the model's LoRA targets: {list(LORA_TARGET_MODULES)} "
                              f"and MoE experts' {list(EXPERT_MODULES)})")
     parameters = config.get("target_parameters") or []
+    # (PEFT's transformers-5 conversion also writes the bare names "gate_up_proj", "down_proj")
     unknown = [p for p in (parameters if isinstance(parameters, list) else [parameters])
-               if not isinstance(p, str) or not p.endswith(EXPERT_PARAMETERS)]
+               if not isinstance(p, str) or not (p.endswith(EXPERT_PARAMETERS) or p in (
+                   "gate_up_proj", "down_proj"))]
     if unknown:
         raise ValueError(f"LoRA adapter {folder}: target parameters {unknown} are not "
                          f"supported (only MoE experts' {list(EXPERT_PARAMETERS)})")
-    scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-    return rank, float(scaling)
+    rank_pattern, alpha_pattern = _check_patterns(folder, config)
+    return _Ranks(rank, float(alpha), bool(config.get("use_rslora")), rank_pattern, alpha_pattern)
 
 
 def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -210,10 +356,12 @@ def load_peft_adapter(lora_request: LoRARequest, shapes: LoRAModelShapes,
     folder = Path(lora_request.lora_path).expanduser()
     if not folder.is_dir():
         raise ValueError(f"LoRA adapter {lora_request.lora_name!r}: {folder} is not a folder")
-    rank, scaling = _check_config(folder, _read_config(folder), max_lora_rank)
+    ranks = _check_config(folder, _read_config(folder), max_lora_rank)
     parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    paths: dict[tuple[int, str], str] = {}
     for name, tensor in _read_tensors(folder).items():
-        layer, module, which, expected = _tensor_target(folder, name, shapes, rank)
+        layer, module, which, expected = _tensor_target(folder, name, shapes, ranks)
+        paths[(layer, module)] = _module_path(name)
         if expected is not None and tuple(tensor.shape) != expected:
             raise ValueError(f"LoRA adapter {folder}: tensor {name} has shape "
                              f"{list(tensor.shape)}, the model needs {list(expected)}")
@@ -226,15 +374,30 @@ def load_peft_adapter(lora_request: LoRARequest, shapes: LoRAModelShapes,
         if len(ab) != 2:
             missing = "lora_B" if "A" in ab else "lora_A"
             raise ValueError(f"LoRA adapter {folder}: layer {layer} {module} has no {missing}")
-        pairs[(layer, module)] = (ab["A"].contiguous(), (ab["B"] * scaling).contiguous())
-    weights = {key: ab for key, ab in pairs.items() if not key[1].startswith("experts")}
-    weights.update(_stack_experts(folder, pairs, shapes, rank))
+        pairs[(layer, module)] = (ab["A"].contiguous(), ab["B"])
+    weights = {key: (a, (b * ranks.scaling(paths[key])).contiguous())
+               for key, (a, b) in pairs.items() if not key[1].startswith("experts")}
+    weights.update(_stack_experts(folder, pairs, paths, shapes, ranks))
     if not weights:
         raise ValueError(f"LoRA adapter {folder}: {WEIGHTS_NAME} holds no LoRA tensors")
-    return LoRAAdapter(lora_request, rank, scaling, weights)
+    # rank_pattern may give some modules more rank than r: the slots must hold the largest.
+    rank = max(a.shape[-2] for a, _ in weights.values())
+    if rank > max_lora_rank:
+        key = next(k for k, (a, _) in weights.items() if a.shape[-2] == rank)
+        raise ValueError(f"LoRA adapter {folder}: layer {key[0]} {key[1]} has rank {rank} "
+                         f"(rank_pattern), which exceeds max_lora_rank ({max_lora_rank})")
+    default = ranks.alpha / (math.sqrt(ranks.r) if ranks.rslora else ranks.r)
+    return LoRAAdapter(lora_request, rank, float(default), weights)
 
 
-def _tensor_target(folder: Path, name: str, shapes: LoRAModelShapes, rank: int
+def _module_path(name: str) -> str:
+    """The module path PEFT matches rank/alpha patterns against, of adapter tensor `name`
+    ("...layers.1.mlp.experts.base_layer.lora_A.weight" -> "model.layers.1.mlp.experts")."""
+    return re.sub(r"(\.base_layer)*\.lora_[AB]\.weight$", "",
+                  name.removeprefix("base_model.model."))
+
+
+def _tensor_target(folder: Path, name: str, shapes: LoRAModelShapes, ranks: _Ranks
                    ) -> tuple[int, str, str, tuple[int, int] | None]:
     """(layer, module key, "A" or "B", the shape the model needs) of adapter tensor `name`;
     the shape is None for a 3-D expert parameter's pair (checked by `_stack_experts`). Module
@@ -254,6 +417,9 @@ def _tensor_target(folder: Path, name: str, shapes: LoRAModelShapes, rank: int
     if (fused or one) and shapes.experts is None:
         raise ValueError(f"LoRA adapter {folder}: tensor {name} targets MoE experts, which "
                          f"the model lacks")
+    if (fused or one) and not shapes.is_sparse(layer):
+        raise ValueError(f"LoRA adapter {folder}: tensor {name} targets MoE experts, which "
+                         f"layer {layer} lacks (a dense layer)")
     if fused:
         return layer, f"experts[{fused[2].count('.base_layer')}]", fused[3], None
     if one:
@@ -266,21 +432,31 @@ def _tensor_target(folder: Path, name: str, shapes: LoRAModelShapes, rank: int
             raise ValueError(f"LoRA adapter {folder}: tensor {name} targets expert {expert}; "
                              f"the model has {num_experts} experts per layer")
         in_features, out_features = (inter, hidden) if proj == "down" else (hidden, inter)
+        rank = ranks.rank(_module_path(name))
         return layer, f"experts.{expert}.{proj}", which, \
             (rank, in_features) if which == "A" else (out_features, rank)
     module, which = match[2], match[3]
-    if module not in shapes.features:
+    if module in REFUSED_MODULES:
+        raise ValueError(f"LoRA adapter {folder}: tensor {name} targets {module}, which is not "
+                         f"supported: {REFUSED_MODULES[module]}")
+    features = shapes.module_features(layer, module)
+    if features is None:
         raise ValueError(f"LoRA adapter {folder}: tensor {name} targets module {module!r}, "
-                         f"which the model lacks")
-    in_features, out_features = shapes.features[module]
+                         f"which the model lacks" + (f" in layer {layer}" if any(
+                             module in f for f in shapes.layer_features) else ""))
+    in_features, out_features = features
+    rank = ranks.rank(_module_path(name))
     return layer, module, which, (rank, in_features) if which == "A" else (out_features, rank)
 
 
 def _stack_experts(folder: Path, pairs: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
-                   shapes: LoRAModelShapes, rank: int
+                   paths: dict[tuple[int, str], str], shapes: LoRAModelShapes, ranks: _Ranks
                    ) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
-    """The expert pairs of `pairs` (`_tensor_target`'s keys, B scaled) as `LoRAAdapter.weights`'
-    stacked "experts.gate_up" / "experts.gate" / "experts.up" / "experts.down" entries.
+    """The expert pairs of `pairs` (`_tensor_target`'s keys, B not scaled; `paths`: their
+    module paths) as `LoRAAdapter.weights`' stacked "experts.gate_up" / "experts.gate" /
+    "experts.up" / "experts.down" entries, B scaled (each projection's rank and scaling by
+    rank_pattern / alpha_pattern: PEFT's transformers-5 conversion gives a fused gate_up twice
+    the rank and alpha). Experts of different ranks are zero-padded to the largest.
 
     Raises:
         ValueError: a 3-D parameter's pair whose shapes fit neither expert parameter, one
@@ -291,8 +467,6 @@ def _stack_experts(folder: Path, pairs: dict[tuple[int, str], tuple[torch.Tensor
     if shapes.experts is None:
         return out
     num_experts, hidden, inter = shapes.experts
-    fused_shapes = {"gate_up": ((num_experts * rank, hidden), (2 * inter, rank * num_experts)),
-                    "down": ((num_experts * rank, inter), (hidden, rank * num_experts))}
     per_expert: dict[tuple[int, str], dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def put(key: tuple[int, str], ab: tuple[torch.Tensor, torch.Tensor]) -> None:
@@ -303,8 +477,15 @@ def _stack_experts(folder: Path, pairs: dict[tuple[int, str], tuple[torch.Tensor
     for (layer, module), (a, b) in pairs.items():
         if module.startswith("experts."):
             _, expert, proj = module.split(".")
-            per_expert.setdefault((layer, proj), {})[int(expert)] = (a, b)
+            per_expert.setdefault((layer, proj), {})[int(expert)] = (
+                a, b * ranks.scaling(paths[(layer, module)]))
         elif module.startswith("experts["):
+            rank = {p: ranks.rank(f"{paths[(layer, module)]}.{p}_proj")
+                    for p in ("gate_up", "down")}
+            fused_shapes = {
+                "gate_up": ((num_experts * rank["gate_up"], hidden),
+                            (2 * inter, rank["gate_up"] * num_experts)),
+                "down": ((num_experts * rank["down"], inter), (hidden, rank["down"] * num_experts))}
             proj = next((p for p, (sa, sb) in fused_shapes.items()
                          if tuple(a.shape) == sa and tuple(b.shape) == sb), None)
             if proj is None:
@@ -314,15 +495,18 @@ def _stack_experts(folder: Path, pairs: dict[tuple[int, str], tuple[torch.Tensor
                     f"{[list(s) for s in fused_shapes['gate_up']]}) nor experts.down_proj "
                     f"(needs {[list(s) for s in fused_shapes['down']]})")
             # peft's ParamWrapper: A rows expert-major, B columns expert-minor.
+            scaling = ranks.scaling(f"{paths[(layer, module)]}.{proj}_proj")
             put((layer, f"experts.{proj}"),
-                (a.view(num_experts, rank, a.shape[1]).contiguous(),
-                 b.view(b.shape[0], rank, num_experts).permute(2, 0, 1).contiguous()))
+                (a.view(num_experts, rank[proj], a.shape[1]).contiguous(),
+                 (b * scaling).view(b.shape[0], rank[proj], num_experts).permute(2, 0, 1)
+                 .contiguous()))
     for (layer, proj), experts in per_expert.items():
+        top = max(a.shape[0] for a, _ in experts.values())
         a0, b0 = next(iter(experts.values()))
-        stacked_a = a0.new_zeros(num_experts, *a0.shape)
-        stacked_b = b0.new_zeros(num_experts, *b0.shape)
+        stacked_a = a0.new_zeros(num_experts, top, a0.shape[1])
+        stacked_b = b0.new_zeros(num_experts, b0.shape[0], top)
         for expert, (a, b) in experts.items():
-            stacked_a[expert], stacked_b[expert] = a, b
+            stacked_a[expert, :a.shape[0]], stacked_b[expert, :, :b.shape[1]] = a, b
         put((layer, f"experts.{proj}"), (stacked_a, stacked_b))
     for layer, module in list(out):
         if module == "experts.gate_up" and ({(layer, "experts.gate"), (layer, "experts.up")}

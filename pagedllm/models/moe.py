@@ -46,6 +46,8 @@ class ReplicatedLinear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.weight.weight_loader = default_weight_loader
+        # (the linear layers' names for this rank's sizes: the whole layer)
+        self.input_size_per_partition, self.output_size_per_partition = input_size, output_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return current_platform.linear(x, self.weight)
