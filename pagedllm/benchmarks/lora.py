@@ -1,5 +1,6 @@
 """The multi-LoRA workload of `pagedllm bench throughput --num-loras N`: N random rank-R
-adapters on every linear layer of the model (PEFT's format, written here without `peft`),
+adapters on every linear layer of the model, MoE experts included (PEFT's format, written
+here without `peft`),
 request i under adapter i mod N, and the HF + peft baseline, which serves one adapter at a
 time (static batches of each adapter's requests, `set_adapter` between them), as HF must.
 """
@@ -17,7 +18,7 @@ from pagedllm.benchmarks.report import PeakRSSMonitor
 from pagedllm.benchmarks.throughput import throughput_figures, warmup_prompt
 from pagedllm.benchmarks.workload import BenchRequest
 from pagedllm.hf_config import read_hf_config
-from pagedllm.lora.peft import LORA_TARGET_MODULES, LoRAModelShapes
+from pagedllm.lora.peft import LoRAModelShapes
 from pagedllm.lora.request import LoRARequest
 
 
@@ -25,32 +26,52 @@ def write_random_adapters(model_path: str, folder: str | Path, num_loras: int, r
                           seed: int = 0) -> list[LoRARequest]:
     """Write `num_loras` random adapters of `rank` on every linear layer of the model at
     `model_path` under `folder` (A uniform in +-1/sqrt(in_features) as PEFT's init, B normal
-    with std 0.02, lora_alpha = 2 * rank); returns their requests (ids 1..num_loras)."""
+    with std 0.02, lora_alpha = 2 * rank); returns their requests (ids 1..num_loras).
+
+    On a MoE model this is every projection of every layer (attention, dense layers' MLPs,
+    shared experts) and the routed experts in transformers 5's layout (PEFT's
+    `target_parameters` on `mlp.experts.gate_up_proj` and `mlp.experts.down_proj`: A [E r, in]
+    rows expert-major, B [out, r E] columns expert-minor, gate_up nested under down)."""
     from safetensors.torch import save_file
 
     shapes = LoRAModelShapes.from_hf_config(read_hf_config(model_path))
     generator = torch.Generator().manual_seed(seed)
+
+    def pair(name: str, a_rows: int, in_features: int, out_features: int, b_cols: int) -> dict:
+        bound = in_features ** -0.5
+        return {f"{name}.lora_A.weight": (torch.rand(a_rows, in_features, generator=generator)
+                                          * 2 - 1) * bound,
+                f"{name}.lora_B.weight": torch.randn(out_features, b_cols,
+                                                     generator=generator) * 0.02}
+
+    attention = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj",
+                 "kv_a_proj_with_mqa")
+    modules = sorted({m.rpartition(".")[2] for layer in range(shapes.num_layers)
+                      for m in shapes.layer_modules(layer)})
     loras = []
     for k in range(num_loras):
         path = Path(folder) / f"lora-{k}"
         path.mkdir(parents=True, exist_ok=True)
         tensors = {}
         for layer in range(shapes.num_layers):
-            for module in LORA_TARGET_MODULES:
-                block = "self_attn" if module.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) \
-                    else "mlp"
-                in_features, out_features = shapes.features[module]
-                name = f"base_model.model.model.layers.{layer}.{block}.{module}"
-                bound = in_features ** -0.5
-                tensors[f"{name}.lora_A.weight"] = (
-                    torch.rand(rank, in_features, generator=generator) * 2 - 1) * bound
-                tensors[f"{name}.lora_B.weight"] = torch.randn(
-                    out_features, rank, generator=generator) * 0.02
+            prefix = f"base_model.model.model.layers.{layer}"
+            for module, (in_features, out_features) in shapes.layer_modules(layer).items():
+                block = "self_attn" if module in attention else "mlp"
+                tensors.update(pair(f"{prefix}.{block}.{module}", rank, in_features,
+                                    out_features, rank))
+            if shapes.is_sparse(layer):
+                experts, hidden, inter = shapes.experts
+                tensors.update(pair(f"{prefix}.mlp.experts.base_layer", experts * rank, hidden,
+                                    2 * inter, rank * experts))
+                tensors.update(pair(f"{prefix}.mlp.experts", experts * rank, inter, hidden,
+                                    rank * experts))
         save_file(tensors, str(path / "adapter_model.safetensors"))
-        (path / "adapter_config.json").write_text(json.dumps({
-            "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,
-            "target_modules": list(LORA_TARGET_MODULES), "lora_dropout": 0.0, "bias": "none",
-            "base_model_name_or_path": str(model_path)}))
+        config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank,
+                  "lora_alpha": 2 * rank, "target_modules": modules, "lora_dropout": 0.0,
+                  "bias": "none", "base_model_name_or_path": str(model_path)}
+        if shapes.experts is not None:
+            config["target_parameters"] = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+        (path / "adapter_config.json").write_text(json.dumps(config))
         loras.append(LoRARequest(f"lora-{k}", k + 1, str(path)))
     return loras
 
