@@ -7,10 +7,13 @@ target_modules, ...) and `adapter_model.safetensors` with tensors named
     base_model.model.model.layers.{i}.{self_attn|mlp}.{module}.lora_B.weight   [out_features, r]
 
 and the layer computing `base(x) + scaling * (x A^T) B^T`, scaling = lora_alpha / r (rsLoRA:
-lora_alpha / sqrt(r)). Modules q/k/v/o_proj and gate/up/down_proj are supported; the engine's
-merged qkv_proj / gate_up_proj take them as slices (lora/layers.py). Everything else PEFT can
-write (DoRA, modules_to_save, LoRA biases, embedding / LM head targets, per-module rank or
-alpha patterns) is refused with an error naming it, never ignored.
+lora_alpha / sqrt(r)), per module by `rank_pattern` / `alpha_pattern` where they match it.
+Modules q/k/v/o_proj and gate/up/down_proj are supported (a MoE block's shared expert's as
+`mlp.shared_expert[s].{gate|up|down}_proj`, Qwen2-MoE's `mlp.shared_expert_gate`), and
+DeepSeek MLA's q_proj / q_a_proj / q_b_proj / kv_a_proj_with_mqa / o_proj; the engine's merged
+qkv_proj / gate_up_proj take them as slices (lora/layers.py). MLA's kv_b_proj and everything
+else PEFT can write (DoRA, modules_to_save, LoRA biases, embedding / LM head targets) is
+refused with an error naming it, never ignored.
 
 Mixture-of-experts experts (lora/moe.py) come in two layouts:
 - transformers 5 holds a block's experts as 3-D parameters (`experts.gate_up_proj` [E, 2I, H],
@@ -178,8 +181,9 @@ def _moe_layout(hf: dict[str, Any], num_layers: int, moe_inter: int
         return set(range(num_layers)), {}
     from pagedllm.models.qwen_moe import is_sparse_layer   # Qwen2/3-MoE, OLMoE
     sparse = {i for i in range(num_layers) if is_sparse_layer(config, i)}
-    shared = hf.get("shared_expert_intermediate_size") \
-        if "Qwen2MoeForCausalLM" in (hf.get("architectures") or ()) else 0
+    qwen2_moe = (hf.get("model_type") == "qwen2_moe"
+                 or "Qwen2MoeForCausalLM" in (hf.get("architectures") or ()))
+    shared = hf.get("shared_expert_intermediate_size") if qwen2_moe else 0
     return sparse, {"shared_expert": shared or 0}
 
 

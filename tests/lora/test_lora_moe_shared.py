@@ -137,7 +137,7 @@ def test_adapters_reach_every_kind_of_layer(setup):
     weights = load_peft_adapter(loras["a"][0], shapes, 16).weights
     dense = [i for i in range(shapes.num_layers) if not shapes.is_sparse(i)]
     sparse = [i for i in range(shapes.num_layers) if shapes.is_sparse(i)]
-    assert dense and sparse
+    assert sparse and (dense or variant == "qwen3_moe")   # (the tiny Qwen3-MoE: all sparse)
     assert all((i, "gate_proj") in weights for i in dense)
     assert all((i, "experts.gate_up") in weights and (i, "experts.down") in weights
                for i in sparse)
@@ -191,7 +191,11 @@ def test_refusals_name_the_reason(setup, tmp_path):
     (bad / "adapter_config.json").write_text(json.dumps({"r": 2}))
     with pytest.raises(ValueError, match=f"layer {dense_layer} lacks \\(a dense layer\\)"):
         load_peft_adapter(LoRARequest("bad", 9, str(bad)), shapes, 16)
+    # PEFT's conversion gives the experts' gate_up rank 2r (rank_pattern): slots of r refuse it.
     if variant == "v3":
+        with pytest.raises(ValueError, match="experts.gate_up has rank 16 \\(rank_pattern\\), "
+                                             "which exceeds max_lora_rank \\(8\\)"):
+            load_peft_adapter(loras["a"][0], shapes, 8)
         # MLA's kv_b_proj: refused by target_modules and by tensor name, naming the reason.
         kv_b = make_peft_adapter(base, tmp_path / "kv_b", 4, ["kv_b_proj"], 8, False, seed=2)
         with pytest.raises(ValueError, match="'kv_b_proj' is not supported: MLA never runs "
@@ -205,3 +209,27 @@ def test_refusals_name_the_reason(setup, tmp_path):
             load_peft_adapter(LoRARequest("kv_b", 9, str(kv_b)), shapes, 16)
     # The engine goes on.
     assert llm.generate("hi", PARAMS, use_tqdm=False, lora_request=loras["b"][0])
+
+
+@pytest.mark.slow
+def test_tensor_parallel_matches_one_process(setup):
+    """tp=2 on worker processes: the shared experts' and dense MLPs' adapters sharded like
+    their layers, MLA's q_b_proj by heads (q_a / kv_a replicated), o_proj's partial sums
+    reduced with the base layer's; tokens and logprobs equal the single-process engine's."""
+    variant, base, loras, llm = setup
+    prompts = [{"prompt_token_ids": p} for p in _prompts()[:4]]
+    per_prompt = [None, loras["a"][0], loras["b"][0], loras["a"][0]]
+    want = [_tokens_and_logprobs(o) for o in llm.generate(
+        prompts, PARAMS, use_tqdm=False, lora_request=per_prompt)]
+    tp = LLM(str(base), dtype="float32", kv_cache_memory_bytes=8 << 20, enable_lora=True,
+             max_loras=2, max_lora_rank=16, max_num_batched_tokens=32, max_num_seqs=6,
+             tensor_parallel_size=2, distributed_executor_backend="mp")
+    try:
+        got = [_tokens_and_logprobs(o) for o in tp.generate(
+            prompts, PARAMS, use_tqdm=False, lora_request=per_prompt)]
+    finally:
+        tp.llm_engine.engine_core.shutdown()
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, want):
+        assert tokens == want_tokens
+        torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(want_logprobs),
+                                   atol=LOGPROB_TOL, rtol=0)
