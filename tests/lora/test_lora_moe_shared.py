@@ -43,7 +43,8 @@ MLP = ["gate_proj", "up_proj", "down_proj"]
 # the attention, every MLP linear and all expert parameters, "b" rank 4 with rsLoRA on o_proj,
 # the down projections and the experts' gate_up only.
 VARIANTS = {
-    "qwen2_moe": (_build, ["q_proj", "v_proj", *MLP, "shared_expert_gate"], ["o_proj", "down_proj"]),
+    "qwen2_moe": (_build, ["q_proj", "v_proj", *MLP, "shared_expert_gate"],
+                  ["o_proj", "down_proj"]),
     "v3": (build_checkpoint, ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", *MLP],
            ["o_proj", "down_proj"]),
     "qwen3_moe": (_build, ["k_proj", *MLP], ["o_proj", "down_proj"]),
