@@ -8,6 +8,12 @@ second pass every prefix has been evicted from it: without the tier the second p
 each prefix, with the tier it loads the prefix's blocks back. Prints the median TTFT of each
 engine's second pass, their ratio, and checks that both engines produce the same tokens.
 
+The tier runs twice, with synchronous and with asynchronous transfers (`async_transfers`:
+loads per layer on a copy thread, each layer waiting only for its own, saves handed over right
+after each layer's write). A third pass then times steps that both load and compute: each
+tier-hit prompt together with a fresh prompt of the same length (one step: the hit's blocks
+are loaded while the fresh prompt is computed, and the fresh prompt's blocks are saved).
+
     python scripts/bench_kv_offload.py [--num-prefixes 64 --prefix-len 512 --cache-tokens 4096]
 """
 
@@ -27,21 +33,37 @@ from pagedllm import LLM, SamplingParams  # noqa: E402
 from scripts.bench_prefix_cache import build_checkpoint  # noqa: E402
 
 
+PARAMS = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+
+
 def second_pass_ttfts(llm: LLM, first: list[list[int]], second: list[list[int]]
                       ) -> tuple[list[float], list[int], list[int]]:
     """Run `first` then `second` one request at a time; the second pass's TTFTs (s), cached
     tokens and first tokens."""
-    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     for prompt in first:
-        llm.generate(prompt, params, use_tqdm=False)
+        llm.generate(prompt, PARAMS, use_tqdm=False)
     times, cached, tokens = [], [], []
     for prompt in second:
         start = time.perf_counter()
-        (out,) = llm.generate(prompt, params, use_tqdm=False)
+        (out,) = llm.generate(prompt, PARAMS, use_tqdm=False)
         times.append(time.perf_counter() - start)
         cached.append(out.num_cached_tokens)
         tokens.append(out.outputs[0].token_ids[0])
     return times, cached, tokens
+
+
+def mixed_step_times(llm: LLM, hits: list[list[int]], fresh: list[list[int]]
+                     ) -> tuple[list[float], list[int]]:
+    """Each of `hits` (prompts whose prefix the tier holds) with one of `fresh` (never seen):
+    the time of the one step that loads the first and computes the second (s), and the
+    first tokens."""
+    times, tokens = [], []
+    for hit, new in zip(hits, fresh):
+        start = time.perf_counter()
+        outs = llm.generate([hit, new], PARAMS, use_tqdm=False)
+        times.append(time.perf_counter() - start)
+        tokens += [o.outputs[0].token_ids[0] for o in outs]
+    return times, tokens
 
 
 def main() -> None:
@@ -62,26 +84,42 @@ def main() -> None:
                 for _ in range(args.num_prefixes)]
     first = [p + [rng.randrange(3, 250) for _ in range(args.suffix_len)] for p in prefixes]
     second = [p + [rng.randrange(3, 250) for _ in range(args.suffix_len)] for p in prefixes]
+    third = [p + [rng.randrange(3, 250) for _ in range(args.suffix_len)] for p in prefixes]
+    fresh = [[rng.randrange(3, 250) for _ in range(args.prefix_len + args.suffix_len)]
+             for _ in prefixes]
     with tempfile.TemporaryDirectory() as tmp:
         path = build_checkpoint(Path(tmp), args.hidden_size, args.num_layers,
                                 max(2048, args.prefix_len + args.suffix_len + 8))
         engine = dict(dtype="float32", block_size=args.block_size, max_num_seqs=4,
                       num_gpu_blocks_override=args.cache_tokens // args.block_size + 1,
                       max_num_batched_tokens=2048, num_scheduler_steps=1)
-        results = {}
-        for name, extra in (("recompute", {}), ("host tier", {"kv_offloading_size":
-                                                             args.tier_gib})):
+        results, mixed = {}, {}
+        for name, extra in (("recompute", {}), ("tier sync", _tier(args.tier_gib, False)),
+                            ("tier async", _tier(args.tier_gib, True))):
             llm = LLM(str(path), **engine, **extra)
             results[name] = second_pass_ttfts(llm, first, second)
+            mixed[name] = mixed_step_times(llm, third, fresh)
             del llm
     for name, (times, cached, _) in results.items():
         print(f"{name:10s}: median TTFT {statistics.median(times) * 1e3:7.1f} ms over "
               f"{len(times)} prompts of {args.prefix_len + args.suffix_len} tokens; cached "
-              f"tokens per prompt {statistics.median(cached):.0f}")
-    ratio = (statistics.median(results["recompute"][0])
-             / statistics.median(results["host tier"][0]))
-    same = results["recompute"][2] == results["host tier"][2]
-    print(f"TTFT ratio recompute / host tier: {ratio:.2f}x; first tokens identical: {same}")
+              f"tokens per prompt {statistics.median(cached):.0f}; load+compute step "
+              f"{statistics.median(mixed[name][0]) * 1e3:7.1f} ms")
+    median = {name: statistics.median(times) for name, (times, _, _) in results.items()}
+    same = (results["recompute"][2] == results["tier sync"][2] == results["tier async"][2]
+            and mixed["recompute"][1] == mixed["tier sync"][1] == mixed["tier async"][1])
+    print(f"TTFT ratio recompute / tier: {median['recompute'] / median['tier sync']:.2f}x "
+          f"(sync), {median['recompute'] / median['tier async']:.2f}x (async); async / sync "
+          f"TTFT {median['tier async'] / median['tier sync']:.3f}, load+compute step "
+          f"{statistics.median(mixed['tier async'][0]) / statistics.median(mixed['tier sync'][0]):.3f}"
+          f"; tokens identical: {same}")
+
+
+def _tier(gib: float, asynchronous: bool) -> dict:
+    return {"kv_transfer_config": {
+        "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"kv_offloading_size": gib,
+                                      "async_transfers": asynchronous}}}
 
 
 if __name__ == "__main__":

@@ -110,19 +110,22 @@ class OffloadingConnectorWorker:
         if meta.disk_load_hashes:
             read = self._queue.submit(lambda: disk_rows.append(self._read_block_files(meta)))
         columns = block_row_columns(self._kv_caches)
+        slots = torch.tensor(meta.load_slots, dtype=torch.int64)
+        blocks = torch.tensor(meta.load_block_ids, dtype=torch.int64)
         for name, cache in self._kv_caches.items():
             layer = self._queue.submit(
-                lambda name=name, cache=cache: self._load_layer(name, cache, meta, disk_rows,
-                                                                columns[name]))
+                lambda name=name, cache=cache: self._load_layer(
+                    cache, self._host[name], slots, blocks, meta, disk_rows, columns[name]))
             self._loads[name] = [t for t in (read, layer) if t is not None]
 
-    def _load_layer(self, name: str, cache: torch.Tensor, meta: OffloadingMetadata,
+    def _load_layer(self, cache: torch.Tensor, host: torch.Tensor, slots: torch.Tensor,
+                    blocks: torch.Tensor, meta: OffloadingMetadata,
                     disk_rows: list[torch.Tensor], column: tuple[int, int]) -> None:
-        """One layer's loads (on the copy queue)."""
-        if meta.load_slots:
-            slots = torch.tensor(meta.load_slots, dtype=torch.int64)
-            blocks = torch.tensor(meta.load_block_ids, dtype=torch.int64, device=self.device)
-            cache[:, blocks] = self._host[name][:, slots].to(self.device, non_blocking=True)
+        """One layer's loads (on the copy queue): device blocks `blocks` <- host slots
+        `slots` (int64 host tensors), then the disk blocks."""
+        if len(slots):
+            cache.index_copy_(1, blocks.to(self.device), host.index_select(1, slots).to(
+                self.device, non_blocking=True))
         if disk_rows:   # (else the read failed, and raises in whoever waits for it)
             copy_rows_to_layer(cache, meta.disk_load_block_ids, disk_rows[0], column)
 
@@ -173,12 +176,12 @@ class OffloadingConnectorWorker:
         if meta.store_slots:
             blocks = torch.tensor(meta.store_block_ids, dtype=torch.int64, device=self.device)
             slots = torch.tensor(meta.store_slots, dtype=torch.int64)
-            self._host[name][:, slots] = kv_layer[:, blocks].to("cpu")
+            self._host[name].index_copy_(1, slots, kv_layer.index_select(1, blocks).to("cpu"))
         if meta.disk_store_hashes:
             blocks = torch.tensor(meta.disk_store_block_ids, dtype=torch.int64,
                                   device=self.device)
             # [n, 2, block_size, heads, head_size]: each block's K and V together
-            self._disk_rows[name] = kv_layer[:, blocks].transpose(0, 1).to("cpu")
+            self._disk_rows[name] = kv_layer.index_select(1, blocks).transpose(0, 1).to("cpu")
 
     def wait_for_save(self) -> None:
         """Wait for the step's device-to-host copies (and any load no layer waited for),
