@@ -12,7 +12,9 @@ The tier runs twice, with synchronous and with asynchronous transfers (`async_tr
 loads per layer on a copy thread, each layer waiting only for its own, saves handed over right
 after each layer's write). A third pass then times steps that both load and compute: each
 tier-hit prompt together with a fresh prompt of the same length (one step: the hit's blocks
-are loaded while the fresh prompt is computed, and the fresh prompt's blocks are saved).
+are loaded while the fresh prompt is computed, and the fresh prompt's blocks are saved). The
+three engines live side by side and take each prompt in turn, so that a shared machine's
+changing load falls on all of them alike.
 
     python scripts/bench_kv_offload.py [--num-prefixes 64 --prefix-len 512 --cache-tokens 4096]
 """
@@ -36,34 +38,28 @@ from scripts.bench_prefix_cache import build_checkpoint  # noqa: E402
 PARAMS = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 
 
-def second_pass_ttfts(llm: LLM, first: list[list[int]], second: list[list[int]]
-                      ) -> tuple[list[float], list[int], list[int]]:
-    """Run `first` then `second` one request at a time; the second pass's TTFTs (s), cached
-    tokens and first tokens."""
-    for prompt in first:
-        llm.generate(prompt, PARAMS, use_tqdm=False)
-    times, cached, tokens = [], [], []
-    for prompt in second:
-        start = time.perf_counter()
-        (out,) = llm.generate(prompt, PARAMS, use_tqdm=False)
-        times.append(time.perf_counter() - start)
-        cached.append(out.num_cached_tokens)
-        tokens.append(out.outputs[0].token_ids[0])
-    return times, cached, tokens
+def timed(llm: LLM, prompts: list[list[int]]) -> tuple[float, list]:
+    """One generate call of `prompts` (s) and its outputs."""
+    start = time.perf_counter()
+    outs = llm.generate(prompts, PARAMS, use_tqdm=False)
+    return time.perf_counter() - start, outs
 
 
-def mixed_step_times(llm: LLM, hits: list[list[int]], fresh: list[list[int]]
-                     ) -> tuple[list[float], list[int]]:
-    """Each of `hits` (prompts whose prefix the tier holds) with one of `fresh` (never seen):
-    the time of the one step that loads the first and computes the second (s), and the
-    first tokens."""
-    times, tokens = [], []
-    for hit, new in zip(hits, fresh):
-        start = time.perf_counter()
-        outs = llm.generate([hit, new], PARAMS, use_tqdm=False)
-        times.append(time.perf_counter() - start)
-        tokens += [o.outputs[0].token_ids[0] for o in outs]
-    return times, tokens
+def interleaved(engines: dict[str, LLM], batches: list[list[list[int]]]
+                ) -> dict[str, tuple[list[float], list[int], list[int]]]:
+    """Each batch on every engine in turn (the order rotating from batch to batch, so the
+    load of a shared machine hits every engine alike): per engine the times (s), the cached
+    tokens and the first tokens."""
+    results = {name: ([], [], []) for name in engines}
+    names = list(engines)
+    for i, batch in enumerate(batches):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            seconds, outs = timed(engines[name], batch)
+            times, cached, tokens = results[name]
+            times.append(seconds)
+            cached.append(outs[0].num_cached_tokens)
+            tokens += [o.outputs[0].token_ids[0] for o in outs]
+    return results
 
 
 def main() -> None:
@@ -93,13 +89,15 @@ def main() -> None:
         engine = dict(dtype="float32", block_size=args.block_size, max_num_seqs=4,
                       num_gpu_blocks_override=args.cache_tokens // args.block_size + 1,
                       max_num_batched_tokens=2048, num_scheduler_steps=1)
-        results, mixed = {}, {}
-        for name, extra in (("recompute", {}), ("tier sync", _tier(args.tier_gib, False)),
-                            ("tier async", _tier(args.tier_gib, True))):
-            llm = LLM(str(path), **engine, **extra)
-            results[name] = second_pass_ttfts(llm, first, second)
-            mixed[name] = mixed_step_times(llm, third, fresh)
-            del llm
+        engines = {name: LLM(str(path), **engine, **extra) for name, extra in (
+            ("recompute", {}), ("tier sync", _tier(args.tier_gib, False)),
+            ("tier async", _tier(args.tier_gib, True)))}
+        for llm in engines.values():
+            llm.generate(first, PARAMS, use_tqdm=False)
+        # The second pass: each prompt alone (its TTFT). The third: each tier-hit prompt with
+        # a fresh one, in one step that loads the first and computes (and saves) the second.
+        results = interleaved(engines, [[p] for p in second])
+        mixed = interleaved(engines, [[p, f] for p, f in zip(third, fresh)])
     for name, (times, cached, _) in results.items():
         print(f"{name:10s}: median TTFT {statistics.median(times) * 1e3:7.1f} ms over "
               f"{len(times)} prompts of {args.prefix_len + args.suffix_len} tokens; cached "
