@@ -105,7 +105,7 @@ def main() -> None:
               f"{statistics.median(mixed[name][0]) * 1e3:7.1f} ms")
     median = {name: statistics.median(times) for name, (times, _, _) in results.items()}
     same = (results["recompute"][2] == results["tier sync"][2] == results["tier async"][2]
-            and mixed["recompute"][1] == mixed["tier sync"][1] == mixed["tier async"][1])
+            and mixed["recompute"][2] == mixed["tier sync"][2] == mixed["tier async"][2])
     print(f"TTFT ratio recompute / tier: {median['recompute'] / median['tier sync']:.2f}x "
           f"(sync), {median['recompute'] / median['tier async']:.2f}x (async); async / sync "
           f"TTFT {median['tier async'] / median['tier sync']:.3f}, load+compute step "

@@ -66,7 +66,8 @@ class CopyQueue:
         return self._executor.submit(self._on_stream, transfer, ready)
 
     def _on_stream(self, transfer: Callable[[], None], ready) -> object:
-        with torch.cuda.stream(self._stream):
+        # (the copy thread's current device is its own: CUDA keeps it per thread)
+        with torch.cuda.device(self._stream.device), torch.cuda.stream(self._stream):
             self._stream.wait_event(ready)
             transfer()
             finished = torch.cuda.Event()
