@@ -118,10 +118,18 @@ def test_unwaited_loads_finish_at_step_end_and_bad_file_fails_loudly(tmp_path):
     for cache in caches.values():
         assert torch.equal(cache[:, 3], cache[:, 1]) and torch.equal(cache[:, 4], cache[:, 1])
 
-    # The file replaced after the scheduler side matched it: the layers' waits raise (no
-    # hang), and the next step runs.
+    # The file replaced or one payload byte flipped after the scheduler side matched it: the
+    # layers' waits raise (no hang, no wrong bytes loaded), and the next step runs.
     columns = block_row_columns(caches)
     assert list(columns.values())[-1][1] == conn.bytes_per_block
+    path = block_file(tmp_path / "kv", b"h1", 0)
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    hooks = start_step(conn, OffloadingMetadata(disk_load_block_ids=[5],
+                                                disk_load_hashes=[b"h1"]), LAYERS)
+    with pytest.raises(RuntimeError, match="changed after it was matched"):
+        finish_step(hooks, caches)
     write_block_file(block_file(tmp_path / "kv", b"h1", 0),
                      encode_block_file(b"h1", "another model", b"\0" * conn.bytes_per_block))
     hooks = start_step(conn, OffloadingMetadata(disk_load_block_ids=[5],

@@ -131,7 +131,8 @@ class OffloadingConnectorWorker:
 
     def _read_block_files(self, meta: OffloadingMetadata) -> torch.Tensor:
         """The step's disk loads' payloads, [n, bytes_per_block] uint8 (the files were checked
-        by the scheduler side when it matched them; the header and size are checked again).
+        by the scheduler side when it matched them; everything is checked again, the payload's
+        CRC32 included, on the copy thread: a block never loads wrong bytes).
 
         Raises:
             RuntimeError: a file changed since it was matched (deleted or rewritten by
@@ -146,7 +147,7 @@ class OffloadingConnectorWorker:
             except OSError as e:
                 raise RuntimeError(f"KV disk tier: {path} vanished after it was matched: "
                                    f"{e}") from e
-            payload = decode_block_file(data, block_hash, layout, check_crc=False)
+            payload = decode_block_file(data, block_hash, layout)
             if payload is None or len(payload) != self.bytes_per_block:
                 raise RuntimeError(f"KV disk tier: {path} changed after it was matched")
             rows[i] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
