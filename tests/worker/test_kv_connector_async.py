@@ -2,8 +2,9 @@
 per-layer seams of worker/kv_connector/base.py) on plain CPU tensors: transfers run in order
 on the copy thread and a failure re-raises in whoever waits; async and sync connectors leave
 the same bytes in the device cache and the host tier; loads start without blocking and each
-layer waits for its own; a step whose loads no layer waited for
-(every request aborted) finishes them without a deadlock; a disk file that changed after it
+layer waits for its own; a P/D producer's export loads
+into a consumer's blocks either way; a step whose loads no layer waited for (every request
+aborted) finishes them without a deadlock; a disk file that changed after it
 was matched fails the step loudly and the next step runs."""
 
 from __future__ import annotations
@@ -13,11 +14,15 @@ import threading
 import pytest
 import torch
 
+from pagedllm.config import KVTransferConfig
 from pagedllm.core.kv_connector.disk_tier import block_file, encode_block_file, write_block_file
 from pagedllm.core.kv_connector.offloading import OffloadingMetadata
+from pagedllm.core.kv_connector.p2p_shm import ExportSpec, LoadSpec, P2pShmMetadata
+from pagedllm.core.kv_connector.p2p_transport import transfer_file, transfer_key
 from pagedllm.worker.kv_connector.async_copy import CopyQueue
 from pagedllm.worker.kv_connector.base import block_row_columns, finish_step, start_step
 from pagedllm.worker.kv_connector.offloading import OffloadingConnectorWorker
+from pagedllm.worker.kv_connector.p2p_shm import P2pShmConnectorWorker
 
 LAYERS = ["model.layers.0.self_attn", "model.layers.1.self_attn", "model.layers.2.self_attn"]
 SHAPE = (2, 10, 4, 2, 8)   # [2, num_blocks, block_size, heads, head_size]
@@ -142,3 +147,35 @@ def test_unwaited_loads_finish_at_step_end_and_bad_file_fails_loudly(tmp_path):
     for cache in caches.values():
         assert torch.equal(cache[:, 6], cache[:, 1])
     conn.shutdown()
+
+
+@pytest.mark.parametrize("producer_async,consumer_async", [(True, False), (False, True)])
+def test_p2p_export_then_load_per_layer(tmp_path, producer_async, consumer_async):
+    """A producer exports its blocks 1-3; a consumer loads the file's last two blocks
+    (first_block 1) into its blocks 6, 7, layer for layer, whichever side copies
+    asynchronously; the consumer deletes the file after loading it."""
+    def worker(role: str, asynchronous: bool, caches) -> P2pShmConnectorWorker:
+        config = KVTransferConfig("P2pShmConnector", role, {"shm_dir": str(tmp_path),
+                                                            "async_transfers": asynchronous})
+        bytes_per_block = sum(c[:, 0].numel() * c.element_size() for c in caches.values())
+        return P2pShmConnectorWorker(config, caches, bytes_per_block, torch.device("cpu"))
+    sent, received = _caches(3), _caches(4)
+    producer = worker("kv_producer", producer_async, sent)
+    consumer = worker("kv_consumer", consumer_async, received)
+    key = transfer_key("req-1")
+    hooks = start_step(producer, P2pShmMetadata(exports=[ExportSpec(key, [1, 2, 3])]), LAYERS)
+    for name in LAYERS:
+        hooks.wait_for_layer_load(name)
+        hooks.save_kv_layer(name, sent[name])
+    finish_step(hooks, sent)
+    path = transfer_file(tmp_path, producer.engine_id, key, 0)
+    assert path.is_file()
+    hooks = start_step(consumer, P2pShmMetadata(
+        loads=[LoadSpec(producer.engine_id, key, 1, [6, 7])]), LAYERS)
+    for name in LAYERS:
+        hooks.wait_for_layer_load(name)
+        assert torch.equal(received[name][:, 6:8], sent[name][:, 2:4])
+    finish_step(hooks, received)
+    assert not path.exists()
+    producer.shutdown()
+    consumer.shutdown()
