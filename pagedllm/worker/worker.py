@@ -225,8 +225,9 @@ class Worker:
     def execute_model(self, scheduler_output: SchedulerOutput,
                       grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
         """One step, or the `num_steps` decode steps of a multi-step round (whose requests have
-        no grammar: `grammar_output` is the first step's); the KV connector's loads before it
-        and saves after it (worker/kv_connector/base.py)."""
+        no grammar: `grammar_output` is the first step's); the KV connector's loads start
+        before it, each attention layer waits for its own and hands its saves over, and the
+        step ends when the saves are done (worker/kv_connector/base.py)."""
         self.platform.before_step()
         hooks = self._start_kv(scheduler_output)
         try:

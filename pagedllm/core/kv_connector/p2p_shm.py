@@ -234,9 +234,13 @@ class P2pShmConsumerScheduler:
         self.owner_id = f"{engine_id_of(config)}-decode{os.getpid()}.{secrets.token_hex(4)}"
         self.ownership = ShmOwnership(self.shm_dir, self.owner_id,
                                       float(extra["transfer_ttl"]))
-        self.client = TransferClient(config.kv_ip, config.kv_port,
-                                     config.engine_id or "decode",
-                                     float(extra["transfer_timeout"]))
+        try:
+            self.client = TransferClient(config.kv_ip, config.kv_port,
+                                         config.engine_id or "decode",
+                                         float(extra["transfer_timeout"]))
+        except BaseException:
+            self.ownership.release()
+            raise
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-transfer-pull")
         self._pulls: dict[str, _Pull] = {}
         self._loads: list[LoadSpec] = []
