@@ -19,7 +19,7 @@ Ordering guarantees (what makes it safe):
   it. `wait` makes the caller's stream wait for the copy (no host sync); `wait_host` also
   blocks the host (before it reads host memory a copy wrote).
 - **Torch releases the GIL** in its copy kernels, so on the CPU the copy thread runs beside
-  the compute thread's kernels.
+  the compute thread's kernels, with one intra-op thread of its own.
 
 With `asynchronous=False` every transfer runs inline in `submit` (the synchronous baseline,
 on the same code path). A transfer that raises re-raises in whoever waits for it.
@@ -43,7 +43,12 @@ class CopyQueue:
 
     def __init__(self, device: torch.device, asynchronous: bool = True) -> None:
         self.asynchronous = asynchronous
-        self._executor = (ThreadPoolExecutor(1, thread_name_prefix="kv-transfer")
+        # One intra-op thread for the copy thread's own kernels (memory copies): the forward's
+        # thread keeps its team, and two OpenMP teams on the same cores would wait for each
+        # other (a 2 MiB copy took 96 ms with two threads beside another process's load,
+        # 0.5 ms with one). The setting is per thread (OpenMP's and MKL's thread-local count).
+        self._executor = (ThreadPoolExecutor(1, thread_name_prefix="kv-transfer",
+                                             initializer=torch.set_num_threads, initargs=(1,))
                           if asynchronous else None)
         self._stream = (torch.cuda.Stream(device) if asynchronous and device.type == "cuda"
                         else None)
