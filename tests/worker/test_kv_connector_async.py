@@ -10,6 +10,7 @@ was matched fails the step loudly and the next step runs."""
 from __future__ import annotations
 
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -58,6 +59,16 @@ def test_copy_queue_order_and_errors(asynchronous):
         queue.wait(bad)
     queue.wait(after)   # (a failed transfer does not stop the queue)
     assert seen == list(range(20)) + ["after"]
+    queue.shutdown()
+
+
+def test_copy_thread_has_one_intra_op_thread_and_leaves_the_others_alone():
+    before = torch.get_num_threads()
+    queue = CopyQueue(torch.device("cpu"), True)
+    assert queue._executor.submit(torch.get_num_threads).result() == 1
+    assert torch.get_num_threads() == before
+    with ThreadPoolExecutor(1) as fresh:   # (a thread started later: torch's default)
+        assert fresh.submit(torch.get_num_threads).result() == before
     queue.shutdown()
 
 

@@ -43,13 +43,19 @@ class CopyQueue:
 
     def __init__(self, device: torch.device, asynchronous: bool = True) -> None:
         self.asynchronous = asynchronous
-        # One intra-op thread for the copy thread's own kernels (memory copies): the forward's
-        # thread keeps its team, and two OpenMP teams on the same cores would wait for each
-        # other (a 2 MiB copy took 96 ms with two threads beside another process's load,
-        # 0.5 ms with one). The setting is per thread (OpenMP's and MKL's thread-local count).
-        self._executor = (ThreadPoolExecutor(1, thread_name_prefix="kv-transfer",
-                                             initializer=torch.set_num_threads, initargs=(1,))
-                          if asynchronous else None)
+        self._executor = None
+        if asynchronous:
+            # One intra-op thread for the copy thread's own kernels (memory copies): the
+            # forward's thread keeps its team, and two OpenMP teams on the same cores wait for
+            # each other (a 2 MiB copy took 96 ms with two threads beside another process's
+            # load, 0.5 ms with one). torch.set_num_threads sets the calling thread's count
+            # and torch's default for threads not yet started; the thread is started now and
+            # the default put back, so no other thread is affected.
+            threads = torch.get_num_threads()
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="kv-transfer",
+                                                initializer=_one_intra_op_thread)
+            self._executor.submit(int).result()
+            torch.set_num_threads(threads)
         self._stream = (torch.cuda.Stream(device) if asynchronous and device.type == "cuda"
                         else None)
 
@@ -99,6 +105,14 @@ class CopyQueue:
         """Finish the queued transfers and stop the thread."""
         if self._executor is not None:
             self._executor.shutdown(wait=True)
+
+
+def _one_intra_op_thread() -> None:
+    """(The copy thread's start.) Its own intra-op thread count: 1. The count read back makes
+    torch take it as this thread's now, rather than at its first kernel from the default of
+    that moment."""
+    torch.set_num_threads(1)
+    torch.get_num_threads()
 
 
 def wait_all(queue: CopyQueue, tickets: list[Future]) -> None:
