@@ -8,6 +8,14 @@ second pass every prefix has been evicted from it: without the tier the second p
 each prefix, with the tier it loads the prefix's blocks back. Prints the median TTFT of each
 engine's second pass, their ratio, and checks that both engines produce the same tokens.
 
+The tier runs twice, with synchronous and with asynchronous transfers (`async_transfers`:
+loads per layer on a copy thread, each layer waiting only for its own, saves handed over right
+after each layer's write). A third pass then times steps that both load and compute: each
+tier-hit prompt together with a fresh prompt of the same length (one step: the hit's blocks
+are loaded while the fresh prompt is computed, and the fresh prompt's blocks are saved). The
+three engines live side by side and take each prompt in turn, so that a shared machine's
+changing load falls on all of them alike.
+
     python scripts/bench_kv_offload.py [--num-prefixes 64 --prefix-len 512 --cache-tokens 4096]
 """
 
@@ -27,21 +35,31 @@ from pagedllm import LLM, SamplingParams  # noqa: E402
 from scripts.bench_prefix_cache import build_checkpoint  # noqa: E402
 
 
-def second_pass_ttfts(llm: LLM, first: list[list[int]], second: list[list[int]]
-                      ) -> tuple[list[float], list[int], list[int]]:
-    """Run `first` then `second` one request at a time; the second pass's TTFTs (s), cached
-    tokens and first tokens."""
-    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    for prompt in first:
-        llm.generate(prompt, params, use_tqdm=False)
-    times, cached, tokens = [], [], []
-    for prompt in second:
-        start = time.perf_counter()
-        (out,) = llm.generate(prompt, params, use_tqdm=False)
-        times.append(time.perf_counter() - start)
-        cached.append(out.num_cached_tokens)
-        tokens.append(out.outputs[0].token_ids[0])
-    return times, cached, tokens
+PARAMS = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+
+
+def timed(llm: LLM, prompts: list[list[int]]) -> tuple[float, list]:
+    """One generate call of `prompts` (s) and its outputs."""
+    start = time.perf_counter()
+    outs = llm.generate(prompts, PARAMS, use_tqdm=False)
+    return time.perf_counter() - start, outs
+
+
+def interleaved(engines: dict[str, LLM], batches: list[list[list[int]]]
+                ) -> dict[str, tuple[list[float], list[int], list[int]]]:
+    """Each batch on every engine in turn (the order rotating from batch to batch, so the
+    load of a shared machine hits every engine alike): per engine the times (s), the cached
+    tokens and the first tokens."""
+    results = {name: ([], [], []) for name in engines}
+    names = list(engines)
+    for i, batch in enumerate(batches):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            seconds, outs = timed(engines[name], batch)
+            times, cached, tokens = results[name]
+            times.append(seconds)
+            cached.append(outs[0].num_cached_tokens)
+            tokens += [o.outputs[0].token_ids[0] for o in outs]
+    return results
 
 
 def main() -> None:
@@ -62,26 +80,44 @@ def main() -> None:
                 for _ in range(args.num_prefixes)]
     first = [p + [rng.randrange(3, 250) for _ in range(args.suffix_len)] for p in prefixes]
     second = [p + [rng.randrange(3, 250) for _ in range(args.suffix_len)] for p in prefixes]
+    third = [p + [rng.randrange(3, 250) for _ in range(args.suffix_len)] for p in prefixes]
+    fresh = [[rng.randrange(3, 250) for _ in range(args.prefix_len + args.suffix_len)]
+             for _ in prefixes]
     with tempfile.TemporaryDirectory() as tmp:
         path = build_checkpoint(Path(tmp), args.hidden_size, args.num_layers,
                                 max(2048, args.prefix_len + args.suffix_len + 8))
         engine = dict(dtype="float32", block_size=args.block_size, max_num_seqs=4,
                       num_gpu_blocks_override=args.cache_tokens // args.block_size + 1,
                       max_num_batched_tokens=2048, num_scheduler_steps=1)
-        results = {}
-        for name, extra in (("recompute", {}), ("host tier", {"kv_offloading_size":
-                                                             args.tier_gib})):
-            llm = LLM(str(path), **engine, **extra)
-            results[name] = second_pass_ttfts(llm, first, second)
-            del llm
+        engines = {name: LLM(str(path), **engine, **extra) for name, extra in (
+            ("recompute", {}), ("tier sync", _tier(args.tier_gib, False)),
+            ("tier async", _tier(args.tier_gib, True)))}
+        for llm in engines.values():
+            llm.generate(first, PARAMS, use_tqdm=False)
+        # The second pass: each prompt alone (its TTFT). The third: each tier-hit prompt with
+        # a fresh one, in one step that loads the first and computes (and saves) the second.
+        results = interleaved(engines, [[p] for p in second])
+        mixed = interleaved(engines, [[p, f] for p, f in zip(third, fresh)])
     for name, (times, cached, _) in results.items():
         print(f"{name:10s}: median TTFT {statistics.median(times) * 1e3:7.1f} ms over "
               f"{len(times)} prompts of {args.prefix_len + args.suffix_len} tokens; cached "
-              f"tokens per prompt {statistics.median(cached):.0f}")
-    ratio = (statistics.median(results["recompute"][0])
-             / statistics.median(results["host tier"][0]))
-    same = results["recompute"][2] == results["host tier"][2]
-    print(f"TTFT ratio recompute / host tier: {ratio:.2f}x; first tokens identical: {same}")
+              f"tokens per prompt {statistics.median(cached):.0f}; load+compute step "
+              f"{statistics.median(mixed[name][0]) * 1e3:7.1f} ms")
+    median = {name: statistics.median(times) for name, (times, _, _) in results.items()}
+    same = (results["recompute"][2] == results["tier sync"][2] == results["tier async"][2]
+            and mixed["recompute"][2] == mixed["tier sync"][2] == mixed["tier async"][2])
+    print(f"TTFT ratio recompute / tier: {median['recompute'] / median['tier sync']:.2f}x "
+          f"(sync), {median['recompute'] / median['tier async']:.2f}x (async); async / sync "
+          f"TTFT {median['tier async'] / median['tier sync']:.3f}, load+compute step "
+          f"{statistics.median(mixed['tier async'][0]) / statistics.median(mixed['tier sync'][0]):.3f}"
+          f"; tokens identical: {same}")
+
+
+def _tier(gib: float, asynchronous: bool) -> dict:
+    return {"kv_transfer_config": {
+        "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"kv_offloading_size": gib,
+                                      "async_transfers": asynchronous}}}
 
 
 if __name__ == "__main__":

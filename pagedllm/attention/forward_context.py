@@ -20,15 +20,19 @@ _local = threading.local()
 
 @dataclass(frozen=True)
 class ForwardContext:
-    """attn_metadata: the backend's metadata for this step (one object shared by all layers)."""
+    """attn_metadata: the backend's metadata for this step (one object shared by all layers).
+    kv_hooks: the KV connector's per-layer seams of this step (worker/kv_connector/base.py,
+    `KVLayerHooks`: `wait_for_layer_load(layer_name)` before a layer reads its KV cache,
+    `save_kv_layer(layer_name, kv_cache)` after it wrote it), or None (no connector)."""
 
     attn_metadata: Any
+    kv_hooks: Any = None
 
 
 @contextmanager
-def set_forward_context(attn_metadata: Any) -> Iterator[None]:
+def set_forward_context(attn_metadata: Any, kv_hooks: Any = None) -> Iterator[None]:
     prev = getattr(_local, "context", None)
-    _local.context = ForwardContext(attn_metadata)
+    _local.context = ForwardContext(attn_metadata, kv_hooks)
     try:
         yield
     finally:

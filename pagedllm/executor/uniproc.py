@@ -70,3 +70,4 @@ class UniProcExecutor:
         if self._model_thread is not None:
             self._model_thread.shutdown(wait=True)
             self._model_thread = None
+        self.worker.shutdown()   # (its KV connector's copy thread)

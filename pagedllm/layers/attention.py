@@ -5,6 +5,9 @@ It owns nothing but its shape and the KV-cache tensor bound to it by the worker
 the forward context and hands the work to the platform's backend, which writes the new K/V into
 their slots and attends over the request's cached context. Per-layer variants (a sliding window,
 attention-logit soft-capping) are facts of the layer, passed to the backend with every call.
+With a KV connector, the layer waits for its own loaded blocks before attending and hands its
+cache to the connector's saves right after writing it (the forward context's `kv_hooks`), so
+transfers of the other layers overlap its compute (vLLM's per-layer connector calls).
 """
 
 from __future__ import annotations
@@ -55,7 +58,10 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         n = q.shape[0]
-        metadata = get_forward_context().attn_metadata
+        context = get_forward_context()
+        metadata, hooks = context.attn_metadata, context.kv_hooks
+        if hooks is not None:   # (a KV connector: this layer's loads must have landed)
+            hooks.wait_for_layer_load(self.layer_name)
         if isinstance(metadata, KVCacheGroupsMetadata):   # several block tables: take ours
             metadata = metadata.for_layer(self.sliding_window)
         out = self.backend.forward(q.view(n, self.num_heads, self.head_size),
@@ -64,4 +70,6 @@ class Attention(nn.Module):
                                    self.kv_cache, metadata, self.scale,
                                    sliding_window=self.sliding_window,
                                    logits_soft_cap=self.logits_soft_cap)
+        if hooks is not None:   # (the step's K/V of this layer are written: saves may start)
+            hooks.save_kv_layer(self.layer_name, self.kv_cache)
         return out.reshape(n, self.num_heads * self.head_size)

@@ -38,14 +38,22 @@ class NativeDecoderStack:
 
     def __call__(self, positions: torch.Tensor, hidden: torch.Tensor,
                  residual: torch.Tensor | None) -> torch.Tensor | None:
-        metadata = get_forward_context().attn_metadata
+        context = get_forward_context()
+        metadata, hooks = context.attn_metadata, context.kv_hooks
         if not self.fused.applies(positions.shape[0], metadata):
             return None
+        attention = self.fused.attention
+        if hooks is not None:   # one native call runs every layer: all their loads first
+            for attn in attention:
+                hooks.wait_for_layer_load(attn.layer_name)
         if residual is None:   # the embeddings start the residual stream
             residual, delta = hidden.contiguous(), None
         else:
             residual, delta = residual.contiguous(), hidden.float().contiguous()
         delta = self.fused(positions, residual, delta, metadata)
+        if hooks is not None:
+            for attn in attention:
+                hooks.save_kv_layer(attn.layer_name, attn.kv_cache)
         if not self.pp.is_last_rank:
             hidden = delta.to(residual.dtype)
             send_intermediate(self.pp, hidden, residual)

@@ -96,7 +96,7 @@ class FusedDecoder:
     def __init__(self, layers) -> None:
         self.layers = list(layers)
         # The layers' Attention modules, listed once (module attribute lookups are slow).
-        self._attention = [layer.self_attn.attn for layer in self.layers]
+        self.attention = [layer.self_attn.attn for layer in self.layers]
         # The linears it was built from, kept: a wrapper later put around them (LoRA's, see
         # lora/layers.py) must not hide their weights from `_build`.
         self._linears = [_linears(layer) for layer in self.layers]
@@ -227,7 +227,7 @@ class FusedDecoder:
         its activations elsewhere): every step of a model without sliding-window layers is
         taken, whatever its size (the scratch grows to the largest step, unbounded by
         MAX_SCRATCH_BYTES), and none of a model with them."""
-        kv_cache = self._attention[0].kv_cache
+        kv_cache = self.attention[0].kv_cache
         if not (kv_cache.dtype == self.dtype and kv_cache.dim() == 5):
             return False
         lora = self.lora_step()
@@ -344,7 +344,7 @@ class FusedDecoder:
 
     def layer_structs(self) -> ctypes.Array:
         """The layers' native structures, rebuilt if a layer's KV cache was replaced."""
-        caches = [attn.kv_cache for attn in self._attention]
+        caches = [attn.kv_cache for attn in self.attention]
         if self._structs is None or any(a is not b for a, b in zip(caches, self._caches)):
             self._structs, self._caches = self._build(), caches
         return self._structs

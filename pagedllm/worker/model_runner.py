@@ -82,6 +82,7 @@ from pagedllm.worker.eplb_state import EplbState
 from pagedllm.worker.input_batch import (InputBatch, PendingStep, RequestStates, StepInputs,
                                          record_sampled_tokens, request_logprobs)
 from pagedllm.worker.kv_cache import resolve_kv_cache_dtype
+from pagedllm.worker.kv_connector.base import KVLayerHooks
 from pagedllm.worker.kv_cache_runner import KVCacheRunnerMixin
 from pagedllm.worker.multi_step import MultiStepRound, RoundSteps
 from pagedllm.worker.pipeline_sampler import pipeline_stage_sampler
@@ -124,6 +125,8 @@ class ModelRunner(KVCacheRunnerMixin):
         self._request_errors: dict[str, str] = {}
         # Replays pure decode steps (set once the KV cache exists; None = always eager).
         self.graph_runner: CudaGraphRunner | None = None
+        # The KV connector's per-layer seams of the running step (set by the Worker).
+        self.kv_hooks: KVLayerHooks | None = None
         self.kv_caches: list[torch.Tensor] = []
         # The state group's tensors (also in kv_caches), [num_slots, ...] each.
         self.state_caches: list[torch.Tensor] = []
@@ -481,7 +484,11 @@ class ModelRunner(KVCacheRunnerMixin):
             attn_metadata = backend.build_metadata(common)
         if hasattr(model, "rope_positions"):   # a model whose RoPE rows depend on the step
             positions = model.rope_positions(positions, common.token_seq_lens())
-        with set_forward_context(attn_metadata):
+        hooks = self.kv_hooks
+        if hooks is not None and model is not self.model:
+            hooks.wait_for_all_loads()   # (a drafter's layers: loaded, never saved mid-forward)
+            hooks = None
+        with set_forward_context(attn_metadata, hooks):
             if inputs_embeds is not None:
                 return model(input_ids, positions, inputs_embeds, **inputs)
             return model(input_ids, positions, **inputs)
@@ -540,6 +547,8 @@ class ModelRunner(KVCacheRunnerMixin):
                 and batch.inputs_embeds is None and positions.ndim == 1
                 and not (self.lora_manager is not None and self.lora_manager.active)
                 and self.graph_runner.can_run(common)):
+            if self.kv_hooks is not None:   # (a replay calls no layer's hooks)
+                self.kv_hooks.wait_for_all_loads()
             hidden = self.graph_runner.run(batch.input_ids, positions,
                                            batch.group_commons or (common,))
         else:

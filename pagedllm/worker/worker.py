@@ -23,9 +23,9 @@ from pagedllm.layers.vocab_embedding import VocabEmbedding
 from pagedllm.platforms import current_platform
 from pagedllm.worker.async_output import AsyncModelRunnerOutput
 from pagedllm.worker.kv_cache import describe_kv_bytes_per_token
-from pagedllm.worker.kv_connector.base import (KVConnectorWorker, create_worker_connector,
-                                                load_before_forward, model_fingerprint,
-                                                save_after_forward)
+from pagedllm.worker.kv_connector.base import (KVConnectorWorker, KVLayerHooks,
+                                                create_worker_connector, finish_step,
+                                                model_fingerprint, start_step)
 from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.sleep_mode import SleepMode
 
@@ -225,15 +225,20 @@ class Worker:
     def execute_model(self, scheduler_output: SchedulerOutput,
                       grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
         """One step, or the `num_steps` decode steps of a multi-step round (whose requests have
-        no grammar: `grammar_output` is the first step's); the KV connector's loads before it
-        and saves after it (worker/kv_connector/base.py)."""
+        no grammar: `grammar_output` is the first step's); the KV connector's loads start
+        before it, each attention layer waits for its own and hands its saves over, and the
+        step ends when the saves are done (worker/kv_connector/base.py)."""
         self.platform.before_step()
-        self._load_kv(scheduler_output)
-        self.model_runner.execute_model(scheduler_output)
-        output = self.model_runner.sample_tokens(grammar_output)
-        if scheduler_output.num_steps > 1:
-            output = self.model_runner.run_remaining_steps(scheduler_output.num_steps, output)
-        self._save_kv()
+        hooks = self._start_kv(scheduler_output)
+        try:
+            self.model_runner.execute_model(scheduler_output)
+            output = self.model_runner.sample_tokens(grammar_output)
+            if scheduler_output.num_steps > 1:
+                output = self.model_runner.run_remaining_steps(scheduler_output.num_steps,
+                                                               output)
+        finally:
+            self.model_runner.kv_hooks = None
+        self._finish_kv(hooks)
         self.platform.after_step()
         return output
 
@@ -242,21 +247,29 @@ class Worker:
                             ) -> AsyncModelRunnerOutput:
         """As `execute_model`, leaving the sampled tokens on the device (async scheduling)."""
         self.platform.before_step()
-        self._load_kv(scheduler_output)
-        self.model_runner.execute_model(scheduler_output)
-        output = self.model_runner.sample_tokens_async(grammar_output)
-        self._save_kv()
+        hooks = self._start_kv(scheduler_output)
+        try:
+            self.model_runner.execute_model(scheduler_output)
+            output = self.model_runner.sample_tokens_async(grammar_output)
+        finally:
+            self.model_runner.kv_hooks = None
+        self._finish_kv(hooks)
         self.platform.after_step()
         return output
 
-    def _load_kv(self, scheduler_output: SchedulerOutput) -> None:
-        if self.kv_connector is not None:
-            load_before_forward(self.kv_connector, scheduler_output.kv_connector_metadata,
-                                list(self.model_runner.kv_caches_by_layer()))
+    def _start_kv(self, scheduler_output: SchedulerOutput) -> KVLayerHooks | None:
+        """The connector's loads start; its per-layer seams go to the runner's forwards."""
+        if self.kv_connector is None:
+            return None
+        hooks = start_step(self.kv_connector, scheduler_output.kv_connector_metadata,
+                           list(self.model_runner.kv_caches_by_layer()),
+                           save_in_forward=scheduler_output.num_steps == 1)
+        self.model_runner.kv_hooks = hooks
+        return hooks
 
-    def _save_kv(self) -> None:
-        if self.kv_connector is not None:
-            save_after_forward(self.kv_connector, self.model_runner.kv_caches_by_layer())
+    def _finish_kv(self, hooks: KVLayerHooks | None) -> None:
+        if hooks is not None:
+            finish_step(hooks, self.model_runner.kv_caches_by_layer())
 
     def layout_summary(self) -> str:
         """One line: this rank's place in the layout, its layers, heads, vocab rows and memory."""
@@ -288,7 +301,10 @@ class Worker:
         return None if runner is None else runner.stats()
 
     def shutdown(self) -> None:
-        """Leave the process groups (a no-op for the single-process engine)."""
+        """Stop the KV connector's copy thread; leave the process groups (a no-op for the
+        single-process engine)."""
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
         if self.config.parallel_config.world_size > 1:
             destroy_model_parallel()
 

@@ -160,3 +160,87 @@ def test_disk_files_of_updated_weights_never_match_the_base(tiny_llama, without_
     del llm
     assert len(list((tmp_path / "kv").glob("*.kv"))) >= 12 * 4
     assert _second_round(tiny_llama, tier) == (want[1], [0] * 12)
+
+
+class _RecordingConnector:
+    """A worker connector that records the per-layer calls it gets, then passes them on."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.calls: list[tuple[str, str]] = []
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self.calls.append(("wait", layer_name))
+        self.inner.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(self, layer_name, kv_layer) -> None:
+        self.calls.append(("save", layer_name))
+        self.inner.save_kv_layer(layer_name, kv_layer)
+
+
+def _tier(asynchronous: bool, size: float = 0.01) -> dict:
+    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"kv_offloading_size": size,
+                                          "async_transfers": asynchronous}}
+
+
+@pytest.mark.parametrize("fused", ["0", "1"])
+def test_async_transfers_per_layer_and_same_tokens(tiny_llama, without_tier, monkeypatch,
+                                                   fused):
+    """Asynchronous transfers: on the module path each attention layer waits for its own
+    loads and hands its saves over right after (wait 0, save 0, wait 1, ...); the fused
+    decoder's one native call waits for every layer first (run with synchronous transfers,
+    `async_transfers: false`). Greedy and seeded tokens equal the engine's without a tier."""
+    monkeypatch.setenv("PAGEDLLM_CPU_FUSED_DECODER", fused)
+    want, _ = without_tier
+    llm = LLM(str(tiny_llama), **ENGINE, kv_transfer_config=_tier(fused == "1"))
+    worker = llm.llm_engine.engine_core.executor.worker
+    recorder = worker.kv_connector = _RecordingConnector(worker.kv_connector)
+    got, cached = _run(llm)
+    assert got == want and cached == [64] * 24
+    layers = list(worker.model_runner.kv_caches_by_layer())
+    step = recorder.calls[:2 * len(layers)]   # (every step calls each layer's seams once)
+    if fused == "0":
+        assert step == [(kind, name) for name in layers for kind in ("wait", "save")]
+    else:
+        assert step[:len(layers)] == [("wait", name) for name in layers]
+    assert len(recorder.calls) % (2 * len(layers)) == 0
+
+
+def test_async_tier_with_chunked_prefill_and_preemption(tiny_llama, without_tier):
+    """32-token chunks and 4 sequences in an 8-block device cache (requests are preempted and
+    recomputed, their tier loads redone): the tokens do not change."""
+    want, _ = without_tier
+    engine = dict(ENGINE, num_gpu_blocks_override=8, max_num_seqs=4,
+                  max_num_batched_tokens=32)
+    llm = LLM(str(tiny_llama), **engine, kv_offloading_size=0.01)
+    got, cached = _run(llm)
+    assert got == want
+    assert sum(cached) > 0
+    assert llm.get_stats().num_preemptions > 0
+
+
+def test_abort_while_loads_are_in_flight(tiny_llama, without_tier):
+    """With async scheduling the next step is scheduled while the current one (and its tier
+    loads) runs; requests aborted then, loaded or still waiting, end without a hang and the
+    others' tokens do not change."""
+    want, _ = without_tier
+    llm = LLM(str(tiny_llama), **ENGINE, kv_offloading_size=0.01, async_scheduling=True)
+    llm.generate(FIRST, PARAMS[0], use_tqdm=False)   # (every prefix is in the tier)
+    engine = llm.llm_engine
+    for i, prompt in enumerate(SECOND[:4]):
+        engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, PARAMS[0])
+    engine.step()
+    engine.abort_request(["r0", "r2"])
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+    assert done == {"r1": want[1][1], "r3": want[1][3]}
+    outs = llm.generate(SECOND, PARAMS[0], use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == want[1]
+    assert [o.num_cached_tokens for o in outs] == [64] * 12

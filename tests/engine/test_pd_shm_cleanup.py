@@ -87,3 +87,28 @@ def test_live_producers_files_are_kept_and_their_engine_id_refused(tmp_path):
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(ValueError, match="is not a folder"):
         ShmOwnership(tmp_path / "missing", "x")
+
+
+def test_files_of_a_consumer_that_died_holding_them_go_while_the_producer_runs(tmp_path):
+    """A pull hands the files over to the consumer (renamed into its owner id, under its own
+    lock). A consumer killed before loading them leaves its lock free: the running
+    producer's next periodic sweep deletes them, never its own files or a live consumer's."""
+    producer = ShmOwnership(tmp_path, "prod", sweep_interval=0.0)
+    consumer = ShmOwnership(tmp_path, "prod-decode1.aa")
+    own = transfer_file(tmp_path, "prod", "a" * 32, 0)
+    live = transfer_file(tmp_path, "prod-decode1.aa", "b" * 32, 0)
+    dead = transfer_file(tmp_path, "prod-decode2.bb", "c" * 32, 0)
+    for path in (own, live, dead):
+        path.write_bytes(b"x")
+    lock_file(tmp_path, "prod-decode2.bb").write_text("2\n")   # (its holder died)
+    try:
+        assert producer.maybe_sweep() == 1
+        assert own.exists() and live.exists() and not dead.exists()
+        assert not lock_file(tmp_path, "prod-decode2.bb").exists()
+        slow = ShmOwnership(tmp_path, "other", sweep_interval=3600.0)
+        dead.write_bytes(b"x")   # (no lock at all: swept too, at the next interval)
+        assert slow.maybe_sweep() == 0 and producer.maybe_sweep() == 1
+        slow.release()
+    finally:
+        consumer.release()
+        producer.release()

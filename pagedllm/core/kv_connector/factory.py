@@ -10,9 +10,10 @@ CONNECTORS = ("OffloadingConnector", "P2pShmConnector")
 P2P_SHM_DEFAULTS = {"kv_peer_ip": "127.0.0.1", "transfer_timeout": 30.0, "transfer_ttl": 120.0,
                     "shm_dir": "/dev/shm"}
 # Each connector's kv_connector_extra_config keys.
+# (`async_transfers`, both: the workers' copies run on a background thread; default true.)
 EXTRA_KEYS = {"OffloadingConnector": ("kv_offloading_size", "kv_offloading_dir",
-                                      "kv_offloading_disk_size"),
-              "P2pShmConnector": tuple(P2P_SHM_DEFAULTS)}
+                                      "kv_offloading_disk_size", "async_transfers"),
+              "P2pShmConnector": tuple(P2P_SHM_DEFAULTS) + ("async_transfers",)}
 
 
 def validate_transfer_config(config) -> None:
@@ -20,7 +21,7 @@ def validate_transfer_config(config) -> None:
 
     Raises:
         ValueError: naming an unknown connector, an unknown kv_connector_extra_config key, or
-            a bad value (a P2pShmConnector role other than kv_producer/kv_consumer, a port
+            a bad value (an `async_transfers` that is not a bool, a P2pShmConnector role other than kv_producer/kv_consumer, a port
             outside 1-65535, an unsafe engine_id, a timeout that is not a positive number).
     """
     if config.kv_connector not in CONNECTORS:
@@ -34,6 +35,9 @@ def validate_transfer_config(config) -> None:
     if unknown:
         raise ValueError(f"kv_transfer_config: unknown kv_connector_extra_config keys {unknown} "
                          f"for {config.kv_connector}; known: {list(known)}")
+    if not isinstance(extra.get("async_transfers", True), bool):
+        raise ValueError(f"kv_transfer_config: async_transfers must be true or false, got "
+                         f"{extra['async_transfers']!r}")
     if config.kv_connector != "P2pShmConnector":
         return
     from pagedllm.core.kv_connector.p2p_transport import check_engine_id

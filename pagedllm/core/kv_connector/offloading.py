@@ -8,8 +8,9 @@ tier still holds the following blocks (by hash, consecutively) gets them loaded 
 device blocks before its first forward instead of recomputing them.
 
 The tier's index (hash -> slot, LRU order) lives here; the bytes live in the workers, which only
-see slot numbers (`OffloadingMetadata`). Transfers are synchronous: a step's loads finish before
-its forward and its stores before the next step, so no block is freed or reused while a transfer
+see slot numbers (`OffloadingMetadata`). The workers' transfers run beside the forward
+(worker/kv_connector/offloading.py), but a step's loads land before the layers that read them
+and its stores are done when the step ends, so no block is freed or reused while a transfer
 still reads it (`request_finished` never delays a free). Slots loaded or stored in a step are
 pinned for that step (never evicted for another store of the same step).
 """

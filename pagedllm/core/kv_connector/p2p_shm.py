@@ -18,6 +18,8 @@ alone (`KVTransferError`). The transport is p2p_transport.py.
 
 from __future__ import annotations
 
+import os
+import secrets
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +29,7 @@ from pagedllm.core.kv_connector.factory import P2P_SHM_DEFAULTS
 from pagedllm.core.kv_connector.p2p_transport import (PullReply, TransferClient, TransferServer,
                                                       check_engine_id, check_transfer_file,
                                                       transfer_file, transfer_key)
-from pagedllm.core.kv_connector.shm_owner import ShmOwnership
+from pagedllm.core.kv_connector.shm_owner import ShmOwnership, sweep_stale_files
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched_output import SchedulerOutput
 
@@ -45,7 +47,8 @@ class ExportSpec:
 @dataclass
 class LoadSpec:
     """Consumer: fill device blocks `block_ids` from blocks `first_block`, `first_block + 1`,
-    ... of the file `key` of producer `engine_id`, then delete the file."""
+    ... of the file `key` of owner `engine_id` (the consumer itself, once the pull handed the
+    file over: shm_owner.py), then delete the file."""
 
     engine_id: str
     key: str
@@ -129,7 +132,8 @@ class P2pShmProducerScheduler:
         self.host, self.port = config.kv_ip, config.kv_port
         self.shm_dir = shm_dir_of(config)
         # Holds the engine id in shm_dir and removes dead producers' files (shm_owner.py).
-        self.ownership = ShmOwnership(self.shm_dir, self.engine_id)
+        self.ownership = ShmOwnership(self.shm_dir, self.engine_id,
+                                      float(extra["transfer_ttl"]))
         try:
             self.server = TransferServer(config.kv_ip, config.kv_port, extra["kv_peer_ip"],
                                          float(extra["transfer_ttl"]))
@@ -149,6 +153,7 @@ class P2pShmProducerScheduler:
             self._requests[request.request_id] = _Export(request, list(block_ids))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> P2pShmMetadata:
+        self.ownership.maybe_sweep()   # (files of consumers that died holding them)
         meta = P2pShmMetadata()
         for new in scheduler_output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
@@ -206,7 +211,7 @@ class P2pShmProducerScheduler:
 
 @dataclass
 class _Pull:
-    engine_id: str
+    engine_id: str   # the producer's
     key: str
     future: Future
     consumed: bool = False    # its blocks were loaded (or found in the device cache)
@@ -224,9 +229,18 @@ class P2pShmConsumerScheduler:
         self.layouts = layouts
         self.host, self.port = config.kv_ip, config.kv_port
         self.shm_dir = shm_dir_of(config)
-        self.client = TransferClient(config.kv_ip, config.kv_port,
-                                     config.engine_id or "decode",
-                                     float(extra["transfer_timeout"]))
+        # A pull hands the files over: they are renamed into this consumer's own name, held
+        # like a producer's (shm_owner.py), so they go if it dies before loading them.
+        self.owner_id = f"{engine_id_of(config)}-decode{os.getpid()}.{secrets.token_hex(4)}"
+        self.ownership = ShmOwnership(self.shm_dir, self.owner_id,
+                                      float(extra["transfer_ttl"]))
+        try:
+            self.client = TransferClient(config.kv_ip, config.kv_port,
+                                         config.engine_id or "decode",
+                                         float(extra["transfer_timeout"]))
+        except BaseException:
+            self.ownership.release()
+            raise
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-transfer-pull")
         self._pulls: dict[str, _Pull] = {}
         self._loads: list[LoadSpec] = []
@@ -281,14 +295,16 @@ class P2pShmConsumerScheduler:
         return pull
 
     def _pull(self, engine_id: str, key: str) -> PullReply:
-        """(On a pool thread.) The producer's reply, checked against this engine's ranks."""
+        """(On a pool thread.) The producer's reply, checked against this engine's ranks; the
+        files are then renamed into this consumer's name (`owner_id`)."""
         try:
             reply = self.client.pull(key)
         except Exception as e:  # noqa: BLE001 - whatever failed, the request fails alone
             return PullReply(False, f"KV transfer from {self.client.address} failed: {e}")
         if not reply.ok:
             return reply
-        files = self._files(engine_id, key)
+        files = [transfer_file(self.shm_dir, engine_id, key, rank)
+                 for rank in range(len(self.layouts))]
         problem = None
         if reply.block_size != self.block_size:
             problem = (f"the prefill instance's block_size is {reply.block_size}, this one's "
@@ -305,17 +321,25 @@ class P2pShmConsumerScheduler:
             for rank in range(max(len(reply.layouts), len(self.layouts))):
                 transfer_file(self.shm_dir, engine_id, key, rank).unlink(missing_ok=True)
             return PullReply(False, problem)
+        try:
+            for path, owned in zip(files, self._files(key)):
+                path.rename(owned)
+        except OSError as e:
+            for path in files + self._files(key):
+                path.unlink(missing_ok=True)
+            return PullReply(False, f"KV transfer: taking over the pulled files failed: {e}")
         return reply
 
-    def _files(self, engine_id: str, key: str) -> list[Path]:
-        return [transfer_file(self.shm_dir, engine_id, key, rank)
+    def _files(self, key: str) -> list[Path]:
+        """A pulled transfer's files, once this consumer owns them."""
+        return [transfer_file(self.shm_dir, self.owner_id, key, rank)
                 for rank in range(len(self.layouts))]
 
     def _discard(self, pull: _Pull) -> None:
         """Delete a pull's files once it completes, if nothing loads them."""
         def discard(future: Future) -> None:
             if future.result().ok:
-                for path in self._files(pull.engine_id, pull.key):
+                for path in self._files(pull.key):
                     path.unlink(missing_ok=True)
         pull.consumed = True
         pull.future.add_done_callback(discard)
@@ -332,11 +356,12 @@ class P2pShmConsumerScheduler:
         end = request.num_prompt_tokens - 1
         first = (end - num_external_tokens) // self.block_size
         last = _cdiv(end, self.block_size)
-        self._loads.append(LoadSpec(pull.engine_id, pull.key, first, block_ids[first:last]))
+        self._loads.append(LoadSpec(self.owner_id, pull.key, first, block_ids[first:last]))
         self._stats.queries += last - first
         self._stats.hits += last - first
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> P2pShmMetadata:
+        self.ownership.maybe_sweep()   # (files of instances that died holding them)
         meta = P2pShmMetadata(loads=self._loads)
         self._loads = []
         self._stats.loaded_blocks += sum(len(load.block_ids) for load in meta.loads)
@@ -359,4 +384,7 @@ class P2pShmConsumerScheduler:
         return KVConnectorStats(**vars(self._stats))
 
     def shutdown(self) -> None:
+        """Stop pulling; delete the pulled files nothing loaded; give up the owner id."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        sweep_stale_files(self.shm_dir, self.owner_id)
+        self.ownership.release()

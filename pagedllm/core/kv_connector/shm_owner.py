@@ -1,24 +1,27 @@
-"""Who owns the P2pShmConnector's files in `shm_dir`, so that a producer killed without
-shutting down (SIGKILL, the OOM killer) leaves its files behind only until the next producer
-starts on that folder.
+"""Who owns the P2pShmConnector's files in `shm_dir`, so that an instance killed without
+shutting down (SIGKILL, the OOM killer) leaves its files behind only briefly.
 
-    <shm_dir>/pagedllm-kv-<engine_id>.lock                       held by the live producer
-    <shm_dir>/pagedllm-kv-<engine_id>-<key>.r<rank>[.tmp<pid>]   its transfer files
+    <shm_dir>/pagedllm-kv-<owner_id>.lock                       held by the live owner
+    <shm_dir>/pagedllm-kv-<owner_id>-<key>.r<rank>[.tmp<pid>]   its transfer files
 
-The producer's engine core holds an exclusive `flock` on its lock file for its lifetime. The
-kernel drops a flock when its process dies, however it dies, so a lock that can be taken
-belongs to a dead producer: no pid is compared, so a reused pid cannot fool the check. A
-producer creates its lock before any file of its engine id exists and removes it last, after
-its files.
+Owners are producers (their files wait to be pulled; owner id = engine id) and consumers (a
+pull hands the files over: the consumer renames them into its own name, owner id
+`<producer engine id>-decode<pid>`, and deletes them after loading them). Each owner's engine
+core holds an exclusive `flock` on its lock file for its lifetime. The kernel drops a flock
+when its process dies, however it dies, so a lock that can be taken belongs to a dead owner:
+no pid is compared, so a reused pid cannot fool the check. An owner creates its lock before any
+file of its name exists and removes it last, after its files.
 
-A starting producer (`ShmOwnership`) takes its own lock and then sweeps the folder, deleting:
+A starting owner (`ShmOwnership`) takes its own lock and then sweeps the folder, deleting:
 
-- the files of its own engine id (a previous run's: same `kv_port`, same default id);
-- the files of every engine id whose lock it can take, then that lock file;
-- files whose engine id has no lock file at all.
+- the files of its own owner id (a previous run's: same `kv_port`, same default id);
+- the files of every owner id whose lock it can take, then that lock file;
+- files whose owner id has no lock file at all.
 
-The consumer deletes each file after loading it. The files of a live producer are never
-touched.
+While it runs, each owner sweeps again every `sweep_interval` seconds (`maybe_sweep`, from
+its scheduler side's step), leaving its own files alone: the files a consumer pulled and never
+loaded because it was killed go while its producer still runs. The files of a live owner are
+never touched.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import fcntl
 import logging
 import os
 import re
+import time
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -72,18 +76,21 @@ def _try_lock(path: Path, create: bool) -> int | None:
 
 
 class ShmOwnership:
-    """A producer's hold on its engine id in `shm_dir`; sweeps stale files at construction.
+    """An owner's hold on its id in `shm_dir`; sweeps stale files at construction and, while
+    it runs, every `sweep_interval` seconds (`maybe_sweep`).
 
     Args:
         shm_dir: the transfer folder.
-        engine_id: this producer's engine id (already checked to be a safe name).
+        engine_id: this owner's id (a producer's engine id, or a consumer's owner id; already
+            checked to be a safe name).
+        sweep_interval: seconds between `maybe_sweep`'s sweeps.
 
     Raises:
-        ValueError: `shm_dir` is not a folder, or a live producer holds `engine_id` there (two
+        ValueError: `shm_dir` is not a folder, or a live owner holds `engine_id` there (two
             producers with one engine id would overwrite each other's files).
     """
 
-    def __init__(self, shm_dir: Path, engine_id: str) -> None:
+    def __init__(self, shm_dir: Path, engine_id: str, sweep_interval: float = 60.0) -> None:
         if not shm_dir.is_dir():
             raise ValueError(f"P2pShmConnector: shm_dir {str(shm_dir)!r} is not a folder")
         self.shm_dir, self.engine_id = shm_dir, engine_id
@@ -99,7 +106,23 @@ class ShmOwnership:
         self.num_swept = sweep_stale_files(shm_dir, engine_id)
         if self.num_swept:
             logger.info("P2pShmConnector: removed %d stale transfer file(s) of stopped "
-                        "producers from %s", self.num_swept, shm_dir)
+                        "instances from %s", self.num_swept, shm_dir)
+        self.sweep_interval = sweep_interval
+        self._last_sweep = time.monotonic()
+
+    def maybe_sweep(self) -> int:
+        """Every `sweep_interval` seconds: delete dead owners' files (never this owner's);
+        returns how many."""
+        now = time.monotonic()
+        if self._fd is None or now - self._last_sweep < self.sweep_interval:
+            return 0
+        self._last_sweep = now
+        removed = sweep_stale_files(self.shm_dir, self.engine_id, include_own=False)
+        self.num_swept += removed
+        if removed:
+            logger.info("P2pShmConnector: removed %d transfer file(s) of stopped instances "
+                        "from %s", removed, self.shm_dir)
+        return removed
 
     def release(self) -> None:
         """Give up the engine id (at shutdown, after this producer's files are deleted)."""
@@ -110,9 +133,10 @@ class ShmOwnership:
         self._fd = None
 
 
-def sweep_stale_files(shm_dir: Path, own_engine_id: str) -> int:
-    """Delete the transfer files in `shm_dir` of `own_engine_id` (whose lock the caller holds)
-    and of producers that are gone (see the module docstring); returns files deleted."""
+def sweep_stale_files(shm_dir: Path, own_engine_id: str, include_own: bool = True) -> int:
+    """Delete the transfer files in `shm_dir` of owners that are gone, and with `include_own`
+    those of `own_engine_id` (whose lock the caller holds; see the module docstring); returns
+    files deleted."""
     by_engine: dict[str, list[Path]] = {}
     locks: dict[str, Path] = {}
     for path in shm_dir.iterdir():
@@ -123,7 +147,8 @@ def sweep_stale_files(shm_dir: Path, own_engine_id: str) -> int:
     removed = 0
     for engine_id in set(by_engine) | set(locks):
         if engine_id == own_engine_id:
-            removed += _unlink_all(by_engine.get(engine_id, []))
+            if include_own:
+                removed += _unlink_all(by_engine.get(engine_id, []))
             continue
         try:
             fd = _try_lock(lock_file(shm_dir, engine_id), create=False)

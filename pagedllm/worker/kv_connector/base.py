@@ -1,22 +1,24 @@
 """The worker side of a KV connector (vLLM's `KVConnectorBase_V1`, role WORKER), and the seams
-at which the worker calls it in every step (`load_before_forward`, `save_after_forward`).
+at which the worker and its layers call it in every step (`start_step`, `KVLayerHooks`,
+`finish_step`):
 
     Worker.execute_model(scheduler_output):
         bind_connector_metadata(scheduler_output.kv_connector_metadata)
-        start_load_kv()                          transfers into the device cache start
-        wait_for_layer_load(name) per layer      each layer's loads are complete
-        ... the step's forward (and a multi-step round's later steps) ...
-        save_kv_layer(name, kv_cache) per layer  each layer's blocks to save are handed over
+        start_load_kv()                          every layer's loads are queued, in layer order
+        forward, in each attention layer i (layers/attention.py, via the forward context):
+            wait_for_layer_load(layer i)         only layer i's loads must have landed
+            ... attention i writes the step's K/V and attends ...
+            save_kv_layer(layer i, kv_cache)     layer i's saves are queued
+        ... (a multi-step round's later steps; its saves wait for the round's end) ...
         wait_for_save()                          the saves no longer read the device blocks
         clear_connector_metadata()
     get_finished(finished_req_ids)               requests whose asynchronous transfers ended
 
-NOTE(kv_connector): vLLM calls `wait_for_layer_load` / `save_kv_layer` from inside each
-attention layer, so transfers overlap the other layers' compute. Here the seams sit around the
-whole forward: the CPU fused decoder runs every layer in one native call, and the forward
-context is a frozen per-step object no layer may extend (DESIGN §2). A connector that transfers
-asynchronously still overlaps its loads with the host's input preparation and its saves with the
-scheduling of the next step.
+A forward that does not run the layers' Python code (a CUDA graph replay, the CPU fused
+decoder's one native call over every layer, a drafter's model) waits for all loads before it
+starts; saves a forward did not hand over are handed over at the step's end. A connector whose
+transfers run in the background (worker/kv_connector/async_copy.py) thus overlaps layer i's
+loads and saves with the other layers' compute, as vLLM's per-layer connector calls do.
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ class KVConnectorWorker(Protocol):
 
     def wait_for_save(self) -> None: ...
 
+    def shutdown(self) -> None:
+        """Finish queued transfers and stop background threads (the worker shuts down)."""
+
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """(requests whose saves finished, requests whose loads finished) since the last call:
         empty for a synchronous connector."""
@@ -61,21 +66,70 @@ class KVConnectorWorker(Protocol):
         "block_bytes" (one block's file)."""
 
 
-def load_before_forward(connector: KVConnectorWorker, metadata: object,
-                        layer_names: list[str]) -> None:
-    """The seam before a step's forward (see the module docstring)."""
+class KVLayerHooks:
+    """One step's per-layer seams, carried to the attention layers by the forward context
+    (`ForwardContext.kv_hooks`). Each layer's load is waited for and its save handed over once
+    per step, however many forwards call them.
+
+    Args:
+        connector: the rank's connector, bound to the step's metadata.
+        layer_names: its layers, in model order.
+        save_in_forward: whether a layer's save may start right after the first forward wrote
+            it (False for a multi-step round, whose later steps write more of its blocks).
+    """
+
+    def __init__(self, connector: KVConnectorWorker, layer_names: list[str],
+                 save_in_forward: bool) -> None:
+        self.connector = connector
+        self._unloaded = dict.fromkeys(layer_names)   # (ordered: layer order)
+        self._saved: set[str] = set()
+        self.save_in_forward = save_in_forward
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Before layer `layer_name` reads its KV cache."""
+        if layer_name in self._unloaded:
+            del self._unloaded[layer_name]
+            self.connector.wait_for_layer_load(layer_name)
+
+    def wait_for_all_loads(self) -> None:
+        """Before a forward that does not call the layers' hooks (module docstring)."""
+        for name in list(self._unloaded):
+            self.wait_for_layer_load(name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None:
+        """After layer `layer_name` wrote the step's K/V into `kv_layer` ([2, num_blocks,
+        block_size, num_kv_heads, head_size])."""
+        if self.save_in_forward and layer_name not in self._saved:
+            self._saved.add(layer_name)
+            self.connector.save_kv_layer(layer_name, kv_layer)
+
+    def finish(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """The step's end: loads no forward waited for (a step with nothing to compute, every
+        request aborted), the saves no forward handed over, then `wait_for_save`."""
+        self.wait_for_all_loads()
+        for name, kv_layer in kv_caches.items():
+            if name not in self._saved:
+                self._saved.add(name)
+                self.connector.save_kv_layer(name, kv_layer)
+        self.connector.wait_for_save()
+
+
+def start_step(connector: KVConnectorWorker, metadata: object, layer_names: list[str],
+               save_in_forward: bool = True) -> KVLayerHooks:
+    """The seam before a step's forward: binds the step's metadata and starts its loads;
+    returns the hooks its forward calls (`KVLayerHooks`)."""
     connector.bind_connector_metadata(metadata)
     connector.start_load_kv()
-    for name in layer_names:
-        connector.wait_for_layer_load(name)
+    return KVLayerHooks(connector, layer_names, save_in_forward)
 
 
-def save_after_forward(connector: KVConnectorWorker, kv_caches: dict[str, torch.Tensor]) -> None:
-    """The seam after a step's forward (and its multi-step round)."""
-    for name, kv_layer in kv_caches.items():
-        connector.save_kv_layer(name, kv_layer)
-    connector.wait_for_save()
-    connector.clear_connector_metadata()
+def finish_step(hooks: KVLayerHooks, kv_caches: dict[str, torch.Tensor]) -> None:
+    """The seam after a step's forward (and its multi-step round): `KVLayerHooks.finish`,
+    and the metadata is cleared even when a transfer failed."""
+    try:
+        hooks.finish(kv_caches)
+    finally:
+        hooks.connector.clear_connector_metadata()
 
 
 def model_fingerprint(model_path: str) -> str:
@@ -99,6 +153,28 @@ def kv_layout(kv_caches: dict[str, torch.Tensor], fingerprint: str, rank: int) -
     layers = ";".join(f"{name}:{str(c.dtype)[6:]}:{'x'.join(map(str, c.shape[2:]))}"
                       for name, c in kv_caches.items())
     return f"{fingerprint};rank{rank};{layers}"
+
+
+def block_row_columns(kv_caches: dict[str, torch.Tensor]) -> dict[str, tuple[int, int]]:
+    """Each layer's byte range in one block's row of the packed block layout that block files
+    and transfer files use: a block's row is every layer's K and V of it, in layer order."""
+    columns, offset = {}, 0
+    for name, cache in kv_caches.items():
+        size = cache[:, 0].numel() * cache.element_size()
+        columns[name] = (offset, offset + size)
+        offset += size
+    return columns
+
+
+def copy_rows_to_layer(cache: torch.Tensor, block_ids: list[int], rows: torch.Tensor,
+                       column: tuple[int, int]) -> None:
+    """cache[:, block_ids[i]] <- bytes `column` of rows[i] (`rows`: [n, bytes per block] uint8
+    on the host, the packed block layout of `block_row_columns`; `cache`: one layer's
+    [2, num_blocks, block_size, num_kv_heads, head_size])."""
+    shape = (len(block_ids), 2) + tuple(cache.shape[2:])
+    layer = rows[:, column[0]:column[1]].contiguous().view(cache.dtype).view(shape)
+    index = torch.tensor(block_ids, dtype=torch.int64, device=cache.device)
+    cache[:, index] = layer.transpose(0, 1).to(cache.device)
 
 
 def check_unquantized(connector: str, kv_caches: dict[str, torch.Tensor]) -> None:

@@ -3,6 +3,13 @@
 copies between it and the device cache that the scheduler side orders by slot number
 (core/kv_connector/offloading.py). On CUDA the tier is pinned host memory; on the CPU it is
 ordinary memory too (a separate, larger budget than the device cache's, on the same code path).
+
+Transfers are asynchronous (async_copy.py; `async_transfers: false` makes them synchronous):
+`start_load_kv` queues the step's disk reads, then one load per layer in layer order, and
+layer i's attention waits only for its own (`wait_for_layer_load`); `save_kv_layer` queues
+layer i's device-to-host copies right after layer i wrote its K/V, and `wait_for_save` waits
+for them (they read device blocks the next step may reuse) and then writes the step's disk
+files (synchronously).
 """
 
 from __future__ import annotations
@@ -13,7 +20,9 @@ from pagedllm.core.kv_connector.disk_tier import (block_file, decode_block_file,
                                                   encode_block_file, make_tier_folder,
                                                   write_block_file)
 from pagedllm.core.kv_connector.offloading import OffloadingMetadata
-from pagedllm.worker.kv_connector.base import check_unquantized, kv_layout
+from pagedllm.worker.kv_connector.async_copy import CopyQueue, wait_all
+from pagedllm.worker.kv_connector.base import (block_row_columns, check_unquantized,
+                                               copy_rows_to_layer, kv_layout)
 
 GiB = 1 << 30
 
@@ -23,7 +32,8 @@ class OffloadingConnectorWorker:
 
     Args:
         extra_config: `kv_offloading_size` (GiB, > 0): the host tier's budget on this rank;
-            `kv_offloading_dir`: the disk tier's folder (core/kv_connector/disk_tier.py).
+            `kv_offloading_dir`: the disk tier's folder (core/kv_connector/disk_tier.py);
+            `async_transfers` (default True): transfers on a background copy thread.
         kv_caches: this rank's KV tensors by layer name.
         bytes_per_block: one block over all of them.
         device: the KV cache's device.
@@ -57,6 +67,9 @@ class OffloadingConnectorWorker:
         self._kv_caches: dict[str, torch.Tensor] = {}
         self.register_kv_caches(kv_caches)
         self._meta: OffloadingMetadata | None = None
+        self._queue = CopyQueue(device, extra_config.get("async_transfers", True))
+        self._loads: dict = {}   # layer name -> the tickets of its loads this step
+        self._saves: list = []   # the step's save tickets
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         check_unquantized("OffloadingConnector", kv_caches)
@@ -84,66 +97,103 @@ class OffloadingConnectorWorker:
 
     def clear_connector_metadata(self) -> None:
         self._meta = None
+        self._loads, self._saves, self._disk_rows = {}, [], {}
 
     def start_load_kv(self) -> None:
-        """Copy every layer's loaded slots into their device blocks (synchronously: the
-        forward that follows reads them)."""
+        """Queue the step's loads: the disk files' reads, then per layer (in order) its host
+        slots' and files' blocks into their device blocks."""
         meta = self._meta
-        if meta is None:
+        if meta is None or not (meta.load_slots or meta.disk_load_hashes):
             return
-        if meta.load_slots:
-            slots = torch.tensor(meta.load_slots, dtype=torch.int64)
-            blocks = torch.tensor(meta.load_block_ids, dtype=torch.int64, device=self.device)
-            for name, cache in self._kv_caches.items():
-                cache[:, blocks] = self._host[name][:, slots].to(self.device, non_blocking=True)
-        for block_id, block_hash in zip(meta.disk_load_block_ids, meta.disk_load_hashes):
-            self._load_block_file(block_id, block_hash)
+        disk_rows: list[torch.Tensor] = []   # (filled by the read, before the layers' copies)
+        read = None
+        if meta.disk_load_hashes:
+            read = self._queue.submit(lambda: disk_rows.append(self._read_block_files(meta)))
+        columns = block_row_columns(self._kv_caches)
+        slots = torch.tensor(meta.load_slots, dtype=torch.int64)
+        blocks = torch.tensor(meta.load_block_ids, dtype=torch.int64)
+        for name, cache in self._kv_caches.items():
+            layer = self._queue.submit(
+                lambda name=name, cache=cache: self._load_layer(
+                    cache, self._host[name], slots, blocks, meta, disk_rows, columns[name]))
+            self._loads[name] = [t for t in (read, layer) if t is not None]
 
-    def _load_block_file(self, block_id: int, block_hash: bytes) -> None:
-        """Fill device block `block_id` from its file (checked by the scheduler side when it
-        matched; the header and size are checked again here).
+    def _load_layer(self, cache: torch.Tensor, host: torch.Tensor, slots: torch.Tensor,
+                    blocks: torch.Tensor, meta: OffloadingMetadata,
+                    disk_rows: list[torch.Tensor], column: tuple[int, int]) -> None:
+        """One layer's loads (on the copy queue): device blocks `blocks` <- host slots
+        `slots` (int64 host tensors), then the disk blocks."""
+        if len(slots):
+            cache.index_copy_(1, blocks.to(self.device), host.index_select(1, slots).to(
+                self.device, non_blocking=True))
+        if disk_rows:   # (else the read failed, and raises in whoever waits for it)
+            copy_rows_to_layer(cache, meta.disk_load_block_ids, disk_rows[0], column)
+
+    def _read_block_files(self, meta: OffloadingMetadata) -> torch.Tensor:
+        """The step's disk loads' payloads, [n, bytes_per_block] uint8 (the files were checked
+        by the scheduler side when it matched them; everything is checked again, the payload's
+        CRC32 included, on the copy thread: a block never loads wrong bytes).
 
         Raises:
-            RuntimeError: the file changed since it was matched (deleted or rewritten by
+            RuntimeError: a file changed since it was matched (deleted or rewritten by
                 something else): the step cannot proceed with a wrong block.
         """
-        path = block_file(self.disk_dir, block_hash, self.rank)
-        try:
-            data = path.read_bytes()
-        except OSError as e:
-            raise RuntimeError(f"KV disk tier: {path} vanished after it was matched: {e}") from e
-        payload = decode_block_file(data, block_hash, self.layout(), check_crc=False)
-        if payload is None:
-            raise RuntimeError(f"KV disk tier: {path} changed after it was matched")
-        raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        offset = 0
-        for cache in self._kv_caches.values():
-            block = cache[:, block_id]
-            n = block.numel() * block.element_size()
-            block.copy_(raw[offset:offset + n].view(cache.dtype).view(block.shape))
-            offset += n
+        rows = torch.empty(len(meta.disk_load_hashes), self.bytes_per_block, dtype=torch.uint8)
+        layout = self.layout()
+        for i, block_hash in enumerate(meta.disk_load_hashes):
+            path = block_file(self.disk_dir, block_hash, self.rank)
+            try:
+                data = path.read_bytes()
+            except OSError as e:
+                raise RuntimeError(f"KV disk tier: {path} vanished after it was matched: "
+                                   f"{e}") from e
+            payload = decode_block_file(data, block_hash, layout)
+            if payload is None or len(payload) != self.bytes_per_block:
+                raise RuntimeError(f"KV disk tier: {path} changed after it was matched")
+            rows[i] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        return rows
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Nothing to wait for: `start_load_kv` copied every layer."""
+        """Layer `layer_name`'s loads of this step are in its device blocks (the other
+        layers' may still be copying).
+
+        Raises:
+            RuntimeError: a disk file changed after it was matched (`_read_block_files`).
+        """
+        for ticket in self._loads.pop(layer_name, ()):
+            self._queue.wait(ticket)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None:
-        """Copy the step's stored blocks of this layer into their tier slots."""
+        """Queue the copies of this layer's stored blocks into their tier slots (and, for
+        the disk tier, to host rows that `wait_for_save` writes)."""
         meta = self._meta
-        if meta is None:
+        if meta is None or not (meta.store_slots or meta.disk_store_hashes):
             return
+        self._saves.append(self._queue.submit(
+            lambda: self._save_layer(layer_name, kv_layer, meta)))
+
+    def _save_layer(self, name: str, kv_layer: torch.Tensor, meta: OffloadingMetadata) -> None:
+        """One layer's saves (on the copy queue)."""
         if meta.store_slots:
             blocks = torch.tensor(meta.store_block_ids, dtype=torch.int64, device=self.device)
             slots = torch.tensor(meta.store_slots, dtype=torch.int64)
-            self._host[layer_name][:, slots] = kv_layer[:, blocks].to("cpu")
+            self._host[name].index_copy_(1, slots, kv_layer.index_select(1, blocks).to("cpu"))
         if meta.disk_store_hashes:
             blocks = torch.tensor(meta.disk_store_block_ids, dtype=torch.int64,
                                   device=self.device)
             # [n, 2, block_size, heads, head_size]: each block's K and V together
-            self._disk_rows[layer_name] = kv_layer[:, blocks].transpose(0, 1).to("cpu")
+            self._disk_rows[name] = kv_layer.index_select(1, blocks).transpose(0, 1).to("cpu")
 
     def wait_for_save(self) -> None:
-        """Write the step's disk stores (each block's file holds every layer); the copies of
-        `save_kv_layer` are blocking."""
+        """Wait for the step's device-to-host copies (and any load no layer waited for),
+        then write the step's disk files (each block's file holds every layer).
+
+        Raises:
+            RuntimeError: a load of this step failed and no layer waited for it.
+        """
+        tickets = [t for ts in self._loads.values() for t in ts] + self._saves
+        self._loads, self._saves = {}, []
+        wait_all(self._queue, tickets)
         meta = self._meta
         if meta is None or not meta.disk_store_hashes:
             return
@@ -154,6 +204,9 @@ class OffloadingConnectorWorker:
             payload = b"".join(r[i].view(torch.uint8).numpy().tobytes() for r in rows)
             write_block_file(block_file(self.disk_dir, block_hash, self.rank),
                              encode_block_file(block_hash, layout, payload))
+
+    def shutdown(self) -> None:
+        self._queue.shutdown()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         return set(), set()

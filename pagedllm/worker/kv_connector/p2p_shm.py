@@ -7,6 +7,11 @@ blocks in order, each block every layer's K and V ([2, block_size, num_kv_heads,
 raw bytes, layer order), so blocks [first, first + n) are one contiguous slice:
 
     payload = | block 0: layer 0 K V | layer 1 K V | ... | block 1: ... | ... |
+
+Transfers are asynchronous (async_copy.py; `async_transfers: false` makes them synchronous):
+a consumer queues the step's file reads, then one copy per layer in layer order, and layer i's
+attention waits only for its own; a producer queues layer i's device-to-host copy right after
+layer i wrote its K/V, and `wait_for_save` writes the files.
 """
 
 from __future__ import annotations
@@ -17,7 +22,9 @@ import torch
 from pagedllm.core.kv_connector.disk_tier import encode_block_file, write_block_file
 from pagedllm.core.kv_connector.p2p_shm import P2pShmMetadata, engine_id_of, shm_dir_of
 from pagedllm.core.kv_connector.p2p_transport import read_transfer_header, transfer_file
-from pagedllm.worker.kv_connector.base import check_unquantized, kv_layout
+from pagedllm.worker.kv_connector.async_copy import CopyQueue, wait_all
+from pagedllm.worker.kv_connector.base import (block_row_columns, check_unquantized,
+                                               copy_rows_to_layer, kv_layout)
 
 
 class P2pShmConnectorWorker:
@@ -50,6 +57,10 @@ class P2pShmConnectorWorker:
         self._meta: P2pShmMetadata | None = None
         # Exports of the step: layer name -> [n, 2, block_size, heads, head_size] per export.
         self._rows: dict[str, list[torch.Tensor]] = {}
+        self._queue = CopyQueue(device, config.kv_connector_extra_config.get(
+            "async_transfers", True))
+        self._loads: dict = {}   # layer name -> the tickets of its loads this step
+        self._saves: list = []   # the step's save tickets
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         check_unquantized("P2pShmConnector", kv_caches)
@@ -69,18 +80,34 @@ class P2pShmConnectorWorker:
 
     def clear_connector_metadata(self) -> None:
         self._meta = None
+        self._loads, self._saves, self._rows = {}, [], {}
 
     def start_load_kv(self) -> None:
-        """Read each pulled file into its device blocks (synchronously: the forward that
-        follows reads them), then delete it.
+        """Queue the step's loads: the pulled files' reads, then per layer (in order) their
+        blocks into its device blocks, then the files' deletion."""
+        if self._meta is None or not self._meta.loads:
+            return
+        loads = self._meta.loads
+        files: list[torch.Tensor] = []   # (filled by the read: [n, bytes_per_block] per load)
+        read = self._queue.submit(lambda: files.extend(self._read_files(loads)))
+        columns = block_row_columns(self._kv_caches)
+        for name, cache in self._kv_caches.items():
+            def copy(cache=cache, column=columns[name]) -> None:
+                for load, rows in zip(loads, files):
+                    copy_rows_to_layer(cache, load.block_ids, rows, column)
+            self._loads[name] = [read, self._queue.submit(copy)]
+        self._saves.append(self._queue.submit(lambda: self._delete_files(loads)))
+
+    def _read_files(self, loads) -> list[torch.Tensor]:
+        """Each load's blocks from its file, [n, bytes_per_block] uint8 (the module docstring's
+        layout).
 
         Raises:
             RuntimeError: a file vanished or changed after the scheduler side checked it.
         """
-        if self._meta is None:
-            return
         layout = self.layout()
-        for load in self._meta.loads:
+        out = []
+        for load in loads:
             path = transfer_file(self.shm_dir, load.engine_id, load.key, self.rank)
             offset, problem = read_transfer_header(path, load.key, layout)
             n = len(load.block_ids)
@@ -89,32 +116,43 @@ class P2pShmConnectorWorker:
                 problem = f"{path} is too short"
             if problem is not None:
                 raise RuntimeError(f"KV transfer: {problem} (after it was pulled)")
-            # [n, bytes_per_block]: each block's layers, K and V (the module docstring).
-            raw = torch.from_numpy(np.fromfile(path, dtype=np.uint8, count=n * self.bytes_per_block,
-                                               offset=start)).view(n, self.bytes_per_block)
-            block_ids = torch.tensor(load.block_ids, dtype=torch.int64, device=self.device)
-            column = 0
-            for cache in self._kv_caches.values():
-                shape = (n, 2) + tuple(cache.shape[2:])
-                layer_bytes = cache[:, 0].numel() * cache.element_size()
-                rows = raw[:, column:column + layer_bytes].contiguous().view(cache.dtype)
-                cache[:, block_ids] = rows.view(shape).transpose(0, 1).to(self.device)
-                column += layer_bytes
-            path.unlink(missing_ok=True)
+            out.append(torch.from_numpy(np.fromfile(
+                path, dtype=np.uint8, count=n * self.bytes_per_block, offset=start)
+            ).view(n, self.bytes_per_block))
+        return out
+
+    def _delete_files(self, loads) -> None:
+        for load in loads:
+            transfer_file(self.shm_dir, load.engine_id, load.key, self.rank).unlink(
+                missing_ok=True)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Nothing to wait for: `start_load_kv` copied every layer."""
+        """Layer `layer_name`'s loads of this step are in its device blocks.
+
+        Raises:
+            RuntimeError: a file vanished or changed after the scheduler side checked it.
+        """
+        for ticket in self._loads.pop(layer_name, ()):
+            self._queue.wait(ticket)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None:
-        """Take this layer's blocks of the step's exports to the host."""
+        """Queue the copy of this layer's blocks of the step's exports to the host."""
         if self._meta is None or not self._meta.exports:
             return
-        self._rows[layer_name] = [
-            kv_layer[:, torch.tensor(e.block_ids, dtype=torch.int64, device=self.device)]
-            .transpose(0, 1).to("cpu").contiguous() for e in self._meta.exports]
+        exports = self._meta.exports
+
+        def copy() -> None:
+            self._rows[layer_name] = [
+                kv_layer[:, torch.tensor(e.block_ids, dtype=torch.int64, device=self.device)]
+                .transpose(0, 1).to("cpu").contiguous() for e in exports]
+        self._saves.append(self._queue.submit(copy))
 
     def wait_for_save(self) -> None:
-        """Write each export's file (atomically: a temporary name, then a rename)."""
+        """Wait for the step's copies, then write each export's file (atomically: a
+        temporary name, then a rename)."""
+        tickets = [t for ts in self._loads.values() for t in ts] + self._saves
+        self._loads, self._saves = {}, []
+        wait_all(self._queue, tickets)
         if self._meta is None or not self._meta.exports:
             return
         layout = self.layout()
@@ -128,6 +166,9 @@ class P2pShmConnectorWorker:
             path = transfer_file(self.shm_dir, self.engine_id, export.key, self.rank)
             write_block_file(path, encode_block_file(bytes.fromhex(export.key), layout,
                                                      payload))
+
+    def shutdown(self) -> None:
+        self._queue.shutdown()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         return set(), set()
