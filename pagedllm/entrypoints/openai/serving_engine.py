@@ -141,6 +141,15 @@ class SSEChunkFrame:
         return f"{self._head}{choices_json}{self._tail}"
 
 
+def chat_choice_json(index: int, delta: dict[str, Any], finish_reason: str | None = None,
+                     stop_reason: int | str | None = None) -> str:
+    """`ChatStreamChoice(index=..., delta=..., finish_reason=..., stop_reason=...)`'s
+    `model_dump_json()` (no logprobs; `delta` plain JSON data), without building the model (see
+    SSEChunkFrame)."""
+    return to_json({"index": index, "delta": delta, "logprobs": None,
+                    "finish_reason": finish_reason, "stop_reason": stop_reason}).decode()
+
+
 def text_choice_json(index: int, text: str, finish_reason: str | None,
                      stop_reason: int | str | None) -> str:
     """`CompletionChoice(index=..., text=..., finish_reason=..., stop_reason=...)`'s

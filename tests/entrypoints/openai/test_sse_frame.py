@@ -1,5 +1,6 @@
-"""The streaming fast path (SSEChunkFrame + text_choice_json) writes exactly the event that the
-pydantic chunk model would (`sse_event(CompletionChunk(...))`)."""
+"""The streaming fast path (SSEChunkFrame + text_choice_json / chat_choice_json) writes exactly
+the event that the pydantic chunk model would (`sse_event(CompletionChunk(...))`, and the same
+for chat chunks)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ import random
 
 import pytest
 
-from pagedllm.entrypoints.openai.protocol import (ChatCompletionChunk, CompletionChoice,
-                                                  CompletionChunk)
-from pagedllm.entrypoints.openai.serving_engine import (SSEChunkFrame, sse_event,
-                                                        text_choice_json)
+from pagedllm.entrypoints.openai.protocol import (ChatCompletionChunk, ChatStreamChoice,
+                                                  CompletionChoice, CompletionChunk)
+from pagedllm.entrypoints.openai.serving_engine import (SSEChunkFrame, chat_choice_json,
+                                                        sse_event, text_choice_json)
 
 TEXTS = ["", " hello", 'quote " and \\ backslash', "new\nline\ttab\r\x00\x01\x1f\x7f",
          "café 日本語 🙂 \u2028\u2029 \ufffd", "</script>&<>'"]
@@ -48,3 +49,22 @@ def test_frame_needs_an_empty_choices_list():
     # Another chunk type works the same way.
     frame = SSEChunkFrame(ChatCompletionChunk(id="c", created=1, model="m", choices=[]))
     assert frame.event("").startswith('data: {"id":"c"')
+
+
+def test_chat_frame_event_equals_pydantic_chunk():
+    rng = random.Random(5)
+    tool_call = {"index": 0, "id": "call_1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": '{"city": "Par'}}
+    deltas = ([{"role": "assistant", "content": ""}, {"reasoning_content": "hmm \"so\"\n"},
+               {"tool_calls": [tool_call]}, {"content": ""}]
+              + [{"content": _random_text(rng)} for _ in range(200)] + [{"content": t} for t in TEXTS])
+    for i, delta in enumerate(deltas):
+        finish, stop = [(None, None), ("stop", None), ("tool_calls", None), ("stop", 7),
+                        ("length", None)][i % 5]
+        frame = SSEChunkFrame(ChatCompletionChunk(id=f"chatcmpl-{i}", created=1700000000,
+                                                  model="shakespeare-10m", choices=[]))
+        expected = sse_event(ChatCompletionChunk(
+            id=f"chatcmpl-{i}", created=1700000000, model="shakespeare-10m",
+            choices=[ChatStreamChoice(index=i % 3, delta=delta, finish_reason=finish,
+                                      stop_reason=stop)]))
+        assert frame.event(chat_choice_json(i % 3, delta, finish, stop)) == expected
