@@ -30,8 +30,9 @@ def backend_decode(tokenizer) -> Callable[[list[int], bool], str] | None:
     For such a tokenizer `tokenizer.decode(ids, skip_special_tokens=s,
     clean_up_tokenization_spaces=False)` is exactly that call (transformers 5's
     `TokenizersBackend._decode`; `spaces_between_special_tokens` is ignored there) after
-    argument conversions that cost about ten times the decode itself: the incremental
-    detokenizer decodes twice per request and step, so the front end calls the backend directly.
+    argument conversions that cost about three times the decode itself (17 us in all against
+    4 us for a few ids): the incremental detokenizer decodes twice per request and step, so the
+    front end calls the backend directly.
     """
     try:
         from transformers.tokenization_utils_base import PreTrainedTokenizerBase
