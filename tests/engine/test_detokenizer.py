@@ -9,7 +9,7 @@ import transformers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.engine.detokenizer import IncrementalDetokenizer, backend_decode
 
 TEXTS = [
     "The cat sees a red apple today.",
@@ -400,3 +400,23 @@ def test_stop_string_before_a_stop_token_wins(tokenizer):
 
 def _decode_after(tokenizer, prompt: list[int], ids: list[int]) -> str:
     return tokenizer.decode(prompt + ids)[len(tokenizer.decode(prompt)):]
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_backend_decode_equals_transformers_decode(tokenizer, skip_special_tokens):
+    """The front end decodes through the tokenizers backend directly (backend_decode); a wrapper
+    that hides the backend takes transformers' `decode`: streams and final texts are equal."""
+    assert backend_decode(tokenizer) is not None
+    assert backend_decode(_RecordingTokenizer(tokenizer)) is None
+    rng = random.Random(7)
+    vocab_size = len(tokenizer)
+    for _ in range(200):
+        prompt = [rng.randrange(vocab_size) for _ in range(rng.randint(0, 10))]
+        ids = [rng.randrange(vocab_size) for _ in range(rng.randint(1, 16))]
+        chunks = _random_chunks(rng, len(ids))
+        streams = []
+        for tok in (tokenizer, _RecordingTokenizer(tokenizer)):
+            detok = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip_special_tokens,
+                                           stop=["e t"])
+            streams.append((_stream(detok, ids, chunks), detok.output_text, detok.token_ids))
+        assert streams[0] == streams[1]

@@ -15,6 +15,7 @@ import json
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 from pagedllm.entrypoints.openai.chat_output import NO_TOOLS, ChoiceOutputParser, ToolMode
 from pagedllm.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk,
@@ -35,7 +36,8 @@ from pagedllm.engine.logprob_strings import TokenBytes
 from pagedllm.reasoning import ReasoningParser, get_reasoning_parser
 from pagedllm.reasoning.budget import ThinkingBudgetLogitsProcessor
 from pagedllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing,
-                                                        OpenAIServingError, SSEStream,
+                                                        OpenAIServingError, SSEChunkFrame,
+                                                        SSEStream, chat_choice_json,
                                                         clamp_logprob, error_from_exception,
                                                         final_outputs, sse_event, token_string,
                                                         usage_of, usage_so_far)
@@ -258,18 +260,27 @@ class ServingChat:
         sent_tokens = [0] * request.n
         parsers = [ChoiceOutputParser(mode, self.reasoning) for _ in range(request.n)]
 
-        def chunk(choice: ChatStreamChoice) -> str:
+        frame = SSEChunkFrame(ChatCompletionChunk(id=response_id, created=created, model=model,
+                                                  choices=[]))
+        continuous_usage = options is not None and options.continuous_usage_stats
+
+        def chunk(index: int, delta: dict[str, Any], logprobs: ChatLogprobs | None = None,
+                  finish_reason: str | None = None, stop_reason: int | str | None = None) -> str:
+            if logprobs is None and not continuous_usage:
+                # The common case, serialized without pydantic models (SSEChunkFrame).
+                return frame.event(chat_choice_json(index, delta, finish_reason, stop_reason))
             usage = None
-            if options is not None and options.continuous_usage_stats:
-                usage = usage_so_far(num_prompt_tokens, sent_tokens[choice.index])
+            if continuous_usage:
+                usage = usage_so_far(num_prompt_tokens, sent_tokens[index])
+            choice = ChatStreamChoice(index=index, delta=delta, logprobs=logprobs,
+                                      finish_reason=finish_reason, stop_reason=stop_reason)
             return sse_event(ChatCompletionChunk(id=response_id, created=created, model=model,
                                                  choices=[choice], usage=usage))
         done = [False] * request.n
         final: RequestOutput | None = None
         try:
             for index in range(request.n):
-                yield chunk(ChatStreamChoice(index=index,
-                                             delta={"role": "assistant", "content": ""}))
+                yield chunk(index, {"role": "assistant", "content": ""})
             async for out in stream:
                 final = out
                 for c in out.outputs:
@@ -288,10 +299,9 @@ class ServingChat:
                                      if done[c.index] else None)
                     for i, delta in enumerate(deltas):
                         last = i == len(deltas) - 1
-                        yield chunk(ChatStreamChoice(
-                            index=c.index, delta=delta, logprobs=logprobs if i == 0 else None,
-                            finish_reason=finish_reason if last else None,
-                            stop_reason=c.stop_reason if last else None))
+                        yield chunk(c.index, delta, logprobs if i == 0 else None,
+                                    finish_reason if last else None,
+                                    c.stop_reason if last else None)
             if options is not None and options.include_usage:
                 yield sse_event(ChatCompletionChunk(id=response_id, created=created, model=model,
                                                     choices=[], usage=self.usage(final)))

@@ -22,11 +22,12 @@ from pagedllm.entrypoints.openai.serving_beam_search import FinishedStream, beam
 from pagedllm.engine.async_llm import RequestStream
 from pagedllm.engine.logprob_strings import token_strings
 from pagedllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing,
-                                                        OpenAIServingError, SSEStream,
-                                                        clamp_logprob, error_from_exception,
-                                                        final_outputs, merge_async_iterators,
-                                                        sse_event, token_string, usage_of,
-                                                        usage_so_far)
+                                                        OpenAIServingError, SSEChunkFrame,
+                                                        SSEStream, clamp_logprob,
+                                                        error_from_exception, final_outputs,
+                                                        merge_async_iterators, sse_event,
+                                                        text_choice_json, token_string,
+                                                        usage_of, usage_so_far)
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -53,6 +54,17 @@ class _ChoiceProgress:
     num_tokens: int = 0
     token_chars: int = 0  # of the sent tokens' logprob strings (text offsets continue from it)
     finished: bool = False
+
+
+@dataclass
+class _Delta:
+    """A streamed choice's fields (a `CompletionChoice` once serialized; see `_stream`)."""
+
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+    stop_reason: int | str | None
 
 
 def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob] | None],
@@ -156,9 +168,23 @@ class ServingCompletion:
         finals: list[RequestOutput | None] = [None] * len(prompts)
         options = request.stream_options
 
-        def chunk(choice: CompletionChoice, prompt_index: int) -> str:
+        frame = SSEChunkFrame(CompletionChunk(id=response_id, created=created, model=model,
+                                              choices=[]))
+        continuous_usage = options is not None and options.continuous_usage_stats
+
+        def chunk(choice: CompletionChoice | _Delta, prompt_index: int) -> str:
+            if isinstance(choice, _Delta):
+                if choice.logprobs is None and not continuous_usage:
+                    # The common case, serialized without pydantic models (SSEChunkFrame).
+                    return frame.event(text_choice_json(choice.index, choice.text,
+                                                        choice.finish_reason,
+                                                        choice.stop_reason))
+                choice = CompletionChoice(index=choice.index, text=choice.text,
+                                          logprobs=choice.logprobs,
+                                          finish_reason=choice.finish_reason,
+                                          stop_reason=choice.stop_reason)
             usage = None
-            if options is not None and options.continuous_usage_stats:
+            if continuous_usage:
                 usage = usage_so_far(len(prompts[prompt_index].token_ids),
                                      progress[choice.index].num_tokens)
             return sse_event(CompletionChunk(id=response_id, created=created, model=model,
@@ -190,8 +216,9 @@ class ServingCompletion:
         yield SSE_DONE
 
     def _next_delta(self, request: CompletionRequest, index: int, completion: CompletionOutput,
-                    progress: _ChoiceProgress) -> CompletionChoice | None:
-        """The choice chunk carrying what `completion` adds to what was sent; None if nothing."""
+                    progress: _ChoiceProgress) -> _Delta | None:
+        """The choice (as a `_Delta`) carrying what `completion` adds to what was sent; None if
+        nothing."""
         if progress.finished:
             return None
         delta = completion.text[progress.num_chars:]
@@ -207,9 +234,7 @@ class ServingCompletion:
         progress.finished = finished
         if not delta and not finished and logprobs is None:
             return None
-        return CompletionChoice(index=index, text=delta, logprobs=logprobs,
-                                finish_reason=completion.finish_reason,
-                                stop_reason=completion.stop_reason)
+        return _Delta(index, delta, logprobs, completion.finish_reason, completion.stop_reason)
 
     @staticmethod
     def _logprobs(request: CompletionRequest, completion: CompletionOutput, start: int,

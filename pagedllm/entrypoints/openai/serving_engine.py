@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel
+from pydantic_core import to_json
 
 from pagedllm.engine.async_llm import (AsyncLLM, EngineDeadError, RequestFailedError,
                                        RequestStream)
@@ -106,6 +107,56 @@ def sse_event(payload: BaseModel | dict[str, Any] | str) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
+
+
+class SSEChunkFrame:
+    """A stream's chunk object serialized once around its `choices` list, so that each event
+    serializes only its choices: `event(choices_json)` equals `sse_event(chunk)` for the chunk
+    with those choices (pydantic's own JSON: same field order, no spaces).
+
+    Streaming sends one event per token and request; building and dumping the whole pydantic
+    chunk each time was most of the per-token cost of the streaming code itself (~37 us against
+    ~4 us, measured in docs/benchmarks.md "Serving speed").
+
+    Args:
+        chunk: the stream's chunk model with `choices=[]` and every other field as each event
+            carries it (id, created, model; usage None).
+
+    Raises:
+        ValueError: `chunk` does not serialize with an empty `"choices":[]`.
+    """
+
+    _MARK = '"choices":[]'
+
+    def __init__(self, chunk: BaseModel) -> None:
+        text = chunk.model_dump_json()
+        if text.count(self._MARK) != 1:
+            raise ValueError(f"SSEChunkFrame: {type(chunk).__name__} has no empty choices list")
+        head, _, tail = text.partition(self._MARK)
+        self._head = f'data: {head}"choices":['
+        self._tail = f"]{tail}\n\n"
+
+    def event(self, choices_json: str) -> str:
+        """The SSE event of the chunk whose `choices` serialize to `[choices_json]`."""
+        return f"{self._head}{choices_json}{self._tail}"
+
+
+def chat_choice_json(index: int, delta: dict[str, Any], finish_reason: str | None = None,
+                     stop_reason: int | str | None = None) -> str:
+    """`ChatStreamChoice(index=..., delta=..., finish_reason=..., stop_reason=...)`'s
+    `model_dump_json()` (no logprobs; `delta` plain JSON data), without building the model (see
+    SSEChunkFrame)."""
+    return to_json({"index": index, "delta": delta, "logprobs": None,
+                    "finish_reason": finish_reason, "stop_reason": stop_reason}).decode()
+
+
+def text_choice_json(index: int, text: str, finish_reason: str | None,
+                     stop_reason: int | str | None) -> str:
+    """`CompletionChoice(index=..., text=..., finish_reason=..., stop_reason=...)`'s
+    `model_dump_json()` (no logprobs), without building the model (see SSEChunkFrame)."""
+    return (f'{{"index":{index},"text":{to_json(text).decode()},"logprobs":null,'
+            f'"finish_reason":{to_json(finish_reason).decode()},'
+            f'"stop_reason":{to_json(stop_reason).decode()}}}')
 
 
 @dataclass
