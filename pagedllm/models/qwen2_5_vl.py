@@ -93,9 +93,11 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """Bidirectional attention inside each segment [cu[i], cu[i+1]) of q, k, v [P, H, D]
     (any strides with a unit last one; q, k, v may be views into one fused qkv row).
 
-    Segments of equal length go through one batched SDPA: read as a strided view where they
-    lie one after another (the usual case: an image's full windows, or images of one size),
-    gathered otherwise. Returns [P, H * D], contiguous.
+    Segments of equal length go through one batched SDPA. When all segments have one length
+    (the windows of images whose sides are whole windows, or images of one size in the
+    full-attention blocks) they are read as one strided view, with no copy in or out;
+    otherwise each length's segments are gathered and their outputs scattered back.
+    Returns [P, H * D], contiguous.
     """
     n, h, d = q.shape
     lengths = np.diff(cu_seqlens)
