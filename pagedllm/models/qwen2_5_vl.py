@@ -90,19 +90,57 @@ def image_cu_seqlens(grids: list[tuple[int, int, int]]) -> np.ndarray:
 
 def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       cu_seqlens: np.ndarray) -> torch.Tensor:
-    """Bidirectional attention inside each segment [cu[i], cu[i+1]) of q, k, v [P, H, D];
-    segments of equal length go through one batched SDPA. Returns [P, H, D]."""
+    """Bidirectional attention inside each segment [cu[i], cu[i+1]) of q, k, v [P, H, D]
+    (any strides with a unit last one; q, k, v may be views into one fused qkv row).
+
+    Segments of equal length go through one batched SDPA. When all segments have one length
+    (the windows of images whose sides are whole windows, or images of one size in the
+    full-attention blocks) they are read as one strided view, with no copy in or out;
+    otherwise each length's segments are gathered and their outputs scattered back.
+    Returns [P, H * D], contiguous.
+    """
+    n, h, d = q.shape
     lengths = np.diff(cu_seqlens)
-    out = torch.empty_like(q)
-    for length in np.unique(lengths):
+    groups = np.unique(lengths)
+    if len(groups) == 1 and cu_seqlens[-1] == n:
+        length = int(groups[0])
+        qs, ks, vs = (x.unflatten(0, (n // length, length)).transpose(1, 2) for x in (q, k, v))
+        o = F.scaled_dot_product_attention(qs, ks, vs)
+        return o.transpose(1, 2).reshape(n, h * d)
+    out = q.new_empty(n, h, d)
+    for length in groups:
         starts = torch.from_numpy(cu_seqlens[:-1][lengths == length]).to(q.device)
         idx = (starts[:, None] + torch.arange(int(length), device=q.device)).reshape(-1)
         s = len(starts)
-        qs, ks, vs = (x[idx].view(s, int(length), *x.shape[1:]).transpose(1, 2)
-                      for x in (q, k, v))
+        qs, ks, vs = (x[idx].view(s, int(length), h, d).transpose(1, 2) for x in (q, k, v))
         o = F.scaled_dot_product_attention(qs, ks, vs)
-        out[idx] = o.transpose(1, 2).reshape(-1, *q.shape[1:])
-    return out
+        out[idx] = o.transpose(1, 2).reshape(-1, h, d)
+    return out.view(n, h * d)
+
+
+class VisionRope:
+    """2-D RoPE of a tower call, built once and applied in every block: HF's
+    `apply_rotary_pos_emb_vision` (rotate-half over the whole head, float32 math), as
+    x * [cos, cos] + [-x2, x1] * [sin, sin] with the second product taken in two in-place
+    halves (three passes over q and k instead of ~10).
+
+    Args:
+        freqs: float32 [P, head_size / 2], each patch's angles (radians).
+    """
+
+    def __init__(self, freqs: torch.Tensor) -> None:
+        self.cos = torch.cat([freqs.cos()] * 2, dim=-1)[:, None, :]      # [P, 1, head_size]
+        self.sin = freqs.sin()[:, None, :]                                # [P, 1, head_size/2]
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """x [P, heads, head_size] (q and k heads together) -> rotated, contiguous, x's
+        dtype."""
+        x32 = x.float()
+        half = x.shape[-1] // 2
+        out = x32 * self.cos
+        out[..., :half].addcmul_(x32[..., half:], self.sin, value=-1.0)
+        out[..., half:].addcmul_(x32[..., :half], self.sin)
+        return out.to(x.dtype)
 
 
 class VisionAttention(nn.Module):
@@ -115,21 +153,13 @@ class VisionAttention(nn.Module):
         self.num_heads = self.qkv.num_heads
         self.proj = RowParallelLinear(dim, dim, bias=True)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cu_seqlens: np.ndarray) -> torch.Tensor:
-        """x [P, Dv]; cos/sin float32 [P, head_size / 2]."""
-        n = x.shape[0]
-        q, k, v = (y.view(n, self.num_heads, self.head_size)
-                   for y in self.qkv(x).chunk(3, dim=-1))
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        return self.proj(segment_attention(q, k, v, cu_seqlens).reshape(n, -1))
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE in float32 (as HF's `apply_rotary_pos_emb_vision`)."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    c, s = cos[:, None, :], sin[:, None, :]
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+    def forward(self, x: torch.Tensor, rope: VisionRope, cu_seqlens: np.ndarray
+                ) -> torch.Tensor:
+        """x [P, Dv] -> [P, Dv]; `rope` holds the patches' angles."""
+        n, h = x.shape[0], self.num_heads
+        qkv = self.qkv(x).view(n, 3 * h, self.head_size)
+        qk = rope.apply(qkv[:, :2 * h])
+        return self.proj(segment_attention(qk[:, :h], qk[:, h:], qkv[:, 2 * h:], cu_seqlens))
 
 
 class VisionMLP(nn.Module):
@@ -161,9 +191,9 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(dim, num_heads)
         self.mlp = mlp
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cu_seqlens: np.ndarray) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, cu_seqlens)
+    def forward(self, x: torch.Tensor, rope: VisionRope, cu_seqlens: np.ndarray
+                ) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), rope, cu_seqlens)
         return x + self.mlp(self.norm2(x))
 
 
@@ -255,12 +285,34 @@ class Qwen2_5_VisionTransformer(nn.Module):
             order = torch.from_numpy(window_index).to(x.device)
             x = x.view(n // unit, unit, -1)[order].reshape(n, -1)
             freqs = freqs.view(n // unit, unit, -1)[order].reshape(n, -1)
-        cos, sin = freqs.cos(), freqs.sin()
+        rope = VisionRope(freqs)
         for i, block in enumerate(self.blocks):
             cu = cu_full if i in self.fullatt_block_indexes else cu_window
-            x = block(x, cos, sin, cu)
+            x = block(x, rope, cu)
         merged = self.merger(x)
         return merged if order is None else merged[torch.argsort(order)]
+
+
+def embed_qwen_vl_images(model: nn.Module, items: list[dict[str, np.ndarray]]
+                         ) -> list[torch.Tensor]:
+    """`embed_multimodal` of the Qwen VL models: the items' patches concatenated through
+    `model.encode_images` in one call, split back per image in the decoder's dtype.
+
+    Args:
+        items: per image {"pixel_values": float32 [t*h*w, C*Tp*ps*ps], "image_grid_thw":
+            int [3]}.
+
+    Returns:
+        Per image a [t*h*w / merge^2, E] tensor (E: what `encode_images` gives per token).
+    """
+    device = model.visual.patch_embed.weight.device
+    grids = [tuple(int(x) for x in item["image_grid_thw"]) for item in items]
+    pixels = torch.cat([torch.from_numpy(np.asarray(item["pixel_values"], dtype=np.float32))
+                        for item in items]).to(device)
+    out = model.encode_images(pixels, grids)
+    unit = model.visual.merge ** 2
+    dtype = model.language_model.model.embed_tokens.weight.dtype
+    return list(out.to(dtype).split([t * h * w // unit for t, h, w in grids]))
 
 
 class Qwen2_5_VLForConditionalGeneration(nn.Module):
@@ -317,15 +369,12 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
 
     def embed_multimodal(self, items: list[dict[str, np.ndarray]]) -> list[torch.Tensor]:
         """Encode all images in one pass of the tower (attention stays inside each image)."""
-        device = self.visual.patch_embed.weight.device
-        grids = [tuple(int(x) for x in item["image_grid_thw"]) for item in items]
-        pixels = torch.cat([torch.from_numpy(np.asarray(item["pixel_values"],
-                                                        dtype=np.float32))
-                            for item in items]).to(device)
-        out = self.visual(pixels, grids)
-        unit = self.visual.merge ** 2
-        dtype = self.language_model.model.embed_tokens.weight.dtype
-        return list(out.to(dtype).split([t * h * w // unit for t, h, w in grids]))
+        return embed_qwen_vl_images(self, items)
+
+    def encode_images(self, pixel_values: torch.Tensor, grids: list[tuple[int, int, int]]
+                      ) -> torch.Tensor:
+        """The tower over the images' patches: [P, C*Tp*ps*ps] -> [P / merge^2, D]."""
+        return self.visual(pixel_values, grids)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """HF names: model.visual.*, model.language_model.*, lm_head.weight (also the older

@@ -33,7 +33,8 @@ from pagedllm.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pagedllm.layers.mrotary_embedding import MRotaryEmbedding
 from pagedllm.layers.rotary_embedding import default_inv_freq, rope_parameters_from_hf
 from pagedllm.models.llama import Qwen3ForCausalLM
-from pagedllm.models.qwen2_5_vl import (VisionBlock, VisionMLP, image_cu_seqlens,
+from pagedllm.models.qwen2_5_vl import (VisionBlock, VisionMLP, VisionRope,
+                                        embed_qwen_vl_images, image_cu_seqlens,
                                         load_qwen_vl_weights, vision_position_ids)
 from pagedllm.multimodal.inputs import MultiModalFeature
 from pagedllm.multimodal.qwen_vl import mrope_input_positions
@@ -106,11 +107,11 @@ class Qwen3VisionTransformer(nn.Module):
         x = x + self.learned_positions(grids).to(x.dtype)
         pos = torch.from_numpy(vision_position_ids(grids, self.merge)).to(x.device)
         freqs = (pos[..., None].float() * self.inv_freq).flatten(1)      # [P, head/2]
-        cos, sin = freqs.cos(), freqs.sin()
+        rope = VisionRope(freqs)
         cu = image_cu_seqlens(grids)
         deepstack = []
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, cu)
+            x = block(x, rope, cu)
             if i in self.deepstack_visual_indexes:
                 j = self.deepstack_visual_indexes.index(i)
                 deepstack.append(self.deepstack_merger_list[j](x))
@@ -180,16 +181,14 @@ class Qwen3VLForConditionalGeneration(nn.Module):
 
     def embed_multimodal(self, items: list[dict[str, np.ndarray]]) -> list[torch.Tensor]:
         """Encode all images in one pass of the tower (attention stays inside each image)."""
-        device = self.visual.patch_embed.weight.device
-        grids = [tuple(int(x) for x in item["image_grid_thw"]) for item in items]
-        pixels = torch.cat([torch.from_numpy(np.asarray(item["pixel_values"],
-                                                        dtype=np.float32))
-                            for item in items]).to(device)
-        merged, deepstack = self.visual(pixels, grids)
-        out = torch.cat([merged, *deepstack], dim=-1)
-        unit = self.visual.merge ** 2
-        dtype = self.language_model.model.embed_tokens.weight.dtype
-        return list(out.to(dtype).split([t * h * w // unit for t, h, w in grids]))
+        return embed_qwen_vl_images(self, items)
+
+    def encode_images(self, pixel_values: torch.Tensor, grids: list[tuple[int, int, int]]
+                      ) -> torch.Tensor:
+        """The tower over the images' patches: [P, C*Tp*ps*ps] -> [P / merge^2, D * (1 + k)]
+        (the merger's output, then the k deepstack features)."""
+        merged, deepstack = self.visual(pixel_values, grids)
+        return torch.cat([merged, *deepstack], dim=-1)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """HF names: model.visual.*, model.language_model.*, lm_head.weight.
