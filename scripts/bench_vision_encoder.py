@@ -2,7 +2,7 @@
 model (as the engine loads it: packed linears, native layers attached) against HF's
 `get_image_features` (tower + connector / merger), interleaved so both see the same load.
 
-    PYTHONPATH=. python docs/bench_vision_encoder.py [preset] [num_images] [reps] [--profile]
+    PYTHONPATH=. python scripts/bench_vision_encoder.py [preset] [num_images] [reps] [--profile]
 
 preset: `smolvlm-200m` (default) or `qwen2.5-vl-200m` (`pagedllm bench images`' presets, built
 into the preset cache on first use); the images are the bench's (`draw_image`, seeds 0..n-1, at
