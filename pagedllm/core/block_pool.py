@@ -112,6 +112,12 @@ class BlockPool:
                 block.block_hash = h
                 self.cached_block_hash_to_block[h] = block
 
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        """Drop these blocks' hashes from the prefix cache (their contents are wrong: a failed
+        KV load); the blocks themselves stay with their holders."""
+        for block_id in block_ids:
+            self._evict(self.blocks[block_id])
+
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is not None:
             del self.cached_block_hash_to_block[block.block_hash]

@@ -216,6 +216,10 @@ class ModelRunnerOutput:
     # [m, num_moe_layers, top_k] int16) of the positions this step computed for requests that
     # asked; with a request's first step also its cached prefix's rows (from position 0).
     routed_experts: dict[str, tuple[int, np.ndarray]] = field(default_factory=dict)
+    # KV connector: device block ids whose loads failed this step (vLLM's
+    # `KVConnectorOutput.invalid_block_ids`): they hold zeros, not the stored KV. The scheduler
+    # discards the step's tokens of the requests holding them and recomputes those blocks.
+    invalid_block_ids: set[int] = field(default_factory=set)
 
 
 @dataclass

@@ -63,6 +63,7 @@ from pagedllm.core.encoder_cache_manager import EncoderCacheManager, schedule_en
 from pagedllm.core.kv_cache_groups import (STATE_ALIGN_GROUP, KVCacheCapacity,
                                            make_kv_cache_groups)
 from pagedllm.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
+from pagedllm.core.kv_load_recovery import KVLoadRecovery
 from pagedllm.core.request import Request, RequestStatus, stop_token_reached
 from pagedllm.core.routed_experts import RoutedExperts
 from pagedllm.core.request_queue import check_priority, make_request_queue, priority_key
@@ -95,7 +96,7 @@ class SchedulerStats:
     num_encoder_runs: int = 0
 
 
-class Scheduler:
+class Scheduler(KVLoadRecovery):
     """Decide what each step computes.
 
     Args:
@@ -185,6 +186,10 @@ class Scheduler:
         # how many of those must not roll back num_computed_tokens (preempted since).
         self._draft_steps_in_flight: dict[str, int] = {}
         self._void_draft_rollbacks: dict[str, int] = {}
+        # Recovery from failed KV loads (`_recompute_failed_loads`): requests the worker must
+        # drop at the next step, and req_id -> tokens of its steps still in flight to discard.
+        self._load_failed_req_ids: set[str] = set()
+        self._discard_tokens: dict[str, int] = {}
 
     # ----------------------------------------------------------------- requests in and out
     def add_request(self, request: Request) -> None:
@@ -249,6 +254,7 @@ class Scheduler:
         self.num_output_placeholders.pop(request.request_id, None)
         self._draft_steps_in_flight.pop(request.request_id, None)
         self._void_draft_rollbacks.pop(request.request_id, None)
+        self._discard_tokens.pop(request.request_id, None)
         if request_needs_sync_step(request):
             self._num_sync_requests -= 1
         return kv_transfer_params
@@ -306,6 +312,9 @@ class Scheduler:
             if request.mm_features:
                 self._free_computed_encoder_inputs(request)
         out.free_encoder_mm_hashes = self.encoder_cache_manager.take_freed_mm_hashes()
+        # (Dropped by the worker before it adds this step's new requests: one may be back.)
+        out.preempted_req_ids |= self._load_failed_req_ids
+        self._load_failed_req_ids = set()
         if self.kv_connector is not None:
             out.kv_connector_metadata = self.kv_connector.build_connector_meta(out)
         return out
@@ -606,13 +615,19 @@ class Scheduler:
         Returns one `EngineCoreOutput` per request that got tokens or finished this step. A
         failure that belongs to one request (its grammar matcher, a logits processor reported in
         `request_errors`) finishes that request with finish_reason "error"; the others go on.
+        Blocks a KV connector failed to load (`invalid_block_ids`) are recomputed
+        (core/kv_load_recovery.py).
         """
         outputs: list[EngineCoreOutput] = []
         finished: list[Request] = []
         errors = dict(model_runner_output.request_errors)
+        recomputed = (self._recompute_failed_loads(scheduler_output, model_runner_output)
+                      if model_runner_output.invalid_block_ids else set())
         for req_id, index in model_runner_output.req_id_to_index.items():
             request = self.requests.get(req_id)
-            if request is None or request.is_finished() or req_id in errors:
+            if (request is None or request.is_finished() or req_id in errors
+                    or self._discards(req_id, index, recomputed, scheduler_output,
+                                      model_runner_output)):
                 continue
             try:
                 out = self._update_request(request, index, scheduler_output, model_runner_output)

@@ -128,6 +128,7 @@ class AsyncModelRunnerOutput:
         self.failed = failed
         self.logprobs_k = logprobs_k
         self.prompt_logprobs = prompt_logprobs
+        self.invalid_block_ids: set[int] = set()   # (set by the worker after the step's loads)
         self._logprobs_host, self._logprobs_event = (None, None) if logprobs is None else \
             start_host_copy([logprobs.token_ids, logprobs.logprobs, logprobs.ranks])
 
@@ -137,7 +138,8 @@ class AsyncModelRunnerOutput:
                                    sampled_token_ids=[[] for _ in self.req_ids],
                                    prompt_logprobs_dict=self.prompt_logprobs,
                                    eplb_stats=self.eplb_stats,
-                                   request_errors=dict(self.request_errors))
+                                   request_errors=dict(self.request_errors),
+                                   invalid_block_ids=set(self.invalid_block_ids))
         tokens = self.sampled.host_values() if self.sampled is not None else []
         by_req = dict(zip(self.sampled.req_ids, tokens)) if self.sampled is not None else {}
         lp = None

@@ -238,7 +238,7 @@ class Worker:
                                                                output)
         finally:
             self.model_runner.kv_hooks = None
-        self._finish_kv(hooks)
+        self._finish_kv(hooks, output)
         self.platform.after_step()
         return output
 
@@ -253,7 +253,7 @@ class Worker:
             output = self.model_runner.sample_tokens_async(grammar_output)
         finally:
             self.model_runner.kv_hooks = None
-        self._finish_kv(hooks)
+        self._finish_kv(hooks, output)
         self.platform.after_step()
         return output
 
@@ -267,9 +267,24 @@ class Worker:
         self.model_runner.kv_hooks = hooks
         return hooks
 
-    def _finish_kv(self, hooks: KVLayerHooks | None) -> None:
-        if hooks is not None:
-            finish_step(hooks, self.model_runner.kv_caches_by_layer())
+    def _finish_kv(self, hooks: KVLayerHooks | None,
+                   output: ModelRunnerOutput | AsyncModelRunnerOutput) -> None:
+        """The connector's saves end; the blocks whose loads failed go back in `output`
+        (`invalid_block_ids`: the scheduler recomputes them).
+
+        Raises:
+            RuntimeError: a load failed with several ranks (only the driver rank's output
+                reaches the scheduler, so the failure cannot be recovered; never wrong output).
+        """
+        if hooks is None:
+            return
+        finish_step(hooks, self.model_runner.kv_caches_by_layer())
+        failed = self.kv_connector.get_block_ids_with_load_errors()
+        if failed and self.config.parallel_config.world_size > 1:
+            raise RuntimeError(f"KV connector: rank {self.rank} failed to load blocks "
+                               f"{sorted(failed)} (a stored file changed after it was matched); "
+                               "recovery needs one rank")
+        output.invalid_block_ids = failed
 
     def layout_summary(self) -> str:
         """One line: this rank's place in the layout, its layers, heads, vocab rows and memory."""

@@ -57,6 +57,10 @@ class KVConnectorScheduler(Protocol):
         it, the scheduler frees them at once), and the `kv_transfer_params` its final output
         carries (None: none)."""
 
+    def discard_blocks(self, block_hashes: list[bytes]) -> None:
+        """The workers failed to load these blocks (`ModelRunnerOutput.invalid_block_ids`):
+        never offer them again."""
+
     def update_worker_infos(self, worker_infos: list[dict]) -> None:
         """The ranks' `KVConnectorWorker.info()` after a weight update (a disk tier's file
         layouts carry the new checkpoint's fingerprint)."""

@@ -190,6 +190,16 @@ class OffloadingConnectorScheduler:
         self._matched.pop(request.request_id, None)
         return False, None
 
+    def discard_blocks(self, block_hashes: list[bytes]) -> None:
+        """Forget these blocks in both tiers (their loads failed: a host slot a step filled
+        from the failed device block, and the changed files, must never be hit again)."""
+        for block_hash in block_hashes:
+            slot = self._slot_of.pop(block_hash, None)
+            if slot is not None:
+                self._free_slots.append(slot)
+            if self.disk is not None:
+                self.disk.remove(block_hash)
+
     def update_worker_infos(self, worker_infos: list[dict]) -> None:
         if self.disk is not None:
             self.disk.layouts = [info["layout"] for info in worker_infos]

@@ -201,6 +201,9 @@ class P2pShmProducerScheduler:
     def reset_cache(self) -> None:
         """Nothing is cached: exports are per request."""
 
+    def discard_blocks(self, block_hashes: list[bytes]) -> None:
+        """Nothing is cached."""
+
     def stats(self) -> KVConnectorStats:
         return KVConnectorStats(**vars(self._stats))
 
@@ -379,6 +382,9 @@ class P2pShmConsumerScheduler:
 
     def reset_cache(self) -> None:
         """Nothing is cached: pulls are per request."""
+
+    def discard_blocks(self, block_hashes: list[bytes]) -> None:
+        """Nothing is cached."""
 
     def stats(self) -> KVConnectorStats:
         return KVConnectorStats(**vars(self._stats))

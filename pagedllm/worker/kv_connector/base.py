@@ -56,6 +56,10 @@ class KVConnectorWorker(Protocol):
         """(requests whose saves finished, requests whose loads finished) since the last call:
         empty for a synchronous connector."""
 
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Device block ids whose loads failed since the last call (vLLM's name; called after
+        `wait_for_save`): they hold zeros, and the scheduler recomputes them."""
+
     def set_model_fingerprint(self, fingerprint: str) -> None:
         """The weights changed (a weight update): what it stores from now on is marked with
         the new checkpoint's `model_fingerprint`."""

@@ -70,6 +70,7 @@ class OffloadingConnectorWorker:
         self._queue = CopyQueue(device, extra_config.get("async_transfers", True))
         self._loads: dict = {}   # layer name -> the tickets of its loads this step
         self._saves: list = []   # the step's save tickets
+        self._failed_block_ids: set[int] = set()   # (get_block_ids_with_load_errors)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         check_unquantized("OffloadingConnector", kv_caches)
@@ -126,7 +127,7 @@ class OffloadingConnectorWorker:
         if len(slots):
             cache.index_copy_(1, blocks.to(self.device), host.index_select(1, slots).to(
                 self.device, non_blocking=True))
-        if disk_rows:   # (else the read failed, and raises in whoever waits for it)
+        if disk_rows:   # (else the read raised, and raises in whoever waits for it)
             copy_rows_to_layer(cache, meta.disk_load_block_ids, disk_rows[0], column)
 
     def _read_block_files(self, meta: OffloadingMetadata) -> torch.Tensor:
@@ -134,32 +135,35 @@ class OffloadingConnectorWorker:
         by the scheduler side when it matched them; everything is checked again, the payload's
         CRC32 included, on the copy thread: a block never loads wrong bytes).
 
-        Raises:
-            RuntimeError: a file changed since it was matched (deleted or rewritten by
-                something else): the step cannot proceed with a wrong block.
+        A file that changed since it was matched (deleted or rewritten by something else) is a
+        load error: its row stays zeros and its device block id is reported by
+        `get_block_ids_with_load_errors`, so the scheduler recomputes it (vLLM's
+        `kv_load_failure_policy="recompute"`).
         """
-        rows = torch.empty(len(meta.disk_load_hashes), self.bytes_per_block, dtype=torch.uint8)
+        rows = torch.zeros(len(meta.disk_load_hashes), self.bytes_per_block, dtype=torch.uint8)
         layout = self.layout()
         for i, block_hash in enumerate(meta.disk_load_hashes):
             path = block_file(self.disk_dir, block_hash, self.rank)
             try:
-                data = path.read_bytes()
-            except OSError as e:
-                raise RuntimeError(f"KV disk tier: {path} vanished after it was matched: "
-                                   f"{e}") from e
-            payload = decode_block_file(data, block_hash, layout)
+                payload = decode_block_file(path.read_bytes(), block_hash, layout)
+            except OSError:
+                payload = None   # (vanished after it was matched)
             if payload is None or len(payload) != self.bytes_per_block:
-                raise RuntimeError(f"KV disk tier: {path} changed after it was matched")
+                self._failed_block_ids.add(meta.disk_load_block_ids[i])
+                continue
             rows[i] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         return rows
 
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Device block ids whose loads failed since the last call (vLLM's name): their
+        contents are zeros, not the stored KV. Call after `wait_for_save`."""
+        failed, self._failed_block_ids = self._failed_block_ids, set()
+        return failed
+
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Layer `layer_name`'s loads of this step are in its device blocks (the other
-        layers' may still be copying).
-
-        Raises:
-            RuntimeError: a disk file changed after it was matched (`_read_block_files`).
-        """
+        layers' may still be copying). A block whose file failed to load holds zeros
+        (`get_block_ids_with_load_errors`)."""
         for ticket in self._loads.pop(layer_name, ()):
             self._queue.wait(ticket)
 

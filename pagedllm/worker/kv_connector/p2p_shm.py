@@ -172,3 +172,6 @@ class P2pShmConnectorWorker:
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         return set(), set()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return set()   # (a transfer file is checked when the request is admitted)
