@@ -48,6 +48,16 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
             f"{tuple(weight.shape)} {weight.dtype} (needs CPU tensors, float32/bfloat16, a "
             f"contiguous [N, K] weight with K a positive multiple of 8 matching x's last dim, "
             f"and the built kernels)")
+    if (checked and bias is None and x.dtype is torch.float32 and weight.dtype is torch.float32
+            and x.dim() == 2 and x.is_contiguous()):
+        # Float32 rows (a router, a replicated projection) without the general path's no-op
+        # casts and views (see NOTE(batch-1) in `packed_linear`).
+        m, k, n = x.shape[0], x.shape[1], weight.shape[0]
+        y = torch.empty(m, n, dtype=torch.float32)
+        if m:
+            cpu_kernels().linear_f32(x.data_ptr(), k, m, k, weight.data_ptr(), n, None,
+                                     y.data_ptr(), n)
+        return y
     if bias is not None and (bias.shape != (weight.shape[0],) or bias.device.type != "cpu"):
         raise ValueError(f"cpu_linear: bias must be a CPU tensor of shape ({weight.shape[0]},), "
                          f"got {tuple(bias.shape)} on {bias.device}")
