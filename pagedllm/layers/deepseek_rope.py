@@ -132,7 +132,17 @@ class DeepseekRotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q_pe: torch.Tensor,
                 k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [n] int64 -> (q_pe, k_pe) rotated, same shapes and dtype."""
-        cos = self.cos_cache[positions][:, None, :].to(q_pe.dtype)     # [n, 1, dr / 2]
-        sin = self.sin_cache[positions][:, None, :].to(q_pe.dtype)
+        """positions [n] int64 -> (q_pe, k_pe) rotated, same shapes and dtype (q_pe may come
+        back as a view of a larger tensor)."""
+        cos = self.cos_cache[positions].unsqueeze(1)                    # [n, 1, dr / 2]
+        sin = self.sin_cache[positions].unsqueeze(1)
+        if cos.dtype != q_pe.dtype:
+            cos, sin = cos.to(q_pe.dtype), sin.to(q_pe.dtype)
+        if k_pe.dtype == q_pe.dtype and k_pe.shape[0] == q_pe.shape[0]:
+            # NOTE(batch-1): one rotation over the query heads and the key head together (the
+            # same elementwise operations on every value): half the small ops of a decode
+            # step's RoPE (docs/benchmarks.md, "Batch-1 decode of the 200M presets").
+            heads = q_pe.shape[1]
+            both = self._rotate(torch.cat((q_pe, k_pe), dim=1), cos, sin)
+            return both[:, :heads], both[:, heads:]
         return self._rotate(q_pe, cos, sin), self._rotate(k_pe, cos, sin)

@@ -202,6 +202,13 @@ class FusedMoE(nn.Module):
         expert_map = torch.full((self.num_physical_experts,), -1, dtype=torch.int64)
         expert_map[first:first + self.num_local_experts] = torch.arange(self.num_local_experts)
         self.expert_map.copy_(expert_map)
+        # Whether a logical id is its own physical id and local slot (one EP rank, no
+        # redundant experts, no rebalance): forward then skips the two map gathers.
+        self.identity_maps = (
+            self.num_redundant_experts == 0 and self.num_local_experts == self.num_experts
+            and bool(torch.equal(self.logical_to_physical_map[:, 0],
+                                 torch.arange(self.num_experts)))
+            and bool(torch.equal(self.expert_map, torch.arange(self.num_physical_experts))))
 
     def local_logical_ids(self) -> np.ndarray:
         """[num_local_experts] int64, the logical expert each local slot holds."""
@@ -312,14 +319,15 @@ class FusedMoE(nn.Module):
             self.routed_experts_capture.record(self.moe_layer_index, topk_ids)
         if self.expert_load is not None:
             self.expert_load += torch.bincount(topk_ids.flatten(), minlength=self.num_experts)
+        physical_ids = topk_ids if self.identity_maps else self._physical_ids(topk_ids)
         if experts_fn is not None:
-            out = experts_fn(hidden, topk_weights, self._physical_ids(topk_ids))
+            out = experts_fn(hidden, topk_weights, physical_ids)
         elif self.quant_method is not None:
-            out = self.quant_method.apply(self, hidden, topk_weights,
-                                          self._physical_ids(topk_ids))
+            out = self.quant_method.apply(self, hidden, topk_weights, physical_ids)
         else:
             out = fused_experts(hidden, self.w13_weight, self.w2_weight, topk_weights,
-                                self._physical_ids(topk_ids), self.expert_map, self.act_fn)
+                                physical_ids, self.expert_map, self.act_fn,
+                                identity_map=self.identity_maps)
         if self.reduce_results and self.tp_size > 1:
             out = tensor_model_parallel_all_reduce(out)
         return out
@@ -336,12 +344,14 @@ class FusedMoE(nn.Module):
 
 def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.Tensor,
-                  act_fn: nn.Module) -> torch.Tensor:
+                  act_fn: nn.Module, identity_map: bool = False) -> torch.Tensor:
     """Run each token through its routed local experts and sum them, weighted: the native CPU
     kernel (`ops.cpu_fused_moe`) where `native_moe_applies`, else `fused_experts_torch`.
-    Arguments and result as `fused_experts_torch`'s."""
+    Arguments and result as `fused_experts_torch`'s; `identity_map`: the caller knows
+    `expert_map` to be the identity (the ids are the local slots, not gathered again)."""
     if native_moe_applies(hidden, w13, w2, topk_ids, expert_map, act_fn):
-        return cpu_fused_moe(hidden, w13, w2, topk_weights, expert_map[topk_ids])
+        return cpu_fused_moe(hidden, w13, w2, topk_weights,
+                             topk_ids if identity_map else expert_map[topk_ids], checked=True)
     return fused_experts_torch(hidden, w13, w2, topk_weights, topk_ids, expert_map, act_fn)
 
 

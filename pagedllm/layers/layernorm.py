@@ -8,6 +8,14 @@ from torch import nn
 from pagedllm.layers.linear import default_weight_loader
 
 
+def _scaled_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) for float32 x [..., D]: a new tensor, the same ops and
+    roundings as the general form without its no-op casts and with the scalar add and rsqrt in
+    place (a decode step runs 25-40 norms of one row, where each dispatch costs more than the
+    arithmetic: docs/benchmarks.md, "Batch-1 decode")."""
+    return x * x.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()
+
+
 class RMSNorm(nn.Module):
     """x / sqrt(mean(x^2) + eps) * weight, computed in float32 as HF Llama does.
 
@@ -21,6 +29,8 @@ class RMSNorm(nn.Module):
         self.weight.weight_loader = default_weight_loader
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return _scaled_rms(x, self.eps).mul_(self.weight)   # = weight * normed, bit for bit
         orig = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -49,6 +59,8 @@ class GemmaRMSNorm(nn.Module):
         self.weight.weight_loader = default_weight_loader
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return _scaled_rms(x, self.eps).mul_(1.0 + self.weight.float())
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (x32 * (1.0 + self.weight.float())).to(x.dtype)

@@ -106,3 +106,22 @@ def test_layers_of_one_config_share_the_cos_sin_tables():
     other = RotaryEmbedding(64, 512, rope_parameters_from_hf({"rope_theta": 500000.0}))
     assert other.cos_cache.data_ptr() != a.cos_cache.data_ptr()
     assert not torch.equal(other.cos_cache, a.cos_cache)
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_deepseek_rope_rotates_query_and_key_heads_together_exactly(interleaved):
+    """DeepSeek's RoPE rotates q_pe [n, H, dr] and k_pe [n, 1, dr] in one pass: bit for bit
+    each tensor rotated alone (and so when they cannot be joined: another row count)."""
+    from pagedllm.layers.deepseek_rope import DeepseekRotaryEmbedding
+
+    rope = DeepseekRotaryEmbedding(16, 256, {"rope_type": "default", "rope_theta": 10000.0},
+                                   interleaved)
+    g = torch.Generator().manual_seed(3)
+    positions = torch.tensor([3, 100, 7])
+    q, k = torch.randn(3, 8, 16, generator=g), torch.randn(3, 1, 16, generator=g)
+    cos = rope.cos_cache[positions][:, None, :]
+    sin = rope.sin_cache[positions][:, None, :]
+    q_rot, k_rot = rope(positions, q, k)
+    assert q_rot.shape == q.shape and k_rot.shape == k.shape
+    assert torch.equal(q_rot, rope._rotate(q, cos, sin))
+    assert torch.equal(k_rot, rope._rotate(k, cos, sin))

@@ -169,6 +169,8 @@ class MLACpuBackend:
         num_heads, dn_dv, kv_lora_rank = w_kv_b.shape
         dn, dr = q_nope.shape[-1], q_pe.shape[-1]
         split = metadata.split((dn, dr, dn_dv - dn, kv_lora_rank))
+        if len(split.kernel_tokens) == q_nope.shape[0]:
+            return _absorbed_in_kernel(q_nope, q_pe, kv_cache, metadata, split, w_kv_b, scale)
         out = q_nope.new_zeros(q_nope.shape[0], num_heads, dn_dv - dn)
         if len(split.kernel_rows):
             out[split.kernel_tokens] = _absorbed_in_kernel(q_nope, q_pe, kv_cache, metadata,
@@ -185,9 +187,17 @@ def _absorbed_in_kernel(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torc
     dn = q_nope.shape[-1]
     tokens = split.kernel_tokens
     w_uk, w_uv = w_kv_b.split([dn, dn_dv - dn], dim=1)
-    q_lat = torch.einsum("thd,hdl->thl", q_nope[tokens], w_uk)
-    q = torch.empty(q_nope.shape[0], num_heads, kv_cache.shape[-1], dtype=torch.float32)
-    q[tokens] = torch.cat((q_lat, q_pe[tokens]), dim=-1).float()
+    every_token = len(tokens) == q_nope.shape[0]
+    if every_token:
+        # Every token is a kernel row's (token t is the t-th; e.g. a decode-only step): no
+        # gathers or scatters. NOTE(mla): per-head products as bmm over [H, t, .] views, the
+        # same sums as the einsums below at a third of their dispatch cost for a few rows.
+        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
+        q = torch.cat((q_lat, q_pe), dim=-1).to(torch.float32)
+    else:
+        q_lat = torch.einsum("thd,hdl->thl", q_nope[tokens], w_uk)
+        q = torch.empty(q_nope.shape[0], num_heads, kv_cache.shape[-1], dtype=torch.float32)
+        q[tokens] = torch.cat((q_lat, q_pe[tokens]), dim=-1).float()
     # Key and value caches are the same latent tensor (stride 0 over the K/V axis), and so
     # are an int8 cache's K and V scales.
     one = kv_cache[0]
@@ -199,5 +209,8 @@ def _absorbed_in_kernel(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torc
     o = paged_attention(q, kv, metadata.common.block_table, metadata.query_start_loc,
                         metadata.seq_lens, split.kernel_rows, scale,
                         query_tile=split.query_tile, checked=False, scales=scales)
+    if every_token:
+        o_lat = o[:, :, :kv_lora_rank].to(q_nope.dtype)
+        return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
     o_lat = o[tokens, :, :kv_lora_rank].to(q_nope.dtype)
     return torch.einsum("thl,hvl->thv", o_lat, w_uv)

@@ -48,6 +48,16 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
             f"{tuple(weight.shape)} {weight.dtype} (needs CPU tensors, float32/bfloat16, a "
             f"contiguous [N, K] weight with K a positive multiple of 8 matching x's last dim, "
             f"and the built kernels)")
+    if (checked and bias is None and x.dtype is torch.float32 and weight.dtype is torch.float32
+            and x.dim() == 2 and x.is_contiguous()):
+        # Float32 rows (a router, a replicated projection) without the general path's no-op
+        # casts and views (see NOTE(batch-1) in `packed_linear`).
+        m, k, n = x.shape[0], x.shape[1], weight.shape[0]
+        y = torch.empty(m, n, dtype=torch.float32)
+        if m:
+            cpu_kernels().linear_f32(x.data_ptr(), k, m, k, weight.data_ptr(), n, None,
+                                     y.data_ptr(), n)
+        return y
     if bias is not None and (bias.shape != (weight.shape[0],) or bias.device.type != "cpu"):
         raise ValueError(f"cpu_linear: bias must be a CPU tensor of shape ({weight.shape[0]},), "
                          f"got {tuple(bias.shape)} on {bias.device}")
@@ -174,6 +184,24 @@ def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor,
         ValueError: unsupported operands or a bias of the wrong shape (naming them).
         RuntimeError: the native kernels are unavailable.
     """
+    if (lib is None and bias is None and x.dtype is torch.float32
+            and packed_weight.dtype is torch.float32 and x.dim() == 2
+            and packed_weight.dim() == 2 and x.shape[1] == packed_weight.shape[1]
+            and x.shape[1] % 8 == 0 and x.is_cpu and packed_weight.is_cpu
+            and x.is_contiguous() and packed_weight.is_contiguous()):
+        # NOTE(batch-1): the float32 rows of a module-path linear, checked with a dozen cheap
+        # attribute reads and called without the general path's no-op casts and views: at a
+        # decode step's one row those cost several times the GEMV of a small weight (a
+        # [16, 768] GEMV: 50 -> 12 us per call on a loaded host; docs/benchmarks.md).
+        fast_lib = cpu_kernels()
+        if fast_lib is not None:
+            m, n = x.shape[0], packed_weight.shape[0]
+            y = torch.empty(m, n, dtype=torch.float32)
+            if m:
+                k = x.shape[1]
+                fast_lib.packed_linear_f32(x.data_ptr(), k, m, k, packed_weight.data_ptr(), n,
+                                           None, y.data_ptr(), n)
+            return y
     lib = _packing_lib(packed_weight, lib, "packed_linear")
     n, k = packed_weight.shape
     if x.device.type != "cpu" or x.dtype not in _LINEAR_DTYPES or x.dim() < 1 \
@@ -222,7 +250,7 @@ def fused_moe_supported(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tenso
 
 def cpu_fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   topk_weights: torch.Tensor, local_ids: torch.Tensor,
-                  lib: ctypes.CDLL | None = None) -> torch.Tensor:
+                  lib: ctypes.CDLL | None = None, checked: bool = False) -> torch.Tensor:
     """The routed experts of one MoE layer in one native call (`csrc/cpu_fused_moe.cpp`):
 
         out[t] = sum_j topk_weights[t, j] * (silu(x W1^T) * (x W3^T)) W2^T   over the experts
@@ -240,6 +268,7 @@ def cpu_fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         local_ids: [n, k] integer local expert slots; -1 or >= L (another rank's expert under
             expert parallelism) contributes nothing.
         lib: the kernel library (default `cpu_kernels()`; tests pass a portable build).
+        checked: the caller already saw `fused_moe_supported(hidden, w13, w2)` hold.
 
     Returns:
         [n, H] in hidden's dtype.
@@ -252,7 +281,7 @@ def cpu_fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     if lib is None:
         raise RuntimeError("cpu_fused_moe needs the native CPU kernels, which are unavailable "
                            "(see the log; PAGEDLLM_CPU_KERNELS switches them off)")
-    if not fused_moe_supported(hidden, w13, w2):
+    if not checked and not fused_moe_supported(hidden, w13, w2):
         raise ValueError(
             f"cpu_fused_moe does not support hidden {tuple(hidden.shape)} {hidden.dtype} with "
             f"w13 {tuple(w13.shape)} {w13.dtype} and w2 {tuple(w2.shape)} {w2.dtype} (needs "

@@ -29,6 +29,23 @@ def test_matches_f_linear(wdtype, m, n, k, bias):
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("m", [0, 1, 5])
+def test_checked_float32_rows_equal_the_general_path(m):
+    """`checked=True` with contiguous float32 rows and no bias (the rows path) gives the
+    general path's result bit for bit, float32 whatever the default dtype."""
+    g = torch.Generator().manual_seed(m + 1)
+    w, x = torch.randn(17, 776, generator=g), torch.randn(m, 776, generator=g)
+    general = cpu_linear(x, w)
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        fast = cpu_linear(x, w, checked=True)
+    finally:
+        torch.set_default_dtype(before)
+    assert fast.dtype == torch.float32 and fast.shape == (m, 17)
+    assert torch.equal(fast, general)
+
+
 @pytest.mark.parametrize("m", [1, 4, 7, 33])
 @pytest.mark.parametrize("bias", [False, True])
 def test_bf16_activations_in_and_out(m, bias):

@@ -185,3 +185,32 @@ def test_layer_native_equals_torch_path_and_still_counts_load(monkeypatch, dtype
     reference = layer(hidden, logits)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(native.float(), reference.float(), atol=tol, rtol=tol)
+
+
+def test_identity_maps_skip_the_gathers_and_a_rebalance_turns_them_off():
+    """A layer without EP or redundant experts routes logical ids as its slots
+    (`identity_maps`); after a placement that permutes the experts the maps are gathered
+    again, and both give the output of the same experts run through the torch path."""
+    torch.manual_seed(7)
+    from pagedllm.distributed.eplb.policy import placement_from_physical_to_logical
+
+    num_experts, top_k, hidden_size, inter = 6, 2, 16, 24
+    layer = FusedMoE(num_experts, top_k, hidden_size, inter, renormalize=True)
+    assert layer.identity_maps
+    w13 = torch.randn(num_experts, 2 * inter, hidden_size) / hidden_size ** 0.5
+    w2 = torch.randn(num_experts, hidden_size, inter) / inter ** 0.5
+    layer.weight_loader(layer.w13_weight, w13, "w13")
+    layer.weight_loader(layer.w2_weight, w2, "w2")
+    hidden, logits = torch.randn(5, hidden_size), torch.randn(5, num_experts)
+    weights, ids = select_experts(logits, top_k, True)
+    reference = fused_experts_torch(hidden, w13, w2, weights, ids,
+                                    torch.arange(num_experts), SiluAndMul())
+    torch.testing.assert_close(layer(hidden, logits), reference, atol=1e-5, rtol=1e-5)
+    # Slot s holds logical expert perm[s]: the weights move with the placement.
+    perm = torch.tensor([3, 0, 5, 1, 4, 2])
+    layer.set_placement(placement_from_physical_to_logical(perm.numpy()[None], num_experts, 0),
+                        0)
+    assert not layer.identity_maps
+    layer.w13_weight.data.copy_(w13[perm])
+    layer.w2_weight.data.copy_(w2[perm])
+    torch.testing.assert_close(layer(hidden, logits), reference, atol=1e-5, rtol=1e-5)

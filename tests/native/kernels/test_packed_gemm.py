@@ -44,6 +44,29 @@ def test_fp32_matches_torch(lib, m, n, k, use_bias):
     torch.testing.assert_close(got, F.linear(x, w, b), atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("m,n,k", [(1, 40, 24), (1, 1552, 768), (3, 77, 264), (0, 16, 8)],
+                         ids=str)
+def test_float32_fast_path_equals_general_path(m, n, k):
+    """The float32 rows path (`lib` and bias left out, contiguous 2-D x) gives the general
+    path's result bit for bit, a float32 [m, n] tensor, whatever the default dtype."""
+    w, x, _ = _operands(m, n, k, torch.float32, seed=n + k)
+    packed = ops.pack_linear_weight(w)
+    general = ops.packed_linear(x, packed, lib=cpu_kernels())
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        fast = ops.packed_linear(x, packed)
+    finally:
+        torch.set_default_dtype(before)
+    assert fast.dtype == torch.float32 and fast.shape == (m, n)
+    assert torch.equal(fast, general)
+    torch.testing.assert_close(fast, F.linear(x, w), atol=1e-4, rtol=1e-5)
+    # Rows that are not contiguous (a column slice) take the general path.
+    wide = torch.randn(max(m, 1), 2 * k)
+    torch.testing.assert_close(ops.packed_linear(wide[:, :k], packed), F.linear(wide[:, :k], w),
+                               atol=1e-4, rtol=1e-5)
+
+
 @pytest.mark.parametrize("m,n,k", SHAPES, ids=str)
 def test_bf16_weights_match_torch(lib, m, n, k):
     """bf16 weights with float32 x: exact float32 math on x except on builds that multiply
