@@ -158,7 +158,7 @@ def test_indexer_cache_dtype_refused_where_not_supported(tiny_llama):
     assert CacheConfig(indexer_cache_dtype="fp8").indexer_cache_dtype == "fp8_e4m3"
     with pytest.raises(ValueError, match="indexer_cache_dtype='int8' applies to DSA models"):
         _llm(tiny_llama, indexer_cache_dtype="int8")
-    with pytest.raises(ValueError, match="index_head_dim divisible by 4"):
+    with pytest.raises(ValueError, match="index_head_dim a power of two"):
         indexer_cache_bytes_per_token(18, torch.int8)
 
 
