@@ -17,8 +17,9 @@ The C8 scale is per token (symmetric, scale = max|k| / 127 for int8 or / 448 for
 token's key is read back as q * scale; a zero key gets scale 0. The scale sits in the row itself
 (vLLM packs the indexer's fp8 values and their scales in one uint8 row too), so the tensor
 carries it through the block copies of prefix caching, swapping and offloading unchanged.
-Bytes per token and layer: D x element size (float), D + 4 (C8); D must be a multiple of 4 in
-C8 (the scale is read as an aligned float32).
+Bytes per token and layer: D x element size (float), D + 4 (C8); D must be a power of two of
+at least 4 in C8 (the keys written are Hadamard-rotated first, attention/backends/dsa_torch.py
+`rotate_for_cache`, and the scale is read as an aligned float32).
 
 `indexer_cache_dtype` (engine arg): "auto" follows `kv_cache_dtype` (the model dtype; an int8 or
 fp8 KV cache gives a C8 indexer cache of the same kind), "int8" and "fp8_e4m3" choose C8 whatever
@@ -65,13 +66,14 @@ def indexer_row_size(head_dim: int, dtype: torch.dtype) -> int:
     """Values per token row of the cache tensor: D, or D + 4 in C8.
 
     Raises:
-        ValueError: C8 with D not a multiple of 4 (naming index_head_dim).
+        ValueError: C8 with D not a power of two >= 4 (naming index_head_dim).
     """
     if not is_c8(dtype):
         return head_dim
-    if head_dim % _SCALE_BYTES:
-        raise ValueError(f"an int8/fp8 indexer cache needs index_head_dim divisible by 4 (its "
-                         f"per-token float32 scale follows the values), got {head_dim}")
+    if head_dim < _SCALE_BYTES or head_dim & (head_dim - 1):
+        raise ValueError(f"an int8/fp8 indexer cache needs index_head_dim a power of two, at "
+                         f"least 4 (its keys are Hadamard-rotated before quantization, and "
+                         f"the per-token float32 scale follows the values), got {head_dim}")
     return head_dim + _SCALE_BYTES
 
 

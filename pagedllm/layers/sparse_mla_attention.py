@@ -8,7 +8,8 @@ own, and MLA restricted to the indexer's top-k tokens.
                         the block table (slot ids), prefix caching and preemption, and its bytes
                         count in the bytes per block.
     SparseMLAAttention  `MLAAttention` whose softmax covers only the selected tokens
-                        (attention/backends/dsa_torch.py); it writes both caches.
+                        (attention/backends/dsa_torch.py; on the CPU its decode rows run in
+                        the native kernels, dsa_cpu.py); it writes both caches.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 
 from pagedllm.attention.backends.dsa_torch import DSATorchBackend, IndexerInputs
+from pagedllm.attention.backends.selector import get_dsa_attention_backend
 from pagedllm.attention.forward_context import get_forward_context
 from pagedllm.attention.metadata import KVCacheGroupsMetadata
 from pagedllm.layers.mla_attention import MLAAttention
@@ -58,8 +60,7 @@ class SparseMLAAttention(MLAAttention):
     def __init__(self, num_heads: int, kv_lora_rank: int, qk_rope_head_dim: int, scale: float,
                  layer_name: str, index_head_dim: int, index_topk: int) -> None:
         super().__init__(num_heads, kv_lora_rank, qk_rope_head_dim, scale, layer_name)
-        # NOTE(dsa): DSA runs on the torch reference ops on every platform (no kernel yet).
-        self.backend = DSATorchBackend
+        self.backend = get_dsa_attention_backend()
         self.index_topk = index_topk
         self.index_scale = index_head_dim ** -0.5
         self.indexer_cache = IndexerKCache(index_head_dim, f"{layer_name}.indexer.k_cache")

@@ -30,6 +30,8 @@ from pagedllm.indexer_cache_layout import (allocate_indexer_cache, indexer_cache
 from pagedllm.layers.deepseek_rope import deepseek_rope_parameters
 from pagedllm.layers.sparse_mla_attention import IndexerKCache, SparseMLAAttention
 from pagedllm.models.deepseek_v32 import DeepseekV32Indexer
+from pagedllm.native.kernels import cpu_kernels
+from pagedllm.platforms import current_platform
 from tests.models.test_deepseek import (LOGPROB_TOL, VARIANTS, _assert_close_to_hf, _llm,
                                         _model, _prompt_logprobs, build_checkpoint)
 from tests.models.test_gemma import (_params, _prompts, _tokens_and_logprobs,
@@ -62,6 +64,9 @@ def test_greedy_and_logprobs_match_hf_with_chunks_prefix_cache_and_preemption(v3
                max_num_seqs=4)
     layers = _model(llm).attention_layers()
     assert [type(a) for a in layers[:2]] == [SparseMLAAttention, IndexerKCache]
+    # decode rows in the native kernels where they build (the torch ops are checked against
+    # them in tests/native/kernels/test_dsa_kernels.py)
+    assert layers[0].backend.name == ("dsa_cpu_paged" if cpu_kernels() else "dsa_torch")
     assert len(layers) == 2 * _LAYERS
     assert layers[0].kv_cache.shape == (1, 12, 8, 1, _LATENT)
     assert layers[1].kv_cache.shape == (1, 12, 8, 1, _INDEX_DIM)
@@ -84,11 +89,12 @@ def test_plain_engine_matches_hf_and_int8_indexer_cache_stays_close(v32, hf_want
     prompt logprobs near the float cache's in the stated sense below.
 
     NOTE(dsa): a quantized key changes a selection only where two index scores are within its
-    rounding (int8: half a step of max|k| / 127), but a changed selection swaps one of a
-    query's 4 attended tokens, which moves a random tiny model's logprobs by whole units. So the
-    bound is on how many prompt tokens move, not by how much: measured on this checkpoint, 1-2
-    of the 57 queries of the longest prompt per layer select differently, and 13% of the prompt
-    tokens' logprobs move by more than 1e-3 (median 0); the test allows 25% (docs/mla.md)."""
+    rounding (int8: half a step of max|k| / 127, of the Hadamard-rotated key), but a changed
+    selection swaps one of a query's 4 attended tokens, which moves a random tiny model's
+    logprobs by whole units. So the bound is on how many prompt tokens move, not by how much:
+    measured on this checkpoint, 23% (27 of 117) of the prompt tokens' logprobs move by more
+    than 1e-3 with the rotated keys (13% unrotated: which near-ties flip is chance); the test
+    allows 35% (docs/mla.md)."""
     _assert_close_to_hf(_llm(v32, enable_prefix_caching=False).generate(
         _prompts(), _params(prompt_logprobs=True), use_tqdm=False), hf_want)
 
@@ -104,7 +110,19 @@ def test_plain_engine_matches_hf_and_int8_indexer_cache_stays_close(v32, hf_want
     got = torch.tensor(sum((_prompt_logprobs(o)
                             for o in llm.generate(_prompts(), params, use_tqdm=False)), []))
     moved = (got - torch.tensor(sum(hf_want[2], []))).abs() > 1e-3
-    assert 0 < moved.float().mean() < 0.25
+    assert 0 < moved.float().mean() < 0.35
+
+
+def test_torch_reference_backend_matches_hf(v32, hf_want, monkeypatch):
+    """The same checkpoint on the torch reference ops for every row (`dsa_torch`, what every
+    platform without the native kernels runs): HF's tokens and logprobs."""
+    monkeypatch.setenv("PAGEDLLM_ATTENTION_BACKEND", "torch_sdpa")
+    llm = _llm(v32, max_num_batched_tokens=7, max_num_seqs=4)
+    assert _model(llm).attention_layers()[0].backend.name == "dsa_torch"
+    _assert_close_to_hf(llm.generate(_prompts(), _params(prompt_logprobs=True), use_tqdm=False),
+                        hf_want)
+    monkeypatch.undo()
+    current_platform.configure_options()   # (the engine start set the torch backend)
 
 
 @pytest.mark.parametrize("multiprocess_mode", [False, pytest.param(True, marks=pytest.mark.slow)])
@@ -158,7 +176,7 @@ def test_indexer_cache_dtype_refused_where_not_supported(tiny_llama):
     assert CacheConfig(indexer_cache_dtype="fp8").indexer_cache_dtype == "fp8_e4m3"
     with pytest.raises(ValueError, match="indexer_cache_dtype='int8' applies to DSA models"):
         _llm(tiny_llama, indexer_cache_dtype="int8")
-    with pytest.raises(ValueError, match="index_head_dim divisible by 4"):
+    with pytest.raises(ValueError, match="index_head_dim a power of two"):
         indexer_cache_bytes_per_token(18, torch.int8)
 
 

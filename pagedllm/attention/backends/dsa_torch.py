@@ -27,15 +27,19 @@ read only the selected entries:
 The indexer's own scores are dense: [Q, S] per row group and layer (Hi heads summed), as HF's
 and vLLM's indexers score every context token; only the attention is sparse.
 
-The indexer's scores are float32 (as HF's). NOTE(dsa): HF's reference and vLLM's CUDA path
-apply a Hadamard rotation to q_I / k_I before quantizing them to fp8; the rotation is
-orthogonal (scores unchanged) and only helps quantization, so the float path skips it, and the
-C8 cache quantizes k_I per token without it (indexer_cache_layout.py).
+The indexer's scores are float32 (as HF's). Hadamard rotation: DeepSeek's reference inference
+code (`rotate_activation`) and vLLM rotate q_I and k_I by the orthonormal Walsh-Hadamard matrix
+H_D / sqrt(D) before quantizing them to fp8; transformers' `DeepseekV32Indexer` (the oracle)
+skips both the rotation and the quantization. The rotation leaves q . k unchanged in exact
+arithmetic and spreads an outlier channel over all D values, so the per-token quantization
+step of a C8 cache is smaller. Here (`rotate_for_cache`): a C8 indexer cache stores rotated
+keys and the queries are rotated to match (the reference's quantized path); a float cache is
+scored unrotated, as transformers does.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +47,7 @@ import torch.nn.functional as F
 from pagedllm.attention.backends.mla_torch import mla_attention_absorbed
 from pagedllm.attention.backends.torch_sdpa import TorchSDPABackend, TorchSDPAMetadata
 from pagedllm.attention.metadata import CommonAttentionMetadata
-from pagedllm.indexer_cache_layout import read_indexer_keys, write_indexer_keys
+from pagedllm.indexer_cache_layout import is_c8, read_indexer_keys, write_indexer_keys
 from pagedllm.kv_cache_layout import dequantize_kv, write_cache_rows
 
 # Most elements of the per-query gathered keys and values `sparse_mla_expanded` holds at once
@@ -67,6 +71,43 @@ class IndexerInputs:
     cache: torch.Tensor
     scale: float
     topk: int
+
+
+def hadamard_transform(x: torch.Tensor) -> torch.Tensor:
+    """x H_D / sqrt(D) over the last axis: the orthonormal Walsh-Hadamard rotation (Sylvester's
+    order, H_2n = [[H_n, H_n], [H_n, -H_n]], as DeepSeek's `rotate_activation` applies it with
+    scale D^-0.5), by the fast transform's log2(D) butterfly passes (O(D log D) per row).
+
+    Args:
+        x: [..., D] floating; D a power of two.
+
+    Returns:
+        [..., D] float32 (H is symmetric and orthonormal: applying it twice gives x back).
+
+    Raises:
+        ValueError: D not a power of two (naming index_head_dim, the only D it is used for).
+    """
+    dim = x.shape[-1]
+    if dim < 1 or dim & (dim - 1):
+        raise ValueError(f"the Hadamard rotation of the DSA indexer needs index_head_dim a "
+                         f"power of two, got {dim}")
+    lead = x.shape[:-1]
+    y = x.to(torch.float32).reshape(-1, dim)
+    h = 1
+    while h < dim:
+        pairs = y.view(-1, dim // (2 * h), 2, h)
+        a, b = pairs[:, :, 0], pairs[:, :, 1]
+        y = torch.stack((a + b, a - b), dim=2).view(-1, dim)
+        h *= 2
+    return (y * dim ** -0.5).view(*lead, dim)
+
+
+def rotate_for_cache(indexer: IndexerInputs) -> IndexerInputs:
+    """The indexer inputs as the layer's cache scores them: with a C8 cache q and k Hadamard-
+    rotated (`hadamard_transform`; module docstring), else unchanged."""
+    if not is_c8(indexer.cache.dtype):
+        return indexer
+    return replace(indexer, q=hadamard_transform(indexer.q), k=hadamard_transform(indexer.k))
 
 
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
@@ -181,32 +222,49 @@ class DSATorchBackend:
             [num_tokens, H, dv] (padded tokens are zero).
         """
         common = metadata.common
-        n = common.num_actual_tokens
-        slots = common.slot_mapping[:n]
-        write_cache_rows(kv_cache, 0, latent[:n, None], slots)
-        write_indexer_keys(indexer.cache, indexer.k[:n], slots)
+        indexer = write_caches(latent, kv_cache, indexer, common)
         num_heads, dn_dv, _ = w_kv_b.shape
         out = q_nope.new_zeros(q_nope.shape[0], num_heads, dn_dv - q_nope.shape[-1])
-        latent_size = kv_cache.shape[-1]
         for g in metadata.groups:
-            num_rows, q_len = g.query_index.shape
-            keys = read_indexer_keys(indexer.cache, g.kv_slots.reshape(-1))
-            scores = indexer_scores(indexer.q[g.query_index], indexer.weights[g.query_index],
-                                    keys.view(num_rows, -1, keys.shape[-1]), indexer.scale)
-            positions = select_topk(scores, g.attn_mask[:, 0], indexer.topk)    # [G, Q, K]
-            if q_len == 1:
-                pos = positions[:, 0]
-                chosen = g.kv_slots.gather(1, pos.clamp(min=0))                  # [G, K]
-                selected = dequantize_kv(kv_cache, 0, chosen.reshape(-1), q_nope.dtype)
-                tokens = g.query_index[:, 0]
-                o = sparse_mla_absorbed(q_nope[tokens], q_pe[tokens],
-                                        selected.view(num_rows, -1, latent_size), pos >= 0,
-                                        w_kv_b, scale)
-                out[tokens] = o
-                continue
-            ctx = dequantize_kv(kv_cache, 0, g.kv_slots.reshape(-1), q_nope.dtype)
-            o = sparse_mla_expanded(q_nope[g.query_index], q_pe[g.query_index],
-                                    ctx.view(num_rows, -1, latent_size), positions, w_kv_b,
-                                    scale)
-            out[g.out_index] = o.reshape(num_rows * q_len, num_heads, -1)[g.valid]
+            forward_group(g, q_nope, q_pe, kv_cache, w_kv_b, scale, indexer, out)
         return out
+
+
+def write_caches(latent: torch.Tensor, kv_cache: torch.Tensor, indexer: IndexerInputs,
+                 common: CommonAttentionMetadata) -> IndexerInputs:
+    """Write the step's latents [n, L + dr] and indexer keys to their slots; returns the
+    indexer inputs as the cache scores them (`rotate_for_cache`)."""
+    n = common.num_actual_tokens
+    slots = common.slot_mapping[:n]
+    indexer = rotate_for_cache(indexer)
+    write_cache_rows(kv_cache, 0, latent[:n, None], slots)
+    write_indexer_keys(indexer.cache, indexer.k[:n], slots)
+    return indexer
+
+
+def forward_group(g, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+                  w_kv_b: torch.Tensor, scale: float, indexer: IndexerInputs,
+                  out: torch.Tensor) -> None:
+    """DSA of one `torch_sdpa` row group `g` (after `write_caches`): select each query's top-k
+    and attend (absorbed form for decode rows, expanded for prefill chunks), into `out`
+    [num_tokens, H, dv] at the group's tokens."""
+    num_heads = w_kv_b.shape[0]
+    latent_size = kv_cache.shape[-1]
+    num_rows, q_len = g.query_index.shape
+    keys = read_indexer_keys(indexer.cache, g.kv_slots.reshape(-1))
+    scores = indexer_scores(indexer.q[g.query_index], indexer.weights[g.query_index],
+                            keys.view(num_rows, -1, keys.shape[-1]), indexer.scale)
+    positions = select_topk(scores, g.attn_mask[:, 0], indexer.topk)    # [G, Q, K]
+    if q_len == 1:
+        pos = positions[:, 0]
+        chosen = g.kv_slots.gather(1, pos.clamp(min=0))                  # [G, K]
+        selected = dequantize_kv(kv_cache, 0, chosen.reshape(-1), q_nope.dtype)
+        tokens = g.query_index[:, 0]
+        out[tokens] = sparse_mla_absorbed(q_nope[tokens], q_pe[tokens],
+                                          selected.view(num_rows, -1, latent_size), pos >= 0,
+                                          w_kv_b, scale)
+        return
+    ctx = dequantize_kv(kv_cache, 0, g.kv_slots.reshape(-1), q_nope.dtype)
+    o = sparse_mla_expanded(q_nope[g.query_index], q_pe[g.query_index],
+                            ctx.view(num_rows, -1, latent_size), positions, w_kv_b, scale)
+    out[g.out_index] = o.reshape(num_rows * q_len, num_heads, -1)[g.valid]

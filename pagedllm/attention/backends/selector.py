@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from pagedllm.attention.backends.cpu_paged import CpuPagedBackend
+from pagedllm.attention.backends.dsa_cpu import DSACpuBackend
+from pagedllm.attention.backends.dsa_torch import DSATorchBackend
 from pagedllm.attention.backends.mla_cpu import MLACpuBackend
 from pagedllm.attention.backends.mla_torch import MLATorchBackend
 from pagedllm.attention.backends.mla_triton import MLATritonBackend
@@ -55,3 +57,12 @@ def get_mla_attention_backend():
     if name == "triton_paged" and MLATritonBackend.is_available():
         return MLATritonBackend
     return MLATorchBackend
+
+
+def get_dsa_attention_backend():
+    """The backend of DSA layers (layers/sparse_mla_attention.py), following the platform's
+    attention backend: `dsa_cpu_paged` (the native kernels for decode rows) for `cpu_paged`,
+    else the torch reference `dsa_torch` (any device; CUDA has no DSA kernel yet)."""
+    if current_platform.attention_backend_name() == "cpu_paged" and DSACpuBackend.is_available():
+        return DSACpuBackend
+    return DSATorchBackend

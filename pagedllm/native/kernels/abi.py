@@ -21,7 +21,7 @@ import re
 
 # Bump when a declaration below changes (the loaded library reports the version it was
 # compiled with; a stale library in the cache is refused).
-ABI_VERSION = 14
+ABI_VERSION = 15
 
 STRUCTS = """
 /* One weight's rows of one GGML type (layers/quantization/gguf.py `kernel_segments`). */
@@ -201,6 +201,47 @@ struct StateBatch {
   const int64_t* emit_slot;        /* [num_emits] ... to this slot (block-boundary checkpoints;
                                       0, the null slot: none) */
 };
+
+/* One DSA indexer call (cpu_dsa.cpp): each decode row's top-k context positions. */
+struct DSAIndexerArgs {
+  const float* q;                  /* [num_tokens, n_heads, head_dim] indexer queries (RoPE,
+                                      and in C8 the Hadamard rotation, applied) */
+  const float* weights;            /* [num_tokens, n_heads] head weights (n_heads^-0.5 in) */
+  const void* k_cache;             /* [num_slots] rows: head_dim float32 / bfloat16 values, or
+                                      C8: head_dim int8 / fp8 e4m3 bytes + a float32 scale */
+  const int32_t* block_table;      /* [num_reqs, block_table_stride] */
+  int64_t block_table_stride;
+  const int32_t* seq_lens;         /* [num_reqs] context length including the query */
+  const int32_t* rows;             /* [num_rows] the decode rows' requests */
+  const int64_t* tokens;           /* [num_rows] each row's query token (index into q) */
+  int32_t num_rows;
+  int32_t n_heads;
+  int32_t head_dim;
+  int32_t block_size;
+  int32_t topk;
+  int32_t cache_dtype;             /* 0 float32, 1 bfloat16, 2 int8, 3 float8 e4m3fn */
+  float scale;                     /* head_dim^-0.5 */
+  int64_t* out;                    /* [num_rows, topk] positions, increasing, -1 padded */
+};
+
+/* One sparse MLA decode call (cpu_dsa.cpp): absorbed queries over their selected latents. */
+struct SparseMLADecodeArgs {
+  const float* q;                  /* [num_rows, num_heads, latent_size] [W_UK^T q_nope | q_pe] */
+  const void* latent_cache;        /* [num_slots, latent_size] float32 / bfloat16 */
+  const int32_t* block_table;      /* [num_reqs, block_table_stride] */
+  int64_t block_table_stride;
+  const int32_t* rows;             /* [num_rows] requests */
+  const int64_t* positions;        /* [num_rows, topk] context positions, -1 = none */
+  int32_t num_rows;
+  int32_t num_heads;
+  int32_t latent_size;             /* kv_lora_rank + qk_rope_head_dim */
+  int32_t kv_lora_rank;
+  int32_t block_size;
+  int32_t topk;
+  int32_t cache_dtype;             /* 0 float32, 1 bfloat16 */
+  float scale;                     /* softmax scale */
+  float* out;                      /* [num_rows, num_heads, kv_lora_rank] */
+};
 """
 
 ENTRY_POINTS = """
@@ -294,6 +335,9 @@ int gated_delta_rule_varlen_cpu(const StateBatch* batch, const void* q, const vo
                                 const void* v, const float* g, const float* beta,
                                 float* states, int64_t H, int64_t Hk, int64_t dk, int64_t dv,
                                 int dtype, float* out);
+/* cpu_dsa.cpp: 0, or -1 for a bad input */
+int dsa_indexer_topk(const DSAIndexerArgs* args);
+int dsa_sparse_mla_decode(const SparseMLADecodeArgs* args);
 """
 
 _SCALARS = {"int": ctypes.c_int, "int32_t": ctypes.c_int32, "int64_t": ctypes.c_int64,
