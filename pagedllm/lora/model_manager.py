@@ -31,8 +31,9 @@ from pagedllm.lora.config import LoRAConfig
 from pagedllm.lora.layers import LoRAStepState, wrap_lora_layers
 from pagedllm.lora.moe import LoRAFusedMoE
 from pagedllm.lora.ops import LoRAMapping
-from pagedllm.lora.peft import LoRAAdapter, LoRAModelShapes, load_peft_adapter
+from pagedllm.lora.peft import VOCAB_LAYER, LoRAAdapter, LoRAModelShapes, load_peft_adapter
 from pagedllm.lora.request import LoRARequest
+from pagedllm.lora.vocab import LoRAEmbedding, LoRALogits
 from pagedllm.native.kernels.lora import NativeLoRAStep
 
 
@@ -54,8 +55,16 @@ class LoRAModelManager:
         self.state = LoRAStepState()
         self.targets = wrap_lora_layers(model, self.state, lora_config.max_loras,
                                         lora_config.max_lora_rank, device, dtype)
+        self.embedding, self.logits = self._wrap_vocab(model, lora_config, device, dtype)
+        if self.embedding is not None:
+            self.targets[(VOCAB_LAYER, "embed_tokens")] = (self.embedding, 0)
+        if self.logits is not None:
+            self.targets[(VOCAB_LAYER, "lm_head")] = (self.logits, 0)
         self.wrappers = list({id(w): w for w, _ in self.targets.values()}.values())
         self.has_experts = any(isinstance(w, LoRAFusedMoE) for w in self.wrappers)
+        # The embedding, the LM head and the experts read every batch token's slot.
+        self._need_batch_slots = self.has_experts or self.embedding is not None \
+            or self.logits is not None
         # lora_int_id -> adapter on the host, least recently used first.
         self.cpu_cache: OrderedDict[int, LoRAAdapter] = OrderedDict()
         # lora_int_id -> live requests under it (their adapters stay in cpu_cache).
@@ -66,10 +75,48 @@ class LoRAModelManager:
         self.slot_last_used = [0] * lora_config.max_loras
         self._step = 0
 
+    def _wrap_vocab(self, model: nn.Module, lora_config: LoRAConfig, device: torch.device,
+                    dtype: torch.dtype) -> tuple[LoRAEmbedding | None, LoRALogits | None]:
+        """The embedding and LM head slots (lora/vocab.py) of the stage holding them, on one
+        tensor-parallel rank only (with more, adapters on them are refused when read)."""
+        from pagedllm.layers.vocab_embedding import VocabEmbedding
+        inner = getattr(model, "model", None)
+        embed = getattr(inner, "embed_tokens", None)
+        head = getattr(model, "lm_head", None)
+        args = (lora_config.max_loras, lora_config.max_lora_rank, device)
+        embedding = None
+        if isinstance(embed, VocabEmbedding) and embed.tp_size == 1:
+            embedding = LoRAEmbedding(embed, self.state, *args, dtype)
+        logits = None
+        if isinstance(head, VocabEmbedding) and head.tp_size == 1:
+            logits = LoRALogits(head, *args)
+        return embedding, logits
+
     @property
     def active(self) -> bool:
         """Whether the current step has tokens under an adapter."""
         return self.state.mapping is not None
+
+    @property
+    def vocab_active(self) -> bool:
+        """Whether the current step's adapters include one on the embedding or the LM head
+        (which the native multi-step decode loop does not apply)."""
+        mapping = self.state.mapping
+        return mapping is not None and any(
+            w is not None and w.active(mapping.segments) for w in (self.embedding, self.logits))
+
+    def compute_logits(self, model: nn.Module, hidden: torch.Tensor,
+                       rows: torch.Tensor) -> torch.Tensor:
+        """The logits [len(rows), vocab_size] float32 of the step's batch rows `rows` ([m]
+        int64 on the device, positions in the flat batch) from `hidden` [n, hidden_size]:
+        the model's LM head, plus each row's LM head adapter (lora/vocab.py)."""
+        picked = hidden[rows]
+        logits = model.compute_logits(picked)
+        mapping = self.state.mapping
+        if self.logits is not None and mapping is not None \
+                and self.logits.active(mapping.segments):
+            self.logits.add_lora(picked, mapping.batch_slots[rows], logits)
+        return logits
 
     def add_request(self, lora_request: LoRARequest) -> str | None:
         """Pin a new live request's adapter on the host, reading it on a miss.
@@ -140,8 +187,8 @@ class LoRAModelManager:
             token_slots_dev = torch.from_numpy(token_slots[order].astype(np.int32)).to(
                 self.device)
         whole = len(segments) == 1 and counts[segments[0][0]] == len(token_slots)
-        batch_slots = torch.from_numpy(token_slots).to(self.device) if self.has_experts \
-            else None
+        batch_slots = torch.from_numpy(token_slots).to(self.device) \
+            if self._need_batch_slots else None
         self.state.mapping = LoRAMapping(
             None if whole else torch.from_numpy(order).to(self.device), segments, native,
             token_slots_dev, batch_slots)
