@@ -106,9 +106,9 @@ class LoRAModelManager:
             w is not None and w.active(mapping.segments) for w in (self.embedding, self.logits))
 
     def compute_logits(self, model: nn.Module, hidden: torch.Tensor,
-                       rows: torch.Tensor) -> torch.Tensor:
-        """The logits [len(rows), vocab_size] float32 of the step's batch rows `rows` ([m]
-        int64 on the device, positions in the flat batch) from `hidden` [n, hidden_size]:
+                       rows: torch.Tensor | slice) -> torch.Tensor:
+        """The logits [m, vocab_size] float32 of the step's batch rows `rows` ([m] int64 on
+        the device, or a slice: positions in the flat batch) from `hidden` [n, hidden_size]:
         the model's LM head, plus each row's LM head adapter (lora/vocab.py)."""
         picked = hidden[rows]
         logits = model.compute_logits(picked)

@@ -582,10 +582,10 @@ class ModelRunner(KVCacheRunnerMixin):
             self.eplb.step()
         return pending
 
-    def _compute_logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """The logits [len(rows), vocab] float32 of the flat batch's rows `rows` ([m] int64
-        on the device) of `hidden` [n, hidden_size], each with its request's LM head adapter
-        where LoRA is on."""
+    def _compute_logits(self, hidden: torch.Tensor, rows: torch.Tensor | slice) -> torch.Tensor:
+        """The logits [m, vocab] float32 of the flat batch's rows `rows` ([m] int64 on the
+        device, or a slice) of `hidden` [n, hidden_size], each with its request's LM head
+        adapter where LoRA is on."""
         if self.lora_manager is not None:
             return self.lora_manager.compute_logits(self.model, hidden, rows)
         return self.model.compute_logits(hidden[rows])
@@ -621,8 +621,7 @@ class ModelRunner(KVCacheRunnerMixin):
             if end <= start:
                 continue
             q0 = int(batch.query_start_loc_np[b])
-            logits = self._compute_logits(
-                hidden, torch.arange(q0, q0 + end - start, device=hidden.device))
+            logits = self._compute_logits(hidden, slice(q0, q0 + end - start))
             targets = torch.from_numpy(
                 st.token_ids_cpu[row, start + 1:end + 1].astype(np.int64)).to(self.device)
             lp = compute_logprobs(logits, targets, int(st.num_prompt_logprobs[row]))

@@ -2,9 +2,9 @@
 against `transformers` + `peft` (fp32, greedy) on tiny random Llama checkpoints: one mixed
 batch (base rows and three adapters: embedding + q/v, LM head + q/v with rsLoRA, both; with
 chunked prefill) gives every request its adapter's tokens, generated and prompt logprobs within
-1e-4; multi-step rounds (where the native decode loop would skip these adapters) keep the
-tokens; a tied embedding / LM head takes peft's separate adapters on each; tensor parallelism
-refuses them naming the module."""
+1e-4; multi-step rounds (where the native decode loop would skip these adapters) and n-gram
+speculative decoding keep the tokens; a tied embedding / LM head takes peft's separate
+adapters on each; tensor parallelism refuses them naming the module."""
 
 from __future__ import annotations
 
@@ -122,17 +122,22 @@ def test_mixed_batch_matches_hf_peft(setup):
         assert [r[0] for r in references[name]] != base_tokens, name
 
 
-def test_multi_step_rounds_keep_tokens(setup):
-    """Multi-step rounds: the native decode loop does not apply embedding / LM head adapters,
-    so rounds with them run in Python and give the plain engine's tokens."""
+@pytest.mark.parametrize("engine_args", [
+    {"num_scheduler_steps": 4},
+    {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}},
+], ids=["multi_step", "ngram"])
+def test_other_engine_modes_keep_tokens(setup, engine_args):
+    """Multi-step rounds (the native decode loop does not apply embedding / LM head adapters,
+    so rounds with them run in Python) and n-gram drafts (verified on logits rows with the LM
+    head adapter) give the plain engine's tokens."""
     base, loras = setup
     prompts = [{"prompt_token_ids": p} for p in _prompts(1)[:4]]
     per_prompt = [None, loras["emb"], loras["head"], loras["both"]]
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     want = [list(o.outputs[0].token_ids) for o in _engine(base).generate(
         prompts, params, use_tqdm=False, lora_request=per_prompt)]
-    got = _engine(base, num_scheduler_steps=4).generate(prompts, params, use_tqdm=False,
-                                                        lora_request=per_prompt)
+    got = _engine(base, **engine_args).generate(prompts, params, use_tqdm=False,
+                                                lora_request=per_prompt)
     assert [list(o.outputs[0].token_ids) for o in got] == want
 
 
