@@ -86,9 +86,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.lora_admission = LoRAAdmission(
             config.lora_config,
-            LoRAModelShapes.from_hf_config(
-                info.raw, config.parallel_config.tensor_parallel_size)
-            if config.lora_config else None)
+            LoRAModelShapes.from_hf_config(info.raw) if config.lora_config else None)
         self._ids = itertools.count()
         # Parent request id -> child request ids (n > 1).
         self._parents: dict[str, list[str]] = {}

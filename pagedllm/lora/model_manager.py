@@ -53,6 +53,7 @@ class LoRAModelManager:
         self.shapes = shapes
         self.device = device
         self.state = LoRAStepState()
+        self.model_name = type(model).__name__
         self.targets = wrap_lora_layers(model, self.state, lora_config.max_loras,
                                         lora_config.max_lora_rank, device, dtype)
         self.embedding, self.logits = self._wrap_vocab(model, lora_config, device, dtype)
@@ -77,19 +78,25 @@ class LoRAModelManager:
 
     def _wrap_vocab(self, model: nn.Module, lora_config: LoRAConfig, device: torch.device,
                     dtype: torch.dtype) -> tuple[LoRAEmbedding | None, LoRALogits | None]:
-        """The embedding and LM head slots (lora/vocab.py) of the stage holding them, on one
-        tensor-parallel rank only (with more, adapters on them are refused when read)."""
+        """The embedding and LM head slots (lora/vocab.py) of the stage holding them (whole on
+        every tensor-parallel rank)."""
         from pagedllm.layers.vocab_embedding import VocabEmbedding
         inner = getattr(model, "model", None)
         embed = getattr(inner, "embed_tokens", None)
         head = getattr(model, "lm_head", None)
         args = (lora_config.max_loras, lora_config.max_lora_rank, device)
+        from pagedllm.layers.pipeline import PPMissingLayer
         embedding = None
-        if isinstance(embed, VocabEmbedding) and embed.tp_size == 1:
+        if isinstance(embed, VocabEmbedding):
             embedding = LoRAEmbedding(embed, self.state, *args, dtype)
         logits = None
-        if isinstance(head, VocabEmbedding) and head.tp_size == 1:
+        if isinstance(head, VocabEmbedding):
             logits = LoRALogits(head, *args)
+        # Modules this model has (not another pipeline stage's) but takes no adapter on, as
+        # a vision-language model's embedding (looked up outside the runner's forward).
+        self.vocab_unsupported = {name for name, module, wrapper in (
+            ("embed_tokens", embed, embedding), ("lm_head", head, logits))
+            if wrapper is None and not isinstance(module, PPMissingLayer)}
         return embedding, logits
 
     @property
@@ -123,12 +130,19 @@ class LoRAModelManager:
 
         Returns:
             None, or the reason the adapter cannot be read (its file changed or went away since
-            the front end checked it): that request then fails alone, unpinned.
+            the front end checked it) or applied (an embedding / LM head target on a model
+            that takes none there): that request then fails alone, unpinned.
         """
         try:
-            self._get_adapter(lora_request)
+            adapter = self._get_adapter(lora_request)
         except (ValueError, OSError) as e:
             return f"LoRA adapter {lora_request.lora_name!r} could not be loaded: {e}"
+        unsupported = sorted(m for layer, m in adapter.weights
+                             if layer == VOCAB_LAYER and m in self.vocab_unsupported)
+        if unsupported:
+            return (f"LoRA adapter {lora_request.lora_name!r} targets {unsupported[0]}, which "
+                    f"this model ({self.model_name}) takes no adapter on (only the Llama-family "
+                    f"and MoE text models' embedding and LM head)")
         lora_id = lora_request.lora_int_id
         self.pins[lora_id] = self.pins.get(lora_id, 0) + 1
         return None

@@ -25,8 +25,8 @@ vocabulary, one-hot):
     base_model.model.lm_head.lora_B.weight                 [vocab_size, r]
 
 (peft's `lora.Embedding` adds scaling * B A[:, token] to a token's row; its `lora.Linear`
-on lm_head adds scaling * (h A^T) B^T to the logits). The vocabulary-parallel embedding and
-LM head of tensor parallelism take no adapter (refused, `VOCAB_TP_REASON`).
+on lm_head adds scaling * (h A^T) B^T to the logits). Under tensor parallelism every rank
+holds them whole (lora/vocab.py).
 
 Mixture-of-experts experts (lora/moe.py) come in two layouts:
 - transformers 5 holds a block's experts as 3-D parameters (`experts.gate_up_proj` [E, 2I, H],
@@ -67,11 +67,6 @@ LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_
                        "shared_expert_gate", "embed_tokens", "lm_head")
 # The layer index under which `LoRAAdapter.weights` holds the embedding and LM head pairs.
 VOCAB_LAYER = -1
-VOCAB_MODULES = ("embed_tokens", "lm_head")
-VOCAB_TP_REASON = (
-    "under tensor parallelism the embedding and LM head are vocabulary-parallel (each rank "
-    "holds a range of vocabulary rows), and their adapters are not sharded to match; run "
-    "with tensor_parallel_size=1 or an adapter without embed_tokens / lm_head")
 # Modules PEFT can target that the engine refuses, with the reason.
 REFUSED_MODULES = {
     "kv_b_proj": "MLA never runs kv_b_proj as a linear layer: its weight is read per head "
@@ -118,8 +113,6 @@ class LoRAModelShapes:
             this is None).
         vocab: (vocab_size, hidden_size), for the embedding and LM head targets (None: the
             model takes none).
-        tensor_parallel_size: the engine's; above 1 the embedding and LM head targets are
-            refused (`VOCAB_TP_REASON`).
     """
 
     num_layers: int
@@ -128,7 +121,6 @@ class LoRAModelShapes:
     layer_features: tuple[dict[str, tuple[int, int]], ...] = ()
     sparse_layers: frozenset[int] | None = None
     vocab: tuple[int, int] | None = None
-    tensor_parallel_size: int = 1
 
     def module_features(self, layer: int, module: str) -> tuple[int, int] | None:
         """(in_features, out_features) of `module` in layer `layer`, None if it lacks it."""
@@ -147,16 +139,14 @@ class LoRAModelShapes:
         return {**self.features, **(self.layer_features[layer] if self.layer_features else {})}
 
     @classmethod
-    def from_hf_config(cls, hf: dict[str, Any], tensor_parallel_size: int = 1
-                       ) -> LoRAModelShapes:
+    def from_hf_config(cls, hf: dict[str, Any]) -> LoRAModelShapes:
         """From a supported architecture's config.json (as a dict): Llama-family attention or
         DeepSeek's MLA (`kv_lora_rank`); a dense MLP, or MoE blocks (Mixtral, OLMoE,
         Qwen2-MoE / Qwen3-MoE, DeepSeek-V2 / V3, GLM-4 MoE) with their dense layers and
         shared experts placed by the model files' own rules; the vocabulary size for the
         embedding and LM head targets."""
         shapes = cls._from_hf_config(hf)
-        return replace(shapes, vocab=(hf["vocab_size"], hf["hidden_size"]),
-                       tensor_parallel_size=tensor_parallel_size)
+        return replace(shapes, vocab=(hf["vocab_size"], hf["hidden_size"]))
 
     @classmethod
     def _from_hf_config(cls, hf: dict[str, Any]) -> LoRAModelShapes:
@@ -521,10 +511,6 @@ def _vocab_target(folder: Path, name: str, match: re.Match, shapes: LoRAModelSha
     if shapes.vocab is None:
         raise ValueError(f"LoRA adapter {folder}: tensor {name} targets {module}, which this "
                          f"model takes no adapter on")
-    if shapes.tensor_parallel_size > 1:
-        raise ValueError(f"LoRA adapter {folder}: tensor {name} targets {module}, which is "
-                         f"not supported with tensor_parallel_size="
-                         f"{shapes.tensor_parallel_size}: {VOCAB_TP_REASON}")
     vocab_size, hidden = shapes.vocab
     in_features, out_features = (vocab_size, hidden) if module == "embed_tokens" \
         else (hidden, vocab_size)

@@ -1,6 +1,4 @@
-"""LoRA on the token embedding and the LM head (PEFT's `embed_tokens` and `lm_head` targets),
-single rank only (the vocabulary-parallel layers of tensor parallelism are refused when an
-adapter is read: lora.peft.VOCAB_TP_REASON).
+"""LoRA on the token embedding and the LM head (PEFT's `embed_tokens` and `lm_head` targets).
 
 peft's `lora.Embedding` (huggingface/peft, tuners/lora/layer.py) adds to token t's row
 
@@ -16,6 +14,12 @@ The model files stay unaware of adapters, as for the decoder layers (lora/layers
   drafter that looks tokens up in the target's embedding (EAGLE, MTP) sees the base rows;
 - the LM head's delta is added by `LoRALogits.add_lora` on the logits rows the runner computes
   (sampled rows and prompt-logprob rows), each row with its request's slot.
+
+Under tensor parallelism both deltas are added where the base layers' outputs are whole on
+every rank (the embedding's rows after its all-reduce, the logits after their all-gather), so
+every rank holds the adapters whole (replicated, not sharded by vocabulary as the base weights
+are) and computes the same delta: no collective of its own, at the cost of the whole A and B
+per rank.
 
 Slots (allocated once per engine, zero where the resident adapter has no such target):
 
@@ -37,7 +41,8 @@ class LoRAEmbedding:
     """The adapters' rows added to the token embedding of the model's first stage.
 
     Args:
-        embedding: the model's `embed_tokens` (a VocabEmbedding on one rank).
+        embedding: the model's `embed_tokens` (a VocabEmbedding; its output is whole on every
+            tensor-parallel rank).
         state: the step state shared with the layer wrappers (lora/layers.py).
         max_loras, max_lora_rank: slot count and width.
         device, dtype: of the slots (the activations').

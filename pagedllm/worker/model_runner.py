@@ -173,8 +173,7 @@ class ModelRunner(KVCacheRunnerMixin):
             self.eplb = EplbState.from_model(self.model, pc.eplb_config)
         if self.config.lora_config is not None:
             self.lora_manager = LoRAModelManager(
-                self.model, LoRAModelShapes.from_hf_config(self.hf_config.to_dict(),
-                                                           pc.tensor_parallel_size),
+                self.model, LoRAModelShapes.from_hf_config(self.hf_config.to_dict()),
                 self.config.lora_config, self.device, self.dtype)
         self.drafter = make_drafter(self.config, self.model, self.dtype, self.device,
                                     self._run_model, self.block_size)

@@ -4,16 +4,18 @@ batch (base rows and three adapters: embedding + q/v, LM head + q/v with rsLoRA,
 chunked prefill) gives every request its adapter's tokens, generated and prompt logprobs within
 1e-4; multi-step rounds (where the native decode loop would skip these adapters) and n-gram
 speculative decoding keep the tokens; a tied embedding / LM head takes peft's separate
-adapters on each; tensor parallelism refuses them naming the module."""
+adapters on each; tensor parallelism (adapters whole on every rank) and pipeline parallelism
+(slow run) give the tokens of HF + peft."""
 
 from __future__ import annotations
 
 import random
+import shutil
 
 import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
 from pagedllm import LLM, LoRARequest, SamplingParams
 from pagedllm.lora.peft import LoRAModelShapes, load_peft_adapter
@@ -162,12 +164,50 @@ def test_tied_embedding_takes_peft_adapters(tiny_checkpoints, tmp_path):
     assert [list(o.outputs[0].token_ids) for o in outs[2:]] != [w[0] for w in want]
 
 
-@pytest.mark.parametrize("name,module", [("emb", "embed_tokens"), ("head", "lm_head")])
-def test_tensor_parallel_refuses_vocab_targets(setup, name, module):
+@pytest.mark.parametrize("layout", [
+    # (worker processes: 9-12 s each here)
+    pytest.param(dict(tensor_parallel_size=2), marks=pytest.mark.slow),
+    pytest.param(dict(pipeline_parallel_size=2), marks=pytest.mark.slow),
+], ids=["tp2", "pp2"])
+def test_parallel_matches_hf_peft(setup, layout):
+    """Under tensor parallelism every rank holds the embedding and LM head adapters whole and
+    adds them to the whole rows (after the embedding's all-reduce, the logits' all-gather);
+    under pipeline parallelism the first stage applies the embedding's, the last the head's."""
     base, loras = setup
-    hf = AutoConfig.from_pretrained(base).to_dict()
-    with pytest.raises(ValueError, match=rf"targets {module}, which is not supported with "
-                                         rf"tensor_parallel_size=2: .*vocabulary-parallel"):
-        load_peft_adapter(loras[name], LoRAModelShapes.from_hf_config(hf, 2), 8)
-    adapter = load_peft_adapter(loras[name], LoRAModelShapes.from_hf_config(hf), 8)
-    assert (-1, module) in adapter.weights
+    prompts = _prompts(3, (7, 19, 30, 11))
+    per_prompt = [None, loras["emb"], loras["head"], loras["both"]]
+    llm = _engine(base, max_num_batched_tokens=32, distributed_executor_backend="mp", **layout)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS,
+                            use_tqdm=False, lora_request=per_prompt)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    for i, (lora, out) in enumerate(zip(per_prompt, outs)):
+        tokens, logprobs, prompt_lp = _results(out)
+        want_tokens, want_logprobs, want_prompt = _hf_reference(base, lora, [prompts[i]])[0]
+        assert tokens == want_tokens, f"prompt {i} under {lora}"
+        torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(want_logprobs),
+                                   atol=LOGPROB_TOL, rtol=0)
+        torch.testing.assert_close(torch.tensor(prompt_lp), torch.tensor(want_prompt),
+                                   atol=LOGPROB_TOL, rtol=0)
+
+
+def test_resized_vocabulary_refused(setup, tmp_path):
+    """PEFT's saved copy of the embedding base weight is accepted at the model's shape and
+    refused at another (a resized vocabulary), naming the tensor."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig
+
+    base, loras = setup
+    shapes = LoRAModelShapes.from_hf_config(AutoConfig.from_pretrained(base).to_dict())
+    adapter = load_peft_adapter(loras["both"], shapes, 8)
+    assert {(-1, "embed_tokens"), (-1, "lm_head")} <= adapter.weights.keys()
+    folder = tmp_path / "resized"
+    shutil.copytree(loras["both"].lora_path, folder)
+    path = folder / "adapter_model.safetensors"
+    tensors = load_file(str(path))
+    name = "base_model.model.model.embed_tokens.base_layer.weight"
+    tensors[name] = torch.cat([tensors[name], tensors[name][:2]])
+    save_file(tensors, str(path))
+    with pytest.raises(ValueError, match=rf"{name} has shape .*resized vocabulary"):
+        load_peft_adapter(LoRARequest("resized", 9, str(folder)), shapes, 8)
