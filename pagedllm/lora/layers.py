@@ -49,6 +49,9 @@ class LoRAStepState:
     step has an adapter (the wrappers then add nothing and the native stack may run)."""
 
     mapping: LoRAMapping | None = None
+    # True only during the runner's forward of the target model: the embedding's adapters
+    # (lora/vocab.py) apply to those lookups, not to a drafter's of the same embedding.
+    embedding_armed: bool = False
 
     def native_step(self) -> NativeLoRAStep | None:
         """The step's adapter tokens for the native kernels (None: no adapter token)."""

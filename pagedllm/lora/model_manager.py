@@ -31,8 +31,9 @@ from pagedllm.lora.config import LoRAConfig
 from pagedllm.lora.layers import LoRAStepState, wrap_lora_layers
 from pagedllm.lora.moe import LoRAFusedMoE
 from pagedllm.lora.ops import LoRAMapping
-from pagedllm.lora.peft import LoRAAdapter, LoRAModelShapes, load_peft_adapter
+from pagedllm.lora.peft import VOCAB_LAYER, LoRAAdapter, LoRAModelShapes, load_peft_adapter
 from pagedllm.lora.request import LoRARequest
+from pagedllm.lora.vocab import LoRAEmbedding, LoRALogits
 from pagedllm.native.kernels.lora import NativeLoRAStep
 
 
@@ -52,10 +53,19 @@ class LoRAModelManager:
         self.shapes = shapes
         self.device = device
         self.state = LoRAStepState()
+        self.model_name = type(model).__name__
         self.targets = wrap_lora_layers(model, self.state, lora_config.max_loras,
                                         lora_config.max_lora_rank, device, dtype)
+        self.embedding, self.logits = self._wrap_vocab(model, lora_config, device, dtype)
+        if self.embedding is not None:
+            self.targets[(VOCAB_LAYER, "embed_tokens")] = (self.embedding, 0)
+        if self.logits is not None:
+            self.targets[(VOCAB_LAYER, "lm_head")] = (self.logits, 0)
         self.wrappers = list({id(w): w for w, _ in self.targets.values()}.values())
         self.has_experts = any(isinstance(w, LoRAFusedMoE) for w in self.wrappers)
+        # The embedding, the LM head and the experts read every batch token's slot.
+        self._need_batch_slots = self.has_experts or self.embedding is not None \
+            or self.logits is not None
         # lora_int_id -> adapter on the host, least recently used first.
         self.cpu_cache: OrderedDict[int, LoRAAdapter] = OrderedDict()
         # lora_int_id -> live requests under it (their adapters stay in cpu_cache).
@@ -66,22 +76,73 @@ class LoRAModelManager:
         self.slot_last_used = [0] * lora_config.max_loras
         self._step = 0
 
+    def _wrap_vocab(self, model: nn.Module, lora_config: LoRAConfig, device: torch.device,
+                    dtype: torch.dtype) -> tuple[LoRAEmbedding | None, LoRALogits | None]:
+        """The embedding and LM head slots (lora/vocab.py) of the stage holding them (whole on
+        every tensor-parallel rank)."""
+        from pagedllm.layers.vocab_embedding import VocabEmbedding
+        inner = getattr(model, "model", None)
+        embed = getattr(inner, "embed_tokens", None)
+        head = getattr(model, "lm_head", None)
+        args = (lora_config.max_loras, lora_config.max_lora_rank, device)
+        from pagedllm.layers.pipeline import PPMissingLayer
+        embedding = None
+        if isinstance(embed, VocabEmbedding):
+            embedding = LoRAEmbedding(embed, self.state, *args, dtype)
+        logits = None
+        if isinstance(head, VocabEmbedding):
+            logits = LoRALogits(head, *args)
+        # Modules this model has (not another pipeline stage's) but takes no adapter on, as
+        # a vision-language model's embedding (looked up outside the runner's forward).
+        self.vocab_unsupported = {name for name, module, wrapper in (
+            ("embed_tokens", embed, embedding), ("lm_head", head, logits))
+            if wrapper is None and not isinstance(module, PPMissingLayer)}
+        return embedding, logits
+
     @property
     def active(self) -> bool:
         """Whether the current step has tokens under an adapter."""
         return self.state.mapping is not None
+
+    @property
+    def vocab_active(self) -> bool:
+        """Whether the current step's adapters include one on the embedding or the LM head
+        (which the native multi-step decode loop does not apply)."""
+        mapping = self.state.mapping
+        return mapping is not None and any(
+            w is not None and w.active(mapping.segments) for w in (self.embedding, self.logits))
+
+    def compute_logits(self, model: nn.Module, hidden: torch.Tensor,
+                       rows: torch.Tensor | slice) -> torch.Tensor:
+        """The logits [m, vocab_size] float32 of the step's batch rows `rows` ([m] int64 on
+        the device, or a slice: positions in the flat batch) from `hidden` [n, hidden_size]:
+        the model's LM head, plus each row's LM head adapter (lora/vocab.py)."""
+        picked = hidden[rows]
+        logits = model.compute_logits(picked)
+        mapping = self.state.mapping
+        if self.logits is not None and mapping is not None \
+                and self.logits.active(mapping.segments):
+            self.logits.add_lora(picked, mapping.batch_slots[rows], logits)
+        return logits
 
     def add_request(self, lora_request: LoRARequest) -> str | None:
         """Pin a new live request's adapter on the host, reading it on a miss.
 
         Returns:
             None, or the reason the adapter cannot be read (its file changed or went away since
-            the front end checked it): that request then fails alone, unpinned.
+            the front end checked it) or applied (an embedding / LM head target on a model
+            that takes none there): that request then fails alone, unpinned.
         """
         try:
-            self._get_adapter(lora_request)
+            adapter = self._get_adapter(lora_request)
         except (ValueError, OSError) as e:
             return f"LoRA adapter {lora_request.lora_name!r} could not be loaded: {e}"
+        unsupported = sorted(m for layer, m in adapter.weights
+                             if layer == VOCAB_LAYER and m in self.vocab_unsupported)
+        if unsupported:
+            return (f"LoRA adapter {lora_request.lora_name!r} targets {unsupported[0]}, which "
+                    f"this model ({self.model_name}) takes no adapter on (only the Llama-family "
+                    f"and MoE text models' embedding and LM head)")
         lora_id = lora_request.lora_int_id
         self.pins[lora_id] = self.pins.get(lora_id, 0) + 1
         return None
@@ -140,8 +201,8 @@ class LoRAModelManager:
             token_slots_dev = torch.from_numpy(token_slots[order].astype(np.int32)).to(
                 self.device)
         whole = len(segments) == 1 and counts[segments[0][0]] == len(token_slots)
-        batch_slots = torch.from_numpy(token_slots).to(self.device) if self.has_experts \
-            else None
+        batch_slots = torch.from_numpy(token_slots).to(self.device) \
+            if self._need_batch_slots else None
         self.state.mapping = LoRAMapping(
             None if whole else torch.from_numpy(order).to(self.device), segments, native,
             token_slots_dev, batch_slots)

@@ -40,8 +40,8 @@ class LoRAMapping:
         token_slots: [m] int32 on the device, the slot of each of token_indices' tokens, for
             the Triton kernels (None off CUDA).
         batch_slots: [n] int64 on the device, the slot of every token of the batch (-1: the
-            base model), for the MoE experts' wrappers (lora/moe.py; None for a model
-            without them).
+            base model), for the MoE experts' wrappers (lora/moe.py) and the embedding and
+            LM head adapters (lora/vocab.py); None for a model without them.
     """
 
     token_indices: torch.Tensor | None

@@ -12,8 +12,21 @@ Modules q/k/v/o_proj and gate/up/down_proj are supported (a MoE block's shared e
 `mlp.shared_expert[s].{gate|up|down}_proj`, Qwen2-MoE's `mlp.shared_expert_gate`), and
 DeepSeek MLA's q_proj / q_a_proj / q_b_proj / kv_a_proj_with_mqa / o_proj; the engine's merged
 qkv_proj / gate_up_proj take them as slices (lora/layers.py). MLA's kv_b_proj and everything
-else PEFT can write (DoRA, modules_to_save, LoRA biases, embedding / LM head targets) is
-refused with an error naming it, never ignored.
+else PEFT can write (DoRA, modules_to_save, LoRA biases) is refused with an error naming it,
+never ignored.
+
+The token embedding and the LM head (lora/vocab.py) are stored under the layer index
+`VOCAB_LAYER`, in the same (A [r, in], B [out, r]) convention (the embedding's "in" is the
+vocabulary, one-hot):
+
+    base_model.model.model.embed_tokens.lora_embedding_A   [r, vocab_size]
+    base_model.model.model.embed_tokens.lora_embedding_B   [hidden_size, r]
+    base_model.model.lm_head.lora_A.weight                 [r, hidden_size]
+    base_model.model.lm_head.lora_B.weight                 [vocab_size, r]
+
+(peft's `lora.Embedding` adds scaling * B A[:, token] to a token's row; its `lora.Linear`
+on lm_head adds scaling * (h A^T) B^T to the logits). Under tensor parallelism every rank
+holds them whole (lora/vocab.py).
 
 Mixture-of-experts experts (lora/moe.py) come in two layouts:
 - transformers 5 holds a block's experts as 3-D parameters (`experts.gate_up_proj` [E, 2I, H],
@@ -36,7 +49,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +64,9 @@ WEIGHTS_NAME = "adapter_model.safetensors"
 # attention and MLP, DeepSeek's MLA projections, and a Qwen2-MoE shared expert's gate.
 LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                        "down_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa",
-                       "shared_expert_gate")
+                       "shared_expert_gate", "embed_tokens", "lm_head")
+# The layer index under which `LoRAAdapter.weights` holds the embedding and LM head pairs.
+VOCAB_LAYER = -1
 # Modules PEFT can target that the engine refuses, with the reason.
 REFUSED_MODULES = {
     "kv_b_proj": "MLA never runs kv_b_proj as a linear layer: its weight is read per head "
@@ -59,6 +74,13 @@ REFUSED_MODULES = {
                  "cached latents), so an adapter on it would need those per-head matrices "
                  "re-made per adapter; target q_proj / q_a_proj / q_b_proj / "
                  "kv_a_proj_with_mqa / o_proj instead"}
+_VOCAB_TENSOR = re.compile(
+    r"(?:base_model\.model\.)?(?:model\.(embed_tokens)\.lora_embedding_([AB])"
+    r"|(lm_head)\.lora_([AB])\.weight)")
+# The base weights PEFT saves beside embedding adapters (`save_embedding_layers`, on by default
+# when an embedding is targeted): frozen in LoRA training, so a copy of the base model's.
+_VOCAB_BASE_TENSOR = re.compile(
+    r"(?:base_model\.model\.)?(model\.embed_tokens|lm_head)\.base_layer\.weight")
 _TENSOR_NAME = re.compile(
     r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\."
     r"((?:shared_experts?\.)?\w+)\.lora_([AB])\.weight")
@@ -89,6 +111,8 @@ class LoRAModelShapes:
             "shared_expert_gate" on its sparse layers. Empty for a dense model.
         sparse_layers: the layers with routed experts (all of them when `experts` is set and
             this is None).
+        vocab: (vocab_size, hidden_size), for the embedding and LM head targets (None: the
+            model takes none).
     """
 
     num_layers: int
@@ -96,6 +120,7 @@ class LoRAModelShapes:
     experts: tuple[int, int, int] | None = None
     layer_features: tuple[dict[str, tuple[int, int]], ...] = ()
     sparse_layers: frozenset[int] | None = None
+    vocab: tuple[int, int] | None = None
 
     def module_features(self, layer: int, module: str) -> tuple[int, int] | None:
         """(in_features, out_features) of `module` in layer `layer`, None if it lacks it."""
@@ -118,7 +143,13 @@ class LoRAModelShapes:
         """From a supported architecture's config.json (as a dict): Llama-family attention or
         DeepSeek's MLA (`kv_lora_rank`); a dense MLP, or MoE blocks (Mixtral, OLMoE,
         Qwen2-MoE / Qwen3-MoE, DeepSeek-V2 / V3, GLM-4 MoE) with their dense layers and
-        shared experts placed by the model files' own rules."""
+        shared experts placed by the model files' own rules; the vocabulary size for the
+        embedding and LM head targets."""
+        shapes = cls._from_hf_config(hf)
+        return replace(shapes, vocab=(hf["vocab_size"], hf["hidden_size"]))
+
+    @classmethod
+    def _from_hf_config(cls, hf: dict[str, Any]) -> LoRAModelShapes:
         hidden = hf["hidden_size"]
         heads = hf["num_attention_heads"]
         inter = hf["intermediate_size"]
@@ -309,6 +340,8 @@ def _check_config(folder: Path, config: dict[str, Any], max_lora_rank: int) -> _
         raise ValueError(f"LoRA adapter {folder}: lora_alpha must be a number, got {alpha!r}")
     targets = config.get("target_modules")
     if isinstance(targets, list):
+        # (PEFT may name a module by its path: "model.embed_tokens")
+        targets = [t.rsplit(".", 1)[-1] if isinstance(t, str) else t for t in targets]
         refused = sorted(set(targets) & REFUSED_MODULES.keys())
         if refused:
             raise ValueError(f"LoRA adapter {folder}: target module {refused[0]!r} is not "
@@ -364,6 +397,9 @@ def load_peft_adapter(lora_request: LoRARequest, shapes: LoRAModelShapes,
     parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     paths: dict[tuple[int, str], str] = {}
     for name, tensor in _read_tensors(folder).items():
+        if _VOCAB_BASE_TENSOR.fullmatch(name) and shapes.vocab is not None:
+            _check_vocab_base(folder, name, tensor, shapes)
+            continue
         layer, module, which, expected = _tensor_target(folder, name, shapes, ranks)
         paths[(layer, module)] = _module_path(name)
         if expected is not None and tuple(tensor.shape) != expected:
@@ -397,7 +433,7 @@ def load_peft_adapter(lora_request: LoRARequest, shapes: LoRAModelShapes,
 def _module_path(name: str) -> str:
     """The module path PEFT matches rank/alpha patterns against, of adapter tensor `name`
     ("...layers.1.mlp.experts.base_layer.lora_A.weight" -> "model.layers.1.mlp.experts")."""
-    return re.sub(r"(\.base_layer)*\.lora_[AB]\.weight$", "",
+    return re.sub(r"(\.base_layer)*\.lora_(?:embedding_)?[AB](?:\.weight)?$", "",
                   name.removeprefix("base_model.model."))
 
 
@@ -407,13 +443,16 @@ def _tensor_target(folder: Path, name: str, shapes: LoRAModelShapes, ranks: _Ran
     the shape is None for a 3-D expert parameter's pair (checked by `_stack_experts`). Module
     keys: the projection, "experts.{e}.{gate|up|down}" (one expert), "experts[{d}]" (PEFT's
     parameter wrapper under d `.base_layer`s)."""
+    vocab = _VOCAB_TENSOR.fullmatch(name)
+    if vocab:
+        return _vocab_target(folder, name, vocab, shapes, ranks)
     fused = _FUSED_EXPERTS_TENSOR.fullmatch(name)
     one = None if fused else _ONE_EXPERT_TENSOR.fullmatch(name)
     match = fused or one or _TENSOR_NAME.fullmatch(name)
     if match is None:
         raise ValueError(f"LoRA adapter {folder}: tensor {name} targets a module this "
                          f"engine does not support (only {list(LORA_TARGET_MODULES)} of "
-                         f"the decoder layers and MoE experts)")
+                         f"the decoder layers, the embedding, the LM head and MoE experts)")
     layer = int(match[1])
     if layer >= shapes.num_layers:
         raise ValueError(f"LoRA adapter {folder}: tensor {name} targets layer {layer}; the "
@@ -451,6 +490,33 @@ def _tensor_target(folder: Path, name: str, shapes: LoRAModelShapes, ranks: _Ran
     in_features, out_features = features
     rank = ranks.rank(_module_path(name))
     return layer, module, which, (rank, in_features) if which == "A" else (out_features, rank)
+
+
+def _check_vocab_base(folder: Path, name: str, tensor: torch.Tensor,
+                      shapes: LoRAModelShapes) -> None:
+    """Accept PEFT's saved copy of the embedding or LM head base weight (`_VOCAB_BASE_TENSOR`),
+    which is not applied: LoRA training leaves the base weight frozen, so it is the model's.
+    A different shape means a resized vocabulary, which the engine does not take."""
+    vocab_size, hidden = shapes.vocab
+    if tuple(tensor.shape) != (vocab_size, hidden):
+        raise ValueError(f"LoRA adapter {folder}: tensor {name} has shape {list(tensor.shape)}"
+                         f", the model's is {[vocab_size, hidden]} (adapters with a resized "
+                         f"vocabulary are not supported)")
+
+
+def _vocab_target(folder: Path, name: str, match: re.Match, shapes: LoRAModelShapes,
+                  ranks: _Ranks) -> tuple[int, str, str, tuple[int, int]]:
+    """`_tensor_target` for an embedding or LM head tensor (module docstring's names)."""
+    module, which = (match[1], match[2]) if match[1] else (match[3], match[4])
+    if shapes.vocab is None:
+        raise ValueError(f"LoRA adapter {folder}: tensor {name} targets {module}, which this "
+                         f"model takes no adapter on")
+    vocab_size, hidden = shapes.vocab
+    in_features, out_features = (vocab_size, hidden) if module == "embed_tokens" \
+        else (hidden, vocab_size)
+    rank = ranks.rank(_module_path(name))
+    return VOCAB_LAYER, module, which, \
+        (rank, in_features) if which == "A" else (out_features, rank)
 
 
 def _stack_experts(folder: Path, pairs: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],

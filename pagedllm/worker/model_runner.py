@@ -194,7 +194,9 @@ class ModelRunner(KVCacheRunnerMixin):
                   and not getattr(self.model, "uses_mrope", False))   # (per-request deltas)
         steps = RoundSteps(advance=self._advance_decode_inputs,
                            gather=self._gather_decode_inputs, forward=self._forward,
-                           sample=self._sample_into)
+                           sample=self._sample_into,
+                           native_ok=None if self.lora_manager is None
+                           else lambda: not self.lora_manager.vocab_active)
         return MultiStepRound(self.states, steps, self.sampler, self.block_size,
                               self.model if native else None)
 
@@ -488,10 +490,20 @@ class ModelRunner(KVCacheRunnerMixin):
         if hooks is not None and model is not self.model:
             hooks.wait_for_all_loads()   # (a drafter's layers: loaded, never saved mid-forward)
             hooks = None
-        with set_forward_context(attn_metadata, hooks):
-            if inputs_embeds is not None:
-                return model(input_ids, positions, inputs_embeds, **inputs)
-            return model(input_ids, positions, **inputs)
+        # The embedding's adapters apply to the target model's own lookups only (a drafter
+        # may look tokens up in the same embedding: lora/vocab.py).
+        lora_state = self.lora_manager.state \
+            if self.lora_manager is not None and model is self.model else None
+        if lora_state is not None:
+            lora_state.embedding_armed = True
+        try:
+            with set_forward_context(attn_metadata, hooks):
+                if inputs_embeds is not None:
+                    return model(input_ids, positions, inputs_embeds, **inputs)
+                return model(input_ids, positions, **inputs)
+        finally:
+            if lora_state is not None:
+                lora_state.embedding_armed = False
 
     def _attention_backend(self, model: torch.nn.Module):
         """The attention backend of `model`'s layers (the platform's for a model without
@@ -561,13 +573,21 @@ class ModelRunner(KVCacheRunnerMixin):
             hidden, drafter_hidden = hidden
         elif eagle:
             drafter_hidden = hidden
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        logits = self._compute_logits(hidden, batch.logits_indices)
         pending = PendingStep(inputs, logits, self._compute_prompt_logprobs(batch, hidden),
                               drafter_hidden)
         if self.eplb is not None:
             # Between steps: this step's outputs are computed, the next one sees the new layout.
             self.eplb.step()
         return pending
+
+    def _compute_logits(self, hidden: torch.Tensor, rows: torch.Tensor | slice) -> torch.Tensor:
+        """The logits [m, vocab] float32 of the flat batch's rows `rows` ([m] int64 on the
+        device, or a slice) of `hidden` [n, hidden_size], each with its request's LM head
+        adapter where LoRA is on."""
+        if self.lora_manager is not None:
+            return self.lora_manager.compute_logits(self.model, hidden, rows)
+        return self.model.compute_logits(hidden[rows])
 
     def _apply_grammar(self, grammar_output: GrammarOutput | None, batch: InputBatch,
                        logits: torch.Tensor) -> torch.Tensor:
@@ -600,7 +620,7 @@ class ModelRunner(KVCacheRunnerMixin):
             if end <= start:
                 continue
             q0 = int(batch.query_start_loc_np[b])
-            logits = self.model.compute_logits(hidden[q0:q0 + end - start])
+            logits = self._compute_logits(hidden, slice(q0, q0 + end - start))
             targets = torch.from_numpy(
                 st.token_ids_cpu[row, start + 1:end + 1].astype(np.int64)).to(self.device)
             lp = compute_logprobs(logits, targets, int(st.num_prompt_logprobs[row]))

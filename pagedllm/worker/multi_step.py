@@ -45,12 +45,16 @@ class RoundSteps:
         forward: the forward of a step's inputs -> its logits.
         sample: sample a step's logits and record the tokens in the given output (and the
             request states), failed rows in its `request_errors`.
+        native_ok: whether the native loop may take the round now (None: always); False
+            while the round's adapters adapt the embedding or the LM head, which the native
+            loop does not apply.
     """
 
     advance: Callable[[StepInputs], StepInputs]
     gather: Callable[[list[str]], StepInputs]
     forward: Callable[[StepInputs], PendingStep]
     sample: Callable[[PendingStep, ModelRunnerOutput], None]
+    native_ok: Callable[[], bool] | None = None
 
 
 class MultiStepRound:
@@ -154,6 +158,7 @@ class MultiStepRound:
         loop = self.native_loop
         batch = inputs.batch
         if (loop is None or going != batch.req_ids
+                or (self.steps.native_ok is not None and not self.steps.native_ok())
                 or not bool(self.states.plain_greedy[batch.idx_mapping].all())
                 or not loop.applies(len(going), int(batch.seq_lens_np.max()) + num_steps,
                                     inputs.common.batch_invariant)):

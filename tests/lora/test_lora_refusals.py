@@ -46,8 +46,9 @@ def _bad_adapters(good, tmp_path, base):
         "use_dora": _variant(good, tmp_path, "dora", lambda c: c.update(use_dora=True)),
         "modules_to_save": _variant(good, tmp_path, "mts",
                                     lambda c: c.update(modules_to_save=["lm_head"])),
-        "target modules ['embed_tokens']": _variant(
-            good, tmp_path, "emb", lambda c: c.update(target_modules=["q_proj", "embed_tokens"])),
+        "target modules ['input_layernorm']": _variant(
+            good, tmp_path, "norm",
+            lambda c: c.update(target_modules=["q_proj", "input_layernorm"])),
         "adapter_config.json not found": _variant(
             good, tmp_path, "noconf", edit_files=lambda f: (f / "adapter_config.json").unlink()),
         "adapter_model.safetensors cannot be read": _variant(
