@@ -22,8 +22,9 @@ def validate_transfer_config(config) -> None:
     Raises:
         ValueError: naming an unknown connector, an unknown kv_connector_extra_config key, or
             a bad value (an OffloadingConnector size that is not a finite number of GiB > 0,
-            an `async_transfers` that is not a bool, a P2pShmConnector role other than kv_producer/kv_consumer, a port
-            outside 1-65535, an unsafe engine_id, a timeout that is not a positive number).
+            an `async_transfers` that is not a bool, a P2pShmConnector role other than
+            kv_producer/kv_consumer, a port outside 1-65535, an unsafe engine_id, a timeout
+            that is not a positive number).
     """
     if config.kv_connector not in CONNECTORS:
         raise ValueError(f"kv_transfer_config: unknown kv_connector {config.kv_connector!r}; "
