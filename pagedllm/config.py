@@ -521,6 +521,23 @@ class EngineConfig:
                              "(issue #11); use tensor parallelism")
         if self.model_config.enable_return_routed_experts:
             self._validate_return_routed_experts()
+        self._validate_kv_connector_cache()
+
+    def _validate_kv_connector_cache(self) -> None:
+        """Refuse a KV connector over a quantized KV cache: the connectors copy the K/V
+        values only, not the int8/fp8 scales that share the cache's allocation
+        (kv_cache_layout.py), so blocks loaded back would be dequantized with stale scales."""
+        cc = self.cache_config
+        if self.kv_transfer_config is None:
+            return
+        for name, value in (("kv_cache_dtype", cc.cache_dtype),
+                            ("indexer_cache_dtype", cc.indexer_cache_dtype)):
+            if value != "auto":
+                raise ValueError(
+                    f"{name}={value!r} cannot be combined with the KV connector "
+                    f"{self.kv_transfer_config.kv_connector} (kv_transfer_config / "
+                    f"kv_offloading_size): it does not carry a quantized cache's scales; use "
+                    f"{name}='auto' or no connector")
 
     def _validate_return_routed_experts(self) -> None:
         """Refuse what routed-experts capture cannot serve (as vLLM refuses pipeline
@@ -573,6 +590,13 @@ def resolve_chat_template(value: str | None) -> str | None:
                      f"(no {{{{ or {{% in it)")
 
 
+def check_offloading_size(size: Any, name: str = "kv_offloading_size") -> None:
+    """Raises ValueError unless `size` (GiB) is a finite number > 0 (a bool is not one)."""
+    if isinstance(size, bool) or not isinstance(size, (int, float)) \
+            or not math.isfinite(size) or not size > 0:
+        raise ValueError(f"{name} must be a finite number of GiB > 0, got {size!r}")
+
+
 def _kv_transfer_config(config: dict[str, Any] | KVTransferConfig | None,
                         kv_offloading_size: float | None, kv_offloading_dir: str | None,
                         enable_prefix_caching: bool) -> KVTransferConfig | None:
@@ -586,11 +610,13 @@ def _kv_transfer_config(config: dict[str, Any] | KVTransferConfig | None,
     """
     if isinstance(config, dict):
         config = KVTransferConfig.from_dict(config)
+    elif config is not None and not isinstance(config, KVTransferConfig):
+        raise TypeError(f"kv_transfer_config must be a dict or a KVTransferConfig, got "
+                        f"{type(config).__name__} {config!r}")
     if kv_offloading_size is not None:
         if config is not None:
             raise ValueError("give kv_offloading_size or kv_transfer_config, not both")
-        if not kv_offloading_size > 0:
-            raise ValueError(f"kv_offloading_size must be > 0 GiB, got {kv_offloading_size!r}")
+        check_offloading_size(kv_offloading_size)
         extra: dict[str, Any] = {"kv_offloading_size": float(kv_offloading_size)}
         if kv_offloading_dir is not None:
             extra["kv_offloading_dir"] = str(kv_offloading_dir)

@@ -16,7 +16,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from pagedllm.engine.arg_utils import add_engine_args, bounded_int, engine_kwargs_from_args
+from pagedllm.engine.arg_utils import (add_engine_args, bounded_float, bounded_int,
+                                       engine_kwargs_from_args)
 
 _DTYPE_ALIASES = {"bf16": "bfloat16", "fp32": "float32", "float": "float32", "fp16": "float16",
                   "half": "float16"}
@@ -133,7 +134,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                      help="Poisson arrival rate in requests/s (default inf: all at once)")
     srv.add_argument("--max-concurrency", type=bounded_int(1), default=None, metavar="N",
                      help="most requests in flight at once (default: no limit)")
-    srv.add_argument("--seed", type=int, default=0,
+    srv.add_argument("--seed", type=bounded_int(0), default=0,
                      help="seed of the random prompts and arrival times (default 0)")
     _add_workload_args(srv, num_prompts=True)
     _add_output_args(srv)
@@ -181,9 +182,9 @@ def _add_soak_parser(sub: argparse._SubParsersAction) -> None:
                       help="time limit of the whole run, server start-up included")
     load.add_argument("--idle-timeout-s", type=float, default=60.0,
                       help="how long the server may take to report idle gauges after the run")
-    load.add_argument("--rss-drift-limit", type=float, default=0.10,
+    load.add_argument("--rss-drift-limit", type=bounded_float(0), default=0.10,
                       help="largest RSS growth from after the warm-up to the end (0.10 = 10%%)")
-    load.add_argument("--server-rss-limit-mib", type=int, default=4096,
+    load.add_argument("--server-rss-limit-mib", type=bounded_int(1), default=4096,
                       help="kill a started server whose RSS passes this (a runaway request)")
     load.add_argument("--skip", action="append", default=[], metavar="TEXT",
                       help="leave out the invalid cases and disconnect modes whose label "
@@ -219,7 +220,7 @@ def _add_workload_args(p: argparse.ArgumentParser, num_prompts: bool) -> None:
                    help="uniform prompt lengths in [LOW, HIGH] (overrides --input-len)")
     g.add_argument("--random-output-len", default=None, metavar="LOW:HIGH",
                    help="uniform output lengths in [LOW, HIGH] (overrides --output-len)")
-    g.add_argument("--token-low", type=int, default=None,
+    g.add_argument("--token-low", type=bounded_int(0), default=None,
                    help="smallest prompt token id (default 300, skipping special/byte tokens)")
 
 
@@ -255,8 +256,17 @@ def resolve_model(args: argparse.Namespace) -> dict[str, Any]:
     return kwargs
 
 
+def _check_workload_seed(args: argparse.Namespace) -> None:
+    if args.seed < 0:
+        raise ValueError(f"--seed must be an integer >= 0 (it seeds the workload), got "
+                         f"{args.seed}")
+
+
 def build_workload(args: argparse.Namespace, vocab_size: int, num_prompts: int):
+    """The seeded workload of the flags. Raises ValueError naming --seed when it is negative
+    (numpy seeds the workload; the engine's --seed itself takes any integer)."""
     from pagedllm.benchmarks.workload import WorkloadSpec, make_workload, parse_len_range
+    _check_workload_seed(args)
 
     spec = WorkloadSpec(num_prompts=num_prompts, vocab_size=vocab_size,
                         input_len=args.input_len, output_len=args.output_len,
@@ -301,6 +311,24 @@ def _finish(args: argparse.Namespace, results: list[dict[str, Any]],
 
 
 # ------------------------------------------------------------------ runners
+def check_throughput_flags(args: argparse.Namespace) -> None:
+    """Refuse `bench throughput` flags that could not all take effect, before anything runs.
+
+    Raises:
+        ValueError: naming the flags: a negative --seed, --lora-rounds other than 1 without
+            --num-loras, or a --lora-rank above --max-lora-rank (the engine would refuse
+            every adapter).
+    """
+    _check_workload_seed(args)
+    if args.lora_rounds != 1 and not args.num_loras:
+        raise ValueError(f"--lora-rounds {args.lora_rounds} needs --num-loras (the rounds "
+                         "alternate the base model and the adapters)")
+    if args.num_loras and args.lora_rank > args.max_lora_rank:
+        raise ValueError(f"--lora-rank {args.lora_rank} exceeds --max-lora-rank "
+                         f"{args.max_lora_rank}: raise --max-lora-rank to at least "
+                         f"{args.lora_rank}")
+
+
 def run_throughput_command(args: argparse.Namespace) -> int:
     from pagedllm import LLM
     from pagedllm.benchmarks.co_tenants import StartBarrier
@@ -308,6 +336,7 @@ def run_throughput_command(args: argparse.Namespace) -> int:
     from pagedllm.benchmarks.throughput import compare, run_throughput
     from pagedllm.benchmarks.workload import workload_summary
 
+    check_throughput_flags(args)
     kwargs = resolve_model(args)
     model_path = kwargs["model"]
     if (args.co_tenants > 1 or args.busy_co_tenants) and args.co_tenant_barrier is None:
@@ -354,7 +383,7 @@ def _run_lora_throughput(args: argparse.Namespace, kwargs: dict[str, Any], reque
     with tempfile.TemporaryDirectory(prefix="pagedllm-bench-loras-") as folder:
         loras = write_random_adapters(kwargs["model"], folder, args.num_loras, args.lora_rank)
         kwargs = dict(kwargs, enable_lora=True, max_loras=max(kwargs["max_loras"], len(loras)),
-                      max_lora_rank=max(kwargs["max_lora_rank"], args.lora_rank))
+                      max_lora_rank=kwargs["max_lora_rank"])
         llm = LLM(**kwargs)
         rounds = []
         for k in range(args.lora_rounds):
@@ -508,6 +537,7 @@ def _run_latency(args: argparse.Namespace, kwargs: dict[str, Any], requests=None
 
     model_path = kwargs["model"]
     num_prompts = args.batch_size * (args.num_iters + args.num_iters_warmup)
+    _check_workload_seed(args)
     llm = LLM(**kwargs)
     if requests is None and args.workload == "agent":
         from pagedllm.benchmarks.agent_workload import make_agent_workload

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +27,22 @@ def bounded_int(low: int, high: int | None = None) -> Callable[[str], int]:
             value = None
         if value is None or value < low or (high is not None and value > high):
             raise argparse.ArgumentTypeError(f"expected {wanted}, got {text!r}")
+        return value
+
+    return parse
+
+
+def bounded_float(low: float) -> Callable[[str], float]:
+    """argparse type: a finite float >= `low` (raises argparse.ArgumentTypeError, "expected a
+    finite number >= 0, got '-1'", which argparse prints after the flag's name)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or value < low:
+            raise argparse.ArgumentTypeError(f"expected a finite number >= {low:g}, got {text!r}")
         return value
 
     return parse

@@ -49,6 +49,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,9 @@ WEIGHTS_NAME = "adapter_model.safetensors"
 LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                        "down_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa",
                        "shared_expert_gate", "embed_tokens", "lm_head")
+# The attention's projections (under "self_attn"; the rest sit under "mlp").
+_ATTENTION_MODULES = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj",
+                                "kv_a_proj_with_mqa", "kv_b_proj"})
 # The layer index under which `LoRAAdapter.weights` holds the embedding and LM head pairs.
 VOCAB_LAYER = -1
 # Modules PEFT can target that the engine refuses, with the reason.
@@ -309,9 +313,10 @@ def _check_patterns(folder: Path, config: dict[str, Any]) -> tuple[dict, dict]:
     return patterns[0], patterns[1]
 
 
-def _check_config(folder: Path, config: dict[str, Any], max_lora_rank: int) -> _Ranks:
+def _check_config(folder: Path, config: dict[str, Any], max_lora_rank: int,
+                  shapes: LoRAModelShapes) -> _Ranks:
     """The adapter's ranks and alphas; ValueError naming any option this engine cannot
-    apply."""
+    apply (or a target the model lacks)."""
     peft_type = config.get("peft_type", "LORA")
     if peft_type != "LORA":
         raise ValueError(f"LoRA adapter {folder}: peft_type {peft_type!r} is not supported "
@@ -338,19 +343,7 @@ def _check_config(folder: Path, config: dict[str, Any], max_lora_rank: int) -> _
     alpha = config.get("lora_alpha", 8)
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
         raise ValueError(f"LoRA adapter {folder}: lora_alpha must be a number, got {alpha!r}")
-    targets = config.get("target_modules")
-    if isinstance(targets, list):
-        # (PEFT may name a module by its path: "model.embed_tokens")
-        targets = [t.rsplit(".", 1)[-1] if isinstance(t, str) else t for t in targets]
-        refused = sorted(set(targets) & REFUSED_MODULES.keys())
-        if refused:
-            raise ValueError(f"LoRA adapter {folder}: target module {refused[0]!r} is not "
-                             f"supported: {REFUSED_MODULES[refused[0]]}")
-        unknown = sorted(set(targets) - set(LORA_TARGET_MODULES) - set(EXPERT_MODULES))
-        if unknown:
-            raise ValueError(f"LoRA adapter {folder}: target modules {unknown} are not "
-                             f"supported (the model's LoRA targets: {list(LORA_TARGET_MODULES)} "
-                             f"and MoE experts' {list(EXPERT_MODULES)})")
+    _check_targets(folder, config.get("target_modules"), shapes)
     parameters = config.get("target_parameters") or []
     # (PEFT's transformers-5 conversion also writes the bare names "gate_up_proj", "down_proj")
     unknown = [p for p in (parameters if isinstance(parameters, list) else [parameters])
@@ -361,6 +354,72 @@ def _check_config(folder: Path, config: dict[str, Any], max_lora_rank: int) -> _
                          f"supported (only MoE experts' {list(EXPERT_PARAMETERS)})")
     rank_pattern, alpha_pattern = _check_patterns(folder, config)
     return _Ranks(rank, float(alpha), bool(config.get("use_rslora")), rank_pattern, alpha_pattern)
+
+
+def _model_module_paths(shapes: LoRAModelShapes) -> Iterator[str]:
+    """The module paths ("model.layers.3.self_attn.q_proj") of every projection of the model
+    an adapter may target: the attention's and MLP's first, the embedding and LM head, then
+    each MoE expert's, under both expert block names ("mlp", Mixtral's "block_sparse_moe") and module names."""
+    for layer in range(shapes.num_layers):
+        for module in shapes.layer_modules(layer):
+            block = "self_attn" if module in _ATTENTION_MODULES else "mlp"
+            yield f"model.layers.{layer}.{block}.{module}"
+    yield "model.embed_tokens"
+    yield "lm_head"
+    if shapes.experts is None:
+        return
+    for layer in range(shapes.num_layers):
+        if shapes.is_sparse(layer):
+            for block in ("mlp", "block_sparse_moe"):
+                for expert in range(shapes.experts[0]):
+                    for module in EXPERT_MODULES:
+                        yield f"model.layers.{layer}.{block}.experts.{expert}.{module}"
+
+
+def _check_targets(folder: Path, targets: Any, shapes: LoRAModelShapes) -> None:
+    """Check `target_modules` against the model as PEFT matches it
+    (peft.tuners.tuners_utils.check_target_module_exists): a list entry names a module whose
+    path equals it or ends with "." + it (so "q_proj", "self_attn.q_proj" and
+    "mlp.shared_expert.gate_proj" all work); a string is a regex the whole path must match.
+
+    Raises:
+        ValueError: a refused module (REFUSED_MODULES), list entries matching none of the
+            model's targetable modules (naming them and the model's own targets), or a regex
+            that matches none.
+    """
+    if targets is None or (isinstance(targets, str) and targets == "all-linear"):
+        return
+    own = list(dict.fromkeys(m for layer in range(shapes.num_layers)
+                             for m in shapes.layer_modules(layer)))
+    own += ["embed_tokens", "lm_head"]
+    if shapes.experts is not None:
+        own += [f"experts.{{e}}.{m}" for m in EXPERT_MODULES]
+    if isinstance(targets, str):
+        try:
+            pattern = re.compile(targets)
+        except re.error as e:
+            raise ValueError(f"LoRA adapter {folder}: target_modules {targets!r} is not a "
+                             f"valid regex: {e}") from e
+        if not any(pattern.fullmatch(path) for path in _model_module_paths(shapes)):
+            raise ValueError(f"LoRA adapter {folder}: target_modules regex {targets!r} matches "
+                             f"no module of the model this engine can adapt (the model's LoRA "
+                             f"targets: {own})")
+        return
+    if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+        raise ValueError(f"LoRA adapter {folder}: target_modules must be a list of module "
+                         f"names or a regex string, got {targets!r}")
+    for target in targets:
+        module = target.rsplit(".", 1)[-1]
+        if module in REFUSED_MODULES:
+            raise ValueError(f"LoRA adapter {folder}: target module {target!r} is not "
+                             f"supported: {REFUSED_MODULES[module]}")
+    unknown = [t for t in targets if not any(path == t or path.endswith("." + t)
+                                             for path in _model_module_paths(shapes))]
+    if unknown:
+        raise ValueError(f"LoRA adapter {folder}: target modules {sorted(unknown)} match no "
+                         f"module of the model this engine can adapt (PEFT matches a target "
+                         f"as a module's whole path or its end after a dot; the model's LoRA "
+                         f"targets: {own})")
 
 
 def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -393,7 +452,7 @@ def load_peft_adapter(lora_request: LoRARequest, shapes: LoRAModelShapes,
     folder = Path(lora_request.lora_path).expanduser()
     if not folder.is_dir():
         raise ValueError(f"LoRA adapter {lora_request.lora_name!r}: {folder} is not a folder")
-    ranks = _check_config(folder, _read_config(folder), max_lora_rank)
+    ranks = _check_config(folder, _read_config(folder), max_lora_rank, shapes)
     parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     paths: dict[tuple[int, str], str] = {}
     for name, tensor in _read_tensors(folder).items():

@@ -21,8 +21,10 @@ def validate_transfer_config(config) -> None:
 
     Raises:
         ValueError: naming an unknown connector, an unknown kv_connector_extra_config key, or
-            a bad value (an `async_transfers` that is not a bool, a P2pShmConnector role other than kv_producer/kv_consumer, a port
-            outside 1-65535, an unsafe engine_id, a timeout that is not a positive number).
+            a bad value (an OffloadingConnector size that is not a finite number of GiB > 0,
+            an `async_transfers` that is not a bool, a P2pShmConnector role other than
+            kv_producer/kv_consumer, a port outside 1-65535, an unsafe engine_id, a timeout
+            that is not a positive number).
     """
     if config.kv_connector not in CONNECTORS:
         raise ValueError(f"kv_transfer_config: unknown kv_connector {config.kv_connector!r}; "
@@ -35,6 +37,11 @@ def validate_transfer_config(config) -> None:
     if unknown:
         raise ValueError(f"kv_transfer_config: unknown kv_connector_extra_config keys {unknown} "
                          f"for {config.kv_connector}; known: {list(known)}")
+    if config.kv_connector == "OffloadingConnector":
+        from pagedllm.config import check_offloading_size
+        for name in ("kv_offloading_size", "kv_offloading_disk_size"):
+            if name in extra:
+                check_offloading_size(extra[name], f"kv_transfer_config: {name}")
     if not isinstance(extra.get("async_transfers", True), bool):
         raise ValueError(f"kv_transfer_config: async_transfers must be true or false, got "
                          f"{extra['async_transfers']!r}")

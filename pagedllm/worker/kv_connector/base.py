@@ -182,9 +182,16 @@ def copy_rows_to_layer(cache: torch.Tensor, block_ids: list[int], rows: torch.Te
 
 
 def check_unquantized(connector: str, kv_caches: dict[str, torch.Tensor]) -> None:
-    """Raises ValueError unless every KV tensor is [2, num_blocks, block_size, heads,
-    head_size] (a quantized cache's scales share its allocation)."""
+    """Raises ValueError unless every KV tensor is an unquantized [2, num_blocks, block_size,
+    heads, head_size] cache: the connectors copy K/V values only, and a quantized cache
+    (`kv_cache_dtype` int8/fp8) keeps its scales in the same allocation, past the view
+    (kv_cache_layout.py), so they would not travel with the blocks."""
+    from pagedllm.kv_cache_layout import is_quantized_kv_cache
     for name, cache in kv_caches.items():
+        if is_quantized_kv_cache(cache):
+            raise ValueError(f"{connector}: layer {name}'s KV cache is quantized "
+                             f"({cache.dtype}, kv_cache_dtype int8/fp8); the connector does "
+                             "not carry its scales: use kv_cache_dtype='auto'")
         if cache.dim() != 5 or cache.shape[0] != 2:
             raise ValueError(f"{connector}: layer {name}'s KV cache has shape "
                              f"{tuple(cache.shape)}; only unquantized caches "

@@ -14,8 +14,11 @@ files (synchronously).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from pagedllm.config import check_offloading_size
 from pagedllm.core.kv_connector.disk_tier import (block_file, decode_block_file,
                                                   encode_block_file, make_tier_folder,
                                                   write_block_file)
@@ -47,9 +50,7 @@ class OffloadingConnectorWorker:
                  bytes_per_block: int, device: torch.device, rank: int = 0,
                  fingerprint: str = "") -> None:
         size = extra_config.get("kv_offloading_size")
-        if not isinstance(size, (int, float)) or not size > 0:
-            raise ValueError(f"OffloadingConnector: kv_offloading_size must be a number of GiB "
-                             f"> 0, got {size!r}")
+        check_offloading_size(size, "OffloadingConnector: kv_offloading_size")
         self.num_slots = int(size * GiB) // bytes_per_block
         if self.num_slots < 1:
             raise ValueError(f"OffloadingConnector: {size} GiB holds no block of "
@@ -78,8 +79,21 @@ class OffloadingConnectorWorker:
             shape = (2, self.num_slots) + tuple(cache.shape[2:])
             host = self._host.get(name)
             if host is None or host.shape != shape or host.dtype != cache.dtype:
-                self._host[name] = torch.zeros(shape, dtype=cache.dtype, pin_memory=self._pin)
+                self._host[name] = self._allocate(shape, cache.dtype)
         self._kv_caches = dict(kv_caches)
+
+    def _allocate(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A zeroed host tensor of one layer's tier; ValueError naming kv_offloading_size and
+        the bytes asked (the whole tier's and this layer's) where the host cannot give it."""
+        try:
+            return torch.zeros(shape, dtype=dtype, pin_memory=self._pin)
+        except RuntimeError as e:     # (torch.OutOfMemoryError is one; so is the CPU allocator's)
+            layer_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            raise ValueError(
+                f"OffloadingConnector: kv_offloading_size asks for {self.num_slots} blocks = "
+                f"{self.num_slots * self.bytes_per_block} bytes of host memory, which could "
+                f"not be allocated ({layer_bytes} bytes for one layer failed: "
+                f"{str(e).splitlines()[0][:200]}); give a smaller kv_offloading_size") from e
 
     def set_model_fingerprint(self, fingerprint: str) -> None:
         self.fingerprint = fingerprint
