@@ -78,7 +78,8 @@ def split_windows(token_ids: list[int], window: int) -> list[list[int]]:
 
 
 def compute_perplexity(llm, token_ids: list[int], window: int,
-                       max_windows: int | None = None) -> PerplexityResult:
+                       max_windows: int | None = None, lora_request=None,
+                       bos_token_id: int | None = None) -> PerplexityResult:
     """Perplexity of `llm`'s model over `token_ids` (module docstring).
 
     Args:
@@ -86,16 +87,23 @@ def compute_perplexity(llm, token_ids: list[int], window: int,
         token_ids: the text's tokens.
         window: tokens per window (at most the engine's max_model_len).
         max_windows: score only the first this many windows (None = all).
+        lora_request: a `LoRARequest` to score the text under (None: the base model).
+        bos_token_id: when given, every window is prefixed with this token and all of the
+            window's own tokens are scored (windows of `window - 1` text tokens), as a model
+            trained on BOS-prefixed windows was; None scores every token but a window's first.
 
     Raises:
         ValueError: a window < 2, too few tokens, or a prompt logprob that is not finite.
     """
     from pagedllm import SamplingParams
 
-    windows = split_windows(token_ids, window)[:max_windows]
+    if bos_token_id is None:
+        windows = split_windows(token_ids, window)[:max_windows]
+    else:
+        windows = [[bos_token_id] + w for w in split_windows(token_ids, window - 1)[:max_windows]]
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
     start = time.perf_counter()
-    outputs = llm.generate(windows, params, use_tqdm=False)
+    outputs = llm.generate(windows, params, use_tqdm=False, lora_request=lora_request)
     seconds = time.perf_counter() - start
     total, count = 0.0, 0
     for ids, out in zip(windows, outputs):
