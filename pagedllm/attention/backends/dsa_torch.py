@@ -14,18 +14,18 @@ query token t at position p and every context token s <= p of its request:
     attention    MLA with the softmax over S(t) only.
 
 Selections are positions in the request's context (as `torch_sdpa`'s row groups gather it), -1
-for none, so the same rows index the latent cache through the group's `kv_slots`. Both MLA forms
-read only the selected entries:
+for none, so the same rows index the latent cache through the group's `kv_slots`. Sparse MLA
+reads only the selected entries:
 
     decode rows (query_len == 1), absorbed: gather the K selected latents [K, L + dr] and attend
         with q = [W_UK^T q_nope | q_pe] over them as one shared head (cost per token: K latents).
-    prefill rows (query_len > 1), expanded: expand the chunk's context latents to per-head K/V
-        once (shared by the chunk's queries), then each query gathers its K selected keys and
-        values and attends over them (scores [Q, H, K], not [Q, H, S]; the gathered [Q, K, H,
-        dn + dv] is built a slice of queries at a time, under _GATHER_ELEMENTS).
+    prefill rows (query_len > 1), `sparse_prefill`, a tile of queries at a time: the tile's
+        indexer scores over the context up to its last allowed position (causal), top-k, then
+        the absorbed form over each query's gathered latents; a tile whose queries may each
+        see at most index_topk tokens selects them all and runs dense masked MLA.
 
-The indexer's own scores are dense: [Q, S] per row group and layer (Hi heads summed), as HF's
-and vLLM's indexers score every context token; only the attention is sparse.
+The indexer's own scores are dense: [Qt, S] per tile of a row group and layer (Hi heads
+summed), as HF's and vLLM's indexers score every context token; only the attention is sparse.
 
 The indexer's scores are float32 (as HF's). Hadamard rotation: DeepSeek's reference inference
 code (`rotate_activation`) and vLLM rotate q_I and k_I by the orthonormal Walsh-Hadamard matrix
