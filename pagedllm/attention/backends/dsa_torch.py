@@ -191,7 +191,7 @@ def sparse_prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tenso
     per_query = num_rows * max(index_q.shape[2] * seq_len, min(topk, seq_len) * latent.shape[-1])
     step = max(1, max_tile_elements // max(per_query, 1))
     out = q_nope.new_empty(num_rows, q_len, num_heads, w_kv_b.shape[1] - q_nope.shape[-1])
-    rows = torch.arange(num_rows, device=latent.device)[:, None, None]
+    rows = torch.arange(0, num_rows * seq_len, seq_len, device=latent.device)[:, None, None]
     for start in range(0, q_len, step):
         sl = slice(start, start + step)
         tile_mask = mask[:, sl]
@@ -207,7 +207,8 @@ def sparse_prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tenso
                                 index_scale)
         positions = select_topk(scores, tile_mask, topk)                  # [G, Qt, K]
         tile = positions.shape[1]
-        selected = latent[rows, positions.clamp(min=0)]                   # [G, Qt, K, L + dr]
+        flat = (rows + positions.clamp(min=0)).flatten()                # rows of latent [G S]
+        selected = latent.flatten(0, 1).index_select(0, flat).view(*positions.shape, -1)
         o = sparse_mla_absorbed(q_nope[:, sl].flatten(0, 1), q_pe[:, sl].flatten(0, 1),
                                 selected.flatten(0, 1), (positions >= 0).flatten(0, 1),
                                 w_kv_b, scale)
