@@ -8,7 +8,7 @@ own, and MLA restricted to the indexer's top-k tokens.
                         the block table (slot ids), prefix caching and preemption, and its bytes
                         count in the bytes per block.
     SparseMLAAttention  `MLAAttention` whose softmax covers only the selected tokens
-                        (attention/backends/dsa_torch.py; on the CPU its decode rows run in
+                        (attention/backends/dsa_torch.py; on the CPU every query token runs in
                         the native kernels, dsa_cpu.py); it writes both caches.
 """
 

@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pagedllm import SamplingParams
 from pagedllm.attention.backends.dsa_torch import (indexer_scores, select_topk,
-                                                   sparse_mla_absorbed, sparse_mla_expanded)
+                                                   sparse_mla_absorbed, sparse_prefill)
 from pagedllm.attention.backends.mla_torch import mla_attention_expanded
 from pagedllm.config import CacheConfig
 from pagedllm.engine.async_llm import AsyncLLM
@@ -244,23 +244,37 @@ def test_indexer_selection_matches_hf_indexer():
 
 
 def test_sparse_forms_equal_dense_masked_attention():
-    """Both sparse forms (absorbed over gathered latents, expanded with per-query gathers)
+    """Sparse MLA (absorbed over gathered latents) and the tiled prefill (indexer scores, top-k
+    and sparse MLA a tile of queries at a time, dense MLA for tiles that select everything)
     equal MLA over the whole context with the non-selected tokens masked out."""
     torch.manual_seed(0)
     g, q_len, s, heads, dn, dr, dv, rank, topk = 2, 5, 11, 4, 8, 4, 6, 10, 3
+    hi, d = 3, 8
     q_nope, q_pe = torch.randn(g, q_len, heads, dn), torch.randn(g, q_len, heads, dr)
     latent = torch.randn(g, s, rank + dr)
     w = torch.randn(heads, dn + dv, rank) / rank ** 0.5
-    q_pos = torch.tensor([6, 1])[:, None] + torch.arange(q_len)          # request 1: 2-6
+    index_q, index_w, keys = torch.randn(g, q_len, hi, d), torch.randn(g, q_len, hi), \
+        torch.randn(g, s, d)
+    q_pos = torch.tensor([6, 1])[:, None] + torch.arange(q_len)          # request 1: 1-5
     causal = torch.arange(s)[None, None, :] <= q_pos[:, :, None]
-    positions = select_topk(torch.randn(g, q_len, s), causal, topk)      # [G, Q, K]
+    positions = select_topk(indexer_scores(index_q, index_w, keys, 0.5), causal, topk)
     assert (positions < 0).any() and (positions >= 0).all(-1).any()
     mask = torch.zeros(g, q_len, s + 1, dtype=torch.bool)
     mask.scatter_(2, torch.where(positions < 0, s, positions), True)
     want = mla_attention_expanded(q_nope, q_pe, latent, w, mask[:, None, :, :s], 0.3)
-    for max_gather in (1 << 26, 500):   # (all queries at once; one query at a time)
-        got = sparse_mla_expanded(q_nope, q_pe, latent, positions, w, 0.3, max_gather)
+    # all queries in one tile; one query per tile (the first tile of request 1 alone selects
+    # everything, but tiles span both requests: dense only where both do)
+    for max_tile in (1 << 20, 1):
+        got = sparse_prefill(q_nope, q_pe, latent, index_q, index_w, keys, causal, w, 0.3, 0.5,
+                             topk, max_tile)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # a tile whose queries all see at most topk tokens: dense MLA over the causal context
+    early = causal[:, :1] & (torch.arange(s) < 2)
+    got = sparse_prefill(q_nope[:, :1], q_pe[:, :1], latent, index_q[:, :1], index_w[:, :1],
+                         keys, early, w, 0.3, 0.5, topk)
+    torch.testing.assert_close(got, mla_attention_expanded(q_nope[:, :1], q_pe[:, :1], latent,
+                                                           w, early[:, None], 0.3),
+                               atol=1e-5, rtol=1e-5)
     rows = torch.arange(g)[:, None, None]
     selected = latent[rows, positions.clamp(min=0)].reshape(g * q_len, topk, -1)
     got = sparse_mla_absorbed(q_nope.reshape(g * q_len, heads, dn),

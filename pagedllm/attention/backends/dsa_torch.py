@@ -14,18 +14,18 @@ query token t at position p and every context token s <= p of its request:
     attention    MLA with the softmax over S(t) only.
 
 Selections are positions in the request's context (as `torch_sdpa`'s row groups gather it), -1
-for none, so the same rows index the latent cache through the group's `kv_slots`. Both MLA forms
-read only the selected entries:
+for none, so the same rows index the latent cache through the group's `kv_slots`. Sparse MLA
+reads only the selected entries:
 
     decode rows (query_len == 1), absorbed: gather the K selected latents [K, L + dr] and attend
         with q = [W_UK^T q_nope | q_pe] over them as one shared head (cost per token: K latents).
-    prefill rows (query_len > 1), expanded: expand the chunk's context latents to per-head K/V
-        once (shared by the chunk's queries), then each query gathers its K selected keys and
-        values and attends over them (scores [Q, H, K], not [Q, H, S]; the gathered [Q, K, H,
-        dn + dv] is built a slice of queries at a time, under _GATHER_ELEMENTS).
+    prefill rows (query_len > 1), `sparse_prefill`, a tile of queries at a time: the tile's
+        indexer scores over the context up to its last allowed position (causal), top-k, then
+        the absorbed form over each query's gathered latents; a tile whose queries may each
+        see at most index_topk tokens selects them all and runs dense masked MLA.
 
-The indexer's own scores are dense: [Q, S] per row group and layer (Hi heads summed), as HF's
-and vLLM's indexers score every context token; only the attention is sparse.
+The indexer's own scores are dense: [Qt, S] per tile of a row group and layer (Hi heads
+summed), as HF's and vLLM's indexers score every context token; only the attention is sparse.
 
 The indexer's scores are float32 (as HF's). Hadamard rotation: DeepSeek's reference inference
 code (`rotate_activation`) and vLLM rotate q_I and k_I by the orthonormal Walsh-Hadamard matrix
@@ -42,7 +42,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
-import torch.nn.functional as F
 
 from pagedllm.attention.backends.mla_torch import mla_attention_absorbed
 from pagedllm.attention.backends.torch_sdpa import TorchSDPABackend, TorchSDPAMetadata
@@ -50,9 +49,9 @@ from pagedllm.attention.metadata import CommonAttentionMetadata
 from pagedllm.indexer_cache_layout import is_c8, read_indexer_keys, write_indexer_keys
 from pagedllm.kv_cache_layout import dequantize_kv, write_cache_rows
 
-# Most elements of the per-query gathered keys and values `sparse_mla_expanded` holds at once
-# (256 MiB in float32).
-_GATHER_ELEMENTS = 1 << 26
+# Most elements of a query tile's indexer scores `sparse_prefill` holds at once (64 MiB in
+# float32).
+_TILE_ELEMENTS = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -121,8 +120,8 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
     Returns:
         [G, Q, S] float32.
     """
-    scores = torch.einsum("gqhd,gsd->gqhs", q.float(), keys.float()) * scale
-    return torch.einsum("gqh,gqhs->gqs", weights.float(), F.relu(scores))
+    scores = torch.einsum("gqhd,gsd->gqhs", q.float(), keys.float()).mul_(scale).relu_()
+    return torch.einsum("gqh,gqhs->gqs", weights.float(), scores)
 
 
 def select_topk(scores: torch.Tensor, mask: torch.Tensor, topk: int) -> torch.Tensor:
@@ -153,47 +152,67 @@ def sparse_mla_absorbed(q_nope: torch.Tensor, q_pe: torch.Tensor, selected: torc
     Returns:
         [T, H, dv].
     """
-    out = mla_attention_absorbed(q_nope[:, None], q_pe[:, None], selected, w_kv_b,
-                                 valid[:, None, None, :], scale)
-    return out[:, 0]
+    dn = q_nope.shape[-1]
+    kv_lora_rank = w_kv_b.shape[-1]
+    w_uk, w_uv = w_kv_b.split([dn, w_kv_b.shape[1] - dn], dim=1)
+    q = torch.cat((torch.einsum("thd,hdl->thl", q_nope, w_uk), q_pe), dim=-1)
+    # (batched matmuls over the T queries: SDPA's CPU math path on [T, 1, H, K] costs more)
+    scores = torch.bmm(q, selected.transpose(1, 2)).mul_(scale)             # [T, H, K]
+    probs = scores.float().masked_fill_(~valid[:, None, :], float("-inf")).softmax(-1)
+    o_lat = torch.bmm(probs.to(selected.dtype), selected[..., :kv_lora_rank])
+    return torch.einsum("thl,hvl->thv", o_lat, w_uv)
 
 
-def sparse_mla_expanded(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
-                        positions: torch.Tensor, w_kv_b: torch.Tensor, scale: float,
-                        max_gather_elements: int = _GATHER_ELEMENTS) -> torch.Tensor:
-    """Sparse MLA in the expanded form: the context expanded once, each query attending over
-    its selected keys and values only.
+def sparse_prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
+                   index_q: torch.Tensor, index_weights: torch.Tensor, keys: torch.Tensor,
+                   mask: torch.Tensor, w_kv_b: torch.Tensor, scale: float, index_scale: float,
+                   topk: int, max_tile_elements: int = _TILE_ELEMENTS) -> torch.Tensor:
+    """DSA of prefill chunks, a tile of queries at a time: the tile's indexer scores over the
+    context up to its last allowed position (one batched matmul), top-k per query, then sparse
+    MLA in the absorbed form over each query's gathered latents (`sparse_mla_absorbed`). A tile
+    whose every query may attend to at most `topk` tokens selects them all: it runs dense
+    masked MLA (`mla_attention_absorbed`) without scoring.
 
     Args:
         q_nope: [G, Q, H, dn]; q_pe: [G, Q, H, dr] (RoPE applied).
         latent: [G, S, L + dr] the context's latents.
-        positions: [G, Q, K] int64 selected context positions, -1 = none (at least one per
-            query).
-        w_kv_b: [H, dn + dv, L]; scale: softmax scale.
-        max_gather_elements: most elements of gathered keys and values held at once (the
-            queries are taken a slice at a time).
+        index_q: [G, Q, Hi, D]; index_weights: [G, Q, Hi]; keys: [G, S, D] the context's
+            indexer keys (as `indexer_scores`).
+        mask: [G, Q, S] bool, True = may attend (causal).
+        w_kv_b: [H, dn + dv, L]; scale: softmax scale; index_scale: D^-0.5; topk: index_topk.
+        max_tile_elements: most elements of a tile's [G, Qt, Hi, S] indexer scores (also
+            bounds its [G, Qt, K, L + dr] gathered latents).
 
     Returns:
-        [G, Q, H, dv] in q_nope's dtype.
+        [G, Q, H, dv] in q_nope's dtype (queries whose mask row is all False: undefined).
     """
-    num_heads, dn_dv, kv_lora_rank = w_kv_b.shape
-    num_rows, q_len, _, dn = q_nope.shape
-    c_kv, k_pe = latent.split([kv_lora_rank, latent.shape[-1] - kv_lora_rank], dim=-1)
-    k_nope, v = torch.einsum("gsl,hel->gshe", c_kv, w_kv_b).split([dn, dn_dv - dn], dim=-1)
-    rows = torch.arange(num_rows, device=latent.device)[:, None, None]
-    out = q_nope.new_empty(num_rows, q_len, num_heads, dn_dv - dn)
-    # The gathered keys and values are [G, Q, K, H, dn + dv] (+ k_pe): a slice of the queries
-    # at a time keeps them under max_gather_elements (the expansion is MLA's prefill's).
-    per_query = num_rows * positions.shape[-1] * (num_heads * dn_dv + k_pe.shape[-1])
-    step = max(1, max_gather_elements // max(per_query, 1))
+    num_rows, q_len, num_heads, _ = q_nope.shape
+    seq_len = latent.shape[1]
+    per_query = num_rows * max(index_q.shape[2] * seq_len, min(topk, seq_len) * latent.shape[-1])
+    step = max(1, max_tile_elements // max(per_query, 1))
+    out = q_nope.new_empty(num_rows, q_len, num_heads, w_kv_b.shape[1] - q_nope.shape[-1])
+    rows = torch.arange(0, num_rows * seq_len, seq_len, device=latent.device)[:, None, None]
     for start in range(0, q_len, step):
         sl = slice(start, start + step)
-        pos = positions[:, sl].clamp(min=0)
-        scores = (torch.einsum("gqhd,gqkhd->gqhk", q_nope[:, sl], k_nope[rows, pos])
-                  + torch.einsum("gqhr,gqkr->gqhk", q_pe[:, sl], k_pe[rows, pos])) * scale
-        probs = scores.float().masked_fill((positions[:, sl] < 0)[:, :, None, :],
-                                           float("-inf")).softmax(-1)
-        out[:, sl] = torch.einsum("gqhk,gqkhd->gqhd", probs.to(v.dtype), v[rows, pos])
+        tile_mask = mask[:, sl]
+        allowed = tile_mask.any(dim=(0, 1)).nonzero()
+        # causal: the tile's queries see nothing past its last allowed position
+        width = int(allowed[-1]) + 1 if len(allowed) else 1
+        tile_mask = tile_mask[:, :, :width]
+        if int(tile_mask.sum(-1).max()) <= topk:
+            out[:, sl] = mla_attention_absorbed(q_nope[:, sl], q_pe[:, sl], latent[:, :width],
+                                                w_kv_b, tile_mask[:, None], scale)
+            continue
+        scores = indexer_scores(index_q[:, sl], index_weights[:, sl], keys[:, :width],
+                                index_scale)
+        positions = select_topk(scores, tile_mask, topk)                  # [G, Qt, K]
+        tile = positions.shape[1]
+        flat = (rows + positions.clamp(min=0)).flatten()                # rows of latent [G S]
+        selected = latent.flatten(0, 1).index_select(0, flat).view(*positions.shape, -1)
+        o = sparse_mla_absorbed(q_nope[:, sl].flatten(0, 1), q_pe[:, sl].flatten(0, 1),
+                                selected.flatten(0, 1), (positions >= 0).flatten(0, 1),
+                                w_kv_b, scale)
+        out[:, sl] = o.view(num_rows, tile, num_heads, -1)
     return out
 
 
@@ -246,25 +265,27 @@ def forward_group(g, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.T
                   w_kv_b: torch.Tensor, scale: float, indexer: IndexerInputs,
                   out: torch.Tensor) -> None:
     """DSA of one `torch_sdpa` row group `g` (after `write_caches`): select each query's top-k
-    and attend (absorbed form for decode rows, expanded for prefill chunks), into `out`
-    [num_tokens, H, dv] at the group's tokens."""
+    and attend (decode rows: absorbed over the gathered latents; prefill chunks:
+    `sparse_prefill`), into `out` [num_tokens, H, dv] at the group's tokens."""
     num_heads = w_kv_b.shape[0]
     latent_size = kv_cache.shape[-1]
     num_rows, q_len = g.query_index.shape
     keys = read_indexer_keys(indexer.cache, g.kv_slots.reshape(-1))
-    scores = indexer_scores(indexer.q[g.query_index], indexer.weights[g.query_index],
-                            keys.view(num_rows, -1, keys.shape[-1]), indexer.scale)
-    positions = select_topk(scores, g.attn_mask[:, 0], indexer.topk)    # [G, Q, K]
-    if q_len == 1:
-        pos = positions[:, 0]
-        chosen = g.kv_slots.gather(1, pos.clamp(min=0))                  # [G, K]
-        selected = dequantize_kv(kv_cache, 0, chosen.reshape(-1), q_nope.dtype)
-        tokens = g.query_index[:, 0]
-        out[tokens] = sparse_mla_absorbed(q_nope[tokens], q_pe[tokens],
-                                          selected.view(num_rows, -1, latent_size), pos >= 0,
-                                          w_kv_b, scale)
+    keys = keys.view(num_rows, -1, keys.shape[-1])
+    if q_len > 1:
+        ctx = dequantize_kv(kv_cache, 0, g.kv_slots.reshape(-1), q_nope.dtype)
+        o = sparse_prefill(q_nope[g.query_index], q_pe[g.query_index],
+                           ctx.view(num_rows, -1, latent_size), indexer.q[g.query_index],
+                           indexer.weights[g.query_index], keys, g.attn_mask[:, 0], w_kv_b,
+                           scale, indexer.scale, indexer.topk)
+        out[g.out_index] = o.reshape(num_rows * q_len, num_heads, -1)[g.valid]
         return
-    ctx = dequantize_kv(kv_cache, 0, g.kv_slots.reshape(-1), q_nope.dtype)
-    o = sparse_mla_expanded(q_nope[g.query_index], q_pe[g.query_index],
-                            ctx.view(num_rows, -1, latent_size), positions, w_kv_b, scale)
-    out[g.out_index] = o.reshape(num_rows * q_len, num_heads, -1)[g.valid]
+    tokens = g.query_index[:, 0]
+    scores = indexer_scores(indexer.q[g.query_index], indexer.weights[g.query_index], keys,
+                            indexer.scale)
+    pos = select_topk(scores, g.attn_mask[:, 0], indexer.topk)[:, 0]     # [G, K]
+    chosen = g.kv_slots.gather(1, pos.clamp(min=0))                      # [G, K]
+    selected = dequantize_kv(kv_cache, 0, chosen.reshape(-1), q_nope.dtype)
+    out[tokens] = sparse_mla_absorbed(q_nope[tokens], q_pe[tokens],
+                                      selected.view(num_rows, -1, latent_size), pos >= 0,
+                                      w_kv_b, scale)

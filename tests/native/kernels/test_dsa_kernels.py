@@ -3,8 +3,8 @@ the indexer's Hadamard rotation against the explicit Sylvester matrix.
 
 Oracles: `indexer_scores` + `select_topk` for the kernel's top-k (as score multisets, so that
 ties may fall either way), `sparse_mla_absorbed` for the sparse MLA kernel, and
-`DSATorchBackend.forward` for `DSACpuBackend.forward` on mixed steps (decode rows in the
-kernels beside prefill chunks), with float and C8 indexer caches and several requests whose
+`DSATorchBackend.forward` for `DSACpuBackend.forward` on mixed steps (decode rows and
+prefill chunks, one kernel row per query token), with float and C8 indexer caches and several requests whose
 contexts are below, at and above index_topk, scattered over shuffled blocks.
 """
 
@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from pagedllm.attention.backends import dsa_cpu
 from pagedllm.attention.backends.dsa_cpu import DSACpuBackend
 from pagedllm.attention.backends.dsa_torch import (DSATorchBackend, IndexerInputs,
                                                    hadamard_transform, indexer_scores,
@@ -161,9 +162,12 @@ def test_sparse_mla_kernel_matches_torch_reference(dtype):
 @pytest.mark.parametrize("latent_dtype,indexer_dtype", [
     (torch.float32, torch.float32), (torch.float32, torch.int8),
     (torch.bfloat16, torch.float8_e4m3fn), (torch.int8, torch.int8)])
-def test_cpu_backend_equals_torch_backend_on_a_mixed_step(latent_dtype, indexer_dtype):
-    """Decode rows (contexts below, at and above index_topk) in the kernels beside two prefill
-    chunks in the torch ops: the same output as the torch backend, and the same caches."""
+def test_cpu_backend_equals_torch_backend_on_a_mixed_step(latent_dtype, indexer_dtype,
+                                                          monkeypatch):
+    """Decode rows (contexts below, at and above index_topk) and two prefill chunks (their
+    tokens kernel rows too, 4 per kernel call) in the kernels: the same output as the torch
+    backend, and the same caches."""
+    monkeypatch.setattr(dsa_cpu, "_PREFILL_ROWS", 4)
     seq_lens, q_lens = [3, TOPK, 50, 131, 20, 37], [1, 1, 1, 1, 6, 11]
     common, table = _step(seq_lens, q_lens, seed=5)
     gen = torch.Generator().manual_seed(6)
