@@ -10,18 +10,23 @@ DEFAULT_MODEL_NAME = "shakespeare-10m"
 DEFAULT_DRAFT_MODEL_NAME = "shakespeare-draft-2m"
 
 
+def _shipped(folder: Path, name: str, marker: str, kind: str) -> str:
+    """`folder / name` when it holds `marker`; else FileNotFoundError naming the ones it has."""
+    path = folder / name
+    if not (path / marker).is_file():
+        have = sorted(p.name for p in folder.iterdir() if (p / marker).is_file()) \
+            if folder.is_dir() else []
+        raise FileNotFoundError(f"no shipped {kind} {name!r} in {folder}; available: {have}")
+    return str(path)
+
+
 def model_path(name: str) -> str:
     """Folder of a shipped model.
 
     Raises:
         FileNotFoundError: if the package holds no such model, naming the ones it has.
     """
-    path = MODELS_DIR / name
-    if not (path / "config.json").is_file():
-        have = sorted(p.name for p in MODELS_DIR.iterdir() if (p / "config.json").is_file()) \
-            if MODELS_DIR.is_dir() else []
-        raise FileNotFoundError(f"no shipped model {name!r} in {MODELS_DIR}; available: {have}")
-    return str(path)
+    return _shipped(MODELS_DIR, name, "config.json", "model")
 
 
 def adapter_path(name: str) -> str:
@@ -30,12 +35,7 @@ def adapter_path(name: str) -> str:
     Raises:
         FileNotFoundError: if the package holds no such adapter, naming the ones it has.
     """
-    path = ADAPTERS_DIR / name
-    if not (path / "adapter_config.json").is_file():
-        have = sorted(p.name for p in ADAPTERS_DIR.iterdir() if (p / "adapter_config.json").is_file()) \
-            if ADAPTERS_DIR.is_dir() else []
-        raise FileNotFoundError(f"no shipped adapter {name!r} in {ADAPTERS_DIR}; available: {have}")
-    return str(path)
+    return _shipped(ADAPTERS_DIR, name, "adapter_config.json", "adapter")
 
 
 def default_model_path() -> str:

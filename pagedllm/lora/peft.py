@@ -359,7 +359,8 @@ def _check_config(folder: Path, config: dict[str, Any], max_lora_rank: int,
 def _model_module_paths(shapes: LoRAModelShapes) -> Iterator[str]:
     """The module paths ("model.layers.3.self_attn.q_proj") of every projection of the model
     an adapter may target: the attention's and MLP's first, the embedding and LM head, then
-    each MoE expert's, under both expert block names ("mlp", Mixtral's "block_sparse_moe") and module names."""
+    each MoE expert's, under both expert block names ("mlp", Mixtral's "block_sparse_moe")
+    and module names."""
     for layer in range(shapes.num_layers):
         for module in shapes.layer_modules(layer):
             block = "self_attn" if module in _ATTENTION_MODULES else "mlp"

@@ -3,7 +3,8 @@
 With `async_scheduling` the runner does not read a step's sampled token ids on the host before the
 next step is launched. `SampledTokens` keeps them on the device, with a host copy under way:
 
-- the next step's inputs take them from the device tensor (`ModelRunner._fill_placeholders`);
+- the next step's inputs take them from the device tensor (`_fill_placeholders`,
+  worker/runner_inputs.py);
 - the engine's `AsyncModelRunnerOutput.get_output()` waits for the host copy and builds the
   `ModelRunnerOutput` of the step, in the engine thread, while the next step runs;
 - a later step writes them into the runner's `token_ids_cpu` (`write_to`), once the copy is done.

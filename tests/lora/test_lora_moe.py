@@ -249,13 +249,20 @@ def test_tensor_parallel_expert_adapters_match_one_process(setup):
     of gate and up, A2's columns) and the tokens and logprobs equal the single-process
     engine's."""
     base, loras, llm = setup
+    assert_tp2_equals_one_process(
+        base, llm, [None, loras["experts_r8"], loras["experts_r4"], loras["experts_r8"]],
+        max_lora_rank=8)
+
+
+def assert_tp2_equals_one_process(base: Path, llm: LLM, per_prompt: list, max_lora_rank: int):
+    """The first four prompts under `per_prompt`'s adapters give the same tokens and logprobs
+    (within LOGPROB_TOL) on `llm` and on a tp=2 engine of `base` on worker processes."""
     prompts = [{"prompt_token_ids": p} for p in _prompts()[:4]]
-    per_prompt = [None, loras["experts_r8"], loras["experts_r4"], loras["experts_r8"]]
     want = [_tokens_and_logprobs(o) for o in llm.generate(
         prompts, PARAMS, use_tqdm=False, lora_request=per_prompt)]
     tp = LLM(str(base), dtype="float32", kv_cache_memory_bytes=8 << 20, enable_lora=True,
-             max_loras=2, max_lora_rank=8, max_num_batched_tokens=32, max_num_seqs=6,
-             tensor_parallel_size=2, distributed_executor_backend="mp")
+             max_loras=2, max_lora_rank=max_lora_rank, max_num_batched_tokens=32,
+             max_num_seqs=6, tensor_parallel_size=2, distributed_executor_backend="mp")
     try:
         got = [_tokens_and_logprobs(o) for o in tp.generate(
             prompts, PARAMS, use_tqdm=False, lora_request=per_prompt)]

@@ -33,7 +33,7 @@ from pagedllm import LLM, LoRARequest
 from pagedllm.lora.peft import LoRAModelShapes, load_peft_adapter
 from tests.lora.adapters import make_peft_adapter
 from tests.lora.test_lora_moe import (LOGPROB_TOL, MAX_TOKENS, PARAMS, _prompts,
-                                      _tokens_and_logprobs)
+                                      _tokens_and_logprobs, assert_tp2_equals_one_process)
 from tests.models.test_deepseek import build_checkpoint
 from tests.models.test_moe import _build
 
@@ -218,19 +218,5 @@ def test_tensor_parallel_matches_one_process(setup):
     their layers, MLA's q_b_proj by heads (q_a / kv_a replicated), o_proj's partial sums
     reduced with the base layer's; tokens and logprobs equal the single-process engine's."""
     variant, base, loras, llm = setup
-    prompts = [{"prompt_token_ids": p} for p in _prompts()[:4]]
-    per_prompt = [None, loras["a"][0], loras["b"][0], loras["a"][0]]
-    want = [_tokens_and_logprobs(o) for o in llm.generate(
-        prompts, PARAMS, use_tqdm=False, lora_request=per_prompt)]
-    tp = LLM(str(base), dtype="float32", kv_cache_memory_bytes=8 << 20, enable_lora=True,
-             max_loras=2, max_lora_rank=16, max_num_batched_tokens=32, max_num_seqs=6,
-             tensor_parallel_size=2, distributed_executor_backend="mp")
-    try:
-        got = [_tokens_and_logprobs(o) for o in tp.generate(
-            prompts, PARAMS, use_tqdm=False, lora_request=per_prompt)]
-    finally:
-        tp.llm_engine.engine_core.shutdown()
-    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, want):
-        assert tokens == want_tokens
-        torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(want_logprobs),
-                                   atol=LOGPROB_TOL, rtol=0)
+    assert_tp2_equals_one_process(base, llm, [None, loras["a"][0], loras["b"][0], loras["a"][0]],
+                                  max_lora_rank=16)
