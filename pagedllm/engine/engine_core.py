@@ -376,7 +376,8 @@ class EngineCore:
 # Worker methods only the engine calls (each has engine-side state to keep in step).
 _ENGINE_MANAGED_WORKER_METHODS = frozenset({
     "load_model", "determine_num_blocks", "initialize_kv_cache", "init_kv_connector",
-    "execute_model", "execute_model_async", "sleep", "wake_up", "shutdown"})
+    "execute_model", "execute_model_async", "execute_model_reporting_kv", "sleep", "wake_up",
+    "shutdown"})
 
 
 def resolve_async_scheduling(config: EngineConfig, executor_class: type) -> bool:

@@ -3,7 +3,8 @@
 An executor owns the workers (one per rank) and hides where they live: in the engine process
 (`uni`), in child processes of this machine (`mp`) or in Ray actors (`ray`). Every rank receives
 every SchedulerOutput; the ModelRunnerOutput comes from the driver rank (the first TP rank of the
-last pipeline stage). The KV cache size is the minimum over the ranks.
+last pipeline stage), with a KV connector merged with every rank's failed KV loads. The KV cache
+size is the minimum over the ranks.
 """
 
 from __future__ import annotations
@@ -67,11 +68,12 @@ class Executor(Protocol):
 class DistributedExecutorBase:
     """The Executor steps for executors whose workers answer `collective_rpc` (mp and Ray).
 
-    Subclasses set `driver_rank` and implement `collective_rpc(method, args, reply_rank)`, which
+    Subclasses set `config` and `driver_rank` and implement `collective_rpc(method, args, reply_rank)`, which
     calls `method(*args)` on every rank and returns the answers by rank (only `reply_rank`'s
     when given), raising WorkerDiedError when a worker died or raised.
     """
 
+    config: EngineConfig
     driver_rank: int
     # NOTE(async_scheduling): the workers would need a non-blocking execute_model RPC and each
     # rank the previous step's tokens on its device (pipeline stages other than the last never
@@ -98,8 +100,46 @@ class DistributedExecutorBase:
 
     def execute_model(self, scheduler_output: SchedulerOutput,
                       grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
-        return self.collective_rpc("execute_model", (scheduler_output, grammar_output),
-                                   reply_rank=self.driver_rank)[self.driver_rank]
+        """The driver rank's output; with a KV connector, every rank's failed KV loads
+        merged into its `invalid_block_ids` (`merge_invalid_block_ids`)."""
+        if self.config.kv_transfer_config is None:
+            return self.collective_rpc("execute_model", (scheduler_output, grammar_output),
+                                       reply_rank=self.driver_rank)[self.driver_rank]
+        replies = self.collective_rpc("execute_model_reporting_kv",
+                                      (scheduler_output, grammar_output, self.driver_rank))
+        return merge_invalid_block_ids(replies, self.driver_rank)
+
+
+def merge_invalid_block_ids(replies: list[Any], driver: int) -> ModelRunnerOutput:
+    """The driver rank's ModelRunnerOutput with every rank's failed KV loads in its
+    `invalid_block_ids` (the idea of vLLM's KVOutputAggregator, which merges the workers'
+    `kv_connector_output`). Each rank loads its own shard (its TP heads, its PP stage's
+    layers) of the same device blocks, so a block whose load failed on any rank holds zeros
+    there and the scheduler must recompute it as if every rank had failed it.
+
+    Args:
+        replies: per global rank, `Worker.execute_model_reporting_kv`'s answer: the driver's
+            ModelRunnerOutput at index `driver`, a set of device block ids (ints) elsewhere.
+        driver: the driver's global rank.
+
+    Raises:
+        TypeError: the driver's reply is not a ModelRunnerOutput, or another rank's not a set.
+    """
+    output = replies[driver]
+    if not isinstance(output, ModelRunnerOutput):
+        raise TypeError(f"driver rank {driver} answered {type(output).__name__}, "
+                        "not a ModelRunnerOutput")
+    for rank, failed in enumerate(replies):
+        if rank == driver:
+            continue
+        if not isinstance(failed, set):
+            raise TypeError(f"rank {rank} answered {type(failed).__name__}, not the set of "
+                            "block ids whose KV loads failed")
+        if failed:
+            logger.warning("KV connector: rank %d failed to load blocks %s", rank,
+                           sorted(failed))
+            output.invalid_block_ids = output.invalid_block_ids | failed
+    return output
 
 
 def get_executor_class(backend: str) -> type:

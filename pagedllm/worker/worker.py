@@ -270,21 +270,24 @@ class Worker:
     def _finish_kv(self, hooks: KVLayerHooks | None,
                    output: ModelRunnerOutput | AsyncModelRunnerOutput) -> None:
         """The connector's saves end; the blocks whose loads failed go back in `output`
-        (`invalid_block_ids`: the scheduler recomputes them).
-
-        Raises:
-            RuntimeError: a load failed with several ranks (only the driver rank's output
-                reaches the scheduler, so the failure cannot be recovered; never wrong output).
+        (`invalid_block_ids`: the scheduler recomputes them; with several ranks the executor
+        merges every rank's, `execute_model_reporting_kv`).
         """
         if hooks is None:
             return
         finish_step(hooks, self.model_runner.kv_caches_by_layer())
-        failed = self.kv_connector.get_block_ids_with_load_errors()
-        if failed and self.config.parallel_config.world_size > 1:
-            raise RuntimeError(f"KV connector: rank {self.rank} failed to load blocks "
-                               f"{sorted(failed)} (a stored file changed after it was matched); "
-                               "recovery needs one rank")
-        output.invalid_block_ids = failed
+        output.invalid_block_ids = self.kv_connector.get_block_ids_with_load_errors()
+
+    def execute_model_reporting_kv(self, scheduler_output: SchedulerOutput,
+                                   grammar_output: GrammarOutput | None,
+                                   reply_rank: int) -> ModelRunnerOutput | set[int]:
+        """`execute_model` for the distributed executors with a KV connector: rank
+        `reply_rank` (the driver) returns its ModelRunnerOutput, every other rank only the
+        device block ids its connector failed to load this step (a set of ints, often
+        empty), which the executor merges into the driver's (executor/abstract.py,
+        `merge_invalid_block_ids`; vLLM's KVOutputAggregator)."""
+        output = self.execute_model(scheduler_output, grammar_output)
+        return output if self.rank == reply_rank else output.invalid_block_ids
 
     def layout_summary(self) -> str:
         """One line: this rank's place in the layout, its layers, heads, vocab rows and memory."""

@@ -15,6 +15,8 @@ import pytest
 from pagedllm import LLM
 from pagedllm.core.kv_cache_utils import hash_block_tokens
 from pagedllm.core.kv_connector.disk_tier import block_file
+from pagedllm.core.sched_output import ModelRunnerOutput
+from pagedllm.executor.abstract import merge_invalid_block_ids
 from tests.engine.test_kv_offloading import (ENGINE, FIRST, PARAMS, PREFIXES, SECOND,
                                              _first_block_hash)
 
@@ -79,3 +81,62 @@ def test_files_changed_after_the_match_are_recomputed(tiny_llama, want, tmp_path
     assert [list(o.outputs[0].token_ids) for o in outs] == want
     assert [o.num_cached_tokens for o in outs] == [80] * 3 + [64] * 9
     llm.llm_engine.engine_core.shutdown()
+
+
+def test_merge_invalid_block_ids_takes_every_ranks_failures():
+    """The executor's merge: the driver's output gets the union of every rank's failed loads;
+    a reply of the wrong kind is a clear error."""
+    driver = ModelRunnerOutput(req_ids=["a"], req_id_to_index={"a": 0},
+                               sampled_token_ids=[[7]], invalid_block_ids={3})
+    out = merge_invalid_block_ids([set(), {5, 6}, driver, set()], driver=2)
+    assert out is driver and out.invalid_block_ids == {3, 5, 6}
+    assert out.sampled_token_ids == [[7]]
+    clean = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
+    assert merge_invalid_block_ids([clean, set()], driver=0).invalid_block_ids == set()
+    with pytest.raises(TypeError, match="rank 1 answered NoneType"):
+        merge_invalid_block_ids([clean, None], driver=0)
+    with pytest.raises(TypeError, match="driver rank 1 answered set"):
+        merge_invalid_block_ids([set(), set()], driver=1)
+
+
+def test_tp2_file_deleted_on_one_rank_is_recomputed(tiny_llama, want, tmp_path):
+    """tp=2 (mp workers, each rank with its own disk files): prefix 2's third block's file
+    vanishes on rank 1 only, after the scheduler matched it. Rank 1's failure reaches the
+    scheduler through the executor's merge (only the driver rank 0 answers the step), the
+    request is recomputed, the tokens equal a no-tier engine's and the engine goes on."""
+    tier = dict(kv_offloading_size=0.0001, kv_offloading_dir=str(tmp_path / "kv"),
+                tensor_parallel_size=2, distributed_executor_backend="mp")
+    llm = LLM(str(tiny_llama), **ENGINE, **tier)
+    llm.generate(FIRST[:3], PARAMS[0], use_tqdm=False)
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+
+    llm = LLM(str(tiny_llama), **dict(ENGINE, max_num_seqs=3), **tier)
+    try:
+        # The race: the file goes after the scheduler side matched it and built the step's
+        # metadata, before the workers read it.
+        connector = llm.llm_engine.engine_core.scheduler.kv_connector
+        build = connector.build_connector_meta
+        third = hash_block_tokens(hash_block_tokens(_first_block_hash(PREFIXES[2]),
+                                                    PREFIXES[2][16:32]), PREFIXES[2][32:48])
+        steps = []
+
+        def race(scheduler_output):
+            meta = build(scheduler_output)
+            if meta.disk_load_hashes and not steps:
+                steps.append(list(meta.disk_load_hashes))
+                block_file(tmp_path / "kv", third, 1).unlink()
+            return meta
+
+        connector.build_connector_meta = race
+        outs = llm.generate(PROMPTS[:3], PARAMS[0], use_tqdm=False)
+        assert len(steps[0]) == 12 and third in steps[0]
+        assert [list(o.outputs[0].token_ids) for o in outs] == want[:3]
+        assert [o.num_cached_tokens for o in outs] == [64, 64, 32]
+        # The recomputed blocks were stored anew on both ranks: every prefix hits.
+        assert block_file(tmp_path / "kv", third, 1).exists()
+        outs = llm.generate(PROMPTS[:3], PARAMS[0], use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in outs] == want[:3]
+        assert [o.num_cached_tokens for o in outs] == [80] * 3
+    finally:
+        llm.llm_engine.engine_core.shutdown()
