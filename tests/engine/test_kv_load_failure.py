@@ -99,13 +99,18 @@ def test_merge_invalid_block_ids_takes_every_ranks_failures():
         merge_invalid_block_ids([set(), set()], driver=1)
 
 
-def test_tp2_file_deleted_on_one_rank_is_recomputed(tiny_llama, want, tmp_path):
-    """tp=2 (mp workers, each rank with its own disk files): prefix 2's third block's file
-    vanishes on rank 1 only, after the scheduler matched it. Rank 1's failure reaches the
-    scheduler through the executor's merge (only the driver rank 0 answers the step), the
-    request is recomputed, the tokens equal a no-tier engine's and the engine goes on."""
-    tier = dict(kv_offloading_size=0.0001, kv_offloading_dir=str(tmp_path / "kv"),
-                tensor_parallel_size=2, distributed_executor_backend="mp")
+@pytest.mark.parametrize("layout,rank", [
+    ("tensor_parallel_size", 1),
+    pytest.param("pipeline_parallel_size", 0, marks=pytest.mark.slow)])
+def test_file_deleted_on_a_non_driver_rank_is_recomputed(tiny_llama, want, tmp_path, layout,
+                                                         rank):
+    """tp=2 or pp=2 (mp workers, each rank with its own disk files): prefix 2's third
+    block's file vanishes on one rank only, not the driver (tp: rank 1; pp: rank 0, the first
+    stage), after the scheduler matched it. That rank's failure reaches the scheduler through
+    the executor's merge (only the driver answers the step with its output), the request is
+    recomputed, the tokens equal a no-tier engine's and the engine goes on."""
+    tier = {"kv_offloading_size": 0.0001, "kv_offloading_dir": str(tmp_path / "kv"),
+            layout: 2, "distributed_executor_backend": "mp"}
     llm = LLM(str(tiny_llama), **ENGINE, **tier)
     llm.generate(FIRST[:3], PARAMS[0], use_tqdm=False)
     llm.llm_engine.engine_core.shutdown()
@@ -125,7 +130,7 @@ def test_tp2_file_deleted_on_one_rank_is_recomputed(tiny_llama, want, tmp_path):
             meta = build(scheduler_output)
             if meta.disk_load_hashes and not steps:
                 steps.append(list(meta.disk_load_hashes))
-                block_file(tmp_path / "kv", third, 1).unlink()
+                block_file(tmp_path / "kv", third, rank).unlink()
             return meta
 
         connector.build_connector_meta = race
@@ -134,7 +139,7 @@ def test_tp2_file_deleted_on_one_rank_is_recomputed(tiny_llama, want, tmp_path):
         assert [list(o.outputs[0].token_ids) for o in outs] == want[:3]
         assert [o.num_cached_tokens for o in outs] == [64, 64, 32]
         # The recomputed blocks were stored anew on both ranks: every prefix hits.
-        assert block_file(tmp_path / "kv", third, 1).exists()
+        assert block_file(tmp_path / "kv", third, rank).exists()
         outs = llm.generate(PROMPTS[:3], PARAMS[0], use_tqdm=False)
         assert [list(o.outputs[0].token_ids) for o in outs] == want[:3]
         assert [o.num_cached_tokens for o in outs] == [80] * 3
