@@ -68,6 +68,11 @@ def _hf_reference(base: Path, lora: LoRARequest | None, prompts):
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     if lora is not None:
         model = PeftModel.from_pretrained(model, lora.lora_path)
+    return hf_greedy_with_logprobs(model, prompts)
+
+
+def hf_greedy_with_logprobs(model, prompts) -> list[tuple[list[int], list[float]]]:
+    """HF's greedy MAX_TOKENS tokens of each prompt and their logprobs."""
     model.eval()
     results = []
     with torch.no_grad():

@@ -32,8 +32,9 @@ from transformers import AutoModelForCausalLM
 from pagedllm import LLM, LoRARequest
 from pagedllm.lora.peft import LoRAModelShapes, load_peft_adapter
 from tests.lora.adapters import make_peft_adapter
-from tests.lora.test_lora_moe import (LOGPROB_TOL, MAX_TOKENS, PARAMS, _prompts,
-                                      _tokens_and_logprobs, assert_tp2_equals_one_process)
+from tests.lora.test_lora_moe import (LOGPROB_TOL, PARAMS, _prompts,
+                                      _tokens_and_logprobs, assert_tp2_equals_one_process,
+                                      hf_greedy_with_logprobs)
 from tests.models.test_deepseek import build_checkpoint
 from tests.models.test_moe import _build
 
@@ -91,17 +92,7 @@ def _hf_reference(base: Path, peft_dir: str | None, deltas: dict[str, torch.Tens
             model.get_submodule(path).weight += delta
     if peft_dir is not None:
         model = PeftModel.from_pretrained(model, peft_dir)
-    model.eval()
-    results = []
-    with torch.no_grad():
-        for prompt in prompts:
-            out = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=MAX_TOKENS,
-                                 do_sample=False, eos_token_id=None, pad_token_id=0,
-                                 output_logits=True, return_dict_in_generate=True)
-            tokens = out.sequences[0, len(prompt):].tolist()
-            results.append((tokens, [torch.log_softmax(step[0].float(), -1)[t].item()
-                                     for step, t in zip(out.logits, tokens)]))
-    return results
+    return hf_greedy_with_logprobs(model, prompts)
 
 
 @pytest.fixture(scope="module", params=["qwen2_moe", "v3", pytest.param("qwen3_moe", marks=SLOW),
