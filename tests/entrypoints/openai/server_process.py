@@ -13,7 +13,7 @@ from contextlib import contextmanager
 
 import httpx
 
-STARTUP_TIMEOUT_S = 120
+STARTUP_TIMEOUT_S = 300
 
 
 def free_port() -> int:
