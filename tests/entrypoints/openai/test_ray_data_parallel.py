@@ -64,7 +64,7 @@ def ray_cluster(tmp_path_factory) -> Iterator[dict[str, str]]:
     """Two Ray nodes on this machine, one CPU each (so the two replicas' bundles need both
     nodes); yields the environment that points `pagedllm serve` at the cluster."""
     port = free_port()
-    # The cluster's own token (Ray's token authentication, on by default since Ray 2.5x): the
+    # The cluster's own token (Ray's token authentication, on by default in Ray 2.60): the
     # nodes, the probes and the server all get it, and RAY_AUTH_MODE=token makes a process that
     # joins the cluster send it (Ray does not when the mode is left unset).
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
