@@ -109,6 +109,10 @@ class ModelConfig:
         object.__setattr__(self, "dtype", dtype)
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) \
+                or not 0 <= self.seed <= 2**63 - 1:
+            raise ValueError(f"seed must be an int from 0 to 2**63 - 1 (it seeds the engine's "
+                             f"random number generators), got {self.seed!r}")
 
     def _validate_generation_config(self) -> None:
         source = self.generation_config

@@ -6,7 +6,9 @@
 # be read per round (each in-process run against the multiprocess run right after it).
 # Prints, per run, the load average before it, the CPU seconds (user + system, from /proc) of
 # every process of the server during the benchmark (front end, engine core) and of the
-# benchmark client itself (which shares the machine's cores), to show where the time goes.
+# benchmark client itself (which shares the machine's cores), to show where the time goes, and
+# the CPU seconds each of the server's busiest threads used during it ("pid/tid": a process's
+# main thread has tid = pid: the event loop of the API server, the engine core's step loop).
 # Usage: bash scripts/bench_multiprocess_serve.sh [OUT_DIR] [NUM_PROMPTS] [ROUNDS] [FLAGS...]
 #   (default docs/results/multiprocess, 128 prompts of 64 input and 64 output tokens, 2 rounds;
 #   FLAGS: extra `pagedllm serve` flags for the multiprocess runs, e.g. --api-server-count 2)
@@ -33,6 +35,21 @@ cpu_report() {  # "pid:cpu_s" of every process of the tree of $1 (user + system)
     done
 }
 
+thread_cpu() {  # "pid/tid cpu_s" of every thread of the tree of $1 (user + system)
+    for p in $(tree "$1"); do
+        for t in /proc/"$p"/task/*; do
+            awk -v k="$tick" -v n="$p/${t##*/}" \
+                '{ sub(/^.*\) /, ""); printf "%s %.2f\n", n, ($12 + $13) / k }' "$t/stat" \
+                2>/dev/null
+        done
+    done
+}
+
+thread_delta() {  # "pid/tid:cpu_s" used between snapshot $1 and snapshot $2, busiest first
+    awk 'NR == FNR { before[$1] = $2; next } { printf "%s:%.2f\n", $1, $2 - before[$1] }' \
+        <(echo "$1") <(echo "$2") | sort -t: -k2 -rn | head -6 | tr '\n' ' '
+}
+
 for round in $(seq "$rounds"); do
     for mode in in-process multiprocess; do
         case $mode in
@@ -50,15 +67,18 @@ for round in $(seq "$rounds"); do
         sleep 2
         load=$(cut -d" " -f1-3 /proc/loadavg)
         before=$(cpu_report "$server")
+        threads_before=$(thread_cpu "$server")
         /usr/bin/time -f "bench client cpu_s: %U user + %S system" \
             $py -m pagedllm.entrypoints.cli bench serve --base-url "http://127.0.0.1:$port" \
             --num-prompts "$num_prompts" --max-concurrency 64 --input-len 64 --output-len 64 \
             --output-json "$out/$tag.json" >"$out/bench-$tag.txt" 2>&1
         after=$(cpu_report "$server")
+        threads=$(thread_delta "$threads_before" "$(thread_cpu "$server")")
         {
             echo "load average before ($tag): $load"
             echo "cpu_s before ($tag): $before"
             echo "cpu_s after ($tag): $after"
+            echo "thread cpu_s during ($tag): $threads"
         } >>"$out/bench-$tag.txt"
         kill -TERM "$server"
         wait "$server"

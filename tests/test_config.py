@@ -50,3 +50,22 @@ def test_invalid_values_name_the_field(make):
 def test_max_model_len_beyond_model(tiny_checkpoints):
     with pytest.raises(ValueError, match="max_position_embeddings"):
         create_engine_config(str(tiny_checkpoints["llama"]), max_model_len=10**6)
+
+
+@pytest.mark.parametrize("seed", [-1, 2**63, 1.5, True, None])
+def test_engine_seed_out_of_range_is_refused(tiny_checkpoints, seed):
+    """The engine's seed (`--seed`, `LLM(seed=...)`) is an int in [0, 2**63 - 1]: a negative
+    one is refused with a message naming it, not silently wrapped by torch's RNG."""
+    with pytest.raises(ValueError, match=r"seed must be an int from 0 to 2\*\*63 - 1.*got "):
+        create_engine_config(str(tiny_checkpoints["llama"]), seed=seed)
+    assert create_engine_config(str(tiny_checkpoints["llama"]), seed=2**63 - 1) is not None
+
+
+def test_engine_seed_flag_refuses_negative(capsys):
+    from pagedllm.entrypoints.cli import main as cli_main
+
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["generate", "--model", "m", "--prompt", "x", "--seed", "-3"])
+    assert exc.value.code == 2
+    assert "argument --seed: expected an integer from 0 to 9223372036854775807, got '-3'" \
+        in capsys.readouterr().err

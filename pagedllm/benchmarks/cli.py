@@ -163,7 +163,7 @@ def _add_soak_parser(sub: argparse._SubParsersAction) -> None:
                         help="with --url: the model's vocabulary (default: from the checkpoint "
                              "that /v1/models names)")
     target.add_argument("--dtype", default="float32", help="of the started server")
-    target.add_argument("--kv-cache-memory-bytes", type=int, default=2 * 2**20,
+    target.add_argument("--kv-cache-memory-bytes", type=bounded_int(1), default=2 * 2**20,
                         help="of the started server: small, to force preemption (default 2 MiB)")
     target.add_argument("--max-num-seqs", type=bounded_int(1), default=None, metavar="N",
                         help="of the started server (default: the server's)")

@@ -107,6 +107,13 @@ def _converter_missing(what: str, explicit: str | None) -> RuntimeError:
                         + INSTALL_HINT.split("\n", 1)[1])
 
 
+def converted_gguf_path(model_path: str, dtype_name: str) -> Path:
+    """Where `convert_to_gguf` keeps the checkpoint folder `model_path` converted in
+    `dtype_name` (float32 / bfloat16 / float16; any other name converts to f32):
+    `<model_path>/model-<outtype>.gguf`. The file may not exist yet."""
+    return Path(model_path) / f"model-{_GGUF_OUTTYPES.get(dtype_name, 'f32')}.gguf"
+
+
 def convert_to_gguf(model_path: str, dtype_name: str, converter: Path) -> Path:
     """`<model_path>/model-<outtype>.gguf`, converted once.
 
@@ -122,7 +129,7 @@ def convert_to_gguf(model_path: str, dtype_name: str, converter: Path) -> Path:
         RuntimeError: with the converter's output when it fails.
     """
     outtype = _GGUF_OUTTYPES.get(dtype_name, "f32")
-    out = Path(model_path) / f"model-{outtype}.gguf"
+    out = converted_gguf_path(model_path, dtype_name)
     if out.is_file():
         return out
     extra: list[str] = []
@@ -161,6 +168,10 @@ def preset_gguf(model_path: str, gguf_type: str, converter: str | None = None) -
     if gguf_type not in floats and gguf_type not in GGUF_QUANT_TYPES:
         raise ValueError(f"unknown GGUF type {gguf_type!r}; known: "
                          f"{sorted(floats) + list(GGUF_QUANT_TYPES)}")
+    out = (converted_gguf_path(model_path, floats[gguf_type]) if gguf_type in floats
+           else Path(model_path) / f"model-{gguf_type}.gguf")
+    if out.is_file():           # built before: neither llama.cpp nor its converter needed
+        return out
     reason = llamacpp_unavailable_reason()
     if reason is not None:
         raise RuntimeError(reason.replace("comparison skipped", "GGUF conversion impossible"))
@@ -169,9 +180,6 @@ def preset_gguf(model_path: str, gguf_type: str, converter: str | None = None) -
         raise _converter_missing("", converter)
     if gguf_type in floats:
         return convert_to_gguf(model_path, floats[gguf_type], found)
-    out = Path(model_path) / f"model-{gguf_type}.gguf"
-    if out.is_file():
-        return out
     source = convert_to_gguf(model_path, "float32", found)
     import llama_cpp
 
@@ -283,6 +291,9 @@ def gguf_for(model_path: str, dtype_name: str, converter: str | None) -> Path:
     """
     if model_path.endswith(".gguf") and Path(model_path).is_file():
         return Path(model_path)
+    converted = converted_gguf_path(model_path, dtype_name)
+    if converted.is_file():     # converted before: no converter needed
+        return converted
     found = find_converter(converter)
     if found is None:
         raise _converter_missing("llama.cpp comparison skipped: ", converter)

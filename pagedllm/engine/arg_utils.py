@@ -102,7 +102,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None,
                    help="context length in tokens, prompt + output (default: the model's "
                         "max_position_embeddings)")
-    g.add_argument("--seed", type=int, default=0,
+    g.add_argument("--seed", type=bounded_int(0, 2**63 - 1), default=0,
                    help="seed of requests that give none (default 0)")
     g.add_argument("--block-size", type=int, default=16,
                    help="tokens per KV cache block (default 16)")

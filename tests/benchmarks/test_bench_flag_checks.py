@@ -23,11 +23,14 @@ def _parser() -> argparse.ArgumentParser:
     (TP, "--token-low", "-1", "an integer >= 0"),
     (["latency", "--model", "m"], "--token-low", "-5", "an integer >= 0"),
     (["serve"], "--seed", "-1", "an integer >= 0"),
+    (TP, "--seed", "-1", "an integer from 0 to 9223372036854775807"),
     (["soak"], "--rss-drift-limit", "-1", "a finite number >= 0"),
     (["soak"], "--rss-drift-limit", "nan", "a finite number >= 0"),
     (["soak"], "--rss-drift-limit", "inf", "a finite number >= 0"),
     (["soak"], "--server-rss-limit-mib", "0", "an integer >= 1"),
     (["soak"], "--server-rss-limit-mib", "-4", "an integer >= 1"),
+    (["soak"], "--kv-cache-memory-bytes", "0", "an integer >= 1"),
+    (["soak"], "--kv-cache-memory-bytes", "-1048576", "an integer >= 1"),
 ])
 def test_refused_at_parse_naming_the_flag(capsys, argv, flag, value, expected):
     with pytest.raises(SystemExit) as exc:
@@ -42,7 +45,6 @@ def test_refused_at_parse_naming_the_flag(capsys, argv, flag, value, expected):
     (["--num-loras", "2", "--max-lora-rank", "2", "--lora-rank", "4"],
      "--lora-rank 4 exceeds --max-lora-rank 2"),
     (["--num-loras", "2", "--lora-rank", "32"], "--lora-rank 32 exceeds --max-lora-rank 16"),
-    (["--seed", "-1"], "--seed must be an integer >= 0"),
 ])
 def test_throughput_flags_that_disagree(extra, message):
     args = _parser().parse_args(["bench", *TP, *extra])
@@ -60,6 +62,7 @@ def test_meaningful_values_still_pass():
                   ["--token-low", "0", "--seed", "5"]):
         cli.check_throughput_flags(parser.parse_args(["bench", *TP, *extra]))
     args = parser.parse_args(["bench", "soak", "--rss-drift-limit", "0",
-                              "--server-rss-limit-mib", "1"])
-    assert (args.rss_drift_limit, args.server_rss_limit_mib) == (0.0, 1)
+                              "--server-rss-limit-mib", "1", "--kv-cache-memory-bytes", "1"])
+    assert (args.rss_drift_limit, args.server_rss_limit_mib, args.kv_cache_memory_bytes) \
+        == (0.0, 1, 1)
     assert parser.parse_args(["bench", "serve", "--seed", "0"]).seed == 0

@@ -90,3 +90,28 @@ def test_converter_retried_with_no_mtp(tmp_path: Path):
     converter.write_text("import sys\nsys.exit('KeyError: some tensor')\n")
     with pytest.raises(RuntimeError, match="(?s)GGUF conversion failed.*KeyError: some tensor"):
         convert_to_gguf(str(other), "float32", converter)
+
+
+def test_existing_gguf_needs_no_converter(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    """`--compare llamacpp` runs a GGUF file that already exists (a `.gguf` --model, or the
+    checkpoint converted before) without looking for llama.cpp's converter; a checkpoint not
+    converted yet still names the missing converter."""
+    from pagedllm.benchmarks.llamacpp_baseline import gguf_for, preset_gguf
+
+    monkeypatch.delenv("PAGEDLLM_LLAMACPP_CONVERTER", raising=False)
+    monkeypatch.delenv("PAGEDLLM_LLAMACPP_SITE_PACKAGES", raising=False)
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert gguf_for(str(gguf), "float32", None) == gguf
+    model = tmp_path / "model"
+    model.mkdir()
+    if importlib.util.find_spec("llama_cpp") is None:   # else its converter may be found
+        with pytest.raises(RuntimeError, match="convert_hf_to_gguf.py not found"):
+            gguf_for(str(model), "bfloat16", None)
+    for name in ("model-bf16.gguf", "model-f32.gguf", "model-q4_0.gguf"):
+        (model / name).write_bytes(b"GGUF")
+    assert gguf_for(str(model), "bfloat16", None) == model / "model-bf16.gguf"
+    assert gguf_for(str(model), "float32", "/no/such/converter.py") == model / "model-f32.gguf"
+    # --preset with --gguf-type: a file built before is reused even without llama.cpp.
+    assert preset_gguf(str(model), "Q4_0") == model / "model-q4_0.gguf"
+    assert preset_gguf(str(model), "bf16") == model / "model-bf16.gguf"

@@ -123,3 +123,22 @@ def test_serve_subprocess_fails_fast_without_traceback(flags, status, error, tmp
     assert done.returncode == status, done.stderr
     assert "Traceback" not in done.stderr
     assert [line for line in done.stderr.splitlines() if "error" in line.lower()] == [error]
+
+
+@pytest.mark.parametrize("flags", [["--api-server-count", "2", "-dp", "2"],
+                                   ["-asc", "3", "-dp", "1"]])
+def test_several_api_servers_with_ray_replicas_refused(tiny_llama, flags, capsys):
+    """`--api-server-count N>1` with `--data-parallel-backend ray` is refused before anything
+    starts (the API servers reach the engine cores over IPC sockets, which a core on another
+    Ray node cannot serve): one error line naming both flags, status 1; each flag alone
+    passes the check."""
+    model = ["--model", str(tiny_llama), "--port", "0"]
+    with pytest.raises(ValueError, match="--api-server-count > 1 is not supported with "
+                                         "--data-parallel-backend ray"):
+        check_serve_args(_serve_args(*model, *flags, "--data-parallel-backend", "ray"))
+    assert cli_main(["serve", *model, *flags, "-dpb", "ray"]) == 1
+    err = capsys.readouterr().err
+    assert err == ("error: --api-server-count > 1 is not supported with --data-parallel-backend "
+                   "ray (the engine cores' sockets are IPC)\n"), err
+    check_serve_args(_serve_args(*model, *flags))
+    check_serve_args(_serve_args(*model, "-dp", "2", "--data-parallel-backend", "ray"))

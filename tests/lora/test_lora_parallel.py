@@ -117,3 +117,19 @@ def test_runtime_load_and_unload_reach_every_rank(references):
         asyncio.run(scenario())
     finally:
         engine.shutdown()
+
+
+@pytest.mark.slow
+def test_tp2_through_ray_actors_matches_one_process_and_hf_peft(references):
+    """The same mixed batch (base rows and three adapters) with tp=2 on Ray actors
+    (`distributed_executor_backend="ray"`): every adapter reaches both actors' shards, tokens
+    and logprobs equal the single-process (uni) engine's and HF + peft's. Slow: Ray starts."""
+    pytest.importorskip("ray")
+    base, prompts, per_prompt, want = references("llama")
+    got = _generate(base, prompts, per_prompt, distributed_executor_backend="ray",
+                    tensor_parallel_size=2)
+    _assert_same(got, _generate(base, prompts, per_prompt), per_prompt)
+    _assert_same(got, want, per_prompt)
+    base_tokens = [t for (t, _), lora in zip(want, per_prompt) if lora is None]
+    assert any(t not in base_tokens for (t, _), lora in zip(want, per_prompt) if lora), \
+        "the adapters must change the tokens"

@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,14 +31,16 @@ pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[3]
-RAY = str(Path(sys.executable).with_name("ray"))
+# Ray's command line through this interpreter (its `ray` script may not sit beside it, e.g. with
+# Ray installed by `pip install --target DIR` and DIR on PYTHONPATH).
+RAY = [sys.executable, "-c", "import sys; from ray.scripts.scripts import main; sys.exit(main())"]
 
 
 def _start_node(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
     """`ray start --block ARGS` in its own session, so the node's processes are ended by
     process group; its output goes to `log`."""
     with log.open("w") as out:
-        return subprocess.Popen([RAY, "start", "--block", "--disable-usage-stats", *args],
+        return subprocess.Popen([*RAY, "start", "--block", "--disable-usage-stats", *args],
                                 env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
 
@@ -61,8 +64,12 @@ def ray_cluster(tmp_path_factory) -> Iterator[dict[str, str]]:
     """Two Ray nodes on this machine, one CPU each (so the two replicas' bundles need both
     nodes); yields the environment that points `pagedllm serve` at the cluster."""
     port = free_port()
+    # The cluster's own token (Ray's token authentication, on by default in Ray 2.60): the
+    # nodes, the probes and the server all get it, and RAY_AUTH_MODE=token makes a process that
+    # joins the cluster send it (Ray does not when the mode is left unset).
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
-        str(ROOT), os.environ.get("PYTHONPATH")])), "RAY_ADDRESS": f"127.0.0.1:{port}"}
+        str(ROOT), os.environ.get("PYTHONPATH")])), "RAY_ADDRESS": f"127.0.0.1:{port}",
+           "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": uuid.uuid4().hex}
     temp_dir = tmp_path_factory.mktemp("ray")
     nodes = [_start_node(["--head", "--node-ip-address", "127.0.0.1", "--port", str(port),
                           "--num-cpus", "1", "--include-dashboard=false",
