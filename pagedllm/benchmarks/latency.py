@@ -235,7 +235,8 @@ class EngineStepper:
     all and `sample_tokens` reads 0. Inside them, the runner's input preparation and the model
     forward (`_run_model`, the CUDA graph replay, `compute_logits` and the native decode loop)
     are timed by wrapping those bound methods on this engine's instances only; engine code is
-    untouched.
+    untouched. The native greedy verification of drafts (`runner.native_verify.run`) counts as
+    forward too.
     """
 
     def __init__(self, llm_engine) -> None:
@@ -252,6 +253,9 @@ class EngineStepper:
             self._time_method(self.runner.model, "compute_logits", "forward")
             if getattr(self.runner, "graph_runner", None) is not None:
                 self._time_method(self.runner.graph_runner, "run", "forward")
+            if getattr(self.runner, "native_verify", None) is not None:
+                # Greedy verification steps of n-gram / suffix drafts (worker/native_verify.py).
+                self._time_method(self.runner.native_verify, "run", "forward")
 
     def _time_decode_loop(self) -> None:
         """Time the runner's native decode loop (multi-step rounds' later steps: forwards with
