@@ -86,6 +86,15 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                      help="also run the same waves through llama.cpp (same GGUF file), or "
                           "(no-spec) through the engine without --speculative-config")
     _add_llamacpp_threads_arg(lat)
+    lat.add_argument("--llamacpp-spec", choices=["none", "prompt-lookup"], default="none",
+                     help="with --compare llamacpp: llama.cpp with speculative decoding, "
+                          "prompt-lookup = llama-cpp-python's LlamaPromptLookupDecoding "
+                          "(greedy, --batch-size 1; default none)")
+    lat.add_argument("--llamacpp-num-pred-tokens", type=bounded_int(1), default=10, metavar="N",
+                     help="prompt lookup's drafts per step (default 10, llama-cpp-python's)")
+    lat.add_argument("--llamacpp-max-ngram", type=bounded_int(1), default=2, metavar="N",
+                     help="prompt lookup's longest n-gram matched (default 2, "
+                          "llama-cpp-python's)")
     lat.add_argument("--workload", choices=["random", "agent"], default="random",
                      help="random token ids (default), or agent: code edits and JSON rewrites "
                           "whose prompts hold text the answer repeats (--input-len ignored)")
@@ -493,6 +502,9 @@ def run_latency_command(args: argparse.Namespace) -> int:
     kwargs = resolve_model(args)
     if "no-spec" in args.compare and not kwargs.get("speculative_config"):
         raise ValueError("--compare no-spec needs --speculative-config")
+    if args.llamacpp_spec != "none" and ("llamacpp" not in args.compare
+                                         or args.batch_size != 1):
+        raise ValueError("--llamacpp-spec needs --compare llamacpp and --batch-size 1")
     model_path = kwargs["model"]
     result, requests = _run_latency(args, kwargs)
     results, not_run = [result], []
@@ -509,10 +521,13 @@ def run_latency_command(args: argparse.Namespace) -> int:
 
         gc.collect()
         try:
-            theirs = run_llamacpp_latency(model_path, requests, args.batch_size,
-                                          result["dtype"], args.llamacpp_converter,
-                                          args.num_iters_warmup,
-                                          num_threads=args.llamacpp_threads)
+            if args.llamacpp_spec != "none":
+                theirs = _run_llamacpp_spec(args, model_path, requests, result["dtype"])
+            else:
+                theirs = run_llamacpp_latency(model_path, requests, args.batch_size,
+                                              result["dtype"], args.llamacpp_converter,
+                                              args.num_iters_warmup,
+                                              num_threads=args.llamacpp_threads)
         except RuntimeError as e:
             print(str(e))
             not_run.append("llamacpp")
@@ -520,9 +535,27 @@ def run_latency_command(args: argparse.Namespace) -> int:
             # > 1: our decode steps are faster (their TPOT / ours).
             theirs["tpot_speedup_vs_llamacpp"] = theirs["tpot_ms_mean"] / result["tpot_ms_mean"]
             theirs["ttft_speedup_vs_llamacpp"] = theirs["ttft_ms_mean"] / result["ttft_ms_mean"]
+            theirs["e2e_speedup_vs_llamacpp"] = (theirs["e2e_latency_ms_mean"]
+                                                 / result["e2e_latency_ms_mean"])
             print_result(theirs, f"llama.cpp latency (batch {args.batch_size})")
             results.append(theirs)
     return _finish(args, results, not_run)
+
+
+def _run_llamacpp_spec(args: argparse.Namespace, model_path: str, requests,
+                       dtype_name: str) -> dict[str, Any]:
+    """llama.cpp's latency waves with speculative decoding (`--llamacpp-spec`), on the file
+    `gguf_for` gives. Raises RuntimeError as `run_llamacpp_spec_latency`."""
+    from pagedllm.benchmarks.llamacpp_baseline import gguf_for, llamacpp_unavailable_reason
+    from pagedllm.benchmarks.llamacpp_spec import run_llamacpp_spec_latency
+
+    reason = llamacpp_unavailable_reason()
+    if reason is not None:
+        raise RuntimeError(reason)
+    gguf = gguf_for(model_path, dtype_name, args.llamacpp_converter)
+    return run_llamacpp_spec_latency(str(gguf), requests, args.llamacpp_spec,
+                                     args.llamacpp_num_pred_tokens, args.llamacpp_max_ngram,
+                                     args.num_iters_warmup, num_threads=args.llamacpp_threads)
 
 
 def _run_latency(args: argparse.Namespace, kwargs: dict[str, Any], requests=None):

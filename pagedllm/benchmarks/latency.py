@@ -235,7 +235,9 @@ class EngineStepper:
     all and `sample_tokens` reads 0. Inside them, the runner's input preparation and the model
     forward (`_run_model`, the CUDA graph replay, `compute_logits` and the native decode loop)
     are timed by wrapping those bound methods on this engine's instances only; engine code is
-    untouched.
+    untouched. The worker's platform hooks run around each step as in `Worker.execute_model`
+    (on the CPU the thread governor, platforms/cpu_contention.py). The native greedy verification of drafts (`runner.native_verify.run`) counts as
+    forward too.
     """
 
     def __init__(self, llm_engine) -> None:
@@ -245,6 +247,10 @@ class EngineStepper:
         runner = getattr(worker, "model_runner", None)
         self.runner = runner if (hasattr(runner, "execute_model")
                                  and hasattr(runner, "sample_tokens")) else None
+        # The worker's per-step platform hooks (the CPU thread governor, which fits the thread
+        # count to a shared machine's free cores), called around the runner's phases as
+        # `Worker.execute_model` calls them.
+        self._platform = getattr(worker, "platform", None) if self.runner is not None else None
         self._inner_s = dict.fromkeys(INNER_PHASES, 0.0)
         if self.runner is not None and hasattr(self.runner, "_prepare_inputs"):
             self._time_method(self.runner, "_prepare_inputs", "prepare_inputs")
@@ -252,6 +258,9 @@ class EngineStepper:
             self._time_method(self.runner.model, "compute_logits", "forward")
             if getattr(self.runner, "graph_runner", None) is not None:
                 self._time_method(self.runner.graph_runner, "run", "forward")
+            if getattr(self.runner, "native_verify", None) is not None:
+                # Greedy verification steps of n-gram / suffix drafts (worker/native_verify.py).
+                self._time_method(self.runner.native_verify, "run", "forward")
 
     def _time_decode_loop(self) -> None:
         """Time the runner's native decode loop (multi-step rounds' later steps: forwards with
@@ -284,6 +293,8 @@ class EngineStepper:
             grammar_output = core.scheduler.get_grammar_output(so)
         t1 = time.perf_counter()
         if self.runner is not None:
+            if self._platform is not None:
+                self._platform.before_step()
             with label("bench.execute_model"):
                 self.runner.execute_model(so)
             t2 = time.perf_counter()
@@ -297,6 +308,8 @@ class EngineStepper:
                 # The later steps are forwards and sampling: execute_model's share.
                 t2 += time.perf_counter() - t3
                 t3 = time.perf_counter()
+            if self._platform is not None:
+                self._platform.after_step()
         else:
             runner_output = core.executor.execute_model(so, grammar_output)
             t2 = t3 = time.perf_counter()

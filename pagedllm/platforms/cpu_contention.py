@@ -111,6 +111,8 @@ class ThreadGovernor:
         self._set_threads = set_threads
         self._sample = sample or self._read
         self._last: CpuSample | None = None
+        # When the current step started (`step_started`; None before the first).
+        self._step_start: float | None = None
         self._backoff = self.backoff_s
         self._no_growth_until = 0.0
         self._last_change = 0.0
@@ -123,13 +125,18 @@ class ThreadGovernor:
         engine had no work, or waited), the interval starts again here, so that its readings
         cover stepping only (idle cores while this process itself waited say nothing about the
         other processes)."""
-        if self._last is not None and time.monotonic() - self._last.time_s > self.interval_s:
+        now = time.monotonic()
+        if self._last is not None and now - self._last.time_s > self.interval_s:
             self._last = self._sample()
+            now = self._last.time_s
+        self._step_start = now
 
     def observe(self) -> int | None:
         """Called after each step: at most once an interval, reads the CPUs and changes the
         thread count if it should; returns the new count, or None when unchanged. A gap of more
-        than `max_gap_s` (the engine had no work) starts a new interval without a decision."""
+        than `max_gap_s` before the step (the engine had no work) starts a new interval without
+        a decision; a long step itself (a multi-step round at seconds per step on a loaded
+        machine) is no gap: its readings are the stepping this governor is for."""
         now = time.monotonic()
         if self._last is not None and now - self._last.time_s < self.interval_s:
             return None
@@ -138,7 +145,9 @@ class ThreadGovernor:
         if prev is None:
             return None
         elapsed = sample.time_s - prev.time_s
-        if elapsed <= 0 or elapsed > self.max_gap_s:
+        # The time before the step began (all of the interval when steps are not reported).
+        gap = elapsed if self._step_start is None else self._step_start - prev.time_s
+        if elapsed <= 0 or gap > self.max_gap_s:
             return None
         wait = (sample.runqueue_wait_ns - prev.runqueue_wait_ns) / 1e9 / elapsed / self.num_threads
         idle = (sample.idle_ticks - prev.idle_ticks) / _CLK_TCK / elapsed

@@ -72,6 +72,8 @@ class RequestStates:
         # Greedy with nothing that edits the logits or asks for logprobs: the sampler's argmax
         # alone (`build_sampling_metadata`'s fast path).
         self.plain_greedy = np.zeros(max_num_reqs, dtype=bool)
+        # Requests with structured output (a grammar masks their logits).
+        self.structured = np.zeros(max_num_reqs, dtype=bool)
         self.block_tables = [BlockTable(max_num_reqs, max_num_blocks_per_req, block_size)
                              for _ in range(num_kv_cache_groups)]
 
@@ -124,6 +126,7 @@ class RequestStates:
         self.plain_greedy[idx] = (
             sp.temperature == 0.0 and not sp.reads_previous_tokens and sp.min_tokens == 0
             and sp.logprobs is None and not sp.logit_bias and sp.allowed_token_ids is None)
+        self.structured[idx] = sp.structured_outputs is not None
         for table, block_ids in zip(self.block_tables, req.block_ids):
             table.add_row(block_ids, idx)
         return idx
@@ -198,16 +201,20 @@ class PendingStep:
 
     Attributes:
         inputs: what the forward ran on.
-        logits: [num_logits, vocab] float32 (device), the rows at `batch.logits_indices`.
+        logits: [num_logits, vocab] float32 (device), the rows at `batch.logits_indices`;
+            None where the step ran in the native loop (`greedy_token_ids` instead).
         prompt_logprobs: req_id -> (first prompt token index covered, its logprobs).
         hidden_states: [num_tokens, H'] the hidden states a drafter reads (EAGLE: the
             target's output, EAGLE-3: its auxiliary layers' inputs), else None.
+        greedy_token_ids: [num_logits] int64 numpy, the argmax of every logits row, where the
+            step ran in the native loop (worker/native_verify.py) and `logits` is None.
     """
 
     inputs: StepInputs
     logits: torch.Tensor
     prompt_logprobs: dict[str, tuple[int, LogprobsLists]]
     hidden_states: torch.Tensor | None = None
+    greedy_token_ids: np.ndarray | None = None
 
 
 def request_logprobs(lists: LogprobsLists | None, first_row: int, num_tokens: int,

@@ -69,6 +69,7 @@ from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec_decode.draft_model import DraftModelProposer
 from pagedllm.spec_decode.eagle import EagleProposer
 from pagedllm.spec_decode.metadata import SpecDecodeMetadata
+from pagedllm.spec_decode.ngram import NgramProposer
 from pagedllm.spec_decode.suffix import SuffixDecodingProposer
 from pagedllm.structured_output.apply import apply_grammar_bitmask
 from pagedllm.worker.async_drafts import AsyncDrafts
@@ -86,7 +87,8 @@ from pagedllm.worker.kv_cache import resolve_kv_cache_dtype
 from pagedllm.worker.kv_connector.base import KVLayerHooks
 from pagedllm.worker.kv_cache_runner import KVCacheRunnerMixin
 from pagedllm.worker.runner_inputs import InputPrepMixin
-from pagedllm.worker.multi_step import MultiStepRound, RoundSteps
+from pagedllm.worker.multi_step import MultiStepRound, RoundSteps, native_decode_loop
+from pagedllm.worker.native_verify import NativeGreedyVerify, greedy_accept
 from pagedllm.worker.pipeline_sampler import pipeline_stage_sampler
 from pagedllm.worker.routed_experts import RoutedExpertsRecorder
 from pagedllm.worker.sampling_inputs import build_sampling_metadata
@@ -155,6 +157,8 @@ class ModelRunner(KVCacheRunnerMixin, InputPrepMixin):
         self._last_sampled: SampledTokens | None = None
         self.spec_config = config.speculative_config
         self.drafter: Drafter | None = None   # (set by load_model: worker/drafters.py)
+        # Greedy verification in the native loop (set by load_model; None where it cannot run).
+        self.native_verify: NativeGreedyVerify | None = None
         # The last step's drafts and rejections, for placeholder drafts (async scheduling).
         self.async_drafts = AsyncDrafts()
         # Routed-experts capture (enable_return_routed_experts; set by load_model), and the
@@ -186,14 +190,30 @@ class ModelRunner(KVCacheRunnerMixin, InputPrepMixin):
                 self.model, max(self.max_num_tokens, self.max_num_reqs), self.device,
                 self.kv_cache_windows)
         self.multi_step = self._make_multi_step()
+        self.native_verify = self._make_native_verify()
+
+    def _make_native_verify(self) -> NativeGreedyVerify | None:
+        """Greedy verification in the native decode loop (worker/native_verify.py) for the
+        drafters that need nothing from the forward (n-gram, suffix), where the native loop
+        could take the model's decode steps (`_native_loop_allowed`, `native_decode_loop`)."""
+        if (not isinstance(self.drafter, (NgramProposer, SuffixDecodingProposer))
+                or not self._native_loop_allowed()):
+            return None
+        loop = native_decode_loop(self.model)
+        return None if loop is None else NativeGreedyVerify(loop, self.block_size)
+
+    def _native_loop_allowed(self) -> bool:
+        """Whether the native loop may run this runner's steps: the CPU, one KV cache group,
+        nothing between steps but the sampler (EPLB), no per-request RoPE deltas (M-RoPE)."""
+        return (self.device.type == "cpu" and self.eplb is None
+                and len(self.kv_cache_windows) == 1
+                and not getattr(self.model, "uses_mrope", False))
 
     def _make_multi_step(self) -> MultiStepRound:
         """The multi-step rounds over this runner's states, sampler and step phases; the native
         loop may take them on the CPU with one KV cache group and nothing between steps (drafts,
         EPLB)."""
-        native = (self.device.type == "cpu" and self.drafter is None and self.eplb is None
-                  and len(self.kv_cache_windows) == 1
-                  and not getattr(self.model, "uses_mrope", False))   # (per-request deltas)
+        native = self.drafter is None and self._native_loop_allowed()
         steps = RoundSteps(advance=self._advance_decode_inputs,
                            gather=self._gather_decode_inputs, forward=self._forward,
                            sample=self._sample_into,
@@ -297,6 +317,7 @@ class ModelRunner(KVCacheRunnerMixin, InputPrepMixin):
         use (CUDA graphs are recaptured by `initialize_kv_cache`)."""
         refresh_native_decoder(self.model)
         self.multi_step = self._make_multi_step()
+        self.native_verify = self._make_native_verify()
 
     # ----------------------------------------------------------------- one step
     def _write_sampled_tokens(self, wait: bool = False) -> None:
@@ -437,6 +458,9 @@ class ModelRunner(KVCacheRunnerMixin, InputPrepMixin):
     def _forward(self, inputs: StepInputs) -> PendingStep:
         """The forward of prepared inputs -> the logits of the sampled rows."""
         batch, common = inputs.batch, inputs.common
+        targets = self._native_verify_step(inputs)
+        if targets is not None:
+            return PendingStep(inputs, None, {}, greedy_token_ids=targets)
         eagle = isinstance(self.drafter, EagleProposer)
         positions = batch.positions
         if self.encoder_runner is not None:   # M-RoPE positions of image requests
@@ -466,6 +490,35 @@ class ModelRunner(KVCacheRunnerMixin, InputPrepMixin):
             # Between steps: this step's outputs are computed, the next one sees the new layout.
             self.eplb.step()
         return pending
+
+    def _native_verify_step(self, inputs: StepInputs) -> np.ndarray | None:
+        """The argmax of every logits row [num_logits] int64 where the step ran in the native
+        loop (`NativeGreedyVerify`: every request decodes, plain greedy, unstructured, no
+        adapter, prompt logprobs or connector in play), else None (nothing ran)."""
+        nv = self.native_verify
+        if nv is None:
+            return None
+        batch, common = inputs.batch, inputs.common
+        rows = batch.idx_mapping
+        st = self.states
+        spec = batch.spec_decode_metadata
+        if (len(batch.sampled_batch_idx) != batch.num_reqs or batch.inputs_embeds is not None
+                or self.kv_hooks is not None or self.routed_experts is not None
+                or self.lora_manager is not None
+                or not bool((st.plain_greedy[rows] & ~st.structured[rows]).all())
+                or bool((st.num_prompt_logprobs[rows] >= 0).any())):
+            return None
+        num_drafts = np.zeros(batch.num_reqs, dtype=np.int64)
+        if spec is not None:
+            num_drafts[batch.sampled_batch_idx] = spec.num_draft_tokens
+        if not nv.applies(batch.num_scheduled_tokens, num_drafts, batch.seq_lens_np, True,
+                          common.batch_invariant):
+            return None
+        n = int(batch.num_scheduled_tokens.sum())
+        flat = nv.run(batch.input_ids[:n], batch.positions[:n], common.block_table,
+                      batch.num_scheduled_tokens)
+        index = spec.logits_indices if spec is not None else batch.logits_indices.cpu().numpy()
+        return flat[np.asarray(index)]
 
     def _compute_logits(self, hidden: torch.Tensor, rows: torch.Tensor | slice) -> torch.Tensor:
         """The logits [m, vocab] float32 of the flat batch's rows `rows` ([m] int64 on the
@@ -555,6 +608,16 @@ class ModelRunner(KVCacheRunnerMixin, InputPrepMixin):
         batch = pending.inputs.batch
         sampled_rows = batch.idx_mapping[batch.sampled_batch_idx]
         if not len(sampled_rows):
+            return
+        if pending.greedy_token_ids is not None:
+            # Verified in the native loop: plain greedy rows, no logprobs, no grammar.
+            if grammar_output is not None:
+                raise RuntimeError("a grammar for a step verified without logits")
+            record_sampled_tokens(output, [batch.req_ids[b] for b in batch.sampled_batch_idx],
+                                  greedy_accept(pending.greedy_token_ids,
+                                                batch.spec_decode_metadata),
+                                  [None] * len(sampled_rows), self.states,
+                                  sampled_rows.tolist())
             return
         logits = self._apply_grammar(grammar_output, batch, pending.logits)
         if batch.spec_decode_metadata is None:

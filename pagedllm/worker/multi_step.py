@@ -35,6 +35,17 @@ from pagedllm.worker.input_batch import (PendingStep, RequestStates, StepInputs,
 from pagedllm.worker.sampling_inputs import build_sampling_metadata
 
 
+def native_decode_loop(model: torch.nn.Module) -> GreedyDecodeLoop | None:
+    """`model`'s native greedy decode loop (native/decode_loop.py) where it takes the model:
+    its attention backend is `cpu_paged` and `PAGEDLLM_CPU_DECODE_LOOP` is not 0."""
+    if not current_platform.options.cpu_decode_loop:
+        return None
+    layers = model.attention_layers()
+    if not layers or getattr(layers[0].backend, "name", None) != "cpu_paged":
+        return None
+    return GreedyDecodeLoop.for_model(model)
+
+
 @dataclass(frozen=True)
 class RoundSteps:
     """The runner's step phases a round calls.
@@ -79,16 +90,9 @@ class MultiStepRound:
 
     @cached_property
     def native_loop(self) -> GreedyDecodeLoop | None:
-        """The model's native greedy decode loop (native/decode_loop.py), decided at the first
-        round: where the runner allows it, the attention backend is `cpu_paged` and
-        `PAGEDLLM_CPU_DECODE_LOOP` is not 0."""
-        model = self._model
-        if model is None or not current_platform.options.cpu_decode_loop:
-            return None
-        layers = model.attention_layers()
-        if not layers or getattr(layers[0].backend, "name", None) != "cpu_paged":
-            return None
-        return GreedyDecodeLoop.for_model(model)
+        """The model's native greedy decode loop (`native_decode_loop`), decided at the first
+        round, where the runner allows it."""
+        return None if self._model is None else native_decode_loop(self._model)
 
     def run(self, inputs: StepInputs, num_steps: int, output: ModelRunnerOutput
             ) -> ModelRunnerOutput:

@@ -74,3 +74,33 @@ def test_a_pause_before_a_step_starts_the_interval_again():
     # Without the new baseline the window 1 -> 4.3 s looks idle and the thread comes back.
     gov, applied = _governor(2, [r for r in readings if r[0] != 4])
     assert [gov.observe() for _ in range(3)] == [None, 1, 2]
+
+
+def test_a_long_step_is_no_gap(monkeypatch):
+    """A multi-step round that takes 40 s on a loaded machine (threads waiting 60% of it) is
+    stepping, not an idle gap: the governor shrinks after it. An idle pause before a step
+    still starts a new interval (the reading is taken again when the step starts)."""
+    import pagedllm.platforms.cpu_contention as cc
+
+    clock = [0.0]
+    wait = [0.0]
+    monkeypatch.setattr(cc.time, "monotonic", lambda: clock[0])
+    applied: list[int] = []
+    gov = ThreadGovernor(2, {0, 1}, applied.append, interval_s=0.25,
+                         sample=lambda: CpuSample(clock[0], int(wait[0] * 1e9), 0))
+    gov.step_started()
+    assert gov.observe() is None                       # the first reading
+    clock[0] = 0.1
+    gov.step_started()
+    clock[0], wait[0] = 40.1, 48.0                     # 2 threads x 40 s, 60% waiting
+    assert gov.observe() == 1 and applied == [1]
+    # Idle for 100 s, then a 1 s step with waiting: decided on the step's readings alone.
+    gov2 = ThreadGovernor(2, {0, 1}, applied.append, interval_s=0.25,
+                          sample=lambda: CpuSample(clock[0], int(wait[0] * 1e9), 0))
+    gov2.step_started()
+    assert gov2.observe() is None
+    clock[0] += 100.0
+    gov2.step_started()
+    clock[0] += 1.0
+    wait[0] += 1.5                                     # 75% of 2 threads x 1 s
+    assert gov2.observe() == 1

@@ -1,0 +1,115 @@
+"""Greedy verification of drafts in the native decode loop (CPU, n-gram and suffix drafters).
+
+A speculative step verifies each request's last token and its k drafts: k + 1 query rows whose
+logits are only ever argmax-ed when every request is plain greedy. The module path runs that
+step as ~25 Python/torch calls around the fused decoder (embedding lookup, final norm, LM head
+over every row, the sampler's metadata, the rejection sampler), each native call one more
+OpenMP fork/join, which on a contended CPU is where a step loses its time slice. The native
+decode loop (`native/decode_loop.py`, `decode_greedy_steps`) already computes embedding ->
+fused decoder -> final norm -> LM head -> argmax in one call for rows of one token each; a
+verification step is such rows: token j of a request at position p + j attends causally to
+positions 0 .. p + j, which is what a one-token row with sequence length p + j + 1 over the
+request's block table computes (the loop writes every row's K/V before any row attends, a
+barrier apart, `cpu_decoder.cpp`). So the step runs as one call of one step with one row per
+token, each row given its request's block table, and returns the argmax of every row.
+
+Greedy acceptance (`greedy_accept`) is the rejection sampler's greedy rule (Leviathan et al.
+2023; `sample/rejection_sampler.py`): accept drafts while each equals the target's argmax at its
+position, then emit the argmax at the first mismatch (the bonus token after the last draft when
+all match). The single-row arithmetic is the plain engine's native decode steps', so greedy
+outputs equal those without speculation (tests/spec_decode/test_native_verify.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pagedllm.native.decode_loop import GreedyDecodeLoop
+from pagedllm.spec_decode.metadata import SpecDecodeMetadata
+
+
+def greedy_accept(targets: np.ndarray, spec: SpecDecodeMetadata | None) -> list[list[int]]:
+    """Tokens each request emits from the argmax of its logits rows.
+
+    Args:
+        targets: [num_logits] int64, the argmax of every logits row (request b's rows are
+            [cu_num_logits[b], cu_num_logits[b + 1]) with spec; one row each without).
+        spec: where the drafts are (None: a step without drafts, one token per request).
+
+    Returns:
+        Per request, its accepted drafts followed by one target token (1 .. k + 1 tokens).
+    """
+    if spec is None:
+        return [[t] for t in targets.tolist()]
+    cu = spec.cu_num_logits
+    drafts = spec.draft_token_ids
+    out: list[list[int]] = []
+    draft_start = 0
+    for b in range(len(cu) - 1):
+        lo, hi = int(cu[b]), int(cu[b + 1])
+        k = hi - lo - 1
+        row_targets = targets[lo:hi]
+        mismatch = np.flatnonzero(row_targets[:k] != drafts[draft_start:draft_start + k])
+        n = int(mismatch[0]) if len(mismatch) else k
+        out.append(row_targets[:n + 1].tolist())
+        draft_start += k
+    return out
+
+
+class NativeGreedyVerify:
+    """Runs a step whose requests all decode (one token, or one plus drafts) and are all plain
+    greedy through `loop` with one row per token; see the module docstring.
+
+    Args:
+        loop: the model's native greedy decode loop (`GreedyDecodeLoop.for_model`).
+        block_size: tokens per KV block.
+    """
+
+    def __init__(self, loop: GreedyDecodeLoop, block_size: int) -> None:
+        self.loop = loop
+        self.block_size = block_size
+        self.num_steps_run = 0   # steps it took (tests and benchmarks read it)
+
+    def applies(self, num_scheduled_tokens: np.ndarray, num_draft_tokens: np.ndarray,
+                seq_lens: np.ndarray, greedy_only: bool, batch_invariant: bool) -> bool:
+        """Whether a step can run here: every request decodes (its last token plus its
+        drafts, no prompt rows, whose logits nobody reads), all plain greedy, and the fused
+        decoder takes one row per token.
+
+        Args:
+            num_scheduled_tokens: [num_reqs] tokens each request computes this step.
+            num_draft_tokens: [num_reqs] drafts each request verifies this step.
+            seq_lens: [num_reqs] each request's sequence length after the step.
+            greedy_only: every request plain greedy (`RequestStates.plain_greedy`) and
+                unstructured.
+            batch_invariant: the engine's batch-invariant mode (the fused decoder must take
+                every step then, `FusedDecoder.takes`).
+        """
+        return (greedy_only and bool((num_scheduled_tokens == 1 + num_draft_tokens).all())
+                and self.loop.applies(int(num_scheduled_tokens.sum()), int(seq_lens.max()),
+                                      batch_invariant))
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor,
+            num_scheduled_tokens: np.ndarray) -> np.ndarray:
+        """The forward of the step (KV written for every token) and the argmax of every row.
+
+        Args:
+            input_ids: [num_tokens] int64, the flat batch's tokens (CPU).
+            positions: [num_tokens] int64, their positions.
+            block_table: [num_reqs, max_blocks] int32, the step's block table rows.
+            num_scheduled_tokens: [num_reqs] int32, tokens per request (consecutive in the
+                flat batch).
+
+        Returns:
+            [num_tokens] int64, the argmax of the logits at every token.
+
+        Raises:
+            ValueError: as `GreedyDecodeLoop.run` (a token id outside the embedding).
+        """
+        req_of_token = np.repeat(np.arange(len(num_scheduled_tokens)), num_scheduled_tokens)
+        tables = block_table.index_select(0, torch.from_numpy(req_of_token)).contiguous()
+        tokens = self.loop.run(input_ids.numpy(), positions.numpy() - 1, tables,
+                               self.block_size, 1, [[] for _ in req_of_token])
+        self.num_steps_run += 1
+        return tokens[0]
