@@ -4,19 +4,26 @@
 validation; a value learned at run time (the number of KV blocks, the EOS id) is returned by whoever
 learns it and passed explicitly, never written back into a config. Validation errors are
 `ValueError`s that name the offending field.
+
+The parallel, speculative, KV-connector and multimodal configs live in their own modules
+(`parallel_config`, `speculative_config`, `kv_transfer_config`, `multimodal_config`); this module
+re-exports them, so `pagedllm.config` stays the one import path for every config.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.generation_config import GENERATION_CONFIG_SAMPLING_KEYS, get_diff_sampling_param
 from pagedllm.hf_config import context_sliding_window, hf_model_info
+from pagedllm.kv_transfer_config import (KV_ROLES, KVTransferConfig, check_offloading_size,
+                                         resolve_kv_transfer_config)
+from pagedllm.multimodal_config import MultiModalConfig
 from pagedllm.parallel_config import EPLBConfig, ParallelConfig, validate_parallel_layout
+from pagedllm.speculative_config import SPEC_METHODS, SpeculativeConfig
 
 if TYPE_CHECKING:
     from pagedllm.lora.config import LoRAConfig
@@ -130,49 +137,6 @@ class ModelConfig:
             raise ValueError(f"override_generation_config: unknown keys {unknown}; known: "
                              f"{sorted(GENERATION_CONFIG_SAMPLING_KEYS)}")
         object.__setattr__(self, "override_generation_config", dict(override))
-
-
-KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
-
-
-@dataclass(frozen=True)
-class KVTransferConfig:
-    """A KV connector (vLLM's `KVTransferConfig`, `--kv-transfer-config` JSON; see
-    docs/kv_connectors.md).
-
-    Attributes:
-        kv_connector: the connector's name (`pagedllm.core.kv_connector.factory.CONNECTORS`).
-        kv_role: "kv_producer" (saves KV), "kv_consumer" (loads KV) or "kv_both".
-        kv_connector_extra_config: the connector's own settings (e.g. OffloadingConnector's
-            `kv_offloading_size` in GiB).
-        engine_id: this engine's id among the connector's peers (None: not needed).
-        kv_ip, kv_port: the prefill instance's transfer endpoint (P2pShmConnector: where a
-            kv_producer binds and the only peer a kv_consumer pulls from).
-    """
-
-    kv_connector: str
-    kv_role: str = "kv_both"
-    kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
-    engine_id: str | None = None
-    kv_ip: str = "127.0.0.1"
-    kv_port: int = 14579
-
-    def __post_init__(self) -> None:
-        from pagedllm.core.kv_connector.factory import validate_transfer_config
-        validate_transfer_config(self)
-        if self.kv_role not in KV_ROLES:
-            raise ValueError(f"kv_transfer_config: kv_role must be one of {list(KV_ROLES)}, got "
-                             f"{self.kv_role!r}")
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> KVTransferConfig:
-        """Raises ValueError naming unknown keys or a missing `kv_connector`."""
-        unknown = sorted(set(values) - {f.name for f in fields(cls)})
-        if unknown:
-            raise ValueError(f"kv_transfer_config: unknown keys {unknown}")
-        if "kv_connector" not in values:
-            raise ValueError("kv_transfer_config: kv_connector is required")
-        return cls(**values)
 
 
 @dataclass(frozen=True)
@@ -333,88 +297,6 @@ class CudaGraphConfig:
                                  f"duplicates, got {sizes}")
 
 
-SPEC_METHODS = ("ngram", "draft_model", "suffix", "eagle", "eagle3", "mtp")
-
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    """Speculative decoding (vLLM's `speculative_config`).
-
-    Attributes:
-        method: "ngram" (prompt lookup: propose the tokens that followed the last n-gram's
-            previous occurrence), "draft_model" (a small model with the same tokenizer) or
-            "suffix" (suffix decoding over the request's tokens and earlier outputs:
-            spec_decode/suffix.py), "eagle" / "eagle3" (an EAGLE head fed with the target's
-            hidden states: spec_decode/eagle.py), "mtp" (the target checkpoint's own
-            DeepSeek-V3 multi-token-prediction layer: spec_decode/mtp.py).
-        num_speculative_tokens: draft tokens proposed per step (k).
-        prompt_lookup_min / prompt_lookup_max: n-gram sizes tried, longest first (ngram).
-        model: the draft model's (or EAGLE head's) checkpoint folder or hub id.
-        suffix_decoding_max_tree_depth: longest context suffix matched (suffix).
-        suffix_decoding_max_cached_requests: finished requests kept in the global suffix tree,
-            FIFO; 0 disables it (suffix).
-        suffix_decoding_max_spec_factor: drafts per matched token (suffix).
-        suffix_decoding_min_token_prob: lowest path probability proposed (suffix).
-    """
-
-    method: str
-    num_speculative_tokens: int
-    prompt_lookup_min: int = 1
-    prompt_lookup_max: int = 4
-    model: str | None = None
-    suffix_decoding_max_tree_depth: int = 24
-    suffix_decoding_max_cached_requests: int = 10000
-    suffix_decoding_max_spec_factor: float = 1.0
-    suffix_decoding_min_token_prob: float = 0.1
-
-    def __post_init__(self) -> None:
-        if self.method not in SPEC_METHODS:
-            raise ValueError(f"speculative_config.method must be one of {SPEC_METHODS}, "
-                             f"got {self.method!r}")
-        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
-            raise ValueError("speculative_config.num_speculative_tokens must be an int >= 1, "
-                             f"got {self.num_speculative_tokens!r}")
-        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
-            raise ValueError("speculative_config needs 1 <= prompt_lookup_min <= "
-                             f"prompt_lookup_max, got {self.prompt_lookup_min}, "
-                             f"{self.prompt_lookup_max}")
-        if self.method in ("draft_model", "eagle", "eagle3") and not self.model:
-            raise ValueError("speculative_config.model (the draft checkpoint) is required for "
-                             f"method '{self.method}'")
-        self._check_suffix_options()
-
-    def _check_suffix_options(self) -> None:
-        for name, low in (("suffix_decoding_max_tree_depth", 1),
-                          ("suffix_decoding_max_cached_requests", 0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"speculative_config.{name} must be an int >= {low}, "
-                                 f"got {value!r}")
-        factor, prob = self.suffix_decoding_max_spec_factor, self.suffix_decoding_min_token_prob
-        if (isinstance(factor, bool) or not isinstance(factor, (int, float))
-                or not math.isfinite(factor) or factor <= 0):
-            raise ValueError("speculative_config.suffix_decoding_max_spec_factor must be a "
-                             f"finite number > 0, got {factor!r}")
-        if isinstance(prob, bool) or not isinstance(prob, (int, float)) or not 0 <= prob <= 1:
-            raise ValueError("speculative_config.suffix_decoding_min_token_prob must be in "
-                             f"[0, 1], got {prob!r}")
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> SpeculativeConfig:
-        """Build from vLLM-style JSON keys; unknown keys are a ValueError naming them."""
-        known = {f.name for f in fields(cls)}
-        unknown = set(d) - known
-        if unknown:
-            raise ValueError(f"unknown speculative_config keys {sorted(unknown)}; known: "
-                             f"{sorted(known)}")
-        if d.get("method") not in SPEC_METHODS:
-            raise ValueError(f"speculative_config.method must be one of {SPEC_METHODS}, "
-                             f"got {d.get('method')!r}")
-        if "num_speculative_tokens" not in d:
-            raise ValueError("speculative_config needs 'num_speculative_tokens'")
-        return cls(**d)
-
-
 @dataclass(frozen=True)
 class RequestLimits:
     """Caps every request is checked against at admission (vLLM's / OpenAI's values).
@@ -435,43 +317,6 @@ class RequestLimits:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-
-
-@dataclass(frozen=True)
-class MultiModalConfig:
-    """Image inputs (docs/multimodal.md); read only by engines of vision-language models.
-
-    Attributes:
-        limit_per_prompt: most items of each modality in one prompt (vLLM's
-            `--limit-mm-per-prompt`), e.g. {"image": 4}.
-        max_image_pixels: most pixels (width x height) of one decoded image: a larger image
-            (a decompression bomb among them) is refused before its pixels are decoded.
-        max_num_encoder_input_tokens: most image embeddings the encoder computes in one step
-            (vLLM's name, the encoder's token budget).
-        encoder_cache_size: most image embeddings (in tokens) kept between steps; an image
-            with more embeddings than this is refused at admission.
-    """
-
-    limit_per_prompt: dict[str, int] = field(default_factory=lambda: {"image": 4})
-    max_image_pixels: int = 1 << 25
-    max_num_encoder_input_tokens: int = 8192
-    encoder_cache_size: int = 8192
-
-    def __post_init__(self) -> None:
-        for modality, limit in self.limit_per_prompt.items():
-            if modality != "image":
-                raise ValueError(f"limit_mm_per_prompt: unknown modality {modality!r} (only "
-                                 "'image' is supported)")
-            if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
-                raise ValueError(f"limit_mm_per_prompt: the limit of {modality!r} must be an "
-                                 f"int >= 0, got {limit!r}")
-        for name in ("max_image_pixels", "max_num_encoder_input_tokens", "encoder_cache_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if self.encoder_cache_size < self.max_num_encoder_input_tokens:
-            raise ValueError(f"encoder_cache_size ({self.encoder_cache_size}) must be >= "
-                             f"max_num_encoder_input_tokens ({self.max_num_encoder_input_tokens})")
 
 
 @dataclass(frozen=True)
@@ -592,47 +437,6 @@ def resolve_chat_template(value: str | None) -> str | None:
         return value
     raise ValueError(f"chat_template: {value!r} is neither a file nor a Jinja template "
                      f"(no {{{{ or {{% in it)")
-
-
-def check_offloading_size(size: Any, name: str = "kv_offloading_size") -> None:
-    """Raises ValueError unless `size` (GiB) is a finite number > 0 (a bool is not one)."""
-    if isinstance(size, bool) or not isinstance(size, (int, float)) \
-            or not math.isfinite(size) or not size > 0:
-        raise ValueError(f"{name} must be a finite number of GiB > 0, got {size!r}")
-
-
-def _kv_transfer_config(config: dict[str, Any] | KVTransferConfig | None,
-                        kv_offloading_size: float | None, kv_offloading_dir: str | None,
-                        enable_prefix_caching: bool) -> KVTransferConfig | None:
-    """The engine's KV connector: `config` as given, or for `kv_offloading_size` (GiB, vLLM's
-    `--kv-offloading-size`) the OffloadingConnector with that host tier (and a disk tier in
-    `kv_offloading_dir`).
-
-    Raises:
-        ValueError: both given, a bad size, a connector that needs prefix caching without it,
-            or an invalid config (naming the key).
-    """
-    if isinstance(config, dict):
-        config = KVTransferConfig.from_dict(config)
-    elif config is not None and not isinstance(config, KVTransferConfig):
-        raise TypeError(f"kv_transfer_config must be a dict or a KVTransferConfig, got "
-                        f"{type(config).__name__} {config!r}")
-    if kv_offloading_size is not None:
-        if config is not None:
-            raise ValueError("give kv_offloading_size or kv_transfer_config, not both")
-        check_offloading_size(kv_offloading_size)
-        extra: dict[str, Any] = {"kv_offloading_size": float(kv_offloading_size)}
-        if kv_offloading_dir is not None:
-            extra["kv_offloading_dir"] = str(kv_offloading_dir)
-        config = KVTransferConfig("OffloadingConnector", "kv_both", extra)
-    elif kv_offloading_dir is not None:
-        raise ValueError("kv_offloading_dir goes with kv_offloading_size (the host tier it "
-                         "backs), or inside kv_transfer_config's kv_connector_extra_config")
-    if config is not None and config.kv_connector == "OffloadingConnector" \
-            and not enable_prefix_caching:
-        raise ValueError("the OffloadingConnector keys blocks by their prefix hashes: it needs "
-                         "enable_prefix_caching=True")
-    return config
 
 
 def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str = "auto",
@@ -792,8 +596,9 @@ def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str
                                      else tuple(cudagraph_capture_sizes))),
         default_sampling_params=get_diff_sampling_param(model_config, model_path),
         lora_config=lora_config,
-        kv_transfer_config=_kv_transfer_config(kv_transfer_config, kv_offloading_size,
-                                               kv_offloading_dir, enable_prefix_caching),
+        kv_transfer_config=resolve_kv_transfer_config(kv_transfer_config, kv_offloading_size,
+                                                      kv_offloading_dir,
+                                                      enable_prefix_caching),
         multimodal_config=MultiModalConfig(
             limit_per_prompt=(MultiModalConfig().limit_per_prompt if limit_mm_per_prompt is None
                               else dict(limit_mm_per_prompt)),
@@ -805,4 +610,6 @@ def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str
 
 __all__ = ["ModelConfig", "CacheConfig", "SchedulerConfig", "ParallelConfig", "EngineConfig",
            "EPLBConfig", "SpeculativeConfig", "RequestLimits", "MultiModalConfig",
-           "create_engine_config"]
+           "create_engine_config",
+           # re-exported from the modules split out of this one
+           "KVTransferConfig", "KV_ROLES", "check_offloading_size", "SPEC_METHODS"]

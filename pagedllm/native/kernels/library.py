@@ -31,9 +31,6 @@ _SOURCES = ("cpu_attention.cpp", "cpu_linear.cpp", "cpu_decoder.cpp", "cpu_gguf_
             "cpu_int8_linear.cpp", "cpu_fused_moe.cpp", "cpu_gguf_q8_linear.cpp",
             "cpu_packed_gemm.cpp", "cpu_decode_loop.cpp", "cpu_lora.cpp",
             "cpu_state_scan.cpp", "cpu_dsa.cpp")
-_HEADERS = ("cpu_vec.h", "attention_primitives.h", "attention_kernel.h", "linear_kernel.h",
-            "gguf_blocks.h", "int8_blocks.h", "gguf_q8_dot.h", "packed_gemm.h",
-            "attention_row_lanes.h", "lora_kernel.h")
 _CXXFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 
 _lock = threading.Lock()
@@ -50,6 +47,12 @@ def _cpu_flags_line() -> str:
     except OSError:
         pass
     return ""
+
+
+def _key_files(csrc: Path) -> list[Path]:
+    """The files whose contents key a build: the sources, then every header in `csrc` (all of
+    them, so a header added or split out later is part of the key without being listed)."""
+    return [csrc / s for s in _SOURCES] + sorted(csrc.glob("*.h"))
 
 
 def _cache_dir() -> Path:
@@ -135,8 +138,9 @@ def build_cpu_kernels(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     digest = hashlib.sha256()
     for part in (compiler, " ".join(flags), _cpu_flags_line(), abi.c_header()):
         digest.update(part.encode())
-    for s in (*_SOURCES, *_HEADERS):
-        digest.update((csrc / s).read_bytes())
+    for path in _key_files(csrc):
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
     target = _cache_dir() / digest.hexdigest()[:16] / "libpagedllm_cpu.so"
     import torch  # noqa: F401  (load torch's OpenMP runtime first, so the library shares it)
     if not target.exists():
