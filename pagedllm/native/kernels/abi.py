@@ -148,6 +148,35 @@ struct MLAStep {
   float* scratch;                  /* float32, num_tokens * mla_step_scratch_floats(..) */
 };
 
+/* One Qwen3-Next Gated DeltaNet layer's token mixer with its norms (cpu_gdn_decoder.cpp,
+   native/gdn_decoder.py). Float weights [N, K] in the model dtype, or packed GEMM panels where
+   `packed` says so (per linear: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj). */
+struct GDNLayerWeights {
+  const void* input_norm;          /* [hidden] zero-centred: x * (1 + w) (GemmaRMSNorm) */
+  const void* post_norm;           /* [hidden] likewise */
+  const void* in_proj_qkv;         /* [2 * Hk * dk + Hv * dv, hidden] */
+  const void* in_proj_z;           /* [Hv * dv, hidden] */
+  const void* in_proj_b;           /* [Hv, hidden] */
+  const void* in_proj_a;           /* [Hv, hidden] */
+  const void* out_proj;            /* [hidden, Hv * dv] */
+  const float* conv_weight;        /* [conv_dim, conv_kernel] float32 */
+  const float* neg_a;              /* [Hv] float32: -exp(A_log) */
+  const float* dt_bias;            /* [Hv] float32 */
+  const void* norm_weight;         /* [dv] model dtype (the gated RMSNorm's plain weight) */
+  void* conv_states;               /* [num_slots, conv_dim, conv_kernel - 1] */
+  float* recurrent_states;         /* [num_slots, Hv, dk, dv] float32 */
+  int64_t hidden_size;
+  int64_t num_k_heads;
+  int64_t num_v_heads;
+  int64_t head_k_dim;
+  int64_t head_v_dim;
+  int64_t conv_kernel;
+  int64_t conv_state_dtype;        /* 0 float32, 1 bfloat16 */
+  int64_t packed[5];
+  float eps;                       /* input / post norms */
+  float norm_eps;                  /* the gated RMSNorm */
+};
+
 /* One step of the fused decoder over its buffers (cpu_decoder.cpp). */
 struct DecoderStep {
   int64_t num_tokens;
@@ -302,6 +331,15 @@ int pagedllm_abi_version(void);
 int mla_decoder_attention(const MLALayerWeights* w, const MLAStep* step, void* residual,
                           const void* delta, void* out, int dtype);
 int64_t mla_step_scratch_floats(const MLALayerWeights* w);
+
+/* cpu_gdn_decoder.cpp: a Gated DeltaNet layer's first half over a step (normed =
+   gemma_rms(hidden); the mixer; hidden_out = hidden + mixer; post_normed =
+   gemma_rms(hidden_out)); dtype 0 float32 / 1 bfloat16 (weights, hidden, hidden_out,
+   post_normed). 0, or -1 for a state slot out of range or a bad dtype. */
+int gdn_decoder_mixer(const GDNLayerWeights* w, const StateBatch* batch, int64_t num_tokens,
+                      const void* hidden, void* hidden_out, void* post_normed, float* scratch,
+                      int dtype);
+int64_t gdn_scratch_floats(const GDNLayerWeights* w);
 
 /* cpu_attention.cpp */
 void paged_attention(const PagedAttentionArgs* args);
