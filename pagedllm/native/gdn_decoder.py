@@ -23,14 +23,23 @@ import ctypes
 
 import torch
 
+from pagedllm.attention.backends.cpu_paged import CpuPagedMetadata
+from pagedllm.attention.forward_context import get_forward_context
+from pagedllm.attention.metadata import KVCacheGroupsMetadata
 from pagedllm.layers import state_kernels
 from pagedllm.layers.state_cache import StateCache
 from pagedllm.native.kernels import abi, cpu_kernels
 from pagedllm.native.mla_decoder import _is_packed, _is_quantized, native_attention_enabled
 
 GDNLayerWeights = abi.struct("GDNLayerWeights")
+GatedAttentionWeights = abi.struct("GatedAttentionWeights")
+NativeAttentionStep = abi.struct("NativeAttentionStep")
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def _ga_linears(attn) -> tuple:
+    return attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
 
 
 def _gdn_linears(mixer) -> tuple:
@@ -52,7 +61,7 @@ class GDNScratch:
 
 class NativeGDNMixer:
     """A Gated DeltaNet layer's first half in one native call:
-    `mixer(hidden [n, hidden_size])` -> (hidden + mixer(input_norm(hidden)),
+    `mixer(positions [n], hidden [n, hidden_size])` -> (hidden + mixer(input_norm(hidden)),
     post_attention_layernorm of that), both [n, hidden_size] in the model dtype, or None for a
     step it does not take (module docstring). The structure is built on the first call and
     rebuilt when the layer's state tensors were replaced (`forget_structures` after weight
@@ -130,7 +139,8 @@ class NativeGDNMixer:
         self._struct, self._states = w, states
         self.scratch_floats = self._lib.gdn_scratch_floats(ctypes.addressof(w))
 
-    def __call__(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def __call__(self, positions: torch.Tensor, hidden: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
         n = hidden.shape[0]
         if (n > self.MAX_TOKENS or hidden.dtype != self.dtype or hidden.ndim != 2
                 or state_kernels.DEFAULT_BACKEND is not None
@@ -157,15 +167,177 @@ class NativeGDNMixer:
         return hidden_out, post_normed
 
 
+class NativeGatedAttention:
+    """A Qwen3-Next gated-attention layer's first half in one native call, with the interface of
+    `NativeGDNMixer`: (hidden + o_proj(attention * sigmoid(gate)), its post-attention norm), or
+    None for a step it does not take: not the `cpu_paged` backend's metadata, a KV connector,
+    `attend_until`, the batch-invariant mode, a KV cache in another dtype, more than MAX_TOKENS
+    tokens, a wrapped projection. Every request of a taken step (fresh prefills too) attends in
+    the paged kernel, as the fused decoder's layers do (native/fused_decoder.py)."""
+
+    MAX_TOKENS = 256
+
+    def __init__(self, layer, state) -> None:
+        self.layer = layer
+        self.attn = layer.self_attn
+        self.linears = _ga_linears(self.attn)
+        self.dtype = layer.input_layernorm.weight.dtype
+        self.dtype_code = _DTYPE_CODES[self.dtype]
+        self.state = state   # an `AttentionStepState`, shared by the model's layers
+        self.max_position = self.attn.rotary_emb.cos_cache.shape[0]
+        self._struct = None
+        self._cache = None
+        self._keep: list[torch.Tensor] = []
+        self.scratch_floats = 0
+        self._lib = cpu_kernels()
+
+    @staticmethod
+    def supports(layer) -> bool:
+        """Whether `layer` (a `Qwen3NextDecoderLayer`) can ever take the native block."""
+        from pagedllm.layers.layernorm import GemmaRMSNorm
+        from pagedllm.models.qwen3_next import GatedAttention
+        attn = getattr(layer, "self_attn", None)
+        if (type(attn) is not GatedAttention or cpu_kernels() is None
+                or not native_attention_enabled()):
+            return False
+        dtype = layer.input_layernorm.weight.dtype
+        norms = [layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm]
+        rope = attn.rotary_emb
+        return (dtype in _DTYPE_CODES and layer.input_layernorm.weight.device.type == "cpu"
+                and all(type(m) is GemmaRMSNorm and m.weight.dtype == dtype for m in norms)
+                and all(not _is_quantized(m) and m.weight.dtype == dtype
+                        and getattr(m, "bias", None) is None
+                        and getattr(m, "tp_size", 1) == 1 for m in _ga_linears(attn))
+                and all(m.input_size_per_partition % 8 == 0 for m in _ga_linears(attn))
+                and rope.long_position_offset is None and rope.rotary_dim % 2 == 0
+                and attn.attn.sliding_window is None and attn.attn.logits_soft_cap is None)
+
+    def forget_structures(self) -> None:
+        """Rebuild the native structure at the next call."""
+        self._struct = None
+        self._cache = None
+
+    def _build(self, kv_cache: torch.Tensor) -> None:
+        attn, layer = self.attn, self.layer
+        for t in [m.weight for m in self.linears] + [kv_cache]:
+            if not t.is_contiguous():
+                raise ValueError("native gated attention: weights and KV cache must be "
+                                 "contiguous")
+        rope = attn.rotary_emb
+        cos = rope.cos_cache.detach().to(torch.float32).contiguous()
+        sin = rope.sin_cache.detach().to(torch.float32).contiguous()
+        w = GatedAttentionWeights()
+        w.input_norm = layer.input_layernorm.weight.data_ptr()
+        w.post_norm = layer.post_attention_layernorm.weight.data_ptr()
+        w.q_proj, w.k_proj, w.v_proj, w.o_proj = (m.weight.data_ptr() for m in self.linears)
+        w.q_norm, w.k_norm = attn.q_norm.weight.data_ptr(), attn.k_norm.weight.data_ptr()
+        w.key_cache, w.value_cache = kv_cache[0].data_ptr(), kv_cache[1].data_ptr()
+        w.cos_cache, w.sin_cache = cos.data_ptr(), sin.data_ptr()
+        w.hidden_size = layer.input_layernorm.weight.shape[0]
+        w.num_heads, w.num_kv_heads = attn.num_heads, attn.num_kv_heads
+        w.head_size, w.rotary_dim = attn.head_size, rope.rotary_dim
+        for i, m in enumerate(self.linears):
+            w.packed[i] = int(_is_packed(m))
+        w.eps, w.scale = layer.input_layernorm.eps, attn.attn.scale
+        self._keep = [cos, sin]
+        self._struct, self._cache = w, kv_cache
+        self.scratch_floats = self._lib.gated_attention_scratch_floats(ctypes.addressof(w))
+
+    def __call__(self, positions: torch.Tensor, hidden: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        context = get_forward_context()
+        metadata = context.attn_metadata
+        n = hidden.shape[0]
+        if isinstance(metadata, KVCacheGroupsMetadata):
+            metadata = metadata.for_layer(None)
+        if (context.kv_hooks is not None or type(metadata) is not CpuPagedMetadata
+                or n > self.MAX_TOKENS or hidden.dtype != self.dtype or positions.ndim != 1
+                or metadata.common.num_actual_tokens != n
+                or metadata.common.attend_until is not None
+                or metadata.common.batch_invariant
+                or _ga_linears(self.attn) != self.linears):
+            return None
+        kv_cache = self.attn.attn.kv_cache
+        if kv_cache.dtype != self.dtype or kv_cache.dim() != 5:
+            return None
+        if kv_cache is not self._cache or self._struct is None:
+            self._build(kv_cache)
+        if not self.state.prepare(metadata, positions, self.max_position,
+                                  n * self.scratch_floats):
+            return None
+        hidden = hidden.contiguous()
+        hidden_out, post_normed = torch.empty_like(hidden), torch.empty_like(hidden)
+        rc = self._lib.gated_attention_mixer(ctypes.addressof(self._struct),
+                                             ctypes.addressof(self.state.step),
+                                             hidden.data_ptr(), hidden_out.data_ptr(),
+                                             post_normed.data_ptr(), self.dtype_code)
+        if rc != 0:
+            raise RuntimeError(f"gated_attention_mixer failed ({rc})")
+        return hidden_out, post_normed
+
+
+class AttentionStepState:
+    """The step's `NativeAttentionStep` over a `CpuPagedMetadata` (every request in the
+    kernel) and the float32 scratch, shared by a model's gated-attention layers."""
+
+    def __init__(self) -> None:
+        self.metadata = None
+        self.positions = None
+        self.taken = False
+        self.step = NativeAttentionStep()
+        self.scratch = torch.empty(0, dtype=torch.float32)
+        self.keep: tuple = ()
+
+    def prepare(self, metadata: CpuPagedMetadata, positions: torch.Tensor, max_position: int,
+                scratch_floats: int) -> bool:
+        """Build the step's structure (once per step); False when a position is past the RoPE
+        tables or the block table is not int32 with unit column stride."""
+        if self.scratch.numel() < scratch_floats:
+            self.scratch = torch.empty(scratch_floats, dtype=torch.float32)
+            self.step.scratch = self.scratch.data_ptr()
+        if metadata is self.metadata and positions is self.positions:
+            return self.taken
+        self.metadata, self.positions, self.taken = metadata, positions, False
+        common = metadata.common
+        n = positions.shape[0]
+        if (common.block_table.dtype != torch.int32 or common.block_table.stride(1) != 1
+                or int(metadata.seq_lens.max(initial=0)) > max_position):
+            return False
+        pos = positions if positions.dtype == torch.int64 else positions.long()
+        slots = common.slot_mapping[:n]
+        if slots.dtype != torch.int64 or not slots.is_contiguous():
+            slots = slots.to(torch.int64).contiguous()
+        rows = metadata.all_rows
+        s = self.step
+        s.num_tokens, s.positions, s.slot_mapping = n, pos.data_ptr(), slots.data_ptr()
+        s.block_table = common.block_table.data_ptr()
+        s.block_table_stride = common.block_table.stride(0)
+        s.query_start_loc = metadata.query_start_loc.ctypes.data
+        s.seq_lens = metadata.seq_lens.ctypes.data
+        s.rows, s.num_rows = rows.ctypes.data, len(rows)
+        s.block_size, s.causal, s.query_tile = common.block_size, int(common.causal), 0
+        s.scratch = self.scratch.data_ptr()
+        self.keep = (pos, slots, rows)
+        self.taken = True
+        return True
+
+
 def attach_native_mixers(model: torch.nn.Module) -> int:
-    """Give every Gated DeltaNet layer inside `model` that `NativeGDNMixer.supports` a
-    `NativeGDNMixer` (its `native_mixer`); returns how many layers got one."""
-    scratch = GDNScratch()
+    """Give every Qwen3-Next layer inside `model` that `NativeGDNMixer.supports` (Gated
+    DeltaNet) or `NativeGatedAttention.supports` (gated attention) its native block (the
+    layer's `native_mixer`); returns how many layers got one."""
+    scratch, state = GDNScratch(), AttentionStepState()
     attached = 0
     for module in model.modules():
-        if hasattr(module, "native_mixer") and NativeGDNMixer.supports(module):
+        if not hasattr(module, "native_mixer"):
+            continue
+        if NativeGDNMixer.supports(module):
             module.native_mixer = NativeGDNMixer(module, scratch)
-            attached += 1
+        elif NativeGatedAttention.supports(module):
+            module.native_mixer = NativeGatedAttention(module, state)
+        else:
+            continue
+        attached += 1
     return attached
 
 
@@ -173,5 +345,5 @@ def refresh_native_mixers(model: torch.nn.Module) -> None:
     """After `model`'s weights changed, make every native mixer rebuild its structure."""
     for module in model.modules():
         mixer = getattr(module, "native_mixer", None)
-        if isinstance(mixer, NativeGDNMixer):
+        if isinstance(mixer, (NativeGDNMixer, NativeGatedAttention)):
             mixer.forget_structures()

@@ -31,7 +31,7 @@ from pagedllm.native.kernels import abi, cpu_kernels
 from pagedllm.platforms import current_platform
 
 MLALayerWeights = abi.struct("MLALayerWeights")
-MLAStep = abi.struct("MLAStep")
+NativeAttentionStep = abi.struct("NativeAttentionStep")
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -57,7 +57,7 @@ def _is_quantized(linear) -> bool:
 
 
 class MLAStepState:
-    """The step's native `MLAStep` and float32 scratch, shared by a model's native MLA blocks
+    """The step's native `NativeAttentionStep` and float32 scratch, shared by a model's native MLA blocks
     (one step at a time): built by the first layer of a step, reused by the others."""
 
     def __init__(self) -> None:
@@ -65,7 +65,7 @@ class MLAStepState:
         self.positions = None       # and its positions tensor
         self.num_tokens = 0
         self.taken = False          # whether the step passed the per-step checks
-        self.step = MLAStep()
+        self.step = NativeAttentionStep()
         self.scratch = torch.empty(0, dtype=torch.float32)
         self.keep: tuple = ()       # the step's tensors the structure points into
 

@@ -1,5 +1,5 @@
-"""The native Gated DeltaNet layer half (`native/gdn_decoder.py`) against the module path on a
-tiny random Qwen3-Next checkpoint (HF's greedy tokens are checked with it on by
+"""The native Gated DeltaNet and gated-attention layer halves (`native/gdn_decoder.py`) against
+the module path on a tiny random Qwen3-Next checkpoint (HF's greedy tokens are checked with it on by
 tests/models/test_hybrid_models.py)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.native.gdn_decoder import NativeGDNMixer
+from pagedllm.native.gdn_decoder import NativeGatedAttention, NativeGDNMixer
 from pagedllm.native.kernels import cpu_kernels
 from tests.fixtures.checkpoints import make_tiny_checkpoint
 from tests.models.test_hybrid_models import MODELS
@@ -36,25 +36,38 @@ def _layers(llm: LLM) -> list:
 
 
 def _run(llm: LLM, native: bool, params: SamplingParams, monkeypatch) -> tuple[list, list[int]]:
-    """Outputs of the prompts with the native mixers kept or detached, and the token counts of
-    the steps they took."""
+    """Outputs of the prompts with the native blocks kept or detached, and the token counts of
+    the steps the Gated DeltaNet blocks took."""
     layers = _layers(llm)
     mixers = [layer.native_mixer for layer in layers]
     taken: list[int] = []
     original = NativeGDNMixer.__call__
 
-    def call(self, hidden):
-        out = original(self, hidden)
+    def call(self, positions, hidden):
+        out = original(self, positions, hidden)
         if out is not None:
             taken.append(hidden.shape[0])
         return out
 
     monkeypatch.setattr(NativeGDNMixer, "__call__", call)
+    original_attention = NativeGatedAttention.__call__
+
+    def call_attention(self, positions, hidden):
+        out = original_attention(self, positions, hidden)
+        if out is not None:
+            taken_attention.append(hidden.shape[0])
+        return out
+
+    taken_attention: list[int] = []
+    monkeypatch.setattr(NativeGatedAttention, "__call__", call_attention)
     try:
         if not native:
             for layer in layers:
                 layer.native_mixer = None
-        return llm.generate(_prompts(), params, use_tqdm=False), taken
+        outputs = llm.generate(_prompts(), params, use_tqdm=False)
+        # each of the 2 Gated DeltaNet layers and the gated-attention layer took each step
+        assert len(taken) == 2 * len(taken_attention)
+        return outputs, taken
     finally:
         for layer, mixer in zip(layers, mixers):
             layer.native_mixer = mixer
@@ -62,11 +75,11 @@ def _run(llm: LLM, native: bool, params: SamplingParams, monkeypatch) -> tuple[l
 
 def test_native_mixer_matches_module_path_fp32(qwen3_next, monkeypatch):
     """Batched prefill and decode (with prefix caching's block-boundary checkpoints): the same
-    greedy tokens, and logprobs within 1e-5, with the native mixers as without; each linear-
-    attention layer (2 of 3) took every step."""
+    greedy tokens, and logprobs within 1e-5, with the native blocks as without; every layer
+    took every step."""
     llm = LLM(qwen3_next, dtype="float32", kv_cache_memory_bytes=8 << 20)
-    assert [isinstance(layer.native_mixer, NativeGDNMixer) for layer in _layers(llm)] == [
-        True, False, True]
+    assert [type(layer.native_mixer) for layer in _layers(llm)] == [
+        NativeGDNMixer, NativeGatedAttention, NativeGDNMixer]
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=0)
     got, taken = _run(llm, True, params, monkeypatch)
     want, none = _run(llm, False, params, monkeypatch)

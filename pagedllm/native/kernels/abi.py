@@ -131,8 +131,9 @@ struct MLALayerWeights {
   float scale;                     /* softmax scale */
 };
 
-/* One step of the native MLA blocks (cpu_mla_decoder.cpp), shared by a step's layers. */
-struct MLAStep {
+/* One step of the native attention blocks (cpu_mla_decoder.cpp, cpu_gdn_decoder.cpp), shared
+   by a step's layers of one kind. */
+struct NativeAttentionStep {
   int64_t num_tokens;
   const int64_t* positions;        /* [num_tokens] */
   const int64_t* slot_mapping;     /* [num_tokens]; negative: do not write */
@@ -175,6 +176,31 @@ struct GDNLayerWeights {
   int64_t packed[5];
   float eps;                       /* input / post norms */
   float norm_eps;                  /* the gated RMSNorm */
+};
+
+/* One Qwen3-Next gated-attention layer's attention with its norms (cpu_gdn_decoder.cpp,
+   native/gdn_decoder.py); linears as GDNLayerWeights' (packed: q, k, v, o). */
+struct GatedAttentionWeights {
+  const void* input_norm;          /* [hidden] zero-centred (GemmaRMSNorm) */
+  const void* post_norm;
+  const void* q_proj;              /* [H * 2 * D, hidden]: per head [q | gate] */
+  const void* k_proj;              /* [KVH * D, hidden] */
+  const void* v_proj;
+  const void* o_proj;              /* [hidden, H * D] */
+  const void* q_norm;              /* [D] zero-centred, per head */
+  const void* k_norm;
+  void* key_cache;                 /* [num_blocks, block_size, KVH, D] model dtype */
+  void* value_cache;
+  const float* cos_cache;          /* [max_position, rotary_dim / 2] float32 */
+  const float* sin_cache;
+  int64_t hidden_size;
+  int64_t num_heads;
+  int64_t num_kv_heads;
+  int64_t head_size;
+  int64_t rotary_dim;              /* the first rotary_dim channels rotated (GPT-NeoX halves) */
+  int64_t packed[4];
+  float eps;
+  float scale;
 };
 
 /* One step of the fused decoder over its buffers (cpu_decoder.cpp). */
@@ -328,7 +354,7 @@ int pagedllm_abi_version(void);
    rms_norm(residual); attention; residual += o_proj(..); out = rms_norm(residual) *
    post_norm); dtype 0 float32 / 1 bfloat16 (weights, residual, delta, out, latent cache).
    0, or -1 for a bad dtype. */
-int mla_decoder_attention(const MLALayerWeights* w, const MLAStep* step, void* residual,
+int mla_decoder_attention(const MLALayerWeights* w, const NativeAttentionStep* step, void* residual,
                           const void* delta, void* out, int dtype);
 int64_t mla_step_scratch_floats(const MLALayerWeights* w);
 
@@ -340,6 +366,11 @@ int gdn_decoder_mixer(const GDNLayerWeights* w, const StateBatch* batch, int64_t
                       const void* hidden, void* hidden_out, void* post_normed, float* scratch,
                       int dtype);
 int64_t gdn_scratch_floats(const GDNLayerWeights* w);
+/* cpu_gdn_decoder.cpp: a gated-attention layer's first half likewise (hidden_out = hidden +
+   o_proj(attention * sigmoid(gate)); post_normed); the step's scratch in step->scratch. */
+int gated_attention_mixer(const GatedAttentionWeights* w, const NativeAttentionStep* step,
+                          const void* hidden, void* hidden_out, void* post_normed, int dtype);
+int64_t gated_attention_scratch_floats(const GatedAttentionWeights* w);
 
 /* cpu_attention.cpp */
 void paged_attention(const PagedAttentionArgs* args);

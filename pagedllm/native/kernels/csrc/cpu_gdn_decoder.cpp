@@ -1,5 +1,6 @@
-// A Qwen3-Next Gated DeltaNet layer's first half (input norm, token mixer, residual add,
-// post-attention norm) in one call, for steps of few tokens (decode).
+// Qwen3-Next's layer halves (input norm, token mixer, residual add, post-attention norm) in one
+// call each, for steps of few tokens (decode): the Gated DeltaNet layers' (`gdn_decoder_mixer`)
+// and the gated-attention layers' (`gated_attention_mixer`, at the end of this file).
 //
 // Why: at batch 1 the module path's Gated DeltaNet mixer is ~25 torch operations and six
 // native calls per layer (four input projections, the conv, the delta rule, the gates and the
@@ -29,6 +30,7 @@
 
 #include <omp.h>
 
+#include "attention_kernel.h"
 #include "cpu_vec.h"
 #include "linear_kernel.h"
 #include "packed_gemm.h"
@@ -156,9 +158,149 @@ int gdn_mixer(const GDNLayerWeights& w, const StateBatch* batch, int64_t M, cons
   return 0;
 }
 
+// ---- The gated-attention layer (pagedllm/models/qwen3_next.py, `GatedAttention`):
+//
+//   x = gemma_rms(hidden);  [q | gate] per head = x Wq^T;  k = x Wk^T;  v = x Wv^T
+//   q, k = gemma_rms per head (q_norm, k_norm);  rope on the first rotary_dim channels (halves)
+//   key_cache[slot], value_cache[slot] = k, v;  a = paged attention (GQA) of q
+//   hidden_out = hidden + (a * sigmoid(gate)) Wo^T;  post_normed = gemma_rms(hidden_out)
+
+struct GAScratch {
+  int64_t x, q_gate, k, v, q, attn, o_in, out;
+  int64_t total() const { return x + q_gate + k + v + q + attn + o_in + out; }
+};
+
+GAScratch ga_sizes(const GatedAttentionWeights& w) {
+  const int64_t q = w.num_heads * w.head_size, kv = w.num_kv_heads * w.head_size;
+  return {w.hidden_size, 2 * q, kv, kv, q, q, q, w.hidden_size};
+}
+
+template <typename T>
+inline void ga_linear(const GatedAttentionWeights& w, int index, const void* weight,
+                      const float* x, int64_t M, int64_t K, int64_t N, float* y) {
+  if (w.packed[index] != 0)
+    packed::linear_tiles(x, K, M, K, static_cast<const T*>(weight), N, nullptr, y, N);
+  else
+    linear_tiles(x, K, M, K, static_cast<const T*>(weight), N, nullptr, y, N);
+}
+
+// GPT-NeoX rotation of the first `rotary_dim` channels of one head in place.
+inline void rope_partial(float* x, const float* cos, const float* sin, int64_t rotary_dim) {
+  const int64_t half = rotary_dim / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = x[i], x2 = x[i + half];
+    x[i] = x1 * cos[i] - x2 * sin[i];
+    x[i + half] = x2 * cos[i] + x1 * sin[i];
+  }
+}
+
+template <typename T>
+void gated_attention(const GatedAttentionWeights& w, const NativeAttentionStep& s,
+                     const T* hidden, T* hidden_out, T* post_normed) {
+  const int64_t M = s.num_tokens, Hd = w.hidden_size, H = w.num_heads, KVH = w.num_kv_heads;
+  const int64_t D = w.head_size, RD = w.rotary_dim;
+  const GAScratch sz = ga_sizes(w);
+  float* x = s.scratch;
+  float* q_gate = x + M * sz.x;
+  float* k = q_gate + M * sz.q_gate;
+  float* v = k + M * sz.k;
+  float* q = v + M * sz.v;
+  float* attn_out = q + M * sz.q;
+  float* o_in = attn_out + M * sz.attn;
+  float* out = o_in + M * sz.o_in;
+  T* key_cache = static_cast<T*>(w.key_cache);
+  T* value_cache = static_cast<T*>(w.value_cache);
+  const StepAttentionPlan plan = plan_step_attention(
+      s.query_start_loc, s.rows, s.num_rows, s.seq_lens, static_cast<int>(KVH),
+      static_cast<int>(H), static_cast<int>(D), omp_get_max_threads(),
+      s.query_tile > 0 ? s.query_tile : kDefaultQueryTile, s.causal);
+  const AttentionArgs<T, float> attn{q, H * D, key_cache, value_cache, s.block_table,
+                                     s.block_table_stride, s.query_start_loc, s.seq_lens,
+                                     attn_out, static_cast<int>(H), static_cast<int>(KVH),
+                                     static_cast<int>(D), s.block_size, w.scale, s.causal};
+  const T* q_norm = static_cast<const T*>(w.q_norm);
+  const T* k_norm = static_cast<const T*>(w.k_norm);
+
+#pragma omp parallel
+  {
+#pragma omp for
+    for (int64_t m = 0; m < M; ++m)
+      gemma_rms_row(hidden + m * Hd, static_cast<const T*>(w.input_norm), w.eps, Hd, x + m * Hd);
+    ga_linear<T>(w, 0, w.q_proj, x, M, Hd, 2 * H * D, q_gate);
+    ga_linear<T>(w, 1, w.k_proj, x, M, Hd, KVH * D, k);
+    ga_linear<T>(w, 2, w.v_proj, x, M, Hd, KVH * D, v);
+
+    // Per (token, head): q's norm and RoPE; per (token, KV head): k's, and the cache write.
+#pragma omp for
+    for (int64_t item = 0; item < M * (H + KVH); ++item) {
+      const int64_t m = item / (H + KVH), h = item % (H + KVH);
+      const float* cos = w.cos_cache + s.positions[m] * (RD / 2);
+      const float* sin = w.sin_cache + s.positions[m] * (RD / 2);
+      if (h < H) {
+        float* qh = q + (m * H + h) * D;
+        gemma_rms_row(q_gate + m * 2 * H * D + h * 2 * D, q_norm, w.eps, D, qh);
+        rope_partial(qh, cos, sin, RD);
+        continue;
+      }
+      const int64_t kh = h - H;
+      float* kr = k + (m * KVH + kh) * D;
+      gemma_rms_row(kr, k_norm, w.eps, D, kr);
+      rope_partial(kr, cos, sin, RD);
+      const int64_t slot = s.slot_mapping[m];
+      if (slot < 0) continue;
+      const float* vr = v + (m * KVH + kh) * D;
+      T* kc = key_cache + (slot * KVH + kh) * D;
+      T* vc = value_cache + (slot * KVH + kh) * D;
+      for (int64_t d = 0; d < D; ++d) {
+        store(kr[d], kc + d);
+        store(vr[d], vc + d);
+      }
+    }
+
+    step_attention_items(attn, plan);
+
+#pragma omp for
+    for (int64_t item = 0; item < M * H; ++item) {
+      const int64_t m = item / H, h = item % H;
+      const float* a = attn_out + item * D;
+      const float* gate = q_gate + m * 2 * H * D + h * 2 * D + D;
+      float* dst = o_in + item * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] = a[d] / (1.f + std::exp(-gate[d]));
+    }
+    ga_linear<T>(w, 3, w.o_proj, o_in, M, H * D, Hd, out);
+#pragma omp for
+    for (int64_t m = 0; m < M; ++m) {
+      T* h = hidden_out + m * Hd;
+      for (int64_t i = 0; i < Hd; ++i) store(to_float(hidden[m * Hd + i]) + out[m * Hd + i], h + i);
+      float* normed = x + m * Hd;
+      gemma_rms_row(h, static_cast<const T*>(w.post_norm), w.eps, Hd, normed);
+      for (int64_t i = 0; i < Hd; ++i) store(normed[i], post_normed + m * Hd + i);
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
+
+int64_t gated_attention_scratch_floats(const GatedAttentionWeights* w) {
+  return ga_sizes(*w).total();
+}
+
+int gated_attention_mixer(const GatedAttentionWeights* w, const NativeAttentionStep* step,
+                          const void* hidden, void* hidden_out, void* post_normed, int dtype) {
+  if (dtype == 0) {
+    gated_attention<float>(*w, *step, static_cast<const float*>(hidden),
+                           static_cast<float*>(hidden_out), static_cast<float*>(post_normed));
+  } else if (dtype == 1) {
+    gated_attention<uint16_t>(*w, *step, static_cast<const uint16_t*>(hidden),
+                              static_cast<uint16_t*>(hidden_out),
+                              static_cast<uint16_t*>(post_normed));
+  } else {
+    return -1;
+  }
+  return 0;
+}
 
 int64_t gdn_scratch_floats(const GDNLayerWeights* w) { return scratch_sizes(*w).total(); }
 
