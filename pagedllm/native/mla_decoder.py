@@ -57,8 +57,8 @@ def _is_quantized(linear) -> bool:
 
 
 class MLAStepState:
-    """The step's native `NativeAttentionStep` and float32 scratch, shared by a model's native MLA blocks
-    (one step at a time): built by the first layer of a step, reused by the others."""
+    """The step's `NativeAttentionStep` and float32 scratch, shared by a model's native MLA
+    blocks (one step at a time): built by the first layer of a step, reused by the others."""
 
     def __init__(self) -> None:
         self.metadata = None        # the step's MLACpuMetadata the structure was built for
