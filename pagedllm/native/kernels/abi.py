@@ -354,8 +354,8 @@ int pagedllm_abi_version(void);
    rms_norm(residual); attention; residual += o_proj(..); out = rms_norm(residual) *
    post_norm); dtype 0 float32 / 1 bfloat16 (weights, residual, delta, out, latent cache).
    0, or -1 for a bad dtype. */
-int mla_decoder_attention(const MLALayerWeights* w, const NativeAttentionStep* step, void* residual,
-                          const void* delta, void* out, int dtype);
+int mla_decoder_attention(const MLALayerWeights* w, const NativeAttentionStep* step,
+                          void* residual, const void* delta, void* out, int dtype);
 int64_t mla_step_scratch_floats(const MLALayerWeights* w);
 
 /* cpu_gdn_decoder.cpp: a Gated DeltaNet layer's first half over a step (normed =

@@ -44,7 +44,9 @@ enum GDNLinear { kQKV = 0, kZ = 1, kB = 2, kA = 3, kOut = 4 };
 
 struct GDNScratch {
   int64_t x, qkv, conv, q, k, v, z, b, a, g, beta, o, o_in, out;
-  int64_t total() const { return x + qkv + conv + q + k + v + z + b + a + g + beta + o + o_in + out; }
+  int64_t total() const {
+    return x + qkv + conv + q + k + v + z + b + a + g + beta + o + o_in + out;
+  }
 };
 
 GDNScratch scratch_sizes(const GDNLayerWeights& w) {

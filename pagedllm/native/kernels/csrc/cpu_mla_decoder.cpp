@@ -140,8 +140,8 @@ inline float dot_row(const float* x, const T* row, int64_t L) {
 }
 
 template <typename T>
-void mla_block(const MLALayerWeights& w, const NativeAttentionStep& s, T* residual, const T* delta,
-               T* out) {
+void mla_block(const MLALayerWeights& w, const NativeAttentionStep& s, T* residual,
+               const T* delta, T* out) {
   const int64_t M = s.num_tokens, Hd = w.hidden_size, H = w.num_heads;
   const int64_t L = w.kv_lora_rank, dn = w.qk_nope_head_dim, dr = w.qk_rope_head_dim;
   const int64_t dv = w.v_head_dim, qk = dn + dr, D = L + dr, QL = w.q_lora_rank;
@@ -240,8 +240,8 @@ extern "C" {
 
 int64_t mla_step_scratch_floats(const MLALayerWeights* w) { return scratch_sizes(*w).total(); }
 
-int mla_decoder_attention(const MLALayerWeights* w, const NativeAttentionStep* step, void* residual,
-                          const void* delta, void* out, int dtype) {
+int mla_decoder_attention(const MLALayerWeights* w, const NativeAttentionStep* step,
+                          void* residual, const void* delta, void* out, int dtype) {
   if (w->qk_rope_head_dim > 256 || w->qk_rope_head_dim % 2 != 0) return -1;
   if (dtype == 0) {
     mla_block<float>(*w, *step, static_cast<float*>(residual), static_cast<const float*>(delta),
