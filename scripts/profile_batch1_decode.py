@@ -11,6 +11,11 @@ module class; the LM head (`compute_logits`) and the rest of the step (runner, s
 are timed apart. Hooks cost about a microsecond per module call, so the per-class figures add
 up to a little more than the token's time without them (printed first, from an unhooked run).
 
+`--ab N` instead alternates the native attention / mixer blocks (docs/mla.md,
+docs/hybrid_models.md) on and off in one process, N rounds of one run each, and prints each
+run's CPU and wall ms per token and the medians: a same-process A/B that a loaded host's
+process-to-process swings do not enter.
+
 `--ops` instead counts the ATen operators dispatched per decode token (a `TorchDispatchMode`
 over a 33-token and a 1-token run, their difference / 32): a load-independent measure of the
 per-step dispatch work.
@@ -103,11 +108,37 @@ def profile_time(llm: LLM, prompt: list[int], tokens: int) -> None:
         print(f"  {name:40s} {t / tokens * 1e3:7.2f}  {t / total:6.1%}")
 
 
+def native_ab(llm: LLM, prompt: list[int], tokens: int, rounds: int) -> None:
+    """Alternate runs with the layers' native blocks attached and detached."""
+    model = llm.llm_engine.engine_core.executor.worker.model_runner.model
+    slots = [(m, name, getattr(m, name)) for m in model.modules()
+             for name in ("native_attention", "native_mixer")
+             if getattr(m, name, None) is not None]
+    print(f"{len(slots)} native blocks attached")
+    times: dict[str, list[tuple[float, float]]] = {"native": [], "module": []}
+    for _ in range(rounds):
+        for mode in ("native", "module"):
+            for m, name, block in slots:
+                setattr(m, name, block if mode == "native" else None)
+            wall = time.perf_counter()
+            cpu = _generate(llm, prompt, tokens)
+            wall = time.perf_counter() - wall
+            times[mode].append((cpu / tokens * 1e3, wall / tokens * 1e3))
+            print(f"  {mode:7s} CPU {times[mode][-1][0]:6.2f} ms/token, wall "
+                  f"{times[mode][-1][1]:6.2f} ms/token, load {os.getloadavg()[0]:.1f}")
+    for mode, runs in times.items():
+        cpu = sorted(r[0] for r in runs)[len(runs) // 2]
+        wall = sorted(r[1] for r in runs)[len(runs) // 2]
+        print(f"median {mode:7s} CPU {cpu:6.2f} ms/token, wall {wall:6.2f} ms/token")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("preset")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--ops", action="store_true", help="count ATen ops per decode token")
+    parser.add_argument("--ab", type=int, default=0, metavar="N",
+                        help="N rounds of native blocks on / off in this process")
     args = parser.parse_args()
     llm = LLM(model=preset_path(args.preset, "float32"), dtype="float32", max_model_len=512,
               seed=0)
@@ -116,6 +147,8 @@ def main() -> None:
     _generate(llm, prompt, args.tokens)   # warm-up
     if args.ops:
         count_ops(llm, prompt)
+    elif args.ab:
+        native_ab(llm, prompt, args.tokens, args.ab)
     else:
         profile_time(llm, prompt, args.tokens)
     print(f"load average {os.getloadavg()[0]:.1f}, torch threads {torch.get_num_threads()}")

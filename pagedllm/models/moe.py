@@ -15,7 +15,7 @@ for dense Llama layers and is never used by these models. Forward takes the flat
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -96,6 +96,21 @@ class MoeDecoderLayer(LlamaDecoderLayer):
         self.mlp = family.make_mlp(config, layer_idx)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # A faster replacement of the layer's attention half (input norm .. post-attention
+        # norm) for the steps it takes, attached after loading (native/mla_decoder.py: DeepSeek
+        # MLA); it returns None for the others. None: the modules always run.
+        self.native_attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None],
+                                        tuple[torch.Tensor, torch.Tensor] | None] | None = None
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        native = self.native_attention
+        if native is not None:
+            taken = native(positions, hidden, residual)
+            if taken is not None:
+                hidden, residual = taken
+                return self.mlp(hidden), residual
+        return super().forward(positions, hidden, residual)
 
 
 class MoeModel(LlamaModel):

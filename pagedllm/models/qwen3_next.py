@@ -30,7 +30,7 @@ for text, where the three position components are equal.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -215,8 +215,19 @@ class Qwen3NextDecoderLayer(nn.Module):
             self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
         self.input_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        # A faster replacement of the layer's first half (input norm, mixer, residual add,
+        # post-attention norm) for the steps it takes, attached after loading
+        # (native/gdn_decoder.py); it returns None for the others. None: the modules run.
+        self.native_mixer: Callable[[torch.Tensor, torch.Tensor],
+                                    tuple[torch.Tensor, torch.Tensor] | None] | None = None
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        native = self.native_mixer
+        if native is not None:
+            taken = native(positions, hidden)
+            if taken is not None:
+                hidden, normed = taken
+                return hidden + self.mlp(normed)
         h = self.input_layernorm(hidden)
         h = self.self_attn(positions, h) if self.is_attention_layer else self.linear_attn(h)
         hidden = hidden + h

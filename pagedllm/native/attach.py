@@ -19,6 +19,8 @@ from pagedllm.attention.forward_context import get_forward_context
 from pagedllm.layers.pipeline import send_intermediate
 from pagedllm.models.llama import LlamaDecoderLayer, LlamaModel
 from pagedllm.native.fused_decoder import FusedDecoder, add_rms_norm
+from pagedllm.native.gdn_decoder import attach_native_mixers, refresh_native_mixers
+from pagedllm.native.mla_decoder import attach_native_attention, refresh_native_attention
 
 
 class NativeDecoderStack:
@@ -74,6 +76,8 @@ def attach_native_decoder(model: nn.Module) -> int:
                 and FusedDecoder.supports(layers):
             module.layer_stack = NativeDecoderStack(FusedDecoder(layers), module.norm, module.pp)
             attached += 1
+    attach_native_attention(model)   # DeepSeek MLA layers' attention halves (one call each)
+    attach_native_mixers(model)      # Qwen3-Next Gated DeltaNet layers' first halves
     return attached
 
 
@@ -85,3 +89,5 @@ def refresh_native_decoder(model: nn.Module) -> None:
         stack = getattr(module, "layer_stack", None)
         if isinstance(stack, NativeDecoderStack):
             stack.fused.forget_structures()
+    refresh_native_attention(model)
+    refresh_native_mixers(model)

@@ -21,7 +21,7 @@ import re
 
 # Bump when a declaration below changes (the loaded library reports the version it was
 # compiled with; a stale library in the cache is refused).
-ABI_VERSION = 15
+ABI_VERSION = 16
 
 STRUCTS = """
 /* One weight's rows of one GGML type (layers/quantization/gguf.py `kernel_segments`). */
@@ -98,6 +98,109 @@ struct DecoderLayerWeights {
   int64_t gguf_q8_activations[4];  /* 1: x rounded to 8 bits per block (integer dots) */
   int64_t packed[4];               /* 1: float weight in packed GEMM panels */
   const struct LoRALinearWeights* lora;  /* [4] per linear as above, or null: no adapters */
+};
+
+/* One DeepSeek MLA attention block's weights and latent cache (cpu_mla_decoder.cpp,
+   native/mla_decoder.py). Float weights [N, K] in the model dtype, or packed GEMM panels
+   where `packed` says so (per linear: q_proj or q_a_proj, q_b_proj, kv_a_proj_with_mqa,
+   o_proj). */
+struct MLALayerWeights {
+  const void* input_norm;          /* [hidden] model dtype */
+  const void* post_norm;           /* [hidden] */
+  const void* q_proj;              /* [H * (dn + dr), hidden], or q_a_proj [q_lora, hidden] */
+  const void* q_a_norm;            /* [q_lora] or null: no q_lora (q_proj above) */
+  const void* q_b_proj;            /* [H * (dn + dr), q_lora] or null */
+  const void* kv_a_proj;           /* [L + dr, hidden] */
+  const void* kv_a_norm;           /* [L] */
+  const void* kv_b;                /* [H, dn + dv, L] (W_UK rows, then W_UV rows, per head) */
+  const void* o_proj;              /* [hidden, H * dv] */
+  void* latent_cache;              /* [num_blocks, block_size, L + dr] model dtype */
+  const float* cos_cache;          /* [max_position, dr / 2] float32 (attention factor in) */
+  const float* sin_cache;
+  int64_t hidden_size;
+  int64_t num_heads;
+  int64_t q_lora_rank;             /* 0: none */
+  int64_t kv_lora_rank;            /* L */
+  int64_t qk_nope_head_dim;        /* dn */
+  int64_t qk_rope_head_dim;        /* dr */
+  int64_t v_head_dim;              /* dv */
+  int64_t rope_interleaved;        /* 1: pairs (x0, x1), ...; 0: GPT-NeoX halves */
+  int64_t packed[4];               /* 1: that linear's weight is packed GEMM panels */
+  float eps;                       /* input / post norms */
+  float latent_eps;                /* q_a / kv_a norms */
+  float scale;                     /* softmax scale */
+};
+
+/* One step of the native attention blocks (cpu_mla_decoder.cpp, cpu_gdn_decoder.cpp), shared
+   by a step's layers of one kind. */
+struct NativeAttentionStep {
+  int64_t num_tokens;
+  const int64_t* positions;        /* [num_tokens] */
+  const int64_t* slot_mapping;     /* [num_tokens]; negative: do not write */
+  const int32_t* block_table;      /* [num_reqs, block_table_stride] */
+  int64_t block_table_stride;
+  const int32_t* query_start_loc;  /* [num_reqs + 1] */
+  const int32_t* seq_lens;         /* [num_reqs] */
+  const int32_t* rows;             /* [num_rows] the requests (all of the step's) */
+  int32_t num_rows;
+  int32_t block_size;
+  int32_t causal;
+  int32_t query_tile;              /* as PagedAttentionArgs.query_tile; 0: the default */
+  float* scratch;                  /* float32, num_tokens * mla_step_scratch_floats(..) */
+};
+
+/* One Qwen3-Next Gated DeltaNet layer's token mixer with its norms (cpu_gdn_decoder.cpp,
+   native/gdn_decoder.py). Float weights [N, K] in the model dtype, or packed GEMM panels where
+   `packed` says so (per linear: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj). */
+struct GDNLayerWeights {
+  const void* input_norm;          /* [hidden] zero-centred: x * (1 + w) (GemmaRMSNorm) */
+  const void* post_norm;           /* [hidden] likewise */
+  const void* in_proj_qkv;         /* [2 * Hk * dk + Hv * dv, hidden] */
+  const void* in_proj_z;           /* [Hv * dv, hidden] */
+  const void* in_proj_b;           /* [Hv, hidden] */
+  const void* in_proj_a;           /* [Hv, hidden] */
+  const void* out_proj;            /* [hidden, Hv * dv] */
+  const float* conv_weight;        /* [conv_dim, conv_kernel] float32 */
+  const float* neg_a;              /* [Hv] float32: -exp(A_log) */
+  const float* dt_bias;            /* [Hv] float32 */
+  const void* norm_weight;         /* [dv] model dtype (the gated RMSNorm's plain weight) */
+  void* conv_states;               /* [num_slots, conv_dim, conv_kernel - 1] */
+  float* recurrent_states;         /* [num_slots, Hv, dk, dv] float32 */
+  int64_t hidden_size;
+  int64_t num_k_heads;
+  int64_t num_v_heads;
+  int64_t head_k_dim;
+  int64_t head_v_dim;
+  int64_t conv_kernel;
+  int64_t conv_state_dtype;        /* 0 float32, 1 bfloat16 */
+  int64_t packed[5];
+  float eps;                       /* input / post norms */
+  float norm_eps;                  /* the gated RMSNorm */
+};
+
+/* One Qwen3-Next gated-attention layer's attention with its norms (cpu_gdn_decoder.cpp,
+   native/gdn_decoder.py); linears as GDNLayerWeights' (packed: q, k, v, o). */
+struct GatedAttentionWeights {
+  const void* input_norm;          /* [hidden] zero-centred (GemmaRMSNorm) */
+  const void* post_norm;
+  const void* q_proj;              /* [H * 2 * D, hidden]: per head [q | gate] */
+  const void* k_proj;              /* [KVH * D, hidden] */
+  const void* v_proj;
+  const void* o_proj;              /* [hidden, H * D] */
+  const void* q_norm;              /* [D] zero-centred, per head */
+  const void* k_norm;
+  void* key_cache;                 /* [num_blocks, block_size, KVH, D] model dtype */
+  void* value_cache;
+  const float* cos_cache;          /* [max_position, rotary_dim / 2] float32 */
+  const float* sin_cache;
+  int64_t hidden_size;
+  int64_t num_heads;
+  int64_t num_kv_heads;
+  int64_t head_size;
+  int64_t rotary_dim;              /* the first rotary_dim channels rotated (GPT-NeoX halves) */
+  int64_t packed[4];
+  float eps;
+  float scale;
 };
 
 /* One step of the fused decoder over its buffers (cpu_decoder.cpp). */
@@ -246,6 +349,28 @@ struct SparseMLADecodeArgs {
 
 ENTRY_POINTS = """
 int pagedllm_abi_version(void);
+
+/* cpu_mla_decoder.cpp: one MLA attention block over a step (residual += delta; normed =
+   rms_norm(residual); attention; residual += o_proj(..); out = rms_norm(residual) *
+   post_norm); dtype 0 float32 / 1 bfloat16 (weights, residual, delta, out, latent cache).
+   0, or -1 for a bad dtype. */
+int mla_decoder_attention(const MLALayerWeights* w, const NativeAttentionStep* step,
+                          void* residual, const void* delta, void* out, int dtype);
+int64_t mla_step_scratch_floats(const MLALayerWeights* w);
+
+/* cpu_gdn_decoder.cpp: a Gated DeltaNet layer's first half over a step (normed =
+   gemma_rms(hidden); the mixer; hidden_out = hidden + mixer; post_normed =
+   gemma_rms(hidden_out)); dtype 0 float32 / 1 bfloat16 (weights, hidden, hidden_out,
+   post_normed). 0, or -1 for a state slot out of range or a bad dtype. */
+int gdn_decoder_mixer(const GDNLayerWeights* w, const StateBatch* batch, int64_t num_tokens,
+                      const void* hidden, void* hidden_out, void* post_normed, float* scratch,
+                      int dtype);
+int64_t gdn_scratch_floats(const GDNLayerWeights* w);
+/* cpu_gdn_decoder.cpp: a gated-attention layer's first half likewise (hidden_out = hidden +
+   o_proj(attention * sigmoid(gate)); post_normed); the step's scratch in step->scratch. */
+int gated_attention_mixer(const GatedAttentionWeights* w, const NativeAttentionStep* step,
+                          const void* hidden, void* hidden_out, void* post_normed, int dtype);
+int64_t gated_attention_scratch_floats(const GatedAttentionWeights* w);
 
 /* cpu_attention.cpp */
 void paged_attention(const PagedAttentionArgs* args);

@@ -1,0 +1,323 @@
+// Qwen3-Next's layer halves (input norm, token mixer, residual add, post-attention norm) in one
+// call each, for steps of few tokens (decode): the Gated DeltaNet layers' (`gdn_decoder_mixer`)
+// and the gated-attention layers' (`gated_attention_mixer`, at the end of this file).
+//
+// Why: at batch 1 the module path's Gated DeltaNet mixer is ~25 torch operations and six
+// native calls per layer (four input projections, the conv, the delta rule, the gates and the
+// gated norm as torch ops, out_proj), each paying Python dispatch (docs/benchmarks.md,
+// "Batch-1 decode of the 200M presets"). Here they run from C++: the projections and norms
+// in OpenMP parallel regions, the conv window update and the delta rule through the state
+// kernels of cpu_state_scan.cpp (the module path's own kernels, same state layout and slots,
+// block-boundary checkpoints included). The math is the module path's
+// (pagedllm/models/qwen3_next.py, `GatedDeltaNet`; Yang et al., "Gated Delta Networks",
+// ICLR 2025):
+//
+//   x = gemma_rms(hidden) (x / rms(x) * (1 + w))
+//   qkv = x Wqkv^T;  z = x Wz^T;  b = x Wb^T;  a = x Wa^T
+//   [q | k | v] = silu(causal_conv1d(qkv; window state))
+//   beta = sigmoid(b);  g = -exp(A_log) * softplus(a + dt_bias)
+//   o = gated_delta_rule(q, k, v, g, beta; recurrent state)           [Hv, dv] per token
+//   o = (rms_norm(o) * norm_w) * silu(z)  (per value head)
+//   hidden_out = hidden + o Wout^T;  post_normed = gemma_rms(hidden_out) (1 + post_w)
+//
+// Weights, hidden, hidden_out and post_normed are in the model dtype T (float32 or bfloat16);
+// the activations in between stay in float32 (the module path rounds them to bf16 between its
+// operations in a bf16 model).
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include <omp.h>
+
+#include "attention_kernel.h"
+#include "cpu_vec.h"
+#include "linear_kernel.h"
+#include "packed_gemm.h"
+#include "pagedllm_abi.h"
+
+namespace {
+
+using namespace pagedllm;
+
+enum GDNLinear { kQKV = 0, kZ = 1, kB = 2, kA = 3, kOut = 4 };
+
+struct GDNScratch {
+  int64_t x, qkv, conv, q, k, v, z, b, a, g, beta, o, o_in, out;
+  int64_t total() const {
+    return x + qkv + conv + q + k + v + z + b + a + g + beta + o + o_in + out;
+  }
+};
+
+GDNScratch scratch_sizes(const GDNLayerWeights& w) {
+  const int64_t key = w.num_k_heads * w.head_k_dim, value = w.num_v_heads * w.head_v_dim;
+  const int64_t conv = 2 * key + value, Hv = w.num_v_heads;
+  return {w.hidden_size, conv, conv, key, key, value, value, Hv, Hv, Hv, Hv, value, value,
+          w.hidden_size};
+}
+
+template <typename T>
+inline void gdn_linear(const GDNLayerWeights& w, int index, const void* weight, const float* x,
+                       int64_t M, int64_t K, int64_t N, float* y) {
+  if (w.packed[index] != 0)
+    packed::linear_tiles(x, K, M, K, static_cast<const T*>(weight), N, nullptr, y, N);
+  else
+    linear_tiles(x, K, M, K, static_cast<const T*>(weight), N, nullptr, y, N);
+}
+
+// out[0..n) = x / sqrt(mean(x^2) + eps) * (1 + w): GemmaRMSNorm in float32.
+template <typename TX, typename T>
+inline void gemma_rms_row(const TX* x, const T* w, float eps, int64_t n, float* out) {
+  float ss = 0.f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = to_float(x[i]);
+    out[i] = v;
+    ss += v * v;
+  }
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i) out[i] = out[i] * inv * (1.f + to_float(w[i]));
+}
+
+// torch.nn.functional.softplus (beta 1, threshold 20).
+inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }
+
+template <typename T>
+int gdn_mixer(const GDNLayerWeights& w, const StateBatch* batch, int64_t M, const T* hidden,
+              T* hidden_out, T* post_normed, float* scratch) {
+  const int64_t Hd = w.hidden_size, Hk = w.num_k_heads, Hv = w.num_v_heads;
+  const int64_t dk = w.head_k_dim, dv = w.head_v_dim;
+  const int64_t key = Hk * dk, value = Hv * dv, conv_dim = 2 * key + value;
+  const GDNScratch sz = scratch_sizes(w);
+  float* x = scratch;
+  float* qkv = x + M * sz.x;
+  float* conv = qkv + M * sz.qkv;
+  float* q = conv + M * sz.conv;
+  float* k = q + M * sz.q;
+  float* v = k + M * sz.k;
+  float* z = v + M * sz.v;
+  float* b = z + M * sz.z;
+  float* a = b + M * sz.b;
+  float* g = a + M * sz.a;
+  float* beta = g + M * sz.g;
+  float* o = beta + M * sz.beta;
+  float* o_in = o + M * sz.o;
+  float* out = o_in + M * sz.o_in;
+
+#pragma omp parallel
+  {
+#pragma omp for
+    for (int64_t m = 0; m < M; ++m)
+      gemma_rms_row(hidden + m * Hd, static_cast<const T*>(w.input_norm), w.eps, Hd, x + m * Hd);
+    gdn_linear<T>(w, kQKV, w.in_proj_qkv, x, M, Hd, conv_dim, qkv);
+    gdn_linear<T>(w, kZ, w.in_proj_z, x, M, Hd, value, z);
+    gdn_linear<T>(w, kB, w.in_proj_b, x, M, Hd, Hv, b);
+    gdn_linear<T>(w, kA, w.in_proj_a, x, M, Hd, Hv, a);
+  }
+
+  int rc = causal_conv1d_varlen_cpu(batch, qkv, conv_dim, conv_dim, w.conv_kernel,
+                                    w.conv_weight, nullptr, w.conv_states,
+                                    static_cast<int>(w.conv_state_dtype), 1, conv, 0);
+  if (rc != 0) return rc;
+  for (int64_t m = 0; m < M; ++m) {
+    const float* row = conv + m * conv_dim;
+    std::copy(row, row + key, q + m * key);
+    std::copy(row + key, row + 2 * key, k + m * key);
+    std::copy(row + 2 * key, row + conv_dim, v + m * value);
+    for (int64_t h = 0; h < Hv; ++h) {
+      beta[m * Hv + h] = 1.f / (1.f + std::exp(-b[m * Hv + h]));
+      g[m * Hv + h] = w.neg_a[h] * softplus(a[m * Hv + h] + w.dt_bias[h]);
+    }
+  }
+  rc = gated_delta_rule_varlen_cpu(batch, q, k, v, g, beta, w.recurrent_states, Hv, Hk, dk, dv,
+                                   0, o);
+  if (rc != 0) return rc;
+
+#pragma omp parallel
+  {
+    // The gated RMSNorm per (token, value head): rms_norm(o) * norm_w * silu(z).
+#pragma omp for
+    for (int64_t item = 0; item < M * Hv; ++item) {
+      const float* oh = o + item * dv;
+      const float* zh = z + item * dv;
+      float* dst = o_in + item * dv;
+      float ss = 0.f;
+      for (int64_t d = 0; d < dv; ++d) ss += oh[d] * oh[d];
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(dv) + w.norm_eps);
+      const T* nw = static_cast<const T*>(w.norm_weight);
+      for (int64_t d = 0; d < dv; ++d)
+        dst[d] = oh[d] * inv * to_float(nw[d]) * (zh[d] / (1.f + std::exp(-zh[d])));
+    }
+    gdn_linear<T>(w, kOut, w.out_proj, o_in, M, value, Hd, out);
+#pragma omp for
+    for (int64_t m = 0; m < M; ++m) {
+      T* h = hidden_out + m * Hd;
+      for (int64_t i = 0; i < Hd; ++i) store(to_float(hidden[m * Hd + i]) + out[m * Hd + i], h + i);
+      float* normed = x + m * Hd;   // (the input norm's rows are no longer read)
+      gemma_rms_row(h, static_cast<const T*>(w.post_norm), w.eps, Hd, normed);
+      for (int64_t i = 0; i < Hd; ++i) store(normed[i], post_normed + m * Hd + i);
+    }
+  }
+  return 0;
+}
+
+// ---- The gated-attention layer (pagedllm/models/qwen3_next.py, `GatedAttention`):
+//
+//   x = gemma_rms(hidden);  [q | gate] per head = x Wq^T;  k = x Wk^T;  v = x Wv^T
+//   q, k = gemma_rms per head (q_norm, k_norm);  rope on the first rotary_dim channels (halves)
+//   key_cache[slot], value_cache[slot] = k, v;  a = paged attention (GQA) of q
+//   hidden_out = hidden + (a * sigmoid(gate)) Wo^T;  post_normed = gemma_rms(hidden_out)
+
+struct GAScratch {
+  int64_t x, q_gate, k, v, q, attn, o_in, out;
+  int64_t total() const { return x + q_gate + k + v + q + attn + o_in + out; }
+};
+
+GAScratch ga_sizes(const GatedAttentionWeights& w) {
+  const int64_t q = w.num_heads * w.head_size, kv = w.num_kv_heads * w.head_size;
+  return {w.hidden_size, 2 * q, kv, kv, q, q, q, w.hidden_size};
+}
+
+template <typename T>
+inline void ga_linear(const GatedAttentionWeights& w, int index, const void* weight,
+                      const float* x, int64_t M, int64_t K, int64_t N, float* y) {
+  if (w.packed[index] != 0)
+    packed::linear_tiles(x, K, M, K, static_cast<const T*>(weight), N, nullptr, y, N);
+  else
+    linear_tiles(x, K, M, K, static_cast<const T*>(weight), N, nullptr, y, N);
+}
+
+// GPT-NeoX rotation of the first `rotary_dim` channels of one head in place.
+inline void rope_partial(float* x, const float* cos, const float* sin, int64_t rotary_dim) {
+  const int64_t half = rotary_dim / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = x[i], x2 = x[i + half];
+    x[i] = x1 * cos[i] - x2 * sin[i];
+    x[i + half] = x2 * cos[i] + x1 * sin[i];
+  }
+}
+
+template <typename T>
+void gated_attention(const GatedAttentionWeights& w, const NativeAttentionStep& s,
+                     const T* hidden, T* hidden_out, T* post_normed) {
+  const int64_t M = s.num_tokens, Hd = w.hidden_size, H = w.num_heads, KVH = w.num_kv_heads;
+  const int64_t D = w.head_size, RD = w.rotary_dim;
+  const GAScratch sz = ga_sizes(w);
+  float* x = s.scratch;
+  float* q_gate = x + M * sz.x;
+  float* k = q_gate + M * sz.q_gate;
+  float* v = k + M * sz.k;
+  float* q = v + M * sz.v;
+  float* attn_out = q + M * sz.q;
+  float* o_in = attn_out + M * sz.attn;
+  float* out = o_in + M * sz.o_in;
+  T* key_cache = static_cast<T*>(w.key_cache);
+  T* value_cache = static_cast<T*>(w.value_cache);
+  const StepAttentionPlan plan = plan_step_attention(
+      s.query_start_loc, s.rows, s.num_rows, s.seq_lens, static_cast<int>(KVH),
+      static_cast<int>(H), static_cast<int>(D), omp_get_max_threads(),
+      s.query_tile > 0 ? s.query_tile : kDefaultQueryTile, s.causal);
+  const AttentionArgs<T, float> attn{q, H * D, key_cache, value_cache, s.block_table,
+                                     s.block_table_stride, s.query_start_loc, s.seq_lens,
+                                     attn_out, static_cast<int>(H), static_cast<int>(KVH),
+                                     static_cast<int>(D), s.block_size, w.scale, s.causal};
+  const T* q_norm = static_cast<const T*>(w.q_norm);
+  const T* k_norm = static_cast<const T*>(w.k_norm);
+
+#pragma omp parallel
+  {
+#pragma omp for
+    for (int64_t m = 0; m < M; ++m)
+      gemma_rms_row(hidden + m * Hd, static_cast<const T*>(w.input_norm), w.eps, Hd, x + m * Hd);
+    ga_linear<T>(w, 0, w.q_proj, x, M, Hd, 2 * H * D, q_gate);
+    ga_linear<T>(w, 1, w.k_proj, x, M, Hd, KVH * D, k);
+    ga_linear<T>(w, 2, w.v_proj, x, M, Hd, KVH * D, v);
+
+    // Per (token, head): q's norm and RoPE; per (token, KV head): k's, and the cache write.
+#pragma omp for
+    for (int64_t item = 0; item < M * (H + KVH); ++item) {
+      const int64_t m = item / (H + KVH), h = item % (H + KVH);
+      const float* cos = w.cos_cache + s.positions[m] * (RD / 2);
+      const float* sin = w.sin_cache + s.positions[m] * (RD / 2);
+      if (h < H) {
+        float* qh = q + (m * H + h) * D;
+        gemma_rms_row(q_gate + m * 2 * H * D + h * 2 * D, q_norm, w.eps, D, qh);
+        rope_partial(qh, cos, sin, RD);
+        continue;
+      }
+      const int64_t kh = h - H;
+      float* kr = k + (m * KVH + kh) * D;
+      gemma_rms_row(kr, k_norm, w.eps, D, kr);
+      rope_partial(kr, cos, sin, RD);
+      const int64_t slot = s.slot_mapping[m];
+      if (slot < 0) continue;
+      const float* vr = v + (m * KVH + kh) * D;
+      T* kc = key_cache + (slot * KVH + kh) * D;
+      T* vc = value_cache + (slot * KVH + kh) * D;
+      for (int64_t d = 0; d < D; ++d) {
+        store(kr[d], kc + d);
+        store(vr[d], vc + d);
+      }
+    }
+
+    step_attention_items(attn, plan);
+
+#pragma omp for
+    for (int64_t item = 0; item < M * H; ++item) {
+      const int64_t m = item / H, h = item % H;
+      const float* a = attn_out + item * D;
+      const float* gate = q_gate + m * 2 * H * D + h * 2 * D + D;
+      float* dst = o_in + item * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] = a[d] / (1.f + std::exp(-gate[d]));
+    }
+    ga_linear<T>(w, 3, w.o_proj, o_in, M, H * D, Hd, out);
+#pragma omp for
+    for (int64_t m = 0; m < M; ++m) {
+      T* h = hidden_out + m * Hd;
+      for (int64_t i = 0; i < Hd; ++i) store(to_float(hidden[m * Hd + i]) + out[m * Hd + i], h + i);
+      float* normed = x + m * Hd;
+      gemma_rms_row(h, static_cast<const T*>(w.post_norm), w.eps, Hd, normed);
+      for (int64_t i = 0; i < Hd; ++i) store(normed[i], post_normed + m * Hd + i);
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+int64_t gated_attention_scratch_floats(const GatedAttentionWeights* w) {
+  return ga_sizes(*w).total();
+}
+
+int gated_attention_mixer(const GatedAttentionWeights* w, const NativeAttentionStep* step,
+                          const void* hidden, void* hidden_out, void* post_normed, int dtype) {
+  if (dtype == 0) {
+    gated_attention<float>(*w, *step, static_cast<const float*>(hidden),
+                           static_cast<float*>(hidden_out), static_cast<float*>(post_normed));
+  } else if (dtype == 1) {
+    gated_attention<uint16_t>(*w, *step, static_cast<const uint16_t*>(hidden),
+                              static_cast<uint16_t*>(hidden_out),
+                              static_cast<uint16_t*>(post_normed));
+  } else {
+    return -1;
+  }
+  return 0;
+}
+
+int64_t gdn_scratch_floats(const GDNLayerWeights* w) { return scratch_sizes(*w).total(); }
+
+int gdn_decoder_mixer(const GDNLayerWeights* w, const StateBatch* batch, int64_t num_tokens,
+                      const void* hidden, void* hidden_out, void* post_normed, float* scratch,
+                      int dtype) {
+  if (dtype == 0)
+    return gdn_mixer<float>(*w, batch, num_tokens, static_cast<const float*>(hidden),
+                            static_cast<float*>(hidden_out), static_cast<float*>(post_normed),
+                            scratch);
+  if (dtype == 1)
+    return gdn_mixer<uint16_t>(*w, batch, num_tokens, static_cast<const uint16_t*>(hidden),
+                               static_cast<uint16_t*>(hidden_out),
+                               static_cast<uint16_t*>(post_normed), scratch);
+  return -1;
+}
+
+}  // extern "C"
