@@ -182,8 +182,15 @@ class DeepseekMoE(nn.Module):
                                         config.moe_intermediate_size * n_shared, hidden_act,
                                         bool(getattr(config, "mlp_bias", False)))
                                if n_shared else None)
+        # The native MoE block (native/moe_block.py) that runs this block for the steps it
+        # takes, attached after loading; None: always the modules.
+        self.native_block = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native_block is not None:
+            out = self.native_block(x)
+            if out is not None:
+                return out
         weights, ids = self.routing.select_experts(self.gate(x), self.gate.e_score_correction_bias)
         out = self.experts.forward_routed(x, weights, ids)
         if self.shared_experts is not None:

@@ -77,8 +77,15 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert = LlamaMLP(hidden_size, shared_expert_intermediate_size,
                                           hidden_act)
             self.shared_expert_gate = ReplicatedLinear(hidden_size, 1)
+        # The native MoE block (native/moe_block.py) that runs this block for the steps it
+        # takes, attached after loading; None: always the modules.
+        self.native_block = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native_block is not None:
+            out = self.native_block(x)
+            if out is not None:
+                return out
         out = self.experts(x, self.gate(x))
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

@@ -30,10 +30,10 @@ logger = logging.getLogger(__name__)
 _SOURCES = ("cpu_attention.cpp", "cpu_linear.cpp", "cpu_decoder.cpp", "cpu_gguf_linear.cpp",
             "cpu_int8_linear.cpp", "cpu_fused_moe.cpp", "cpu_gguf_q8_linear.cpp",
             "cpu_packed_gemm.cpp", "cpu_decode_loop.cpp", "cpu_lora.cpp",
-            "cpu_state_scan.cpp", "cpu_dsa.cpp")
+            "cpu_state_scan.cpp", "cpu_dsa.cpp", "cpu_moe_block.cpp")
 _HEADERS = ("cpu_vec.h", "attention_primitives.h", "attention_kernel.h", "linear_kernel.h",
             "gguf_blocks.h", "int8_blocks.h", "gguf_q8_dot.h", "packed_gemm.h",
-            "attention_row_lanes.h", "lora_kernel.h")
+            "attention_row_lanes.h", "lora_kernel.h", "fused_moe_kernel.h")
 _CXXFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 
 _lock = threading.Lock()
