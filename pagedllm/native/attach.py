@@ -19,6 +19,7 @@ from pagedllm.attention.forward_context import get_forward_context
 from pagedllm.layers.pipeline import send_intermediate
 from pagedllm.models.llama import LlamaDecoderLayer, LlamaModel
 from pagedllm.native.fused_decoder import FusedDecoder, add_rms_norm
+from pagedllm.native.moe_block import NativeMoeBlock
 
 
 class NativeDecoderStack:
@@ -79,9 +80,13 @@ def attach_native_decoder(model: nn.Module) -> int:
 
 def refresh_native_decoder(model: nn.Module) -> None:
     """After `model`'s weights changed (storage replaced or values overwritten: sleep mode and
-    weight updates, worker/sleep_mode.py), make every `NativeDecoderStack` inside rebuild its
-    native structures, which hold pointers into the weights and float32 copies of some."""
+    weight updates, worker/sleep_mode.py), make every `NativeDecoderStack` and `NativeMoeBlock`
+    inside rebuild its native structures, which hold pointers into the weights and float32
+    copies of some."""
     for module in model.modules():
         stack = getattr(module, "layer_stack", None)
         if isinstance(stack, NativeDecoderStack):
             stack.fused.forget_structures()
+        native_moe = getattr(module, "native_block", None)
+        if isinstance(native_moe, NativeMoeBlock):
+            native_moe.forget_structures()

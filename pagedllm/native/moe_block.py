@@ -45,15 +45,6 @@ _TOPK_METHOD_CODES = {"greedy": 0, "group_limited_greedy": 1, "noaux_tc": 2}
 _MAX_GROUPS = 256   # the kernel's bound on n_group
 
 
-def native_moe_block_enabled() -> bool:
-    """Whether the switches allow the native MoE block: `PAGEDLLM_CPU_MOE_BLOCK` and
-    `PAGEDLLM_CPU_FUSED_MOE` on (as read at engine start, `current_platform.options`) and the
-    kernels built."""
-    options = current_platform.options
-    return (getattr(options, "cpu_moe_block", False) and options.cpu_fused_moe
-            and cpu_kernels() is not None)
-
-
 def _plain_linear_weight(linear: nn.Module | None, rows: int, cols: int
                          ) -> tuple[torch.Tensor, bool] | None:
     """(weight, packed) of a float linear without bias, [rows, cols] on this rank, whose
@@ -101,7 +92,13 @@ class NativeMoeBlock:
         self.routing = (_SCORING_CODES[scoring], _TOPK_METHOD_CODES[topk_method], n_group,
                         topk_group, int(renormalize), float(routed_scaling_factor))
         self._weights: MoeBlockWeights | None = None
-        self._key: tuple | None = None
+        self._address = 0
+        self._lib = cpu_kernels()
+        # Most (token, expert) pairs of a step it takes: as many rows per expert on average as
+        # the platform's native linears take (`fused_decoder_max_tokens`; every size on
+        # AVX2-class CPUs, the GEMV sizes with AVX-512; see `layers/fused_moe.py`'s
+        # NOTE(crossover)). Larger steps run the module path.
+        self._max_pairs = self.num_experts * current_platform.fused_decoder_max_tokens(self.dtype)
 
     @classmethod
     def for_block(cls, block: nn.Module) -> NativeMoeBlock | None:
@@ -147,9 +144,11 @@ class NativeMoeBlock:
         shared = args["shared_mlp"]
         if shared is not None:
             inter_s = shared.down_proj.input_size_per_partition
-            if (inter_s % 8 or _plain_linear_weight(shared.gate_up_proj, 2 * inter_s, hidden)
-                    is None or _plain_linear_weight(shared.down_proj, hidden, inter_s) is None
-                    or not isinstance(shared.act_fn, SiluAndMul)):
+            gate_up = _plain_linear_weight(shared.gate_up_proj, 2 * inter_s, hidden)
+            down = _plain_linear_weight(shared.down_proj, hidden, inter_s)
+            if (inter_s % 8 or gate_up is None or down is None
+                    or not isinstance(shared.act_fn, SiluAndMul)
+                    or gate_up[1] != down[1] or gate_up[0].dtype != down[0].dtype):
                 return None
             if args["shared_gate"] is not None and _plain_linear_weight(
                     args["shared_gate"], 1, hidden) is None:
@@ -157,42 +156,46 @@ class NativeMoeBlock:
         return cls(block, experts, router, **args)
 
     def _applies(self, x: torch.Tensor) -> bool:
-        experts, block = self.experts, self.block
-        if (block.experts is not experts or block.gate is not self.router
+        # NOTE(dispatch): called once per MoE layer and step, so kept to attribute reads
+        # (~100 us of checks and struct building per call measured on a loaded host before).
+        # (the modules' own dicts: nn.Module attribute lookups cost microseconds each)
+        experts, modules = self.experts, self.block._modules
+        if (modules["experts"] is not experts or modules["gate"] is not self.router
                 or experts.routed_experts_capture is not None
                 or experts.expert_load is not None or not experts.identity_maps):
             return False
         if self.shared_mlp is not None:
-            mlp = getattr(block, self.shared_attr)
+            mlp = modules[self.shared_attr]
+            linears = mlp._modules
             if (mlp is not self.shared_mlp
-                    or (mlp.gate_up_proj, mlp.down_proj) != self.shared_linears
+                    or linears["gate_up_proj"] is not self.shared_linears[0]
+                    or linears["down_proj"] is not self.shared_linears[1]
                     or (self.shared_gate is not None
-                        and block.shared_expert_gate is not self.shared_gate)):
+                        and modules["shared_expert_gate"] is not self.shared_gate)):
                 return False
-        if (x.dtype != self.dtype or x.dim() != 2 or x.device.type != "cpu"
-                or x.shape[1] != self.hidden_size or not native_moe_block_enabled()):
+        options = current_platform.options
+        if not (getattr(options, "cpu_moe_block", False) and options.cpu_fused_moe):
             return False
-        max_rows = current_platform.fused_decoder_max_tokens(x.dtype)
-        return x.shape[0] * self.top_k <= self.num_experts * max_rows
+        if x.dtype != self.dtype or x.dim() != 2 or not x.is_cpu:
+            return False
+        num_tokens, hidden = x.shape
+        return hidden == self.hidden_size and num_tokens * self.top_k <= self._max_pairs
 
-    def _struct(self) -> MoeBlockWeights:
-        """The kernel's view of the weights, rebuilt when a weight's storage changed (a reload
-        or sleep mode replaces it; a packed linear may be unpacked)."""
+    def forget_structures(self) -> None:
+        """Rebuild the kernel's view of the weights at the next call (after their storage was
+        replaced: sleep mode, weight updates, a reload that unpacked a packed linear)."""
+        self._weights = None
+
+    def _struct(self) -> bool:
+        """Build the kernel's view of the weights (pointers into them), at the first call after
+        construction or `forget_structures`; False when the shared expert's two linears no
+        longer agree in packing or dtype (the step then runs the module path)."""
         experts = self.experts
-        tensors = [experts.w13_weight, experts.w2_weight, self.router.weight]
         packed = None
         if self.shared_mlp is not None:
             gate_up, down = self.shared_linears
-            tensors += [gate_up.weight, down.weight]
             packed = (getattr(gate_up.quant_method, "packed", False),
                       getattr(down.quant_method, "packed", False))
-            if self.shared_gate is not None:
-                tensors.append(self.shared_gate.weight)
-        if self.score_bias is not None:
-            tensors.append(self.score_bias)
-        key = (tuple(t.data_ptr() for t in tensors), packed)
-        if key == self._key:
-            return self._weights
         scoring, method, n_group, topk_group, renormalize, scale = self.routing
         w = MoeBlockWeights()
         w.router, w.router_dtype = self.router.weight.data_ptr(), _DTYPE_CODES[
@@ -207,29 +210,27 @@ class NativeMoeBlock:
         if self.shared_mlp is not None:
             gate_up, down = self.shared_linears
             if packed[0] != packed[1] or gate_up.weight.dtype != down.weight.dtype:
-                # (both packed or neither, one dtype: as the platform packs them)
-                raise ValueError("native MoE block: the shared expert's gate_up and down "
-                                 "weights differ in packing or dtype")
+                return False
             w.shared_gate_up, w.shared_down = gate_up.weight.data_ptr(), down.weight.data_ptr()
             w.shared_dtype, w.shared_packed = _DTYPE_CODES[gate_up.weight.dtype], int(packed[0])
             w.shared_intermediate = down.input_size_per_partition
             if self.shared_gate is not None:
                 w.shared_gate = self.shared_gate.weight.data_ptr()
                 w.shared_gate_dtype = _DTYPE_CODES[self.shared_gate.weight.dtype]
-        self._weights, self._key = w, key
-        return w
+        self._weights, self._address = w, ctypes.addressof(w)
+        return True
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
         if not self._applies(x):
             return None
-        weights = self._struct()
+        if self._weights is None and not self._struct():
+            return None
         x = x.contiguous()
         out = torch.empty_like(x)
         if x.shape[0] == 0:
             return out
-        rc = cpu_kernels().moe_block(ctypes.addressof(weights), x.data_ptr(),
-                                     _DTYPE_CODES[x.dtype], x.shape[0], x.shape[1],
-                                     out.data_ptr())
+        rc = self._lib.moe_block(self._address, x.data_ptr(), _DTYPE_CODES[x.dtype],
+                                 x.shape[0], x.shape[1], out.data_ptr())
         if rc != 0:
             raise RuntimeError(f"moe_block failed with code {rc}")
         return out
@@ -237,8 +238,11 @@ class NativeMoeBlock:
 
 def attach_native_moe(model: nn.Module) -> int:
     """Give every MoE block inside `model` that the kernel supports its `NativeMoeBlock`
-    (the block's `native_block` slot); returns how many got one."""
+    (the block's `native_block` slot); returns how many got one (none when the kernels did
+    not build)."""
     attached = 0
+    if cpu_kernels() is None:
+        return 0
     for module in model.modules():
         if isinstance(module, (SparseMoeBlock, DeepseekMoE)):
             native = NativeMoeBlock.for_block(module)

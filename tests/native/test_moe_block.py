@@ -16,6 +16,7 @@ from pagedllm.layers.moe_routing import DeepseekRouting
 from pagedllm.layers.quantization.base import process_weights_after_loading
 from pagedllm.models.deepseek_v2 import DeepseekMoE
 from pagedllm.models.moe import SparseMoeBlock
+from pagedllm.native.attach import refresh_native_decoder
 from pagedllm.native.kernels import cpu_kernels
 from pagedllm.native.moe_block import NativeMoeBlock, attach_native_moe
 from pagedllm.platforms import current_platform
@@ -156,12 +157,15 @@ def test_attach_and_unsupported_blocks():
 
 def test_reloaded_weights_are_seen():
     """A weight whose storage is replaced after the first call (a reload, sleep mode) is read
-    from its new storage."""
+    from its new storage once the runner says the weights changed (`refresh_native_decoder`,
+    as `ModelRunner.weights_changed` calls it)."""
     block = _sparse(96)
     native = NativeMoeBlock.for_block(block)
     x = torch.randn(3, HIDDEN)
     first = native(x)
     block.experts.w2_weight.data = block.experts.w2_weight.data * 2
+    block.native_block = native
+    refresh_native_decoder(block)
     block.native_block = None
     want = block(x)
     got = native(x)
