@@ -19,7 +19,8 @@ DeepSeek MoE: routed experts on `FusedMoE` routed by `DeepseekRouting` (layers/m
 V2 softmax with greedy / group-limited top-k, V3 sigmoid with `e_score_correction_bias` and
 group-limited noaux_tc), plus `n_shared_experts` shared experts as one SwiGLU MLP of
 n_shared_experts * moe_intermediate_size, added unweighted. These models run on the module path
-(the CPU fused decoder takes dense Llama layers only). Tensor parallelism splits the heads
+(the CPU fused decoder takes dense Llama layers only), except that on the CPU a DeepSeek MoE
+block may run as one native call (`native/moe_block.py`, attached into `native_block`). Tensor parallelism splits the heads
 (q/q_b/kv_b by rows, o_proj by columns); q_a / kv_a projections and the latent cache are
 replicated on every rank, as in vLLM.
 """

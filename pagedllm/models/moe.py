@@ -9,7 +9,9 @@ causal-LM wrapper and the checkpoint names of expert weights.
 
 A family (`mixtral.py`, `qwen_moe.py`, `olmoe.py`) says which attention and which MLP each layer
 has; the stack and the weight loading are here. The CPU fused decoder (`fused_decoder.py`) is
-for dense Llama layers and is never used by these models. Forward takes the flat token batch.
+for dense Llama layers and is never used by these models; on the CPU a `SparseMoeBlock` may run
+as one native call (`native/moe_block.py`, attached after loading into `native_block`). Forward
+takes the flat token batch.
 """
 
 from __future__ import annotations
