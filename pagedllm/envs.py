@@ -165,6 +165,10 @@ class EnvOptions:
     cpu_fused_moe: bool = _switch_var(
         "PAGEDLLM_CPU_FUSED_MOE",
         "The native fused-experts kernel for small MoE steps; off: the torch path.")
+    cpu_moe_block: bool = _switch_var(
+        "PAGEDLLM_CPU_MOE_BLOCK",
+        "A whole MoE block (router, routing, experts, shared expert) of a small step in one "
+        "native call; off (or PAGEDLLM_CPU_FUSED_MOE off): the module path.")
     gguf_q8_activations: bool = _switch_var(
         "PAGEDLLM_GGUF_Q8_ACTIVATIONS",
         "GGUF layers round activations to 8 bits per block and use integer dots (as llama.cpp); "

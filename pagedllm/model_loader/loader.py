@@ -26,6 +26,7 @@ from pagedllm.model_loader.gguf import iterate_gguf_tensors, read_gguf_source
 from pagedllm.model_loader.slicing import narrow_index
 from pagedllm.models.registry import resolve_model_class
 from pagedllm.native.attach import attach_native_decoder
+from pagedllm.native.moe_block import attach_native_moe
 
 logger = logging.getLogger(__name__)
 
@@ -213,4 +214,5 @@ def _load(cls, model_path: str, source, hf_config, dtype: torch.dtype, device: t
                          f"{' ...' if len(missing) > 8 else ''}")
     process_weights_after_loading(model)
     attach_native_decoder(model)   # the CPU fused decoder, where it takes the layers
+    attach_native_moe(model)   # the CPU native MoE blocks, where they take the blocks
     return model.eval()

@@ -19,7 +19,8 @@ DeepSeek MoE: routed experts on `FusedMoE` routed by `DeepseekRouting` (layers/m
 V2 softmax with greedy / group-limited top-k, V3 sigmoid with `e_score_correction_bias` and
 group-limited noaux_tc), plus `n_shared_experts` shared experts as one SwiGLU MLP of
 n_shared_experts * moe_intermediate_size, added unweighted. These models run on the module path
-(the CPU fused decoder takes dense Llama layers only). Tensor parallelism splits the heads
+(the CPU fused decoder takes dense Llama layers only), except that on the CPU a DeepSeek MoE
+block may run as one native call (`native/moe_block.py`, attached into `native_block`). Tensor parallelism splits the heads
 (q/q_b/kv_b by rows, o_proj by columns); q_a / kv_a projections and the latent cache are
 replicated on every rank, as in vLLM.
 """
@@ -182,8 +183,15 @@ class DeepseekMoE(nn.Module):
                                         config.moe_intermediate_size * n_shared, hidden_act,
                                         bool(getattr(config, "mlp_bias", False)))
                                if n_shared else None)
+        # The native MoE block (native/moe_block.py) that runs this block for the steps it
+        # takes, attached after loading; None: always the modules.
+        self.native_block = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native_block is not None:
+            out = self.native_block(x)
+            if out is not None:
+                return out
         weights, ids = self.routing.select_experts(self.gate(x), self.gate.e_score_correction_bias)
         out = self.experts.forward_routed(x, weights, ids)
         if self.shared_experts is not None:

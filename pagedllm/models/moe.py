@@ -9,7 +9,9 @@ causal-LM wrapper and the checkpoint names of expert weights.
 
 A family (`mixtral.py`, `qwen_moe.py`, `olmoe.py`) says which attention and which MLP each layer
 has; the stack and the weight loading are here. The CPU fused decoder (`fused_decoder.py`) is
-for dense Llama layers and is never used by these models. Forward takes the flat token batch.
+for dense Llama layers and is never used by these models; on the CPU a `SparseMoeBlock` may run
+as one native call (`native/moe_block.py`, attached after loading into `native_block`). Forward
+takes the flat token batch.
 """
 
 from __future__ import annotations
@@ -77,8 +79,15 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert = LlamaMLP(hidden_size, shared_expert_intermediate_size,
                                           hidden_act)
             self.shared_expert_gate = ReplicatedLinear(hidden_size, 1)
+        # The native MoE block (native/moe_block.py) that runs this block for the steps it
+        # takes, attached after loading; None: always the modules.
+        self.native_block = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native_block is not None:
+            out = self.native_block(x)
+            if out is not None:
+                return out
         out = self.experts(x, self.gate(x))
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

@@ -21,6 +21,7 @@ from pagedllm.models.llama import LlamaDecoderLayer, LlamaModel
 from pagedllm.native.fused_decoder import FusedDecoder, add_rms_norm
 from pagedllm.native.gdn_decoder import attach_native_mixers, refresh_native_mixers
 from pagedllm.native.mla_decoder import attach_native_attention, refresh_native_attention
+from pagedllm.native.moe_block import NativeMoeBlock
 
 
 class NativeDecoderStack:
@@ -83,11 +84,15 @@ def attach_native_decoder(model: nn.Module) -> int:
 
 def refresh_native_decoder(model: nn.Module) -> None:
     """After `model`'s weights changed (storage replaced or values overwritten: sleep mode and
-    weight updates, worker/sleep_mode.py), make every `NativeDecoderStack` inside rebuild its
-    native structures, which hold pointers into the weights and float32 copies of some."""
+    weight updates, worker/sleep_mode.py), make every `NativeDecoderStack`, `NativeMoeBlock` and native
+    attention / mixer block inside rebuild its native structures, which hold pointers into the weights and float32
+    copies of some."""
     for module in model.modules():
         stack = getattr(module, "layer_stack", None)
         if isinstance(stack, NativeDecoderStack):
             stack.fused.forget_structures()
+        native_moe = getattr(module, "native_block", None)
+        if isinstance(native_moe, NativeMoeBlock):
+            native_moe.forget_structures()
     refresh_native_attention(model)
     refresh_native_mixers(model)

@@ -21,7 +21,7 @@ import re
 
 # Bump when a declaration below changes (the loaded library reports the version it was
 # compiled with; a stale library in the cache is refused).
-ABI_VERSION = 16
+ABI_VERSION = 17
 
 STRUCTS = """
 /* One weight's rows of one GGML type (layers/quantization/gguf.py `kernel_segments`). */
@@ -201,6 +201,35 @@ struct GatedAttentionWeights {
   int64_t packed[4];
   float eps;
   float scale;
+};
+
+/* One mixture-of-experts block for cpu_moe_block.cpp (native/moe_block.py): router, routing,
+   routed experts, shared expert. Dtype codes: 0 float32, 1 bfloat16. */
+struct MoeBlockWeights {
+  const void* router;              /* [num_experts, hidden]; logits rounded to its dtype */
+  int32_t router_dtype;
+  int32_t scoring;                 /* 0 softmax, 1 sigmoid */
+  int32_t topk_method;             /* 0 top-k of all, 1 group-limited (group max),
+                                      2 noaux_tc (group: sum of its top 2) */
+  int32_t n_group;                 /* groups (methods 1, 2) */
+  int32_t topk_group;              /* groups kept */
+  int32_t renormalize;             /* 1: weights / their sum (sigmoid: sum + 1e-20) */
+  float routed_scaling_factor;     /* multiplies the weights */
+  const float* score_bias;         /* [num_experts] e_score_correction_bias, or null */
+  const void* w13;                 /* [num_experts, 2 * intermediate, hidden] */
+  const void* w2;                  /* [num_experts, hidden, intermediate] */
+  int32_t expert_dtype;
+  int64_t num_experts;
+  int64_t top_k;
+  int64_t intermediate;
+  const void* shared_gate_up;      /* [2 * shared_intermediate, hidden] (packed or not), or
+                                      null: no shared expert */
+  const void* shared_down;         /* [hidden, shared_intermediate] */
+  int32_t shared_dtype;
+  int32_t shared_packed;           /* 1: both in the packed GEMM's panels (packed_gemm.h) */
+  int64_t shared_intermediate;
+  const void* shared_gate;         /* [hidden] the shared expert's sigmoid gate, or null */
+  int32_t shared_gate_dtype;
 };
 
 /* One step of the fused decoder over its buffers (cpu_decoder.cpp). */
@@ -440,6 +469,11 @@ int fused_moe_experts(const void* hidden, int act_dtype, int64_t num_tokens, int
                       const void* w13, const void* w2, int weight_dtype, int64_t num_experts,
                       int64_t I, const int64_t* topk_ids, const float* topk_weights,
                       int64_t top_k, void* out);
+
+/* cpu_moe_block.cpp: out [num_tokens, hidden] = the MoE block of hidden [num_tokens, hidden]
+   (act_dtype 0 float32 / 1 bfloat16); 0, or -1 for an unknown dtype code */
+int moe_block(const MoeBlockWeights* w, const void* hidden, int act_dtype, int64_t num_tokens,
+              int64_t hidden_size, void* out);
 
 /* cpu_lora.cpp: 0, or < 0 for a bad dtype (0 float32, 1 bfloat16) */
 int lora_shrink(const void* x, int64_t ldx, int x_dtype, const LoRALinearWeights* w,

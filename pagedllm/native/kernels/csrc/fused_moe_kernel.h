@@ -1,0 +1,210 @@
+// The routed experts of one mixture-of-experts layer as phases of an OpenMP parallel region, shared
+// by cpu_fused_moe.cpp (the experts alone, `fused_experts`) and cpu_moe_block.cpp (the whole MoE
+// block: router, routing, experts, shared expert):
+//
+//   out[t] = sum over j < k with a local expert e = topk_ids[t, j]:
+//            topk_weights[t, j] * (silu(x[t] @ W1[e]^T) * (x[t] @ W3[e]^T)) @ W2[e]^T
+//
+//   0. `plan` (serial)  counting sort of the T*k (token, slot) pairs by local expert, stable (an
+//                expert's rows keep token order); ids < 0 or >= num_experts (another rank's
+//                expert under expert parallelism) are dropped:
+//                  sorted rows [ expert 0 | expert 1 | ... ],  pos[t*k + j] = row or -1
+//   1. gather    xs[row] = x[token of row]                                  [m, H]
+//   2. gate/up   per work item (expert, block of <= 96 rows, tile of intermediate columns):
+//                gate and up tiles by the register-blocked micro-kernels of linear_kernel.h,
+//                then act[row, i] = silu(gate) * up                          [m, I]
+//   3. down      per work item (expert, row block, tile of hidden columns):
+//                ys[rows] = act[rows] @ W2[e]^T                              [m, H]
+//   4. combine   per token and column: sum_j w[t, j] * ys[pos[t*k + j]], in slot order
+//                j = 0..k-1 (`routed_sum`): deterministic, no atomics.
+//
+// Phases 1-3 (`expert_phases`) are orphaned work-sharing loops: every thread of the enclosing
+// region calls them, and each ends with the loop's implicit barrier. Each weight tile is read
+// once per block of up to 96 rows of its expert (not once per token), and the work items of all
+// experts share one loop, so a batch-1 decode with two active experts still spreads over every
+// thread.
+//
+// Rounding: activations are in the model dtype TA (float32 or bfloat16), weights TW (float32 or
+// bfloat16), math in float32. With bfloat16 activations every intermediate is rounded where the
+// module path's torch ops round it: gate and up (GEMM outputs), silu(gate), silu(gate) * up, the
+// down GEMM's output, each weighted row; the k weighted rows of a token are summed in float32
+// and rounded once by the caller (torch's bf16 sum accumulates in float32).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include <omp.h>
+
+#include "linear_kernel.h"
+
+namespace pagedllm {
+namespace moe {
+
+constexpr int64_t kRowBlock = 96;    // rows per work item: a multiple of the 6/3-row kernels
+constexpr int64_t kMaxTile = 64;     // weight rows per work item (a tile stays in L2)
+constexpr int64_t kCombineChunk = 256;
+
+// The bfloat16 value nearest to v (round to nearest even), as a float.
+inline float round_to(float v, const uint16_t*) {
+  uint16_t b;
+  store(v, &b);
+  return to_float(b);
+}
+
+inline float round_to(float v, const float*) { return v; }
+
+// v rounded to T's precision (float32: unchanged).
+template <typename T>
+inline float rounded(float v) {
+  return round_to(v, static_cast<const T*>(nullptr));
+}
+
+inline float silu(float g) { return g / (1.f + std::exp(-g)); }
+
+// y[r, n] = dot(x[r], w[n]) for rows [0, rows) of x, weight rows [0, n) of w (K each).
+// Each pass of a micro-kernel over the tile reads its weights once, so the rows past the last
+// 6-row pass take as few passes as fit the 16 AVX2 registers: 1-4 rows one pass (MB = 1..4),
+// 5 rows two (3 + 2). An expert's typical decode share (a few rows) is then 1-2 passes.
+template <typename TW, typename TX, typename TY>
+void tile_gemm(const TX* x, int64_t ldx, int64_t rows, const TW* w, int64_t K, int64_t n,
+               TY* y, int64_t ldy) {
+  const int64_t r6 = rows / 6 * 6;
+  rows_block<6>(x, ldx, 0, r6, w, K, 0, n, nullptr, y, ldy);
+  switch (rows - r6) {
+    case 5:
+      rows_block<3>(x, ldx, r6, r6 + 3, w, K, 0, n, nullptr, y, ldy);
+      rows_block<2>(x, ldx, r6 + 3, rows, w, K, 0, n, nullptr, y, ldy);
+      break;
+    case 4: rows_block<4>(x, ldx, r6, rows, w, K, 0, n, nullptr, y, ldy); break;
+    case 3: rows_block<3>(x, ldx, r6, rows, w, K, 0, n, nullptr, y, ldy); break;
+    case 2: rows_block<2>(x, ldx, r6, rows, w, K, 0, n, nullptr, y, ldy); break;
+    case 1: rows_block<1>(x, ldx, r6, rows, w, K, 0, n, nullptr, y, ldy); break;
+    default: break;
+  }
+}
+
+// One expert's contiguous block of sorted rows [r0, r1).
+struct RowBlock {
+  int64_t expert, r0, r1;
+};
+
+// Columns per tile so that the work items number about 8 per thread (at least 8 columns).
+inline int64_t tile_width(int64_t columns, int64_t num_blocks, int num_threads) {
+  const int64_t want = (columns * num_blocks + 8 * num_threads - 1) / (8 * num_threads);
+  return std::max<int64_t>(8, std::min<int64_t>(kMaxTile, want));
+}
+
+// The sorted pairs of one step and the buffers of phases 1-3 (built by `plan`, serially).
+template <typename TA>
+struct Plan {
+  int64_t num_pairs = 0, m = 0, H = 0, I = 0;
+  std::vector<int64_t> pos, token_of_row;   // [T*k] row or -1; [m] token
+  std::vector<RowBlock> blocks;
+  int64_t tile_i = 8, tile_h = 8, tiles_i = 0, tiles_h = 0, scratch_size = 0;
+  std::unique_ptr<TA[]> xs, act, ys, scratch;   // [m, H], [m, I], [m, H], per thread
+};
+
+template <typename TA>
+void plan(const int64_t* topk_ids, int64_t num_tokens, int64_t top_k, int64_t num_experts,
+          int64_t H, int64_t I, int num_threads, Plan<TA>& p) {
+  p.num_pairs = num_tokens * top_k;
+  p.H = H;
+  p.I = I;
+  std::vector<int64_t> offsets(num_experts + 1, 0);
+  for (int64_t q = 0; q < p.num_pairs; ++q) {
+    const int64_t e = topk_ids[q];
+    if (e >= 0 && e < num_experts) ++offsets[e + 1];
+  }
+  for (int64_t e = 0; e < num_experts; ++e) offsets[e + 1] += offsets[e];
+  p.m = offsets[num_experts];
+  p.pos.assign(p.num_pairs, -1);
+  p.token_of_row.resize(p.m);
+  {
+    std::vector<int64_t> next(offsets.begin(), offsets.end() - 1);
+    for (int64_t q = 0; q < p.num_pairs; ++q) {
+      const int64_t e = topk_ids[q];
+      if (e < 0 || e >= num_experts) continue;
+      p.pos[q] = next[e]++;
+      p.token_of_row[p.pos[q]] = q / top_k;
+    }
+  }
+  p.blocks.clear();
+  for (int64_t e = 0; e < num_experts; ++e)
+    for (int64_t r0 = offsets[e]; r0 < offsets[e + 1]; r0 += kRowBlock)
+      p.blocks.push_back({e, r0, std::min(offsets[e + 1], r0 + kRowBlock)});
+  const int64_t num_blocks = static_cast<int64_t>(p.blocks.size());
+  p.tile_i = tile_width(I, num_blocks, num_threads);
+  p.tile_h = tile_width(H, num_blocks, num_threads);
+  p.tiles_i = (I + p.tile_i - 1) / p.tile_i;
+  p.tiles_h = (H + p.tile_h - 1) / p.tile_h;
+  p.xs.reset(new TA[std::max<int64_t>(1, p.m * H)]);
+  p.act.reset(new TA[std::max<int64_t>(1, p.m * I)]);
+  p.ys.reset(new TA[std::max<int64_t>(1, p.m * H)]);
+  // Per thread: the gate and up tiles of one work item.
+  p.scratch_size = 2 * kRowBlock * p.tile_i;
+  p.scratch.reset(new TA[p.scratch_size * num_threads]);
+}
+
+// Phases 1-3 for every thread of the enclosing parallel region (w13 [E, 2I, H], w2 [E, H, I]).
+template <typename TA, typename TW>
+void expert_phases(const TA* hidden, const TW* w13, const TW* w2, Plan<TA>& p) {
+  const int64_t H = p.H, I = p.I, m = p.m;
+  const int64_t num_blocks = static_cast<int64_t>(p.blocks.size());
+#pragma omp for
+  for (int64_t r = 0; r < m; ++r)
+    std::copy(hidden + p.token_of_row[r] * H, hidden + (p.token_of_row[r] + 1) * H,
+              p.xs.get() + r * H);
+
+  TA* gate = p.scratch.get() + omp_get_thread_num() * p.scratch_size;
+  TA* up = gate + kRowBlock * p.tile_i;
+  const int64_t tile_i = p.tile_i, tiles_i = p.tiles_i;
+#pragma omp for schedule(dynamic, 1)
+  for (int64_t item = 0; item < num_blocks * tiles_i; ++item) {
+    const RowBlock& b = p.blocks[item / tiles_i];
+    const int64_t n0 = (item % tiles_i) * tile_i, n = std::min(I, n0 + tile_i) - n0;
+    const int64_t rows = b.r1 - b.r0;
+    const TW* w_gate = w13 + (b.expert * 2 * I + n0) * H;
+    const TW* w_up = w_gate + I * H;
+    const TA* x = p.xs.get() + b.r0 * H;
+    tile_gemm(x, H, rows, w_gate, H, n, gate, tile_i);
+    tile_gemm(x, H, rows, w_up, H, n, up, tile_i);
+    for (int64_t r = 0; r < rows; ++r) {
+      TA* a = p.act.get() + (b.r0 + r) * I + n0;
+      for (int64_t i = 0; i < n; ++i) {
+        const float g = rounded<TA>(silu(to_float(gate[r * tile_i + i])));
+        store(g * to_float(up[r * tile_i + i]), a + i);
+      }
+    }
+  }
+
+  const int64_t tile_h = p.tile_h, tiles_h = p.tiles_h;
+#pragma omp for schedule(dynamic, 1)
+  for (int64_t item = 0; item < num_blocks * tiles_h; ++item) {
+    const RowBlock& b = p.blocks[item / tiles_h];
+    const int64_t n0 = (item % tiles_h) * tile_h, n = std::min(H, n0 + tile_h) - n0;
+    tile_gemm(p.act.get() + b.r0 * I, I, b.r1 - b.r0, w2 + (b.expert * H + n0) * I, I, n,
+              p.ys.get() + b.r0 * H + n0, H);
+  }
+}
+
+// acc[c - c0] = sum_j rounded(ys[pos[t, j], c] * w[t, j]) for columns [c0, c1), float32, slot
+// by slot (phase 4 of one token's column chunk).
+template <typename TA>
+void routed_sum(const Plan<TA>& p, const float* topk_weights, int64_t top_k, int64_t t,
+                int64_t c0, int64_t c1, float* acc) {
+  std::fill(acc, acc + (c1 - c0), 0.f);
+  for (int64_t j = 0; j < top_k; ++j) {
+    const int64_t row = p.pos[t * top_k + j];
+    if (row < 0) continue;
+    const float wt = topk_weights[t * top_k + j];
+    const TA* y = p.ys.get() + row * p.H;
+    for (int64_t c = c0; c < c1; ++c) acc[c - c0] += rounded<TA>(to_float(y[c]) * wt);
+  }
+}
+
+}  // namespace moe
+}  // namespace pagedllm
