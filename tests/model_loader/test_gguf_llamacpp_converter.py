@@ -1,0 +1,182 @@
+"""GGUF files written by llama.cpp's own converter (convert_hf_to_gguf.py, found through
+`PAGEDLLM_LLAMACPP_CONVERTER`; every test here skips when it is unset or not a file) from tiny
+random HF checkpoints of the hybrid families: `qwen3next`, `qwen35` (Qwen3.5, its value heads
+tiled), `mamba2`, `lfm2`.
+
+The converter runs as a subprocess with its own gguf-py (it puts it on its path). It names a
+GPT-2-style vocabulary only by the hash of a known model's tokenization, so the checkpoints carry
+a known one: StarCoder's, read from the vocabulary file the converter ships
+(models/ggml-vocab-starcoder.gguf, 49152 tokens); the tests feed token ids.
+
+Oracles: HF transformers' float32 greedy decoding of the same checkpoint (tokens equal,
+chosen-token logprobs within 1e-3) for the F32 and F16 files; the dequantized load of the same
+file for the Q8_0 files' layers kept in blocks; and our own writer
+(tests/fixtures/gguf_converted.py) for the file itself: the same metadata keys and the same
+tensors, byte for byte.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams, envs
+from pagedllm.native.kernels import cpu_kernels
+from tests.fixtures.checkpoints import make_tiny_checkpoint
+from tests.fixtures.gguf_converted import write_converted_gguf
+from tests.model_loader.test_gguf_hybrids import QWEN3_NEXT
+from tests.models.test_hybrid_models import MAX_TOKENS, MODELS, _hf_greedy, _prompts
+
+CONVERTER = envs.get("PAGEDLLM_LLAMACPP_CONVERTER")
+pytestmark = [
+    pytest.mark.slow,   # each conversion starts the converter (torch, transformers): ~10 s
+    pytest.mark.skipif(CONVERTER is None or not Path(CONVERTER).is_file(),
+                       reason="PAGEDLLM_LLAMACPP_CONVERTER (llama.cpp's convert_hf_to_gguf.py) "
+                              "is not set to a file"),
+]
+
+# Qwen3.5 with value heads of 32 weights: its `ssm_out` columns are re-ordered in whole Q8_0
+# blocks, so the layer stays quantized.
+QWEN3_5_BLOCKS = ("Qwen3_5ForCausalLM", {**MODELS["qwen3_5"][1], "linear_value_head_dim": 32})
+FAMILIES = {"qwen3_next": QWEN3_NEXT, "qwen3_5": MODELS["qwen3_5"],
+            "qwen3_5_blocks": QWEN3_5_BLOCKS, "mamba2": MODELS["mamba2"],
+            "lfm2": MODELS["lfm2"]}
+# The HF model name `_hf_greedy` takes (eager experts for Qwen3-Next).
+HF_NAMES = {"qwen3_5_blocks": "qwen3_5"}
+ENGINE_ARGS = dict(dtype="float32", kv_cache_memory_bytes=8 << 20)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def gguf_view_cache(tmp_path_factory):
+    patch = pytest.MonkeyPatch()
+    patch.setenv("PAGEDLLM_GGUF_CACHE", str(tmp_path_factory.mktemp("converter_views")))
+    patch.setenv("PAGEDLLM_GGUF_Q8_ACTIVATIONS", "0")   # exact float activations
+    yield
+    patch.undo()
+
+
+@pytest.fixture(scope="module")
+def starcoder_tokenizer_dir(tmp_path_factory) -> Path:
+    """StarCoder's tokenizer, from the vocabulary file beside the converter."""
+    from transformers import AutoTokenizer
+
+    vocab = Path(CONVERTER).parent / "models" / "ggml-vocab-starcoder.gguf"
+    if not vocab.is_file():
+        pytest.skip(f"{vocab} is missing")
+    out = tmp_path_factory.mktemp("starcoder_tokenizer")
+    AutoTokenizer.from_pretrained(str(vocab.parent), gguf_file=vocab.name).save_pretrained(out)
+    return out
+
+
+def run_converter(checkpoint: Path, out: Path, outtype: str) -> Path:
+    """`out`, written by the converter from `checkpoint` (`--outtype` f32 / f16 / q8_0; no MTP
+    blocks: tiny Qwen checkpoints have none, and the converter asks for a count).
+
+    Raises:
+        RuntimeError: with the converter's output when it fails.
+    """
+    proc = subprocess.run([sys.executable, CONVERTER, str(checkpoint), "--outfile", str(out),
+                           "--outtype", outtype, "--no-mtp"], capture_output=True, text=True)
+    if proc.returncode or not out.is_file():
+        raise RuntimeError(f"convert_hf_to_gguf.py failed on {checkpoint}:\n{proc.stderr[-3000:]}")
+    return out
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory, starcoder_tokenizer_dir):
+    """converted(family, outtype) -> (checkpoint folder, the converter's .gguf file)."""
+    root = tmp_path_factory.mktemp("converted")
+    made: dict = {}
+
+    def get(family: str, outtype: str = "f32") -> tuple[Path, Path]:
+        checkpoint = root / family
+        if not checkpoint.is_dir():
+            arch, config = FAMILIES[family]
+            make_tiny_checkpoint(checkpoint, arch, starcoder_tokenizer_dir, **config)
+        if (family, outtype) not in made:
+            made[family, outtype] = run_converter(checkpoint, root / f"{family}-{outtype}.gguf",
+                                                  outtype)
+        return checkpoint, made[family, outtype]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(converted):
+    """family -> HF's float32 [(tokens, logprobs)] per prompt of `_prompts()`."""
+    cache: dict = {}
+
+    def get(family: str):
+        if family not in cache:
+            checkpoint, _ = converted(family)
+            cache[family] = _hf_greedy(checkpoint, HF_NAMES.get(family, family), torch.float32)
+        return cache[family]
+
+    return get
+
+
+def _run(model, **kwargs) -> tuple[list[list[int]], list[list[float]], LLM]:
+    llm = LLM(str(model), **{**ENGINE_ARGS, **kwargs})
+    outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], GREEDY, use_tqdm=False)
+    return ([list(o.outputs[0].token_ids) for o in outs],
+            [[step[t].logprob for t, step in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
+             for o in outs], llm)
+
+
+def _fields(reader: gguf.GGUFReader) -> dict:
+    return {key: field.contents() for key, field in reader.fields.items()
+            if not key.startswith(("general.", "tokenizer.", "GGUF."))}
+
+
+@pytest.mark.parametrize("family,outtype", [
+    ("qwen3_next", "f32"), ("qwen3_next", "q8_0"), ("qwen3_5", "f32"), ("qwen3_5", "q8_0"),
+    ("mamba2", "f32"), ("lfm2", "f32")])
+def test_our_writer_writes_what_the_converter_writes(converted, tmp_path, family, outtype):
+    checkpoint, theirs = converted(family, outtype)
+    ours = write_converted_gguf(checkpoint, tmp_path / "ours.gguf", outtype.upper())
+    a, b = gguf.GGUFReader(str(theirs)), gguf.GGUFReader(str(ours))
+    assert _fields(a) == _fields(b)
+    tensors = {t.name: t for t in b.tensors}
+    assert sorted(tensors) == sorted(t.name for t in a.tensors)
+    for t in a.tensors:
+        mine = tensors[t.name]
+        assert (t.tensor_type, list(t.shape)) == (mine.tensor_type, list(mine.shape)), t.name
+        assert np.array_equal(np.asarray(t.data), np.asarray(mine.data)), t.name
+
+
+@pytest.mark.parametrize("family,outtype", [
+    ("qwen3_next", "f32"), ("qwen3_5", "f32"), ("mamba2", "f32"), ("lfm2", "f32"),
+    ("qwen3_next", "f16"), ("qwen3_5", "f16")])
+def test_converted_file_greedy_equals_hf(converted, hf_greedy, family, outtype):
+    _, gguf_file = converted(family, outtype)
+    tokens, logprobs, llm = _run(gguf_file, quantization="none")
+    config = llm.llm_engine.engine_core.executor.worker.model_runner.model.config
+    if "layer_types" in FAMILIES[family][1]:
+        assert list(config.layer_types) == FAMILIES[family][1]["layer_types"]
+    want = hf_greedy(family)
+    assert tokens == [t for t, _ in want]
+    torch.testing.assert_close(torch.tensor(logprobs), torch.tensor([lp for _, lp in want]),
+                               atol=1e-3 if outtype == "f32" else 2e-2, rtol=0)
+
+
+@pytest.mark.skipif(cpu_kernels() is None, reason="CPU kernels did not build")
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_blocks"])
+def test_converted_q8_0_file_stays_in_blocks_and_equals_the_dequantized_load(converted, family):
+    _, gguf_file = converted(family, "q8_0")
+    tokens, logprobs, llm = _run(gguf_file, quantization="gguf")
+    delta_net = llm.llm_engine.engine_core.executor.worker.model_runner.model.model.layers[0] \
+        .linear_attn
+    assert {delta_net.in_proj_qkv.gguf_quant_type, delta_net.in_proj_z.gguf_quant_type,
+            delta_net.out_proj.gguf_quant_type} == {"Q8_0"}
+    del llm
+    want_tokens, want_logprobs, _ = _run(gguf_file, quantization="none")
+    assert tokens == want_tokens
+    torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(want_logprobs),
+                               atol=1e-4, rtol=0)
