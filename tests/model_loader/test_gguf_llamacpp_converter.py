@@ -1,7 +1,7 @@
 """GGUF files written by llama.cpp's own converter (convert_hf_to_gguf.py, found through
 `PAGEDLLM_LLAMACPP_CONVERTER`; every test here skips when it is unset or not a file) from tiny
 random HF checkpoints of the hybrid families: `qwen3next`, `qwen35` (Qwen3.5, its value heads
-tiled), `mamba2`, `lfm2`.
+tiled), `mamba2`, `lfm2`, `granitehybrid` (Granite 4 hybrid).
 
 The converter runs as a subprocess with its own gguf-py (it puts it on its path). It names a
 GPT-2-style vocabulary only by the hash of a known model's tokenization, so the checkpoints carry
@@ -11,12 +11,13 @@ a known one: StarCoder's, read from the vocabulary file the converter ships
 Oracles: HF transformers' float32 greedy decoding of the same checkpoint (tokens equal,
 chosen-token logprobs within 1e-3) for the F32 and F16 files; the dequantized load of the same
 file for the Q8_0 files' layers kept in blocks; and our own writer
-(tests/fixtures/gguf_converted.py) for the file itself: the same metadata keys and the same
-tensors, byte for byte.
+(tests/fixtures/gguf_converted.py; not for granitehybrid, which it does not write) for the file
+itself: the same metadata keys and the same tensors, byte for byte.
 """
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -44,9 +45,13 @@ pytestmark = [
 # Qwen3.5 with value heads of 32 weights: its `ssm_out` columns are re-ordered in whole Q8_0
 # blocks, so the layer stays quantized.
 QWEN3_5_BLOCKS = ("Qwen3_5ForCausalLM", {**MODELS["qwen3_5"][1], "linear_value_head_dim": 32})
+# Granite 4 hybrid as Granite 4.0-H: no RoPE (the converter marks RoPE only for Bamba or a
+# model without Mamba layers, and llama.cpp applies it only then).
+GRANITE_HYBRID = ("GraniteMoeHybridForCausalLM",
+                  {**MODELS["granite_hybrid"][1], "position_embedding_type": "nope"})
 FAMILIES = {"qwen3_next": QWEN3_NEXT, "qwen3_5": MODELS["qwen3_5"],
             "qwen3_5_blocks": QWEN3_5_BLOCKS, "mamba2": MODELS["mamba2"],
-            "lfm2": MODELS["lfm2"]}
+            "lfm2": MODELS["lfm2"], "granite_hybrid": GRANITE_HYBRID}
 # The HF model name `_hf_greedy` takes (eager experts for Qwen3-Next).
 HF_NAMES = {"qwen3_5_blocks": "qwen3_5"}
 ENGINE_ARGS = dict(dtype="float32", kv_cache_memory_bytes=8 << 20)
@@ -76,14 +81,17 @@ def starcoder_tokenizer_dir(tmp_path_factory) -> Path:
 
 
 def run_converter(checkpoint: Path, out: Path, outtype: str) -> Path:
-    """`out`, written by the converter from `checkpoint` (`--outtype` f32 / f16 / q8_0; no MTP
-    blocks: tiny Qwen checkpoints have none, and the converter asks for a count).
+    """`out`, written by the converter from `checkpoint` (`--outtype` f32 / f16 / q8_0; for the
+    Qwen families no MTP blocks: tiny checkpoints have none, and the converter asks for a
+    count).
 
     Raises:
         RuntimeError: with the converter's output when it fails.
     """
+    arch = json.loads((checkpoint / "config.json").read_text())["architectures"][0]
+    extra = ["--no-mtp"] if arch.startswith("Qwen3") else []
     proc = subprocess.run([sys.executable, CONVERTER, str(checkpoint), "--outfile", str(out),
-                           "--outtype", outtype, "--no-mtp"], capture_output=True, text=True)
+                           "--outtype", outtype, *extra], capture_output=True, text=True)
     if proc.returncode or not out.is_file():
         raise RuntimeError(f"convert_hf_to_gguf.py failed on {checkpoint}:\n{proc.stderr[-3000:]}")
     return out
@@ -100,12 +108,26 @@ def converted(tmp_path_factory, starcoder_tokenizer_dir):
         if not checkpoint.is_dir():
             arch, config = FAMILIES[family]
             make_tiny_checkpoint(checkpoint, arch, starcoder_tokenizer_dir, **config)
+            _spell_layer_types_as_the_hub(checkpoint)
         if (family, outtype) not in made:
             made[family, outtype] = run_converter(checkpoint, root / f"{family}-{outtype}.gguf",
                                                   outtype)
         return checkpoint, made[family, outtype]
 
     return get
+
+
+def _spell_layer_types_as_the_hub(checkpoint: Path) -> None:
+    """Granite 4 hybrid's config.json `layer_types` as its released checkpoints spell them
+    ("mamba" / "attention"): transformers 5 reads both spellings but saves "linear_attention" /
+    "full_attention", which the converter does not know (it would write every layer as a Mamba
+    layer)."""
+    path = checkpoint / "config.json"
+    config = json.loads(path.read_text())
+    if config["architectures"] == ["GraniteMoeHybridForCausalLM"]:
+        config["layer_types"] = ["attention" if t == "full_attention" else "mamba"
+                                 for t in config["layer_types"]]
+        path.write_text(json.dumps(config, indent=2))
 
 
 @pytest.fixture(scope="module")
@@ -153,13 +175,16 @@ def test_our_writer_writes_what_the_converter_writes(converted, tmp_path, family
 
 @pytest.mark.parametrize("family,outtype", [
     ("qwen3_next", "f32"), ("qwen3_5", "f32"), ("mamba2", "f32"), ("lfm2", "f32"),
-    ("qwen3_next", "f16"), ("qwen3_5", "f16")])
+    ("granite_hybrid", "f32"), ("qwen3_next", "f16"), ("qwen3_5", "f16")])
 def test_converted_file_greedy_equals_hf(converted, hf_greedy, family, outtype):
     _, gguf_file = converted(family, outtype)
     tokens, logprobs, llm = _run(gguf_file, quantization="none")
     config = llm.llm_engine.engine_core.executor.worker.model_runner.model.config
-    if "layer_types" in FAMILIES[family][1]:
+    if family.startswith(("qwen", "lfm2")):
         assert list(config.layer_types) == FAMILIES[family][1]["layer_types"]
+    elif family == "granite_hybrid":
+        assert list(config.layers_block_type) == ["linear_attention", "full_attention",
+                                                  "linear_attention"]
     want = hf_greedy(family)
     assert tokens == [t for t, _ in want]
     torch.testing.assert_close(torch.tensor(logprobs), torch.tensor([lp for _, lp in want]),
@@ -175,6 +200,29 @@ def test_converted_q8_0_file_stays_in_blocks_and_equals_the_dequantized_load(con
         .linear_attn
     assert {delta_net.in_proj_qkv.gguf_quant_type, delta_net.in_proj_z.gguf_quant_type,
             delta_net.out_proj.gguf_quant_type} == {"Q8_0"}
+    del llm
+    want_tokens, want_logprobs, _ = _run(gguf_file, quantization="none")
+    assert tokens == want_tokens
+    torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(want_logprobs),
+                               atol=1e-4, rtol=0)
+
+
+@pytest.mark.skipif(cpu_kernels() is None, reason="CPU kernels did not build")
+def test_converted_granite_q8_0_file_keeps_layers_and_experts_in_blocks(converted):
+    """Granite 4 hybrid at Q8_0: the Mamba and attention projections (attn_q / attn_k rows
+    un-permuted on the blocks), the shared MLP's two halves and the experts stay in blocks and
+    equal the dequantized load."""
+    from pagedllm.layers.fused_moe import FusedMoE
+
+    _, gguf_file = converted("granite_hybrid", "q8_0")
+    tokens, logprobs, llm = _run(gguf_file, quantization="gguf")
+    model = llm.llm_engine.engine_core.executor.worker.model_runner.model
+    layers = model.model.layers
+    assert {layers[0].mamba.in_proj.gguf_quant_type, layers[1].self_attn.q_proj.gguf_quant_type,
+            layers[1].self_attn.k_proj.gguf_quant_type,
+            layers[1].shared_mlp.input_linear.gguf_quant_type} == {"Q8_0"}
+    moes = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    assert moes and all(m.gguf_expert_types == {"w13": "Q8_0", "w2": "Q8_0"} for m in moes)
     del llm
     want_tokens, want_logprobs, _ = _run(gguf_file, quantization="none")
     assert tokens == want_tokens
