@@ -23,7 +23,7 @@ from pagedllm.layers.fused_moe import FusedMoE
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear
 from pagedllm.layers.rotary_embedding import RotaryEmbedding, rope_parameters_from_hf
-from pagedllm.models.granite_gguf import (granitehybrid_checkpoint_weights,
+from pagedllm.models.mamba_hybrid_gguf import (granitehybrid_checkpoint_weights,
                                          granitehybrid_hf_config)
 from pagedllm.models.hybrid import HybridForCausalLM
 from pagedllm.models.mamba2 import Mamba2Mixer, mamba_mixer_config
@@ -113,7 +113,7 @@ class GraniteMoeHybridForCausalLM(HybridForCausalLM):
     """Granite 4 hybrid's stack (`model.{embed_tokens,layers,norm}`) on `HybridForCausalLM`;
     its API. The experts' stacked `input_linear` [E, 2I, H] and `output_linear` [E, H, I] load
     as FusedMoE's fused gate_up / down tensors. llama.cpp's `granitehybrid` files load through
-    `granite_gguf.granitehybrid_hf_config` / `granitehybrid_checkpoint_weights`.
+    `mamba_hybrid_gguf.granitehybrid_hf_config` / `granitehybrid_checkpoint_weights`.
 
     Raises:
         ValueError: at construction, for a layer type other than "linear_attention" /
@@ -127,13 +127,13 @@ class GraniteMoeHybridForCausalLM(HybridForCausalLM):
     @classmethod
     def gguf_hf_config(cls, metadata: dict, tensors: dict):
         """The HF config of a `granitehybrid` GGUF file
-        (`granite_gguf.granitehybrid_hf_config`)."""
+        (`mamba_hybrid_gguf.granitehybrid_hf_config`)."""
         return granitehybrid_hf_config(metadata, tensors)
 
     @classmethod
     def gguf_checkpoint_weights(cls, config, weights):
         """Checkpoint tensors of a `granitehybrid` GGUF file
-        (`granite_gguf.granitehybrid_checkpoint_weights`)."""
+        (`mamba_hybrid_gguf.granitehybrid_checkpoint_weights`)."""
         return granitehybrid_checkpoint_weights(config, weights, cls.__name__)
 
     def __init__(self, config) -> None:
