@@ -1,7 +1,7 @@
 """GGUF files written by llama.cpp's own converter (convert_hf_to_gguf.py, found through
 `PAGEDLLM_LLAMACPP_CONVERTER`; every test here skips when it is unset or not a file) from tiny
 random HF checkpoints of the hybrid families: `qwen3next`, `qwen35` (Qwen3.5, its value heads
-tiled), `mamba2`, `lfm2`, `granitehybrid` (Granite 4 hybrid).
+tiled), `mamba2`, `lfm2`, `granitehybrid` (Granite 4 hybrid), `falcon-h1`.
 
 The converter runs as a subprocess with its own gguf-py (it puts it on its path). It names a
 GPT-2-style vocabulary only by the hash of a known model's tokenization, so the checkpoints carry
@@ -11,7 +11,8 @@ a known one: StarCoder's, read from the vocabulary file the converter ships
 Oracles: HF transformers' float32 greedy decoding of the same checkpoint (tokens equal,
 chosen-token logprobs within 1e-3) for the F32 and F16 files; the dequantized load of the same
 file for the Q8_0 files' layers kept in blocks; and our own writer
-(tests/fixtures/gguf_converted.py; not for granitehybrid, which it does not write) for the file
+(tests/fixtures/gguf_converted.py; not for granitehybrid and falcon-h1, which it does not
+write) for the file
 itself: the same metadata keys and the same tensors, byte for byte.
 """
 
@@ -49,9 +50,13 @@ QWEN3_5_BLOCKS = ("Qwen3_5ForCausalLM", {**MODELS["qwen3_5"][1], "linear_value_h
 # model without Mamba layers, and llama.cpp applies it only then).
 GRANITE_HYBRID = ("GraniteMoeHybridForCausalLM",
                   {**MODELS["granite_hybrid"][1], "position_embedding_type": "nope"})
+# Falcon-H1 with every muP multiplier and the gated norm, as released checkpoints: `head_dim`
+# in the config (the converter requires it) and the norm after the gate (llama.cpp's order).
+FALCON_H1 = ("FalconH1ForCausalLM", {**MODELS["falcon_h1"][1], "head_dim": 16,
+                                     "mamba_norm_before_gate": False})
 FAMILIES = {"qwen3_next": QWEN3_NEXT, "qwen3_5": MODELS["qwen3_5"],
             "qwen3_5_blocks": QWEN3_5_BLOCKS, "mamba2": MODELS["mamba2"],
-            "lfm2": MODELS["lfm2"], "granite_hybrid": GRANITE_HYBRID}
+            "lfm2": MODELS["lfm2"], "granite_hybrid": GRANITE_HYBRID, "falcon_h1": FALCON_H1}
 # The HF model name `_hf_greedy` takes (eager experts for Qwen3-Next).
 HF_NAMES = {"qwen3_5_blocks": "qwen3_5"}
 ENGINE_ARGS = dict(dtype="float32", kv_cache_memory_bytes=8 << 20)
@@ -175,7 +180,8 @@ def test_our_writer_writes_what_the_converter_writes(converted, tmp_path, family
 
 @pytest.mark.parametrize("family,outtype", [
     ("qwen3_next", "f32"), ("qwen3_5", "f32"), ("mamba2", "f32"), ("lfm2", "f32"),
-    ("granite_hybrid", "f32"), ("qwen3_next", "f16"), ("qwen3_5", "f16")])
+    ("granite_hybrid", "f32"), ("falcon_h1", "f32"), ("qwen3_next", "f16"),
+    ("qwen3_5", "f16")])
 def test_converted_file_greedy_equals_hf(converted, hf_greedy, family, outtype):
     _, gguf_file = converted(family, outtype)
     tokens, logprobs, llm = _run(gguf_file, quantization="none")
@@ -223,6 +229,22 @@ def test_converted_granite_q8_0_file_keeps_layers_and_experts_in_blocks(converte
             layers[1].shared_mlp.input_linear.gguf_quant_type} == {"Q8_0"}
     moes = [m for m in model.modules() if isinstance(m, FusedMoE)]
     assert moes and all(m.gguf_expert_types == {"w13": "Q8_0", "w2": "Q8_0"} for m in moes)
+    del llm
+    want_tokens, want_logprobs, _ = _run(gguf_file, quantization="none")
+    assert tokens == want_tokens
+    torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(want_logprobs),
+                               atol=1e-4, rtol=0)
+
+
+@pytest.mark.skipif(cpu_kernels() is None, reason="CPU kernels did not build")
+def test_converted_falcon_h1_q8_0_file_stays_in_blocks_and_equals_the_dequantized_load(converted):
+    """Falcon-H1 at Q8_0 (its multipliers folded into the blocks by the converter): the Mamba,
+    attention and MLP projections stay in blocks and equal the dequantized load."""
+    _, gguf_file = converted("falcon_h1", "q8_0")
+    tokens, logprobs, llm = _run(gguf_file, quantization="gguf")
+    layer = llm.llm_engine.engine_core.executor.worker.model_runner.model.model.layers[0]
+    assert {layer.mamba.in_proj.gguf_quant_type, layer.self_attn.k_proj.gguf_quant_type,
+            layer.feed_forward.gate_proj.gguf_quant_type} == {"Q8_0"}
     del llm
     want_tokens, want_logprobs, _ = _run(gguf_file, quantization="none")
     assert tokens == want_tokens
