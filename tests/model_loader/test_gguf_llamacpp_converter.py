@@ -250,3 +250,40 @@ def test_converted_falcon_h1_q8_0_file_stays_in_blocks_and_equals_the_dequantize
     assert tokens == want_tokens
     torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(want_logprobs),
                                atol=1e-4, rtol=0)
+
+
+def _llamacpp_greedy(gguf_file: Path, prompts: list[list[int]]) -> list[list[int]]:
+    """llama.cpp's greedy tokens (argmax of its float32 logits, `MAX_TOKENS` per prompt) on
+    `gguf_file`, each prompt from an empty cache."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(str(gguf_file), n_ctx=128, n_batch=128, n_ubatch=128, n_threads=2,
+                          logits_all=True, verbose=False)
+    out = []
+    try:
+        for prompt in prompts:
+            llm.reset()
+            llm.eval(prompt)
+            tokens = []
+            for _ in range(MAX_TOKENS):
+                tokens.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+                llm.eval(tokens[-1:])
+            out.append(tokens)
+    finally:
+        llm.close()
+    return out
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5", "mamba2", "lfm2", "granite_hybrid",
+                                    "falcon_h1"])
+def test_llamacpp_greedy_tokens_equal_ours(converted, family):
+    """llama-cpp-python (`PAGEDLLM_LLAMACPP_SITE_PACKAGES`) on the very same F32 file: the same
+    greedy tokens as the engine's."""
+    from pagedllm.benchmarks.llamacpp_baseline import llamacpp_unavailable_reason
+
+    reason = llamacpp_unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason.splitlines()[0])
+    _, gguf_file = converted(family)
+    tokens, _, _ = _run(gguf_file, quantization="none")
+    assert _llamacpp_greedy(gguf_file, _prompts()) == tokens
