@@ -12,8 +12,7 @@ Oracles: HF transformers' float32 greedy decoding of the same checkpoint (tokens
 chosen-token logprobs within 1e-3) for the F32 files; the safetensors checkpoint's parameters to
 float16 precision for the F16 files; the dequantized load of the same file for the Q8_0 files'
 layers kept in blocks; and our own writer
-(tests/fixtures/gguf_converted.py; not for granitehybrid and falcon-h1, which it does not
-write) for the file
+(tests/fixtures/gguf_converted.py) for the file
 itself: the same metadata keys and the same tensors, byte for byte.
 """
 
@@ -32,7 +31,7 @@ import torch
 from pagedllm import LLM, SamplingParams, envs
 from pagedllm.native.kernels import cpu_kernels
 from tests.fixtures.checkpoints import make_tiny_checkpoint
-from tests.fixtures.gguf_converted import write_converted_gguf
+from tests.fixtures.gguf_converted import spell_layer_types_as_the_hub, write_converted_gguf
 from tests.model_loader.test_gguf_hybrids import QWEN3_NEXT
 from tests.models.test_hybrid_models import MAX_TOKENS, MODELS, _hf_greedy, _prompts
 
@@ -120,26 +119,13 @@ def converted(tmp_path_factory, starcoder_tokenizer_dir):
         if not checkpoint.is_dir():
             arch, config = FAMILIES[family]
             make_tiny_checkpoint(checkpoint, arch, starcoder_tokenizer_dir, **config)
-            _spell_layer_types_as_the_hub(checkpoint)
+            spell_layer_types_as_the_hub(checkpoint)
         if (family, outtype) not in made:
             made[family, outtype] = run_converter(checkpoint, root / f"{family}-{outtype}.gguf",
                                                   outtype)
         return checkpoint, made[family, outtype]
 
     return get
-
-
-def _spell_layer_types_as_the_hub(checkpoint: Path) -> None:
-    """Granite 4 hybrid's config.json `layer_types` as its released checkpoints spell them
-    ("mamba" / "attention"): transformers 5 reads both spellings but saves "linear_attention" /
-    "full_attention", which the converter does not know (it would write every layer as a Mamba
-    layer)."""
-    path = checkpoint / "config.json"
-    config = json.loads(path.read_text())
-    if config["architectures"] == ["GraniteMoeHybridForCausalLM"]:
-        config["layer_types"] = ["attention" if t == "full_attention" else "mamba"
-                                 for t in config["layer_types"]]
-        path.write_text(json.dumps(config, indent=2))
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +157,8 @@ def _fields(reader: gguf.GGUFReader) -> dict:
 
 @pytest.mark.parametrize("family,outtype", [
     ("qwen3_next", "f32"), ("qwen3_next", "q8_0"), ("qwen3_5", "f32"), ("qwen3_5", "q8_0"),
-    ("mamba2", "f32"), ("lfm2", "f32")])
+    ("mamba2", "f32"), ("lfm2", "f32"), ("granite_hybrid", "f32"), ("granite_hybrid", "q8_0"),
+    ("falcon_h1", "f32"), ("falcon_h1", "q8_0")])
 def test_our_writer_writes_what_the_converter_writes(converted, tmp_path, family, outtype):
     checkpoint, theirs = converted(family, outtype)
     ours = write_converted_gguf(checkpoint, tmp_path / "ours.gguf", outtype.upper())
