@@ -217,7 +217,8 @@ def _write_view(folder: Path, path: Path, reader, model_cls) -> None:
     """config.json, the tokenizer files and generation_config.json of `path`, into `folder`.
 
     The config is transformers' reading of the file, or for a family whose architecture
-    transformers' GGUF reader does not know (deepseek2, mamba2, qwen3next) the family's own
+    transformers' GGUF reader does not know (deepseek2, glm4moe, mamba2, qwen3next, qwen35,
+    granitehybrid, falcon-h1) the family's own
     (`model_cls.gguf_hf_config(metadata_values(reader), {tensor name: torch-order shape})`,
     which raises ValueError naming a missing or unsupported key); the tokenizer is
     always transformers' (its tokenizer reading does not depend on the architecture).

@@ -1,6 +1,7 @@
 """llama.cpp's GGUF files of the hybrid families: `lfm2` (LFM2's short-conv / attention
 layers) as `Lfm2ForCausalLM` checkpoints, `mamba2` as `Mamba2ForCausalLM` checkpoints,
-`qwen3next` as `Qwen3NextForCausalLM` checkpoints.
+`qwen3next` as `Qwen3NextForCausalLM` checkpoints, `qwen35` (Qwen3.5's dense text model) as
+`Qwen3_5ForCausalLM` checkpoints. (Granite 4 hybrid and Falcon-H1: models/mamba_hybrid_gguf.py.)
 
 LFM2's config comes from transformers' own GGUF reader (it knows `lfm2`: the per-layer
 `attention.head_count_kv` array gives the attention layers); the tensors are renamed here.
@@ -17,7 +18,8 @@ chunking changes only the order of float sums) nor `time_step_limit` (HF's defau
 which llama.cpp applies too).
 
 Qwen3-Next's config is read here too (transformers' GGUF reader does not know `qwen3next`):
-the layer types from `full_attention_interval` (layer i is full attention when (i + 1) is a
+the layer types from `attention.recurrent_layers` (one flag per block, as the current converter
+writes them) or else `full_attention_interval` (layer i is full attention when (i + 1) is a
 multiple of it; llama.cpp's default 4), the Gated DeltaNet's sizes from `ssm.*` (group_count =
 key heads, time_step_rank = value heads, state_size = key head size, inner_size = value heads x
 value head size), RoPE's fraction from `rope.dimension_count` / `attention.key_length`; every
@@ -32,6 +34,13 @@ both load. `ssm_ba` is HF's grouped `in_proj_ba`; the stacked experts load one e
 layers as `nextn_predict_layers` extra blocks after the model's: they are counted out of the
 layers and their tensors skipped (no MTP drafter here, as for a safetensors checkpoint's
 `mtp.*`).
+
+Qwen3.5 (`qwen35`): the same keys and value changes with dense MLPs (`ffn_gate` / `ffn_up` /
+`ffn_down`) and `in_proj_b` / `in_proj_a` as `ssm_beta` / `ssm_alpha`; with more value heads
+than key heads the converter (`_LinearAttentionVReorderBase`) tiles the value heads for ggml's
+broadcast, which `qwen35_checkpoint_weights` undoes (`tiled_value_heads_order`). Its
+`rope.dimension_sections` (multimodal RoPE) are not read: for text, sectioned RoPE is plain
+RoPE.
 """
 
 from __future__ import annotations
