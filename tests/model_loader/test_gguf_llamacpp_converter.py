@@ -56,7 +56,16 @@ GRANITE_HYBRID = ("GraniteMoeHybridForCausalLM",
 # in the config (the converter requires it) and the norm after the gate (llama.cpp's order).
 FALCON_H1 = ("FalconH1ForCausalLM", {**MODELS["falcon_h1"][1], "head_dim": 16,
                                      "mamba_norm_before_gate": False})
-FAMILIES = {"qwen3_next": QWEN3_NEXT, "qwen3_5": MODELS["qwen3_5"],
+# Qwen3.5 as llama.cpp can run it: value heads as large as key heads (its loader sizes
+# `attn_qkv` by the key head size), MRoPE sections within the 4 rotated dims (the converter
+# writes the default [11, 11, 10] otherwise, past them, and llama.cpp aborts); value heads still
+# tiled (4 to 2 key heads).
+QWEN3_5_LLAMACPP = ("Qwen3_5ForCausalLM", {
+    **MODELS["qwen3_5"][1], "linear_value_head_dim": 16,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                        "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 0],
+                        "mrope_interleaved": True}})
+FAMILIES = {"qwen3_5_llamacpp": QWEN3_5_LLAMACPP, "qwen3_next": QWEN3_NEXT, "qwen3_5": MODELS["qwen3_5"],
             "qwen3_5_blocks": QWEN3_5_BLOCKS, "mamba2": MODELS["mamba2"],
             "lfm2": MODELS["lfm2"], "granite_hybrid": GRANITE_HYBRID, "falcon_h1": FALCON_H1}
 # The HF model name `_hf_greedy` takes (eager experts for Qwen3-Next).
@@ -283,8 +292,8 @@ def _llamacpp_greedy(gguf_file: Path, prompts: list[list[int]]) -> list[list[int
     return out
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5", "mamba2", "lfm2", "granite_hybrid",
-                                    "falcon_h1"])
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_llamacpp", "mamba2", "lfm2",
+                                    "granite_hybrid", "falcon_h1"])
 def test_llamacpp_greedy_tokens_equal_ours(converted, family):
     """llama-cpp-python (`PAGEDLLM_LLAMACPP_SITE_PACKAGES`) on the very same F32 file: the same
     greedy tokens as the engine's."""
