@@ -210,7 +210,8 @@ class EnvOptions:
     llamacpp_converter: Path | None = _var(
         "PAGEDLLM_LLAMACPP_CONVERTER", _path, None, "a file", "beside the llama_cpp package",
         "llama.cpp's convert_hf_to_gguf.py for `pagedllm bench --compare llamacpp`, when "
-        "`--llamacpp-converter` is not given.")
+        "`--llamacpp-converter` is not given; the slow converter tests "
+        "(tests/model_loader/test_gguf_llamacpp_converter.py) run only when it is set.")
     llamacpp_site_packages: Path | None = _var(
         "PAGEDLLM_LLAMACPP_SITE_PACKAGES", _path, None, "a directory", "none",
         "A site-packages directory holding llama-cpp-python (a separate venv of the same Python "

@@ -9,7 +9,7 @@ which accepts a tokenizer only when the hash of its pre-tokenizer's output is on
 `llamacpp_baseline.convert_to_gguf` retries with serves only the Llama-family converters. So the
 file is written by `tests/fixtures/gguf_converted.write_converted_gguf` (the converter's metadata
 keys, tensor names and layout changes; checked tensor by tensor against the real converter for
-deepseek2, written from the converter's source for qwen3next), tokenizer as GPT-2 BPE with the
+deepseek2 and qwen3next), tokenizer as GPT-2 BPE with the
 "default" pre-tokenizer. It lands where `pagedllm bench --compare llamacpp` looks for the
 converted file (`<preset folder>/model-f32.gguf`), so llama.cpp runs the same weights as the
 engine; the bench feeds token ids, so the vocabulary step does not change the workload.

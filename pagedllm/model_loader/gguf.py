@@ -217,7 +217,8 @@ def _write_view(folder: Path, path: Path, reader, model_cls) -> None:
     """config.json, the tokenizer files and generation_config.json of `path`, into `folder`.
 
     The config is transformers' reading of the file, or for a family whose architecture
-    transformers' GGUF reader does not know (deepseek2, mamba2, qwen3next) the family's own
+    transformers' GGUF reader does not know (deepseek2, glm4moe, mamba2, qwen3next, qwen35,
+    granitehybrid, falcon-h1) the family's own
     (`model_cls.gguf_hf_config(metadata_values(reader), {tensor name: torch-order shape})`,
     which raises ValueError naming a missing or unsupported key); the tokenizer is
     always transformers' (its tokenizer reading does not depend on the architecture).
@@ -572,7 +573,8 @@ class GGUFTensor:
         A 3-D tensor (llama.cpp's stacked experts, [experts, rows, cols]) must be narrowed to
         one expert first; its rows and columns are then sliced as a 2-D tensor's.
         A map (`map`) must only reorder rows (as `unpermute_rope_rows` does): it is applied to
-        the row numbers and the byte rows are gathered in that order. A slice of the input
+        the row numbers and the byte rows are gathered in that order; or only reorder columns
+        in whole blocks (then the blocks of each row are gathered). A slice of the input
         (last) dimension must start and end on block boundaries.
 
         Raises:
@@ -608,10 +610,50 @@ class GGUFTensor:
         if one_expert:
             data = data[index[0].start]
         elif self._transforms:
-            data = data[self._row_order().numpy()]
+            data = self._reordered_blocks(data, block_size, block_bytes)
         data = data[rows, cols.start // block_size * block_bytes:
                     cols.stop // block_size * block_bytes]
         return torch.from_numpy(np.array(data, dtype=np.uint8, order="C"))
+
+    def _reordered_blocks(self, data: np.ndarray, block_size: int,
+                          block_bytes: int) -> np.ndarray:
+        """`data` ([rows, row_bytes] blocks) in the order of this tensor's maps: a row
+        permutation, or a permutation of the columns that moves whole blocks (as
+        `hybrid_gguf.qwen35_checkpoint_weights` re-orders `ssm_out`'s value heads).
+
+        Raises:
+            ValueError: naming the tensor when the maps are neither.
+        """
+        try:
+            return data[self._row_order().numpy()]
+        except ValueError as row_error:
+            blocks = self._column_block_order(block_size)
+            if blocks is None:
+                raise row_error from None
+        rows = data.shape[0]
+        return data.reshape(rows, -1, block_bytes)[:, blocks.numpy()].reshape(rows, -1)
+
+    def _column_block_order(self, block_size: int) -> torch.Tensor | None:
+        """The block order of this tensor's maps when they permute columns in whole blocks
+        of `block_size`, else None."""
+        n = self._info.shape[-1]
+        order = torch.arange(n, dtype=torch.float64).unsqueeze(0)
+        try:
+            for fn in self._transforms:
+                order = fn(order)
+        except (RuntimeError, IndexError):
+            return None
+        if order.shape != (1, n) or n % block_size:
+            return None
+        perm = order.reshape(-1).round().long()
+        if not torch.equal(perm.double(), order.reshape(-1)) \
+                or not torch.equal(perm.sort().values, torch.arange(n)):
+            return None
+        blocks = perm.reshape(-1, block_size)
+        if not torch.equal(blocks - blocks[:, :1], torch.arange(block_size).expand_as(blocks)) \
+                or bool((blocks[:, 0] % block_size).any()):
+            return None
+        return blocks[:, 0] // block_size
 
     def _row_order(self) -> torch.Tensor:
         """The row permutation of this tensor's maps, found by mapping the row numbers.
@@ -624,7 +666,7 @@ class GGUFTensor:
         try:
             for fn in self._transforms:
                 order = fn(order)
-        except RuntimeError as e:
+        except (RuntimeError, IndexError) as e:
             raise ValueError(f"GGUF tensor {self.name}: its map does not apply to rows: "
                              f"{e}") from e
         perm = order.reshape(-1).round().long() if order.shape == (n, 1) else None

@@ -29,6 +29,8 @@ from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import ColumnParallelLinear
 from pagedllm.layers.rotary_embedding import RotaryEmbedding, rope_parameters_from_hf
 from pagedllm.models.hybrid import HybridForCausalLM
+from pagedllm.models.mamba_hybrid_gguf import (falcon_h1_checkpoint_weights,
+                                               falcon_h1_hf_config)
 from pagedllm.models.mamba2 import Mamba2Mixer, mamba_mixer_config
 
 
@@ -117,12 +119,28 @@ class FalconH1DecoderLayer(nn.Module):
 class FalconH1ForCausalLM(HybridForCausalLM):
     """Falcon-H1's stack (`model.{embed_tokens,layers,final_layernorm}`) on
     `HybridForCausalLM`; its API. Each mixer's `in_proj` rows are scaled by the muP vector and
-    its input multiplier as they load.
+    its input multiplier as they load. llama.cpp's `falcon-h1` files (multipliers folded into
+    the weights) load through `mamba_hybrid_gguf.falcon_h1_hf_config` /
+    `falcon_h1_checkpoint_weights`.
 
     Raises:
         ValueError: at construction, with tensor / pipeline parallelism or an activation other
             than silu.
     """
+
+    gguf_architecture: str | None = "falcon-h1"
+
+    @classmethod
+    def gguf_hf_config(cls, metadata: dict, tensors: dict):
+        """The HF config of a `falcon-h1` GGUF file
+        (`mamba_hybrid_gguf.falcon_h1_hf_config`)."""
+        return falcon_h1_hf_config(metadata, tensors)
+
+    @classmethod
+    def gguf_checkpoint_weights(cls, config, weights):
+        """Checkpoint tensors of a `falcon-h1` GGUF file
+        (`mamba_hybrid_gguf.falcon_h1_checkpoint_weights`)."""
+        return falcon_h1_checkpoint_weights(config, weights, cls.__name__)
 
     def __init__(self, config) -> None:
         super().__init__(config, None, (), lambda i, _: FalconH1DecoderLayer(config, i),
@@ -137,9 +155,10 @@ class FalconH1ForCausalLM(HybridForCausalLM):
 
     def checkpoint_tensors(self, name: str, tensor):
         if name.endswith((".mamba.in_proj.weight", ".mamba.in_proj.bias")):
-            # (a checkpoint tensor is read lazily: read it to scale it)
-            t = tensor.materialize() if hasattr(tensor, "materialize") else tensor
             rows = self._in_proj_scale * (self.config.ssm_in_multiplier
                                           if name.endswith("weight") else 1.0)
-            tensor = (t.float() * rows.view(-1, *([1] * (t.dim() - 1)))).to(t.dtype)
+            if bool((rows != 1).any()):   # (a GGUF file's rows come scaled: blocks kept)
+                # (a checkpoint tensor is read lazily: read it to scale it)
+                t = tensor.materialize() if hasattr(tensor, "materialize") else tensor
+                tensor = (t.float() * rows.view(-1, *([1] * (t.dim() - 1)))).to(t.dtype)
         return ((name, tensor),)

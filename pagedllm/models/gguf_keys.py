@@ -1,5 +1,6 @@
 """Reading a GGUF file's metadata into an HF config, for the families transformers' own GGUF
-reader does not know (deepseek2, mamba2, qwen3next): what their `gguf_hf_config` share.
+reader does not know (deepseek2, mamba2, qwen3next, qwen35, granitehybrid,
+falcon-h1): what their `gguf_hf_config` share.
 
 `GGUFKeys` looks keys up under the file's architecture prefix (llama.cpp's `{arch}.` + key, as
 its `LLM_KV_*` names) and raises a ValueError that names the missing or bad key, so a malformed

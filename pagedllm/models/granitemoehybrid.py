@@ -21,8 +21,10 @@ from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.fused_moe import FusedMoE
 from pagedllm.layers.layernorm import RMSNorm
-from pagedllm.layers.linear import ColumnParallelLinear
+from pagedllm.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear
 from pagedllm.layers.rotary_embedding import RotaryEmbedding, rope_parameters_from_hf
+from pagedllm.models.mamba_hybrid_gguf import (granitehybrid_checkpoint_weights,
+                                         granitehybrid_hf_config)
 from pagedllm.models.hybrid import HybridForCausalLM
 from pagedllm.models.mamba2 import Mamba2Mixer, mamba_mixer_config
 from pagedllm.models.moe import ReplicatedLinear
@@ -62,11 +64,12 @@ class GraniteAttention(nn.Module):
 
 
 class GraniteSharedMLP(nn.Module):
-    """input_linear -> [gate | up] -> silu(gate) * up -> output_linear."""
+    """input_linear -> [gate | up] -> silu(gate) * up -> output_linear. (`input_linear` loads
+    whole, or as its halves `gate_proj` / `up_proj`: a GGUF file's split tensors.)"""
 
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
-        self.input_linear = ColumnParallelLinear(hidden, 2 * intermediate)
+        self.input_linear = MergedColumnParallelLinear(hidden, [intermediate, intermediate])
         self.output_linear = ColumnParallelLinear(intermediate, hidden)
         self.act_fn = SiluAndMul()
 
@@ -109,12 +112,29 @@ class GraniteMoeHybridDecoderLayer(nn.Module):
 class GraniteMoeHybridForCausalLM(HybridForCausalLM):
     """Granite 4 hybrid's stack (`model.{embed_tokens,layers,norm}`) on `HybridForCausalLM`;
     its API. The experts' stacked `input_linear` [E, 2I, H] and `output_linear` [E, H, I] load
-    as FusedMoE's fused gate_up / down tensors.
+    as FusedMoE's fused gate_up / down tensors. llama.cpp's `granitehybrid` files load through
+    `mamba_hybrid_gguf.granitehybrid_hf_config` / `granitehybrid_checkpoint_weights`.
 
     Raises:
         ValueError: at construction, for a layer type other than "linear_attention" /
             "attention" (naming it), or with tensor / pipeline parallelism.
     """
+
+    stacked_params_mapping = (("shared_mlp.input_linear", "shared_mlp.gate_proj", 0),
+                              ("shared_mlp.input_linear", "shared_mlp.up_proj", 1))
+    gguf_architecture: str | None = "granitehybrid"
+
+    @classmethod
+    def gguf_hf_config(cls, metadata: dict, tensors: dict):
+        """The HF config of a `granitehybrid` GGUF file
+        (`mamba_hybrid_gguf.granitehybrid_hf_config`)."""
+        return granitehybrid_hf_config(metadata, tensors)
+
+    @classmethod
+    def gguf_checkpoint_weights(cls, config, weights):
+        """Checkpoint tensors of a `granitehybrid` GGUF file
+        (`mamba_hybrid_gguf.granitehybrid_checkpoint_weights`)."""
+        return granitehybrid_checkpoint_weights(config, weights, cls.__name__)
 
     def __init__(self, config) -> None:
         super().__init__(config, config.layers_block_type, LAYER_TYPES,
@@ -129,4 +149,9 @@ class GraniteMoeHybridForCausalLM(HybridForCausalLM):
     def checkpoint_tensors(self, name: str, tensor):
         for theirs, ours in _CHECKPOINT_RENAMES:
             name = name.replace(theirs, ours)
+        if name.endswith(".shared_mlp.input_linear.weight"):   # [gate | up] -> the two halves
+            half = tensor.shape[0] // 2
+            stem = name[:-len("input_linear.weight")]
+            return ((f"{stem}gate_proj.weight", tensor.narrow(0, 0, half)),
+                    (f"{stem}up_proj.weight", tensor.narrow(0, half, half)))
         return ((name, tensor),)

@@ -1,6 +1,7 @@
 """llama.cpp's GGUF files of the hybrid families: `lfm2` (LFM2's short-conv / attention
 layers) as `Lfm2ForCausalLM` checkpoints, `mamba2` as `Mamba2ForCausalLM` checkpoints,
-`qwen3next` as `Qwen3NextForCausalLM` checkpoints.
+`qwen3next` as `Qwen3NextForCausalLM` checkpoints, `qwen35` (Qwen3.5's dense text model) as
+`Qwen3_5ForCausalLM` checkpoints. (Granite 4 hybrid and Falcon-H1: models/mamba_hybrid_gguf.py.)
 
 LFM2's config comes from transformers' own GGUF reader (it knows `lfm2`: the per-layer
 `attention.head_count_kv` array gives the attention layers); the tensors are renamed here.
@@ -17,7 +18,8 @@ chunking changes only the order of float sums) nor `time_step_limit` (HF's defau
 which llama.cpp applies too).
 
 Qwen3-Next's config is read here too (transformers' GGUF reader does not know `qwen3next`):
-the layer types from `full_attention_interval` (layer i is full attention when (i + 1) is a
+the layer types from `attention.recurrent_layers` (one flag per block, as the current converter
+writes them) or else `full_attention_interval` (layer i is full attention when (i + 1) is a
 multiple of it; llama.cpp's default 4), the Gated DeltaNet's sizes from `ssm.*` (group_count =
 key heads, time_step_rank = value heads, state_size = key head size, inner_size = value heads x
 value head size), RoPE's fraction from `rope.dimension_count` / `attention.key_length`; every
@@ -32,6 +34,13 @@ both load. `ssm_ba` is HF's grouped `in_proj_ba`; the stacked experts load one e
 layers as `nextn_predict_layers` extra blocks after the model's: they are counted out of the
 layers and their tensors skipped (no MTP drafter here, as for a safetensors checkpoint's
 `mtp.*`).
+
+Qwen3.5 (`qwen35`): the same keys and value changes with dense MLPs (`ffn_gate` / `ffn_up` /
+`ffn_down`) and `in_proj_b` / `in_proj_a` as `ssm_beta` / `ssm_alpha`; with more value heads
+than key heads the converter (`_LinearAttentionVReorderBase`) tiles the value heads for ggml's
+broadcast, which `qwen35_checkpoint_weights` undoes (`tiled_value_heads_order`). Its
+`rope.dimension_sections` (multimodal RoPE) are not read: for text, sectioned RoPE is plain
+RoPE.
 """
 
 from __future__ import annotations
@@ -182,32 +191,63 @@ def qwen3next_hf_config(metadata: dict[str, Any], tensors: dict[str, tuple[int, 
     import transformers
 
     k = GGUFKeys(metadata, "qwen3next")
+    experts = k.integer("expert_count")
+    if experts <= 0:
+        raise ValueError(f"metadata key qwen3next.expert_count = {experts}: llama.cpp's "
+                         f"qwen3next has a mixture of experts in every layer")
+    moe_size = k.integer("expert_feed_forward_length")
+    config = transformers.AutoConfig.for_model(
+        "qwen3_next", **_gated_delta_net_fields(k, tensors),
+        intermediate_size=k.integer("feed_forward_length", moe_size),
+        num_experts=experts, num_experts_per_tok=k.integer("expert_used_count"),
+        moe_intermediate_size=moe_size,
+        shared_expert_intermediate_size=k.integer("expert_shared_feed_forward_length", 0),
+        decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
+    config.architectures = ["Qwen3NextForCausalLM"]
+    return config
+
+
+def qwen35_hf_config(metadata: dict[str, Any], tensors: dict[str, tuple[int, ...]]):
+    """The HF `Qwen3_5TextConfig` of a `qwen35` file (Qwen3.5's dense text model), with
+    `architectures` set (module docstring). `rope.dimension_sections` (its multimodal RoPE's
+    sections) is not read: for text the three position components are equal, and sectioned
+    RoPE is plain RoPE.
+
+    Raises:
+        ValueError: naming a missing key, or Gated DeltaNet sizes that do not divide.
+    """
+    import transformers
+
+    k = GGUFKeys(metadata, "qwen35")
+    config = transformers.AutoConfig.for_model(
+        "qwen3_5_text", **_gated_delta_net_fields(k, tensors),
+        intermediate_size=k.integer("feed_forward_length"))
+    config.architectures = ["Qwen3_5ForCausalLM"]
+    return config
+
+
+def _gated_delta_net_fields(k: GGUFKeys, tensors: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+    """The config fields `qwen3next` and `qwen35` files share: sizes, layer types (from the
+    per-layer `attention.recurrent_layers` flags the converter writes, else from
+    `full_attention_interval`), RoPE, the Gated DeltaNet's `ssm.*` sizes.
+
+    Raises:
+        ValueError: naming a missing or inconsistent key.
+    """
     layers = k.integer("block_count") - k.integer("nextn_predict_layers", 0)
-    interval = k.integer("full_attention_interval", 4)
-    if interval <= 0:
-        raise ValueError(f"metadata key qwen3next.full_attention_interval = {interval} is not "
-                         f"positive")
     hidden, heads = k.integer("embedding_length"), k.integer("attention.head_count")
     head_dim = k.integer("attention.key_length", hidden // heads)
     key_heads, value_heads = k.integer("ssm.group_count"), k.integer("ssm.time_step_rank")
     inner = k.integer("ssm.inner_size")
     if key_heads <= 0 or value_heads % key_heads or inner % value_heads:
-        raise ValueError(f"metadata keys qwen3next.ssm.group_count = {key_heads}, "
-                         f"qwen3next.ssm.time_step_rank = {value_heads}, qwen3next.ssm.inner_size"
+        raise ValueError(f"metadata keys {k.arch}.ssm.group_count = {key_heads}, "
+                         f"{k.arch}.ssm.time_step_rank = {value_heads}, {k.arch}.ssm.inner_size"
                          f" = {inner}: the value heads must be a multiple of the key heads and "
                          f"divide the inner size")
-    experts = k.integer("expert_count")
-    if experts <= 0:
-        raise ValueError(f"metadata key qwen3next.expert_count = {experts}: llama.cpp's "
-                         f"qwen3next has a mixture of experts in every layer")
     rope_dim = k.integer("rope.dimension_count", head_dim)
-    moe_size = k.integer("expert_feed_forward_length")
-    config = transformers.AutoConfig.for_model(
-        "qwen3_next", vocab_size=vocab_size(k, tensors), hidden_size=hidden,
-        num_hidden_layers=layers,
-        layer_types=["full_attention" if (i + 1) % interval == 0 else "linear_attention"
-                     for i in range(layers)],
-        intermediate_size=k.integer("feed_forward_length", moe_size),
+    return dict(
+        vocab_size=vocab_size(k, tensors), hidden_size=hidden, num_hidden_layers=layers,
+        layer_types=_layer_types(k, layers),
         num_attention_heads=heads, num_key_value_heads=k.integer("attention.head_count_kv"),
         head_dim=head_dim, max_position_embeddings=k.integer("context_length"),
         rms_norm_eps=k.number("attention.layer_norm_rms_epsilon"),
@@ -217,14 +257,31 @@ def qwen3next_hf_config(metadata: dict[str, Any], tensors: dict[str, tuple[int, 
         linear_conv_kernel_dim=k.integer("ssm.conv_kernel"),
         linear_key_head_dim=k.integer("ssm.state_size"), linear_num_key_heads=key_heads,
         linear_num_value_heads=value_heads, linear_value_head_dim=inner // value_heads,
-        num_experts=experts, num_experts_per_tok=k.integer("expert_used_count"),
-        moe_intermediate_size=moe_size,
-        shared_expert_intermediate_size=k.integer("expert_shared_feed_forward_length", 0),
-        decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
         attention_bias=any(name.endswith(".attn_q.bias") for name in tensors),
         tie_word_embeddings="output.weight" not in tensors)
-    config.architectures = ["Qwen3NextForCausalLM"]
-    return config
+
+
+def _layer_types(k: GGUFKeys, layers: int) -> list[str]:
+    """"linear_attention" / "full_attention" per layer: `attention.recurrent_layers` (one bool
+    per block, MTP blocks included, as the converter writes it from the config's
+    `layer_types`), else layer i is full attention when (i + 1) is a multiple of
+    `full_attention_interval` (llama.cpp's default 4; files of earlier converters).
+
+    Raises:
+        ValueError: naming a flag array shorter than the layers or a non-positive interval.
+    """
+    recurrent = k.get("attention.recurrent_layers", None)
+    if recurrent is not None:
+        if not isinstance(recurrent, list) or len(recurrent) < layers:
+            raise ValueError(f"metadata key {k.arch}.attention.recurrent_layers = {recurrent!r}: "
+                             f"not one flag for each of the {layers} layers")
+        return ["linear_attention" if flag else "full_attention" for flag in recurrent[:layers]]
+    interval = k.integer("full_attention_interval", 4)
+    if interval <= 0:
+        raise ValueError(f"metadata key {k.arch}.full_attention_interval = {interval} is not "
+                         f"positive")
+    return ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+            for i in range(layers)]
 
 
 def qwen3next_checkpoint_weights(config, weights: Iterable[tuple[str, Any]],
@@ -259,3 +316,88 @@ def _qwen3next_tensor(hf_name: str, tensor) -> tuple[str, Any]:
     elif hf_name.endswith(".shared_expert_gate.weight") and len(tensor.shape) == 1:
         tensor = tensor.materialize().unsqueeze(0)    # [hidden] -> [1, hidden]
     return hf_name, tensor
+
+
+# llama.cpp's tensor names -> HF checkpoint names for Qwen3.5 (dense MLPs; the Gated DeltaNet's
+# b and a projections as separate tensors); "{}" is the layer index.
+QWEN35_TENSOR_NAMES = {
+    **QWEN3NEXT_TENSOR_NAMES,
+    "blk.{}.ssm_beta": "model.layers.{}.linear_attn.in_proj_b",
+    "blk.{}.ssm_alpha": "model.layers.{}.linear_attn.in_proj_a",
+}
+
+
+def tiled_value_heads_order(num_k_heads: int, num_v_heads: int, rows_per_head: int
+                            ) -> torch.Tensor:
+    """Row order that takes llama.cpp's `qwen35` value heads back to HF's.
+
+    HF groups the value heads by the key head they share ([k0: v0 v1 | k1: v0 v1], value head j
+    reads key head j // (H_v / H_k)); convert_hf_to_gguf.py's `_LinearAttentionVReorderBase`
+    tiles them ([k0 v0, k1 v0 | k0 v1, k1 v1]) for ggml's broadcast. `file[order]` is HF's
+    order; `rows_per_head` rows per value head (its head size, or 1 for a per-head scalar).
+
+    Returns:
+        int64 [num_v_heads * rows_per_head].
+    """
+    per_k = num_v_heads // num_k_heads
+    n = num_v_heads * rows_per_head
+    return torch.arange(n).reshape(per_k, num_k_heads, rows_per_head).permute(1, 0, 2).reshape(n)
+
+
+def qwen35_checkpoint_weights(config, weights: Iterable[tuple[str, Any]],
+                              family: str) -> Iterator[tuple[str, Any]]:
+    """HF-named checkpoint tensors of a `qwen35` file's tensors: `qwen3next`'s transforms
+    undone (norms 1 + w, A = -exp(A_log), squeezed conv) and, when there are more value heads
+    than key heads, the value heads taken back from the converter's tiled order
+    (`tiled_value_heads_order`) in every tensor that has them: the value rows of `attn_qkv`
+    and of the conv, `attn_gate`, `ssm_beta` / `ssm_alpha`, `ssm_a`, `ssm_dt.bias` (rows) and
+    `ssm_out` (columns). Row orders stay lazy (quantized blocks kept); `ssm_out`'s column order
+    keeps its blocks only when a value head spans whole blocks (`GGUFTensor.materialize_raw`).
+    Blocks past `config.num_hidden_layers` (MTP layers) are skipped.
+
+    Raises:
+        ValueError: naming a tensor with no counterpart in `family`.
+    """
+    hk, hv = config.linear_num_key_heads, config.linear_num_value_heads
+    dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
+    tiled = hk != hv
+    qk_rows = 2 * hk * dk
+    v_rows = torch.cat([torch.arange(qk_rows), qk_rows + tiled_value_heads_order(hk, hv, dv)])
+    per_head = tiled_value_heads_order(hk, hv, 1)
+    for name, tensor in weights:
+        layer, _, stem = name.partition(".")[2].partition(".")
+        if name.startswith("blk.") and layer.isdigit() and int(layer) >= config.num_hidden_layers:
+            continue
+        if name.startswith("blk.") and stem == "ssm_a":   # A = -exp(A_log), [value heads]
+            a_log = tensor.map(lambda a: torch.log(-a))
+            yield (f"model.layers.{layer}.linear_attn.A_log",
+                   a_log.map(lambda a: a[per_head]) if tiled else a_log)
+            continue
+        hf_name = gguf_to_hf_name(name, QWEN35_TENSOR_NAMES)
+        if hf_name is None:
+            raise ValueError(f"GGUF tensor {name} has no counterpart in {family}")
+        hf_name, tensor = _qwen3next_tensor(hf_name, tensor)
+        if tiled and ".linear_attn." in hf_name:
+            tensor = _untile_value_heads(hf_name, tensor, v_rows,
+                                         tiled_value_heads_order(hk, hv, dv), per_head)
+        yield hf_name, tensor
+
+
+def _untile_value_heads(hf_name: str, tensor, qkv_rows: torch.Tensor, v_rows: torch.Tensor,
+                        per_head: torch.Tensor):
+    """One Gated DeltaNet tensor of a `qwen35` file with its value heads in HF's order
+    (`qwen35_checkpoint_weights`); other tensors unchanged."""
+    module = hf_name.rsplit(".", 2)[-2]
+    if module == "in_proj_qkv":
+        return tensor.map(lambda w: w[qkv_rows])
+    if module == "conv1d":   # [conv_dim, 1, K], materialized by _qwen3next_tensor
+        return tensor[qkv_rows]
+    if module == "in_proj_z":
+        return tensor.map(lambda w: w[v_rows])
+    if module in ("in_proj_b", "in_proj_a"):
+        return tensor.map(lambda w: w[per_head])
+    if hf_name.endswith(".dt_bias"):
+        return tensor.map(lambda b: b[per_head])
+    if module == "out_proj":
+        return tensor.map(lambda w: w[:, v_rows])
+    return tensor

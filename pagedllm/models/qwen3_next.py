@@ -44,7 +44,8 @@ from pagedllm.layers.rotary_embedding import RotaryEmbedding, rope_parameters_fr
 from pagedllm.layers.state_cache import StateCache
 from pagedllm.layers.state_kernels import causal_conv1d_varlen, gated_delta_rule_varlen
 from pagedllm.models.hybrid import HybridForCausalLM
-from pagedllm.models.hybrid_gguf import qwen3next_checkpoint_weights, qwen3next_hf_config
+from pagedllm.models.hybrid_gguf import (qwen35_checkpoint_weights, qwen35_hf_config,
+                                          qwen3next_checkpoint_weights, qwen3next_hf_config)
 from pagedllm.models.llama import LlamaMLP
 from pagedllm.models.moe import SparseMoeBlock
 from pagedllm.models.qwen_moe import is_sparse_layer
@@ -278,6 +279,17 @@ class Qwen3NextForCausalLM(HybridForCausalLM):
 
 class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
     """Qwen3.5's text model (see the module docstring); the API of `Qwen3NextForCausalLM`.
-    (llama.cpp's `qwen35` files are not read.)"""
+    llama.cpp's `qwen35` files load through `hybrid_gguf.qwen35_hf_config` /
+    `qwen35_checkpoint_weights`."""
 
-    gguf_architecture = None
+    gguf_architecture = "qwen35"
+
+    @classmethod
+    def gguf_hf_config(cls, metadata: dict, tensors: dict):
+        """The HF config of a `qwen35` GGUF file (`hybrid_gguf.qwen35_hf_config`)."""
+        return qwen35_hf_config(metadata, tensors)
+
+    @classmethod
+    def gguf_checkpoint_weights(cls, config, weights):
+        """HF-named tensors of a `qwen35` GGUF file (`hybrid_gguf.qwen35_checkpoint_weights`)."""
+        return qwen35_checkpoint_weights(config, weights, cls.__name__)

@@ -1,11 +1,13 @@
 """llama.cpp's GGUF files of the hybrid families: `lfm2` (LFM2 short-conv + attention),
-`mamba2` (its config read from the file's `mamba2.ssm.*` keys) and `qwen3next` (Gated DeltaNet +
-gated attention, experts with a shared expert; its config read from the file too).
+`mamba2` (its config read from the file's `mamba2.ssm.*` keys), `qwen3next` (Gated DeltaNet +
+gated attention, experts with a shared expert; its config read from the file too), `qwen35`
+(Qwen3.5's dense text model; the converter tiles its value heads), `granitehybrid` (Granite 4
+hybrid) and `falcon-h1` (multipliers folded into the weights).
 
 Oracle: the safetensors checkpoint the file was converted from (tests/fixtures/gguf_converted.py
-writes what convert_hf_to_gguf.py writes; for lfm2 and mamba2 checked identical, tensor by
-tensor, with the real converter of llama-cpp-python 0.3.36 at F32 and Q8_0; the qwen3next
-writer follows the converter's Qwen3NextModel source, no converter being installed here):
+writes what convert_hf_to_gguf.py writes: checked identical, metadata and tensor by tensor, with
+the real converter of llama-cpp-python 0.3.36 at F32 and Q8_0 for all six families;
+test_gguf_llamacpp_converter.py repeats that check where the converter is installed):
 greedy tokens equal and logprobs within 1e-4 at F32 (Qwen3-Next: HF transformers' own greedy
 decoding); a Q8_0 file's linear layers (and Qwen3-Next's experts) stay in blocks and equal the
 dequantized load; malformed files fail at load naming the tensor or key.
@@ -20,7 +22,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.layers.fused_moe import FusedMoE
 from pagedllm.native.kernels import cpu_kernels
 from tests.fixtures.checkpoints import make_tiny_checkpoint
-from tests.fixtures.gguf_converted import write_converted_gguf
+from tests.fixtures.gguf_converted import spell_layer_types_as_the_hub, write_converted_gguf
 from tests.models.test_hybrid_models import MODELS, _hf_greedy, _prompts
 
 # Qwen3-Next as llama.cpp runs it: every layer sparse (its converter maps no dense MLP), equal
@@ -34,7 +36,25 @@ QWEN3_NEXT = ("Qwen3NextForCausalLM", dict(
     linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
     moe_intermediate_size=32, shared_expert_intermediate_size=64, norm_topk_prob=True,
     norm_weight_std=0.1, seed=1))
-FAMILIES = {**MODELS, "qwen3_next": QWEN3_NEXT}
+# Qwen3-Next whose attention layer is not every fourth: the layer types come from the file's
+# `attention.recurrent_layers` flags.
+QWEN3_NEXT_MIXED = ("Qwen3NextForCausalLM", {
+    **QWEN3_NEXT[1], "layer_types": ["linear_attention", "full_attention"] * 2})
+# Qwen3.5 with value heads of 32 weights (4 to 2 key heads): `ssm_out`'s columns, tiled by the
+# converter, are re-ordered in whole Q8_0 blocks.
+QWEN3_5_BLOCKS = ("Qwen3_5ForCausalLM", {**MODELS["qwen3_5"][1], "linear_value_head_dim": 32})
+# Granite 4 hybrid as Granite 4.0-H (no RoPE: llama.cpp applies it only to Bamba or a model
+# without Mamba layers), a shared MLP on whole 32-weight blocks; Falcon-H1 with its muP
+# multipliers and gated norm, the norm after the gate (llama.cpp's order) and `head_dim` set
+# (the converter requires it).
+GRANITE_HYBRID = ("GraniteMoeHybridForCausalLM",
+                  {**MODELS["granite_hybrid"][1], "position_embedding_type": "nope",
+                   "shared_intermediate_size": 64})
+FALCON_H1 = ("FalconH1ForCausalLM", {**MODELS["falcon_h1"][1], "head_dim": 16,
+                                     "mamba_norm_before_gate": False})
+FAMILIES = {**MODELS, "qwen3_next": QWEN3_NEXT, "qwen3_next_mixed": QWEN3_NEXT_MIXED,
+            "qwen3_5_blocks": QWEN3_5_BLOCKS, "granite_hybrid": GRANITE_HYBRID,
+            "falcon_h1": FALCON_H1}
 
 ENGINE_ARGS = dict(dtype="float32", kv_cache_memory_bytes=8 << 20)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
@@ -61,6 +81,7 @@ def files(tmp_path_factory, byte_level_tokenizer_dir):
             checkpoints[family] = make_tiny_checkpoint(root / family, FAMILIES[family][0],
                                                        byte_level_tokenizer_dir,
                                                        **FAMILIES[family][1])
+            spell_layer_types_as_the_hub(checkpoints[family])
         out = root / f"{family}-{outtype}{''.join(sorted(options))}.gguf"
         if not out.exists():
             write_converted_gguf(checkpoints[family], out, outtype, **options)
@@ -80,16 +101,25 @@ def _run(model, **kwargs) -> tuple[list[list[int]], list[float], LLM]:
              for t, step in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)], llm)
 
 
-@pytest.mark.parametrize("family", ["lfm2", "mamba2"])
+@pytest.mark.parametrize("family", ["lfm2", "mamba2", "qwen3_5", "qwen3_next_mixed",
+                                    "granite_hybrid", "falcon_h1"])
 def test_f32_file_greedy_equals_the_safetensors_checkpoint(files, family):
+    """(Qwen3.5: value heads tiled in the file, taken back at load; Qwen3-Next's layer types
+    from `attention.recurrent_layers`.)"""
     checkpoint, gguf_file = files(family)
     want_tokens, want_logprobs, _ = _run(checkpoint)
     tokens, logprobs, llm = _run(gguf_file, quantization="none")
     config = llm.llm_engine.engine_core.executor.worker.model_runner.model.config
-    if family == "lfm2":
-        assert list(config.layer_types) == MODELS["lfm2"][1]["layer_types"]
-    else:
+    if family == "mamba2":
         assert (config.num_heads, config.n_groups, config.state_size) == (8, 2, 16)
+    elif family == "granite_hybrid":
+        assert list(config.layers_block_type) == ["linear_attention", "full_attention",
+                                                  "linear_attention"]
+        assert config.position_embedding_type == "nope"
+    elif family == "falcon_h1":   # the multipliers come folded into the weights
+        assert (config.ssm_multipliers, config.key_multiplier) == ([1.0] * 5, 1.0)
+    else:
+        assert list(config.layer_types) == FAMILIES[family][1]["layer_types"]
     assert tokens == want_tokens
     torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(want_logprobs),
                                atol=1e-4, rtol=0)
@@ -180,6 +210,61 @@ def test_qwen3next_q8_0_file_keeps_layers_and_experts_in_blocks(files):
                                atol=1e-4, rtol=0)
 
 
+@pytest.mark.skipif(cpu_kernels() is None, reason="CPU kernels did not build")
+def test_qwen35_q8_0_file_keeps_reordered_layers_in_blocks(files):
+    """The value-head order is undone on the blocks: rows of `attn_qkv` / `attn_gate` /
+    `ssm_beta` / `ssm_alpha`, whole blocks of `ssm_out`'s columns."""
+    _, gguf_file = files("qwen3_5_blocks", "Q8_0")
+    tokens, logprobs, llm = _run(gguf_file, quantization="gguf")
+    delta_net = llm.llm_engine.engine_core.executor.worker.model_runner.model.model.layers[0] \
+        .linear_attn
+    assert {delta_net.in_proj_qkv.gguf_quant_type, delta_net.in_proj_z.gguf_quant_type,
+            delta_net.out_proj.gguf_quant_type} == {"Q8_0"}
+    del llm
+    want_tokens, want_logprobs, _ = _run(gguf_file, quantization="none")
+    assert tokens == want_tokens
+    torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(want_logprobs),
+                               atol=1e-4, rtol=0)
+
+
+@pytest.mark.skipif(cpu_kernels() is None, reason="CPU kernels did not build")
+def test_qwen35_columns_across_blocks_dequantize_by_default(files):
+    """Value heads of 8 weights: `ssm_out`'s column order cuts through its Q8_0 blocks, so the
+    default quantization loads the file dequantized (an explicit 'gguf' refuses)."""
+    _, gguf_file = files("qwen3_5", "Q8_0")
+    with pytest.raises(ValueError, match=r"blk\.0\.ssm_out"):
+        LLM(str(gguf_file), quantization="gguf", **ENGINE_ARGS)
+    tokens, logprobs, _ = _run(gguf_file)
+    want_tokens, want_logprobs, _ = _run(gguf_file, quantization="none")
+    assert (tokens, logprobs) == (want_tokens, want_logprobs)
+
+
+@pytest.mark.skipif(cpu_kernels() is None, reason="CPU kernels did not build")
+@pytest.mark.parametrize("family", ["granite_hybrid",
+                                    pytest.param("falcon_h1", marks=pytest.mark.slow)])
+def test_mamba_hybrid_q8_0_file_stays_in_blocks_and_equals_the_dequantized_load(files, family):
+    """Granite: attn_q / attn_k un-permuted on the blocks, the shared MLP's halves and the
+    experts in blocks; Falcon-H1: its projections with the multipliers folded in."""
+    _, gguf_file = files(family, "Q8_0")
+    tokens, logprobs, llm = _run(gguf_file, quantization="gguf")
+    model = llm.llm_engine.engine_core.executor.worker.model_runner.model
+    layers = model.model.layers
+    if family == "granite_hybrid":
+        assert {layers[0].mamba.in_proj.gguf_quant_type,
+                layers[1].self_attn.q_proj.gguf_quant_type,
+                layers[1].shared_mlp.input_linear.gguf_quant_type} == {"Q8_0"}
+        moes = [m for m in model.modules() if isinstance(m, FusedMoE)]
+        assert moes and all(m.gguf_expert_types == {"w13": "Q8_0", "w2": "Q8_0"} for m in moes)
+    else:
+        assert {layers[0].mamba.in_proj.gguf_quant_type, layers[0].self_attn.k_proj.gguf_quant_type,
+                layers[0].feed_forward.gate_proj.gguf_quant_type} == {"Q8_0"}
+    del llm
+    want_tokens, want_logprobs, _ = _run(gguf_file, quantization="none")
+    assert tokens == want_tokens
+    torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(want_logprobs),
+                               atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("family,change,message", [
     ("lfm2", dict(drop_tensors=("blk.2.shortconv.in_proj.weight",)),
      r"model\.layers\.2\.conv\.in_proj"),
@@ -192,6 +277,17 @@ def test_qwen3next_q8_0_file_keeps_layers_and_experts_in_blocks(files):
      r"qwen3next\.ssm\.time_step_rank = 3"),
     ("qwen3_next", dict(metadata_overrides={"qwen3next.expert_count": None}),
      r"qwen3next\.expert_count"),
+    ("qwen3_next_mixed",
+     dict(metadata_overrides={"qwen3next.attention.recurrent_layers": [True, False]}),
+     r"qwen3next\.attention\.recurrent_layers"),
+    ("qwen3_5", dict(drop_tensors=("blk.0.ssm_alpha.weight",)),
+     r"model\.layers\.0\.linear_attn\.in_proj_a"),
+    ("qwen3_5", dict(metadata_overrides={"qwen35.ssm.group_count": 3}),
+     r"qwen35\.ssm\.group_count = 3"),
+    ("granite_hybrid", dict(metadata_overrides={"granitehybrid.attention.head_count_kv": [0, 2]}),
+     r"granitehybrid\.attention\.head_count_kv"),
+    ("falcon_h1", dict(drop_tensors=("blk.1.ffn_norm",)),
+     r"model\.layers\.1\.pre_ff_layernorm"),
 ])
 def test_malformed_file_fails_at_load_naming_it(files, tmp_path, family, change, message):
     checkpoint, _ = files(family)

@@ -167,9 +167,12 @@ class GGUFLinearMethod(LinearMethodBase):
                 raise ValueError(f"GGUF tensor {name} loads rows [{start}, {start + rows}), "
                                  f"overlapping rows [{s.row_start}, {s.row_start + s.rows}) "
                                  f"loaded before")
+        try:
+            raw = loaded.materialize_raw()
+        except ValueError as e:   # e.g. a map that moves columns within blocks (qwen35's ssm_out)
+            raise GGUFLayoutUnsupported(str(e)) from e
         if layer.gguf_grouped:   # a reload: back to plain rows (regrouped after loading)
             self._regroup(layer, gguf_ungroup_rows)
-        raw = loaded.materialize_raw()
         weight = layer.weight
         if isinstance(weight, nn.UninitializedParameter):
             weight.materialize((out, new.row_bytes), dtype=torch.uint8)
