@@ -517,7 +517,7 @@ def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str
     if max_model_len is not None and max_model_len > limit:
         raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's {limit_name} "
                          f"({limit})")
-    if isinstance(speculative_config, dict):
+    if speculative_config is not None and not isinstance(speculative_config, SpeculativeConfig):
         speculative_config = SpeculativeConfig.from_dict(speculative_config)
     draft_path = None
     if speculative_config is not None and speculative_config.method in ("eagle", "eagle3"):

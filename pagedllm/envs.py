@@ -156,8 +156,9 @@ class EnvOptions:
         "All Llama-family decoder layers of a step in one native call; off: the module path.")
     cpu_native_attention: bool = _switch_var(
         "PAGEDLLM_CPU_NATIVE_ATTENTION",
-        "A DeepSeek MLA layer's attention half (norms, projections, RoPE, latent write, "
-        "absorbed attention) in one native call for small steps; off: the module path.")
+        "The native decode blocks, one call per layer for small steps: a DeepSeek MLA "
+        "layer's attention half (norms, projections, RoPE, latent write, absorbed attention) "
+        "and Qwen3-Next's Gated DeltaNet and gated-attention layers; off: the module path.")
     cpu_decode_loop: bool = _switch_var(
         "PAGEDLLM_CPU_DECODE_LOOP",
         "A greedy multi-step round's later steps in one native loop (embedding, decoder, LM "

@@ -49,10 +49,11 @@ class SpeculativeConfig:
         if self.method not in SPEC_METHODS:
             raise ValueError(f"speculative_config.method must be one of {SPEC_METHODS}, "
                              f"got {self.method!r}")
-        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
-            raise ValueError("speculative_config.num_speculative_tokens must be an int >= 1, "
-                             f"got {self.num_speculative_tokens!r}")
-        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"speculative_config.{name} must be an int >= 1, got {value!r}")
+        if not self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("speculative_config needs 1 <= prompt_lookup_min <= "
                              f"prompt_lookup_max, got {self.prompt_lookup_min}, "
                              f"{self.prompt_lookup_max}")
@@ -79,7 +80,16 @@ class SpeculativeConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SpeculativeConfig:
-        """Build from vLLM-style JSON keys; unknown keys are a ValueError naming them."""
+        """Build from vLLM-style JSON keys.
+
+        Raises:
+            ValueError: `d` is not a dict (e.g. a bare method name), a key is unknown (named),
+                or a value is out of range.
+        """
+        if not isinstance(d, dict):
+            raise ValueError("speculative_config must be a dict (JSON object) such as "
+                             '{"method": "suffix", "num_speculative_tokens": 8}, '
+                             f"got {type(d).__name__} {d!r}")
         known = {f.name for f in fields(cls)}
         unknown = set(d) - known
         if unknown:

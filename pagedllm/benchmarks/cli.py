@@ -204,8 +204,9 @@ def _add_soak_parser(sub: argparse._SubParsersAction) -> None:
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("preset models")
+    from pagedllm.benchmarks.presets import PRESETS
     g.add_argument("--preset", default=None,
-                   help="random-weight model by name (llama-134m, llama-tiny); wins over --model")
+                   help=f"random-weight model by name ({', '.join(PRESETS)}); wins over --model")
     g.add_argument("--preset-dir", default=None,
                    help="preset cache (default $PAGEDLLM_PRESET_DIR or ~/.cache/pagedllm/presets)")
     g.add_argument("--gguf-type", default=None, metavar="TYPE",

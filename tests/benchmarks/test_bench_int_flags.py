@@ -52,3 +52,13 @@ def test_meaningful_values_still_parse():
                               "--bandwidth-mib", "0"]).bandwidth_mib == 0
     args = parser.parse_args(["bench", "serve", "--max-concurrency", "1", "--vocab-size", "2"])
     assert (args.max_concurrency, args.vocab_size) == (1, 2)
+
+
+def test_preset_help_lists_every_preset(capsys):
+    """`bench latency --help` names every preset `--preset` accepts (it once named two)."""
+    from pagedllm.benchmarks.presets import PRESETS
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["bench", "latency", "--help"])
+    out = "".join(capsys.readouterr().out.split())  # argparse wraps lines at hyphens
+    for name in PRESETS:
+        assert name in out, name
