@@ -218,7 +218,7 @@ def train(args, data, feats, cfg, embed) -> None:
             torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
             opt.step()
             sched.step()
-        return float(loss), stats
+        return float(loss.detach()), stats
 
     for epoch in range(args.epochs):
         batches = _batches([lengths[i] for i in tr], args.batch_tokens, rng)
@@ -262,6 +262,36 @@ def train(args, data, feats, cfg, embed) -> None:
     print(f"saved {out} ({time.time() - t0:.0f} s of training)")
 
 
+def evaluate(args) -> list[dict]:
+    """Acceptance of the head in `--out` in the engine: held-out chat prompts (the "eval" topics
+    of `chat_workload`, which training never saw), greedy, each (dtype, k) of the flags ->
+    one dict per run with the per-position acceptance rates and the mean accepted length."""
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.benchmarks.chat_workload import chat_prompts
+
+    prompts = [[{"role": "user", "content": p}]
+               for p in chat_prompts(args.eval_prompts, args.seed + 1, split="eval")]
+    results = []
+    for dtype in args.eval_dtypes.split(","):
+        for k in (int(v) for v in args.eval_k.split(",")):
+            llm = LLM(model=args.gguf, dtype=dtype, max_model_len=2048, seed=args.seed,
+                      speculative_config={"method": "eagle3", "model": args.out,
+                                          "num_speculative_tokens": k})
+            t0 = time.time()
+            outs = llm.chat(prompts, SamplingParams(temperature=0.0,
+                                                    max_tokens=args.eval_len), use_tqdm=False)
+            st = llm.get_stats().spec_decoding_stats
+            row = {"dtype": dtype, "k": k, "prompts": len(prompts),
+                   "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+                   "acceptance_rate_per_pos": [round(r, 3) for r in st.acceptance_rate_per_pos],
+                   "mean_accepted_length": round(st.mean_accepted_length, 3),
+                   "seconds": round(time.time() - t0)}
+            print("eval", json.dumps(row), flush=True)
+            results.append(row)
+            del llm
+    return results
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gguf", required=True, help="SmolLM2-135M-Instruct GGUF file")
@@ -270,6 +300,8 @@ def main() -> None:
                     help="cache of the generated answers and features (reused when present)")
     ap.add_argument("--num-prompts", type=int, default=256)
     ap.add_argument("--answer-len", type=int, default=256, help="most tokens per answer")
+    ap.add_argument("--train-seqs", type=int, default=None,
+                    help="use only the first N generated sequences for features and training")
     ap.add_argument("--gen-dtype", default="bfloat16", help="engine dtype of the answers")
     ap.add_argument("--draft-vocab", type=int, default=4096)
     ap.add_argument("--intermediate-size", type=int, default=None,
@@ -281,7 +313,17 @@ def main() -> None:
                     help="padded tokens per training batch")
     ap.add_argument("--feature-batch", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--eval-only", action="store_true",
+                    help="skip training; measure the head already in --out")
+    ap.add_argument("--eval-k", default="3,5", help="num_speculative_tokens values to measure")
+    ap.add_argument("--eval-dtypes", default="bfloat16,float32")
+    ap.add_argument("--eval-prompts", type=int, default=16,
+                    help="held-out chat prompts for the acceptance figures (0 = skip)")
+    ap.add_argument("--eval-len", type=int, default=128, help="most tokens per answer")
     args = ap.parse_args()
+    if args.eval_only:
+        evaluate(args)
+        return
     if args.ttt_steps < 1 or args.epochs < 1 or args.num_prompts < 1:
         raise SystemExit("--ttt-steps, --epochs and --num-prompts must be >= 1")
     torch.manual_seed(args.seed)
@@ -297,7 +339,9 @@ def main() -> None:
     print(f"answers ready ({time.time() - t0:.0f} s)", flush=True)
     _, target, cfg = load_target(args.gguf)
     args.aux = (2, cfg["num_hidden_layers"] // 2, cfg["num_hidden_layers"] - 3)
-    feat_file = data_file.with_suffix(".features.pt")
+    if args.train_seqs:
+        data = {key: v[:args.train_seqs] for key, v in data.items()}
+    feat_file = data_file.with_suffix(f".{len(data['ids'])}.features.pt")
     if feat_file.exists():
         feats = torch.load(feat_file)
     else:
@@ -308,6 +352,8 @@ def main() -> None:
     del target
     train(args, data, feats, cfg, embed)
     print(f"total {time.time() - t0:.0f} s")
+    if args.eval_prompts:
+        evaluate(args)
 
 
 if __name__ == "__main__":

@@ -29,11 +29,27 @@ def _random_head(cfg: dict, seed: int = 0) -> Eagle3TrainHead:
     return head
 
 
-def test_unrolled_steps_equal_the_engines_drafts(tiny_llama, tmp_path):
+@pytest.mark.parametrize("fused", [True, False])
+def test_unrolled_steps_equal_the_engines_drafts(tiny_llama, tmp_path, monkeypatch, fused):
     """Step j's argmax at the prompt's last row, fed with the engine's own earlier drafts, is
     the engine's draft j + 1 after the prefill (k = 3): the attention pattern, positions and
-    hidden-state feedback of the training code are the engine's."""
+    hidden-state feedback of the training code are the engine's. Both target paths: the
+    native fused decoder stack (split at the auxiliary layers) and the module path."""
     from transformers import AutoModelForCausalLM
+
+    from pagedllm.native.fused_decoder import FusedDecoder
+
+    captured = []
+    call = FusedDecoder.__call__
+
+    def spy(self, positions, residual, delta, metadata, capture=None):
+        out = call(self, positions, residual, delta, metadata, capture)
+        captured.append(capture is not None)
+        return out
+
+    monkeypatch.setattr(FusedDecoder, "__call__", spy)
+    if not fused:
+        monkeypatch.setenv("PAGEDLLM_CPU_FUSED_DECODER", "0")
 
     cfg = json.loads((tiny_llama / "config.json").read_text())
     vocab, k = cfg["vocab_size"], 3
@@ -74,6 +90,7 @@ def test_unrolled_steps_equal_the_engines_drafts(tiny_llama, tmp_path):
         logits = head.ttt_forward(embeds, feats, k)
     got = [int(draft_ids[lg[0, n - 1].argmax()]) for lg in logits]
     assert got == drafts
+    assert any(captured) == fused      # the fused stack ran with captures (or not at all)
 
 
 def test_steps_are_causal_and_the_loss_falls():
