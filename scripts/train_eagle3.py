@@ -302,6 +302,10 @@ def main() -> None:
     ap.add_argument("--answer-len", type=int, default=256, help="most tokens per answer")
     ap.add_argument("--train-seqs", type=int, default=None,
                     help="use only the first N generated sequences for features and training")
+    ap.add_argument("--extra-answers", nargs="*", default=[],
+                    help="answers-*.json files of other runs (other --seed) to train on too")
+    ap.add_argument("--stop-after", choices=["generate", "features"], default=None,
+                    help="stop after this stage (its result is cached in --work-dir)")
     ap.add_argument("--gen-dtype", default="bfloat16", help="engine dtype of the answers")
     ap.add_argument("--draft-vocab", type=int, default=4096)
     ap.add_argument("--intermediate-size", type=int, default=None,
@@ -337,17 +341,30 @@ def main() -> None:
         data = generate(args)
         data_file.write_text(json.dumps(data))
     print(f"answers ready ({time.time() - t0:.0f} s)", flush=True)
+    if args.stop_after == "generate":
+        return
     _, target, cfg = load_target(args.gguf)
     args.aux = (2, cfg["num_hidden_layers"] // 2, cfg["num_hidden_layers"] - 3)
     if args.train_seqs:
         data = {key: v[:args.train_seqs] for key, v in data.items()}
-    feat_file = data_file.with_suffix(f".{len(data['ids'])}.features.pt")
-    if feat_file.exists():
-        feats = torch.load(feat_file)
-    else:
-        feats = features(target, data["ids"], args.aux, args.feature_batch)
-        torch.save(feats, feat_file)
-    print(f"features ready ({time.time() - t0:.0f} s)", flush=True)
+    parts = [(data_file.with_suffix(f".{len(data['ids'])}.features.pt"), data)]
+    for extra in args.extra_answers:     # answers of other runs (other seeds / prompt counts)
+        extra_data = json.loads(Path(extra).read_text())
+        parts.append((Path(extra).with_suffix(f".{len(extra_data['ids'])}.features.pt"),
+                      extra_data))
+    all_feats: list = []
+    for feat_file, part in parts:
+        if feat_file.exists():
+            all_feats += torch.load(feat_file)
+        else:
+            part_feats = features(target, part["ids"], args.aux, args.feature_batch)
+            torch.save(part_feats, feat_file)
+            all_feats += part_feats
+    data = {key: [v for _, part in parts for v in part[key]] for key in ("ids", "prompt_lens")}
+    feats = all_feats
+    print(f"features of {len(feats)} sequences ready ({time.time() - t0:.0f} s)", flush=True)
+    if args.stop_after == "features":
+        return
     embed = target.model.embed_tokens.weight.detach().clone()
     del target
     train(args, data, feats, cfg, embed)
