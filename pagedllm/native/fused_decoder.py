@@ -304,7 +304,8 @@ class FusedDecoder:
         return structs
 
     def __call__(self, positions: torch.Tensor, residual: torch.Tensor,
-                 delta: torch.Tensor | None, metadata: CpuPagedMetadata) -> torch.Tensor:
+                 delta: torch.Tensor | None, metadata: CpuPagedMetadata,
+                 capture: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
         """Run the layers over one step.
 
         Args:
@@ -314,6 +315,9 @@ class FusedDecoder:
             delta: [n, hidden_size] float32, output of the layer before (added to `residual`
                 first), or None (the first stage: `residual` holds the embeddings).
             metadata: the step's `CpuPagedMetadata` (`applies` returned True).
+            capture: {layer index in this stack: None}; filled with the stream entering each
+                of those layers ([n, hidden_size], model dtype; EAGLE-3's auxiliary states).
+                The layers then run as several native calls split at those layers.
 
         Returns:
             [n, hidden_size] float32: the last layer's output, not yet added to `residual`.
@@ -329,10 +333,19 @@ class FusedDecoder:
             common.num_reqs, common.block_size, common.causal, residual.data_ptr(),
             out.data_ptr(), query_tile=1 if common.batch_invariant else 0)
         rows = metadata.all_rows
-        cpu_kernels().decoder_layers(ctypes.addressof(structs), len(self.layers),
-                                     ctypes.addressof(step),
-                                     rows.ctypes.data, len(rows), int(delta is not None),
-                                     _DTYPE_CODES[self.dtype])
+        stops = sorted(i for i in (capture or {}) if 0 <= i < len(self.layers))
+        start, pending = 0, delta is not None     # pending: `out` holds a delta not yet added
+        size = ctypes.sizeof(DecoderLayerWeights)
+        for stop in stops + [len(self.layers)]:
+            if stop > start:
+                cpu_kernels().decoder_layers(ctypes.addressof(structs) + start * size,
+                                             stop - start, ctypes.addressof(step),
+                                             rows.ctypes.data, len(rows), int(pending),
+                                             _DTYPE_CODES[self.dtype])
+                pending, start = True, stop
+            if capture is not None and stop in capture:
+                capture[stop] = ((residual.float() + out).to(residual.dtype) if pending
+                                 else residual.clone())
         del scratch
         return out
 

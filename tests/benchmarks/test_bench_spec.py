@@ -10,6 +10,7 @@ import pytest
 
 from pagedllm.assets import default_model_path
 from pagedllm.benchmarks.agent_workload import agent_prompts, make_agent_workload
+from pagedllm.benchmarks.chat_workload import chat_prompts, chat_topics, make_chat_workload
 from tests.benchmarks.test_bench_smoke import KV_BYTES, _load, _run, preset_dir  # noqa: F401
 
 
@@ -34,6 +35,24 @@ def test_agent_workload_uses_the_chat_template():
     assert request.output_len == 16
     with pytest.raises(ValueError, match="num_prompts"):
         make_agent_workload(tok, 0, 16)
+
+
+def test_chat_prompts_are_seeded_and_the_splits_disjoint():
+    """The benchmark's chat questions ("eval") are about other topics than the ones a head is
+    distilled on ("train"), seeded, and rendered through the chat template."""
+    from transformers import AutoTokenizer
+
+    a = chat_prompts(30, seed=3)
+    assert a == chat_prompts(30, seed=3) and a != chat_prompts(30, seed=4)
+    assert not set(chat_topics("eval")) & set(chat_topics("train"))
+    assert all(any(t in q for t in chat_topics("eval")) for q in a)
+    assert len(set(a)) == 30      # no pair twice before all are used
+    tok = AutoTokenizer.from_pretrained(default_model_path())
+    tok.chat_template = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
+    (request,) = make_chat_workload(tok, 1, 16, seed=3)
+    assert tok.decode(request.prompt_token_ids) == f"<<{a[0]}>>" and request.output_len == 16
+    with pytest.raises(ValueError, match="split"):
+        chat_prompts(2, split="test")
 
 
 def test_latency_with_and_without_speculation(preset_dir: Path, tmp_path: Path):  # noqa: F811
