@@ -33,6 +33,8 @@ class SpeculativeConfig:
             FIFO; 0 disables it (suffix).
         suffix_decoding_max_spec_factor: drafts per matched token (suffix).
         suffix_decoding_min_token_prob: lowest path probability proposed (suffix).
+        suffix_decoding_min_match_len: shortest context match that proposes (suffix; a
+            pagedllm option, not vLLM's: 1, the default, is vLLM's behaviour).
     """
 
     method: str
@@ -44,6 +46,7 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = 10000
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
+    suffix_decoding_min_match_len: int = 1
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -64,7 +67,8 @@ class SpeculativeConfig:
 
     def _check_suffix_options(self) -> None:
         for name, low in (("suffix_decoding_max_tree_depth", 1),
-                          ("suffix_decoding_max_cached_requests", 0)):
+                          ("suffix_decoding_max_cached_requests", 0),
+                          ("suffix_decoding_min_match_len", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"speculative_config.{name} must be an int >= {low}, "

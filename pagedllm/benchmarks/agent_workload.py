@@ -5,7 +5,9 @@ Each request is one task, seeded: a JSON record (8 to 12 fields of names, cities
 return with one field changed, or a Python function to return with one identifier renamed. The
 prompt is the instruction plus the text, rendered with the tokenizer's chat template when it has
 one (an instruction-tuned model then answers by copying most of the prompt); the engine runs it
-greedily for exactly `output_len` tokens, as every latency workload.
+greedily for exactly `output_len` tokens, as every latency workload, or (`ignore_eos=False`,
+`bench latency --no-ignore-eos`) until the model's EOS, at most `output_len` tokens: a real
+agent's request, which ends with the answer.
 """
 
 from __future__ import annotations
@@ -67,9 +69,9 @@ def agent_prompts(num_prompts: int, seed: int = 0) -> list[str]:
 
 
 def make_agent_workload(tokenizer, num_prompts: int, output_len: int,
-                        seed: int = 0) -> list[BenchRequest]:
+                        seed: int = 0, ignore_eos: bool = True) -> list[BenchRequest]:
     """The tasks as token ids (through `tokenizer`'s chat template when it has one), each with
-    `output_len` output tokens.
+    `output_len` output tokens (at most that many, ending at EOS, when not `ignore_eos`).
 
     Raises:
         ValueError: for num_prompts or output_len below 1.
@@ -86,5 +88,6 @@ def make_agent_workload(tokenizer, num_prompts: int, output_len: int,
                 ids = ids["input_ids"]
         else:
             ids = tokenizer(text)["input_ids"]
-        requests.append(BenchRequest(prompt_token_ids=list(ids), output_len=output_len))
+        requests.append(BenchRequest(prompt_token_ids=list(ids), output_len=output_len,
+                                     ignore_eos=ignore_eos))
     return requests

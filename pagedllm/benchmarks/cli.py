@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import gc
 import math
 import statistics
@@ -99,6 +100,11 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                      help="random token ids (default); agent: code edits and JSON rewrites "
                           "whose prompts hold text the answer repeats; chat: everyday "
                           "questions through the chat template (--input-len ignored)")
+    lat.add_argument("--no-ignore-eos", action="store_true",
+                     help="end each request at the model's EOS / stop tokens (at most "
+                          "--output-len tokens), as a real client's request does (vLLM's "
+                          "ignore_eos=False); TPOT and e2e are then over the tokens generated. "
+                          "Default: EOS ignored, exactly --output-len tokens")
     _add_output_args(lat)
     lat.set_defaults(func=run_latency_command)
 
@@ -507,6 +513,9 @@ def run_latency_command(args: argparse.Namespace) -> int:
     if args.llamacpp_spec != "none" and ("llamacpp" not in args.compare
                                          or args.batch_size != 1):
         raise ValueError("--llamacpp-spec needs --compare llamacpp and --batch-size 1")
+    if args.no_ignore_eos and "llamacpp" in args.compare:
+        raise ValueError("--no-ignore-eos does not apply to --compare llamacpp (its runs "
+                         "generate exactly --output-len tokens)")
     model_path = kwargs["model"]
     result, requests = _run_latency(args, kwargs)
     results, not_run = [result], []
@@ -516,7 +525,9 @@ def run_latency_command(args: argparse.Namespace) -> int:
         plain["tpot_speedup_of_spec"] = plain["tpot_ms_mean"] / result["tpot_ms_mean"]
         plain["e2e_speedup_of_spec"] = (plain["e2e_latency_ms_mean"]
                                         / result["e2e_latency_ms_mean"])
-        print_result(plain, f"pagedllm latency without speculation (batch {args.batch_size})")
+        plain.update(compare_greedy_outputs(result, plain))
+        print_result({k: v for k, v in plain.items() if k != "output_token_ids"},
+                     f"pagedllm latency without speculation (batch {args.batch_size})")
         results.append(plain)
     if "llamacpp" in args.compare:
         from pagedllm.benchmarks.llamacpp_baseline import run_llamacpp_latency
@@ -542,6 +553,21 @@ def run_latency_command(args: argparse.Namespace) -> int:
             print_result(theirs, f"llama.cpp latency (batch {args.batch_size})")
             results.append(theirs)
     return _finish(args, results, not_run)
+
+
+def compare_greedy_outputs(spec: dict[str, Any], plain: dict[str, Any]) -> dict[str, Any]:
+    """Whether two latency runs of the same waves gave the same tokens (greedy: speculation must
+    not change them): `greedy_outputs_identical`, `num_requests_differing` and, for the first
+    request that differs, its index and the first differing position."""
+    a, b = spec["output_token_ids"], plain["output_token_ids"]
+    differing = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
+    out: dict[str, Any] = {"greedy_outputs_identical": not differing and len(a) == len(b),
+                           "num_requests_differing": len(differing)}
+    if differing:
+        x, y = a[differing[0]], b[differing[0]]
+        pos = next((j for j, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+        out["first_difference"] = {"request": differing[0], "position": pos}
+    return out
 
 
 def _run_llamacpp_spec(args: argparse.Namespace, model_path: str, requests,
@@ -578,14 +604,18 @@ def _run_latency(args: argparse.Namespace, kwargs: dict[str, Any], requests=None
         from pagedllm.benchmarks.agent_workload import make_agent_workload
 
         requests = make_agent_workload(llm.get_tokenizer(), num_prompts, args.output_len,
-                                       args.seed)
+                                       args.seed, ignore_eos=not args.no_ignore_eos)
     elif requests is None and args.workload == "chat":
         from pagedllm.benchmarks.chat_workload import make_chat_workload
 
         requests = make_chat_workload(llm.get_tokenizer(), num_prompts, args.output_len,
                                       args.seed)
+        if args.no_ignore_eos:
+            requests = [dataclasses.replace(r, ignore_eos=False) for r in requests]
     elif requests is None:
         requests = build_workload(args, _vocab_size(model_path), num_prompts)
+        if args.no_ignore_eos:
+            requests = [dataclasses.replace(r, ignore_eos=False) for r in requests]
     result = run_latency(llm, requests, args.batch_size, args.num_iters_warmup,
                          profile=args.profile, profile_steps=args.profile_steps)
     spec = llm.get_stats().spec_decoding_stats
@@ -600,6 +630,7 @@ def _run_latency(args: argparse.Namespace, kwargs: dict[str, Any], requests=None
     profile_rows = result.pop("profile_top_ops", None)
     result["model"] = model_path
     result["workload"] = args.workload
+    result["ignore_eos"] = not args.no_ignore_eos
     result["speculative_config"] = kwargs.get("speculative_config")
     result["dtype"] = _run_dtype_name(kwargs["dtype"])
     run_dtype = getattr(torch, result["dtype"])
@@ -615,7 +646,9 @@ def _run_latency(args: argparse.Namespace, kwargs: dict[str, Any], requests=None
         result["roofline"] = roofline(bytes_info, max(bandwidth["copy_gbps"],
                                                       bandwidth["gemv_gbps"]),
                                       args.batch_size, mean_ctx, result["tpot_ms_mean"] / 1e3)
+    token_ids = result.pop("output_token_ids")
     print_result(result, f"pagedllm latency (batch {args.batch_size})")
+    result["output_token_ids"] = token_ids
     if profile_rows is not None:
         result["profile_top_ops"] = profile_rows
     return result, requests

@@ -213,6 +213,7 @@ class _Timeline:
     arrival: float
     token_times: list[float] = field(default_factory=list)
     num_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -351,9 +352,11 @@ def run_wave(stepper: EngineStepper, requests: list[BenchRequest], id_prefix: st
             tl = timelines.get(out.request_id)
             if tl is None:
                 continue
-            n = len(out.outputs[0].token_ids)
+            ids = out.outputs[0].token_ids
+            n = len(ids)
             tl.token_times.extend([now] * (n - tl.num_tokens))
             tl.num_tokens = n
+            tl.token_ids = list(ids)
     return list(timelines.values())
 
 
@@ -397,8 +400,11 @@ def run_latency(llm, requests: list[BenchRequest], batch_size: int, num_iters_wa
                 profile: bool = False, profile_steps: int = 8) -> dict[str, Any]:
     """Run `requests` in waves of `batch_size` (the first `num_iters_warmup` waves untimed).
 
-    Returns latency percentiles, the decode step breakdown and, with `profile`, the top ops of a
-    torch.profiler trace of `profile_steps` decode steps (on one extra wave).
+    Returns latency percentiles (TPOT and e2e over the tokens each request generated, which
+    end at EOS for requests that do not ignore it), the timed requests' output lengths
+    (`output_lens`) and greedy token ids (`output_token_ids`, one list per request, for comparing
+    runs), the decode step breakdown and, with `profile`, the top ops of a torch.profiler trace
+    of `profile_steps` decode steps (on one extra wave).
     """
     stepper = EngineStepper(llm.llm_engine)
     run_wave(stepper, [BenchRequest(warmup_prompt(requests), 4)], "warmup", None)
@@ -415,6 +421,8 @@ def run_latency(llm, requests: list[BenchRequest], batch_size: int, num_iters_wa
     result: dict[str, Any] = {"backend": "pagedllm", "batch_size": batch_size,
                               "num_timed_requests": len(timelines),
                               "num_output_tokens": sum(t.num_tokens for t in timelines),
+                              "output_lens": [t.num_tokens for t in timelines],
+                              "output_token_ids": [t.token_ids for t in timelines],
                               **latency_figures(timelines, wave_latencies),
                               "step_breakdown": step_breakdown(times),
                               "load_avg_1m_after": load_average()}

@@ -20,8 +20,13 @@ DEFAULT_TOKEN_LOW = 300
 
 @dataclass(frozen=True)
 class BenchRequest:
+    """One request: its prompt ids and `output_len`, the tokens it generates (all of them with
+    `ignore_eos`, the default; without it at most that many, the request ending at the model's
+    EOS as a real client's request does)."""
+
     prompt_token_ids: list[int]
     output_len: int
+    ignore_eos: bool = True
 
 
 @dataclass(frozen=True)
@@ -95,8 +100,10 @@ def make_workload(spec: WorkloadSpec) -> list[BenchRequest]:
 
 
 def sampling_params_for(request: BenchRequest) -> SamplingParams:
-    """Greedy, EOS ignored, exactly `output_len` tokens (greedy so HF can run the same work)."""
-    return SamplingParams(temperature=0.0, max_tokens=request.output_len, ignore_eos=True)
+    """Greedy (so HF can run the same work), `max_tokens = output_len`; EOS ignored (exactly
+    `output_len` tokens) unless the request says otherwise."""
+    return SamplingParams(temperature=0.0, max_tokens=request.output_len,
+                          ignore_eos=request.ignore_eos)
 
 
 def workload_summary(requests: list[BenchRequest]) -> dict[str, int]:

@@ -82,11 +82,13 @@ def _walk(corpus: np.ndarray, ends: np.ndarray, max_tokens: int, min_token_prob:
 
 
 def speculate(corpus: np.ndarray, context: np.ndarray, max_spec_tokens: int,
-              max_tree_depth: int, max_spec_factor: float, min_token_prob: float
-              ) -> SuffixDraft:
+              max_tree_depth: int, max_spec_factor: float, min_token_prob: float,
+              min_match_len: int = 1) -> SuffixDraft:
     """The best draft for `context` [C] int64 from the suffix tree over `corpus` [L] int64
     (sequences separated by -1): every match length up to `max_tree_depth` is tried and the
-    highest score wins, the longer match on ties (Arctic's `SuffixTree::speculate`)."""
+    highest score wins, the longer match on ties (Arctic's `SuffixTree::speculate`). Matches
+    shorter than `min_match_len` propose nothing (a pagedllm option, 1 = Arctic's and vLLM's
+    behaviour)."""
     best = SuffixDraft([])
     if not len(context) or not len(corpus) or max_spec_tokens <= 0:
         return best
@@ -103,7 +105,7 @@ def speculate(corpus: np.ndarray, context: np.ndarray, max_spec_tokens: int,
             longer = ends[:0]
         # A match that does not narrow the set walks the same path with a higher cap: only
         # the longest of a run of equal sets needs walking.
-        if len(longer) != len(ends) or m == max_m:
+        if m >= min_match_len and (len(longer) != len(ends) or m == max_m):
             limit = min(max_spec_tokens, int(m * max_spec_factor + 1e-6))
             draft = _walk(corpus, ends, limit, min_token_prob)
             if draft.token_ids and draft.score >= best.score:
@@ -126,16 +128,21 @@ class SuffixDecodingProposer:
         max_spec_factor: drafts per matched token (a match of m tokens proposes at most
             m * factor).
         min_token_prob: lowest path probability of a proposed token.
+        min_match_len: shortest context match that proposes (pagedllm's cost-aware option,
+            not in vLLM; 1, the default, proposes from any match as vLLM does). On a CPU where
+            verifying a draft token costs a fixed share of a plain step, the drafts of one-
+            or two-token matches are rejected so often that they cost more than they save.
     """
 
     def __init__(self, num_speculative_tokens: int, max_tree_depth: int = 24,
                  max_cached_requests: int = 10000, max_spec_factor: float = 1.0,
-                 min_token_prob: float = 0.1) -> None:
+                 min_token_prob: float = 0.1, min_match_len: int = 1) -> None:
         self.k = num_speculative_tokens
         self.max_tree_depth = max_tree_depth
         self.max_cached_requests = max_cached_requests
         self.max_spec_factor = max_spec_factor
         self.min_token_prob = min_token_prob
+        self.min_match_len = min_match_len
         # req_id -> output token ids so far (running or preempted requests).
         self._active: dict[str, np.ndarray] = {}
         # Finished requests' outputs, oldest first; concatenated lazily into _finished_corpus.
@@ -187,7 +194,8 @@ class SuffixDecodingProposer:
                 continue
             tokens = np.asarray(tokens, dtype=np.int64)
             context = tokens[-self.max_tree_depth:]
-            args = (limit, self.max_tree_depth, self.max_spec_factor, self.min_token_prob)
+            args = (limit, self.max_tree_depth, self.max_spec_factor, self.min_token_prob,
+                    self.min_match_len)
             local = speculate(tokens, context, *args)
             shared = speculate(corpus, context, *args)
             drafts.append((shared if shared.score > local.score else local).token_ids)

@@ -53,7 +53,8 @@ def make_drafter(config: EngineConfig, target: torch.nn.Module, dtype: torch.dty
         return SuffixDecodingProposer(k, sc.suffix_decoding_max_tree_depth,
                                       sc.suffix_decoding_max_cached_requests,
                                       sc.suffix_decoding_max_spec_factor,
-                                      sc.suffix_decoding_min_token_prob)
+                                      sc.suffix_decoding_min_token_prob,
+                                      sc.suffix_decoding_min_match_len)
     if sc.method == "draft_model":
         from transformers import AutoConfig
         path = config.draft_model_path

@@ -73,3 +73,46 @@ def test_latency_with_and_without_speculation(preset_dir: Path, tmp_path: Path):
     with pytest.raises(ValueError, match="no-spec"):
         _run(["bench", "latency", "--preset", "llama-tiny", "--preset-dir", str(preset_dir),
               "--compare", "no-spec"])
+
+
+def test_no_ignore_eos_requests_end_at_eos():
+    from pagedllm.benchmarks.workload import BenchRequest, sampling_params_for
+
+    assert sampling_params_for(BenchRequest([1, 2], 5)).ignore_eos
+    params = sampling_params_for(BenchRequest([1, 2], 5, ignore_eos=False))
+    assert not params.ignore_eos and params.max_tokens == 5 and params.temperature == 0.0
+
+
+def test_compare_greedy_outputs_finds_the_first_difference():
+    from pagedllm.benchmarks.cli import compare_greedy_outputs
+
+    same = compare_greedy_outputs({"output_token_ids": [[1, 2], [3]]},
+                                  {"output_token_ids": [[1, 2], [3]]})
+    assert same == {"greedy_outputs_identical": True, "num_requests_differing": 0}
+    diff = compare_greedy_outputs({"output_token_ids": [[1, 2], [3, 4, 5]]},
+                                  {"output_token_ids": [[1, 2], [3, 9]]})
+    assert not diff["greedy_outputs_identical"] and diff["num_requests_differing"] == 1
+    assert diff["first_difference"] == {"request": 1, "position": 1}
+    shorter = compare_greedy_outputs({"output_token_ids": [[1, 2]]}, {"output_token_ids": [[1]]})
+    assert shorter["first_difference"] == {"request": 0, "position": 1}
+
+
+def test_latency_no_ignore_eos_same_greedy_outputs(preset_dir: Path, tmp_path: Path):  # noqa: F811
+    out = tmp_path / "lat.json"
+    rc = _run(["bench", "latency", "--preset", "llama-tiny", "--preset-dir", str(preset_dir),
+               "--dtype", "float32", "--kv-cache-memory-bytes", KV_BYTES, "--workload", "agent",
+               "--output-len", "12", "--num-iters", "2", "--bandwidth-mib", "0",
+               "--no-ignore-eos",
+               "--speculative-config", '{"method": "suffix", "num_speculative_tokens": 4}',
+               "--compare", "no-spec", "--output-json", str(out)])
+    assert rc == 0
+    spec, plain = _load(out)
+    assert spec["ignore_eos"] is False and plain["ignore_eos"] is False
+    assert plain["greedy_outputs_identical"] and plain["num_requests_differing"] == 0
+    assert spec["output_token_ids"] == plain["output_token_ids"]
+    assert spec["output_lens"] == plain["output_lens"] == [len(t) for t in
+                                                          spec["output_token_ids"]]
+    assert all(1 <= n <= 12 for n in spec["output_lens"])
+    with pytest.raises(ValueError, match="no-ignore-eos"):
+        _run(["bench", "latency", "--preset", "llama-tiny", "--preset-dir", str(preset_dir),
+              "--no-ignore-eos", "--compare", "llamacpp"])

@@ -26,7 +26,7 @@ class _Trie:
                     node = node[1].setdefault(t, [0, {}])
                     node[0] += 1
 
-    def speculate(self, context, max_tokens, max_depth, factor, min_prob):
+    def speculate(self, context, max_tokens, max_depth, factor, min_prob, min_match_len=1):
         best = ([], 0.0)
         for m in range(1, min(max_depth, len(context)) + 1):
             node = self.root
@@ -34,6 +34,8 @@ class _Trie:
                 node = node[1].get(t)
                 if node is None:
                     return best
+            if m < min_match_len:
+                continue
             limit = min(max_tokens, int(m * factor + 1e-6))
             tokens, score, prob = [], 0.0, 1.0
             while len(tokens) < limit and node[1]:
@@ -58,9 +60,11 @@ def test_speculate_matches_explicit_trie(seed):
     trie = _Trie(seqs)
     for _ in range(20):
         context = rng.integers(0, vocab, size=int(rng.integers(1, 12))).astype(np.int64)
-        for depth, factor, min_prob in ((24, 1.0, 0.1), (3, 2.0, 0.0), (8, 0.5, 0.3)):
-            got = speculate(corpus, context, 6, depth, factor, min_prob)
-            want = trie.speculate(context.tolist(), 6, depth, factor, min_prob)
+        for depth, factor, min_prob, min_match in ((24, 1.0, 0.1, 1), (3, 2.0, 0.0, 1),
+                                                   (8, 0.5, 0.3, 1), (24, 1.0, 0.1, 3),
+                                                   (8, 2.0, 0.0, 2)):
+            got = speculate(corpus, context, 6, depth, factor, min_prob, min_match)
+            want = trie.speculate(context.tolist(), 6, depth, factor, min_prob, min_match)
             assert got.token_ids == want[0]
             assert got.score == pytest.approx(want[1])
 
@@ -135,6 +139,20 @@ def test_global_tree_drafts_earlier_outputs(target, reference, max_cached_reques
         assert accepted >= 18   # of the 23 tokens after the first
     else:
         assert accepted == before.num_accepted_tokens
+
+
+def test_min_match_len_greedy_unchanged(target, reference):
+    """The cost-aware option (no drafts from matches shorter than 3 tokens): the same greedy
+    tokens; the second round drafts the first round's outputs (long matches in the global
+    tree; random weights give text whose short matches the option drops)."""
+    llm = LLM(target, dtype="float32", kv_cache_memory_bytes=8 << 20,
+              speculative_config=dict(SUFFIX, suffix_decoding_min_match_len=3))
+    for _ in range(2):
+        assert _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == reference
+    assert llm.get_stats().spec_decoding_stats.num_accepted_tokens > 0
+    with pytest.raises(ValueError, match="suffix_decoding_min_match_len"):
+        LLM(target, dtype="float32", kv_cache_memory_bytes=8 << 20,
+            speculative_config=dict(SUFFIX, suffix_decoding_min_match_len=0))
 
 
 def test_seeded_sampling_distributed_as_without(target):
