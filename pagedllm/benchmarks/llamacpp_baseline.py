@@ -397,6 +397,20 @@ def run_llamacpp_latency(model_path: str, requests: list[BenchRequest], batch_si
 _QUIET_LOG = None
 
 
+def load_llamacpp_model(gguf_path: str):
+    """(the `llama_cpp` module, a llama.cpp model loaded from `gguf_path` with default params),
+    llama.cpp's logs silenced and its backend initialised. Raises RuntimeError when llama.cpp
+    cannot load the file. The caller frees the model (`llama_model_free`)."""
+    import llama_cpp as lc
+
+    _silence_llamacpp_logs(lc)
+    lc.llama_backend_init()
+    model = lc.llama_model_load_from_file(gguf_path.encode(), lc.llama_model_default_params())
+    if not model:
+        raise RuntimeError(f"llama.cpp could not load {gguf_path}")
+    return lc, model
+
+
 def _silence_llamacpp_logs(lc) -> None:
     """llama.cpp logs every load and context to stderr; keep the benchmark's output readable.
 
@@ -417,15 +431,8 @@ class _BatchedLlamaCpp:
     N_BATCH = 2048  # tokens per llama_decode call
 
     def __init__(self, gguf_path: str, num_slots: int, max_len: int, num_threads: int) -> None:
-        import llama_cpp as lc
-
+        lc, self.model = load_llamacpp_model(gguf_path)
         self.lc = lc
-        _silence_llamacpp_logs(lc)
-        lc.llama_backend_init()
-        self.model = lc.llama_model_load_from_file(gguf_path.encode(),
-                                                   lc.llama_model_default_params())
-        if not self.model:
-            raise RuntimeError(f"llama.cpp could not load {gguf_path}")
         params = lc.llama_context_default_params()
         params.n_ctx = num_slots * max_len          # split evenly between the sequences
         params.n_batch = self.N_BATCH

@@ -82,17 +82,10 @@ class _LlamaCppSequence:
     """One llama.cpp sequence through the low-level API: decode with logits at every row."""
 
     def __init__(self, gguf_path: str, max_len: int, num_threads: int) -> None:
-        import llama_cpp as lc
+        from pagedllm.benchmarks.llamacpp_baseline import load_llamacpp_model
 
-        from pagedllm.benchmarks.llamacpp_baseline import _silence_llamacpp_logs
-
+        lc, self.model = load_llamacpp_model(gguf_path)
         self.lc = lc
-        _silence_llamacpp_logs(lc)
-        lc.llama_backend_init()
-        self.model = lc.llama_model_load_from_file(gguf_path.encode(),
-                                                   lc.llama_model_default_params())
-        if not self.model:
-            raise RuntimeError(f"llama.cpp could not load {gguf_path}")
         params = lc.llama_context_default_params()
         params.n_ctx = max_len
         params.n_batch = params.n_ubatch = max_len
