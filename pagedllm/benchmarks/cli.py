@@ -86,6 +86,13 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     lat.add_argument("--compare", action="append", choices=["llamacpp", "no-spec"], default=[],
                      help="also run the same waves through llama.cpp (same GGUF file), or "
                           "(no-spec) through the engine without --speculative-config")
+    lat.add_argument("--alternate", action="store_true",
+                     help="with --compare no-spec: build both engines at once and alternate "
+                          "the waves between them (spec, plain, then plain, spec, ...); "
+                          "reports each wave pair's TPOT ratio and their median and spread, "
+                          "which a load change on a shared machine moves far less than the "
+                          "ratio of two runs one after the other (default: the plain run "
+                          "after the whole speculative run)")
     _add_llamacpp_threads_arg(lat)
     lat.add_argument("--llamacpp-spec", choices=["none", "prompt-lookup"], default="none",
                      help="with --compare llamacpp: llama.cpp with speculative decoding, "
@@ -513,21 +520,32 @@ def run_latency_command(args: argparse.Namespace) -> int:
     if args.llamacpp_spec != "none" and ("llamacpp" not in args.compare
                                          or args.batch_size != 1):
         raise ValueError("--llamacpp-spec needs --compare llamacpp and --batch-size 1")
+    if args.alternate and ("no-spec" not in args.compare or args.profile):
+        raise ValueError("--alternate needs --compare no-spec and does not take --profile")
     if args.no_ignore_eos and "llamacpp" in args.compare:
         raise ValueError("--no-ignore-eos does not apply to --compare llamacpp (its runs "
                          "generate exactly --output-len tokens)")
     model_path = kwargs["model"]
-    result, requests = _run_latency(args, kwargs)
+    alternation = None
+    if args.alternate:
+        result, plain, alternation, requests = _run_latency_alternating(args, kwargs)
+    else:
+        result, requests = _run_latency(args, kwargs)
     results, not_run = [result], []
     if "no-spec" in args.compare:
-        plain, _ = _run_latency(args, {**kwargs, "speculative_config": None}, requests)
+        if alternation is None:
+            plain, _ = _run_latency(args, {**kwargs, "speculative_config": None}, requests)
         # > 1: speculation is faster (the plain engine's TPOT / the speculating one's).
         plain["tpot_speedup_of_spec"] = plain["tpot_ms_mean"] / result["tpot_ms_mean"]
         plain["e2e_speedup_of_spec"] = (plain["e2e_latency_ms_mean"]
                                         / result["e2e_latency_ms_mean"])
         plain.update(compare_greedy_outputs(result, plain))
+        if alternation is not None:
+            plain["alternation"] = alternation
         print_result({k: v for k, v in plain.items() if k != "output_token_ids"},
                      f"pagedllm latency without speculation (batch {args.batch_size})")
+        if alternation is not None:
+            print_alternation(alternation)
         results.append(plain)
     if "llamacpp" in args.compare:
         from pagedllm.benchmarks.llamacpp_baseline import run_llamacpp_latency
@@ -586,20 +604,26 @@ def _run_llamacpp_spec(args: argparse.Namespace, model_path: str, requests,
                                      args.num_iters_warmup, num_threads=args.llamacpp_threads)
 
 
-def _run_latency(args: argparse.Namespace, kwargs: dict[str, Any], requests=None):
-    """One engine's latency run over `requests` (built from the workload flags when None) with
-    the roofline figures; printed. Returns (result, requests)."""
-    import torch
+def print_alternation(alternation: dict[str, Any]) -> None:
+    """One line per wave pair of `run_latency_alternating`'s summary, then the median and
+    spread of the TPOT ratios."""
+    def fmt(v):
+        return "n/a" if v is None else f"{v:.2f}"
 
-    from pagedllm import LLM
-    from pagedllm.benchmarks.latency import (decode_bytes_per_token, measure_fma_peak,
-                                             measure_memory_bandwidth, roofline, run_latency)
-    from pagedllm.benchmarks.report import print_result
+    print("wave pairs (alternating): wave, first, TPOT spec / plain ms, TPOT ratio, e2e ratio")
+    for p in alternation["pairs"]:
+        print(f"  {p['wave']:>3}  {p['first']:<5}  {p['spec_tpot_ms']:8.2f} / "
+              f"{p['plain_tpot_ms']:8.2f}  {fmt(p['tpot_ratio'])}  {fmt(p['e2e_ratio'])}")
+    print(f"TPOT ratio over {alternation['num_pairs']} pairs: median "
+          f"{alternation['tpot_ratio_median']:.2f}, min {alternation['tpot_ratio_min']:.2f}, "
+          f"max {alternation['tpot_ratio_max']:.2f}, IQR {alternation['tpot_ratio_iqr']:.2f}; "
+          f"e2e ratio median {alternation['e2e_ratio_median']:.2f}")
 
-    model_path = kwargs["model"]
+
+def _latency_requests(args: argparse.Namespace, llm, model_path: str, requests=None):
+    """`requests`, or (when None) the workload the flags ask for, built with `llm`'s
+    tokenizer."""
     num_prompts = args.batch_size * (args.num_iters + args.num_iters_warmup)
-    _check_workload_seed(args)
-    llm = LLM(**kwargs)
     if requests is None and args.workload == "agent":
         from pagedllm.benchmarks.agent_workload import make_agent_workload
 
@@ -616,8 +640,10 @@ def _run_latency(args: argparse.Namespace, kwargs: dict[str, Any], requests=None
         requests = build_workload(args, _vocab_size(model_path), num_prompts)
         if args.no_ignore_eos:
             requests = [dataclasses.replace(r, ignore_eos=False) for r in requests]
-    result = run_latency(llm, requests, args.batch_size, args.num_iters_warmup,
-                         profile=args.profile, profile_steps=args.profile_steps)
+    return requests
+
+
+def _add_spec_stats(result: dict[str, Any], llm) -> None:
     spec = llm.get_stats().spec_decoding_stats
     if spec.num_drafts:
         result["spec_decoding"] = {
@@ -625,8 +651,60 @@ def _run_latency(args: argparse.Namespace, kwargs: dict[str, Any], requests=None
             "num_accepted_tokens": spec.num_accepted_tokens,
             "mean_accepted_length": spec.mean_accepted_length,
             "acceptance_rate_per_pos": spec.acceptance_rate_per_pos}
+
+
+def _run_latency(args: argparse.Namespace, kwargs: dict[str, Any], requests=None):
+    """One engine's latency run over `requests` (built from the workload flags when None) with
+    the roofline figures; printed. Returns (result, requests)."""
+    from pagedllm import LLM
+    from pagedllm.benchmarks.latency import run_latency
+
+    _check_workload_seed(args)
+    llm = LLM(**kwargs)
+    requests = _latency_requests(args, llm, kwargs["model"], requests)
+    result = run_latency(llm, requests, args.batch_size, args.num_iters_warmup,
+                         profile=args.profile, profile_steps=args.profile_steps)
+    _add_spec_stats(result, llm)
     del llm
     gc.collect()
+    _finish_latency_result(args, kwargs, result, requests)
+    return result, requests
+
+
+def _run_latency_alternating(args: argparse.Namespace, kwargs: dict[str, Any]):
+    """`--compare no-spec --alternate`: the speculating engine (`kwargs`) and the plain one
+    built side by side, the waves alternating between them (`run_latency_alternating`).
+    Returns (spec result, plain result, alternation summary, requests); both results
+    printed."""
+    from pagedllm import LLM
+    from pagedllm.benchmarks.latency import run_latency_alternating
+
+    _check_workload_seed(args)
+    spec_llm = LLM(**kwargs)
+    requests = _latency_requests(args, spec_llm, kwargs["model"])
+    plain_kwargs = {**kwargs, "speculative_config": None}
+    plain_llm = LLM(**plain_kwargs)
+    spec, plain, alternation = run_latency_alternating(spec_llm, plain_llm, requests,
+                                                       args.batch_size, args.num_iters_warmup)
+    _add_spec_stats(spec, spec_llm)
+    _add_spec_stats(plain, plain_llm)
+    del spec_llm, plain_llm
+    gc.collect()
+    _finish_latency_result(args, kwargs, spec, requests)
+    _finish_latency_result(args, plain_kwargs, plain, requests, echo=False)
+    return spec, plain, alternation, requests
+
+
+def _finish_latency_result(args: argparse.Namespace, kwargs: dict[str, Any],
+                           result: dict[str, Any], requests, echo: bool = True) -> None:
+    """Add the run's settings and the roofline figures to `result`; print it when `echo`."""
+    import torch
+
+    from pagedllm.benchmarks.latency import (decode_bytes_per_token, measure_fma_peak,
+                                             measure_memory_bandwidth, roofline)
+    from pagedllm.benchmarks.report import print_result
+
+    model_path = kwargs["model"]
     profile_rows = result.pop("profile_top_ops", None)
     result["model"] = model_path
     result["workload"] = args.workload
@@ -647,11 +725,11 @@ def _run_latency(args: argparse.Namespace, kwargs: dict[str, Any], requests=None
                                                       bandwidth["gemv_gbps"]),
                                       args.batch_size, mean_ctx, result["tpot_ms_mean"] / 1e3)
     token_ids = result.pop("output_token_ids")
-    print_result(result, f"pagedllm latency (batch {args.batch_size})")
+    if echo:
+        print_result(result, f"pagedllm latency (batch {args.batch_size})")
     result["output_token_ids"] = token_ids
     if profile_rows is not None:
         result["profile_top_ops"] = profile_rows
-    return result, requests
 
 
 def run_gemm_command(args: argparse.Namespace) -> int:
