@@ -84,7 +84,7 @@ def test_no_ignore_eos_requests_end_at_eos():
 
 
 def test_compare_greedy_outputs_finds_the_first_difference():
-    from pagedllm.benchmarks.cli import compare_greedy_outputs
+    from pagedllm.benchmarks.latency_cli import compare_greedy_outputs
 
     same = compare_greedy_outputs({"output_token_ids": [[1, 2], [3]]},
                                   {"output_token_ids": [[1, 2], [3]]})
