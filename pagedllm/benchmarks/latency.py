@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import struct
 import time
 from dataclasses import dataclass, field
@@ -418,17 +419,109 @@ def run_latency(llm, requests: list[BenchRequest], batch_size: int, num_iters_wa
         if w >= num_iters_warmup:
             wave_latencies.append(time.perf_counter() - start)
             timelines.extend(tls)
-    result: dict[str, Any] = {"backend": "pagedllm", "batch_size": batch_size,
-                              "num_timed_requests": len(timelines),
-                              "num_output_tokens": sum(t.num_tokens for t in timelines),
-                              "output_lens": [t.num_tokens for t in timelines],
-                              "output_token_ids": [t.token_ids for t in timelines],
-                              **latency_figures(timelines, wave_latencies),
-                              "step_breakdown": step_breakdown(times),
-                              "load_avg_1m_after": load_average()}
+    result = _latency_result(batch_size, timelines, wave_latencies, times)
     if profile:
         result["profile_top_ops"] = profile_decode_steps(stepper, waves[-1], profile_steps)
     return result
+
+
+def _latency_result(batch_size: int, timelines: list[_Timeline], wave_latencies: list[float],
+                    times: StepTimes) -> dict[str, Any]:
+    return {"backend": "pagedllm", "batch_size": batch_size,
+            "num_timed_requests": len(timelines),
+            "num_output_tokens": sum(t.num_tokens for t in timelines),
+            "output_lens": [t.num_tokens for t in timelines],
+            "output_token_ids": [t.token_ids for t in timelines],
+            **latency_figures(timelines, wave_latencies),
+            "step_breakdown": step_breakdown(times),
+            "load_avg_1m_after": load_average()}
+
+
+def _wave_tpot_ms(timelines: list[_Timeline]) -> float:
+    """Mean over a wave's requests of each request's TPOT in ms (NaN when no request of the wave
+    generated two tokens)."""
+    return latency_figures(timelines, [])["tpot_ms_mean"]
+
+
+def run_latency_alternating(spec_llm, plain_llm, requests: list[BenchRequest], batch_size: int,
+                            num_iters_warmup: int = 1) -> tuple[dict, dict, dict]:
+    """The same waves through two engines built side by side, alternating wave by wave.
+
+    Each wave of `batch_size` requests runs through the speculating engine (`spec_llm`) and then
+    through the plain one (`plain_llm`), or the other way round on odd waves (A-B, B-A, ...: the
+    pair order cancels any drift within a pair); the first `num_iters_warmup` waves are untimed.
+    Each timed wave gives a pair of TPOTs measured seconds apart, so a load change on a shared
+    machine moves both and their ratio far less than it moves two runs made one after the
+    other (which `run_latency` twice does).
+
+    Returns (spec result, plain result, alternation): the two results as `run_latency` gives
+    them (no profile), and `alternation` = {"pairs": one dict per timed wave with `wave`,
+    `first` ("spec" | "plain"), `spec_tpot_ms`, `plain_tpot_ms` (the mean over the wave's
+    requests of each request's TPOT), `tpot_ratio` (plain / spec, > 1 = speculation is faster;
+    None where a TPOT is NaN: no request of the wave generated two tokens), `spec_e2e_ms`,
+    `plain_e2e_ms`, `e2e_ratio`}, and over the pairs' ratios `tpot_ratio_median`,
+    `tpot_ratio_min`, `tpot_ratio_max`, `tpot_ratio_iqr` (p75 - p25), `e2e_ratio_median`,
+    `num_pairs`. Raises ValueError when `batch_size` < 1 or no wave is timed.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    waves = [requests[i:i + batch_size] for i in range(0, len(requests), batch_size)]
+    if len(waves) <= num_iters_warmup:
+        raise ValueError(f"{len(waves)} waves leave none timed after {num_iters_warmup} "
+                         "warm-up waves")
+    steppers = {"spec": EngineStepper(spec_llm.llm_engine),
+                "plain": EngineStepper(plain_llm.llm_engine)}
+    for stepper in steppers.values():
+        run_wave(stepper, [BenchRequest(warmup_prompt(requests), 4)], "warmup", None)
+    times = {name: StepTimes() for name in steppers}
+    timelines: dict[str, list[_Timeline]] = {name: [] for name in steppers}
+    wave_latencies: dict[str, list[float]] = {name: [] for name in steppers}
+    pairs: list[dict[str, Any]] = []
+    for w, wave in enumerate(waves):
+        timed = w >= num_iters_warmup
+        order = ("spec", "plain") if w % 2 == 0 else ("plain", "spec")
+        pair: dict[str, Any] = {"wave": w, "first": order[0]}
+        for name in order:
+            start = time.perf_counter()
+            tls = run_wave(steppers[name], wave, f"wave{w}", times[name] if timed else None)
+            elapsed = time.perf_counter() - start
+            if timed:
+                wave_latencies[name].append(elapsed)
+                timelines[name].extend(tls)
+                pair[f"{name}_tpot_ms"] = _wave_tpot_ms(tls)
+                pair[f"{name}_e2e_ms"] = float(np.mean(
+                    [t.token_times[-1] - t.arrival for t in tls if t.token_times])) * 1e3
+        if timed:
+            pair["tpot_ratio"] = _ratio(pair["plain_tpot_ms"], pair["spec_tpot_ms"])
+            pair["e2e_ratio"] = _ratio(pair["plain_e2e_ms"], pair["spec_e2e_ms"])
+            pairs.append(pair)
+    results = {name: _latency_result(batch_size, timelines[name], wave_latencies[name],
+                                     times[name]) for name in steppers}
+    return results["spec"], results["plain"], alternation_summary(pairs)
+
+
+def _ratio(num: float, den: float) -> float | None:
+    if math.isnan(num) or math.isnan(den) or den == 0:
+        return None
+    return num / den
+
+
+def alternation_summary(pairs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Median, min, max and interquartile range of the pairs' `tpot_ratio` (pairs whose ratio
+    is None left out; all NaN when none is left) and the median of their `e2e_ratio`."""
+    tpot = [p["tpot_ratio"] for p in pairs if p.get("tpot_ratio") is not None]
+    e2e = [p["e2e_ratio"] for p in pairs if p.get("e2e_ratio") is not None]
+    nan = float("nan")
+    out: dict[str, Any] = {"pairs": pairs, "num_pairs": len(tpot)}
+    if tpot:
+        q25, q50, q75 = np.percentile(tpot, [25, 50, 75])
+        out.update(tpot_ratio_median=float(q50), tpot_ratio_min=float(min(tpot)),
+                   tpot_ratio_max=float(max(tpot)), tpot_ratio_iqr=float(q75 - q25))
+    else:
+        out.update(tpot_ratio_median=nan, tpot_ratio_min=nan, tpot_ratio_max=nan,
+                   tpot_ratio_iqr=nan)
+    out["e2e_ratio_median"] = float(np.median(e2e)) if e2e else nan
+    return out
 
 
 def profile_decode_steps(stepper: EngineStepper, wave: list[BenchRequest],

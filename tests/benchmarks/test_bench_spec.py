@@ -84,7 +84,7 @@ def test_no_ignore_eos_requests_end_at_eos():
 
 
 def test_compare_greedy_outputs_finds_the_first_difference():
-    from pagedllm.benchmarks.cli import compare_greedy_outputs
+    from pagedllm.benchmarks.latency_cli import compare_greedy_outputs
 
     same = compare_greedy_outputs({"output_token_ids": [[1, 2], [3]]},
                                   {"output_token_ids": [[1, 2], [3]]})
@@ -116,3 +116,56 @@ def test_latency_no_ignore_eos_same_greedy_outputs(preset_dir: Path, tmp_path: P
     with pytest.raises(ValueError, match="no-ignore-eos"):
         _run(["bench", "latency", "--preset", "llama-tiny", "--preset-dir", str(preset_dir),
               "--no-ignore-eos", "--compare", "llamacpp"])
+
+
+def test_latency_alternate_pairs_and_same_greedy_outputs(preset_dir: Path,  # noqa: F811
+                                                         tmp_path: Path):
+    """`--alternate`: both engines side by side, the waves alternating; one TPOT ratio per timed
+    wave pair, their median within [min, max], and the greedy tokens of the two engines equal
+    (EOS honoured)."""
+    out = tmp_path / "lat.json"
+    rc = _run(["bench", "latency", "--preset", "llama-tiny", "--preset-dir", str(preset_dir),
+               "--dtype", "float32", "--kv-cache-memory-bytes", KV_BYTES, "--workload", "agent",
+               "--output-len", "12", "--num-iters", "3", "--bandwidth-mib", "0",
+               "--no-ignore-eos", "--alternate",
+               "--speculative-config", '{"method": "suffix", "num_speculative_tokens": 4}',
+               "--compare", "no-spec", "--output-json", str(out)])
+    assert rc == 0
+    spec, plain = _load(out)
+    assert spec["speculative_config"]["method"] == "suffix" and plain["speculative_config"] is None
+    assert "spec_decoding" not in plain
+    assert plain["greedy_outputs_identical"]
+    assert spec["output_token_ids"] == plain["output_token_ids"]
+    assert spec["num_timed_requests"] == plain["num_timed_requests"] == 3
+    alt = plain["alternation"]
+    pairs = alt["pairs"]
+    assert [p["wave"] for p in pairs] == [1, 2, 3]
+    assert [p["first"] for p in pairs] == ["plain", "spec", "plain"]
+    for p in pairs:
+        if p["tpot_ratio"] is not None:
+            assert p["tpot_ratio"] == pytest.approx(p["plain_tpot_ms"] / p["spec_tpot_ms"])
+    ratios = [p["tpot_ratio"] for p in pairs if p["tpot_ratio"] is not None]
+    assert alt["num_pairs"] == len(ratios) >= 1
+    assert alt["tpot_ratio_min"] <= alt["tpot_ratio_median"] <= alt["tpot_ratio_max"]
+    # The old aggregate figures are still there.
+    assert plain["tpot_speedup_of_spec"] == pytest.approx(plain["tpot_ms_mean"]
+                                                          / spec["tpot_ms_mean"])
+    with pytest.raises(ValueError, match="alternate"):
+        _run(["bench", "latency", "--preset", "llama-tiny", "--preset-dir", str(preset_dir),
+              "--speculative-config", '{"method": "suffix", "num_speculative_tokens": 4}',
+              "--alternate"])
+
+
+def test_alternation_summary():
+    from pagedllm.benchmarks.latency import alternation_summary
+
+    pairs = [{"tpot_ratio": r, "e2e_ratio": e} for r, e in
+             ((1.5, 1.4), (None, None), (2.0, 1.8), (1.0, 1.2), (1.7, 1.6))]
+    out = alternation_summary(pairs)
+    assert out["num_pairs"] == 4 and out["pairs"] is pairs
+    assert out["tpot_ratio_median"] == pytest.approx(1.6)
+    assert (out["tpot_ratio_min"], out["tpot_ratio_max"]) == (1.0, 2.0)
+    assert out["tpot_ratio_iqr"] == pytest.approx(1.775 - 1.375)
+    assert out["e2e_ratio_median"] == pytest.approx(1.5)
+    empty = alternation_summary([{"tpot_ratio": None, "e2e_ratio": None}])
+    assert empty["num_pairs"] == 0 and empty["tpot_ratio_median"] != empty["tpot_ratio_median"]
