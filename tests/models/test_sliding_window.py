@@ -78,9 +78,9 @@ def test_fused_decoder_takes_steps_within_the_window(tiny_checkpoints, monkeypat
     seq_lens: list[int] = []
     call = FusedDecoder.__call__
 
-    def spy(self, positions, residual, delta, metadata):
+    def spy(self, positions, residual, delta, metadata, *rest):
         seq_lens.append(int(metadata.seq_lens.max()))
-        return call(self, positions, residual, delta, metadata)
+        return call(self, positions, residual, delta, metadata, *rest)
 
     monkeypatch.setattr(FusedDecoder, "__call__", spy)
     llm.generate([[5, 6, 7]], _params(), use_tqdm=False)  # 3 + 8 tokens: past the window
