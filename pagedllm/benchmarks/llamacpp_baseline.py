@@ -411,6 +411,25 @@ def load_llamacpp_model(gguf_path: str):
     return lc, model
 
 
+def new_llamacpp_context(lc, model, *, n_ctx: int, n_batch: int, n_ubatch: int,
+                         n_seq_max: int, num_threads: int):
+    """A llama.cpp context over `model` (from `load_llamacpp_model`) for the benchmarks: flash
+    attention on, perf counters off, `num_threads` for decode and batches; sizes in tokens.
+    Raises RuntimeError when llama.cpp cannot create it. The caller frees it (`llama_free`)."""
+    params = lc.llama_context_default_params()
+    params.n_ctx = n_ctx
+    params.n_batch = n_batch
+    params.n_ubatch = n_ubatch
+    params.n_seq_max = n_seq_max
+    params.n_threads = params.n_threads_batch = num_threads
+    params.flash_attn_type = 1                  # LLAMA_FLASH_ATTN_TYPE_ENABLED
+    params.no_perf = True
+    ctx = lc.llama_init_from_model(model, params)
+    if not ctx:
+        raise RuntimeError("llama.cpp could not create a context")
+    return ctx
+
+
 def _silence_llamacpp_logs(lc) -> None:
     """llama.cpp logs every load and context to stderr; keep the benchmark's output readable.
 
@@ -433,17 +452,10 @@ class _BatchedLlamaCpp:
     def __init__(self, gguf_path: str, num_slots: int, max_len: int, num_threads: int) -> None:
         lc, self.model = load_llamacpp_model(gguf_path)
         self.lc = lc
-        params = lc.llama_context_default_params()
-        params.n_ctx = num_slots * max_len          # split evenly between the sequences
-        params.n_batch = self.N_BATCH
-        params.n_ubatch = 512
-        params.n_seq_max = num_slots
-        params.n_threads = params.n_threads_batch = num_threads
-        params.flash_attn_type = 1                  # LLAMA_FLASH_ATTN_TYPE_ENABLED
-        params.no_perf = True
-        self.ctx = lc.llama_init_from_model(self.model, params)
-        if not self.ctx:
-            raise RuntimeError("llama.cpp could not create a context")
+        # n_ctx split evenly between the sequences
+        self.ctx = new_llamacpp_context(lc, self.model, n_ctx=num_slots * max_len,
+                                        n_batch=self.N_BATCH, n_ubatch=512,
+                                        n_seq_max=num_slots, num_threads=num_threads)
         self.memory = lc.llama_get_memory(self.ctx)
         self.n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self.model))
         self.num_slots = num_slots

@@ -82,20 +82,13 @@ class _LlamaCppSequence:
     """One llama.cpp sequence through the low-level API: decode with logits at every row."""
 
     def __init__(self, gguf_path: str, max_len: int, num_threads: int) -> None:
-        from pagedllm.benchmarks.llamacpp_baseline import load_llamacpp_model
+        from pagedllm.benchmarks.llamacpp_baseline import (load_llamacpp_model,
+                                                           new_llamacpp_context)
 
         lc, self.model = load_llamacpp_model(gguf_path)
         self.lc = lc
-        params = lc.llama_context_default_params()
-        params.n_ctx = max_len
-        params.n_batch = params.n_ubatch = max_len
-        params.n_seq_max = 1
-        params.n_threads = params.n_threads_batch = num_threads
-        params.flash_attn_type = 1                  # LLAMA_FLASH_ATTN_TYPE_ENABLED
-        params.no_perf = True
-        self.ctx = lc.llama_init_from_model(self.model, params)
-        if not self.ctx:
-            raise RuntimeError("llama.cpp could not create a context")
+        self.ctx = new_llamacpp_context(lc, self.model, n_ctx=max_len, n_batch=max_len,
+                                        n_ubatch=max_len, n_seq_max=1, num_threads=num_threads)
         self.memory = lc.llama_get_memory(self.ctx)
         self.n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self.model))
         self.batch = lc.llama_batch_init(max_len, 0, 1)
