@@ -28,14 +28,13 @@ from pagedllm.attention.forward_context import get_forward_context
 from pagedllm.attention.metadata import KVCacheGroupsMetadata
 from pagedllm.layers import state_kernels
 from pagedllm.layers.state_cache import StateCache
+from pagedllm.native.fused_decoder import _DTYPE_CODES, _is_packed, _is_quantized
 from pagedllm.native.kernels import abi, cpu_kernels
-from pagedllm.native.mla_decoder import _is_packed, _is_quantized, native_attention_enabled
+from pagedllm.native.mla_decoder import native_attention_enabled
 
 GDNLayerWeights = abi.struct("GDNLayerWeights")
 GatedAttentionWeights = abi.struct("GatedAttentionWeights")
 NativeAttentionStep = abi.struct("NativeAttentionStep")
-
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 def _ga_linears(attn) -> tuple:

@@ -27,14 +27,12 @@ import torch
 from pagedllm.attention.backends.mla_cpu import MLACpuMetadata
 from pagedllm.attention.forward_context import get_forward_context
 from pagedllm.distributed.parallel_state import get_tensor_model_parallel_world_size
+from pagedllm.native.fused_decoder import _DTYPE_CODES, _is_packed, _is_quantized
 from pagedllm.native.kernels import abi, cpu_kernels
 from pagedllm.platforms import current_platform
 
 MLALayerWeights = abi.struct("MLALayerWeights")
 NativeAttentionStep = abi.struct("NativeAttentionStep")
-
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
-
 
 def native_attention_enabled() -> bool:
     """False when `PAGEDLLM_CPU_NATIVE_ATTENTION` is 0/false/off/no (the module path runs)."""
@@ -46,14 +44,6 @@ def _mla_linears(attn) -> tuple:
     if attn.q_lora_rank is None:
         return attn.q_proj, None, attn.kv_a_proj_with_mqa, attn.o_proj
     return attn.q_a_proj, attn.q_b_proj, attn.kv_a_proj_with_mqa, attn.o_proj
-
-
-def _is_packed(linear) -> bool:
-    return getattr(getattr(linear, "quant_method", None), "packed", False)
-
-
-def _is_quantized(linear) -> bool:
-    return getattr(getattr(linear, "quant_method", None), "quantized", False)
 
 
 class MLAStepState:

@@ -34,12 +34,12 @@ from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.fused_moe import FusedMoE
 from pagedllm.models.deepseek_v2 import DeepseekMoE
 from pagedllm.models.moe import SparseMoeBlock
+from pagedllm.native.fused_decoder import _DTYPE_CODES
 from pagedllm.native.kernels import abi, cpu_kernels
 from pagedllm.platforms import current_platform
 
 MoeBlockWeights = abi.struct("MoeBlockWeights")
 
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _SCORING_CODES = {"softmax": 0, "sigmoid": 1}
 _TOPK_METHOD_CODES = {"greedy": 0, "group_limited_greedy": 1, "noaux_tc": 2}
 _MAX_GROUPS = 256   # the kernel's bound on n_group
