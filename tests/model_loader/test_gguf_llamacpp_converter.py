@@ -32,7 +32,9 @@ from pagedllm import LLM, SamplingParams, envs
 from pagedllm.native.kernels import cpu_kernels
 from tests.fixtures.checkpoints import make_tiny_checkpoint
 from tests.fixtures.gguf_converted import spell_layer_types_as_the_hub, write_converted_gguf
-from tests.model_loader.test_gguf_hybrids import QWEN3_NEXT
+# Qwen3.5 with 32-weight value heads, Granite 4.0-H and Falcon-H1 as released (see there).
+from tests.model_loader.test_gguf_hybrids import (FALCON_H1, GRANITE_HYBRID, QWEN3_5_BLOCKS,
+                                                  QWEN3_NEXT)
 from tests.models.test_hybrid_models import MAX_TOKENS, MODELS, _hf_greedy, _prompts
 
 CONVERTER = envs.get("PAGEDLLM_LLAMACPP_CONVERTER")
@@ -43,19 +45,6 @@ pytestmark = [
                               "is not set to a file"),
 ]
 
-# Qwen3.5 with value heads of 32 weights: its `ssm_out` columns are re-ordered in whole Q8_0
-# blocks, so the layer stays quantized.
-QWEN3_5_BLOCKS = ("Qwen3_5ForCausalLM", {**MODELS["qwen3_5"][1], "linear_value_head_dim": 32})
-# Granite 4 hybrid as Granite 4.0-H: no RoPE (the converter marks RoPE only for Bamba or a
-# model without Mamba layers, and llama.cpp applies it only then).
-# A shared MLP of 64 (a multiple of the 32-weight blocks: its down projection stays Q8_0).
-GRANITE_HYBRID = ("GraniteMoeHybridForCausalLM",
-                  {**MODELS["granite_hybrid"][1], "position_embedding_type": "nope",
-                   "shared_intermediate_size": 64})
-# Falcon-H1 with every muP multiplier and the gated norm, as released checkpoints: `head_dim`
-# in the config (the converter requires it) and the norm after the gate (llama.cpp's order).
-FALCON_H1 = ("FalconH1ForCausalLM", {**MODELS["falcon_h1"][1], "head_dim": 16,
-                                     "mamba_norm_before_gate": False})
 # Qwen3.5 as llama.cpp can run it: value heads as large as key heads (its loader sizes
 # `attn_qkv` by the key head size), MRoPE sections within the 4 rotated dims (the converter
 # writes the default [11, 11, 10] otherwise, past them, and llama.cpp aborts); value heads still
