@@ -53,6 +53,7 @@ logger = logging.getLogger(__name__)
 
 # Seconds a worker gets to exit after "shutdown" before it is terminated, then killed.
 _SHUTDOWN_GRACE_S = 5.0
+_PEER_DEATH_GRACE_S = 2.0   # how long a rank's error waits for a peer's death to show (seconds)
 # What a dead worker's error quotes of its stderr: at most this many of its last lines / bytes.
 _TAIL_LINES = 25
 _TAIL_BYTES = 16384
@@ -440,6 +441,11 @@ class MultiprocExecutor(DistributedExecutorBase):
                 except (EOFError, OSError):
                     self._died(rank, method)
                 if status == "error":
+                    # A rank whose collective broke because a peer died reports first at times:
+                    # the dead peer, if any within a moment, is the cause to report.
+                    dead = wait(list(sentinels), timeout=_PEER_DEATH_GRACE_S)
+                    if dead:
+                        self._died(sentinels[dead[0]], method)
                     self._fail(f"worker rank {rank} failed in {method}:\n{value}")
                 for r, v in value.items():
                     results[r] = v
