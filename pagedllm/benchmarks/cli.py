@@ -290,9 +290,9 @@ def check_llamacpp_peer(args: argparse.Namespace, kwargs: dict[str, Any]) -> Non
 
 
 def _check_workload_seed(args: argparse.Namespace) -> None:
-    if args.seed < 0:
-        raise ValueError(f"--seed must be an integer >= 0 (it seeds the workload), got "
-                         f"{args.seed}")
+    if args.seed is None or args.seed < 0:
+        raise ValueError(f"--seed must be an integer >= 0 (it seeds the workload, so a bench "
+                         f"run takes no None), got {args.seed}")
 
 
 def build_workload(args: argparse.Namespace, vocab_size: int, num_prompts: int):
