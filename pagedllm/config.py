@@ -513,7 +513,8 @@ def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str
                                enable_sleep_mode=enable_sleep_mode,
                                enable_return_routed_experts=enable_return_routed_experts)
     model_path = resolve_model_path(model, revision)
-    tokenizer_path = resolve_model_path(tokenizer, revision) if tokenizer else model_path
+    tokenizer_path = (resolve_model_path(tokenizer, revision, "tokenizer") if tokenizer
+                      else model_path)
     info = hf_model_info(model_path)
     limit, limit_name = info.max_position_embeddings, "max_position_embeddings"
     window = context_sliding_window(info.raw)
@@ -531,13 +532,15 @@ def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str
         speculative_config = SpeculativeConfig.from_dict(speculative_config)
     draft_path = None
     if speculative_config is not None and speculative_config.method in ("eagle", "eagle3"):
-        draft_path = resolve_model_path(speculative_config.model, None)
+        draft_path = resolve_model_path(speculative_config.model, None,
+                                        "speculative_config.model")
     if (speculative_config is not None and speculative_config.method == "mtp"
             and not info.raw.get("num_nextn_predict_layers")):
         raise ValueError(f"speculative_config method 'mtp' needs a model with MTP layers "
                          f"(num_nextn_predict_layers > 0 in config.json); {model_path} has none")
     if speculative_config is not None and speculative_config.method == "draft_model":
-        draft_path = resolve_model_path(speculative_config.model, None)
+        draft_path = resolve_model_path(speculative_config.model, None,
+                                        "speculative_config.model")
         draft_info = hf_model_info(draft_path)
         if draft_info.vocab_size != info.vocab_size:
             raise ValueError(f"draft model vocab size {draft_info.vocab_size} differs from the "

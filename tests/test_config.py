@@ -105,3 +105,16 @@ def test_engine_seed_flag_refuses_negative(capsys):
     assert exc.value.code == 2
     assert "argument --seed: expected an integer from 0 to 9223372036854775807, got '-3'" \
         in capsys.readouterr().err
+
+
+def test_missing_tokenizer_or_draft_folder_names_its_argument(tiny_checkpoints):
+    """A missing --tokenizer or speculative draft folder is named as such, not as the model."""
+    model = str(tiny_checkpoints["llama"])
+    with pytest.raises(FileNotFoundError, match="^tokenizer folder not found: /no/such/tok$"):
+        create_engine_config(model, tokenizer="/no/such/tok")
+    with pytest.raises(FileNotFoundError,
+                       match="^speculative_config.model folder not found: /no/draft$"):
+        create_engine_config(model, speculative_config={
+            "method": "draft_model", "model": "/no/draft", "num_speculative_tokens": 2})
+    with pytest.raises(FileNotFoundError, match="^model folder not found: /no/model$"):
+        create_engine_config("/no/model")
