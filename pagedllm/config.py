@@ -12,6 +12,8 @@ re-exports them, so `pagedllm.config` stays the one import path for every config
 
 from __future__ import annotations
 
+import logging
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +29,8 @@ from pagedllm.speculative_config import SPEC_METHODS, SpeculativeConfig
 
 if TYPE_CHECKING:
     from pagedllm.lora.config import LoRAConfig
+
+logger = logging.getLogger(__name__)
 
 _DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
@@ -44,7 +48,9 @@ class ModelConfig:
         dtype: "auto" (the platform's preferred dtype), "float32", "bfloat16" or "float16".
         max_model_len: context length in tokens (prompt + output); None = the model's
             `max_position_embeddings`.
-        seed: seed for requests without their own seed.
+        seed: seed for requests without their own seed; None (vLLM's: no fixed seed) draws
+            one at random when the config is built and logs it (INFO), so a run can be
+            repeated with it.
         revision: hub revision.
         trust_remote_code: passed to transformers when reading config/tokenizer.
         logprobs_mode: "raw_logprobs" (model output) or "processed_logprobs" (the distribution
@@ -83,7 +89,7 @@ class ModelConfig:
     tokenizer: str | None = None
     dtype: str = "auto"
     max_model_len: int | None = None
-    seed: int = 0
+    seed: int | None = 0
     revision: str | None = None
     trust_remote_code: bool = False
     logprobs_mode: str = "raw_logprobs"
@@ -116,10 +122,14 @@ class ModelConfig:
         object.__setattr__(self, "dtype", dtype)
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.seed is None:
+            object.__setattr__(self, "seed", secrets.randbelow(2**63))
+            logger.info("seed=None: drew the engine seed %d (pass seed=%d to repeat this run)",
+                        self.seed, self.seed)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) \
                 or not 0 <= self.seed <= 2**63 - 1:
-            raise ValueError(f"seed must be an int from 0 to 2**63 - 1 (it seeds the engine's "
-                             f"random number generators), got {self.seed!r}")
+            raise ValueError(f"seed must be an int from 0 to 2**63 - 1 or None (it seeds the "
+                             f"engine's random number generators), got {self.seed!r}")
 
     def _validate_generation_config(self) -> None:
         source = self.generation_config
@@ -440,7 +450,7 @@ def resolve_chat_template(value: str | None) -> str | None:
 
 
 def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str = "auto",
-                         max_model_len: int | None = None, seed: int = 0,
+                         max_model_len: int | None = None, seed: int | None = 0,
                          revision: str | None = None, trust_remote_code: bool = False,
                          logprobs_mode: str = "raw_logprobs", block_size: int = 16,
                          kv_cache_memory_bytes: int | None = None,
@@ -503,7 +513,8 @@ def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str
                                enable_sleep_mode=enable_sleep_mode,
                                enable_return_routed_experts=enable_return_routed_experts)
     model_path = resolve_model_path(model, revision)
-    tokenizer_path = resolve_model_path(tokenizer, revision) if tokenizer else model_path
+    tokenizer_path = (resolve_model_path(tokenizer, revision, "tokenizer") if tokenizer
+                      else model_path)
     info = hf_model_info(model_path)
     limit, limit_name = info.max_position_embeddings, "max_position_embeddings"
     window = context_sliding_window(info.raw)
@@ -521,13 +532,15 @@ def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str
         speculative_config = SpeculativeConfig.from_dict(speculative_config)
     draft_path = None
     if speculative_config is not None and speculative_config.method in ("eagle", "eagle3"):
-        draft_path = resolve_model_path(speculative_config.model, None)
+        draft_path = resolve_model_path(speculative_config.model, None,
+                                        "speculative_config.model")
     if (speculative_config is not None and speculative_config.method == "mtp"
             and not info.raw.get("num_nextn_predict_layers")):
         raise ValueError(f"speculative_config method 'mtp' needs a model with MTP layers "
                          f"(num_nextn_predict_layers > 0 in config.json); {model_path} has none")
     if speculative_config is not None and speculative_config.method == "draft_model":
-        draft_path = resolve_model_path(speculative_config.model, None)
+        draft_path = resolve_model_path(speculative_config.model, None,
+                                        "speculative_config.model")
         draft_info = hf_model_info(draft_path)
         if draft_info.vocab_size != info.vocab_size:
             raise ValueError(f"draft model vocab size {draft_info.vocab_size} differs from the "

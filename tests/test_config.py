@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 
 import pytest
@@ -52,13 +53,48 @@ def test_max_model_len_beyond_model(tiny_checkpoints):
         create_engine_config(str(tiny_checkpoints["llama"]), max_model_len=10**6)
 
 
-@pytest.mark.parametrize("seed", [-1, 2**63, 1.5, True, None])
+@pytest.mark.parametrize("seed", [-1, 2**63, 1.5, True, "7"])
 def test_engine_seed_out_of_range_is_refused(tiny_checkpoints, seed):
-    """The engine's seed (`--seed`, `LLM(seed=...)`) is an int in [0, 2**63 - 1]: a negative
-    one is refused with a message naming it, not silently wrapped by torch's RNG."""
+    """The engine's seed (`--seed`, `LLM(seed=...)`) is an int in [0, 2**63 - 1] (or None): a
+    negative one is refused with a message naming it, not silently wrapped by torch's RNG."""
     with pytest.raises(ValueError, match=r"seed must be an int from 0 to 2\*\*63 - 1.*got "):
         create_engine_config(str(tiny_checkpoints["llama"]), seed=seed)
     assert create_engine_config(str(tiny_checkpoints["llama"]), seed=2**63 - 1) is not None
+
+
+def test_seed_none_draws_a_logged_seed_that_repeats_the_run(tiny_llama, caplog):
+    """`LLM(model, seed=None)` (vLLM's: no fixed seed) draws a seed once at start-up and logs
+    it; an engine given that seed samples the same tokens, another draw differs."""
+    from pagedllm import LLM, SamplingParams
+
+    log = logging.getLogger("pagedllm.config")
+    log.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO, logger="pagedllm.config"):
+            llm = LLM(str(tiny_llama), seed=None, dtype="float32",
+                      kv_cache_memory_bytes=4 << 20)
+            other = create_engine_config(str(tiny_llama), seed=None).model_config.seed
+    finally:
+        log.removeHandler(caplog.handler)
+    seed = llm.llm_engine.config.model_config.seed
+    assert isinstance(seed, int) and 0 <= seed <= 2**63 - 1 and other != seed
+    assert f"drew the engine seed {seed} (pass seed={seed}" in caplog.text
+    params = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8]}, {"prompt_token_ids": [9, 10]}]
+    drawn = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    del llm
+    again = LLM(str(tiny_llama), seed=seed, dtype="float32", kv_cache_memory_bytes=4 << 20)
+    assert [o.outputs[0].token_ids
+            for o in again.generate(prompts, params, use_tqdm=False)] == drawn
+
+
+def test_seed_flag_takes_none():
+    from pagedllm.entrypoints.cli import build_parser
+
+    parse = build_parser().parse_args
+    assert parse(["generate", "--prompt", "x", "--seed", "None"]).seed is None
+    assert parse(["generate", "--prompt", "x", "--seed", "12"]).seed == 12
+    assert parse(["generate", "--prompt", "x"]).seed == 0
 
 
 def test_engine_seed_flag_refuses_negative(capsys):
@@ -69,3 +105,16 @@ def test_engine_seed_flag_refuses_negative(capsys):
     assert exc.value.code == 2
     assert "argument --seed: expected an integer from 0 to 9223372036854775807, got '-3'" \
         in capsys.readouterr().err
+
+
+def test_missing_tokenizer_or_draft_folder_names_its_argument(tiny_checkpoints):
+    """A missing --tokenizer or speculative draft folder is named as such, not as the model."""
+    model = str(tiny_checkpoints["llama"])
+    with pytest.raises(FileNotFoundError, match="^tokenizer folder not found: /no/such/tok$"):
+        create_engine_config(model, tokenizer="/no/such/tok")
+    with pytest.raises(FileNotFoundError,
+                       match="^speculative_config.model folder not found: /no/draft$"):
+        create_engine_config(model, speculative_config={
+            "method": "draft_model", "model": "/no/draft", "num_speculative_tokens": 2})
+    with pytest.raises(FileNotFoundError, match="^model folder not found: /no/model$"):
+        create_engine_config("/no/model")

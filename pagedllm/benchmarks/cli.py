@@ -279,10 +279,20 @@ def resolve_model(args: argparse.Namespace) -> dict[str, Any]:
     return kwargs
 
 
+def check_llamacpp_peer(args: argparse.Namespace, kwargs: dict[str, Any]) -> None:
+    """With `--compare llamacpp`, refuse before the engine runs when llama.cpp could not
+    (ValueError from `llamacpp_baseline.check_llamacpp_ready`)."""
+    if "llamacpp" in args.compare:
+        from pagedllm.benchmarks.llamacpp_baseline import check_llamacpp_ready
+
+        check_llamacpp_ready(kwargs["model"], _run_dtype_name(kwargs["dtype"]),
+                             args.llamacpp_converter)
+
+
 def _check_workload_seed(args: argparse.Namespace) -> None:
-    if args.seed < 0:
-        raise ValueError(f"--seed must be an integer >= 0 (it seeds the workload), got "
-                         f"{args.seed}")
+    if args.seed is None or args.seed < 0:
+        raise ValueError(f"--seed must be an integer >= 0 (it seeds the workload, so a bench "
+                         f"run takes no None), got {args.seed}")
 
 
 def build_workload(args: argparse.Namespace, vocab_size: int, num_prompts: int):
@@ -361,6 +371,7 @@ def run_throughput_command(args: argparse.Namespace) -> int:
 
     check_throughput_flags(args)
     kwargs = resolve_model(args)
+    check_llamacpp_peer(args, kwargs)
     model_path = kwargs["model"]
     if (args.co_tenants > 1 or args.busy_co_tenants) and args.co_tenant_barrier is None:
         return _run_co_tenants_command(args, kwargs)
@@ -462,13 +473,10 @@ def _run_co_tenants_command(args: argparse.Namespace, kwargs: dict[str, Any]) ->
     (the preset and any GGUF conversion made once here, before they start)."""
     from pagedllm.benchmarks.co_tenants import run_co_tenants
 
-    if "llamacpp" in args.compare:
-        from pagedllm.benchmarks.llamacpp_baseline import gguf_for, llamacpp_unavailable_reason
-        from pagedllm.platforms import current_platform
+    if "llamacpp" in args.compare:   # (llama.cpp checked by run_throughput_command)
+        from pagedllm.benchmarks.llamacpp_baseline import gguf_for
 
-        if llamacpp_unavailable_reason() is None:
-            gguf_for(kwargs["model"], str(current_platform.resolve_dtype(kwargs["dtype"]))
-                     .removeprefix("torch."), args.llamacpp_converter)
+        gguf_for(kwargs["model"], _run_dtype_name(kwargs["dtype"]), args.llamacpp_converter)
     bench_argv = args.argv[args.argv.index("throughput") + 1:]
     try:
         run_co_tenants(bench_argv, args.co_tenants, args.busy_co_tenants, args.output_json)
@@ -563,6 +571,7 @@ def run_perplexity_command(args: argparse.Namespace) -> int:
     if args.max_windows is not None and args.max_windows < 1:
         raise ValueError("--max-windows must be >= 1")
     kwargs = resolve_model(args)
+    check_llamacpp_peer(args, kwargs)
     result, windows = run_perplexity(kwargs, args.input_file, args.window, args.max_windows)
     result["dtype"] = _run_dtype_name(kwargs["dtype"])
     print_result(result, "pagedllm perplexity")

@@ -11,7 +11,8 @@ import math
 from typing import Any
 
 from pagedllm.benchmarks.cli import (_check_workload_seed, _finish, _run_dtype_name,
-                                     _vocab_size, build_workload, resolve_model)
+                                     _vocab_size, build_workload, check_llamacpp_peer,
+                                     resolve_model)
 
 
 def run_latency_command(args: argparse.Namespace) -> int:
@@ -33,6 +34,7 @@ def run_latency_command(args: argparse.Namespace) -> int:
     if args.no_ignore_eos and "llamacpp" in args.compare:
         raise ValueError("--no-ignore-eos does not apply to --compare llamacpp (its runs "
                          "generate exactly --output-len tokens)")
+    check_llamacpp_peer(args, kwargs)
     model_path = kwargs["model"]
     alternation = None
     if args.alternate:

@@ -56,6 +56,32 @@ def llamacpp_unavailable_reason() -> str | None:
     return None
 
 
+def check_llamacpp_ready(model_path: str, dtype_name: str, converter: str | None = None) -> None:
+    """Refuse `--compare llamacpp` before anything runs when llama.cpp could not: `llama_cpp`
+    cannot be imported (from this environment or $PAGEDLLM_LLAMACPP_SITE_PACKAGES), or
+    `model_path` is a checkpoint folder with no GGUF conversion in `dtype_name` yet and no
+    convert_hf_to_gguf.py to make one (`gguf_for`).
+
+    Raises:
+        ValueError: saying which, and how to fix it.
+    """
+    try:
+        site = use_peer_site_packages()
+    except ValueError as e:
+        raise ValueError(f"--compare llamacpp: {e}") from None
+    if importlib.util.find_spec("llama_cpp") is None:
+        where = ("PAGEDLLM_LLAMACPP_SITE_PACKAGES is not set" if site is None else
+                 f"nor from PAGEDLLM_LLAMACPP_SITE_PACKAGES={site}")
+        raise ValueError(f"--compare llamacpp: the `llama_cpp` module (llama-cpp-python) cannot "
+                         f"be imported by {sys.executable} ({where}); set "
+                         f"PAGEDLLM_LLAMACPP_SITE_PACKAGES to the site-packages of a venv that "
+                         f"has it, or install it.\n" + INSTALL_HINT.split("\n", 1)[1])
+    if not (model_path.endswith(".gguf") and Path(model_path).is_file()) \
+            and not converted_gguf_path(model_path, dtype_name).is_file() \
+            and find_converter(converter) is None:
+        raise ValueError(str(_converter_missing("--compare llamacpp: ", converter)))
+
+
 def use_peer_site_packages() -> Path | None:
     """Append $PAGEDLLM_LLAMACPP_SITE_PACKAGES (a separate venv's site-packages holding
     llama-cpp-python, so the engine's own environment stays clean) to the END of `sys.path`:

@@ -32,6 +32,13 @@ def bounded_int(low: int, high: int | None = None) -> Callable[[str], int]:
     return parse
 
 
+def optional_seed(text: str) -> int | None:
+    """argparse type of the engine's `--seed`: an integer from 0 to 2**63 - 1, or "None" (as
+    vLLM's optional ints: no fixed seed, `ModelConfig` draws one). Raises
+    argparse.ArgumentTypeError as `bounded_int`."""
+    return None if text in ("None", "none") else bounded_int(0, 2**63 - 1)(text)
+
+
 def bounded_float(low: float) -> Callable[[str], float]:
     """argparse type: a finite float >= `low` (raises argparse.ArgumentTypeError, "expected a
     finite number >= 0, got '-1'", which argparse prints after the flag's name)."""
@@ -102,8 +109,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None,
                    help="context length in tokens, prompt + output (default: the model's "
                         "max_position_embeddings)")
-    g.add_argument("--seed", type=bounded_int(0, 2**63 - 1), default=0,
-                   help="seed of requests that give none (default 0)")
+    g.add_argument("--seed", type=optional_seed, default=0,
+                   help="seed of requests that give none (default 0; None: a random seed "
+                        "drawn at start-up and logged)")
     g.add_argument("--block-size", type=int, default=16,
                    help="tokens per KV cache block (default 16)")
     g.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", dest="kv_cache_memory_bytes",

@@ -14,8 +14,9 @@ from pathlib import Path
 _ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
 
 
-def resolve_model_path(model: str, revision: str | None = None) -> str:
-    """Local folder holding the checkpoint named by `model`.
+def resolve_model_path(model: str, revision: str | None = None, what: str = "model") -> str:
+    """Local folder holding the checkpoint named by `model` (`what` names the argument in
+    errors: "model", "tokenizer", "speculative_config.model").
 
     A `.gguf` file resolves to its checkpoint view (config, tokenizer and generation config
     derived from the file's metadata, plus a pointer to the file for the weights).
@@ -33,12 +34,12 @@ def resolve_model_path(model: str, revision: str | None = None) -> str:
         return prepare_gguf_view(model)
     # Hub ids are "name" or "org/name"; anything else can only be a (missing) local path.
     if model.startswith((".", "/", "~")) or model.count("/") > 1 or os.path.exists(model):
-        raise FileNotFoundError(f"model folder not found: {model}")
+        raise FileNotFoundError(f"{what} folder not found: {model}")
     from huggingface_hub import snapshot_download
     try:
         return snapshot_download(model, revision=revision, allow_patterns=_ALLOW_PATTERNS)
     except Exception as e:  # the hub client raises many error types (offline, 404, auth)
         raise FileNotFoundError(
-            f"model {model!r} is not a local folder and could not be resolved on the Hugging Face "
+            f"{what} {model!r} is not a local folder and could not be resolved on the Hugging Face "
             f"hub or its cache ({type(e).__name__}: {e}). Set HF_HUB_OFFLINE=1 to use cached "
             "files only.") from e

@@ -46,6 +46,7 @@ import torch
 
 from pagedllm.models.gguf_keys import GGUFKeys, vocab_size
 from pagedllm.models.llama import gguf_to_hf_name
+from pagedllm.models.moe_gguf import expert_checkpoint_weights
 
 # llama.cpp's tensor names -> HF checkpoint names; "{}" is the layer index.
 DEEPSEEK2_TENSOR_NAMES = {
@@ -82,9 +83,6 @@ GLM4MOE_TENSOR_NAMES = {
     "blk.{}.attn_norm": "model.layers.{}.input_layernorm",
     "blk.{}.post_attention_norm": "model.layers.{}.post_attention_layernorm",
 }
-# Stacked experts: llama.cpp's tensor -> HF's per-expert projection.
-EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
-                  "ffn_down_exps": "down_proj"}
 # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_* values.
 _GATING_FUNCS = {1: "softmax", 2: "sigmoid"}
 _LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
@@ -265,10 +263,9 @@ def deepseek2_checkpoint_weights(config, weights: Iterable[tuple[str, Any]], fam
                 yield (f"model.layers.{layer[1]}.self_attn.kv_b_proj.weight",
                        _merge_kv_b(parts["attn_k_b"], parts["attn_v_b"], heads))
             continue
-        if layer is not None and layer[2] in EXPERT_TENSORS:
-            for e in range(tensor.shape[0]):
-                yield (f"model.layers.{layer[1]}.mlp.experts.{e}."
-                       f"{EXPERT_TENSORS[layer[2]]}.weight", tensor.expert(e))
+        experts = expert_checkpoint_weights(name, tensor)
+        if experts is not None:
+            yield from experts
             continue
         hf_name = gguf_to_hf_name(name, names)
         if hf_name is None:

@@ -48,6 +48,7 @@ import torch
 
 from pagedllm.models.gguf_keys import GGUFKeys, vocab_size
 from pagedllm.models.llama import gguf_to_hf_name, unpermute_rope_rows
+from pagedllm.models.moe_gguf import expert_checkpoint_weights
 
 # llama.cpp's tensor names -> the names GraniteMoeHybridForCausalLM loads; "{}" is the layer.
 GRANITEHYBRID_TENSOR_NAMES = {
@@ -71,7 +72,6 @@ GRANITEHYBRID_TENSOR_NAMES = {
     "blk.{}.ffn_down_shexp": "model.layers.{}.shared_mlp.output_linear",
 }
 _SUFFIXLESS = {"ssm_a": "A_log", "ssm_d": "D"}
-_EXPERTS = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
 
 
 def granitehybrid_hf_config(metadata: dict[str, Any], tensors: dict[str, tuple[int, ...]]):
@@ -140,11 +140,9 @@ def granitehybrid_checkpoint_weights(config, weights: Iterable[tuple[str, Any]],
     """
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     for name, tensor in weights:
-        experts = _EXPERTS.fullmatch(name)
+        experts = expert_checkpoint_weights(name, tensor)
         if experts is not None:
-            for e in range(tensor.shape[0]):
-                yield (f"model.layers.{experts[1]}.mlp.experts.{e}.{experts[2]}_proj.weight",
-                       tensor.expert(e))
+            yield from experts
             continue
         hf_name, tensor = mamba_mixer_tensor(name, tensor, GRANITEHYBRID_TENSOR_NAMES, family)
         if hf_name.endswith(".self_attn.q_proj.weight"):

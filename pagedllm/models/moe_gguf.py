@@ -30,6 +30,18 @@ EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
 _EXPERTS = re.compile(r"blk\.(\d+)\.(ffn_gate_exps|ffn_up_exps|ffn_down_exps)\.weight")
 
 
+def expert_checkpoint_weights(name: str, tensor) -> list[tuple[str, Any]] | None:
+    """The per-expert checkpoint tensors of llama.cpp's stacked experts: `name`
+    `blk.{i}.ffn_{gate,up,down}_exps.weight` ([E, rows, cols]) -> E pairs
+    (`model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight`, `tensor.expert(e)`: lazy,
+    so quantized experts stay in their blocks); None for any other tensor."""
+    experts = _EXPERTS.fullmatch(name)
+    if experts is None:
+        return None
+    return [(f"model.layers.{experts[1]}.mlp.experts.{e}.{EXPERT_TENSORS[experts[2]]}.weight",
+             tensor.expert(e)) for e in range(tensor.shape[0])]
+
+
 def qwen_moe_checkpoint_weights(weights: Iterable[tuple[str, Any]], family: str,
                                 names: dict[str, str] = QWEN_MOE_TENSOR_NAMES
                                 ) -> Iterator[tuple[str, Any]]:
@@ -40,11 +52,9 @@ def qwen_moe_checkpoint_weights(weights: Iterable[tuple[str, Any]], family: str,
         ValueError: naming a tensor with no counterpart in `family`.
     """
     for name, tensor in weights:
-        experts = _EXPERTS.fullmatch(name)
+        experts = expert_checkpoint_weights(name, tensor)
         if experts is not None:
-            for e in range(tensor.shape[0]):
-                yield (f"model.layers.{experts[1]}.mlp.experts.{e}."
-                       f"{EXPERT_TENSORS[experts[2]]}.weight", tensor.expert(e))
+            yield from experts
             continue
         hf_name = gguf_to_hf_name(name, names)
         if hf_name is None:

@@ -115,3 +115,50 @@ def test_existing_gguf_needs_no_converter(monkeypatch: pytest.MonkeyPatch, tmp_p
     # --preset with --gguf-type: a file built before is reused even without llama.cpp.
     assert preset_gguf(str(model), "Q4_0") == model / "model-q4_0.gguf"
     assert preset_gguf(str(model), "bf16") == model / "model-bf16.gguf"
+
+
+@pytest.mark.parametrize("command", [["throughput", "--num-prompts", "2"], ["latency"],
+                                     ["perplexity"]])
+def test_compare_llamacpp_without_llama_cpp_fails_before_the_engine(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, tiny_llama: Path,
+        command: list[str]):
+    """`bench ... --compare llamacpp` with `llama_cpp` not importable (here: hidden) stops at
+    once with the fix, PAGEDLLM_LLAMACPP_SITE_PACKAGES named, before any engine figure."""
+    from pagedllm.entrypoints.cli import main
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)   # `import llama_cpp` fails
+    monkeypatch.delenv("PAGEDLLM_LLAMACPP_SITE_PACKAGES", raising=False)
+    assert importlib.util.find_spec("llama_cpp") is None
+    status = main(["bench", *command, "--model", str(tiny_llama), "--dtype", "float32",
+                   "--compare", "llamacpp"])
+    out, err = capsys.readouterr()
+    assert status == 1
+    assert "PAGEDLLM_LLAMACPP_SITE_PACKAGES is not set" in err and "llama_cpp" in err
+    assert "pagedllm" not in out   # no engine figures: the engine never ran
+
+
+def test_compare_llamacpp_without_converter_fails_before_the_engine(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, tiny_llama: Path):
+    """`llama_cpp` importable (a stand-in package from PAGEDLLM_LLAMACPP_SITE_PACKAGES) but a
+    checkpoint folder with no conversion and no converter: refused up front, naming the
+    converter; a `.gguf` model needs none."""
+    from pagedllm.benchmarks.llamacpp_baseline import check_llamacpp_ready
+
+    site = tmp_path / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "sp"
+    (site / "llama_cpp").mkdir(parents=True)
+    (site / "llama_cpp" / "__init__.py").write_text("")
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.delitem(sys.modules, "llama_cpp", raising=False)
+    monkeypatch.setenv("PAGEDLLM_LLAMACPP_SITE_PACKAGES", str(site))
+    monkeypatch.delenv("PAGEDLLM_LLAMACPP_CONVERTER", raising=False)
+    use_peer_site_packages()
+    if Path(importlib.util.find_spec("llama_cpp").origin).is_relative_to(site):
+        with pytest.raises(ValueError, match="--compare llamacpp: convert_hf_to_gguf.py not "
+                                             "found \\(--llamacpp-converter /no/conv.py"):
+            check_llamacpp_ready(str(tiny_llama), "float32", "/no/conv.py")
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    check_llamacpp_ready(str(gguf), "float32", "/no/conv.py")
+    monkeypatch.setenv("PAGEDLLM_LLAMACPP_SITE_PACKAGES", str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="--compare llamacpp: PAGEDLLM_LLAMACPP_SITE_PACKAGES="):
+        check_llamacpp_ready(str(gguf), "float32")

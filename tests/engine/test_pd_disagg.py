@@ -7,13 +7,13 @@ bad parameters fail those requests alone."""
 from __future__ import annotations
 
 import random
-import socket
 
 import pytest
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.core.kv_connector.p2p_transport import transfer_file, transfer_key
 from pagedllm.entrypoints.llm import GenerateError
+from tests.entrypoints.openai.server_process import free_port
 
 RNG = random.Random(0)
 # Prompt lengths around block boundaries (block_size 16): 17, 31, 32, 33, 40, 5.
@@ -21,12 +21,6 @@ PROMPTS = [[RNG.randrange(3, 500) for _ in range(n)] for n in (17, 31, 32, 33, 4
 ENGINE = dict(dtype="float32", block_size=16, max_num_seqs=4, num_gpu_blocks_override=64)
 PARAMS = [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
           SamplingParams(temperature=1.0, seed=7, max_tokens=6, ignore_eos=True)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def pd_config(role: str, port: int, shm_dir, **extra) -> dict:

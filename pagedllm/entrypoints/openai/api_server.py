@@ -231,6 +231,10 @@ def install_auth_and_error_handlers(app: FastAPI, api_key: str | None,
 
     @app.exception_handler(StarletteHTTPException)
     async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if isinstance(exc.__cause__, UnicodeDecodeError):   # FastAPI's "error parsing the body"
+            return _error_response(OpenAIServingError(
+                f"malformed JSON body: not UTF-8 text ({exc.__cause__.reason} at byte "
+                f"{exc.__cause__.start})", 400))
         return _error_response(OpenAIServingError(str(exc.detail), exc.status_code))
 
     @app.exception_handler(Exception)

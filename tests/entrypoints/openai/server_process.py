@@ -22,6 +22,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float = STARTUP_TIMEOUT_S,
+                 poll_s: float = 0.25) -> None:
+    """Wait until the server process `proc` answers `url`/health with 200, polling every
+    `poll_s` seconds. Raises AssertionError when it exits first (naming its status) or is not
+    healthy within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, f"server exited with {proc.returncode} during start-up"
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "server did not become healthy in time"
+        time.sleep(poll_s)
+
+
 @contextmanager
 def running_server(serve_args: list[str], env: dict[str, str] | None = None, stderr=None,
                    startup_timeout_s: float = STARTUP_TIMEOUT_S
@@ -36,16 +53,7 @@ def running_server(serve_args: list[str], env: dict[str, str] | None = None, std
                             stderr=stderr)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + startup_timeout_s
-        while True:
-            assert proc.poll() is None, f"server exited with {proc.returncode} during start-up"
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not become healthy in time"
-            time.sleep(0.25)
+        wait_healthy(proc, url, startup_timeout_s)
         yield proc, url
         # Graceful shutdown: SIGTERM must stop uvicorn and the engine, exit code 0.
         proc.send_signal(signal.SIGTERM)

@@ -26,7 +26,7 @@ import pytest
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from pagedllm import LLM, SamplingParams
-from tests.entrypoints.openai.server_process import free_port, running_server
+from tests.entrypoints.openai.server_process import free_port, running_server, wait_healthy
 from tests.entrypoints.openai.test_openai_server import ENGINE_FLAGS, ENGINE_KWARGS
 
 pytestmark = pytest.mark.slow
@@ -138,16 +138,7 @@ def test_dp2_pool_and_a_killed_core_stops_everything(tiny_llama):
                              "--port", str(port), "--uvicorn-log-level", "warning",
                              *ENGINE_FLAGS], env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
-        deadline = time.monotonic() + 600
-        while True:
-            assert proc.poll() is None
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline
-            time.sleep(0.5)
+        wait_healthy(proc, url, 600, poll_s=0.5)
         children = _pool_children(proc.pid)
         assert len(children) == 4, children   # 2 cores (spawned first), 2 API servers
         texts = [httpx.post(url + "/v1/completions", timeout=120, json={
@@ -175,19 +166,6 @@ def test_dp2_pool_and_a_killed_core_stops_everything(tiny_llama):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-
-
-def _wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float = 600) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        assert proc.poll() is None, f"the server exited with {proc.returncode} while starting"
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "the server did not become healthy in time"
-        time.sleep(0.5)
 
 
 def _group_members(pgid: int) -> list[int]:
@@ -223,7 +201,7 @@ def test_sigterm_to_the_process_group_is_a_clean_shutdown(tiny_llama, tmp_path):
                                 stdout=subprocess.DEVNULL, stderr=stderr,
                                 start_new_session=True)
     try:
-        _wait_healthy(proc, url)
+        wait_healthy(proc, url, 600, poll_s=0.5)
         assert len(_pool_children(proc.pid)) == 3
         assert len(_group_members(proc.pid)) >= 4       # launcher, core, 2 API servers
         in_flight: list[httpx.Response] = []

@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from tests.entrypoints.openai.server_process import free_port, running_server
+from tests.entrypoints.openai.server_process import free_port, running_server, wait_healthy
 from tests.entrypoints.openai.test_openai_server import (API_KEY, ENGINE_FLAGS, ENGINE_KWARGS,
                                                          MODEL_NAME, Server)
 
@@ -88,16 +88,7 @@ def test_sigkill_of_a_replica_fails_its_requests_and_exits_nonzero(tiny_llama):
     proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline
-            time.sleep(0.25)
+        wait_healthy(proc, url, 180)
         cores = _core_processes(proc.pid)
         assert len(cores) == 2
         body = {"prompt": "ROMEO:", "max_tokens": 1000, "ignore_eos": True, "stream": True}

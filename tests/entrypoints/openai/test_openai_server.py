@@ -39,9 +39,10 @@ class Server:
     def async_client(self) -> openai.AsyncOpenAI:
         return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=API_KEY, max_retries=0)
 
-    def post(self, path: str, body: dict | str, headers: dict | None = None) -> httpx.Response:
+    def post(self, path: str, body: dict | str | bytes,
+             headers: dict | None = None) -> httpx.Response:
         headers = self.auth if headers is None else headers
-        if isinstance(body, str):
+        if isinstance(body, (str, bytes)):
             return httpx.post(self.url + path, content=body, timeout=60,
                               headers={**headers, "Content-Type": "application/json"})
         return httpx.post(self.url + path, json=body, headers=headers, timeout=60)
@@ -285,6 +286,14 @@ def test_bad_requests_get_openai_errors(server: Server, path: str, body, status:
     assert error["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
     ok = server.post("/v1/completions", _GOOD)  # the server keeps serving
     assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_body_that_is_not_utf8_is_named(server: Server) -> None:
+    r = server.post("/v1/completions", b'{"prompt": "\xff\xfe"}')
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"] == ("malformed JSON body: not UTF-8 text (invalid start "
+                                            "byte at byte 12)")
+    assert server.post("/v1/completions", _GOOD).status_code == 200
 
 
 def test_bad_request_through_client(server: Server) -> None:

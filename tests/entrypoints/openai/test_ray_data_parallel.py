@@ -24,7 +24,7 @@ import httpx
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from tests.entrypoints.openai.server_process import free_port
+from tests.entrypoints.openai.server_process import free_port, wait_healthy
 from tests.entrypoints.openai.test_openai_server import ENGINE_FLAGS, ENGINE_KWARGS
 
 pytest.importorskip("ray")
@@ -131,19 +131,6 @@ def _serve(tiny_llama: Path, env: dict[str, str], port: int, log: Path) -> subpr
                             stderr=log.open("w"))
 
 
-def _wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        assert proc.poll() is None, f"server exited with {proc.returncode} during start-up"
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "server did not become healthy in time"
-        time.sleep(0.5)
-
-
 def test_ray_dp2_matches_one_replica_and_a_killed_actor_fails_its_stream(ray_cluster,
                                                                         tiny_llama, tmp_path):
     prompts = [f"Request number {i} says" for i in range(8)]
@@ -154,7 +141,7 @@ def test_ray_dp2_matches_one_replica_and_a_killed_actor_fails_its_stream(ray_clu
     log = tmp_path / "server.log"
     proc = _serve(tiny_llama, ray_cluster, port, log)
     try:
-        _wait_healthy(proc, url)
+        wait_healthy(proc, url, 300, poll_s=0.5)
         actors = _core_actor_pids()
         assert len(actors) == 2, actors
         # The two replicas sit on the two nodes (one CPU each), as the server's log says.

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.entrypoints.openai.server_process import free_port, running_server
+from tests.entrypoints.openai.server_process import free_port, running_server, wait_healthy
 
 MODEL = "tiny-llama"
 
@@ -271,16 +271,7 @@ def test_dead_engine_fails_pending_requests_and_exits_nonzero(tiny_llama: Path) 
     proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline
-            time.sleep(0.25)
+        wait_healthy(proc, url, 120)
         workers = _descendants(proc.pid)
         assert workers
         body = {"prompt": "ROMEO:", "max_tokens": 1000, "ignore_eos": True, "stream": True}
