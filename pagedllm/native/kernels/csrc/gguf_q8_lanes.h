@@ -40,6 +40,7 @@ struct LaneQuants;
 
 template <>
 struct LaneQuants<Q8_0> {
+  static constexpr bool kSmall = false;   // |w| up to 128: int32 sums per vector
 #ifdef PAGEDLLM_VNNI
   static constexpr bool kSigned = false;
   static constexpr int kBias = 128;
@@ -59,7 +60,7 @@ struct LaneQuants<Q8_0> {
 // Q4_0 / Q4_1: the first 32 bytes hold chunks 0-1 of each row's nibble pairs (weights 0-7 low,
 // 16-23 high), the next 32 chunks 2-3 (weights 8-15, 24-31).
 struct LaneNibbles {
-  static constexpr bool kSigned = false;
+  static constexpr bool kSigned = false, kSmall = true;   // u <= 15: dot4_small_u8s8
   static void load(const uint8_t* q, __m256i w[4]) {
     const __m256i mask = _mm256_set1_epi8(0x0f);
     const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
@@ -98,6 +99,24 @@ void expand_lanes(const Q8View& x, int64_t num_blocks, int8_t* xl) {
         _mm256_store_si256(reinterpret_cast<__m256i*>(xl + ((i * num_blocks + b) * 4 + c) * 32),
                            _mm256_permutevar8x32_epi32(xv, perm[c]));
     }
+}
+
+// The integer dot of a lane group's 4 quant vectors u[c] (unsigned, u <= 31) with x's lanes
+// xs + 32 c, c = 0..3, in int32 lanes. AVX2 sums the 4 maddubs results in int16 before one
+// madd (each int16 element holds 8 products, at most 8 * 31 * 127 = 31496 < 32767: exact),
+// where dot_u8s8 per vector spends a madd and an add per vector; VNNI chains dpbusd.
+inline __m256i dot4_small_u8s8(const __m256i (&u)[4], const int8_t* xs) {
+  auto x = [&](int c) { return _mm256_load_si256(reinterpret_cast<const __m256i*>(xs + 32 * c)); };
+#ifdef PAGEDLLM_VNNI
+  __m256i dot = _mm256_setzero_si256();
+  for (int c = 0; c < 4; ++c) dot = _mm256_dpbusd_epi32(dot, u[c], x(c));
+  return dot;
+#else
+  const __m256i pairs = _mm256_add_epi16(
+      _mm256_add_epi16(_mm256_maddubs_epi16(u[0], x(0)), _mm256_maddubs_epi16(u[1], x(1))),
+      _mm256_add_epi16(_mm256_maddubs_epi16(u[2], x(2)), _mm256_maddubs_epi16(u[3], x(3))));
+  return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+#endif
 }
 
 // y[i * ldy + r] = lanes r and r + 4 of acc[i] summed (+ bias[r]), r < 4: a lane group's rows.
@@ -140,12 +159,16 @@ inline void micro_q8_lanes(const Q8View& x, const int8_t* xl, const uint8_t* w,
     for (int i = 0; i < MB; ++i) {
       const int8_t* xb = xl + (i * num_blocks + b) * 4 * 32;
       __m256i dot = _mm256_setzero_si256();
-      for (int c = 0; c < 4; ++c) {
-        const __m256i xs = _mm256_load_si256(reinterpret_cast<const __m256i*>(xb + 32 * c));
-        if constexpr (WQ::kSigned)
-          dot = dot_u8s8(dot, _mm256_sign_epi8(wq[c], wq[c]), _mm256_sign_epi8(xs, wq[c]));
-        else
-          dot = dot_u8s8(dot, wq[c], xs);
+      if constexpr (WQ::kSmall) {
+        dot = dot4_small_u8s8(wq, xb);
+      } else {
+        for (int c = 0; c < 4; ++c) {
+          const __m256i xs = _mm256_load_si256(reinterpret_cast<const __m256i*>(xb + 32 * c));
+          if constexpr (WQ::kSigned)
+            dot = dot_u8s8(dot, _mm256_sign_epi8(wq[c], wq[c]), _mm256_sign_epi8(xs, wq[c]));
+          else
+            dot = dot_u8s8(dot, wq[c], xs);
+        }
       }
       acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
                                _mm256_mul_ps(dw, _mm256_set1_ps(x.d[i * x.ldb + b])), acc[i]);
@@ -274,10 +297,7 @@ inline void micro_q8k_lanes(const Q8View& x, const int8_t* xl, const __m256i* xm
       for (int i = 0; i < MB; ++i)
         for (int h = 0; h < 2; ++h) {
           const int8_t* xs = xl + ((i * num_blocks + b) * kSubs + 2 * p + h) * 4 * 32;
-          __m256i dot = _mm256_setzero_si256();
-          for (int c = 0; c < 4; ++c)
-            dot = dot_u8s8(dot, wq[h][c],
-                           _mm256_load_si256(reinterpret_cast<const __m256i*>(xs + 32 * c)));
+          const __m256i dot = dot4_small_u8s8(wq[h], xs);   // u <= 31
           block[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), sc.dsc[2 * p + h], block[i][h]);
         }
     }
