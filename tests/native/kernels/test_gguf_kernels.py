@@ -298,6 +298,36 @@ def test_q8_activations_match_the_rounded_reference(build, tensor_type, grouped)
         assert torch.all((got.double() - want_f).abs() <= bound)
 
 
+@pytest.mark.parametrize("grouped", [False, True], ids=["plain", "grouped"])
+@pytest.mark.parametrize("build", BUILD_PARAMS)
+@pytest.mark.parametrize("tensor_type", TYPES)
+def test_q8_small_batches_equal_single_rows(build, tensor_type, grouped):
+    """Verification-sized batches (1 + drafts rows of a speculative step): M = 1..17 rows in
+    one call, which the kernels cover in row passes of up to 8 rows (lane groups) or 4 (the
+    row-per-pair kernels), balanced up to 16 rows and passes of 4 plus a tail beyond, equal
+    bitwise the rows computed one at a time (each row's float sums run in the same order in
+    every pass size), and those match the rounded reference. 9 weight rows: two lane groups
+    and a plain tail row when grouped; a bias."""
+    lib = kernel_build(build)
+    n, k, rows = 9, 512, 17
+    blocks = _random_blocks(tensor_type, n, k, 5)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(rows, k, generator=g) * torch.exp(torch.randn(rows, k // 32, 1, generator=g)
+                                                      ).expand(-1, -1, 32).reshape(rows, k)
+    bias = torch.randn(n, generator=g)
+    qweight = torch.from_numpy(blocks)
+    if grouped:
+        qweight = gguf_group_rows(qweight, tensor_type)
+    parts = [(0, tensor_type, qweight, grouped)]
+    single = torch.cat([_q8_call(lib, x[i:i + 1], parts, n, bias) for i in range(rows)])
+    x_q, _ = _round_activations(x, _activation_block(tensor_type))
+    want, scale = _reference(x_q, blocks, tensor_type, bias)
+    _assert_close(single, want, scale)
+    for m in range(2, rows + 1):
+        got = _q8_call(lib, x[:m], parts, n, bias)
+        assert torch.equal(got, single[:m]), f"M = {m}"
+
+
 @pytest.mark.parametrize("tensor_type", ["Q4_1", "Q4_K", "Q6_K"])
 def test_q8_activations_of_real_quantized_weights_stay_close(tensor_type):
     """Weights quantized from N(0, 1) and float32 x through `gguf_linear`: the 8-bit rounding

@@ -240,21 +240,69 @@ void rows_block_q8(const Q8Rows& xq, int64_t K, int64_t m0, int64_t m1, const Ro
   }
 }
 
+// The row passes of a work item's x rows [r0, r1): `pass(std::integral_constant<int, MB>,
+// m0, m1)` for row ranges of a multiple of MB rows, MB <= kMaxRows. Each pass of a
+// micro-kernel decodes every weight block once for its MB rows, so a small batch (a
+// speculative verification step's 1 + drafts rows) goes in as few passes as the registers
+// allow: up to 2 kMaxRows rows as ceil(rows / kMaxRows) passes as even as possible (3 rows one
+// pass of 3, 9 rows 5 + 4 with kMaxRows 8), where passes of 4 and then of 1 (what larger
+// batches use) read the weights once per pass. More rows: passes of 4, then one pass of the 1-3
+// left.
+template <int kMaxRows, typename Fn>
+void row_passes(int64_t r0, int64_t r1, Fn&& pass) {
+  static_assert(kMaxRows >= 4 && kMaxRows <= 8, "row passes of 1..8 rows");
+  auto one = [&](int64_t rows, int64_t m0, int64_t m1) {
+    auto call = [&](auto mb) {
+      if constexpr (decltype(mb)::value <= kMaxRows) pass(mb, m0, m1);
+    };
+    switch (rows) {
+      case 1: return call(std::integral_constant<int, 1>{});
+      case 2: return call(std::integral_constant<int, 2>{});
+      case 3: return call(std::integral_constant<int, 3>{});
+      case 4: return call(std::integral_constant<int, 4>{});
+      case 5: return call(std::integral_constant<int, 5>{});
+      case 6: return call(std::integral_constant<int, 6>{});
+      case 7: return call(std::integral_constant<int, 7>{});
+      case 8: return call(std::integral_constant<int, 8>{});
+    }
+  };
+  const int64_t rows = r1 - r0;
+  if (rows <= 0) return;
+  if (rows <= 2 * kMaxRows) {
+    const int64_t passes = (rows + kMaxRows - 1) / kMaxRows;
+    for (int64_t p = 0, m = r0; p < passes; ++p) {
+      const int64_t size = rows / passes + (p < rows % passes ? 1 : 0);
+      one(size, m, m + size);
+      m += size;
+    }
+    return;
+  }
+  const int64_t r4 = r0 + rows / 4 * 4;
+  one(4, r0, r4);
+  if (r4 < r1) one(r1 - r4, r4, r1);
+}
+
+// Rows per pass at most: the lane kernels (one accumulator per x row) 8, the row-per-pair
+// kernels (MB x NB accumulators, NB = 2) 4.
+constexpr int kMaxLaneRows = 8, kMaxPairRows = 4;
+
 // `work_item_q8` on a lane-grouped segment: the whole groups by lanes (AVX2), the plain rows
 // after them by rows_block_q8; without AVX2 all of them by rows_block_q8 on plain copies.
 template <typename Q>
 void lane_group_item_q8(const Q8Rows& xq, int64_t r0, int64_t r1, int64_t K, const Segment& seg,
                         int64_t n0, int64_t n1, const float* bias, float* y, int64_t ldy) {
   const int64_t num_blocks = K / Q::kWeights, row_bytes = num_blocks * Q::kBytes;
-  const int64_t r4 = r0 + (r1 - r0) / 4 * 4;
 #ifdef PAGEDLLM_AVX2
   const int64_t end = std::min(n1, seg.rows / kGroupRows * kGroupRows);
   if (end > n0) {
-    lanes_block_q8<4, Q>(xq, K, r0, r4, seg.data, row_bytes, n0, end, bias, y, ldy);
-    lanes_block_q8<1, Q>(xq, K, r4, r1, seg.data, row_bytes, n0, end, bias, y, ldy);
+    row_passes<kMaxLaneRows>(r0, r1, [&](auto mb, int64_t m0, int64_t m1) {
+      lanes_block_q8<decltype(mb)::value, Q>(xq, K, m0, m1, seg.data, row_bytes, n0, end, bias,
+                                             y, ldy);
+    });
     n0 = end;
   }
 #endif
+  if (n0 >= n1) return;
   std::vector<uint8_t> buf;
   int64_t first;
   const RowLayout w(readable_rows<Q>(seg, row_bytes, n0, n1, buf, &first), row_bytes,
@@ -262,8 +310,10 @@ void lane_group_item_q8(const Q8Rows& xq, int64_t r0, int64_t r1, int64_t K, con
   const int64_t shift = n0 - first;   // the rows' row n is seg's row n + shift
   if (bias != nullptr) bias += shift;
   y += shift;
-  rows_block_q8<4, Q>(xq, K, r0, r4, w, num_blocks, first, n1 - shift, bias, y, ldy);
-  rows_block_q8<1, Q>(xq, K, r4, r1, w, num_blocks, first, n1 - shift, bias, y, ldy);
+  row_passes<kMaxPairRows>(r0, r1, [&](auto mb, int64_t m0, int64_t m1) {
+    rows_block_q8<decltype(mb)::value, Q>(xq, K, m0, m1, w, num_blocks, first, n1 - shift, bias,
+                                          y, ldy);
+  });
 }
 
 // One work item: rounded x rows [r0, r1) against the segment's weight rows [n0, n1)
@@ -276,9 +326,9 @@ void work_item_q8(const Q8Rows& xq, int64_t r0, int64_t r1, int64_t K, const Seg
   }
   const int64_t num_blocks = K / Q::kWeights;
   const RowLayout w(seg, num_blocks * Q::kBytes, Q::kBytes);
-  const int64_t r4 = r0 + (r1 - r0) / 4 * 4;
-  rows_block_q8<4, Q>(xq, K, r0, r4, w, num_blocks, n0, n1, bias, y, ldy);
-  rows_block_q8<1, Q>(xq, K, r4, r1, w, num_blocks, n0, n1, bias, y, ldy);
+  row_passes<kMaxPairRows>(r0, r1, [&](auto mb, int64_t m0, int64_t m1) {
+    rows_block_q8<decltype(mb)::value, Q>(xq, K, m0, m1, w, num_blocks, n0, n1, bias, y, ldy);
+  });
 }
 
 using WorkItemQ8Fn = void (*)(const Q8Rows&, int64_t, int64_t, int64_t, const Segment&, int64_t,

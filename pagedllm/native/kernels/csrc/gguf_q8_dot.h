@@ -47,6 +47,14 @@
 // block (batched GEMMs faster than with the per-row maddubs kernel, batch 1 unchanged; same
 // section of docs/benchmarks.md).
 //
+// Small batches (a speculative verification step's 1 + drafts rows) run in as few row passes
+// as the registers allow (`row_passes`, cpu_gguf_q8_linear.cpp: up to 8 x rows per pass of
+// the lane kernels, 4 of the row-per-pair ones), each pass decoding every weight block once
+// for all its rows; on AVX2 the nibble types' lane dots sum their 4 maddubs results in int16
+// before one madd (exact: at most 8 products of u <= 31 by |q| <= 127 per element). Every
+// row's sums run in the same order whatever the pass size, so a row's output does not depend
+// on the batch it came in.
+//
 // Work sharing is `linear_segments_tiles`'s (gguf_blocks.h), with the rounding of x first as one
 // more work-sharing loop, so `linear_segments_tiles_q8` also runs inside the fused decoder's
 // parallel region (cpu_decoder.cpp).

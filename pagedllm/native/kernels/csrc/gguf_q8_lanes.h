@@ -40,6 +40,7 @@ struct LaneQuants;
 
 template <>
 struct LaneQuants<Q8_0> {
+  static constexpr bool kSmall = false;   // |w| up to 128: int32 sums per vector
 #ifdef PAGEDLLM_VNNI
   static constexpr bool kSigned = false;
   static constexpr int kBias = 128;
@@ -59,7 +60,7 @@ struct LaneQuants<Q8_0> {
 // Q4_0 / Q4_1: the first 32 bytes hold chunks 0-1 of each row's nibble pairs (weights 0-7 low,
 // 16-23 high), the next 32 chunks 2-3 (weights 8-15, 24-31).
 struct LaneNibbles {
-  static constexpr bool kSigned = false;
+  static constexpr bool kSigned = false, kSmall = true;   // u <= 15: dot4_small_u8s8
   static void load(const uint8_t* q, __m256i w[4]) {
     const __m256i mask = _mm256_set1_epi8(0x0f);
     const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
@@ -79,11 +80,13 @@ struct LaneQuants<Q4_1> : LaneNibbles {
   static constexpr int kBias = 0;
 };
 
-// x rows [m, m + MB) of xq's 32-value blocks as the lane kernel reads them: per row i and
-// block b the 4 vectors at xl + ((i num_blocks + b) 4 + c) 32, vector c holding dwords 2c
-// (lanes 0-3) and 2c + 1 (lanes 4-7) of the block. Made once per x tile and read for every
-// group of the work item's weight rows (permuting x per group and block bound the lane
-// kernel on a Zen 4's one shuffle port).
+// x rows [m, m + MB) of xq's 32-value blocks as the lane kernel reads them: per block b and
+// row i the 4 vectors at xl + ((b MB + i) 4 + c) 32, vector c holding dwords 2c (lanes 0-3)
+// and 2c + 1 (lanes 4-7) of the block. Made once per x tile and read for every group of the
+// work item's weight rows (permuting x per group and block bound the lane kernel on a Zen 4's
+// one shuffle port). Block-major, so that a kernel reads all MB rows of a block at fixed
+// offsets from one pointer (row-major, 8 rows took 8 pointers, more than the general
+// registers left, and the kernel reloaded them from the stack per row).
 template <int MB>
 void expand_lanes(const Q8View& x, int64_t num_blocks, int8_t* xl) {
   __m256i perm[4];
@@ -95,9 +98,39 @@ void expand_lanes(const Q8View& x, int64_t num_blocks, int8_t* xl) {
       const __m256i xv = _mm256_loadu_si256(
           reinterpret_cast<const __m256i*>(x.q + i * x.ldq + b * kBlock));
       for (int c = 0; c < 4; ++c)
-        _mm256_store_si256(reinterpret_cast<__m256i*>(xl + ((i * num_blocks + b) * 4 + c) * 32),
+        _mm256_store_si256(reinterpret_cast<__m256i*>(xl + ((b * MB + i) * 4 + c) * 32),
                            _mm256_permutevar8x32_epi32(xv, perm[c]));
     }
+}
+
+// x rows [m, m + MB)'s per-block scales side by side: xd[b MB + i] = d of row i's block b and,
+// where `xds` is not null (the 32-value blocks), xds[b MB + i] = its ds (block-major, as
+// expand_lanes).
+template <int MB>
+void expand_scales(const Q8View& x, int64_t num_blocks, float* xd, float* xds) {
+  for (int i = 0; i < MB; ++i)
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      xd[b * MB + i] = x.d[i * x.ldb + b];
+      if (xds != nullptr) xds[b * MB + i] = x.ds[i * x.ldb + b];
+    }
+}
+
+// The integer dot of a lane group's 4 quant vectors u[c] (unsigned, u <= 31) with x's lanes
+// xs + 32 c, c = 0..3, in int32 lanes. AVX2 sums the 4 maddubs results in int16 before one
+// madd (each int16 element holds 8 products, at most 8 * 31 * 127 = 31496 < 32767: exact),
+// where dot_u8s8 per vector spends a madd and an add per vector; VNNI chains dpbusd.
+inline __m256i dot4_small_u8s8(const __m256i (&u)[4], const int8_t* xs) {
+  auto x = [&](int c) { return _mm256_load_si256(reinterpret_cast<const __m256i*>(xs + 32 * c)); };
+#ifdef PAGEDLLM_VNNI
+  __m256i dot = _mm256_setzero_si256();
+  for (int c = 0; c < 4; ++c) dot = _mm256_dpbusd_epi32(dot, u[c], x(c));
+  return dot;
+#else
+  const __m256i pairs = _mm256_add_epi16(
+      _mm256_add_epi16(_mm256_maddubs_epi16(u[0], x(0)), _mm256_maddubs_epi16(u[1], x(1))),
+      _mm256_add_epi16(_mm256_maddubs_epi16(u[2], x(2)), _mm256_maddubs_epi16(u[3], x(3))));
+  return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+#endif
 }
 
 // y[i * ldy + r] = lanes r and r + 4 of acc[i] summed (+ bias[r]), r < 4: a lane group's rows.
@@ -115,8 +148,9 @@ inline void store_lanes(const __m256 (&acc)[MB], const float* bias, float* y, in
 // (expand_lanes). One group at a time: two groups side by side halved the batch-1 speed on a
 // Zen 4 (two streams a group apart) and slowed batched tiles too.
 template <int MB, typename Q>
-inline void micro_q8_lanes(const Q8View& x, const int8_t* xl, const uint8_t* w,
-                           int64_t num_blocks, const float* bias, float* y, int64_t ldy) {
+inline void micro_q8_lanes(const int8_t* xl, const float* xd, const float* xds,
+                           const uint8_t* w, int64_t num_blocks, const float* bias, float* y,
+                           int64_t ldy) {
   using L = LaneGroup<Q>;
   using WQ = LaneQuants<Q>;
   constexpr int64_t kRecord = kGroupRows * Q::kBytes;
@@ -138,19 +172,23 @@ inline void micro_q8_lanes(const Q8View& x, const int8_t* xl, const uint8_t* w,
     __m256i wq[4];
     WQ::load(rec + kGroupRows * L::kScaleBytes, wq);
     for (int i = 0; i < MB; ++i) {
-      const int8_t* xb = xl + (i * num_blocks + b) * 4 * 32;
+      const int8_t* xb = xl + (b * MB + i) * 4 * 32;
       __m256i dot = _mm256_setzero_si256();
-      for (int c = 0; c < 4; ++c) {
-        const __m256i xs = _mm256_load_si256(reinterpret_cast<const __m256i*>(xb + 32 * c));
-        if constexpr (WQ::kSigned)
-          dot = dot_u8s8(dot, _mm256_sign_epi8(wq[c], wq[c]), _mm256_sign_epi8(xs, wq[c]));
-        else
-          dot = dot_u8s8(dot, wq[c], xs);
+      if constexpr (WQ::kSmall) {
+        dot = dot4_small_u8s8(wq, xb);
+      } else {
+        for (int c = 0; c < 4; ++c) {
+          const __m256i xs = _mm256_load_si256(reinterpret_cast<const __m256i*>(xb + 32 * c));
+          if constexpr (WQ::kSigned)
+            dot = dot_u8s8(dot, _mm256_sign_epi8(wq[c], wq[c]), _mm256_sign_epi8(xs, wq[c]));
+          else
+            dot = dot_u8s8(dot, wq[c], xs);
+        }
       }
       acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
-                               _mm256_mul_ps(dw, _mm256_set1_ps(x.d[i * x.ldb + b])), acc[i]);
+                               _mm256_mul_ps(dw, _mm256_set1_ps(xd[b * MB + i])), acc[i]);
       if constexpr (kOffset)
-        acc[i] = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.ds[i * x.ldb + b]), acc[i]);
+        acc[i] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xds[b * MB + i]), acc[i]);
     }
   }
   store_lanes<MB>(acc, bias, y, ldy);
@@ -206,8 +244,8 @@ inline void k4_lane_scales(const uint8_t* rec, K4LaneScales* s) {
   s->mins[1] = _mm256_permutevar8x32_epi32(_mm256_cvtepu8_epi16(m47), perm);
 }
 
-// x rows [m, m + MB)'s sub-block sums per 256-value block as the mins' dots read them: per row
-// i and block b two vectors at xm + (i num_blocks + b) 2 of int16 pairs, [0] (bsum0, bsum1) in
+// x rows [m, m + MB)'s sub-block sums per 256-value block as the mins' dots read them: per
+// block b and row i two vectors at xm + (b MB + i) 2 of int16 pairs, [0] (bsum0, bsum1) in
 // lanes 0-3 and (bsum2, bsum3) in 4-7, [1] the same for sub-blocks 4-7 (bsum_s <= 32 * 127).
 template <int MB>
 void expand_mins(const Q8View& x, int64_t num_blocks, __m256i* xm) {
@@ -220,15 +258,16 @@ void expand_mins(const Q8View& x, int64_t num_blocks, __m256i* xm) {
       const __m256i sums = _mm256_madd_epi16(bs, _mm256_set1_epi16(1));   // bsum_s in dword s
       // int16 per 128-bit half: (s0 s1 s2 s3) twice, (s4 s5 s6 s7) twice.
       const __m256i packed = _mm256_packs_epi32(sums, sums);
-      xm[(i * num_blocks + b) * 2] = _mm256_permutevar8x32_epi32(packed, lo);
-      xm[(i * num_blocks + b) * 2 + 1] = _mm256_permutevar8x32_epi32(packed, hi);
+      xm[(b * MB + i) * 2] = _mm256_permutevar8x32_epi32(packed, lo);
+      xm[(b * MB + i) * 2 + 1] = _mm256_permutevar8x32_epi32(packed, hi);
     }
 }
 
 // `micro_q8_lanes` for a Q4_K or Q5_K group: x's quants from its lanes `xl` (expand_lanes over
-// the 32-value sub-blocks) and sub-block sums `xm` (expand_mins).
+// the 32-value sub-blocks), sub-block sums `xm` (expand_mins) and block scales `xd`
+// (expand_scales).
 template <int MB, typename Q>
-inline void micro_q8k_lanes(const Q8View& x, const int8_t* xl, const __m256i* xm,
+inline void micro_q8k_lanes(const int8_t* xl, const __m256i* xm, const float* xd,
                             const uint8_t* w, int64_t num_blocks, const float* bias, float* y,
                             int64_t ldy) {
   using L = LaneGroup<Q>;
@@ -245,7 +284,7 @@ inline void micro_q8k_lanes(const Q8View& x, const int8_t* xl, const __m256i* xm
     // Per x row two sums, of the low- and the high-nibble sub-blocks (two chains of FMAs).
     __m256 block[MB][2];
     for (int i = 0; i < MB; ++i) {
-      const __m256i* m = xm + (i * num_blocks + b) * 2;
+      const __m256i* m = xm + (b * MB + i) * 2;
       const __m256i imin = dot_s16(dot_s16(_mm256_setzero_si256(), sc.mins[0], m[0]),
                                    sc.mins[1], m[1]);
       block[i][0] = _mm256_mul_ps(_mm256_cvtepi32_ps(imin), sc.neg_dmin);
@@ -273,17 +312,14 @@ inline void micro_q8k_lanes(const Q8View& x, const int8_t* xl, const __m256i* xm
       }
       for (int i = 0; i < MB; ++i)
         for (int h = 0; h < 2; ++h) {
-          const int8_t* xs = xl + ((i * num_blocks + b) * kSubs + 2 * p + h) * 4 * 32;
-          __m256i dot = _mm256_setzero_si256();
-          for (int c = 0; c < 4; ++c)
-            dot = dot_u8s8(dot, wq[h][c],
-                           _mm256_load_si256(reinterpret_cast<const __m256i*>(xs + 32 * c)));
+          const int8_t* xs = xl + (((b * kSubs + 2 * p + h) * MB) + i) * 4 * 32;
+          const __m256i dot = dot4_small_u8s8(wq[h], xs);   // u <= 31
           block[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), sc.dsc[2 * p + h], block[i][h]);
         }
     }
     for (int i = 0; i < MB; ++i)
       acc[i] = _mm256_fmadd_ps(_mm256_add_ps(block[i][0], block[i][1]),
-                               _mm256_set1_ps(x.d[i * x.ldb + b]), acc[i]);
+                               _mm256_set1_ps(xd[b * MB + i]), acc[i]);
   }
   store_lanes<MB>(acc, bias, y, ldy);
 }
@@ -297,23 +333,29 @@ void lanes_block_q8(const Q8Rows& xq, int64_t K, int64_t m0, int64_t m1, const u
   constexpr bool kSuperBlocks = Q::kWeights == kSuper;
   const int64_t num_blocks = K / Q::kWeights, num_subs = K / kBlock;
   // The x tile's lanes, 4 vectors per row and 32-value block, then (K-quants) the mins' sums,
-  // 2 vectors per row and block.
+  // 2 vectors per row and block, then the block scales d (and ds), one float per row and
+  // block each.
   thread_local std::vector<__m256i> lanes;
   const int64_t lane_vectors = MB * num_subs * 4;
-  lanes.resize(static_cast<size_t>(lane_vectors + (kSuperBlocks ? MB * num_blocks * 2 : 0)));
+  const int64_t min_vectors = kSuperBlocks ? MB * num_blocks * 2 : 0;
+  const int64_t scale_floats = MB * num_blocks;
+  lanes.resize(static_cast<size_t>(lane_vectors + min_vectors + (2 * scale_floats + 7) / 8));
   int8_t* xl = reinterpret_cast<int8_t*>(lanes.data());
   __m256i* xm = lanes.data() + lane_vectors;
+  float* xd = reinterpret_cast<float*>(lanes.data() + lane_vectors + min_vectors);
+  float* xds = kSuperBlocks ? nullptr : xd + scale_floats;
   for (int64_t m = m0; m + MB <= m1; m += MB) {
     const Q8View x = q8_view<Q>(xq, K, m);
     expand_lanes<MB>(x, num_subs, xl);
+    expand_scales<MB>(x, num_blocks, xd, xds);
     if constexpr (kSuperBlocks) expand_mins<MB>(x, num_blocks, xm);
     for (int64_t n = n0; n < n1; n += kGroupRows) {
       const float* b = bias != nullptr ? bias + n : nullptr;
       const uint8_t* group = data + n * row_bytes;
       if constexpr (kSuperBlocks)
-        micro_q8k_lanes<MB, Q>(x, xl, xm, group, num_blocks, b, y + m * ldy + n, ldy);
+        micro_q8k_lanes<MB, Q>(xl, xm, xd, group, num_blocks, b, y + m * ldy + n, ldy);
       else
-        micro_q8_lanes<MB, Q>(x, xl, group, num_blocks, b, y + m * ldy + n, ldy);
+        micro_q8_lanes<MB, Q>(xl, xd, xds, group, num_blocks, b, y + m * ldy + n, ldy);
     }
   }
 }
