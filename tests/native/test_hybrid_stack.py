@@ -1,0 +1,160 @@
+"""The native DeepSeek / Qwen3-Next decoder stack (`native/hybrid_stack.py`: all layers' two
+native halves in one call per step) against the per-half path and HF, on the tiny random
+checkpoints of the half tests (DeepSeek V2-Lite / V3 with a dense first layer, Qwen3-Next with
+Gated DeltaNet and gated-attention layers)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.native.hybrid_stack import NativeHybridStack
+from pagedllm.native.kernels import cpu_kernels
+from tests.fixtures.checkpoints import make_tiny_checkpoint
+from tests.models.test_deepseek import build_checkpoint
+from tests.models.test_hybrid_models import MODELS
+
+pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="CPU kernels did not build")
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=0)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, byte_level_tokenizer_dir):
+    """"v2_lite" / "v3" / "qwen3_next" -> tiny random checkpoint folder, built on first use."""
+    root = tmp_path_factory.mktemp("hybrid_stack")
+    paths = {}
+
+    def get(name: str) -> str:
+        if name not in paths:
+            if name == "qwen3_next":
+                arch, config = MODELS[name]
+                paths[name] = make_tiny_checkpoint(root / name, arch, byte_level_tokenizer_dir,
+                                                   **config)
+            else:
+                paths[name] = build_checkpoint(name, root / name, byte_level_tokenizer_dir)
+        return str(paths[name])
+
+    return get
+
+
+def _model(llm: LLM):
+    return llm.llm_engine.engine_core.executor.worker.model_runner.model
+
+
+def _stack_owner(model):
+    """The module whose `layer_stack` is the native stack (the model or its `model`)."""
+    return model if isinstance(getattr(model, "layer_stack", None), NativeHybridStack) \
+        else model.model
+
+
+def _prompts() -> list[dict]:
+    rng = random.Random(5)
+    return [{"prompt_token_ids": [rng.randrange(3, 250) for _ in range(n)]}
+            for n in (29, 7, 18)]
+
+
+def _generate(llm: LLM, stack: bool, monkeypatch, **kwargs) -> tuple[list, list[int]]:
+    """Outputs with the stack kept or detached (the per-half path), and the token counts of
+    the steps the stack took."""
+    owner = _stack_owner(_model(llm))
+    native = owner.layer_stack
+    assert isinstance(native, NativeHybridStack)
+    taken: list[int] = []
+    original = NativeHybridStack.__call__
+
+    def call(self, positions, hidden, *args, **kw):
+        out = original(self, positions, hidden, *args, **kw)
+        if out is not None:
+            taken.append(positions.shape[0])
+        return out
+
+    monkeypatch.setattr(NativeHybridStack, "__call__", call)
+    owner.layer_stack = native if stack else None
+    try:
+        return llm.generate(_prompts(), SamplingParams(**{**dict(
+            temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=0), **kwargs}),
+                            use_tqdm=False), taken
+    finally:
+        owner.layer_stack = native
+        monkeypatch.setattr(NativeHybridStack, "__call__", original)
+
+
+def _logprobs(output) -> torch.Tensor:
+    return torch.tensor([next(iter(d.values())).logprob for d in output.outputs[0].logprobs])
+
+
+def _assert_same(got, want, atol: float = 1e-5) -> None:
+    for a, b in zip(got, want):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        torch.testing.assert_close(_logprobs(a), _logprobs(b), atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("variant", ["v2_lite", "v3", "qwen3_next"])
+@pytest.mark.parametrize("steps", [1, 4])
+def test_stack_equals_per_half_path(checkpoint, variant, steps, monkeypatch):
+    """Batched greedy generation (3 requests, multi-step rounds on and off): the stack takes
+    the decode steps and gives the per-half path's tokens and logprobs."""
+    llm = LLM(checkpoint(variant), dtype="float32", kv_cache_memory_bytes=8 << 20,
+              num_scheduler_steps=steps)
+    got, taken = _generate(llm, True, monkeypatch)
+    assert taken and 3 in taken   # batched decode steps
+    want, none = _generate(llm, False, monkeypatch)
+    assert not none
+    _assert_same(got, want)
+
+
+@pytest.mark.parametrize("variant", ["v3", "qwen3_next"])
+def test_stack_greedy_equals_hf(checkpoint, variant):
+    """One request, fp32: the engine's greedy tokens with the stack equal HF `generate`'s."""
+    path = checkpoint(variant)
+    prompt = [5 + (7 * i) % 200 for i in range(23)]
+    llm = LLM(path, dtype="float32", kv_cache_memory_bytes=8 << 20)
+    assert isinstance(_stack_owner(_model(llm)).layer_stack, NativeHybridStack)
+    got = llm.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.inference_mode():
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
+                           min_new_tokens=10)[0, len(prompt):].tolist()
+    assert list(got[0].outputs[0].token_ids) == want
+
+
+@pytest.mark.parametrize("variant", ["v2_lite", "qwen3_next"])
+def test_stack_with_prefix_caching(checkpoint, variant, monkeypatch):
+    """Prefix caching on, prompts sharing a 32-token prefix (the second batch hits the cache):
+    the stack's outputs equal the per-half path's."""
+    llm = LLM(checkpoint(variant), dtype="float32", kv_cache_memory_bytes=8 << 20,
+              enable_prefix_caching=True)
+    prefix = [3 + (11 * i) % 240 for i in range(32)]
+    prompts = [{"prompt_token_ids": prefix + [7 + i, 9 + 2 * i]} for i in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)
+    owner = _stack_owner(_model(llm))
+    native = owner.layer_stack
+    outs = []
+    for stack in (True, False):
+        owner.layer_stack = native if stack else None
+        llm.generate(prompts[:1], params, use_tqdm=False)   # fills the cache
+        outs.append(llm.generate(prompts, params, use_tqdm=False))
+    owner.layer_stack = native
+    _assert_same(outs[0], outs[1])
+
+
+def test_stack_declines_where_a_half_declines(checkpoint, monkeypatch):
+    """A detached half (one layer's MLA block) makes the stack decline every step; the
+    outputs are then the per-half path's."""
+    llm = LLM(checkpoint("v3"), dtype="float32", kv_cache_memory_bytes=8 << 20)
+    model = _model(llm)
+    layer = model.model.layers[1]
+    block = layer.native_attention
+    want, _ = _generate(llm, False, monkeypatch)
+    layer.native_attention = None
+    try:
+        got, taken = _generate(llm, True, monkeypatch)
+    finally:
+        layer.native_attention = block
+    assert not taken
+    _assert_same(got, want)
