@@ -136,18 +136,40 @@ class NativeHybridStack:
         for mlp in self.mlps:
             mlp.forget_structures()
 
+    def _halves_attached(self) -> bool:
+        """Whether every layer still has the halves this stack runs (a half detached or
+        replaced since: that layer's modules run, so the stack does not)."""
+        attr = self.mixer_attr
+        for layer, mixer, mlp in zip(self.layer_modules, self.mixers, self.mlps):
+            if (layer.__dict__.get(attr) is not mixer or type(mlp) is NativeMoeBlock
+                    and layer._modules["mlp"].__dict__.get("native_block") is not mlp):
+                return False
+        return True
+
+    def loop_ready(self, num_reqs: int, max_seq_len: int) -> bool:
+        """For the native decode loop (MLA stacks): whether decode steps of `num_reqs` rows
+        up to sequences of `max_seq_len` tokens pass every half's checks that do not read a
+        step's metadata (`NativeMLABlock.loop_address`, `NativeMoeBlock.address`); fills the
+        layer structures if so."""
+        if self.kinds[0] != MLA or num_reqs > NativeMLABlock.MAX_TOKENS \
+                or not self._halves_attached():
+            return False
+        for s, mixer, mlp in zip(self.layers, self.mixers, self.mlps):
+            address = mixer.loop_address(max_seq_len)
+            mlp_address = address and mlp.address(num_reqs, self.dtype)
+            if not mlp_address:
+                return False
+            s.mixer, s.mlp = address, mlp_address
+        return True
+
     def prepare(self, positions: torch.Tensor) -> bool:
         """Run every half's per-step checks for a step at `positions` ([n] int64) and fill the
         layer and step structures (all but the buffers); False where some half declines."""
         n, dtype = positions.shape[0], self.dtype
         layers, step = self.layers, self.step
         batch = None
-        attr = self.mixer_attr
-        for layer, mixer, mlp in zip(self.layer_modules, self.mixers, self.mlps):
-            # (a half detached or replaced since: that layer's modules run, so the stack not)
-            if (layer.__dict__.get(attr) is not mixer or type(mlp) is NativeMoeBlock
-                    and layer._modules["mlp"].__dict__.get("native_block") is not mlp):
-                return False
+        if not self._halves_attached():
+            return False
         for s, kind, mixer, mlp in zip(layers, self.kinds, self.mixers, self.mlps):
             if kind == GATED_DELTANET:
                 batch = mixer.prepare(n, dtype)

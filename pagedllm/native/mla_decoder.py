@@ -219,6 +219,19 @@ class NativeMLABlock:
             return 0
         return ctypes.addressof(self._struct)
 
+    def loop_address(self, max_seq_len: int) -> int:
+        """For the native decode loop (native/decode_loop.py), which builds its own step: the
+        checks of `prepare` that do not read a step's metadata, for decode rows of sequences
+        up to `max_seq_len` tokens. The address of the layer's `MLALayerWeights`, or 0."""
+        attn = self.attn
+        kv_cache = attn.attn.kv_cache
+        if (kv_cache.dtype != self.dtype or kv_cache.dim() != 5
+                or max_seq_len > self.max_position or _mla_linears(attn) != self.linears):
+            return 0
+        if kv_cache is not self._cache or self._struct is None:
+            self._build(kv_cache)
+        return ctypes.addressof(self._struct)
+
     def __call__(self, positions: torch.Tensor, hidden: torch.Tensor,
                  residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
         if not self.prepare(positions, hidden.dtype):

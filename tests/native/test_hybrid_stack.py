@@ -158,3 +158,62 @@ def test_stack_declines_where_a_half_declines(checkpoint, monkeypatch):
         layer.native_attention = block
     assert not taken
     _assert_same(got, want)
+
+
+@pytest.fixture
+def loop_tokens(monkeypatch):
+    """Counts the tokens decoded by `HybridGreedyDecodeLoop.run` (steps x requests)."""
+    from pagedllm.native.decode_loop import HybridGreedyDecodeLoop
+    calls = {"tokens": 0}
+    run = HybridGreedyDecodeLoop.run
+
+    def counting(self, *args, **kwargs):
+        tokens = run(self, *args, **kwargs)
+        calls["tokens"] += tokens.size
+        return tokens
+
+    monkeypatch.setattr(HybridGreedyDecodeLoop, "run", counting)
+    return calls
+
+
+@pytest.mark.parametrize("variant", ["v2_lite", "v3"])
+def test_decode_loop_equals_single_steps(checkpoint, variant, loop_tokens):
+    """DeepSeek, fp32, 3 requests of different lengths with stop tokens that end some early:
+    rounds of 6 steps (their later steps in the native loop) give the tokens, finish reasons
+    and logprob-free outputs of single steps, and the loop ran most of the tokens."""
+    path = checkpoint(variant)
+    single = LLM(path, dtype="float32", kv_cache_memory_bytes=8 << 20, num_scheduler_steps=1,
+                 block_size=8)
+    params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
+    want = single.generate(_prompts(), params, use_tqdm=False)
+    stop = [want[1].outputs[0].token_ids[5]]    # the second request stops at its 6th token
+    params_stop = SamplingParams(temperature=0.0, max_tokens=14, stop_token_ids=stop)
+    want_stop = single.generate(_prompts(), params_stop, use_tqdm=False)
+    del single
+    multi = LLM(path, dtype="float32", kv_cache_memory_bytes=8 << 20, num_scheduler_steps=6,
+                block_size=8)
+    got = multi.generate(_prompts(), params, use_tqdm=False)
+    assert loop_tokens["tokens"] >= 20
+    got_stop = multi.generate(_prompts(), params_stop, use_tqdm=False)
+    for a, b in zip(got + got_stop, want + want_stop):
+        assert list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids)
+        assert a.outputs[0].finish_reason == b.outputs[0].finish_reason
+
+
+def test_decode_loop_with_prefix_caching_equals_hf(checkpoint, loop_tokens):
+    """DeepSeek V3, fp32, prefix caching on, multi-step rounds: a request whose prompt hits
+    the cache decodes HF's greedy tokens, most of them in the native loop."""
+    path = checkpoint("v3")
+    prefix = [3 + (13 * i) % 240 for i in range(24)]
+    prompt = prefix + [17, 4, 99]
+    llm = LLM(path, dtype="float32", kv_cache_memory_bytes=8 << 20, num_scheduler_steps=8,
+              block_size=8, enable_prefix_caching=True)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": prefix + [5]}], params, use_tqdm=False)
+    got = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    assert loop_tokens["tokens"] >= 12
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.inference_mode():
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                           min_new_tokens=12)[0, len(prompt):].tolist()
+    assert list(got[0].outputs[0].token_ids) == want

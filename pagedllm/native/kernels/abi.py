@@ -324,6 +324,11 @@ struct DecodeLoopArgs {
   const int64_t* stop_offsets;     /* row b's stop tokens: stop_ids[stop_offsets[b] ..
                                       stop_offsets[b + 1]) */
   const int64_t* stop_ids;
+  const struct HybridLayer* hybrid_layers;  /* [num_layers] a DeepSeek stack (kind 0) run by
+                                      hybrid_decoder_layers instead of `layers` / `step`, or
+                                      null; then `residual` is hybrid_step->stream and `delta`
+                                      its `hidden` (float32 models only) */
+  const struct HybridStep* hybrid_step;
 };
 
 /* One linear layer's adapter slots (lora_kernel.h, lora/layers.py): width = num_slices *
