@@ -1,4 +1,5 @@
-"""Native greedy decode steps for the Llama family on the CPU (`decode_greedy_steps`).
+"""Native greedy decode steps for the Llama family and DeepSeek-class MLA models on the CPU
+(`decode_greedy_steps`; `HybridGreedyDecodeLoop` for the latter, over native/hybrid_stack.py).
 
 The later steps of a multi-step round (worker/multi_step.py `run_remaining_steps`) whose
 requests are all plain greedy run here in one native call: per step the embedding lookup, the
@@ -218,9 +219,10 @@ class HybridGreedyDecodeLoop:
 
     def applies(self, num_reqs: int, max_seq_len: int, batch_invariant: bool = False) -> bool:
         """Whether decode steps of `num_reqs` requests up to sequences of `max_seq_len` tokens
-        run here: not the batch-invariant mode (the MLA block declines it), and every layer's
-        halves taking such steps (`NativeHybridStack.loop_ready`)."""
-        return not batch_invariant and self.stack.loop_ready(num_reqs, max_seq_len)
+        run here: not the batch-invariant mode (the MLA block declines it), the stack still
+        attached, and every layer's halves taking such steps (`NativeHybridStack.loop_ready`)."""
+        return (not batch_invariant and self.model.model.layer_stack is self.stack
+                and self.stack.loop_ready(num_reqs, max_seq_len))
 
     def run(self, token_ids: np.ndarray, positions: np.ndarray, block_table: torch.Tensor,
             block_size: int, num_steps: int, stop_token_ids: list[list[int]]

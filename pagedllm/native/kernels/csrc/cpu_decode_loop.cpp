@@ -1,5 +1,5 @@
-// Greedy decode steps of a Llama-family or DeepSeek model in one native call: the later steps of a
-// multi-step round (pagedllm/native/decode_loop.py) when every request is plain greedy.
+// Greedy decode steps of a Llama-family or DeepSeek model in one native call: the later steps
+// of a multi-step round (pagedllm/native/decode_loop.py) when every request is plain greedy.
 //
 // Why: the per-step work around the fused decoder (input advance, embedding lookup, attention
 // metadata, final norm, LM head call, argmax, token bookkeeping) is ~25 Python and torch calls.
