@@ -108,13 +108,19 @@ def profile_time(llm: LLM, prompt: list[int], tokens: int) -> None:
         print(f"  {name:40s} {t / tokens * 1e3:7.2f}  {t / total:6.1%}")
 
 
-def native_ab(llm: LLM, prompt: list[int], tokens: int, rounds: int) -> None:
-    """Alternate runs with the layers' native blocks attached and detached."""
-    model = llm.llm_engine.engine_core.executor.worker.model_runner.model
-    slots = [(m, name, getattr(m, name)) for m in model.modules()
-             for name in ("native_attention", "native_mixer")
-             if getattr(m, name, None) is not None]
-    print(f"{len(slots)} native blocks attached")
+def native_ab(llm: LLM, prompt: list[int], tokens: int, rounds: int, what: str) -> None:
+    """Alternate runs with the layers' native blocks (`what` "blocks"), the whole-stack
+    call ("stack": native/hybrid_stack.py, against its per-half path) or the multi-step
+    rounds' native decode loop ("loop": native/decode_loop.py) attached and detached."""
+    runner = llm.llm_engine.engine_core.executor.worker.model_runner
+    model = runner.model
+    if what == "loop":   # the multi-step rounds' native loop (decided at the first round)
+        slots = [(runner.multi_step, "native_loop", runner.multi_step.native_loop)]
+    else:
+        names = ("native_attention", "native_mixer") if what == "blocks" else ("layer_stack",)
+        slots = [(m, name, getattr(m, name)) for m in model.modules()
+                 for name in names if getattr(m, name, None) is not None]
+    print(f"{len(slots)} native {what} attached")
     times: dict[str, list[tuple[float, float]]] = {"native": [], "module": []}
     for _ in range(rounds):
         for mode in ("native", "module"):
@@ -139,6 +145,10 @@ def main() -> None:
     parser.add_argument("--ops", action="store_true", help="count ATen ops per decode token")
     parser.add_argument("--ab", type=int, default=0, metavar="N",
                         help="N rounds of native blocks on / off in this process")
+    parser.add_argument("--ab-what", choices=("blocks", "stack", "loop"), default="blocks",
+                        help="what --ab switches: the layers' native halves, the "
+                             "whole-stack call (against the halves), or the native decode "
+                             "loop of multi-step rounds (against step-by-step rounds)")
     args = parser.parse_args()
     llm = LLM(model=preset_path(args.preset, "float32"), dtype="float32", max_model_len=512,
               seed=0)
@@ -148,7 +158,7 @@ def main() -> None:
     if args.ops:
         count_ops(llm, prompt)
     elif args.ab:
-        native_ab(llm, prompt, args.tokens, args.ab)
+        native_ab(llm, prompt, args.tokens, args.ab, args.ab_what)
     else:
         profile_time(llm, prompt, args.tokens)
     print(f"load average {os.getloadavg()[0]:.1f}, torch threads {torch.get_num_threads()}")

@@ -213,6 +213,6 @@ def _load(cls, model_path: str, source, hf_config, dtype: torch.dtype, device: t
         raise ValueError(f"checkpoint {checkpoint} lacks weights for: {sorted(missing)[:8]}"
                          f"{' ...' if len(missing) > 8 else ''}")
     process_weights_after_loading(model)
-    attach_native_decoder(model)   # the CPU fused decoder, where it takes the layers
     attach_native_moe(model)   # the CPU native MoE blocks, where they take the blocks
+    attach_native_decoder(model)   # the CPU fused decoder / native stacks (over those blocks)
     return model.eval()

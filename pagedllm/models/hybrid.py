@@ -96,6 +96,9 @@ class HybridForCausalLM(nn.Module):
                                                 tie_word_embeddings))
         self.lm_head = LMHead(config.vocab_size, config.hidden_size,
                               tie_to=embed if self.tie_word_embeddings else None)
+        # A faster replacement of the layers and final norm for the steps it takes, attached
+        # after loading (native/hybrid_stack.py: Qwen3-Next); it returns None for the others.
+        self.layer_stack: Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None] | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         stack, embedding, norm = self._module_names
@@ -104,6 +107,10 @@ class HybridForCausalLM(nn.Module):
         dtype = hidden.dtype    # (a layer may keep its residual in float32: Mamba-2's option)
         if self.embedding_multiplier is not None:
             hidden = hidden * self.embedding_multiplier
+        if self.layer_stack is not None and self.embedding_multiplier is None:
+            out = self.layer_stack(positions, hidden)
+            if out is not None:
+                return out
         for layer in body.layers:
             hidden = layer(positions, hidden)
         return getattr(body, norm)(hidden.to(dtype))

@@ -20,6 +20,7 @@ from pagedllm.layers.pipeline import send_intermediate
 from pagedllm.models.llama import LlamaDecoderLayer, LlamaModel
 from pagedllm.native.fused_decoder import FusedDecoder, add_rms_norm
 from pagedllm.native.gdn_decoder import attach_native_mixers, refresh_native_mixers
+from pagedllm.native.hybrid_stack import NativeHybridStack, attach_native_hybrid_stacks
 from pagedllm.native.mla_decoder import attach_native_attention, refresh_native_attention
 from pagedllm.native.moe_block import NativeMoeBlock
 
@@ -76,8 +77,10 @@ class NativeDecoderStack:
 
 def attach_native_decoder(model: nn.Module) -> int:
     """Give every Llama-family decoder stack inside `model` whose layers the fused decoder
-    supports a `NativeDecoderStack` (its `layer_stack`); returns how many got one. Stacks of
-    other layers (mixture-of-experts layers, Gemma's) keep None."""
+    supports a `NativeDecoderStack` (its `layer_stack`), the native halves to DeepSeek and
+    Qwen3-Next layers, and a `NativeHybridStack` to their stacks where every layer has both
+    (`native/hybrid_stack.py`; the native MoE blocks must be attached first); returns how many
+    stacks got one. Stacks of other layers (Gemma's, ...) keep None."""
     attached = 0
     for module in model.modules():
         if not isinstance(module, LlamaModel):
@@ -89,7 +92,9 @@ def attach_native_decoder(model: nn.Module) -> int:
             attached += 1
     attach_native_attention(model)   # DeepSeek MLA layers' attention halves (one call each)
     attach_native_mixers(model)      # Qwen3-Next Gated DeltaNet layers' first halves
-    return attached
+    # DeepSeek / Qwen3-Next stacks whose layers all have both native halves (the MoE blocks
+    # are attached before this call): one call per step for all layers
+    return attached + attach_native_hybrid_stacks(model)
 
 
 def refresh_native_decoder(model: nn.Module) -> None:
@@ -101,6 +106,8 @@ def refresh_native_decoder(model: nn.Module) -> None:
         stack = getattr(module, "layer_stack", None)
         if isinstance(stack, NativeDecoderStack):
             stack.fused.forget_structures()
+        if isinstance(stack, NativeHybridStack):
+            stack.forget_structures()
         native_moe = getattr(module, "native_block", None)
         if isinstance(native_moe, NativeMoeBlock):
             native_moe.forget_structures()

@@ -1,4 +1,5 @@
-"""Native greedy decode steps for the Llama family on the CPU (`decode_greedy_steps`).
+"""Native greedy decode steps for the Llama family and DeepSeek-class MLA models on the CPU
+(`decode_greedy_steps`; `HybridGreedyDecodeLoop` for the latter, over native/hybrid_stack.py).
 
 The later steps of a multi-step round (worker/multi_step.py `run_remaining_steps`) whose
 requests are all plain greedy run here in one native call: per step the embedding lookup, the
@@ -60,6 +61,14 @@ def _vocab_weight(module, dtype: torch.dtype, embedding: bool,
     return VocabWeight(kind=PACKED if module.packed else DENSE, dtype=_DTYPE_CODES[weight.dtype],
                        data=weight.data_ptr(), segments=None, num_segments=0,
                        rows=module.num_embeddings, cols=module.embedding_dim)
+
+
+def _stop_arrays(stop_token_ids: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """(stop_offsets [B + 1], stop_ids) int64, as `DecodeLoopArgs` reads them."""
+    stop_offsets = np.zeros(len(stop_token_ids) + 1, dtype=np.int64)
+    np.cumsum([len(s) for s in stop_token_ids], out=stop_offsets[1:])
+    stop_ids = np.array([t for s in stop_token_ids for t in s] or [0], dtype=np.int64)
+    return stop_offsets, stop_ids
 
 
 class GreedyDecodeLoop:
@@ -143,9 +152,7 @@ class GreedyDecodeLoop:
         step, scratch = fused.decoder_step(
             n, pos.ctypes.data, slots.ctypes.data, block_table, query_start_loc.ctypes.data,
             seq_lens.ctypes.data, n, block_size, True, residual.data_ptr(), delta.data_ptr())
-        stop_offsets = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum([len(s) for s in stop_token_ids], out=stop_offsets[1:])
-        stop_ids = np.array([t for s in stop_token_ids for t in s] or [0], dtype=np.int64)
+        stop_offsets, stop_ids = _stop_arrays(stop_token_ids)
         norm = self.model.model.norm
         args = DecodeLoopArgs(
             layers=ctypes.addressof(structs), num_layers=len(fused.layers),
@@ -166,3 +173,115 @@ class GreedyDecodeLoop:
             raise ValueError(f"decode loop: a token id outside [0, {self.embedding.rows}) or a "
                              f"weight the kernels do not take")
         return out[:steps_run]
+
+
+class HybridGreedyDecodeLoop:
+    """Greedy decode steps of a DeepSeek-V2/V3 / GLM-4-MoE model (`MoeForCausalLM` with a
+    `NativeHybridStack` of MLA layers, native/hybrid_stack.py) in one native call, as
+    `GreedyDecodeLoop` runs them for Llama: per step the embedding, `hybrid_decoder_layers`,
+    the final RMSNorm, the LM head and the argmax, positions and slots advanced natively. The
+    layers are the stack's (the per-half kernels), so the tokens equal single steps'. Float32
+    models only (the final add and norm are `add_rms_norm`'s, which for bfloat16 rounds once
+    where the module's RMSNorm rounds twice). Build with `for_model` (None where it does not
+    apply); `applies` and `run` as `GreedyDecodeLoop`'s."""
+
+    def __init__(self, model, stack, embedding: VocabWeight, head: VocabWeight,
+                 keep: list) -> None:
+        self.model = model
+        self.stack = stack
+        self.embedding, self.head = embedding, head
+        self._keep = keep
+        self.vocab_size = head.rows
+        self._scratch = torch.empty(0, dtype=torch.float32)
+
+    @classmethod
+    def for_model(cls, model) -> HybridGreedyDecodeLoop | None:
+        from pagedllm.models.llama import LlamaModel
+        from pagedllm.models.moe import MoeForCausalLM
+        from pagedllm.native.hybrid_stack import MLA, NativeHybridStack
+        inner = getattr(model, "model", None)
+        stack = getattr(inner, "layer_stack", None)
+        if (cpu_kernels() is None or not isinstance(model, MoeForCausalLM)
+                or not isinstance(stack, NativeHybridStack) or set(stack.kinds) != {MLA}
+                or stack.dtype != torch.float32
+                or type(model).forward is not MoeForCausalLM.forward
+                or type(model).compute_logits is not MoeForCausalLM.compute_logits
+                or type(inner).forward is not LlamaModel.forward
+                or not (inner.pp.is_first_rank and inner.pp.is_last_rank)
+                or getattr(model.lm_head, "tp_size", 1) != 1):
+            return None
+        keep: list = []
+        embedding = _vocab_weight(inner.embed_tokens, stack.dtype, True, keep)
+        head = _vocab_weight(model.lm_head, stack.dtype, False, keep)
+        if embedding is None or head is None or head.cols != stack.hidden_size:
+            return None
+        return cls(model, stack, embedding, head, keep)
+
+    def applies(self, num_reqs: int, max_seq_len: int, batch_invariant: bool = False) -> bool:
+        """Whether decode steps of `num_reqs` requests up to sequences of `max_seq_len` tokens
+        run here: not the batch-invariant mode (the MLA block declines it), the stack still
+        attached, and every layer's halves taking such steps (`NativeHybridStack.loop_ready`)."""
+        return (not batch_invariant and self.model.model.layer_stack is self.stack
+                and self.stack.loop_ready(num_reqs, max_seq_len))
+
+    def run(self, token_ids: np.ndarray, positions: np.ndarray, block_table: torch.Tensor,
+            block_size: int, num_steps: int, stop_token_ids: list[list[int]]
+            ) -> np.ndarray:
+        """As `GreedyDecodeLoop.run` (same arguments, result and errors)."""
+        from pagedllm.attention.backends.mla_cpu import _query_tile
+        from pagedllm.native.hybrid_stack import HybridStep
+        from pagedllm.native.mla_decoder import NativeAttentionStep
+        stack = self.stack
+        n, hidden = len(token_ids), stack.hidden_size
+        if block_table.dtype != torch.int32 or block_table.stride(1) != 1:
+            raise ValueError("decode loop: the block table must be int32 with unit column "
+                             "stride")
+        tokens = np.ascontiguousarray(token_ids, dtype=np.int64).copy()
+        pos = np.ascontiguousarray(positions, dtype=np.int64).copy()
+        if not stack.loop_ready(n, int(pos.max(initial=0)) + 1 + num_steps):
+            raise ValueError("decode loop: the model's native halves do not take these steps")
+        slots = np.zeros(n, dtype=np.int64)
+        seq_lens = (pos + 1).astype(np.int32)
+        query_start_loc = np.arange(n + 1, dtype=np.int32)
+        rows = np.arange(n, dtype=np.int32)
+        needed = n * max(m.scratch_floats for m in stack.mixers)
+        if self._scratch.numel() < needed:
+            self._scratch = torch.empty(needed, dtype=torch.float32)
+        attention = NativeAttentionStep(
+            num_tokens=n, positions=pos.ctypes.data, slot_mapping=slots.ctypes.data,
+            block_table=block_table.data_ptr(), block_table_stride=block_table.stride(0),
+            query_start_loc=query_start_loc.ctypes.data, seq_lens=seq_lens.ctypes.data,
+            rows=rows.ctypes.data, num_rows=n, block_size=block_size, causal=1,
+            query_tile=_query_tile(1), scratch=self._scratch.data_ptr())
+        residual = torch.empty(n, hidden, dtype=torch.float32)
+        delta = torch.empty(n, hidden, dtype=torch.float32)
+        buf = stack.buffers(n)
+        step = HybridStep(num_tokens=n, hidden_size=hidden, dtype=0,
+                          mla_step=ctypes.addressof(attention), stream=residual.data_ptr(),
+                          hidden=delta.data_ptr(), normed=buf[1].data_ptr(),
+                          mlp_out=buf[2].data_ptr(), add_first=0)
+        normed = torch.empty(n, hidden, dtype=torch.float32)
+        head_x = torch.empty(n, hidden, dtype=torch.float32)
+        embed_f32 = torch.empty(n, hidden, dtype=torch.float32)
+        logits = torch.empty(n, self.vocab_size, dtype=torch.float32)
+        stop_offsets, stop_ids = _stop_arrays(stop_token_ids)
+        norm = self.model.model.norm
+        args = DecodeLoopArgs(
+            layers=None, num_layers=len(stack.mixers), step=None, dtype=0, num_reqs=n,
+            hidden=hidden, block_size=block_size, block_table_stride=block_table.stride(0),
+            block_table=block_table.data_ptr(), attention_rows=rows.ctypes.data,
+            positions=pos.ctypes.data, slot_mapping=slots.ctypes.data,
+            seq_lens=seq_lens.ctypes.data, residual=residual.data_ptr(),
+            delta=delta.data_ptr(), normed=normed.data_ptr(), head_x=head_x.data_ptr(),
+            logits=logits.data_ptr(), embed_f32=embed_f32.data_ptr(), embedding=self.embedding,
+            head=self.head, norm_weight=norm.weight.data_ptr(), norm_eps=norm.eps,
+            stop_offsets=stop_offsets.ctypes.data, stop_ids=stop_ids.ctypes.data,
+            hybrid_layers=ctypes.addressof(stack.layers), hybrid_step=ctypes.addressof(step))
+        out = np.zeros((num_steps, n), dtype=np.int64)
+        steps_run = cpu_kernels().decode_greedy_steps(ctypes.byref(args), tokens.ctypes.data,
+                                                      num_steps, out.ctypes.data)
+        if steps_run < 0:
+            raise ValueError(f"decode loop: a token id outside [0, {self.embedding.rows}) or a "
+                             f"weight the kernels do not take")
+        return out[:steps_run]
+

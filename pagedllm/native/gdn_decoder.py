@@ -138,10 +138,12 @@ class NativeGDNMixer:
         self._struct, self._states = w, states
         self.scratch_floats = self._lib.gdn_scratch_floats(ctypes.addressof(w))
 
-    def __call__(self, positions: torch.Tensor, hidden: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        n = hidden.shape[0]
-        if (n > self.MAX_TOKENS or hidden.dtype != self.dtype or hidden.ndim != 2
+    def prepare(self, n: int, dtype: torch.dtype):
+        """The per-step checks of `__call__` for a step of `n` tokens with activations in
+        `dtype`; builds the structure if needed. Returns the step's state batch
+        (`StateBatchArgs`; the layer's structure is then `struct_address`), or None for a step
+        it does not take."""
+        if (n > self.MAX_TOKENS or dtype != self.dtype
                 or state_kernels.DEFAULT_BACKEND is not None
                 or _gdn_linears(self.mixer) != self.linears):
             return None
@@ -151,7 +153,20 @@ class NativeGDNMixer:
             self._build(tuple(states))
         meta = StateCache.metadata()
         batch = state_kernels._native_batch(meta, states[0].shape[0])
-        if batch.num_tokens != n:
+        return batch if batch.num_tokens == n else None
+
+    @property
+    def struct_address(self) -> int:
+        """The address of the layer's `GDNLayerWeights` (after a `prepare` that took)."""
+        return ctypes.addressof(self._struct)
+
+    def __call__(self, positions: torch.Tensor, hidden: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        n = hidden.shape[0]
+        if hidden.ndim != 2:
+            return None
+        batch = self.prepare(n, hidden.dtype)
+        if batch is None:
             return None
         hidden = hidden.contiguous()
         hidden_out, post_normed = torch.empty_like(hidden), torch.empty_like(hidden)
@@ -242,27 +257,36 @@ class NativeGatedAttention:
         self._struct, self._cache = w, kv_cache
         self.scratch_floats = self._lib.gated_attention_scratch_floats(ctypes.addressof(w))
 
-    def __call__(self, positions: torch.Tensor, hidden: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def prepare(self, positions: torch.Tensor, dtype: torch.dtype) -> int:
+        """The per-step checks of `__call__` for a step at `positions` ([n]) with activations
+        in `dtype`; builds the structure and the step's state if needed. Returns the address
+        of the layer's `GatedAttentionWeights` (the step's is `state.step`), or 0 for a step
+        it does not take."""
         context = get_forward_context()
         metadata = context.attn_metadata
-        n = hidden.shape[0]
+        n = positions.shape[0]
         if isinstance(metadata, KVCacheGroupsMetadata):
             metadata = metadata.for_layer(None)
         if (context.kv_hooks is not None or type(metadata) is not CpuPagedMetadata
-                or n > self.MAX_TOKENS or hidden.dtype != self.dtype or positions.ndim != 1
+                or n > self.MAX_TOKENS or dtype != self.dtype or positions.ndim != 1
                 or metadata.common.num_actual_tokens != n
                 or metadata.common.attend_until is not None
                 or metadata.common.batch_invariant
                 or _ga_linears(self.attn) != self.linears):
-            return None
+            return 0
         kv_cache = self.attn.attn.kv_cache
         if kv_cache.dtype != self.dtype or kv_cache.dim() != 5:
-            return None
+            return 0
         if kv_cache is not self._cache or self._struct is None:
             self._build(kv_cache)
         if not self.state.prepare(metadata, positions, self.max_position,
                                   n * self.scratch_floats):
+            return 0
+        return ctypes.addressof(self._struct)
+
+    def __call__(self, positions: torch.Tensor, hidden: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if hidden.shape[0] != positions.shape[0] or not self.prepare(positions, hidden.dtype):
             return None
         hidden = hidden.contiguous()
         hidden_out, post_normed = torch.empty_like(hidden), torch.empty_like(hidden)

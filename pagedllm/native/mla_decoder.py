@@ -194,25 +194,47 @@ class NativeMLABlock:
         self._struct, self._cache = w, kv_cache
         self.scratch_floats = self._lib.mla_step_scratch_floats(ctypes.addressof(w))
 
-    def __call__(self, positions: torch.Tensor, hidden: torch.Tensor,
-                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def prepare(self, positions: torch.Tensor, dtype: torch.dtype) -> int:
+        """The per-step checks of `__call__` for a step at `positions` ([n]) with activations
+        in `dtype`; builds the structure and the step's state if needed. Returns the address
+        of the layer's `MLALayerWeights` (the step's is `state.step`), or 0 for a step it does
+        not take."""
         context = get_forward_context()
         metadata = context.attn_metadata
         n = positions.shape[0]
         if (context.kv_hooks is not None or type(metadata) is not MLACpuMetadata
                 or metadata.torch_metadata is not None or n > self.MAX_TOKENS
-                or metadata.common.num_actual_tokens != n or hidden.dtype != self.dtype
+                or metadata.common.num_actual_tokens != n or dtype != self.dtype
                 or positions.ndim != 1):
-            return None
+            return 0
         attn = self.attn
         kv_cache = attn.attn.kv_cache
         if kv_cache.dtype != self.dtype or kv_cache.dim() != 5:
-            return None
+            return 0
         if _mla_linears(attn) != self.linears:   # a wrapper (LoRA) replaced a projection
-            return None
+            return 0
         if kv_cache is not self._cache or self._struct is None:
             self._build(kv_cache)
         if not self.state.prepare(metadata, positions, self):
+            return 0
+        return ctypes.addressof(self._struct)
+
+    def loop_address(self, max_seq_len: int) -> int:
+        """For the native decode loop (native/decode_loop.py), which builds its own step: the
+        checks of `prepare` that do not read a step's metadata, for decode rows of sequences
+        up to `max_seq_len` tokens. The address of the layer's `MLALayerWeights`, or 0."""
+        attn = self.attn
+        kv_cache = attn.attn.kv_cache
+        if (kv_cache.dtype != self.dtype or kv_cache.dim() != 5
+                or max_seq_len > self.max_position or _mla_linears(attn) != self.linears):
+            return 0
+        if kv_cache is not self._cache or self._struct is None:
+            self._build(kv_cache)
+        return ctypes.addressof(self._struct)
+
+    def __call__(self, positions: torch.Tensor, hidden: torch.Tensor,
+                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if not self.prepare(positions, hidden.dtype):
             return None
         if residual is None:
             residual, delta = hidden.clone(memory_format=torch.contiguous_format), None

@@ -156,6 +156,9 @@ class NativeMoeBlock:
         return cls(block, experts, router, **args)
 
     def _applies(self, x: torch.Tensor) -> bool:
+        return self._applies_modules() and self._applies_input(x)
+
+    def _applies_modules(self) -> bool:
         # NOTE(dispatch): called once per MoE layer and step, so kept to attribute reads
         # (~100 us of checks and struct building per call measured on a loaded host before).
         # (the modules' own dicts: nn.Module attribute lookups cost microseconds each)
@@ -174,12 +177,26 @@ class NativeMoeBlock:
                         and modules["shared_expert_gate"] is not self.shared_gate)):
                 return False
         options = current_platform.options
-        if not (getattr(options, "cpu_moe_block", False) and options.cpu_fused_moe):
+        return bool(getattr(options, "cpu_moe_block", False) and options.cpu_fused_moe)
+
+    def _applies_input(self, x: torch.Tensor) -> bool:
+        if x.dim() != 2 or not x.is_cpu:
             return False
-        if x.dtype != self.dtype or x.dim() != 2 or not x.is_cpu:
-            return False
-        num_tokens, hidden = x.shape
-        return hidden == self.hidden_size and num_tokens * self.top_k <= self._max_pairs
+        return self._takes(x.shape[0], x.shape[1], x.dtype)
+
+    def _takes(self, num_tokens: int, hidden: int, dtype: torch.dtype) -> bool:
+        return (dtype == self.dtype and hidden == self.hidden_size
+                and num_tokens * self.top_k <= self._max_pairs)
+
+    def address(self, num_tokens: int, dtype: torch.dtype) -> int:
+        """The address of the block's `MoeBlockWeights` for a step of `num_tokens` rows of
+        CPU activations [num_tokens, hidden_size] in `dtype`, or 0 where `__call__` would
+        decline that step (the same checks)."""
+        if not (self._applies_modules() and self._takes(num_tokens, self.hidden_size, dtype)):
+            return 0
+        if self._weights is None and not self._struct():
+            return 0
+        return self._address
 
     def forget_structures(self) -> None:
         """Rebuild the kernel's view of the weights at the next call (after their storage was

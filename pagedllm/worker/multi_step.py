@@ -27,7 +27,7 @@ import torch
 
 from pagedllm.core.request import stop_token_reached
 from pagedllm.core.sched_output import ModelRunnerOutput
-from pagedllm.native.decode_loop import GreedyDecodeLoop
+from pagedllm.native.decode_loop import GreedyDecodeLoop, HybridGreedyDecodeLoop
 from pagedllm.platforms import current_platform
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.worker.input_batch import (PendingStep, RequestStates, StepInputs,
@@ -35,15 +35,20 @@ from pagedllm.worker.input_batch import (PendingStep, RequestStates, StepInputs,
 from pagedllm.worker.sampling_inputs import build_sampling_metadata
 
 
-def native_decode_loop(model: torch.nn.Module) -> GreedyDecodeLoop | None:
+def native_decode_loop(model: torch.nn.Module, hybrid: bool = False
+                       ) -> GreedyDecodeLoop | HybridGreedyDecodeLoop | None:
     """`model`'s native greedy decode loop (native/decode_loop.py) where it takes the model:
-    its attention backend is `cpu_paged` and `PAGEDLLM_CPU_DECODE_LOOP` is not 0."""
+    its attention backend is `cpu_paged` (with `hybrid`, also a DeepSeek MLA stack on
+    `mla_cpu_paged`) and `PAGEDLLM_CPU_DECODE_LOOP` is not 0."""
     if not current_platform.options.cpu_decode_loop:
         return None
     layers = model.attention_layers()
-    if not layers or getattr(layers[0].backend, "name", None) != "cpu_paged":
-        return None
-    return GreedyDecodeLoop.for_model(model)
+    backend = getattr(layers[0].backend, "name", None) if layers else None
+    if backend == "cpu_paged":
+        return GreedyDecodeLoop.for_model(model)
+    if hybrid and backend == "mla_cpu_paged":
+        return HybridGreedyDecodeLoop.for_model(model)
+    return None
 
 
 @dataclass(frozen=True)
@@ -89,10 +94,10 @@ class MultiStepRound:
         self._model = model
 
     @cached_property
-    def native_loop(self) -> GreedyDecodeLoop | None:
+    def native_loop(self) -> GreedyDecodeLoop | HybridGreedyDecodeLoop | None:
         """The model's native greedy decode loop (`native_decode_loop`), decided at the first
         round, where the runner allows it."""
-        return None if self._model is None else native_decode_loop(self._model)
+        return None if self._model is None else native_decode_loop(self._model, hybrid=True)
 
     def run(self, inputs: StepInputs, num_steps: int, output: ModelRunnerOutput
             ) -> ModelRunnerOutput:
@@ -156,7 +161,7 @@ class MultiStepRound:
         return going
 
     def _native_loop_for(self, inputs: StepInputs, going: list[str], num_steps: int
-                         ) -> GreedyDecodeLoop | None:
+                         ) -> GreedyDecodeLoop | HybridGreedyDecodeLoop | None:
         """The native loop where it takes this round: every request of the first step still
         going and plain greedy, and the fused decoder taking its batch and lengths."""
         loop = self.native_loop
@@ -169,7 +174,7 @@ class MultiStepRound:
             return None
         return loop
 
-    def _run_native(self, loop: GreedyDecodeLoop, inputs: StepInputs, num_steps: int,
+    def _run_native(self, loop: GreedyDecodeLoop | HybridGreedyDecodeLoop, inputs: StepInputs, num_steps: int,
                     output: ModelRunnerOutput) -> ModelRunnerOutput:
         """The round's later steps in `loop`, for the requests of its first step (see
         `_native_loop_for`)."""

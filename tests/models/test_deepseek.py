@@ -167,7 +167,8 @@ def test_greedy_and_logprobs_match_hf_with_chunks_prefix_cache_and_preemption(ch
     llm = _llm(path, kv_cache_memory_bytes=None, num_gpu_blocks_override=12, block_size=8,
                max_model_len=96, enable_prefix_caching=True, max_num_batched_tokens=7,
                max_num_seqs=4)
-    assert _model(llm).model.layer_stack is None   # the module path: no fused decoder
+    # no Llama fused decoder; the native DeepSeek stack (its per-half kernels) may take steps
+    assert type(_model(llm).model.layer_stack).__name__ in ("NoneType", "NativeHybridStack")
     if variant != "glm4_moe":
         layers = _model(llm).attention_layers()
         assert all(isinstance(a, MLAAttention) for a in layers)

@@ -18,6 +18,13 @@ from tests.models.test_hybrid_models import MODELS
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="CPU kernels did not build")
 
 
+@pytest.fixture(autouse=True)
+def per_half_path(monkeypatch):
+    """These tests count the halves' own calls: no whole-stack call (native/hybrid_stack.py,
+    tested by test_hybrid_stack.py) takes their steps."""
+    monkeypatch.setattr("pagedllm.native.attach.attach_native_hybrid_stacks", lambda model: 0)
+
+
 @pytest.fixture(scope="module")
 def qwen3_next(tmp_path_factory, byte_level_tokenizer_dir):
     arch, config = MODELS["qwen3_next"]

@@ -19,6 +19,13 @@ pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="CPU kernels did n
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
 
 
+@pytest.fixture(autouse=True)
+def per_half_path(monkeypatch):
+    """These tests count the halves' own calls: no whole-stack call (native/hybrid_stack.py,
+    tested by test_hybrid_stack.py) takes their steps."""
+    monkeypatch.setattr("pagedllm.native.attach.attach_native_hybrid_stacks", lambda model: 0)
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory, byte_level_tokenizer_dir):
     """variant ("v2_lite", "v3") -> tiny random checkpoint folder, built on first use."""

@@ -21,7 +21,7 @@ import re
 
 # Bump when a declaration below changes (the loaded library reports the version it was
 # compiled with; a stale library in the cache is refused).
-ABI_VERSION = 17
+ABI_VERSION = 18
 
 STRUCTS = """
 /* One weight's rows of one GGML type (layers/quantization/gguf.py `kernel_segments`). */
@@ -255,6 +255,35 @@ struct DecoderStep {
   const struct LoRAStepArgs* lora; /* the step's adapter tokens, or null: none */
 };
 
+/* One decoder layer of a DeepSeek-V2/V3 / GLM-4-MoE or Qwen3-Next stack (cpu_hybrid_stack.cpp,
+   native/hybrid_stack.py): its first half's structure and its MLP half's. */
+struct HybridLayer {
+  int64_t kind;                    /* 0 MLA attention (MLALayerWeights), 1 Gated DeltaNet
+                                      (GDNLayerWeights), 2 gated attention
+                                      (GatedAttentionWeights) */
+  const void* mixer;               /* the first half's structure, of `kind` */
+  const struct MoeBlockWeights* mlp;  /* the MLP half (a dense SiLU MLP: no routed experts,
+                                      the MLP as the shared expert) */
+};
+
+/* One step of a hybrid stack over n tokens; buffers [n, hidden] in the model dtype. */
+struct HybridStep {
+  int64_t num_tokens;
+  int64_t hidden_size;
+  int64_t dtype;                   /* 0 float32, 1 bfloat16 */
+  const struct NativeAttentionStep* mla_step;        /* MLA layers' step, or null */
+  const struct NativeAttentionStep* attention_step;  /* gated-attention layers' step, or null */
+  const struct StateBatch* state_batch;              /* Gated DeltaNet layers' batch, or null */
+  float* state_scratch;            /* Gated DeltaNet scratch (num_tokens * gdn_scratch_floats) */
+  void* stream;                    /* kind 0: the residual stream (in: the embeddings);
+                                      kinds 1, 2: the hidden stream (in and out) */
+  void* hidden;                    /* kind 0: the last layer's MLP output (out; in with
+                                      add_first); kinds 1, 2: scratch */
+  void* normed;                    /* scratch */
+  void* mlp_out;                   /* scratch (kinds 1, 2) */
+  int64_t add_first;               /* kind 0: `hidden` holds a delta to add first */
+};
+
 /* An embedding table or LM head for the decode loop (cpu_decode_loop.cpp); kind 0 dense rows,
    1 packed panels, 2 GGUF segments on float activations, 3 on 8-bit activations. */
 struct VocabWeight {
@@ -295,6 +324,11 @@ struct DecodeLoopArgs {
   const int64_t* stop_offsets;     /* row b's stop tokens: stop_ids[stop_offsets[b] ..
                                       stop_offsets[b + 1]) */
   const int64_t* stop_ids;
+  const struct HybridLayer* hybrid_layers;  /* [num_layers] a DeepSeek stack (kind 0) run by
+                                      hybrid_decoder_layers instead of `layers` / `step`, or
+                                      null; then `residual` is hybrid_step->stream and `delta`
+                                      its `hidden` (float32 models only) */
+  const struct HybridStep* hybrid_step;
 };
 
 /* One linear layer's adapter slots (lora_kernel.h, lora/layers.py): width = num_slices *
@@ -400,6 +434,11 @@ int64_t gdn_scratch_floats(const GDNLayerWeights* w);
 int gated_attention_mixer(const GatedAttentionWeights* w, const NativeAttentionStep* step,
                           const void* hidden, void* hidden_out, void* post_normed, int dtype);
 int64_t gated_attention_scratch_floats(const GatedAttentionWeights* w);
+
+/* cpu_hybrid_stack.cpp: layers [0, num_layers) of a DeepSeek / Qwen3-Next stack over one
+   step (each layer's two halves through the entry points above). 0, or the first failing
+   half's code. */
+int hybrid_decoder_layers(const HybridLayer* layers, int num_layers, const HybridStep* step);
 
 /* cpu_attention.cpp */
 void paged_attention(const PagedAttentionArgs* args);

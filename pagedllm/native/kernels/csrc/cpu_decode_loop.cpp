@@ -1,5 +1,5 @@
-// Greedy decode steps of a Llama-family model in one native call: the later steps of a
-// multi-step round (pagedllm/native/decode_loop.py) when every request is plain greedy.
+// Greedy decode steps of a Llama-family or DeepSeek model in one native call: the later steps
+// of a multi-step round (pagedllm/native/decode_loop.py) when every request is plain greedy.
 //
 // Why: the per-step work around the fused decoder (input advance, embedding lookup, attention
 // metadata, final norm, LM head call, argmax, token bookkeeping) is ~25 Python and torch calls.
@@ -9,7 +9,8 @@
 //
 //   positions += 1; seq_lens += 1; slot = block_table[pos / block_size] * block_size + pos % bs
 //   residual = embedding rows of the last tokens (model dtype)
-//   delta = decoder_layers(residual)                        (cpu_decoder.cpp)
+//   delta = decoder_layers(residual)                        (cpu_decoder.cpp; a DeepSeek
+//           stack: hybrid_decoder_layers, cpu_hybrid_stack.cpp, its last MLP output)
 //   x = add_rms_norm(residual, delta) * norm                 (cpu_decoder.cpp)
 //   logits = x @ W_head^T (float32)                          (GGUF segments or packed panels)
 //   token = argmax(logits) per row (first maximum; a NaN counts as the largest, as numpy)
@@ -139,8 +140,14 @@ int decode_greedy_steps(const DecodeLoopArgs* args, int64_t* tokens, int num_ste
               a.block_size + pos % a.block_size;
     }
     if (embed_rows(a, tokens) != 0) return -1;
-    decoder_layers(a.layers, static_cast<int>(a.num_layers), a.step, a.attention_rows,
-                   static_cast<int>(n), 0, static_cast<int>(a.dtype));
+    if (a.hybrid_layers != nullptr) {
+      if (hybrid_decoder_layers(a.hybrid_layers, static_cast<int>(a.num_layers),
+                                a.hybrid_step) != 0)
+        return -1;
+    } else {
+      decoder_layers(a.layers, static_cast<int>(a.num_layers), a.step, a.attention_rows,
+                     static_cast<int>(n), 0, static_cast<int>(a.dtype));
+    }
     add_rms_norm(a.residual, a.delta, n, h, a.norm_weight, a.norm_eps, a.normed,
                  static_cast<int>(a.dtype));
     for (int64_t i = 0; i < n * h; ++i)
