@@ -63,6 +63,23 @@ def test_float32_matches_naive_loop(num_tokens, num_experts, hidden_size, inter,
     assert torch.equal(got, cpu_fused_moe(hidden, w13, w2, weights, ids))  # deterministic
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_every_decode_row_count_matches_naive_loop(dtype):
+    """Expert e gets exactly e + 1 rows (1..10): each few-row kernel shape (one weight pass for
+    up to 8 rows), the 6-row passes past it, and column counts that are not multiples of the
+    kernels' 4 / 3 / 2 weight rows (intermediate 56, hidden 40)."""
+    num_experts = 10
+    counts = torch.arange(1, num_experts + 1)
+    ids = torch.repeat_interleave(torch.arange(num_experts), counts)
+    ids = ids[torch.randperm(len(ids), generator=torch.Generator().manual_seed(0))]
+    hidden, w13, w2, _, _ = _problem(len(ids), num_experts, 40, 56, 1, dtype=dtype, seed=3)
+    weights = torch.rand(len(ids), 1, generator=torch.Generator().manual_seed(1))
+    got = cpu_fused_moe(hidden, w13, w2, weights, ids[:, None])
+    want = _naive(hidden.float(), w13.float(), w2.float(), weights, ids[:, None])
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
+
+
 def test_experts_without_tokens_and_non_local_experts():
     """Experts 0 and 5 get no rows; ids -1 and >= L (another rank's experts) are skipped, as
     `fused_experts_torch` skips pairs its expert map sends to -1."""

@@ -65,13 +65,65 @@ inline float rounded(float v) {
 
 inline float silu(float g) { return g / (1.f + std::exp(-g)); }
 
+#ifdef PAGEDLLM_AVX2
+// y[i][j] = dot(x[i], w[j]) for i < MB, j < NB, K a multiple of 8: linear_kernel.h's `micro`
+// (the same sums: 8 lanes over k, then the horizontal sum, so the same bits), prefetching the
+// next NB weight rows while these stream in. An expert's decode share of a step (a few rows)
+// reads its weights from DRAM once; without the prefetch the core waits on each row's first
+// lines (the hardware prefetcher restarts at every row, 2 KiB long at K = 512 float32).
+template <int MB, int NB, typename TW, typename TX, typename TY>
+inline void few_rows_micro(const TX* x, int64_t ldx, const TW* w, int64_t K, TY* y,
+                           int64_t ldy) {
+  constexpr int64_t kLine = 64 / sizeof(TW);   // weights per cache line
+  __m256 acc[MB][NB];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) {
+    if (k % kLine == 0)
+      for (int j = 0; j < NB; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(w + (j + NB) * K + k), _MM_HINT_T0);
+    __m256 wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = load8(w + j * K + k);
+    for (int i = 0; i < MB; ++i) {
+      const __m256 xv = load8(x + i * ldx + k);
+      for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) store(hsum(acc[i][j]), y + i * ldy + j);
+}
+
+// Rows [0, MB) of x against weight rows [0, n), in one pass over the weights.
+template <int MB, typename TW, typename TX, typename TY>
+void few_rows(const TX* x, int64_t ldx, const TW* w, int64_t K, int64_t n, TY* y,
+              int64_t ldy) {
+  // As many weight rows per step as the 16 registers hold next to MB x NB accumulators.
+  constexpr int NB = MB <= 2 ? 4 : (MB <= 4 ? 3 : (MB <= 6 ? 2 : 1));
+  int64_t j = 0;
+  for (; j + NB <= n; j += NB) few_rows_micro<MB, NB>(x, ldx, w + j * K, K, y + j, ldy);
+  for (; j < n; ++j) few_rows_micro<MB, 1>(x, ldx, w + j * K, K, y + j, ldy);
+}
+#endif
+
 // y[r, n] = dot(x[r], w[n]) for rows [0, rows) of x, weight rows [0, n) of w (K each).
-// Each pass of a micro-kernel over the tile reads its weights once, so the rows past the last
-// 6-row pass take as few passes as fit the 16 AVX2 registers: 1-4 rows one pass (MB = 1..4),
-// 5 rows two (3 + 2). An expert's typical decode share (a few rows) is then 1-2 passes.
+// Up to 8 rows (an expert's typical decode share) take one pass over the tile's weights
+// (`few_rows`; one row: linear_kernel.h's GEMV kernel, which prefetches itself); more rows take
+// 6-row passes, then the rest as few passes as fit the 16 AVX2 registers (5 rows: 3 + 2).
 template <typename TW, typename TX, typename TY>
 void tile_gemm(const TX* x, int64_t ldx, int64_t rows, const TW* w, int64_t K, int64_t n,
                TY* y, int64_t ldy) {
+#ifdef PAGEDLLM_AVX2
+  switch (rows) {
+    case 2: return few_rows<2>(x, ldx, w, K, n, y, ldy);
+    case 3: return few_rows<3>(x, ldx, w, K, n, y, ldy);
+    case 4: return few_rows<4>(x, ldx, w, K, n, y, ldy);
+    case 5: return few_rows<5>(x, ldx, w, K, n, y, ldy);
+    case 6: return few_rows<6>(x, ldx, w, K, n, y, ldy);
+    case 7: return few_rows<7>(x, ldx, w, K, n, y, ldy);
+    case 8: return few_rows<8>(x, ldx, w, K, n, y, ldy);
+    default: break;
+  }
+#endif
   const int64_t r6 = rows / 6 * 6;
   rows_block<6>(x, ldx, 0, r6, w, K, 0, n, nullptr, y, ldy);
   switch (rows - r6) {
