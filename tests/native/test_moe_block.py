@@ -71,7 +71,7 @@ V3 = DeepseekRouting(16, 4, "sigmoid", "noaux_tc", n_group=4, topk_group=2, norm
 V3_UNNORMED = DeepseekRouting(16, 2, "sigmoid", "noaux_tc", n_group=8, topk_group=3)
 
 
-@pytest.mark.parametrize("num_tokens", [1, 5, 33])
+@pytest.mark.parametrize("num_tokens", [1, 5, 33, 300])   # 300: prefill-sized blocks
 @pytest.mark.parametrize("routing", [V2_GREEDY, V2_GROUPS, V3, V3_UNNORMED],
                          ids=["v2-greedy", "v2-groups", "v3-noaux", "v3-unnormed"])
 def test_deepseek_block_float32(routing, num_tokens):
@@ -88,7 +88,7 @@ def test_deepseek_block_without_shared_experts():
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("num_tokens", [1, 7, 40])
+@pytest.mark.parametrize("num_tokens", [1, 7, 40, 200])
 @pytest.mark.parametrize("shared, renormalize", [(96, True), (96, False), (None, True)],
                          ids=["qwen3-next", "qwen2-moe", "qwen3-moe"])
 def test_sparse_block_float32(shared, renormalize, num_tokens):

@@ -49,7 +49,8 @@ def _problem(num_tokens, num_experts, hidden_size, inter, top_k, dtype=torch.flo
     (37, 8, 40, 56, 1),      # odd token count, sizes not multiples of the 6/3-row kernels
     (29, 8, 32, 24, 2),
     (13, 8, 16, 16, 8),      # every expert for every token
-    (250, 3, 24, 32, 1),     # > 96 rows per expert: several row blocks each
+    (250, 3, 24, 32, 1),     # ~83 rows per expert: the panel form, a padded last panel
+    (430, 2, 40, 56, 1),     # > 96 rows per expert: panel blocks of 96 and a short last block
 ])
 def test_float32_matches_naive_loop(num_tokens, num_experts, hidden_size, inter, top_k):
     hidden, w13, w2, weights, ids = _problem(num_tokens, num_experts, hidden_size, inter, top_k)

@@ -28,7 +28,7 @@ void fused_moe(const TA* hidden, int64_t num_tokens, int64_t H, const TW* w13, c
                int64_t num_experts, int64_t I, const int64_t* topk_ids,
                const float* topk_weights, int64_t top_k, TA* out) {
   moe::Plan<TA> p;
-  moe::plan(topk_ids, num_tokens, top_k, num_experts, H, I, omp_get_max_threads(), p);
+  moe::plan<TA, TW>(topk_ids, num_tokens, top_k, num_experts, H, I, omp_get_max_threads(), p);
   const int64_t chunks = (H + moe::kCombineChunk - 1) / moe::kCombineChunk;
 #pragma omp parallel
   {

@@ -166,7 +166,7 @@ void moe_block_impl(const MoeBlockWeights& w, const TA* x, int64_t T, int64_t H,
               topk_weights.data() + t * k);
     }
 #pragma omp single
-    moe::plan(topk_ids.data(), T, k, E, H, I, num_threads, plan);
+    moe::plan<TA, TW>(topk_ids.data(), T, k, E, H, I, num_threads, plan);
     moe::expert_phases(x, static_cast<const TW*>(w.w13), static_cast<const TW*>(w.w2), plan);
 
     if (Is > 0) {

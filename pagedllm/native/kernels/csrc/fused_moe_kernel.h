@@ -35,6 +35,7 @@
 #include <cmath>
 #include <cstdint>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #include <omp.h>
@@ -47,6 +48,8 @@ namespace moe {
 constexpr int64_t kRowBlock = 96;    // rows per work item: a multiple of the 6/3-row kernels
 constexpr int64_t kMaxTile = 64;     // weight rows per work item (a tile stays in L2)
 constexpr int64_t kCombineChunk = 256;
+constexpr int64_t kPanel = 16;            // rows of x per panel of the transposed layout
+constexpr int64_t kPanelMinRows = 32;     // a row block this long takes the panel form
 
 // The bfloat16 value nearest to v (round to nearest even), as a float.
 inline float round_to(float v, const uint16_t*) {
@@ -139,10 +142,30 @@ void tile_gemm(const TX* x, int64_t ldx, int64_t rows, const TW* w, int64_t K, i
   }
 }
 
-// One expert's contiguous block of sorted rows [r0, r1).
+// One expert's contiguous block of sorted rows [r0, r1); its x and act rows lie from row s0 of
+// xs / act (`panel`: as panels, header of `panel_form`), its outputs at rows [r0, r1) of ys.
 struct RowBlock {
-  int64_t expert, r0, r1;
+  int64_t expert, r0, r1, s0;
+  bool panel;
 };
+
+// Whether a block of `rows` rows runs in the panel form: float32 activations and weights (the
+// form computes in float32 on x as given), and rows enough that the padding to whole panels
+// and the transposes are small next to the multiply-adds.
+//
+// Panel form (prefill-sized blocks): the block's x rows are stored transposed, in panels of
+// kPanel rows, [K][kPanel] each (row r, value k at k * kPanel + r % kPanel of panel r /
+// kPanel; a last panel padded with zero rows), and the products are computed as
+// y^T = W x^T by outer-product register tiles (as packed_gemm.h's) with the weight rows in the
+// broadcast operand and the x panel in the other (`panel_micro`): one panel load per MR
+// multiply-adds and no horizontal sums, where the dot-product kernels (`tile_gemm`) load x and
+// w once each per multiply-add group and sum 8 lanes per output. The gate / up outputs come out
+// transposed, so silu(gate) * up is written as act panels directly ([I][kPanel]), the down
+// GEMM's input; its outputs are transposed back into ys rows.
+template <typename TA, typename TW>
+constexpr bool panel_form_types() {
+  return std::is_same_v<TA, float> && std::is_same_v<TW, float>;
+}
 
 // Columns per tile so that the work items number about 8 per thread (at least 8 columns).
 inline int64_t tile_width(int64_t columns, int64_t num_blocks, int num_threads) {
@@ -153,16 +176,20 @@ inline int64_t tile_width(int64_t columns, int64_t num_blocks, int num_threads) 
 // The sorted pairs of one step and the buffers of phases 1-3 (built by `plan`, serially).
 template <typename TA>
 struct Plan {
-  int64_t num_pairs = 0, m = 0, H = 0, I = 0;
+  int64_t num_pairs = 0, m = 0, H = 0, I = 0, stored = 0;
   std::vector<int64_t> pos, token_of_row;   // [T*k] row or -1; [m] token
   std::vector<RowBlock> blocks;
   int64_t tile_i = 8, tile_h = 8, tiles_i = 0, tiles_h = 0, scratch_size = 0;
-  std::unique_ptr<TA[]> xs, act, ys, scratch;   // [m, H], [m, I], [m, H], per thread
+  // [stored, H], [stored, I] (rows padded to whole panels), [m, H], per thread
+  std::unique_ptr<TA[]> xs, act, ys, scratch;
 };
 
-template <typename TA>
+// For weights TW: blocks of kPanelMinRows rows or more take the panel form when
+// `panel_form_types<TA, TW>`.
+template <typename TA, typename TW>
 void plan(const int64_t* topk_ids, int64_t num_tokens, int64_t top_k, int64_t num_experts,
           int64_t H, int64_t I, int num_threads, Plan<TA>& p) {
+  constexpr bool panels = panel_form_types<TA, TW>();
   p.num_pairs = num_tokens * top_k;
   p.H = H;
   p.I = I;
@@ -185,34 +212,103 @@ void plan(const int64_t* topk_ids, int64_t num_tokens, int64_t top_k, int64_t nu
     }
   }
   p.blocks.clear();
+  p.stored = 0;
   for (int64_t e = 0; e < num_experts; ++e)
-    for (int64_t r0 = offsets[e]; r0 < offsets[e + 1]; r0 += kRowBlock)
-      p.blocks.push_back({e, r0, std::min(offsets[e + 1], r0 + kRowBlock)});
+    for (int64_t r0 = offsets[e]; r0 < offsets[e + 1]; r0 += kRowBlock) {
+      const int64_t r1 = std::min(offsets[e + 1], r0 + kRowBlock);
+      const bool panel = panels && r1 - r0 >= kPanelMinRows;
+      p.blocks.push_back({e, r0, r1, p.stored, panel});
+      p.stored += panel ? (r1 - r0 + kPanel - 1) / kPanel * kPanel : r1 - r0;
+    }
   const int64_t num_blocks = static_cast<int64_t>(p.blocks.size());
   p.tile_i = tile_width(I, num_blocks, num_threads);
   p.tile_h = tile_width(H, num_blocks, num_threads);
   p.tiles_i = (I + p.tile_i - 1) / p.tile_i;
   p.tiles_h = (H + p.tile_h - 1) / p.tile_h;
-  p.xs.reset(new TA[std::max<int64_t>(1, p.m * H)]);
-  p.act.reset(new TA[std::max<int64_t>(1, p.m * I)]);
+  p.xs.reset(new TA[std::max<int64_t>(1, p.stored * H)]);
+  p.act.reset(new TA[std::max<int64_t>(1, p.stored * I)]);
   p.ys.reset(new TA[std::max<int64_t>(1, p.m * H)]);
-  // Per thread: the gate and up tiles of one work item.
-  p.scratch_size = 2 * kRowBlock * p.tile_i;
+  // Per thread: the gate and up tiles of one work item (panel form: [tile][kPanel] each).
+  p.scratch_size = 2 * std::max(kRowBlock * p.tile_i, kMaxTile * kPanel);
   p.scratch.reset(new TA[p.scratch_size * num_threads]);
+}
+
+// c[j][0..kPanel) = the products of weight rows w[j] (K values each) with the panel's kPanel
+// columns (x rows), for j < MR: an outer-product register tile (one panel row load per MR
+// broadcasts of w and 2 MR multiply-adds; the order of packed_gemm.h's micro-kernels, written
+// here so that it is inlined into its loop: a separate copy kept the tile on the stack).
+template <int MR>
+__attribute__((always_inline)) inline void panel_micro(const float* w, int64_t K,
+                                                       const float* panel, float* c) {
+#ifdef PAGEDLLM_AVX2
+  static_assert(kPanel == 16, "two ymm per panel row");
+  __m256 acc[MR][2];
+  for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const __m256 p0 = _mm256_loadu_ps(panel + k * kPanel);
+    const __m256 p1 = _mm256_loadu_ps(panel + k * kPanel + 8);
+    for (int i = 0; i < MR; ++i) {
+      const __m256 wv = _mm256_broadcast_ss(w + i * K + k);
+      acc[i][0] = _mm256_fmadd_ps(wv, p0, acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(wv, p1, acc[i][1]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    _mm256_storeu_ps(c + i * kPanel, acc[i][0]);
+    _mm256_storeu_ps(c + i * kPanel + 8, acc[i][1]);
+  }
+#else
+  for (int i = 0; i < MR; ++i)
+    for (int r = 0; r < kPanel; ++r) {
+      float sum = 0.f;
+      for (int64_t k = 0; k < K; ++k) sum += w[i * K + k] * panel[k * kPanel + r];
+      c[i * kPanel + r] = sum;
+    }
+#endif
+}
+
+// c[j][0..kPanel) for the weight rows j < n: 6-row register tiles, then one for the rest.
+inline void panel_gemm(const float* w, int64_t K, const float* panel, int64_t n, float* c) {
+  int64_t j = 0;
+  for (; j + 6 <= n; j += 6) panel_micro<6>(w + j * K, K, panel, c + j * kPanel);
+  w += j * K;
+  c += j * kPanel;
+  switch (n - j) {
+    case 5: panel_micro<5>(w, K, panel, c); break;
+    case 4: panel_micro<4>(w, K, panel, c); break;
+    case 3: panel_micro<3>(w, K, panel, c); break;
+    case 2: panel_micro<2>(w, K, panel, c); break;
+    case 1: panel_micro<1>(w, K, panel, c); break;
+    default: break;
+  }
 }
 
 // Phases 1-3 for every thread of the enclosing parallel region (w13 [E, 2I, H], w2 [E, H, I]).
 template <typename TA, typename TW>
 void expert_phases(const TA* hidden, const TW* w13, const TW* w2, Plan<TA>& p) {
-  const int64_t H = p.H, I = p.I, m = p.m;
+  const int64_t H = p.H, I = p.I;
   const int64_t num_blocks = static_cast<int64_t>(p.blocks.size());
-#pragma omp for
-  for (int64_t r = 0; r < m; ++r)
-    std::copy(hidden + p.token_of_row[r] * H, hidden + (p.token_of_row[r] + 1) * H,
-              p.xs.get() + r * H);
+#pragma omp for schedule(dynamic, 1)
+  for (int64_t bi = 0; bi < num_blocks; ++bi) {
+    const RowBlock& b = p.blocks[bi];
+    TA* xs = p.xs.get() + b.s0 * H;
+    if (!b.panel) {
+      for (int64_t r = b.r0; r < b.r1; ++r)
+        std::copy(hidden + p.token_of_row[r] * H, hidden + (p.token_of_row[r] + 1) * H,
+                  xs + (r - b.r0) * H);
+      continue;
+    }
+    const int64_t rows = b.r1 - b.r0, padded = (rows + kPanel - 1) / kPanel * kPanel;
+    std::fill(xs + rows / kPanel * kPanel * H, xs + padded * H, TA{});
+    for (int64_t r = 0; r < rows; ++r) {
+      const TA* src = hidden + p.token_of_row[b.r0 + r] * H;
+      TA* dst = xs + r / kPanel * kPanel * H + r % kPanel;
+      for (int64_t k = 0; k < H; ++k) dst[k * kPanel] = src[k];
+    }
+  }
 
   TA* gate = p.scratch.get() + omp_get_thread_num() * p.scratch_size;
-  TA* up = gate + kRowBlock * p.tile_i;
+  TA* up = gate + p.scratch_size / 2;
   const int64_t tile_i = p.tile_i, tiles_i = p.tiles_i;
 #pragma omp for schedule(dynamic, 1)
   for (int64_t item = 0; item < num_blocks * tiles_i; ++item) {
@@ -221,11 +317,23 @@ void expert_phases(const TA* hidden, const TW* w13, const TW* w2, Plan<TA>& p) {
     const int64_t rows = b.r1 - b.r0;
     const TW* w_gate = w13 + (b.expert * 2 * I + n0) * H;
     const TW* w_up = w_gate + I * H;
-    const TA* x = p.xs.get() + b.r0 * H;
+    const TA* x = p.xs.get() + b.s0 * H;
+    if constexpr (panel_form_types<TA, TW>()) {
+      if (b.panel) {
+        for (int64_t q = 0; q * kPanel < rows; ++q) {
+          const float* panel = x + q * kPanel * H;
+          panel_gemm(w_gate, H, panel, n, gate);
+          panel_gemm(w_up, H, panel, n, up);
+          float* a = p.act.get() + (b.s0 + q * kPanel) * I + n0 * kPanel;
+          for (int64_t i = 0; i < n * kPanel; ++i) a[i] = silu(gate[i]) * up[i];
+        }
+        continue;
+      }
+    }
     tile_gemm(x, H, rows, w_gate, H, n, gate, tile_i);
     tile_gemm(x, H, rows, w_up, H, n, up, tile_i);
     for (int64_t r = 0; r < rows; ++r) {
-      TA* a = p.act.get() + (b.r0 + r) * I + n0;
+      TA* a = p.act.get() + (b.s0 + r) * I + n0;
       for (int64_t i = 0; i < n; ++i) {
         const float g = rounded<TA>(silu(to_float(gate[r * tile_i + i])));
         store(g * to_float(up[r * tile_i + i]), a + i);
@@ -238,8 +346,21 @@ void expert_phases(const TA* hidden, const TW* w13, const TW* w2, Plan<TA>& p) {
   for (int64_t item = 0; item < num_blocks * tiles_h; ++item) {
     const RowBlock& b = p.blocks[item / tiles_h];
     const int64_t n0 = (item % tiles_h) * tile_h, n = std::min(H, n0 + tile_h) - n0;
-    tile_gemm(p.act.get() + b.r0 * I, I, b.r1 - b.r0, w2 + (b.expert * H + n0) * I, I, n,
-              p.ys.get() + b.r0 * H + n0, H);
+    const TW* w = w2 + (b.expert * H + n0) * I;
+    if constexpr (panel_form_types<TA, TW>()) {
+      if (b.panel) {
+        for (int64_t q = 0; q * kPanel < b.r1 - b.r0; ++q) {
+          panel_gemm(w, I, p.act.get() + (b.s0 + q * kPanel) * I, n, gate);
+          const int64_t r0 = b.r0 + q * kPanel, rows = std::min(kPanel, b.r1 - r0);
+          for (int64_t r = 0; r < rows; ++r) {
+            float* y = p.ys.get() + (r0 + r) * H + n0;
+            for (int64_t j = 0; j < n; ++j) y[j] = gate[j * kPanel + r];
+          }
+        }
+        continue;
+      }
+    }
+    tile_gemm(p.act.get() + b.s0 * I, I, b.r1 - b.r0, w, I, n, p.ys.get() + b.r0 * H + n0, H);
   }
 }
 
