@@ -217,7 +217,9 @@ class EnvOptions:
         "PAGEDLLM_LLAMACPP_SITE_PACKAGES", _path, None, "a directory", "none",
         "A site-packages directory holding llama-cpp-python (a separate venv of the same Python "
         "version), appended to `sys.path` for `pagedllm bench --compare llamacpp` / "
-        "`--gguf-type` when `llama_cpp` is not importable otherwise.")
+        "`--gguf-type` when `llama_cpp` is not importable otherwise. When `llama_cpp` is "
+        "importable from neither (or a checkpoint folder needs llama.cpp's converter and none is "
+        "found), `--compare llamacpp` is refused before the engine runs, saying which.")
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> EnvOptions:

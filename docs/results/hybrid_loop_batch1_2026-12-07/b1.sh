@@ -3,7 +3,7 @@
 export PAGEDLLM_LLAMACPP_SITE_PACKAGES=/work/lcpp-venv/lib/python3.11/site-packages
 export OMP_NUM_THREADS=1 PAGEDLLM_CPU_THREADS=1
 CONV=/work/lcpp-src/llama_cpp_python-0.3.36/vendor/llama.cpp/convert_hf_to_gguf.py
-for R in 1 2; do
+for R in ${ROUNDS:-1 2}; do
 for P in deepseek-v2-lite-200m qwen3-next-200m; do
   uptime
   /work/main/.venv/bin/pagedllm bench throughput --preset $P --dtype float32 --num-prompts 1 --input-len 128 \
