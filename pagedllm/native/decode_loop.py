@@ -71,6 +71,34 @@ def _stop_arrays(stop_token_ids: list[list[int]]) -> tuple[np.ndarray, np.ndarra
     return stop_offsets, stop_ids
 
 
+def _vocab_weights(model, inner, dtype: torch.dtype, hidden_size: int
+                   ) -> tuple[VocabWeight, VocabWeight, list] | None:
+    """(embedding, LM head, the structures they point into) of `model` (`inner`: its decoder
+    stack), or None where the loop does not take either storage."""
+    keep: list = []
+    embedding = _vocab_weight(inner.embed_tokens, dtype, True, keep)
+    head = _vocab_weight(model.lm_head, dtype, False, keep)
+    if embedding is None or head is None or head.cols != hidden_size:
+        return None
+    return embedding, head, keep
+
+
+def _run_steps(args: DecodeLoopArgs, tokens: np.ndarray, num_steps: int,
+               embedding_rows: int) -> np.ndarray:
+    """`decode_greedy_steps` over `args` from `tokens` ([B] int64): tokens [steps_run, B].
+
+    Raises:
+        ValueError: the kernel refused a token id or a weight.
+    """
+    out = np.zeros((num_steps, len(tokens)), dtype=np.int64)
+    steps_run = cpu_kernels().decode_greedy_steps(ctypes.byref(args), tokens.ctypes.data,
+                                                  num_steps, out.ctypes.data)
+    if steps_run < 0:
+        raise ValueError(f"decode loop: a token id outside [0, {embedding_rows}) or a "
+                         f"weight the kernels do not take")
+    return out[:steps_run]
+
+
 class GreedyDecodeLoop:
     """Runs greedy decode steps of `model` (a `LlamaForCausalLM`) natively; see the module
     docstring. Build with `for_model`, which returns None where it does not apply."""
@@ -97,12 +125,8 @@ class GreedyDecodeLoop:
         if not isinstance(stack, NativeDecoderStack):
             return None
         fused = stack.fused
-        keep: list = []
-        embedding = _vocab_weight(inner.embed_tokens, fused.dtype, True, keep)
-        head = _vocab_weight(model.lm_head, fused.dtype, False, keep)
-        if embedding is None or head is None or head.cols != fused.hidden_size:
-            return None
-        return cls(model, fused, embedding, head, keep)
+        weights = _vocab_weights(model, inner, fused.dtype, fused.hidden_size)
+        return None if weights is None else cls(model, fused, *weights)
 
     def applies(self, num_reqs: int, max_seq_len: int, batch_invariant: bool = False) -> bool:
         """Whether steps of `num_reqs` requests up to sequences of `max_seq_len` tokens can run
@@ -165,14 +189,9 @@ class GreedyDecodeLoop:
             logits=logits.data_ptr(), embed_f32=embed_f32.data_ptr(), embedding=self.embedding,
             head=self.head, norm_weight=norm.weight.data_ptr(), norm_eps=norm.eps,
             stop_offsets=stop_offsets.ctypes.data, stop_ids=stop_ids.ctypes.data)
-        out = np.zeros((num_steps, n), dtype=np.int64)
-        steps_run = cpu_kernels().decode_greedy_steps(ctypes.byref(args), tokens.ctypes.data,
-                                                      num_steps, out.ctypes.data)
+        out = _run_steps(args, tokens, num_steps, self.embedding.rows)
         del scratch
-        if steps_run < 0:
-            raise ValueError(f"decode loop: a token id outside [0, {self.embedding.rows}) or a "
-                             f"weight the kernels do not take")
-        return out[:steps_run]
+        return out
 
 
 class HybridGreedyDecodeLoop:
@@ -210,12 +229,8 @@ class HybridGreedyDecodeLoop:
                 or not (inner.pp.is_first_rank and inner.pp.is_last_rank)
                 or getattr(model.lm_head, "tp_size", 1) != 1):
             return None
-        keep: list = []
-        embedding = _vocab_weight(inner.embed_tokens, stack.dtype, True, keep)
-        head = _vocab_weight(model.lm_head, stack.dtype, False, keep)
-        if embedding is None or head is None or head.cols != stack.hidden_size:
-            return None
-        return cls(model, stack, embedding, head, keep)
+        weights = _vocab_weights(model, inner, stack.dtype, stack.hidden_size)
+        return None if weights is None else cls(model, stack, *weights)
 
     def applies(self, num_reqs: int, max_seq_len: int, batch_invariant: bool = False) -> bool:
         """Whether decode steps of `num_reqs` requests up to sequences of `max_seq_len` tokens
@@ -277,11 +292,5 @@ class HybridGreedyDecodeLoop:
             head=self.head, norm_weight=norm.weight.data_ptr(), norm_eps=norm.eps,
             stop_offsets=stop_offsets.ctypes.data, stop_ids=stop_ids.ctypes.data,
             hybrid_layers=ctypes.addressof(stack.layers), hybrid_step=ctypes.addressof(step))
-        out = np.zeros((num_steps, n), dtype=np.int64)
-        steps_run = cpu_kernels().decode_greedy_steps(ctypes.byref(args), tokens.ctypes.data,
-                                                      num_steps, out.ctypes.data)
-        if steps_run < 0:
-            raise ValueError(f"decode loop: a token id outside [0, {self.embedding.rows}) or a "
-                             f"weight the kernels do not take")
-        return out[:steps_run]
+        return _run_steps(args, tokens, num_steps, self.embedding.rows)
 
