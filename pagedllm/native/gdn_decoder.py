@@ -30,7 +30,7 @@ from pagedllm.layers import state_kernels
 from pagedllm.layers.state_cache import StateCache
 from pagedllm.native.fused_decoder import _DTYPE_CODES, _is_packed, _is_quantized
 from pagedllm.native.kernels import abi, cpu_kernels
-from pagedllm.native.mla_decoder import native_attention_enabled
+from pagedllm.native.mla_decoder import NativeAttentionHalf, native_attention_enabled
 
 GDNLayerWeights = abi.struct("GDNLayerWeights")
 GatedAttentionWeights = abi.struct("GatedAttentionWeights")
@@ -181,7 +181,7 @@ class NativeGDNMixer:
         return hidden_out, post_normed
 
 
-class NativeGatedAttention:
+class NativeGatedAttention(NativeAttentionHalf):
     """A Qwen3-Next gated-attention layer's first half in one native call, with the interface of
     `NativeGDNMixer`: (hidden + o_proj(attention * sigmoid(gate)), its post-attention norm), or
     None for a step it does not take: not the `cpu_paged` backend's metadata, a KV connector,
@@ -189,21 +189,8 @@ class NativeGatedAttention:
     tokens, a wrapped projection. Every request of a taken step (fresh prefills too) attends in
     the paged kernel, as the fused decoder's layers do (native/fused_decoder.py)."""
 
-    MAX_TOKENS = 256
-
-    def __init__(self, layer, state) -> None:
-        self.layer = layer
-        self.attn = layer.self_attn
-        self.linears = _ga_linears(self.attn)
-        self.dtype = layer.input_layernorm.weight.dtype
-        self.dtype_code = _DTYPE_CODES[self.dtype]
-        self.state = state   # an `AttentionStepState`, shared by the model's layers
-        self.max_position = self.attn.rotary_emb.cos_cache.shape[0]
-        self._struct = None
-        self._cache = None
-        self._keep: list[torch.Tensor] = []
-        self.scratch_floats = 0
-        self._lib = cpu_kernels()
+    def __init__(self, layer, state: AttentionStepState) -> None:
+        super().__init__(layer, state, _ga_linears(layer.self_attn))
 
     @staticmethod
     def supports(layer) -> bool:
@@ -226,20 +213,11 @@ class NativeGatedAttention:
                 and rope.long_position_offset is None and rope.rotary_dim % 2 == 0
                 and attn.attn.sliding_window is None and attn.attn.logits_soft_cap is None)
 
-    def forget_structures(self) -> None:
-        """Rebuild the native structure at the next call."""
-        self._struct = None
-        self._cache = None
-
     def _build(self, kv_cache: torch.Tensor) -> None:
         attn, layer = self.attn, self.layer
-        for t in [m.weight for m in self.linears] + [kv_cache]:
-            if not t.is_contiguous():
-                raise ValueError("native gated attention: weights and KV cache must be "
-                                 "contiguous")
         rope = attn.rotary_emb
-        cos = rope.cos_cache.detach().to(torch.float32).contiguous()
-        sin = rope.sin_cache.detach().to(torch.float32).contiguous()
+        cos, sin = self._rope_tables([m.weight for m in self.linears] + [kv_cache],
+                                     "native gated attention: weights and KV cache")
         w = GatedAttentionWeights()
         w.input_norm = layer.input_layernorm.weight.data_ptr()
         w.post_norm = layer.post_attention_layernorm.weight.data_ptr()
@@ -253,7 +231,6 @@ class NativeGatedAttention:
         for i, m in enumerate(self.linears):
             w.packed[i] = int(_is_packed(m))
         w.eps, w.scale = layer.input_layernorm.eps, attn.attn.scale
-        self._keep = [cos, sin]
         self._struct, self._cache = w, kv_cache
         self.scratch_floats = self._lib.gated_attention_scratch_floats(ctypes.addressof(w))
 
@@ -274,15 +251,11 @@ class NativeGatedAttention:
                 or metadata.common.batch_invariant
                 or _ga_linears(self.attn) != self.linears):
             return 0
-        kv_cache = self.attn.attn.kv_cache
-        if kv_cache.dtype != self.dtype or kv_cache.dim() != 5:
+        address = self._structure_address()
+        if not address or not self.state.prepare(metadata, positions, self.max_position,
+                                                  n * self.scratch_floats):
             return 0
-        if kv_cache is not self._cache or self._struct is None:
-            self._build(kv_cache)
-        if not self.state.prepare(metadata, positions, self.max_position,
-                                  n * self.scratch_floats):
-            return 0
-        return ctypes.addressof(self._struct)
+        return address
 
     def __call__(self, positions: torch.Tensor, hidden: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -96,7 +96,67 @@ class MLAStepState:
         return True
 
 
-class NativeMLABlock:
+class NativeAttentionHalf:
+    """What the native attention halves share (`NativeMLABlock`, and Qwen3-Next's
+    `NativeGatedAttention` in native/gdn_decoder.py): the layer, its linears and dtype, the
+    step state shared by the model's layers, and the per-layer native structure, built by the
+    subclass's `_build(kv_cache)` on the first call and again when the KV cache tensor was
+    replaced or `forget_structures` was called (weights changed)."""
+
+    MAX_TOKENS = 256   # larger steps run the module path (prefill chunks)
+
+    def __init__(self, layer, state, linears: tuple) -> None:
+        self.layer = layer
+        self.attn = layer.self_attn
+        self.linears = linears
+        self.state = state
+        self.dtype = layer.input_layernorm.weight.dtype
+        self.dtype_code = _DTYPE_CODES[self.dtype]
+        self.max_position = self.attn.rotary_emb.cos_cache.shape[0]
+        self._struct = None
+        self._cache = None
+        self._keep: list[torch.Tensor] = []
+        self.scratch_floats = 0
+        self._lib = cpu_kernels()
+
+    def forget_structures(self) -> None:
+        """Rebuild the native structure at the next call (weights' storage or values changed;
+        the RoPE tables are copied at build)."""
+        self._struct = None
+        self._cache = None
+
+    def _build(self, kv_cache: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _rope_tables(self, tensors: list[torch.Tensor], what: str
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Float32 copies of the layer's RoPE cos / sin tables (kept alive by the structure),
+        after checking that `tensors` (the weights and cache the structure points into) are
+        contiguous.
+
+        Raises:
+            ValueError: one of them is not (`what` names them).
+        """
+        if not all(t.is_contiguous() for t in tensors):
+            raise ValueError(f"{what} must be contiguous")
+        rope = self.attn.rotary_emb
+        cos = rope.cos_cache.detach().to(torch.float32).contiguous()
+        sin = rope.sin_cache.detach().to(torch.float32).contiguous()
+        self._keep = [cos, sin]
+        return cos, sin
+
+    def _structure_address(self) -> int:
+        """The address of the layer's native structure over its current KV cache (rebuilt if
+        needed), or 0 where the cache is not the paged layout in the model dtype."""
+        kv_cache = self.attn.attn.kv_cache
+        if kv_cache.dtype != self.dtype or kv_cache.dim() != 5:
+            return 0
+        if kv_cache is not self._cache or self._struct is None:
+            self._build(kv_cache)
+        return ctypes.addressof(self._struct)
+
+
+class NativeMLABlock(NativeAttentionHalf):
     """A DeepSeek decoder layer's attention half (input norm .. post-attention norm) in one
     native call: `block(positions [n] int64, hidden [n, hidden_size], residual | None)`
     -> (normed [n, hidden_size] for the MLP, residual [n, hidden_size]) in the model dtype, as
@@ -106,24 +166,11 @@ class NativeMLABlock:
     was replaced (`forget_structures` after weight changes).
     """
 
-    MAX_TOKENS = 256   # larger steps run the module path (prefill chunks)
-
     def __init__(self, layer, state: MLAStepState) -> None:
         attn = layer.self_attn
-        self.layer = layer
-        self.attn = attn
-        self.linears = _mla_linears(attn)
-        self.state = state
-        self.dtype = layer.input_layernorm.weight.dtype
-        self.dtype_code = _DTYPE_CODES[self.dtype]
+        super().__init__(layer, state, _mla_linears(attn))
         self.dims = (attn.qk_nope_head_dim, attn.qk_rope_head_dim, attn.v_head_dim,
                      attn.kv_lora_rank)
-        self.max_position = attn.rotary_emb.cos_cache.shape[0]
-        self._struct = None
-        self._cache = None
-        self._keep: list[torch.Tensor] = []
-        self.scratch_floats = 0
-        self._lib = cpu_kernels()
 
     @staticmethod
     def supports(layer) -> bool:
@@ -150,22 +197,13 @@ class NativeMLABlock:
                 and attn.kv_lora_rank % 8 == 0 and layer.input_layernorm.weight.shape[0] % 8 == 0
                 and all(m.input_size_per_partition % 8 == 0 for m in linears))
 
-    def forget_structures(self) -> None:
-        """Rebuild the native structure at the next call (weights' storage or values changed;
-        the RoPE tables are copied at build)."""
-        self._struct = None
-        self._cache = None
-
     def _build(self, kv_cache: torch.Tensor) -> None:
         attn, layer = self.attn, self.layer
         q, q_b, kv_a, o = self.linears
-        for t in [m.weight for m in self.linears if m is not None] + [attn.kv_b_proj.weight,
-                                                                      kv_cache]:
-            if not t.is_contiguous():
-                raise ValueError("native MLA block: weights and latent cache must be contiguous")
         rope = attn.rotary_emb
-        cos = rope.cos_cache.detach().to(torch.float32).contiguous()
-        sin = rope.sin_cache.detach().to(torch.float32).contiguous()
+        cos, sin = self._rope_tables(
+            [m.weight for m in self.linears if m is not None] + [attn.kv_b_proj.weight, kv_cache],
+            "native MLA block: weights and latent cache")
         w = MLALayerWeights()
         w.input_norm = layer.input_layernorm.weight.data_ptr()
         w.post_norm = layer.post_attention_layernorm.weight.data_ptr()
@@ -190,7 +228,6 @@ class NativeMLABlock:
         w.eps = layer.input_layernorm.eps
         w.latent_eps = attn.kv_a_layernorm.eps
         w.scale = attn.attn.scale
-        self._keep = [cos, sin]
         self._struct, self._cache = w, kv_cache
         self.scratch_floats = self._lib.mla_step_scratch_floats(ctypes.addressof(w))
 
@@ -207,30 +244,20 @@ class NativeMLABlock:
                 or metadata.common.num_actual_tokens != n or dtype != self.dtype
                 or positions.ndim != 1):
             return 0
-        attn = self.attn
-        kv_cache = attn.attn.kv_cache
-        if kv_cache.dtype != self.dtype or kv_cache.dim() != 5:
+        if _mla_linears(self.attn) != self.linears:   # a wrapper (LoRA) replaced a projection
             return 0
-        if _mla_linears(attn) != self.linears:   # a wrapper (LoRA) replaced a projection
+        address = self._structure_address()
+        if not address or not self.state.prepare(metadata, positions, self):
             return 0
-        if kv_cache is not self._cache or self._struct is None:
-            self._build(kv_cache)
-        if not self.state.prepare(metadata, positions, self):
-            return 0
-        return ctypes.addressof(self._struct)
+        return address
 
     def loop_address(self, max_seq_len: int) -> int:
         """For the native decode loop (native/decode_loop.py), which builds its own step: the
         checks of `prepare` that do not read a step's metadata, for decode rows of sequences
         up to `max_seq_len` tokens. The address of the layer's `MLALayerWeights`, or 0."""
-        attn = self.attn
-        kv_cache = attn.attn.kv_cache
-        if (kv_cache.dtype != self.dtype or kv_cache.dim() != 5
-                or max_seq_len > self.max_position or _mla_linears(attn) != self.linears):
+        if max_seq_len > self.max_position or _mla_linears(self.attn) != self.linears:
             return 0
-        if kv_cache is not self._cache or self._struct is None:
-            self._build(kv_cache)
-        return ctypes.addressof(self._struct)
+        return self._structure_address()
 
     def __call__(self, positions: torch.Tensor, hidden: torch.Tensor,
                  residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
