@@ -101,6 +101,27 @@ def _run(model, **kwargs) -> tuple[list[list[int]], list[float], LLM]:
              for t, step in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)], llm)
 
 
+def assert_blocks_equal_the_dequantized_load(run, gguf_file, check_blocks, atol: float = 1e-4):
+    """Run `gguf_file` with its tensors kept in blocks (`quantization="gguf"`), hand the loaded
+    model to `check_blocks` (which asserts the layers that stay in blocks), then run the
+    dequantized load of the same file: same greedy tokens, chosen-token logprobs within `atol`.
+    `run(model, **engine_kwargs)` returns (tokens, logprobs, llm) as the tests' `_run`s do."""
+    tokens, logprobs, llm = run(gguf_file, quantization="gguf")
+    check_blocks(llm.llm_engine.engine_core.executor.worker.model_runner.model)
+    del llm
+    want_tokens, want_logprobs, _ = run(gguf_file, quantization="none")
+    assert tokens == want_tokens
+    torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(want_logprobs),
+                               atol=atol, rtol=0)
+
+
+def assert_experts_in_blocks(model, quant_type: str = "Q8_0") -> None:
+    """Every fused-MoE layer of `model` keeps both expert tensors in `quant_type` blocks."""
+    moes = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    assert moes and all(m.gguf_expert_types == {"w13": quant_type, "w2": quant_type}
+                        for m in moes)
+
+
 @pytest.mark.parametrize("family", ["lfm2", "mamba2", "qwen3_5", "qwen3_next_mixed",
                                     "granite_hybrid", "falcon_h1"])
 def test_f32_file_greedy_equals_the_safetensors_checkpoint(files, family):
@@ -130,16 +151,13 @@ def test_f32_file_greedy_equals_the_safetensors_checkpoint(files, family):
 @pytest.mark.parametrize("family", ["lfm2", "mamba2"])
 def test_q8_0_file_stays_in_blocks_and_equals_the_dequantized_load(files, family):
     _, gguf_file = files(family, "Q8_0")
-    tokens, logprobs, llm = _run(gguf_file, quantization="gguf")
-    model = llm.llm_engine.engine_core.executor.worker.model_runner.model
-    linear = (model.model.layers[0].conv.in_proj if family == "lfm2"
-              else model.backbone.layers[0].mixer.in_proj)
-    assert linear.gguf_quant_type == "Q8_0"
-    del llm
-    want_tokens, want_logprobs, _ = _run(gguf_file, quantization="none")
-    assert tokens == want_tokens
-    torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(want_logprobs),
-                               atol=1e-4, rtol=0)
+
+    def check_blocks(model):
+        linear = (model.model.layers[0].conv.in_proj if family == "lfm2"
+                  else model.backbone.layers[0].mixer.in_proj)
+        assert linear.gguf_quant_type == "Q8_0"
+
+    assert_blocks_equal_the_dequantized_load(_run, gguf_file, check_blocks)
 
 
 @pytest.fixture(scope="module")
@@ -193,21 +211,17 @@ def test_qwen3next_other_file_layouts_equal_the_converters(files, options):
 @pytest.mark.skipif(cpu_kernels() is None, reason="CPU kernels did not build")
 def test_qwen3next_q8_0_file_keeps_layers_and_experts_in_blocks(files):
     _, gguf_file = files("qwen3_next", "Q8_0")
-    tokens, logprobs, llm = _run(gguf_file, quantization="gguf")
-    model = llm.llm_engine.engine_core.executor.worker.model_runner.model
-    delta_net = model.model.layers[0].linear_attn
-    # in_proj_b / in_proj_a: rows of the one `ssm_ba` tensor, re-ordered in their blocks
-    assert {delta_net.in_proj_qkv.gguf_quant_type, delta_net.in_proj_z.gguf_quant_type,
-            delta_net.in_proj_b.gguf_quant_type, delta_net.in_proj_a.gguf_quant_type,
-            model.model.layers[3].self_attn.q_proj.gguf_quant_type} == {"Q8_0"}
-    moes = [m for m in model.modules() if isinstance(m, FusedMoE)]
-    assert len(moes) == 4
-    assert all(m.gguf_expert_types == {"w13": "Q8_0", "w2": "Q8_0"} for m in moes)
-    del llm
-    want_tokens, want_logprobs, _ = _run(gguf_file, quantization="none")
-    assert tokens == want_tokens
-    torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(want_logprobs),
-                               atol=1e-4, rtol=0)
+
+    def check_blocks(model):
+        delta_net = model.model.layers[0].linear_attn
+        # in_proj_b / in_proj_a: rows of the one `ssm_ba` tensor, re-ordered in their blocks
+        assert {delta_net.in_proj_qkv.gguf_quant_type, delta_net.in_proj_z.gguf_quant_type,
+                delta_net.in_proj_b.gguf_quant_type, delta_net.in_proj_a.gguf_quant_type,
+                model.model.layers[3].self_attn.q_proj.gguf_quant_type} == {"Q8_0"}
+        assert len([m for m in model.modules() if isinstance(m, FusedMoE)]) == 4
+        assert_experts_in_blocks(model)
+
+    assert_blocks_equal_the_dequantized_load(_run, gguf_file, check_blocks)
 
 
 @pytest.mark.skipif(cpu_kernels() is None, reason="CPU kernels did not build")
@@ -215,16 +229,13 @@ def test_qwen35_q8_0_file_keeps_reordered_layers_in_blocks(files):
     """The value-head order is undone on the blocks: rows of `attn_qkv` / `attn_gate` /
     `ssm_beta` / `ssm_alpha`, whole blocks of `ssm_out`'s columns."""
     _, gguf_file = files("qwen3_5_blocks", "Q8_0")
-    tokens, logprobs, llm = _run(gguf_file, quantization="gguf")
-    delta_net = llm.llm_engine.engine_core.executor.worker.model_runner.model.model.layers[0] \
-        .linear_attn
-    assert {delta_net.in_proj_qkv.gguf_quant_type, delta_net.in_proj_z.gguf_quant_type,
-            delta_net.out_proj.gguf_quant_type} == {"Q8_0"}
-    del llm
-    want_tokens, want_logprobs, _ = _run(gguf_file, quantization="none")
-    assert tokens == want_tokens
-    torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(want_logprobs),
-                               atol=1e-4, rtol=0)
+
+    def check_blocks(model):
+        delta_net = model.model.layers[0].linear_attn
+        assert {delta_net.in_proj_qkv.gguf_quant_type, delta_net.in_proj_z.gguf_quant_type,
+                delta_net.out_proj.gguf_quant_type} == {"Q8_0"}
+
+    assert_blocks_equal_the_dequantized_load(_run, gguf_file, check_blocks)
 
 
 @pytest.mark.skipif(cpu_kernels() is None, reason="CPU kernels did not build")
@@ -246,23 +257,20 @@ def test_mamba_hybrid_q8_0_file_stays_in_blocks_and_equals_the_dequantized_load(
     """Granite: attn_q / attn_k un-permuted on the blocks, the shared MLP's halves and the
     experts in blocks; Falcon-H1: its projections with the multipliers folded in."""
     _, gguf_file = files(family, "Q8_0")
-    tokens, logprobs, llm = _run(gguf_file, quantization="gguf")
-    model = llm.llm_engine.engine_core.executor.worker.model_runner.model
-    layers = model.model.layers
-    if family == "granite_hybrid":
-        assert {layers[0].mamba.in_proj.gguf_quant_type,
-                layers[1].self_attn.q_proj.gguf_quant_type,
-                layers[1].shared_mlp.input_linear.gguf_quant_type} == {"Q8_0"}
-        moes = [m for m in model.modules() if isinstance(m, FusedMoE)]
-        assert moes and all(m.gguf_expert_types == {"w13": "Q8_0", "w2": "Q8_0"} for m in moes)
-    else:
-        assert {layers[0].mamba.in_proj.gguf_quant_type, layers[0].self_attn.k_proj.gguf_quant_type,
-                layers[0].feed_forward.gate_proj.gguf_quant_type} == {"Q8_0"}
-    del llm
-    want_tokens, want_logprobs, _ = _run(gguf_file, quantization="none")
-    assert tokens == want_tokens
-    torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(want_logprobs),
-                               atol=1e-4, rtol=0)
+
+    def check_blocks(model):
+        layers = model.model.layers
+        if family == "granite_hybrid":
+            assert {layers[0].mamba.in_proj.gguf_quant_type,
+                    layers[1].self_attn.q_proj.gguf_quant_type,
+                    layers[1].shared_mlp.input_linear.gguf_quant_type} == {"Q8_0"}
+            assert_experts_in_blocks(model)
+        else:
+            assert {layers[0].mamba.in_proj.gguf_quant_type,
+                    layers[0].self_attn.k_proj.gguf_quant_type,
+                    layers[0].feed_forward.gate_proj.gguf_quant_type} == {"Q8_0"}
+
+    assert_blocks_equal_the_dequantized_load(_run, gguf_file, check_blocks)
 
 
 @pytest.mark.parametrize("family,change,message", [

@@ -34,7 +34,8 @@ from tests.fixtures.checkpoints import make_tiny_checkpoint
 from tests.fixtures.gguf_converted import spell_layer_types_as_the_hub, write_converted_gguf
 # Qwen3.5 with 32-weight value heads, Granite 4.0-H and Falcon-H1 as released (see there).
 from tests.model_loader.test_gguf_hybrids import (FALCON_H1, GRANITE_HYBRID, QWEN3_5_BLOCKS,
-                                                  QWEN3_NEXT)
+                                                  QWEN3_NEXT, assert_blocks_equal_the_dequantized_load,
+                                                  assert_experts_in_blocks)
 from tests.models.test_hybrid_models import MAX_TOKENS, MODELS, _hf_greedy, _prompts
 
 CONVERTER = envs.get("PAGEDLLM_LLAMACPP_CONVERTER")
@@ -208,16 +209,13 @@ def test_converted_f16_file_loads_the_checkpoint_rounded_to_f16(converted, famil
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_blocks"])
 def test_converted_q8_0_file_stays_in_blocks_and_equals_the_dequantized_load(converted, family):
     _, gguf_file = converted(family, "q8_0")
-    tokens, logprobs, llm = _run(gguf_file, quantization="gguf")
-    delta_net = llm.llm_engine.engine_core.executor.worker.model_runner.model.model.layers[0] \
-        .linear_attn
-    assert {delta_net.in_proj_qkv.gguf_quant_type, delta_net.in_proj_z.gguf_quant_type,
-            delta_net.out_proj.gguf_quant_type} == {"Q8_0"}
-    del llm
-    want_tokens, want_logprobs, _ = _run(gguf_file, quantization="none")
-    assert tokens == want_tokens
-    torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(want_logprobs),
-                               atol=Q8_LOGPROB_TOL, rtol=0)
+
+    def check_blocks(model):
+        delta_net = model.model.layers[0].linear_attn
+        assert {delta_net.in_proj_qkv.gguf_quant_type, delta_net.in_proj_z.gguf_quant_type,
+                delta_net.out_proj.gguf_quant_type} == {"Q8_0"}
+
+    assert_blocks_equal_the_dequantized_load(_run, gguf_file, check_blocks, Q8_LOGPROB_TOL)
 
 
 @pytest.mark.skipif(cpu_kernels() is None, reason="CPU kernels did not build")
@@ -225,22 +223,17 @@ def test_converted_granite_q8_0_file_keeps_layers_and_experts_in_blocks(converte
     """Granite 4 hybrid at Q8_0: the Mamba and attention projections (attn_q / attn_k rows
     un-permuted on the blocks), the shared MLP's two halves and the experts stay in blocks and
     equal the dequantized load."""
-    from pagedllm.layers.fused_moe import FusedMoE
-
     _, gguf_file = converted("granite_hybrid", "q8_0")
-    tokens, logprobs, llm = _run(gguf_file, quantization="gguf")
-    model = llm.llm_engine.engine_core.executor.worker.model_runner.model
-    layers = model.model.layers
-    assert {layers[0].mamba.in_proj.gguf_quant_type, layers[1].self_attn.q_proj.gguf_quant_type,
-            layers[1].self_attn.k_proj.gguf_quant_type,
-            layers[1].shared_mlp.input_linear.gguf_quant_type} == {"Q8_0"}
-    moes = [m for m in model.modules() if isinstance(m, FusedMoE)]
-    assert moes and all(m.gguf_expert_types == {"w13": "Q8_0", "w2": "Q8_0"} for m in moes)
-    del llm
-    want_tokens, want_logprobs, _ = _run(gguf_file, quantization="none")
-    assert tokens == want_tokens
-    torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(want_logprobs),
-                               atol=Q8_LOGPROB_TOL, rtol=0)
+
+    def check_blocks(model):
+        layers = model.model.layers
+        assert {layers[0].mamba.in_proj.gguf_quant_type,
+                layers[1].self_attn.q_proj.gguf_quant_type,
+                layers[1].self_attn.k_proj.gguf_quant_type,
+                layers[1].shared_mlp.input_linear.gguf_quant_type} == {"Q8_0"}
+        assert_experts_in_blocks(model)
+
+    assert_blocks_equal_the_dequantized_load(_run, gguf_file, check_blocks, Q8_LOGPROB_TOL)
 
 
 @pytest.mark.skipif(cpu_kernels() is None, reason="CPU kernels did not build")
@@ -248,15 +241,13 @@ def test_converted_falcon_h1_q8_0_file_stays_in_blocks_and_equals_the_dequantize
     """Falcon-H1 at Q8_0 (its multipliers folded into the blocks by the converter): the Mamba,
     attention and MLP projections stay in blocks and equal the dequantized load."""
     _, gguf_file = converted("falcon_h1", "q8_0")
-    tokens, logprobs, llm = _run(gguf_file, quantization="gguf")
-    layer = llm.llm_engine.engine_core.executor.worker.model_runner.model.model.layers[0]
-    assert {layer.mamba.in_proj.gguf_quant_type, layer.self_attn.k_proj.gguf_quant_type,
-            layer.feed_forward.gate_proj.gguf_quant_type} == {"Q8_0"}
-    del llm
-    want_tokens, want_logprobs, _ = _run(gguf_file, quantization="none")
-    assert tokens == want_tokens
-    torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(want_logprobs),
-                               atol=Q8_LOGPROB_TOL, rtol=0)
+
+    def check_blocks(model):
+        layer = model.model.layers[0]
+        assert {layer.mamba.in_proj.gguf_quant_type, layer.self_attn.k_proj.gguf_quant_type,
+                layer.feed_forward.gate_proj.gguf_quant_type} == {"Q8_0"}
+
+    assert_blocks_equal_the_dequantized_load(_run, gguf_file, check_blocks, Q8_LOGPROB_TOL)
 
 
 def _llamacpp_greedy(gguf_file: Path, prompts: list[list[int]]) -> list[list[int]]:
