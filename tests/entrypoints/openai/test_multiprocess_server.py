@@ -88,7 +88,7 @@ def test_sigkill_of_a_replica_fails_its_requests_and_exits_nonzero(tiny_llama):
     proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_healthy(proc, url, 180)
+        wait_healthy(proc, url)
         cores = _core_processes(proc.pid)
         assert len(cores) == 2
         body = {"prompt": "ROMEO:", "max_tokens": 1000, "ignore_eos": True, "stream": True}

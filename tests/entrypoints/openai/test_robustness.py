@@ -271,7 +271,7 @@ def test_dead_engine_fails_pending_requests_and_exits_nonzero(tiny_llama: Path) 
     proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_healthy(proc, url, 120)
+        wait_healthy(proc, url)
         workers = _descendants(proc.pid)
         assert workers
         body = {"prompt": "ROMEO:", "max_tokens": 1000, "ignore_eos": True, "stream": True}
