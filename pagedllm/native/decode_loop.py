@@ -1,5 +1,7 @@
-"""Native greedy decode steps for the Llama family and DeepSeek-class MLA models on the CPU
-(`decode_greedy_steps`; `HybridGreedyDecodeLoop` for the latter, over native/hybrid_stack.py).
+"""Native greedy decode steps for the Llama family, DeepSeek-class MLA models and Qwen3-Next /
+Qwen3.5 on the CPU (`decode_greedy_steps`; `HybridGreedyDecodeLoop` for the latter two, over
+native/hybrid_stack.py, which also advances Qwen3-Next's state slots and copies prefix
+caching's block-boundary checkpoints as the runner would between steps).
 
 The later steps of a multi-step round (worker/multi_step.py `run_remaining_steps`) whose
 requests are all plain greedy run here in one native call: per step the embedding lookup, the

@@ -11,6 +11,9 @@ over the step's buffers, so tokens and logprobs are the per-half path's.
 
 A dense MLP layer (DeepSeek's first `first_k_dense_replace` layers, Qwen3-Next's dense layers)
 runs as a MoE block without routed experts whose shared expert is the MLP (`NativeDenseMlp`).
+Qwen3-Next's final GemmaRMSNorm runs in the same call (`HybridStep.final_norm`): the native
+decode loop (native/decode_loop.py) computes it with the same code, so a round's later steps
+in the loop give the bits of single steps through the stack.
 
 The stack is attached (`attach_native_hybrid_stacks`, from `native/attach.py`) to a model all
 of whose layers have a native first half and a native (or dense) MLP half; per step it takes the
