@@ -102,8 +102,8 @@ def _run_steps(args: DecodeLoopArgs, tokens: np.ndarray, num_steps: int,
     steps_run = cpu_kernels().decode_greedy_steps(ctypes.byref(args), tokens.ctypes.data,
                                                   num_steps, out.ctypes.data)
     if steps_run < 0:
-        raise ValueError(f"decode loop: a token id outside [0, {embedding_rows}) or a "
-                         f"weight the kernels do not take")
+        raise ValueError(f"decode loop: a token id outside [0, {embedding_rows}), a weight "
+                         f"the kernels do not take or a state slot out of range")
     return out[:steps_run]
 
 
@@ -266,8 +266,7 @@ class HybridGreedyDecodeLoop:
     def has_state(self) -> bool:
         """Whether the stack has recurrent (Gated DeltaNet) layers: `run` then needs the
         state group's block table."""
-        from pagedllm.native.hybrid_stack import GATED_DELTANET
-        return GATED_DELTANET in self.stack.kinds
+        return GDN_KIND in self.stack.kinds
 
     def applies(self, num_reqs: int, max_seq_len: int, batch_invariant: bool = False) -> bool:
         """Whether decode steps of `num_reqs` requests up to sequences of `max_seq_len` tokens

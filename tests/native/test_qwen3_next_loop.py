@@ -183,3 +183,20 @@ def test_loop_mixed_batch_and_preemption(checkpoint, loop_tokens, monkeypatch):
         del llm
     assert loop_tokens["tokens"] > 0
     assert results[0] == results[1]
+
+
+def test_loop_refuses_bad_state_tables(checkpoint, monkeypatch):
+    """`run` without the state group's table, with one of another dtype, or (mode "align")
+    with a slot outside the state tensors raises a ValueError naming it, before any step."""
+    llm = _engine(checkpoint("qwen3_next"), True, monkeypatch)
+    loop = _runner(llm).multi_step.native_loop
+    assert isinstance(loop, HybridGreedyDecodeLoop) and loop.has_state
+    args = (torch.tensor([5]).numpy(), torch.tensor([3]).numpy(),
+            torch.ones(1, 4, dtype=torch.int32), BLOCK, 2, [[]])
+    with pytest.raises(ValueError, match="state group's block table"):
+        loop.run(*args)
+    with pytest.raises(ValueError, match="state table must be int32"):
+        loop.run(*args, state_table=torch.ones(1, 4, dtype=torch.int64), state_align=True)
+    with pytest.raises(ValueError, match="state slot out of range"):
+        loop.run(*args, state_table=torch.full((1, 4), 10 ** 6, dtype=torch.int32),
+                 state_align=True)

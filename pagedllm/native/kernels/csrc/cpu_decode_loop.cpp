@@ -174,9 +174,8 @@ extern "C" {
 // last token and `args.positions` its position (the position of the last computed token);
 // step s writes its tokens to out_tokens[s * num_reqs ..]. Returns the steps run: num_steps,
 // or fewer when a row sampled one of its stop tokens at the last one run; -1 if a weight kind
-// is not taken, a token id is outside the embedding or a state slot outside the state tensors
-// (nothing of that step written but the advanced positions and state copies), or a layer's
-// kernel failed.
+// is not taken, a token id is outside the embedding, a state slot is outside the state
+// tensors or a layer's kernel failed (that step's tokens not written).
 int decode_greedy_steps(const DecodeLoopArgs* args, int64_t* tokens, int num_steps,
                         int64_t* out_tokens) {
   const DecodeLoopArgs& a = *args;
