@@ -1,5 +1,7 @@
-"""Native greedy decode steps for the Llama family and DeepSeek-class MLA models on the CPU
-(`decode_greedy_steps`; `HybridGreedyDecodeLoop` for the latter, over native/hybrid_stack.py).
+"""Native greedy decode steps for the Llama family, DeepSeek-class MLA models and Qwen3-Next /
+Qwen3.5 on the CPU (`decode_greedy_steps`; `HybridGreedyDecodeLoop` for the latter two, over
+native/hybrid_stack.py, which also advances Qwen3-Next's state slots and copies prefix
+caching's block-boundary checkpoints as the runner would between steps).
 
 The later steps of a multi-step round (worker/multi_step.py `run_remaining_steps`) whose
 requests are all plain greedy run here in one native call: per step the embedding lookup, the
@@ -33,8 +35,14 @@ from pagedllm.native.fused_decoder import _DTYPE_CODES, FusedDecoder
 DENSE, PACKED, GGUF, GGUF_Q8 = 0, 1, 2, 3
 
 
+# HybridLayer.kind (abi.py; native/hybrid_stack.py names them)
+MLA_KIND, GDN_KIND = 0, 1
+
 VocabWeight = abi.struct("VocabWeight")
 DecodeLoopArgs = abi.struct("DecodeLoopArgs")
+HybridStep = abi.struct("HybridStep")
+NativeAttentionStep = abi.struct("NativeAttentionStep")
+StateBatch = abi.struct("StateBatch")
 
 
 def _vocab_weight(module, dtype: torch.dtype, embedding: bool,
@@ -71,12 +79,12 @@ def _stop_arrays(stop_token_ids: list[list[int]]) -> tuple[np.ndarray, np.ndarra
     return stop_offsets, stop_ids
 
 
-def _vocab_weights(model, inner, dtype: torch.dtype, hidden_size: int
+def _vocab_weights(model, embed_tokens, dtype: torch.dtype, hidden_size: int
                    ) -> tuple[VocabWeight, VocabWeight, list] | None:
-    """(embedding, LM head, the structures they point into) of `model` (`inner`: its decoder
-    stack), or None where the loop does not take either storage."""
+    """(embedding, LM head, the structures they point into) of `model` (`embed_tokens`: its
+    embedding), or None where the loop does not take either storage."""
     keep: list = []
-    embedding = _vocab_weight(inner.embed_tokens, dtype, True, keep)
+    embedding = _vocab_weight(embed_tokens, dtype, True, keep)
     head = _vocab_weight(model.lm_head, dtype, False, keep)
     if embedding is None or head is None or head.cols != hidden_size:
         return None
@@ -94,8 +102,8 @@ def _run_steps(args: DecodeLoopArgs, tokens: np.ndarray, num_steps: int,
     steps_run = cpu_kernels().decode_greedy_steps(ctypes.byref(args), tokens.ctypes.data,
                                                   num_steps, out.ctypes.data)
     if steps_run < 0:
-        raise ValueError(f"decode loop: a token id outside [0, {embedding_rows}) or a "
-                         f"weight the kernels do not take")
+        raise ValueError(f"decode loop: a token id outside [0, {embedding_rows}), a weight "
+                         f"the kernels do not take or a state slot out of range")
     return out[:steps_run]
 
 
@@ -125,7 +133,7 @@ class GreedyDecodeLoop:
         if not isinstance(stack, NativeDecoderStack):
             return None
         fused = stack.fused
-        weights = _vocab_weights(model, inner, fused.dtype, fused.hidden_size)
+        weights = _vocab_weights(model, inner.embed_tokens, fused.dtype, fused.hidden_size)
         return None if weights is None else cls(model, fused, *weights)
 
     def applies(self, num_reqs: int, max_seq_len: int, batch_invariant: bool = False) -> bool:
@@ -196,101 +204,216 @@ class GreedyDecodeLoop:
 
 class HybridGreedyDecodeLoop:
     """Greedy decode steps of a DeepSeek-V2/V3 / GLM-4-MoE model (`MoeForCausalLM` with a
-    `NativeHybridStack` of MLA layers, native/hybrid_stack.py) in one native call, as
-    `GreedyDecodeLoop` runs them for Llama: per step the embedding, `hybrid_decoder_layers`,
-    the final RMSNorm, the LM head and the argmax, positions and slots advanced natively. The
-    layers are the stack's (the per-half kernels), so the tokens equal single steps'. Float32
-    models only (the final add and norm are `add_rms_norm`'s, which for bfloat16 rounds once
-    where the module's RMSNorm rounds twice). Build with `for_model` (None where it does not
-    apply); `applies` and `run` as `GreedyDecodeLoop`'s."""
+    `NativeHybridStack` of MLA layers, native/hybrid_stack.py) or a Qwen3-Next / Qwen3.5 model
+    (`HybridForCausalLM` with a stack of Gated DeltaNet and gated-attention layers) in one
+    native call, as `GreedyDecodeLoop` runs them for Llama: per step the embedding,
+    `hybrid_decoder_layers`, the final norm, the LM head and the argmax, positions, KV slots
+    and (Qwen3-Next) state slots advanced natively. The layers are the stack's (the per-half
+    kernels), so the tokens equal single steps'.
 
-    def __init__(self, model, stack, embedding: VocabWeight, head: VocabWeight,
+    DeepSeek: float32 models only (the final add and norm are `add_rms_norm`'s, which for
+    bfloat16 rounds once where the module's RMSNorm rounds twice). Qwen3-Next: float32 and
+    bfloat16, since its final GemmaRMSNorm is the stack's own (`hybrid_decoder_layers` computes
+    it for single steps too). Build with `for_model` (None where it does not apply); `applies`
+    and `run` as `GreedyDecodeLoop`'s, `run` with the state group's block table for
+    Qwen3-Next.
+    """
+
+    def __init__(self, model, owner, embedding: VocabWeight, head: VocabWeight,
                  keep: list) -> None:
         self.model = model
-        self.stack = stack
+        self.owner = owner                 # the module whose `layer_stack` is the stack
+        self.stack = owner.layer_stack
         self.embedding, self.head = embedding, head
         self._keep = keep
         self.vocab_size = head.rows
         self._scratch = torch.empty(0, dtype=torch.float32)
+        self._state_scratch = torch.empty(0, dtype=torch.float32)
 
     @classmethod
     def for_model(cls, model) -> HybridGreedyDecodeLoop | None:
+        from pagedllm.models.hybrid import HybridForCausalLM
         from pagedllm.models.llama import LlamaModel
         from pagedllm.models.moe import MoeForCausalLM
         from pagedllm.native.hybrid_stack import MLA, NativeHybridStack
+        if cpu_kernels() is None or getattr(model.lm_head, "tp_size", 1) != 1:
+            return None
+        if isinstance(model, HybridForCausalLM):
+            stack = model.layer_stack
+            if (not isinstance(stack, NativeHybridStack) or MLA in stack.kinds
+                    or model.embedding_multiplier is not None
+                    or type(model).forward is not HybridForCausalLM.forward
+                    or type(model).compute_logits is not HybridForCausalLM.compute_logits):
+                return None
+            stack_name, embedding, _ = model._module_names
+            weights = _vocab_weights(model, getattr(getattr(model, stack_name), embedding),
+                                     stack.dtype, stack.hidden_size)
+            return None if weights is None else cls(model, model, *weights)
         inner = getattr(model, "model", None)
         stack = getattr(inner, "layer_stack", None)
-        if (cpu_kernels() is None or not isinstance(model, MoeForCausalLM)
+        if (not isinstance(model, MoeForCausalLM)
                 or not isinstance(stack, NativeHybridStack) or set(stack.kinds) != {MLA}
                 or stack.dtype != torch.float32
                 or type(model).forward is not MoeForCausalLM.forward
                 or type(model).compute_logits is not MoeForCausalLM.compute_logits
                 or type(inner).forward is not LlamaModel.forward
-                or not (inner.pp.is_first_rank and inner.pp.is_last_rank)
-                or getattr(model.lm_head, "tp_size", 1) != 1):
+                or not (inner.pp.is_first_rank and inner.pp.is_last_rank)):
             return None
-        weights = _vocab_weights(model, inner, stack.dtype, stack.hidden_size)
-        return None if weights is None else cls(model, stack, *weights)
+        weights = _vocab_weights(model, inner.embed_tokens, stack.dtype, stack.hidden_size)
+        return None if weights is None else cls(model, inner, *weights)
+
+    @property
+    def has_state(self) -> bool:
+        """Whether the stack has recurrent (Gated DeltaNet) layers: `run` then needs the
+        state group's block table."""
+        return GDN_KIND in self.stack.kinds
 
     def applies(self, num_reqs: int, max_seq_len: int, batch_invariant: bool = False) -> bool:
         """Whether decode steps of `num_reqs` requests up to sequences of `max_seq_len` tokens
-        run here: not the batch-invariant mode (the MLA block declines it), the stack still
-        attached, and every layer's halves taking such steps (`NativeHybridStack.loop_ready`)."""
-        return (not batch_invariant and self.model.model.layer_stack is self.stack
+        run here: not the batch-invariant mode (the attention halves decline it), the stack
+        still attached, and every layer's halves taking such steps
+        (`NativeHybridStack.loop_ready`)."""
+        return (not batch_invariant and self.owner.layer_stack is self.stack
                 and self.stack.loop_ready(num_reqs, max_seq_len))
 
     def run(self, token_ids: np.ndarray, positions: np.ndarray, block_table: torch.Tensor,
-            block_size: int, num_steps: int, stop_token_ids: list[list[int]]
+            block_size: int, num_steps: int, stop_token_ids: list[list[int]],
+            state_table: torch.Tensor | None = None, state_align: bool = False
             ) -> np.ndarray:
-        """As `GreedyDecodeLoop.run` (same arguments, result and errors)."""
-        from pagedllm.attention.backends.mla_cpu import _query_tile
-        from pagedllm.native.hybrid_stack import HybridStep
-        from pagedllm.native.mla_decoder import NativeAttentionStep
+        """As `GreedyDecodeLoop.run` (same arguments, result and errors), and for a stack with
+        recurrent layers:
+
+        Args:
+            state_table: [B, max_entries] int32, unit column stride, the state group's block
+                table of the same rows: column 0 is each request's state slot, or with
+                `state_align` (prefix caching's mode "align") column p // block_size is the
+                slot of the step at position p, covering every position the steps reach.
+            state_align: the state group is position-aligned (see the C++ header).
+
+        Raises:
+            ValueError: also for a missing or malformed `state_table` where the stack has
+                recurrent layers, or a state slot out of range.
+        """
         stack = self.stack
         n, hidden = len(token_ids), stack.hidden_size
-        if block_table.dtype != torch.int32 or block_table.stride(1) != 1:
-            raise ValueError("decode loop: the block table must be int32 with unit column "
-                             "stride")
+        for name, table in (("block table", block_table), ("state table", state_table)):
+            if table is not None and (table.dtype != torch.int32 or table.stride(1) != 1):
+                raise ValueError(f"decode loop: the {name} must be int32 with unit column "
+                                 f"stride")
+        if self.has_state and state_table is None:
+            raise ValueError("decode loop: a stack with recurrent layers needs the state "
+                             "group's block table")
         tokens = np.ascontiguousarray(token_ids, dtype=np.int64).copy()
         pos = np.ascontiguousarray(positions, dtype=np.int64).copy()
         if not stack.loop_ready(n, int(pos.max(initial=0)) + 1 + num_steps):
             raise ValueError("decode loop: the model's native halves do not take these steps")
-        slots = np.zeros(n, dtype=np.int64)
-        seq_lens = (pos + 1).astype(np.int32)
-        query_start_loc = np.arange(n + 1, dtype=np.int32)
-        rows = np.arange(n, dtype=np.int32)
-        needed = n * max(m.scratch_floats for m in stack.mixers)
-        if self._scratch.numel() < needed:
-            self._scratch = torch.empty(needed, dtype=torch.float32)
-        attention = NativeAttentionStep(
-            num_tokens=n, positions=pos.ctypes.data, slot_mapping=slots.ctypes.data,
-            block_table=block_table.data_ptr(), block_table_stride=block_table.stride(0),
-            query_start_loc=query_start_loc.ctypes.data, seq_lens=seq_lens.ctypes.data,
-            rows=rows.ctypes.data, num_rows=n, block_size=block_size, causal=1,
-            query_tile=_query_tile(1), scratch=self._scratch.data_ptr())
-        residual = torch.empty(n, hidden, dtype=torch.float32)
+        loop = _LoopBuffers(n, pos, block_table, block_size)
+        attention = loop.attention_step(self._attention_scratch(n), MLA_KIND in stack.kinds)
+        residual = torch.empty(n, hidden, dtype=stack.dtype)
         delta = torch.empty(n, hidden, dtype=torch.float32)
+        normed = torch.empty(n, hidden, dtype=stack.dtype)
         buf = stack.buffers(n)
-        step = HybridStep(num_tokens=n, hidden_size=hidden, dtype=0,
-                          mla_step=ctypes.addressof(attention), stream=residual.data_ptr(),
-                          hidden=delta.data_ptr(), normed=buf[1].data_ptr(),
-                          mlp_out=buf[2].data_ptr(), add_first=0)
-        normed = torch.empty(n, hidden, dtype=torch.float32)
+        step = HybridStep(num_tokens=n, hidden_size=hidden, dtype=stack.dtype_code,
+                          stream=residual.data_ptr(), hidden=delta.data_ptr(),
+                          normed=buf[1].data_ptr(), mlp_out=buf[2].data_ptr(), add_first=0)
+        state = None
+        if MLA_KIND in stack.kinds:
+            step.mla_step = ctypes.addressof(attention)
+        else:
+            # Qwen3-Next: the stream is `residual`, `hidden` a scratch row block, and the
+            # final norm (the stack's) writes `normed`, which the LM head reads.
+            step.hidden = buf[0].data_ptr()
+            step.attention_step = ctypes.addressof(attention)
+            stack.set_final_norm(step, normed)
+            if self.has_state:
+                state = _StateSlots(stack, n, state_table, state_align)
+                step.state_batch = ctypes.addressof(state.batch)
+                step.state_scratch = self._state_scratch_rows(n).data_ptr()
         head_x = torch.empty(n, hidden, dtype=torch.float32)
         embed_f32 = torch.empty(n, hidden, dtype=torch.float32)
         logits = torch.empty(n, self.vocab_size, dtype=torch.float32)
         stop_offsets, stop_ids = _stop_arrays(stop_token_ids)
-        norm = self.model.model.norm
+        norm = stack.norm
         args = DecodeLoopArgs(
-            layers=None, num_layers=len(stack.mixers), step=None, dtype=0, num_reqs=n,
-            hidden=hidden, block_size=block_size, block_table_stride=block_table.stride(0),
-            block_table=block_table.data_ptr(), attention_rows=rows.ctypes.data,
-            positions=pos.ctypes.data, slot_mapping=slots.ctypes.data,
-            seq_lens=seq_lens.ctypes.data, residual=residual.data_ptr(),
-            delta=delta.data_ptr(), normed=normed.data_ptr(), head_x=head_x.data_ptr(),
-            logits=logits.data_ptr(), embed_f32=embed_f32.data_ptr(), embedding=self.embedding,
-            head=self.head, norm_weight=norm.weight.data_ptr(), norm_eps=norm.eps,
-            stop_offsets=stop_offsets.ctypes.data, stop_ids=stop_ids.ctypes.data,
-            hybrid_layers=ctypes.addressof(stack.layers), hybrid_step=ctypes.addressof(step))
+            layers=None, num_layers=len(stack.mixers), step=None, dtype=stack.dtype_code,
+            num_reqs=n, hidden=hidden, block_size=block_size,
+            block_table_stride=block_table.stride(0), block_table=block_table.data_ptr(),
+            attention_rows=loop.rows.ctypes.data, positions=pos.ctypes.data,
+            slot_mapping=loop.slots.ctypes.data, seq_lens=loop.seq_lens.ctypes.data,
+            residual=residual.data_ptr(), delta=delta.data_ptr(), normed=normed.data_ptr(),
+            head_x=head_x.data_ptr(), logits=logits.data_ptr(), embed_f32=embed_f32.data_ptr(),
+            embedding=self.embedding, head=self.head, norm_weight=norm.weight.data_ptr(),
+            norm_eps=norm.eps, stop_offsets=stop_offsets.ctypes.data,
+            stop_ids=stop_ids.ctypes.data, hybrid_layers=ctypes.addressof(stack.layers),
+            hybrid_step=ctypes.addressof(step))
+        if state is not None:
+            state.fill(args)
         return _run_steps(args, tokens, num_steps, self.embedding.rows)
 
+    def _attention_scratch(self, n: int) -> torch.Tensor:
+        """Float32 scratch for the attention layers' step (n rows of the largest need)."""
+        needed = n * max((m.scratch_floats for m, k in zip(self.stack.mixers, self.stack.kinds)
+                          if k != GDN_KIND), default=0)
+        if self._scratch.numel() < max(needed, 1):
+            self._scratch = torch.empty(max(needed, 1), dtype=torch.float32)
+        return self._scratch
+
+    def _state_scratch_rows(self, n: int) -> torch.Tensor:
+        """Float32 scratch for the Gated DeltaNet layers (`HybridStep.state_scratch`)."""
+        needed = n * max(m.scratch_floats for m, k in zip(self.stack.mixers, self.stack.kinds)
+                         if k == GDN_KIND)
+        if self._state_scratch.numel() < needed:
+            self._state_scratch = torch.empty(needed, dtype=torch.float32)
+        return self._state_scratch
+
+
+
+class _LoopBuffers:
+    """The per-row arrays a round advances natively (positions in the caller's array): slot
+    mapping, sequence lengths, query starts and attention rows, for B decode rows."""
+
+    def __init__(self, n: int, pos: np.ndarray, block_table: torch.Tensor,
+                 block_size: int) -> None:
+        self.n, self.pos, self.block_table, self.block_size = n, pos, block_table, block_size
+        self.slots = np.zeros(n, dtype=np.int64)
+        self.seq_lens = (pos + 1).astype(np.int32)
+        self.query_start_loc = np.arange(n + 1, dtype=np.int32)
+        self.rows = np.arange(n, dtype=np.int32)
+
+    def attention_step(self, scratch: torch.Tensor, mla: bool) -> NativeAttentionStep:
+        """The attention layers' step over these arrays (one query token per row), with the
+        query tile the layers' own steps use (MLA: its tile for one token; gated attention:
+        0, the kernel's default)."""
+        from pagedllm.attention.backends.mla_cpu import _query_tile
+        table = self.block_table
+        return NativeAttentionStep(
+            num_tokens=self.n, positions=self.pos.ctypes.data,
+            slot_mapping=self.slots.ctypes.data, block_table=table.data_ptr(),
+            block_table_stride=table.stride(0), query_start_loc=self.query_start_loc.ctypes.data,
+            seq_lens=self.seq_lens.ctypes.data, rows=self.rows.ctypes.data, num_rows=self.n,
+            block_size=self.block_size, causal=1, query_tile=_query_tile(1) if mla else 0,
+            scratch=scratch.data_ptr())
+
+
+class _StateSlots:
+    """The Gated DeltaNet layers' `StateBatch` of a round's decode rows (each row one token
+    with its computed prefix as initial state), the slots set per step in C++ (mode "align")
+    or once here (column 0 of the state group's table)."""
+
+    def __init__(self, stack, n: int, state_table: torch.Tensor, align: bool) -> None:
+        gdn = stack.mixers[stack.kinds.index(GDN_KIND)]
+        self.table, self.align = state_table, align
+        self.query_start_loc = np.arange(n + 1, dtype=np.int64)
+        self.state_indices = state_table[:n, 0].numpy().astype(np.int64)
+        self.has_initial_state = np.ones(n, dtype=np.uint8)
+        self.batch = StateBatch(query_start_loc=self.query_start_loc.ctypes.data,
+                                state_indices=self.state_indices.ctypes.data,
+                                has_initial_state=self.has_initial_state.ctypes.data,
+                                num_reqs=n, num_slots=gdn.num_slots)
+
+    def fill(self, args: DecodeLoopArgs) -> None:
+        """Point `args` at the state slots (the table only in mode "align")."""
+        args.state_indices = self.state_indices.ctypes.data
+        if self.align:
+            args.state_table = self.table.data_ptr()
+            args.state_table_stride = self.table.stride(0)

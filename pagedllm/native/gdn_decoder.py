@@ -138,19 +138,39 @@ class NativeGDNMixer:
         self._struct, self._states = w, states
         self.scratch_floats = self._lib.gdn_scratch_floats(ctypes.addressof(w))
 
+    def _current_struct(self, n: int, dtype: torch.dtype) -> bool:
+        """The checks of a step of `n` tokens in `dtype` that do not read its metadata; builds
+        the structure over the layer's current state tensors if needed. False: declined."""
+        if (n > self.MAX_TOKENS or dtype != self.dtype
+                or state_kernels.DEFAULT_BACKEND is not None
+                or _gdn_linears(self.mixer) != self.linears):
+            return False
+        states = self.mixer.state.states
+        if self._struct is None or len(states) != 2 or any(
+                a is not b for a, b in zip(states, self._states)):
+            self._build(tuple(states))
+        return True
+
+    def loop_address(self, num_reqs: int, max_seq_len: int) -> int:
+        """For the native decode loop (native/decode_loop.py), which builds its own state
+        batch: the checks of `prepare` that do not read a step's metadata, for decode steps of
+        `num_reqs` rows (any length: the state has none). The address of the layer's
+        `GDNLayerWeights`, or 0."""
+        return self.struct_address if self._current_struct(num_reqs, self.dtype) else 0
+
+    @property
+    def num_slots(self) -> int:
+        """The state tensors' slot count (after a `prepare` or `loop_address` that took)."""
+        return self._states[0].shape[0]
+
     def prepare(self, n: int, dtype: torch.dtype):
         """The per-step checks of `__call__` for a step of `n` tokens with activations in
         `dtype`; builds the structure if needed. Returns the step's state batch
         (`StateBatchArgs`; the layer's structure is then `struct_address`), or None for a step
         it does not take."""
-        if (n > self.MAX_TOKENS or dtype != self.dtype
-                or state_kernels.DEFAULT_BACKEND is not None
-                or _gdn_linears(self.mixer) != self.linears):
+        if not self._current_struct(n, dtype):
             return None
-        states = self.mixer.state.states
-        if self._struct is None or len(states) != 2 or any(
-                a is not b for a, b in zip(states, self._states)):
-            self._build(tuple(states))
+        states = self._states
         meta = StateCache.metadata()
         batch = state_kernels._native_batch(meta, states[0].shape[0])
         return batch if batch.num_tokens == n else None
@@ -256,6 +276,17 @@ class NativeGatedAttention(NativeAttentionHalf):
                                                   n * self.scratch_floats):
             return 0
         return address
+
+    def loop_address(self, num_reqs: int, max_seq_len: int) -> int:
+        """For the native decode loop (native/decode_loop.py), which builds its own step: the
+        checks of `prepare` that do not read a step's metadata, for decode steps of `num_reqs`
+        rows of sequences up to `max_seq_len` tokens (the KV hooks, the backend and the
+        batch-invariant mode are the loop's own checks). The address of the layer's
+        `GatedAttentionWeights`, or 0."""
+        if (num_reqs > self.MAX_TOKENS or max_seq_len > self.max_position
+                or _ga_linears(self.attn) != self.linears):
+            return 0
+        return self._structure_address()
 
     def __call__(self, positions: torch.Tensor, hidden: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor] | None:

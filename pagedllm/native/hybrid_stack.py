@@ -11,6 +11,9 @@ over the step's buffers, so tokens and logprobs are the per-half path's.
 
 A dense MLP layer (DeepSeek's first `first_k_dense_replace` layers, Qwen3-Next's dense layers)
 runs as a MoE block without routed experts whose shared expert is the MLP (`NativeDenseMlp`).
+Qwen3-Next's final GemmaRMSNorm runs in the same call (`HybridStep.final_norm`): the native
+decode loop (native/decode_loop.py) computes it with the same code, so a round's later steps
+in the loop give the bits of single steps through the stack.
 
 The stack is attached (`attach_native_hybrid_stacks`, from `native/attach.py`) to a model all
 of whose layers have a native first half and a native (or dense) MLP half; per step it takes the
@@ -147,15 +150,14 @@ class NativeHybridStack:
         return True
 
     def loop_ready(self, num_reqs: int, max_seq_len: int) -> bool:
-        """For the native decode loop (MLA stacks): whether decode steps of `num_reqs` rows
-        up to sequences of `max_seq_len` tokens pass every half's checks that do not read a
-        step's metadata (`NativeMLABlock.loop_address`, `NativeMoeBlock.address`); fills the
-        layer structures if so."""
-        if self.kinds[0] != MLA or num_reqs > NativeMLABlock.MAX_TOKENS \
-                or not self._halves_attached():
+        """For the native decode loop: whether decode steps of `num_reqs` rows up to
+        sequences of `max_seq_len` tokens pass every half's checks that do not read a step's
+        metadata (the mixers' `loop_address`, `NativeMoeBlock.address`); fills the layer
+        structures if so."""
+        if not self._halves_attached():
             return False
         for s, mixer, mlp in zip(self.layers, self.mixers, self.mlps):
-            address = mixer.loop_address(max_seq_len)
+            address = mixer.loop_address(num_reqs, max_seq_len)
             mlp_address = address and mlp.address(num_reqs, self.dtype)
             if not mlp_address:
                 return False
@@ -202,11 +204,19 @@ class NativeHybridStack:
             self._buffers = torch.empty(needed, dtype=self.dtype)
         return self._buffers[:needed].view(3, n, self.hidden_size)
 
+    def set_final_norm(self, step: HybridStep, out: torch.Tensor) -> None:
+        """Qwen3-Next stacks: make `step` end with the final GemmaRMSNorm into `out` ([n, H]
+        model dtype, contiguous)."""
+        step.final_norm = self.norm.weight.data_ptr()
+        step.final_norm_eps = self.norm.eps
+        step.out = out.data_ptr()
+
     def run(self, stream: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
         """The layers over `stream` ([n, H] model dtype, contiguous, updated in place; see
         `HybridStep.stream`) after a `prepare` that took; for MLA stacks `delta` ([n, H]) is
         the previous stage's output to add first (or None). Returns the last layer's output
-        (MLA stacks: the MLP output not yet added to `stream`; otherwise `stream`)."""
+        (MLA stacks: the MLP output not yet added to `stream`); Qwen3-Next stacks: the final
+        norm of `stream`, in the same call (as the native decode loop computes it)."""
         n = stream.shape[0]
         buf = self.buffers(n)
         hidden = buf[0]
@@ -216,11 +226,15 @@ class NativeHybridStack:
         step.stream, step.hidden = stream.data_ptr(), hidden.data_ptr()
         step.normed, step.mlp_out = buf[1].data_ptr(), buf[2].data_ptr()
         step.add_first = int(delta is not None)
+        out = hidden
+        if MLA not in self.kinds:
+            out = torch.empty_like(stream)
+            self.set_final_norm(step, out)
         rc = self._lib.hybrid_decoder_layers(ctypes.addressof(self.layers), len(self.mixers),
                                              ctypes.addressof(step))
         if rc != 0:
             raise RuntimeError(f"hybrid_decoder_layers failed ({rc})")
-        return hidden if MLA in self.kinds else stream
+        return out
 
     def __call__(self, positions: torch.Tensor, hidden: torch.Tensor,
                  residual: torch.Tensor | None = None, aux_layers: tuple[int, ...] = ()
@@ -237,7 +251,7 @@ class NativeHybridStack:
             normed, _ = self.norm(out, stream)
             return normed
         stream = hidden.clone(memory_format=torch.contiguous_format)
-        return self.norm(self.run(stream, None))
+        return self.run(stream, None)
 
 
 def _deepseek_stack(module: nn.Module) -> NativeHybridStack | None:
@@ -259,22 +273,26 @@ def _deepseek_stack(module: nn.Module) -> NativeHybridStack | None:
 
 def _qwen3_next_stack(model: nn.Module) -> NativeHybridStack | None:
     """The stack of a Qwen3-Next `HybridForCausalLM` whose every layer has a native first half
-    and a native MLP half (and no embedding multiplier)."""
+    and a native MLP half (and no embedding multiplier), and whose final norm is a
+    GemmaRMSNorm in the model dtype (computed in the stack's call: `run`)."""
+    from pagedllm.layers.layernorm import GemmaRMSNorm
     from pagedllm.models.qwen3_next import Qwen3NextDecoderLayer
     stack_name, _, norm_name = model._module_names
     layers = list(model._layer_list())
+    norm = getattr(getattr(model, stack_name), norm_name)
     if not layers or model.embedding_multiplier is not None or not all(
-            type(layer) is Qwen3NextDecoderLayer for layer in layers):
+            type(layer) is Qwen3NextDecoderLayer for layer in layers) \
+            or type(norm) is not GemmaRMSNorm or not norm.weight.is_contiguous():
         return None
     mixers = [layer.native_mixer for layer in layers]
     kinds = [GATED_DELTANET if isinstance(m, NativeGDNMixer) else GATED_ATTENTION
              if isinstance(m, NativeGatedAttention) else None for m in mixers]
     mlps = [_mlp_half(layer.mlp) for layer in layers]
-    if None in kinds or any(m is None for m in mlps) or len({m.dtype for m in mixers + mlps}) != 1:
+    if (None in kinds or any(m is None for m in mlps)
+            or len({m.dtype for m in mixers + mlps} | {norm.weight.dtype}) != 1):
         return None
-    body = getattr(model, stack_name)
-    return NativeHybridStack(layers, "native_mixer", mixers, mlps, kinds,
-                             getattr(body, norm_name), mixers[0].dtype, model.config.hidden_size)
+    return NativeHybridStack(layers, "native_mixer", mixers, mlps, kinds, norm,
+                             mixers[0].dtype, model.config.hidden_size)
 
 
 def attach_native_hybrid_stacks(model: nn.Module) -> int:

@@ -251,11 +251,13 @@ class NativeMLABlock(NativeAttentionHalf):
             return 0
         return address
 
-    def loop_address(self, max_seq_len: int) -> int:
+    def loop_address(self, num_reqs: int, max_seq_len: int) -> int:
         """For the native decode loop (native/decode_loop.py), which builds its own step: the
-        checks of `prepare` that do not read a step's metadata, for decode rows of sequences
-        up to `max_seq_len` tokens. The address of the layer's `MLALayerWeights`, or 0."""
-        if max_seq_len > self.max_position or _mla_linears(self.attn) != self.linears:
+        checks of `prepare` that do not read a step's metadata, for decode steps of `num_reqs`
+        rows of sequences up to `max_seq_len` tokens. The address of the layer's
+        `MLALayerWeights`, or 0."""
+        if (num_reqs > self.MAX_TOKENS or max_seq_len > self.max_position
+                or _mla_linears(self.attn) != self.linears):
             return 0
         return self._structure_address()
 

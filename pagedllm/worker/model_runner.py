@@ -203,10 +203,13 @@ class ModelRunner(KVCacheRunnerMixin, InputPrepMixin):
         return None if loop is None else NativeGreedyVerify(loop, self.block_size)
 
     def _native_loop_allowed(self) -> bool:
-        """Whether the native loop may run this runner's steps: the CPU, one KV cache group,
+        """Whether the native loop may run this runner's steps: the CPU, one KV cache group
+        (or a full-attention group and a state group: the loop advances the state slots),
         nothing between steps but the sampler (EPLB), no per-request RoPE deltas (M-RoPE)."""
+        windows = self.kv_cache_windows
         return (self.device.type == "cpu" and self.eplb is None
-                and len(self.kv_cache_windows) == 1
+                and (len(windows) == 1
+                     or len(windows) == 2 and windows[0] is None and is_state_group(windows[1]))
                 and not getattr(self.model, "uses_mrope", False))
 
     def _make_multi_step(self) -> MultiStepRound:
@@ -219,8 +222,10 @@ class ModelRunner(KVCacheRunnerMixin, InputPrepMixin):
                            sample=self._sample_into,
                            native_ok=None if self.lora_manager is None
                            else lambda: not self.lora_manager.vocab_active)
+        state_group = self.kv_cache_windows[-1]
         return MultiStepRound(self.states, steps, self.sampler, self.block_size,
-                              self.model if native else None)
+                              self.model if native else None,
+                              state_group if is_state_group(state_group) else None)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate every group's KV tensors (`num_blocks` is group 0's), then capture the

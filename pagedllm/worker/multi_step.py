@@ -5,7 +5,8 @@ then decodes each request's last sampled token, step after step, without the sch
 between (vLLM V0's multi-step scheduling; see docs/architecture.md "Multi-step rounds"):
 
 - natively (`native/decode_loop.py`) when every request is plain greedy and the model takes the
-  CPU's fused decoder path: one call for all the steps;
+  CPU's fused decoder path or a native hybrid stack (DeepSeek, Qwen3-Next): one call for all
+  the steps;
 - else step by step through the runner's step phases (`RoundSteps`): the previous step's
   inputs advanced in place while no request drops out, gathered anew when one does.
 
@@ -25,6 +26,7 @@ from functools import cached_property
 import numpy as np
 import torch
 
+from pagedllm.core.kv_cache_groups import STATE_ALIGN_GROUP
 from pagedllm.core.request import stop_token_reached
 from pagedllm.core.sched_output import ModelRunnerOutput
 from pagedllm.native.decode_loop import GreedyDecodeLoop, HybridGreedyDecodeLoop
@@ -38,14 +40,17 @@ from pagedllm.worker.sampling_inputs import build_sampling_metadata
 def native_decode_loop(model: torch.nn.Module, hybrid: bool = False
                        ) -> GreedyDecodeLoop | HybridGreedyDecodeLoop | None:
     """`model`'s native greedy decode loop (native/decode_loop.py) where it takes the model:
-    its attention backend is `cpu_paged` (with `hybrid`, also a DeepSeek MLA stack on
-    `mla_cpu_paged`) and `PAGEDLLM_CPU_DECODE_LOOP` is not 0."""
+    its attention backend is `cpu_paged` (with `hybrid`, also a Qwen3-Next stack on it, or a
+    DeepSeek MLA stack on `mla_cpu_paged`) and `PAGEDLLM_CPU_DECODE_LOOP` is not 0."""
     if not current_platform.options.cpu_decode_loop:
         return None
     layers = model.attention_layers()
     backend = getattr(layers[0].backend, "name", None) if layers else None
     if backend == "cpu_paged":
-        return GreedyDecodeLoop.for_model(model)
+        loop = GreedyDecodeLoop.for_model(model)
+        if loop is None and hybrid:
+            return HybridGreedyDecodeLoop.for_model(model)
+        return loop
     if hybrid and backend == "mla_cpu_paged":
         return HybridGreedyDecodeLoop.for_model(model)
     return None
@@ -81,17 +86,21 @@ class MultiStepRound:
         steps: the runner's step phases.
         sampler: the runner's sampler (plain greedy steps call it directly).
         block_size: tokens per KV block.
-        model: the model where the native loop may take rounds (the CPU, one KV cache
-            group, nothing between steps), else None.
+        model: the model where the native loop may take rounds (the CPU, one attention KV
+            cache group and at most a state group, nothing between steps), else None.
+        state_group: the state group's kind (`STATE_GROUP`, or `STATE_ALIGN_GROUP` for
+            prefix caching's mode "align"; its block table is the last group's), or None
+            where there is none.
     """
 
     def __init__(self, states: RequestStates, steps: RoundSteps, sampler, block_size: int,
-                 model: torch.nn.Module | None = None) -> None:
+                 model: torch.nn.Module | None = None, state_group: str | None = None) -> None:
         self.states = states
         self.steps = steps
         self.sampler = sampler
         self.block_size = block_size
         self._model = model
+        self.state_group = state_group
 
     @cached_property
     def native_loop(self) -> GreedyDecodeLoop | HybridGreedyDecodeLoop | None:
@@ -182,9 +191,13 @@ class MultiStepRound:
         batch = inputs.batch
         rows = batch.idx_mapping
         positions = st.num_computed_tokens[rows].astype(np.int64)
+        state = {}
+        if self.state_group is not None:
+            state = dict(state_table=batch.group_commons[-1].block_table,
+                         state_align=self.state_group == STATE_ALIGN_GROUP)
         tokens = loop.run(st.token_ids_cpu[rows, positions + 1], positions,
                           inputs.common.block_table, self.block_size, num_steps,
-                          [st.stop_token_ids[r] for r in rows])
+                          [st.stop_token_ids[r] for r in rows], **state)
         record_sampled_tokens(output, batch.req_ids, tokens.T.tolist(), states=st, rows=rows)
         st.num_computed_tokens[rows] += len(tokens)
         return output

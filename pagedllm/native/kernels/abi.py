@@ -21,7 +21,7 @@ import re
 
 # Bump when a declaration below changes (the loaded library reports the version it was
 # compiled with; a stale library in the cache is refused).
-ABI_VERSION = 18
+ABI_VERSION = 19
 
 STRUCTS = """
 /* One weight's rows of one GGML type (layers/quantization/gguf.py `kernel_segments`). */
@@ -282,6 +282,11 @@ struct HybridStep {
   void* normed;                    /* scratch */
   void* mlp_out;                   /* scratch (kinds 1, 2) */
   int64_t add_first;               /* kind 0: `hidden` holds a delta to add first */
+  const void* final_norm;          /* kinds 1, 2: the final GemmaRMSNorm's weight [hidden]
+                                      (model dtype): after the last layer, `out` =
+                                      gemma_rms(stream); or null: none */
+  float final_norm_eps;
+  void* out;                       /* with final_norm: the final-normed rows (out) */
 };
 
 /* An embedding table or LM head for the decode loop (cpu_decode_loop.cpp); kind 0 dense rows,
@@ -324,11 +329,23 @@ struct DecodeLoopArgs {
   const int64_t* stop_offsets;     /* row b's stop tokens: stop_ids[stop_offsets[b] ..
                                       stop_offsets[b + 1]) */
   const int64_t* stop_ids;
-  const struct HybridLayer* hybrid_layers;  /* [num_layers] a DeepSeek stack (kind 0) run by
-                                      hybrid_decoder_layers instead of `layers` / `step`, or
-                                      null; then `residual` is hybrid_step->stream and `delta`
-                                      its `hidden` (float32 models only) */
-  const struct HybridStep* hybrid_step;
+  const struct HybridLayer* hybrid_layers;  /* [num_layers] a DeepSeek (kind 0) or Qwen3-Next
+                                      (kinds 1, 2) stack run by hybrid_decoder_layers instead
+                                      of `layers` / `step`, or null; DeepSeek: `residual` is
+                                      hybrid_step->stream and `delta` its `hidden` (float32
+                                      models only) */
+  const struct HybridStep* hybrid_step;  /* with a Qwen3-Next stack (kinds 1, 2) its
+                                      final_norm is set: `residual` is its stream, `normed` its
+                                      `out`, `delta` unused */
+  const int32_t* state_table;      /* [num_reqs, state_table_stride] the state group's block
+                                      table in prefix caching's "align" mode: each step's slot
+                                      is column position / block_size, copied first from the
+                                      previous column's where they differ; or null: the slots
+                                      in `state_indices` stay */
+  int64_t state_table_stride;
+  int64_t* state_indices;          /* [num_reqs] the Gated DeltaNet layers' StateBatch slots
+                                      (hybrid_step->state_batch->state_indices), set per step
+                                      with state_table */
 };
 
 /* One linear layer's adapter slots (lora_kernel.h, lora/layers.py): width = num_slices *
@@ -436,8 +453,8 @@ int gated_attention_mixer(const GatedAttentionWeights* w, const NativeAttentionS
 int64_t gated_attention_scratch_floats(const GatedAttentionWeights* w);
 
 /* cpu_hybrid_stack.cpp: layers [0, num_layers) of a DeepSeek / Qwen3-Next stack over one
-   step (each layer's two halves through the entry points above). 0, or the first failing
-   half's code. */
+   step (each layer's two halves through the entry points above), then Qwen3-Next's final norm
+   where step->final_norm is set. 0, or the first failing half's code. */
 int hybrid_decoder_layers(const HybridLayer* layers, int num_layers, const HybridStep* step);
 
 /* cpu_attention.cpp */

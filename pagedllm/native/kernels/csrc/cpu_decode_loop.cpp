@@ -12,6 +12,7 @@
 //   delta = decoder_layers(residual)                        (cpu_decoder.cpp; a DeepSeek
 //           stack: hybrid_decoder_layers, cpu_hybrid_stack.cpp, its last MLP output)
 //   x = add_rms_norm(residual, delta) * norm                 (cpu_decoder.cpp)
+//     (a Qwen3-Next stack: x = hybrid_decoder_layers(residual) with its final GemmaRMSNorm)
 //   logits = x @ W_head^T (float32)                          (GGUF segments or packed panels)
 //   token = argmax(logits) per row (first maximum; a NaN counts as the largest, as numpy)
 //
@@ -20,6 +21,16 @@
 // nothing that edits the logits). The loop ends after the step where some row samples one of
 // its stop tokens: that request is over, and the others go on in the next round without it
 // (the scheduler gives back the round's unused slots), so no step computes a finished row.
+//
+// Qwen3-Next's Gated DeltaNet layers read and write each row's state slot (StateBatch). Without
+// prefix caching a request keeps one slot, which stays. In prefix caching's "align" mode the
+// state group's block table is position-aligned (pagedllm/layers/state_cache.py): the step at
+// position p writes entry p / block_size; where that differs from the entry of p - 1 (the step
+// crosses into a new block), that entry's slot is first copied into the new one in every
+// recurrent layer, so the old entry keeps the state at its block's end as a checkpoint. That
+// is what the runner does before each step (`StateCacheMetadata.from_common`,
+// `copy_state_slots`), with the same byte copies, so the loop never has to end at a block
+// boundary; the scheduler registers the checkpoints afterwards, as for single steps.
 
 #include <cmath>
 #include <cstdint>
@@ -112,6 +123,43 @@ int head_logits(const DecodeLoopArgs& a) {
   }
 }
 
+// Copies state slot `src` into `dst` in every Gated DeltaNet layer of the stack (conv window
+// [conv_dim, K - 1] in its dtype, recurrent state [Hv, dk, dv] float32: the layouts of
+// cpu_state_scan.cpp). Returns 0, or -1 for a slot outside [0, num_slots).
+int copy_state_slot(const DecodeLoopArgs& a, int64_t src, int64_t dst, int64_t num_slots) {
+  if (src < 0 || src >= num_slots || dst < 0 || dst >= num_slots) return -1;
+  for (int64_t l = 0; l < a.num_layers; ++l) {
+    if (a.hybrid_layers[l].kind != 1) continue;
+    const auto& w = *static_cast<const GDNLayerWeights*>(a.hybrid_layers[l].mixer);
+    const int64_t conv_dim = 2 * w.num_k_heads * w.head_k_dim + w.num_v_heads * w.head_v_dim;
+    const size_t conv_bytes = static_cast<size_t>(conv_dim * (w.conv_kernel - 1)) *
+                              (w.conv_state_dtype == 0 ? 4 : 2);
+    const size_t state_bytes =
+        static_cast<size_t>(w.num_v_heads * w.head_k_dim * w.head_v_dim) * sizeof(float);
+    char* conv = static_cast<char*>(w.conv_states);
+    char* state = reinterpret_cast<char*>(w.recurrent_states);
+    std::memcpy(conv + dst * conv_bytes, conv + src * conv_bytes, conv_bytes);
+    std::memcpy(state + dst * state_bytes, state + src * state_bytes, state_bytes);
+  }
+  return 0;
+}
+
+// Each row's state slot for the step at a.positions (mode "align", a.state_table set): the
+// entry of the position's block, after copying the previous block's entry into it where the
+// step starts a block. Returns 0, or -1 for a slot out of range.
+int advance_state_slots(const DecodeLoopArgs& a) {
+  const int64_t num_slots = a.hybrid_step->state_batch->num_slots;
+  for (int64_t b = 0; b < a.num_reqs; ++b) {
+    const int64_t pos = a.positions[b];
+    const int32_t* row = a.state_table + b * a.state_table_stride;
+    const int64_t col = pos / a.block_size, prev = (pos - 1) / a.block_size;
+    if (pos > 0 && prev != col && copy_state_slot(a, row[prev], row[col], num_slots) != 0)
+      return -1;
+    a.state_indices[b] = row[col];
+  }
+  return 0;
+}
+
 bool is_stop(const DecodeLoopArgs& a, int64_t b, int64_t token) {
   for (int64_t i = a.stop_offsets[b]; i < a.stop_offsets[b + 1]; ++i)
     if (a.stop_ids[i] == token) return true;
@@ -126,7 +174,8 @@ extern "C" {
 // last token and `args.positions` its position (the position of the last computed token);
 // step s writes its tokens to out_tokens[s * num_reqs ..]. Returns the steps run: num_steps,
 // or fewer when a row sampled one of its stop tokens at the last one run; -1 if a weight kind
-// is not taken or a token id is outside the embedding (nothing of that step written).
+// is not taken, a token id is outside the embedding, a state slot is outside the state
+// tensors or a layer's kernel failed (that step's tokens not written).
 int decode_greedy_steps(const DecodeLoopArgs* args, int64_t* tokens, int num_steps,
                         int64_t* out_tokens) {
   const DecodeLoopArgs& a = *args;
@@ -139,7 +188,9 @@ int decode_greedy_steps(const DecodeLoopArgs* args, int64_t* tokens, int num_ste
           static_cast<int64_t>(a.block_table[b * a.block_table_stride + pos / a.block_size]) *
               a.block_size + pos % a.block_size;
     }
+    if (a.state_table != nullptr && advance_state_slots(a) != 0) return -1;
     if (embed_rows(a, tokens) != 0) return -1;
+    const bool final_normed = a.hybrid_layers != nullptr && a.hybrid_step->final_norm != nullptr;
     if (a.hybrid_layers != nullptr) {
       if (hybrid_decoder_layers(a.hybrid_layers, static_cast<int>(a.num_layers),
                                 a.hybrid_step) != 0)
@@ -148,8 +199,9 @@ int decode_greedy_steps(const DecodeLoopArgs* args, int64_t* tokens, int num_ste
       decoder_layers(a.layers, static_cast<int>(a.num_layers), a.step, a.attention_rows,
                      static_cast<int>(n), 0, static_cast<int>(a.dtype));
     }
-    add_rms_norm(a.residual, a.delta, n, h, a.norm_weight, a.norm_eps, a.normed,
-                 static_cast<int>(a.dtype));
+    if (!final_normed)
+      add_rms_norm(a.residual, a.delta, n, h, a.norm_weight, a.norm_eps, a.normed,
+                   static_cast<int>(a.dtype));
     for (int64_t i = 0; i < n * h; ++i)
       a.head_x[i] = a.dtype == 0 ? static_cast<const float*>(a.normed)[i]
                                  : to_float(static_cast<const uint16_t*>(a.normed)[i]);

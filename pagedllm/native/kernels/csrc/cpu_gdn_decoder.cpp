@@ -65,19 +65,6 @@ inline void gdn_linear(const GDNLayerWeights& w, int index, const void* weight, 
     linear_tiles(x, K, M, K, static_cast<const T*>(weight), N, nullptr, y, N);
 }
 
-// out[0..n) = x / sqrt(mean(x^2) + eps) * (1 + w): GemmaRMSNorm in float32.
-template <typename TX, typename T>
-inline void gemma_rms_row(const TX* x, const T* w, float eps, int64_t n, float* out) {
-  float ss = 0.f;
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = to_float(x[i]);
-    out[i] = v;
-    ss += v * v;
-  }
-  const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
-  for (int64_t i = 0; i < n; ++i) out[i] = out[i] * inv * (1.f + to_float(w[i]));
-}
-
 // torch.nn.functional.softplus (beta 1, threshold 20).
 inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }
 

@@ -14,17 +14,23 @@
 //   Qwen3-Next (kinds 1, 2), as Qwen3NextDecoderLayer.forward with its native halves:
 //     (hidden, normed) = mixer(stream);  mlp_out = moe_block(normed)
 //     stream = hidden + mlp_out   (rounded once to the model dtype, as torch's add)
+//   and after the last layer, where the step names it, the final norm:
+//     out = gemma_rms(stream) (x / rms(x) * (1 + w), float32, rounded once to the model dtype)
+//   which the native decode loop (cpu_decode_loop.cpp) reads as well, so a step through the
+//   stack and a step of the loop give the same bits.
 //
 // A dense MLP layer is a MoeBlockWeights without routed experts whose shared expert is the
 // MLP (the MoE block's shared-expert phases are the dense SiLU MLP, with the same roundings).
 
 #include <cstdint>
+#include <vector>
 
 #include "cpu_vec.h"
 #include "pagedllm_abi.h"
 
 namespace {
 
+using pagedllm::gemma_rms_row;
 using pagedllm::store;
 using pagedllm::to_float;
 
@@ -32,6 +38,19 @@ using pagedllm::to_float;
 template <typename T>
 void add_rows(T* stream, const T* hidden, const T* mlp_out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) store(to_float(hidden[i]) + to_float(mlp_out[i]), stream + i);
+}
+
+// out[m] = gemma_rms(stream[m]) * (1 + w) for the n rows, in the model dtype.
+template <typename T>
+void final_norm_rows(const HybridStep& s, int64_t n, int64_t h) {
+  const T* stream = static_cast<const T*>(s.stream);
+  const T* w = static_cast<const T*>(s.final_norm);
+  T* out = static_cast<T*>(s.out);
+  std::vector<float> row(static_cast<size_t>(h));
+  for (int64_t m = 0; m < n; ++m) {
+    gemma_rms_row(stream + m * h, w, s.final_norm_eps, h, row.data());
+    for (int64_t i = 0; i < h; ++i) store(row[i], out + m * h + i);
+  }
 }
 
 }  // namespace
@@ -71,6 +90,12 @@ int hybrid_decoder_layers(const HybridLayer* layers, int num_layers, const Hybri
       rc = -3;
     }
     if (rc != 0) return rc;
+  }
+  if (s.final_norm != nullptr) {
+    if (dtype == 0)
+      final_norm_rows<float>(s, n, h);
+    else
+      final_norm_rows<uint16_t>(s, n, h);
   }
   return 0;
 }

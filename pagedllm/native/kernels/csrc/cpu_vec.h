@@ -1,8 +1,9 @@
-// Shared helpers of the CPU kernels: float32 / bfloat16 loads and stores, and the AVX2 vector
-// forms.
+// Shared helpers of the CPU kernels: float32 / bfloat16 loads and stores, the AVX2 vector
+// forms, and GemmaRMSNorm of one row.
 // A bfloat16 is the upper half of a float32, so widening one is a 16-bit shift.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -67,5 +68,20 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 #endif
+
+// out[0..n) = x / sqrt(mean(x^2) + eps) * (1 + w): GemmaRMSNorm of one row in float32 (the
+// sum of squares in index order). Qwen3-Next's layer norms (cpu_gdn_decoder.cpp) and its
+// final norm (cpu_hybrid_stack.cpp).
+template <typename TX, typename T>
+inline void gemma_rms_row(const TX* x, const T* w, float eps, int64_t n, float* out) {
+  float ss = 0.f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = to_float(x[i]);
+    out[i] = v;
+    ss += v * v;
+  }
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i) out[i] = out[i] * inv * (1.f + to_float(w[i]));
+}
 
 }  // namespace pagedllm
