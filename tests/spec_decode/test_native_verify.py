@@ -145,3 +145,15 @@ def test_native_verify_eagle_states_and_drafts(target, tmp_path, monkeypatch, me
     for (hidden, drafts), (off_hidden, off_drafts) in zip(calls, off_calls):
         assert hidden.dtype == off_hidden.dtype and torch.equal(hidden, off_hidden)
         assert drafts == off_drafts
+
+
+def test_loop_states_refuse_bad_aux_layers(target):
+    """Auxiliary layers out of order or past the stack: a ValueError naming them, before any
+    native call."""
+    llm = LLM(target, dtype="float32", kv_cache_memory_bytes=8 << 20,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    loop = _runner(llm).native_verify.loop
+    table = torch.zeros(1, 4, dtype=torch.int32)
+    for aux in ((1, 0), (0, len(loop.fused.layers))):
+        with pytest.raises(ValueError, match="auxiliary layers"):
+            loop.run_with_states(np.array([5]), np.array([0]), table, 16, aux)
