@@ -166,6 +166,40 @@ class GreedyDecodeLoop:
             ValueError: a token id outside the embedding, a weight the kernels refuse, or a
                 block table that is not int32 with unit column stride.
         """
+        return self._run(token_ids, positions, block_table, block_size, num_steps,
+                         stop_token_ids, None)[0]
+
+    def run_with_states(self, token_ids: np.ndarray, positions: np.ndarray,
+                        block_table: torch.Tensor, block_size: int,
+                        aux_layers: tuple[int, ...] | None
+                        ) -> tuple[np.ndarray, torch.Tensor]:
+        """One greedy step (`run` with num_steps = 1 and no stop tokens) that also returns the
+        hidden states an EAGLE head reads: the final norm's output, or with `aux_layers` the
+        streams entering those layers (EAGLE-3), as the module path and the fused decoder
+        stack (`NativeDecoderStack`) return them, with the same roundings.
+
+        Args:
+            token_ids, positions, block_table, block_size: as `run`.
+            aux_layers: non-decreasing layer indices below the number of layers, or None
+                (the final norm's output).
+
+        Returns:
+            (tokens [B] int64, states: [B, hidden_size] (None) or [B, len(aux_layers) *
+            hidden_size] (the streams side by side, in `aux_layers` order), model dtype).
+
+        Raises:
+            ValueError: as `run`, or auxiliary layers that are not non-decreasing
+                indices of this stack's layers.
+        """
+        out, states = self._run(token_ids, positions, block_table, block_size, 1,
+                                [[] for _ in range(len(token_ids))], aux_layers)
+        return out[0], states
+
+    def _run(self, token_ids: np.ndarray, positions: np.ndarray, block_table: torch.Tensor,
+             block_size: int, num_steps: int, stop_token_ids: list[list[int]],
+             aux_layers: tuple[int, ...] | None) -> tuple[np.ndarray, torch.Tensor]:
+        """`run`'s steps -> (tokens [steps_run, B], the last step's states as
+        `run_with_states` returns them)."""
         fused = self.fused
         n, hidden = len(token_ids), fused.hidden_size
         structs = fused.layer_structs()
@@ -186,6 +220,12 @@ class GreedyDecodeLoop:
             seq_lens.ctypes.data, n, block_size, True, residual.data_ptr(), delta.data_ptr())
         stop_offsets, stop_ids = _stop_arrays(stop_token_ids)
         norm = self.model.model.norm
+        aux = np.asarray(aux_layers or (), dtype=np.int64)
+        if len(aux) and (int(aux[0]) < 0 or int(aux[-1]) >= len(fused.layers)
+                         or bool((np.diff(aux) < 0).any())):
+            raise ValueError(f"decode loop: auxiliary layers {tuple(aux_layers)} are not "
+                             f"non-decreasing indices below {len(fused.layers)}")
+        aux_out = torch.empty(n, len(aux) * hidden, dtype=fused.dtype) if len(aux) else None
         args = DecodeLoopArgs(
             layers=ctypes.addressof(structs), num_layers=len(fused.layers),
             step=ctypes.addressof(step), dtype=_DTYPE_CODES[fused.dtype], num_reqs=n,
@@ -196,10 +236,12 @@ class GreedyDecodeLoop:
             delta=delta.data_ptr(), normed=normed.data_ptr(), head_x=head_x.data_ptr(),
             logits=logits.data_ptr(), embed_f32=embed_f32.data_ptr(), embedding=self.embedding,
             head=self.head, norm_weight=norm.weight.data_ptr(), norm_eps=norm.eps,
-            stop_offsets=stop_offsets.ctypes.data, stop_ids=stop_ids.ctypes.data)
+            stop_offsets=stop_offsets.ctypes.data, stop_ids=stop_ids.ctypes.data,
+            aux_layers=aux.ctypes.data if len(aux) else None, num_aux=len(aux),
+            aux_out=None if aux_out is None else aux_out.data_ptr())
         out = _run_steps(args, tokens, num_steps, self.embedding.rows)
         del scratch
-        return out
+        return out, (normed if aux_out is None else aux_out)
 
 
 class HybridGreedyDecodeLoop:

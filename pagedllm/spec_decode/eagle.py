@@ -106,6 +106,8 @@ class EagleHead(nn.Module):
         self.mlp = LlamaMLP(h, config.intermediate_size, getattr(config, "hidden_act", "silu"),
                             bool(getattr(config, "mlp_bias", False)))
         self.embed_tokens: nn.Module | None = None   # set when the checkpoint has its own
+        # ((weight address, version), float32 copy) of the EAGLE-3 LM head (`_lm_head_f32`)
+        self._lm_head_cache: tuple[tuple[int, int], torch.Tensor] | None = None
 
     def attention_layers(self) -> list:
         return [self.self_attn.attn]
@@ -140,9 +142,21 @@ class EagleHead(nn.Module):
         """hidden [m, H] -> [m] int64 greedy draft tokens in the target's vocabulary."""
         if not self.eagle3:
             return row_argmax(self._target[0].compute_logits(hidden))
-        logits = torch.nn.functional.linear(hidden.float(), self.lm_head.weight.float())
+        logits = torch.nn.functional.linear(hidden.float(), self._lm_head_f32())
         ids = row_argmax(logits)
         return ids + self.d2t[ids]
+
+    def _lm_head_f32(self) -> torch.Tensor:
+        """The draft LM head's weight [draft_vocab, H] in float32: a copy made once per
+        storage and version of the weight (converting a bfloat16 head at every draft step cost
+        about a third of the step's head time on a 2-core CPU), or the weight itself."""
+        w = self.lm_head.weight
+        if w.dtype == torch.float32:
+            return w
+        key = (w.data_ptr(), w._version)
+        if self._lm_head_cache is None or self._lm_head_cache[0] != key:
+            self._lm_head_cache = (key, w.detach().float())
+        return self._lm_head_cache[1]
 
 
 def _read_config(path: Path, method: str):

@@ -40,8 +40,9 @@ def make_drafter(config: EngineConfig, target: torch.nn.Module, dtype: torch.dty
         ValueError: a head that does not fit the target (`load_eagle_head`, `load_mtp_head`),
             or an EAGLE-3 head for a target without auxiliary hidden states.
 
-    NOTE(eagle): with auxiliary layers the target's layers run eagerly (the native fused
-    decoder stack returns the last hidden state only).
+    NOTE(eagle): with auxiliary layers the native fused decoder stack runs split at them to
+    return their inputs; plain greedy decode / verification steps run in the native decode loop,
+    which captures them the same way (worker/native_verify.py).
     """
     sc = config.speculative_config
     if sc is None:

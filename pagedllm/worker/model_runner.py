@@ -62,12 +62,13 @@ from pagedllm.lora.model_manager import LoRAModelManager
 from pagedllm.lora.peft import LoRAModelShapes
 from pagedllm.model_loader.loader import load_model
 from pagedllm.native.attach import refresh_native_decoder
+from pagedllm.native.decode_loop import GreedyDecodeLoop
 from pagedllm.sample.logprobs import LogprobsTensors, compute_logprobs
 from pagedllm.sample.rejection_sampler import rejection_sample
 from pagedllm.sample.sampler import Sampler
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec_decode.draft_model import DraftModelProposer
-from pagedllm.spec_decode.eagle import EagleProposer
+from pagedllm.spec_decode.eagle import EagleHead, EagleProposer
 from pagedllm.spec_decode.metadata import SpecDecodeMetadata
 from pagedllm.spec_decode.ngram import NgramProposer
 from pagedllm.spec_decode.suffix import SuffixDecodingProposer
@@ -159,6 +160,9 @@ class ModelRunner(KVCacheRunnerMixin, InputPrepMixin):
         self.drafter: Drafter | None = None   # (set by load_model: worker/drafters.py)
         # Greedy verification in the native loop (set by load_model; None where it cannot run).
         self.native_verify: NativeGreedyVerify | None = None
+        # EAGLE-3 there: the target layers whose inputs the head reads (EAGLE: None, the
+        # final norm's output).
+        self._verify_aux: tuple[int, ...] | None = None
         # The last step's drafts and rejections, for placeholder drafts (async scheduling).
         self.async_drafts = AsyncDrafts()
         # Routed-experts capture (enable_return_routed_experts; set by load_model), and the
@@ -194,13 +198,25 @@ class ModelRunner(KVCacheRunnerMixin, InputPrepMixin):
 
     def _make_native_verify(self) -> NativeGreedyVerify | None:
         """Greedy verification in the native decode loop (worker/native_verify.py) for the
-        drafters that need nothing from the forward (n-gram, suffix), where the native loop
-        could take the model's decode steps (`_native_loop_allowed`, `native_decode_loop`)."""
-        if (not isinstance(self.drafter, (NgramProposer, SuffixDecodingProposer))
+        drafters that need nothing from the forward (n-gram, suffix) and for EAGLE / EAGLE-3
+        heads (the loop also returns the hidden states they read, `_verify_aux`), where the
+        native loop could take the model's decode steps (`_native_loop_allowed`,
+        `native_decode_loop`)."""
+        self._verify_aux = None
+        eagle = (isinstance(self.drafter, EagleProposer)
+                 and isinstance(self.drafter.model, EagleHead))
+        if (not (eagle or isinstance(self.drafter, (NgramProposer, SuffixDecodingProposer)))
                 or not self._native_loop_allowed()):
             return None
         loop = native_decode_loop(self.model)
-        return None if loop is None else NativeGreedyVerify(loop, self.block_size)
+        if loop is None or (eagle and not isinstance(loop, GreedyDecodeLoop)):
+            return None
+        if eagle and self.drafter.model.eagle3:
+            aux = tuple(self.model.model.aux_hidden_state_layers)
+            if list(aux) != sorted(aux):   # the loop captures in layer order only
+                return None
+            self._verify_aux = aux
+        return NativeGreedyVerify(loop, self.block_size)
 
     def _native_loop_allowed(self) -> bool:
         """Whether the native loop may run this runner's steps: the CPU, one KV cache group
@@ -463,10 +479,11 @@ class ModelRunner(KVCacheRunnerMixin, InputPrepMixin):
     def _forward(self, inputs: StepInputs) -> PendingStep:
         """The forward of prepared inputs -> the logits of the sampled rows."""
         batch, common = inputs.batch, inputs.common
-        targets = self._native_verify_step(inputs)
-        if targets is not None:
-            return PendingStep(inputs, None, {}, greedy_token_ids=targets)
         eagle = isinstance(self.drafter, EagleProposer)
+        verified = self._native_verify_step(inputs, eagle)
+        if verified is not None:
+            targets, states = verified
+            return PendingStep(inputs, None, {}, states, greedy_token_ids=targets)
         positions = batch.positions
         if self.encoder_runner is not None:   # M-RoPE positions of image requests
             positions = self.encoder_runner.rope_positions(batch)
@@ -496,10 +513,12 @@ class ModelRunner(KVCacheRunnerMixin, InputPrepMixin):
             self.eplb.step()
         return pending
 
-    def _native_verify_step(self, inputs: StepInputs) -> np.ndarray | None:
-        """The argmax of every logits row [num_logits] int64 where the step ran in the native
-        loop (`NativeGreedyVerify`: every request decodes, plain greedy, unstructured, no
-        adapter, prompt logprobs or connector in play), else None (nothing ran)."""
+    def _native_verify_step(self, inputs: StepInputs, eagle: bool
+                            ) -> tuple[np.ndarray, torch.Tensor | None] | None:
+        """(the argmax of every logits row [num_logits] int64, with `eagle` the hidden states
+        the head reads at every token [num_tokens, H'] else None) where the step ran in the
+        native loop (`NativeGreedyVerify`: every request decodes, plain greedy, unstructured,
+        no adapter, prompt logprobs or connector in play), else None (nothing ran)."""
         nv = self.native_verify
         if nv is None:
             return None
@@ -520,10 +539,16 @@ class ModelRunner(KVCacheRunnerMixin, InputPrepMixin):
                           common.batch_invariant):
             return None
         n = int(batch.num_scheduled_tokens.sum())
-        flat = nv.run(batch.input_ids[:n], batch.positions[:n], common.block_table,
-                      batch.num_scheduled_tokens)
+        states = None
+        if eagle:
+            flat, states = nv.run_with_states(batch.input_ids[:n], batch.positions[:n],
+                                              common.block_table, batch.num_scheduled_tokens,
+                                              self._verify_aux)
+        else:
+            flat = nv.run(batch.input_ids[:n], batch.positions[:n], common.block_table,
+                          batch.num_scheduled_tokens)
         index = spec.logits_indices if spec is not None else batch.logits_indices.cpu().numpy()
-        return flat[np.asarray(index)]
+        return flat[np.asarray(index)], states
 
     def _compute_logits(self, hidden: torch.Tensor, rows: torch.Tensor | slice) -> torch.Tensor:
         """The logits [m, vocab] float32 of the flat batch's rows `rows` ([m] int64 on the

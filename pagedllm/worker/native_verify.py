@@ -1,4 +1,5 @@
-"""Greedy verification of drafts in the native decode loop (CPU, n-gram and suffix drafters).
+"""Greedy verification of drafts in the native decode loop (CPU; n-gram, suffix and EAGLE
+drafters).
 
 A speculative step verifies each request's last token and its k drafts: k + 1 query rows whose
 logits are only ever argmax-ed when every request is plain greedy. The module path runs that
@@ -18,6 +19,12 @@ Greedy acceptance (`greedy_accept`) is the rejection sampler's greedy rule (Levi
 position, then emit the argmax at the first mismatch (the bonus token after the last draft when
 all match). The single-row arithmetic is the plain engine's native decode steps', so greedy
 outputs equal those without speculation (tests/spec_decode/test_native_verify.py).
+
+EAGLE heads also read the target's hidden states at every verified token: the final norm's
+output (EAGLE), or the streams entering three auxiliary layers (EAGLE-3). `run_with_states`
+has the same call return them (the loop splits its layer call at those layers and copies the
+stream there, `cpu_decode_loop.cpp`), so an EAGLE-3 step verifies in one native call instead
+of the module path's split stack, separate LM head over every row and rejection sampler.
 """
 
 from __future__ import annotations
@@ -107,9 +114,30 @@ class NativeGreedyVerify:
         Raises:
             ValueError: as `GreedyDecodeLoop.run` (a token id outside the embedding).
         """
-        req_of_token = np.repeat(np.arange(len(num_scheduled_tokens)), num_scheduled_tokens)
-        tables = block_table.index_select(0, torch.from_numpy(req_of_token)).contiguous()
-        tokens = self.loop.run(input_ids.numpy(), positions.numpy() - 1, tables,
-                               self.block_size, 1, [[] for _ in req_of_token])
+        tokens = self.loop.run(input_ids.numpy(), positions.numpy() - 1,
+                               self._token_tables(block_table, num_scheduled_tokens),
+                               self.block_size, 1, [[] for _ in range(len(input_ids))])
         self.num_steps_run += 1
         return tokens[0]
+
+    def run_with_states(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                        block_table: torch.Tensor, num_scheduled_tokens: np.ndarray,
+                        aux_layers: tuple[int, ...] | None
+                        ) -> tuple[np.ndarray, torch.Tensor]:
+        """`run`, also returning the hidden states an EAGLE head reads at every token
+        (`GreedyDecodeLoop.run_with_states`): [num_tokens, hidden_size] (the final norm's
+        output; `aux_layers` None) or [num_tokens, len(aux_layers) * hidden_size] (the streams
+        entering those layers, EAGLE-3), in the model dtype. Same arguments as `run` plus
+        `aux_layers`; raises as `GreedyDecodeLoop.run_with_states`."""
+        tokens, states = self.loop.run_with_states(
+            input_ids.numpy(), positions.numpy() - 1,
+            self._token_tables(block_table, num_scheduled_tokens), self.block_size, aux_layers)
+        self.num_steps_run += 1
+        return tokens, states
+
+    @staticmethod
+    def _token_tables(block_table: torch.Tensor, num_scheduled_tokens: np.ndarray
+                      ) -> torch.Tensor:
+        """[num_tokens, max_blocks] int32: each token's request's block table row."""
+        req_of_token = np.repeat(np.arange(len(num_scheduled_tokens)), num_scheduled_tokens)
+        return block_table.index_select(0, torch.from_numpy(req_of_token)).contiguous()

@@ -138,3 +138,28 @@ def test_too_few_embedding_rows_is_an_error():
     head = Eagle3TrainHead(16, 32, 2, 1, 8, 1e-6, 10000.0, 10)
     with pytest.raises(ValueError, match="need 7 embedding rows"):
         head.ttt_forward(torch.randn(1, 6, 16), torch.randn(1, 5, 48), 3)
+
+
+def test_engine_features_equal_hf_hidden_states(tiny_llama):
+    """`scripts/train_eagle3.py`'s engine features (pagedllm's target over whole sequences,
+    several per prefill batch, one longer than the batch budget alone) are HF's inputs of the
+    auxiliary layers, row for row (bfloat16 storage)."""
+    import importlib.util
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "train_eagle3.py"
+    spec = importlib.util.spec_from_file_location("train_eagle3", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    seqs = [[3 + (i * 37 + j) % 200 for i in range(n)] for j, n in enumerate((5, 40, 23, 70))]
+    aux = (0, 1, 1)
+    feats = script.engine_features(str(tiny_llama), seqs, aux, "float32", max_tokens=64)
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32)
+    with torch.no_grad():
+        for seq, got in zip(seqs, feats):
+            states = hf.model(torch.tensor([seq]), output_hidden_states=True).hidden_states
+            want = torch.cat([states[i] for i in aux], -1)[0]
+            assert got.dtype == torch.bfloat16 and got.shape == want.shape
+            torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)

@@ -99,3 +99,61 @@ def test_native_verify_skips_non_greedy_rows(target):
     out = llm.generate(PROMPTS[:2], params, use_tqdm=False)
     assert nv.num_steps_run == 0
     assert all(len(o.outputs[0].logprobs) == 12 for o in out)
+
+
+def _record_proposals(llm) -> list:
+    """Wrap the runner's EAGLE proposer (this engine's instance only) to record each call's
+    catch-up hidden states and drafts."""
+    drafter = _runner(llm).drafter
+    calls = []
+    propose = drafter.propose
+
+    def recorded(input_ids, positions, hidden, *args):
+        drafts = propose(input_ids, positions, hidden, *args)
+        calls.append((hidden.clone(), drafts))
+        return drafts
+
+    drafter.propose = recorded
+    return calls
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("method", ["eagle3", "eagle"])
+def test_native_verify_eagle_states_and_drafts(target, tmp_path, monkeypatch, method, dtype):
+    """EAGLE (-3) steps verified in the native loop: the hidden states the head reads (the
+    final norm's output; EAGLE-3: the streams entering its auxiliary layers, here [0, 1, 1])
+    and hence its drafts are bit-identical to the module path's (native loop off), and the
+    greedy tokens equal the engine's without speculation."""
+    from tests.spec_decode.test_eagle import write_head
+
+    head = write_head(tmp_path / method, method, "authors")
+    spec = {"method": method, "model": str(head), "num_speculative_tokens": 3}
+    kwargs = {"dtype": dtype, "kv_cache_memory_bytes": 8 << 20}
+    reference = _tokens(LLM(target, **kwargs))
+    llm = LLM(target, max_num_batched_tokens=16, speculative_config=spec, **kwargs)
+    nv = _runner(llm).native_verify
+    assert nv is not None
+    calls = _record_proposals(llm)
+    assert _tokens(llm) == reference
+    assert nv.num_steps_run > 0
+    monkeypatch.setenv("PAGEDLLM_CPU_DECODE_LOOP", "0")
+    off = LLM(target, max_num_batched_tokens=16, speculative_config=spec, **kwargs)
+    assert _runner(off).native_verify is None
+    off_calls = _record_proposals(off)
+    assert _tokens(off) == reference
+    assert len(calls) == len(off_calls)
+    for (hidden, drafts), (off_hidden, off_drafts) in zip(calls, off_calls):
+        assert hidden.dtype == off_hidden.dtype and torch.equal(hidden, off_hidden)
+        assert drafts == off_drafts
+
+
+def test_loop_states_refuse_bad_aux_layers(target):
+    """Auxiliary layers out of order or past the stack: a ValueError naming them, before any
+    native call."""
+    llm = LLM(target, dtype="float32", kv_cache_memory_bytes=8 << 20,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    loop = _runner(llm).native_verify.loop
+    table = torch.zeros(1, 4, dtype=torch.int32)
+    for aux in ((1, 0), (0, len(loop.fused.layers))):
+        with pytest.raises(ValueError, match="auxiliary layers"):
+            loop.run_with_states(np.array([5]), np.array([0]), table, 16, aux)

@@ -21,7 +21,7 @@ import re
 
 # Bump when a declaration below changes (the loaded library reports the version it was
 # compiled with; a stale library in the cache is refused).
-ABI_VERSION = 19
+ABI_VERSION = 20
 
 STRUCTS = """
 /* One weight's rows of one GGML type (layers/quantization/gguf.py `kernel_segments`). */
@@ -346,6 +346,14 @@ struct DecodeLoopArgs {
   int64_t* state_indices;          /* [num_reqs] the Gated DeltaNet layers' StateBatch slots
                                       (hybrid_step->state_batch->state_indices), set per step
                                       with state_table */
+  const int64_t* aux_layers;       /* [num_aux] non-decreasing layer indices < num_layers
+                                      (EAGLE-3's auxiliary layers; `layers` stacks only), or
+                                      null: the step's stream entering each of them is copied
+                                      to `aux_out` */
+  int64_t num_aux;
+  void* aux_out;                   /* [num_reqs, num_aux * hidden] model dtype: row b holds
+                                      the streams entering aux_layers[0], [1], ... of the last
+                                      step run */
 };
 
 /* One linear layer's adapter slots (lora_kernel.h, lora/layers.py): width = num_slices *

@@ -10,7 +10,9 @@
 //   positions += 1; seq_lens += 1; slot = block_table[pos / block_size] * block_size + pos % bs
 //   residual = embedding rows of the last tokens (model dtype)
 //   delta = decoder_layers(residual)                        (cpu_decoder.cpp; a DeepSeek
-//           stack: hybrid_decoder_layers, cpu_hybrid_stack.cpp, its last MLP output)
+//           stack: hybrid_decoder_layers, cpu_hybrid_stack.cpp, its last MLP output; with
+//           auxiliary layers, EAGLE-3 verification, split at them and the stream entering
+//           each copied to aux_out)
 //   x = add_rms_norm(residual, delta) * norm                 (cpu_decoder.cpp)
 //     (a Qwen3-Next stack: x = hybrid_decoder_layers(residual) with its final GemmaRMSNorm)
 //   logits = x @ W_head^T (float32)                          (GGUF segments or packed panels)
@@ -166,6 +168,44 @@ bool is_stop(const DecodeLoopArgs& a, int64_t b, int64_t token) {
   return false;
 }
 
+// aux_out columns [i * h, (i + 1) * h) of every row = the stream entering layer aux_layers[i]:
+// the residual plus the pending delta of the layers before, added in float32 and rounded once
+// to the model dtype (what native/fused_decoder.py's capture computes in torch).
+template <typename T>
+void copy_stream(const DecodeLoopArgs& a, int64_t i, bool pending) {
+  const int64_t n = a.num_reqs, h = a.hidden, width = a.num_aux * h;
+  const T* residual = static_cast<const T*>(a.residual);
+  T* out = static_cast<T*>(a.aux_out);
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t c = 0; c < h; ++c) {
+      const float v = to_float(residual[r * h + c]) + (pending ? a.delta[r * h + c] : 0.0f);
+      store(v, out + r * width + i * h + c);
+    }
+}
+
+// decoder_layers split at the auxiliary layers (the caller checked them: non-decreasing,
+// each < num_layers), capturing the stream entering each one; `delta` ends as the last layer's
+// output, as one decoder_layers call leaves it.
+void run_layers_with_aux(const DecodeLoopArgs& a) {
+  int64_t start = 0;
+  bool pending = false;    // `delta` holds the output of layers not yet added to `residual`
+  for (int64_t i = 0; i <= a.num_aux; ++i) {
+    const int64_t stop = i < a.num_aux ? a.aux_layers[i] : a.num_layers;
+    if (stop > start) {
+      decoder_layers(a.layers + start, static_cast<int>(stop - start), a.step,
+                     a.attention_rows, static_cast<int>(a.num_reqs), pending ? 1 : 0,
+                     static_cast<int>(a.dtype));
+      pending = true;
+      start = stop;
+    }
+    if (i == a.num_aux) break;
+    if (a.dtype == 0)
+      copy_stream<float>(a, i, pending);
+    else
+      copy_stream<uint16_t>(a, i, pending);
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -195,6 +235,8 @@ int decode_greedy_steps(const DecodeLoopArgs* args, int64_t* tokens, int num_ste
       if (hybrid_decoder_layers(a.hybrid_layers, static_cast<int>(a.num_layers),
                                 a.hybrid_step) != 0)
         return -1;
+    } else if (a.num_aux > 0) {
+      run_layers_with_aux(a);
     } else {
       decoder_layers(a.layers, static_cast<int>(a.num_layers), a.step, a.attention_rows,
                      static_cast<int>(n), 0, static_cast<int>(a.dtype));
