@@ -32,6 +32,7 @@
 #include <omp.h>
 
 #include "attention_kernel.h"
+#include "attention_primitives.h"
 #include "cpu_vec.h"
 #include "linear_kernel.h"
 #include "packed_gemm.h"
@@ -129,8 +130,8 @@ int gdn_mixer(const GDNLayerWeights& w, const StateBatch* batch, int64_t M, cons
       for (int64_t d = 0; d < dv; ++d) ss += oh[d] * oh[d];
       const float inv = 1.f / std::sqrt(ss / static_cast<float>(dv) + w.norm_eps);
       const T* nw = static_cast<const T*>(w.norm_weight);
-      for (int64_t d = 0; d < dv; ++d)
-        dst[d] = oh[d] * inv * to_float(nw[d]) * (zh[d] / (1.f + std::exp(-zh[d])));
+      mul_sigmoid(zh, zh, dst, dv);   // silu(z)
+      for (int64_t d = 0; d < dv; ++d) dst[d] = oh[d] * inv * to_float(nw[d]) * dst[d];
     }
     gdn_linear<T>(w, kOut, w.out_proj, o_in, M, value, Hd, out);
 #pragma omp for
@@ -252,7 +253,7 @@ void gated_attention(const GatedAttentionWeights& w, const NativeAttentionStep& 
       const float* a = attn_out + item * D;
       const float* gate = q_gate + m * 2 * H * D + h * 2 * D + D;
       float* dst = o_in + item * D;
-      for (int64_t d = 0; d < D; ++d) dst[d] = a[d] / (1.f + std::exp(-gate[d]));
+      mul_sigmoid(a, gate, dst, D);
     }
     ga_linear<T>(w, 3, w.o_proj, o_in, M, H * D, Hd, out);
 #pragma omp for
