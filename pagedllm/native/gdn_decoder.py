@@ -182,18 +182,22 @@ class NativeGDNMixer:
         (stack, packed)."""
         parts = self.linears[:4]
         packed = all(_is_packed(m) for m in parts)
-        rows = [m.weight.data if not packed else m.quant_method.unpacked_weight(m)
-                for m in parts]
-        stack = torch.cat(rows).contiguous()
-        if packed:
-            stack = ops.pack_linear_weight(stack, self._lib)
-        start = 0
-        for m in parts:
-            n = m.weight.shape[0]
-            view = stack[start:start + n]
-            if torch.equal(view, m.weight.data):
-                m.weight.data = view
-            start += n
+        # NOTE(q3n-b32): built outside inference mode (the first build runs inside a forward):
+        # the projections' weights become views of the stack, and an inference tensor there
+        # would refuse a later in-place weight load.
+        with torch.inference_mode(False):
+            rows = [m.weight.data if not packed else m.quant_method.unpacked_weight(m)
+                    for m in parts]
+            stack = torch.cat(rows).contiguous()
+            if packed:
+                stack = ops.pack_linear_weight(stack, self._lib)
+            start = 0
+            for m in parts:
+                n = m.weight.shape[0]
+                view = stack[start:start + n]
+                if torch.equal(view, m.weight.data):
+                    m.weight.data = view
+                start += n
         return stack, packed
 
     def prepare(self, n: int, dtype: torch.dtype):

@@ -127,6 +127,39 @@ def test_native_blocks_take_long_prefill_steps(qwen3_next, monkeypatch):
             atol=3e-5, rtol=0)
 
 
+def test_stacked_projection_shares_memory_and_follows_weight_updates(qwen3_next, monkeypatch):
+    """The GDN block's stacked input projection holds in_proj_qkv's rows itself (the module's
+    weight is a view of it, not an inference tensor), and after in-place weight updates and
+    `refresh_native_mixers` the native blocks and the module path agree on the new weights."""
+    from pagedllm.native.gdn_decoder import refresh_native_mixers
+    llm = LLM(qwen3_next, dtype="float32", kv_cache_memory_bytes=8 << 20)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)
+    before, _ = _run(llm, True, params, monkeypatch)
+    layer = _layers(llm)[0]
+    mixer, stack = layer.linear_attn, layer.native_mixer._keep[-1]
+    weight = mixer.in_proj_qkv.weight.data
+    assert weight.untyped_storage().data_ptr() == stack.untyped_storage().data_ptr()
+    assert not weight.is_inference()
+    with torch.no_grad():
+        for m in (mixer.in_proj_qkv, mixer.in_proj_z, mixer.in_proj_b, mixer.in_proj_a):
+            m.weight.data.mul_(1.5)
+    refresh_native_mixers(llm.llm_engine.engine_core.executor.worker.model_runner.model)
+    got, _ = _run(llm, True, params, monkeypatch)
+    want, _ = _run(llm, False, params, monkeypatch)
+    assert [o.outputs[0].token_ids for o in got] != [o.outputs[0].token_ids for o in before] \
+        or any(abs(a.outputs[0].logprobs[0][a.outputs[0].token_ids[0]].logprob
+                   - b.outputs[0].logprobs[0][b.outputs[0].token_ids[0]].logprob) > 1e-4
+               for a, b in zip(got, before))
+    for a, b in zip(got, want):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        torch.testing.assert_close(
+            torch.tensor([d[t].logprob for d, t in zip(a.outputs[0].logprobs,
+                                                       a.outputs[0].token_ids)]),
+            torch.tensor([d[t].logprob for d, t in zip(b.outputs[0].logprobs,
+                                                       b.outputs[0].token_ids)]),
+            atol=3e-5, rtol=0)
+
+
 def test_native_mixer_bf16_is_as_accurate_as_module_path(qwen3_next, monkeypatch):
     """bf16: the native mixer keeps its intermediates in float32 (the module path rounds each
     operation's output to bf16): its prompt logprobs' mean error against the float32 module
