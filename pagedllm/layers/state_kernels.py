@@ -83,6 +83,8 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         raise ValueError(f"causal_conv1d_varlen: unknown activation {activation!r}")
     silu = activation == "silu"
     chosen = pick_backend(backend, x)
+    if chosen == "native" and backend is None and weight.shape[-1] > state_scan.CONV_MAX_WIDTH:
+        chosen = "torch"   # a window wider than the kernel takes (none of the models here)
     if chosen == "native":
         return state_scan.causal_conv1d_varlen_cpu(
             x, weight, bias, conv_states, _native_batch(meta, conv_states.shape[0]), silu)

@@ -1,4 +1,5 @@
-"""The native Gated DeltaNet layer half of Qwen3-Next for steps of few tokens (decode).
+"""The native Gated DeltaNet and gated-attention layer halves of Qwen3-Next, for decode and
+prefill steps.
 
 A Qwen3-Next linear-attention layer run module by module spends, at batch 1, most of its
 mixer's time in Python and torch dispatch: ~25 small operations (the input GemmaRMSNorm, four
@@ -8,6 +9,12 @@ of weights (docs/benchmarks.md, "Batch-1 decode of the 200M presets"). `gdn_deco
 `csrc/cpu_gdn_decoder.cpp` runs all of it from C++ in one call (its header gives the math: the
 module path's, with the module path's own conv and delta-rule kernels on the same state
 slots). The MoE / MLP half stays a module.
+
+Prefill steps take the same call (up to MAX_TOKENS tokens, which bounds the float32 scratch:
+~25 KB per token for the 200M preset's Gated DeltaNet layer): the module path there ran the
+gates, norms and casts as ~20 torch passes over [n, 512-1024] tensors and the projections as
+four GEMMs, two of 8 rows (docs/benchmarks.md, "Qwen3-Next batch 32: the Gated DeltaNet
+prefill in one native call").
 
 `NativeGDNMixer(layer, scratch)` is attached to a linear-attention `Qwen3NextDecoderLayer`
 (`native_mixer`) by `attach_native_mixers` after loading, when the layer qualifies (`supports`:
@@ -29,7 +36,7 @@ from pagedllm.attention.metadata import KVCacheGroupsMetadata
 from pagedllm.layers import state_kernels
 from pagedllm.layers.state_cache import StateCache
 from pagedllm.native.fused_decoder import _DTYPE_CODES, _is_packed, _is_quantized
-from pagedllm.native.kernels import abi, cpu_kernels
+from pagedllm.native.kernels import abi, cpu_kernels, ops
 from pagedllm.native.mla_decoder import NativeAttentionHalf, native_attention_enabled
 
 GDNLayerWeights = abi.struct("GDNLayerWeights")
@@ -64,9 +71,10 @@ class NativeGDNMixer:
     post_attention_layernorm of that), both [n, hidden_size] in the model dtype, or None for a
     step it does not take (module docstring). The structure is built on the first call and
     rebuilt when the layer's state tensors were replaced (`forget_structures` after weight
-    changes: the conv weight, A and dt_bias are copied at build)."""
+    changes: the conv weight, A and dt_bias are copied at build; the input projections are
+    stacked, `_stacked_in_proj`)."""
 
-    MAX_TOKENS = 256
+    MAX_TOKENS = 8192
 
     def __init__(self, layer, scratch: GDNScratch) -> None:
         self.layer = layer
@@ -118,11 +126,11 @@ class NativeGDNMixer:
         conv_w = mixer.conv1d.weight[:, 0].detach().float().contiguous()
         neg_a = (-mixer.A_log.detach().float().exp()).contiguous()
         dt_bias = mixer.dt_bias.detach().float().contiguous()
+        in_proj, in_packed = self._stacked_in_proj()
         w = GDNLayerWeights()
         w.input_norm = layer.input_layernorm.weight.data_ptr()
         w.post_norm = layer.post_attention_layernorm.weight.data_ptr()
-        (w.in_proj_qkv, w.in_proj_z, w.in_proj_b, w.in_proj_a,
-         w.out_proj) = (m.weight.data_ptr() for m in self.linears)
+        w.in_proj, w.out_proj = in_proj.data_ptr(), mixer.out_proj.weight.data_ptr()
         w.conv_weight, w.neg_a, w.dt_bias = conv_w.data_ptr(), neg_a.data_ptr(), dt_bias.data_ptr()
         w.norm_weight = mixer.norm.weight.data_ptr()
         w.conv_states, w.recurrent_states = conv_state.data_ptr(), recurrent.data_ptr()
@@ -131,10 +139,9 @@ class NativeGDNMixer:
         w.head_k_dim, w.head_v_dim = mixer.head_k_dim, mixer.head_v_dim
         w.conv_kernel = mixer.conv1d.weight.shape[-1]
         w.conv_state_dtype = _DTYPE_CODES[conv_state.dtype]
-        for i, m in enumerate(self.linears):
-            w.packed[i] = int(_is_packed(m))
+        w.packed[0], w.packed[1] = int(in_packed), int(_is_packed(mixer.out_proj))
         w.eps, w.norm_eps = layer.input_layernorm.eps, mixer.norm_eps
-        self._keep = [conv_w, neg_a, dt_bias]
+        self._keep = [conv_w, neg_a, dt_bias, in_proj]
         self._struct, self._states = w, states
         self.scratch_floats = self._lib.gdn_scratch_floats(ctypes.addressof(w))
 
@@ -162,6 +169,36 @@ class NativeGDNMixer:
     def num_slots(self) -> int:
         """The state tensors' slot count (after a `prepare` or `loop_address` that took)."""
         return self._states[0].shape[0]
+
+    def _stacked_in_proj(self) -> tuple[torch.Tensor, bool]:
+        """The four input projections' weights stacked as one [conv_dim + value_dim + 2 H_v,
+        hidden] weight (rows in_proj_qkv | in_proj_z | in_proj_b | in_proj_a), so that a step
+        runs one GEMM (the packed GEMM's 8-row tail panels of in_proj_b / in_proj_a alone ran
+        at ~3 GFLOP/s, docs/benchmarks.md). Packed when all four are: the packed layout of the
+        stack, whose row panels are each part's own panels wherever a part starts on a
+        16-row panel boundary. Each projection whose weight equals its rows of the stack is
+        re-pointed at them (same shape, dtype and layout), so the stack costs no memory
+        beyond the parts that do not line up (in_proj_b / in_proj_a when packed). Returns
+        (stack, packed)."""
+        parts = self.linears[:4]
+        packed = all(_is_packed(m) for m in parts)
+        # NOTE(q3n-b32): built outside inference mode (the first build runs inside a forward):
+        # the projections' weights become views of the stack, and an inference tensor there
+        # would refuse a later in-place weight load.
+        with torch.inference_mode(False):
+            rows = [m.weight.data if not packed else m.quant_method.unpacked_weight(m)
+                    for m in parts]
+            stack = torch.cat(rows).contiguous()
+            if packed:
+                stack = ops.pack_linear_weight(stack, self._lib)
+            start = 0
+            for m in parts:
+                n = m.weight.shape[0]
+                view = stack[start:start + n]
+                if torch.equal(view, m.weight.data):
+                    m.weight.data = view
+                start += n
+        return stack, packed
 
     def prepare(self, n: int, dtype: torch.dtype):
         """The per-step checks of `__call__` for a step of `n` tokens with activations in
@@ -208,6 +245,8 @@ class NativeGatedAttention(NativeAttentionHalf):
     `attend_until`, the batch-invariant mode, a KV cache in another dtype, more than MAX_TOKENS
     tokens, a wrapped projection. Every request of a taken step (fresh prefills too) attends in
     the paged kernel, as the fused decoder's layers do (native/fused_decoder.py)."""
+
+    MAX_TOKENS = NativeGDNMixer.MAX_TOKENS   # prefill steps too (the module docstring)
 
     def __init__(self, layer, state: AttentionStepState) -> None:
         super().__init__(layer, state, _ga_linears(layer.self_attn))

@@ -132,17 +132,50 @@ def test_native_ops_equal_float64_recurrence_and_torch_reference():
 
 
 @needs_kernels
-def test_native_chunk_splits_equal_the_whole():
+@pytest.mark.parametrize("dv", [32, 64, 128])
+def test_native_register_forms_equal_float64_recurrence(dv):
+    """The delta rule's forms for value heads of 32, 64 and 128 (kept in vector registers), and
+    the conv over two full channel blocks and a tail, against the float64 recurrences."""
+    case = dict(STATE_CASE, dv=dv, dk=16, channels=150)
+    inputs = make_inputs(5, case)
+    native = run_backend("native", inputs, _meta(case))
+    for name, want in float64_expected(inputs, case).items():
+        torch.testing.assert_close(native[name], want, atol=3e-5, rtol=3e-5, msg=name)
+
+
+@needs_kernels
+def test_conv_window_wider_than_the_kernel():
+    """A conv window over CONV_MAX_WIDTH taps: the native op refuses it by name, and the
+    dispatcher runs the torch reference instead."""
+    from pagedllm.native.kernels import state_scan
+    width = state_scan.CONV_MAX_WIDTH + 1
+    case = dict(STATE_CASE, width=width)
+    inputs = make_inputs(6, case)
+    meta = _meta(case)
+    x, weight = inputs["x"].float(), inputs["weight"].float()
+    with pytest.raises(ValueError, match="conv window of 17 taps"):
+        state_kernels.causal_conv1d_varlen(x, weight, None, inputs["conv"].float().clone(),
+                                           meta, backend="native")
+    got = state_kernels.causal_conv1d_varlen(x, weight, inputs["bias"].float(),
+                                             inputs["conv"].float().clone(), meta)
+    want = float64_expected(inputs, case)["conv_out"]
+    torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dv", [6, 64])
+def test_native_chunk_splits_equal_the_whole(dv):
     """One 23-token request run whole, then as chunks of 5, 1, 10 and 7 tokens carrying its
-    states: the token-by-token scan gives the same bits, wherever the chunks split."""
-    inputs = make_inputs(1, dict(STATE_CASE, query_lens=[23], computed=[0], slots=[2]))
-    whole_case = dict(STATE_CASE, query_lens=[23], computed=[0], slots=[2])
+    states: the token-by-token scan gives the same bits, wherever the chunks split (value
+    heads of 6: the general form; 64: the register form)."""
+    whole_case = dict(STATE_CASE, query_lens=[23], computed=[0], slots=[2], dv=dv)
+    inputs = make_inputs(1, whole_case)
     whole = run_backend("native", inputs, _meta(whole_case))
     state = {k: inputs[k].clone() for k in ("conv", "ssm", "delta")}
     outs: dict[str, list] = {"conv_out": [], "y": [], "o": []}
     start = 0
     for length in (5, 1, 10, 7):
-        case = dict(STATE_CASE, query_lens=[length], computed=[start], slots=[2])
+        case = dict(whole_case, query_lens=[length], computed=[start])
         part = {k: (v[start:start + length] if k in ("x", "xs", "dt", "b", "c", "q", "k", "v", "g",
                                                       "beta") else v) for k, v in inputs.items()}
         part.update(state)

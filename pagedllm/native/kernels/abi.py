@@ -151,14 +151,12 @@ struct NativeAttentionStep {
 
 /* One Qwen3-Next Gated DeltaNet layer's token mixer with its norms (cpu_gdn_decoder.cpp,
    native/gdn_decoder.py). Float weights [N, K] in the model dtype, or packed GEMM panels where
-   `packed` says so (per linear: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj). */
+   `packed` says so (per linear: in_proj, out_proj). The four input projections are one
+   weight, so that a step runs them as one GEMM. */
 struct GDNLayerWeights {
   const void* input_norm;          /* [hidden] zero-centred: x * (1 + w) (GemmaRMSNorm) */
   const void* post_norm;           /* [hidden] likewise */
-  const void* in_proj_qkv;         /* [2 * Hk * dk + Hv * dv, hidden] */
-  const void* in_proj_z;           /* [Hv * dv, hidden] */
-  const void* in_proj_b;           /* [Hv, hidden] */
-  const void* in_proj_a;           /* [Hv, hidden] */
+  const void* in_proj;             /* [2 Hk dk + 2 Hv dv + 2 Hv, hidden]: rows q | k | v | z | b | a */
   const void* out_proj;            /* [hidden, Hv * dv] */
   const float* conv_weight;        /* [conv_dim, conv_kernel] float32 */
   const float* neg_a;              /* [Hv] float32: -exp(A_log) */
@@ -173,7 +171,7 @@ struct GDNLayerWeights {
   int64_t head_v_dim;
   int64_t conv_kernel;
   int64_t conv_state_dtype;        /* 0 float32, 1 bfloat16 */
-  int64_t packed[5];
+  int64_t packed[2];
   float eps;                       /* input / post norms */
   float norm_eps;                  /* the gated RMSNorm */
 };

@@ -15,6 +15,8 @@ import torch
 from pagedllm.native.kernels import abi, cpu_kernels
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+# The widest conv window the kernel takes (csrc/cpu_state_scan.cpp, kConvMaxWidth).
+CONV_MAX_WIDTH = 16
 
 
 class StateBatchArgs:
@@ -91,10 +93,14 @@ def causal_conv1d_varlen_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.
         [num_tokens, C] in x's dtype.
 
     Raises:
-        ValueError: shapes that do not match, or a slot out of range.
+        ValueError: shapes that do not match, a window over CONV_MAX_WIDTH taps, or a slot out
+            of range.
     """
     n, c = x.shape
     k = weight.shape[-1]
+    if not 1 <= k <= CONV_MAX_WIDTH:
+        raise ValueError(f"causal_conv1d_varlen_cpu: a conv window of {k} taps (the kernel "
+                         f"takes 1 to {CONV_MAX_WIDTH})")
     if (weight.shape != (c, k) or conv_states.shape[1:] != (c, k - 1) or n != batch.num_tokens
             or not conv_states.is_contiguous() or conv_states.dtype not in _DTYPES):
         raise ValueError(f"causal_conv1d_varlen_cpu: x {tuple(x.shape)}, weight "

@@ -238,4 +238,22 @@ inline void block_values(float* acc, const float* p, const T* v, int64_t stride,
   for (int j = 0; j < n; ++j) axpy(acc, p[j], v + j * stride, head_size);
 }
 
+// dst[i] = num[i] / (1 + exp(-x[i])) = num[i] * sigmoid(x[i]) for i < n (the recurrent layers'
+// SiLU, num = x, and Qwen3-Next's output gates; cpu_state_scan.cpp / cpu_gdn_decoder.cpp): 8
+// lanes at a time with exp8 (glibc's scalar expf does not vectorise; relative difference
+// ~1e-7), the tail with std::exp. dst may be num or x.
+inline void mul_sigmoid(const float* num, const float* x, float* dst, int64_t n) {
+  int64_t i = 0;
+#ifdef PAGEDLLM_AVX2
+  const __m256 one = _mm256_set1_ps(1.0f);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_loadu_ps(x + i)));
+    _mm256_storeu_ps(dst + i, _mm256_div_ps(_mm256_loadu_ps(num + i), _mm256_add_ps(one, e)));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = num[i] / (1.0f + std::exp(-x[i]));
+}
+
+inline void silu_inplace(float* a, int64_t n) { mul_sigmoid(a, a, a, n); }
+
 }  // namespace pagedllm

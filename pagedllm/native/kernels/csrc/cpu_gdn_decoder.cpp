@@ -1,5 +1,5 @@
 // Qwen3-Next's layer halves (input norm, token mixer, residual add, post-attention norm) in one
-// call each, for steps of few tokens (decode): the Gated DeltaNet layers' (`gdn_decoder_mixer`)
+// call each, for decode and prefill steps: the Gated DeltaNet layers' (`gdn_decoder_mixer`)
 // and the gated-attention layers' (`gated_attention_mixer`, at the end of this file).
 //
 // Why: at batch 1 the module path's Gated DeltaNet mixer is ~25 torch operations and six
@@ -13,7 +13,7 @@
 // ICLR 2025):
 //
 //   x = gemma_rms(hidden) (x / rms(x) * (1 + w))
-//   qkv = x Wqkv^T;  z = x Wz^T;  b = x Wb^T;  a = x Wa^T
+//   [qkv | z | b | a] = x [Wqkv; Wz; Wb; Wa]^T   (one GEMM over the stacked weight)
 //   [q | k | v] = silu(causal_conv1d(qkv; window state))
 //   beta = sigmoid(b);  g = -exp(A_log) * softplus(a + dt_bias)
 //   o = gated_delta_rule(q, k, v, g, beta; recurrent state)           [Hv, dv] per token
@@ -22,7 +22,8 @@
 //
 // Weights, hidden, hidden_out and post_normed are in the model dtype T (float32 or bfloat16);
 // the activations in between stay in float32 (the module path rounds them to bf16 between its
-// operations in a bf16 model).
+// operations in a bf16 model). Any step size runs here (prefill steps too): the GEMMs take
+// the whole step, the conv and the delta rule walk each request's tokens.
 
 #include <algorithm>
 #include <cmath>
@@ -31,6 +32,7 @@
 #include <omp.h>
 
 #include "attention_kernel.h"
+#include "attention_primitives.h"
 #include "cpu_vec.h"
 #include "linear_kernel.h"
 #include "packed_gemm.h"
@@ -40,19 +42,18 @@ namespace {
 
 using namespace pagedllm;
 
-enum GDNLinear { kQKV = 0, kZ = 1, kB = 2, kA = 3, kOut = 4 };
+enum GDNLinear { kIn = 0, kOut = 1 };
 
+// Per-token float32 scratch: proj holds the stacked projection's row [q | k | v | z | b | a].
 struct GDNScratch {
-  int64_t x, qkv, conv, q, k, v, z, b, a, g, beta, o, o_in, out;
-  int64_t total() const {
-    return x + qkv + conv + q + k + v + z + b + a + g + beta + o + o_in + out;
-  }
+  int64_t x, proj, conv, q, k, v, g, beta, o, o_in, out;
+  int64_t total() const { return x + proj + conv + q + k + v + g + beta + o + o_in + out; }
 };
 
 GDNScratch scratch_sizes(const GDNLayerWeights& w) {
   const int64_t key = w.num_k_heads * w.head_k_dim, value = w.num_v_heads * w.head_v_dim;
   const int64_t conv = 2 * key + value, Hv = w.num_v_heads;
-  return {w.hidden_size, conv, conv, key, key, value, value, Hv, Hv, Hv, Hv, value, value,
+  return {w.hidden_size, conv + value + 2 * Hv, conv, key, key, value, Hv, Hv, value, value,
           w.hidden_size};
 }
 
@@ -75,17 +76,18 @@ int gdn_mixer(const GDNLayerWeights& w, const StateBatch* batch, int64_t M, cons
   const int64_t dk = w.head_k_dim, dv = w.head_v_dim;
   const int64_t key = Hk * dk, value = Hv * dv, conv_dim = 2 * key + value;
   const GDNScratch sz = scratch_sizes(w);
+  const int64_t P = sz.proj;   // row stride of proj
   float* x = scratch;
-  float* qkv = x + M * sz.x;
-  float* conv = qkv + M * sz.qkv;
+  float* proj = x + M * sz.x;
+  float* conv = proj + M * sz.proj;
   float* q = conv + M * sz.conv;
   float* k = q + M * sz.q;
   float* v = k + M * sz.k;
-  float* z = v + M * sz.v;
-  float* b = z + M * sz.z;
-  float* a = b + M * sz.b;
-  float* g = a + M * sz.a;
+  float* g = v + M * sz.v;
   float* beta = g + M * sz.g;
+  const float* z = proj + conv_dim;           // [M, value] at row stride P
+  const float* b = z + value;                 // [M, Hv] at row stride P
+  const float* a = b + Hv;
   float* o = beta + M * sz.beta;
   float* o_in = o + M * sz.o;
   float* out = o_in + M * sz.o_in;
@@ -95,13 +97,10 @@ int gdn_mixer(const GDNLayerWeights& w, const StateBatch* batch, int64_t M, cons
 #pragma omp for
     for (int64_t m = 0; m < M; ++m)
       gemma_rms_row(hidden + m * Hd, static_cast<const T*>(w.input_norm), w.eps, Hd, x + m * Hd);
-    gdn_linear<T>(w, kQKV, w.in_proj_qkv, x, M, Hd, conv_dim, qkv);
-    gdn_linear<T>(w, kZ, w.in_proj_z, x, M, Hd, value, z);
-    gdn_linear<T>(w, kB, w.in_proj_b, x, M, Hd, Hv, b);
-    gdn_linear<T>(w, kA, w.in_proj_a, x, M, Hd, Hv, a);
+    gdn_linear<T>(w, kIn, w.in_proj, x, M, Hd, P, proj);
   }
 
-  int rc = causal_conv1d_varlen_cpu(batch, qkv, conv_dim, conv_dim, w.conv_kernel,
+  int rc = causal_conv1d_varlen_cpu(batch, proj, P, conv_dim, w.conv_kernel,
                                     w.conv_weight, nullptr, w.conv_states,
                                     static_cast<int>(w.conv_state_dtype), 1, conv, 0);
   if (rc != 0) return rc;
@@ -111,8 +110,8 @@ int gdn_mixer(const GDNLayerWeights& w, const StateBatch* batch, int64_t M, cons
     std::copy(row + key, row + 2 * key, k + m * key);
     std::copy(row + 2 * key, row + conv_dim, v + m * value);
     for (int64_t h = 0; h < Hv; ++h) {
-      beta[m * Hv + h] = 1.f / (1.f + std::exp(-b[m * Hv + h]));
-      g[m * Hv + h] = w.neg_a[h] * softplus(a[m * Hv + h] + w.dt_bias[h]);
+      beta[m * Hv + h] = 1.f / (1.f + std::exp(-b[m * P + h]));
+      g[m * Hv + h] = w.neg_a[h] * softplus(a[m * P + h] + w.dt_bias[h]);
     }
   }
   rc = gated_delta_rule_varlen_cpu(batch, q, k, v, g, beta, w.recurrent_states, Hv, Hk, dk, dv,
@@ -125,14 +124,14 @@ int gdn_mixer(const GDNLayerWeights& w, const StateBatch* batch, int64_t M, cons
 #pragma omp for
     for (int64_t item = 0; item < M * Hv; ++item) {
       const float* oh = o + item * dv;
-      const float* zh = z + item * dv;
+      const float* zh = z + (item / Hv) * P + (item % Hv) * dv;
       float* dst = o_in + item * dv;
       float ss = 0.f;
       for (int64_t d = 0; d < dv; ++d) ss += oh[d] * oh[d];
       const float inv = 1.f / std::sqrt(ss / static_cast<float>(dv) + w.norm_eps);
       const T* nw = static_cast<const T*>(w.norm_weight);
-      for (int64_t d = 0; d < dv; ++d)
-        dst[d] = oh[d] * inv * to_float(nw[d]) * (zh[d] / (1.f + std::exp(-zh[d])));
+      mul_sigmoid(zh, zh, dst, dv);   // silu(z)
+      for (int64_t d = 0; d < dv; ++d) dst[d] = oh[d] * inv * to_float(nw[d]) * dst[d];
     }
     gdn_linear<T>(w, kOut, w.out_proj, o_in, M, value, Hd, out);
 #pragma omp for
@@ -254,7 +253,7 @@ void gated_attention(const GatedAttentionWeights& w, const NativeAttentionStep& 
       const float* a = attn_out + item * D;
       const float* gate = q_gate + m * 2 * H * D + h * 2 * D + D;
       float* dst = o_in + item * D;
-      for (int64_t d = 0; d < D; ++d) dst[d] = a[d] / (1.f + std::exp(-gate[d]));
+      mul_sigmoid(a, gate, dst, D);
     }
     ga_linear<T>(w, 3, w.o_proj, o_in, M, H * D, Hd, out);
 #pragma omp for

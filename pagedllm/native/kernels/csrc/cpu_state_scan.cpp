@@ -18,7 +18,8 @@
 // the whole request. The state is float32 (the conv window in the activation dtype, as the
 // engine stores it); activations are float32 or bfloat16 (dtype 0 / 1), the arithmetic float32.
 // Each entry point returns 0, or -1 when a request's slot (or one of its emit slots) is out of
-// range (that request is skipped, the others still run).
+// range (that request is skipped, the others still run); the conv returns -2 for a window
+// wider than kConvMaxWidth (nothing runs).
 //
 // Emits (StateBatch.emit_*, prefix-caching mode "align"): a request may list tokens of its
 // query after which its state is also copied, as it stands, into another slot; the runner asks
@@ -32,15 +33,19 @@
 
 #include <omp.h>
 
+#include "attention_primitives.h"
 #include "cpu_vec.h"
 #include "pagedllm_abi.h"
 
 namespace {
 
+using pagedllm::silu_inplace;
 using pagedllm::store;
 using pagedllm::to_float;
 
 constexpr int64_t kConvBlock = 64;
+// The widest conv window the kernel takes (Mamba-2, Gated DeltaNet and LFM2 use 3-4).
+constexpr int64_t kConvMaxWidth = 16;
 // Below this many multiply-adds a call runs on one thread: a parallel region's fork and barrier
 // cost more than the work (a batch-1 decode step), and much more on a loaded machine, where a
 // descheduled thread holds the barrier up.
@@ -73,48 +78,65 @@ class Emits {
   int64_t start_, e_, end_;
 };
 
+// One request's channels [c0, c1) over its tokens. The window (the K - 1 inputs before the
+// request's first token, from its state slot) is read once into `win`; token t's taps are the
+// window's last rows while t is within K - 1 tokens of the start, then rows of x itself, so the
+// steady state reads x directly (no shifting window), with the channels innermost.
 template <typename T, typename S>
 void conv_block(const StateBatch* b, int64_t r, int64_t c0, int64_t c1, const T* x, int64_t ldx,
-                int64_t width, const float* weight, const float* bias, S* conv_states,
+                int64_t width, const float* weight_t, const float* bias, S* conv_states,
                 int64_t channels, bool silu, T* out, int64_t ldo) {
   const int64_t k1 = width - 1, nc = c1 - c0;
   const int64_t slot = b->state_indices[r];
+  const int64_t start = b->query_start_loc[r], end = b->query_start_loc[r + 1];
   S* state = conv_states + slot * channels * k1;
-  // win[j * nc + i]: channel c0 + i's input j steps back from the oldest of the window.
-  std::vector<float> win(static_cast<size_t>(k1 * nc), 0.0f);
-  if (b->has_initial_state[r])
-    for (int64_t i = 0; i < nc; ++i)
-      for (int64_t j = 0; j < k1; ++j) win[j * nc + i] = to_float(state[(c0 + i) * k1 + j]);
-  std::vector<float> acc(static_cast<size_t>(nc)), xt(static_cast<size_t>(nc));
-  Emits emits(b, r);
-  auto save = [&](S* dst) {
-    for (int64_t i = 0; i < nc; ++i)
-      for (int64_t j = 0; j < k1; ++j) store(win[j * nc + i], dst + (c0 + i) * k1 + j);
-  };
-  for (int64_t t = b->query_start_loc[r]; t < b->query_start_loc[r + 1]; ++t) {
-    for (int64_t i = 0; i < nc; ++i) {
-      xt[i] = to_float(x[t * ldx + c0 + i]);
-      acc[i] = (bias ? bias[c0 + i] : 0.0f) + weight[(c0 + i) * width + k1] * xt[i];
-    }
+  float win[kConvMaxWidth * kConvBlock];   // win[j * nc + i]: input j of the old window
+  float acc[kConvBlock];
+  for (int64_t i = 0; i < nc; ++i) {
     for (int64_t j = 0; j < k1; ++j)
-      for (int64_t i = 0; i < nc; ++i) acc[i] += weight[(c0 + i) * width + j] * win[j * nc + i];
-    for (int64_t j = 0; j + 1 < k1; ++j)
-      for (int64_t i = 0; i < nc; ++i) win[j * nc + i] = win[(j + 1) * nc + i];
-    if (k1 > 0)
-      for (int64_t i = 0; i < nc; ++i) win[(k1 - 1) * nc + i] = xt[i];
-    for (int64_t i = 0; i < nc; ++i) {
-      const float v = silu ? acc[i] / (1.0f + std::exp(-acc[i])) : acc[i];
-      store(v, out + t * ldo + c0 + i);
-    }
-    const int64_t emit = emits.due(t);
-    if (emit > 0) save(conv_states + emit * channels * k1);
+      win[j * nc + i] = b->has_initial_state[r] ? to_float(state[(c0 + i) * k1 + j]) : 0.0f;
   }
-  save(state);
+  // Input j of the window that ends at token t (j = K - 1: token t itself).
+  auto tap = [&](int64_t t, int64_t j, int64_t i) -> float {
+    const int64_t src = t - k1 + j;
+    return src >= start ? to_float(x[src * ldx + c0 + i]) : win[(src - start + k1) * nc + i];
+  };
+  // The window after token t (its last K - 1 inputs) into `dst` ([channels, K - 1] rows).
+  auto save = [&](int64_t t, S* dst) {
+    for (int64_t i = 0; i < nc; ++i)
+      for (int64_t j = 0; j < k1; ++j) store(tap(t, j + 1, i), dst + (c0 + i) * k1 + j);
+  };
+  Emits emits(b, r);
+  for (int64_t t = start; t < end; ++t) {
+    for (int64_t i = 0; i < nc; ++i) acc[i] = bias ? bias[c0 + i] : 0.0f;
+    if (t - start >= k1) {
+      for (int64_t j = 0; j < width; ++j) {
+        const T* row = x + (t - k1 + j) * ldx + c0;
+        const float* w = weight_t + j * channels + c0;
+#pragma omp simd
+        for (int64_t i = 0; i < nc; ++i) acc[i] += w[i] * to_float(row[i]);
+      }
+    } else {
+      for (int64_t j = 0; j < width; ++j)
+        for (int64_t i = 0; i < nc; ++i) acc[i] += weight_t[j * channels + c0 + i] * tap(t, j, i);
+    }
+    T* dst = out + t * ldo + c0;
+    if (silu) silu_inplace(acc, nc);
+    for (int64_t i = 0; i < nc; ++i) store(acc[i], dst + i);
+    const int64_t emit = emits.due(t);
+    if (emit > 0) save(t, conv_states + emit * channels * k1);
+  }
+  save(end - 1, state);   // (an empty request writes its window back unchanged)
 }
 
 template <typename T, typename S>
 int conv_all(const StateBatch* b, const T* x, int64_t ldx, int64_t channels, int64_t width,
              const float* weight, const float* bias, S* conv_states, int silu, T* out) {
+  if (width < 1 || width > kConvMaxWidth) return -2;
+  // weight_t[j * channels + c]: channel c's tap j (the taps of a channel block contiguous).
+  std::vector<float> weight_t(static_cast<size_t>(width * channels));
+  for (int64_t c = 0; c < channels; ++c)
+    for (int64_t j = 0; j < width; ++j) weight_t[j * channels + c] = weight[c * width + j];
   const int64_t blocks = (channels + kConvBlock - 1) / kConvBlock;
   const int64_t work = b->query_start_loc[b->num_reqs] * channels * width;
   int bad = 0;
@@ -128,8 +150,8 @@ int conv_all(const StateBatch* b, const T* x, int64_t ldx, int64_t channels, int
       }
       const int64_t c0 = cb * kConvBlock;
       const int64_t c1 = c0 + kConvBlock < channels ? c0 + kConvBlock : channels;
-      conv_block(b, r, c0, c1, x, ldx, width, weight, bias, conv_states, channels, silu != 0,
-                 out, channels);
+      conv_block(b, r, c0, c1, x, ldx, width, weight_t.data(), bias, conv_states, channels,
+                 silu != 0, out, channels);
     }
   return bad ? -1 : 0;
 }
@@ -196,6 +218,67 @@ void load_l2_normalised(const T* src, int64_t n, float scale, float* dst) {
   for (int64_t i = 0; i < n; ++i) dst[i] *= f;
 }
 
+// One token of the gated delta rule on one head's state S [dk, DV] (row i: key channel i):
+//   kv = S^T k after the decay;  delta = (v - kv) * beta;  S += k delta^T;  o = S^T q.
+// DV (the value head size) is a compile-time constant so that kv, delta and o stay in vector
+// registers across the dk rows (each pass streams S once from L1).
+template <int DV, typename T>
+inline void delta_token(float* __restrict S, const float* __restrict qt,
+                        const float* __restrict kt, const T* vt, float decay, float bt,
+                        int64_t dk, float* __restrict ot) {
+  float kv[DV], delta[DV], acc[DV];
+#pragma omp simd
+  for (int j = 0; j < DV; ++j) kv[j] = 0.0f;
+  for (int64_t i = 0; i < dk; ++i) {
+    float* __restrict row = S + i * DV;
+    const float ki = kt[i];
+#pragma omp simd
+    for (int j = 0; j < DV; ++j) {
+      row[j] *= decay;
+      kv[j] += ki * row[j];
+    }
+  }
+  for (int j = 0; j < DV; ++j) delta[j] = (to_float(vt[j]) - kv[j]) * bt;
+#pragma omp simd
+  for (int j = 0; j < DV; ++j) acc[j] = 0.0f;
+  for (int64_t i = 0; i < dk; ++i) {
+    float* __restrict row = S + i * DV;
+    const float ki = kt[i], qi = qt[i];
+#pragma omp simd
+    for (int j = 0; j < DV; ++j) {
+      row[j] += ki * delta[j];
+      acc[j] += qi * row[j];
+    }
+  }
+  for (int j = 0; j < DV; ++j) ot[j] = acc[j];
+}
+
+// The same for any value head size (the state rows through memory buffers).
+template <typename T>
+inline void delta_token_any(float* S, const float* qt, const float* kt, const T* vt, float decay,
+                            float bt, int64_t dk, int64_t dv, float* kv, float* delta,
+                            float* ot) {
+  for (int64_t j = 0; j < dv; ++j) kv[j] = 0.0f;
+  for (int64_t i = 0; i < dk; ++i) {
+    float* row = S + i * dv;
+    const float ki = kt[i];
+    for (int64_t j = 0; j < dv; ++j) {
+      row[j] *= decay;
+      kv[j] += ki * row[j];
+    }
+  }
+  for (int64_t j = 0; j < dv; ++j) delta[j] = (to_float(vt[j]) - kv[j]) * bt;
+  for (int64_t j = 0; j < dv; ++j) ot[j] = 0.0f;
+  for (int64_t i = 0; i < dk; ++i) {
+    float* row = S + i * dv;
+    const float ki = kt[i], qi = qt[i];
+    for (int64_t j = 0; j < dv; ++j) {
+      row[j] += ki * delta[j];
+      ot[j] += qi * row[j];
+    }
+  }
+}
+
 template <typename T>
 int gated_delta_all(const StateBatch* b, const T* q, const T* k, const T* v, const float* g,
                     const float* beta, float* states, int64_t H, int64_t Hk, int64_t dk,
@@ -223,29 +306,17 @@ int gated_delta_all(const StateBatch* b, const T* q, const T* k, const T* v, con
         load_l2_normalised(q + (t * Hk + hk) * dk, dk, q_scale, qt.data());
         load_l2_normalised(k + (t * Hk + hk) * dk, dk, 1.0f, kt.data());
         const float decay = std::exp(g[t * H + h]), bt = beta[t * H + h];
-        // Pass 1: decay the state and read k's memory, kv = S^T k.
-        for (int64_t j = 0; j < dv; ++j) kv[j] = 0.0f;
-        for (int64_t i = 0; i < dk; ++i) {
-          float* row = S + i * dv;
-          const float ki = kt[i];
-          for (int64_t j = 0; j < dv; ++j) {
-            row[j] *= decay;
-            kv[j] += ki * row[j];
-          }
-        }
         const T* vt = v + (t * H + h) * dv;
-        for (int64_t j = 0; j < dv; ++j) delta[j] = (to_float(vt[j]) - kv[j]) * bt;
-        // Pass 2: the rank-one update S += k delta^T and the output o = S^T q.
         float* ot = out + (t * H + h) * dv;
-        for (int64_t j = 0; j < dv; ++j) ot[j] = 0.0f;
-        for (int64_t i = 0; i < dk; ++i) {
-          float* row = S + i * dv;
-          const float ki = kt[i], qi = qt[i];
-          for (int64_t j = 0; j < dv; ++j) {
-            row[j] += ki * delta[j];
-            ot[j] += qi * row[j];
-          }
-        }
+        if (dv == 64)
+          delta_token<64>(S, qt.data(), kt.data(), vt, decay, bt, dk, ot);
+        else if (dv == 128)
+          delta_token<128>(S, qt.data(), kt.data(), vt, decay, bt, dk, ot);
+        else if (dv == 32)
+          delta_token<32>(S, qt.data(), kt.data(), vt, decay, bt, dk, ot);
+        else
+          delta_token_any(S, qt.data(), kt.data(), vt, decay, bt, dk, dv, kv.data(),
+                          delta.data(), ot);
         const int64_t emit = emits.due(t);
         if (emit > 0) std::copy(S, S + dk * dv, states + (emit * H + h) * dk * dv);
       }
