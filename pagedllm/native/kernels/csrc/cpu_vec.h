@@ -1,5 +1,5 @@
-// Shared helpers of the CPU kernels: float32 / bfloat16 loads and stores, and the AVX2 vector
-// forms.
+// Shared helpers of the CPU kernels: float32 / bfloat16 loads and stores, and the AVX2 and
+// AVX-512 vector forms (PAGEDLLM_AVX512: AVX2 builds whose target also has AVX-512F).
 // A bfloat16 is the upper half of a float32, so widening one is a 16-bit shift.
 #pragma once
 
@@ -9,6 +9,9 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define PAGEDLLM_AVX2 1
+#endif
+#if defined(PAGEDLLM_AVX2) && defined(__AVX512F__)
+#define PAGEDLLM_AVX512 1
 #endif
 
 namespace pagedllm {
@@ -65,6 +68,21 @@ inline float hsum(__m256 v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
+}
+#endif
+
+#ifdef PAGEDLLM_AVX512
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+inline __m512 load16(const uint16_t* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// The sum of v's 16 lanes: its halves added, then `hsum` of the 8 lanes (AVX-512F only).
+inline float hsum(__m512 v) {
+  const __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+  return hsum(_mm256_add_ps(_mm512_castps512_ps256(v), high));
 }
 #endif
 
