@@ -101,7 +101,7 @@ class NativeMoeBlock:
         # (`fused_decoder_max_tokens` of packed weights): their prefill-sized row blocks run in
         # the kernel's panel form (fused_moe_kernel.h), which on AVX-512 ran DeepSeek-V2-Lite
         # 200M's 2048-token block in ~0.9x of the module path's time (oneDNN GEMMs per expert;
-        # docs/benchmarks.md, "Batch 32 on an AVX-512 host").
+        # docs/benchmarks.md, "Batch 32 of DeepSeek-V2-Lite 200M on an AVX-512 host").
         self._max_pairs = self.num_experts * current_platform.fused_decoder_max_tokens(
             self.dtype, packed_weights=self.dtype == torch.float32)
 
