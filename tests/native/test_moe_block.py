@@ -114,15 +114,20 @@ def test_blocks_bfloat16(make):
 
 def test_declines_what_it_does_not_take(monkeypatch):
     """The switches, a replaced expert layer (LoRA's wrapper), load counting, routed-experts
-    capture and too many rows per expert send the step to the module path (None)."""
+    capture and too many rows per expert (bfloat16 on the platform's limit; float32 takes every
+    size: its panel form) send the step to the module path (None)."""
+    block16 = _sparse(96).to(torch.bfloat16)
+    native16 = NativeMoeBlock.for_block(block16)
+    limit = current_platform.fused_decoder_max_tokens(torch.bfloat16) * 8 // 2   # 8 experts, top-2
+    if limit < 1 << 12:   # a bound on this platform (AVX-512): tokens at it and one past it
+        assert native16(torch.randn(limit, HIDDEN).bfloat16()) is not None
+        assert native16(torch.randn(limit + 1, HIDDEN).bfloat16()) is None
     block = _sparse(96)
     native = NativeMoeBlock.for_block(block)
     x = torch.randn(2, HIDDEN)
     assert native(x) is not None
     assert native(x.double()) is None
-    too_many = current_platform.fused_decoder_max_tokens(torch.float32) * 8 // 2 + 1
-    if too_many < 1 << 20:
-        assert native(torch.randn(too_many, HIDDEN)) is None
+    assert native(torch.randn(600, HIDDEN)) is not None   # 150 rows per expert
     experts = block.experts
     experts.expert_load = torch.zeros(8, dtype=torch.int64)
     assert native(x) is None

@@ -10,7 +10,7 @@ import torch
 from pagedllm.distributed.parallel_state import (ExpertParallelLayout,
                                                  set_expert_parallel_layout)
 from pagedllm.native.kernels import cpu_kernels
-from tests.fixtures.kernel_builds import kernel_build
+from tests.fixtures.kernel_builds import BUILD_PARAMS, kernel_build
 from pagedllm.native.kernels.ops import cpu_fused_moe, fused_moe_supported
 from pagedllm.layers.activation import GeluAndMul, SiluAndMul
 from pagedllm.layers.fused_moe import (FusedMoE, fused_experts, fused_experts_torch,
@@ -79,6 +79,48 @@ def test_every_decode_row_count_matches_naive_loop(dtype):
     want = _naive(hidden.float(), w13.float(), w2.float(), weights, ids[:, None])
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
+
+
+def _rows_per_expert(counts: list[int], hidden_size: int, inter: int, dtype, seed: int):
+    """A top-1 problem where expert e gets exactly counts[e] rows (in shuffled token order)."""
+    ids = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+    ids = ids[torch.randperm(len(ids), generator=torch.Generator().manual_seed(seed))]
+    hidden, w13, w2, _, _ = _problem(len(ids), len(counts), hidden_size, inter, 1, dtype=dtype,
+                                     seed=seed)
+    weights = torch.rand(len(ids), 1, generator=torch.Generator().manual_seed(seed + 1))
+    return hidden, w13, w2, weights, ids[:, None]
+
+
+@pytest.mark.parametrize("build", BUILD_PARAMS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_decode_row_counts_at_sizes_of_sixteen(build, dtype):
+    """Sizes that are multiples of 16 (hidden 112, intermediate 80): on AVX-512 builds every
+    block of 1-12 rows takes the 16-lane one-pass kernels (`tile_gemm16`), 13 and 14 rows the
+    8-lane ones; column counts that are not multiples of their 6 / 4 / 3 / 2 weight rows. Each
+    build (native, AVX2 only, portable) against the float64 loop."""
+    lib = kernel_build(build)
+    hidden, w13, w2, weights, ids = _rows_per_expert(list(range(1, 15)), 112, 80, dtype, 5)
+    got = cpu_fused_moe(hidden, w13, w2, weights, ids, lib=lib)
+    want = _naive(hidden.float(), w13.float(), w2.float(), weights, ids)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("build", BUILD_PARAMS)
+def test_panel_form_panel_counts(build):
+    """float32 prefill-sized blocks (>= 32 rows: the panel form) of 2, 3, 5 and 6 panels and a
+    96 + 54-row expert: the AVX-512 form's two-panel steps and its one-panel remainder, a padded
+    last panel, weight row counts that are not multiples of its 12-row tiles (40, 56). Against
+    the float64 loop; with only panel blocks, every build's outputs are the same bits (each
+    output is the same k-ordered chain of multiply-adds in the AVX2 and AVX-512 forms)."""
+    lib = kernel_build(build)
+    hidden, w13, w2, weights, ids = _rows_per_expert([32, 47, 80, 96, 150], 56, 40,
+                                                     torch.float32, 7)
+    got = cpu_fused_moe(hidden, w13, w2, weights, ids, lib=lib)
+    torch.testing.assert_close(got.double(), _naive(hidden, w13, w2, weights, ids),
+                               atol=1e-5, rtol=1e-5)
+    if build == "avx2":
+        assert torch.equal(got, cpu_fused_moe(hidden, w13, w2, weights, ids))
 
 
 def test_experts_without_tokens_and_non_local_experts():

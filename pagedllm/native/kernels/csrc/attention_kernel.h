@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include <omp.h>
@@ -130,6 +131,67 @@ struct AttentionArgs {
   const int64_t* attend_until = nullptr;
 };
 
+// acc_h[0, head_size) += sum_j p_h[j] * v_j for the nr query heads h sharing the V rows
+// v_j = v + j * stride (acc_h = acc + h * acc_stride, p_h = p + h * p_stride). With AVX2 and
+// head_size % 16 == 0 each V vector is loaded (and widened) once for up to 4 heads (AVX-512:
+// 8); every element still sums its terms in `block_values`' order with the same FMAs (the same
+// floats).
+template <typename T>
+inline void block_values_heads(float* acc, int64_t acc_stride, const float* p, int p_stride,
+                               int nr, const T* v, int64_t stride, int n, int head_size) {
+#ifdef PAGEDLLM_AVX512
+  // One zmm per 16 values: up to 8 heads per V vector load (float32 / bfloat16 caches; the
+  // 8-bit ones take the AVX2 form).
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, uint16_t>) {
+    if (head_size % 16 == 0) {
+      for (int h0 = 0; h0 < nr; h0 += 8) {
+        const int nh = std::min(8, nr - h0);
+        for (int d = 0; d < head_size; d += 16) {
+          __m512 a[8];
+          for (int h = 0; h < nh; ++h) a[h] = _mm512_loadu_ps(acc + (h0 + h) * acc_stride + d);
+          for (int j = 0; j < n; ++j) {
+            const __m512 vv = load16(v + j * stride + d);
+            for (int h = 0; h < nh; ++h)
+              a[h] = _mm512_fmadd_ps(_mm512_set1_ps(p[(h0 + h) * p_stride + j]), vv, a[h]);
+          }
+          for (int h = 0; h < nh; ++h) _mm512_storeu_ps(acc + (h0 + h) * acc_stride + d, a[h]);
+        }
+      }
+      return;
+    }
+  }
+#endif
+#ifdef PAGEDLLM_AVX2
+  if (head_size % 16 == 0) {
+    for (int h0 = 0; h0 < nr; h0 += 4) {
+      const int nh = std::min(4, nr - h0);
+      for (int d = 0; d < head_size; d += 16) {
+        __m256 a[4][2];
+        for (int h = 0; h < nh; ++h) {
+          a[h][0] = _mm256_loadu_ps(acc + (h0 + h) * acc_stride + d);
+          a[h][1] = _mm256_loadu_ps(acc + (h0 + h) * acc_stride + d + 8);
+        }
+        for (int j = 0; j < n; ++j) {
+          const __m256 v0 = load8(v + j * stride + d), v1 = load8(v + j * stride + d + 8);
+          for (int h = 0; h < nh; ++h) {
+            const __m256 pj = _mm256_set1_ps(p[(h0 + h) * p_stride + j]);
+            a[h][0] = _mm256_fmadd_ps(pj, v0, a[h][0]);
+            a[h][1] = _mm256_fmadd_ps(pj, v1, a[h][1]);
+          }
+        }
+        for (int h = 0; h < nh; ++h) {
+          _mm256_storeu_ps(acc + (h0 + h) * acc_stride + d, a[h][0]);
+          _mm256_storeu_ps(acc + (h0 + h) * acc_stride + d + 8, a[h][1]);
+        }
+      }
+    }
+    return;
+  }
+#endif
+  for (int h = 0; h < nr; ++h)
+    block_values(acc + h * acc_stride, p + h * p_stride, v, stride, n, head_size);
+}
+
 // The work-sharing loops over the plan's items, then the merge of the split rows, to be called
 // by every thread of an enclosing OpenMP parallel region (orphaned `omp for`s, each ending with
 // a barrier).
@@ -228,9 +290,22 @@ void attention_items(const AttentionArgs<T, TQ>& a, const AttentionPlan& plan) {
           for (int j = 0; j < n; ++j) p[j] *= vs[j * num_kv_heads];
         }
       }
-      for (int h = 0; h < nh; ++h)
-        block_values(&acc[h * head_size], &scores[h * block_size],
-                     a.value_cache + base + (h / rep) * head_size, kv_row_stride, n, head_size);
+      if (rep > 1 && head_size != 64 && head_size != 128) {
+        // Heads of one KV head share its V rows: each V vector loaded once for up to 4 heads
+        // (the same floats). MLA's absorbed decode (one latent "KV head" of 144-576 values for
+        // all query heads) spent most of its attention time in the per-head loop below, which
+        // for these sizes has no in-register kernel (docs/benchmarks.md, "Batch 32 of
+        // DeepSeek-V2-Lite 200M on an AVX-512 host").
+        for (int g = 0; g < nh; g += rep)
+          block_values_heads(&acc[g * head_size], head_size, &scores[g * block_size],
+                             block_size, rep, a.value_cache + base + (g / rep) * head_size,
+                             kv_row_stride, n, head_size);
+      } else {
+        for (int h = 0; h < nh; ++h)
+          block_values(&acc[h * head_size], &scores[h * block_size],
+                       a.value_cache + base + (h / rep) * head_size, kv_row_stride, n,
+                       head_size);
+      }
     }
 
     if (split >= 0) {   // the piece's state, for the merge below
@@ -368,43 +443,6 @@ inline void piece_row_weights(const float* q, const T* k, const float* ks, const
     for (int j = 0; j < n; ++j) s[j] *= vs[(j0 + j) * num_kv_heads];
 }
 
-// acc_h[0, head_size) += sum_j p_h[j] * v_j for the nr query heads h sharing the V rows
-// v_j = v + j * stride (acc_h = acc + h * acc_stride, p_h = p + h * p_stride). With AVX2 and
-// head_size % 16 == 0 each V vector is loaded (and widened) once for up to 4 heads; every
-// element still sums its terms in `block_values`' order with the same FMAs (the same floats).
-template <typename T>
-inline void block_values_heads(float* acc, int64_t acc_stride, const float* p, int p_stride,
-                               int nr, const T* v, int64_t stride, int n, int head_size) {
-#ifdef PAGEDLLM_AVX2
-  if (head_size % 16 == 0) {
-    for (int h0 = 0; h0 < nr; h0 += 4) {
-      const int nh = std::min(4, nr - h0);
-      for (int d = 0; d < head_size; d += 16) {
-        __m256 a[4][2];
-        for (int h = 0; h < nh; ++h) {
-          a[h][0] = _mm256_loadu_ps(acc + (h0 + h) * acc_stride + d);
-          a[h][1] = _mm256_loadu_ps(acc + (h0 + h) * acc_stride + d + 8);
-        }
-        for (int j = 0; j < n; ++j) {
-          const __m256 v0 = load8(v + j * stride + d), v1 = load8(v + j * stride + d + 8);
-          for (int h = 0; h < nh; ++h) {
-            const __m256 pj = _mm256_set1_ps(p[(h0 + h) * p_stride + j]);
-            a[h][0] = _mm256_fmadd_ps(pj, v0, a[h][0]);
-            a[h][1] = _mm256_fmadd_ps(pj, v1, a[h][1]);
-          }
-        }
-        for (int h = 0; h < nh; ++h) {
-          _mm256_storeu_ps(acc + (h0 + h) * acc_stride + d, a[h][0]);
-          _mm256_storeu_ps(acc + (h0 + h) * acc_stride + d + 8, a[h][1]);
-        }
-      }
-    }
-    return;
-  }
-#endif
-  for (int h = 0; h < nr; ++h)
-    block_values(acc + h * acc_stride, p + h * p_stride, v, stride, n, head_size);
-}
 
 #ifdef PAGEDLLM_AVX2
 // ---- Register-blocked tiles for long query runs (chunked prefill, long prefix-cache suffixes)

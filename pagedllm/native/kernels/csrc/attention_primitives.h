@@ -175,10 +175,12 @@ inline void prefetch_head_rows(const T* k, const T* v, int64_t off, int64_t stri
                                int head_size) {
 #ifdef PAGEDLLM_AVX2
   const int64_t bytes = static_cast<int64_t>(head_size) * sizeof(T);
+  const bool shared = k == v;   // one cache for both (MLA's latent): its rows once
   for (int j = 0; j < n; ++j)
     for (int64_t b = 0; b < bytes; b += 64) {
       _mm_prefetch(reinterpret_cast<const char*>(k + off + j * stride) + b, _MM_HINT_T1);
-      _mm_prefetch(reinterpret_cast<const char*>(v + off + j * stride) + b, _MM_HINT_T1);
+      if (!shared)
+        _mm_prefetch(reinterpret_cast<const char*>(v + off + j * stride) + b, _MM_HINT_T1);
     }
 #endif
 }

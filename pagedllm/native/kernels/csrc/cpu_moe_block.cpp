@@ -138,9 +138,10 @@ void moe_block_impl(const MoeBlockWeights& w, const TA* x, int64_t T, int64_t H,
   std::vector<int64_t> topk_ids(T * k);
   std::vector<float> route_scratch(static_cast<size_t>(num_threads) * 2 * E);
   std::vector<char> taken(static_cast<size_t>(num_threads) * std::max<int64_t>(E, w.n_group));
-  std::unique_ptr<TA[]> shared_gu(new TA[std::max<int64_t>(1, T * 2 * Is)]);
-  std::unique_ptr<TA[]> shared_act(new TA[std::max<int64_t>(1, T * Is)]);
-  std::unique_ptr<TA[]> shared_out(new TA[std::max<int64_t>(1, T * H)]);
+  // The shared expert's intermediates, in buffers this thread reuses (fused_moe_kernel.h).
+  TA* shared_gu = moe::reused_buffer<TA>(moe::kSlotShared0, T * 2 * Is);
+  TA* shared_act = moe::reused_buffer<TA>(moe::kSlotShared1, T * Is);
+  TA* shared_out = moe::reused_buffer<TA>(moe::kSlotShared2, T * H);
   std::unique_ptr<TA[]> gate_logit(new TA[std::max<int64_t>(1, T)]);
   moe::Plan<TA> plan;
   const int64_t chunks = (H + moe::kCombineChunk - 1) / moe::kCombineChunk;
@@ -165,22 +166,25 @@ void moe_block_impl(const MoeBlockWeights& w, const TA* x, int64_t T, int64_t H,
         route(w, logits.data() + t * E, scores, scores + E, tk, topk_ids.data() + t * k,
               topk_weights.data() + t * k);
     }
-#pragma omp single
+    // On the calling thread (the region's master), so that the plan's buffers are that
+    // thread's (`reused_buffer`) whichever threads the runtime hands out.
+#pragma omp master
     moe::plan<TA, TW>(topk_ids.data(), T, k, E, H, I, num_threads, plan);
+#pragma omp barrier
     moe::expert_phases(x, static_cast<const TW*>(w.w13), static_cast<const TW*>(w.w2), plan);
 
     if (Is > 0) {
       const bool packed_w = w.shared_packed != 0;
-      any_linear(x, T, H, w.shared_gate_up, w.shared_dtype, packed_w, 2 * Is, shared_gu.get());
+      any_linear(x, T, H, w.shared_gate_up, w.shared_dtype, packed_w, 2 * Is, shared_gu);
 #pragma omp for
       for (int64_t t = 0; t < T; ++t) {
-        const TA* gu = shared_gu.get() + t * 2 * Is;
-        TA* a = shared_act.get() + t * Is;
+        const TA* gu = shared_gu + t * 2 * Is;
+        TA* a = shared_act + t * Is;
         for (int64_t i = 0; i < Is; ++i)
           store(moe::rounded<TA>(moe::silu(to_float(gu[i]))) * to_float(gu[Is + i]), a + i);
       }
-      any_linear(shared_act.get(), T, Is, w.shared_down, w.shared_dtype, packed_w, H,
-                 shared_out.get());
+      any_linear(shared_act, T, Is, w.shared_down, w.shared_dtype, packed_w, H,
+                 shared_out);
       if (w.shared_gate != nullptr)
         any_linear(x, T, H, w.shared_gate, w.shared_gate_dtype, false, 1, gate_logit.get());
     }
@@ -195,7 +199,7 @@ void moe_block_impl(const MoeBlockWeights& w, const TA* x, int64_t T, int64_t H,
         for (int64_t c = c0; c < c1; ++c) store(acc[c - c0], out + t * H + c);
         continue;
       }
-      const TA* s = shared_out.get() + t * H;
+      const TA* s = shared_out + t * H;
       float scale = 1.f;
       if (w.shared_gate != nullptr)
         scale = moe::rounded<TA>(1.f / (1.f + std::exp(-to_float(gate_logit[t]))));

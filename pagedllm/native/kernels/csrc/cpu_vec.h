@@ -1,5 +1,6 @@
-// Shared helpers of the CPU kernels: float32 / bfloat16 loads and stores, the AVX2 vector
-// forms, and GemmaRMSNorm of one row.
+// Shared helpers of the CPU kernels: float32 / bfloat16 loads and stores, the AVX2 and
+// AVX-512 vector forms (PAGEDLLM_AVX512: AVX2 builds whose target also has AVX-512F), and
+// GemmaRMSNorm of one row.
 // A bfloat16 is the upper half of a float32, so widening one is a 16-bit shift.
 #pragma once
 
@@ -10,6 +11,9 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define PAGEDLLM_AVX2 1
+#endif
+#if defined(PAGEDLLM_AVX2) && defined(__AVX512F__)
+#define PAGEDLLM_AVX512 1
 #endif
 
 namespace pagedllm {
@@ -83,5 +87,20 @@ inline void gemma_rms_row(const TX* x, const T* w, float eps, int64_t n, float* 
   const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
   for (int64_t i = 0; i < n; ++i) out[i] = out[i] * inv * (1.f + to_float(w[i]));
 }
+
+#ifdef PAGEDLLM_AVX512
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+inline __m512 load16(const uint16_t* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// The sum of v's 16 lanes: its halves added, then `hsum` of the 8 lanes (AVX-512F only).
+inline float hsum(__m512 v) {
+  const __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+  return hsum(_mm256_add_ps(_mm512_castps512_ps256(v), high));
+}
+#endif
 
 }  // namespace pagedllm

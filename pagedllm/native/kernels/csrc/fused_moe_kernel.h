@@ -50,6 +50,11 @@ constexpr int64_t kMaxTile = 64;     // weight rows per work item (a tile stays 
 constexpr int64_t kCombineChunk = 256;
 constexpr int64_t kPanel = 16;            // rows of x per panel of the transposed layout
 constexpr int64_t kPanelMinRows = 32;     // a row block this long takes the panel form
+#ifdef PAGEDLLM_AVX512
+constexpr int64_t kPanelsPerStep = 2;     // adjacent panels sharing each weight broadcast
+#else
+constexpr int64_t kPanelsPerStep = 1;
+#endif
 
 // The bfloat16 value nearest to v (round to nearest even), as a float.
 inline float round_to(float v, const uint16_t*) {
@@ -108,13 +113,82 @@ void few_rows(const TX* x, int64_t ldx, const TW* w, int64_t K, int64_t n, TY* y
 }
 #endif
 
+#ifdef PAGEDLLM_AVX512
+// The AVX-512 form of `few_rows_micro` (K a multiple of 16): 16 lanes over k, then the
+// horizontal sum; with 32 vector registers more weight rows share each x load. The sums differ
+// from the 8-lane form's only in their order.
+template <int MB, int NB, typename TW, typename TX, typename TY>
+inline void few_rows_micro16(const TX* x, int64_t ldx, const TW* w, int64_t K, TY* y,
+                             int64_t ldy) {
+  constexpr int64_t kLine = 64 / sizeof(TW);   // weights per cache line
+  __m512 acc[MB][NB];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) {
+    if (k % kLine == 0)
+      for (int j = 0; j < NB; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(w + (j + NB) * K + k), _MM_HINT_T0);
+    __m512 wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = load16(w + j * K + k);
+    for (int i = 0; i < MB; ++i) {
+      const __m512 xv = load16(x + i * ldx + k);
+      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) store(hsum(acc[i][j]), y + i * ldy + j);
+}
+
+// Rows [0, MB) of x against weight rows [0, n), in one pass over the weights (AVX-512).
+template <int MB, typename TW, typename TX, typename TY>
+void few_rows16(const TX* x, int64_t ldx, const TW* w, int64_t K, int64_t n, TY* y,
+                int64_t ldy) {
+  // As many weight rows per step as the 32 registers hold next to MB x NB accumulators (and
+  // enough independent sums to cover the FMA latency at one row).
+  constexpr int NB = MB <= 3 ? 6 : (MB <= 6 ? 4 : (MB <= 8 ? 3 : 2));
+  int64_t j = 0;
+  for (; j + NB <= n; j += NB) few_rows_micro16<MB, NB>(x, ldx, w + j * K, K, y + j, ldy);
+  for (; j < n; ++j) few_rows_micro16<MB, 1>(x, ldx, w + j * K, K, y + j, ldy);
+}
+
+// Up to kFewRows16 rows in one pass over the weights; false (nothing done) for more rows or K
+// not a multiple of 16.
+constexpr int64_t kFewRows16 = 12;
+
+template <typename TW, typename TX, typename TY>
+bool tile_gemm16(const TX* x, int64_t ldx, int64_t rows, const TW* w, int64_t K, int64_t n,
+                 TY* y, int64_t ldy) {
+  if (K % 16 != 0) return false;
+  switch (rows) {
+    case 1: few_rows16<1>(x, ldx, w, K, n, y, ldy); return true;
+    case 2: few_rows16<2>(x, ldx, w, K, n, y, ldy); return true;
+    case 3: few_rows16<3>(x, ldx, w, K, n, y, ldy); return true;
+    case 4: few_rows16<4>(x, ldx, w, K, n, y, ldy); return true;
+    case 5: few_rows16<5>(x, ldx, w, K, n, y, ldy); return true;
+    case 6: few_rows16<6>(x, ldx, w, K, n, y, ldy); return true;
+    case 7: few_rows16<7>(x, ldx, w, K, n, y, ldy); return true;
+    case 8: few_rows16<8>(x, ldx, w, K, n, y, ldy); return true;
+    case 9: few_rows16<9>(x, ldx, w, K, n, y, ldy); return true;
+    case 10: few_rows16<10>(x, ldx, w, K, n, y, ldy); return true;
+    case 11: few_rows16<11>(x, ldx, w, K, n, y, ldy); return true;
+    case 12: few_rows16<12>(x, ldx, w, K, n, y, ldy); return true;
+    default: return false;
+  }
+}
+#endif
+
 // y[r, n] = dot(x[r], w[n]) for rows [0, rows) of x, weight rows [0, n) of w (K each).
-// Up to 8 rows (an expert's typical decode share) take one pass over the tile's weights
-// (`few_rows`; one row: linear_kernel.h's GEMV kernel, which prefetches itself); more rows take
-// 6-row passes, then the rest as few passes as fit the 16 AVX2 registers (5 rows: 3 + 2).
+// AVX-512 (K a multiple of 16): up to 12 rows in one pass over the tile's weights
+// (`tile_gemm16`, one row included). AVX2: up to 8 rows (an expert's typical decode share) take
+// one pass (`few_rows`; one row: linear_kernel.h's GEMV kernel, which prefetches itself); more
+// rows take 6-row passes, then the rest as few passes as fit the 16 AVX2 registers (5 rows:
+// 3 + 2).
 template <typename TW, typename TX, typename TY>
 void tile_gemm(const TX* x, int64_t ldx, int64_t rows, const TW* w, int64_t K, int64_t n,
                TY* y, int64_t ldy) {
+#ifdef PAGEDLLM_AVX512
+  if (tile_gemm16(x, ldx, rows, w, K, n, y, ldy)) return;
+#endif
 #ifdef PAGEDLLM_AVX2
   switch (rows) {
     case 2: return few_rows<2>(x, ldx, w, K, n, y, ldy);
@@ -175,6 +249,28 @@ inline int64_t tile_width(int64_t columns, int64_t num_blocks, int num_threads,
   return std::max<int64_t>(8, std::min<int64_t>(max_tile, want));
 }
 
+// Buffers of one call that the calling thread keeps for its next calls (slots below): a
+// prefill-sized call's intermediates are tens of MB, and fresh allocations of that size are
+// mmap'ed and page-faulted in again at every call (~15K faults, ~10% of a 2048-token DeepSeek
+// MoE block). Slot s of this thread holds at least n elements of T (grown, never shrunk;
+// contents unspecified); a pointer stays valid until the same slot is asked for again on this
+// thread.
+enum BufferSlot { kSlotXs, kSlotAct, kSlotYs, kSlotScratch, kSlotShared0, kSlotShared1,
+                  kSlotShared2, kNumSlots };
+
+template <typename T>
+T* reused_buffer(BufferSlot slot, int64_t n) {
+  thread_local std::unique_ptr<char[]> data[kNumSlots];
+  thread_local size_t capacity[kNumSlots] = {};
+  const size_t bytes = static_cast<size_t>(std::max<int64_t>(1, n)) * sizeof(T);
+  if (bytes > capacity[slot]) {
+    data[slot].reset();   // freed before the larger allocation: the peak stays one buffer
+    data[slot].reset(new char[bytes]);
+    capacity[slot] = bytes;
+  }
+  return reinterpret_cast<T*>(data[slot].get());
+}
+
 // The sorted pairs of one step and the buffers of phases 1-3 (built by `plan`, serially).
 template <typename TA>
 struct Plan {
@@ -182,8 +278,9 @@ struct Plan {
   std::vector<int64_t> pos, token_of_row;   // [T*k] row or -1; [m] token
   std::vector<RowBlock> blocks;
   int64_t tile_i = 8, tile_h = 8, tiles_i = 0, tiles_h = 0, scratch_size = 0;
-  // [stored, H], [stored, I] (rows padded to whole panels), [m, H], per thread
-  std::unique_ptr<TA[]> xs, act, ys, scratch;
+  // [stored, H], [stored, I] (rows padded to whole panels), [m, H], per thread: buffers of the
+  // thread that ran `plan` (`reused_buffer`), valid until it plans again
+  TA *xs = nullptr, *act = nullptr, *ys = nullptr, *scratch = nullptr;
 };
 
 // For weights TW: blocks of kPanelMinRows rows or more take the panel form when
@@ -236,12 +333,12 @@ void plan(const int64_t* topk_ids, int64_t num_tokens, int64_t top_k, int64_t nu
   p.tile_h = tile_width(H, num_blocks, num_threads, few_rows ? H : kMaxTile);
   p.tiles_i = (I + p.tile_i - 1) / p.tile_i;
   p.tiles_h = (H + p.tile_h - 1) / p.tile_h;
-  p.xs.reset(new TA[std::max<int64_t>(1, p.stored * H)]);
-  p.act.reset(new TA[std::max<int64_t>(1, p.stored * I)]);
-  p.ys.reset(new TA[std::max<int64_t>(1, p.m * H)]);
-  // Per thread: the gate and up tiles of one work item (panel form: [tile][kPanel] each).
-  p.scratch_size = 2 * std::max(kRowBlock * p.tile_i, kMaxTile * kPanel);
-  p.scratch.reset(new TA[p.scratch_size * num_threads]);
+  p.xs = reused_buffer<TA>(kSlotXs, p.stored * H);
+  p.act = reused_buffer<TA>(kSlotAct, p.stored * I);
+  p.ys = reused_buffer<TA>(kSlotYs, p.m * H);
+  // Per thread: the gate and up tiles of one work item (panel form: [np][tile][kPanel] each).
+  p.scratch_size = 2 * std::max(kRowBlock * p.tile_i, kPanelsPerStep * kMaxTile * kPanel);
+  p.scratch = reused_buffer<TA>(kSlotScratch, p.scratch_size * num_threads);
 }
 
 // c[j][0..kPanel) = the products of weight rows w[j] (K values each) with the panel's kPanel
@@ -278,8 +375,66 @@ __attribute__((always_inline)) inline void panel_micro(const float* w, int64_t K
 #endif
 }
 
-// c[j][0..kPanel) for the weight rows j < n: 6-row register tiles, then one for the rest.
-inline void panel_gemm(const float* w, int64_t K, const float* panel, int64_t n, float* c) {
+#ifdef PAGEDLLM_AVX512
+// The AVX-512 form of `panel_micro` over NP adjacent panels (panel q at panel + q * kPanel * K):
+// one zmm per panel row, MR weight rows broadcast against NP panel rows, so one broadcast per NP
+// multiply-adds (the AVX2 form: one per 2 half-rows of one panel). Outputs of panel q at
+// c + q * cq, [MR][kPanel]. Each output is the same k-ordered chain of multiply-adds as the
+// AVX2 form's, so both give the same bits.
+template <int MR, int NP>
+__attribute__((always_inline)) inline void panel_micro16(const float* w, int64_t K,
+                                                         const float* panel, float* c,
+                                                         int64_t cq) {
+  static_assert(kPanel == 16, "one zmm per panel row");
+  __m512 acc[MR][NP];
+  for (int i = 0; i < MR; ++i)
+    for (int q = 0; q < NP; ++q) acc[i][q] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 pv[NP];
+    for (int q = 0; q < NP; ++q) pv[q] = _mm512_loadu_ps(panel + q * kPanel * K + k * kPanel);
+    for (int i = 0; i < MR; ++i) {
+      const __m512 wv = _mm512_set1_ps(w[i * K + k]);
+      for (int q = 0; q < NP; ++q) acc[i][q] = _mm512_fmadd_ps(wv, pv[q], acc[i][q]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int q = 0; q < NP; ++q) _mm512_storeu_ps(c + q * cq + i * kPanel, acc[i][q]);
+}
+
+// Weight rows [0, n) against NP panels: 12-row register tiles (24 accumulators at NP = 2), then
+// 8 / 4 / 2 / 1 rows.
+template <int NP>
+inline void panel_gemm16(const float* w, int64_t K, const float* panel, int64_t n, float* c) {
+  const int64_t cq = n * kPanel;
+  int64_t j = 0;
+  for (; j + 12 <= n; j += 12) panel_micro16<12, NP>(w + j * K, K, panel, c + j * kPanel, cq);
+  if (n - j >= 8) {
+    panel_micro16<8, NP>(w + j * K, K, panel, c + j * kPanel, cq);
+    j += 8;
+  }
+  if (n - j >= 4) {
+    panel_micro16<4, NP>(w + j * K, K, panel, c + j * kPanel, cq);
+    j += 4;
+  }
+  if (n - j >= 2) {
+    panel_micro16<2, NP>(w + j * K, K, panel, c + j * kPanel, cq);
+    j += 2;
+  }
+  if (n - j >= 1) panel_micro16<1, NP>(w + j * K, K, panel, c + j * kPanel, cq);
+}
+#endif
+
+// c[q][j][0..kPanel) (panel q's outputs at c + q * n * kPanel) for the weight rows j < n and
+// the np <= kPanelsPerStep adjacent panels from `panel` (panel q at panel + q * kPanel * K):
+// AVX-512 the two-panel tiles (`panel_gemm16`), else 6-row tiles per panel, then one for the
+// rest.
+inline void panel_gemm(const float* w, int64_t K, const float* panel, int64_t np, int64_t n,
+                       float* c) {
+#ifdef PAGEDLLM_AVX512
+  if (np == 2) return panel_gemm16<2>(w, K, panel, n, c);
+  return panel_gemm16<1>(w, K, panel, n, c);
+#else
+  (void)np;   // kPanelsPerStep == 1
   int64_t j = 0;
   for (; j + 6 <= n; j += 6) panel_micro<6>(w + j * K, K, panel, c + j * kPanel);
   w += j * K;
@@ -292,6 +447,7 @@ inline void panel_gemm(const float* w, int64_t K, const float* panel, int64_t n,
     case 1: panel_micro<1>(w, K, panel, c); break;
     default: break;
   }
+#endif
 }
 
 // Phases 1-3 for every thread of the enclosing parallel region (w13 [E, 2I, H], w2 [E, H, I]).
@@ -302,7 +458,7 @@ void expert_phases(const TA* hidden, const TW* w13, const TW* w2, Plan<TA>& p) {
 #pragma omp for schedule(dynamic, 1)
   for (int64_t bi = 0; bi < num_blocks; ++bi) {
     const RowBlock& b = p.blocks[bi];
-    TA* xs = p.xs.get() + b.s0 * H;
+    TA* xs = p.xs + b.s0 * H;
     if (!b.panel) {
       for (int64_t r = b.r0; r < b.r1; ++r)
         std::copy(hidden + p.token_of_row[r] * H, hidden + (p.token_of_row[r] + 1) * H,
@@ -318,7 +474,7 @@ void expert_phases(const TA* hidden, const TW* w13, const TW* w2, Plan<TA>& p) {
     }
   }
 
-  TA* gate = p.scratch.get() + omp_get_thread_num() * p.scratch_size;
+  TA* gate = p.scratch + omp_get_thread_num() * p.scratch_size;
   TA* up = gate + p.scratch_size / 2;
   const int64_t tile_i = p.tile_i, tiles_i = p.tiles_i;
 #pragma omp for schedule(dynamic, 1)
@@ -328,15 +484,21 @@ void expert_phases(const TA* hidden, const TW* w13, const TW* w2, Plan<TA>& p) {
     const int64_t rows = b.r1 - b.r0;
     const TW* w_gate = w13 + (b.expert * 2 * I + n0) * H;
     const TW* w_up = w_gate + I * H;
-    const TA* x = p.xs.get() + b.s0 * H;
+    const TA* x = p.xs + b.s0 * H;
     if constexpr (panel_form_types<TA, TW>()) {
       if (b.panel) {
-        for (int64_t q = 0; q * kPanel < rows; ++q) {
+        const int64_t num_panels = (rows + kPanel - 1) / kPanel;
+        for (int64_t q = 0; q < num_panels; q += kPanelsPerStep) {
+          const int64_t np = std::min(kPanelsPerStep, num_panels - q);
           const float* panel = x + q * kPanel * H;
-          panel_gemm(w_gate, H, panel, n, gate);
-          panel_gemm(w_up, H, panel, n, up);
-          float* a = p.act.get() + (b.s0 + q * kPanel) * I + n0 * kPanel;
-          for (int64_t i = 0; i < n * kPanel; ++i) a[i] = silu(gate[i]) * up[i];
+          panel_gemm(w_gate, H, panel, np, n, gate);
+          panel_gemm(w_up, H, panel, np, n, up);
+          for (int64_t pp = 0; pp < np; ++pp) {
+            float* a = p.act + (b.s0 + (q + pp) * kPanel) * I + n0 * kPanel;
+            const float* g = gate + pp * n * kPanel;
+            const float* u = up + pp * n * kPanel;
+            for (int64_t i = 0; i < n * kPanel; ++i) a[i] = silu(g[i]) * u[i];
+          }
         }
         continue;
       }
@@ -344,7 +506,7 @@ void expert_phases(const TA* hidden, const TW* w13, const TW* w2, Plan<TA>& p) {
     tile_gemm(x, H, rows, w_gate, H, n, gate, tile_i);
     tile_gemm(x, H, rows, w_up, H, n, up, tile_i);
     for (int64_t r = 0; r < rows; ++r) {
-      TA* a = p.act.get() + (b.s0 + r) * I + n0;
+      TA* a = p.act + (b.s0 + r) * I + n0;
       for (int64_t i = 0; i < n; ++i) {
         const float g = rounded<TA>(silu(to_float(gate[r * tile_i + i])));
         store(g * to_float(up[r * tile_i + i]), a + i);
@@ -360,18 +522,23 @@ void expert_phases(const TA* hidden, const TW* w13, const TW* w2, Plan<TA>& p) {
     const TW* w = w2 + (b.expert * H + n0) * I;
     if constexpr (panel_form_types<TA, TW>()) {
       if (b.panel) {
-        for (int64_t q = 0; q * kPanel < b.r1 - b.r0; ++q) {
-          panel_gemm(w, I, p.act.get() + (b.s0 + q * kPanel) * I, n, gate);
-          const int64_t r0 = b.r0 + q * kPanel, rows = std::min(kPanel, b.r1 - r0);
-          for (int64_t r = 0; r < rows; ++r) {
-            float* y = p.ys.get() + (r0 + r) * H + n0;
-            for (int64_t j = 0; j < n; ++j) y[j] = gate[j * kPanel + r];
+        const int64_t num_panels = (b.r1 - b.r0 + kPanel - 1) / kPanel;
+        for (int64_t q = 0; q < num_panels; q += kPanelsPerStep) {
+          const int64_t np = std::min(kPanelsPerStep, num_panels - q);
+          panel_gemm(w, I, p.act + (b.s0 + q * kPanel) * I, np, n, gate);
+          for (int64_t pp = 0; pp < np; ++pp) {
+            const int64_t r0 = b.r0 + (q + pp) * kPanel, rows = std::min(kPanel, b.r1 - r0);
+            const float* c = gate + pp * n * kPanel;
+            for (int64_t r = 0; r < rows; ++r) {
+              float* y = p.ys + (r0 + r) * H + n0;
+              for (int64_t j = 0; j < n; ++j) y[j] = c[j * kPanel + r];
+            }
           }
         }
         continue;
       }
     }
-    tile_gemm(p.act.get() + b.s0 * I, I, b.r1 - b.r0, w, I, n, p.ys.get() + b.r0 * H + n0, H);
+    tile_gemm(p.act + b.s0 * I, I, b.r1 - b.r0, w, I, n, p.ys + b.r0 * H + n0, H);
   }
 }
 
@@ -385,7 +552,7 @@ void routed_sum(const Plan<TA>& p, const float* topk_weights, int64_t top_k, int
     const int64_t row = p.pos[t * top_k + j];
     if (row < 0) continue;
     const float wt = topk_weights[t * top_k + j];
-    const TA* y = p.ys.get() + row * p.H;
+    const TA* y = p.ys + row * p.H;
     for (int64_t c = c0; c < c1; ++c) acc[c - c0] += rounded<TA>(to_float(y[c]) * wt);
   }
 }

@@ -46,9 +46,6 @@
 
 #include "cpu_vec.h"
 
-#if defined(PAGEDLLM_AVX2) && defined(__AVX512F__)
-#define PAGEDLLM_AVX512 1
-#endif
 #if defined(PAGEDLLM_AVX512) && defined(__AVX512BF16__)
 #define PAGEDLLM_AVX512_BF16 1
 #endif
@@ -122,12 +119,6 @@ using XStage = std::conditional_t<pairs<T>(), uint16_t, float>;
 #if defined(PAGEDLLM_AVX512)
 constexpr int kMaxMR = 12;
 constexpr int kNP = 2;
-
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
 
 template <int MR, int NP, typename T>
 inline void micro(const float* x, int64_t ldx, const T* w, int64_t ps, int64_t kc, float* c,
