@@ -81,6 +81,18 @@ def _run(llm: LLM, native: bool, params: SamplingParams, monkeypatch,
             layer.native_mixer = mixer
 
 
+def _chosen_logprobs(output) -> torch.Tensor:
+    completion = output.outputs[0]
+    return torch.tensor([d[t].logprob for d, t in zip(completion.logprobs, completion.token_ids)])
+
+
+def _assert_same_greedy(got: list, want: list, atol: float = 3e-5) -> None:
+    """Same greedy tokens per request, chosen-token logprobs within `atol`."""
+    for a, b in zip(got, want, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        torch.testing.assert_close(_chosen_logprobs(a), _chosen_logprobs(b), atol=atol, rtol=0)
+
+
 def test_native_mixer_matches_module_path_fp32(qwen3_next, monkeypatch):
     """Batched prefill and decode (with prefix caching's block-boundary checkpoints): the same
     greedy tokens, and logprobs within 3e-5, with the native blocks as without; every layer
@@ -94,14 +106,7 @@ def test_native_mixer_matches_module_path_fp32(qwen3_next, monkeypatch):
     got, taken = _run(llm, True, params, monkeypatch)
     want, none = _run(llm, False, params, monkeypatch)
     assert none == [] and len(taken) >= 2 * 10 and max(taken) > 3   # prefill steps too
-    for a, b in zip(got, want):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        torch.testing.assert_close(
-            torch.tensor([d[t].logprob for d, t in zip(a.outputs[0].logprobs,
-                                                       a.outputs[0].token_ids)]),
-            torch.tensor([d[t].logprob for d, t in zip(b.outputs[0].logprobs,
-                                                       b.outputs[0].token_ids)]),
-            atol=3e-5, rtol=0)
+    _assert_same_greedy(got, want)
 
 
 def test_native_blocks_take_long_prefill_steps(qwen3_next, monkeypatch):
@@ -117,14 +122,7 @@ def test_native_blocks_take_long_prefill_steps(qwen3_next, monkeypatch):
     got, taken = _run(llm, True, params, monkeypatch, prompts)
     want, _ = _run(llm, False, params, monkeypatch, prompts)
     assert max(taken) > 256
-    for a, b in zip(got, want):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        torch.testing.assert_close(
-            torch.tensor([d[t].logprob for d, t in zip(a.outputs[0].logprobs,
-                                                       a.outputs[0].token_ids)]),
-            torch.tensor([d[t].logprob for d, t in zip(b.outputs[0].logprobs,
-                                                       b.outputs[0].token_ids)]),
-            atol=3e-5, rtol=0)
+    _assert_same_greedy(got, want)
 
 
 def test_stacked_projection_shares_memory_and_follows_weight_updates(qwen3_next, monkeypatch):
@@ -150,14 +148,7 @@ def test_stacked_projection_shares_memory_and_follows_weight_updates(qwen3_next,
         or any(abs(a.outputs[0].logprobs[0][a.outputs[0].token_ids[0]].logprob
                    - b.outputs[0].logprobs[0][b.outputs[0].token_ids[0]].logprob) > 1e-4
                for a, b in zip(got, before))
-    for a, b in zip(got, want):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        torch.testing.assert_close(
-            torch.tensor([d[t].logprob for d, t in zip(a.outputs[0].logprobs,
-                                                       a.outputs[0].token_ids)]),
-            torch.tensor([d[t].logprob for d, t in zip(b.outputs[0].logprobs,
-                                                       b.outputs[0].token_ids)]),
-            atol=3e-5, rtol=0)
+    _assert_same_greedy(got, want)
 
 
 def test_native_mixer_bf16_is_as_accurate_as_module_path(qwen3_next, monkeypatch):

@@ -174,22 +174,6 @@ def test_stack_declines_where_a_half_declines(checkpoint, monkeypatch):
     _assert_same(got, want)
 
 
-@pytest.fixture
-def loop_tokens(monkeypatch):
-    """Counts the tokens decoded by `HybridGreedyDecodeLoop.run` (steps x requests)."""
-    from pagedllm.native.decode_loop import HybridGreedyDecodeLoop
-    calls = {"tokens": 0}
-    run = HybridGreedyDecodeLoop.run
-
-    def counting(self, *args, **kwargs):
-        tokens = run(self, *args, **kwargs)
-        calls["tokens"] += tokens.size
-        return tokens
-
-    monkeypatch.setattr(HybridGreedyDecodeLoop, "run", counting)
-    return calls
-
-
 @pytest.mark.parametrize("variant", ["v2_lite", "v3"])
 def test_decode_loop_equals_single_steps(checkpoint, variant, loop_tokens):
     """DeepSeek, fp32, 3 requests of different lengths with stop tokens that end some early:

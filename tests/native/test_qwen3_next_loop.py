@@ -41,21 +41,6 @@ def checkpoint(tmp_path_factory, byte_level_tokenizer_dir):
     return get
 
 
-@pytest.fixture
-def loop_tokens(monkeypatch):
-    """Counts the tokens decoded by `HybridGreedyDecodeLoop.run` (steps x requests)."""
-    calls = {"tokens": 0}
-    run = HybridGreedyDecodeLoop.run
-
-    def counting(self, *args, **kwargs):
-        tokens = run(self, *args, **kwargs)
-        calls["tokens"] += tokens.size
-        return tokens
-
-    monkeypatch.setattr(HybridGreedyDecodeLoop, "run", counting)
-    return calls
-
-
 def _engine(path: str, loop: bool, monkeypatch, **kwargs) -> LLM:
     """An engine with rounds of STEPS steps, the native loop on or off (the environment
     switch, read as the engine starts)."""
