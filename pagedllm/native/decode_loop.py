@@ -278,7 +278,8 @@ class HybridGreedyDecodeLoop:
         from pagedllm.models.llama import LlamaModel
         from pagedllm.models.moe import MoeForCausalLM
         from pagedllm.native.hybrid_stack import MLA, NativeHybridStack
-        if cpu_kernels() is None or getattr(model.lm_head, "tp_size", 1) != 1:
+        lm_head = getattr(model, "lm_head", None)   # none at the top of a vision-language model
+        if cpu_kernels() is None or lm_head is None or getattr(lm_head, "tp_size", 1) != 1:
             return None
         if isinstance(model, HybridForCausalLM):
             stack = model.layer_stack
@@ -407,7 +408,6 @@ class HybridGreedyDecodeLoop:
         if self._state_scratch.numel() < needed:
             self._state_scratch = torch.empty(needed, dtype=torch.float32)
         return self._state_scratch
-
 
 
 class _LoopBuffers:
