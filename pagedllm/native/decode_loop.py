@@ -205,40 +205,25 @@ class GreedyDecodeLoop:
         structs = fused.layer_structs()
         tokens = np.ascontiguousarray(token_ids, dtype=np.int64).copy()
         pos = np.ascontiguousarray(positions, dtype=np.int64).copy()
-        slots = np.zeros(n, dtype=np.int64)
-        seq_lens = (pos + 1).astype(np.int32)
-        query_start_loc = np.arange(n + 1, dtype=np.int32)
-        rows = np.arange(n, dtype=np.int32)
+        loop = _LoopBuffers(n, pos, block_table, block_size)
         residual = torch.empty(n, hidden, dtype=fused.dtype)
         delta = torch.empty(n, hidden, dtype=torch.float32)
         normed = torch.empty(n, hidden, dtype=fused.dtype)
-        head_x = torch.empty(n, hidden, dtype=torch.float32)
-        embed_f32 = torch.empty(n, hidden, dtype=torch.float32)
-        logits = torch.empty(n, self.vocab_size, dtype=torch.float32)
         step, scratch = fused.decoder_step(
-            n, pos.ctypes.data, slots.ctypes.data, block_table, query_start_loc.ctypes.data,
-            seq_lens.ctypes.data, n, block_size, True, residual.data_ptr(), delta.data_ptr())
-        stop_offsets, stop_ids = _stop_arrays(stop_token_ids)
-        norm = self.model.model.norm
+            n, pos.ctypes.data, loop.slots.ctypes.data, block_table,
+            loop.query_start_loc.ctypes.data, loop.seq_lens.ctypes.data, n, block_size, True,
+            residual.data_ptr(), delta.data_ptr())
         aux = np.asarray(aux_layers or (), dtype=np.int64)
         if len(aux) and (int(aux[0]) < 0 or int(aux[-1]) >= len(fused.layers)
                          or bool((np.diff(aux) < 0).any())):
             raise ValueError(f"decode loop: auxiliary layers {tuple(aux_layers)} are not "
                              f"non-decreasing indices below {len(fused.layers)}")
         aux_out = torch.empty(n, len(aux) * hidden, dtype=fused.dtype) if len(aux) else None
-        args = DecodeLoopArgs(
-            layers=ctypes.addressof(structs), num_layers=len(fused.layers),
-            step=ctypes.addressof(step), dtype=_DTYPE_CODES[fused.dtype], num_reqs=n,
-            hidden=hidden, block_size=block_size, block_table_stride=block_table.stride(0),
-            block_table=block_table.data_ptr(), attention_rows=rows.ctypes.data,
-            positions=pos.ctypes.data, slot_mapping=slots.ctypes.data,
-            seq_lens=seq_lens.ctypes.data, residual=residual.data_ptr(),
-            delta=delta.data_ptr(), normed=normed.data_ptr(), head_x=head_x.data_ptr(),
-            logits=logits.data_ptr(), embed_f32=embed_f32.data_ptr(), embedding=self.embedding,
-            head=self.head, norm_weight=norm.weight.data_ptr(), norm_eps=norm.eps,
-            stop_offsets=stop_offsets.ctypes.data, stop_ids=stop_ids.ctypes.data,
-            aux_layers=aux.ctypes.data if len(aux) else None, num_aux=len(aux),
-            aux_out=None if aux_out is None else aux_out.data_ptr())
+        args = loop.args(
+            self, _DTYPE_CODES[fused.dtype], residual, delta, normed, self.model.model.norm,
+            stop_token_ids, layers=ctypes.addressof(structs), num_layers=len(fused.layers),
+            step=ctypes.addressof(step), aux_layers=aux.ctypes.data if len(aux) else None,
+            num_aux=len(aux), aux_out=None if aux_out is None else aux_out.data_ptr())
         out = _run_steps(args, tokens, num_steps, self.embedding.rows)
         del scratch
         return out, (normed if aux_out is None else aux_out)
@@ -372,23 +357,10 @@ class HybridGreedyDecodeLoop:
                 state = _StateSlots(stack, n, state_table, state_align)
                 step.state_batch = ctypes.addressof(state.batch)
                 step.state_scratch = self._state_scratch_rows(n).data_ptr()
-        head_x = torch.empty(n, hidden, dtype=torch.float32)
-        embed_f32 = torch.empty(n, hidden, dtype=torch.float32)
-        logits = torch.empty(n, self.vocab_size, dtype=torch.float32)
-        stop_offsets, stop_ids = _stop_arrays(stop_token_ids)
-        norm = stack.norm
-        args = DecodeLoopArgs(
-            layers=None, num_layers=len(stack.mixers), step=None, dtype=stack.dtype_code,
-            num_reqs=n, hidden=hidden, block_size=block_size,
-            block_table_stride=block_table.stride(0), block_table=block_table.data_ptr(),
-            attention_rows=loop.rows.ctypes.data, positions=pos.ctypes.data,
-            slot_mapping=loop.slots.ctypes.data, seq_lens=loop.seq_lens.ctypes.data,
-            residual=residual.data_ptr(), delta=delta.data_ptr(), normed=normed.data_ptr(),
-            head_x=head_x.data_ptr(), logits=logits.data_ptr(), embed_f32=embed_f32.data_ptr(),
-            embedding=self.embedding, head=self.head, norm_weight=norm.weight.data_ptr(),
-            norm_eps=norm.eps, stop_offsets=stop_offsets.ctypes.data,
-            stop_ids=stop_ids.ctypes.data, hybrid_layers=ctypes.addressof(stack.layers),
-            hybrid_step=ctypes.addressof(step))
+        args = loop.args(self, stack.dtype_code, residual, delta, normed, stack.norm,
+                         stop_token_ids, layers=None, num_layers=len(stack.mixers), step=None,
+                         hybrid_layers=ctypes.addressof(stack.layers),
+                         hybrid_step=ctypes.addressof(step))
         if state is not None:
             state.fill(args)
         return _run_steps(args, tokens, num_steps, self.embedding.rows)
@@ -421,6 +393,32 @@ class _LoopBuffers:
         self.seq_lens = (pos + 1).astype(np.int32)
         self.query_start_loc = np.arange(n + 1, dtype=np.int32)
         self.rows = np.arange(n, dtype=np.int32)
+        self._keep: list = []
+
+    def args(self, loop, dtype_code: int, residual: torch.Tensor, delta: torch.Tensor,
+             normed: torch.Tensor, norm, stop_token_ids: list[list[int]],
+             **fields) -> DecodeLoopArgs:
+        """The `DecodeLoopArgs` over these arrays: what both loops set (`loop`'s embedding and
+        LM head, the final `norm`, the stream `residual` [B, H] model dtype, `delta` [B, H]
+        float32, `normed` [B, H] model dtype, the stop tokens), the LM head's float32 buffers
+        (allocated here and kept with this object), and the stack's own `fields`."""
+        n, hidden = self.n, residual.shape[1]
+        head_x = torch.empty(n, hidden, dtype=torch.float32)
+        embed_f32 = torch.empty(n, hidden, dtype=torch.float32)
+        logits = torch.empty(n, loop.vocab_size, dtype=torch.float32)
+        stop_offsets, stop_ids = _stop_arrays(stop_token_ids)
+        self._keep += [head_x, embed_f32, logits, stop_offsets, stop_ids]
+        table = self.block_table
+        return DecodeLoopArgs(
+            dtype=dtype_code, num_reqs=n, hidden=hidden, block_size=self.block_size,
+            block_table_stride=table.stride(0), block_table=table.data_ptr(),
+            attention_rows=self.rows.ctypes.data, positions=self.pos.ctypes.data,
+            slot_mapping=self.slots.ctypes.data, seq_lens=self.seq_lens.ctypes.data,
+            residual=residual.data_ptr(), delta=delta.data_ptr(), normed=normed.data_ptr(),
+            head_x=head_x.data_ptr(), logits=logits.data_ptr(), embed_f32=embed_f32.data_ptr(),
+            embedding=loop.embedding, head=loop.head, norm_weight=norm.weight.data_ptr(),
+            norm_eps=norm.eps, stop_offsets=stop_offsets.ctypes.data,
+            stop_ids=stop_ids.ctypes.data, **fields)
 
     def attention_step(self, scratch: torch.Tensor, mla: bool) -> NativeAttentionStep:
         """The attention layers' step over these arrays (one query token per row), with the
