@@ -160,9 +160,6 @@ class ModelRunner(KVCacheRunnerMixin, InputPrepMixin):
         self.drafter: Drafter | None = None   # (set by load_model: worker/drafters.py)
         # Greedy verification in the native loop (set by load_model; None where it cannot run).
         self.native_verify: NativeGreedyVerify | None = None
-        # EAGLE-3 there: the target layers whose inputs the head reads (EAGLE: None, the
-        # final norm's output).
-        self._verify_aux: tuple[int, ...] | None = None
         # The last step's drafts and rejections, for placeholder drafts (async scheduling).
         self.async_drafts = AsyncDrafts()
         # Routed-experts capture (enable_return_routed_experts; set by load_model), and the
@@ -199,10 +196,8 @@ class ModelRunner(KVCacheRunnerMixin, InputPrepMixin):
     def _make_native_verify(self) -> NativeGreedyVerify | None:
         """Greedy verification in the native decode loop (worker/native_verify.py) for the
         drafters that need nothing from the forward (n-gram, suffix) and for EAGLE / EAGLE-3
-        heads (the loop also returns the hidden states they read, `_verify_aux`), where the
-        native loop could take the model's decode steps (`_native_loop_allowed`,
-        `native_decode_loop`)."""
-        self._verify_aux = None
+        heads (the loop also returns the hidden states they read), where the native loop
+        could take the model's decode steps (`_native_loop_allowed`, `native_decode_loop`)."""
         eagle = (isinstance(self.drafter, EagleProposer)
                  and isinstance(self.drafter.model, EagleHead))
         if (not (eagle or isinstance(self.drafter, (NgramProposer, SuffixDecodingProposer)))
@@ -211,12 +206,12 @@ class ModelRunner(KVCacheRunnerMixin, InputPrepMixin):
         loop = native_decode_loop(self.model)
         if loop is None or (eagle and not isinstance(loop, GreedyDecodeLoop)):
             return None
+        aux = None
         if eagle and self.drafter.model.eagle3:
             aux = tuple(self.model.model.aux_hidden_state_layers)
             if list(aux) != sorted(aux):   # the loop captures in layer order only
                 return None
-            self._verify_aux = aux
-        return NativeGreedyVerify(loop, self.block_size)
+        return NativeGreedyVerify(loop, self.block_size, head_states=eagle, aux_layers=aux)
 
     def _native_loop_allowed(self) -> bool:
         """Whether the native loop may run this runner's steps: the CPU, one KV cache group
@@ -480,7 +475,7 @@ class ModelRunner(KVCacheRunnerMixin, InputPrepMixin):
         """The forward of prepared inputs -> the logits of the sampled rows."""
         batch, common = inputs.batch, inputs.common
         eagle = isinstance(self.drafter, EagleProposer)
-        verified = self._native_verify_step(inputs, eagle)
+        verified = self._native_verify_step(inputs)
         if verified is not None:
             targets, states = verified
             return PendingStep(inputs, None, {}, states, greedy_token_ids=targets)
@@ -513,10 +508,10 @@ class ModelRunner(KVCacheRunnerMixin, InputPrepMixin):
             self.eplb.step()
         return pending
 
-    def _native_verify_step(self, inputs: StepInputs, eagle: bool
+    def _native_verify_step(self, inputs: StepInputs
                             ) -> tuple[np.ndarray, torch.Tensor | None] | None:
-        """(the argmax of every logits row [num_logits] int64, with `eagle` the hidden states
-        the head reads at every token [num_tokens, H'] else None) where the step ran in the
+        """(the argmax of every logits row [num_logits] int64, for an EAGLE head the hidden
+        states it reads at every token [num_tokens, H'] else None) where the step ran in the
         native loop (`NativeGreedyVerify`: every request decodes, plain greedy, unstructured,
         no adapter, prompt logprobs or connector in play), else None (nothing ran)."""
         nv = self.native_verify
@@ -539,14 +534,8 @@ class ModelRunner(KVCacheRunnerMixin, InputPrepMixin):
                           common.batch_invariant):
             return None
         n = int(batch.num_scheduled_tokens.sum())
-        states = None
-        if eagle:
-            flat, states = nv.run_with_states(batch.input_ids[:n], batch.positions[:n],
-                                              common.block_table, batch.num_scheduled_tokens,
-                                              self._verify_aux)
-        else:
-            flat = nv.run(batch.input_ids[:n], batch.positions[:n], common.block_table,
-                          batch.num_scheduled_tokens)
+        flat, states = nv.run(batch.input_ids[:n], batch.positions[:n], common.block_table,
+                              batch.num_scheduled_tokens)
         index = spec.logits_indices if spec is not None else batch.logits_indices.cpu().numpy()
         return flat[np.asarray(index)], states
 

@@ -21,8 +21,8 @@ all match). The single-row arithmetic is the plain engine's native decode steps'
 outputs equal those without speculation (tests/spec_decode/test_native_verify.py).
 
 EAGLE heads also read the target's hidden states at every verified token: the final norm's
-output (EAGLE), or the streams entering three auxiliary layers (EAGLE-3). `run_with_states`
-has the same call return them (the loop splits its layer call at those layers and copies the
+output (EAGLE), or the streams entering three auxiliary layers (EAGLE-3). `run` returns
+them from the same call (the loop splits its layer call at those layers and copies the
 stream there, `cpu_decode_loop.cpp`), so an EAGLE-3 step verifies in one native call instead
 of the module path's split stack, separate LM head over every row and rejection sampler.
 """
@@ -71,11 +71,19 @@ class NativeGreedyVerify:
     Args:
         loop: the model's native greedy decode loop (`GreedyDecodeLoop.for_model`).
         block_size: tokens per KV block.
+        head_states: the drafter is an EAGLE head, which reads the target's hidden states at
+            every verified token: `run` returns them too.
+        aux_layers: with `head_states`, EAGLE-3's auxiliary layers (non-decreasing indices:
+            the states are the streams entering them), or None (EAGLE: the final norm's
+            output).
     """
 
-    def __init__(self, loop: GreedyDecodeLoop, block_size: int) -> None:
+    def __init__(self, loop: GreedyDecodeLoop, block_size: int, head_states: bool = False,
+                 aux_layers: tuple[int, ...] | None = None) -> None:
         self.loop = loop
         self.block_size = block_size
+        self.head_states = head_states
+        self.aux_layers = aux_layers
         self.num_steps_run = 0   # steps it took (tests and benchmarks read it)
 
     def applies(self, num_scheduled_tokens: np.ndarray, num_draft_tokens: np.ndarray,
@@ -98,7 +106,7 @@ class NativeGreedyVerify:
                                       batch_invariant))
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor,
-            num_scheduled_tokens: np.ndarray) -> np.ndarray:
+            num_scheduled_tokens: np.ndarray) -> tuple[np.ndarray, torch.Tensor | None]:
         """The forward of the step (KV written for every token) and the argmax of every row.
 
         Args:
@@ -109,31 +117,22 @@ class NativeGreedyVerify:
                 flat batch).
 
         Returns:
-            [num_tokens] int64, the argmax of the logits at every token.
+            ([num_tokens] int64, the argmax of the logits at every token; with `head_states`
+            the hidden states the head reads at every token (`GreedyDecodeLoop.run_with_states`):
+            [num_tokens, hidden_size] (EAGLE) or [num_tokens, len(aux_layers) * hidden_size]
+            (EAGLE-3) in the model dtype, else None).
 
         Raises:
             ValueError: as `GreedyDecodeLoop.run` (a token id outside the embedding).
         """
-        tokens = self.loop.run(input_ids.numpy(), positions.numpy() - 1,
-                               self._token_tables(block_table, num_scheduled_tokens),
-                               self.block_size, 1, [[] for _ in range(len(input_ids))])
+        ids, pos = input_ids.numpy(), positions.numpy() - 1
+        tables = self._token_tables(block_table, num_scheduled_tokens)
         self.num_steps_run += 1
-        return tokens[0]
-
-    def run_with_states(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                        block_table: torch.Tensor, num_scheduled_tokens: np.ndarray,
-                        aux_layers: tuple[int, ...] | None
-                        ) -> tuple[np.ndarray, torch.Tensor]:
-        """`run`, also returning the hidden states an EAGLE head reads at every token
-        (`GreedyDecodeLoop.run_with_states`): [num_tokens, hidden_size] (the final norm's
-        output; `aux_layers` None) or [num_tokens, len(aux_layers) * hidden_size] (the streams
-        entering those layers, EAGLE-3), in the model dtype. Same arguments as `run` plus
-        `aux_layers`; raises as `GreedyDecodeLoop.run_with_states`."""
-        tokens, states = self.loop.run_with_states(
-            input_ids.numpy(), positions.numpy() - 1,
-            self._token_tables(block_table, num_scheduled_tokens), self.block_size, aux_layers)
-        self.num_steps_run += 1
-        return tokens, states
+        if self.head_states:
+            return self.loop.run_with_states(ids, pos, tables, self.block_size, self.aux_layers)
+        tokens = self.loop.run(ids, pos, tables, self.block_size, 1,
+                               [[] for _ in range(len(ids))])
+        return tokens[0], None
 
     @staticmethod
     def _token_tables(block_table: torch.Tensor, num_scheduled_tokens: np.ndarray
