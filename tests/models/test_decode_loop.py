@@ -21,6 +21,7 @@ from pagedllm.layers.quantization.gguf import Q8_ACTIVATIONS_ENV
 from pagedllm.native.decode_loop import GreedyDecodeLoop
 from tests.fixtures.checkpoints import make_tiny_checkpoint
 from tests.fixtures.gguf_files import write_gguf
+from tests.fixtures.runner_steps import count_loop_tokens
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="needs the native CPU kernels")
 
@@ -33,16 +34,7 @@ def gguf_view_cache(tmp_path, monkeypatch):
 @pytest.fixture
 def loop_calls(monkeypatch):
     """Counts the requests decoded by `GreedyDecodeLoop.run` (steps x requests)."""
-    calls = {"tokens": 0}
-    run = GreedyDecodeLoop.run
-
-    def counting(self, *args, **kwargs):
-        tokens = run(self, *args, **kwargs)
-        calls["tokens"] += tokens.size
-        return tokens
-
-    monkeypatch.setattr(GreedyDecodeLoop, "run", counting)
-    return calls
+    return count_loop_tokens(monkeypatch, GreedyDecodeLoop)
 
 
 def greedy(max_tokens: int, **kwargs) -> SamplingParams:
