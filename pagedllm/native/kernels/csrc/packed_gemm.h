@@ -37,8 +37,11 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <mutex>
 #include <type_traits>
 #include <vector>
 
@@ -107,7 +110,23 @@ void gather_rows(const T* packed, int64_t N, int64_t K, const int64_t* ids, int6
     for (int64_t k = 0; k < K; ++k) out[i * K + k] = packed[packed_index<T>(ids[i], k, N, K)];
 }
 
-// The type x is read in by the micro-kernel for weights T: bf16 pairs for vdpbf16ps, else float.
+// The micro-kernel that reads a weight's panels: float32 FMAs on plain panels (`kFloat`, x in
+// float32), and on bf16 pair panels either `vdpbf16ps` (`kDot`, x as bf16 pairs) or the
+// widening form (`kWiden`: each zmm of 16 pairs split into its even-k and odd-k float32
+// vectors, two FMAs per x pair, x as float32 holding bf16-rounded values). kWiden computes
+// exactly what vdpbf16ps computes, acc' = (acc + x_odd*w_odd) + x_even*w_even per pair with
+// exact products (a bf16 x bf16 product fits float32's 24-bit significand) and one rounding
+// per add (Intel SDM, VDPBF16PS pseudo-code), so the two give the same bits except where
+// vdpbf16ps flushes a denormal input, product or sum to zero; which one runs is a speed choice
+// (`pairs_form`).
+enum class Kernel { kFloat, kDot, kWiden };
+
+// The type x is read in by kernel F.
+template <Kernel F>
+using XOf = std::conditional_t<F == Kernel::kDot, uint16_t, float>;
+
+// The element type of the staging buffer `linear_tiles` accepts for weights T: bf16 for pair
+// panels (x rounded to bf16 once, whichever form then reads it), else float (unused).
 template <typename T>
 using XStage = std::conditional_t<pairs<T>(), uint16_t, float>;
 
@@ -139,11 +158,38 @@ inline void micro(const float* x, int64_t ldx, const T* w, int64_t ps, int64_t k
     for (int p = 0; p < NP; ++p) _mm512_storeu_ps(c + i * ldc + p * kNR, acc[i][p]);
 }
 
+// bf16 pair panels widened to float32 (see `Kernel`): x float32 holding bf16 values; kc even.
+template <int MR, int NP>
+inline void micro_widen(const float* x, int64_t ldx, const uint16_t* w, int64_t ps,
+                        int64_t kc, float* c, int64_t ldc, bool accumulate) {
+  __m512 acc[MR][NP];
+  for (int i = 0; i < MR; ++i)
+    for (int p = 0; p < NP; ++p)
+      acc[i][p] = accumulate ? _mm512_loadu_ps(c + i * ldc + p * kNR) : _mm512_setzero_ps();
+  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
+  for (int64_t k = 0; k < kc; k += 2) {
+    __m512 even[NP], odd[NP];
+    for (int p = 0; p < NP; ++p) {
+      const __m512i v = _mm512_loadu_si512(w + p * ps + k * kNR);
+      even[p] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+      odd[p] = _mm512_castsi512_ps(_mm512_and_si512(v, high));
+    }
+    for (int i = 0; i < MR; ++i) {
+      const __m512 xo = _mm512_set1_ps(x[i * ldx + k + 1]);
+      for (int p = 0; p < NP; ++p) acc[i][p] = _mm512_fmadd_ps(xo, odd[p], acc[i][p]);
+      const __m512 xe = _mm512_set1_ps(x[i * ldx + k]);
+      for (int p = 0; p < NP; ++p) acc[i][p] = _mm512_fmadd_ps(xe, even[p], acc[i][p]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int p = 0; p < NP; ++p) _mm512_storeu_ps(c + i * ldc + p * kNR, acc[i][p]);
+}
+
 #if defined(PAGEDLLM_AVX512_BF16)
 // bf16 x (pairs read as one 32-bit value) times bf16 pair panels, vdpbf16ps; kc even.
 template <int MR, int NP>
-inline void micro(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ps, int64_t kc,
-                  float* c, int64_t ldc, bool accumulate) {
+inline void micro_dot(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ps,
+                      int64_t kc, float* c, int64_t ldc, bool accumulate) {
   __m512 acc[MR][NP];
   for (int i = 0; i < MR; ++i)
     for (int p = 0; p < NP; ++p)
@@ -209,33 +255,50 @@ inline void micro(const float* x, int64_t ldx, const T* w, int64_t ps, int64_t k
 }
 #endif
 
+// Kernel F on an MR x NP tile (x in F's input type, see `Kernel`).
+template <Kernel F, int MR, int NP, typename T>
+inline void micro_for(const XOf<F>* x, int64_t ldx, const T* w, int64_t ps, int64_t kc,
+                      float* c, int64_t ldc, bool accumulate) {
+  if constexpr (F == Kernel::kFloat) {
+    micro<MR, NP>(x, ldx, w, ps, kc, c, ldc, accumulate);
+#if defined(PAGEDLLM_AVX512_BF16)
+  } else if constexpr (F == Kernel::kWiden) {
+    micro_widen<MR, NP>(x, ldx, w, ps, kc, c, ldc, accumulate);
+  } else {
+    micro_dot<MR, NP>(x, ldx, w, ps, kc, c, ldc, accumulate);
+#endif
+  }
+}
+
 // `rows` rows of x against NP panels: the largest register tiles first, then 8/4/2/1 rows.
-template <int NP, typename XS, typename T>
-inline void panel_rows(const XS* x, int64_t ldx, int64_t rows, const T* w, int64_t ps,
+template <Kernel F, int NP, typename T>
+inline void panel_rows(const XOf<F>* x, int64_t ldx, int64_t rows, const T* w, int64_t ps,
                        int64_t kc, float* c, int64_t ldc, bool accumulate) {
   int64_t m = 0;
   for (; m + kMaxMR <= rows; m += kMaxMR)
-    micro<kMaxMR, NP>(x + m * ldx, ldx, w, ps, kc, c + m * ldc, ldc, accumulate);
+    micro_for<F, kMaxMR, NP>(x + m * ldx, ldx, w, ps, kc, c + m * ldc, ldc, accumulate);
   if constexpr (kMaxMR > 8) {
     if (rows - m >= 8) {
-      micro<8, NP>(x + m * ldx, ldx, w, ps, kc, c + m * ldc, ldc, accumulate);
+      micro_for<F, 8, NP>(x + m * ldx, ldx, w, ps, kc, c + m * ldc, ldc, accumulate);
       m += 8;
     }
   }
   if constexpr (kMaxMR > 4) {
     if (rows - m >= 4) {
-      micro<4, NP>(x + m * ldx, ldx, w, ps, kc, c + m * ldc, ldc, accumulate);
+      micro_for<F, 4, NP>(x + m * ldx, ldx, w, ps, kc, c + m * ldc, ldc, accumulate);
       m += 4;
     }
   }
   if (rows - m >= 2) {
-    micro<2, NP>(x + m * ldx, ldx, w, ps, kc, c + m * ldc, ldc, accumulate);
+    micro_for<F, 2, NP>(x + m * ldx, ldx, w, ps, kc, c + m * ldc, ldc, accumulate);
     m += 2;
   }
-  if (rows - m >= 1) micro<1, NP>(x + m * ldx, ldx, w, ps, kc, c + m * ldc, ldc, accumulate);
+  if (rows - m >= 1)
+    micro_for<F, 1, NP>(x + m * ldx, ldx, w, ps, kc, c + m * ldc, ldc, accumulate);
 }
 
 // The tail panel (nt < 16 columns, layout per the header), scalar: N % 16 != 0 is rare in LLMs.
+// (Products of bf16 values are exact in float32, so both pair forms give the same bits here.)
 template <typename XS, typename T>
 inline void tail_rows(const XS* x, int64_t ldx, int64_t rows, const T* w, int64_t nt,
                       int64_t kc, float* c, int64_t ldc, bool accumulate) {
@@ -250,47 +313,117 @@ inline void tail_rows(const XS* x, int64_t ldx, int64_t rows, const T* w, int64_
     }
 }
 
-// dst[r][0..kc) = x[r][0..kc) in the micro-kernel's input type, for `rows` rows.
-template <typename TX, typename XS>
-inline void stage_rows(const TX* x, int64_t ldx, int64_t rows, int64_t kc, XS* dst) {
+// dst[r][0..kc) = x[r][0..kc) in kernel F's input type, for `rows` rows: float32 as given for
+// kFloat, bf16 (nearest even) for kDot, and for kWiden float32 holding those same bf16 values
+// (the same rounding code, so both pair forms read the same x).
+template <Kernel F, typename TX>
+inline void stage_rows(const TX* x, int64_t ldx, int64_t rows, int64_t kc, XOf<F>* dst) {
+  constexpr bool round = F != Kernel::kFloat && std::is_same_v<TX, float>;
   for (int64_t r = 0; r < rows; ++r) {
     const TX* src = x + r * ldx;
-    XS* out = dst + r * kc;
+    XOf<F>* out = dst + r * kc;
     int64_t k = 0;
 #if defined(PAGEDLLM_AVX512_BF16)
-    if constexpr (std::is_same_v<TX, float> && std::is_same_v<XS, uint16_t>)
-      for (; k + 16 <= kc; k += 16)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k),
-                            (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + k)));
+    if constexpr (round)
+      for (; k + 16 <= kc; k += 16) {
+        const __m256i b = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + k));
+        if constexpr (F == Kernel::kDot)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k), b);
+        else
+          _mm512_storeu_ps(out + k, _mm512_castsi512_ps(
+                                        _mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
+      }
 #endif
-    if constexpr (std::is_same_v<XS, float>)
-      for (; k < kc; ++k) out[k] = to_float(src[k]);
-    else
-      for (; k < kc; ++k) store(to_float(src[k]), out + k);
+    for (; k < kc; ++k) {
+      if constexpr (F == Kernel::kDot) {
+        store(to_float(src[k]), out + k);
+      } else if constexpr (round) {
+        uint16_t b;
+        store(src[k], &b);
+        out[k] = to_float(b);
+      } else {
+        out[k] = to_float(src[k]);
+      }
+    }
   }
 }
 
-// The work-sharing loop of a packed linear, to be called by every thread of an enclosing OpenMP
-// parallel region (an orphaned `omp for`: it ends with a barrier); outside one it runs serially.
-// x [M, K] (row stride ldx), w packed from [N, K] (see the header), K a multiple of 8,
-// bias [N] float32 or null, y [M, N] (row stride ldy). When x is not in the micro-kernel's
-// input type (float32 x, bf16 pair panels) each work item rounds its rows itself, once per
-// panel group, unless `x_staged` ([M, K], shared by the threads) is given: then the rows are
-// rounded once into it by a work-sharing loop of their own (the same values; one barrier more).
-// Rounding per item slowed the fused decoder's GEMMs, the most at 2048 rows (docs/benchmarks.md,
-// "Measurements behind choices in the code").
-template <typename T, typename TX, typename TY>
-void linear_tiles(const TX* x, int64_t ldx, int64_t M, int64_t K, const T* w, int64_t N,
-                  const float* bias, TY* y, int64_t ldy, XStage<T>* x_staged = nullptr) {
-  using XS = XStage<T>;
-  if constexpr (!std::is_same_v<XS, TX>) {
-    if (x_staged != nullptr) {
-#pragma omp for schedule(static)
-      for (int64_t r = 0; r < M; ++r) stage_rows(x + r * ldx, ldx, 1, K, x_staged + r * K);
-      linear_tiles<T, XS, TY>(x_staged, K, M, K, w, N, bias, y, ldy);
-      return;
-    }
+// ---------------------------------------------------------------- the pair-form choice
+// Which kernel reads bf16 pair panels in this process (kDot or kWiden; kFloat in builds
+// without pair panels): measured once, on first use, unless set first (`set_pairs_form`).
+inline std::atomic<int>& pairs_form_slot() {
+  static std::atomic<int> form{-1};
+  return form;
+}
+
+#if defined(PAGEDLLM_AVX512_BF16)
+// Seconds of `iterations` steps of 12 independent register chains of vdpbf16ps (kDot) or
+// float32 FMAs (kFloat) on the calling thread.
+template <bool kDot>
+inline double probe_seconds(int64_t iterations) {
+  __m512 acc[12];
+  for (int i = 0; i < 12; ++i) acc[i] = _mm512_set1_ps(1e-3f * (i + 1));
+  const __m512 a = _mm512_set1_ps(0.999f), b = _mm512_set1_ps(1e-6f);
+  const __m512bh ab = _mm512_cvtne2ps_pbh(a, a), bb = _mm512_cvtne2ps_pbh(b, b);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int64_t it = 0; it < iterations; ++it)
+    for (int i = 0; i < 12; ++i)
+      acc[i] = kDot ? _mm512_dpbf16_ps(acc[i], ab, bb) : _mm512_fmadd_ps(acc[i], a, b);
+  const auto t1 = std::chrono::steady_clock::now();
+  __m512 sum = acc[0];
+  for (int i = 1; i < 12; ++i) sum = _mm512_add_ps(sum, acc[i]);
+  volatile float sink = _mm512_reduce_add_ps(sum);   // keeps the loops
+  (void)sink;
+  return std::chrono::duration<double>(t1 - t0).count();
+}
+
+// The rule: kWiden where float32 FMAs multiply-add at least 1.3x as many values per second as
+// vdpbf16ps does (each vdpbf16ps does two per lane, an FMA one; the widening form issues
+// about 8% more vector instructions than its FMAs: a shift and an AND per panel row pair).
+// Best of 5 alternated timings of about 0.2-1 ms each; a few ms once per process.
+inline Kernel probe_pairs_form() {
+  constexpr int64_t kIterations = 50000;
+  double dot = 1e30, fma = 1e30;
+  for (int r = 0; r < 5; ++r) {
+    fma = std::min(fma, probe_seconds<false>(kIterations));
+    dot = std::min(dot, probe_seconds<true>(kIterations));
   }
+  const double fma_rate = 16.0 / fma, dot_rate = 32.0 / dot;   // values per second, relative
+  return fma_rate >= 1.3 * dot_rate ? Kernel::kWiden : Kernel::kDot;
+}
+#endif
+
+inline Kernel pairs_form() {
+#if defined(PAGEDLLM_AVX512_BF16)
+  static std::once_flag once;
+  std::call_once(once, [] {
+    if (pairs_form_slot().load() < 0) {
+      int unset = -1;
+      pairs_form_slot().compare_exchange_strong(unset, static_cast<int>(probe_pairs_form()));
+    }
+  });
+  return static_cast<Kernel>(pairs_form_slot().load(std::memory_order_relaxed));
+#else
+  return Kernel::kFloat;
+#endif
+}
+
+// Sets the kernel for bf16 pair panels (kDot or kWiden; outside a parallel region). Returns
+// false, changing nothing, in builds without pair panels or for kFloat.
+inline bool set_pairs_form(Kernel form) {
+  if (!pairs<uint16_t>() || form == Kernel::kFloat) return false;
+  pairs_form_slot().store(static_cast<int>(form));
+  return true;
+}
+
+// ---------------------------------------------------------------- the GEMM
+// `linear_tiles` with kernel F (x staged into F's input type per work item where TX is not).
+template <Kernel F, typename T, typename TX, typename TY>
+void tiles(const TX* x, int64_t ldx, int64_t M, int64_t K, const T* w, int64_t N,
+           const float* bias, TY* y, int64_t ldy) {
+  using XS = XOf<F>;
+  // x is read in place where it is in XS already (and kWiden's x is bf16-rounded float32).
+  constexpr bool kStage = !std::is_same_v<XS, TX> || F == Kernel::kWiden;
   const int64_t full = N / kNR, nt = N % kNR, num_panels = full + (nt > 0);
   // Panels per item: enough items for the threads at decode sizes, few enough that a row
   // block of x is re-read only a few times per weight.
@@ -302,34 +435,34 @@ void linear_tiles(const TX* x, int64_t ldx, int64_t M, int64_t K, const T* w, in
 #pragma omp for schedule(dynamic, 1)
   for (int64_t item = 0; item < num_row_blocks * num_groups; ++item) {
     alignas(64) float c[kRowBlock * kMaxGroup * kNR];
-    thread_local std::vector<XS> staged;   // x rows in XS, when TX is not XS
+    thread_local std::vector<XS> staged;   // x rows in XS, when kStage
     const int64_t g = item % num_groups, b = item / num_groups;
     const int64_t r0 = b * kRowBlock, rows = std::min(M, r0 + kRowBlock) - r0;
     const int64_t p0 = g * group, p1 = std::min(num_panels, p0 + group);
     const int64_t p_full_end = std::min(p1, full);
     const int64_t ldc = (p1 - p0) * kNR;
     const int64_t kblock = rows * K <= kMaxWholeK ? K : kKC;
-    if constexpr (!std::is_same_v<XS, TX>) staged.resize(static_cast<size_t>(rows * kblock));
+    if constexpr (kStage) staged.resize(static_cast<size_t>(rows * kblock));
     for (int64_t k0 = 0; k0 < K; k0 += kblock) {
       const int64_t kc = std::min(kblock, K - k0);
       const XS* xk;
       int64_t ldxk;
-      if constexpr (std::is_same_v<XS, TX>) {
+      if constexpr (!kStage) {
         xk = x + r0 * ldx + k0;
         ldxk = ldx;
       } else {
-        stage_rows(x + r0 * ldx + k0, ldx, rows, kc, staged.data());
+        stage_rows<F>(x + r0 * ldx + k0, ldx, rows, kc, staged.data());
         xk = staged.data();
         ldxk = kc;
       }
       const bool accumulate = k0 > 0;
       int64_t p = p0;
       for (; p + kNP <= p_full_end; p += kNP)
-        panel_rows<kNP>(xk, ldxk, rows, w + p * ps + k0 * kNR, ps, kc, c + (p - p0) * kNR, ldc,
-                        accumulate);
+        panel_rows<F, kNP>(xk, ldxk, rows, w + p * ps + k0 * kNR, ps, kc, c + (p - p0) * kNR,
+                           ldc, accumulate);
       for (; p < p_full_end; ++p)
-        panel_rows<1>(xk, ldxk, rows, w + p * ps + k0 * kNR, ps, kc, c + (p - p0) * kNR, ldc,
-                      accumulate);
+        panel_rows<F, 1>(xk, ldxk, rows, w + p * ps + k0 * kNR, ps, kc, c + (p - p0) * kNR,
+                         ldc, accumulate);
       if (p1 > full)
         tail_rows(xk, ldxk, rows, w + full * ps + k0 * nt, nt, kc, c + (full - p0) * kNR, ldc,
                   accumulate);
@@ -339,6 +472,37 @@ void linear_tiles(const TX* x, int64_t ldx, int64_t M, int64_t K, const T* w, in
       for (int64_t j = 0; j < cols; ++j)
         store(c[r * ldc + j] + (bias != nullptr ? bias[n0 + j] : 0.f),
               y + (r0 + r) * ldy + n0 + j);
+  }
+}
+
+// The work-sharing loop of a packed linear, to be called by every thread of an enclosing OpenMP
+// parallel region (an orphaned `omp for`: it ends with a barrier); outside one it runs serially.
+// x [M, K] (row stride ldx), w packed from [N, K] (see the header), K a multiple of 8,
+// bias [N] float32 or null, y [M, N] (row stride ldy). When x is float32 and w bf16 pair panels,
+// each work item rounds its rows itself, once per panel group, unless `x_staged` ([M, K],
+// shared by the threads) is given: then the rows are rounded once into it by a work-sharing
+// loop of their own (the same values; one barrier more). Rounding per item slowed the fused
+// decoder's GEMMs, the most at 2048 rows (docs/benchmarks.md, "Measurements behind choices in
+// the code"). Pair panels are read by the kernel `pairs_form()` names: the same bits either way.
+template <typename T, typename TX, typename TY>
+void linear_tiles(const TX* x, int64_t ldx, int64_t M, int64_t K, const T* w, int64_t N,
+                  const float* bias, TY* y, int64_t ldy, XStage<T>* x_staged = nullptr) {
+  if constexpr (pairs<T>()) {
+    if constexpr (std::is_same_v<TX, float>) {
+      if (x_staged != nullptr) {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < M; ++r)
+          stage_rows<Kernel::kDot>(x + r * ldx, ldx, 1, K, x_staged + r * K);
+        linear_tiles<T, uint16_t, TY>(x_staged, K, M, K, w, N, bias, y, ldy);
+        return;
+      }
+    }
+    if (pairs_form() == Kernel::kWiden)
+      tiles<Kernel::kWiden>(x, ldx, M, K, w, N, bias, y, ldy);
+    else
+      tiles<Kernel::kDot>(x, ldx, M, K, w, N, bias, y, ldy);
+  } else {
+    tiles<Kernel::kFloat>(x, ldx, M, K, w, N, bias, y, ldy);
   }
 }
 
