@@ -207,7 +207,8 @@ def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor,
     """y = x @ W^T + bias with the packed-B GEMM (`csrc/packed_gemm.h`), W given packed.
 
     Math in float32, except that with bfloat16 weights on an AVX512_BF16 build x is rounded to
-    bfloat16 and multiplied with `vdpbf16ps` (float32 accumulation). A bfloat16 x with a
+    bfloat16 and multiplied as bf16 pairs with float32 accumulation (`vdpbf16ps`, or widening
+    FMAs with the same bits where those are faster: `packed_pairs_form`). A bfloat16 x with a
     bfloat16 weight is read and written as bfloat16 (rounded to nearest even); other
     combinations compute on float32 x.
 

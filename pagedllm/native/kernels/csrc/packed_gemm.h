@@ -17,13 +17,17 @@
 //   a tail panel of nt = N % 16 columns at (N/16)*16*K, [K][nt] or [K/2][nt][2] likewise.
 //
 // "pairs" is used for bfloat16 weights when the library is built with AVX512_BF16: a panel row
-// pair is one zmm of bf16 pairs for `vdpbf16ps`, which multiplies bf16 pairs and accumulates in
-// float32. Its x operand must be bfloat16 too, so float32 activations are rounded to bfloat16
-// (nearest even) first: on that path the products are those of bf16-rounded x (the module path
-// of a bf16 model rounds its activations to bf16 anyway; the fused decoder's float32
-// intermediates lose their extra precision here). Every other case computes in float32 with x
-// as given (bf16 weights widened by a 16-bit shift), so fp32 results match a float32 GEMM up to
-// summation order.
+// pair is one zmm of bf16 pairs. Its x operand is bfloat16 too, so float32 activations are
+// rounded to bfloat16 (nearest even) first: on that path the products are those of bf16-rounded
+// x (the module path of a bf16 model rounds its activations to bf16 anyway; the fused decoder's
+// float32 intermediates lose their extra precision here). Two micro-kernels read pair panels
+// and give the same bits (see `Kernel`): `vdpbf16ps`, and a widening form (each zmm split into
+// its even-k and odd-k float32 vectors by a shift and an AND, two FMAs per x pair in the
+// instruction's order). Which one runs is measured once per process (`pairs_form`: the widening
+// form where float32 FMAs multiply-add at least 1.3x as many values per second as vdpbf16ps;
+// on the Xeon this was written on, vdpbf16ps has half the FMAs' rate). Every other case
+// computes in float32 with x as given (bf16 weights widened by a 16-bit shift), so fp32 results
+// match a float32 GEMM up to summation order.
 //
 // Register tiles: AVX-512 12x32 (24 zmm accumulators), AVX2 6x16 (12 ymm), portable 4x16.
 // While an item's x rows hold at most kMaxWholeK values, each panel is read over the whole of
@@ -31,7 +35,16 @@
 // larger row blocks cut K into blocks of kKC so that a block of x rows and of a panel stay in
 // L1/L2, with partial sums in a per-item float32 tile. (Cutting K at every size slowed both a
 // bf16 GEMV chain's weight stream from DRAM and 32-row GEMMs: docs/benchmarks.md,
-// "Measurements behind choices in the code".) Threads share (row block, panel group)
+// "Measurements behind choices in the code".) Each output sums its k in the same order
+// whatever the row count (k ascending; pairs odd then even), so a row's result does not depend
+// on the rows beside it.
+//
+// Prefetch (AVX-512): the register tiles of a row block pass over the same two panels several
+// times (12 + 12 + 8 rows at 32), the first pass reading them from L3 / DRAM; the micro-kernel
+// calls prefetch the next two panels into L2 meanwhile, each call its own share of their lines,
+// so the weight arrives as one steady stream instead of a burst per first pass (32 x 32000 x
+// 512 float32: 46 -> 71 GMAC/s; docs/benchmarks.md, "Packed GEMM at 32 rows and in prefill").
+// Single-row items do not prefetch. Threads share (row block, panel group)
 // items through an orphaned `omp for` (as linear_kernel.h), so the fused decoder can call it
 // inside its parallel region.
 #pragma once
@@ -61,6 +74,14 @@ constexpr int64_t kKC = 256;        // k per block when K is cut (even)
 constexpr int64_t kMaxWholeK = 48 * 1024;   // x values of a row block read over the whole K
 constexpr int64_t kRowBlock = 48;   // rows per work item: a multiple of 12, 6 and 4
 constexpr int64_t kMaxGroup = 8;    // panels per work item
+
+// Software prefetch of the next panels (into L2) during a micro-kernel call: from `line` on,
+// one 64-byte line per panel every `every` steps of k (a panel row of 16 floats or 16 bf16
+// pairs is one line); null `line`: none.
+struct Prefetch {
+  const char* line;
+  int64_t every;
+};
 
 // Whether weights of type T are packed as k pairs (see the header).
 template <typename T>
@@ -141,13 +162,21 @@ constexpr int kNP = 2;
 
 template <int MR, int NP, typename T>
 inline void micro(const float* x, int64_t ldx, const T* w, int64_t ps, int64_t kc, float* c,
-                  int64_t ldc, bool accumulate) {
+                  int64_t ldc, bool accumulate, Prefetch pf) {
   __m512 acc[MR][NP];
   for (int i = 0; i < MR; ++i)
     for (int p = 0; p < NP; ++p)
       acc[i][p] = accumulate ? _mm512_loadu_ps(c + i * ldc + p * kNR) : _mm512_setzero_ps();
+  const char* line = pf.line;
+  int64_t countdown = 1;
   for (int64_t k = 0; k < kc; ++k) {
     __m512 wv[NP];
+    if (line != nullptr && --countdown == 0) {
+      countdown = pf.every;
+      for (int p = 0; p < NP; ++p)
+        _mm_prefetch(line + p * ps * static_cast<int64_t>(sizeof(T)), _MM_HINT_T1);
+      line += 64;
+    }
     for (int p = 0; p < NP; ++p) wv[p] = load16(w + p * ps + k * kNR);
     for (int i = 0; i < MR; ++i) {
       const __m512 xv = _mm512_set1_ps(x[i * ldx + k]);
@@ -161,14 +190,21 @@ inline void micro(const float* x, int64_t ldx, const T* w, int64_t ps, int64_t k
 // bf16 pair panels widened to float32 (see `Kernel`): x float32 holding bf16 values; kc even.
 template <int MR, int NP>
 inline void micro_widen(const float* x, int64_t ldx, const uint16_t* w, int64_t ps,
-                        int64_t kc, float* c, int64_t ldc, bool accumulate) {
+                        int64_t kc, float* c, int64_t ldc, bool accumulate, Prefetch pf) {
   __m512 acc[MR][NP];
   for (int i = 0; i < MR; ++i)
     for (int p = 0; p < NP; ++p)
       acc[i][p] = accumulate ? _mm512_loadu_ps(c + i * ldc + p * kNR) : _mm512_setzero_ps();
+  const char* line = pf.line;
+  int64_t countdown = 1;
   const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
   for (int64_t k = 0; k < kc; k += 2) {
     __m512 even[NP], odd[NP];
+    if (line != nullptr && --countdown == 0) {
+      countdown = pf.every;
+      for (int p = 0; p < NP; ++p) _mm_prefetch(line + p * ps * 2, _MM_HINT_T1);
+      line += 64;
+    }
     for (int p = 0; p < NP; ++p) {
       const __m512i v = _mm512_loadu_si512(w + p * ps + k * kNR);
       even[p] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
@@ -189,13 +225,20 @@ inline void micro_widen(const float* x, int64_t ldx, const uint16_t* w, int64_t 
 // bf16 x (pairs read as one 32-bit value) times bf16 pair panels, vdpbf16ps; kc even.
 template <int MR, int NP>
 inline void micro_dot(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ps,
-                      int64_t kc, float* c, int64_t ldc, bool accumulate) {
+                      int64_t kc, float* c, int64_t ldc, bool accumulate, Prefetch pf) {
   __m512 acc[MR][NP];
   for (int i = 0; i < MR; ++i)
     for (int p = 0; p < NP; ++p)
       acc[i][p] = accumulate ? _mm512_loadu_ps(c + i * ldc + p * kNR) : _mm512_setzero_ps();
+  const char* line = pf.line;
+  int64_t countdown = 1;
   for (int64_t k = 0; k < kc; k += 2) {
     __m512bh wv[NP];
+    if (line != nullptr && --countdown == 0) {
+      countdown = pf.every;
+      for (int p = 0; p < NP; ++p) _mm_prefetch(line + p * ps * 2, _MM_HINT_T1);
+      line += 64;
+    }
     for (int p = 0; p < NP; ++p)
       wv[p] = (__m512bh)_mm512_loadu_si512(w + p * ps + k * kNR);
     for (int i = 0; i < MR; ++i) {
@@ -216,7 +259,7 @@ constexpr int kNP = 1;
 
 template <int MR, int NP, typename T>
 inline void micro(const float* x, int64_t ldx, const T* w, int64_t ps, int64_t kc, float* c,
-                  int64_t ldc, bool accumulate) {
+                  int64_t ldc, bool accumulate, Prefetch pf) {
   constexpr int V = 2 * NP;  // ymm vectors per row of the tile
   __m256 acc[MR][V];
   for (int i = 0; i < MR; ++i)
@@ -240,7 +283,7 @@ constexpr int kNP = 1;
 
 template <int MR, int NP, typename T>
 inline void micro(const float* x, int64_t ldx, const T* w, int64_t ps, int64_t kc, float* c,
-                  int64_t ldc, bool accumulate) {
+                  int64_t ldc, bool accumulate, Prefetch pf) {
   float acc[MR][NP * kNR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NP * kNR; ++j) acc[i][j] = accumulate ? c[i * ldc + j] : 0.f;
@@ -258,43 +301,75 @@ inline void micro(const float* x, int64_t ldx, const T* w, int64_t ps, int64_t k
 // Kernel F on an MR x NP tile (x in F's input type, see `Kernel`).
 template <Kernel F, int MR, int NP, typename T>
 inline void micro_for(const XOf<F>* x, int64_t ldx, const T* w, int64_t ps, int64_t kc,
-                      float* c, int64_t ldc, bool accumulate) {
+                      float* c, int64_t ldc, bool accumulate, Prefetch pf) {
   if constexpr (F == Kernel::kFloat) {
-    micro<MR, NP>(x, ldx, w, ps, kc, c, ldc, accumulate);
+    micro<MR, NP>(x, ldx, w, ps, kc, c, ldc, accumulate, pf);
 #if defined(PAGEDLLM_AVX512_BF16)
   } else if constexpr (F == Kernel::kWiden) {
-    micro_widen<MR, NP>(x, ldx, w, ps, kc, c, ldc, accumulate);
+    micro_widen<MR, NP>(x, ldx, w, ps, kc, c, ldc, accumulate, pf);
   } else {
-    micro_dot<MR, NP>(x, ldx, w, ps, kc, c, ldc, accumulate);
+    micro_dot<MR, NP>(x, ldx, w, ps, kc, c, ldc, accumulate, pf);
 #endif
   }
+}
+
+// The micro-kernel calls `panel_rows` makes for `rows` rows.
+inline int64_t num_calls(int64_t rows) {
+  int64_t calls = rows / kMaxMR, rest = rows % kMaxMR;
+  for (int64_t tile : {8, 4, 2, 1})
+    if (tile < kMaxMR && rest >= tile) {
+      ++calls;
+      rest -= tile;
+    }
+  return calls;
 }
 
 // `rows` rows of x against NP panels: the largest register tiles first, then 8/4/2/1 rows.
 template <Kernel F, int NP, typename T>
 inline void panel_rows(const XOf<F>* x, int64_t ldx, int64_t rows, const T* w, int64_t ps,
-                       int64_t kc, float* c, int64_t ldc, bool accumulate) {
+                       int64_t kc, float* c, int64_t ldc, bool accumulate, const T* next) {
+  // The next panels' lines (`next`: null for none) are shared out among the micro-kernel calls
+  // here (`calls` passes over these panels), each prefetching its own part, one line per
+  // panel every `calls` lines of its own: a steady stream rather than a burst per pass. Not for
+  // a single row: a GEMV streams at the bandwidth bound, where the hardware prefetchers alone
+  // were faster (docs/benchmarks.md, "Packed GEMM at 32 rows and in prefill").
+  if (rows < 2) next = nullptr;
+  const int64_t calls = num_calls(rows);
+  const int64_t lines = kc * kNR * static_cast<int64_t>(sizeof(T)) / 64;
+  const int64_t per_line = sizeof(T) == 2 && !pairs<T>() ? 2 : 1;   // iterations per line
+  int64_t call = 0;
+  auto prefetch = [&]() {
+    const char* start = next == nullptr ? nullptr
+                        : reinterpret_cast<const char*>(next) + call * lines / calls * 64;
+    ++call;
+    return Prefetch{start, calls * per_line};
+  };
   int64_t m = 0;
   for (; m + kMaxMR <= rows; m += kMaxMR)
-    micro_for<F, kMaxMR, NP>(x + m * ldx, ldx, w, ps, kc, c + m * ldc, ldc, accumulate);
+    micro_for<F, kMaxMR, NP>(x + m * ldx, ldx, w, ps, kc, c + m * ldc, ldc, accumulate,
+                             prefetch());
   if constexpr (kMaxMR > 8) {
     if (rows - m >= 8) {
-      micro_for<F, 8, NP>(x + m * ldx, ldx, w, ps, kc, c + m * ldc, ldc, accumulate);
+      micro_for<F, 8, NP>(x + m * ldx, ldx, w, ps, kc, c + m * ldc, ldc, accumulate,
+                          prefetch());
       m += 8;
     }
   }
   if constexpr (kMaxMR > 4) {
     if (rows - m >= 4) {
-      micro_for<F, 4, NP>(x + m * ldx, ldx, w, ps, kc, c + m * ldc, ldc, accumulate);
+      micro_for<F, 4, NP>(x + m * ldx, ldx, w, ps, kc, c + m * ldc, ldc, accumulate,
+                          prefetch());
       m += 4;
     }
   }
   if (rows - m >= 2) {
-    micro_for<F, 2, NP>(x + m * ldx, ldx, w, ps, kc, c + m * ldc, ldc, accumulate);
+    micro_for<F, 2, NP>(x + m * ldx, ldx, w, ps, kc, c + m * ldc, ldc, accumulate,
+                        prefetch());
     m += 2;
   }
   if (rows - m >= 1)
-    micro_for<F, 1, NP>(x + m * ldx, ldx, w, ps, kc, c + m * ldc, ldc, accumulate);
+    micro_for<F, 1, NP>(x + m * ldx, ldx, w, ps, kc, c + m * ldc, ldc, accumulate,
+                        prefetch());
 }
 
 // The tail panel (nt < 16 columns, layout per the header), scalar: N % 16 != 0 is rare in LLMs.
@@ -459,10 +534,10 @@ void tiles(const TX* x, int64_t ldx, int64_t M, int64_t K, const T* w, int64_t N
       int64_t p = p0;
       for (; p + kNP <= p_full_end; p += kNP)
         panel_rows<F, kNP>(xk, ldxk, rows, w + p * ps + k0 * kNR, ps, kc, c + (p - p0) * kNR,
-                           ldc, accumulate);
+                           ldc, accumulate, w + (p + kNP) * ps + k0 * kNR);
       for (; p < p_full_end; ++p)
         panel_rows<F, 1>(xk, ldxk, rows, w + p * ps + k0 * kNR, ps, kc, c + (p - p0) * kNR,
-                         ldc, accumulate);
+                         ldc, accumulate, static_cast<const T*>(nullptr));
       if (p1 > full)
         tail_rows(xk, ldxk, rows, w + full * ps + k0 * nt, nt, kc, c + (full - p0) * kNR, ldc,
                   accumulate);
