@@ -43,10 +43,11 @@
 // times (12 + 12 + 8 rows at 32), the first pass reading them from L3 / DRAM; the micro-kernel
 // calls prefetch the next two panels into L2 meanwhile, each call its own share of their lines,
 // so the weight arrives as one steady stream instead of a burst per first pass (32 x 32000 x
-// 512 float32: 46 -> 71 GMAC/s; docs/benchmarks.md, "Packed GEMM at 32 rows and in prefill").
-// Single-row items do not prefetch. Threads share (row block, panel group)
-// items through an orphaned `omp for` (as linear_kernel.h), so the fused decoder can call it
-// inside its parallel region.
+// 512 float32: 38.9 -> 55.6 GMAC/s on a loaded host; docs/benchmarks.md, "Packed GEMM at 32
+// rows and in prefill"). Single-row items do not prefetch.
+//
+// Threads share (row block, panel group) items through an orphaned `omp for` (as
+// linear_kernel.h), so the fused decoder can call it inside its parallel region.
 #pragma once
 
 #include <algorithm>
@@ -138,8 +139,9 @@ void gather_rows(const T* packed, int64_t N, int64_t K, const int64_t* ids, int6
 // exactly what vdpbf16ps computes, acc' = (acc + x_odd*w_odd) + x_even*w_even per pair with
 // exact products (a bf16 x bf16 product fits float32's 24-bit significand) and one rounding
 // per add (Intel SDM, VDPBF16PS pseudo-code), so the two give the same bits except where
-// vdpbf16ps flushes a denormal input, product or sum to zero; which one runs is a speed choice
-// (`pairs_form`).
+// vdpbf16ps flushes a denormal input, product or sum to zero (it also rounds to nearest even
+// whatever MXCSR says, the FMAs as MXCSR says: nearest even by default); which one runs is a
+// speed choice (`pairs_form`).
 enum class Kernel { kFloat, kDot, kWiden };
 
 // The type x is read in by kernel F.
