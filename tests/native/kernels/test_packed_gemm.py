@@ -271,12 +271,16 @@ def test_pair_forms_same_bits_and_float64_oracle(pair_forms, m, n, k):
             assert (y.double() - want).abs().le(bound).all(), (form, act)
 
 
-def test_pair_forms_same_bits_in_the_engine(tiny_checkpoints, pair_forms):
+def test_pair_forms_same_bits_in_the_engine(tiny_checkpoints, pair_forms, monkeypatch):
     """A bf16 model's greedy tokens and logprobs are the same with either pair form (the
     fused decoder's staged x included)."""
     lib = pair_forms
+    monkeypatch.setenv("PAGEDLLM_CPU_PACKED_GEMM", "1")
     llm = LLM(str(tiny_checkpoints["llama"]), dtype="bfloat16", kv_cache_memory_bytes=8 << 20,
               enable_prefix_caching=False)
+    model = llm.llm_engine.engine_core.executor.worker.model_runner.model.model
+    assert model.layers[0].mlp.down_proj.quant_method.packed
+    assert model.layer_stack is not None and model.layer_stack.fused.packed_weights
     prompts = [{"prompt_token_ids": [5, 9, 33, 7, 120, 64, 3, 8, 19]},
                {"prompt_token_ids": [200, 11, 4]}]
     greedy = SamplingParams(temperature=0.0, max_tokens=4, logprobs=3)
