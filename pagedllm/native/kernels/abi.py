@@ -21,7 +21,7 @@ import re
 
 # Bump when a declaration below changes (the loaded library reports the version it was
 # compiled with; a stale library in the cache is refused).
-ABI_VERSION = 21
+ABI_VERSION = 22
 
 STRUCTS = """
 /* One weight's rows of one GGML type (layers/quantization/gguf.py `kernel_segments`). */
@@ -488,6 +488,11 @@ void linear_bf16_act(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const
 
 /* cpu_packed_gemm.cpp (dtype 0 float32, 1 bfloat16) */
 int packed_gemm_bf16_pairs(void);
+/* The kernel reading bf16 pair panels: 1 vdpbf16ps, 2 widening FMAs (the same bits), 0 none
+   (no pair panels in this build); the getter measures the choice on first use, the setter
+   (form 1 or 2; returns the form now in use, or -1 changing nothing) overrides it. */
+int packed_gemm_pairs_form(void);
+int packed_gemm_set_pairs_form(int form);
 void pack_linear_weight(const void* w, int64_t N, int64_t K, int dtype, void* out);
 void unpack_linear_weight(const void* packed, int64_t N, int64_t K, int dtype, void* out);
 int packed_weight_rows(const void* packed, int64_t N, int64_t K, int dtype, const int64_t* ids,

@@ -100,6 +100,46 @@ def _packing_lib(weight: torch.Tensor, lib: ctypes.CDLL | None, what: str) -> ct
     return lib
 
 
+_PAIRS_FORMS = {1: "dot", 2: "widen"}
+
+
+def packed_pairs_form(lib: ctypes.CDLL | None = None) -> str | None:
+    """The kernel that multiplies bf16 weights packed as k pairs (`csrc/packed_gemm.h`
+    `Kernel`): "dot" (`vdpbf16ps`) or "widen" (each pair widened to float32, two FMAs; the same
+    bits), chosen by timing both instructions once per process (the first call measures,
+    a few ms); None where the library packs no pairs (no AVX512_BF16).
+
+    Raises:
+        RuntimeError: the native kernels are unavailable.
+    """
+    lib = lib if lib is not None else cpu_kernels()
+    if lib is None:
+        raise RuntimeError("packed_pairs_form needs the native CPU kernels, which are "
+                           "unavailable")
+    return _PAIRS_FORMS.get(lib.packed_gemm_pairs_form())
+
+
+def set_packed_pairs_form(form: str, lib: ctypes.CDLL | None = None) -> None:
+    """Make every later packed GEMM on bf16 pair panels in this process use `form` ("dot" or
+    "widen", see `packed_pairs_form`) instead of the measured choice: for tests and
+    benchmarks; call it outside a running GEMM.
+
+    Raises:
+        ValueError: `form` is not "dot" or "widen", or the library packs no pairs.
+        RuntimeError: the native kernels are unavailable.
+    """
+    lib = lib if lib is not None else cpu_kernels()
+    if lib is None:
+        raise RuntimeError("set_packed_pairs_form needs the native CPU kernels, which are "
+                           "unavailable")
+    codes = {name: code for code, name in _PAIRS_FORMS.items()}
+    if form not in codes:
+        raise ValueError(f"set_packed_pairs_form: form must be 'dot' or 'widen', got {form!r}")
+    if lib.packed_gemm_set_pairs_form(codes[form]) != codes[form]:
+        raise ValueError("set_packed_pairs_form: this kernel library packs no bf16 pairs "
+                         "(built without AVX512_BF16)")
+
+
 def pack_linear_weight(weight: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """`weight` [N, K] rearranged into the packed-B GEMM's panels (`csrc/packed_gemm.h`: [N/16]
     panels of [K][16] values, bf16 as [K/2][16][2] pairs where the library has AVX512_BF16, a
@@ -167,7 +207,8 @@ def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor,
     """y = x @ W^T + bias with the packed-B GEMM (`csrc/packed_gemm.h`), W given packed.
 
     Math in float32, except that with bfloat16 weights on an AVX512_BF16 build x is rounded to
-    bfloat16 and multiplied with `vdpbf16ps` (float32 accumulation). A bfloat16 x with a
+    bfloat16 and multiplied as bf16 pairs with float32 accumulation (`vdpbf16ps`, or widening
+    FMAs with the same bits where those are faster: `packed_pairs_form`). A bfloat16 x with a
     bfloat16 weight is read and written as bfloat16 (rounded to nearest even); other
     combinations compute on float32 x.
 

@@ -225,3 +225,73 @@ def test_tied_lm_head_packs_the_shared_weight(tiny_checkpoints, monkeypatch):
             assert a.keys() == b.keys()
             for t in a:
                 assert abs(a[t].logprob - b[t].logprob) < 1e-4
+
+
+# ---------------------------------------------------------------- bf16 pair forms
+
+@pytest.fixture
+def pair_forms():
+    """The native library when it packs bf16 pairs (else the test is skipped); the measured
+    form is put back afterwards."""
+    lib = cpu_kernels()
+    measured = ops.packed_pairs_form(lib)
+    if measured is None:
+        pytest.skip("this library packs no bf16 pairs (no AVX512_BF16)")
+    yield lib
+    ops.set_packed_pairs_form(measured, lib)
+
+
+def _forms(lib, fn):
+    out = {}
+    for form in ("dot", "widen"):
+        ops.set_packed_pairs_form(form, lib)
+        assert ops.packed_pairs_form(lib) == form
+        out[form] = fn()
+    return out
+
+
+@pytest.mark.parametrize("m,n,k", SHAPES + [(32, 272, 512), (13, 31, 8)], ids=str)
+def test_pair_forms_same_bits_and_float64_oracle(pair_forms, m, n, k):
+    """`vdpbf16ps` and the widening FMAs give the same bits (float32 and bf16 activations,
+    register-tile remainders, tail panels, K blocks), both within float32 rounding of a
+    float64 GEMM on the bf16-rounded x."""
+    lib = pair_forms
+    w, x, b = _operands(m, n, k, torch.bfloat16, seed=m + 3 * n + k)
+    x = x * torch.logspace(-3, 3, k)          # magnitudes that differ across k
+    packed = ops.pack_linear_weight(w, lib)
+    for act in (torch.float32, torch.bfloat16):
+        got = _forms(lib, lambda: ops.packed_linear(x.to(act), packed, b, lib=lib))
+        assert torch.equal(got["dot"], got["widen"]), act
+        xr = x.bfloat16().double()
+        want = xr @ w.double().T + b.double()
+        bound = 2 * k * 2.0 ** -24 * (xr.abs() @ w.double().abs().T + b.double().abs())
+        if act is torch.bfloat16:               # the output rounded to bf16 as well
+            bound = bound + want.abs() * 2.0 ** -8
+        for form, y in got.items():
+            assert (y.double() - want).abs().le(bound).all(), (form, act)
+
+
+def test_pair_forms_same_bits_in_the_engine(tiny_checkpoints, pair_forms, monkeypatch):
+    """A bf16 model's greedy tokens and logprobs are the same with either pair form (the
+    fused decoder's staged x included)."""
+    lib = pair_forms
+    monkeypatch.setenv("PAGEDLLM_CPU_PACKED_GEMM", "1")
+    llm = LLM(str(tiny_checkpoints["llama"]), dtype="bfloat16", kv_cache_memory_bytes=8 << 20,
+              enable_prefix_caching=False)
+    model = llm.llm_engine.engine_core.executor.worker.model_runner.model.model
+    assert model.layers[0].mlp.down_proj.quant_method.packed
+    assert model.layer_stack is not None and model.layer_stack.fused.packed_weights
+    prompts = [{"prompt_token_ids": [5, 9, 33, 7, 120, 64, 3, 8, 19]},
+               {"prompt_token_ids": [200, 11, 4]}]
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, logprobs=3)
+    got = _forms(lib, lambda: [o.outputs[0] for o in llm.generate(
+        prompts, greedy, use_tqdm=False)])
+    for a, b in zip(got["dot"], got["widen"]):
+        assert a.token_ids == b.token_ids
+        assert [{t: p.logprob for t, p in d.items()} for d in a.logprobs] == \
+            [{t: p.logprob for t, p in d.items()} for d in b.logprobs]
+
+
+def test_set_pairs_form_rejects_bad_forms():
+    with pytest.raises(ValueError, match="'dot' or 'widen'"):
+        ops.set_packed_pairs_form("fast")

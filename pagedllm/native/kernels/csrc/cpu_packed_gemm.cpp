@@ -71,6 +71,20 @@ extern "C" {
 // one build is only valid for a library that answers the same.
 int packed_gemm_bf16_pairs() { return pagedllm::packed::pairs<uint16_t>() ? 1 : 0; }
 
+// The kernel that reads bf16 pair panels: 1 vdpbf16ps, 2 the widening FMAs, 0 none in this
+// build (packed_gemm.h `Kernel`, `pairs_form`).
+int packed_gemm_pairs_form() {
+  if (!pagedllm::packed::pairs<uint16_t>()) return 0;
+  return pagedllm::packed::pairs_form() == pagedllm::packed::Kernel::kWiden ? 2 : 1;
+}
+
+int packed_gemm_set_pairs_form(int form) {
+  using pagedllm::packed::Kernel;
+  if (form != 1 && form != 2) return -1;
+  if (!pagedllm::packed::set_pairs_form(form == 1 ? Kernel::kDot : Kernel::kWiden)) return -1;
+  return packed_gemm_pairs_form();
+}
+
 // dtype: 0 float32, 1 bfloat16. w [N, K] -> out (packed); out must not overlap w.
 void pack_linear_weight(const void* w, int64_t N, int64_t K, int dtype, void* out) {
   if (dtype == 0)

@@ -17,13 +17,17 @@
 //   a tail panel of nt = N % 16 columns at (N/16)*16*K, [K][nt] or [K/2][nt][2] likewise.
 //
 // "pairs" is used for bfloat16 weights when the library is built with AVX512_BF16: a panel row
-// pair is one zmm of bf16 pairs for `vdpbf16ps`, which multiplies bf16 pairs and accumulates in
-// float32. Its x operand must be bfloat16 too, so float32 activations are rounded to bfloat16
-// (nearest even) first: on that path the products are those of bf16-rounded x (the module path
-// of a bf16 model rounds its activations to bf16 anyway; the fused decoder's float32
-// intermediates lose their extra precision here). Every other case computes in float32 with x
-// as given (bf16 weights widened by a 16-bit shift), so fp32 results match a float32 GEMM up to
-// summation order.
+// pair is one zmm of bf16 pairs. Its x operand is bfloat16 too, so float32 activations are
+// rounded to bfloat16 (nearest even) first: on that path the products are those of bf16-rounded
+// x (the module path of a bf16 model rounds its activations to bf16 anyway; the fused decoder's
+// float32 intermediates lose their extra precision here). Two micro-kernels read pair panels
+// and give the same bits (see `Kernel`): `vdpbf16ps`, and a widening form (each zmm split into
+// its even-k and odd-k float32 vectors by a shift and an AND, two FMAs per x pair in the
+// instruction's order). Which one runs is measured once per process (`pairs_form`: the widening
+// form where float32 FMAs multiply-add at least 1.3x as many values per second as vdpbf16ps;
+// on the Xeon this was written on, vdpbf16ps has half the FMAs' rate). Every other case
+// computes in float32 with x as given (bf16 weights widened by a 16-bit shift), so fp32 results
+// match a float32 GEMM up to summation order.
 //
 // Register tiles: AVX-512 12x32 (24 zmm accumulators), AVX2 6x16 (12 ymm), portable 4x16.
 // While an item's x rows hold at most kMaxWholeK values, each panel is read over the whole of
@@ -31,14 +35,27 @@
 // larger row blocks cut K into blocks of kKC so that a block of x rows and of a panel stay in
 // L1/L2, with partial sums in a per-item float32 tile. (Cutting K at every size slowed both a
 // bf16 GEMV chain's weight stream from DRAM and 32-row GEMMs: docs/benchmarks.md,
-// "Measurements behind choices in the code".) Threads share (row block, panel group)
-// items through an orphaned `omp for` (as linear_kernel.h), so the fused decoder can call it
-// inside its parallel region.
+// "Measurements behind choices in the code".) Each output sums its k in the same order
+// whatever the row count (k ascending; pairs odd then even), so a row's result does not depend
+// on the rows beside it.
+//
+// Prefetch (AVX-512): the register tiles of a row block pass over the same two panels several
+// times (12 + 12 + 8 rows at 32), the first pass reading them from L3 / DRAM; the micro-kernel
+// calls prefetch the next two panels into L2 meanwhile, each call its own share of their lines,
+// so the weight arrives as one steady stream instead of a burst per first pass (32 x 32000 x
+// 512 float32: 38.9 -> 55.6 GMAC/s on a loaded host; docs/benchmarks.md, "Packed GEMM at 32
+// rows and in prefill"). Single-row items do not prefetch.
+//
+// Threads share (row block, panel group) items through an orphaned `omp for` (as
+// linear_kernel.h), so the fused decoder can call it inside its parallel region.
 #pragma once
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <mutex>
 #include <type_traits>
 #include <vector>
 
@@ -58,6 +75,14 @@ constexpr int64_t kKC = 256;        // k per block when K is cut (even)
 constexpr int64_t kMaxWholeK = 48 * 1024;   // x values of a row block read over the whole K
 constexpr int64_t kRowBlock = 48;   // rows per work item: a multiple of 12, 6 and 4
 constexpr int64_t kMaxGroup = 8;    // panels per work item
+
+// Software prefetch of the next panels (into L2) during a micro-kernel call: from `line` on,
+// one 64-byte line per panel every `every` steps of k (a panel row of 16 floats or 16 bf16
+// pairs is one line); null `line`: none.
+struct Prefetch {
+  const char* line;
+  int64_t every;
+};
 
 // Whether weights of type T are packed as k pairs (see the header).
 template <typename T>
@@ -107,7 +132,24 @@ void gather_rows(const T* packed, int64_t N, int64_t K, const int64_t* ids, int6
     for (int64_t k = 0; k < K; ++k) out[i * K + k] = packed[packed_index<T>(ids[i], k, N, K)];
 }
 
-// The type x is read in by the micro-kernel for weights T: bf16 pairs for vdpbf16ps, else float.
+// The micro-kernel that reads a weight's panels: float32 FMAs on plain panels (`kFloat`, x in
+// float32), and on bf16 pair panels either `vdpbf16ps` (`kDot`, x as bf16 pairs) or the
+// widening form (`kWiden`: each zmm of 16 pairs split into its even-k and odd-k float32
+// vectors, two FMAs per x pair, x as float32 holding bf16-rounded values). kWiden computes
+// exactly what vdpbf16ps computes, acc' = (acc + x_odd*w_odd) + x_even*w_even per pair with
+// exact products (a bf16 x bf16 product fits float32's 24-bit significand) and one rounding
+// per add (Intel SDM, VDPBF16PS pseudo-code), so the two give the same bits except where
+// vdpbf16ps flushes a denormal input, product or sum to zero (it also rounds to nearest even
+// whatever MXCSR says, the FMAs as MXCSR says: nearest even by default); which one runs is a
+// speed choice (`pairs_form`).
+enum class Kernel { kFloat, kDot, kWiden };
+
+// The type x is read in by kernel F.
+template <Kernel F>
+using XOf = std::conditional_t<F == Kernel::kDot, uint16_t, float>;
+
+// The element type of the staging buffer `linear_tiles` accepts for weights T: bf16 for pair
+// panels (x rounded to bf16 once, whichever form then reads it), else float (unused).
 template <typename T>
 using XStage = std::conditional_t<pairs<T>(), uint16_t, float>;
 
@@ -122,13 +164,21 @@ constexpr int kNP = 2;
 
 template <int MR, int NP, typename T>
 inline void micro(const float* x, int64_t ldx, const T* w, int64_t ps, int64_t kc, float* c,
-                  int64_t ldc, bool accumulate) {
+                  int64_t ldc, bool accumulate, Prefetch pf) {
   __m512 acc[MR][NP];
   for (int i = 0; i < MR; ++i)
     for (int p = 0; p < NP; ++p)
       acc[i][p] = accumulate ? _mm512_loadu_ps(c + i * ldc + p * kNR) : _mm512_setzero_ps();
+  const char* line = pf.line;
+  int64_t countdown = 1;
   for (int64_t k = 0; k < kc; ++k) {
     __m512 wv[NP];
+    if (line != nullptr && --countdown == 0) {
+      countdown = pf.every;
+      for (int p = 0; p < NP; ++p)
+        _mm_prefetch(line + p * ps * static_cast<int64_t>(sizeof(T)), _MM_HINT_T1);
+      line += 64;
+    }
     for (int p = 0; p < NP; ++p) wv[p] = load16(w + p * ps + k * kNR);
     for (int i = 0; i < MR; ++i) {
       const __m512 xv = _mm512_set1_ps(x[i * ldx + k]);
@@ -139,17 +189,58 @@ inline void micro(const float* x, int64_t ldx, const T* w, int64_t ps, int64_t k
     for (int p = 0; p < NP; ++p) _mm512_storeu_ps(c + i * ldc + p * kNR, acc[i][p]);
 }
 
-#if defined(PAGEDLLM_AVX512_BF16)
-// bf16 x (pairs read as one 32-bit value) times bf16 pair panels, vdpbf16ps; kc even.
+// bf16 pair panels widened to float32 (see `Kernel`): x float32 holding bf16 values; kc even.
 template <int MR, int NP>
-inline void micro(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ps, int64_t kc,
-                  float* c, int64_t ldc, bool accumulate) {
+inline void micro_widen(const float* x, int64_t ldx, const uint16_t* w, int64_t ps,
+                        int64_t kc, float* c, int64_t ldc, bool accumulate, Prefetch pf) {
   __m512 acc[MR][NP];
   for (int i = 0; i < MR; ++i)
     for (int p = 0; p < NP; ++p)
       acc[i][p] = accumulate ? _mm512_loadu_ps(c + i * ldc + p * kNR) : _mm512_setzero_ps();
+  const char* line = pf.line;
+  int64_t countdown = 1;
+  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
+  for (int64_t k = 0; k < kc; k += 2) {
+    __m512 even[NP], odd[NP];
+    if (line != nullptr && --countdown == 0) {
+      countdown = pf.every;
+      for (int p = 0; p < NP; ++p) _mm_prefetch(line + p * ps * 2, _MM_HINT_T1);
+      line += 64;
+    }
+    for (int p = 0; p < NP; ++p) {
+      const __m512i v = _mm512_loadu_si512(w + p * ps + k * kNR);
+      even[p] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+      odd[p] = _mm512_castsi512_ps(_mm512_and_si512(v, high));
+    }
+    for (int i = 0; i < MR; ++i) {
+      const __m512 xo = _mm512_set1_ps(x[i * ldx + k + 1]);
+      for (int p = 0; p < NP; ++p) acc[i][p] = _mm512_fmadd_ps(xo, odd[p], acc[i][p]);
+      const __m512 xe = _mm512_set1_ps(x[i * ldx + k]);
+      for (int p = 0; p < NP; ++p) acc[i][p] = _mm512_fmadd_ps(xe, even[p], acc[i][p]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int p = 0; p < NP; ++p) _mm512_storeu_ps(c + i * ldc + p * kNR, acc[i][p]);
+}
+
+#if defined(PAGEDLLM_AVX512_BF16)
+// bf16 x (pairs read as one 32-bit value) times bf16 pair panels, vdpbf16ps; kc even.
+template <int MR, int NP>
+inline void micro_dot(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ps,
+                      int64_t kc, float* c, int64_t ldc, bool accumulate, Prefetch pf) {
+  __m512 acc[MR][NP];
+  for (int i = 0; i < MR; ++i)
+    for (int p = 0; p < NP; ++p)
+      acc[i][p] = accumulate ? _mm512_loadu_ps(c + i * ldc + p * kNR) : _mm512_setzero_ps();
+  const char* line = pf.line;
+  int64_t countdown = 1;
   for (int64_t k = 0; k < kc; k += 2) {
     __m512bh wv[NP];
+    if (line != nullptr && --countdown == 0) {
+      countdown = pf.every;
+      for (int p = 0; p < NP; ++p) _mm_prefetch(line + p * ps * 2, _MM_HINT_T1);
+      line += 64;
+    }
     for (int p = 0; p < NP; ++p)
       wv[p] = (__m512bh)_mm512_loadu_si512(w + p * ps + k * kNR);
     for (int i = 0; i < MR; ++i) {
@@ -170,7 +261,7 @@ constexpr int kNP = 1;
 
 template <int MR, int NP, typename T>
 inline void micro(const float* x, int64_t ldx, const T* w, int64_t ps, int64_t kc, float* c,
-                  int64_t ldc, bool accumulate) {
+                  int64_t ldc, bool accumulate, Prefetch pf) {
   constexpr int V = 2 * NP;  // ymm vectors per row of the tile
   __m256 acc[MR][V];
   for (int i = 0; i < MR; ++i)
@@ -194,7 +285,7 @@ constexpr int kNP = 1;
 
 template <int MR, int NP, typename T>
 inline void micro(const float* x, int64_t ldx, const T* w, int64_t ps, int64_t kc, float* c,
-                  int64_t ldc, bool accumulate) {
+                  int64_t ldc, bool accumulate, Prefetch pf) {
   float acc[MR][NP * kNR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NP * kNR; ++j) acc[i][j] = accumulate ? c[i * ldc + j] : 0.f;
@@ -209,33 +300,82 @@ inline void micro(const float* x, int64_t ldx, const T* w, int64_t ps, int64_t k
 }
 #endif
 
+// Kernel F on an MR x NP tile (x in F's input type, see `Kernel`).
+template <Kernel F, int MR, int NP, typename T>
+inline void micro_for(const XOf<F>* x, int64_t ldx, const T* w, int64_t ps, int64_t kc,
+                      float* c, int64_t ldc, bool accumulate, Prefetch pf) {
+  if constexpr (F == Kernel::kFloat) {
+    micro<MR, NP>(x, ldx, w, ps, kc, c, ldc, accumulate, pf);
+#if defined(PAGEDLLM_AVX512_BF16)
+  } else if constexpr (F == Kernel::kWiden) {
+    micro_widen<MR, NP>(x, ldx, w, ps, kc, c, ldc, accumulate, pf);
+  } else {
+    micro_dot<MR, NP>(x, ldx, w, ps, kc, c, ldc, accumulate, pf);
+#endif
+  }
+}
+
+// The micro-kernel calls `panel_rows` makes for `rows` rows.
+inline int64_t num_calls(int64_t rows) {
+  int64_t calls = rows / kMaxMR, rest = rows % kMaxMR;
+  for (int64_t tile : {8, 4, 2, 1})
+    if (tile < kMaxMR && rest >= tile) {
+      ++calls;
+      rest -= tile;
+    }
+  return calls;
+}
+
 // `rows` rows of x against NP panels: the largest register tiles first, then 8/4/2/1 rows.
-template <int NP, typename XS, typename T>
-inline void panel_rows(const XS* x, int64_t ldx, int64_t rows, const T* w, int64_t ps,
-                       int64_t kc, float* c, int64_t ldc, bool accumulate) {
+template <Kernel F, int NP, typename T>
+inline void panel_rows(const XOf<F>* x, int64_t ldx, int64_t rows, const T* w, int64_t ps,
+                       int64_t kc, float* c, int64_t ldc, bool accumulate, const T* next) {
+  // The next panels' lines (`next`: null for none) are shared out among the micro-kernel calls
+  // here (`calls` passes over these panels), each prefetching its own part, one line per
+  // panel every `calls` lines of its own: a steady stream rather than a burst per pass. Not for
+  // a single row: a GEMV streams at the bandwidth bound, where the hardware prefetchers alone
+  // were faster (docs/benchmarks.md, "Packed GEMM at 32 rows and in prefill").
+  if (rows < 2) next = nullptr;
+  const int64_t calls = num_calls(rows);
+  const int64_t lines = kc * kNR * static_cast<int64_t>(sizeof(T)) / 64;
+  const int64_t per_line = sizeof(T) == 2 && !pairs<T>() ? 2 : 1;   // iterations per line
+  int64_t call = 0;
+  auto prefetch = [&]() {
+    const char* start = next == nullptr ? nullptr
+                        : reinterpret_cast<const char*>(next) + call * lines / calls * 64;
+    ++call;
+    return Prefetch{start, calls * per_line};
+  };
   int64_t m = 0;
   for (; m + kMaxMR <= rows; m += kMaxMR)
-    micro<kMaxMR, NP>(x + m * ldx, ldx, w, ps, kc, c + m * ldc, ldc, accumulate);
+    micro_for<F, kMaxMR, NP>(x + m * ldx, ldx, w, ps, kc, c + m * ldc, ldc, accumulate,
+                             prefetch());
   if constexpr (kMaxMR > 8) {
     if (rows - m >= 8) {
-      micro<8, NP>(x + m * ldx, ldx, w, ps, kc, c + m * ldc, ldc, accumulate);
+      micro_for<F, 8, NP>(x + m * ldx, ldx, w, ps, kc, c + m * ldc, ldc, accumulate,
+                          prefetch());
       m += 8;
     }
   }
   if constexpr (kMaxMR > 4) {
     if (rows - m >= 4) {
-      micro<4, NP>(x + m * ldx, ldx, w, ps, kc, c + m * ldc, ldc, accumulate);
+      micro_for<F, 4, NP>(x + m * ldx, ldx, w, ps, kc, c + m * ldc, ldc, accumulate,
+                          prefetch());
       m += 4;
     }
   }
   if (rows - m >= 2) {
-    micro<2, NP>(x + m * ldx, ldx, w, ps, kc, c + m * ldc, ldc, accumulate);
+    micro_for<F, 2, NP>(x + m * ldx, ldx, w, ps, kc, c + m * ldc, ldc, accumulate,
+                        prefetch());
     m += 2;
   }
-  if (rows - m >= 1) micro<1, NP>(x + m * ldx, ldx, w, ps, kc, c + m * ldc, ldc, accumulate);
+  if (rows - m >= 1)
+    micro_for<F, 1, NP>(x + m * ldx, ldx, w, ps, kc, c + m * ldc, ldc, accumulate,
+                        prefetch());
 }
 
 // The tail panel (nt < 16 columns, layout per the header), scalar: N % 16 != 0 is rare in LLMs.
+// (Products of bf16 values are exact in float32, so both pair forms give the same bits here.)
 template <typename XS, typename T>
 inline void tail_rows(const XS* x, int64_t ldx, int64_t rows, const T* w, int64_t nt,
                       int64_t kc, float* c, int64_t ldc, bool accumulate) {
@@ -250,47 +390,117 @@ inline void tail_rows(const XS* x, int64_t ldx, int64_t rows, const T* w, int64_
     }
 }
 
-// dst[r][0..kc) = x[r][0..kc) in the micro-kernel's input type, for `rows` rows.
-template <typename TX, typename XS>
-inline void stage_rows(const TX* x, int64_t ldx, int64_t rows, int64_t kc, XS* dst) {
+// dst[r][0..kc) = x[r][0..kc) in kernel F's input type, for `rows` rows: float32 as given for
+// kFloat, bf16 (nearest even) for kDot, and for kWiden float32 holding those same bf16 values
+// (the same rounding code, so both pair forms read the same x).
+template <Kernel F, typename TX>
+inline void stage_rows(const TX* x, int64_t ldx, int64_t rows, int64_t kc, XOf<F>* dst) {
+  constexpr bool round = F != Kernel::kFloat && std::is_same_v<TX, float>;
   for (int64_t r = 0; r < rows; ++r) {
     const TX* src = x + r * ldx;
-    XS* out = dst + r * kc;
+    XOf<F>* out = dst + r * kc;
     int64_t k = 0;
 #if defined(PAGEDLLM_AVX512_BF16)
-    if constexpr (std::is_same_v<TX, float> && std::is_same_v<XS, uint16_t>)
-      for (; k + 16 <= kc; k += 16)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k),
-                            (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + k)));
+    if constexpr (round)
+      for (; k + 16 <= kc; k += 16) {
+        const __m256i b = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + k));
+        if constexpr (F == Kernel::kDot)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k), b);
+        else
+          _mm512_storeu_ps(out + k, _mm512_castsi512_ps(
+                                        _mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
+      }
 #endif
-    if constexpr (std::is_same_v<XS, float>)
-      for (; k < kc; ++k) out[k] = to_float(src[k]);
-    else
-      for (; k < kc; ++k) store(to_float(src[k]), out + k);
+    for (; k < kc; ++k) {
+      if constexpr (F == Kernel::kDot) {
+        store(to_float(src[k]), out + k);
+      } else if constexpr (round) {
+        uint16_t b;
+        store(src[k], &b);
+        out[k] = to_float(b);
+      } else {
+        out[k] = to_float(src[k]);
+      }
+    }
   }
 }
 
-// The work-sharing loop of a packed linear, to be called by every thread of an enclosing OpenMP
-// parallel region (an orphaned `omp for`: it ends with a barrier); outside one it runs serially.
-// x [M, K] (row stride ldx), w packed from [N, K] (see the header), K a multiple of 8,
-// bias [N] float32 or null, y [M, N] (row stride ldy). When x is not in the micro-kernel's
-// input type (float32 x, bf16 pair panels) each work item rounds its rows itself, once per
-// panel group, unless `x_staged` ([M, K], shared by the threads) is given: then the rows are
-// rounded once into it by a work-sharing loop of their own (the same values; one barrier more).
-// Rounding per item slowed the fused decoder's GEMMs, the most at 2048 rows (docs/benchmarks.md,
-// "Measurements behind choices in the code").
-template <typename T, typename TX, typename TY>
-void linear_tiles(const TX* x, int64_t ldx, int64_t M, int64_t K, const T* w, int64_t N,
-                  const float* bias, TY* y, int64_t ldy, XStage<T>* x_staged = nullptr) {
-  using XS = XStage<T>;
-  if constexpr (!std::is_same_v<XS, TX>) {
-    if (x_staged != nullptr) {
-#pragma omp for schedule(static)
-      for (int64_t r = 0; r < M; ++r) stage_rows(x + r * ldx, ldx, 1, K, x_staged + r * K);
-      linear_tiles<T, XS, TY>(x_staged, K, M, K, w, N, bias, y, ldy);
-      return;
-    }
+// ---------------------------------------------------------------- the pair-form choice
+// Which kernel reads bf16 pair panels in this process (kDot or kWiden; kFloat in builds
+// without pair panels): measured once, on first use, unless set first (`set_pairs_form`).
+inline std::atomic<int>& pairs_form_slot() {
+  static std::atomic<int> form{-1};
+  return form;
+}
+
+#if defined(PAGEDLLM_AVX512_BF16)
+// Seconds of `iterations` steps of 12 independent register chains of vdpbf16ps (kDot) or
+// float32 FMAs (kFloat) on the calling thread.
+template <bool kDot>
+inline double probe_seconds(int64_t iterations) {
+  __m512 acc[12];
+  for (int i = 0; i < 12; ++i) acc[i] = _mm512_set1_ps(1e-3f * (i + 1));
+  const __m512 a = _mm512_set1_ps(0.999f), b = _mm512_set1_ps(1e-6f);
+  const __m512bh ab = _mm512_cvtne2ps_pbh(a, a), bb = _mm512_cvtne2ps_pbh(b, b);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int64_t it = 0; it < iterations; ++it)
+    for (int i = 0; i < 12; ++i)
+      acc[i] = kDot ? _mm512_dpbf16_ps(acc[i], ab, bb) : _mm512_fmadd_ps(acc[i], a, b);
+  const auto t1 = std::chrono::steady_clock::now();
+  __m512 sum = acc[0];
+  for (int i = 1; i < 12; ++i) sum = _mm512_add_ps(sum, acc[i]);
+  volatile float sink = _mm512_reduce_add_ps(sum);   // keeps the loops
+  (void)sink;
+  return std::chrono::duration<double>(t1 - t0).count();
+}
+
+// The rule: kWiden where float32 FMAs multiply-add at least 1.3x as many values per second as
+// vdpbf16ps does (each vdpbf16ps does two per lane, an FMA one; the widening form issues
+// about 8% more vector instructions than its FMAs: a shift and an AND per panel row pair).
+// Best of 5 alternated timings of about 0.2-1 ms each; a few ms once per process.
+inline Kernel probe_pairs_form() {
+  constexpr int64_t kIterations = 50000;
+  double dot = 1e30, fma = 1e30;
+  for (int r = 0; r < 5; ++r) {
+    fma = std::min(fma, probe_seconds<false>(kIterations));
+    dot = std::min(dot, probe_seconds<true>(kIterations));
   }
+  const double fma_rate = 16.0 / fma, dot_rate = 32.0 / dot;   // values per second, relative
+  return fma_rate >= 1.3 * dot_rate ? Kernel::kWiden : Kernel::kDot;
+}
+#endif
+
+inline Kernel pairs_form() {
+#if defined(PAGEDLLM_AVX512_BF16)
+  static std::once_flag once;
+  std::call_once(once, [] {
+    if (pairs_form_slot().load() < 0) {
+      int unset = -1;
+      pairs_form_slot().compare_exchange_strong(unset, static_cast<int>(probe_pairs_form()));
+    }
+  });
+  return static_cast<Kernel>(pairs_form_slot().load(std::memory_order_relaxed));
+#else
+  return Kernel::kFloat;
+#endif
+}
+
+// Sets the kernel for bf16 pair panels (kDot or kWiden; outside a parallel region). Returns
+// false, changing nothing, in builds without pair panels or for kFloat.
+inline bool set_pairs_form(Kernel form) {
+  if (!pairs<uint16_t>() || form == Kernel::kFloat) return false;
+  pairs_form_slot().store(static_cast<int>(form));
+  return true;
+}
+
+// ---------------------------------------------------------------- the GEMM
+// `linear_tiles` with kernel F (x staged into F's input type per work item where TX is not).
+template <Kernel F, typename T, typename TX, typename TY>
+void tiles(const TX* x, int64_t ldx, int64_t M, int64_t K, const T* w, int64_t N,
+           const float* bias, TY* y, int64_t ldy) {
+  using XS = XOf<F>;
+  // x is read in place where it is in XS already (and kWiden's x is bf16-rounded float32).
+  constexpr bool kStage = !std::is_same_v<XS, TX> || F == Kernel::kWiden;
   const int64_t full = N / kNR, nt = N % kNR, num_panels = full + (nt > 0);
   // Panels per item: enough items for the threads at decode sizes, few enough that a row
   // block of x is re-read only a few times per weight.
@@ -302,34 +512,34 @@ void linear_tiles(const TX* x, int64_t ldx, int64_t M, int64_t K, const T* w, in
 #pragma omp for schedule(dynamic, 1)
   for (int64_t item = 0; item < num_row_blocks * num_groups; ++item) {
     alignas(64) float c[kRowBlock * kMaxGroup * kNR];
-    thread_local std::vector<XS> staged;   // x rows in XS, when TX is not XS
+    thread_local std::vector<XS> staged;   // x rows in XS, when kStage
     const int64_t g = item % num_groups, b = item / num_groups;
     const int64_t r0 = b * kRowBlock, rows = std::min(M, r0 + kRowBlock) - r0;
     const int64_t p0 = g * group, p1 = std::min(num_panels, p0 + group);
     const int64_t p_full_end = std::min(p1, full);
     const int64_t ldc = (p1 - p0) * kNR;
     const int64_t kblock = rows * K <= kMaxWholeK ? K : kKC;
-    if constexpr (!std::is_same_v<XS, TX>) staged.resize(static_cast<size_t>(rows * kblock));
+    if constexpr (kStage) staged.resize(static_cast<size_t>(rows * kblock));
     for (int64_t k0 = 0; k0 < K; k0 += kblock) {
       const int64_t kc = std::min(kblock, K - k0);
       const XS* xk;
       int64_t ldxk;
-      if constexpr (std::is_same_v<XS, TX>) {
+      if constexpr (!kStage) {
         xk = x + r0 * ldx + k0;
         ldxk = ldx;
       } else {
-        stage_rows(x + r0 * ldx + k0, ldx, rows, kc, staged.data());
+        stage_rows<F>(x + r0 * ldx + k0, ldx, rows, kc, staged.data());
         xk = staged.data();
         ldxk = kc;
       }
       const bool accumulate = k0 > 0;
       int64_t p = p0;
       for (; p + kNP <= p_full_end; p += kNP)
-        panel_rows<kNP>(xk, ldxk, rows, w + p * ps + k0 * kNR, ps, kc, c + (p - p0) * kNR, ldc,
-                        accumulate);
+        panel_rows<F, kNP>(xk, ldxk, rows, w + p * ps + k0 * kNR, ps, kc, c + (p - p0) * kNR,
+                           ldc, accumulate, w + (p + kNP) * ps + k0 * kNR);
       for (; p < p_full_end; ++p)
-        panel_rows<1>(xk, ldxk, rows, w + p * ps + k0 * kNR, ps, kc, c + (p - p0) * kNR, ldc,
-                      accumulate);
+        panel_rows<F, 1>(xk, ldxk, rows, w + p * ps + k0 * kNR, ps, kc, c + (p - p0) * kNR,
+                         ldc, accumulate, static_cast<const T*>(nullptr));
       if (p1 > full)
         tail_rows(xk, ldxk, rows, w + full * ps + k0 * nt, nt, kc, c + (full - p0) * kNR, ldc,
                   accumulate);
@@ -339,6 +549,37 @@ void linear_tiles(const TX* x, int64_t ldx, int64_t M, int64_t K, const T* w, in
       for (int64_t j = 0; j < cols; ++j)
         store(c[r * ldc + j] + (bias != nullptr ? bias[n0 + j] : 0.f),
               y + (r0 + r) * ldy + n0 + j);
+  }
+}
+
+// The work-sharing loop of a packed linear, to be called by every thread of an enclosing OpenMP
+// parallel region (an orphaned `omp for`: it ends with a barrier); outside one it runs serially.
+// x [M, K] (row stride ldx), w packed from [N, K] (see the header), K a multiple of 8,
+// bias [N] float32 or null, y [M, N] (row stride ldy). When x is float32 and w bf16 pair panels,
+// each work item rounds its rows itself, once per panel group, unless `x_staged` ([M, K],
+// shared by the threads) is given: then the rows are rounded once into it by a work-sharing
+// loop of their own (the same values; one barrier more). Rounding per item slowed the fused
+// decoder's GEMMs, the most at 2048 rows (docs/benchmarks.md, "Measurements behind choices in
+// the code"). Pair panels are read by the kernel `pairs_form()` names: the same bits either way.
+template <typename T, typename TX, typename TY>
+void linear_tiles(const TX* x, int64_t ldx, int64_t M, int64_t K, const T* w, int64_t N,
+                  const float* bias, TY* y, int64_t ldy, XStage<T>* x_staged = nullptr) {
+  if constexpr (pairs<T>()) {
+    if constexpr (std::is_same_v<TX, float>) {
+      if (x_staged != nullptr) {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < M; ++r)
+          stage_rows<Kernel::kDot>(x + r * ldx, ldx, 1, K, x_staged + r * K);
+        linear_tiles<T, uint16_t, TY>(x_staged, K, M, K, w, N, bias, y, ldy);
+        return;
+      }
+    }
+    if (pairs_form() == Kernel::kWiden)
+      tiles<Kernel::kWiden>(x, ldx, M, K, w, N, bias, y, ldy);
+    else
+      tiles<Kernel::kDot>(x, ldx, M, K, w, N, bias, y, ldy);
+  } else {
+    tiles<Kernel::kFloat>(x, ldx, M, K, w, N, bias, y, ldy);
   }
 }
 
