@@ -366,22 +366,22 @@ def native_moe_applies(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
                        topk_ids: torch.Tensor, expert_map: torch.Tensor,
                        act_fn: nn.Module) -> bool:
     """Whether `fused_experts` takes the native kernel for this step: SiLU-and-mul experts,
-    operands `fused_moe_supported` takes, the kernels on, and few rows per expert.
+    operands `fused_moe_supported` takes, the kernels on, and at most the platform's native
+    linear limit for packed weights rows per expert on average.
 
-    NOTE(crossover): the kernel's GEMMs are linear_kernel.h's 8-lane micro-kernels. On
-    AVX-512 CPUs oneDNN/MKL GEMMs outrun them on many rows (bf16 with native bf16 math at a few
-    dozen rows per expert, fp32 at fewer; docs/benchmarks.md, "Measurements behind choices in
-    the code"), as for one dense linear, so the mean rows per physical expert are held to the
-    platform's limit for native linears (`fused_decoder_max_tokens`: 16 bf16 / 64 fp32 with
-    AVX-512; unbounded on AVX2-class CPUs, where the native kernels were measured ahead at
-    every size). Large prefills then take the torch path, whose per-expert overhead is
-    amortised over many rows.
+    NOTE(crossover): the kernel runs an expert's short row blocks (decode) by linear_kernel.h's
+    dot-product micro-kernels and its blocks of 32 rows or more (prefill) by outer-product
+    panel tiles in float32, bfloat16 weights widened per tile (fused_moe_kernel.h, "Panel
+    form"). Like the packed GEMM, that form matches or beats oneDNN/MKL GEMMs per expert at
+    prefill sizes (float32) and outruns torch's bf16 GEMMs on CPUs without AMX several times
+    (docs/benchmarks.md, "MoE prefill in the panel form"), so the limit is the platform's for
+    packed weights (`fused_decoder_max_tokens(..., packed_weights=True)`: every size).
     """
     if not isinstance(act_fn, SiluAndMul) or not fused_moe_supported(hidden, w13, w2):
         return False
     if not native_moe_enabled():
         return False
-    max_rows = current_platform.fused_decoder_max_tokens(hidden.dtype)
+    max_rows = current_platform.fused_decoder_max_tokens(hidden.dtype, packed_weights=True)
     return topk_ids.numel() <= expert_map.shape[0] * max_rows
 
 

@@ -94,16 +94,16 @@ class NativeMoeBlock:
         self._weights: MoeBlockWeights | None = None
         self._address = 0
         self._lib = cpu_kernels()
-        # Most (token, expert) pairs of a step it takes: as many rows per expert on average as
-        # the platform's native linears take (`fused_decoder_max_tokens`; every size on
-        # AVX2-class CPUs, the GEMV sizes with AVX-512; see `layers/fused_moe.py`'s
-        # NOTE(crossover)). Larger steps run the module path. float32 experts take every size
-        # (`fused_decoder_max_tokens` of packed weights): their prefill-sized row blocks run in
-        # the kernel's panel form (fused_moe_kernel.h), which on AVX-512 ran DeepSeek-V2-Lite
-        # 200M's 2048-token block in ~0.9x of the module path's time (oneDNN GEMMs per expert;
-        # docs/benchmarks.md, "Batch 32 of DeepSeek-V2-Lite 200M on an AVX-512 host").
+        # Most (token, expert) pairs of a step it takes: every size wherever the platform's
+        # native linears take every size of packed weights (`fused_decoder_max_tokens`). Its
+        # prefill-sized row blocks run in the kernel's panel form (fused_moe_kernel.h), float32
+        # and bfloat16 alike (bf16 weights widened per tile, then float32 FMAs): on AVX-512 it
+        # ran DeepSeek-V2-Lite 200M's 2048-token block in ~0.9x of the module path's time in
+        # float32 (oneDNN GEMMs per expert) and in a fraction of it in bfloat16, where the
+        # module path's bf16 GEMMs are slow on CPUs without AMX (docs/benchmarks.md, "MoE
+        # prefill in the panel form").
         self._max_pairs = self.num_experts * current_platform.fused_decoder_max_tokens(
-            self.dtype, packed_weights=self.dtype == torch.float32)
+            self.dtype, packed_weights=True)
 
     @classmethod
     def for_block(cls, block: nn.Module) -> NativeMoeBlock | None:

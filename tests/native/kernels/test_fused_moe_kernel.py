@@ -123,6 +123,63 @@ def test_panel_form_panel_counts(build):
         assert torch.equal(got, cpu_fused_moe(hidden, w13, w2, weights, ids))
 
 
+def _naive_bf16_rounded(hidden, w13, w2, topk_weights, local_ids):
+    """The module path's bf16 rounding points in float64 math: gate and up rounded to bf16,
+    silu(gate) and its product with up rounded, each expert output rounded, each weighted row
+    rounded, the k rows summed and rounded once. [n, H] bf16."""
+    inter = w2.shape[2]
+    bf = lambda v: v.to(torch.bfloat16).double()
+    out = torch.zeros(hidden.shape, dtype=torch.float64)
+    for t in range(hidden.shape[0]):
+        x = hidden[t].double()
+        for w, e in zip(topk_weights[t].tolist(), local_ids[t].tolist()):
+            h = bf(w13[e].double() @ x)
+            act = bf(bf(torch.nn.functional.silu(h[:inter])) * h[inter:])
+            out[t] += bf(bf(w2[e].double() @ act) * w)
+    return out.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("build", BUILD_PARAMS)
+@pytest.mark.parametrize("act_dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_bfloat16_panel_form_against_float64(build, act_dtype):
+    """bf16 weights in prefill-sized blocks (the panel form: widened tiles, float32 FMAs):
+    blocks of 32 (one whole panel pair), 47 and 150 rows (padded last panels; a 96 + 54-row
+    expert), 31 rows (the dot-product form beside it), weight row counts that are not
+    multiples of the 12-row tiles (hidden 56, intermediate 40). float32 activations: the
+    float64 loop on the same bf16 weights, tight; bf16 activations: the float64 loop rounded
+    where the module path rounds, to one bf16 ulp of the output (summation order)."""
+    lib = kernel_build(build)
+    hidden, w13, w2, weights, ids = _rows_per_expert([32, 47, 31, 150], 56, 40,
+                                                     torch.float32, 11)
+    hidden, w13, w2 = hidden.to(act_dtype), w13.bfloat16(), w2.bfloat16()
+    got = cpu_fused_moe(hidden, w13, w2, weights, ids, lib=lib)
+    assert got.dtype == act_dtype
+    if act_dtype == torch.float32:
+        torch.testing.assert_close(got.double(), _naive(hidden, w13, w2, weights, ids),
+                                   atol=1e-5, rtol=1e-5)
+        return
+    want = _naive_bf16_rounded(hidden, w13, w2, weights, ids)
+    ulp = 2.0 ** (torch.frexp(want.float().abs()).exponent - 8).float()   # bf16 ulp of want
+    assert ((got.float() - want.float()).abs() <= ulp + 1e-6).float().mean() > 0.99
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1.6e-2)
+
+
+@pytest.mark.parametrize("num_tokens, num_experts, top_k", [(300, 4, 2), (1365, 16, 2)])
+def test_bfloat16_prefill_matches_module_path(num_tokens, num_experts, top_k):
+    """Prefill-sized bf16 steps (~150 / ~170 rows per expert: panel blocks of 96 and the rest)
+    against `fused_experts_torch` (torch bf16 GEMMs per expert) at the sizes of Qwen3-Next's
+    experts scaled down: equal up to float32 summation order, about one bf16 ulp."""
+    hidden, w13, w2, weights, ids = _problem(num_tokens, num_experts, 64, 48, top_k, seed=12)
+    hidden, w13, w2 = hidden.bfloat16(), w13.bfloat16(), w2.bfloat16()
+    got = cpu_fused_moe(hidden, w13, w2, weights, ids)
+    want = fused_experts_torch(hidden, w13, w2, weights, ids, torch.arange(num_experts),
+                               SiluAndMul())
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    exact = _naive(hidden, w13, w2, weights, ids)
+    assert (got.double() - exact).abs().max() < 0.02 * exact.abs().max()
+    assert torch.equal(got, cpu_fused_moe(hidden, w13, w2, weights, ids))  # deterministic
+
+
 def test_experts_without_tokens_and_non_local_experts():
     """Experts 0 and 5 get no rows; ids -1 and >= L (another rank's experts) are skipped, as
     `fused_experts_torch` skips pairs its expert map sends to -1."""

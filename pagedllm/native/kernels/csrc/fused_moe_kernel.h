@@ -11,8 +11,9 @@
 //                  sorted rows [ expert 0 | expert 1 | ... ],  pos[t*k + j] = row or -1
 //   1. gather    xs[row] = x[token of row]                                  [m, H]
 //   2. gate/up   per work item (expert, block of <= 96 rows, tile of intermediate columns):
-//                gate and up tiles by the register-blocked micro-kernels of linear_kernel.h,
-//                then act[row, i] = silu(gate) * up                          [m, I]
+//                gate and up tiles by the dot-product micro-kernels of linear_kernel.h (blocks
+//                of < 32 rows) or the panel form's outer-product tiles (longer blocks, every
+//                dtype: see "Panel form" below), then act[row, i] = silu(gate) * up  [m, I]
 //   3. down      per work item (expert, row block, tile of hidden columns):
 //                ys[rows] = act[rows] @ W2[e]^T                              [m, H]
 //   4. combine   per token and column: sum_j w[t, j] * ys[pos[t*k + j]], in slot order
@@ -217,29 +218,39 @@ void tile_gemm(const TX* x, int64_t ldx, int64_t rows, const TW* w, int64_t K, i
 }
 
 // One expert's contiguous block of sorted rows [r0, r1); its x and act rows lie from row s0 of
-// xs / act (`panel`: as panels, header of `panel_form`), its outputs at rows [r0, r1) of ys.
+// xs / act (dot-product blocks, in TA) or of xp / ap (`panel` blocks, float32 panels), its
+// outputs at rows [r0, r1) of ys.
 struct RowBlock {
   int64_t expert, r0, r1, s0;
   bool panel;
 };
 
-// Whether a block of `rows` rows runs in the panel form: float32 activations and weights (the
-// form computes in float32 on x as given), and rows enough that the padding to whole panels
-// and the transposes are small next to the multiply-adds.
+// Panel form (blocks of kPanelMinRows rows or more, every dtype): the block's x rows are
+// stored transposed in float32 (bfloat16 widened, which is exact), in panels of kPanel rows,
+// [K][kPanel] each (row r, value k at k * kPanel + r % kPanel of panel r / kPanel; a last panel
+// padded with zero rows), and the products are computed as y^T = W x^T by outer-product
+// register tiles (as packed_gemm.h's) with the weight rows in the broadcast operand and the x
+// panels in the other (`panel_micro`): one panel load per MR multiply-adds and no horizontal
+// sums, where the dot-product kernels (`tile_gemm`) load x and w once each per multiply-add
+// group and sum 8 lanes per output.
 //
-// Panel form (prefill-sized blocks): the block's x rows are stored transposed, in panels of
-// kPanel rows, [K][kPanel] each (row r, value k at k * kPanel + r % kPanel of panel r /
-// kPanel; a last panel padded with zero rows), and the products are computed as
-// y^T = W x^T by outer-product register tiles (as packed_gemm.h's) with the weight rows in the
-// broadcast operand and the x panel in the other (`panel_micro`): one panel load per MR
-// multiply-adds and no horizontal sums, where the dot-product kernels (`tile_gemm`) load x and
-// w once each per multiply-add group and sum 8 lanes per output. The gate / up outputs come out
-// transposed, so silu(gate) * up is written as act panels directly ([I][kPanel]), the down
-// GEMM's input; its outputs are transposed back into ys rows.
-template <typename TA, typename TW>
-constexpr bool panel_form_types() {
-  return std::is_same_v<TA, float> && std::is_same_v<TW, float>;
-}
+// bfloat16 weights are widened to float32 one work item's tile at a time (`widen`, into a
+// per-thread buffer that stays in L2) and then run the float32 tiles: on CPUs whose bf16 dot
+// instruction (`vdpbf16ps`) has half the float32 FMA rate, this is the faster bf16 GEMM. A
+// product of two bfloat16 values is exact in float32, so each multiply-add rounds once, as in
+// `vdpbf16ps` and oneDNN's bf16 GEMMs; only the summation order differs from the module path.
+//
+// The gate / up outputs come out transposed, so silu(gate) * up (rounded to TA where the module
+// path rounds: gate, up, silu(gate), the product) is written as act panels directly
+// ([I][kPanel], `silu_mul`), the down GEMM's input; its outputs are transposed back into ys
+// rows, rounded to TA.
+
+// k values per pass over the panels (`panel_gemm`): two panels' rows [k0, k0 + kPanelDepth)
+// are 16 KiB and stay in L1 while each weight row group of the tile passes over them. Without
+// the blocking the two panels (64 KiB at K = 512) streamed from L2 once per weight row group
+// and the FMAs waited on them. Each output is still one k-ordered chain of multiply-adds (the
+// accumulators are stored and reloaded between passes), so the blocking changes no bits.
+constexpr int64_t kPanelDepth = 128;
 
 // Columns per tile so that the work items number about 8 per thread (at least 8 columns, at
 // most `max_tile`).
@@ -255,8 +266,8 @@ inline int64_t tile_width(int64_t columns, int64_t num_blocks, int num_threads,
 // MoE block). Slot s of this thread holds at least n elements of T (grown, never shrunk;
 // contents unspecified); a pointer stays valid until the same slot is asked for again on this
 // thread.
-enum BufferSlot { kSlotXs, kSlotAct, kSlotYs, kSlotScratch, kSlotShared0, kSlotShared1,
-                  kSlotShared2, kNumSlots };
+enum BufferSlot { kSlotXs, kSlotAct, kSlotXp, kSlotAp, kSlotYs, kSlotScratch, kSlotShared0,
+                  kSlotShared1, kSlotShared2, kNumSlots };
 
 template <typename T>
 T* reused_buffer(BufferSlot slot, int64_t n) {
@@ -274,21 +285,23 @@ T* reused_buffer(BufferSlot slot, int64_t n) {
 // The sorted pairs of one step and the buffers of phases 1-3 (built by `plan`, serially).
 template <typename TA>
 struct Plan {
-  int64_t num_pairs = 0, m = 0, H = 0, I = 0, stored = 0;
+  int64_t num_pairs = 0, m = 0, H = 0, I = 0, stored = 0, stored_panels = 0;
   std::vector<int64_t> pos, token_of_row;   // [T*k] row or -1; [m] token
   std::vector<RowBlock> blocks;
-  int64_t tile_i = 8, tile_h = 8, tiles_i = 0, tiles_h = 0, scratch_size = 0;
-  // [stored, H], [stored, I] (rows padded to whole panels), [m, H], per thread: buffers of the
-  // thread that ran `plan` (`reused_buffer`), valid until it plans again
-  TA *xs = nullptr, *act = nullptr, *ys = nullptr, *scratch = nullptr;
+  int64_t tile_i = 8, tile_h = 8, tiles_i = 0, tiles_h = 0, scratch_size = 0, wide_size = 0;
+  // xs [stored, H], act [stored, I] (dot-product blocks), xp [stored_panels, H], ap
+  // [stored_panels, I] (panel blocks, rows padded to whole panels), ys [m, H], per thread
+  // scratch_size floats: buffers of the thread that ran `plan` (`reused_buffer`), valid until
+  // it plans again
+  TA *xs = nullptr, *act = nullptr, *ys = nullptr;
+  float *xp = nullptr, *ap = nullptr, *scratch = nullptr;
 };
 
-// For weights TW: blocks of kPanelMinRows rows or more take the panel form when
-// `panel_form_types<TA, TW>`.
+// Blocks of kPanelMinRows rows or more take the panel form; weights TW in bfloat16 get a
+// per-thread buffer for one widened tile.
 template <typename TA, typename TW>
 void plan(const int64_t* topk_ids, int64_t num_tokens, int64_t top_k, int64_t num_experts,
           int64_t H, int64_t I, int num_threads, Plan<TA>& p) {
-  constexpr bool panels = panel_form_types<TA, TW>();
   p.num_pairs = num_tokens * top_k;
   p.H = H;
   p.I = I;
@@ -311,13 +324,17 @@ void plan(const int64_t* topk_ids, int64_t num_tokens, int64_t top_k, int64_t nu
     }
   }
   p.blocks.clear();
-  p.stored = 0;
+  p.stored = p.stored_panels = 0;
   for (int64_t e = 0; e < num_experts; ++e)
     for (int64_t r0 = offsets[e]; r0 < offsets[e + 1]; r0 += kRowBlock) {
       const int64_t r1 = std::min(offsets[e + 1], r0 + kRowBlock);
-      const bool panel = panels && r1 - r0 >= kPanelMinRows;
-      p.blocks.push_back({e, r0, r1, p.stored, panel});
-      p.stored += panel ? (r1 - r0 + kPanel - 1) / kPanel * kPanel : r1 - r0;
+      if (r1 - r0 >= kPanelMinRows) {
+        p.blocks.push_back({e, r0, r1, p.stored_panels, true});
+        p.stored_panels += (r1 - r0 + kPanel - 1) / kPanel * kPanel;
+      } else {
+        p.blocks.push_back({e, r0, r1, p.stored, false});
+        p.stored += r1 - r0;
+      }
     }
   const int64_t num_blocks = static_cast<int64_t>(p.blocks.size());
   // Blocks of up to 8 rows (a decode step's) read each weight tile once whatever its width, so
@@ -335,28 +352,42 @@ void plan(const int64_t* topk_ids, int64_t num_tokens, int64_t top_k, int64_t nu
   p.tiles_h = (H + p.tile_h - 1) / p.tile_h;
   p.xs = reused_buffer<TA>(kSlotXs, p.stored * H);
   p.act = reused_buffer<TA>(kSlotAct, p.stored * I);
+  p.xp = reused_buffer<float>(kSlotXp, p.stored_panels * H);
+  p.ap = reused_buffer<float>(kSlotAp, p.stored_panels * I);
   p.ys = reused_buffer<TA>(kSlotYs, p.m * H);
-  // Per thread: the gate and up tiles of one work item (panel form: [np][tile][kPanel] each).
-  p.scratch_size = 2 * std::max(kRowBlock * p.tile_i, kPanelsPerStep * kMaxTile * kPanel);
-  p.scratch = reused_buffer<TA>(kSlotScratch, p.scratch_size * num_threads);
+  // Per thread: the gate and up tiles of one work item (panel form: [np][tile][kPanel] each;
+  // dot-product form: [rows][tile] in TA), then (bfloat16 weights with panel blocks) one
+  // widened gate + up tile or down tile (panel blocks have tiles of at most kMaxTile rows:
+  // few_rows is false).
+  p.wide_size = std::is_same_v<TW, float> || p.stored_panels == 0
+                    ? 0 : std::max(2 * p.tile_i * H, p.tile_h * I);
+  p.scratch_size = 2 * std::max(kRowBlock * p.tile_i, kPanelsPerStep * kMaxTile * kPanel) +
+                   p.wide_size;
+  p.scratch = reused_buffer<float>(kSlotScratch, p.scratch_size * num_threads);
 }
 
-// c[j][0..kPanel) = the products of weight rows w[j] (K values each) with the panel's kPanel
-// columns (x rows), for j < MR: an outer-product register tile (one panel row load per MR
-// broadcasts of w and 2 MR multiply-adds; the order of packed_gemm.h's micro-kernels, written
-// here so that it is inlined into its loop: a separate copy kept the tile on the stack).
+// c[j][0..kPanel) (+)= the products of weight rows w[j] (row stride ldw) over kc values of k
+// with the panel's kPanel columns (x rows; panel row k at panel + k * kPanel), for j < MR: an
+// outer-product register tile (one panel row load per MR broadcasts of w and 2 MR
+// multiply-adds; the order of packed_gemm.h's micro-kernels, written here so that it is
+// inlined into its loop: a separate copy kept the tile on the stack). `accumulate`: continue
+// the sums in c (the next kPanelDepth pass), else start from 0.
 template <int MR>
-__attribute__((always_inline)) inline void panel_micro(const float* w, int64_t K,
-                                                       const float* panel, float* c) {
+__attribute__((always_inline)) inline void panel_micro(const float* w, int64_t ldw, int64_t kc,
+                                                       const float* panel, float* c,
+                                                       bool accumulate) {
 #ifdef PAGEDLLM_AVX2
   static_assert(kPanel == 16, "two ymm per panel row");
   __m256 acc[MR][2];
-  for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
+  for (int i = 0; i < MR; ++i) {
+    acc[i][0] = accumulate ? _mm256_loadu_ps(c + i * kPanel) : _mm256_setzero_ps();
+    acc[i][1] = accumulate ? _mm256_loadu_ps(c + i * kPanel + 8) : _mm256_setzero_ps();
+  }
+  for (int64_t k = 0; k < kc; ++k) {
     const __m256 p0 = _mm256_loadu_ps(panel + k * kPanel);
     const __m256 p1 = _mm256_loadu_ps(panel + k * kPanel + 8);
     for (int i = 0; i < MR; ++i) {
-      const __m256 wv = _mm256_broadcast_ss(w + i * K + k);
+      const __m256 wv = _mm256_broadcast_ss(w + i * ldw + k);
       acc[i][0] = _mm256_fmadd_ps(wv, p0, acc[i][0]);
       acc[i][1] = _mm256_fmadd_ps(wv, p1, acc[i][1]);
     }
@@ -368,32 +399,34 @@ __attribute__((always_inline)) inline void panel_micro(const float* w, int64_t K
 #else
   for (int i = 0; i < MR; ++i)
     for (int r = 0; r < kPanel; ++r) {
-      float sum = 0.f;
-      for (int64_t k = 0; k < K; ++k) sum += w[i * K + k] * panel[k * kPanel + r];
+      float sum = accumulate ? c[i * kPanel + r] : 0.f;
+      for (int64_t k = 0; k < kc; ++k) sum += w[i * ldw + k] * panel[k * kPanel + r];
       c[i * kPanel + r] = sum;
     }
 #endif
 }
 
 #ifdef PAGEDLLM_AVX512
-// The AVX-512 form of `panel_micro` over NP adjacent panels (panel q at panel + q * kPanel * K):
-// one zmm per panel row, MR weight rows broadcast against NP panel rows, so one broadcast per NP
+// The AVX-512 form of `panel_micro` over NP panels (panel q at panel + q * ldp): one zmm per
+// panel row, MR weight rows broadcast against NP panel rows, so one broadcast per NP
 // multiply-adds (the AVX2 form: one per 2 half-rows of one panel). Outputs of panel q at
 // c + q * cq, [MR][kPanel]. Each output is the same k-ordered chain of multiply-adds as the
 // AVX2 form's, so both give the same bits.
 template <int MR, int NP>
-__attribute__((always_inline)) inline void panel_micro16(const float* w, int64_t K,
-                                                         const float* panel, float* c,
-                                                         int64_t cq) {
+__attribute__((always_inline)) inline void panel_micro16(const float* w, int64_t ldw,
+                                                         int64_t kc, const float* panel,
+                                                         int64_t ldp, float* c, int64_t cq,
+                                                         bool accumulate) {
   static_assert(kPanel == 16, "one zmm per panel row");
   __m512 acc[MR][NP];
   for (int i = 0; i < MR; ++i)
-    for (int q = 0; q < NP; ++q) acc[i][q] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
+    for (int q = 0; q < NP; ++q)
+      acc[i][q] = accumulate ? _mm512_loadu_ps(c + q * cq + i * kPanel) : _mm512_setzero_ps();
+  for (int64_t k = 0; k < kc; ++k) {
     __m512 pv[NP];
-    for (int q = 0; q < NP; ++q) pv[q] = _mm512_loadu_ps(panel + q * kPanel * K + k * kPanel);
+    for (int q = 0; q < NP; ++q) pv[q] = _mm512_loadu_ps(panel + q * ldp + k * kPanel);
     for (int i = 0; i < MR; ++i) {
-      const __m512 wv = _mm512_set1_ps(w[i * K + k]);
+      const __m512 wv = _mm512_set1_ps(w[i * ldw + k]);
       for (int q = 0; q < NP; ++q) acc[i][q] = _mm512_fmadd_ps(wv, pv[q], acc[i][q]);
     }
   }
@@ -401,33 +434,40 @@ __attribute__((always_inline)) inline void panel_micro16(const float* w, int64_t
     for (int q = 0; q < NP; ++q) _mm512_storeu_ps(c + q * cq + i * kPanel, acc[i][q]);
 }
 
-// Weight rows [0, n) against NP panels: 12-row register tiles (24 accumulators at NP = 2), then
-// 8 / 4 / 2 / 1 rows.
+// Weight rows [0, n) (K values each) against NP panels, in passes of kPanelDepth values of k:
+// 12-row register tiles (24 accumulators at NP = 2), then 8 / 4 / 2 / 1 rows.
 template <int NP>
 inline void panel_gemm16(const float* w, int64_t K, const float* panel, int64_t n, float* c) {
-  const int64_t cq = n * kPanel;
-  int64_t j = 0;
-  for (; j + 12 <= n; j += 12) panel_micro16<12, NP>(w + j * K, K, panel, c + j * kPanel, cq);
-  if (n - j >= 8) {
-    panel_micro16<8, NP>(w + j * K, K, panel, c + j * kPanel, cq);
-    j += 8;
+  const int64_t cq = n * kPanel, ldp = kPanel * K;
+  for (int64_t k0 = 0; k0 < K; k0 += kPanelDepth) {
+    const int64_t kc = std::min(kPanelDepth, K - k0);
+    const float* wk = w + k0;
+    const float* pk = panel + k0 * kPanel;
+    const bool acc = k0 > 0;
+    int64_t j = 0;
+    for (; j + 12 <= n; j += 12)
+      panel_micro16<12, NP>(wk + j * K, K, kc, pk, ldp, c + j * kPanel, cq, acc);
+    if (n - j >= 8) {
+      panel_micro16<8, NP>(wk + j * K, K, kc, pk, ldp, c + j * kPanel, cq, acc);
+      j += 8;
+    }
+    if (n - j >= 4) {
+      panel_micro16<4, NP>(wk + j * K, K, kc, pk, ldp, c + j * kPanel, cq, acc);
+      j += 4;
+    }
+    if (n - j >= 2) {
+      panel_micro16<2, NP>(wk + j * K, K, kc, pk, ldp, c + j * kPanel, cq, acc);
+      j += 2;
+    }
+    if (n - j >= 1) panel_micro16<1, NP>(wk + j * K, K, kc, pk, ldp, c + j * kPanel, cq, acc);
   }
-  if (n - j >= 4) {
-    panel_micro16<4, NP>(w + j * K, K, panel, c + j * kPanel, cq);
-    j += 4;
-  }
-  if (n - j >= 2) {
-    panel_micro16<2, NP>(w + j * K, K, panel, c + j * kPanel, cq);
-    j += 2;
-  }
-  if (n - j >= 1) panel_micro16<1, NP>(w + j * K, K, panel, c + j * kPanel, cq);
 }
 #endif
 
 // c[q][j][0..kPanel) (panel q's outputs at c + q * n * kPanel) for the weight rows j < n and
 // the np <= kPanelsPerStep adjacent panels from `panel` (panel q at panel + q * kPanel * K):
 // AVX-512 the two-panel tiles (`panel_gemm16`), else 6-row tiles per panel, then one for the
-// rest.
+// rest; in passes of kPanelDepth values of k.
 inline void panel_gemm(const float* w, int64_t K, const float* panel, int64_t np, int64_t n,
                        float* c) {
 #ifdef PAGEDLLM_AVX512
@@ -435,19 +475,156 @@ inline void panel_gemm(const float* w, int64_t K, const float* panel, int64_t np
   return panel_gemm16<1>(w, K, panel, n, c);
 #else
   (void)np;   // kPanelsPerStep == 1
-  int64_t j = 0;
-  for (; j + 6 <= n; j += 6) panel_micro<6>(w + j * K, K, panel, c + j * kPanel);
-  w += j * K;
-  c += j * kPanel;
-  switch (n - j) {
-    case 5: panel_micro<5>(w, K, panel, c); break;
-    case 4: panel_micro<4>(w, K, panel, c); break;
-    case 3: panel_micro<3>(w, K, panel, c); break;
-    case 2: panel_micro<2>(w, K, panel, c); break;
-    case 1: panel_micro<1>(w, K, panel, c); break;
-    default: break;
+  for (int64_t k0 = 0; k0 < K; k0 += kPanelDepth) {
+    const int64_t kc = std::min(kPanelDepth, K - k0);
+    const float* wk = w + k0;
+    const float* pk = panel + k0 * kPanel;
+    const bool acc = k0 > 0;
+    int64_t j = 0;
+    for (; j + 6 <= n; j += 6) panel_micro<6>(wk + j * K, K, kc, pk, c + j * kPanel, acc);
+    const float* wj = wk + j * K;
+    float* cj = c + j * kPanel;
+    switch (n - j) {
+      case 5: panel_micro<5>(wj, K, kc, pk, cj, acc); break;
+      case 4: panel_micro<4>(wj, K, kc, pk, cj, acc); break;
+      case 3: panel_micro<3>(wj, K, kc, pk, cj, acc); break;
+      case 2: panel_micro<2>(wj, K, kc, pk, cj, acc); break;
+      case 1: panel_micro<1>(wj, K, kc, pk, cj, acc); break;
+      default: break;
+    }
   }
 #endif
+}
+
+// The weights of a tile as float32: float32 weights as they are, bfloat16 ones widened into
+// `buffer` (count values; exact).
+inline const float* widen(const float* w, int64_t, float*) { return w; }
+
+inline const float* widen(const uint16_t* w, int64_t count, float* buffer) {
+  int64_t i = 0;
+#ifdef PAGEDLLM_AVX512
+  for (; i + 16 <= count; i += 16) _mm512_storeu_ps(buffer + i, load16(w + i));
+#elif defined(PAGEDLLM_AVX2)
+  for (; i + 8 <= count; i += 8) _mm256_storeu_ps(buffer + i, load8(w + i));
+#endif
+  for (; i < count; ++i) buffer[i] = to_float(w[i]);
+  return buffer;
+}
+
+#ifdef PAGEDLLM_AVX512
+// exp(x) per lane to ~2 float32 ulp: x = n ln2 + r (|r| <= ln2 / 2, ln2 in two parts), exp(r)
+// by Cephes' expf polynomial (S. Moshier, Cephes Math Library), times 2^n (`vscalefps`); x
+// clamped to +-88.376 (results from ~0 to ~FLT_MAX).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-88.3762626647949f)),
+                    _mm512_set1_ps(88.3762626647949f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// v rounded to bfloat16 precision (nearest even, a NaN kept quiet: the scalar `store`'s bits),
+// as float32.
+inline __m512 round_bf16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  __m512i r = _mm512_and_si512(
+      _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), high);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  r = _mm512_mask_mov_epi32(
+      r, nan, _mm512_or_si512(_mm512_and_si512(bits, high), _mm512_set1_epi32(0x400000)));
+  return _mm512_castsi512_ps(r);
+}
+#endif
+
+// a[i] = silu(g[i]) * u[i] for i < n (panel form, float32 buffers), rounded where the
+// dot-product form rounds for TA = bfloat16 (g and u as GEMM outputs, silu(g), the product).
+// AVX-512: 16 lanes with `exp16`; the last values (and other builds) by std::exp.
+template <typename TA>
+void silu_mul(const float* g, const float* u, int64_t n, float* a) {
+  constexpr bool bf16 = !std::is_same_v<TA, float>;
+  int64_t i = 0;
+#ifdef PAGEDLLM_AVX512
+  const __m512 one = _mm512_set1_ps(1.f);
+  for (; i + 16 <= n; i += 16) {
+    __m512 gv = _mm512_loadu_ps(g + i), uv = _mm512_loadu_ps(u + i);
+    if constexpr (bf16) {
+      gv = round_bf16(gv);
+      uv = round_bf16(uv);
+    }
+    const __m512 neg = _mm512_sub_ps(_mm512_setzero_ps(), gv);
+    __m512 s = _mm512_div_ps(gv, _mm512_add_ps(one, exp16(neg)));
+    if constexpr (bf16) s = round_bf16(s);
+    __m512 av = _mm512_mul_ps(s, uv);
+    if constexpr (bf16) av = round_bf16(av);
+    _mm512_storeu_ps(a + i, av);
+  }
+#endif
+  for (; i < n; ++i) {
+    const float s = rounded<TA>(silu(rounded<TA>(g[i])));
+    a[i] = rounded<TA>(s * rounded<TA>(u[i]));
+  }
+}
+
+// Rows [r0, r0 + rows) of the sorted pairs as float32 panels at xp (header of the panel form):
+// AVX-512 16 x 16 blocks transposed in registers, the rest value by value.
+template <typename TA>
+void gather_panels(const TA* hidden, const int64_t* token_of_row, int64_t rows, int64_t H,
+                   float* xp) {
+  for (int64_t p0 = 0; p0 < rows; p0 += kPanel) {
+    const int64_t n = std::min(kPanel, rows - p0);
+    float* panel = xp + p0 * H;
+    const TA* src[kPanel];
+    for (int64_t r = 0; r < n; ++r) src[r] = hidden + token_of_row[p0 + r] * H;
+    int64_t k = 0;
+#ifdef PAGEDLLM_AVX512
+    for (; k + 16 <= H; k += 16) {
+      __m512 v[16], t[16];
+      for (int r = 0; r < 16; ++r) v[r] = r < n ? load16(src[r] + k) : _mm512_setzero_ps();
+      // 4 x 4 transposes within each 128-bit lane: t[4 i + c], lane L = column 4 L + c of
+      // rows 4 i .. 4 i + 3.
+      for (int i = 0; i < 4; ++i) {
+        const __m512 lo0 = _mm512_unpacklo_ps(v[4 * i], v[4 * i + 1]);
+        const __m512 hi0 = _mm512_unpackhi_ps(v[4 * i], v[4 * i + 1]);
+        const __m512 lo1 = _mm512_unpacklo_ps(v[4 * i + 2], v[4 * i + 3]);
+        const __m512 hi1 = _mm512_unpackhi_ps(v[4 * i + 2], v[4 * i + 3]);
+        t[4 * i] = _mm512_castpd_ps(
+            _mm512_unpacklo_pd(_mm512_castps_pd(lo0), _mm512_castps_pd(lo1)));
+        t[4 * i + 1] = _mm512_castpd_ps(
+            _mm512_unpackhi_pd(_mm512_castps_pd(lo0), _mm512_castps_pd(lo1)));
+        t[4 * i + 2] = _mm512_castpd_ps(
+            _mm512_unpacklo_pd(_mm512_castps_pd(hi0), _mm512_castps_pd(hi1)));
+        t[4 * i + 3] = _mm512_castpd_ps(
+            _mm512_unpackhi_pd(_mm512_castps_pd(hi0), _mm512_castps_pd(hi1)));
+      }
+      // Lanes L of t[c], t[4 + c], t[8 + c], t[12 + c] make column 4 L + c.
+      for (int c = 0; c < 4; ++c) {
+        const __m512 x0 = _mm512_shuffle_f32x4(t[c], t[4 + c], 0x44);
+        const __m512 x1 = _mm512_shuffle_f32x4(t[c], t[4 + c], 0xee);
+        const __m512 y0 = _mm512_shuffle_f32x4(t[8 + c], t[12 + c], 0x44);
+        const __m512 y1 = _mm512_shuffle_f32x4(t[8 + c], t[12 + c], 0xee);
+        float* out = panel + (k + c) * kPanel;
+        _mm512_storeu_ps(out, _mm512_shuffle_f32x4(x0, y0, 0x88));
+        _mm512_storeu_ps(out + 4 * kPanel, _mm512_shuffle_f32x4(x0, y0, 0xdd));
+        _mm512_storeu_ps(out + 8 * kPanel, _mm512_shuffle_f32x4(x1, y1, 0x88));
+        _mm512_storeu_ps(out + 12 * kPanel, _mm512_shuffle_f32x4(x1, y1, 0xdd));
+      }
+    }
+#endif
+    for (; k < H; ++k)
+      for (int64_t r = 0; r < kPanel; ++r)
+        panel[k * kPanel + r] = r < n ? to_float(src[r][k]) : 0.f;
+  }
 }
 
 // Phases 1-3 for every thread of the enclosing parallel region (w13 [E, 2I, H], w2 [E, H, I]).
@@ -458,24 +635,19 @@ void expert_phases(const TA* hidden, const TW* w13, const TW* w2, Plan<TA>& p) {
 #pragma omp for schedule(dynamic, 1)
   for (int64_t bi = 0; bi < num_blocks; ++bi) {
     const RowBlock& b = p.blocks[bi];
-    TA* xs = p.xs + b.s0 * H;
-    if (!b.panel) {
-      for (int64_t r = b.r0; r < b.r1; ++r)
-        std::copy(hidden + p.token_of_row[r] * H, hidden + (p.token_of_row[r] + 1) * H,
-                  xs + (r - b.r0) * H);
+    if (b.panel) {
+      gather_panels(hidden, p.token_of_row.data() + b.r0, b.r1 - b.r0, H, p.xp + b.s0 * H);
       continue;
     }
-    const int64_t rows = b.r1 - b.r0, padded = (rows + kPanel - 1) / kPanel * kPanel;
-    std::fill(xs + rows / kPanel * kPanel * H, xs + padded * H, TA{});
-    for (int64_t r = 0; r < rows; ++r) {
-      const TA* src = hidden + p.token_of_row[b.r0 + r] * H;
-      TA* dst = xs + r / kPanel * kPanel * H + r % kPanel;
-      for (int64_t k = 0; k < H; ++k) dst[k * kPanel] = src[k];
-    }
+    TA* xs = p.xs + b.s0 * H;
+    for (int64_t r = b.r0; r < b.r1; ++r)
+      std::copy(hidden + p.token_of_row[r] * H, hidden + (p.token_of_row[r] + 1) * H,
+                xs + (r - b.r0) * H);
   }
 
-  TA* gate = p.scratch + omp_get_thread_num() * p.scratch_size;
-  TA* up = gate + p.scratch_size / 2;
+  float* scratch = p.scratch + omp_get_thread_num() * p.scratch_size;
+  float* wide = scratch + p.scratch_size - p.wide_size;   // bfloat16 weights' widened tile
+  const int64_t half = (p.scratch_size - p.wide_size) / 2;
   const int64_t tile_i = p.tile_i, tiles_i = p.tiles_i;
 #pragma omp for schedule(dynamic, 1)
   for (int64_t item = 0; item < num_blocks * tiles_i; ++item) {
@@ -484,25 +656,27 @@ void expert_phases(const TA* hidden, const TW* w13, const TW* w2, Plan<TA>& p) {
     const int64_t rows = b.r1 - b.r0;
     const TW* w_gate = w13 + (b.expert * 2 * I + n0) * H;
     const TW* w_up = w_gate + I * H;
-    const TA* x = p.xs + b.s0 * H;
-    if constexpr (panel_form_types<TA, TW>()) {
-      if (b.panel) {
-        const int64_t num_panels = (rows + kPanel - 1) / kPanel;
-        for (int64_t q = 0; q < num_panels; q += kPanelsPerStep) {
-          const int64_t np = std::min(kPanelsPerStep, num_panels - q);
-          const float* panel = x + q * kPanel * H;
-          panel_gemm(w_gate, H, panel, np, n, gate);
-          panel_gemm(w_up, H, panel, np, n, up);
-          for (int64_t pp = 0; pp < np; ++pp) {
-            float* a = p.act + (b.s0 + (q + pp) * kPanel) * I + n0 * kPanel;
-            const float* g = gate + pp * n * kPanel;
-            const float* u = up + pp * n * kPanel;
-            for (int64_t i = 0; i < n * kPanel; ++i) a[i] = silu(g[i]) * u[i];
-          }
-        }
-        continue;
+    if (b.panel) {
+      const float* wg = widen(w_gate, n * H, wide);
+      const float* wu = widen(w_up, n * H, wide + n * H);
+      float* gate = scratch;
+      float* up = scratch + half;
+      const float* x = p.xp + b.s0 * H;
+      const int64_t num_panels = (rows + kPanel - 1) / kPanel;
+      for (int64_t q = 0; q < num_panels; q += kPanelsPerStep) {
+        const int64_t np = std::min(kPanelsPerStep, num_panels - q);
+        const float* panel = x + q * kPanel * H;
+        panel_gemm(wg, H, panel, np, n, gate);
+        panel_gemm(wu, H, panel, np, n, up);
+        for (int64_t pp = 0; pp < np; ++pp)
+          silu_mul<TA>(gate + pp * n * kPanel, up + pp * n * kPanel, n * kPanel,
+                       p.ap + (b.s0 + (q + pp) * kPanel) * I + n0 * kPanel);
       }
+      continue;
     }
+    TA* gate = reinterpret_cast<TA*>(scratch);
+    TA* up = reinterpret_cast<TA*>(scratch + half);
+    const TA* x = p.xs + b.s0 * H;
     tile_gemm(x, H, rows, w_gate, H, n, gate, tile_i);
     tile_gemm(x, H, rows, w_up, H, n, up, tile_i);
     for (int64_t r = 0; r < rows; ++r) {
@@ -520,25 +694,24 @@ void expert_phases(const TA* hidden, const TW* w13, const TW* w2, Plan<TA>& p) {
     const RowBlock& b = p.blocks[item / tiles_h];
     const int64_t n0 = (item % tiles_h) * tile_h, n = std::min(H, n0 + tile_h) - n0;
     const TW* w = w2 + (b.expert * H + n0) * I;
-    if constexpr (panel_form_types<TA, TW>()) {
-      if (b.panel) {
-        const int64_t num_panels = (b.r1 - b.r0 + kPanel - 1) / kPanel;
-        for (int64_t q = 0; q < num_panels; q += kPanelsPerStep) {
-          const int64_t np = std::min(kPanelsPerStep, num_panels - q);
-          panel_gemm(w, I, p.act + (b.s0 + q * kPanel) * I, np, n, gate);
-          for (int64_t pp = 0; pp < np; ++pp) {
-            const int64_t r0 = b.r0 + (q + pp) * kPanel, rows = std::min(kPanel, b.r1 - r0);
-            const float* c = gate + pp * n * kPanel;
-            for (int64_t r = 0; r < rows; ++r) {
-              float* y = p.ys + (r0 + r) * H + n0;
-              for (int64_t j = 0; j < n; ++j) y[j] = c[j * kPanel + r];
-            }
-          }
+    if (!b.panel) {
+      tile_gemm(p.act + b.s0 * I, I, b.r1 - b.r0, w, I, n, p.ys + b.r0 * H + n0, H);
+      continue;
+    }
+    const float* wd = widen(w, n * I, wide);
+    const int64_t num_panels = (b.r1 - b.r0 + kPanel - 1) / kPanel;
+    for (int64_t q = 0; q < num_panels; q += kPanelsPerStep) {
+      const int64_t np = std::min(kPanelsPerStep, num_panels - q);
+      panel_gemm(wd, I, p.ap + (b.s0 + q * kPanel) * I, np, n, scratch);
+      for (int64_t pp = 0; pp < np; ++pp) {
+        const int64_t r0 = b.r0 + (q + pp) * kPanel, rows = std::min(kPanel, b.r1 - r0);
+        const float* c = scratch + pp * n * kPanel;
+        for (int64_t r = 0; r < rows; ++r) {
+          TA* y = p.ys + (r0 + r) * H + n0;
+          for (int64_t j = 0; j < n; ++j) store(c[j * kPanel + r], y + j);
         }
-        continue;
       }
     }
-    tile_gemm(p.act + b.s0 * I, I, b.r1 - b.r0, w, I, n, p.ys + b.r0 * H + n0, H);
   }
 }
 
