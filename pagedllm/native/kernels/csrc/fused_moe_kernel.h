@@ -511,12 +511,13 @@ inline const float* widen(const uint16_t* w, int64_t count, float* buffer) {
   return buffer;
 }
 
+// exp(x) per lane to ~2 float32 ulp: x clamped to [-87.34, 88.38] (results from ~FLT_MIN to
+// ~FLT_MAX), x = n ln2 + r (|r| <= ln2 / 2, ln2 in two parts), exp(r) by Cephes' expf
+// polynomial (S. Moshier, Cephes Math Library), times 2^n built in the exponent field. The
+// AVX2 and AVX-512 forms run the same operations, so they give the same bits.
 #ifdef PAGEDLLM_AVX512
-// exp(x) per lane to ~2 float32 ulp: x = n ln2 + r (|r| <= ln2 / 2, ln2 in two parts), exp(r)
-// by Cephes' expf polynomial (S. Moshier, Cephes Math Library), times 2^n (`vscalefps`); x
-// clamped to +-88.376 (results from ~0 to ~FLT_MAX).
 inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-88.3762626647949f)),
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.33654f)),
                     _mm512_set1_ps(88.3762626647949f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -529,7 +530,9 @@ inline __m512 exp16(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);
+  const __m512i e = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }
 
 // v rounded to bfloat16 precision (nearest even, a NaN kept quiet: the scalar `store`'s bits),
@@ -547,9 +550,44 @@ inline __m512 round_bf16(__m512 v) {
 }
 #endif
 
+#ifdef PAGEDLLM_AVX2
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.33654f)),
+                    _mm256_set1_ps(88.3762626647949f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// `round_bf16` for 8 lanes.
+inline __m256 round_bf16(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  const __m256i r = _mm256_and_si256(
+      _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), high);
+  const __m256i quiet =
+      _mm256_or_si256(_mm256_and_si256(bits, high), _mm256_set1_epi32(0x400000));
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  return _mm256_castsi256_ps(_mm256_blendv_epi8(r, quiet, nan));
+}
+#endif
+
 // a[i] = silu(g[i]) * u[i] for i < n (panel form, float32 buffers), rounded where the
-// dot-product form rounds for TA = bfloat16 (g and u as GEMM outputs, silu(g), the product).
-// AVX-512: 16 lanes with `exp16`; the last values (and other builds) by std::exp.
+// dot-product form rounds for TA = bfloat16 (g and u as GEMM outputs, silu(g), the product):
+// 16 (AVX-512) or 8 (AVX2) lanes with `exp16` / `exp8` (the same bits), the last values and
+// portable builds by std::exp.
 template <typename TA>
 void silu_mul(const float* g, const float* u, int64_t n, float* a) {
   constexpr bool bf16 = !std::is_same_v<TA, float>;
@@ -568,6 +606,21 @@ void silu_mul(const float* g, const float* u, int64_t n, float* a) {
     __m512 av = _mm512_mul_ps(s, uv);
     if constexpr (bf16) av = round_bf16(av);
     _mm512_storeu_ps(a + i, av);
+  }
+#elif defined(PAGEDLLM_AVX2)
+  const __m256 one = _mm256_set1_ps(1.f);
+  for (; i + 8 <= n; i += 8) {
+    __m256 gv = _mm256_loadu_ps(g + i), uv = _mm256_loadu_ps(u + i);
+    if constexpr (bf16) {
+      gv = round_bf16(gv);
+      uv = round_bf16(uv);
+    }
+    const __m256 neg = _mm256_sub_ps(_mm256_setzero_ps(), gv);
+    __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, exp8(neg)));
+    if constexpr (bf16) s = round_bf16(s);
+    __m256 av = _mm256_mul_ps(s, uv);
+    if constexpr (bf16) av = round_bf16(av);
+    _mm256_storeu_ps(a + i, av);
   }
 #endif
   for (; i < n; ++i) {
