@@ -17,10 +17,11 @@ Blocks it takes (`NativeMoeBlock.for_block`):
 
 The module path stays the reference and runs everything else, decided per call
 (`NativeMoeBlock.__call__` returns None): steps with more rows per expert than the platform's
-native-linear limit (long prefills), tensor / expert parallelism, redundant experts or a
-rebalanced placement, EPLB load counting, routed-experts capture, LoRA (its wrappers replace the
-experts or the shared linears), quantized experts or shared linears, biases, and
-`PAGEDLLM_CPU_MOE_BLOCK=0` or `PAGEDLLM_CPU_FUSED_MOE=0`.
+limit for native linears of packed weights (none where the kernels built: prefill-sized
+steps run the kernel's panel form in float32 and bfloat16), tensor / expert parallelism,
+redundant experts or a rebalanced placement, EPLB load counting, routed-experts capture, LoRA
+(its wrappers replace the experts or the shared linears), quantized experts or shared linears,
+biases, and `PAGEDLLM_CPU_MOE_BLOCK=0` or `PAGEDLLM_CPU_FUSED_MOE=0`.
 """
 
 from __future__ import annotations
