@@ -164,16 +164,22 @@ def test_bfloat16_panel_form_against_float64(build, act_dtype):
     torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1.6e-2)
 
 
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("num_tokens, num_experts, top_k", [(300, 4, 2), (1365, 16, 2)])
-def test_bfloat16_prefill_matches_module_path(num_tokens, num_experts, top_k):
-    """Prefill-sized bf16 steps (~150 / ~170 rows per expert: panel blocks of 96 and the rest)
-    against `fused_experts_torch` (torch bf16 GEMMs per expert) at the sizes of Qwen3-Next's
-    experts scaled down: equal up to float32 summation order, about one bf16 ulp."""
+def test_bfloat16_prefill_matches_module_path(num_tokens, num_experts, top_k, weight_dtype):
+    """Prefill-sized steps of bf16 activations (~150 / ~170 rows per expert: panel blocks of 96
+    and the rest), bf16 or float32 weights, against `fused_experts_torch` (torch GEMMs per
+    expert) at the sizes of Qwen3-Next's experts scaled down: equal up to float32 summation
+    order, about one bf16 ulp (float32 weights, which torch's GEMMs do not mix with bf16
+    activations: the float64 loop rounded where the module path rounds)."""
     hidden, w13, w2, weights, ids = _problem(num_tokens, num_experts, 64, 48, top_k, seed=12)
-    hidden, w13, w2 = hidden.bfloat16(), w13.bfloat16(), w2.bfloat16()
+    hidden, w13, w2 = hidden.bfloat16(), w13.to(weight_dtype), w2.to(weight_dtype)
     got = cpu_fused_moe(hidden, w13, w2, weights, ids)
-    want = fused_experts_torch(hidden, w13, w2, weights, ids, torch.arange(num_experts),
-                               SiluAndMul())
+    if weight_dtype == torch.bfloat16:
+        want = fused_experts_torch(hidden, w13, w2, weights, ids, torch.arange(num_experts),
+                                   SiluAndMul())
+    else:
+        want = _naive_bf16_rounded(hidden, w13, w2, weights, ids)
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
     exact = _naive(hidden, w13, w2, weights, ids)
     assert (got.double() - exact).abs().max() < 0.02 * exact.abs().max()
