@@ -6,7 +6,7 @@ for round in 1 2; do
   for dt in bfloat16 float32; do
     for preset in deepseek-v2-lite-200m qwen3-next-200m; do
       for tree in main wt-moe; do
-        out=$(cd /work/$tree && DT=$dt PYTHONPATH=/work/$tree timeout 600 /work/main/.venv/bin/python /tmp/moe/run32.py $preset 128 1 2>/dev/null | tail -1)
+        out=$(cd /work/$tree && DT=$dt PYTHONPATH=/work/$tree timeout 600 /work/main/.venv/bin/python "$(dirname "$(readlink -f "$0")")"/run32.py $preset 128 1 2>/dev/null | tail -1)
         echo "round $round $tree $dt $out load $(cut -d' ' -f1 /proc/loadavg)"
       done
     done
