@@ -131,6 +131,25 @@ struct AttentionArgs {
   const int64_t* attend_until = nullptr;
 };
 
+#ifdef PAGEDLLM_AVX512
+// `block_values_heads`' AVX-512 form for exactly 8 heads (head_size % 16 == 0), the same FMAs
+// in the same order.
+template <typename T>
+inline void block_values_8heads(float* acc, int64_t acc_stride, const float* p, int p_stride,
+                                const T* v, int64_t stride, int n, int head_size) {
+  for (int d = 0; d < head_size; d += 16) {
+    __m512 a[8];
+    for (int h = 0; h < 8; ++h) a[h] = _mm512_loadu_ps(acc + h * acc_stride + d);
+    for (int j = 0; j < n; ++j) {
+      const __m512 vv = load16(v + j * stride + d);
+      for (int h = 0; h < 8; ++h)
+        a[h] = _mm512_fmadd_ps(_mm512_set1_ps(p[h * p_stride + j]), vv, a[h]);
+    }
+    for (int h = 0; h < 8; ++h) _mm512_storeu_ps(acc + h * acc_stride + d, a[h]);
+  }
+}
+#endif
+
 // acc_h[0, head_size) += sum_j p_h[j] * v_j for the nr query heads h sharing the V rows
 // v_j = v + j * stride (acc_h = acc + h * acc_stride, p_h = p + h * p_stride). With AVX2 and
 // head_size % 16 == 0 each V vector is loaded (and widened) once for up to 4 heads (AVX-512:
@@ -146,6 +165,11 @@ inline void block_values_heads(float* acc, int64_t acc_stride, const float* p, i
     if (head_size % 16 == 0) {
       for (int h0 = 0; h0 < nr; h0 += 8) {
         const int nh = std::min(8, nr - h0);
+        if (nh == 8) {   // (a fixed count keeps the accumulators in registers)
+          block_values_8heads(acc + h0 * acc_stride, acc_stride, p + h0 * p_stride, p_stride,
+                              v, stride, n, head_size);
+          continue;
+        }
         for (int d = 0; d < head_size; d += 16) {
           __m512 a[8];
           for (int h = 0; h < nh; ++h) a[h] = _mm512_loadu_ps(acc + (h0 + h) * acc_stride + d);
@@ -209,6 +233,14 @@ void attention_items(const AttentionArgs<T, TQ>& a, const AttentionPlan& plan) {
   std::vector<float> scores(static_cast<size_t>(max_heads) * block_size);
   std::vector<float> m(max_heads), l(max_heads);
   const float q_scale = a.scale * a.k_scale;
+  // Query heads two at a time where they share a KV head (`block_scores_pair`: the same
+  // floats), with the pair's chunks interleaved in q_pairs.
+  int head_step = 1;
+#ifdef PAGEDLLM_AVX512
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, uint16_t>)
+    head_step = rep % 2 == 0 && head_size % 8 == 0 ? 2 : 1;
+#endif
+  std::vector<float> q_pairs(head_step == 2 ? q.size() : 0);
 
 #pragma omp for schedule(dynamic, 1)
   for (int64_t item = 0; item < plan.num_items; ++item) {
@@ -232,6 +264,12 @@ void attention_items(const AttentionArgs<T, TQ>& a, const AttentionPlan& plan) {
       m[h] = -std::numeric_limits<float>::infinity();
       l[h] = 0.f;
     }
+#ifdef PAGEDLLM_AVX512
+    if (head_step == 2)
+      for (int h = 0; h < nh; h += 2)
+        interleave_query_pair(&q[h * head_size], &q[(h + 1) * head_size], head_size,
+                              &q_pairs[h * head_size]);
+#endif
     std::fill(acc.begin(), acc.begin() + static_cast<int64_t>(nh) * head_size, 0.f);
 
     // Key positions [ctx_begin, ctx_end) (within the split's piece, if split), walked block by
@@ -251,13 +289,32 @@ void attention_items(const AttentionArgs<T, TQ>& a, const AttentionPlan& plan) {
       // The next block's first row (-1: none), prefetched a KV head at a time below.
       const int64_t next = start < ctx_end ? static_cast<int64_t>(table[start / block_size]) *
                                                  block_size * kv_row_stride : -1;
-      for (int h = 0; h < nh; ++h) {
-        if (next >= 0 && h % rep == 0)
-          prefetch_head_rows(a.key_cache + next, a.value_cache + next,
-                             static_cast<int64_t>(kv0 + h / rep) * head_size, kv_row_stride,
-                             block_size, head_size);
-        block_scores(&q[h * head_size], a.key_cache + base + (h / rep) * head_size,
-                     kv_row_stride, n, head_size, &scores[h * block_size]);
+      for (int h = 0; h < nh; h += head_step) {
+        // The next block's rows of this KV head, spread over its rep heads (a share per
+        // head): issued all at once they stalled on the line fill buffers (MLA's 144-576
+        // value rows are 9-36 lines a row).
+        if (next >= 0) {
+          const int g = h % rep, j0 = g * block_size / rep;
+          const int j1 = std::min(rep, g + head_step) * block_size / rep;
+          if (j1 > j0)
+            prefetch_head_rows(a.key_cache + next + j0 * kv_row_stride,
+                               a.value_cache + next + j0 * kv_row_stride,
+                               static_cast<int64_t>(kv0 + h / rep) * head_size, kv_row_stride,
+                               j1 - j0, head_size);
+        }
+        const T* k = a.key_cache + base + (h / rep) * head_size;
+#ifdef PAGEDLLM_AVX512
+        if constexpr (std::is_same_v<T, float> || std::is_same_v<T, uint16_t>) {
+          if (head_step == 2) {
+            block_scores_pair(&q_pairs[h * head_size], &q[h * head_size],
+                              &q[(h + 1) * head_size], k, kv_row_stride, n, head_size,
+                              &scores[h * block_size], &scores[(h + 1) * block_size]);
+            continue;
+          }
+        }
+#endif
+        block_scores(&q[h * head_size], k, kv_row_stride, n, head_size,
+                     &scores[h * block_size]);
       }
       if (a.k_scales != nullptr) {
         for (int h = 0; h < nh; ++h) {

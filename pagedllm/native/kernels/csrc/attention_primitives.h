@@ -213,6 +213,73 @@ inline void block_scores(const float* q, const T* k, int64_t stride, int n, int 
   for (; j < n; ++j) scores[j] = dot(q, k + j * stride, head_size);
 }
 
+#ifdef PAGEDLLM_AVX512
+// The eight scores of eight keys from their accumulators (lane sums), reduced as `block_scores`
+// reduces them (three rounds of horizontal adds, then the 128-bit halves added).
+inline __m256 reduce_scores8(const __m256* acc) {
+  const __m256 s01 = _mm256_hadd_ps(acc[0], acc[1]), s23 = _mm256_hadd_ps(acc[2], acc[3]);
+  const __m256 s45 = _mm256_hadd_ps(acc[4], acc[5]), s67 = _mm256_hadd_ps(acc[6], acc[7]);
+  const __m256 s03 = _mm256_hadd_ps(s01, s23), s47 = _mm256_hadd_ps(s45, s67);
+  return _mm256_add_ps(_mm256_permute2f128_ps(s03, s47, 0x20),
+                       _mm256_permute2f128_ps(s03, s47, 0x31));
+}
+
+// Eight key values k[0, 8) widened to float32, in both 256-bit halves of a zmm.
+inline __m512 load8_twice(const float* k) {
+  return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_loadu_pd(
+      reinterpret_cast<const double*>(k))));
+}
+
+inline __m512 load8_twice(const uint16_t* k) {
+  const __m256i raw = _mm256_broadcastsi128_si256(
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(k)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// Two query heads interleaved for `block_scores_pair`: pair[2 d + i] = q0[d + i] and
+// pair[2 d + 8 + i] = q1[d + i] for each 8-value chunk d (head_size % 8 == 0).
+inline void interleave_query_pair(const float* q0, const float* q1, int head_size,
+                                  float* pair) {
+  for (int d = 0; d < head_size; d += 8) {
+    std::copy(q0 + d, q0 + d + 8, pair + 2 * d);
+    std::copy(q1 + d, q1 + d + 8, pair + 2 * d + 8);
+  }
+}
+
+// `block_scores` of two query heads q0, q1 (their chunks interleaved in `pair`) over the same
+// n keys: s0 and s1 get exactly the floats two `block_scores` calls give. Each 8-key group's
+// per-key accumulators hold head 0 in the low and head 1 in the high 256 bits of one zmm, so
+// every lane sums its products in the same order with half the FMA instructions, and each key
+// row chunk is loaded once for both heads (grouped-query and MLA decode, where the heads of
+// one KV head read the same rows). Float32 and bfloat16 keys; head_size % 8 == 0.
+template <typename T>
+inline void block_scores_pair(const float* pair, const float* q0, const float* q1,
+                              const T* k, int64_t stride, int n, int head_size, float* s0,
+                              float* s1) {
+  int j = 0;
+  for (; j + 8 <= n; j += 8) {
+    __m512 acc[8];
+    for (int i = 0; i < 8; ++i) acc[i] = _mm512_setzero_ps();
+    for (int d = 0; d < head_size; d += 8) {
+      const __m512 qv = _mm512_loadu_ps(pair + 2 * d);
+      for (int i = 0; i < 8; ++i)
+        acc[i] = _mm512_fmadd_ps(qv, load8_twice(k + (j + i) * stride + d), acc[i]);
+    }
+    __m256 lo[8], hi[8];
+    for (int i = 0; i < 8; ++i) {
+      lo[i] = _mm512_castps512_ps256(acc[i]);
+      hi[i] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[i]), 1));
+    }
+    _mm256_storeu_ps(s0 + j, reduce_scores8(lo));
+    _mm256_storeu_ps(s1 + j, reduce_scores8(hi));
+  }
+  for (; j < n; ++j) {
+    s0[j] = dot(q0, k + j * stride, head_size);
+    s1[j] = dot(q1, k + j * stride, head_size);
+  }
+}
+#endif
+
 #ifdef PAGEDLLM_AVX2
 // block_values for head_size == 8 * NV: the accumulator stays in NV registers across the rows.
 template <int NV, typename T>
