@@ -108,14 +108,30 @@ inline void deepseek_rope(const float* src, float* dst, const float* cos, const 
   }
 }
 
-// out[0..L) = sum_d x[d] * W[d, 0..L) (W [n, L] rows of the model dtype), float32 sums.
+// out[0..L) = sum_d x[d] * W[d, 0..L) (W [n, L] rows of the model dtype), float32 sums in d
+// order. The sums of 64 outputs at a time stay in registers across the rows (a load and a
+// store of `out` per FMA before; the same FMAs, so the same floats).
 template <typename T>
 inline void rows_combination(const float* x, const T* W, int64_t n, int64_t L, float* out) {
-  std::fill(out, out + L, 0.f);
+  int64_t l0 = 0;
+#ifdef PAGEDLLM_AVX2
+  constexpr int kChunks = 8;   // ymm accumulators per pass: 64 outputs
+  for (; l0 + 8 * kChunks <= L; l0 += 8 * kChunks) {
+    __m256 acc[kChunks];
+    for (int c = 0; c < kChunks; ++c) acc[c] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < n; ++d) {
+      const __m256 c8 = _mm256_set1_ps(x[d]);
+      const T* row = W + d * L + l0;
+      for (int c = 0; c < kChunks; ++c) acc[c] = _mm256_fmadd_ps(c8, load8(row + 8 * c), acc[c]);
+    }
+    for (int c = 0; c < kChunks; ++c) _mm256_storeu_ps(out + l0 + 8 * c, acc[c]);
+  }
+#endif
+  std::fill(out + l0, out + L, 0.f);
   for (int64_t d = 0; d < n; ++d) {
     const float c = x[d];
     const T* row = W + d * L;
-    int64_t l = 0;
+    int64_t l = l0;
 #ifdef PAGEDLLM_AVX2
     const __m256 c8 = _mm256_set1_ps(c);
     for (; l + 8 <= L; l += 8)
@@ -137,6 +153,28 @@ inline float dot_row(const float* x, const T* row, int64_t L) {
 #endif
   for (; l < L; ++l) s += x[l] * to_float(row[l]);
   return s;
+}
+
+// out[v] = dot_row(x, W + v * L, L) for v < n: eight rows at a time, their eight dependent
+// FMA chains interleaved (one chain waited on each FMA's latency); the same floats.
+template <typename T>
+inline void dot_rows(const float* x, const T* W, int64_t n, int64_t L, float* out) {
+  int64_t v = 0;
+#ifdef PAGEDLLM_AVX2
+  if (L % 8 == 0) {
+    for (; v + 8 <= n; v += 8) {
+      __m256 acc[8];
+      for (int r = 0; r < 8; ++r) acc[r] = _mm256_setzero_ps();
+      for (int64_t l = 0; l < L; l += 8) {
+        const __m256 xv = _mm256_loadu_ps(x + l);
+        for (int r = 0; r < 8; ++r)
+          acc[r] = _mm256_fmadd_ps(xv, load8(W + (v + r) * L + l), acc[r]);
+      }
+      for (int r = 0; r < 8; ++r) out[v + r] = hsum(acc[r]);
+    }
+  }
+#endif
+  for (; v < n; ++v) out[v] = dot_row(x, W + v * L, L);
 }
 
 template <typename T>
@@ -219,7 +257,7 @@ void mla_block(const MLALayerWeights& w, const NativeAttentionStep& s, T* residu
       const float* o_lat = attn_out + (m * H + h) * D;
       const T* w_uv = kv_b + (h * (dn + dv) + dn) * L;
       float* dst = o_heads + m * H * dv + h * dv;
-      for (int64_t v = 0; v < dv; ++v) dst[v] = dot_row(o_lat, w_uv + v * L, L);
+      dot_rows(o_lat, w_uv, dv, L, dst);
     }
 
     mla_linear<T>(w, kO, w.o_proj, o_heads, M, H * dv, Hd, o);
