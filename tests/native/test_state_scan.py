@@ -165,16 +165,17 @@ def test_conv_window_wider_than_the_kernel():
 @needs_kernels
 @pytest.mark.parametrize("dv", [6, 64])
 def test_native_chunk_splits_equal_the_whole(dv):
-    """One 23-token request run whole, then as chunks of 5, 1, 10 and 7 tokens carrying its
-    states: the token-by-token scan gives the same bits, wherever the chunks split (value
-    heads of 6: the general form; 64: the register form)."""
+    """One 23-token request run whole, then as chunks of 1, 4, 1, 1, 9 and 7 tokens carrying
+    its states: the token-by-token scan gives the same bits, wherever the chunks split (value
+    heads of 6: the general form; 64: the register form; one-token chunks, the first over no
+    state, take the conv's decode form)."""
     whole_case = dict(STATE_CASE, query_lens=[23], computed=[0], slots=[2], dv=dv)
     inputs = make_inputs(1, whole_case)
     whole = run_backend("native", inputs, _meta(whole_case))
     state = {k: inputs[k].clone() for k in ("conv", "ssm", "delta")}
     outs: dict[str, list] = {"conv_out": [], "y": [], "o": []}
     start = 0
-    for length in (5, 1, 10, 7):
+    for length in (1, 4, 1, 1, 9, 7):
         case = dict(whole_case, query_lens=[length], computed=[start])
         part = {k: (v[start:start + length] if k in ("x", "xs", "dt", "b", "c", "q", "k", "v", "g",
                                                       "beta") else v) for k, v in inputs.items()}
