@@ -78,41 +78,6 @@ class Emits {
   int64_t start_, e_, end_;
 };
 
-// `conv_block` for a request of one token (a decode step), the same arithmetic in the same
-// order without the window copy and the per-tap position tests: its taps are the state's
-// K - 1 inputs, then the token's own; the new window is the old one shifted by one with the
-// token's input last (into an emit slot first, if one is due, then in place).
-template <typename T, typename S>
-void conv_decode_token(const StateBatch* b, int64_t r, int64_t c0, int64_t c1, const T* xt,
-                       int64_t width, const float* weight_t, const float* bias, S* state,
-                       S* conv_states, int64_t channels, bool silu, float* acc, T* dst) {
-  const int64_t k1 = width - 1, nc = c1 - c0;
-  const bool init = b->has_initial_state[r] != 0;
-  for (int64_t i = 0; i < nc; ++i) {
-    const S* st = state + (c0 + i) * k1;
-    float a = bias ? bias[c0 + i] : 0.0f;
-    for (int64_t j = 0; j < k1; ++j)
-      a += weight_t[j * channels + c0 + i] * (init ? to_float(st[j]) : 0.0f);
-    a += weight_t[k1 * channels + c0 + i] * to_float(xt[c0 + i]);
-    acc[i] = a;
-  }
-  if (silu) silu_inplace(acc, nc);
-  for (int64_t i = 0; i < nc; ++i) store(acc[i], dst + c0 + i);
-  if (k1 == 0) return;
-  Emits emits(b, r);
-  const int64_t emit = emits.due(b->query_start_loc[r]);
-  S* targets[2] = {emit > 0 ? conv_states + emit * channels * k1 : nullptr, state};
-  for (S* target : targets) {
-    if (target == nullptr) continue;
-    for (int64_t i = 0; i < nc; ++i) {
-      const S* st = state + (c0 + i) * k1;
-      S* w = target + (c0 + i) * k1;
-      for (int64_t j = 0; j + 1 < k1; ++j) store(init ? to_float(st[j + 1]) : 0.0f, w + j);
-      store(to_float(xt[c0 + i]), w + k1 - 1);
-    }
-  }
-}
-
 // One request's channels [c0, c1) over its tokens. The window (the K - 1 inputs before the
 // request's first token, from its state slot) is read once into `win`; token t's taps are the
 // window's last rows while t is within K - 1 tokens of the start, then rows of x itself, so the
@@ -125,13 +90,8 @@ void conv_block(const StateBatch* b, int64_t r, int64_t c0, int64_t c1, const T*
   const int64_t slot = b->state_indices[r];
   const int64_t start = b->query_start_loc[r], end = b->query_start_loc[r + 1];
   S* state = conv_states + slot * channels * k1;
-  float acc[kConvBlock];
-  if (end - start == 1) {
-    conv_decode_token(b, r, c0, c1, x + start * ldx, width, weight_t, bias, state,
-                      conv_states, channels, silu, acc, out + start * ldo);
-    return;
-  }
   float win[kConvMaxWidth * kConvBlock];   // win[j * nc + i]: input j of the old window
+  float acc[kConvBlock];
   for (int64_t i = 0; i < nc; ++i) {
     for (int64_t j = 0; j < k1; ++j)
       win[j * nc + i] = b->has_initial_state[r] ? to_float(state[(c0 + i) * k1 + j]) : 0.0f;
