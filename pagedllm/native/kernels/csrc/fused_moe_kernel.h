@@ -289,12 +289,12 @@ struct Plan {
   std::vector<int64_t> pos, token_of_row;   // [T*k] row or -1; [m] token
   std::vector<RowBlock> blocks;
   int64_t tile_i = 8, tile_h = 8, tiles_i = 0, tiles_h = 0, scratch_size = 0, wide_size = 0;
-  // xs [stored, H], act [stored, I] (dot-product blocks), xp [stored_panels, H], ap
-  // [stored_panels, I] (panel blocks, rows padded to whole panels), ys [m, H], per thread
-  // scratch_size floats: buffers of the thread that ran `plan` (`reused_buffer`), valid until
-  // it plans again
-  TA *xs = nullptr, *act = nullptr, *ys = nullptr;
-  float *xp = nullptr, *ap = nullptr, *scratch = nullptr;
+  // xs [stored, H], act [stored, I] (dot-product blocks; float32 holding TA values, see
+  // `stage_row`), xp [stored_panels, H], ap [stored_panels, I] (panel blocks, rows padded to
+  // whole panels), ys [m, H], per thread scratch_size floats: buffers of the thread that ran
+  // `plan` (`reused_buffer`), valid until it plans again
+  TA* ys = nullptr;
+  float *xs = nullptr, *act = nullptr, *xp = nullptr, *ap = nullptr, *scratch = nullptr;
 };
 
 // Blocks of kPanelMinRows rows or more take the panel form; weights TW in bfloat16 get a
@@ -350,8 +350,8 @@ void plan(const int64_t* topk_ids, int64_t num_tokens, int64_t top_k, int64_t nu
   p.tile_h = tile_width(H, num_blocks, num_threads, few_rows ? H : kMaxTile);
   p.tiles_i = (I + p.tile_i - 1) / p.tile_i;
   p.tiles_h = (H + p.tile_h - 1) / p.tile_h;
-  p.xs = reused_buffer<TA>(kSlotXs, p.stored * H);
-  p.act = reused_buffer<TA>(kSlotAct, p.stored * I);
+  p.xs = reused_buffer<float>(kSlotXs, p.stored * H);
+  p.act = reused_buffer<float>(kSlotAct, p.stored * I);
   p.xp = reused_buffer<float>(kSlotXp, p.stored_panels * H);
   p.ap = reused_buffer<float>(kSlotAp, p.stored_panels * I);
   p.ys = reused_buffer<TA>(kSlotYs, p.m * H);
@@ -680,6 +680,23 @@ void gather_panels(const TA* hidden, const int64_t* token_of_row, int64_t rows, 
   }
 }
 
+// dst[0, n) = src[0, n) as float32 (bfloat16 widened: exact). The dot-product blocks keep their
+// x and act rows in float32 so that the few-row kernels widen only the weights: with bfloat16 x
+// rows each of MB rows was widened again per k step for every weight row group (an expert's
+// decode share is read once per group), and the widening shares the shuffle port with the FMAs.
+// The values, hence the sums, are those of the TA rows.
+inline void stage_row(const float* src, int64_t n, float* dst) { std::copy(src, src + n, dst); }
+
+inline void stage_row(const uint16_t* src, int64_t n, float* dst) {
+  int64_t i = 0;
+#ifdef PAGEDLLM_AVX512
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, load16(src + i));
+#elif defined(PAGEDLLM_AVX2)
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load8(src + i));
+#endif
+  for (; i < n; ++i) dst[i] = to_float(src[i]);
+}
+
 // Phases 1-3 for every thread of the enclosing parallel region (w13 [E, 2I, H], w2 [E, H, I]).
 template <typename TA, typename TW>
 void expert_phases(const TA* hidden, const TW* w13, const TW* w2, Plan<TA>& p) {
@@ -692,10 +709,9 @@ void expert_phases(const TA* hidden, const TW* w13, const TW* w2, Plan<TA>& p) {
       gather_panels(hidden, p.token_of_row.data() + b.r0, b.r1 - b.r0, H, p.xp + b.s0 * H);
       continue;
     }
-    TA* xs = p.xs + b.s0 * H;
+    float* xs = p.xs + b.s0 * H;
     for (int64_t r = b.r0; r < b.r1; ++r)
-      std::copy(hidden + p.token_of_row[r] * H, hidden + (p.token_of_row[r] + 1) * H,
-                xs + (r - b.r0) * H);
+      stage_row(hidden + p.token_of_row[r] * H, H, xs + (r - b.r0) * H);
   }
 
   float* scratch = p.scratch + omp_get_thread_num() * p.scratch_size;
@@ -729,14 +745,14 @@ void expert_phases(const TA* hidden, const TW* w13, const TW* w2, Plan<TA>& p) {
     }
     TA* gate = reinterpret_cast<TA*>(scratch);
     TA* up = reinterpret_cast<TA*>(scratch + half);
-    const TA* x = p.xs + b.s0 * H;
+    const float* x = p.xs + b.s0 * H;
     tile_gemm(x, H, rows, w_gate, H, n, gate, tile_i);
     tile_gemm(x, H, rows, w_up, H, n, up, tile_i);
     for (int64_t r = 0; r < rows; ++r) {
-      TA* a = p.act + (b.s0 + r) * I + n0;
+      float* a = p.act + (b.s0 + r) * I + n0;
       for (int64_t i = 0; i < n; ++i) {
         const float g = rounded<TA>(silu(to_float(gate[r * tile_i + i])));
-        store(g * to_float(up[r * tile_i + i]), a + i);
+        a[i] = rounded<TA>(g * to_float(up[r * tile_i + i]));
       }
     }
   }
