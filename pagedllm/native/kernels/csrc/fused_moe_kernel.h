@@ -115,6 +115,32 @@ void few_rows(const TX* x, int64_t ldx, const TW* w, int64_t K, int64_t n, TY* y
 #endif
 
 #ifdef PAGEDLLM_AVX512
+// 16 weights at w as float32 for `few_rows_micro16`: float32 loaded as is; bfloat16 (with
+// AVX512BW) by one word permutation that moves weight l into the high half of lane l and zeroes
+// the low halves (`shift`: `widen_index()`), where `load16` takes a zero extension and a shift
+// (two vector operations, on the ports the FMAs use). The same values, hence the same sums.
+inline __m512i widen_index() {
+#ifdef __AVX512BW__
+  return _mm512_slli_epi32(
+      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 16);
+#else
+  return _mm512_setzero_si512();
+#endif
+}
+
+inline __m512 weights16(const float* w, __m512i) { return _mm512_loadu_ps(w); }
+
+inline __m512 weights16(const uint16_t* w, __m512i shift) {
+#ifdef __AVX512BW__
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  return _mm512_castsi512_ps(
+      _mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, shift, _mm512_castsi256_si512(raw)));
+#else
+  (void)shift;
+  return load16(w);
+#endif
+}
+
 // The AVX-512 form of `few_rows_micro` (K a multiple of 16): 16 lanes over k, then the
 // horizontal sum; with 32 vector registers more weight rows share each x load. The sums differ
 // from the 8-lane form's only in their order.
@@ -122,6 +148,7 @@ template <int MB, int NB, typename TW, typename TX, typename TY>
 inline void few_rows_micro16(const TX* x, int64_t ldx, const TW* w, int64_t K, TY* y,
                              int64_t ldy) {
   constexpr int64_t kLine = 64 / sizeof(TW);   // weights per cache line
+  const __m512i shift = widen_index();
   __m512 acc[MB][NB];
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
@@ -130,7 +157,7 @@ inline void few_rows_micro16(const TX* x, int64_t ldx, const TW* w, int64_t K, T
       for (int j = 0; j < NB; ++j)
         _mm_prefetch(reinterpret_cast<const char*>(w + (j + NB) * K + k), _MM_HINT_T0);
     __m512 wv[NB];
-    for (int j = 0; j < NB; ++j) wv[j] = load16(w + j * K + k);
+    for (int j = 0; j < NB; ++j) wv[j] = weights16(w + j * K + k, shift);
     for (int i = 0; i < MB; ++i) {
       const __m512 xv = load16(x + i * ldx + k);
       for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
@@ -629,6 +656,35 @@ void silu_mul(const float* g, const float* u, int64_t n, float* a) {
   }
 }
 
+// a[i] = rounded(rounded(silu(rounded(g[i]))) * rounded(u[i])) for i < n (the dot-product
+// blocks' SiLU pass, float32 GEMM outputs g and u, `rounded` to TA): the bits of the scalar
+// form (std::exp included, so the decode outputs stay as they were), with the bfloat16
+// roundings, the division and the product in 16 (AVX-512) lanes; only std::exp stays scalar.
+template <typename TA>
+void silu_mul_exact(const float* g, const float* u, int64_t n, float* a) {
+  int64_t i = 0;
+#ifdef PAGEDLLM_AVX512
+  constexpr bool bf16 = !std::is_same_v<TA, float>;
+  const __m512 one = _mm512_set1_ps(1.f);
+  alignas(64) float e[16];
+  for (; i + 16 <= n; i += 16) {
+    __m512 gv = _mm512_loadu_ps(g + i), uv = _mm512_loadu_ps(u + i);
+    if constexpr (bf16) {
+      gv = round_bf16(gv);
+      uv = round_bf16(uv);
+    }
+    _mm512_store_ps(e, gv);
+    for (int l = 0; l < 16; ++l) e[l] = std::exp(-e[l]);
+    __m512 s = _mm512_div_ps(gv, _mm512_add_ps(one, _mm512_load_ps(e)));
+    if constexpr (bf16) s = round_bf16(s);
+    __m512 av = _mm512_mul_ps(s, uv);
+    if constexpr (bf16) av = round_bf16(av);
+    _mm512_storeu_ps(a + i, av);
+  }
+#endif
+  for (; i < n; ++i) a[i] = rounded<TA>(rounded<TA>(silu(rounded<TA>(g[i]))) * rounded<TA>(u[i]));
+}
+
 // Rows [r0, r0 + rows) of the sorted pairs as float32 panels at xp (header of the panel form):
 // AVX-512 16 x 16 blocks transposed in registers, the rest value by value.
 template <typename TA>
@@ -743,18 +799,14 @@ void expert_phases(const TA* hidden, const TW* w13, const TW* w2, Plan<TA>& p) {
       }
       continue;
     }
-    TA* gate = reinterpret_cast<TA*>(scratch);
-    TA* up = reinterpret_cast<TA*>(scratch + half);
+    // gate / up in float32, rounded to TA by `silu_mul_exact` (as a TA store would round them)
+    float* gate = scratch;
+    float* up = scratch + half;
     const float* x = p.xs + b.s0 * H;
     tile_gemm(x, H, rows, w_gate, H, n, gate, tile_i);
     tile_gemm(x, H, rows, w_up, H, n, up, tile_i);
-    for (int64_t r = 0; r < rows; ++r) {
-      float* a = p.act + (b.s0 + r) * I + n0;
-      for (int64_t i = 0; i < n; ++i) {
-        const float g = rounded<TA>(silu(to_float(gate[r * tile_i + i])));
-        a[i] = rounded<TA>(g * to_float(up[r * tile_i + i]));
-      }
-    }
+    for (int64_t r = 0; r < rows; ++r)
+      silu_mul_exact<TA>(gate + r * tile_i, up + r * tile_i, n, p.act + (b.s0 + r) * I + n0);
   }
 
   const int64_t tile_h = p.tile_h, tiles_h = p.tiles_h;
