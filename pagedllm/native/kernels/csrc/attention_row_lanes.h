@@ -23,15 +23,6 @@
 
 constexpr int kRowLanes = 16;
 
-// exp(x) for 16 lanes, as exp8 on each half (the same floats; on Zen 4 a zmm operation runs
-// as two ymm halves anyway).
-inline __m512 exp16(__m512 x) {   // (64-bit lane moves: AVX-512F alone, no DQ needed)
-  const __m256 lo = exp8(_mm512_castps512_ps256(x));
-  const __m256 hi = exp8(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
-  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)),
-                                             _mm256_castps_pd(hi), 1));
-}
-
 // st[j][0, 16 G) = sum_d k[j][d] qt[d][0, 16 G) for the 4 keys j < 4 (k rows head_size apart,
 // qt and st rows ld apart).
 template <int G>
