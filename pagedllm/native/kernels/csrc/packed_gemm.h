@@ -82,6 +82,17 @@ constexpr int64_t kMaxGroup = 8;    // panels per work item
 struct Prefetch {
   const char* line;
   int64_t every;
+  int64_t countdown = 1;
+
+  // One step of k: every `every` steps, the current line of NP panels `panel_bytes` apart
+  // (prefetcht1), then the next line.
+  template <int NP>
+  void step(int64_t panel_bytes) {
+    if (line == nullptr || --countdown != 0) return;
+    countdown = every;
+    for (int p = 0; p < NP; ++p) __builtin_prefetch(line + p * panel_bytes, 0, 2);
+    line += 64;
+  }
 };
 
 // Whether weights of type T are packed as k pairs (see the header).
@@ -162,31 +173,35 @@ using XStage = std::conditional_t<pairs<T>(), uint16_t, float>;
 constexpr int kMaxMR = 12;
 constexpr int kNP = 2;
 
+// The MR x NP tile's accumulators: c's values (accumulate) or zeros; and their store to c.
+template <int MR, int NP>
+inline void load_tile(__m512 (&acc)[MR][NP], const float* c, int64_t ldc, bool accumulate) {
+  for (int i = 0; i < MR; ++i)
+    for (int p = 0; p < NP; ++p)
+      acc[i][p] = accumulate ? _mm512_loadu_ps(c + i * ldc + p * kNR) : _mm512_setzero_ps();
+}
+
+template <int MR, int NP>
+inline void store_tile(__m512 (&acc)[MR][NP], float* c, int64_t ldc) {
+  for (int i = 0; i < MR; ++i)
+    for (int p = 0; p < NP; ++p) _mm512_storeu_ps(c + i * ldc + p * kNR, acc[i][p]);
+}
+
 template <int MR, int NP, typename T>
 inline void micro(const float* x, int64_t ldx, const T* w, int64_t ps, int64_t kc, float* c,
                   int64_t ldc, bool accumulate, Prefetch pf) {
   __m512 acc[MR][NP];
-  for (int i = 0; i < MR; ++i)
-    for (int p = 0; p < NP; ++p)
-      acc[i][p] = accumulate ? _mm512_loadu_ps(c + i * ldc + p * kNR) : _mm512_setzero_ps();
-  const char* line = pf.line;
-  int64_t countdown = 1;
+  load_tile(acc, c, ldc, accumulate);
   for (int64_t k = 0; k < kc; ++k) {
     __m512 wv[NP];
-    if (line != nullptr && --countdown == 0) {
-      countdown = pf.every;
-      for (int p = 0; p < NP; ++p)
-        _mm_prefetch(line + p * ps * static_cast<int64_t>(sizeof(T)), _MM_HINT_T1);
-      line += 64;
-    }
+    pf.step<NP>(ps * static_cast<int64_t>(sizeof(T)));
     for (int p = 0; p < NP; ++p) wv[p] = load16(w + p * ps + k * kNR);
     for (int i = 0; i < MR; ++i) {
       const __m512 xv = _mm512_set1_ps(x[i * ldx + k]);
       for (int p = 0; p < NP; ++p) acc[i][p] = _mm512_fmadd_ps(xv, wv[p], acc[i][p]);
     }
   }
-  for (int i = 0; i < MR; ++i)
-    for (int p = 0; p < NP; ++p) _mm512_storeu_ps(c + i * ldc + p * kNR, acc[i][p]);
+  store_tile(acc, c, ldc);
 }
 
 // bf16 pair panels widened to float32 (see `Kernel`): x float32 holding bf16 values; kc even.
@@ -194,19 +209,11 @@ template <int MR, int NP>
 inline void micro_widen(const float* x, int64_t ldx, const uint16_t* w, int64_t ps,
                         int64_t kc, float* c, int64_t ldc, bool accumulate, Prefetch pf) {
   __m512 acc[MR][NP];
-  for (int i = 0; i < MR; ++i)
-    for (int p = 0; p < NP; ++p)
-      acc[i][p] = accumulate ? _mm512_loadu_ps(c + i * ldc + p * kNR) : _mm512_setzero_ps();
-  const char* line = pf.line;
-  int64_t countdown = 1;
+  load_tile(acc, c, ldc, accumulate);
   const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
   for (int64_t k = 0; k < kc; k += 2) {
     __m512 even[NP], odd[NP];
-    if (line != nullptr && --countdown == 0) {
-      countdown = pf.every;
-      for (int p = 0; p < NP; ++p) _mm_prefetch(line + p * ps * 2, _MM_HINT_T1);
-      line += 64;
-    }
+    pf.step<NP>(ps * 2);
     for (int p = 0; p < NP; ++p) {
       const __m512i v = _mm512_loadu_si512(w + p * ps + k * kNR);
       even[p] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
@@ -219,8 +226,7 @@ inline void micro_widen(const float* x, int64_t ldx, const uint16_t* w, int64_t 
       for (int p = 0; p < NP; ++p) acc[i][p] = _mm512_fmadd_ps(xe, even[p], acc[i][p]);
     }
   }
-  for (int i = 0; i < MR; ++i)
-    for (int p = 0; p < NP; ++p) _mm512_storeu_ps(c + i * ldc + p * kNR, acc[i][p]);
+  store_tile(acc, c, ldc);
 }
 
 #if defined(PAGEDLLM_AVX512_BF16)
@@ -229,18 +235,10 @@ template <int MR, int NP>
 inline void micro_dot(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ps,
                       int64_t kc, float* c, int64_t ldc, bool accumulate, Prefetch pf) {
   __m512 acc[MR][NP];
-  for (int i = 0; i < MR; ++i)
-    for (int p = 0; p < NP; ++p)
-      acc[i][p] = accumulate ? _mm512_loadu_ps(c + i * ldc + p * kNR) : _mm512_setzero_ps();
-  const char* line = pf.line;
-  int64_t countdown = 1;
+  load_tile(acc, c, ldc, accumulate);
   for (int64_t k = 0; k < kc; k += 2) {
     __m512bh wv[NP];
-    if (line != nullptr && --countdown == 0) {
-      countdown = pf.every;
-      for (int p = 0; p < NP; ++p) _mm_prefetch(line + p * ps * 2, _MM_HINT_T1);
-      line += 64;
-    }
+    pf.step<NP>(ps * 2);
     for (int p = 0; p < NP; ++p)
       wv[p] = (__m512bh)_mm512_loadu_si512(w + p * ps + k * kNR);
     for (int i = 0; i < MR; ++i) {
@@ -250,8 +248,7 @@ inline void micro_dot(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t
       for (int p = 0; p < NP; ++p) acc[i][p] = _mm512_dpbf16_ps(acc[i][p], xv, wv[p]);
     }
   }
-  for (int i = 0; i < MR; ++i)
-    for (int p = 0; p < NP; ++p) _mm512_storeu_ps(c + i * ldc + p * kNR, acc[i][p]);
+  store_tile(acc, c, ldc);
 }
 #endif
 
