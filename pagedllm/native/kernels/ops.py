@@ -88,11 +88,21 @@ def packed_gemm_supported(weight: torch.Tensor) -> bool:
             and weight.shape[1] > 0 and weight.shape[1] % 8 == 0)
 
 
-def _packing_lib(weight: torch.Tensor, lib: ctypes.CDLL | None, what: str) -> ctypes.CDLL:
+def _kernels(lib: ctypes.CDLL | None, what: str) -> ctypes.CDLL:
+    """`lib`, else the process's native kernel library (`cpu_kernels`).
+
+    Raises:
+        RuntimeError: the native kernels are unavailable (names `what`, the caller).
+    """
     lib = lib if lib is not None else cpu_kernels()
     if lib is None:
         raise RuntimeError(f"{what} needs the native CPU kernels, which are unavailable (see the "
                            f"log; PAGEDLLM_CPU_KERNELS switches them off)")
+    return lib
+
+
+def _packing_lib(weight: torch.Tensor, lib: ctypes.CDLL | None, what: str) -> ctypes.CDLL:
+    lib = _kernels(lib, what)
     if not packed_gemm_supported(weight):
         raise ValueError(f"{what}: weight {tuple(weight.shape)} {weight.dtype} on "
                          f"{weight.device} is not a contiguous float32/bfloat16 [N, K] CPU "
@@ -112,10 +122,7 @@ def packed_pairs_form(lib: ctypes.CDLL | None = None) -> str | None:
     Raises:
         RuntimeError: the native kernels are unavailable.
     """
-    lib = lib if lib is not None else cpu_kernels()
-    if lib is None:
-        raise RuntimeError("packed_pairs_form needs the native CPU kernels, which are "
-                           "unavailable")
+    lib = _kernels(lib, "packed_pairs_form")
     return _PAIRS_FORMS.get(lib.packed_gemm_pairs_form())
 
 
@@ -128,10 +135,7 @@ def set_packed_pairs_form(form: str, lib: ctypes.CDLL | None = None) -> None:
         ValueError: `form` is not "dot" or "widen", or the library packs no pairs.
         RuntimeError: the native kernels are unavailable.
     """
-    lib = lib if lib is not None else cpu_kernels()
-    if lib is None:
-        raise RuntimeError("set_packed_pairs_form needs the native CPU kernels, which are "
-                           "unavailable")
+    lib = _kernels(lib, "set_packed_pairs_form")
     codes = {name: code for code, name in _PAIRS_FORMS.items()}
     if form not in codes:
         raise ValueError(f"set_packed_pairs_form: form must be 'dot' or 'widen', got {form!r}")
@@ -318,10 +322,7 @@ def cpu_fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         ValueError: unsupported operands (naming them) or mismatched routing shapes.
         RuntimeError: the native kernels are unavailable.
     """
-    lib = lib if lib is not None else cpu_kernels()
-    if lib is None:
-        raise RuntimeError("cpu_fused_moe needs the native CPU kernels, which are unavailable "
-                           "(see the log; PAGEDLLM_CPU_KERNELS switches them off)")
+    lib = _kernels(lib, "cpu_fused_moe")
     if not checked and not fused_moe_supported(hidden, w13, w2):
         raise ValueError(
             f"cpu_fused_moe does not support hidden {tuple(hidden.shape)} {hidden.dtype} with "
@@ -406,10 +407,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: to
             attend_until that is not a contiguous int64 CPU vector covering the tokens.
         RuntimeError: the native kernels are unavailable.
     """
-    lib = lib if lib is not None else cpu_kernels()
-    if lib is None:
-        raise RuntimeError("paged_attention needs the native CPU kernels, which are "
-                           "unavailable (see the log)")
+    lib = _kernels(lib, "paged_attention")
     cache_dtype = _CACHE_DTYPE_CODES.get(kv_cache.dtype)
     if checked:
         _check_paged_attention(query, kv_cache, block_table, query_start_loc, seq_lens, rows,
@@ -532,9 +530,7 @@ def _permute_groups(qweight: torch.Tensor, tensor_type: str, inverse: bool) -> t
     if block is None or row_bytes % block.block_bytes:
         raise ValueError(f"gguf_group_rows: {tensor_type} rows of {row_bytes} bytes are not "
                          f"whole blocks of a kernel type ({', '.join(GGUF_KERNEL_TYPES)})")
-    lib = cpu_kernels()
-    if lib is None:
-        raise RuntimeError("gguf_group_rows needs the native CPU kernels, which are unavailable")
+    lib = _kernels(None, "gguf_group_rows")
     src = qweight.contiguous()
     out = src.clone()                # the rows past the last whole group stay plain
     lib.gguf_regroup_rows(src.data_ptr(), out.data_ptr(), rows, row_bytes, block.code,
@@ -644,10 +640,7 @@ def gguf_linear_segments(x: torch.Tensor, segments: Sequence[tuple], n: int,
     if bias is not None and (bias.shape != (n,) or bias.device.type != "cpu"):
         raise ValueError(f"gguf_linear: bias must be a CPU tensor of shape ({n},), got "
                          f"{tuple(bias.shape)} on {bias.device}")
-    lib = cpu_kernels()
-    if lib is None:
-        raise RuntimeError("gguf_linear needs the native CPU kernels, which are unavailable "
-                           "(see the log; PAGEDLLM_CPU_KERNELS switches them off)")
+    lib = _kernels(None, "gguf_linear")
     x2 = x.reshape(-1, k).to(torch.float32)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
@@ -694,9 +687,7 @@ def gguf_quantize_activations(x: torch.Tensor, lib: ctypes.CDLL | None = None, b
         raise ValueError(f"gguf_quantize_activations: x must be [M, K] float32 on the CPU with "
                          f"K a positive multiple of {block}, got {tuple(x.shape)} "
                          f"{x.dtype} on {x.device}")
-    lib = lib if lib is not None else cpu_kernels()
-    if lib is None:
-        raise RuntimeError("gguf_quantize_activations needs the native CPU kernels")
+    lib = _kernels(lib, "gguf_quantize_activations")
     if x.stride(1) != 1:
         x = x.contiguous()
     m, k = x.shape
@@ -733,10 +724,7 @@ def gguf_dequantize_rows(qweight: torch.Tensor, tensor_type: str, ids: torch.Ten
     """
     structs = gguf_segment_structs([(0, tensor_type, qweight, grouped)], k)
     flat = ids.reshape(-1).to(device="cpu", dtype=torch.int64).contiguous()
-    lib = cpu_kernels()
-    if lib is None:
-        raise RuntimeError("gguf_dequantize_rows needs the native CPU kernels, which are "
-                           "unavailable (see the log)")
+    lib = _kernels(None, "gguf_dequantize_rows")
     out = torch.empty(flat.numel(), k, dtype=torch.float32)
     rc = lib.dequantize_rows_gguf(structs, k, flat.data_ptr(), flat.numel(), out.data_ptr())
     if rc == -2:   # (checked natively: a lookup per step, where two torch reductions cost more)
@@ -795,10 +783,7 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
         RuntimeError: the native kernels are unavailable (see `pagedllm.native.kernels.cpu_kernels`).
     """
     _check_int8_operands("int8_linear", x, qweight, scale, bias)
-    lib = cpu_kernels()
-    if lib is None:
-        raise RuntimeError("int8_linear needs the native CPU kernels, which are unavailable "
-                           "(see the log; PAGEDLLM_CPU_KERNELS switches them off)")
+    lib = _kernels(None, "int8_linear")
     n, k = qweight.shape
     x2 = x.reshape(-1, k).to(torch.float32)
     if x2.stride(1) != 1:
@@ -829,9 +814,7 @@ def quantize_per_token_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[1] == 0:
         raise ValueError(f"quantize_per_token_int8: x must be [M, K>0] float32 on the CPU, got "
                          f"{tuple(x.shape)} {x.dtype} on {x.device}")
-    lib = cpu_kernels()
-    if lib is None:
-        raise RuntimeError("quantize_per_token_int8 needs the native CPU kernels")
+    lib = _kernels(None, "quantize_per_token_int8")
     if x.stride(1) != 1:
         x = x.contiguous()
     xq = torch.empty(x.shape, dtype=torch.int8)
