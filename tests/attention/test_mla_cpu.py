@@ -135,6 +135,8 @@ def test_expanded_kernel_matches_per_head_attention(cache_dtype, dtype, kv_lora_
     prefill, the long chunk over a prefix and the short chunk; decodes absorbed beside them)
     equals per-head attention from the cache, also when the requests are expanded in several
     batches; the padded token's output stays zero."""
+    if not mla_expanded_prefill_supported():
+        pytest.skip("this build has no expanded MLA kernel")
     q_nope, q_pe, latent, cache, common, w_kv_b = _step(kv_lora_rank, num_heads, cache_dtype,
                                                         dtype)
     scale = (DN + DR) ** -0.5
@@ -163,6 +165,8 @@ def test_split_between_kernel_and_expanded_rows_matches_mla_torch(cache_dtype,
     or in torch), the short chunk over a prefix and the decodes to the absorbed form in the
     kernel; the result and the cache writes equal mla_torch's, and the batch-invariant mode is
     mla_torch's exactly."""
+    if expanded_in_kernel and not mla_expanded_prefill_supported():
+        pytest.skip("this build has no expanded MLA kernel")
     q_nope, q_pe, latent, cache, common, w_kv_b = _step(56, 4, cache_dtype, torch.float32, 1)
     scale = 0.3
     copy = allocate_kv_cache(cache.shape[1], BLOCK, 1, cache.shape[-1], cache.dtype,

@@ -31,8 +31,8 @@ step to give every thread a tile (`_query_tile`).
 Expanded rows (fresh prefills, long chunks) run as plain multi-head attention whose query
 tokens sit in vector lanes, a tile of up to 64 tokens and one head per work item; keys and
 values keep their sizes (dn + dr and dv, no padding to a common head size). For the 200M
-preset's batch-32 prefill (32 x 128 fresh tokens, one thread) a layer's call takes ~17 ms
-against ~40 ms for the torch form (docs/mla.md, "Prefill on the CPU").
+preset's batch-32 prefill (32 x 128 fresh tokens, one thread) a layer's call took 19.6 ms
+against 53.6 ms for the torch form (docs/mla.md, "The expanded form in the native kernel").
 
 Absorbed or expanded per chunk: `mla_torch.prefers_absorbed`, the multiply-add counts of the
 two forms with the kernel's cost per multiply-add relative to torch's GEMMs,
