@@ -32,12 +32,13 @@ DR, DN, DV, BLOCK = 8, 16, 24, 16
 CTX, QLEN = [0, 300, 40, 7, 0], [19, 37, 1, 5, 1]
 
 
-def _step(kv_lora_rank: int, num_heads: int, cache_dtype: str, dtype: torch.dtype, seed=0):
+def _step(kv_lora_rank: int, num_heads: int, cache_dtype: str, dtype: torch.dtype, seed=0,
+          ctx=CTX, q_lens=QLEN):
     """(q_nope, q_pe, latent, cache, common, w_kv_b): a random step whose cached prefixes are
     already in the cache; the new tokens' latents are written by the backend."""
     gen = torch.Generator().manual_seed(seed)
     rng = np.random.default_rng(seed)
-    ctx, q_lens = np.array(CTX), np.array(QLEN)
+    ctx, q_lens = np.array(ctx), np.array(q_lens)
     seq_lens = ctx + q_lens
     blocks = -(-seq_lens // BLOCK)
     num_blocks = int(blocks.sum()) + 2
@@ -155,6 +156,28 @@ def test_expanded_kernel_matches_per_head_attention(cache_dtype, dtype, kv_lora_
         assert out.dtype == dtype and out.shape == (n + 1, num_heads, DV)
         torch.testing.assert_close(out[:n].double(), want, atol=tol, rtol=tol)
         assert not out[n:].any()
+
+
+@pytest.mark.parametrize("cache_dtype,dtype", [("auto", torch.float32), ("auto", torch.bfloat16),
+                                               ("int8", torch.float32)], ids=str)
+def test_expanded_kernel_on_fresh_prefills(cache_dtype, dtype):
+    """Fresh prefills only (beside decodes): the kernel reads the step's own latents (model
+    dtype caches) or gathers them (int8), equal to per-head attention from the cache."""
+    if not mla_expanded_prefill_supported():
+        pytest.skip("this build has no expanded MLA kernel")
+    q_nope, q_pe, latent, cache, common, w_kv_b = _step(56, 4, cache_dtype, dtype, 2,
+                                                        ctx=[0, 0, 40, 0], q_lens=[19, 37, 1, 3])
+    scale = (DN + DR) ** -0.5
+    metadata = MLACpuBackend.build_metadata(common, prefill_form="expanded")
+    out = MLACpuBackend.forward(q_nope, q_pe, latent, cache, metadata, w_kv_b, scale)
+    (split,) = metadata.splits.values()
+    assert split.expanded_rows.tolist() == [0, 1, 3] and split.kernel_rows.tolist() == [2]
+    n = common.num_actual_tokens
+    tol = 2e-2 if dtype == torch.bfloat16 else 2e-5
+    torch.testing.assert_close(out[:n].double(),
+                               _per_head_reference(q_nope, q_pe, cache, common, w_kv_b, scale),
+                               atol=tol, rtol=tol)
+    assert not out[n:].any()
 
 
 @pytest.mark.parametrize("cache_dtype", ["auto", "int8"])

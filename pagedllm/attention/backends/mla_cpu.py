@@ -222,7 +222,8 @@ class MLACpuBackend:
             out[split.kernel_tokens] = _absorbed_in_kernel(q_nope, q_pe, kv_cache, metadata,
                                                            split, w_kv_b, scale)
         if len(split.expanded_rows):
-            _expanded_in_kernel(out, q_nope, q_pe, kv_cache, metadata, split, w_kv_b, scale)
+            _expanded_in_kernel(out, q_nope, q_pe, latent, kv_cache, metadata, split, w_kv_b,
+                                scale)
         attend_row_groups(out, split.expanded_groups, q_nope, q_pe, kv_cache, w_kv_b, scale)
         return out
 
@@ -274,7 +275,7 @@ def _tokens_of(query_start_loc: np.ndarray, rows: np.ndarray) -> torch.Tensor:
 
 
 def _expanded_in_kernel(out: torch.Tensor, q_nope: torch.Tensor, q_pe: torch.Tensor,
-                        kv_cache: torch.Tensor, metadata: MLACpuMetadata,
+                        latent: torch.Tensor, kv_cache: torch.Tensor, metadata: MLACpuMetadata,
                         split: MLACpuStepSplit, w_kv_b: torch.Tensor, scale: float) -> None:
     """The expanded form of the `split.expanded_rows` requests, attention in the native kernel;
     written into `out` [num_tokens, H, dv] at their tokens.
@@ -285,6 +286,9 @@ def _expanded_in_kernel(out: torch.Tensor, q_nope: torch.Tensor, q_pe: torch.Ten
     form's `c_kv @ W_kv_b^T`); `ops.mla_expanded_prefill` then runs causal multi-head
     attention reading the keys [W_UK_h c_kv | k_pe] and values W_UV_h c_kv straight from
     kv_nope and the gathered k_pe, the chunk's query tokens in tiles (csrc/cpu_mla_prefill.cpp).
+    Where every expanded request is a fresh prefill (its context is its own new tokens) and
+    the cache holds the model dtype, the context is the step's `latent` rows themselves (the
+    very values the cache got), and nothing is gathered.
 
     Requests are taken in batches of at most `metadata.expanded_batch_positions` context
     positions (block-rounded), so kv_nope stays bounded for long prompts (a request longer
@@ -296,10 +300,21 @@ def _expanded_in_kernel(out: torch.Tensor, q_nope: torch.Tensor, q_pe: torch.Ten
     bs = common.block_size
     w_flat = w_kv_b.reshape(num_heads * dn_dv, kv_lora_rank)
     rows = split.expanded_rows
-    num_blocks = -(-metadata.seq_lens[rows] // bs)
-    table_np = common.block_table.cpu().numpy()
     q_nope, q_pe = q_nope.contiguous(), q_pe.contiguous()
     o = torch.empty(q_nope.shape[0], num_heads, dn_dv - q_nope.shape[-1], dtype=torch.float32)
+    qsl = metadata.query_start_loc
+    n = common.num_actual_tokens
+    if (kv_cache.dtype == dtype and n <= metadata.expanded_batch_positions
+            and np.array_equal(metadata.seq_lens[rows], qsl[rows + 1] - qsl[rows])):
+        ctx = latent[:n]
+        kv_nope = F.linear(ctx[:, :kv_lora_rank], w_flat).view(-1, num_heads, dn_dv)
+        mla_expanded_prefill(q_nope, q_pe, kv_nope, ctx[:, kv_lora_rank:],
+                             qsl[:-1].astype(np.int64), qsl, metadata.seq_lens, rows, scale,
+                             split.expanded_query_tile, o)
+        _scatter_expanded(out, o, split.expanded_tokens)
+        return
+    num_blocks = -(-metadata.seq_lens[rows] // bs)
+    table_np = common.block_table.cpu().numpy()
     ctx_start = np.zeros(len(metadata.seq_lens), dtype=np.int64)
     begin = 0
     while begin < len(rows):
@@ -323,8 +338,12 @@ def _expanded_in_kernel(out: torch.Tensor, q_nope: torch.Tensor, q_pe: torch.Ten
                              metadata.query_start_loc, metadata.seq_lens,
                              np.ascontiguousarray(batch), scale, split.expanded_query_tile, o)
         begin = end
-    tokens = split.expanded_tokens
-    if len(tokens) == q_nope.shape[0]:
+    _scatter_expanded(out, o, split.expanded_tokens)
+
+
+def _scatter_expanded(out: torch.Tensor, o: torch.Tensor, tokens: torch.Tensor) -> None:
+    """out[tokens] = o[tokens] (float32 [num_tokens, H, dv] into out's dtype)."""
+    if len(tokens) == out.shape[0]:
         out.copy_(o)
     else:
         out[tokens] = o[tokens].to(out.dtype)
