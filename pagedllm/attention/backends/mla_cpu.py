@@ -244,9 +244,10 @@ def _absorbed_in_kernel(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torc
         q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
         q = torch.cat((q_lat, q_pe), dim=-1).to(torch.float32)
     else:
+        # Only the kernel rows' tokens, as a step of their own (`_compact_rows`): a mixed
+        # step's few decodes must not cost a [num_tokens, H, L + dr] query and output.
         q_lat = torch.einsum("thd,hdl->thl", q_nope[tokens], w_uk)
-        q = torch.empty(q_nope.shape[0], num_heads, kv_cache.shape[-1], dtype=torch.float32)
-        q[tokens] = torch.cat((q_lat, q_pe[tokens]), dim=-1).float()
+        q = torch.cat((q_lat, q_pe[tokens]), dim=-1).float()
     # Key and value caches are the same latent tensor (stride 0 over the K/V axis), and so
     # are an int8 cache's K and V scales.
     one = kv_cache[0]
@@ -255,14 +256,29 @@ def _absorbed_in_kernel(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torc
     if is_quantized_kv_cache(kv_cache):
         scales = kv_cache_scales(kv_cache)
         scales = scales.expand((2,) + tuple(scales.shape[1:]))
-    o = paged_attention(q, kv, metadata.common.block_table, metadata.query_start_loc,
-                        metadata.seq_lens, split.kernel_rows, scale,
-                        query_tile=split.query_tile, checked=False, scales=scales)
     if every_token:
+        o = paged_attention(q, kv, metadata.common.block_table, metadata.query_start_loc,
+                            metadata.seq_lens, split.kernel_rows, scale,
+                            query_tile=split.query_tile, checked=False, scales=scales)
         o_lat = o[:, :, :kv_lora_rank].to(q_nope.dtype)
         return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
-    o_lat = o[tokens, :, :kv_lora_rank].to(q_nope.dtype)
+    table, qsl, seq_lens, rows = _compact_rows(metadata, split.kernel_rows)
+    o = paged_attention(q, kv, table, qsl, seq_lens, rows, scale, query_tile=split.query_tile,
+                        checked=False, scales=scales)
+    o_lat = o[:, :, :kv_lora_rank].to(q_nope.dtype)
     return torch.einsum("thl,hvl->thv", o_lat, w_uv)
+
+
+def _compact_rows(metadata: MLACpuMetadata, rows: np.ndarray):
+    """The requests `rows` as a step of their own: (block_table [R, max_blocks] int32,
+    query_start_loc [R + 1] int32, seq_lens [R] int32, rows [R] int32 = 0..R-1), their tokens
+    numbered 0.. in order (as `MLACpuStepSplit.kernel_tokens` lists them)."""
+    query_lens = metadata.query_start_loc[rows + 1] - metadata.query_start_loc[rows]
+    qsl = np.zeros(len(rows) + 1, dtype=np.int32)
+    np.cumsum(query_lens, out=qsl[1:])
+    table = metadata.common.block_table[torch.from_numpy(rows.astype(np.int64))].contiguous()
+    return (table, qsl, np.ascontiguousarray(metadata.seq_lens[rows]),
+            np.arange(len(rows), dtype=np.int32))
 
 
 def _tokens_of(query_start_loc: np.ndarray, rows: np.ndarray) -> torch.Tensor:
