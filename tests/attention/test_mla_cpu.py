@@ -162,14 +162,16 @@ def test_expanded_kernel_matches_per_head_attention(cache_dtype, dtype, kv_lora_
                                                ("int8", torch.float32)], ids=str)
 def test_expanded_kernel_on_fresh_prefills(cache_dtype, dtype):
     """Fresh prefills only (beside decodes): the kernel reads the step's own latents (model
-    dtype caches) or gathers them (int8), equal to per-head attention from the cache."""
+    dtype caches) or gathers them (int8), equal to per-head attention from the cache; the
+    queries come as the model makes them, strided views of one projection's output."""
     if not mla_expanded_prefill_supported():
         pytest.skip("this build has no expanded MLA kernel")
     q_nope, q_pe, latent, cache, common, w_kv_b = _step(56, 4, cache_dtype, dtype, 2,
                                                         ctx=[0, 0, 40, 0], q_lens=[19, 37, 1, 3])
     scale = (DN + DR) ** -0.5
     metadata = MLACpuBackend.build_metadata(common, prefill_form="expanded")
-    out = MLACpuBackend.forward(q_nope, q_pe, latent, cache, metadata, w_kv_b, scale)
+    q_nope_view, q_pe_view = torch.cat((q_nope, q_pe), dim=-1).split([DN, DR], dim=-1)
+    out = MLACpuBackend.forward(q_nope_view, q_pe_view, latent, cache, metadata, w_kv_b, scale)
     (split,) = metadata.splits.values()
     assert split.expanded_rows.tolist() == [0, 1, 3] and split.kernel_rows.tolist() == [2]
     n = common.num_actual_tokens

@@ -217,7 +217,10 @@ class MLACpuBackend:
         split = metadata.split((dn, dr, dn_dv - dn, kv_lora_rank))
         if len(split.kernel_tokens) == q_nope.shape[0]:
             return _absorbed_in_kernel(q_nope, q_pe, kv_cache, metadata, split, w_kv_b, scale)
-        out = q_nope.new_zeros(q_nope.shape[0], num_heads, dn_dv - dn)
+        # Every request's tokens are written below (kernel, expanded kernel or torch rows):
+        # only the padded tokens past num_actual_tokens need their zeros.
+        out = q_nope.new_empty(q_nope.shape[0], num_heads, dn_dv - dn)
+        out[n:] = 0
         if len(split.kernel_rows):
             out[split.kernel_tokens] = _absorbed_in_kernel(q_nope, q_pe, kv_cache, metadata,
                                                            split, w_kv_b, scale)
@@ -316,7 +319,6 @@ def _expanded_in_kernel(out: torch.Tensor, q_nope: torch.Tensor, q_pe: torch.Ten
     bs = common.block_size
     w_flat = w_kv_b.reshape(num_heads * dn_dv, kv_lora_rank)
     rows = split.expanded_rows
-    q_nope, q_pe = q_nope.contiguous(), q_pe.contiguous()
     o = torch.empty(q_nope.shape[0], num_heads, dn_dv - q_nope.shape[-1], dtype=torch.float32)
     qsl = metadata.query_start_loc
     n = common.num_actual_tokens

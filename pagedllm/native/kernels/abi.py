@@ -38,8 +38,10 @@ struct GGUFSegment {
    [kv_nope[ctx_start[r] + c, h, :nope_size] | k_pe row ctx_start[r] + c] and values
    kv_nope[ctx_start[r] + c, h, nope_size:]. */
 struct MLAExpandedPrefillArgs {
-  const void* q_nope;              /* [num_tokens, num_heads, nope_size] (dtype) */
-  const void* q_pe;                /* [num_tokens, num_heads, rope_size] (dtype) */
+  const void* q_nope;              /* [num_tokens, num_heads, nope_size] (dtype), strided */
+  const void* q_pe;                /* [num_tokens, num_heads, rope_size] (dtype), strided */
+  int64_t q_nope_strides[2];       /* token and head strides of q_nope, in elements */
+  int64_t q_pe_strides[2];         /* the same for q_pe */
   const void* kv_nope;             /* [num_ctx, num_heads, nope_size + v_size] (dtype) */
   const void* k_pe;                /* num_ctx rows k_pe_stride apart, rope_size each (dtype) */
   int64_t k_pe_stride;             /* in elements */

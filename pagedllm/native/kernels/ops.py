@@ -842,7 +842,8 @@ def mla_expanded_prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_nope: torc
     backend makes them); unsupported builds are refused.
 
     Args:
-        q_nope: [num_tokens, H, dn]; q_pe: [num_tokens, H, dr]; float32 or bfloat16, contiguous.
+        q_nope: [num_tokens, H, dn]; q_pe: [num_tokens, H, dr]; float32 or bfloat16, unit
+            stride along the last dimension (token and head strides are passed).
         kv_nope: [num_ctx, H, dn + dv] contiguous, q_nope's dtype: c_kv expanded by kv_b_proj.
         k_pe: [num_ctx, dr] q_nope's dtype, unit stride along a row (rows may be strided).
         ctx_start: [num_reqs] int64 numpy; query_start_loc, seq_lens: [num_reqs + 1] /
@@ -859,8 +860,15 @@ def mla_expanded_prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_nope: torc
     """
     lib = _kernels(lib, "mla_expanded_prefill")
     dtype = {torch.float32: 0, torch.bfloat16: 1}.get(q_nope.dtype, -1)
+    if q_nope.stride(2) != 1:
+        q_nope = q_nope.contiguous()
+    if q_pe.stride(2) != 1:
+        q_pe = q_pe.contiguous()
     args = abi.struct("MLAExpandedPrefillArgs")(
-        q_nope=q_nope.data_ptr(), q_pe=q_pe.data_ptr(), kv_nope=kv_nope.data_ptr(),
+        q_nope=q_nope.data_ptr(), q_pe=q_pe.data_ptr(),
+        q_nope_strides=(ctypes.c_int64 * 2)(q_nope.stride(0), q_nope.stride(1)),
+        q_pe_strides=(ctypes.c_int64 * 2)(q_pe.stride(0), q_pe.stride(1)),
+        kv_nope=kv_nope.data_ptr(),
         k_pe=k_pe.data_ptr(), k_pe_stride=k_pe.stride(0), ctx_start=ctx_start.ctypes.data,
         query_start_loc=query_start_loc.ctypes.data, seq_lens=seq_lens.ctypes.data,
         rows=rows.ctypes.data, num_rows=len(rows), num_heads=q_nope.shape[1],

@@ -13,7 +13,8 @@
 // from kv_nope and k_pe (k_size = dn + dr values) and V rows from kv_nope (v_size = dv) in
 // float32. Keys and values keep their own sizes: nothing is padded to a common head size.
 //
-//   q_nope [num_tokens, H, dn], q_pe [num_tokens, H, dr]      float32 or bfloat16 (dtype)
+//   q_nope [num_tokens, H, dn], q_pe [num_tokens, H, dr]      float32 or bfloat16 (dtype), any
+//                                                             token / head strides
 //   kv_nope [num_ctx, H, dn + dv]                             same dtype
 //   k_pe rows k_pe_stride apart, dr values each               same dtype
 //   out [num_tokens, H, dv]                                   float32 (rows of `rows` only)
@@ -87,8 +88,8 @@ void expanded_prefill(const MLAExpandedPrefillArgs& a) {
       for (int64_t i = 0; i < ld; ++i) {
         const bool row = i < nq;
         const int64_t t = t0 + i;
-        const T* qn = row ? q_nope + (t * num_heads + h) * dn : nullptr;
-        const T* qp = row ? q_pe + (t * num_heads + h) * dr : nullptr;
+        const T* qn = row ? q_nope + t * a.q_nope_strides[0] + h * a.q_nope_strides[1] : nullptr;
+        const T* qp = row ? q_pe + t * a.q_pe_strides[0] + h * a.q_pe_strides[1] : nullptr;
         for (int d = 0; d < dn; ++d) w.qt[d * ld + i] = row ? to_float(qn[d]) * a.scale : 0.f;
         for (int d = 0; d < dr; ++d)
           w.qt[(dn + d) * ld + i] = row ? to_float(qp[d]) * a.scale : 0.f;
