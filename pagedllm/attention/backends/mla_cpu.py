@@ -319,7 +319,10 @@ def _expanded_in_kernel(out: torch.Tensor, q_nope: torch.Tensor, q_pe: torch.Ten
     bs = common.block_size
     w_flat = w_kv_b.reshape(num_heads * dn_dv, kv_lora_rank)
     rows = split.expanded_rows
-    o = torch.empty(q_nope.shape[0], num_heads, dn_dv - q_nope.shape[-1], dtype=torch.float32)
+    # The kernel writes float32 rows of its requests' tokens only: straight into a float32
+    # `out`, else into `o` and converted at those tokens.
+    direct = out.dtype == torch.float32 and out.is_contiguous()
+    o = out if direct else torch.empty(out.shape, dtype=torch.float32)
     qsl = metadata.query_start_loc
     n = common.num_actual_tokens
     if (kv_cache.dtype == dtype and n <= metadata.expanded_batch_positions
@@ -329,7 +332,8 @@ def _expanded_in_kernel(out: torch.Tensor, q_nope: torch.Tensor, q_pe: torch.Ten
         mla_expanded_prefill(q_nope, q_pe, kv_nope, ctx[:, kv_lora_rank:],
                              qsl[:-1].astype(np.int64), qsl, metadata.seq_lens, rows, scale,
                              split.expanded_query_tile, o)
-        _scatter_expanded(out, o, split.expanded_tokens)
+        if not direct:
+            _scatter_expanded(out, o, split.expanded_tokens)
         return
     num_blocks = -(-metadata.seq_lens[rows] // bs)
     table_np = common.block_table.cpu().numpy()
@@ -356,11 +360,12 @@ def _expanded_in_kernel(out: torch.Tensor, q_nope: torch.Tensor, q_pe: torch.Ten
                              metadata.query_start_loc, metadata.seq_lens,
                              np.ascontiguousarray(batch), scale, split.expanded_query_tile, o)
         begin = end
-    _scatter_expanded(out, o, split.expanded_tokens)
+    if not direct:
+        _scatter_expanded(out, o, split.expanded_tokens)
 
 
 def _scatter_expanded(out: torch.Tensor, o: torch.Tensor, tokens: torch.Tensor) -> None:
-    """out[tokens] = o[tokens] (float32 [num_tokens, H, dv] into out's dtype)."""
+    """out[tokens] = o[tokens] (float32 [num_tokens, H, dv] into out's other dtype)."""
     if len(tokens) == out.shape[0]:
         out.copy_(o)
     else:
