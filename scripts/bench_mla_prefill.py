@@ -1,5 +1,6 @@
 """MLA prefill on the CPU: one layer's `mla_cpu_paged` call with a chunk in the absorbed form
-(native kernel) against the expanded form (torch), in one run.
+(native paged kernel) against the expanded form (the native expanded kernel where the build has
+it, else torch), in one run.
 
 One request: a chunk of Q new tokens over a cached prefix of C tokens, at the attention shape
 of DeepSeek-V2-Lite (16 heads, L 512, dr 64, dn = dv = 128) or of the `deepseek-v2-lite-200m`
@@ -74,7 +75,7 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     print(f"shape {args.shape} {shape}, {args.dtype}, cache {args.cache_dtype}, "
           f"{args.threads} threads, best of {args.repeats} (CPU time)")
-    print("| chunk Q | cached prefix C | absorbed (kernel) | expanded (torch) "
+    print("| chunk Q | cached prefix C | absorbed | expanded "
           "| expanded / absorbed |")
     print("|---|---|---|---|---|")
     for ctx in args.contexts:

@@ -1,5 +1,6 @@
 """The CPU MLA backend (`mla_cpu_paged`: decodes and short prefill chunks absorbed in the native
-paged-attention kernel, longer chunks expanded in torch) against float64 attention computed
+paged-attention kernel, longer chunks expanded, with the attention in the kernel or in torch)
+against float64 attention computed
 per head from the cache (the oracle), and against the torch reference `mla_torch`: several
 requests in one step (a prefill without a prefix, chunks over cached prefixes longer than a
 tile and than the kernel's context split, a decode, a short chunk), block tables that are
@@ -21,6 +22,7 @@ from pagedllm.attention.metadata import CommonAttentionMetadata
 from pagedllm.kv_cache_layout import (KV_CACHE_DTYPES, allocate_kv_cache, dequantize_kv,
                                       kv_cache_scales, write_cache_rows)
 from pagedllm.native.kernels import cpu_kernels
+from pagedllm.native.kernels.ops import mla_expanded_prefill, mla_expanded_prefill_supported
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="native CPU kernels unavailable")
 
@@ -30,12 +32,13 @@ DR, DN, DV, BLOCK = 8, 16, 24, 16
 CTX, QLEN = [0, 300, 40, 7, 0], [19, 37, 1, 5, 1]
 
 
-def _step(kv_lora_rank: int, num_heads: int, cache_dtype: str, dtype: torch.dtype, seed=0):
+def _step(kv_lora_rank: int, num_heads: int, cache_dtype: str, dtype: torch.dtype, seed=0,
+          ctx=CTX, q_lens=QLEN):
     """(q_nope, q_pe, latent, cache, common, w_kv_b): a random step whose cached prefixes are
     already in the cache; the new tokens' latents are written by the backend."""
     gen = torch.Generator().manual_seed(seed)
     rng = np.random.default_rng(seed)
-    ctx, q_lens = np.array(CTX), np.array(QLEN)
+    ctx, q_lens = np.array(ctx), np.array(q_lens)
     seq_lens = ctx + q_lens
     blocks = -(-seq_lens // BLOCK)
     num_blocks = int(blocks.sum()) + 2
@@ -121,11 +124,74 @@ def test_absorbed_kernel_matches_per_head_attention(cache_dtype, dtype, kv_lora_
     assert not out[n:].any()
 
 
+@pytest.mark.parametrize("cache_dtype,dtype,kv_lora_rank,num_heads", [
+    ("auto", torch.float32, 56, 4),
+    ("auto", torch.float32, 40, 6),
+    ("auto", torch.bfloat16, 56, 4),
+    ("int8", torch.float32, 56, 4),
+    ("fp8_e4m3", torch.float32, 56, 4),
+], ids=str)
+def test_expanded_kernel_matches_per_head_attention(cache_dtype, dtype, kv_lora_rank, num_heads):
+    """Every prefill chunk in the expanded form with the attention in the kernel (the fresh
+    prefill, the long chunk over a prefix and the short chunk; decodes absorbed beside them)
+    equals per-head attention from the cache, also when the requests are expanded in several
+    batches; the padded token's output stays zero."""
+    if not mla_expanded_prefill_supported():
+        pytest.skip("this build has no expanded MLA kernel")
+    q_nope, q_pe, latent, cache, common, w_kv_b = _step(kv_lora_rank, num_heads, cache_dtype,
+                                                        dtype)
+    scale = (DN + DR) ** -0.5
+    want = None
+    n = common.num_actual_tokens
+    tol = 2e-2 if dtype == torch.bfloat16 else 2e-5
+    for batch_positions in (8192, 32):
+        metadata = MLACpuBackend.build_metadata(common, prefill_form="expanded",
+                                                expanded_batch_positions=batch_positions)
+        out = MLACpuBackend.forward(q_nope, q_pe, latent, cache, metadata, w_kv_b, scale)
+        (split,) = metadata.splits.values()
+        assert split.expanded_rows.tolist() == [0, 1, 3] and not split.expanded_groups
+        assert split.kernel_rows.tolist() == [2, 4]
+        if want is None:
+            want = _per_head_reference(q_nope, q_pe, cache, common, w_kv_b, scale)
+        assert out.dtype == dtype and out.shape == (n + 1, num_heads, DV)
+        torch.testing.assert_close(out[:n].double(), want, atol=tol, rtol=tol)
+        assert not out[n:].any()
+
+
+@pytest.mark.parametrize("cache_dtype,dtype", [("auto", torch.float32), ("auto", torch.bfloat16),
+                                               ("int8", torch.float32)], ids=str)
+def test_expanded_kernel_on_fresh_prefills(cache_dtype, dtype):
+    """Fresh prefills only (beside decodes): the kernel reads the step's own latents (model
+    dtype caches) or gathers them (int8), equal to per-head attention from the cache; the
+    queries come as the model makes them, strided views of one projection's output."""
+    if not mla_expanded_prefill_supported():
+        pytest.skip("this build has no expanded MLA kernel")
+    q_nope, q_pe, latent, cache, common, w_kv_b = _step(56, 4, cache_dtype, dtype, 2,
+                                                        ctx=[0, 0, 40, 0], q_lens=[19, 37, 1, 3])
+    scale = (DN + DR) ** -0.5
+    metadata = MLACpuBackend.build_metadata(common, prefill_form="expanded")
+    q_nope_view, q_pe_view = torch.cat((q_nope, q_pe), dim=-1).split([DN, DR], dim=-1)
+    out = MLACpuBackend.forward(q_nope_view, q_pe_view, latent, cache, metadata, w_kv_b, scale)
+    (split,) = metadata.splits.values()
+    assert split.expanded_rows.tolist() == [0, 1, 3] and split.kernel_rows.tolist() == [2]
+    n = common.num_actual_tokens
+    tol = 2e-2 if dtype == torch.bfloat16 else 2e-5
+    torch.testing.assert_close(out[:n].double(),
+                               _per_head_reference(q_nope, q_pe, cache, common, w_kv_b, scale),
+                               atol=tol, rtol=tol)
+    assert not out[n:].any()
+
+
 @pytest.mark.parametrize("cache_dtype", ["auto", "int8"])
-def test_split_between_kernel_and_expanded_rows_matches_mla_torch(cache_dtype):
-    """The rule sends the fresh prefill and the long chunk to the expanded form, the short
-    chunk over a prefix and the decodes to the kernel; the result and the cache writes equal
-    mla_torch's, and the batch-invariant mode is mla_torch's exactly."""
+@pytest.mark.parametrize("expanded_in_kernel", [True, False])
+def test_split_between_kernel_and_expanded_rows_matches_mla_torch(cache_dtype,
+                                                                  expanded_in_kernel):
+    """The rule sends the fresh prefill and the long chunk to the expanded form (in the kernel
+    or in torch), the short chunk over a prefix and the decodes to the absorbed form in the
+    kernel; the result and the cache writes equal mla_torch's, and the batch-invariant mode is
+    mla_torch's exactly."""
+    if expanded_in_kernel and not mla_expanded_prefill_supported():
+        pytest.skip("this build has no expanded MLA kernel")
     q_nope, q_pe, latent, cache, common, w_kv_b = _step(56, 4, cache_dtype, torch.float32, 1)
     scale = 0.3
     copy = allocate_kv_cache(cache.shape[1], BLOCK, 1, cache.shape[-1], cache.dtype,
@@ -135,11 +201,15 @@ def test_split_between_kernel_and_expanded_rows_matches_mla_torch(cache_dtype):
         kv_cache_scales(copy).copy_(kv_cache_scales(cache))
     want = MLATorchBackend.forward(q_nope, q_pe, latent, copy,
                                    MLATorchBackend.build_metadata(common), w_kv_b, scale)
-    metadata = MLACpuBackend.build_metadata(common)
+    metadata = MLACpuBackend.build_metadata(common, expanded_in_kernel=expanded_in_kernel)
     out = MLACpuBackend.forward(q_nope, q_pe, latent, cache, metadata, w_kv_b, scale)
     (split,) = metadata.splits.values()
     assert split.kernel_rows.tolist() == [2, 3, 4]
-    assert split.expanded_groups[0].query_index.shape == (2, 37)
+    if expanded_in_kernel:
+        assert split.expanded_rows.tolist() == [0, 1] and not split.expanded_groups
+    else:
+        assert not len(split.expanded_rows)
+        assert split.expanded_groups[0].query_index.shape == (2, 37)
     assert torch.equal(cache.view(torch.uint8), copy.view(torch.uint8))
     torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
 
@@ -166,3 +236,27 @@ def test_prefill_form_rule():
         True, True, False, False, False, True, True]
     with pytest.raises(ValueError, match="prefill_form"):
         MLACpuBackend.build_metadata(_step(56, 4, "auto", torch.float32)[4], "dense")
+
+
+def test_expanded_kernel_refuses_a_value_size_off_its_lanes():
+    """The kernel takes value sizes in fours: another is refused with the code named (the
+    backend sends such layers' expanded rows to torch instead, and they stay exact)."""
+    if not mla_expanded_prefill_supported():
+        pytest.skip("this build has no expanded MLA kernel")
+    qsl, seq_lens = np.array([0, 3], dtype=np.int32), np.array([3], dtype=np.int32)
+    q_nope, q_pe = torch.randn(3, 2, 8), torch.randn(3, 2, 4)
+    kv_nope, k_pe = torch.randn(3, 2, 8 + 6), torch.randn(3, 4)
+    with pytest.raises(RuntimeError, match="bad sizes"):
+        mla_expanded_prefill(q_nope, q_pe, kv_nope, k_pe, np.zeros(1, dtype=np.int64), qsl,
+                             seq_lens, np.array([0], dtype=np.int32), 0.5, 64,
+                             torch.zeros(3, 2, 6))
+    step = _step(56, 4, "auto", torch.float32)
+    q_nope, q_pe, latent, cache, common, w_kv_b = step
+    w_kv_b = w_kv_b[:, :DN + DV - 2]                   # dv 22
+    metadata = MLACpuBackend.build_metadata(common, prefill_form="expanded")
+    out = MLACpuBackend.forward(q_nope, q_pe, latent, cache, metadata, w_kv_b, 0.3)
+    (split,) = metadata.splits.values()
+    assert not len(split.expanded_rows) and split.expanded_groups
+    torch.testing.assert_close(out[:common.num_actual_tokens].double(),
+                               _per_head_reference(q_nope, q_pe, cache, common, w_kv_b, 0.3),
+                               atol=2e-5, rtol=2e-5)

@@ -21,7 +21,7 @@ import re
 
 # Bump when a declaration below changes (the loaded library reports the version it was
 # compiled with; a stale library in the cache is refused).
-ABI_VERSION = 22
+ABI_VERSION = 23
 
 STRUCTS = """
 /* One weight's rows of one GGML type (layers/quantization/gguf.py `kernel_segments`). */
@@ -31,6 +31,33 @@ struct GGUFSegment {
   int64_t rows;
   int64_t ggml_type;     /* GGML type code */
   int64_t grouped;       /* 1: the first rows / 4 * 4 rows are in row groups */
+};
+
+/* One MLA prefill in the expanded form (cpu_mla_prefill.cpp): query token i of request r
+   (positions seq_lens[r] - q_len + i) attends causally to context positions c, whose keys are
+   [kv_nope[ctx_start[r] + c, h, :nope_size] | k_pe row ctx_start[r] + c] and values
+   kv_nope[ctx_start[r] + c, h, nope_size:]. */
+struct MLAExpandedPrefillArgs {
+  const void* q_nope;              /* [num_tokens, num_heads, nope_size] (dtype), strided */
+  const void* q_pe;                /* [num_tokens, num_heads, rope_size] (dtype), strided */
+  int64_t q_nope_strides[2];       /* token and head strides of q_nope, in elements */
+  int64_t q_pe_strides[2];         /* the same for q_pe */
+  const void* kv_nope;             /* [num_ctx, num_heads, nope_size + v_size] (dtype) */
+  const void* k_pe;                /* num_ctx rows k_pe_stride apart, rope_size each (dtype) */
+  int64_t k_pe_stride;             /* in elements */
+  const int64_t* ctx_start;        /* [num_reqs]: row of each request's context position 0 */
+  const int32_t* query_start_loc;  /* [num_reqs + 1] */
+  const int32_t* seq_lens;         /* [num_reqs] */
+  const int32_t* rows;             /* [num_rows]: the requests to compute */
+  int32_t num_rows;
+  int32_t num_heads;
+  int32_t nope_size;               /* qk_nope_head_dim */
+  int32_t rope_size;               /* qk_rope_head_dim */
+  int32_t v_size;                  /* v_head_dim, a multiple of 4 */
+  int32_t query_tile;              /* query tokens per work item */
+  int32_t dtype;                   /* 0 float32, 1 bfloat16 */
+  float scale;                     /* softmax scale */
+  float* out;                      /* [num_tokens, num_heads, v_size] float32 */
 };
 
 /* One paged-attention call (cpu_attention.cpp): the step's queries over the KV cache. */
@@ -465,6 +492,11 @@ int hybrid_decoder_layers(const HybridLayer* layers, int num_layers, const Hybri
 
 /* cpu_attention.cpp */
 void paged_attention(const PagedAttentionArgs* args);
+
+/* cpu_mla_prefill.cpp: 1 where this build has the kernel (AVX-512), else 0; the call returns
+   0, -1 for bad sizes or dtype, -2 without the kernel. */
+int mla_expanded_prefill_supported(void);
+int mla_expanded_prefill(const MLAExpandedPrefillArgs* args);
 
 /* cpu_decoder.cpp: the decoder layers of one step; add_rms_norm rows (dtype 0 float32 / 1
    bfloat16 for residual, weight and out). */

@@ -31,7 +31,8 @@ _SOURCES = ("cpu_attention.cpp", "cpu_linear.cpp", "cpu_decoder.cpp", "cpu_gguf_
             "cpu_int8_linear.cpp", "cpu_fused_moe.cpp", "cpu_gguf_q8_linear.cpp",
             "cpu_packed_gemm.cpp", "cpu_decode_loop.cpp", "cpu_lora.cpp",
             "cpu_state_scan.cpp", "cpu_dsa.cpp", "cpu_mla_decoder.cpp",
-            "cpu_gdn_decoder.cpp", "cpu_moe_block.cpp", "cpu_hybrid_stack.cpp")
+            "cpu_gdn_decoder.cpp", "cpu_moe_block.cpp", "cpu_hybrid_stack.cpp",
+            "cpu_mla_prefill.cpp")
 _CXXFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 
 _lock = threading.Lock()

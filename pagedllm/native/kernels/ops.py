@@ -822,3 +822,61 @@ def quantize_per_token_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     lib.quantize_rows_int8(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], xq.data_ptr(),
                            xs.data_ptr())
     return xq, xs
+
+
+def mla_expanded_prefill_supported(lib: ctypes.CDLL | None = None) -> bool:
+    """Whether the kernel library has `mla_expanded_prefill` (AVX-512 builds); False without
+    the native kernels."""
+    lib = lib if lib is not None else cpu_kernels()
+    return lib is not None and bool(lib.mla_expanded_prefill_supported())
+
+
+def mla_expanded_prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_nope: torch.Tensor,
+                         k_pe: torch.Tensor, ctx_start: np.ndarray, query_start_loc: np.ndarray,
+                         seq_lens: np.ndarray, rows: np.ndarray, scale: float, query_tile: int,
+                         out: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """MLA attention in the expanded form (`csrc/cpu_mla_prefill.cpp`): query token i of
+    request r (position seq_lens[r] - query_len[r] + i) attends causally to its context
+    positions c, whose key for head h is [kv_nope[ctx_start[r] + c, h, :dn] | k_pe[ctx_start[r]
+    + c]] and value kv_nope[ctx_start[r] + c, h, dn:]. Arguments are not validated (the MLA
+    backend makes them); unsupported builds are refused.
+
+    Args:
+        q_nope: [num_tokens, H, dn]; q_pe: [num_tokens, H, dr]; float32 or bfloat16, unit
+            stride along the last dimension (token and head strides are passed).
+        kv_nope: [num_ctx, H, dn + dv] contiguous, q_nope's dtype: c_kv expanded by kv_b_proj.
+        k_pe: [num_ctx, dr] q_nope's dtype, unit stride along a row (rows may be strided).
+        ctx_start: [num_reqs] int64 numpy; query_start_loc, seq_lens: [num_reqs + 1] /
+            [num_reqs] int32 numpy; rows: [R] int32 numpy, the requests to compute.
+        scale: softmax scale.
+        query_tile: query tokens per work item (16 per vector of lanes).
+        out: [num_tokens, H, dv] float32 contiguous; the rows' tokens are written.
+
+    Returns:
+        `out`.
+
+    Raises:
+        RuntimeError: the kernels are unavailable or lack the kernel, or it refused the sizes.
+    """
+    lib = _kernels(lib, "mla_expanded_prefill")
+    dtype = {torch.float32: 0, torch.bfloat16: 1}.get(q_nope.dtype, -1)
+    if q_nope.stride(2) != 1:
+        q_nope = q_nope.contiguous()
+    if q_pe.stride(2) != 1:
+        q_pe = q_pe.contiguous()
+    args = abi.struct("MLAExpandedPrefillArgs")(
+        q_nope=q_nope.data_ptr(), q_pe=q_pe.data_ptr(),
+        q_nope_strides=(ctypes.c_int64 * 2)(q_nope.stride(0), q_nope.stride(1)),
+        q_pe_strides=(ctypes.c_int64 * 2)(q_pe.stride(0), q_pe.stride(1)),
+        kv_nope=kv_nope.data_ptr(),
+        k_pe=k_pe.data_ptr(), k_pe_stride=k_pe.stride(0), ctx_start=ctx_start.ctypes.data,
+        query_start_loc=query_start_loc.ctypes.data, seq_lens=seq_lens.ctypes.data,
+        rows=rows.ctypes.data, num_rows=len(rows), num_heads=q_nope.shape[1],
+        nope_size=q_nope.shape[2], rope_size=q_pe.shape[2],
+        v_size=kv_nope.shape[2] - q_nope.shape[2], query_tile=query_tile, dtype=dtype,
+        scale=scale, out=out.data_ptr())
+    code = lib.mla_expanded_prefill(ctypes.byref(args))
+    if code != 0:
+        raise RuntimeError(f"mla_expanded_prefill failed with code {code} (-1: bad sizes or "
+                           f"dtype {q_nope.dtype}, -2: not in this build)")
+    return out

@@ -19,7 +19,7 @@ from pagedllm.native.kernels.ops import paged_attention as _paged_attention
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="CPU kernels did not build")
 
 CACHE_DTYPES = [torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn]
-# attention_kernel.h's kGemmMinQueryLen and kSplitLen.
+# attention_query_tiles.h's kGemmMinQueryLen and attention_kernel.h's kSplitLen.
 GEMM_MIN_QUERY_LEN = 16
 SPLIT_LEN = 256
 

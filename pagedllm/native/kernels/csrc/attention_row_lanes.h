@@ -1,6 +1,6 @@
 // Register-blocked attention tiles with the query rows in vector lanes (AVX-512 builds): the
-// `attend_tile_gemm` of attention_kernel.h for long query runs (that header includes this one
-// after it, inside namespace pagedllm, for its AttentionArgs, widen_chunk and kGemmKeys), with
+// `attend_tile_gemm` of attention_query_tiles.h for long query runs (that header includes this
+// one after it, inside namespace pagedllm, for its AttentionArgs, widen_chunk and kGemmKeys), with
 // every per-row quantity of the online softmax held transposed, 16 query rows per zmm vector:
 //
 //   qt [head_size][RP]   the tile's query rows (RP = rows rounded up to 16; padded rows are

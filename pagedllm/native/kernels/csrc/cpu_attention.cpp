@@ -31,7 +31,7 @@
 // puts every request on the per-token path, where a token's floats depend only on its own
 // context (the batch-invariant mode). Both give the same floats while no context is split
 // (kSplitLen), except for requests of at least 16 query tokens (chunked prefill), whose tiles
-// run as register-blocked GEMMs that agree up to float32 rounding (attention_kernel.h,
+// run as register-blocked GEMMs that agree up to float32 rounding (attention_query_tiles.h,
 // `attend_tile_gemm`).
 //
 // Threads: OpenMP, whose runtime is the one torch already loaded (same soname), so the kernel
