@@ -42,6 +42,10 @@ namespace {
 using pagedllm::silu_inplace;
 using pagedllm::store;
 using pagedllm::to_float;
+#ifdef PAGEDLLM_AVX512
+using pagedllm::load16;
+using pagedllm::round_bf16;
+#endif
 
 constexpr int64_t kConvBlock = 64;
 // The widest conv window the kernel takes (Mamba-2, Gated DeltaNet and LFM2 use 3-4).
@@ -129,6 +133,128 @@ void conv_block(const StateBatch* b, int64_t r, int64_t c0, int64_t c1, const T*
   save(end - 1, state);   // (an empty request writes its window back unchanged)
 }
 
+#ifdef PAGEDLLM_AVX512
+// The three-tap window (Gated DeltaNet's and Mamba-2's 4-tap conv) of a decode row in 16-channel
+// groups: a group's window is 48 consecutive values of the slot ([channel][tap]), read as three
+// vectors; tap j of the 16 channels (values 3i + j) is picked out by two permutes and a blend,
+// and the shifted window (value q <- q + 1, the token's input at q = 3i + 2) is put back by the
+// same means, so the slot is read and written once, in whole vectors. The sums are
+// conv_decode_token's, in its order (bit for bit).
+inline __m512 load_any16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load_any16(const uint16_t* p) { return load16(p); }
+inline void store_any16(__m512 v, float* p) { _mm512_storeu_ps(p, v); }
+inline void store_any16(__m512 v, uint16_t* p) {
+  const __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(round_bf16(v)), 16);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bits));
+}
+
+template <typename T, typename S>
+int64_t conv_decode3_vec(const T* __restrict xr, const float* __restrict weight_t,
+                         const float* bias, S* __restrict st, bool initial, int64_t c0,
+                         int64_t nc, int64_t channels, float* __restrict acc) {
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i three = _mm512_set1_epi32(3);
+  __m512i tap_idx[3];
+  __mmask16 tap_in_c[3];
+  for (int j = 0; j < 3; ++j) {
+    tap_idx[j] = _mm512_add_epi32(_mm512_mullo_epi32(lane, three), _mm512_set1_epi32(j));
+    tap_in_c[j] = _mm512_cmpge_epi32_mask(tap_idx[j], _mm512_set1_epi32(32));
+  }
+  __m512i next_idx[3], x_idx[3];
+  __mmask16 is_x[3];
+  for (int o = 0; o < 3; ++o) {
+    const __m512i q = _mm512_add_epi32(lane, _mm512_set1_epi32(16 * o));
+    next_idx[o] = _mm512_add_epi32(lane, _mm512_set1_epi32(1));   // q + 1 - 16 o
+    // q / 3 and q % 3 for q < 48: (q * 43) >> 7 is q / 3 there.
+    x_idx[o] = _mm512_srli_epi32(_mm512_mullo_epi32(q, _mm512_set1_epi32(43)), 7);
+    is_x[o] = _mm512_cmpeq_epi32_mask(
+        _mm512_sub_epi32(q, _mm512_mullo_epi32(x_idx[o], three)), _mm512_set1_epi32(2));
+  }
+  int64_t i = 0;
+  for (; i + 16 <= nc; i += 16) {
+    S* p = st + (c0 + i) * 3;
+    __m512 v[4];
+    for (int o = 0; o < 3; ++o) v[o] = initial ? load_any16(p + 16 * o) : _mm512_setzero_ps();
+    v[3] = _mm512_setzero_ps();
+    __m512 a = bias ? _mm512_loadu_ps(bias + c0 + i) : _mm512_setzero_ps();
+    for (int j = 0; j < 3; ++j) {
+      const __m512 ab = _mm512_permutex2var_ps(v[0], tap_idx[j], v[1]);
+      const __m512 c = _mm512_permutexvar_ps(tap_idx[j], v[2]);
+      const __m512 tap = _mm512_mask_blend_ps(tap_in_c[j], ab, c);
+      a = _mm512_fmadd_ps(_mm512_loadu_ps(weight_t + j * channels + c0 + i), tap, a);
+    }
+    const __m512 x = load_any16(xr + i);
+    a = _mm512_fmadd_ps(_mm512_loadu_ps(weight_t + 3 * channels + c0 + i), x, a);
+    _mm512_storeu_ps(acc + i, a);
+    for (int o = 0; o < 3; ++o) {
+      const __m512 shifted = _mm512_permutex2var_ps(v[o], next_idx[o], v[o + 1]);
+      store_any16(_mm512_mask_blend_ps(is_x[o], shifted, _mm512_permutexvar_ps(x_idx[o], x)),
+                  p + 16 * o);
+    }
+  }
+  return i;
+}
+#endif
+
+// A one-token query (a decode row) of one request's channels [c0, c1) for a window of K1 + 1
+// taps known at compile time: each channel's K1 window inputs are read from the slot in
+// place, the output is the same sum in the same order as conv_block's (bias, then the taps
+// oldest first), and the window is shifted in the slot (the token's input appended) without
+// a float copy of the block's window. `state` is the slot's [channels, K1] window.
+template <int K1, typename T, typename S>
+void conv_decode_token(const T* __restrict xr, const float* __restrict weight_t,
+                       const float* bias, S* __restrict state, bool initial, int64_t c0,
+                       int64_t c1, int64_t channels, bool silu, T* __restrict dst) {
+  const int64_t nc = c1 - c0;
+  float acc[kConvBlock];
+  int64_t i0 = 0;
+#ifdef PAGEDLLM_AVX512
+  if constexpr (K1 == 3)
+    i0 = conv_decode3_vec(xr, weight_t, bias, state, initial, c0, nc, channels, acc);
+#endif
+  S* __restrict st = state + c0 * K1;
+  const float* __restrict wx = weight_t + K1 * channels + c0;   // the token's own tap
+  for (int64_t i = i0; i < nc; ++i) {
+    float a = bias ? bias[c0 + i] : 0.0f;
+    float old[K1];
+    for (int j = 0; j < K1; ++j) old[j] = initial ? to_float(st[i * K1 + j]) : 0.0f;
+    for (int j = 0; j < K1; ++j) a += weight_t[j * channels + c0 + i] * old[j];
+    const float xi = to_float(xr[i]);
+    a += wx[i] * xi;
+    acc[i] = a;
+    for (int j = 0; j + 1 < K1; ++j) store(old[j + 1], st + i * K1 + j);
+    store(xi, st + i * K1 + K1 - 1);
+  }
+  if (silu) silu_inplace(acc, nc);
+  for (int64_t i = 0; i < nc; ++i) store(acc[i], dst + i);
+}
+
+
+// One request's channels: the compile-time decode form for one-token queries of the common
+// widths (2 to 4 taps: Mamba-2, Gated DeltaNet, LFM2), conv_block otherwise.
+template <typename T, typename S>
+void conv_item(const StateBatch* b, int64_t r, int64_t c0, int64_t c1, const T* x, int64_t ldx,
+               int64_t width, const float* weight_t, const float* bias, S* conv_states,
+               int64_t channels, bool silu, T* out, int64_t ldo) {
+  const int64_t start = b->query_start_loc[r];
+  const bool one = b->query_start_loc[r + 1] - start == 1;
+  const bool emits = b->emit_start && b->emit_start[r + 1] > b->emit_start[r];
+  if (one && !emits && width >= 2 && width <= 4) {
+    S* state = conv_states + b->state_indices[r] * channels * (width - 1);
+    const T* xr = x + start * ldx + c0;
+    T* dst = out + start * ldo + c0;
+    const bool init = b->has_initial_state[r] != 0;
+    if (width == 4)
+      conv_decode_token<3>(xr, weight_t, bias, state, init, c0, c1, channels, silu, dst);
+    else if (width == 3)
+      conv_decode_token<2>(xr, weight_t, bias, state, init, c0, c1, channels, silu, dst);
+    else
+      conv_decode_token<1>(xr, weight_t, bias, state, init, c0, c1, channels, silu, dst);
+    return;
+  }
+  conv_block(b, r, c0, c1, x, ldx, width, weight_t, bias, conv_states, channels, silu, out, ldo);
+}
+
 template <typename T, typename S>
 int conv_all(const StateBatch* b, const T* x, int64_t ldx, int64_t channels, int64_t width,
              const float* weight, const float* bias, S* conv_states, int silu, T* out) {
@@ -150,8 +276,8 @@ int conv_all(const StateBatch* b, const T* x, int64_t ldx, int64_t channels, int
       }
       const int64_t c0 = cb * kConvBlock;
       const int64_t c1 = c0 + kConvBlock < channels ? c0 + kConvBlock : channels;
-      conv_block(b, r, c0, c1, x, ldx, width, weight_t.data(), bias, conv_states, channels,
-                 silu != 0, out, channels);
+      conv_item(b, r, c0, c1, x, ldx, width, weight_t.data(), bias, conv_states, channels,
+                silu != 0, out, channels);
     }
   return bad ? -1 : 0;
 }
