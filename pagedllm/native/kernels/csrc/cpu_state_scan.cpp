@@ -36,6 +36,7 @@
 #include "attention_primitives.h"
 #include "cpu_vec.h"
 #include "pagedllm_abi.h"
+#include "state_scan.h"
 
 namespace {
 
@@ -45,6 +46,7 @@ using pagedllm::to_float;
 #ifdef PAGEDLLM_AVX512
 using pagedllm::load16;
 using pagedllm::round_bf16;
+using pagedllm::hsum;
 #endif
 
 constexpr int64_t kConvBlock = 64;
@@ -405,13 +407,106 @@ inline void delta_token_any(float* S, const float* qt, const float* kt, const T*
   }
 }
 
+#ifdef PAGEDLLM_AVX512
+// q and k of one token's key head, L2-normalised (times `scale`) in 16 lanes: the sum of
+// squares in 16 partial sums, then hsum (another order than load_l2_normalised's, ~1 ulp).
+// n % 16 == 0.
 template <typename T>
-int gated_delta_all(const StateBatch* b, const T* q, const T* k, const T* v, const float* g,
-                    const float* beta, float* states, int64_t H, int64_t Hk, int64_t dk,
-                    int64_t dv, float* out) {
+inline void load_l2_normalised16(const T* src, int64_t n, float scale, float* dst) {
+  __m512 ss = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m512 x = load_any16(src + i);
+    _mm512_storeu_ps(dst + i, x);
+    ss = _mm512_fmadd_ps(x, x, ss);
+  }
+  const __m512 f = _mm512_set1_ps(scale / std::sqrt(hsum(ss) + 1e-6f));
+  for (int64_t i = 0; i < n; i += 16) _mm512_storeu_ps(dst + i, _mm512_mul_ps(_mm512_loadu_ps(dst + i), f));
+}
+
+inline void prefetch_span(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(c + i, _MM_HINT_T0);
+}
+
+inline float dot16(const float* a, const float* b, int64_t n) {
+  __m512 s = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16)
+    s = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), s);
+  return hsum(s);
+}
+
+// One token of the gated delta rule on one head's state S [dk, DV] in two passes over S
+// instead of delta_token's two read-write passes: with S the state before the token,
+//   kv = decay (S^T k),  delta = (v - kv) beta,  o = decay (S^T q) + (q . k) delta,
+//   S <- decay S + k delta^T,
+// the same quantities as delta_token's (S' = decay S + k delta^T gives S'^T q = decay S^T q +
+// (k . q) delta), in another rounding order. The first pass only reads S (S^T k and S^T q
+// together, G groups of rows in separate accumulators so that the FMA chains overlap), the
+// second reads and writes it once. DV % 16 == 0; `qk` is q . k.
+template <int DV, int G, typename T>
+inline void delta_token_fused(float* __restrict S, const float* __restrict qt,
+                              const float* __restrict kt, const T* vt, float decay, float bt,
+                              float qk, int64_t dk, float* __restrict ot,
+                              const float* next = nullptr) {
+  constexpr int V = DV / 16;
+  __m512 kv[G][V], sq[G][V];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < V; ++c) kv[g][c] = sq[g][c] = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + G <= dk; i += G)
+    for (int g = 0; g < G; ++g) {
+      const float* row = S + (i + g) * DV;
+      const __m512 kb = _mm512_set1_ps(kt[i + g]), qb = _mm512_set1_ps(qt[i + g]);
+      for (int c = 0; c < V; ++c) {
+        const __m512 x = _mm512_loadu_ps(row + 16 * c);
+        kv[g][c] = _mm512_fmadd_ps(kb, x, kv[g][c]);
+        sq[g][c] = _mm512_fmadd_ps(qb, x, sq[g][c]);
+      }
+    }
+  for (; i < dk; ++i) {
+    const float* row = S + i * DV;
+    const __m512 kb = _mm512_set1_ps(kt[i]), qb = _mm512_set1_ps(qt[i]);
+    for (int c = 0; c < V; ++c) {
+      const __m512 x = _mm512_loadu_ps(row + 16 * c);
+      kv[0][c] = _mm512_fmadd_ps(kb, x, kv[0][c]);
+      sq[0][c] = _mm512_fmadd_ps(qb, x, sq[0][c]);
+    }
+  }
+  const __m512 dec = _mm512_set1_ps(decay), bet = _mm512_set1_ps(bt), qkv = _mm512_set1_ps(qk);
+  __m512 delta[V];
+  for (int c = 0; c < V; ++c) {
+    __m512 k_sum = kv[0][c], q_sum = sq[0][c];
+    for (int g = 1; g < G; ++g) {
+      k_sum = _mm512_add_ps(k_sum, kv[g][c]);
+      q_sum = _mm512_add_ps(q_sum, sq[g][c]);
+    }
+    delta[c] = _mm512_mul_ps(_mm512_fnmadd_ps(dec, k_sum, load_any16(vt + 16 * c)), bet);
+    _mm512_storeu_ps(ot + 16 * c, _mm512_fmadd_ps(dec, q_sum, _mm512_mul_ps(qkv, delta[c])));
+  }
+  for (i = 0; i < dk; ++i) {
+    float* row = S + i * DV;
+    if (next != nullptr)
+      for (int c = 0; c < V; ++c)
+        _mm_prefetch(reinterpret_cast<const char*>(next + i * DV + 16 * c), _MM_HINT_T0);
+    const __m512 kb = _mm512_set1_ps(kt[i]);
+    for (int c = 0; c < V; ++c)
+      _mm512_storeu_ps(row + 16 * c, _mm512_fmadd_ps(kb, delta[c],
+                                                     _mm512_mul_ps(_mm512_loadu_ps(row + 16 * c), dec)));
+  }
+}
+#endif
+
+template <typename T>
+int gated_delta_all(const StateBatch* b, const T* q, const T* k, int64_t ld_qk, const T* v,
+                    int64_t ldv, const float* g, const float* beta, float* states, int64_t H,
+                    int64_t Hk, int64_t dk, int64_t dv, float* out) {
   const int64_t per = H / Hk;
   const float q_scale = 1.0f / std::sqrt(static_cast<float>(dk));
   const int64_t work = b->query_start_loc[b->num_reqs] * H * dk * dv * 4;
+#ifdef PAGEDLLM_AVX512
+  // The two-pass form for value heads of 32, 64 and 128 and key heads of whole vectors.
+  const bool fused = (dv == 32 || dv == 64 || dv == 128) && dk % 16 == 0;
+#endif
   int bad = 0;
 #pragma omp parallel for collapse(2) schedule(dynamic) reduction(| : bad) \
     if (work > kParallelWork)
@@ -429,11 +524,42 @@ int gated_delta_all(const StateBatch* b, const T* q, const T* k, const T* v, con
       std::vector<float> kv(static_cast<size_t>(dv)), delta(static_cast<size_t>(dv));
       Emits emits(b, r);
       for (int64_t t = b->query_start_loc[r]; t < b->query_start_loc[r + 1]; ++t) {
-        load_l2_normalised(q + (t * Hk + hk) * dk, dk, q_scale, qt.data());
-        load_l2_normalised(k + (t * Hk + hk) * dk, dk, 1.0f, kt.data());
         const float decay = std::exp(g[t * H + h]), bt = beta[t * H + h];
-        const T* vt = v + (t * H + h) * dv;
+        const T* vt = v + t * ldv + h * dv;
         float* ot = out + (t * H + h) * dv;
+#ifdef PAGEDLLM_AVX512
+        if (fused) {
+          if (t + 1 < b->query_start_loc[r + 1]) {
+            // The next token's rows of this head (a prefill walks them 1-2 KB apart, each
+            // line new to the cache): fetched while this token's state update runs.
+            prefetch_span(q + (t + 1) * ld_qk + hk * dk, dk * sizeof(T));
+            prefetch_span(k + (t + 1) * ld_qk + hk * dk, dk * sizeof(T));
+            prefetch_span(v + (t + 1) * ldv + h * dv, dv * sizeof(T));
+            prefetch_span(out + ((t + 1) * H + h) * dv, dv * sizeof(float));
+          }
+          load_l2_normalised16(q + t * ld_qk + hk * dk, dk, q_scale, qt.data());
+          load_l2_normalised16(k + t * ld_qk + hk * dk, dk, 1.0f, kt.data());
+          const float qk = dot16(qt.data(), kt.data(), dk);
+          // A one-token query (decode) reads its state from memory: fetch the next item's
+          // (the next head of the slot, or the next request's first) while this one runs.
+          const float* next = nullptr;
+          if (b->query_start_loc[r + 1] - b->query_start_loc[r] == 1) {
+            if (h + 1 < H) next = S + dk * dv;
+            else if (r + 1 < b->num_reqs) next = states + b->state_indices[r + 1] * H * dk * dv;
+          }
+          if (dv == 64)
+            delta_token_fused<64, 2>(S, qt.data(), kt.data(), vt, decay, bt, qk, dk, ot, next);
+          else if (dv == 128)
+            delta_token_fused<128, 1>(S, qt.data(), kt.data(), vt, decay, bt, qk, dk, ot);
+          else
+            delta_token_fused<32, 4>(S, qt.data(), kt.data(), vt, decay, bt, qk, dk, ot);
+          const int64_t emit = emits.due(t);
+          if (emit > 0) std::copy(S, S + dk * dv, states + (emit * H + h) * dk * dv);
+          continue;
+        }
+#endif
+        load_l2_normalised(q + t * ld_qk + hk * dk, dk, q_scale, qt.data());
+        load_l2_normalised(k + t * ld_qk + hk * dk, dk, 1.0f, kt.data());
         if (dv == 64)
           delta_token<64>(S, qt.data(), kt.data(), vt, decay, bt, dk, ot);
         else if (dv == 128)
@@ -490,9 +616,22 @@ int gated_delta_rule_varlen_cpu(const StateBatch* batch, const void* q, const vo
                                 int dtype, float* out) {
   if (dtype == 0)
     return gated_delta_all(batch, static_cast<const float*>(q), static_cast<const float*>(k),
-                           static_cast<const float*>(v), g, beta, states, H, Hk, dk, dv, out);
+                           Hk * dk, static_cast<const float*>(v), H * dv, g, beta, states, H, Hk,
+                           dk, dv, out);
   return gated_delta_all(batch, static_cast<const uint16_t*>(q), static_cast<const uint16_t*>(k),
-                         static_cast<const uint16_t*>(v), g, beta, states, H, Hk, dk, dv, out);
+                         Hk * dk, static_cast<const uint16_t*>(v), H * dv, g, beta, states, H,
+                         Hk, dk, dv, out);
 }
 
 }  // extern "C"
+
+namespace pagedllm {
+
+int gated_delta_rule_rows(const StateBatch* batch, const float* q, const float* k, int64_t ld_qk,
+                          const float* v, int64_t ldv, const float* g, const float* beta,
+                          float* states, int64_t H, int64_t Hk, int64_t dk, int64_t dv,
+                          float* out) {
+  return gated_delta_all(batch, q, k, ld_qk, v, ldv, g, beta, states, H, Hk, dk, dv, out);
+}
+
+}  // namespace pagedllm
