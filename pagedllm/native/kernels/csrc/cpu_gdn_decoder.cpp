@@ -67,45 +67,6 @@ inline void gdn_linear(const GDNLayerWeights& w, int index, const void* weight, 
     linear_tiles(x, K, M, K, static_cast<const T*>(weight), N, nullptr, y, N);
 }
 
-// The sum of squares of x[0..n) in float32: 16 lanes of partial sums (two accumulators of 16
-// lanes when n % 32 == 0), then hsum, for n % 16 == 0 on AVX-512; in index order otherwise.
-// The layer's norms use this instead of one scalar chain per row, whose FMA latency bounded
-// them (~4 cycles a value: ~1.5 ms a layer in a 1408-token prefill step); the order differs
-// from torch's by float32 rounding only.
-template <typename TX>
-inline float sum_squares(const TX* x, int64_t n) {
-#ifdef PAGEDLLM_AVX512
-  if (n % 16 == 0) {
-    __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();
-    int64_t i = 0;
-    for (; i + 32 <= n; i += 32) {
-      const __m512 u = load16(x + i), v = load16(x + i + 16);
-      a = _mm512_fmadd_ps(u, u, a);
-      b = _mm512_fmadd_ps(v, v, b);
-    }
-    if (i < n) {
-      const __m512 u = load16(x + i);
-      a = _mm512_fmadd_ps(u, u, a);
-    }
-    return hsum(_mm512_add_ps(a, b));
-  }
-#endif
-  float ss = 0.f;
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = to_float(x[i]);
-    ss += v * v;
-  }
-  return ss;
-}
-
-// GemmaRMSNorm of one row (cpu_vec.h's gemma_rms_row) with the sum of squares of sum_squares.
-template <typename TX, typename T>
-inline void gemma_rms(const TX* x, const T* w, float eps, int64_t n, float* out) {
-  const float inv = 1.f / std::sqrt(sum_squares(x, n) / static_cast<float>(n) + eps);
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) out[i] = to_float(x[i]) * inv * (1.f + to_float(w[i]));
-}
-
 // torch.nn.functional.softplus (beta 1, threshold 20).
 inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }
 
@@ -133,7 +94,7 @@ int gdn_mixer(const GDNLayerWeights& w, const StateBatch* batch, int64_t M, cons
   {
 #pragma omp for
     for (int64_t m = 0; m < M; ++m)
-      gemma_rms(hidden + m * Hd, static_cast<const T*>(w.input_norm), w.eps, Hd, x + m * Hd);
+      gemma_rms_row(hidden + m * Hd, static_cast<const T*>(w.input_norm), w.eps, Hd, x + m * Hd);
     gdn_linear<T>(w, kIn, w.in_proj, x, M, Hd, P, proj);
   }
 
@@ -160,7 +121,9 @@ int gdn_mixer(const GDNLayerWeights& w, const StateBatch* batch, int64_t M, cons
       const float* oh = o + item * dv;
       const float* zh = z + (item / Hv) * P + (item % Hv) * dv;
       float* dst = o_in + item * dv;
-      const float inv = 1.f / std::sqrt(sum_squares(oh, dv) / static_cast<float>(dv) + w.norm_eps);
+      float ss = 0.f;
+      for (int64_t d = 0; d < dv; ++d) ss += oh[d] * oh[d];
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(dv) + w.norm_eps);
       const T* nw = static_cast<const T*>(w.norm_weight);
       mul_sigmoid(zh, zh, dst, dv);   // silu(z)
       for (int64_t d = 0; d < dv; ++d) dst[d] = oh[d] * inv * to_float(nw[d]) * dst[d];
@@ -171,7 +134,7 @@ int gdn_mixer(const GDNLayerWeights& w, const StateBatch* batch, int64_t M, cons
       T* h = hidden_out + m * Hd;
       for (int64_t i = 0; i < Hd; ++i) store(to_float(hidden[m * Hd + i]) + out[m * Hd + i], h + i);
       float* normed = x + m * Hd;   // (the input norm's rows are no longer read)
-      gemma_rms(h, static_cast<const T*>(w.post_norm), w.eps, Hd, normed);
+      gemma_rms_row(h, static_cast<const T*>(w.post_norm), w.eps, Hd, normed);
       for (int64_t i = 0; i < Hd; ++i) store(normed[i], post_normed + m * Hd + i);
     }
   }
@@ -245,7 +208,7 @@ void gated_attention(const GatedAttentionWeights& w, const NativeAttentionStep& 
   {
 #pragma omp for
     for (int64_t m = 0; m < M; ++m)
-      gemma_rms(hidden + m * Hd, static_cast<const T*>(w.input_norm), w.eps, Hd, x + m * Hd);
+      gemma_rms_row(hidden + m * Hd, static_cast<const T*>(w.input_norm), w.eps, Hd, x + m * Hd);
     ga_linear<T>(w, 0, w.q_proj, x, M, Hd, 2 * H * D, q_gate);
     ga_linear<T>(w, 1, w.k_proj, x, M, Hd, KVH * D, k);
     ga_linear<T>(w, 2, w.v_proj, x, M, Hd, KVH * D, v);
@@ -258,13 +221,13 @@ void gated_attention(const GatedAttentionWeights& w, const NativeAttentionStep& 
       const float* sin = w.sin_cache + s.positions[m] * (RD / 2);
       if (h < H) {
         float* qh = q + (m * H + h) * D;
-        gemma_rms(q_gate + m * 2 * H * D + h * 2 * D, q_norm, w.eps, D, qh);
+        gemma_rms_row(q_gate + m * 2 * H * D + h * 2 * D, q_norm, w.eps, D, qh);
         rope_partial(qh, cos, sin, RD);
         continue;
       }
       const int64_t kh = h - H;
       float* kr = k + (m * KVH + kh) * D;
-      gemma_rms(kr, k_norm, w.eps, D, kr);
+      gemma_rms_row(kr, k_norm, w.eps, D, kr);
       rope_partial(kr, cos, sin, RD);
       const int64_t slot = s.slot_mapping[m];
       if (slot < 0) continue;
@@ -293,7 +256,7 @@ void gated_attention(const GatedAttentionWeights& w, const NativeAttentionStep& 
       T* h = hidden_out + m * Hd;
       for (int64_t i = 0; i < Hd; ++i) store(to_float(hidden[m * Hd + i]) + out[m * Hd + i], h + i);
       float* normed = x + m * Hd;
-      gemma_rms(h, static_cast<const T*>(w.post_norm), w.eps, Hd, normed);
+      gemma_rms_row(h, static_cast<const T*>(w.post_norm), w.eps, Hd, normed);
       for (int64_t i = 0; i < Hd; ++i) store(normed[i], post_normed + m * Hd + i);
     }
   }
