@@ -20,4 +20,5 @@ for i in idx:
     hf = out[0, 128:].tolist()
     for p, t in zip(files, toks):
         first = next((j for j, (u, v) in enumerate(zip(hf, t[i])) if u != v), None)
-        print(f"request {i}: {p} vs HF: {'identical' if first is None else f'first differs at {first}'}")
+        said = 'identical' if first is None else f'first differs at {first}'
+        print(f"request {i}: {p} vs HF: {said}")

@@ -32,7 +32,8 @@ def case(R, T, init):
     x = [torch.randn(n, C, generator=gen).to(DT) for _ in range(L)]
     st = [torch.randn(SLOTS, Hv, D, D, generator=gen) * 0.1 for _ in range(L)]
     cst = [torch.randn(SLOTS, C, K - 1, generator=gen).to(CS) for _ in range(L)]
-    batch = StateBatchArgs(torch.arange(R + 1) * T, 1 + torch.randperm(SLOTS - 1, generator=gen)[:R],
+    slots = 1 + torch.randperm(SLOTS - 1, generator=gen)[:R]
+    batch = StateBatchArgs(torch.arange(R + 1) * T, slots,
                            torch.full((R,), init, dtype=torch.bool), SLOTS)
     return dict(q=q, k=k, v=v, g=g, beta=beta, x=x, st=st, cst=cst, batch=batch, n=n)
 

@@ -435,7 +435,8 @@ inline void load_l2_normalised16(const T* src, int64_t n, float scale, float* ds
     ss = _mm512_fmadd_ps(x, x, ss);
   }
   const __m512 f = _mm512_set1_ps(scale / std::sqrt(hsum(ss) + 1e-6f));
-  for (int64_t i = 0; i < n; i += 16) _mm512_storeu_ps(dst + i, _mm512_mul_ps(_mm512_loadu_ps(dst + i), f));
+  for (int64_t i = 0; i < n; i += 16)
+    _mm512_storeu_ps(dst + i, _mm512_mul_ps(_mm512_loadu_ps(dst + i), f));
 }
 
 inline void prefetch_span(const void* p, int64_t bytes) {
@@ -505,8 +506,9 @@ inline void delta_token_fused(float* __restrict S, const float* __restrict qt,
         _mm_prefetch(reinterpret_cast<const char*>(next + i * DV + 16 * c), _MM_HINT_T0);
     const __m512 kb = _mm512_set1_ps(kt[i]);
     for (int c = 0; c < V; ++c)
-      _mm512_storeu_ps(row + 16 * c, _mm512_fmadd_ps(kb, delta[c],
-                                                     _mm512_mul_ps(_mm512_loadu_ps(row + 16 * c), dec)));
+      _mm512_storeu_ps(row + 16 * c,
+                       _mm512_fmadd_ps(kb, delta[c],
+                                       _mm512_mul_ps(_mm512_loadu_ps(row + 16 * c), dec)));
   }
 }
 #endif
@@ -565,9 +567,9 @@ int gated_delta_all(const StateBatch* b, const T* q, const T* k, int64_t ld_qk, 
           if (dv == 64)
             delta_token_fused<64, 2>(S, qt.data(), kt.data(), vt, decay, bt, qk, dk, ot, next);
           else if (dv == 128)
-            delta_token_fused<128, 1>(S, qt.data(), kt.data(), vt, decay, bt, qk, dk, ot);
+            delta_token_fused<128, 1>(S, qt.data(), kt.data(), vt, decay, bt, qk, dk, ot, next);
           else
-            delta_token_fused<32, 4>(S, qt.data(), kt.data(), vt, decay, bt, qk, dk, ot);
+            delta_token_fused<32, 4>(S, qt.data(), kt.data(), vt, decay, bt, qk, dk, ot, next);
           const int64_t emit = emits.due(t);
           if (emit > 0) std::copy(S, S + dk * dv, states + (emit * H + h) * dk * dv);
           continue;
