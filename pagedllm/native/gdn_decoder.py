@@ -11,7 +11,7 @@ module path's, with the module path's own conv and delta-rule kernels on the sam
 slots). The MoE / MLP half stays a module.
 
 Prefill steps take the same call (up to MAX_TOKENS tokens, which bounds the float32 scratch:
-~25 KB per token for the 200M preset's Gated DeltaNet layer): the module path there ran the
+~21 KB per token for the 200M preset's Gated DeltaNet layer): the module path there ran the
 gates, norms and casts as ~20 torch passes over [n, 512-1024] tensors and the projections as
 four GEMMs, two of 8 rows (docs/benchmarks.md, "Qwen3-Next batch 32: the Gated DeltaNet
 prefill in one native call").

@@ -205,6 +205,37 @@ def test_native_bfloat16_activations():
 
 
 @needs_kernels
+@pytest.mark.parametrize("width", [2, 3, 4, 5])
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_conv_decode_form_equals_float64_recurrence(width, state_dtype):
+    """The conv's decode form (one-token queries of 2-4 taps: the window read and shifted in
+    the slot in place; AVX-512: 16 channels a vector for 4 taps) on float32 inputs with the
+    window state in float32 or bfloat16 (the Gated DeltaNet block's case: float32 activations,
+    the window in the model dtype), 150 channels (two full channel blocks and a tail of 22 =
+    16 + 6), with and without an initial window and bias, SiLU fused: output and new window
+    against the float64 recurrence on the same (rounded) window. Width 5 runs the general
+    form, the same check."""
+    case = dict(STATE_CASE, query_lens=[1, 1, 1, 1], computed=[3, 0, 7, 1], slots=[4, 1, 2, 5],
+                channels=150, width=width)
+    inputs = make_inputs(11, case)
+    inputs["conv"] = inputs["conv"].to(state_dtype).to(F64)
+    meta = _meta(case)
+    for bias in (inputs["bias"], None):
+        conv = inputs["conv"].to(state_dtype)
+        got = state_kernels.causal_conv1d_varlen(inputs["x"].float(), inputs["weight"].float(),
+                                                 None if bias is None else bias.float(), conv,
+                                                 meta, "silu", backend="native")
+        want = float64_expected(dict(inputs, bias=torch.zeros_like(inputs["bias"])
+                                     if bias is None else bias), case)
+        torch.testing.assert_close(got.double(), torch.nn.functional.silu(want["conv_out"]),
+                                   atol=2e-5, rtol=2e-5)
+        # The new window: the old one's last inputs (exact) and the token's input, rounded to
+        # the state dtype; untouched slots keep their bits.
+        torch.testing.assert_close(conv.double(), want["conv"].to(state_dtype).double(),
+                                   atol=0, rtol=0)
+
+
+@needs_kernels
 def test_dispatch_and_bad_input():
     inputs = make_inputs(3)
     meta = _meta()

@@ -37,6 +37,7 @@
 #include "linear_kernel.h"
 #include "packed_gemm.h"
 #include "pagedllm_abi.h"
+#include "state_scan.h"
 
 namespace {
 
@@ -45,16 +46,16 @@ using namespace pagedllm;
 enum GDNLinear { kIn = 0, kOut = 1 };
 
 // Per-token float32 scratch: proj holds the stacked projection's row [q | k | v | z | b | a].
+// (q, k and v are read in place from conv's rows [q | k | v].)
 struct GDNScratch {
-  int64_t x, proj, conv, q, k, v, g, beta, o, o_in, out;
-  int64_t total() const { return x + proj + conv + q + k + v + g + beta + o + o_in + out; }
+  int64_t x, proj, conv, g, beta, o, o_in, out;
+  int64_t total() const { return x + proj + conv + g + beta + o + o_in + out; }
 };
 
 GDNScratch scratch_sizes(const GDNLayerWeights& w) {
   const int64_t key = w.num_k_heads * w.head_k_dim, value = w.num_v_heads * w.head_v_dim;
   const int64_t conv = 2 * key + value, Hv = w.num_v_heads;
-  return {w.hidden_size, conv + value + 2 * Hv, conv, key, key, value, Hv, Hv, value, value,
-          w.hidden_size};
+  return {w.hidden_size, conv + value + 2 * Hv, conv, Hv, Hv, value, value, w.hidden_size};
 }
 
 template <typename T>
@@ -80,10 +81,7 @@ int gdn_mixer(const GDNLayerWeights& w, const StateBatch* batch, int64_t M, cons
   float* x = scratch;
   float* proj = x + M * sz.x;
   float* conv = proj + M * sz.proj;
-  float* q = conv + M * sz.conv;
-  float* k = q + M * sz.q;
-  float* v = k + M * sz.k;
-  float* g = v + M * sz.v;
+  float* g = conv + M * sz.conv;
   float* beta = g + M * sz.g;
   const float* z = proj + conv_dim;           // [M, value] at row stride P
   const float* b = z + value;                 // [M, Hv] at row stride P
@@ -105,17 +103,14 @@ int gdn_mixer(const GDNLayerWeights& w, const StateBatch* batch, int64_t M, cons
                                     static_cast<int>(w.conv_state_dtype), 1, conv, 0);
   if (rc != 0) return rc;
   for (int64_t m = 0; m < M; ++m) {
-    const float* row = conv + m * conv_dim;
-    std::copy(row, row + key, q + m * key);
-    std::copy(row + key, row + 2 * key, k + m * key);
-    std::copy(row + 2 * key, row + conv_dim, v + m * value);
     for (int64_t h = 0; h < Hv; ++h) {
       beta[m * Hv + h] = 1.f / (1.f + std::exp(-b[m * P + h]));
       g[m * Hv + h] = w.neg_a[h] * softplus(a[m * P + h] + w.dt_bias[h]);
     }
   }
-  rc = gated_delta_rule_varlen_cpu(batch, q, k, v, g, beta, w.recurrent_states, Hv, Hk, dk, dv,
-                                   0, o);
+  // q, k and v read in place from the conv's rows [q | k | v].
+  rc = gated_delta_rule_rows(batch, conv, conv + key, conv_dim, conv + 2 * key, conv_dim, g, beta,
+                             w.recurrent_states, Hv, Hk, dk, dv, o);
   if (rc != 0) return rc;
 
 #pragma omp parallel
