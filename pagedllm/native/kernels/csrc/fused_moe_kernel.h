@@ -10,10 +10,11 @@
 //                expert under expert parallelism) are dropped:
 //                  sorted rows [ expert 0 | expert 1 | ... ],  pos[t*k + j] = row or -1
 //   1. gather    xs[row] = x[token of row]                                  [m, H]
-//   2. gate/up   per work item (expert, block of <= 96 rows, tile of intermediate columns):
-//                gate and up tiles by the dot-product micro-kernels of linear_kernel.h (blocks
-//                of < 32 rows) or the panel form's outer-product tiles (longer blocks, every
-//                dtype: see "Panel form" below), then act[row, i] = silu(gate) * up  [m, I]
+//   2. gate/up   per work item (expert, block of its rows, tile of intermediate columns):
+//                gate and up tiles by the dot-product micro-kernels (experts with < 32 rows:
+//                one block) or the panel form's outer-product tiles (more rows: blocks of up
+//                to 256, every dtype: see "Panel form" below), then
+//                act[row, i] = silu(gate) * up                               [m, I]
 //   3. down      per work item (expert, row block, tile of hidden columns):
 //                ys[rows] = act[rows] @ W2[e]^T                              [m, H]
 //   4. combine   per token and column: sum_j w[t, j] * ys[pos[t*k + j]], in slot order
@@ -21,7 +22,7 @@
 //
 // Phases 1-3 (`expert_phases`) are orphaned work-sharing loops: every thread of the enclosing
 // region calls them, and each ends with the loop's implicit barrier. Each weight tile is read
-// once per block of up to 96 rows of its expert (not once per token), and the work items of all
+// once per block of up to 256 rows of its expert (not once per token), and the work items of all
 // experts share one loop, so a batch-1 decode with two active experts still spreads over every
 // thread.
 //
@@ -46,11 +47,16 @@
 namespace pagedllm {
 namespace moe {
 
-constexpr int64_t kRowBlock = 96;    // rows per work item: a multiple of the 6/3-row kernels
 constexpr int64_t kMaxTile = 64;     // weight rows per work item (a tile stays in L2)
 constexpr int64_t kCombineChunk = 256;
 constexpr int64_t kPanel = 16;            // rows of x per panel of the transposed layout
-constexpr int64_t kPanelMinRows = 32;     // a row block this long takes the panel form
+constexpr int64_t kPanelMinRows = 32;     // an expert with this many rows takes the panel form
+// Most rows of one panel block: an expert's rows are cut into as few blocks as this allows, of
+// nearly equal size. Each block streams the expert's weight tiles from memory once (later panel
+// steps of the block find them in L2), so longer blocks read the weights fewer times: a
+// 2048-token DeepSeek-V2-Lite step (192 rows per expert) had two 96-row blocks per expert, and
+// the first panel step of each waited on the weights.
+constexpr int64_t kPanelRowBlock = 256;
 #ifdef PAGEDLLM_AVX512
 constexpr int64_t kPanelsPerStep = 2;     // adjacent panels sharing each weight broadcast
 #else
@@ -294,7 +300,7 @@ inline int64_t tile_width(int64_t columns, int64_t num_blocks, int num_threads,
 // contents unspecified); a pointer stays valid until the same slot is asked for again on this
 // thread.
 enum BufferSlot { kSlotXs, kSlotAct, kSlotXp, kSlotAp, kSlotYs, kSlotScratch, kSlotShared0,
-                  kSlotShared1, kSlotShared2, kNumSlots };
+                  kSlotShared1, kSlotShared2, kSlotRouter, kNumSlots };
 
 template <typename T>
 T* reused_buffer(BufferSlot slot, int64_t n) {
@@ -352,17 +358,24 @@ void plan(const int64_t* topk_ids, int64_t num_tokens, int64_t top_k, int64_t nu
   }
   p.blocks.clear();
   p.stored = p.stored_panels = 0;
-  for (int64_t e = 0; e < num_experts; ++e)
-    for (int64_t r0 = offsets[e]; r0 < offsets[e + 1]; r0 += kRowBlock) {
-      const int64_t r1 = std::min(offsets[e + 1], r0 + kRowBlock);
-      if (r1 - r0 >= kPanelMinRows) {
+  for (int64_t e = 0; e < num_experts; ++e) {
+    const int64_t rows = offsets[e + 1] - offsets[e];
+    if (rows >= kPanelMinRows) {
+      // ceil(rows / kPanelRowBlock) blocks of whole panels, the last one the shortest
+      const int64_t count = (rows + kPanelRowBlock - 1) / kPanelRowBlock;
+      const int64_t per = ((rows + count - 1) / count + kPanel - 1) / kPanel * kPanel;
+      for (int64_t r0 = offsets[e]; r0 < offsets[e + 1]; r0 += per) {
+        const int64_t r1 = std::min(offsets[e + 1], r0 + per);
         p.blocks.push_back({e, r0, r1, p.stored_panels, true});
         p.stored_panels += (r1 - r0 + kPanel - 1) / kPanel * kPanel;
-      } else {
-        p.blocks.push_back({e, r0, r1, p.stored, false});
-        p.stored += r1 - r0;
       }
+      continue;
     }
+    if (rows > 0) {
+      p.blocks.push_back({e, offsets[e], offsets[e + 1], p.stored, false});
+      p.stored += rows;
+    }
+  }
   const int64_t num_blocks = static_cast<int64_t>(p.blocks.size());
   // Blocks of up to 8 rows (a decode step's) read each weight tile once whatever its width, so
   // the tiles need not stay in L2 and may span a whole matrix when the threads are few: fewer,
@@ -388,7 +401,7 @@ void plan(const int64_t* topk_ids, int64_t num_tokens, int64_t top_k, int64_t nu
   // few_rows is false).
   p.wide_size = std::is_same_v<TW, float> || p.stored_panels == 0
                     ? 0 : std::max(2 * p.tile_i * H, p.tile_h * I);
-  p.scratch_size = 2 * std::max(kRowBlock * p.tile_i, kPanelsPerStep * kMaxTile * kPanel) +
+  p.scratch_size = 2 * std::max(kPanelMinRows * p.tile_i, kPanelsPerStep * kMaxTile * kPanel) +
                    p.wide_size;
   p.scratch = reused_buffer<float>(kSlotScratch, p.scratch_size * num_threads);
 }
@@ -538,10 +551,13 @@ inline const float* widen(const uint16_t* w, int64_t count, float* buffer) {
   return buffer;
 }
 
-// a[i] = silu(g[i]) * u[i] for i < n (panel form, float32 buffers), rounded where the
-// dot-product form rounds for TA = bfloat16 (g and u as GEMM outputs, silu(g), the product):
-// 16 (AVX-512) or 8 (AVX2) lanes with `exp16` / `exp8` (the same bits), the last values and
-// portable builds by std::exp.
+// a[i] = silu(g[i]) * u[i] for i < n (float32 buffers; both forms' SiLU pass: the panel
+// form's transposed tiles, the dot-product form's rows), rounded where the module path rounds
+// for TA = bfloat16 (g and u as GEMM outputs, silu(g), the product): 16 (AVX-512) or 8 (AVX2)
+// lanes with `exp16` / `exp8` (the same bits), the last values and portable builds by std::exp.
+// NOTE(moe): the dot-product (decode) form used a scalar std::exp per value until 2026-12-07
+// (~1% of a DeepSeek-V2-Lite 200M float32 run in `__expf_fma`); exp16 is within ~2 ulp of it,
+// so decode outputs moved by float32 rounding only.
 template <typename TA>
 void silu_mul(const float* g, const float* u, int64_t n, float* a) {
   constexpr bool bf16 = !std::is_same_v<TA, float>;
@@ -583,34 +599,47 @@ void silu_mul(const float* g, const float* u, int64_t n, float* a) {
   }
 }
 
-// a[i] = rounded(rounded(silu(rounded(g[i]))) * rounded(u[i])) for i < n (the dot-product
-// blocks' SiLU pass, float32 GEMM outputs g and u, `rounded` to TA): the bits of the scalar
-// form (std::exp included, so the decode outputs stay as they were), with the bfloat16
-// roundings, the division and the product in 16 (AVX-512) lanes; only std::exp stays scalar.
-template <typename TA>
-void silu_mul_exact(const float* g, const float* u, int64_t n, float* a) {
-  int64_t i = 0;
 #ifdef PAGEDLLM_AVX512
-  constexpr bool bf16 = !std::is_same_v<TA, float>;
-  const __m512 one = _mm512_set1_ps(1.f);
-  alignas(64) float e[16];
-  for (; i + 16 <= n; i += 16) {
-    __m512 gv = _mm512_loadu_ps(g + i), uv = _mm512_loadu_ps(u + i);
-    if constexpr (bf16) {
-      gv = round_bf16(gv);
-      uv = round_bf16(uv);
-    }
-    _mm512_store_ps(e, gv);
-    for (int l = 0; l < 16; ++l) e[l] = std::exp(-e[l]);
-    __m512 s = _mm512_div_ps(gv, _mm512_add_ps(one, _mm512_load_ps(e)));
-    if constexpr (bf16) s = round_bf16(s);
-    __m512 av = _mm512_mul_ps(s, uv);
-    if constexpr (bf16) av = round_bf16(av);
-    _mm512_storeu_ps(a + i, av);
+// out[c] lane r = v[r] lane c for r, c < 16: a 16 x 16 transpose in registers (x rows into
+// panels, the down GEMM's transposed outputs back into rows).
+inline void transpose16(const __m512 (&v)[16], __m512 (&out)[16]) {
+  __m512 t[16];
+  // 4 x 4 transposes within each 128-bit lane: t[4 i + c], lane L = column 4 L + c of rows
+  // 4 i .. 4 i + 3.
+  for (int i = 0; i < 4; ++i) {
+    const __m512 lo0 = _mm512_unpacklo_ps(v[4 * i], v[4 * i + 1]);
+    const __m512 hi0 = _mm512_unpackhi_ps(v[4 * i], v[4 * i + 1]);
+    const __m512 lo1 = _mm512_unpacklo_ps(v[4 * i + 2], v[4 * i + 3]);
+    const __m512 hi1 = _mm512_unpackhi_ps(v[4 * i + 2], v[4 * i + 3]);
+    t[4 * i] = _mm512_castpd_ps(
+        _mm512_unpacklo_pd(_mm512_castps_pd(lo0), _mm512_castps_pd(lo1)));
+    t[4 * i + 1] = _mm512_castpd_ps(
+        _mm512_unpackhi_pd(_mm512_castps_pd(lo0), _mm512_castps_pd(lo1)));
+    t[4 * i + 2] = _mm512_castpd_ps(
+        _mm512_unpacklo_pd(_mm512_castps_pd(hi0), _mm512_castps_pd(hi1)));
+    t[4 * i + 3] = _mm512_castpd_ps(
+        _mm512_unpackhi_pd(_mm512_castps_pd(hi0), _mm512_castps_pd(hi1)));
   }
-#endif
-  for (; i < n; ++i) a[i] = rounded<TA>(rounded<TA>(silu(rounded<TA>(g[i]))) * rounded<TA>(u[i]));
+  // Lanes L of t[c], t[4 + c], t[8 + c], t[12 + c] make column 4 L + c.
+  for (int c = 0; c < 4; ++c) {
+    const __m512 x0 = _mm512_shuffle_f32x4(t[c], t[4 + c], 0x44);
+    const __m512 x1 = _mm512_shuffle_f32x4(t[c], t[4 + c], 0xee);
+    const __m512 y0 = _mm512_shuffle_f32x4(t[8 + c], t[12 + c], 0x44);
+    const __m512 y1 = _mm512_shuffle_f32x4(t[8 + c], t[12 + c], 0xee);
+    out[c] = _mm512_shuffle_f32x4(x0, y0, 0x88);
+    out[c + 4] = _mm512_shuffle_f32x4(x0, y0, 0xdd);
+    out[c + 8] = _mm512_shuffle_f32x4(x1, y1, 0x88);
+    out[c + 12] = _mm512_shuffle_f32x4(x1, y1, 0xdd);
+  }
 }
+
+inline void store16(__m512 v, float* p) { _mm512_storeu_ps(p, v); }
+
+inline void store16(__m512 v, uint16_t* p) {   // the scalar `store`'s rounding, 8 lanes at a time
+  store8(_mm512_castps512_ps256(v), p);
+  store8(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)), p + 8);
+}
+#endif
 
 // Rows [r0, r0 + rows) of the sorted pairs as float32 panels at xp (header of the panel form):
 // AVX-512 16 x 16 blocks transposed in registers, the rest value by value.
@@ -625,42 +654,34 @@ void gather_panels(const TA* hidden, const int64_t* token_of_row, int64_t rows, 
     int64_t k = 0;
 #ifdef PAGEDLLM_AVX512
     for (; k + 16 <= H; k += 16) {
-      __m512 v[16], t[16];
+      __m512 v[16], out[16];
       for (int r = 0; r < 16; ++r) v[r] = r < n ? load16(src[r] + k) : _mm512_setzero_ps();
-      // 4 x 4 transposes within each 128-bit lane: t[4 i + c], lane L = column 4 L + c of
-      // rows 4 i .. 4 i + 3.
-      for (int i = 0; i < 4; ++i) {
-        const __m512 lo0 = _mm512_unpacklo_ps(v[4 * i], v[4 * i + 1]);
-        const __m512 hi0 = _mm512_unpackhi_ps(v[4 * i], v[4 * i + 1]);
-        const __m512 lo1 = _mm512_unpacklo_ps(v[4 * i + 2], v[4 * i + 3]);
-        const __m512 hi1 = _mm512_unpackhi_ps(v[4 * i + 2], v[4 * i + 3]);
-        t[4 * i] = _mm512_castpd_ps(
-            _mm512_unpacklo_pd(_mm512_castps_pd(lo0), _mm512_castps_pd(lo1)));
-        t[4 * i + 1] = _mm512_castpd_ps(
-            _mm512_unpackhi_pd(_mm512_castps_pd(lo0), _mm512_castps_pd(lo1)));
-        t[4 * i + 2] = _mm512_castpd_ps(
-            _mm512_unpacklo_pd(_mm512_castps_pd(hi0), _mm512_castps_pd(hi1)));
-        t[4 * i + 3] = _mm512_castpd_ps(
-            _mm512_unpackhi_pd(_mm512_castps_pd(hi0), _mm512_castps_pd(hi1)));
-      }
-      // Lanes L of t[c], t[4 + c], t[8 + c], t[12 + c] make column 4 L + c.
-      for (int c = 0; c < 4; ++c) {
-        const __m512 x0 = _mm512_shuffle_f32x4(t[c], t[4 + c], 0x44);
-        const __m512 x1 = _mm512_shuffle_f32x4(t[c], t[4 + c], 0xee);
-        const __m512 y0 = _mm512_shuffle_f32x4(t[8 + c], t[12 + c], 0x44);
-        const __m512 y1 = _mm512_shuffle_f32x4(t[8 + c], t[12 + c], 0xee);
-        float* out = panel + (k + c) * kPanel;
-        _mm512_storeu_ps(out, _mm512_shuffle_f32x4(x0, y0, 0x88));
-        _mm512_storeu_ps(out + 4 * kPanel, _mm512_shuffle_f32x4(x0, y0, 0xdd));
-        _mm512_storeu_ps(out + 8 * kPanel, _mm512_shuffle_f32x4(x1, y1, 0x88));
-        _mm512_storeu_ps(out + 12 * kPanel, _mm512_shuffle_f32x4(x1, y1, 0xdd));
-      }
+      transpose16(v, out);
+      for (int c = 0; c < 16; ++c) _mm512_storeu_ps(panel + (k + c) * kPanel, out[c]);
     }
 #endif
     for (; k < H; ++k)
       for (int64_t r = 0; r < kPanel; ++r)
         panel[k * kPanel + r] = r < n ? to_float(src[r][k]) : 0.f;
   }
+}
+
+// Rows [0, rows) of y (row stride ldy, TA) from one panel's transposed outputs c [n][kPanel]
+// (y[r][j] = c[j * kPanel + r], rounded to TA): AVX-512 16 x 16 blocks transposed in registers,
+// the rest value by value.
+template <typename TA>
+void store_panel_rows(const float* c, int64_t n, int64_t rows, TA* y, int64_t ldy) {
+  int64_t j = 0;
+#ifdef PAGEDLLM_AVX512
+  for (; j + 16 <= n; j += 16) {
+    __m512 v[16], out[16];
+    for (int q = 0; q < 16; ++q) v[q] = _mm512_loadu_ps(c + (j + q) * kPanel);
+    transpose16(v, out);
+    for (int64_t r = 0; r < rows; ++r) store16(out[r], y + r * ldy + j);
+  }
+#endif
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t jj = j; jj < n; ++jj) store(c[jj * kPanel + r], y + r * ldy + jj);
 }
 
 // dst[0, n) = src[0, n) as float32 (bfloat16 widened: exact). The dot-product blocks keep their
@@ -726,14 +747,14 @@ void expert_phases(const TA* hidden, const TW* w13, const TW* w2, Plan<TA>& p) {
       }
       continue;
     }
-    // gate / up in float32, rounded to TA by `silu_mul_exact` (as a TA store would round them)
+    // gate / up in float32, rounded to TA by `silu_mul` (as a TA store would round them)
     float* gate = scratch;
     float* up = scratch + half;
     const float* x = p.xs + b.s0 * H;
     tile_gemm(x, H, rows, w_gate, H, n, gate, tile_i);
     tile_gemm(x, H, rows, w_up, H, n, up, tile_i);
     for (int64_t r = 0; r < rows; ++r)
-      silu_mul_exact<TA>(gate + r * tile_i, up + r * tile_i, n, p.act + (b.s0 + r) * I + n0);
+      silu_mul<TA>(gate + r * tile_i, up + r * tile_i, n, p.act + (b.s0 + r) * I + n0);
   }
 
   const int64_t tile_h = p.tile_h, tiles_h = p.tiles_h;
@@ -753,11 +774,7 @@ void expert_phases(const TA* hidden, const TW* w13, const TW* w2, Plan<TA>& p) {
       panel_gemm(wd, I, p.ap + (b.s0 + q * kPanel) * I, np, n, scratch);
       for (int64_t pp = 0; pp < np; ++pp) {
         const int64_t r0 = b.r0 + (q + pp) * kPanel, rows = std::min(kPanel, b.r1 - r0);
-        const float* c = scratch + pp * n * kPanel;
-        for (int64_t r = 0; r < rows; ++r) {
-          TA* y = p.ys + (r0 + r) * H + n0;
-          for (int64_t j = 0; j < n; ++j) store(c[j * kPanel + r], y + j);
-        }
+        store_panel_rows(scratch + pp * n * kPanel, n, rows, p.ys + r0 * H + n0, H);
       }
     }
   }
