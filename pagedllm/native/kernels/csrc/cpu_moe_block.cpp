@@ -17,9 +17,9 @@
 // the shared MLP's linears, the gate, adds), each paying Python dispatch; at batch 1 of a 200M
 // MoE model they cost as much as streaming the chosen experts' weights. Here the block is one
 // OpenMP parallel region whose phases are separated by the implicit barriers of their
-// work-sharing loops: router GEMV, routing (per token), the counting sort (one thread), the
-// experts' phases, the shared expert's two GEMMs (packed panels, packed_gemm.h, when the
-// module's linears hold them), the gate, the combine.
+// work-sharing loops: router logits (the packed GEMM), routing (per token), the
+// counting sort (one thread), the experts' phases, the shared expert's two GEMMs (packed
+// panels, packed_gemm.h, when the module's linears hold them), the gate, the combine.
 //
 // Rounding as the module path rounds (activations TA float32 or bfloat16, math in float32):
 // the router logits to the router weight's dtype (DeepSeek's float32 router: not at all), the
@@ -130,48 +130,6 @@ void any_linear(const TX* x, int64_t T, int64_t K, const void* w, int dtype, boo
   }
 }
 
-// logits [T, E] (float32) = x [T, H] @ router^T, router [E, H] in dtype code `dtype`, as
-// fused_moe_kernel.h's panel form computes the experts' prefill products: x in 16-row float32
-// panels (`gather_panels`, token_of_row the identity), the router's rows broadcast against them
-// (`panel_gemm`, one k-ordered chain per logit), bfloat16 router rows widened once per thread
-// (exact). An orphaned work-sharing loop over (panel step, tile of 32 experts).
-// NOTE(moe): until 2026-12-07 the router ran through linear_tiles' 8-lane dot products with
-// 8-expert tiles (~1.6% of a DeepSeek-V2-Lite 200M float32 run at batch 32); the panel form
-// reads x once per 32 experts and keeps 24 sums in registers. The sums' order differs (float32
-// rounding only).
-template <typename TA>
-void router_logits(const TA* x, const int64_t* identity, int64_t T, int64_t H,
-                   const void* router, int dtype, int64_t E, float* logits) {
-  constexpr int64_t kTile = 32;
-  const int64_t num_panels = (T + moe::kPanel - 1) / moe::kPanel;
-  const int64_t steps = (num_panels + moe::kPanelsPerStep - 1) / moe::kPanelsPerStep;
-  const int64_t tiles = (E + kTile - 1) / kTile;
-  const int64_t panel_size = moe::kPanelsPerStep * moe::kPanel * H;
-  const int64_t out_size = moe::kPanelsPerStep * kTile * moe::kPanel;
-  const int64_t wide_size = dtype == 0 ? 0 : E * H;
-  float* buffer = moe::reused_buffer<float>(moe::kSlotRouter, panel_size + out_size + wide_size);
-  float* panel = buffer;
-  float* c = buffer + panel_size;
-  const float* wr = dtype == 0 ? static_cast<const float*>(router)
-                               : moe::widen(static_cast<const uint16_t*>(router), E * H,
-                                            c + out_size);
-#pragma omp for schedule(dynamic, 1)
-  for (int64_t item = 0; item < steps * tiles; ++item) {
-    const int64_t r0 = (item / tiles) * moe::kPanelsPerStep * moe::kPanel;
-    const int64_t e0 = (item % tiles) * kTile, n = std::min(E - e0, kTile);
-    const int64_t rows = std::min(T - r0, moe::kPanelsPerStep * moe::kPanel);
-    const int64_t np = (rows + moe::kPanel - 1) / moe::kPanel;
-    moe::gather_panels(x, identity + r0, rows, H, panel);
-    moe::panel_gemm(wr + e0 * H, H, panel, np, n, c);
-    for (int64_t q = 0; q < np; ++q)
-      for (int64_t r = 0; r < std::min(moe::kPanel, rows - q * moe::kPanel); ++r) {
-        float* out = logits + (r0 + q * moe::kPanel + r) * E + e0;
-        const float* cq = c + q * n * moe::kPanel + r;
-        for (int64_t j = 0; j < n; ++j) out[j] = cq[j * moe::kPanel];
-      }
-  }
-}
-
 // a[0, n) = silu(g) * u for one token's shared expert (g, u: its gate and up GEMM outputs in
 // TA), rounded as the module path rounds (`moe::silu_mul`: silu(g) and the product to TA).
 template <typename TA>
@@ -199,8 +157,7 @@ void moe_block_impl(const MoeBlockWeights& w, const TA* x, int64_t T, int64_t H,
   const int64_t Is = w.shared_gate_up != nullptr ? w.shared_intermediate : 0;
   const int num_threads = omp_get_max_threads();
   std::vector<float> logits(T * E), topk_weights(T * k);
-  std::vector<int64_t> topk_ids(T * k), identity(T);
-  for (int64_t t = 0; t < T; ++t) identity[t] = t;
+  std::vector<int64_t> topk_ids(T * k);
   std::vector<float> route_scratch(static_cast<size_t>(num_threads) * 2 * E);
   std::vector<char> taken(static_cast<size_t>(num_threads) * std::max<int64_t>(E, w.n_group));
   // The shared expert's intermediates, in buffers this thread reuses (fused_moe_kernel.h).
@@ -214,8 +171,12 @@ void moe_block_impl(const MoeBlockWeights& w, const TA* x, int64_t T, int64_t H,
 #pragma omp parallel
   {
     // Router logits, rounded to the router weight's dtype.
-    if (E > 0) router_logits(x, identity.data(), T, H, w.router, w.router_dtype, E,
-                             logits.data());
+    // NOTE(moe): the router on its packed copy (`router_packed`, made by NativeMoeBlock) runs
+    // 2-3.5x faster than linear_tiles' dot products at 32 and 2048 rows (DeepSeek-V2-Lite 200M
+    // 64 x 512, Qwen3-Next 200M 16 x 768; docs/benchmarks.md "The MoE kernel in float32"); the
+    // sums' order differs (float32 rounding only).
+    if (E > 0) any_linear(x, T, H, w.router, w.router_dtype, w.router_packed != 0, E,
+                          logits.data());
     if (w.router_dtype != 0) {
 #pragma omp for
       for (int64_t i = 0; i < T * E; ++i) logits[i] = moe::rounded<uint16_t>(logits[i]);

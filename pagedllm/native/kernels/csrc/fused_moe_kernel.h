@@ -300,7 +300,7 @@ inline int64_t tile_width(int64_t columns, int64_t num_blocks, int num_threads,
 // contents unspecified); a pointer stays valid until the same slot is asked for again on this
 // thread.
 enum BufferSlot { kSlotXs, kSlotAct, kSlotXp, kSlotAp, kSlotYs, kSlotScratch, kSlotShared0,
-                  kSlotShared1, kSlotShared2, kSlotRouter, kNumSlots };
+                  kSlotShared1, kSlotShared2, kNumSlots };
 
 template <typename T>
 T* reused_buffer(BufferSlot slot, int64_t n) {
