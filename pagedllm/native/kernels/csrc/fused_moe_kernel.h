@@ -554,18 +554,22 @@ inline const float* widen(const uint16_t* w, int64_t count, float* buffer) {
 // a[i] = silu(g[i]) * u[i] for i < n (float32 buffers; both forms' SiLU pass: the panel
 // form's transposed tiles, the dot-product form's rows), rounded where the module path rounds
 // for TA = bfloat16 (g and u as GEMM outputs, silu(g), the product): 16 (AVX-512) or 8 (AVX2)
-// lanes with `exp16` / `exp8` (the same bits), the last values and portable builds by std::exp.
+// lanes with `exp16` / `exp8` (the same bits; the last values in masked lanes, so each value's
+// bits do not depend on where it lies), portable builds by std::exp.
 // NOTE(moe): the dot-product (decode) form used a scalar std::exp per value until 2026-12-07
 // (~1% of a DeepSeek-V2-Lite 200M float32 run in `__expf_fma`); exp16 is within ~2 ulp of it,
 // so decode outputs moved by float32 rounding only.
 template <typename TA>
 void silu_mul(const float* g, const float* u, int64_t n, float* a) {
   constexpr bool bf16 = !std::is_same_v<TA, float>;
-  int64_t i = 0;
 #ifdef PAGEDLLM_AVX512
   const __m512 one = _mm512_set1_ps(1.f);
-  for (; i + 16 <= n; i += 16) {
-    __m512 gv = _mm512_loadu_ps(g + i), uv = _mm512_loadu_ps(u + i);
+  for (int64_t i = 0; i < n; i += 16) {
+    // the last values in masked lanes: every value through exp16, wherever it lies in the
+    // buffer (the tiles' widths change with the batch; a scalar tail gave one token other
+    // bits in another batch)
+    const __mmask16 m = n - i >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - i)) - 1);
+    __m512 gv = _mm512_maskz_loadu_ps(m, g + i), uv = _mm512_maskz_loadu_ps(m, u + i);
     if constexpr (bf16) {
       gv = round_bf16(gv);
       uv = round_bf16(uv);
@@ -575,12 +579,16 @@ void silu_mul(const float* g, const float* u, int64_t n, float* a) {
     if constexpr (bf16) s = round_bf16(s);
     __m512 av = _mm512_mul_ps(s, uv);
     if constexpr (bf16) av = round_bf16(av);
-    _mm512_storeu_ps(a + i, av);
+    _mm512_mask_storeu_ps(a + i, m, av);
   }
 #elif defined(PAGEDLLM_AVX2)
   const __m256 one = _mm256_set1_ps(1.f);
-  for (; i + 8 <= n; i += 8) {
-    __m256 gv = _mm256_loadu_ps(g + i), uv = _mm256_loadu_ps(u + i);
+  const __m256i lane = _mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0);
+  for (int64_t i = 0; i < n; i += 8) {
+    // the last values in masked lanes, as the AVX-512 form (exp8 gives exp16's bits)
+    const __m256i m = _mm256_cmpgt_epi32(
+        _mm256_set1_epi32(static_cast<int>(std::min<int64_t>(n - i, 8))), lane);
+    __m256 gv = _mm256_maskload_ps(g + i, m), uv = _mm256_maskload_ps(u + i, m);
     if constexpr (bf16) {
       gv = round_bf16(gv);
       uv = round_bf16(uv);
@@ -590,13 +598,14 @@ void silu_mul(const float* g, const float* u, int64_t n, float* a) {
     if constexpr (bf16) s = round_bf16(s);
     __m256 av = _mm256_mul_ps(s, uv);
     if constexpr (bf16) av = round_bf16(av);
-    _mm256_storeu_ps(a + i, av);
+    _mm256_maskstore_ps(a + i, m, av);
   }
-#endif
-  for (; i < n; ++i) {
+#else
+  for (int64_t i = 0; i < n; ++i) {
     const float s = rounded<TA>(silu(rounded<TA>(g[i])));
     a[i] = rounded<TA>(s * rounded<TA>(u[i]));
   }
+#endif
 }
 
 #ifdef PAGEDLLM_AVX512
