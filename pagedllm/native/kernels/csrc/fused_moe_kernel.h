@@ -610,7 +610,7 @@ void silu_mul(const float* g, const float* u, int64_t n, float* a) {
 
 #ifdef PAGEDLLM_AVX512
 // out[c] lane r = v[r] lane c for r, c < 16: a 16 x 16 transpose in registers (x rows into
-// panels, the down GEMM's transposed outputs back into rows).
+// panels).
 inline void transpose16(const __m512 (&v)[16], __m512 (&out)[16]) {
   __m512 t[16];
   // 4 x 4 transposes within each 128-bit lane: t[4 i + c], lane L = column 4 L + c of rows
@@ -641,13 +641,6 @@ inline void transpose16(const __m512 (&v)[16], __m512 (&out)[16]) {
     out[c + 12] = _mm512_shuffle_f32x4(x1, y1, 0xdd);
   }
 }
-
-inline void store16(__m512 v, float* p) { _mm512_storeu_ps(p, v); }
-
-inline void store16(__m512 v, uint16_t* p) {   // the scalar `store`'s rounding, 8 lanes at a time
-  store8(_mm512_castps512_ps256(v), p);
-  store8(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)), p + 8);
-}
 #endif
 
 // Rows [r0, r0 + rows) of the sorted pairs as float32 panels at xp (header of the panel form):
@@ -673,24 +666,6 @@ void gather_panels(const TA* hidden, const int64_t* token_of_row, int64_t rows, 
       for (int64_t r = 0; r < kPanel; ++r)
         panel[k * kPanel + r] = r < n ? to_float(src[r][k]) : 0.f;
   }
-}
-
-// Rows [0, rows) of y (row stride ldy, TA) from one panel's transposed outputs c [n][kPanel]
-// (y[r][j] = c[j * kPanel + r], rounded to TA): AVX-512 16 x 16 blocks transposed in registers,
-// the rest value by value.
-template <typename TA>
-void store_panel_rows(const float* c, int64_t n, int64_t rows, TA* y, int64_t ldy) {
-  int64_t j = 0;
-#ifdef PAGEDLLM_AVX512
-  for (; j + 16 <= n; j += 16) {
-    __m512 v[16], out[16];
-    for (int q = 0; q < 16; ++q) v[q] = _mm512_loadu_ps(c + (j + q) * kPanel);
-    transpose16(v, out);
-    for (int64_t r = 0; r < rows; ++r) store16(out[r], y + r * ldy + j);
-  }
-#endif
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t jj = j; jj < n; ++jj) store(c[jj * kPanel + r], y + r * ldy + jj);
 }
 
 // dst[0, n) = src[0, n) as float32 (bfloat16 widened: exact). The dot-product blocks keep their
@@ -783,7 +758,14 @@ void expert_phases(const TA* hidden, const TW* w13, const TW* w2, Plan<TA>& p) {
       panel_gemm(wd, I, p.ap + (b.s0 + q * kPanel) * I, np, n, scratch);
       for (int64_t pp = 0; pp < np; ++pp) {
         const int64_t r0 = b.r0 + (q + pp) * kPanel, rows = std::min(kPanel, b.r1 - r0);
-        store_panel_rows(scratch + pp * n * kPanel, n, rows, p.ys + r0 * H + n0, H);
+        // NOTE(moe): a 16 x 16 register transpose here (as `gather_panels`) measured 5-9%
+        // slower per prefill block than this loop (docs/benchmarks.md, "The MoE kernel in
+        // float32"): the loop writes each output row's columns in one run.
+        const float* c = scratch + pp * n * kPanel;
+        for (int64_t r = 0; r < rows; ++r) {
+          TA* y = p.ys + (r0 + r) * H + n0;
+          for (int64_t j = 0; j < n; ++j) store(c[j * kPanel + r], y + j);
+        }
       }
     }
   }
