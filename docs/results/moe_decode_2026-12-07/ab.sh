@@ -1,6 +1,9 @@
 #!/bin/bash
 # Builds ab_probe from two source trees of csrc/ (OLD: a copy of the starting point's csrc, NEW:
 # this checkout's) and runs it: ab.sh deepseek|qwen decode|prefill [rounds]
+# NEWFLAGS: extra compiler flags for the new build only (the -D switches of the variants tried);
+# LAYERS: the decode layer count (ab_probe.cpp); B: the build directory. OLD: e.g.
+#   git archive b898fcf pagedllm/native/kernels/csrc | tar -x -C DIR --strip-components=4
 D=$(cd "$(dirname "$0")" && pwd)
 NEW=${NEW:-$D/../../../pagedllm/native/kernels/csrc}
 OLD=${OLD:-/tmp/moe-probe/old_csrc}
