@@ -6,6 +6,8 @@ activation, its sigmoid gate, adds), each paying Python dispatch; for a 200M MoE
 cost about as much as streaming the chosen experts' weights. `moe_block` in
 `pagedllm/native/kernels/csrc/cpu_moe_block.cpp` runs router, routing, routed experts, shared
 expert and the sum as one OpenMP region instead (the math is the module path's; see its header).
+The router runs on a packed copy of its weight (the packed GEMM's panels, made with the kernel's
+view of the weights and rebuilt by `forget_structures`).
 
 Blocks it takes (`NativeMoeBlock.for_block`):
 - `SparseMoeBlock` (models/moe.py: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Qwen3-Next): softmax
@@ -93,6 +95,9 @@ class NativeMoeBlock:
         self.routing = (_SCORING_CODES[scoring], _TOPK_METHOD_CODES[topk_method], n_group,
                         topk_group, int(renormalize), float(routed_scaling_factor))
         self._weights: MoeBlockWeights | None = None
+        # The router weight in the packed GEMM's panels, made by `_struct` (None: the kernel
+        # reads the module's weight rows); the module path keeps reading `router.weight`.
+        self._router_packed: torch.Tensor | None = None
         self._address = 0
         self._lib = cpu_kernels()
         # Most (token, expert) pairs of a step it takes: every size wherever the platform's
@@ -221,8 +226,14 @@ class NativeMoeBlock:
                       getattr(down.quant_method, "packed", False))
         scoring, method, n_group, topk_group, renormalize, scale = self.routing
         w = MoeBlockWeights()
-        w.router, w.router_dtype = self.router.weight.data_ptr(), _DTYPE_CODES[
-            self.router.weight.dtype]
+        # NOTE(moe): a packed copy of the router ([E, hidden]: 128 KiB for DeepSeek-V2-Lite
+        # 200M in float32) runs the router 2-3.5x faster than its rows at 32 and 2048 rows
+        # (docs/benchmarks.md, "The MoE kernel in float32").
+        router = self.router.weight.data
+        self._router_packed = current_platform.pack_linear_weight(router)
+        w.router = (router if self._router_packed is None else self._router_packed).data_ptr()
+        w.router_dtype = _DTYPE_CODES[router.dtype]
+        w.router_packed = int(self._router_packed is not None)
         w.scoring, w.topk_method, w.n_group, w.topk_group = scoring, method, n_group, topk_group
         w.renormalize, w.routed_scaling_factor = renormalize, scale
         w.score_bias = None if self.score_bias is None else self.score_bias.data_ptr()

@@ -98,6 +98,50 @@ def test_sparse_block_float32(shared, renormalize, num_tokens):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("num_tokens", [1, 3, 37])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("packed", [True, False], ids=["packed-router", "router-rows"])
+def test_router_of_many_experts(num_tokens, dtype, packed, monkeypatch):
+    """40 experts (the router's packed copy: two 16-expert panels and a tail panel of 8; with
+    the packed GEMM switched off, its rows); float32 against the module path (torch's linear
+    for the router) and a float64 evaluation of the whole block."""
+    if not packed:
+        monkeypatch.setenv("PAGEDLLM_CPU_PACKED_GEMM", "0")
+    current_platform.configure_options()
+    try:
+        _check_router_of_many_experts(num_tokens, dtype, packed)
+    finally:
+        monkeypatch.delenv("PAGEDLLM_CPU_PACKED_GEMM", raising=False)
+        current_platform.configure_options()
+
+
+def _check_router_of_many_experts(num_tokens, dtype, packed):
+    block = SparseMoeBlock(HIDDEN, 40, 4, 48, True, "silu", shared_expert_intermediate_size=None)
+    _randomize(block, 4)
+    block.to(dtype)
+    x = torch.randn(num_tokens, HIDDEN, generator=torch.Generator().manual_seed(5)).to(dtype)
+    got, want = _both_paths(block, x)
+    assert block.native_block is None
+    native = NativeMoeBlock.for_block(block)
+    assert native.address(num_tokens, dtype) != 0 and native._weights.router_packed == packed
+    assert torch.equal(native(x), got)
+    if dtype == torch.bfloat16:
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+        return
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    xd = x.double()
+    logits = xd @ block.gate.weight.double().T
+    weights, ids = torch.topk(torch.softmax(logits, dim=-1), 4, dim=-1)
+    weights = weights / weights.sum(-1, keepdim=True)
+    w13, w2 = block.experts.w13_weight.double(), block.experts.w2_weight.double()
+    exact = torch.zeros_like(xd)
+    for t in range(num_tokens):
+        for w, e in zip(weights[t].tolist(), ids[t].tolist()):
+            h = w13[e] @ xd[t]
+            exact[t] += w * (w2[e] @ (torch.nn.functional.silu(h[:48]) * h[48:]))
+    torch.testing.assert_close(got.double(), exact, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("make", [lambda: _deepseek(V3), lambda: _deepseek(V2_GREEDY),
                                   lambda: _sparse(96)], ids=["v3", "v2", "qwen3-next"])
 def test_blocks_bfloat16(make):

@@ -21,7 +21,7 @@ import re
 
 # Bump when a declaration below changes (the loaded library reports the version it was
 # compiled with; a stale library in the cache is refused).
-ABI_VERSION = 23
+ABI_VERSION = 24
 
 STRUCTS = """
 /* One weight's rows of one GGML type (layers/quantization/gguf.py `kernel_segments`). */
@@ -231,8 +231,10 @@ struct GatedAttentionWeights {
 /* One mixture-of-experts block for cpu_moe_block.cpp (native/moe_block.py): router, routing,
    routed experts, shared expert. Dtype codes: 0 float32, 1 bfloat16. */
 struct MoeBlockWeights {
-  const void* router;              /* [num_experts, hidden]; logits rounded to its dtype */
+  const void* router;              /* [num_experts, hidden] (packed or not); logits rounded to
+                                      its dtype */
   int32_t router_dtype;
+  int32_t router_packed;           /* 1: in the packed GEMM's panels (packed_gemm.h) */
   int32_t scoring;                 /* 0 softmax, 1 sigmoid */
   int32_t topk_method;             /* 0 top-k of all, 1 group-limited (group max),
                                       2 noaux_tc (group: sum of its top 2) */

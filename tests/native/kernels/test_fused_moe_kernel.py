@@ -50,7 +50,8 @@ def _problem(num_tokens, num_experts, hidden_size, inter, top_k, dtype=torch.flo
     (29, 8, 32, 24, 2),
     (13, 8, 16, 16, 8),      # every expert for every token
     (250, 3, 24, 32, 1),     # ~83 rows per expert: the panel form, a padded last panel
-    (430, 2, 40, 56, 1),     # > 96 rows per expert: panel blocks of 96 and a short last block
+    (430, 2, 40, 56, 1),     # ~215 rows per expert: one panel block each
+    (600, 2, 40, 56, 1),     # ~300 rows per expert: two panel blocks each (at most 256 rows)
 ])
 def test_float32_matches_naive_loop(num_tokens, num_experts, hidden_size, inter, top_k):
     hidden, w13, w2, weights, ids = _problem(num_tokens, num_experts, hidden_size, inter, top_k)
@@ -108,13 +109,14 @@ def test_decode_row_counts_at_sizes_of_sixteen(build, dtype):
 
 @pytest.mark.parametrize("build", BUILD_PARAMS)
 def test_panel_form_panel_counts(build):
-    """float32 prefill-sized blocks (>= 32 rows: the panel form) of 2, 3, 5 and 6 panels and a
-    96 + 54-row expert: the AVX-512 form's two-panel steps and its one-panel remainder, a padded
-    last panel, weight row counts that are not multiples of its 12-row tiles (40, 56). Against
+    """float32 prefill-sized blocks (>= 32 rows: the panel form) of 2, 3, 5, 6 and 10 panels and
+    a 290-row expert cut into blocks of 160 and 130 rows (at most 256 per block): the AVX-512
+    form's two-panel steps and its one-panel remainder, a padded last panel, weight row counts
+    that are not multiples of its 12-row tiles (40, 56). Against
     the float64 loop; with only panel blocks, every build's outputs are the same bits (each
     output is the same k-ordered chain of multiply-adds in the AVX2 and AVX-512 forms)."""
     lib = kernel_build(build)
-    hidden, w13, w2, weights, ids = _rows_per_expert([32, 47, 80, 96, 150], 56, 40,
+    hidden, w13, w2, weights, ids = _rows_per_expert([32, 47, 80, 96, 150, 290], 56, 40,
                                                      torch.float32, 7)
     got = cpu_fused_moe(hidden, w13, w2, weights, ids, lib=lib)
     torch.testing.assert_close(got.double(), _naive(hidden, w13, w2, weights, ids),

@@ -10,10 +10,11 @@
 //                expert under expert parallelism) are dropped:
 //                  sorted rows [ expert 0 | expert 1 | ... ],  pos[t*k + j] = row or -1
 //   1. gather    xs[row] = x[token of row]                                  [m, H]
-//   2. gate/up   per work item (expert, block of <= 96 rows, tile of intermediate columns):
-//                gate and up tiles by the dot-product micro-kernels of linear_kernel.h (blocks
-//                of < 32 rows) or the panel form's outer-product tiles (longer blocks, every
-//                dtype: see "Panel form" below), then act[row, i] = silu(gate) * up  [m, I]
+//   2. gate/up   per work item (expert, block of its rows, tile of intermediate columns):
+//                gate and up tiles by the dot-product micro-kernels (experts with < 32 rows:
+//                one block) or the panel form's outer-product tiles (more rows: blocks of up
+//                to 256, every dtype: see "Panel form" below), then
+//                act[row, i] = silu(gate) * up                               [m, I]
 //   3. down      per work item (expert, row block, tile of hidden columns):
 //                ys[rows] = act[rows] @ W2[e]^T                              [m, H]
 //   4. combine   per token and column: sum_j w[t, j] * ys[pos[t*k + j]], in slot order
@@ -21,7 +22,7 @@
 //
 // Phases 1-3 (`expert_phases`) are orphaned work-sharing loops: every thread of the enclosing
 // region calls them, and each ends with the loop's implicit barrier. Each weight tile is read
-// once per block of up to 96 rows of its expert (not once per token), and the work items of all
+// once per block of up to 256 rows of its expert (not once per token), and the work items of all
 // experts share one loop, so a batch-1 decode with two active experts still spreads over every
 // thread.
 //
@@ -46,11 +47,16 @@
 namespace pagedllm {
 namespace moe {
 
-constexpr int64_t kRowBlock = 96;    // rows per work item: a multiple of the 6/3-row kernels
 constexpr int64_t kMaxTile = 64;     // weight rows per work item (a tile stays in L2)
 constexpr int64_t kCombineChunk = 256;
 constexpr int64_t kPanel = 16;            // rows of x per panel of the transposed layout
-constexpr int64_t kPanelMinRows = 32;     // a row block this long takes the panel form
+constexpr int64_t kPanelMinRows = 32;     // an expert with this many rows takes the panel form
+// Most rows of one panel block: an expert's rows are cut into as few blocks as this allows, of
+// nearly equal size. Each block streams the expert's weight tiles from memory once (later panel
+// steps of the block find them in L2), so longer blocks read the weights fewer times: a
+// 2048-token DeepSeek-V2-Lite step (192 rows per expert) had two 96-row blocks per expert, and
+// the first panel step of each waited on the weights.
+constexpr int64_t kPanelRowBlock = 256;
 #ifdef PAGEDLLM_AVX512
 constexpr int64_t kPanelsPerStep = 2;     // adjacent panels sharing each weight broadcast
 #else
@@ -352,17 +358,24 @@ void plan(const int64_t* topk_ids, int64_t num_tokens, int64_t top_k, int64_t nu
   }
   p.blocks.clear();
   p.stored = p.stored_panels = 0;
-  for (int64_t e = 0; e < num_experts; ++e)
-    for (int64_t r0 = offsets[e]; r0 < offsets[e + 1]; r0 += kRowBlock) {
-      const int64_t r1 = std::min(offsets[e + 1], r0 + kRowBlock);
-      if (r1 - r0 >= kPanelMinRows) {
+  for (int64_t e = 0; e < num_experts; ++e) {
+    const int64_t rows = offsets[e + 1] - offsets[e];
+    if (rows >= kPanelMinRows) {
+      // ceil(rows / kPanelRowBlock) blocks of whole panels, the last one the shortest
+      const int64_t count = (rows + kPanelRowBlock - 1) / kPanelRowBlock;
+      const int64_t per = ((rows + count - 1) / count + kPanel - 1) / kPanel * kPanel;
+      for (int64_t r0 = offsets[e]; r0 < offsets[e + 1]; r0 += per) {
+        const int64_t r1 = std::min(offsets[e + 1], r0 + per);
         p.blocks.push_back({e, r0, r1, p.stored_panels, true});
         p.stored_panels += (r1 - r0 + kPanel - 1) / kPanel * kPanel;
-      } else {
-        p.blocks.push_back({e, r0, r1, p.stored, false});
-        p.stored += r1 - r0;
       }
+      continue;
     }
+    if (rows > 0) {
+      p.blocks.push_back({e, offsets[e], offsets[e + 1], p.stored, false});
+      p.stored += rows;
+    }
+  }
   const int64_t num_blocks = static_cast<int64_t>(p.blocks.size());
   // Blocks of up to 8 rows (a decode step's) read each weight tile once whatever its width, so
   // the tiles need not stay in L2 and may span a whole matrix when the threads are few: fewer,
@@ -388,7 +401,7 @@ void plan(const int64_t* topk_ids, int64_t num_tokens, int64_t top_k, int64_t nu
   // few_rows is false).
   p.wide_size = std::is_same_v<TW, float> || p.stored_panels == 0
                     ? 0 : std::max(2 * p.tile_i * H, p.tile_h * I);
-  p.scratch_size = 2 * std::max(kRowBlock * p.tile_i, kPanelsPerStep * kMaxTile * kPanel) +
+  p.scratch_size = 2 * std::max(kPanelMinRows * p.tile_i, kPanelsPerStep * kMaxTile * kPanel) +
                    p.wide_size;
   p.scratch = reused_buffer<float>(kSlotScratch, p.scratch_size * num_threads);
 }
@@ -538,18 +551,25 @@ inline const float* widen(const uint16_t* w, int64_t count, float* buffer) {
   return buffer;
 }
 
-// a[i] = silu(g[i]) * u[i] for i < n (panel form, float32 buffers), rounded where the
-// dot-product form rounds for TA = bfloat16 (g and u as GEMM outputs, silu(g), the product):
-// 16 (AVX-512) or 8 (AVX2) lanes with `exp16` / `exp8` (the same bits), the last values and
-// portable builds by std::exp.
+// a[i] = silu(g[i]) * u[i] for i < n (float32 buffers; both forms' SiLU pass: the panel
+// form's transposed tiles, the dot-product form's rows), rounded where the module path rounds
+// for TA = bfloat16 (g and u as GEMM outputs, silu(g), the product): 16 (AVX-512) or 8 (AVX2)
+// lanes with `exp16` / `exp8` (the same bits; the last values in masked lanes, so each value's
+// bits do not depend on where it lies), portable builds by std::exp.
+// NOTE(moe): the dot-product (decode) form used a scalar std::exp per value until 2026-12-07
+// (~1% of a DeepSeek-V2-Lite 200M float32 run in `__expf_fma`); exp16 is within ~2 ulp of it,
+// so decode outputs moved by float32 rounding only.
 template <typename TA>
 void silu_mul(const float* g, const float* u, int64_t n, float* a) {
   constexpr bool bf16 = !std::is_same_v<TA, float>;
-  int64_t i = 0;
 #ifdef PAGEDLLM_AVX512
   const __m512 one = _mm512_set1_ps(1.f);
-  for (; i + 16 <= n; i += 16) {
-    __m512 gv = _mm512_loadu_ps(g + i), uv = _mm512_loadu_ps(u + i);
+  for (int64_t i = 0; i < n; i += 16) {
+    // the last values in masked lanes: every value through exp16, wherever it lies in the
+    // buffer (the tiles' widths change with the batch; a scalar tail gave one token other
+    // bits in another batch)
+    const __mmask16 m = n - i >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - i)) - 1);
+    __m512 gv = _mm512_maskz_loadu_ps(m, g + i), uv = _mm512_maskz_loadu_ps(m, u + i);
     if constexpr (bf16) {
       gv = round_bf16(gv);
       uv = round_bf16(uv);
@@ -559,12 +579,16 @@ void silu_mul(const float* g, const float* u, int64_t n, float* a) {
     if constexpr (bf16) s = round_bf16(s);
     __m512 av = _mm512_mul_ps(s, uv);
     if constexpr (bf16) av = round_bf16(av);
-    _mm512_storeu_ps(a + i, av);
+    _mm512_mask_storeu_ps(a + i, m, av);
   }
 #elif defined(PAGEDLLM_AVX2)
   const __m256 one = _mm256_set1_ps(1.f);
-  for (; i + 8 <= n; i += 8) {
-    __m256 gv = _mm256_loadu_ps(g + i), uv = _mm256_loadu_ps(u + i);
+  const __m256i lane = _mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0);
+  for (int64_t i = 0; i < n; i += 8) {
+    // the last values in masked lanes, as the AVX-512 form (exp8 gives exp16's bits)
+    const __m256i m = _mm256_cmpgt_epi32(
+        _mm256_set1_epi32(static_cast<int>(std::min<int64_t>(n - i, 8))), lane);
+    __m256 gv = _mm256_maskload_ps(g + i, m), uv = _mm256_maskload_ps(u + i, m);
     if constexpr (bf16) {
       gv = round_bf16(gv);
       uv = round_bf16(uv);
@@ -574,43 +598,50 @@ void silu_mul(const float* g, const float* u, int64_t n, float* a) {
     if constexpr (bf16) s = round_bf16(s);
     __m256 av = _mm256_mul_ps(s, uv);
     if constexpr (bf16) av = round_bf16(av);
-    _mm256_storeu_ps(a + i, av);
+    _mm256_maskstore_ps(a + i, m, av);
   }
-#endif
-  for (; i < n; ++i) {
+#else
+  for (int64_t i = 0; i < n; ++i) {
     const float s = rounded<TA>(silu(rounded<TA>(g[i])));
     a[i] = rounded<TA>(s * rounded<TA>(u[i]));
   }
+#endif
 }
 
-// a[i] = rounded(rounded(silu(rounded(g[i]))) * rounded(u[i])) for i < n (the dot-product
-// blocks' SiLU pass, float32 GEMM outputs g and u, `rounded` to TA): the bits of the scalar
-// form (std::exp included, so the decode outputs stay as they were), with the bfloat16
-// roundings, the division and the product in 16 (AVX-512) lanes; only std::exp stays scalar.
-template <typename TA>
-void silu_mul_exact(const float* g, const float* u, int64_t n, float* a) {
-  int64_t i = 0;
 #ifdef PAGEDLLM_AVX512
-  constexpr bool bf16 = !std::is_same_v<TA, float>;
-  const __m512 one = _mm512_set1_ps(1.f);
-  alignas(64) float e[16];
-  for (; i + 16 <= n; i += 16) {
-    __m512 gv = _mm512_loadu_ps(g + i), uv = _mm512_loadu_ps(u + i);
-    if constexpr (bf16) {
-      gv = round_bf16(gv);
-      uv = round_bf16(uv);
-    }
-    _mm512_store_ps(e, gv);
-    for (int l = 0; l < 16; ++l) e[l] = std::exp(-e[l]);
-    __m512 s = _mm512_div_ps(gv, _mm512_add_ps(one, _mm512_load_ps(e)));
-    if constexpr (bf16) s = round_bf16(s);
-    __m512 av = _mm512_mul_ps(s, uv);
-    if constexpr (bf16) av = round_bf16(av);
-    _mm512_storeu_ps(a + i, av);
+// out[c] lane r = v[r] lane c for r, c < 16: a 16 x 16 transpose in registers (x rows into
+// panels).
+inline void transpose16(const __m512 (&v)[16], __m512 (&out)[16]) {
+  __m512 t[16];
+  // 4 x 4 transposes within each 128-bit lane: t[4 i + c], lane L = column 4 L + c of rows
+  // 4 i .. 4 i + 3.
+  for (int i = 0; i < 4; ++i) {
+    const __m512 lo0 = _mm512_unpacklo_ps(v[4 * i], v[4 * i + 1]);
+    const __m512 hi0 = _mm512_unpackhi_ps(v[4 * i], v[4 * i + 1]);
+    const __m512 lo1 = _mm512_unpacklo_ps(v[4 * i + 2], v[4 * i + 3]);
+    const __m512 hi1 = _mm512_unpackhi_ps(v[4 * i + 2], v[4 * i + 3]);
+    t[4 * i] = _mm512_castpd_ps(
+        _mm512_unpacklo_pd(_mm512_castps_pd(lo0), _mm512_castps_pd(lo1)));
+    t[4 * i + 1] = _mm512_castpd_ps(
+        _mm512_unpackhi_pd(_mm512_castps_pd(lo0), _mm512_castps_pd(lo1)));
+    t[4 * i + 2] = _mm512_castpd_ps(
+        _mm512_unpacklo_pd(_mm512_castps_pd(hi0), _mm512_castps_pd(hi1)));
+    t[4 * i + 3] = _mm512_castpd_ps(
+        _mm512_unpackhi_pd(_mm512_castps_pd(hi0), _mm512_castps_pd(hi1)));
   }
-#endif
-  for (; i < n; ++i) a[i] = rounded<TA>(rounded<TA>(silu(rounded<TA>(g[i]))) * rounded<TA>(u[i]));
+  // Lanes L of t[c], t[4 + c], t[8 + c], t[12 + c] make column 4 L + c.
+  for (int c = 0; c < 4; ++c) {
+    const __m512 x0 = _mm512_shuffle_f32x4(t[c], t[4 + c], 0x44);
+    const __m512 x1 = _mm512_shuffle_f32x4(t[c], t[4 + c], 0xee);
+    const __m512 y0 = _mm512_shuffle_f32x4(t[8 + c], t[12 + c], 0x44);
+    const __m512 y1 = _mm512_shuffle_f32x4(t[8 + c], t[12 + c], 0xee);
+    out[c] = _mm512_shuffle_f32x4(x0, y0, 0x88);
+    out[c + 4] = _mm512_shuffle_f32x4(x0, y0, 0xdd);
+    out[c + 8] = _mm512_shuffle_f32x4(x1, y1, 0x88);
+    out[c + 12] = _mm512_shuffle_f32x4(x1, y1, 0xdd);
+  }
 }
+#endif
 
 // Rows [r0, r0 + rows) of the sorted pairs as float32 panels at xp (header of the panel form):
 // AVX-512 16 x 16 blocks transposed in registers, the rest value by value.
@@ -625,36 +656,10 @@ void gather_panels(const TA* hidden, const int64_t* token_of_row, int64_t rows, 
     int64_t k = 0;
 #ifdef PAGEDLLM_AVX512
     for (; k + 16 <= H; k += 16) {
-      __m512 v[16], t[16];
+      __m512 v[16], out[16];
       for (int r = 0; r < 16; ++r) v[r] = r < n ? load16(src[r] + k) : _mm512_setzero_ps();
-      // 4 x 4 transposes within each 128-bit lane: t[4 i + c], lane L = column 4 L + c of
-      // rows 4 i .. 4 i + 3.
-      for (int i = 0; i < 4; ++i) {
-        const __m512 lo0 = _mm512_unpacklo_ps(v[4 * i], v[4 * i + 1]);
-        const __m512 hi0 = _mm512_unpackhi_ps(v[4 * i], v[4 * i + 1]);
-        const __m512 lo1 = _mm512_unpacklo_ps(v[4 * i + 2], v[4 * i + 3]);
-        const __m512 hi1 = _mm512_unpackhi_ps(v[4 * i + 2], v[4 * i + 3]);
-        t[4 * i] = _mm512_castpd_ps(
-            _mm512_unpacklo_pd(_mm512_castps_pd(lo0), _mm512_castps_pd(lo1)));
-        t[4 * i + 1] = _mm512_castpd_ps(
-            _mm512_unpackhi_pd(_mm512_castps_pd(lo0), _mm512_castps_pd(lo1)));
-        t[4 * i + 2] = _mm512_castpd_ps(
-            _mm512_unpacklo_pd(_mm512_castps_pd(hi0), _mm512_castps_pd(hi1)));
-        t[4 * i + 3] = _mm512_castpd_ps(
-            _mm512_unpackhi_pd(_mm512_castps_pd(hi0), _mm512_castps_pd(hi1)));
-      }
-      // Lanes L of t[c], t[4 + c], t[8 + c], t[12 + c] make column 4 L + c.
-      for (int c = 0; c < 4; ++c) {
-        const __m512 x0 = _mm512_shuffle_f32x4(t[c], t[4 + c], 0x44);
-        const __m512 x1 = _mm512_shuffle_f32x4(t[c], t[4 + c], 0xee);
-        const __m512 y0 = _mm512_shuffle_f32x4(t[8 + c], t[12 + c], 0x44);
-        const __m512 y1 = _mm512_shuffle_f32x4(t[8 + c], t[12 + c], 0xee);
-        float* out = panel + (k + c) * kPanel;
-        _mm512_storeu_ps(out, _mm512_shuffle_f32x4(x0, y0, 0x88));
-        _mm512_storeu_ps(out + 4 * kPanel, _mm512_shuffle_f32x4(x0, y0, 0xdd));
-        _mm512_storeu_ps(out + 8 * kPanel, _mm512_shuffle_f32x4(x1, y1, 0x88));
-        _mm512_storeu_ps(out + 12 * kPanel, _mm512_shuffle_f32x4(x1, y1, 0xdd));
-      }
+      transpose16(v, out);
+      for (int c = 0; c < 16; ++c) _mm512_storeu_ps(panel + (k + c) * kPanel, out[c]);
     }
 #endif
     for (; k < H; ++k)
@@ -726,14 +731,14 @@ void expert_phases(const TA* hidden, const TW* w13, const TW* w2, Plan<TA>& p) {
       }
       continue;
     }
-    // gate / up in float32, rounded to TA by `silu_mul_exact` (as a TA store would round them)
+    // gate / up in float32, rounded to TA by `silu_mul` (as a TA store would round them)
     float* gate = scratch;
     float* up = scratch + half;
     const float* x = p.xs + b.s0 * H;
     tile_gemm(x, H, rows, w_gate, H, n, gate, tile_i);
     tile_gemm(x, H, rows, w_up, H, n, up, tile_i);
     for (int64_t r = 0; r < rows; ++r)
-      silu_mul_exact<TA>(gate + r * tile_i, up + r * tile_i, n, p.act + (b.s0 + r) * I + n0);
+      silu_mul<TA>(gate + r * tile_i, up + r * tile_i, n, p.act + (b.s0 + r) * I + n0);
   }
 
   const int64_t tile_h = p.tile_h, tiles_h = p.tiles_h;
@@ -753,6 +758,9 @@ void expert_phases(const TA* hidden, const TW* w13, const TW* w2, Plan<TA>& p) {
       panel_gemm(wd, I, p.ap + (b.s0 + q * kPanel) * I, np, n, scratch);
       for (int64_t pp = 0; pp < np; ++pp) {
         const int64_t r0 = b.r0 + (q + pp) * kPanel, rows = std::min(kPanel, b.r1 - r0);
+        // NOTE(moe): a 16 x 16 register transpose here (as `gather_panels`) measured 5-9%
+        // slower per prefill block than this loop (docs/benchmarks.md, "The MoE kernel in
+        // float32"): the loop writes each output row's columns in one run.
         const float* c = scratch + pp * n * kPanel;
         for (int64_t r = 0; r < rows; ++r) {
           TA* y = p.ys + (r0 + r) * H + n0;
