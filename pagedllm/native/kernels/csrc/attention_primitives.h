@@ -289,11 +289,20 @@ inline void block_values(float* acc, const float* p, const T* v, int64_t stride,
 }
 
 // dst[i] = num[i] / (1 + exp(-x[i])) = num[i] * sigmoid(x[i]) for i < n (the recurrent layers'
-// SiLU, num = x, and Qwen3-Next's output gates; cpu_state_scan.cpp / cpu_gdn_decoder.cpp): 8
-// lanes at a time with exp8 (glibc's scalar expf does not vectorise; relative difference
-// ~1e-7), the tail with std::exp. dst may be num or x.
+// SiLU, num = x, and Qwen3-Next's output gates; cpu_state_scan.cpp / cpu_gdn_decoder.cpp): 16
+// lanes at a time with exp16 (AVX-512), then 8 with exp8 (glibc's scalar expf does not
+// vectorise; relative difference ~1e-7), the tail with std::exp. exp16 runs exp8's operations
+// and the division is the same, so an element gets the same bits in either width. dst may be
+// num or x.
 inline void mul_sigmoid(const float* num, const float* x, float* dst, int64_t n) {
   int64_t i = 0;
+#ifdef PAGEDLLM_AVX512
+  const __m512 one16 = _mm512_set1_ps(1.0f);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_loadu_ps(x + i)));
+    _mm512_storeu_ps(dst + i, _mm512_div_ps(_mm512_loadu_ps(num + i), _mm512_add_ps(one16, e)));
+  }
+#endif
 #ifdef PAGEDLLM_AVX2
   const __m256 one = _mm256_set1_ps(1.0f);
   for (; i + 8 <= n; i += 8) {

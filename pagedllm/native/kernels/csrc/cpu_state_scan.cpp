@@ -83,22 +83,6 @@ class Emits {
   int64_t start_, e_, end_;
 };
 
-// a[i] = a[i] / (1 + exp(-a[i])) in place: attention_primitives.h's silu_inplace (8 lanes
-// with exp8, the tail with std::exp) with 16 lanes first (exp16 runs exp8's operations, and
-// the division is the same): the same bits on the same elements, half the instructions.
-inline void silu16_inplace(float* a, int64_t n) {
-  int64_t i = 0;
-#ifdef PAGEDLLM_AVX512
-  const __m512 one = _mm512_set1_ps(1.0f);
-  for (; i + 16 <= n; i += 16) {
-    const __m512 x = _mm512_loadu_ps(a + i);
-    _mm512_storeu_ps(a + i, _mm512_div_ps(x, _mm512_add_ps(one, pagedllm::exp16(
-                                                 _mm512_sub_ps(_mm512_setzero_ps(), x)))));
-  }
-#endif
-  pagedllm::silu_inplace(a + i, n - i);
-}
-
 // One request's channels [c0, c1) over its tokens. The window (the K - 1 inputs before the
 // request's first token, from its state slot) is read once into `win`; token t's taps are the
 // window's last rows while t is within K - 1 tokens of the start, then rows of x itself, so the
@@ -142,7 +126,7 @@ void conv_block(const StateBatch* b, int64_t r, int64_t c0, int64_t c1, const T*
         for (int64_t i = 0; i < nc; ++i) acc[i] += weight_t[j * channels + c0 + i] * tap(t, j, i);
     }
     T* dst = out + t * ldo + c0;
-    if (silu) silu16_inplace(acc, nc);
+    if (silu) pagedllm::silu_inplace(acc, nc);
     for (int64_t i = 0; i < nc; ++i) store(acc[i], dst + i);
     const int64_t emit = emits.due(t);
     if (emit > 0) save(t, conv_states + emit * channels * k1);
@@ -242,7 +226,7 @@ void conv_decode_token(const T* __restrict xr, const float* __restrict weight_t,
     for (int j = 0; j + 1 < K1; ++j) store(old[j + 1], st + i * K1 + j);
     store(xi, st + i * K1 + K1 - 1);
   }
-  if (silu) silu16_inplace(acc, nc);
+  if (silu) pagedllm::silu_inplace(acc, nc);
   for (int64_t i = 0; i < nc; ++i) store(acc[i], dst + i);
 }
 
