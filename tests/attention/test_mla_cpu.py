@@ -75,6 +75,18 @@ def _step(kv_lora_rank: int, num_heads: int, cache_dtype: str, dtype: torch.dtyp
     return q_nope, q_pe, latent, cache, common, w_kv_b
 
 
+def assert_expanded_rows_in_torch(q_nope, q_pe, latent, cache, common, w_kv_b):
+    """A step forced into the expanded form runs its rows in torch (none in the expanded
+    kernel), equal to per-head attention (`_per_head_reference`, float64)."""
+    metadata = MLACpuBackend.build_metadata(common, prefill_form="expanded")
+    out = MLACpuBackend.forward(q_nope, q_pe, latent, cache, metadata, w_kv_b, 0.3)
+    (split,) = metadata.splits.values()
+    assert not len(split.expanded_rows) and split.expanded_groups
+    torch.testing.assert_close(out[:common.num_actual_tokens].double(),
+                               _per_head_reference(q_nope, q_pe, cache, common, w_kv_b, 0.3),
+                               atol=2e-5, rtol=2e-5)
+
+
 def _per_head_reference(q_nope, q_pe, cache, common, w_kv_b, scale):
     """Causal per-head attention in float64 with K / V expanded from the dequantized latents:
     [n, H, dv]."""
@@ -250,13 +262,6 @@ def test_expanded_kernel_refuses_a_value_size_off_its_lanes():
         mla_expanded_prefill(q_nope, q_pe, kv_nope, k_pe, np.zeros(1, dtype=np.int64), qsl,
                              seq_lens, np.array([0], dtype=np.int32), 0.5, 64,
                              torch.zeros(3, 2, 6))
-    step = _step(56, 4, "auto", torch.float32)
-    q_nope, q_pe, latent, cache, common, w_kv_b = step
-    w_kv_b = w_kv_b[:, :DN + DV - 2]                   # dv 22
-    metadata = MLACpuBackend.build_metadata(common, prefill_form="expanded")
-    out = MLACpuBackend.forward(q_nope, q_pe, latent, cache, metadata, w_kv_b, 0.3)
-    (split,) = metadata.splits.values()
-    assert not len(split.expanded_rows) and split.expanded_groups
-    torch.testing.assert_close(out[:common.num_actual_tokens].double(),
-                               _per_head_reference(q_nope, q_pe, cache, common, w_kv_b, 0.3),
-                               atol=2e-5, rtol=2e-5)
+    q_nope, q_pe, latent, cache, common, w_kv_b = _step(56, 4, "auto", torch.float32)
+    assert_expanded_rows_in_torch(q_nope, q_pe, latent, cache, common,
+                                  w_kv_b[:, :DN + DV - 2])   # dv 22

@@ -78,15 +78,7 @@ def test_fused_decoder(use_portable, tiny_checkpoints):
 def test_mla_expanded_rows_run_in_torch(use_portable):
     """A build without AVX-512 has no expanded MLA kernel: the backend runs those rows in
     torch (the absorbed rows in the portable paged kernel), equal to per-head attention."""
-    from pagedllm.attention.backends.mla_cpu import MLACpuBackend
-    from tests.attention.test_mla_cpu import _per_head_reference, _step
+    from tests.attention.test_mla_cpu import _step, assert_expanded_rows_in_torch
 
     assert not ops.mla_expanded_prefill_supported()
-    q_nope, q_pe, latent, cache, common, w_kv_b = _step(56, 4, "auto", torch.float32)
-    metadata = MLACpuBackend.build_metadata(common, prefill_form="expanded")
-    out = MLACpuBackend.forward(q_nope, q_pe, latent, cache, metadata, w_kv_b, 0.3)
-    (split,) = metadata.splits.values()
-    assert not len(split.expanded_rows) and split.expanded_groups
-    torch.testing.assert_close(out[:common.num_actual_tokens].double(),
-                               _per_head_reference(q_nope, q_pe, cache, common, w_kv_b, 0.3),
-                               atol=2e-5, rtol=2e-5)
+    assert_expanded_rows_in_torch(*_step(56, 4, "auto", torch.float32))
