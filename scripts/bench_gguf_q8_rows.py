@@ -26,7 +26,7 @@ import torch
 
 from pagedllm.model_loader.gguf import open_gguf, tensor_data, tensor_table
 from pagedllm.native.kernels import abi, cpu_kernels
-from pagedllm.native.kernels.ops import gguf_group_rows, gguf_segment_structs
+from pagedllm.native.kernels.quantized_ops import gguf_group_rows, gguf_segment_structs
 
 
 def _weights(path: str) -> list[tuple[list, int, int]]:

@@ -15,7 +15,7 @@ import time
 import numpy as np
 import torch
 
-from pagedllm.native.kernels import ops
+from pagedllm.native.kernels import attention_ops as ops
 
 H, KVH, D, BLOCK = 32, 8, 128, 16
 

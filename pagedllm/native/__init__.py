@@ -8,7 +8,9 @@
         abi.py          the ABI, written once: every entry point's signature, every struct
                         shared with C, the ABI version; ctypes declarations and the C header
                         the sources include are both made from it
-        ops.py          the Python wrappers of every kernel (shapes, dtypes, checks)
+        ops.py          Python wrappers (shapes, dtypes, checks): dense / packed GEMM, MoE
+        attention_ops.py  paged attention and MLA prefill wrappers
+        quantized_ops.py  GGUF block and int8 weight wrappers
       fused_decoder.py  all decoder layers of a Llama-family step in one native call
       decode_loop.py    greedy multi-step decode rounds in one native call
       attach.py         the one hook by which a loaded model gets its native decoder stack

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from pagedllm.native.kernels import abi, cpu_kernels
-from pagedllm.native.kernels.ops import gguf_segment_structs
+from pagedllm.native.kernels.quantized_ops import gguf_segment_structs
 from pagedllm.native.attach import NativeDecoderStack
 from pagedllm.native.fused_decoder import _DTYPE_CODES, FusedDecoder
 

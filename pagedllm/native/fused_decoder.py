@@ -33,7 +33,7 @@ import torch
 from pagedllm.attention.backends.cpu_paged import CpuPagedMetadata
 from pagedllm.native.kernels import abi, cpu_kernels
 from pagedllm.native.kernels.lora import LoRALinearWeights, NativeLoRAStep
-from pagedllm.native.kernels.ops import gguf_segment_structs
+from pagedllm.native.kernels.quantized_ops import gguf_segment_structs
 from pagedllm.platforms import current_platform
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}

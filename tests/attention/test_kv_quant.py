@@ -188,7 +188,7 @@ def test_fp8_calibrated_scales_and_backends_agree(cache_dtype):
 def test_portable_kernel_reads_quantized_caches(cache_dtype):
     """The kernels' portable path (built without AVX2/FMA, what a CPU without AVX2 runs) on a
     quantized cache, called directly, against dense attention over the dequantized K/V."""
-    from pagedllm.native.kernels.ops import paged_attention
+    from pagedllm.native.kernels.attention_ops import paged_attention
 
     from tests.fixtures.kernel_builds import kernel_build
 

@@ -22,7 +22,7 @@ from pagedllm.attention.metadata import CommonAttentionMetadata
 from pagedllm.kv_cache_layout import (KV_CACHE_DTYPES, allocate_kv_cache, dequantize_kv,
                                       kv_cache_scales, write_cache_rows)
 from pagedllm.native.kernels import cpu_kernels
-from pagedllm.native.kernels.ops import mla_expanded_prefill, mla_expanded_prefill_supported
+from pagedllm.native.kernels.attention_ops import mla_expanded_prefill, mla_expanded_prefill_supported
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="native CPU kernels unavailable")
 

@@ -3,7 +3,7 @@
 # libraries given on the command line, alternated; thread CPU per "step" (8 layer calls).
 import ctypes, os, sys, time
 import numpy as np, torch
-from pagedllm.native.kernels import ops
+from pagedllm.native.kernels import attention_ops as ops
 torch.set_num_threads(1)
 libs = [ctypes.CDLL(p) for p in sys.argv[1:]]
 H, D, BS, R, L = int(os.environ.get("H", "8")), int(os.environ.get("D", "144")), 16, 32, int(os.environ.get("LAYERS", "8"))

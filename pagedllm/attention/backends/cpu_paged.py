@@ -49,7 +49,7 @@ from pagedllm.kv_cache_layout import write_kv_cache
 from pagedllm.attention.backends.torch_sdpa import TorchSDPABackend, TorchSDPAMetadata
 from pagedllm.attention.metadata import CommonAttentionMetadata
 from pagedllm.native.kernels import cpu_kernels
-from pagedllm.native.kernels.ops import paged_attention
+from pagedllm.native.kernels.attention_ops import paged_attention
 
 
 @dataclass

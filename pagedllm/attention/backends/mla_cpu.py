@@ -62,7 +62,7 @@ from pagedllm.attention.metadata import CommonAttentionMetadata
 from pagedllm.kv_cache_layout import (dequantize_kv, is_quantized_kv_cache, kv_cache_scales,
                                       write_cache_rows)
 from pagedllm.native.kernels import cpu_kernels
-from pagedllm.native.kernels.ops import (mla_expanded_prefill,
+from pagedllm.native.kernels.attention_ops import (mla_expanded_prefill,
                                          mla_expanded_prefill_supported, paged_attention)
 
 # The kernel's cost per multiply-add of the absorbed form relative to torch's GEMMs in the

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pagedllm.native.kernels.ops import (GGUF_BLOCK_SIZE, GGUF_KERNEL_TYPES, gguf_dequantize_rows,
+from pagedllm.native.kernels.quantized_ops import (GGUF_BLOCK_SIZE, GGUF_KERNEL_TYPES, gguf_dequantize_rows,
                                          gguf_group_rows, gguf_linear, gguf_linear_segments,
                                          gguf_ungroup_rows)
 from pagedllm.layers.quantization.base import LinearMethodBase

@@ -25,7 +25,7 @@ from torch import nn
 
 from pagedllm.layers.quantization.gguf import (GGUFLayoutUnsupported, gguf_q8_activations_enabled,
                                                gguf_row_bytes, gguf_row_groups_enabled)
-from pagedllm.native.kernels.ops import GGUF_KERNEL_TYPES, gguf_group_rows, gguf_linear
+from pagedllm.native.kernels.quantized_ops import GGUF_KERNEL_TYPES, gguf_group_rows, gguf_linear
 
 
 class GGUFMoEMethod:

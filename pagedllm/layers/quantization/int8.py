@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.native.kernels import cpu_kernels
-from pagedllm.native.kernels.ops import int8_linear
+from pagedllm.native.kernels.quantized_ops import int8_linear
 from pagedllm.layers.quantization.base import LinearMethodBase
 
 INT8_MAX = 127

@@ -18,7 +18,7 @@ import torch
 
 from pagedllm.native.kernels import cpu_kernels
 from tests.fixtures.kernel_builds import BUILD_FLAGS, BUILD_PARAMS, kernel_build
-from pagedllm.native.kernels.ops import (GGUF_GROUP_ROWS, GGUF_KERNEL_TYPES, gguf_group_rows,
+from pagedllm.native.kernels.quantized_ops import (GGUF_GROUP_ROWS, GGUF_KERNEL_TYPES, gguf_group_rows,
                                          gguf_linear, gguf_linear_segments, gguf_segment_structs,
                                          gguf_ungroup_rows)
 from pagedllm.model_loader.gguf import dequantize
@@ -237,7 +237,7 @@ def test_q8_builds_take_their_integer_paths():
 
 @pytest.mark.parametrize("build", BUILD_PARAMS)
 def test_activation_rounding_is_exact(build):
-    from pagedllm.native.kernels.ops import gguf_quantize_activations
+    from pagedllm.native.kernels.quantized_ops import gguf_quantize_activations
     g = torch.Generator().manual_seed(3)
     x = torch.randn(5, 128, generator=g) * torch.tensor([1e-3, 1.0, 30.0, 0.0]).repeat_interleave(
         32)
@@ -257,7 +257,7 @@ def test_activation_rounding_is_exact(build):
 @pytest.mark.parametrize("build", BUILD_PARAMS)
 def test_k_activation_rounding_is_exact(build):
     """The K-quants' 256-value blocks: one scale per block, int16 sums per 16 values."""
-    from pagedllm.native.kernels.ops import gguf_quantize_activations
+    from pagedllm.native.kernels.quantized_ops import gguf_quantize_activations
     g = torch.Generator().manual_seed(4)
     x = torch.randn(3, 768, generator=g) * torch.tensor([1e-3, 30.0, 0.0]).repeat_interleave(256)
     x[1, :32] = torch.arange(32) - 15.5      # ties to even again
@@ -410,7 +410,7 @@ def test_q8_activations_on_row_segments_of_mixed_types(build):
 @pytest.mark.parametrize("build", [b for b in BUILD_PARAMS if b != "avx2"])
 def test_dequantize_rows_for_embedding_lookups(build, grouped):
     """Rows 0, 2 (in the first row group when grouped) and 5 (a plain tail row of 6)."""
-    from pagedllm.native.kernels.ops import gguf_dequantize_rows
+    from pagedllm.native.kernels.quantized_ops import gguf_dequantize_rows
     lib = kernel_build(build)
     ids = torch.tensor([[2, 0], [5, 2]])
     for seed, tensor_type in enumerate(TYPES):

@@ -1,4 +1,4 @@
-"""The int8 linear kernels (csrc/cpu_int8_linear.cpp, `ops.int8_linear`) against torch references
+"""The int8 linear kernels (csrc/cpu_int8_linear.cpp, `quantized_ops.int8_linear`) against torch references
 on odd shapes: weight-only int8 against x @ (Wq * scale)^T in float64, W8A8 against exact
 integer dot products of the torch per-token quantization; the quantization formulas themselves;
 the portable (no-AVX2) build (slow); and the errors."""
@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import pagedllm.native.kernels.ops as ops
+import pagedllm.native.kernels.quantized_ops as quantized_ops
 from pagedllm.native.kernels import cpu_kernels
 from tests.fixtures.kernel_builds import kernel_build
 from pagedllm.layers.quantization.int8 import (quantize_activations_per_token,
@@ -54,7 +55,7 @@ def test_native_per_token_quantization_equals_torch(m, n, k):
     g = torch.Generator().manual_seed(m * 1000 + k)
     x = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * 5
     x[0, :] = 0.0 if m > 1 else x[0, :]                   # a zero row (scale 0)
-    xq, xs = ops.quantize_per_token_int8(x)
+    xq, xs = quantized_ops.quantize_per_token_int8(x)
     want_q, want_s = quantize_activations_per_token(x)
     assert torch.equal(xs, want_s)
     assert torch.equal(xq, want_q)
@@ -66,11 +67,11 @@ def test_weight_only_matches_torch(m, n, k):
     qweight, scale = quantize_weight_per_channel(torch.randn(n, k, generator=g))
     x, bias = torch.randn(m, k, generator=g), torch.randn(n, generator=g)
     want = _weight_only_reference(x, qweight, scale, bias)
-    torch.testing.assert_close(ops.int8_linear(x, qweight, scale, bias), want,
+    torch.testing.assert_close(quantized_ops.int8_linear(x, qweight, scale, bias), want,
                                rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(ops.int8_linear(x, qweight, scale), want - bias,
+    torch.testing.assert_close(quantized_ops.int8_linear(x, qweight, scale), want - bias,
                                rtol=1e-5, atol=1e-5)
-    got = ops.int8_linear(x.bfloat16().view(m, 1, k), qweight, scale, bias)   # [..., K], bf16
+    got = quantized_ops.int8_linear(x.bfloat16().view(m, 1, k), qweight, scale, bias)   # [..., K], bf16
     assert got.shape == (m, 1, n) and got.dtype == torch.bfloat16
     torch.testing.assert_close(got.view(m, n).float(),
                                _weight_only_reference(x.bfloat16().float(), qweight, scale, bias),
@@ -85,7 +86,7 @@ def test_w8a8_matches_integer_reference(m, n, k):
     scale = torch.rand(n, generator=g) / 100
     x, bias = torch.randn(m, k, generator=g) * 3, torch.randn(n, generator=g)
     x[:, 0] = 1000.0                                       # the max of each row: quants +-127
-    got = ops.int8_linear(x, qweight, scale, bias, quantize_activations=True)
+    got = quantized_ops.int8_linear(x, qweight, scale, bias, quantize_activations=True)
     torch.testing.assert_close(got, _w8a8_reference(x, qweight, scale, bias),
                                rtol=1e-6, atol=1e-6)
 
@@ -94,7 +95,7 @@ def test_w8a8_is_close_to_the_float_product():
     g = torch.Generator().manual_seed(1)
     w, x = torch.randn(48, 256, generator=g), torch.randn(4, 256, generator=g)
     qweight, scale = quantize_weight_per_channel(w)
-    got = ops.int8_linear(x, qweight, scale, quantize_activations=True)
+    got = quantized_ops.int8_linear(x, qweight, scale, quantize_activations=True)
     want = x @ w.T
     assert float((got - want).norm() / want.norm()) < 2e-2
 
@@ -103,15 +104,15 @@ def test_errors():
     q, s = torch.zeros(4, 8, dtype=torch.int8), torch.ones(4)
     x = torch.randn(2, 8)
     with pytest.raises(ValueError, match="qweight"):
-        ops.int8_linear(x, q.to(torch.uint8), s)
+        quantized_ops.int8_linear(x, q.to(torch.uint8), s)
     with pytest.raises(ValueError, match="x"):
-        ops.int8_linear(torch.randn(2, 9), q, s)
+        quantized_ops.int8_linear(torch.randn(2, 9), q, s)
     with pytest.raises(ValueError, match="scale"):
-        ops.int8_linear(x, q, torch.ones(4, dtype=torch.float64))
+        quantized_ops.int8_linear(x, q, torch.ones(4, dtype=torch.float64))
     with pytest.raises(ValueError, match="bias"):
-        ops.int8_linear(x, q, s, torch.ones(5))
+        quantized_ops.int8_linear(x, q, s, torch.ones(5))
     with pytest.raises(ValueError, match="float32"):
-        ops.quantize_per_token_int8(x.double())
+        quantized_ops.quantize_per_token_int8(x.double())
 
 
 @pytest.mark.slow
@@ -122,8 +123,8 @@ def test_portable_build(monkeypatch, m, n, k):
     g = torch.Generator().manual_seed(k)
     qweight, scale = quantize_weight_per_channel(torch.randn(n, k, generator=g))
     x, bias = torch.randn(m, k, generator=g), torch.randn(n, generator=g)
-    torch.testing.assert_close(ops.int8_linear(x, qweight, scale, bias),
+    torch.testing.assert_close(quantized_ops.int8_linear(x, qweight, scale, bias),
                                _weight_only_reference(x, qweight, scale, bias),
                                rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(ops.int8_linear(x, qweight, scale, bias, True),
+    torch.testing.assert_close(quantized_ops.int8_linear(x, qweight, scale, bias, True),
                                _w8a8_reference(x, qweight, scale, bias), rtol=1e-6, atol=1e-6)

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import pagedllm.attention.backends.cpu_paged as cpu_paged
+import pagedllm.native.kernels.attention_ops as attention_ops
 import pagedllm.native.kernels.ops as ops
 import pagedllm.native.fused_decoder as fused_decoder
 from pagedllm.attention.backends.cpu_paged import CpuPagedBackend
@@ -28,6 +29,7 @@ def portable_lib():
 @pytest.fixture
 def use_portable(portable_lib, monkeypatch):
     monkeypatch.setattr(ops, "cpu_kernels", lambda: portable_lib)
+    monkeypatch.setattr(attention_ops, "cpu_kernels", lambda: portable_lib)
     monkeypatch.setattr(cpu_paged, "cpu_kernels", lambda: portable_lib)
     monkeypatch.setattr(fused_decoder, "cpu_kernels", lambda: portable_lib)
 
@@ -80,5 +82,5 @@ def test_mla_expanded_rows_run_in_torch(use_portable):
     torch (the absorbed rows in the portable paged kernel), equal to per-head attention."""
     from tests.attention.test_mla_cpu import _step, assert_expanded_rows_in_torch
 
-    assert not ops.mla_expanded_prefill_supported()
+    assert not attention_ops.mla_expanded_prefill_supported()
     assert_expanded_rows_in_torch(*_step(56, 4, "auto", torch.float32))

@@ -13,8 +13,8 @@ import torch
 from pagedllm.kv_cache_layout import allocate_kv_cache, dequantize_kv, write_kv_cache
 from pagedllm.native.kernels import cpu_kernels
 from tests.fixtures.kernel_builds import BUILD_PARAMS, kernel_build
-from pagedllm.native.kernels.ops import paged_attention
-from pagedllm.native.kernels.ops import paged_attention as _paged_attention
+from pagedllm.native.kernels.attention_ops import paged_attention
+from pagedllm.native.kernels.attention_ops import paged_attention as _paged_attention
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="CPU kernels did not build")
 
