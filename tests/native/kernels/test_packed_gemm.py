@@ -250,11 +250,14 @@ def _forms(lib, fn):
     return out
 
 
-@pytest.mark.parametrize("m,n,k", SHAPES + [(32, 272, 512), (13, 31, 8)], ids=str)
+@pytest.mark.parametrize("m,n,k", SHAPES + [(32, 272, 512), (13, 31, 8), (47, 97 * 16, 72),
+                                            (26, 48, 2056)], ids=str)
 def test_pair_forms_same_bits_and_float64_oracle(pair_forms, m, n, k):
     """`vdpbf16ps` and the widening FMAs give the same bits (float32 and bf16 activations,
     register-tile remainders, tail panels, K blocks), both within float32 rounding of a
-    float64 GEMM on the bf16-rounded x."""
+    float64 GEMM on the bf16-rounded x. The widening form's later passes over a panel pair
+    read the panels its first pass widened (47 rows: 12 + 12 + 12 + 8 + 2 + 1; an odd panel
+    count; K cut into blocks with 26 rows)."""
     lib = pair_forms
     w, x, b = _operands(m, n, k, torch.bfloat16, seed=m + 3 * n + k)
     x = x * torch.logspace(-3, 3, k)          # magnitudes that differ across k

@@ -205,9 +205,13 @@ inline void micro(const float* x, int64_t ldx, const T* w, int64_t ps, int64_t k
 }
 
 // bf16 pair panels widened to float32 (see `Kernel`): x float32 holding bf16 values; kc even.
-template <int MR, int NP>
+// With `save` (not null) the widened panels are also written there, [NP][kc / 2][odd 16 |
+// even 16] floats (panel p at save + p * kc * 16), for `micro_split` to read in the later
+// passes of the same rows block over these panels.
+template <int MR, int NP, bool kSave>
 inline void micro_widen(const float* x, int64_t ldx, const uint16_t* w, int64_t ps,
-                        int64_t kc, float* c, int64_t ldc, bool accumulate, Prefetch pf) {
+                        int64_t kc, float* c, int64_t ldc, bool accumulate, Prefetch pf,
+                        float* save) {
   __m512 acc[MR][NP];
   load_tile(acc, c, ldc, accumulate);
   const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
@@ -218,6 +222,36 @@ inline void micro_widen(const float* x, int64_t ldx, const uint16_t* w, int64_t 
       const __m512i v = _mm512_loadu_si512(w + p * ps + k * kNR);
       even[p] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
       odd[p] = _mm512_castsi512_ps(_mm512_and_si512(v, high));
+      if constexpr (kSave) {
+        _mm512_store_ps(save + p * kc * kNR + k * kNR, odd[p]);
+        _mm512_store_ps(save + p * kc * kNR + k * kNR + kNR, even[p]);
+      }
+    }
+    for (int i = 0; i < MR; ++i) {
+      const __m512 xo = _mm512_set1_ps(x[i * ldx + k + 1]);
+      for (int p = 0; p < NP; ++p) acc[i][p] = _mm512_fmadd_ps(xo, odd[p], acc[i][p]);
+      const __m512 xe = _mm512_set1_ps(x[i * ldx + k]);
+      for (int p = 0; p < NP; ++p) acc[i][p] = _mm512_fmadd_ps(xe, even[p], acc[i][p]);
+    }
+  }
+  store_tile(acc, c, ldc);
+}
+
+// micro_widen on panels it already widened (`wf`: its `save` layout): the same FMAs in the
+// same order, so the same bits, without the shift and AND per panel row pair. Those two
+// vector operations share the FMAs' two ports; at 32 rows (three passes over each panel pair)
+// widening once instead of three times leaves 2 of them per 64 FMAs instead of 6.
+template <int MR, int NP>
+inline void micro_split(const float* x, int64_t ldx, const float* wf, int64_t kc, float* c,
+                        int64_t ldc, bool accumulate, Prefetch pf, int64_t ps) {
+  __m512 acc[MR][NP];
+  load_tile(acc, c, ldc, accumulate);
+  for (int64_t k = 0; k < kc; k += 2) {
+    __m512 even[NP], odd[NP];
+    pf.step<NP>(ps * 2);
+    for (int p = 0; p < NP; ++p) {
+      odd[p] = _mm512_load_ps(wf + p * kc * kNR + k * kNR);
+      even[p] = _mm512_load_ps(wf + p * kc * kNR + k * kNR + kNR);
     }
     for (int i = 0; i < MR; ++i) {
       const __m512 xo = _mm512_set1_ps(x[i * ldx + k + 1]);
@@ -297,15 +331,23 @@ inline void micro(const float* x, int64_t ldx, const T* w, int64_t ps, int64_t k
 }
 #endif
 
-// Kernel F on an MR x NP tile (x in F's input type, see `Kernel`).
+// Kernel F on an MR x NP tile (x in F's input type, see `Kernel`). kWiden only: `widened`
+// (not null) holds this tile's panels widened by an earlier call (`micro_split` reads them),
+// else `save` (not null) receives them (`micro_widen`).
 template <Kernel F, int MR, int NP, typename T>
 inline void micro_for(const XOf<F>* x, int64_t ldx, const T* w, int64_t ps, int64_t kc,
-                      float* c, int64_t ldc, bool accumulate, Prefetch pf) {
+                      float* c, int64_t ldc, bool accumulate, Prefetch pf,
+                      float* save = nullptr, const float* widened = nullptr) {
   if constexpr (F == Kernel::kFloat) {
     micro<MR, NP>(x, ldx, w, ps, kc, c, ldc, accumulate, pf);
 #if defined(PAGEDLLM_AVX512_BF16)
   } else if constexpr (F == Kernel::kWiden) {
-    micro_widen<MR, NP>(x, ldx, w, ps, kc, c, ldc, accumulate, pf);
+    if (widened != nullptr)
+      micro_split<MR, NP>(x, ldx, widened, kc, c, ldc, accumulate, pf, ps);
+    else if (save != nullptr)
+      micro_widen<MR, NP, true>(x, ldx, w, ps, kc, c, ldc, accumulate, pf, save);
+    else
+      micro_widen<MR, NP, false>(x, ldx, w, ps, kc, c, ldc, accumulate, pf, nullptr);
   } else {
     micro_dot<MR, NP>(x, ldx, w, ps, kc, c, ldc, accumulate, pf);
 #endif
@@ -343,32 +385,45 @@ inline void panel_rows(const XOf<F>* x, int64_t ldx, int64_t rows, const T* w, i
     ++call;
     return Prefetch{start, calls * per_line};
   };
+  // kWiden with several passes: the first widens the panels into `widened` as it goes, the
+  // others read them there (the same bits; see `micro_split`).
+  float* save = nullptr;
+  const float* widened = nullptr;
+  if constexpr (F == Kernel::kWiden) {
+    if (calls > 1) {
+      thread_local std::vector<float> buffer;   // 64-byte aligned from `save` on
+      const size_t need = static_cast<size_t>(NP * kc * kNR) + 16;
+      if (buffer.size() < need) buffer.resize(need);
+      const uintptr_t at = reinterpret_cast<uintptr_t>(buffer.data());
+      save = reinterpret_cast<float*>((at + 63) & ~static_cast<uintptr_t>(63));
+    }
+  }
+  auto tile = [&](auto mr, int64_t m) {
+    micro_for<F, decltype(mr)::value, NP>(x + m * ldx, ldx, w, ps, kc, c + m * ldc, ldc,
+                                          accumulate, prefetch(), widened == nullptr ? save
+                                                                                     : nullptr,
+                                          widened);
+    widened = save;
+  };
   int64_t m = 0;
-  for (; m + kMaxMR <= rows; m += kMaxMR)
-    micro_for<F, kMaxMR, NP>(x + m * ldx, ldx, w, ps, kc, c + m * ldc, ldc, accumulate,
-                             prefetch());
+  for (; m + kMaxMR <= rows; m += kMaxMR) tile(std::integral_constant<int, kMaxMR>(), m);
   if constexpr (kMaxMR > 8) {
     if (rows - m >= 8) {
-      micro_for<F, 8, NP>(x + m * ldx, ldx, w, ps, kc, c + m * ldc, ldc, accumulate,
-                          prefetch());
+      tile(std::integral_constant<int, 8>(), m);
       m += 8;
     }
   }
   if constexpr (kMaxMR > 4) {
     if (rows - m >= 4) {
-      micro_for<F, 4, NP>(x + m * ldx, ldx, w, ps, kc, c + m * ldc, ldc, accumulate,
-                          prefetch());
+      tile(std::integral_constant<int, 4>(), m);
       m += 4;
     }
   }
   if (rows - m >= 2) {
-    micro_for<F, 2, NP>(x + m * ldx, ldx, w, ps, kc, c + m * ldc, ldc, accumulate,
-                        prefetch());
+    tile(std::integral_constant<int, 2>(), m);
     m += 2;
   }
-  if (rows - m >= 1)
-    micro_for<F, 1, NP>(x + m * ldx, ldx, w, ps, kc, c + m * ldc, ldc, accumulate,
-                        prefetch());
+  if (rows - m >= 1) tile(std::integral_constant<int, 1>(), m);
 }
 
 // The tail panel (nt < 16 columns, layout per the header), scalar: N % 16 != 0 is rare in LLMs.
@@ -506,17 +561,27 @@ void tiles(const TX* x, int64_t ldx, int64_t M, int64_t K, const T* w, int64_t N
   const int64_t num_groups = (num_panels + group - 1) / group;
   const int64_t num_row_blocks = (M + kRowBlock - 1) / kRowBlock;
   const int64_t ps = kNR * K;
+  // The staged rows [rows, K] of the row block `staged_block` in this call (-1: none yet). Items
+  // of one row block follow each other in the loop, so a thread mostly stages a row block once
+  // per call rather than once per panel group (the LM head at 32 rows: 250 groups).
+  thread_local std::vector<XS> staged;   // x rows in XS, when kStage
+  int64_t staged_block = -1;
 #pragma omp for schedule(dynamic, 1)
   for (int64_t item = 0; item < num_row_blocks * num_groups; ++item) {
     alignas(64) float c[kRowBlock * kMaxGroup * kNR];
-    thread_local std::vector<XS> staged;   // x rows in XS, when kStage
     const int64_t g = item % num_groups, b = item / num_groups;
     const int64_t r0 = b * kRowBlock, rows = std::min(M, r0 + kRowBlock) - r0;
     const int64_t p0 = g * group, p1 = std::min(num_panels, p0 + group);
     const int64_t p_full_end = std::min(p1, full);
     const int64_t ldc = (p1 - p0) * kNR;
     const int64_t kblock = rows * K <= kMaxWholeK ? K : kKC;
-    if constexpr (kStage) staged.resize(static_cast<size_t>(rows * kblock));
+    if constexpr (kStage) {
+      if (staged_block != b) {
+        staged.resize(static_cast<size_t>(rows * K));
+        stage_rows<F>(x + r0 * ldx, ldx, rows, K, staged.data());
+        staged_block = b;
+      }
+    }
     for (int64_t k0 = 0; k0 < K; k0 += kblock) {
       const int64_t kc = std::min(kblock, K - k0);
       const XS* xk;
@@ -525,9 +590,8 @@ void tiles(const TX* x, int64_t ldx, int64_t M, int64_t K, const T* w, int64_t N
         xk = x + r0 * ldx + k0;
         ldxk = ldx;
       } else {
-        stage_rows<F>(x + r0 * ldx + k0, ldx, rows, kc, staged.data());
-        xk = staged.data();
-        ldxk = kc;
+        xk = staged.data() + k0;
+        ldxk = K;
       }
       const bool accumulate = k0 > 0;
       int64_t p = p0;
