@@ -28,6 +28,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include <omp.h>
 
@@ -67,6 +68,34 @@ inline void gdn_linear(const GDNLayerWeights& w, int index, const void* weight, 
     linear_tiles(x, K, M, K, static_cast<const T*>(weight), N, nullptr, y, N);
 }
 
+// gemma_rms_row (x / rms(x) * (1 + w), float32 out) of a layer's hidden row. bfloat16 rows sum
+// their squares in 16 lanes (on AVX-512, n % 16 == 0); gemma_rms_row's sequential sum, a
+// chain of dependent adds, took ~2-3% of a bf16 batch-32 run in these blocks. float32 rows keep
+// the sequential sum and its bits: float32 greedy tokens are checked against HF, and a
+// reordered sum flipped a near-tie there (docs/benchmarks.md).
+template <typename T>
+inline void hidden_norm_row(const T* x, const T* w, float eps, int64_t n, float* out) {
+#if defined(PAGEDLLM_AVX512)
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    if (n % 16 == 0) {
+      __m512 ss = _mm512_setzero_ps();
+      for (int64_t i = 0; i < n; i += 16) {
+        const __m512 v = load16(x + i);
+        _mm512_storeu_ps(out + i, v);
+        ss = _mm512_fmadd_ps(v, v, ss);
+      }
+      const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(hsum(ss) / static_cast<float>(n) + eps));
+      const __m512 one = _mm512_set1_ps(1.f);
+      for (int64_t i = 0; i < n; i += 16)
+        _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(out + i), inv),
+                                                _mm512_add_ps(one, load16(w + i))));
+      return;
+    }
+  }
+#endif
+  gemma_rms_row(x, w, eps, n, out);
+}
+
 // torch.nn.functional.softplus (beta 1, threshold 20).
 inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }
 
@@ -94,7 +123,7 @@ int gdn_mixer(const GDNLayerWeights& w, const StateBatch* batch, int64_t M, cons
   {
 #pragma omp for
     for (int64_t m = 0; m < M; ++m)
-      gemma_rms_row(hidden + m * Hd, static_cast<const T*>(w.input_norm), w.eps, Hd, x + m * Hd);
+      hidden_norm_row(hidden + m * Hd, static_cast<const T*>(w.input_norm), w.eps, Hd, x + m * Hd);
     gdn_linear<T>(w, kIn, w.in_proj, x, M, Hd, P, proj);
   }
 
@@ -134,7 +163,7 @@ int gdn_mixer(const GDNLayerWeights& w, const StateBatch* batch, int64_t M, cons
       T* h = hidden_out + m * Hd;
       for (int64_t i = 0; i < Hd; ++i) store(to_float(hidden[m * Hd + i]) + out[m * Hd + i], h + i);
       float* normed = x + m * Hd;   // (the input norm's rows are no longer read)
-      gemma_rms_row(h, static_cast<const T*>(w.post_norm), w.eps, Hd, normed);
+      hidden_norm_row(h, static_cast<const T*>(w.post_norm), w.eps, Hd, normed);
       for (int64_t i = 0; i < Hd; ++i) store(normed[i], post_normed + m * Hd + i);
     }
   }
@@ -208,7 +237,7 @@ void gated_attention(const GatedAttentionWeights& w, const NativeAttentionStep& 
   {
 #pragma omp for
     for (int64_t m = 0; m < M; ++m)
-      gemma_rms_row(hidden + m * Hd, static_cast<const T*>(w.input_norm), w.eps, Hd, x + m * Hd);
+      hidden_norm_row(hidden + m * Hd, static_cast<const T*>(w.input_norm), w.eps, Hd, x + m * Hd);
     ga_linear<T>(w, 0, w.q_proj, x, M, Hd, 2 * H * D, q_gate);
     ga_linear<T>(w, 1, w.k_proj, x, M, Hd, KVH * D, k);
     ga_linear<T>(w, 2, w.v_proj, x, M, Hd, KVH * D, v);
@@ -256,7 +285,7 @@ void gated_attention(const GatedAttentionWeights& w, const NativeAttentionStep& 
       T* h = hidden_out + m * Hd;
       for (int64_t i = 0; i < Hd; ++i) store(to_float(hidden[m * Hd + i]) + out[m * Hd + i], h + i);
       float* normed = x + m * Hd;
-      gemma_rms_row(h, static_cast<const T*>(w.post_norm), w.eps, Hd, normed);
+      hidden_norm_row(h, static_cast<const T*>(w.post_norm), w.eps, Hd, normed);
       for (int64_t i = 0; i < Hd; ++i) store(normed[i], post_normed + m * Hd + i);
     }
   }
