@@ -25,7 +25,11 @@
 // its even-k and odd-k float32 vectors by a shift and an AND, two FMAs per x pair in the
 // instruction's order). Which one runs is measured once per process (`pairs_form`: the widening
 // form where float32 FMAs multiply-add at least 1.3x as many values per second as vdpbf16ps;
-// on the Xeon this was written on, vdpbf16ps has half the FMAs' rate). Every other case
+// on the Xeon this was written on, vdpbf16ps has half the FMAs' rate). The widening form's
+// shift and AND share the FMAs' ports, so where a row block passes over a panel pair several
+// times (12 + 12 + 8 rows at 32) only the first pass widens, storing the float32 panels for the
+// later passes (`micro_split`; 32-row bf16 GEMMs 66-69 -> 74-77 GMAC/s, docs/benchmarks.md,
+// "Qwen3-Next in bfloat16 at batch 32"). Every other case
 // computes in float32 with x as given (bf16 weights widened by a 16-bit shift), so fp32 results
 // match a float32 GEMM up to summation order.
 //
@@ -617,11 +621,13 @@ void tiles(const TX* x, int64_t ldx, int64_t M, int64_t K, const T* w, int64_t N
 // parallel region (an orphaned `omp for`: it ends with a barrier); outside one it runs serially.
 // x [M, K] (row stride ldx), w packed from [N, K] (see the header), K a multiple of 8,
 // bias [N] float32 or null, y [M, N] (row stride ldy). When x is float32 and w bf16 pair panels,
-// each work item rounds its rows itself, once per panel group, unless `x_staged` ([M, K],
-// shared by the threads) is given: then the rows are rounded once into it by a work-sharing
-// loop of their own (the same values; one barrier more). Rounding per item slowed the fused
-// decoder's GEMMs, the most at 2048 rows (docs/benchmarks.md, "Measurements behind choices in
-// the code"). Pair panels are read by the kernel `pairs_form()` names: the same bits either way.
+// each thread rounds the rows of a row block itself when it takes the block's first item (once
+// per row block and thread, not once per panel group: the LM head at 32 rows has 250 groups),
+// unless `x_staged` ([M, K], shared by the threads) is given: then the rows are rounded once
+// into it by a work-sharing loop of their own (the same values; one barrier more). Rounding per
+// item slowed the fused decoder's GEMMs, the most at 2048 rows (docs/benchmarks.md,
+// "Measurements behind choices in the code"). Pair panels are read by the kernel `pairs_form()`
+// names: the same bits either way.
 template <typename T, typename TX, typename TY>
 void linear_tiles(const TX* x, int64_t ldx, int64_t M, int64_t K, const T* w, int64_t N,
                   const float* bias, TY* y, int64_t ldy, XStage<T>* x_staged = nullptr) {
