@@ -1,4 +1,4 @@
-# A third round, bf16 only (as ab.sh): MAIN=<tree> NEW=<tree> OUT_DIR=<folder> bash ab_r3.sh
+# A third (and fourth: tags _r4) round, bf16 only (as ab.sh): MAIN=<tree> NEW=<tree> OUT_DIR=<folder> bash ab_r3.sh
 set -u
 for preset in qwen2.5-vl-200m smolvlm-200m; do
   for tree in main new; do
