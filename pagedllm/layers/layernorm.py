@@ -32,6 +32,13 @@ class RMSNorm(nn.Module):
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             return _scaled_rms(x, self.eps).mul_(self.weight)   # = weight * normed, bit for bit
         orig = x.dtype
+        if orig != torch.float32 and self.weight.dtype == orig:
+            # NOTE(bf16-norm): the general form below with its products in place (x.float()
+            # is a new tensor here): the same roundings, two fewer [n, D] allocations and
+            # passes (docs/benchmarks.md, "Image prompts in bfloat16").
+            x32 = x.float()
+            x32.mul_(x32.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_())
+            return x32.to(orig).mul_(self.weight)
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(orig)

@@ -180,4 +180,9 @@ class RowParallelLinear(nn.Module):
         return y
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            # NOTE(row-bias): one rank has no partial sums to reduce, so the bias goes into the
+            # GEMM (added to its float32 accumulators), not through a second pass over the
+            # output: float32 gives the same bits; bfloat16 rounds once instead of twice.
+            return self.quant_method.apply(self, x, self.bias)
         return self.reduce_partial(self.forward_partial(x))

@@ -134,12 +134,12 @@ class VisionRope:
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         """x [P, heads, head_size] (q and k heads together) -> rotated, contiguous, x's
-        dtype."""
-        x32 = x.float()
+        dtype. A bfloat16 x is read as it is (each product promotes it to float32 exactly),
+        not first copied to float32."""
         half = x.shape[-1] // 2
-        out = x32 * self.cos
-        out[..., :half].addcmul_(x32[..., half:], self.sin, value=-1.0)
-        out[..., half:].addcmul_(x32[..., :half], self.sin)
+        out = x * self.cos
+        out[..., :half].addcmul_(x[..., half:], self.sin, value=-1.0)
+        out[..., half:].addcmul_(x[..., :half], self.sin)
         return out.to(x.dtype)
 
 
