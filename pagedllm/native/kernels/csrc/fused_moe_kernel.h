@@ -149,40 +149,59 @@ inline __m512 weights16(const uint16_t* w, __m512i shift) {
 
 // The AVX-512 form of `few_rows_micro` (K a multiple of 16): 16 lanes over k, then the
 // horizontal sum; with 32 vector registers more weight rows share each x load. The sums differ
-// from the 8-lane form's only in their order.
+// from the 8-lane form's only in their order. The NB weight rows are `lane` rows apart (row j
+// at w + j * lane * K, its outputs in column j * lane of y); each row's next row in its lane
+// (K values on) is prefetched while it streams in.
 template <int MB, int NB, typename TW, typename TX, typename TY>
 inline void few_rows_micro16(const TX* x, int64_t ldx, const TW* w, int64_t K, TY* y,
-                             int64_t ldy) {
+                             int64_t ldy, int64_t lane) {
   constexpr int64_t kLine = 64 / sizeof(TW);   // weights per cache line
   const __m512i shift = widen_index();
   __m512 acc[MB][NB];
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+  const TW* row[NB];
+  for (int j = 0; j < NB; ++j) row[j] = w + j * lane * K;
   for (int64_t k = 0; k < K; k += 16) {
     if (k % kLine == 0)
       for (int j = 0; j < NB; ++j)
-        _mm_prefetch(reinterpret_cast<const char*>(w + (j + NB) * K + k), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(row[j] + K + k), _MM_HINT_T0);
     __m512 wv[NB];
-    for (int j = 0; j < NB; ++j) wv[j] = weights16(w + j * K + k, shift);
+    for (int j = 0; j < NB; ++j) {
+      wv[j] = weights16(row[j] + k, shift);
+      // NOTE(moe): kept in a register: without this GCC folded the load into each of the MB
+      // FMAs that use it (MB loads of every weight line; the FMAs alone ran ~8% slower with
+      // the weights in L2, docs/benchmarks.md, "DeepSeek float32 at batch 32").
+      asm("" : "+v"(wv[j]));
+    }
     for (int i = 0; i < MB; ++i) {
       const __m512 xv = load16(x + i * ldx + k);
       for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
     }
   }
   for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < NB; ++j) store(hsum(acc[i][j]), y + i * ldy + j);
+    for (int j = 0; j < NB; ++j) store(hsum(acc[i][j]), y + i * ldy + j * lane);
 }
 
-// Rows [0, MB) of x against weight rows [0, n), in one pass over the weights (AVX-512).
+// Rows [0, MB) of x against weight rows [0, n), in one pass over the weights (AVX-512): the
+// rows in NB lanes of n / NB consecutive rows each (then the last n % NB rows one at a time),
+// one row of every lane per micro-kernel call. Each lane reads a contiguous run of memory in
+// address order, which the hardware prefetchers follow as NB separate streams; NB adjacent
+// rows at a time (the form before 2026-12-07) put two rows' streams in each 4 KiB page and
+// left the stream to the software prefetches: a 32-row DeepSeek-V2-Lite 200M decode step's
+// experts ran ~5-9% slower (docs/benchmarks.md, "DeepSeek float32 at batch 32"). Every output
+// is the same dot product either way (the same bits).
 template <int MB, typename TW, typename TX, typename TY>
 void few_rows16(const TX* x, int64_t ldx, const TW* w, int64_t K, int64_t n, TY* y,
                 int64_t ldy) {
   // As many weight rows per step as the 32 registers hold next to MB x NB accumulators (and
   // enough independent sums to cover the FMA latency at one row).
   constexpr int NB = MB <= 3 ? 6 : (MB <= 6 ? 4 : (MB <= 8 ? 3 : 2));
-  int64_t j = 0;
-  for (; j + NB <= n; j += NB) few_rows_micro16<MB, NB>(x, ldx, w + j * K, K, y + j, ldy);
-  for (; j < n; ++j) few_rows_micro16<MB, 1>(x, ldx, w + j * K, K, y + j, ldy);
+  const int64_t per_lane = n / NB;
+  for (int64_t j = 0; j < per_lane; ++j)
+    few_rows_micro16<MB, NB>(x, ldx, w + j * K, K, y + j, ldy, per_lane);
+  for (int64_t j = per_lane * NB; j < n; ++j)
+    few_rows_micro16<MB, 1>(x, ldx, w + j * K, K, y + j, ldy, 1);
 }
 
 // Up to kFewRows16 rows in one pass over the weights; false (nothing done) for more rows or K
