@@ -117,6 +117,8 @@ def _per_head_reference(q_nope, q_pe, cache, common, w_kv_b, scale):
     ("auto", torch.bfloat16, 56, 4),
     ("int8", torch.float32, 56, 4),
     ("fp8_e4m3", torch.float32, 56, 4),
+    ("auto", torch.float32, 56, 8),        # 8 heads on one latent: two-pass decodes (AVX-512)
+    ("auto", torch.bfloat16, 56, 16),
 ], ids=str)
 def test_absorbed_kernel_matches_per_head_attention(cache_dtype, dtype, kv_lora_rank, num_heads):
     """Every row in the kernel (decodes, short and long chunks, fresh prefills) equals per-head

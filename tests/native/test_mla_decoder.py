@@ -16,6 +16,11 @@ from tests.models.test_deepseek import build_checkpoint
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="CPU kernels did not build")
 
+# "v3+8heads": 8 query heads on a 64-value latent (L 48 + dr 16): the shapes of the kernel's
+# two-pass eight-head decode (AVX-512 builds), which skips the latent's k_pe channels in the
+# values the block reads.
+EXTRA = {"8heads": dict(num_attention_heads=8, num_key_value_heads=8, kv_lora_rank=48,
+                        qk_rope_head_dim=16)}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
 
 
@@ -34,7 +39,9 @@ def checkpoint(tmp_path_factory, byte_level_tokenizer_dir):
 
     def get(name: str):
         if name not in paths:
-            paths[name] = build_checkpoint(name, root / name, byte_level_tokenizer_dir)
+            base, _, extra = name.partition("+")
+            paths[name] = build_checkpoint(base, root / name, byte_level_tokenizer_dir,
+                                           EXTRA.get(extra))
         return paths[name]
 
     return get
@@ -118,11 +125,12 @@ def test_native_block_bf16_is_as_accurate_as_module_path(checkpoint, variant, mo
     assert (native.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.85
 
 
-def test_generation_with_native_block_equals_without(checkpoint, monkeypatch):
+@pytest.mark.parametrize("variant", ["v3", "v3+8heads"])
+def test_generation_with_native_block_equals_without(checkpoint, variant, monkeypatch):
     """End to end, fp32: batched decode (3 requests) with prefill steps declined (fresh
     prompts run expanded on the module path): the same greedy tokens and logprobs (1e-5) with
     the native block as without it (`PAGEDLLM_CPU_NATIVE_ATTENTION` off: none attached)."""
-    path = str(checkpoint("v3"))
+    path = str(checkpoint(variant))
     prompts = [{"prompt_token_ids": list(range(5 + i, 25 + 3 * i))} for i in range(3)]
     taken = _counting(monkeypatch)
     llm = LLM(path, dtype="float32", kv_cache_memory_bytes=8 << 20)
@@ -139,3 +147,13 @@ def test_generation_with_native_block_equals_without(checkpoint, monkeypatch):
             torch.tensor([next(iter(d.values())).logprob for d in a.outputs[0].logprobs]),
             torch.tensor([next(iter(d.values())).logprob for d in b.outputs[0].logprobs]),
             atol=1e-5, rtol=0)
+    if variant == "v3":
+        return
+    # and HF's greedy tokens (the decodes of the eight-head shapes run two-pass in both paths)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    for prompt, a in zip(prompts, got):
+        ids = torch.tensor([prompt["prompt_token_ids"]])
+        with torch.inference_mode():
+            ref = hf.generate(ids, max_new_tokens=GREEDY.max_tokens, do_sample=False,
+                              min_new_tokens=GREEDY.max_tokens)[0, ids.shape[1]:]
+        assert a.outputs[0].token_ids == ref.tolist()

@@ -289,13 +289,14 @@ def test_attend_until_changes_outputs_only_where_it_differs():
             paged_attention(*args, attend_until=bad)
 
 
-@pytest.mark.parametrize("shape", [(8, 1, 144, 16), (8, 2, 64, 16), (6, 3, 40, 8),
-                                   (4, 1, 576, 16)], ids=str)
+@pytest.mark.parametrize("shape", [(8, 2, 64, 16), (6, 3, 40, 8), (4, 1, 576, 16),
+                                   (4, 1, 144, 16)], ids=str)
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_heads_sharing_a_kv_head_give_each_heads_floats_alone(shape, cache_dtype):
     # Decodes (and a split context): the query heads of one KV head, computed together (two
-    # at a time on AVX-512 builds, their values eight at a time for MLA-like shapes), give
-    # each head exactly the floats it gets computed alone against its KV head.
+    # at a time on AVX-512 builds, their values up to eight at a time), give each head exactly
+    # the floats it gets computed alone against its KV head. (Eight or more heads per KV head
+    # take the two-pass decode on AVX-512 builds, another order of sums: tested below.)
     H, KVH, D, bs = shape
     query, cache, table, qsl, seq_lens, _ = _random_step(shape, cache_dtype, [1, 1, 1, 1],
                                                          [5, 40, 200, 300], seed=11)
@@ -309,3 +310,18 @@ def test_heads_sharing_a_kv_head_give_each_heads_floats_alone(shape, cache_dtype
         alone = paged_attention(query[:, h:h + 1].contiguous(), one_head, table, qsl,
                                 seq_lens, rows, scale)
         assert torch.equal(together[:, h], alone[:, 0]), h
+
+
+@pytest.mark.parametrize("shape", [(8, 1, 144, 16), (16, 1, 144, 16), (16, 2, 64, 16),
+                                   (8, 1, 48, 8), (8, 1, 40, 8)], ids=str)
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=str)
+@pytest.mark.parametrize("window", [None, 300])
+def test_decodes_with_eight_heads_per_kv_head(shape, cache_dtype, window):
+    # Eight query heads per KV head (MLA's absorbed decode: one latent for 8-128 heads; GQA with
+    # rep % 8 == 0): on AVX-512 builds with head_size % 16 == 0 and float32 / bfloat16 caches
+    # the decodes run in two passes over each piece of <= 256 positions (all scores, then one
+    # softmax and the value sums); against dense float64 attention, short contexts, one block,
+    # an offset start (window), split contexts of several pieces, and the other paths (head
+    # size 40, 8-bit caches) beside them.
+    _check(cpu_kernels(), shape, cache_dtype, q_lens=[1, 1, 1, 1, 1, 1],
+           ctx=[0, 7, 40, 200, 700, 1030], seed=5, tiles=(4,), window=window)

@@ -132,6 +132,11 @@ struct AttentionArgs {
   // Per query token (flat index) the last key position it may see, causal only (Gemma 3's image
   // tokens see their whole image); nullptr = its own position.
   const int64_t* attend_until = nullptr;
+  // The output channels wanted, [0, value_size) of each head; 0 = all head_size. MLA's
+  // absorbed decode reads only the first kv_lora_rank channels (the c_kv part of its latent
+  // values); the eight-head decode path (`decode_8heads_two_pass`) then skips the rest and
+  // writes zeros there (other paths compute them).
+  int value_size = 0;
 };
 
 #ifdef PAGEDLLM_AVX512
@@ -150,6 +155,90 @@ inline void block_values_8heads(float* acc, int64_t acc_stride, const float* p, 
     }
     for (int h = 0; h < 8; ++h) _mm512_storeu_ps(acc + h * acc_stride + d, a[h]);
   }
+}
+#endif
+
+#ifdef PAGEDLLM_AVX512
+// Decode of eight query heads that share one KV head (MQA / GQA with rep % 8 == 0; MLA's
+// absorbed decode, whose latent row is both key and value) over the key positions [begin, end)
+// of one token, at most kSplitLen of them: the two-pass softmax of one split-KV piece
+// (flash-decoding, Dao et al. 2023). Pass 1 writes all the range's scores (`block_scores_pair`,
+// the same floats per score as the block-wise walk), prefetching the next block; the exact
+// maximum and sum per head then come from the whole range, so no running maximum, no
+// correction of the accumulators per block. Pass 2 sums the values 16 channels at a time over
+// every row of the range with the 8 heads' accumulators in registers, read once from L1 / L2,
+// and writes out[h][0, value_size) = sum_j p_h[j] v_j (not yet divided by the sum); channels
+// [value_size, head_size) are zeroed. m[h], l[h] get each head's maximum and exp-sum (-inf and
+// 0 for an empty range). Replaces the per-block online softmax, whose bookkeeping (maxima,
+// corrections of 8 x head_size accumulators, accumulator loads and stores per block) cost about
+// as much as the arithmetic for MLA's 144-value rows (docs/benchmarks.md, 2026-12-07, fifth
+// sitting). Float32 and bfloat16 caches; head_size % 16 == 0; no per-row scales or soft cap.
+//   q: [8][head_size] scaled queries; q_pairs: the pairs interleaved (`interleave_query_pair`)
+//   k, v: the caches at this KV head (row `slot` at k + slot * stride; v may be k); table: the
+//   request's blocks
+//   scores: scratch [8][kSplitLen]; out: [8][head_size], out_stride apart
+template <typename T>
+inline void decode_8heads_two_pass(const float* q, const float* q_pairs, const T* k,
+                                   const T* v, int64_t stride, const int32_t* table, int block_size,
+                                   int begin, int end, int head_size, int value_size,
+                                   float* scores, float* out, int64_t out_stride, float* m,
+                                   float* l) {
+  const int len = end - begin;
+  if (len <= 0) {
+    for (int h = 0; h < 8; ++h) {
+      m[h] = -std::numeric_limits<float>::infinity();
+      l[h] = 0.f;
+      std::fill(out + h * out_stride, out + h * out_stride + head_size, 0.f);
+    }
+    return;
+  }
+  // Pass 1: scores[h][i] for key position begin + i.
+  for (int start = begin; start < end;) {
+    const int offset = start % block_size;
+    const int n = std::min(block_size - offset, end - start);
+    const T* rows = k + (static_cast<int64_t>(table[start / block_size]) * block_size + offset) *
+                            stride;
+    const int i0 = start - begin;
+    start += n;
+    const int64_t next = start < end ? static_cast<int64_t>(table[start / block_size]) *
+                                           block_size * stride : -1;
+    for (int h = 0; h < 8; h += 2) {
+      if (next >= 0) {   // the next block's rows, a quarter per head pair
+        const int j0 = h * block_size / 8, j1 = (h + 2) * block_size / 8;
+        prefetch_head_rows(k, v, next + j0 * stride, stride, j1 - j0, head_size);
+      }
+      block_scores_pair(q_pairs + h * head_size, q + h * head_size, q + (h + 1) * head_size,
+                        rows, stride, n, head_size, scores + h * kSplitLen + i0,
+                        scores + (h + 1) * kSplitLen + i0);
+    }
+  }
+  // The softmax weights, unnormalised: exp(s - max).
+  for (int h = 0; h < 8; ++h) {
+    float* s = scores + h * kSplitLen;
+    m[h] = row_max(s, len);
+    l[h] = exp_shift_sum(s, len, m[h]);
+  }
+  // Pass 2: the value sums, 16 channels at a time over the whole range (rows from L1 / L2).
+  for (int d = 0; d < value_size; d += 16) {
+    __m512 a[8];
+    for (int h = 0; h < 8; ++h) a[h] = _mm512_setzero_ps();
+    for (int start = begin; start < end;) {
+      const int offset = start % block_size;
+      const int n = std::min(block_size - offset, end - start);
+      const T* rows = v + (static_cast<int64_t>(table[start / block_size]) * block_size +
+                           offset) * stride + d;
+      const float* p = scores + (start - begin);
+      start += n;
+      for (int j = 0; j < n; ++j) {
+        const __m512 vv = load16(rows + j * stride);
+        for (int h = 0; h < 8; ++h)
+          a[h] = _mm512_fmadd_ps(_mm512_set1_ps(p[h * kSplitLen + j]), vv, a[h]);
+      }
+    }
+    for (int h = 0; h < 8; ++h) _mm512_storeu_ps(out + h * out_stride + d, a[h]);
+  }
+  for (int h = 0; h < 8; ++h)
+    std::fill(out + h * out_stride + value_size, out + h * out_stride + head_size, 0.f);
 }
 #endif
 
@@ -244,6 +333,19 @@ void attention_items(const AttentionArgs<T, TQ>& a, const AttentionPlan& plan) {
     head_step = rep % 2 == 0 && head_size % 8 == 0 ? 2 : 1;
 #endif
   std::vector<float> q_pairs(head_step == 2 ? q.size() : 0);
+  // Eight query heads per KV head at a time in two passes (`decode_8heads_two_pass`) where
+  // the shapes allow: MLA's absorbed decode (8-128 heads on one latent) and GQA with rep % 8
+  // == 0, float32 / bfloat16 caches without per-row scales or soft cap.
+  bool two_pass = false;
+  const int value_size = a.value_size > 0 ? a.value_size : head_size;
+#ifdef PAGEDLLM_AVX512
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, uint16_t>)
+    two_pass = head_step == 2 && rep % 8 == 0 && head_size % 16 == 0 &&
+               value_size % 16 == 0 && value_size <= head_size && a.k_scales == nullptr &&
+               a.v_scales == nullptr && a.soft_cap == 0.f;
+  if (two_pass && scores.size() < static_cast<size_t>(8) * kSplitLen)
+    scores.resize(static_cast<size_t>(8) * kSplitLen);
+#endif
 
 #pragma omp for schedule(dynamic, 1)
   for (int64_t item = 0; item < plan.num_items; ++item) {
@@ -273,7 +375,6 @@ void attention_items(const AttentionArgs<T, TQ>& a, const AttentionPlan& plan) {
         interleave_query_pair(&q[h * head_size], &q[(h + 1) * head_size], head_size,
                               &q_pairs[h * head_size]);
 #endif
-    std::fill(acc.begin(), acc.begin() + static_cast<int64_t>(nh) * head_size, 0.f);
 
     // Key positions [ctx_begin, ctx_end) (within the split's piece, if split), walked block by
     // block; a range starting inside a block enters it at an offset (n keys from `offset`).
@@ -283,7 +384,32 @@ void attention_items(const AttentionArgs<T, TQ>& a, const AttentionPlan& plan) {
       ctx_begin = std::max(ctx_begin, split * kSplitLen);
       ctx_end = std::min(ctx_end, (split + 1) * kSplitLen);
     }
-    for (int start = ctx_begin; start < ctx_end;) {
+#ifdef PAGEDLLM_AVX512
+    if constexpr (std::is_same_v<T, float> || std::is_same_v<T, uint16_t>) {
+    if (two_pass) {   // groups of 8 query heads, each over its KV head's rows
+      for (int h0 = 0; h0 < nh; h0 += 8) {
+        const int64_t off = static_cast<int64_t>(kv0 + h0 / rep) * head_size;
+        float* dst = split >= 0 ? &acc[h0 * head_size]
+                                : a.out + (static_cast<int64_t>(t) * num_heads + kv0 * rep + h0) *
+                                              head_size;
+        decode_8heads_two_pass(&q[h0 * head_size], &q_pairs[h0 * head_size], a.key_cache + off,
+                               a.value_cache + off, kv_row_stride,
+                               table, block_size, ctx_begin, ctx_end, head_size, value_size,
+                               scores.data(), dst, head_size, &m[h0], &l[h0]);
+        if (split >= 0) continue;
+        for (int h = 0; h < 8; ++h) {
+          const float inv = l[h0 + h] > 0.f ? a.v_scale / l[h0 + h] : 0.f;
+          float* row = dst + h * head_size;
+          for (int d = 0; d < value_size; ++d) row[d] *= inv;
+        }
+      }
+      if (split < 0) continue;
+    }
+    }
+#endif
+    if (!two_pass)
+      std::fill(acc.begin(), acc.begin() + static_cast<int64_t>(nh) * head_size, 0.f);
+    for (int start = two_pass ? ctx_end : ctx_begin; start < ctx_end;) {
       const int offset = start % block_size;
       const int n = std::min(block_size - offset, ctx_end - start);
       const int64_t slot0 = static_cast<int64_t>(table[start / block_size]) * block_size + offset;

@@ -32,7 +32,10 @@
 // context (the batch-invariant mode). Both give the same floats while no context is split
 // (kSplitLen), except for requests of at least 16 query tokens (chunked prefill), whose tiles
 // run as register-blocked GEMMs that agree up to float32 rounding (attention_query_tiles.h,
-// `attend_tile_gemm`).
+// `attend_tile_gemm`), and for eight or more query heads per KV head on AVX-512 builds
+// (float32 / bfloat16 caches, head_size % 16 == 0), whose per-token items take the two-pass
+// decode (`decode_8heads_two_pass`: scores of a whole piece, then one softmax) while the tiles
+// keep the block-wise online softmax: the same up to float32 rounding past one block.
 //
 // Threads: OpenMP, whose runtime is the one torch already loaded (same soname), so the kernel
 // shares torch's thread pool and honours torch.set_num_threads.

@@ -200,10 +200,11 @@ void mla_block(const MLALayerWeights& w, const NativeAttentionStep& s, T* residu
       s.query_start_loc, s.rows, s.num_rows, s.seq_lens, 1, static_cast<int>(H),
       static_cast<int>(D), omp_get_max_threads(),
       s.query_tile > 0 ? s.query_tile : kDefaultQueryTile, s.causal);
-  const AttentionArgs<T, float> attn{q_abs, H * D, cache, cache, s.block_table,
-                                     s.block_table_stride, s.query_start_loc, s.seq_lens,
-                                     attn_out, static_cast<int>(H), 1, static_cast<int>(D),
-                                     s.block_size, w.scale, s.causal};
+  AttentionArgs<T, float> attn{q_abs, H * D, cache, cache, s.block_table,
+                               s.block_table_stride, s.query_start_loc, s.seq_lens,
+                               attn_out, static_cast<int>(H), 1, static_cast<int>(D),
+                               s.block_size, w.scale, s.causal};
+  attn.value_size = static_cast<int>(L);   // W_UV reads only the c_kv channels of o_lat
 
 #pragma omp parallel
   {
