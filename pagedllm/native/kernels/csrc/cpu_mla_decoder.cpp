@@ -204,7 +204,9 @@ void mla_block(const MLALayerWeights& w, const NativeAttentionStep& s, T* residu
                                s.block_table_stride, s.query_start_loc, s.seq_lens,
                                attn_out, static_cast<int>(H), 1, static_cast<int>(D),
                                s.block_size, w.scale, s.causal};
-  attn.value_size = static_cast<int>(L);   // W_UV reads only the c_kv channels of o_lat
+  // W_UV reads only the c_kv channels of o_lat: the eight-head decode skips the rest where it
+  // can (a multiple of 16 channels); otherwise all are computed.
+  attn.value_size = L % 16 == 0 ? static_cast<int>(L) : 0;
 
 #pragma omp parallel
   {
