@@ -171,8 +171,9 @@ inline void block_values_8heads(float* acc, int64_t acc_stride, const float* p, 
 // [value_size, head_size) are zeroed. m[h], l[h] get each head's maximum and exp-sum (-inf and
 // 0 for an empty range). Replaces the per-block online softmax, whose bookkeeping (maxima,
 // corrections of 8 x head_size accumulators, accumulator loads and stores per block) cost about
-// as much as the arithmetic for MLA's 144-value rows (docs/benchmarks.md, 2026-12-07, fifth
-// sitting). Float32 and bfloat16 caches; head_size % 16 == 0; no per-row scales or soft cap.
+// as much as the arithmetic for MLA's 144-value rows (docs/benchmarks.md, "MLA decode attention
+// in two passes"). Float32 and bfloat16 caches; head_size % 16 == 0; no per-row scales or soft
+// cap.
 //   q: [8][head_size] scaled queries; q_pairs: the pairs interleaved (`interleave_query_pair`)
 //   k, v: the caches at this KV head (row `slot` at k + slot * stride; v may be k); table: the
 //   request's blocks
