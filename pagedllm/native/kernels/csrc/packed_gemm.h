@@ -66,6 +66,7 @@
 #include <omp.h>
 
 #include "cpu_vec.h"
+#include "gemm_tally.h"
 
 #if defined(PAGEDLLM_AVX512) && defined(__AVX512BF16__)
 #define PAGEDLLM_AVX512_BF16 1
@@ -570,6 +571,11 @@ void tiles(const TX* x, int64_t ldx, int64_t M, int64_t K, const T* w, int64_t N
   // per call rather than once per panel group (the LM head at 32 rows: 250 groups).
   thread_local std::vector<XS> staged;   // x rows in XS, when kStage
   int64_t staged_block = -1;
+#if defined(PAGEDLLM_GEMM_TALLY)
+  const bool timed = omp_get_thread_num() == 0;
+  const int64_t t_start = timed ? tally_now() : 0;
+  int64_t t_first = 0;
+#endif
 #pragma omp for schedule(dynamic, 1)
   for (int64_t item = 0; item < num_row_blocks * num_groups; ++item) {
     alignas(64) float c[kRowBlock * kMaxGroup * kNR];
@@ -614,7 +620,15 @@ void tiles(const TX* x, int64_t ldx, int64_t M, int64_t K, const T* w, int64_t N
       for (int64_t j = 0; j < cols; ++j)
         store(c[r * ldc + j] + (bias != nullptr ? bias[n0 + j] : 0.f),
               y + (r0 + r) * ldy + n0 + j);
+#if defined(PAGEDLLM_GEMM_TALLY)
+    if (timed && t_first == 0) t_first = tally_now();
+#endif
   }
+#if defined(PAGEDLLM_GEMM_TALLY)
+  if (timed)
+    tally_record(t_start, t_first > 0 ? t_first : t_start, tally_now(), M, N, K,
+                 static_cast<int64_t>(sizeof(T)));
+#endif
 }
 
 // The work-sharing loop of a packed linear, to be called by every thread of an enclosing OpenMP
@@ -648,6 +662,15 @@ void linear_tiles(const TX* x, int64_t ldx, int64_t M, int64_t K, const T* w, in
   } else {
     tiles<Kernel::kFloat>(x, ldx, M, K, w, N, bias, y, ldy);
   }
+#if defined(PAGEDLLM_GEMM_TALLY_TWICE)
+  // Measurement only: the same call once more, its weight just read (tallied as wbytes + 100).
+  tally_repeat() = true;
+  if constexpr (pairs<T>())
+    tiles<Kernel::kWiden>(x, ldx, M, K, w, N, bias, y, ldy);
+  else
+    tiles<Kernel::kFloat>(x, ldx, M, K, w, N, bias, y, ldy);
+  tally_repeat() = false;
+#endif
 }
 
 template <typename T, typename TX, typename TY>
