@@ -48,7 +48,13 @@
 // calls prefetch the next two panels into L2 meanwhile, each call its own share of their lines,
 // so the weight arrives as one steady stream instead of a burst per first pass (32 x 32000 x
 // 512 float32: 38.9 -> 55.6 GMAC/s on a loaded host; docs/benchmarks.md, "Packed GEMM at 32
-// rows and in prefill"). Single-row items do not prefetch.
+// rows and in prefill"). Single-row items do not prefetch. After a weight's last panels
+// there is nothing of it left to fetch: there the calls prefetch the first two panels of the
+// weight the caller reads next (`NextWeight`, e.g. GDN in_proj -> out_proj, attention q -> k
+// -> v -> o, MoE router -> shared gate_up -> down), or nothing, where they used to prefetch the
+// bytes past the weight's end (docs/benchmarks.md, "The decode step's dense GEMMs in place").
+// A per-call tally of these GEMMs inside whole runs is compiled in with -DPAGEDLLM_GEMM_TALLY
+// (gemm_tally.h).
 //
 // Threads share (row block, panel group) items through an orphaned `omp for` (as
 // linear_kernel.h), so the fused decoder can call it inside its parallel region.
