@@ -59,11 +59,23 @@ GDNScratch scratch_sizes(const GDNLayerWeights& w) {
   return {w.hidden_size, conv + value + 2 * Hv, conv, Hv, Hv, value, value, w.hidden_size};
 }
 
+// The packed weight `weight` (K columns) as the GEMM before it prefetches it (packed_gemm.h,
+// `NextWeight`), or none where it is not packed.
+template <typename T>
+inline packed::NextWeight<T> next_weight(int64_t is_packed, const void* weight, int64_t K) {
+  if (is_packed == 0) return {};
+  return {static_cast<const T*>(weight), K};
+}
+
+// y = x W^T; a packed W's GEMM ends by prefetching `next`'s first panels (the weight the layer
+// reads next: in_proj -> out_proj, q -> k -> v -> o), which would otherwise start cold.
 template <typename T>
 inline void gdn_linear(const GDNLayerWeights& w, int index, const void* weight, const float* x,
-                       int64_t M, int64_t K, int64_t N, float* y) {
+                       int64_t M, int64_t K, int64_t N, float* y,
+                       packed::NextWeight<T> next = {}) {
   if (w.packed[index] != 0)
-    packed::linear_tiles(x, K, M, K, static_cast<const T*>(weight), N, nullptr, y, N);
+    packed::linear_tiles(x, K, M, K, static_cast<const T*>(weight), N, nullptr, y, N, nullptr,
+                         next);
   else
     linear_tiles(x, K, M, K, static_cast<const T*>(weight), N, nullptr, y, N);
 }
@@ -124,7 +136,8 @@ int gdn_mixer(const GDNLayerWeights& w, const StateBatch* batch, int64_t M, cons
 #pragma omp for
     for (int64_t m = 0; m < M; ++m)
       hidden_norm_row(hidden + m * Hd, static_cast<const T*>(w.input_norm), w.eps, Hd, x + m * Hd);
-    gdn_linear<T>(w, kIn, w.in_proj, x, M, Hd, P, proj);
+    gdn_linear<T>(w, kIn, w.in_proj, x, M, Hd, P, proj,
+                  next_weight<T>(w.packed[kOut], w.out_proj, value));
   }
 
   int rc = causal_conv1d_varlen_cpu(batch, proj, P, conv_dim, w.conv_kernel,
@@ -189,9 +202,11 @@ GAScratch ga_sizes(const GatedAttentionWeights& w) {
 
 template <typename T>
 inline void ga_linear(const GatedAttentionWeights& w, int index, const void* weight,
-                      const float* x, int64_t M, int64_t K, int64_t N, float* y) {
+                      const float* x, int64_t M, int64_t K, int64_t N, float* y,
+                      packed::NextWeight<T> next = {}) {
   if (w.packed[index] != 0)
-    packed::linear_tiles(x, K, M, K, static_cast<const T*>(weight), N, nullptr, y, N);
+    packed::linear_tiles(x, K, M, K, static_cast<const T*>(weight), N, nullptr, y, N, nullptr,
+                         next);
   else
     linear_tiles(x, K, M, K, static_cast<const T*>(weight), N, nullptr, y, N);
 }
@@ -238,9 +253,11 @@ void gated_attention(const GatedAttentionWeights& w, const NativeAttentionStep& 
 #pragma omp for
     for (int64_t m = 0; m < M; ++m)
       hidden_norm_row(hidden + m * Hd, static_cast<const T*>(w.input_norm), w.eps, Hd, x + m * Hd);
-    ga_linear<T>(w, 0, w.q_proj, x, M, Hd, 2 * H * D, q_gate);
-    ga_linear<T>(w, 1, w.k_proj, x, M, Hd, KVH * D, k);
-    ga_linear<T>(w, 2, w.v_proj, x, M, Hd, KVH * D, v);
+    ga_linear<T>(w, 0, w.q_proj, x, M, Hd, 2 * H * D, q_gate,
+                 next_weight<T>(w.packed[1], w.k_proj, Hd));
+    ga_linear<T>(w, 1, w.k_proj, x, M, Hd, KVH * D, k, next_weight<T>(w.packed[2], w.v_proj, Hd));
+    ga_linear<T>(w, 2, w.v_proj, x, M, Hd, KVH * D, v,
+                 next_weight<T>(w.packed[3], w.o_proj, H * D));
 
     // Per (token, head): q's norm and RoPE; per (token, KV head): k's, and the cache write.
 #pragma omp for

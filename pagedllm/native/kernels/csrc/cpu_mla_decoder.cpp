@@ -60,9 +60,16 @@ MLAScratch scratch_sizes(const MLALayerWeights& w) {
 // One linear phase (an orphaned work-sharing loop): packed panels or [N, K] rows.
 template <typename T>
 inline void mla_linear(const MLALayerWeights& w, int index, const void* weight, const float* x,
-                       int64_t M, int64_t K, int64_t N, float* y) {
+                       int64_t M, int64_t K, int64_t N, float* y, int next_index = -1,
+                       const void* next = nullptr, int64_t next_k = 0) {
+  // A packed GEMM ends by prefetching the first panels of the layer's next packed weight
+  // (packed_gemm.h, `NextWeight`), which would otherwise start cold.
+  packed::NextWeight<T> following;
+  if (next_index >= 0 && w.packed[next_index] != 0)
+    following = {static_cast<const T*>(next), next_k};
   if (w.packed[index] != 0)
-    packed::linear_tiles(x, K, M, K, static_cast<const T*>(weight), N, nullptr, y, N);
+    packed::linear_tiles(x, K, M, K, static_cast<const T*>(weight), N, nullptr, y, N, nullptr,
+                         following);
   else
     linear_tiles(x, K, M, K, static_cast<const T*>(weight), N, nullptr, y, N);
 }
@@ -222,9 +229,9 @@ void mla_block(const MLALayerWeights& w, const NativeAttentionStep& s, T* residu
         rms_norm_inplace(q_a + m * QL, static_cast<const T*>(w.q_a_norm), w.latent_eps, QL);
       mla_linear<T>(w, kQB, w.q_b_proj, q_a, M, QL, H * qk, q);
     } else {
-      mla_linear<T>(w, kQ, w.q_proj, normed, M, Hd, H * qk, q);
+      mla_linear<T>(w, kQ, w.q_proj, normed, M, Hd, H * qk, q, kKVA, w.kv_a_proj, Hd);
     }
-    mla_linear<T>(w, kKVA, w.kv_a_proj, normed, M, Hd, D, kv);
+    mla_linear<T>(w, kKVA, w.kv_a_proj, normed, M, Hd, D, kv, kO, w.o_proj, H * dv);
 
     // Per (token, head): the absorbed query; per token (item h == H): the latent's norm and
     // RoPE and its cache write.

@@ -114,18 +114,32 @@ void route(const MoeBlockWeights& w, const float* logits, float* scores, float* 
   for (int64_t j = 0; j < k; ++j) weights[j] *= w.routed_scaling_factor;
 }
 
+// The weight a packed GEMM prefetches the first panels of as it ends (packed_gemm.h,
+// `NextWeight`): packed panels in dtype code `dtype` with K columns; null `w`: none.
+struct NextLinear {
+  const void* w = nullptr;
+  int dtype = -1;
+  int64_t K = 0;
+};
+
 // y [T, N] = x [T, K] @ w^T for a weight in dtype code `dtype` (packed panels or rows): an
-// orphaned work-sharing loop, as linear_tiles.
+// orphaned work-sharing loop, as linear_tiles. A packed w's GEMM ends by prefetching `next`'s
+// first panels where next is packed in the same dtype (router -> shared gate_up -> down).
 template <typename TX, typename TY>
 void any_linear(const TX* x, int64_t T, int64_t K, const void* w, int dtype, bool packed_w,
-                int64_t N, TY* y) {
+                int64_t N, TY* y, NextLinear next = {}) {
+  const bool chained = next.w != nullptr && next.dtype == dtype;
   if (dtype == 0) {
     const float* wf = static_cast<const float*>(w);
-    if (packed_w) packed::linear_tiles(x, K, T, K, wf, N, nullptr, y, N);
+    const packed::NextWeight<float> nw{chained ? static_cast<const float*>(next.w) : nullptr,
+                                       next.K};
+    if (packed_w) packed::linear_tiles(x, K, T, K, wf, N, nullptr, y, N, nullptr, nw);
     else linear_tiles(x, K, T, K, wf, N, nullptr, y, N);
   } else {
     const uint16_t* wb = static_cast<const uint16_t*>(w);
-    if (packed_w) packed::linear_tiles(x, K, T, K, wb, N, nullptr, y, N);
+    const packed::NextWeight<uint16_t> nw{
+        chained ? static_cast<const uint16_t*>(next.w) : nullptr, next.K};
+    if (packed_w) packed::linear_tiles(x, K, T, K, wb, N, nullptr, y, N, nullptr, nw);
     else linear_tiles(x, K, T, K, wb, N, nullptr, y, N);
   }
 }
@@ -175,8 +189,11 @@ void moe_block_impl(const MoeBlockWeights& w, const TA* x, int64_t T, int64_t H,
     // 2-3.5x faster than linear_tiles' dot products at 32 and 2048 rows (DeepSeek-V2-Lite 200M
     // 64 x 512, Qwen3-Next 200M 16 x 768; docs/benchmarks.md "The MoE kernel in float32"); the
     // sums' order differs (float32 rounding only).
+    const NextLinear shared_gu_next =
+        Is > 0 && w.shared_packed != 0 ? NextLinear{w.shared_gate_up, w.shared_dtype, H}
+                                       : NextLinear{};
     if (E > 0) any_linear(x, T, H, w.router, w.router_dtype, w.router_packed != 0, E,
-                          logits.data());
+                          logits.data(), shared_gu_next);
     if (w.router_dtype != 0) {
 #pragma omp for
       for (int64_t i = 0; i < T * E; ++i) logits[i] = moe::rounded<uint16_t>(logits[i]);
@@ -199,7 +216,8 @@ void moe_block_impl(const MoeBlockWeights& w, const TA* x, int64_t T, int64_t H,
 
     if (Is > 0) {
       const bool packed_w = w.shared_packed != 0;
-      any_linear(x, T, H, w.shared_gate_up, w.shared_dtype, packed_w, 2 * Is, shared_gu);
+      any_linear(x, T, H, w.shared_gate_up, w.shared_dtype, packed_w, 2 * Is, shared_gu,
+                 packed_w ? NextLinear{w.shared_down, w.shared_dtype, Is} : NextLinear{});
 #pragma omp for
       for (int64_t t = 0; t < T; ++t) {
         const TA* gu = shared_gu + t * 2 * Is;

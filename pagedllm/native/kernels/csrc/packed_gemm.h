@@ -48,7 +48,13 @@
 // calls prefetch the next two panels into L2 meanwhile, each call its own share of their lines,
 // so the weight arrives as one steady stream instead of a burst per first pass (32 x 32000 x
 // 512 float32: 38.9 -> 55.6 GMAC/s on a loaded host; docs/benchmarks.md, "Packed GEMM at 32
-// rows and in prefill"). Single-row items do not prefetch.
+// rows and in prefill"). Single-row items do not prefetch. After a weight's last panels
+// there is nothing of it left to fetch: there the calls prefetch the first two panels of the
+// weight the caller reads next (`NextWeight`, e.g. GDN in_proj -> out_proj, attention q -> k
+// -> v -> o, MoE router -> shared gate_up -> down), or nothing, where they used to prefetch the
+// bytes past the weight's end (docs/benchmarks.md, "The decode step's dense GEMMs in place").
+// A per-call tally of these GEMMs inside whole runs is compiled in with -DPAGEDLLM_GEMM_TALLY
+// (gemm_tally.h).
 //
 // Threads share (row block, panel group) items through an orphaned `omp for` (as
 // linear_kernel.h), so the fused decoder can call it inside its parallel region.
@@ -66,6 +72,7 @@
 #include <omp.h>
 
 #include "cpu_vec.h"
+#include "gemm_tally.h"
 
 #if defined(PAGEDLLM_AVX512) && defined(__AVX512BF16__)
 #define PAGEDLLM_AVX512_BF16 1
@@ -82,21 +89,31 @@ constexpr int64_t kMaxGroup = 8;    // panels per work item
 
 // Software prefetch of the next panels (into L2) during a micro-kernel call: from `line` on,
 // one 64-byte line per panel every `every` steps of k (a panel row of 16 floats or 16 bf16
-// pairs is one line); null `line`: none.
+// pairs is one line), the NP panels `panel_bytes` apart; null `line`: none.
 struct Prefetch {
   const char* line;
   int64_t every;
+  int64_t panel_bytes;
   int64_t countdown = 1;
 
-  // One step of k: every `every` steps, the current line of NP panels `panel_bytes` apart
-  // (prefetcht1), then the next line.
+  // One step of k: every `every` steps, the current line of the NP panels (prefetcht1), then
+  // the next line.
   template <int NP>
-  void step(int64_t panel_bytes) {
+  void step() {
     if (line == nullptr || --countdown != 0) return;
     countdown = every;
     for (int p = 0; p < NP; ++p) __builtin_prefetch(line + p * panel_bytes, 0, 2);
     line += 64;
   }
+};
+
+// The packed weight a caller will read next (its panels, and its K), so that a GEMM's last
+// panels prefetch that weight's first two panels instead of the bytes past their own end.
+// Null `w`: none (nothing is prefetched past the weight).
+template <typename T>
+struct NextWeight {
+  const T* w = nullptr;
+  int64_t K = 0;
 };
 
 // Whether weights of type T are packed as k pairs (see the header).
@@ -198,7 +215,7 @@ inline void micro(const float* x, int64_t ldx, const T* w, int64_t ps, int64_t k
   load_tile(acc, c, ldc, accumulate);
   for (int64_t k = 0; k < kc; ++k) {
     __m512 wv[NP];
-    pf.step<NP>(ps * static_cast<int64_t>(sizeof(T)));
+    pf.step<NP>();
     for (int p = 0; p < NP; ++p) wv[p] = load16(w + p * ps + k * kNR);
     for (int i = 0; i < MR; ++i) {
       const __m512 xv = _mm512_set1_ps(x[i * ldx + k]);
@@ -221,7 +238,7 @@ inline void micro_widen(const float* x, int64_t ldx, const uint16_t* w, int64_t 
   const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
   for (int64_t k = 0; k < kc; k += 2) {
     __m512 even[NP], odd[NP];
-    pf.step<NP>(ps * 2);
+    pf.step<NP>();
     for (int p = 0; p < NP; ++p) {
       const __m512i v = _mm512_loadu_si512(w + p * ps + k * kNR);
       even[p] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
@@ -252,7 +269,7 @@ inline void micro_split(const float* x, int64_t ldx, const float* wf, int64_t kc
   load_tile(acc, c, ldc, accumulate);
   for (int64_t k = 0; k < kc; k += 2) {
     __m512 even[NP], odd[NP];
-    pf.step<NP>(ps * 2);
+    pf.step<NP>();
     for (int p = 0; p < NP; ++p) {
       odd[p] = _mm512_load_ps(wf + p * kc * kNR + k * kNR);
       even[p] = _mm512_load_ps(wf + p * kc * kNR + k * kNR + kNR);
@@ -276,7 +293,7 @@ inline void micro_dot(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t
   load_tile(acc, c, ldc, accumulate);
   for (int64_t k = 0; k < kc; k += 2) {
     __m512bh wv[NP];
-    pf.step<NP>(ps * 2);
+    pf.step<NP>();
     for (int p = 0; p < NP; ++p)
       wv[p] = (__m512bh)_mm512_loadu_si512(w + p * ps + k * kNR);
     for (int i = 0; i < MR; ++i) {
@@ -369,25 +386,34 @@ inline int64_t num_calls(int64_t rows) {
   return calls;
 }
 
+// What one `panel_rows` call prefetches: `lines` lines of each of the NP panels that start at
+// `first`, `panel_bytes` apart (null `first`: nothing).
+struct PrefetchTarget {
+  const char* first = nullptr;
+  int64_t lines = 0;
+  int64_t panel_bytes = 0;
+};
+
 // `rows` rows of x against NP panels: the largest register tiles first, then 8/4/2/1 rows.
 template <Kernel F, int NP, typename T>
 inline void panel_rows(const XOf<F>* x, int64_t ldx, int64_t rows, const T* w, int64_t ps,
-                       int64_t kc, float* c, int64_t ldc, bool accumulate, const T* next) {
-  // The next panels' lines (`next`: null for none) are shared out among the micro-kernel calls
-  // here (`calls` passes over these panels), each prefetching its own part, one line per
-  // panel every `calls` lines of its own: a steady stream rather than a burst per pass. Not for
-  // a single row: a GEMV streams at the bandwidth bound, where the hardware prefetchers alone
-  // were faster (docs/benchmarks.md, "Packed GEMM at 32 rows and in prefill").
-  if (rows < 2) next = nullptr;
+                       int64_t kc, float* c, int64_t ldc, bool accumulate,
+                       PrefetchTarget next) {
+  // The next panels' lines (`next`) are shared out among the micro-kernel calls here (`calls`
+  // passes over these panels), each prefetching its own part, one line per panel every
+  // `every` steps of k: a steady stream rather than a burst per pass. Not for a single row: a
+  // GEMV streams at the bandwidth bound, where the hardware prefetchers alone were faster
+  // (docs/benchmarks.md, "Packed GEMM at 32 rows and in prefill").
+  if (rows < 2 || next.lines <= 0) next.first = nullptr;
   const int64_t calls = num_calls(rows);
-  const int64_t lines = kc * kNR * static_cast<int64_t>(sizeof(T)) / 64;
-  const int64_t per_line = sizeof(T) == 2 && !pairs<T>() ? 2 : 1;   // iterations per line
+  const int64_t steps = F == Kernel::kFloat ? kc : kc / 2;   // micro-kernel steps per call
+  const int64_t every = std::max<int64_t>(1, steps * calls / std::max<int64_t>(1, next.lines));
   int64_t call = 0;
   auto prefetch = [&]() {
-    const char* start = next == nullptr ? nullptr
-                        : reinterpret_cast<const char*>(next) + call * lines / calls * 64;
+    const char* start = next.first == nullptr ? nullptr
+                                              : next.first + call * next.lines / calls * 64;
     ++call;
-    return Prefetch{start, calls * per_line};
+    return Prefetch{start, every, next.panel_bytes};
   };
   // kWiden with several passes: the first widens the panels into `widened` as it goes, the
   // others read them there (the same bits; see `micro_split`).
@@ -553,7 +579,7 @@ inline bool set_pairs_form(Kernel form) {
 // `linear_tiles` with kernel F (x staged into F's input type per work item where TX is not).
 template <Kernel F, typename T, typename TX, typename TY>
 void tiles(const TX* x, int64_t ldx, int64_t M, int64_t K, const T* w, int64_t N,
-           const float* bias, TY* y, int64_t ldy) {
+           const float* bias, TY* y, int64_t ldy, NextWeight<T> next) {
   using XS = XOf<F>;
   // x is read in place where it is in XS already (and kWiden's x is bf16-rounded float32).
   constexpr bool kStage = !std::is_same_v<XS, TX> || F == Kernel::kWiden;
@@ -570,6 +596,33 @@ void tiles(const TX* x, int64_t ldx, int64_t M, int64_t K, const T* w, int64_t N
   // per call rather than once per panel group (the LM head at 32 rows: 250 groups).
   thread_local std::vector<XS> staged;   // x rows in XS, when kStage
   int64_t staged_block = -1;
+  // What the panels before panel `p_next` prefetch while they run (k block [k0, k0 + kc) of
+  // row block b): the panels from p_next on while there are any; after the last full panel,
+  // what is read next: this item's first panels at the next k block, the first panels of the
+  // next row block, or after the last row block the first two panels of `next` (the
+  // caller's next weight), else nothing (before, the bytes past the weight's end).
+  constexpr int64_t kSize = static_cast<int64_t>(sizeof(T));
+  const char* wc = reinterpret_cast<const char*>(w);
+  auto target = [&](int64_t p_next, int64_t p0, int64_t k0, int64_t kc,
+                    int64_t b) -> PrefetchTarget {
+    if (p_next < full) return {wc + (p_next * ps + k0 * kNR) * kSize, kc * kNR * kSize / 64,
+                               ps * kSize};
+    if (k0 + kc < K) {
+      const int64_t kn = std::min(kc, K - k0 - kc);
+      return {wc + (p0 * ps + (k0 + kc) * kNR) * kSize, kn * kNR * kSize / 64, ps * kSize};
+    }
+    if (b + 1 < num_row_blocks)
+      return {wc, std::min(kc, K) * kNR * kSize / 64, ps * kSize};
+    if (next.w != nullptr && next.K > 0)
+      return {reinterpret_cast<const char*>(next.w), next.K * kNR * kSize / 64,
+              kNR * next.K * kSize};
+    return {};
+  };
+#if defined(PAGEDLLM_GEMM_TALLY)
+  const bool timed = omp_get_thread_num() == 0;
+  const int64_t t_start = timed ? tally_now() : 0;
+  int64_t t_first = 0;
+#endif
 #pragma omp for schedule(dynamic, 1)
   for (int64_t item = 0; item < num_row_blocks * num_groups; ++item) {
     alignas(64) float c[kRowBlock * kMaxGroup * kNR];
@@ -601,10 +654,10 @@ void tiles(const TX* x, int64_t ldx, int64_t M, int64_t K, const T* w, int64_t N
       int64_t p = p0;
       for (; p + kNP <= p_full_end; p += kNP)
         panel_rows<F, kNP>(xk, ldxk, rows, w + p * ps + k0 * kNR, ps, kc, c + (p - p0) * kNR,
-                           ldc, accumulate, w + (p + kNP) * ps + k0 * kNR);
+                           ldc, accumulate, target(p + kNP, p0, k0, kc, b));
       for (; p < p_full_end; ++p)
         panel_rows<F, 1>(xk, ldxk, rows, w + p * ps + k0 * kNR, ps, kc, c + (p - p0) * kNR,
-                         ldc, accumulate, static_cast<const T*>(nullptr));
+                         ldc, accumulate, target(p + 1, p0, k0, kc, b));
       if (p1 > full)
         tail_rows(xk, ldxk, rows, w + full * ps + k0 * nt, nt, kc, c + (full - p0) * kNR, ldc,
                   accumulate);
@@ -614,7 +667,15 @@ void tiles(const TX* x, int64_t ldx, int64_t M, int64_t K, const T* w, int64_t N
       for (int64_t j = 0; j < cols; ++j)
         store(c[r * ldc + j] + (bias != nullptr ? bias[n0 + j] : 0.f),
               y + (r0 + r) * ldy + n0 + j);
+#if defined(PAGEDLLM_GEMM_TALLY)
+    if (timed && t_first == 0) t_first = tally_now();
+#endif
   }
+#if defined(PAGEDLLM_GEMM_TALLY)
+  if (timed)
+    tally_record(t_start, t_first > 0 ? t_first : t_start, tally_now(), M, N, K,
+                 static_cast<int64_t>(sizeof(T)));
+#endif
 }
 
 // The work-sharing loop of a packed linear, to be called by every thread of an enclosing OpenMP
@@ -630,24 +691,34 @@ void tiles(const TX* x, int64_t ldx, int64_t M, int64_t K, const T* w, int64_t N
 // names: the same bits either way.
 template <typename T, typename TX, typename TY>
 void linear_tiles(const TX* x, int64_t ldx, int64_t M, int64_t K, const T* w, int64_t N,
-                  const float* bias, TY* y, int64_t ldy, XStage<T>* x_staged = nullptr) {
+                  const float* bias, TY* y, int64_t ldy, XStage<T>* x_staged = nullptr,
+                  NextWeight<T> next = {}) {
   if constexpr (pairs<T>()) {
     if constexpr (std::is_same_v<TX, float>) {
       if (x_staged != nullptr) {
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < M; ++r)
           stage_rows<Kernel::kDot>(x + r * ldx, ldx, 1, K, x_staged + r * K);
-        linear_tiles<T, uint16_t, TY>(x_staged, K, M, K, w, N, bias, y, ldy);
+        linear_tiles<T, uint16_t, TY>(x_staged, K, M, K, w, N, bias, y, ldy, nullptr, next);
         return;
       }
     }
     if (pairs_form() == Kernel::kWiden)
-      tiles<Kernel::kWiden>(x, ldx, M, K, w, N, bias, y, ldy);
+      tiles<Kernel::kWiden>(x, ldx, M, K, w, N, bias, y, ldy, next);
     else
-      tiles<Kernel::kDot>(x, ldx, M, K, w, N, bias, y, ldy);
+      tiles<Kernel::kDot>(x, ldx, M, K, w, N, bias, y, ldy, next);
   } else {
-    tiles<Kernel::kFloat>(x, ldx, M, K, w, N, bias, y, ldy);
+    tiles<Kernel::kFloat>(x, ldx, M, K, w, N, bias, y, ldy, next);
   }
+#if defined(PAGEDLLM_GEMM_TALLY_TWICE)
+  // Measurement only: the same call once more, its weight just read (tallied as wbytes + 100).
+  tally_repeat() = true;
+  if constexpr (pairs<T>())
+    tiles<Kernel::kWiden>(x, ldx, M, K, w, N, bias, y, ldy, next);
+  else
+    tiles<Kernel::kFloat>(x, ldx, M, K, w, N, bias, y, ldy, next);
+  tally_repeat() = false;
+#endif
 }
 
 template <typename T, typename TX, typename TY>

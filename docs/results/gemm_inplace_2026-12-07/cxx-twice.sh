@@ -1,0 +1,2 @@
+#!/bin/sh
+exec g++ -DPAGEDLLM_GEMM_TALLY -DPAGEDLLM_GEMM_TALLY_TWICE "$@"
