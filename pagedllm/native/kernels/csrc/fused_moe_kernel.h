@@ -9,12 +9,12 @@
 //                expert's rows keep token order); ids < 0 or >= num_experts (another rank's
 //                expert under expert parallelism) are dropped:
 //                  sorted rows [ expert 0 | expert 1 | ... ],  pos[t*k + j] = row or -1
-//   1. gather    xs[row] = x[token of row] for the dot-product blocks       [m, H]
+//   1. gather    xs[row] = x[token of row] (dot-product blocks)            [m, H]
 //   2. gate/up   per work item (expert, block of its rows, tile of intermediate columns):
 //                gate and up tiles by the dot-product micro-kernels (moe_few_rows.h;
-//                experts with < 32 rows: one block) or the panel form's packed tiles (more
-//                rows: blocks of up to 256, every dtype, x rows staged per thread: see
-//                "Panel form" below), then act[row, i] = silu(gate) * up      [m, I]
+//                experts with < 32 rows: one block) or the panel form's outer-product tiles
+//                (more rows: blocks of up to 256, every dtype, x gathered per thread: see
+//                "Panel form" below), then act[row, i] = silu(gate) * up     [m, I]
 //   3. down      per work item (expert, row block, tile of hidden columns):
 //                ys[rows] = act[rows] @ W2[e]^T                              [m, H]
 //   4. combine   per token and column: sum_j w[t, j] * ys[pos[t*k + j]], in slot order
@@ -44,20 +44,29 @@
 
 #include "linear_kernel.h"
 #include "moe_few_rows.h"
-#include "packed_gemm.h"
 
 namespace pagedllm {
 namespace moe {
 
 constexpr int64_t kMaxTile = 64;     // weight rows per work item (a tile stays in L2)
 constexpr int64_t kCombineChunk = 256;
-constexpr int64_t kPanel = 16;            // weight rows per panel of a packed tile
+constexpr int64_t kPanel = 16;            // rows of x per panel of the transposed layout
 constexpr int64_t kPanelMinRows = 32;     // an expert with this many rows takes the panel form
 // Most rows of one panel block: an expert's rows are cut into as few blocks as this allows, of
-// nearly equal size. Each block streams the expert's weight tiles from memory once, so longer
-// blocks read the weights fewer times: a 2048-token DeepSeek-V2-Lite step (192 rows per expert)
-// had two 96-row blocks per expert, and the first pass of each waited on the weights.
+// nearly equal size. Each block streams the expert's weight tiles from memory once (later panel
+// steps of the block find them in L2), so longer blocks read the weights fewer times: a
+// 2048-token DeepSeek-V2-Lite step (192 rows per expert) had two 96-row blocks per expert, and
+// the first panel step of each waited on the weights.
 constexpr int64_t kPanelRowBlock = 256;
+#ifdef PAGEDLLM_AVX512
+// Adjacent panels sharing each weight broadcast: two per step; an odd count's last three in one
+// step (8 weight rows x 3 panels), so no panel runs alone (one broadcast per two FMAs).
+constexpr int64_t kPanelsPerStep = 2;
+constexpr int64_t kMaxPanelsPerStep = 3;
+#else
+constexpr int64_t kPanelsPerStep = 1;
+constexpr int64_t kMaxPanelsPerStep = 1;
+#endif
 
 // The bfloat16 value nearest to v (round to nearest even), as a float.
 inline float round_to(float v, const uint16_t*) {
@@ -76,35 +85,47 @@ inline float rounded(float v) {
 
 inline float silu(float g) { return g / (1.f + std::exp(-g)); }
 
-// One expert's contiguous block of sorted rows [r0, r1): its act rows (float32) are rows
-// [r0, r1) of act, its outputs rows [r0, r1) of ys; a dot-product block's x rows lie from row s0
-// of xs (float32 holding TA values), a `panel` block's are staged per thread (s0 unused).
+// One expert's contiguous block of sorted rows [r0, r1); its x and act rows lie from row s0 of
+// xs / act (dot-product blocks, float32 holding TA values) or its act panels from row s0 of ap
+// (`panel` blocks, float32 panels; their x panels are gathered per thread), its outputs at rows
+// [r0, r1) of ys.
 struct RowBlock {
   int64_t expert, r0, r1, s0;
   bool panel;
 };
 
-// Panel form (blocks of kPanelMinRows rows or more, every dtype): each work item (a block and a
-// tile of up to kMaxTile weight rows) first packs its weight tile into a per-thread buffer in
-// the packed GEMM's layout (packed_gemm.h: panels of kPanel rows, [K][kPanel] each, bfloat16
-// widened to float32, which is exact; a last panel padded with zero rows), then runs
-// packed_gemm.h's register tiles on it with the block's x rows as the broadcast operand
-// (`packed::panel_rows`: 12 rows x 2 panels of 16 columns on AVX-512): the weight tile is read as
-// one sequential stream per panel pair, its k slices stay in L1 while the block's rows pass
-// over them, and the outputs come out as rows ([rows][tile]), so gate and up go through the SiLU
-// pass row by row into act rows and the down outputs are ys rows, with no transposes. The x rows
-// of a block are staged in float32 once per thread (contiguous, from the scattered token rows);
-// each item's micro-kernel calls prefetch the next item's raw weight tile into L2 meanwhile
-// (packed_gemm.h's `Prefetch`, one line per call step), so the pack reads it from L2, not
-// DRAM. Each output is one k-ordered chain of FMAs starting from zero (the accumulators are
-// stored and reloaded between k blocks), the same chain as the earlier form that broadcast the
-// weights against transposed x panels, so the results have the same bits.
+// Panel form (blocks of kPanelMinRows rows or more, every dtype): the block's x rows are
+// gathered transposed in float32 (bfloat16 widened, which is exact) into a buffer of each
+// thread that takes one of the block's work items (the items of a block follow each other in
+// the loop, so a thread mostly gathers a block once, and the panels stay in its L2; a shared
+// buffer of all blocks' panels, 17 MB at a 1365-token DeepSeek-V2-Lite step, went to memory
+// and back), in panels of kPanel rows,
+// [K][kPanel] each (row r, value k at k * kPanel + r % kPanel of panel r / kPanel; a last panel
+// padded with zero rows), and the products are computed as y^T = W x^T by outer-product
+// register tiles (as packed_gemm.h's) with the weight rows in the broadcast operand and the x
+// panels in the other (`panel_micro`): one panel load per MR multiply-adds and no horizontal
+// sums, where the dot-product kernels (`tile_gemm`) load x and w once each per multiply-add
+// group and sum 8 lanes per output. While a work item runs its tiles, the micro-kernels
+// prefetch the next work item's weight tile into L2 (`TileStream`), so the first panel step of
+// each item no longer waits on the weights from memory.
 //
-// A product of two bfloat16 values is exact in float32, so with bfloat16 weights each
-// multiply-add rounds once, as in `vdpbf16ps` and oneDNN's bf16 GEMMs (which has half the
-// float32 FMA rate on the CPUs this was measured on); only the summation order differs from
-// the module path. With bfloat16 activations every intermediate is rounded where the module path
-// rounds: gate, up, silu(gate), the product (`silu_mul`), the down output (its store to ys).
+// bfloat16 weights are widened to float32 one work item's tile at a time (`widen`, into a
+// per-thread buffer that stays in L2) and then run the float32 tiles: on CPUs whose bf16 dot
+// instruction (`vdpbf16ps`) has half the float32 FMA rate, this is the faster bf16 GEMM. A
+// product of two bfloat16 values is exact in float32, so each multiply-add rounds once, as in
+// `vdpbf16ps` and oneDNN's bf16 GEMMs; only the summation order differs from the module path.
+//
+// The gate / up outputs come out transposed, so silu(gate) * up (rounded to TA where the module
+// path rounds: gate, up, silu(gate), the product) is written as act panels directly
+// ([I][kPanel], `silu_mul`), the down GEMM's input; its outputs are transposed back into ys
+// rows, rounded to TA.
+
+// k values per pass over the panels (`panel_gemm`): two panels' rows [k0, k0 + kPanelDepth)
+// are 16 KiB and stay in L1 while each weight row group of the tile passes over them. Without
+// the blocking the two panels (64 KiB at K = 512) streamed from L2 once per weight row group
+// and the FMAs waited on them. Each output is still one k-ordered chain of multiply-adds (the
+// accumulators are stored and reloaded between passes), so the blocking changes no bits.
+constexpr int64_t kPanelDepth = 128;
 
 // Columns per tile so that the work items number about 8 per thread (at least 8 columns, at
 // most `max_tile`).
@@ -120,7 +141,7 @@ inline int64_t tile_width(int64_t columns, int64_t num_blocks, int num_threads,
 // MoE block). Slot s of this thread holds at least n elements of T (grown, never shrunk;
 // contents unspecified); a pointer stays valid until the same slot is asked for again on this
 // thread.
-enum BufferSlot { kSlotXs, kSlotAct, kSlotYs, kSlotScratch, kSlotShared0, kSlotShared1,
+enum BufferSlot { kSlotXs, kSlotAct, kSlotAp, kSlotYs, kSlotScratch, kSlotShared0, kSlotShared1,
                   kSlotShared2, kNumSlots };
 
 template <typename T>
@@ -139,22 +160,21 @@ T* reused_buffer(BufferSlot slot, int64_t n) {
 // The sorted pairs of one step and the buffers of phases 1-3 (built by `plan`, serially).
 template <typename TA>
 struct Plan {
-  int64_t num_pairs = 0, m = 0, H = 0, I = 0, stored = 0;
+  int64_t num_pairs = 0, m = 0, H = 0, I = 0, stored = 0, stored_panels = 0, x_size = 0;
   std::vector<int64_t> pos, token_of_row;   // [T*k] row or -1; [m] token
   std::vector<RowBlock> blocks;
-  int64_t tile_i = 8, tile_h = 8, tiles_i = 0, tiles_h = 0;
-  // Per thread scratch_size floats: the panel form's staged x rows (x_size: the longest panel
-  // block's rows, [rows][H]) and packed weight tile (w_size: gate + up or down, padded to whole
-  // panels), then both forms' output tiles.
-  int64_t scratch_size = 0, x_size = 0, w_size = 0;
-  // xs [stored, H] (dot-product blocks; float32 holding TA values, see `stage_row`), act [m, I]
-  // (float32 holding TA values), ys [m, H], per thread scratch_size floats: buffers of the
-  // thread that ran `plan` (`reused_buffer`), valid until it plans again
+  int64_t tile_i = 8, tile_h = 8, tiles_i = 0, tiles_h = 0, scratch_size = 0, wide_size = 0;
+  // xs [stored, H], act [stored, I] (dot-product blocks; float32 holding TA values, see
+  // `stage_row`), ap [stored_panels, I] (panel blocks, rows padded to whole panels), ys [m, H],
+  // per thread scratch_size floats (the x panels of one panel block, x_size floats, then the
+  // output tiles and a widened weight tile): buffers of the thread that ran `plan`
+  // (`reused_buffer`), valid until it plans again
   TA* ys = nullptr;
-  float *xs = nullptr, *act = nullptr, *scratch = nullptr;
+  float *xs = nullptr, *act = nullptr, *ap = nullptr, *scratch = nullptr;
 };
 
-// Blocks of kPanelMinRows rows or more take the panel form.
+// Blocks of kPanelMinRows rows or more take the panel form; weights TW in bfloat16 get a
+// per-thread buffer for one widened tile.
 template <typename TA, typename TW>
 void plan(const int64_t* topk_ids, int64_t num_tokens, int64_t top_k, int64_t num_experts,
           int64_t H, int64_t I, int num_threads, Plan<TA>& p) {
@@ -180,8 +200,7 @@ void plan(const int64_t* topk_ids, int64_t num_tokens, int64_t top_k, int64_t nu
     }
   }
   p.blocks.clear();
-  p.stored = 0;
-  int64_t panel_rows = 0;   // the longest panel block's
+  p.stored = p.stored_panels = p.x_size = 0;
   for (int64_t e = 0; e < num_experts; ++e) {
     const int64_t rows = offsets[e + 1] - offsets[e];
     if (rows >= kPanelMinRows) {
@@ -190,8 +209,10 @@ void plan(const int64_t* topk_ids, int64_t num_tokens, int64_t top_k, int64_t nu
       const int64_t per = ((rows + count - 1) / count + kPanel - 1) / kPanel * kPanel;
       for (int64_t r0 = offsets[e]; r0 < offsets[e + 1]; r0 += per) {
         const int64_t r1 = std::min(offsets[e + 1], r0 + per);
-        p.blocks.push_back({e, r0, r1, 0, true});
-        panel_rows = std::max(panel_rows, r1 - r0);
+        const int64_t padded = (r1 - r0 + kPanel - 1) / kPanel * kPanel;
+        p.blocks.push_back({e, r0, r1, p.stored_panels, true});
+        p.stored_panels += padded;
+        p.x_size = std::max(p.x_size, padded * H);
       }
       continue;
     }
@@ -215,19 +236,245 @@ void plan(const int64_t* topk_ids, int64_t num_tokens, int64_t top_k, int64_t nu
   p.tiles_i = (I + p.tile_i - 1) / p.tile_i;
   p.tiles_h = (H + p.tile_h - 1) / p.tile_h;
   p.xs = reused_buffer<float>(kSlotXs, p.stored * H);
-  p.act = reused_buffer<float>(kSlotAct, p.m * I);
+  p.act = reused_buffer<float>(kSlotAct, p.stored * I);
+  p.ap = reused_buffer<float>(kSlotAp, p.stored_panels * I);
   p.ys = reused_buffer<TA>(kSlotYs, p.m * H);
-  // Per thread: (panel blocks) the staged x rows and one packed gate + up tile or down tile
-  // (tiles of at most kMaxTile rows: few_rows is false), then the output tiles: gate and up
-  // ([rows][tile]: the dot-product form's rows < kPanelMinRows at tile_i columns, the panel
-  // form's up to panel_rows at whole panels) or the panel form's down tile.
-  const auto padded = [](int64_t n) { return (n + kPanel - 1) / kPanel * kPanel; };
-  p.x_size = panel_rows * H;
-  p.w_size = panel_rows > 0 ? std::max(2 * padded(p.tile_i) * H, padded(p.tile_h) * I) : 0;
-  const int64_t out_size = std::max(kPanelMinRows * p.tile_i,
-                                    panel_rows * padded(std::max(p.tile_i, p.tile_h)));
-  p.scratch_size = p.x_size + p.w_size + 2 * out_size;
+  // Per thread: the x panels of one panel block, the gate and up tiles of one work item (panel
+  // form: [np][tile][kPanel] each; dot-product form: [rows][tile] in TA), then (bfloat16
+  // weights with panel blocks) one widened gate + up tile or down tile (panel blocks have
+  // tiles of at most kMaxTile rows: few_rows is false).
+  p.wide_size = std::is_same_v<TW, float> || p.stored_panels == 0
+                    ? 0 : std::max(2 * p.tile_i * H, p.tile_h * I);
+  p.scratch_size = p.x_size +
+                   2 * std::max(kPanelMinRows * p.tile_i, kMaxPanelsPerStep * kMaxTile * kPanel) +
+                   p.wide_size;
   p.scratch = reused_buffer<float>(kSlotScratch, p.scratch_size * num_threads);
+}
+
+// Software prefetch of the next work item's weight tile (into L2) during this item's
+// micro-kernel calls: one 64-byte line every `every` steps of k, from `line` up to `end`, the
+// position carried from call to call (null `line`: none). The item sets `every` so that its
+// calls reach the end of the next tile about when they finish (`item_stream`): a steady stream
+// under the FMAs, where the hardware prefetchers left the first panel step of each item waiting
+// on its weights (12 rows at stride K, a new stream every 128 values of k).
+struct TileStream {
+  const char* line = nullptr;
+  const char* end = nullptr;
+  int64_t every = 1, countdown = 1;
+
+  // One step of k.
+  __attribute__((always_inline)) void step() {
+    if (--countdown != 0) return;
+    countdown = every;
+    if (line < end) {
+      __builtin_prefetch(line, 0, 2);
+      line += 64;
+    }
+  }
+};
+
+// c[j][0..kPanel) (+)= the products of weight rows w[j] (row stride ldw) over kc values of k
+// with the panel's kPanel columns (x rows; panel row k at panel + k * kPanel), for j < MR: an
+// outer-product register tile (one panel row load per MR broadcasts of w and 2 MR
+// multiply-adds; the order of packed_gemm.h's micro-kernels, written here so that it is
+// inlined into its loop: a separate copy kept the tile on the stack). `accumulate`: continue
+// the sums in c (the next kPanelDepth pass), else start from 0. `stream`: see `TileStream`.
+template <int MR>
+__attribute__((always_inline)) inline void panel_micro(const float* w, int64_t ldw, int64_t kc,
+                                                       const float* panel, float* c,
+                                                       bool accumulate, TileStream& stream) {
+#ifdef PAGEDLLM_AVX2
+  static_assert(kPanel == 16, "two ymm per panel row");
+  TileStream s = stream;
+  __m256 acc[MR][2];
+  for (int i = 0; i < MR; ++i) {
+    acc[i][0] = accumulate ? _mm256_loadu_ps(c + i * kPanel) : _mm256_setzero_ps();
+    acc[i][1] = accumulate ? _mm256_loadu_ps(c + i * kPanel + 8) : _mm256_setzero_ps();
+  }
+  for (int64_t k = 0; k < kc; ++k) {
+    s.step();
+    const __m256 p0 = _mm256_loadu_ps(panel + k * kPanel);
+    const __m256 p1 = _mm256_loadu_ps(panel + k * kPanel + 8);
+    for (int i = 0; i < MR; ++i) {
+      const __m256 wv = _mm256_broadcast_ss(w + i * ldw + k);
+      acc[i][0] = _mm256_fmadd_ps(wv, p0, acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(wv, p1, acc[i][1]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    _mm256_storeu_ps(c + i * kPanel, acc[i][0]);
+    _mm256_storeu_ps(c + i * kPanel + 8, acc[i][1]);
+  }
+  stream = s;
+#else
+  (void)stream;
+  for (int i = 0; i < MR; ++i)
+    for (int r = 0; r < kPanel; ++r) {
+      float sum = accumulate ? c[i * kPanel + r] : 0.f;
+      for (int64_t k = 0; k < kc; ++k) sum += w[i * ldw + k] * panel[k * kPanel + r];
+      c[i * kPanel + r] = sum;
+    }
+#endif
+}
+
+#ifdef PAGEDLLM_AVX512
+// The AVX-512 form of `panel_micro` over NP panels (panel q at panel + q * ldp): one zmm per
+// panel row, MR weight rows broadcast against NP panel rows, so one broadcast per NP
+// multiply-adds (the AVX2 form: one per 2 half-rows of one panel). Outputs of panel q at
+// c + q * cq, [MR][kPanel]. Each output is the same k-ordered chain of multiply-adds as the
+// AVX2 form's, so both give the same bits.
+template <int MR, int NP>
+__attribute__((always_inline)) inline void panel_micro16(const float* w, int64_t ldw,
+                                                         int64_t kc, const float* panel,
+                                                         int64_t ldp, float* c, int64_t cq,
+                                                         bool accumulate, TileStream& stream) {
+  static_assert(kPanel == 16, "one zmm per panel row");
+  TileStream s = stream;
+  __m512 acc[MR][NP];
+  for (int i = 0; i < MR; ++i)
+    for (int q = 0; q < NP; ++q)
+      acc[i][q] = accumulate ? _mm512_loadu_ps(c + q * cq + i * kPanel) : _mm512_setzero_ps();
+  for (int64_t k = 0; k < kc; ++k) {
+    s.step();
+    __m512 pv[NP];
+    for (int q = 0; q < NP; ++q) pv[q] = _mm512_loadu_ps(panel + q * ldp + k * kPanel);
+    for (int i = 0; i < MR; ++i) {
+      const __m512 wv = _mm512_set1_ps(w[i * ldw + k]);
+      for (int q = 0; q < NP; ++q) acc[i][q] = _mm512_fmadd_ps(wv, pv[q], acc[i][q]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int q = 0; q < NP; ++q) _mm512_storeu_ps(c + q * cq + i * kPanel, acc[i][q]);
+  stream = s;
+}
+
+// Weight rows per register tile of NP panels (24 accumulators: 12 x 2, 8 x 3).
+template <int NP>
+constexpr int kTileRows = NP == 3 ? 8 : 12;
+
+// Weight rows [0, n) (K values each) against NP panels, in passes of kPanelDepth values of k:
+// kTileRows<NP>-row register tiles, then 8 / 4 / 2 / 1 rows.
+template <int NP>
+inline void panel_gemm16(const float* w, int64_t K, const float* panel, int64_t n, float* c,
+                         TileStream& stream) {
+  constexpr int MR = kTileRows<NP>;
+  const int64_t cq = n * kPanel, ldp = kPanel * K;
+  for (int64_t k0 = 0; k0 < K; k0 += kPanelDepth) {
+    const int64_t kc = std::min(kPanelDepth, K - k0);
+    const float* wk = w + k0;
+    const float* pk = panel + k0 * kPanel;
+    const bool acc = k0 > 0;
+    int64_t j = 0;
+    for (; j + MR <= n; j += MR)
+      panel_micro16<MR, NP>(wk + j * K, K, kc, pk, ldp, c + j * kPanel, cq, acc, stream);
+    if constexpr (MR > 8) {
+      if (n - j >= 8) {
+        panel_micro16<8, NP>(wk + j * K, K, kc, pk, ldp, c + j * kPanel, cq, acc, stream);
+        j += 8;
+      }
+    }
+    if (n - j >= 4) {
+      panel_micro16<4, NP>(wk + j * K, K, kc, pk, ldp, c + j * kPanel, cq, acc, stream);
+      j += 4;
+    }
+    if (n - j >= 2) {
+      panel_micro16<2, NP>(wk + j * K, K, kc, pk, ldp, c + j * kPanel, cq, acc, stream);
+      j += 2;
+    }
+    if (n - j >= 1)
+      panel_micro16<1, NP>(wk + j * K, K, kc, pk, ldp, c + j * kPanel, cq, acc, stream);
+  }
+}
+#endif
+
+// c[q][j][0..kPanel) (panel q's outputs at c + q * n * kPanel) for the weight rows j < n and
+// the np <= kMaxPanelsPerStep adjacent panels from `panel` (panel q at panel + q * kPanel * K):
+// AVX-512 the two- or three-panel tiles (`panel_gemm16`), else 6-row tiles per panel, then one
+// for the rest; in passes of kPanelDepth values of k.
+inline void panel_gemm(const float* w, int64_t K, const float* panel, int64_t np, int64_t n,
+                       float* c, TileStream& stream) {
+#ifdef PAGEDLLM_AVX512
+  if (np == 3) return panel_gemm16<3>(w, K, panel, n, c, stream);
+  if (np == 2) return panel_gemm16<2>(w, K, panel, n, c, stream);
+  return panel_gemm16<1>(w, K, panel, n, c, stream);
+#else
+  (void)np;   // kMaxPanelsPerStep == 1
+  for (int64_t k0 = 0; k0 < K; k0 += kPanelDepth) {
+    const int64_t kc = std::min(kPanelDepth, K - k0);
+    const float* wk = w + k0;
+    const float* pk = panel + k0 * kPanel;
+    const bool acc = k0 > 0;
+    int64_t j = 0;
+    for (; j + 6 <= n; j += 6)
+      panel_micro<6>(wk + j * K, K, kc, pk, c + j * kPanel, acc, stream);
+    const float* wj = wk + j * K;
+    float* cj = c + j * kPanel;
+    switch (n - j) {
+      case 5: panel_micro<5>(wj, K, kc, pk, cj, acc, stream); break;
+      case 4: panel_micro<4>(wj, K, kc, pk, cj, acc, stream); break;
+      case 3: panel_micro<3>(wj, K, kc, pk, cj, acc, stream); break;
+      case 2: panel_micro<2>(wj, K, kc, pk, cj, acc, stream); break;
+      case 1: panel_micro<1>(wj, K, kc, pk, cj, acc, stream); break;
+      default: break;
+    }
+  }
+#endif
+}
+
+// The panels of each step of a block of num_panels panels: kPanelsPerStep, the last step of an
+// odd count (AVX-512) three.
+inline int64_t step_panels(int64_t q, int64_t num_panels) {
+  const int64_t left = num_panels - q;
+  return left == kMaxPanelsPerStep ? left : std::min(kPanelsPerStep, left);
+}
+
+// Steps of k that `panel_gemm` runs over n weight rows of K values for a block of num_panels
+// panels (all its steps): (its micro-kernel calls per pass) x K per step.
+inline int64_t item_k_steps(int64_t num_panels, int64_t n, int64_t K) {
+  int64_t total = 0;
+  for (int64_t q = 0; q < num_panels;) {
+    const int64_t np = step_panels(q, num_panels);
+#ifdef PAGEDLLM_AVX512
+    const int64_t mr = np == 3 ? 8 : 12;
+    int64_t calls = n / mr, rest = n % mr;
+    for (int64_t t : {8, 4, 2, 1})
+      if (t < mr && rest >= t) {
+        ++calls;
+        rest -= t;
+      }
+#else
+    const int64_t calls = (n + 5) / 6;
+#endif
+    total += calls * K;
+    q += np;
+  }
+  return total;
+}
+
+// The stream of `bytes` bytes from `start` for an item whose products make `k_steps` steps of k
+// (`item_k_steps`; none where start is null).
+inline TileStream item_stream(const void* start, int64_t bytes, int64_t k_steps) {
+  TileStream s;
+  if (start == nullptr || bytes <= 0) return s;
+  s.line = static_cast<const char*>(start);
+  s.end = s.line + bytes;
+  s.every = std::max<int64_t>(1, k_steps / ((bytes + 63) / 64));
+  return s;
+}
+
+// The weights of a tile as float32: float32 weights as they are, bfloat16 ones widened into
+// `buffer` (count values; exact).
+inline const float* widen(const float* w, int64_t, float*) { return w; }
+
+inline const float* widen(const uint16_t* w, int64_t count, float* buffer) {
+  int64_t i = 0;
+#ifdef PAGEDLLM_AVX512
+  for (; i + 16 <= count; i += 16) _mm512_storeu_ps(buffer + i, load16(w + i));
+#elif defined(PAGEDLLM_AVX2)
+  for (; i + 8 <= count; i += 8) _mm256_storeu_ps(buffer + i, load8(w + i));
+#endif
+  for (; i < count; ++i) buffer[i] = to_float(w[i]);
+  return buffer;
 }
 
 // a[i] = silu(g[i]) * u[i] for i < n (float32 buffers; both forms' SiLU pass: the panel
@@ -322,61 +569,28 @@ inline void transpose16(const __m512 (&v)[16], __m512 (&out)[16]) {
 }
 #endif
 
-// A weight tile w [n, K] (row-major, TW) packed as float32 panels at out (packed_gemm.h's plain
-// layout: panel q holds rows [16q, 16q + 16) as [K][kPanel], at out + q * kPanel * K; a last
-// panel padded with zero rows; bfloat16 widened, which is exact): AVX-512 16 x 16 blocks
-// transposed in registers, the rest value by value.
-template <typename TW>
-void pack_tile(const TW* w, int64_t n, int64_t K, float* out) {
-  for (int64_t p0 = 0; p0 < n; p0 += kPanel) {
-    const int64_t rows = std::min(kPanel, n - p0);
-    float* panel = out + p0 * K;
-    const TW* src = w + p0 * K;
+// Rows [r0, r0 + rows) of the sorted pairs as float32 panels at xp (header of the panel form):
+// AVX-512 16 x 16 blocks transposed in registers, the rest value by value.
+template <typename TA>
+void gather_panels(const TA* hidden, const int64_t* token_of_row, int64_t rows, int64_t H,
+                   float* xp) {
+  for (int64_t p0 = 0; p0 < rows; p0 += kPanel) {
+    const int64_t n = std::min(kPanel, rows - p0);
+    float* panel = xp + p0 * H;
+    const TA* src[kPanel];
+    for (int64_t r = 0; r < n; ++r) src[r] = hidden + token_of_row[p0 + r] * H;
     int64_t k = 0;
 #ifdef PAGEDLLM_AVX512
-    for (; k + 16 <= K; k += 16) {
-      __m512 v[16], t[16];
-      for (int r = 0; r < 16; ++r) v[r] = r < rows ? load16(src + r * K + k) : _mm512_setzero_ps();
-      transpose16(v, t);
-      for (int c = 0; c < 16; ++c) _mm512_storeu_ps(panel + (k + c) * kPanel, t[c]);
+    for (; k + 16 <= H; k += 16) {
+      __m512 v[16], out[16];
+      for (int r = 0; r < 16; ++r) v[r] = r < n ? load16(src[r] + k) : _mm512_setzero_ps();
+      transpose16(v, out);
+      for (int c = 0; c < 16; ++c) _mm512_storeu_ps(panel + (k + c) * kPanel, out[c]);
     }
 #endif
-    for (; k < K; ++k)
+    for (; k < H; ++k)
       for (int64_t r = 0; r < kPanel; ++r)
-        panel[k * kPanel + r] = r < rows ? to_float(src[r * K + k]) : 0.f;
-  }
-}
-
-// c [rows][ldc] = x [rows][K] (row stride ldx, float32) times the packed tile w (np panels from
-// `pack_tile`) transposed: packed_gemm.h's register tiles, in blocks of k when the rows' values
-// exceed its whole-K size (the same rule as its `tiles`), each output one k-ordered chain of
-// FMAs from zero. `next` (raw bytes of the next work item's weight tile, next_bytes long, or
-// null) is prefetched into L2 by the micro-kernel calls: the calls over panel q's k block
-// [k0, k0 + kc) take the bytes [q * kPanel * K + k0 * kPanel, ... + kc * kPanel) floats' worth,
-// so the calls of the whole product cover np * kPanel * K * 4 bytes from next.
-inline void panel_product(const float* x, int64_t ldx, int64_t rows, int64_t K, const float* w,
-                          int64_t np, float* c, int64_t ldc, const char* next,
-                          int64_t next_bytes) {
-  using packed::Kernel;
-  const int64_t ps = kPanel * K;
-  const int64_t kblock = rows * K <= packed::kMaxWholeK ? K : packed::kKC;
-  // panel q's share of the next tile from its k block k0 on (null past the tile's end)
-  const auto ahead = [&](int64_t q, int64_t k0) -> const float* {
-    const int64_t at = (q * ps + k0 * kPanel) * static_cast<int64_t>(sizeof(float));
-    return next != nullptr && at < next_bytes ? reinterpret_cast<const float*>(next + at)
-                                              : nullptr;
-  };
-  for (int64_t k0 = 0; k0 < K; k0 += kblock) {
-    const int64_t kc = std::min(kblock, K - k0);
-    const bool accumulate = k0 > 0;
-    int64_t q = 0;
-    for (; q + packed::kNP <= np; q += packed::kNP)
-      packed::panel_rows<Kernel::kFloat, packed::kNP>(x + k0, ldx, rows, w + q * ps + k0 * kPanel,
-                                                      ps, kc, c + q * kPanel, ldc, accumulate,
-                                                      ahead(q, k0));
-    for (; q < np; ++q)
-      packed::panel_rows<Kernel::kFloat, 1>(x + k0, ldx, rows, w + q * ps + k0 * kPanel, ps, kc,
-                                            c + q * kPanel, ldc, accumulate, ahead(q, k0));
+        panel[k * kPanel + r] = r < n ? to_float(src[r][k]) : 0.f;
   }
 }
 
@@ -397,34 +611,13 @@ inline void stage_row(const uint16_t* src, int64_t n, float* dst) {
   for (; i < n; ++i) dst[i] = to_float(src[i]);
 }
 
-// y[0, n) = c[0, n) in TA (bfloat16: rounded to nearest even, as `store`).
-template <typename TA>
-inline void store_row(const float* c, int64_t n, TA* y) {
-  int64_t j = 0;
-#ifdef PAGEDLLM_AVX2
-  for (; j + 8 <= n; j += 8) store8(_mm256_loadu_ps(c + j), y + j);
-#endif
-  for (; j < n; ++j) store(c[j], y + j);
-}
-
-// The raw weight tile of a work item as bytes for `panel_product`'s prefetch: rows
-// [n0, min(N, n0 + tile)) of the [N, K] matrix at w.
-template <typename TW>
-struct RawTile {
-  const char* bytes = nullptr;
-  int64_t size = 0;
-  RawTile() = default;
-  RawTile(const TW* w, int64_t n0, int64_t tile, int64_t N, int64_t K)
-      : bytes(reinterpret_cast<const char*>(w + n0 * K)),
-        size((std::min(N, n0 + tile) - n0) * K * static_cast<int64_t>(sizeof(TW))) {}
-};
-
 // Phases 1-3 for every thread of the enclosing parallel region (w13 [E, 2I, H], w2 [E, H, I]).
 template <typename TA, typename TW>
 void expert_phases(const TA* hidden, const TW* w13, const TW* w2, Plan<TA>& p) {
   const int64_t H = p.H, I = p.I;
   const int64_t num_blocks = static_cast<int64_t>(p.blocks.size());
-  // The dot-product blocks' x rows (a panel block's are staged by the thread of its work item).
+  // The dot-product blocks' x rows (a panel block's panels are gathered by the threads of its
+  // work items).
 #pragma omp for schedule(dynamic, 1)
   for (int64_t bi = 0; bi < num_blocks; ++bi) {
     const RowBlock& b = p.blocks[bi];
@@ -434,19 +627,12 @@ void expert_phases(const TA* hidden, const TW* w13, const TW* w2, Plan<TA>& p) {
       stage_row(hidden + p.token_of_row[r] * H, H, xs + (r - b.r0) * H);
   }
 
-  float* xrows = p.scratch + omp_get_thread_num() * p.scratch_size;   // [rows][H]
-  float* wpack = xrows + p.x_size;                                     // packed tile(s)
-  float* out = wpack + p.w_size;                                       // output tiles
-  const int64_t half = (p.scratch_size - p.x_size - p.w_size) / 2;
-  // The panel block whose x rows are in xrows: a block's work items follow each other in the
-  // loop, so a thread mostly stages a block once rather than once per tile.
-  int64_t staged = -1;
-  const int64_t tile_i = p.tile_i, tiles_i = p.tiles_i;
-  const int64_t num_i = num_blocks * tiles_i;
-  const auto gate_tile = [&](int64_t item) {
-    const RowBlock& b = p.blocks[item / tiles_i];
-    return RawTile<TW>(w13 + b.expert * 2 * I * H, (item % tiles_i) * tile_i, tile_i, I, H);
-  };
+  float* xpanels = p.scratch + omp_get_thread_num() * p.scratch_size;   // one panel block's
+  float* scratch = xpanels + p.x_size;
+  float* wide = xpanels + p.scratch_size - p.wide_size;   // bfloat16 weights' widened tile
+  const int64_t half = (p.scratch_size - p.x_size - p.wide_size) / 2;
+  int64_t gathered = -1;   // the panel block whose x panels are in xpanels
+  const int64_t tile_i = p.tile_i, tiles_i = p.tiles_i, num_i = num_blocks * tiles_i;
 #pragma omp for schedule(dynamic, 1)
   for (int64_t item = 0; item < num_i; ++item) {
     const int64_t bi = item / tiles_i;
@@ -455,61 +641,86 @@ void expert_phases(const TA* hidden, const TW* w13, const TW* w2, Plan<TA>& p) {
     const int64_t rows = b.r1 - b.r0;
     const TW* w_gate = w13 + (b.expert * 2 * I + n0) * H;
     const TW* w_up = w_gate + I * H;
-    float* gate = out;
-    float* up = out + half;
     if (b.panel) {
-      if (staged != bi) {
-        for (int64_t r = 0; r < rows; ++r)
-          stage_row(hidden + p.token_of_row[b.r0 + r] * H, H, xrows + r * H);
-        staged = bi;
+      if (gathered != bi) {
+        gather_panels(hidden, p.token_of_row.data() + b.r0, rows, H, xpanels);
+        gathered = bi;
       }
-      const int64_t np = (n + kPanel - 1) / kPanel, ldc = np * kPanel;
-      float* pg = wpack;
-      float* pu = wpack + ldc * H;
-      pack_tile(w_gate, n, H, pg);
-      pack_tile(w_up, n, H, pu);
-      // the next item's gate tile during the gate product, its up tile during the up product
-      RawTile<TW> next_gate, next_up;
+      const int64_t num_panels = (rows + kPanel - 1) / kPanel;
+      // The next item's gate tile streams in during the gate products, its up tile during the
+      // up products (its rows n0' .. of gate and of up, each contiguous).
+      TileStream next_gate, next_up;
       if (item + 1 < num_i) {
-        next_gate = gate_tile(item + 1);
-        next_up = next_gate;
-        next_up.bytes += I * H * static_cast<int64_t>(sizeof(TW));
+        const RowBlock& nb = p.blocks[(item + 1) / tiles_i];
+        const int64_t m0 = ((item + 1) % tiles_i) * tile_i, mn = std::min(I, m0 + tile_i) - m0;
+        const TW* g = w13 + (nb.expert * 2 * I + m0) * H;
+        const int64_t bytes = mn * H * static_cast<int64_t>(sizeof(TW));
+        const int64_t steps = item_k_steps(num_panels, n, H);
+        next_gate = item_stream(g, bytes, steps);
+        next_up = item_stream(g + I * H, bytes, steps);
       }
-      panel_product(xrows, H, rows, H, pg, np, gate, ldc, next_gate.bytes, next_gate.size);
-      panel_product(xrows, H, rows, H, pu, np, up, ldc, next_up.bytes, next_up.size);
-      for (int64_t r = 0; r < rows; ++r)
-        silu_mul<TA>(gate + r * ldc, up + r * ldc, n, p.act + (b.r0 + r) * I + n0);
+      const float* wg = widen(w_gate, n * H, wide);
+      const float* wu = widen(w_up, n * H, wide + n * H);
+      float* gate = scratch;
+      float* up = scratch + half;
+      for (int64_t q = 0; q < num_panels;) {
+        const int64_t np = step_panels(q, num_panels);
+        const float* panel = xpanels + q * kPanel * H;
+        panel_gemm(wg, H, panel, np, n, gate, next_gate);
+        panel_gemm(wu, H, panel, np, n, up, next_up);
+        for (int64_t pp = 0; pp < np; ++pp)
+          silu_mul<TA>(gate + pp * n * kPanel, up + pp * n * kPanel, n * kPanel,
+                       p.ap + (b.s0 + (q + pp) * kPanel) * I + n0 * kPanel);
+        q += np;
+      }
       continue;
     }
     // gate / up in float32, rounded to TA by `silu_mul` (as a TA store would round them)
+    float* gate = scratch;
+    float* up = scratch + half;
     const float* x = p.xs + b.s0 * H;
     tile_gemm(x, H, rows, w_gate, H, n, gate, tile_i);
     tile_gemm(x, H, rows, w_up, H, n, up, tile_i);
     for (int64_t r = 0; r < rows; ++r)
-      silu_mul<TA>(gate + r * tile_i, up + r * tile_i, n, p.act + (b.r0 + r) * I + n0);
+      silu_mul<TA>(gate + r * tile_i, up + r * tile_i, n, p.act + (b.s0 + r) * I + n0);
   }
 
-  const int64_t tile_h = p.tile_h, tiles_h = p.tiles_h;
-  const int64_t num_h = num_blocks * tiles_h;
+  const int64_t tile_h = p.tile_h, tiles_h = p.tiles_h, num_h = num_blocks * tiles_h;
 #pragma omp for schedule(dynamic, 1)
   for (int64_t item = 0; item < num_h; ++item) {
     const RowBlock& b = p.blocks[item / tiles_h];
     const int64_t n0 = (item % tiles_h) * tile_h, n = std::min(H, n0 + tile_h) - n0;
-    const int64_t rows = b.r1 - b.r0;
     const TW* w = w2 + (b.expert * H + n0) * I;
     if (!b.panel) {
-      tile_gemm(p.act + b.r0 * I, I, rows, w, I, n, p.ys + b.r0 * H + n0, H);
+      tile_gemm(p.act + b.s0 * I, I, b.r1 - b.r0, w, I, n, p.ys + b.r0 * H + n0, H);
       continue;
     }
-    const int64_t np = (n + kPanel - 1) / kPanel, ldc = np * kPanel;
-    pack_tile(w, n, I, wpack);
-    RawTile<TW> next;
+    const int64_t num_panels = (b.r1 - b.r0 + kPanel - 1) / kPanel;
+    TileStream next;   // the next item's down tile (contiguous rows of w2)
     if (item + 1 < num_h) {
       const RowBlock& nb = p.blocks[(item + 1) / tiles_h];
-      next = RawTile<TW>(w2 + nb.expert * H * I, ((item + 1) % tiles_h) * tile_h, tile_h, H, I);
+      const int64_t m0 = ((item + 1) % tiles_h) * tile_h, mn = std::min(H, m0 + tile_h) - m0;
+      next = item_stream(w2 + (nb.expert * H + m0) * I,
+                         mn * I * static_cast<int64_t>(sizeof(TW)),
+                         item_k_steps(num_panels, n, I));
     }
-    panel_product(p.act + b.r0 * I, I, rows, I, wpack, np, out, ldc, next.bytes, next.size);
-    for (int64_t r = 0; r < rows; ++r) store_row(out + r * ldc, n, p.ys + (b.r0 + r) * H + n0);
+    const float* wd = widen(w, n * I, wide);
+    for (int64_t q = 0; q < num_panels;) {
+      const int64_t np = step_panels(q, num_panels);
+      panel_gemm(wd, I, p.ap + (b.s0 + q * kPanel) * I, np, n, scratch, next);
+      for (int64_t pp = 0; pp < np; ++pp) {
+        const int64_t r0 = b.r0 + (q + pp) * kPanel, rows = std::min(kPanel, b.r1 - r0);
+        // NOTE(moe): a 16 x 16 register transpose here (as `gather_panels`) measured 5-9%
+        // slower per prefill block than this loop (docs/benchmarks.md, "The MoE kernel in
+        // float32"): the loop writes each output row's columns in one run.
+        const float* c = scratch + pp * n * kPanel;
+        for (int64_t r = 0; r < rows; ++r) {
+          TA* y = p.ys + (r0 + r) * H + n0;
+          for (int64_t j = 0; j < n; ++j) store(c[j * kPanel + r], y + j);
+        }
+      }
+      q += np;
+    }
   }
 }
 
