@@ -141,8 +141,12 @@ inline int64_t tile_width(int64_t columns, int64_t num_blocks, int num_threads,
 // MoE block). Slot s of this thread holds at least n elements of T (grown, never shrunk;
 // contents unspecified); a pointer stays valid until the same slot is asked for again on this
 // thread.
-enum BufferSlot { kSlotXs, kSlotAct, kSlotAp, kSlotYs, kSlotScratch, kSlotShared0, kSlotShared1,
-                  kSlotShared2, kNumSlots };
+// kSlotXp held the panel form's x panels of all blocks until 2026-12-07 (now per thread, in
+// kSlotScratch); the slot stays so that kNumSlots does not change: g++ makes the slots' arrays
+// one process-wide object (a unique symbol), shared by two builds of this file loaded side by
+// side in one process for an A/B, and a build with fewer slots corrupted the other's memory.
+enum BufferSlot { kSlotXs, kSlotAct, kSlotXp, kSlotAp, kSlotYs, kSlotScratch, kSlotShared0,
+                  kSlotShared1, kSlotShared2, kNumSlots };
 
 template <typename T>
 T* reused_buffer(BufferSlot slot, int64_t n) {
