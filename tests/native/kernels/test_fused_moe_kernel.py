@@ -111,8 +111,8 @@ def test_decode_row_counts_at_sizes_of_sixteen(build, dtype):
 def test_panel_form_panel_counts(build):
     """float32 prefill-sized blocks (>= 32 rows: the panel form) of 2, 3, 5, 6 and 10 panels and
     a 290-row expert cut into blocks of 160 and 130 rows (at most 256 per block): the AVX-512
-    form's two-panel steps and its one-panel remainder, a padded last panel, weight row counts
-    that are not multiples of its 12-row tiles (40, 56). Against
+    form's two-panel steps and its three-panel last step of an odd count, a padded last panel,
+    weight row counts that are not multiples of its 12- and 8-row tiles (40, 56). Against
     the float64 loop; with only panel blocks, every build's outputs are the same bits (each
     output is the same k-ordered chain of multiply-adds in the AVX2 and AVX-512 forms)."""
     lib = kernel_build(build)

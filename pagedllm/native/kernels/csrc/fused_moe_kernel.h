@@ -9,12 +9,12 @@
 //                expert's rows keep token order); ids < 0 or >= num_experts (another rank's
 //                expert under expert parallelism) are dropped:
 //                  sorted rows [ expert 0 | expert 1 | ... ],  pos[t*k + j] = row or -1
-//   1. gather    xs[row] = x[token of row]                                  [m, H]
+//   1. gather    xs[row] = x[token of row] (dot-product blocks)            [m, H]
 //   2. gate/up   per work item (expert, block of its rows, tile of intermediate columns):
 //                gate and up tiles by the dot-product micro-kernels (moe_few_rows.h;
 //                experts with < 32 rows: one block) or the panel form's outer-product tiles
-//                (more rows: blocks of up to 256, every dtype: see "Panel form" below), then
-//                act[row, i] = silu(gate) * up                               [m, I]
+//                (more rows: blocks of up to 256, every dtype, x gathered per thread: see
+//                "Panel form" below), then act[row, i] = silu(gate) * up     [m, I]
 //   3. down      per work item (expert, row block, tile of hidden columns):
 //                ys[rows] = act[rows] @ W2[e]^T                              [m, H]
 //   4. combine   per token and column: sum_j w[t, j] * ys[pos[t*k + j]], in slot order
@@ -59,9 +59,13 @@ constexpr int64_t kPanelMinRows = 32;     // an expert with this many rows takes
 // the first panel step of each waited on the weights.
 constexpr int64_t kPanelRowBlock = 256;
 #ifdef PAGEDLLM_AVX512
-constexpr int64_t kPanelsPerStep = 2;     // adjacent panels sharing each weight broadcast
+// Adjacent panels sharing each weight broadcast: two per step; an odd count's last three in one
+// step (8 weight rows x 3 panels), so no panel runs alone (one broadcast per two FMAs).
+constexpr int64_t kPanelsPerStep = 2;
+constexpr int64_t kMaxPanelsPerStep = 3;
 #else
 constexpr int64_t kPanelsPerStep = 1;
+constexpr int64_t kMaxPanelsPerStep = 1;
 #endif
 
 // The bfloat16 value nearest to v (round to nearest even), as a float.
@@ -82,21 +86,28 @@ inline float rounded(float v) {
 inline float silu(float g) { return g / (1.f + std::exp(-g)); }
 
 // One expert's contiguous block of sorted rows [r0, r1); its x and act rows lie from row s0 of
-// xs / act (dot-product blocks, in TA) or of xp / ap (`panel` blocks, float32 panels), its
-// outputs at rows [r0, r1) of ys.
+// xs / act (dot-product blocks, float32 holding TA values) or its act panels from row s0 of ap
+// (`panel` blocks, float32 panels; their x panels are gathered per thread), its outputs at rows
+// [r0, r1) of ys.
 struct RowBlock {
   int64_t expert, r0, r1, s0;
   bool panel;
 };
 
 // Panel form (blocks of kPanelMinRows rows or more, every dtype): the block's x rows are
-// stored transposed in float32 (bfloat16 widened, which is exact), in panels of kPanel rows,
+// gathered transposed in float32 (bfloat16 widened, which is exact) into a buffer of each
+// thread that takes one of the block's work items (the items of a block follow each other in
+// the loop, so a thread mostly gathers a block once, and the panels stay in its L2; a shared
+// buffer of all blocks' panels, 17 MB at a 1365-token DeepSeek-V2-Lite step, went to memory
+// and back), in panels of kPanel rows,
 // [K][kPanel] each (row r, value k at k * kPanel + r % kPanel of panel r / kPanel; a last panel
 // padded with zero rows), and the products are computed as y^T = W x^T by outer-product
 // register tiles (as packed_gemm.h's) with the weight rows in the broadcast operand and the x
 // panels in the other (`panel_micro`): one panel load per MR multiply-adds and no horizontal
 // sums, where the dot-product kernels (`tile_gemm`) load x and w once each per multiply-add
-// group and sum 8 lanes per output.
+// group and sum 8 lanes per output. While a work item runs its tiles, the micro-kernels
+// prefetch the next work item's weight tile into L2 (`TileStream`), so the first panel step of
+// each item no longer waits on the weights from memory.
 //
 // bfloat16 weights are widened to float32 one work item's tile at a time (`widen`, into a
 // per-thread buffer that stays in L2) and then run the float32 tiles: on CPUs whose bf16 dot
@@ -130,6 +141,10 @@ inline int64_t tile_width(int64_t columns, int64_t num_blocks, int num_threads,
 // MoE block). Slot s of this thread holds at least n elements of T (grown, never shrunk;
 // contents unspecified); a pointer stays valid until the same slot is asked for again on this
 // thread.
+// kSlotXp held the panel form's x panels of all blocks until 2026-12-07 (now per thread, in
+// kSlotScratch); the slot stays so that kNumSlots does not change: g++ makes the slots' arrays
+// one process-wide object (a unique symbol), shared by two builds of this file loaded side by
+// side in one process for an A/B, and a build with fewer slots corrupted the other's memory.
 enum BufferSlot { kSlotXs, kSlotAct, kSlotXp, kSlotAp, kSlotYs, kSlotScratch, kSlotShared0,
                   kSlotShared1, kSlotShared2, kNumSlots };
 
@@ -149,16 +164,17 @@ T* reused_buffer(BufferSlot slot, int64_t n) {
 // The sorted pairs of one step and the buffers of phases 1-3 (built by `plan`, serially).
 template <typename TA>
 struct Plan {
-  int64_t num_pairs = 0, m = 0, H = 0, I = 0, stored = 0, stored_panels = 0;
+  int64_t num_pairs = 0, m = 0, H = 0, I = 0, stored = 0, stored_panels = 0, x_size = 0;
   std::vector<int64_t> pos, token_of_row;   // [T*k] row or -1; [m] token
   std::vector<RowBlock> blocks;
   int64_t tile_i = 8, tile_h = 8, tiles_i = 0, tiles_h = 0, scratch_size = 0, wide_size = 0;
   // xs [stored, H], act [stored, I] (dot-product blocks; float32 holding TA values, see
-  // `stage_row`), xp [stored_panels, H], ap [stored_panels, I] (panel blocks, rows padded to
-  // whole panels), ys [m, H], per thread scratch_size floats: buffers of the thread that ran
-  // `plan` (`reused_buffer`), valid until it plans again
+  // `stage_row`), ap [stored_panels, I] (panel blocks, rows padded to whole panels), ys [m, H],
+  // per thread scratch_size floats (the x panels of one panel block, x_size floats, then the
+  // output tiles and a widened weight tile): buffers of the thread that ran `plan`
+  // (`reused_buffer`), valid until it plans again
   TA* ys = nullptr;
-  float *xs = nullptr, *act = nullptr, *xp = nullptr, *ap = nullptr, *scratch = nullptr;
+  float *xs = nullptr, *act = nullptr, *ap = nullptr, *scratch = nullptr;
 };
 
 // Blocks of kPanelMinRows rows or more take the panel form; weights TW in bfloat16 get a
@@ -188,7 +204,7 @@ void plan(const int64_t* topk_ids, int64_t num_tokens, int64_t top_k, int64_t nu
     }
   }
   p.blocks.clear();
-  p.stored = p.stored_panels = 0;
+  p.stored = p.stored_panels = p.x_size = 0;
   for (int64_t e = 0; e < num_experts; ++e) {
     const int64_t rows = offsets[e + 1] - offsets[e];
     if (rows >= kPanelMinRows) {
@@ -197,8 +213,10 @@ void plan(const int64_t* topk_ids, int64_t num_tokens, int64_t top_k, int64_t nu
       const int64_t per = ((rows + count - 1) / count + kPanel - 1) / kPanel * kPanel;
       for (int64_t r0 = offsets[e]; r0 < offsets[e + 1]; r0 += per) {
         const int64_t r1 = std::min(offsets[e + 1], r0 + per);
+        const int64_t padded = (r1 - r0 + kPanel - 1) / kPanel * kPanel;
         p.blocks.push_back({e, r0, r1, p.stored_panels, true});
-        p.stored_panels += (r1 - r0 + kPanel - 1) / kPanel * kPanel;
+        p.stored_panels += padded;
+        p.x_size = std::max(p.x_size, padded * H);
       }
       continue;
     }
@@ -223,38 +241,62 @@ void plan(const int64_t* topk_ids, int64_t num_tokens, int64_t top_k, int64_t nu
   p.tiles_h = (H + p.tile_h - 1) / p.tile_h;
   p.xs = reused_buffer<float>(kSlotXs, p.stored * H);
   p.act = reused_buffer<float>(kSlotAct, p.stored * I);
-  p.xp = reused_buffer<float>(kSlotXp, p.stored_panels * H);
   p.ap = reused_buffer<float>(kSlotAp, p.stored_panels * I);
   p.ys = reused_buffer<TA>(kSlotYs, p.m * H);
-  // Per thread: the gate and up tiles of one work item (panel form: [np][tile][kPanel] each;
-  // dot-product form: [rows][tile] in TA), then (bfloat16 weights with panel blocks) one
-  // widened gate + up tile or down tile (panel blocks have tiles of at most kMaxTile rows:
-  // few_rows is false).
+  // Per thread: the x panels of one panel block, the gate and up tiles of one work item (panel
+  // form: [np][tile][kPanel] each; dot-product form: [rows][tile] in TA), then (bfloat16
+  // weights with panel blocks) one widened gate + up tile or down tile (panel blocks have
+  // tiles of at most kMaxTile rows: few_rows is false).
   p.wide_size = std::is_same_v<TW, float> || p.stored_panels == 0
                     ? 0 : std::max(2 * p.tile_i * H, p.tile_h * I);
-  p.scratch_size = 2 * std::max(kPanelMinRows * p.tile_i, kPanelsPerStep * kMaxTile * kPanel) +
+  p.scratch_size = p.x_size +
+                   2 * std::max(kPanelMinRows * p.tile_i, kMaxPanelsPerStep * kMaxTile * kPanel) +
                    p.wide_size;
   p.scratch = reused_buffer<float>(kSlotScratch, p.scratch_size * num_threads);
 }
+
+// Software prefetch of the next work item's weight tile (into L2) during this item's
+// micro-kernel calls: one 64-byte line every `every` steps of k, from `line` up to `end`, the
+// position carried from call to call (null `line`: none). The item sets `every` so that its
+// calls reach the end of the next tile about when they finish (`item_stream`): a steady stream
+// under the FMAs, where the hardware prefetchers left the first panel step of each item waiting
+// on its weights (12 rows at stride K, a new stream every 128 values of k).
+struct TileStream {
+  const char* line = nullptr;
+  const char* end = nullptr;
+  int64_t every = 1, countdown = 1;
+
+  // One step of k.
+  __attribute__((always_inline)) void step() {
+    if (--countdown != 0) return;
+    countdown = every;
+    if (line < end) {
+      __builtin_prefetch(line, 0, 2);
+      line += 64;
+    }
+  }
+};
 
 // c[j][0..kPanel) (+)= the products of weight rows w[j] (row stride ldw) over kc values of k
 // with the panel's kPanel columns (x rows; panel row k at panel + k * kPanel), for j < MR: an
 // outer-product register tile (one panel row load per MR broadcasts of w and 2 MR
 // multiply-adds; the order of packed_gemm.h's micro-kernels, written here so that it is
 // inlined into its loop: a separate copy kept the tile on the stack). `accumulate`: continue
-// the sums in c (the next kPanelDepth pass), else start from 0.
+// the sums in c (the next kPanelDepth pass), else start from 0. `stream`: see `TileStream`.
 template <int MR>
 __attribute__((always_inline)) inline void panel_micro(const float* w, int64_t ldw, int64_t kc,
                                                        const float* panel, float* c,
-                                                       bool accumulate) {
+                                                       bool accumulate, TileStream& stream) {
 #ifdef PAGEDLLM_AVX2
   static_assert(kPanel == 16, "two ymm per panel row");
+  TileStream s = stream;
   __m256 acc[MR][2];
   for (int i = 0; i < MR; ++i) {
     acc[i][0] = accumulate ? _mm256_loadu_ps(c + i * kPanel) : _mm256_setzero_ps();
     acc[i][1] = accumulate ? _mm256_loadu_ps(c + i * kPanel + 8) : _mm256_setzero_ps();
   }
   for (int64_t k = 0; k < kc; ++k) {
+    s.step();
     const __m256 p0 = _mm256_loadu_ps(panel + k * kPanel);
     const __m256 p1 = _mm256_loadu_ps(panel + k * kPanel + 8);
     for (int i = 0; i < MR; ++i) {
@@ -267,7 +309,9 @@ __attribute__((always_inline)) inline void panel_micro(const float* w, int64_t l
     _mm256_storeu_ps(c + i * kPanel, acc[i][0]);
     _mm256_storeu_ps(c + i * kPanel + 8, acc[i][1]);
   }
+  stream = s;
 #else
+  (void)stream;
   for (int i = 0; i < MR; ++i)
     for (int r = 0; r < kPanel; ++r) {
       float sum = accumulate ? c[i * kPanel + r] : 0.f;
@@ -287,13 +331,15 @@ template <int MR, int NP>
 __attribute__((always_inline)) inline void panel_micro16(const float* w, int64_t ldw,
                                                          int64_t kc, const float* panel,
                                                          int64_t ldp, float* c, int64_t cq,
-                                                         bool accumulate) {
+                                                         bool accumulate, TileStream& stream) {
   static_assert(kPanel == 16, "one zmm per panel row");
+  TileStream s = stream;
   __m512 acc[MR][NP];
   for (int i = 0; i < MR; ++i)
     for (int q = 0; q < NP; ++q)
       acc[i][q] = accumulate ? _mm512_loadu_ps(c + q * cq + i * kPanel) : _mm512_setzero_ps();
   for (int64_t k = 0; k < kc; ++k) {
+    s.step();
     __m512 pv[NP];
     for (int q = 0; q < NP; ++q) pv[q] = _mm512_loadu_ps(panel + q * ldp + k * kPanel);
     for (int i = 0; i < MR; ++i) {
@@ -303,12 +349,19 @@ __attribute__((always_inline)) inline void panel_micro16(const float* w, int64_t
   }
   for (int i = 0; i < MR; ++i)
     for (int q = 0; q < NP; ++q) _mm512_storeu_ps(c + q * cq + i * kPanel, acc[i][q]);
+  stream = s;
 }
 
-// Weight rows [0, n) (K values each) against NP panels, in passes of kPanelDepth values of k:
-// 12-row register tiles (24 accumulators at NP = 2), then 8 / 4 / 2 / 1 rows.
+// Weight rows per register tile of NP panels (24 accumulators: 12 x 2, 8 x 3).
 template <int NP>
-inline void panel_gemm16(const float* w, int64_t K, const float* panel, int64_t n, float* c) {
+constexpr int kTileRows = NP == 3 ? 8 : 12;
+
+// Weight rows [0, n) (K values each) against NP panels, in passes of kPanelDepth values of k:
+// kTileRows<NP>-row register tiles, then 8 / 4 / 2 / 1 rows.
+template <int NP>
+inline void panel_gemm16(const float* w, int64_t K, const float* panel, int64_t n, float* c,
+                         TileStream& stream) {
+  constexpr int MR = kTileRows<NP>;
   const int64_t cq = n * kPanel, ldp = kPanel * K;
   for (int64_t k0 = 0; k0 < K; k0 += kPanelDepth) {
     const int64_t kc = std::min(kPanelDepth, K - k0);
@@ -316,55 +369,101 @@ inline void panel_gemm16(const float* w, int64_t K, const float* panel, int64_t 
     const float* pk = panel + k0 * kPanel;
     const bool acc = k0 > 0;
     int64_t j = 0;
-    for (; j + 12 <= n; j += 12)
-      panel_micro16<12, NP>(wk + j * K, K, kc, pk, ldp, c + j * kPanel, cq, acc);
-    if (n - j >= 8) {
-      panel_micro16<8, NP>(wk + j * K, K, kc, pk, ldp, c + j * kPanel, cq, acc);
-      j += 8;
+    for (; j + MR <= n; j += MR)
+      panel_micro16<MR, NP>(wk + j * K, K, kc, pk, ldp, c + j * kPanel, cq, acc, stream);
+    if constexpr (MR > 8) {
+      if (n - j >= 8) {
+        panel_micro16<8, NP>(wk + j * K, K, kc, pk, ldp, c + j * kPanel, cq, acc, stream);
+        j += 8;
+      }
     }
     if (n - j >= 4) {
-      panel_micro16<4, NP>(wk + j * K, K, kc, pk, ldp, c + j * kPanel, cq, acc);
+      panel_micro16<4, NP>(wk + j * K, K, kc, pk, ldp, c + j * kPanel, cq, acc, stream);
       j += 4;
     }
     if (n - j >= 2) {
-      panel_micro16<2, NP>(wk + j * K, K, kc, pk, ldp, c + j * kPanel, cq, acc);
+      panel_micro16<2, NP>(wk + j * K, K, kc, pk, ldp, c + j * kPanel, cq, acc, stream);
       j += 2;
     }
-    if (n - j >= 1) panel_micro16<1, NP>(wk + j * K, K, kc, pk, ldp, c + j * kPanel, cq, acc);
+    if (n - j >= 1)
+      panel_micro16<1, NP>(wk + j * K, K, kc, pk, ldp, c + j * kPanel, cq, acc, stream);
   }
 }
 #endif
 
 // c[q][j][0..kPanel) (panel q's outputs at c + q * n * kPanel) for the weight rows j < n and
-// the np <= kPanelsPerStep adjacent panels from `panel` (panel q at panel + q * kPanel * K):
-// AVX-512 the two-panel tiles (`panel_gemm16`), else 6-row tiles per panel, then one for the
-// rest; in passes of kPanelDepth values of k.
+// the np <= kMaxPanelsPerStep adjacent panels from `panel` (panel q at panel + q * kPanel * K):
+// AVX-512 the two- or three-panel tiles (`panel_gemm16`), else 6-row tiles per panel, then one
+// for the rest; in passes of kPanelDepth values of k.
 inline void panel_gemm(const float* w, int64_t K, const float* panel, int64_t np, int64_t n,
-                       float* c) {
+                       float* c, TileStream& stream) {
 #ifdef PAGEDLLM_AVX512
-  if (np == 2) return panel_gemm16<2>(w, K, panel, n, c);
-  return panel_gemm16<1>(w, K, panel, n, c);
+  if (np == 3) return panel_gemm16<3>(w, K, panel, n, c, stream);
+  if (np == 2) return panel_gemm16<2>(w, K, panel, n, c, stream);
+  return panel_gemm16<1>(w, K, panel, n, c, stream);
 #else
-  (void)np;   // kPanelsPerStep == 1
+  (void)np;   // kMaxPanelsPerStep == 1
   for (int64_t k0 = 0; k0 < K; k0 += kPanelDepth) {
     const int64_t kc = std::min(kPanelDepth, K - k0);
     const float* wk = w + k0;
     const float* pk = panel + k0 * kPanel;
     const bool acc = k0 > 0;
     int64_t j = 0;
-    for (; j + 6 <= n; j += 6) panel_micro<6>(wk + j * K, K, kc, pk, c + j * kPanel, acc);
+    for (; j + 6 <= n; j += 6)
+      panel_micro<6>(wk + j * K, K, kc, pk, c + j * kPanel, acc, stream);
     const float* wj = wk + j * K;
     float* cj = c + j * kPanel;
     switch (n - j) {
-      case 5: panel_micro<5>(wj, K, kc, pk, cj, acc); break;
-      case 4: panel_micro<4>(wj, K, kc, pk, cj, acc); break;
-      case 3: panel_micro<3>(wj, K, kc, pk, cj, acc); break;
-      case 2: panel_micro<2>(wj, K, kc, pk, cj, acc); break;
-      case 1: panel_micro<1>(wj, K, kc, pk, cj, acc); break;
+      case 5: panel_micro<5>(wj, K, kc, pk, cj, acc, stream); break;
+      case 4: panel_micro<4>(wj, K, kc, pk, cj, acc, stream); break;
+      case 3: panel_micro<3>(wj, K, kc, pk, cj, acc, stream); break;
+      case 2: panel_micro<2>(wj, K, kc, pk, cj, acc, stream); break;
+      case 1: panel_micro<1>(wj, K, kc, pk, cj, acc, stream); break;
       default: break;
     }
   }
 #endif
+}
+
+// The panels of each step of a block of num_panels panels: kPanelsPerStep, the last step of an
+// odd count (AVX-512) three.
+inline int64_t step_panels(int64_t q, int64_t num_panels) {
+  const int64_t left = num_panels - q;
+  return left == kMaxPanelsPerStep ? left : std::min(kPanelsPerStep, left);
+}
+
+// Steps of k that `panel_gemm` runs over n weight rows of K values for a block of num_panels
+// panels (all its steps): (its micro-kernel calls per pass) x K per step.
+inline int64_t item_k_steps(int64_t num_panels, int64_t n, int64_t K) {
+  int64_t total = 0;
+  for (int64_t q = 0; q < num_panels;) {
+    const int64_t np = step_panels(q, num_panels);
+#ifdef PAGEDLLM_AVX512
+    const int64_t mr = np == 3 ? 8 : 12;
+    int64_t calls = n / mr, rest = n % mr;
+    for (int64_t t : {8, 4, 2, 1})
+      if (t < mr && rest >= t) {
+        ++calls;
+        rest -= t;
+      }
+#else
+    const int64_t calls = (n + 5) / 6;
+#endif
+    total += calls * K;
+    q += np;
+  }
+  return total;
+}
+
+// The stream of `bytes` bytes from `start` for an item whose products make `k_steps` steps of k
+// (`item_k_steps`; none where start is null).
+inline TileStream item_stream(const void* start, int64_t bytes, int64_t k_steps) {
+  TileStream s;
+  if (start == nullptr || bytes <= 0) return s;
+  s.line = static_cast<const char*>(start);
+  s.end = s.line + bytes;
+  s.every = std::max<int64_t>(1, k_steps / ((bytes + 63) / 64));
+  return s;
 }
 
 // The weights of a tile as float32: float32 weights as they are, bfloat16 ones widened into
@@ -521,44 +620,62 @@ template <typename TA, typename TW>
 void expert_phases(const TA* hidden, const TW* w13, const TW* w2, Plan<TA>& p) {
   const int64_t H = p.H, I = p.I;
   const int64_t num_blocks = static_cast<int64_t>(p.blocks.size());
+  // The dot-product blocks' x rows (a panel block's panels are gathered by the threads of its
+  // work items).
 #pragma omp for schedule(dynamic, 1)
   for (int64_t bi = 0; bi < num_blocks; ++bi) {
     const RowBlock& b = p.blocks[bi];
-    if (b.panel) {
-      gather_panels(hidden, p.token_of_row.data() + b.r0, b.r1 - b.r0, H, p.xp + b.s0 * H);
-      continue;
-    }
+    if (b.panel) continue;
     float* xs = p.xs + b.s0 * H;
     for (int64_t r = b.r0; r < b.r1; ++r)
       stage_row(hidden + p.token_of_row[r] * H, H, xs + (r - b.r0) * H);
   }
 
-  float* scratch = p.scratch + omp_get_thread_num() * p.scratch_size;
-  float* wide = scratch + p.scratch_size - p.wide_size;   // bfloat16 weights' widened tile
-  const int64_t half = (p.scratch_size - p.wide_size) / 2;
-  const int64_t tile_i = p.tile_i, tiles_i = p.tiles_i;
+  float* xpanels = p.scratch + omp_get_thread_num() * p.scratch_size;   // one panel block's
+  float* scratch = xpanels + p.x_size;
+  float* wide = xpanels + p.scratch_size - p.wide_size;   // bfloat16 weights' widened tile
+  const int64_t half = (p.scratch_size - p.x_size - p.wide_size) / 2;
+  int64_t gathered = -1;   // the panel block whose x panels are in xpanels
+  const int64_t tile_i = p.tile_i, tiles_i = p.tiles_i, num_i = num_blocks * tiles_i;
 #pragma omp for schedule(dynamic, 1)
-  for (int64_t item = 0; item < num_blocks * tiles_i; ++item) {
-    const RowBlock& b = p.blocks[item / tiles_i];
+  for (int64_t item = 0; item < num_i; ++item) {
+    const int64_t bi = item / tiles_i;
+    const RowBlock& b = p.blocks[bi];
     const int64_t n0 = (item % tiles_i) * tile_i, n = std::min(I, n0 + tile_i) - n0;
     const int64_t rows = b.r1 - b.r0;
     const TW* w_gate = w13 + (b.expert * 2 * I + n0) * H;
     const TW* w_up = w_gate + I * H;
     if (b.panel) {
+      if (gathered != bi) {
+        gather_panels(hidden, p.token_of_row.data() + b.r0, rows, H, xpanels);
+        gathered = bi;
+      }
+      const int64_t num_panels = (rows + kPanel - 1) / kPanel;
+      // The next item's gate tile streams in during the gate products, its up tile during the
+      // up products (its rows n0' .. of gate and of up, each contiguous).
+      TileStream next_gate, next_up;
+      if (item + 1 < num_i) {
+        const RowBlock& nb = p.blocks[(item + 1) / tiles_i];
+        const int64_t m0 = ((item + 1) % tiles_i) * tile_i, mn = std::min(I, m0 + tile_i) - m0;
+        const TW* g = w13 + (nb.expert * 2 * I + m0) * H;
+        const int64_t bytes = mn * H * static_cast<int64_t>(sizeof(TW));
+        const int64_t steps = item_k_steps(num_panels, n, H);
+        next_gate = item_stream(g, bytes, steps);
+        next_up = item_stream(g + I * H, bytes, steps);
+      }
       const float* wg = widen(w_gate, n * H, wide);
       const float* wu = widen(w_up, n * H, wide + n * H);
       float* gate = scratch;
       float* up = scratch + half;
-      const float* x = p.xp + b.s0 * H;
-      const int64_t num_panels = (rows + kPanel - 1) / kPanel;
-      for (int64_t q = 0; q < num_panels; q += kPanelsPerStep) {
-        const int64_t np = std::min(kPanelsPerStep, num_panels - q);
-        const float* panel = x + q * kPanel * H;
-        panel_gemm(wg, H, panel, np, n, gate);
-        panel_gemm(wu, H, panel, np, n, up);
+      for (int64_t q = 0; q < num_panels;) {
+        const int64_t np = step_panels(q, num_panels);
+        const float* panel = xpanels + q * kPanel * H;
+        panel_gemm(wg, H, panel, np, n, gate, next_gate);
+        panel_gemm(wu, H, panel, np, n, up, next_up);
         for (int64_t pp = 0; pp < np; ++pp)
           silu_mul<TA>(gate + pp * n * kPanel, up + pp * n * kPanel, n * kPanel,
                        p.ap + (b.s0 + (q + pp) * kPanel) * I + n0 * kPanel);
+        q += np;
       }
       continue;
     }
@@ -572,9 +689,9 @@ void expert_phases(const TA* hidden, const TW* w13, const TW* w2, Plan<TA>& p) {
       silu_mul<TA>(gate + r * tile_i, up + r * tile_i, n, p.act + (b.s0 + r) * I + n0);
   }
 
-  const int64_t tile_h = p.tile_h, tiles_h = p.tiles_h;
+  const int64_t tile_h = p.tile_h, tiles_h = p.tiles_h, num_h = num_blocks * tiles_h;
 #pragma omp for schedule(dynamic, 1)
-  for (int64_t item = 0; item < num_blocks * tiles_h; ++item) {
+  for (int64_t item = 0; item < num_h; ++item) {
     const RowBlock& b = p.blocks[item / tiles_h];
     const int64_t n0 = (item % tiles_h) * tile_h, n = std::min(H, n0 + tile_h) - n0;
     const TW* w = w2 + (b.expert * H + n0) * I;
@@ -582,11 +699,19 @@ void expert_phases(const TA* hidden, const TW* w13, const TW* w2, Plan<TA>& p) {
       tile_gemm(p.act + b.s0 * I, I, b.r1 - b.r0, w, I, n, p.ys + b.r0 * H + n0, H);
       continue;
     }
-    const float* wd = widen(w, n * I, wide);
     const int64_t num_panels = (b.r1 - b.r0 + kPanel - 1) / kPanel;
-    for (int64_t q = 0; q < num_panels; q += kPanelsPerStep) {
-      const int64_t np = std::min(kPanelsPerStep, num_panels - q);
-      panel_gemm(wd, I, p.ap + (b.s0 + q * kPanel) * I, np, n, scratch);
+    TileStream next;   // the next item's down tile (contiguous rows of w2)
+    if (item + 1 < num_h) {
+      const RowBlock& nb = p.blocks[(item + 1) / tiles_h];
+      const int64_t m0 = ((item + 1) % tiles_h) * tile_h, mn = std::min(H, m0 + tile_h) - m0;
+      next = item_stream(w2 + (nb.expert * H + m0) * I,
+                         mn * I * static_cast<int64_t>(sizeof(TW)),
+                         item_k_steps(num_panels, n, I));
+    }
+    const float* wd = widen(w, n * I, wide);
+    for (int64_t q = 0; q < num_panels;) {
+      const int64_t np = step_panels(q, num_panels);
+      panel_gemm(wd, I, p.ap + (b.s0 + q * kPanel) * I, np, n, scratch, next);
       for (int64_t pp = 0; pp < np; ++pp) {
         const int64_t r0 = b.r0 + (q + pp) * kPanel, rows = std::min(kPanel, b.r1 - r0);
         // NOTE(moe): a 16 x 16 register transpose here (as `gather_panels`) measured 5-9%
@@ -598,6 +723,7 @@ void expert_phases(const TA* hidden, const TW* w13, const TW* w2, Plan<TA>& p) {
           for (int64_t j = 0; j < n; ++j) store(c[j * kPanel + r], y + j);
         }
       }
+      q += np;
     }
   }
 }
