@@ -59,27 +59,6 @@ GDNScratch scratch_sizes(const GDNLayerWeights& w) {
   return {w.hidden_size, conv + value + 2 * Hv, conv, Hv, Hv, value, value, w.hidden_size};
 }
 
-// The packed weight `weight` (K columns) as the GEMM before it prefetches it (packed_gemm.h,
-// `NextWeight`), or none where it is not packed.
-template <typename T>
-inline packed::NextWeight<T> next_weight(int64_t is_packed, const void* weight, int64_t K) {
-  if (is_packed == 0) return {};
-  return {static_cast<const T*>(weight), K};
-}
-
-// y = x W^T; a packed W's GEMM ends by prefetching `next`'s first panels (the weight the layer
-// reads next: in_proj -> out_proj, q -> k -> v -> o), which would otherwise start cold.
-template <typename T>
-inline void gdn_linear(const GDNLayerWeights& w, int index, const void* weight, const float* x,
-                       int64_t M, int64_t K, int64_t N, float* y,
-                       packed::NextWeight<T> next = {}) {
-  if (w.packed[index] != 0)
-    packed::linear_tiles(x, K, M, K, static_cast<const T*>(weight), N, nullptr, y, N, nullptr,
-                         next);
-  else
-    linear_tiles(x, K, M, K, static_cast<const T*>(weight), N, nullptr, y, N);
-}
-
 // gemma_rms_row (x / rms(x) * (1 + w), float32 out) of a layer's hidden row. bfloat16 rows sum
 // their squares in 16 lanes (on AVX-512, n % 16 == 0); gemma_rms_row's sequential sum, a
 // chain of dependent adds, took ~2-3% of a bf16 batch-32 run in these blocks. float32 rows keep
@@ -136,8 +115,10 @@ int gdn_mixer(const GDNLayerWeights& w, const StateBatch* batch, int64_t M, cons
 #pragma omp for
     for (int64_t m = 0; m < M; ++m)
       hidden_norm_row(hidden + m * Hd, static_cast<const T*>(w.input_norm), w.eps, Hd, x + m * Hd);
-    gdn_linear<T>(w, kIn, w.in_proj, x, M, Hd, P, proj,
-                  next_weight<T>(w.packed[kOut], w.out_proj, value));
+    // (in_proj's GEMM ends by prefetching out_proj's first panels, which would otherwise
+    // start cold)
+    packed_or_rows_linear<T>(w.packed[kIn], w.in_proj, x, M, Hd, P, proj,
+                             packed::next_weight<T>(w.packed[kOut], w.out_proj, value));
   }
 
   int rc = causal_conv1d_varlen_cpu(batch, proj, P, conv_dim, w.conv_kernel,
@@ -170,7 +151,7 @@ int gdn_mixer(const GDNLayerWeights& w, const StateBatch* batch, int64_t M, cons
       mul_sigmoid(zh, zh, dst, dv);   // silu(z)
       for (int64_t d = 0; d < dv; ++d) dst[d] = oh[d] * inv * to_float(nw[d]) * dst[d];
     }
-    gdn_linear<T>(w, kOut, w.out_proj, o_in, M, value, Hd, out);
+    packed_or_rows_linear<T>(w.packed[kOut], w.out_proj, o_in, M, value, Hd, out);
 #pragma omp for
     for (int64_t m = 0; m < M; ++m) {
       T* h = hidden_out + m * Hd;
@@ -198,17 +179,6 @@ struct GAScratch {
 GAScratch ga_sizes(const GatedAttentionWeights& w) {
   const int64_t q = w.num_heads * w.head_size, kv = w.num_kv_heads * w.head_size;
   return {w.hidden_size, 2 * q, kv, kv, q, q, q, w.hidden_size};
-}
-
-template <typename T>
-inline void ga_linear(const GatedAttentionWeights& w, int index, const void* weight,
-                      const float* x, int64_t M, int64_t K, int64_t N, float* y,
-                      packed::NextWeight<T> next = {}) {
-  if (w.packed[index] != 0)
-    packed::linear_tiles(x, K, M, K, static_cast<const T*>(weight), N, nullptr, y, N, nullptr,
-                         next);
-  else
-    linear_tiles(x, K, M, K, static_cast<const T*>(weight), N, nullptr, y, N);
 }
 
 // GPT-NeoX rotation of the first `rotary_dim` channels of one head in place.
@@ -253,11 +223,13 @@ void gated_attention(const GatedAttentionWeights& w, const NativeAttentionStep& 
 #pragma omp for
     for (int64_t m = 0; m < M; ++m)
       hidden_norm_row(hidden + m * Hd, static_cast<const T*>(w.input_norm), w.eps, Hd, x + m * Hd);
-    ga_linear<T>(w, 0, w.q_proj, x, M, Hd, 2 * H * D, q_gate,
-                 next_weight<T>(w.packed[1], w.k_proj, Hd));
-    ga_linear<T>(w, 1, w.k_proj, x, M, Hd, KVH * D, k, next_weight<T>(w.packed[2], w.v_proj, Hd));
-    ga_linear<T>(w, 2, w.v_proj, x, M, Hd, KVH * D, v,
-                 next_weight<T>(w.packed[3], w.o_proj, H * D));
+    // (each GEMM ends by prefetching the next weight's first panels: q -> k -> v -> o)
+    packed_or_rows_linear<T>(w.packed[0], w.q_proj, x, M, Hd, 2 * H * D, q_gate,
+                             packed::next_weight<T>(w.packed[1], w.k_proj, Hd));
+    packed_or_rows_linear<T>(w.packed[1], w.k_proj, x, M, Hd, KVH * D, k,
+                             packed::next_weight<T>(w.packed[2], w.v_proj, Hd));
+    packed_or_rows_linear<T>(w.packed[2], w.v_proj, x, M, Hd, KVH * D, v,
+                             packed::next_weight<T>(w.packed[3], w.o_proj, H * D));
 
     // Per (token, head): q's norm and RoPE; per (token, KV head): k's, and the cache write.
 #pragma omp for
@@ -296,7 +268,7 @@ void gated_attention(const GatedAttentionWeights& w, const NativeAttentionStep& 
       float* dst = o_in + item * D;
       mul_sigmoid(a, gate, dst, D);
     }
-    ga_linear<T>(w, 3, w.o_proj, o_in, M, H * D, Hd, out);
+    packed_or_rows_linear<T>(w.packed[3], w.o_proj, o_in, M, H * D, Hd, out);
 #pragma omp for
     for (int64_t m = 0; m < M; ++m) {
       T* h = hidden_out + m * Hd;

@@ -57,23 +57,6 @@ MLAScratch scratch_sizes(const MLALayerWeights& w) {
           H * (L + dr), H * w.v_head_dim, w.hidden_size};
 }
 
-// One linear phase (an orphaned work-sharing loop): packed panels or [N, K] rows.
-template <typename T>
-inline void mla_linear(const MLALayerWeights& w, int index, const void* weight, const float* x,
-                       int64_t M, int64_t K, int64_t N, float* y, int next_index = -1,
-                       const void* next = nullptr, int64_t next_k = 0) {
-  // A packed GEMM ends by prefetching the first panels of the layer's next packed weight
-  // (packed_gemm.h, `NextWeight`), which would otherwise start cold.
-  packed::NextWeight<T> following;
-  if (next_index >= 0 && w.packed[next_index] != 0)
-    following = {static_cast<const T*>(next), next_k};
-  if (w.packed[index] != 0)
-    packed::linear_tiles(x, K, M, K, static_cast<const T*>(weight), N, nullptr, y, N, nullptr,
-                         following);
-  else
-    linear_tiles(x, K, M, K, static_cast<const T*>(weight), N, nullptr, y, N);
-}
-
 // x[0..d) = rms_norm(x) * w in place (float32 sums, one pass for the squares).
 template <typename T>
 inline void rms_norm_inplace(float* x, const T* w, float eps, int64_t d) {
@@ -223,15 +206,18 @@ void mla_block(const MLALayerWeights& w, const NativeAttentionStep& s, T* residu
                        static_cast<const T*>(w.input_norm), w.eps, Hd, normed + m * Hd);
 
     if (QL > 0) {
-      mla_linear<T>(w, kQ, w.q_proj, normed, M, Hd, QL, q_a);
+      packed_or_rows_linear<T>(w.packed[kQ], w.q_proj, normed, M, Hd, QL, q_a);
 #pragma omp for
       for (int64_t m = 0; m < M; ++m)
         rms_norm_inplace(q_a + m * QL, static_cast<const T*>(w.q_a_norm), w.latent_eps, QL);
-      mla_linear<T>(w, kQB, w.q_b_proj, q_a, M, QL, H * qk, q);
+      packed_or_rows_linear<T>(w.packed[kQB], w.q_b_proj, q_a, M, QL, H * qk, q);
     } else {
-      mla_linear<T>(w, kQ, w.q_proj, normed, M, Hd, H * qk, q, kKVA, w.kv_a_proj, Hd);
+      packed_or_rows_linear<T>(w.packed[kQ], w.q_proj, normed, M, Hd, H * qk, q,
+                               packed::next_weight<T>(w.packed[kKVA], w.kv_a_proj, Hd));
     }
-    mla_linear<T>(w, kKVA, w.kv_a_proj, normed, M, Hd, D, kv, kO, w.o_proj, H * dv);
+    // (a packed GEMM ends by prefetching the next weight's first panels: q -> kv_a -> o)
+    packed_or_rows_linear<T>(w.packed[kKVA], w.kv_a_proj, normed, M, Hd, D, kv,
+                             packed::next_weight<T>(w.packed[kO], w.o_proj, H * dv));
 
     // Per (token, head): the absorbed query; per token (item h == H): the latent's norm and
     // RoPE and its cache write.
@@ -270,7 +256,7 @@ void mla_block(const MLALayerWeights& w, const NativeAttentionStep& s, T* residu
       dot_rows(o_lat, w_uv, dv, L, dst);
     }
 
-    mla_linear<T>(w, kO, w.o_proj, o_heads, M, H * dv, Hd, o);
+    packed_or_rows_linear<T>(w.packed[kO], w.o_proj, o_heads, M, H * dv, Hd, o);
 
 #pragma omp for
     for (int64_t m = 0; m < M; ++m) {

@@ -73,6 +73,7 @@
 
 #include "cpu_vec.h"
 #include "gemm_tally.h"
+#include "linear_kernel.h"
 
 #if defined(PAGEDLLM_AVX512) && defined(__AVX512BF16__)
 #define PAGEDLLM_AVX512_BF16 1
@@ -728,5 +729,28 @@ void linear(const TX* x, int64_t ldx, int64_t M, int64_t K, const T* w, int64_t 
   linear_tiles(x, ldx, M, K, w, N, bias, y, ldy);
 }
 
+// The packed weight `weight` (K columns) as the NextWeight of the GEMM before it, or none
+// where `is_packed` is 0 (its rows are not in panels).
+template <typename T>
+inline NextWeight<T> next_weight(int64_t is_packed, const void* weight, int64_t K) {
+  if (is_packed == 0) return {};
+  return {static_cast<const T*>(weight), K};
+}
+
 }  // namespace packed
+
+// y [M, N] = x [M, K] (float32, row stride K) W^T for a layer's weight in the model dtype T,
+// stored as packed panels where `is_packed` (packed::linear_tiles, which ends by prefetching
+// `next`'s first panels) or as [N, K] rows (linear_kernel.h); an orphaned work-sharing loop.
+template <typename T>
+inline void packed_or_rows_linear(int64_t is_packed, const void* weight, const float* x,
+                                  int64_t M, int64_t K, int64_t N, float* y,
+                                  packed::NextWeight<T> next = {}) {
+  if (is_packed != 0)
+    packed::linear_tiles(x, K, M, K, static_cast<const T*>(weight), N, nullptr, y, N, nullptr,
+                         next);
+  else
+    linear_tiles(x, K, M, K, static_cast<const T*>(weight), N, nullptr, y, N);
+}
+
 }  // namespace pagedllm
