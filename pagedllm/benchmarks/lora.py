@@ -46,7 +46,14 @@ def write_random_adapters(model_path: str, folder: str | Path, num_loras: int, r
 
     attention = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj",
                  "kv_a_proj_with_mqa")
-    modules = sorted({m.rpartition(".")[2] for layer in range(shapes.num_layers)
+
+    def block(module: str) -> str:
+        return "self_attn" if module in attention else "mlp"
+
+    # Targets named with their block ("mlp.shared_expert.gate_proj", not "gate_proj"): PEFT
+    # >= 0.22 reads a bare "gate_proj" / "up_proj" on a transformers-5 MoE model as the
+    # pre-fusion experts too and would adapt the fused gate_up_proj at twice the rank.
+    modules = sorted({f"{block(m)}.{m}" for layer in range(shapes.num_layers)
                       for m in shapes.layer_modules(layer)})
     loras = []
     for k in range(num_loras):
@@ -56,8 +63,7 @@ def write_random_adapters(model_path: str, folder: str | Path, num_loras: int, r
         for layer in range(shapes.num_layers):
             prefix = f"base_model.model.model.layers.{layer}"
             for module, (in_features, out_features) in shapes.layer_modules(layer).items():
-                block = "self_attn" if module in attention else "mlp"
-                tensors.update(pair(f"{prefix}.{block}.{module}", rank, in_features,
+                tensors.update(pair(f"{prefix}.{block(module)}.{module}", rank, in_features,
                                     out_features, rank))
             if shapes.is_sparse(layer):
                 experts, hidden, inter = shapes.experts
