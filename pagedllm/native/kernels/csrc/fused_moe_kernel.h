@@ -439,7 +439,8 @@ inline int64_t item_k_steps(int64_t num_panels, int64_t n, int64_t K) {
   for (int64_t q = 0; q < num_panels;) {
     const int64_t np = step_panels(q, num_panels);
 #ifdef PAGEDLLM_AVX512
-    const int64_t mr = np == 3 ? 8 : 12;
+    // panel_gemm16's row tiles: kTileRows<np> rows, then 8 (where smaller), 4, 2, 1.
+    const int64_t mr = np == 3 ? kTileRows<3> : kTileRows<2>;
     int64_t calls = n / mr, rest = n % mr;
     for (int64_t t : {8, 4, 2, 1})
       if (t < mr && rest >= t) {
