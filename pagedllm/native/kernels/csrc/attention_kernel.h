@@ -410,7 +410,10 @@ void attention_items(const AttentionArgs<T, TQ>& a, const AttentionPlan& plan) {
 #endif
     if (!two_pass)
       std::fill(acc.begin(), acc.begin() + static_cast<int64_t>(nh) * head_size, 0.f);
-    for (int start = two_pass ? ctx_end : ctx_begin; start < ctx_end;) {
+    // Two-pass rows were attended above (a split's piece goes on to the merge below the walk):
+    // they skip the block walk.
+    const int walk_begin = two_pass ? ctx_end : ctx_begin;
+    for (int start = walk_begin; start < ctx_end;) {
       const int offset = start % block_size;
       const int n = std::min(block_size - offset, ctx_end - start);
       const int64_t slot0 = static_cast<int64_t>(table[start / block_size]) * block_size + offset;
