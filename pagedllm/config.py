@@ -500,8 +500,10 @@ def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str
     Resolves `model` to a local folder (hub ids through the huggingface_hub cache). Raises
     `ValueError` naming the field for invalid values, `FileNotFoundError` for missing files.
     """
+    from pagedllm.logger import init_logger
     from pagedllm.model_loader.hub import resolve_model_path
 
+    init_logger()   # the engine's log lines start here (ModelConfig logs a drawn seed)
     model_config = ModelConfig(model=model, tokenizer=tokenizer, dtype=dtype,
                                max_model_len=max_model_len, seed=seed, revision=revision,
                                trust_remote_code=trust_remote_code,

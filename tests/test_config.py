@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -60,6 +62,17 @@ def test_engine_seed_out_of_range_is_refused(tiny_checkpoints, seed):
     with pytest.raises(ValueError, match=r"seed must be an int from 0 to 2\*\*63 - 1.*got "):
         create_engine_config(str(tiny_checkpoints["llama"]), seed=seed)
     assert create_engine_config(str(tiny_checkpoints["llama"]), seed=2**63 - 1) is not None
+
+
+def test_seed_none_line_reaches_stderr(tiny_llama):
+    """The drawn seed's line is printed where a user sees it (the package logger is set up
+    before the config logs it), not only to a test's log capture."""
+    code = ("from pagedllm.config import create_engine_config; "
+            f"print(create_engine_config({str(tiny_llama)!r}, seed=None).model_config.seed)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, check=True)
+    seed = int(done.stdout.strip())
+    assert f"seed=None: drew the engine seed {seed} (pass seed={seed}" in done.stderr
 
 
 def test_seed_none_draws_a_logged_seed_that_repeats_the_run(tiny_llama, caplog):
