@@ -41,8 +41,8 @@ def _refuse_non_text_parts(content: Any) -> Any:
         if isinstance(kind, str) and kind not in _TEXT_PARTS:
             raise PydanticCustomError(
                 "unsupported_part", "content parts of type {kind} are not supported (text "
-                "only: input_text, output_text; the served models take no images, files or "
-                "audio)", {"kind": repr(kind)})
+                "only: input_text, output_text; /v1/responses takes no images, files or audio: "
+                "send images to a vision model through /v1/chat/completions)", {"kind": repr(kind)})
     return content
 
 

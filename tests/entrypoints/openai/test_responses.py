@@ -252,6 +252,8 @@ def test_bad_input_names_the_field(server: str, change: dict, param: str) -> Non
     assert 400 <= response.status_code < 500, response.text
     error = response.json()["error"]
     assert error["param"] == param, error
+    if change.get("input") and "input_image" in str(change["input"]):
+        assert "/v1/chat/completions" in error["message"], error   # where images go
     # The server goes on.
     assert httpx.post(f"{server}/v1/responses", json={"model": MODEL, "input": "hi",
                                                       "max_output_tokens": 2},
