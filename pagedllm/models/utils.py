@@ -51,10 +51,14 @@ def load_named_weight(params: dict[str, nn.Parameter], name: str, tensor,
 
 
 def _call_loader(name: str, loader, *args) -> None:
-    """`loader(*args)`, its ValueError (a shape mismatch) prefixed with the tensor's name."""
+    """`loader(*args)`, its ValueError (a shape mismatch) prefixed with the tensor's name;
+    subclasses (`GGUFLayoutUnsupported`, which the loader catches to fall back) pass as they
+    are."""
     try:
         loader(*args)
     except ValueError as e:
+        if type(e) is not ValueError:
+            raise
         raise ValueError(f"checkpoint tensor {name}: {e}") from e
 
 
