@@ -262,14 +262,27 @@ class DeepseekV2ForCausalLM(MoeForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """As `MoeForCausalLM.load_weights`, skipping the multi-token-prediction layers that
-        DeepSeek-V3 / GLM-4 MoE checkpoints append (`model.layers.{i}.*`, i >= num_hidden_layers;
-        the "mtp" drafter loads them itself: spec_decode/mtp.py)."""
+        DeepSeek-V3 / GLM-4 MoE checkpoints append (`model.layers.{i}.*`, num_hidden_layers <= i
+        < num_hidden_layers + num_nextn_predict_layers; the "mtp" drafter loads them itself:
+        spec_decode/mtp.py).
+
+        Raises:
+            ValueError: as `MoeForCausalLM.load_weights`, and for a layer past those (a
+                `num_hidden_layers` smaller than the checkpoint's), naming the tensor.
+        """
         num_layers = self.config.num_hidden_layers
+        num_mtp = getattr(self.config, "num_nextn_predict_layers", None) or 0
 
         def target_layers(named):
             for name, tensor in named:
                 if name.startswith("model.layers."):
-                    if int(name.split(".", 3)[2]) >= num_layers:
+                    layer = int(name.split(".", 3)[2])
+                    if layer >= num_layers + num_mtp:
+                        raise ValueError(
+                            f"checkpoint tensor {name} is past the config's layers "
+                            f"(num_hidden_layers {num_layers}, num_nextn_predict_layers "
+                            f"{num_mtp})")
+                    if layer >= num_layers:
                         continue
                 yield name, tensor
 

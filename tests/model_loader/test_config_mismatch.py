@@ -55,6 +55,22 @@ def test_smaller_config_size_is_refused(presets, tmp_path, preset, field, value,
         _load(folder)
 
 
+def test_layers_past_num_hidden_layers_are_refused(presets, tmp_path):
+    # DeepSeek's loader skips the layers past num_hidden_layers for its MTP drafter; only
+    # num_nextn_predict_layers of them may be there.
+    folder = tmp_path / "ckpt"
+    shutil.copytree(presets["deepseek-v2-lite-tiny"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["num_hidden_layers"] = 1
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.\S+ is past the config's layers "
+                                         r"\(num_hidden_layers 1, num_nextn_predict_layers 0\)"):
+        _load(folder)
+    config["num_nextn_predict_layers"] = 1      # layer 1 is then the (skipped) MTP layer
+    (folder / "config.json").write_text(json.dumps(config))
+    assert _load(folder) is not None
+
+
 def test_unedited_presets_load(presets):
     for path in presets.values():
         assert _load(path) is not None
