@@ -77,14 +77,30 @@ def context_sliding_window(hf: dict[str, Any]) -> int | None:
     return window
 
 
+def _positive_int(text: dict[str, Any], key: str, default: int | None, model_path: str) -> int:
+    value = text.get(key, default)
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{Path(model_path) / 'config.json'}: {key} must be an int >= 1, got "
+                         f"{'nothing' if value is None else repr(value)}")
+    return value
+
+
 def hf_model_info(model_path: str) -> HFModelInfo:
-    """Summarise a checkpoint's config.json (and generation_config.json for EOS ids)."""
+    """Summarise a checkpoint's config.json (and generation_config.json for EOS ids).
+
+    Raises:
+        FileNotFoundError, ValueError: as `read_hf_config`; ValueError also for a
+            `max_position_embeddings` (default 2048) or `vocab_size` (required) that is not an
+            int >= 1, naming the field.
+    """
     hf = read_hf_config(model_path)
     text = hf.get("text_config", hf)
     return HFModelInfo(
         architectures=tuple(hf.get("architectures") or ()),
-        max_position_embeddings=int(text.get("max_position_embeddings", 2048)),
-        vocab_size=int(text["vocab_size"]),
+        max_position_embeddings=_positive_int(text, "max_position_embeddings", 2048, model_path),
+        vocab_size=_positive_int(text, "vocab_size", None, model_path),
         eos_token_ids=_eos_ids(model_path, hf),
         bos_token_id=text.get("bos_token_id"),
         raw=hf,

@@ -55,6 +55,23 @@ def test_max_model_len_beyond_model(tiny_checkpoints):
         create_engine_config(str(tiny_checkpoints["llama"]), max_model_len=10**6)
 
 
+@pytest.mark.parametrize("field, value", [("max_position_embeddings", 0),
+                                          ("max_position_embeddings", "4k"),
+                                          ("vocab_size", -3), ("vocab_size", None)])
+def test_config_json_sizes_are_checked(tiny_checkpoints, tmp_path, field, value):
+    # max_position_embeddings 0 once reached the profile run as a ZeroDivisionError.
+    path = tmp_path / "bad"
+    shutil.copytree(tiny_checkpoints["llama"], path)
+    cfg = json.loads((path / "config.json").read_text())
+    if value is None:
+        del cfg[field]
+    else:
+        cfg[field] = value
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=f"config.json: {field} must be an int >= 1, got "):
+        create_engine_config(str(path))
+
+
 @pytest.mark.parametrize("seed", [-1, 2**63, 1.5, True, "7"])
 def test_engine_seed_out_of_range_is_refused(tiny_checkpoints, seed):
     """The engine's seed (`--seed`, `LLM(seed=...)`) is an int in [0, 2**63 - 1] (or None): a

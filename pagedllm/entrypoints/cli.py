@@ -139,6 +139,23 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except Exception as e:
+        if not _is_config_validation_error(e):
+            raise
+        print(f"error: invalid model config (config.json): {e}", file=sys.stderr)
+        return 1
+
+
+def _is_config_validation_error(e: BaseException) -> bool:
+    """Whether `e` is transformers 5's check of a config.json (huggingface_hub's
+    `StrictDataclassError`: a field of the wrong type, or a failed validator such as an unknown
+    `layer_types` entry). Its message names the field; it is no ValueError, so without this it
+    reached the user as a traceback."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:   # older huggingface_hub: transformers raised ValueErrors then
+        return False
+    return isinstance(e, StrictDataclassError)
 
 
 if __name__ == "__main__":

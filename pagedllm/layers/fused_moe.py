@@ -267,12 +267,17 @@ class FusedMoE(nn.Module):
     def _load_expert(self, target: torch.Tensor, loaded, shard_id: str) -> None:
         """One expert's w1/w3 [I, H] or w2 [H, I] into its slot `target` (this rank's shard)."""
         inter = self.intermediate_size_per_partition
+        dim = 1 if shard_id == "w2" else 0
+        if loaded.shape[dim] != inter * self.moe_tp_size:
+            raise ValueError(f"shape mismatch: expert {shard_id} checkpoint "
+                             f"{tuple(loaded.shape)} has {loaded.shape[dim]} along dim {dim}, "
+                             f"the model config's intermediate size is "
+                             f"{inter * self.moe_tp_size}")
+        part = _narrow(loaded, dim, self.moe_tp_rank * inter, inter)
         if shard_id == "w2":
-            _copy(target, _narrow(loaded, 1, self.moe_tp_rank * inter, inter))
+            _copy(target, part)
             return
-        offset = 0 if shard_id == "w1" else inter
-        _copy(target.narrow(0, offset, inter),
-              _narrow(loaded, 0, self.moe_tp_rank * inter, inter))
+        _copy(target.narrow(0, 0 if shard_id == "w1" else inter, inter), part)
 
     def _load_all_experts(self, param: nn.Parameter, loaded, shard_id: str | None,
                           is_w13: bool) -> None:

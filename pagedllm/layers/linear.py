@@ -43,6 +43,24 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     copy_checkpoint_tensor(param, loaded)
 
 
+def shard_of(loaded, dim: int, full_size: int, rank: int, size: int):
+    """Entries [rank * size, (rank + 1) * size) along `dim` of a checkpoint tensor (or lazy
+    checkpoint tensor) whose `dim` must have the layer's unsharded size `full_size`.
+
+    Narrowing alone would accept a checkpoint tensor larger than the config says (a
+    `qk_nope_head_dim` or `intermediate_size` smaller than the weights) and silently load a
+    part of it; this refuses it.
+
+    Raises:
+        ValueError: `loaded.shape[dim] != full_size`, naming both sizes.
+    """
+    if loaded.shape[dim] != full_size:
+        raise ValueError(f"shape mismatch: checkpoint {tuple(loaded.shape)} has "
+                         f"{loaded.shape[dim]} along dim {dim}, the model config gives "
+                         f"{full_size}")
+    return loaded.narrow(dim, rank * size, size)
+
+
 def _set_quant_method(layer: nn.Module, method: LinearMethodBase) -> None:
     """Make `method` create (empty) and apply `layer`'s weight; the bias is unchanged."""
     layer.quant_method = method
@@ -84,7 +102,8 @@ class ColumnParallelLinear(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         shard = self.output_size_per_partition
-        self._load_rows(param, loaded.narrow(0, self.tp_rank * shard, shard), None)
+        self._load_rows(param, shard_of(loaded, 0, shard * self.tp_size, self.tp_rank, shard),
+                        None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.quant_method.apply(self, x, self.bias)
@@ -107,7 +126,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             raise ValueError("merged linear layers need a shard id for each checkpoint tensor")
         size = self.output_sizes[shard_id] // self.tp_size
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
-        self._load_rows(param, loaded.narrow(0, self.tp_rank * size, size), offset)
+        self._load_rows(param, shard_of(loaded, 0, self.output_sizes[shard_id], self.tp_rank,
+                                        size), offset)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -132,11 +152,13 @@ class QKVParallelLinear(ColumnParallelLinear):
                       shard_id: str | None = None) -> None:
         q_size = self.num_heads * self.head_size
         kv_size = self.num_kv_heads * self.head_size
-        offset, size, rank = {"q": (0, q_size, self.tp_rank),
-                              "k": (q_size, kv_size, self.tp_rank // self.num_kv_head_replicas),
-                              "v": (q_size + kv_size, kv_size,
-                                    self.tp_rank // self.num_kv_head_replicas)}[shard_id]
-        self._load_rows(param, loaded.narrow(0, rank * size, size), offset)
+        kv_ranks = self.tp_size // self.num_kv_head_replicas   # ranks holding distinct KV heads
+        offset, size, rank, full = {
+            "q": (0, q_size, self.tp_rank, q_size * self.tp_size),
+            "k": (q_size, kv_size, self.tp_rank // self.num_kv_head_replicas, kv_size * kv_ranks),
+            "v": (q_size + kv_size, kv_size, self.tp_rank // self.num_kv_head_replicas,
+                  kv_size * kv_ranks)}[shard_id]
+        self._load_rows(param, shard_of(loaded, 0, full, rank, size), offset)
 
 
 class RowParallelLinear(nn.Module):
@@ -159,7 +181,7 @@ class RowParallelLinear(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         shard = self.input_size_per_partition
-        part = loaded.narrow(1, self.tp_rank * shard, shard)
+        part = shard_of(loaded, 1, shard * self.tp_size, self.tp_rank, shard)
         if param is self.weight:
             self.quant_method.load_weight(self, part, None)
         else:

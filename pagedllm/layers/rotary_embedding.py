@@ -66,11 +66,16 @@ def rope_parameters_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     top level of the config when the scaling dict lacks them (Phi-3's spelling).
 
     Raises:
-        ValueError: for a rope type this engine does not implement, naming it.
+        ValueError: for a rope type this engine does not implement, naming it, or a
+            `partial_rotary_factor` outside (0, 1] (more channels than a head has).
     """
     params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     params.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
     params.setdefault("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0) or 1.0)
+    factor = params["partial_rotary_factor"]
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
+        raise ValueError(f"partial_rotary_factor must be a number in (0, 1] (the share of each "
+                         f"head's channels that rotate), got {factor!r}")
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
     if rope_type == "su":
         rope_type = "longrope"

@@ -39,7 +39,8 @@ from pagedllm.layers.deepseek_rope import (DeepseekRotaryEmbedding, deepseek_rop
                                            deepseek_softmax_scale)
 from pagedllm.layers.fused_moe import FusedMoE
 from pagedllm.layers.layernorm import RMSNorm
-from pagedllm.layers.linear import ColumnParallelLinear, RowParallelLinear, default_weight_loader
+from pagedllm.layers.linear import (ColumnParallelLinear, RowParallelLinear, default_weight_loader,
+                                    shard_of)
 from pagedllm.layers.mla_attention import MLAAttention
 from pagedllm.layers.moe_routing import DeepseekRouting
 from pagedllm.models.deepseek_gguf import deepseek2_checkpoint_weights, deepseek2_hf_config
@@ -62,7 +63,7 @@ class HeadShardedWeight(nn.Module):
     def __init__(self, output_size: int, input_size: int) -> None:
         super().__init__()
         self.tp_rank = get_tensor_model_parallel_rank()
-        tp_size = get_tensor_model_parallel_world_size()
+        self.tp_size = tp_size = get_tensor_model_parallel_world_size()
         if output_size % tp_size:
             raise ValueError(f"kv_b_proj rows {output_size} not divisible by tp size {tp_size}")
         self.output_size_per_partition = output_size // tp_size
@@ -72,7 +73,8 @@ class HeadShardedWeight(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded) -> None:
         rows = self.output_size_per_partition
-        default_weight_loader(param, loaded.narrow(0, self.tp_rank * rows, rows))
+        default_weight_loader(param, shard_of(loaded, 0, rows * self.tp_size, self.tp_rank,
+                                              rows))
 
 
 class DeepseekMLAAttention(nn.Module):
@@ -260,14 +262,27 @@ class DeepseekV2ForCausalLM(MoeForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """As `MoeForCausalLM.load_weights`, skipping the multi-token-prediction layers that
-        DeepSeek-V3 / GLM-4 MoE checkpoints append (`model.layers.{i}.*`, i >= num_hidden_layers;
-        the "mtp" drafter loads them itself: spec_decode/mtp.py)."""
+        DeepSeek-V3 / GLM-4 MoE checkpoints append (`model.layers.{i}.*`, num_hidden_layers <= i
+        < num_hidden_layers + num_nextn_predict_layers; the "mtp" drafter loads them itself:
+        spec_decode/mtp.py).
+
+        Raises:
+            ValueError: as `MoeForCausalLM.load_weights`, and for a layer past those (a
+                `num_hidden_layers` smaller than the checkpoint's), naming the tensor.
+        """
         num_layers = self.config.num_hidden_layers
+        num_mtp = getattr(self.config, "num_nextn_predict_layers", None) or 0
 
         def target_layers(named):
             for name, tensor in named:
                 if name.startswith("model.layers."):
-                    if int(name.split(".", 3)[2]) >= num_layers:
+                    layer = int(name.split(".", 3)[2])
+                    if layer >= num_layers + num_mtp:
+                        raise ValueError(
+                            f"checkpoint tensor {name} is past the config's layers "
+                            f"(num_hidden_layers {num_layers}, num_nextn_predict_layers "
+                            f"{num_mtp})")
+                    if layer >= num_layers:
                         continue
                 yield name, tensor
 

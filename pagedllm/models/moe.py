@@ -239,7 +239,12 @@ def _load_expert_tensor(params: dict[str, nn.Parameter], name: str, tensor,
     param = params.get(target)
     if param is None:
         raise ValueError(f"checkpoint tensor {name} has no matching parameter")
-    param.weight_loader(param, tensor, shard_id, expert_id)
+    try:
+        param.weight_loader(param, tensor, shard_id, expert_id)
+    except ValueError as e:
+        if type(e) is not ValueError:   # GGUFLayoutUnsupported: the loader falls back on it
+            raise
+        raise ValueError(f"checkpoint tensor {name}: {e}") from e
     if seen is not None:
         seen.setdefault(target, set()).add(shard_id if expert_id is None
                                            else (expert_id, shard_id))

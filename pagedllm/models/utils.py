@@ -32,7 +32,8 @@ def load_named_weight(params: dict[str, nn.Parameter], name: str, tensor,
         The name of the parameter that was (partly) set.
 
     Raises:
-        ValueError: if no parameter matches the tensor's name.
+        ValueError: if no parameter matches the tensor's name, or the parameter's loader
+            refuses the tensor (a shape mismatch), naming the tensor.
     """
     for param_name, ckpt_name, shard_id in stacked_params_mapping:
         if f".{ckpt_name}." in name:
@@ -40,13 +41,25 @@ def load_named_weight(params: dict[str, nn.Parameter], name: str, tensor,
             param = params.get(target)
             if param is None:
                 raise ValueError(f"checkpoint tensor {name} has no matching parameter")
-            param.weight_loader(param, tensor, shard_id)
+            _call_loader(name, param.weight_loader, param, tensor, shard_id)
             return target
     param = params.get(name)
     if param is None:
         raise ValueError(f"checkpoint tensor {name} has no matching parameter")
-    getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+    _call_loader(name, getattr(param, "weight_loader", default_weight_loader), param, tensor)
     return name
+
+
+def _call_loader(name: str, loader, *args) -> None:
+    """`loader(*args)`, its ValueError (a shape mismatch) prefixed with the tensor's name;
+    subclasses (`GGUFLayoutUnsupported`, which the loader catches to fall back) pass as they
+    are."""
+    try:
+        loader(*args)
+    except ValueError as e:
+        if type(e) is not ValueError:
+            raise
+        raise ValueError(f"checkpoint tensor {name}: {e}") from e
 
 
 def load_fused_qkv_weight(params: dict[str, nn.Parameter], name: str, tensor) -> str:

@@ -1,5 +1,6 @@
 """`pagedllm generate` streaming and Ctrl-C, `--max-tokens` refused as the server refuses it, and
-the chat-template check that runs before a model loads (issue #40)."""
+the chat-template check that runs before a model loads (issue #40), and a config.json that
+transformers refuses reported in one error line."""
 
 from __future__ import annotations
 
@@ -175,3 +176,22 @@ def test_start_up_lines_name_the_users_file_and_say_reserved(tiny_llama, tmp_pat
     assert len(ready) == 1 and f"model {path}," in ready[0]
     kv = [line for line in lines if "KV cache:" in line]
     assert len(kv) == 1 and "4.0 MiB reserved" in kv[0]
+
+
+@pytest.mark.parametrize("field, value", [("hidden_size", "64"), ("layer_types", "full")])
+def test_invalid_config_field_is_one_error_line(field, value, tiny_llama, tmp_path, capsys):
+    # transformers 5 validates config.json with huggingface_hub's strict dataclasses, whose
+    # errors are not ValueErrors: they used to reach the terminal as a traceback.
+    import json
+    import shutil
+
+    folder = tmp_path / "bad"
+    shutil.copytree(tiny_llama, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config[field] = value
+    (folder / "config.json").write_text(json.dumps(config))
+    assert main(["generate", "--model", str(folder), *SMALL_KV, "--prompt", "hi"]) == 1
+    err = capsys.readouterr().err
+    assert "error: invalid model config (config.json): " in err and field in err
+    assert "Traceback" not in err
+

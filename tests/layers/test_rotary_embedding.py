@@ -81,6 +81,23 @@ def test_su_is_longrope_and_unknown_types_are_named():
         rope_parameters_from_hf({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
 
 
+@pytest.mark.parametrize("hf", [
+    {"partial_rotary_factor": 1.5}, {"partial_rotary_factor": -0.5},
+    {"partial_rotary_factor": "half"},
+    {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 1.5}},
+    {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0}},
+])
+def test_partial_rotary_factor_outside_unit_interval_is_named(hf):
+    # 1.5 once built a RoPE over 24 channels of a 16-channel head and ran (HF fails in forward).
+    with pytest.raises(ValueError, match="partial_rotary_factor must be a number in"):
+        rope_parameters_from_hf(hf)
+
+
+def test_partial_rotary_factor_inside_unit_interval_is_kept():
+    assert rope_parameters_from_hf({"partial_rotary_factor": 0.25})["partial_rotary_factor"] == 0.25
+    assert rope_parameters_from_hf({})["partial_rotary_factor"] == 1.0
+
+
 def test_llama_cpp_rope_freqs_equal_our_llama3_scaling():
     rope = rope_parameters_from_hf({"rope_parameters": dict(LLAMA3)})
     factors = llama_cpp_rope_factors(LLAMA3, 32)

@@ -113,6 +113,17 @@ def test_unload_refused_while_in_use(tiny_llama, adapters):
         engine.shutdown()
 
 
+def test_adapter_may_not_take_a_served_model_name(adapters):
+    # Listed under the base model's name, an adapter would take the base model's requests
+    # (`model` selects adapters first): refused before the engine is asked about the adapter.
+    modules = LoRAModules(None, "base", ["base", "alias"])
+    for name in ("base", "alias"):
+        with pytest.raises(OpenAIServingError, match=f"'{name}' is a served name") as info:
+            modules.load(name, str(adapters["alpha"]))
+        assert info.value.status_code == 400 and info.value.param == "lora_name"
+    assert modules.adapters == {}
+
+
 def test_serve_flags():
     import argparse
 

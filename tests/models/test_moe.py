@@ -307,7 +307,10 @@ def test_fused_weight_loader_takes_all_experts_at_once():
     (lambda m: m.weight_loader(m.w13_weight, torch.zeros(6, 8), "w2", 0), "does not belong"),
     (lambda m: m.weight_loader(m.w13_weight, torch.zeros(6, 8), "gate", 0), "shard id"),
     (lambda m: m.weight_loader(m.w2_weight, torch.zeros(8, 6), "w2", 4), "expert id 4"),
-    (lambda m: m.weight_loader(m.w13_weight, torch.zeros(5, 8), "w1", 0), "too small"),
+    (lambda m: m.weight_loader(m.w13_weight, torch.zeros(5, 8), "w1", 0), "has 5 along dim 0"),
+    # Larger than the config's intermediate size: once narrowed silently to its first rows.
+    (lambda m: m.weight_loader(m.w13_weight, torch.zeros(7, 8), "w3", 0), "has 7 along dim 0"),
+    (lambda m: m.weight_loader(m.w2_weight, torch.zeros(8, 7), "w2", 0), "has 7 along dim 1"),
     (lambda m: m.weight_loader(m.w13_weight, torch.zeros(6, 9), "w1", 0), "shape mismatch"),
     (lambda m: m.weight_loader(m.w13_weight, torch.zeros(3, 12, 8), "w13"), r"\[4, \.\.\.\]"),
 ])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
+from collections.abc import Sequence
 
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
@@ -40,11 +41,16 @@ class LoRAModules:
     Args:
         async_llm: the engine (its `check_lora_request` checks an adapter before it is listed).
         base_model_name: the served model's first name (the adapters' default `parent`).
+        served_model_names: every name of the base model (`--served-model-name`); no adapter
+            may take one, since a request's `model` would then select the adapter instead of
+            the base model.
     """
 
-    def __init__(self, async_llm, base_model_name: str) -> None:
+    def __init__(self, async_llm, base_model_name: str,
+                 served_model_names: Sequence[str] = ()) -> None:
         self.async_llm = async_llm
         self.base_model_name = base_model_name
+        self.served_model_names = frozenset((base_model_name, *served_model_names))
         self.adapters: dict[str, LoRARequest] = {}
         self.parents: dict[str, str] = {}
         self.in_use: Counter[str] = Counter()
@@ -54,9 +60,12 @@ class LoRAModules:
         """Check and list an adapter under `name`.
 
         Raises:
-            OpenAIServingError: 400 naming `lora_name` (already in use) or `lora_path` (the
-                engine refused the adapter: its reason).
+            OpenAIServingError: 400 naming `lora_name` (already in use, or a name of the base
+                model) or `lora_path` (the engine refused the adapter: its reason).
         """
+        if name in self.served_model_names:
+            raise OpenAIServingError(f"The LoRA adapter name '{name}' is a served name of the "
+                                     f"base model; choose another.", 400, param="lora_name")
         if name in self.adapters:
             raise OpenAIServingError(f"The LoRA adapter '{name}' has already been loaded.",
                                      400, param="lora_name")
