@@ -485,6 +485,7 @@ def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str
                          enable_return_routed_experts: bool = False,
                          cpu_threads_bind: str = "auto",
                          cpu_reserved_cores: int | None = 0,
+                         data_parallel_size_local: int = 1, data_parallel_rank_local: int = 0,
                          enable_lora: bool = False, max_loras: int = 1,
                          max_lora_rank: int = 16, max_cpu_loras: int | None = None,
                          kv_transfer_config: dict[str, Any] | KVTransferConfig | None = None,
@@ -556,6 +557,8 @@ def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str
                                      enable_eplb=enable_eplb,
                                      cpu_threads_bind=cpu_threads_bind,
                                      cpu_reserved_cores=cpu_reserved_cores,
+                                     data_parallel_size_local=data_parallel_size_local,
+                                     data_parallel_rank_local=data_parallel_rank_local,
                                      eplb_config=(EPLBConfig.from_dict(eplb_config)
                                                   if isinstance(eplb_config, dict)
                                                   else eplb_config or EPLBConfig()))

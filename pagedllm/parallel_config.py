@@ -69,6 +69,10 @@ class ParallelConfig:
         cpu_reserved_cores: CPU platform: physical cores kept from the kernels for the API
             server's threads (None: one where a machine allows at least 8 cores; see
             docs/shared_machines.md).
+        data_parallel_size_local, data_parallel_rank_local: engine replicas of one data-
+            parallel server in their own processes on this machine, and this engine's index
+            among them (vLLM's names): each replica's workers take their own share of the
+            machine (`machine_slot`) instead of all planning as the machine's only processes.
     """
 
     tensor_parallel_size: int = 1
@@ -83,8 +87,16 @@ class ParallelConfig:
     eplb_config: EPLBConfig = EPLBConfig()
     cpu_threads_bind: str = "auto"
     cpu_reserved_cores: int | None = 0
+    data_parallel_size_local: int = 1
+    data_parallel_rank_local: int = 0
 
     def __post_init__(self) -> None:
+        if self.data_parallel_size_local < 1 or not 0 <= self.data_parallel_rank_local \
+                < self.data_parallel_size_local:
+            raise ValueError(f"need data_parallel_size_local >= 1 and 0 <= "
+                             f"data_parallel_rank_local < data_parallel_size_local, got "
+                             f"{self.data_parallel_size_local} and "
+                             f"{self.data_parallel_rank_local}")
         if self.cpu_reserved_cores is not None and self.cpu_reserved_cores < 0:
             raise ValueError(f"cpu_reserved_cores must be >= 0, got {self.cpu_reserved_cores}")
         if self.enable_eplb and not self.enable_expert_parallel:
@@ -127,6 +139,13 @@ class ParallelConfig:
                                  "(or MASTER_ADDR): rank 0's address, reachable from every node")
         self._check_cpu_threads_bind(backend)
 
+    def machine_slot(self, local_rank: int, local_world_size: int) -> tuple[int, int]:
+        """(index, count) of worker `local_rank` of this engine's `local_world_size` processes
+        on this machine among all the worker processes there, the other local data-parallel
+        replicas' included: replica r's workers come after those of replicas 0..r-1."""
+        return (self.data_parallel_rank_local * local_world_size + local_rank,
+                self.data_parallel_size_local * local_world_size)
+
     def _check_cpu_threads_bind(self, backend: str) -> None:
         """cpu_threads_bind parses, and (where this machine's processes are known: not Ray)
         gives one CPU list per process of this machine, of CPUs this process may use (one
@@ -137,11 +156,11 @@ class ParallelConfig:
         if backend == "ray":
             parse_threads_bind(self.cpu_threads_bind)     # raises ValueError naming it
             return
-        per_node = self.world_size // self.nnodes
+        per_node = self.world_size // self.nnodes * self.data_parallel_size_local
         check_threads_bind(self.cpu_threads_bind, per_node,
                            f"the {per_node} process(es) of this machine (tensor_parallel_size "
-                           "x pipeline_parallel_size / nnodes)",
-                           allowed_cpus() if self.nnodes == 1 else None)
+                           "x pipeline_parallel_size / nnodes x the local data-parallel "
+                           "replicas)", allowed_cpus() if self.nnodes == 1 else None)
 
     @property
     def world_size(self) -> int:

@@ -96,8 +96,15 @@ class DataParallelAsyncLLM:
             launchers = [placement.launcher(i) for i in range(data_parallel_size)]
 
         def build(i: int) -> AsyncLLM:
+            # Cores in processes of this machine (multiprocess mode, the API-server pool's)
+            # share its cores out among them; in-process replicas share this process's thread
+            # pool, and Ray places its actors itself.
+            local = ({"data_parallel_size_local": data_parallel_size,
+                      "data_parallel_rank_local": i} if launchers[i] and placement is None
+                     else {})
             return AsyncLLM.from_engine_args(model, stat_loggers=stat_loggers(i),
-                                             multiprocess_mode=launchers[i], **engine_args)
+                                             multiprocess_mode=launchers[i], **local,
+                                             **engine_args)
 
         if not launchers[0]:
             return cls([build(i) for i in range(data_parallel_size)], router)

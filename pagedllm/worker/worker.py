@@ -75,8 +75,9 @@ class Worker:
         self.platform = current_platform
         self.dtype = self.platform.resolve_dtype(config.model_config.dtype)
         pc = config.parallel_config
-        self.platform.init_device(local_rank, local_world_size, pc.cpu_threads_bind,
-                                  pc.cpu_reserved_cores)
+        # Among every worker process on this machine, the other local DP replicas' included.
+        self.platform.init_device(*pc.machine_slot(local_rank, local_world_size),
+                                  pc.cpu_threads_bind, pc.cpu_reserved_cores)
         self.device = self.platform.device
         if pc.world_size > 1:
             if distributed_init_method is None:

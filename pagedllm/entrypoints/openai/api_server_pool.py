@@ -33,6 +33,7 @@ known to the others, so they are refused with more than one API server.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
@@ -79,7 +80,8 @@ def run_api_server_pool(model: str, engine_kwargs: dict[str, Any], api_server_co
     engine_kwargs = {k: v for k, v in engine_kwargs.items() if k != "multiprocess_mode"}
     if engine_kwargs.get("num_scheduler_steps") is None:
         engine_kwargs["num_scheduler_steps"] = 1    # as AsyncLLM.from_engine_args
-    config = create_engine_config(model, **engine_kwargs)
+    config = create_engine_config(model, data_parallel_size_local=data_parallel_size,
+                                  **engine_kwargs)
     ctx = mp.get_context("spawn")
     folder = tempfile.mkdtemp(prefix="pagedllm-api-pool-")   # mode 0700: this user only
     endpoints = [[CoreEndpoints(f"ipc://{folder}/in-{d}-{a}", f"ipc://{folder}/out-{d}-{a}")
@@ -107,8 +109,11 @@ def run_api_server_pool(model: str, engine_kwargs: dict[str, Any], api_server_co
         for sig in previous:
             signal.signal(sig, signal.SIG_IGN)
         for d in range(data_parallel_size):
+            # Each core's workers take their share of this machine's cores.
+            local = dataclasses.replace(config, parallel_config=dataclasses.replace(
+                config.parallel_config, data_parallel_rank_local=d))
             core = ctx.Process(target=run_engine_core, name=f"pagedllm-engine-core-{d}",
-                               args=(config, endpoints[d], os.getpid(), stop_r))
+                               args=(local, endpoints[d], os.getpid(), stop_r))
             core.start()
             cores.append(core)
         for sig in previous:

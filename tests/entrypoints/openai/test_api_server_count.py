@@ -124,9 +124,9 @@ def _pool_children(launcher_pid: int) -> list[int]:
 
 
 def test_dp2_pool_and_a_killed_core_stops_everything(tiny_llama):
-    """`-dp 2 --api-server-count 2`: two cores, two API servers, greedy text as in-process;
-    SIGKILL of one core ends the in-flight streams it served with an error, and every process of
-    the pool is gone with the launcher's status 1 (nothing hangs)."""
+    """`-dp 2 --api-server-count 2`: two cores on disjoint CPUs, two API servers, greedy text
+    as in-process; SIGKILL of one core ends the in-flight streams it served with an error, and
+    every process of the pool is gone with the launcher's status 1 (nothing hangs)."""
     prompts = [f"Request number {i} says" for i in range(8)]
     offline = LLM(str(tiny_llama), **ENGINE_KWARGS).generate(
         prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
@@ -141,6 +141,9 @@ def test_dp2_pool_and_a_killed_core_stops_everything(tiny_llama):
         wait_healthy(proc, url, 600, poll_s=0.5)
         children = _pool_children(proc.pid)
         assert len(children) == 4, children   # 2 cores (spawned first), 2 API servers
+        if len(os.sched_getaffinity(0)) >= 2 and "PAGEDLLM_CPU_THREADS" not in os.environ:
+            bound = [os.sched_getaffinity(pid) for pid in children[:2]]
+            assert not bound[0] & bound[1], bound    # each core its own share of the CPUs
         texts = [httpx.post(url + "/v1/completions", timeout=120, json={
             "prompt": p, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
         ).json()["choices"][0]["text"] for p in prompts]
