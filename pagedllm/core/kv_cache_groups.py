@@ -270,6 +270,27 @@ def make_kv_cache_groups(num_blocks: int, windows: Sequence[int | None], block_s
     return tuple(specs)
 
 
+def kv_cache_bytes(num_blocks: int, group_bytes_per_block: Sequence[int],
+                   windows: Sequence[int | None], block_size: int, max_num_seqs: int,
+                   max_num_batched_tokens: int, num_lookahead_tokens: int = 0) -> int:
+    """Bytes of all the groups (`make_kv_cache_groups`) when group 0 has `num_blocks` blocks
+    (>= 2); `kv_cache_bytes(2, ...)` is the smallest budget an engine can start with.
+
+    Args:
+        group_bytes_per_block: [num_groups] bytes one block (a state group: one slot) takes
+            over a group's layers.
+        windows, block_size, ...: as for `make_kv_cache_groups`.
+
+    Raises:
+        ValueError: as `make_kv_cache_groups`, or sizes and windows of different lengths.
+    """
+    if len(group_bytes_per_block) != len(windows):
+        raise ValueError(f"{len(group_bytes_per_block)} group sizes for {len(windows)} groups")
+    specs = make_kv_cache_groups(num_blocks, windows, block_size, max_num_seqs,
+                                 max_num_batched_tokens, num_lookahead_tokens)
+    return sum(s.num_blocks * b for s, b in zip(specs, group_bytes_per_block))
+
+
 def num_blocks_for_budget(budget_bytes: int, group_bytes_per_block: Sequence[int],
                           windows: Sequence[int | None], block_size: int, max_num_seqs: int,
                           max_num_batched_tokens: int, num_lookahead_tokens: int = 0) -> int:
@@ -283,14 +304,12 @@ def num_blocks_for_budget(budget_bytes: int, group_bytes_per_block: Sequence[int
     Returns:
         The block count of group 0 (0 or 1 when not even two blocks fit; callers raise).
     """
+    def cost(n: int) -> int:
+        return kv_cache_bytes(n, group_bytes_per_block, windows, block_size, max_num_seqs,
+                              max_num_batched_tokens, num_lookahead_tokens)
+
     if len(group_bytes_per_block) != len(windows):
         raise ValueError(f"{len(group_bytes_per_block)} group sizes for {len(windows)} groups")
-
-    def cost(n: int) -> int:
-        specs = make_kv_cache_groups(n, windows, block_size, max_num_seqs,
-                                     max_num_batched_tokens, num_lookahead_tokens)
-        return sum(s.num_blocks * b for s, b in zip(specs, group_bytes_per_block))
-
     hi = max(1, budget_bytes // max(group_bytes_per_block[0], 1))
     if hi < 2 or cost(2) > budget_bytes:
         return min(hi, 1)

@@ -14,7 +14,8 @@ import logging
 from transformers import AutoConfig
 
 from pagedllm.config import EngineConfig
-from pagedllm.core.kv_cache_groups import KVCacheGroupSpec, num_blocks_for_budget
+from pagedllm.core.kv_cache_groups import (KVCacheGroupSpec, is_state_group, kv_cache_bytes,
+                                           num_blocks_for_budget)
 from pagedllm.core.sched_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from pagedllm.distributed.parallel_state import (destroy_model_parallel, get_pp_group,
                                                  get_tp_group, init_distributed_environment,
@@ -129,8 +130,15 @@ class Worker:
                 num_blocks = min(num_blocks,
                                  1 + sc.max_num_seqs * self.config.max_num_blocks_per_req)
         if num_blocks < 2:
+            windows = runner.kv_cache_windows
+            need = kv_cache_bytes(2, group_bytes, windows, cc.block_size, sc.max_num_seqs,
+                                  sc.max_num_batched_tokens, self.config.num_lookahead_tokens)
+            states = (f", the state cache's slots for max_num_seqs={sc.max_num_seqs} requests "
+                      "included (a lower max_num_seqs needs less)"
+                      if any(is_state_group(w) for w in windows) else "")
             raise ValueError(f"KV cache budget holds {num_blocks} blocks of {sum(group_bytes)} "
-                             "bytes; at least 2 are needed. Give the cache more memory.")
+                             f"bytes; at least 2 are needed: {need} bytes with this model's "
+                             f"cache groups{states}. Give the cache more memory.")
         attn = runner._attention_layers()   # a drafter's layers (MTP modules) included
         groups = runner.kv_cache_groups(num_blocks)
         total_bytes = sum(g.num_blocks * b for g, b in zip(groups, group_bytes))

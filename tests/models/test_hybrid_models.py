@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
 
 import pytest
@@ -221,6 +222,16 @@ def test_too_long_prompt_is_refused_alone(hybrid_checkpoints, hf_references):
     outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], _greedy(),
                         use_tqdm=False)
     _check(outs, hf_references["lfm2"])
+
+
+def test_a_budget_too_small_for_the_state_cache_names_the_minimum(hybrid_checkpoints):
+    """The refusal says how many bytes two blocks take with the state slots of max_num_seqs
+    requests, and that budget is enough to start."""
+    with pytest.raises(ValueError, match=r"at least 2 are needed: \d+ bytes with this model's "
+                       r"cache groups, the state cache's slots for max_num_seqs=128") as error:
+        LLM(str(hybrid_checkpoints["qwen3_next"]), dtype="float32", kv_cache_memory_bytes=64 << 10)
+    need = int(re.search(r"needed: (\d+) bytes", str(error.value)).group(1))
+    LLM(str(hybrid_checkpoints["qwen3_next"]), dtype="float32", kv_cache_memory_bytes=need)
 
 
 def test_unsupported_layer_type_fails_at_load(hybrid_checkpoints, tmp_path):
