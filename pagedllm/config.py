@@ -566,13 +566,11 @@ def create_engine_config(model: str, *, tokenizer: str | None = None, dtype: str
     lora_config = None
     if enable_lora:
         # (imported here: lora/ sits below the folders this module's importers reach)
-        from pagedllm.lora.config import LORA_ARCHITECTURES, LORA_MOE_ARCHITECTURES, LoRAConfig
+        from pagedllm.lora.config import (LORA_MOE_ARCHITECTURES, LoRAConfig,
+                                          check_lora_architectures)
         lora_config = LoRAConfig(max_loras=max_loras, max_lora_rank=max_lora_rank,
                                  max_cpu_loras=max_cpu_loras)
-        unsupported = [a for a in info.architectures if a not in LORA_ARCHITECTURES]
-        if unsupported or not info.architectures:
-            raise ValueError(f"enable_lora: architecture {unsupported or 'unknown'} has no LoRA "
-                             f"support yet; supported: {list(LORA_ARCHITECTURES)}")
+        check_lora_architectures(info.architectures)
         if enable_expert_parallel and set(info.architectures) & set(LORA_MOE_ARCHITECTURES):
             raise ValueError("enable_lora: LoRA on MoE experts is not supported with "
                              "enable_expert_parallel (each rank would need its experts' "

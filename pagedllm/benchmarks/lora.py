@@ -18,6 +18,7 @@ from pagedllm.benchmarks.report import PeakRSSMonitor
 from pagedllm.benchmarks.throughput import throughput_figures, warmup_prompt
 from pagedllm.benchmarks.workload import BenchRequest
 from pagedllm.hf_config import read_hf_config
+from pagedllm.lora.config import check_lora_architectures
 from pagedllm.lora.peft import LoRAModelShapes
 from pagedllm.lora.request import LoRARequest
 
@@ -27,6 +28,7 @@ def write_random_adapters(model_path: str, folder: str | Path, num_loras: int, r
     """Write `num_loras` random adapters of `rank` on every linear layer of the model at
     `model_path` under `folder` (A uniform in +-1/sqrt(in_features) as PEFT's init, B normal
     with std 0.02, lora_alpha = 2 * rank); returns their requests (ids 1..num_loras).
+    Raises ValueError for an architecture the engine has no LoRA support for.
 
     On a MoE model this is every projection of every layer (attention, dense layers' MLPs,
     shared experts) and the routed experts in transformers 5's layout (PEFT's
@@ -34,7 +36,9 @@ def write_random_adapters(model_path: str, folder: str | Path, num_loras: int, r
     rows expert-major, B [out, r E] columns expert-minor, gate_up nested under down)."""
     from safetensors.torch import save_file
 
-    shapes = LoRAModelShapes.from_hf_config(read_hf_config(model_path))
+    hf_config = read_hf_config(model_path)
+    check_lora_architectures(hf_config.get("architectures") or [])   # before any file is written
+    shapes = LoRAModelShapes.from_hf_config(hf_config)
     generator = torch.Generator().manual_seed(seed)
 
     def pair(name: str, a_rows: int, in_features: int, out_features: int, b_cols: int) -> dict:

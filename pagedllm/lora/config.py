@@ -13,6 +13,16 @@ LORA_MOE_ARCHITECTURES = ("MixtralForCausalLM", "OlmoeForCausalLM", "Qwen2MoeFor
 LORA_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                       "Qwen3ForCausalLM", *LORA_MOE_ARCHITECTURES)
 
+
+def check_lora_architectures(architectures: list[str] | tuple[str, ...]) -> None:
+    """Raises ValueError unless every one of a model's `architectures` (config.json) is in
+    LORA_ARCHITECTURES (an empty list: unknown, refused too)."""
+    unsupported = [a for a in architectures if a not in LORA_ARCHITECTURES]
+    if unsupported or not architectures:
+        raise ValueError(f"enable_lora: architecture {unsupported or 'unknown'} has no LoRA "
+                         f"support yet; supported: {list(LORA_ARCHITECTURES)}")
+
+
 @dataclass(frozen=True)
 class LoRAConfig:
     """Present in `EngineConfig.lora_config` only with `enable_lora`.

@@ -44,3 +44,15 @@ def test_random_adapters_cover_moe_models(variant, tmp_path, byte_level_tokenize
     assert loaded.keys() == written.keys()
     for name, tensor in written.items():
         torch.testing.assert_close(loaded[name], tensor, rtol=0, atol=0)
+
+
+def test_random_adapters_refuse_an_architecture_without_lora(tmp_path, byte_level_tokenizer_dir):
+    """Qwen3-Next has no LoRA support: refused naming it before any adapter file is written
+    (the engine would refuse the adapters at start-up)."""
+    base = _build("mixtral", tmp_path / "base", byte_level_tokenizer_dir)
+    config = json.loads((base / "config.json").read_text())
+    config["architectures"] = ["Qwen3NextForCausalLM"]
+    (base / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="Qwen3NextForCausalLM.*has no LoRA support"):
+        write_random_adapters(str(base), tmp_path / "loras", 2, 4)
+    assert not (tmp_path / "loras").exists()
