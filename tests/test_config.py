@@ -148,3 +148,24 @@ def test_missing_tokenizer_or_draft_folder_names_its_argument(tiny_checkpoints):
             "method": "draft_model", "model": "/no/draft", "num_speculative_tokens": 2})
     with pytest.raises(FileNotFoundError, match="^model folder not found: /no/model$"):
         create_engine_config("/no/model")
+
+
+def test_an_eos_token_id_outside_the_vocabulary_is_warned_about(tiny_llama, tmp_path, caplog):
+    """As HF warns: such a model never ends a sequence by EOS, which a user should hear."""
+    from pagedllm import LLM
+
+    path = tmp_path / "eos"
+    shutil.copytree(tiny_llama, path)
+    for name in ("config.json", "generation_config.json"):
+        if (path / name).is_file():
+            config = json.loads((path / name).read_text())
+            config["eos_token_id"] = 5000
+            (path / name).write_text(json.dumps(config))
+    log = logging.getLogger("pagedllm.engine.llm_engine")
+    log.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING, logger="pagedllm.engine.llm_engine"):
+            LLM(str(path), dtype="float32", kv_cache_memory_bytes=4 << 20)
+    finally:
+        log.removeHandler(caplog.handler)
+    assert "eos_token_id [5000] lies outside the vocabulary" in caplog.text

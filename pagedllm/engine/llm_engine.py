@@ -73,6 +73,11 @@ class LLMEngine:
                                         config.model_config.chat_template)
         eos_ids = info.eos_token_ids or ((self.tokenizer.eos_token_id,)
                                          if self.tokenizer.eos_token_id is not None else ())
+        if any(not 0 <= t < info.vocab_size for t in eos_ids):
+            # (HF warns the same way: such a model never ends a sequence by EOS)
+            logger.warning("eos_token_id %s lies outside the vocabulary (vocab_size %d): "
+                           "sequences end only at max_tokens, stop strings or stop ids",
+                           list(eos_ids), info.vocab_size)
         self.engine_core = make_engine_core_client(config, multiprocess_mode)
         self.input_processor = InputProcessor(
             self.tokenizer, config.max_model_len, info.vocab_size, tuple(eos_ids),
