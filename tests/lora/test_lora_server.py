@@ -124,6 +124,18 @@ def test_adapter_may_not_take_a_served_model_name(adapters):
     assert modules.adapters == {}
 
 
+def test_empty_adapter_name_or_path_is_a_400_naming_the_field():
+    # The load route took {"lora_name": ""} to LoRARequest's own check, a ValueError that
+    # left the route as a 500 "internal error": refused as a bad request instead.
+    modules = LoRAModules(None, "base")
+    for name, path, field in (("", "/p", "lora_name"), ("  ", "/p", "lora_name"),
+                              ("x", "", "lora_path")):
+        with pytest.raises(OpenAIServingError, match=f"{field} must be a non-empty") as info:
+            modules.load(name, path)
+        assert info.value.status_code == 400 and info.value.param == field
+    assert modules.adapters == {}
+
+
 def test_serve_flags():
     import argparse
 

@@ -60,8 +60,9 @@ class LoRAModules:
         """Check and list an adapter under `name`.
 
         Raises:
-            OpenAIServingError: 400 naming `lora_name` (already in use, or a name of the base
-                model) or `lora_path` (the engine refused the adapter: its reason).
+            OpenAIServingError: 400 naming `lora_name` (empty, already in use, or a name of the
+                base model) or `lora_path` (empty, or the engine refused the adapter: its
+                reason).
         """
         if name in self.served_model_names:
             raise OpenAIServingError(f"The LoRA adapter name '{name}' is a served name of the "
@@ -69,7 +70,11 @@ class LoRAModules:
         if name in self.adapters:
             raise OpenAIServingError(f"The LoRA adapter '{name}' has already been loaded.",
                                      400, param="lora_name")
-        lora = LoRARequest(name, next(self._ids), path)
+        try:
+            lora = LoRARequest(name, next(self._ids), path)
+        except ValueError as e:  # an empty name or path: the request's fault, not a 500
+            field = "lora_name" if str(e).startswith("lora_name") else "lora_path"
+            raise OpenAIServingError(str(e), 400, param=field) from None
         try:
             self.async_llm.check_lora_request(lora)
         except ValueError as e:
