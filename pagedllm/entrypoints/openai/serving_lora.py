@@ -16,21 +16,20 @@ from collections.abc import Sequence
 
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
-from pydantic import BaseModel, ConfigDict
 
-from pagedllm.entrypoints.openai.protocol import ModelCard
+from pagedllm.entrypoints.openai.protocol import ModelCard, _StrictModel
 from pagedllm.entrypoints.openai.serving_engine import OpenAIServingError
 from pagedllm.lora.request import LoRARequest
 
 
-class LoadLoRAAdapterRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+# Strict bodies (unknown fields, wrong JSON types and lone surrogates are 400s naming the
+# field): a name is echoed in answers and listed in /v1/models, which must encode as UTF-8.
+class LoadLoRAAdapterRequest(_StrictModel):
     lora_name: str
     lora_path: str
 
 
-class UnloadLoRAAdapterRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class UnloadLoRAAdapterRequest(_StrictModel):
     lora_name: str
     lora_int_id: int | None = None
 
