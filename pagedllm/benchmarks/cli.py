@@ -142,7 +142,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     ppl.set_defaults(func=run_perplexity_command)
 
     srv = sub.add_parser("serve", help="drive a running OpenAI-compatible server")
-    srv.add_argument("--base-url", default="http://127.0.0.1:8000",
+    srv.add_argument("--base-url", type=_http_url, default="http://127.0.0.1:8000",
                      help="the server's address (default http://127.0.0.1:8000)")
     srv.add_argument("--model", default=None,
                      help="model name sent in requests (default: the server's first model)")
@@ -152,7 +152,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                      help="vocabulary for random prompts (default: from --preset, or the "
                           "config.json of the server's model root)")
     srv.add_argument("--preset", default=None, help="take the vocabulary size from this preset")
-    srv.add_argument("--request-rate", type=float, default=math.inf,
+    srv.add_argument("--request-rate", type=_request_rate, default=math.inf,
                      help="Poisson arrival rate in requests/s (default inf: all at once)")
     srv.add_argument("--max-concurrency", type=bounded_int(1), default=None, metavar="N",
                      help="most requests in flight at once (default: no limit)")
@@ -592,17 +592,49 @@ def run_perplexity_command(args: argparse.Namespace) -> int:
     return _finish(args, results, not_run)
 
 
+def _request_rate(text: str) -> float:
+    """argparse type of `bench serve --request-rate`: a number > 0 or inf (all at once)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value > 0:       # also nan
+        raise argparse.ArgumentTypeError(f"expected a number > 0 (requests/s) or inf, "
+                                         f"got {text!r}")
+    return value
+
+
+def _http_url(text: str) -> str:
+    """argparse type of `bench serve --base-url`: an http:// or https:// URL."""
+    if not text.startswith(("http://", "https://")):
+        raise argparse.ArgumentTypeError(f"expected an http:// or https:// URL, got {text!r}")
+    return text
+
+
 def run_serve_command(args: argparse.Namespace) -> int:
+    """`pagedllm bench serve`: 0, or 1 when the server cannot be reached or every request
+    failed (the figures would all be nan; the first errors are printed)."""
+    import httpx
+
     from pagedllm.benchmarks.report import print_result
     from pagedllm.benchmarks.serve import run_serve_benchmark
 
-    vocab_size = args.vocab_size or _serve_vocab_size(args)
-    requests = build_workload(args, vocab_size, args.num_prompts)
-    result = asyncio.run(run_serve_benchmark(args.base_url, requests, args.request_rate,
-                                             args.max_concurrency, args.model, args.seed,
-                                             args.api_key))
+    try:
+        vocab_size = args.vocab_size or _serve_vocab_size(args)
+        requests = build_workload(args, vocab_size, args.num_prompts)
+        result = asyncio.run(run_serve_benchmark(args.base_url, requests, args.request_rate,
+                                                 args.max_concurrency, args.model, args.seed,
+                                                 args.api_key))
+    except httpx.HTTPError as e:    # the model lookup (GET /v1/models) failed
+        raise ValueError(f"cannot reach the server at {args.base_url} "
+                         f"({type(e).__name__}: {e})") from None
     print_result(result, "server benchmark")
-    return _finish(args, [result])
+    status = _finish(args, [result])
+    if result["num_successful"] == 0:
+        print(f"error: all {result['num_requests']} requests failed (first: "
+              f"{'; '.join(result['first_errors'])})", file=sys.stderr)
+        return 1
+    return status
 
 
 def run_soak_command(args: argparse.Namespace) -> int:

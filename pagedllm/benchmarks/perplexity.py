@@ -122,11 +122,18 @@ def read_text(path: str | None) -> str:
     """The text of `path`, or BUILTIN_TEXT for None.
 
     Raises:
-        FileNotFoundError: no such file. ValueError: an empty file.
+        ValueError: naming `--input-file` and the path: no such file (or a folder), a file
+            that is not UTF-8 text, or an empty one.
     """
     if path is None:
         return BUILTIN_TEXT
-    text = Path(path).read_text(encoding="utf-8")
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--input-file {path} is not UTF-8 text ({e.reason} at byte "
+                         f"{e.start})") from None
+    except OSError as e:
+        raise ValueError(f"--input-file {path}: {e.strerror or e}") from None
     if not text.strip():
         raise ValueError(f"{path} is empty")
     return text
@@ -138,13 +145,13 @@ def run_perplexity(kwargs: dict[str, Any], input_file: str | None, window: int |
     settings that matter for comparisons included) and the scored windows' token ids."""
     from pagedllm import LLM
 
+    text = read_text(input_file)    # a bad file is refused before the model loads
     llm = LLM(**kwargs)
     config = llm.llm_engine.config
     max_model_len = config.max_model_len
     window = window or max_model_len
     if window > max_model_len:
         raise ValueError(f"--window {window} exceeds max_model_len ({max_model_len})")
-    text = read_text(input_file)
     token_ids = llm.get_tokenizer().encode(text, add_special_tokens=False)
     result = compute_perplexity(llm, token_ids, window, max_windows)
     return ({"model": kwargs["model"], "text": input_file or "built-in",

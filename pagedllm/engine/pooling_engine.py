@@ -62,6 +62,19 @@ class _Tokenized:
     token_ids: list[int]
 
 
+def _refuse_generation_only_features(config: EngineConfig) -> None:
+    """Raises ValueError naming the first set feature the pooling runner would leave unused
+    (LoRA adapters, speculative decoding, a KV connector, sleep mode): one forward per prompt
+    has no adapters, no decode steps and no KV cache to keep, offload or free."""
+    for name, value in (("enable_lora", config.lora_config),
+                        ("speculative_config", config.speculative_config),
+                        ("kv_transfer_config", config.kv_transfer_config),
+                        ("enable_sleep_mode", config.model_config.enable_sleep_mode)):
+        if value:
+            raise ValueError(f"{name} is not supported with runner='pooling' (embeddings); "
+                             f"leave it unset or use runner='generate'")
+
+
 class PoolingEngine:
     """Synchronous embedding engine.
 
@@ -82,6 +95,7 @@ class PoolingEngine:
         self.vocab_size = info.vocab_size
         self.tokenizer = load_tokenizer(config.tokenizer_path,
                                         config.model_config.trust_remote_code)
+        _refuse_generation_only_features(config)
         pc = config.parallel_config
         if pc.tensor_parallel_size != 1 or pc.pipeline_parallel_size != 1:
             raise ValueError("the pooling runner is single-process: use tensor_parallel_size=1 "

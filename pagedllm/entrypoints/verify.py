@@ -151,13 +151,20 @@ def read_prompts(path: str | None) -> list[VerifyPrompt]:
     `\\n` for a newline inside a prompt, a `chat:` prefix for a user message to chat-template.
 
     Raises:
-        FileNotFoundError / ValueError: no such file, or no prompt in it.
+        ValueError: no such file, a file that is not UTF-8 text, or no prompt in it (the
+            message names `--prompts-file` and the path).
     """
     if path is None:
         lines = list(BUILTIN_PROMPTS)
     else:
-        lines = [line.replace("\\n", "\n") for line in
-                 Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"--prompts-file {path} is not UTF-8 text ({e.reason} at byte "
+                             f"{e.start})") from None
+        except OSError as e:
+            raise ValueError(f"--prompts-file {path}: {e.strerror or e}") from None
+        lines = [line.replace("\\n", "\n") for line in text.splitlines() if line.strip()]
         if not lines:
             raise ValueError(f"no prompts in {path}")
     return [VerifyPrompt(line[len(CHAT_PREFIX):].strip(), True) if line.startswith(CHAT_PREFIX)
@@ -189,7 +196,15 @@ def load_reference_model(model: str):
                              f"--reference with the checkpoint folder it was converted "
                              f"from") from e
     else:
-        hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+        try:
+            hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+        except ValueError as e:
+            if "Unrecognized configuration class" not in str(e):
+                raise
+            # transformers lists every causal-LM config it knows (hundreds of names).
+            raise ValueError(f"transformers has no causal language model (AutoModelForCausalLM) "
+                             f"for the checkpoint {model} (e.g. a vision-language model): "
+                             f"verify compares text-only causal language models") from None
     return hf.eval()
 
 
@@ -362,6 +377,10 @@ def _usage_error(args: argparse.Namespace) -> str | None:
     for name in (args.model, args.reference):
         if name is not None and name.lower().endswith(".gguf") and not Path(name).is_file():
             return f"no such file: {name}"
+    # A path (not a hub id) that does not exist: transformers would call it a bad repo id.
+    if (args.reference is not None and args.reference.startswith(("/", ".", "~"))
+            and not Path(args.reference).expanduser().exists()):
+        return f"--reference {args.reference}: no such file or folder"
     return None
 
 

@@ -66,3 +66,43 @@ def test_meaningful_values_still_pass():
     assert (args.rss_drift_limit, args.server_rss_limit_mib, args.kv_cache_memory_bytes) \
         == (0.0, 1, 1)
     assert parser.parse_args(["bench", "serve", "--seed", "0"]).seed == 0
+
+
+@pytest.mark.parametrize("flag, value, expected", [
+    # A negative rate reached random.expovariate (a traceback once a server answered); 0 and
+    # nan likewise. inf (all at once, the default) and positive rates pass.
+    ("--request-rate", "-1", "a number > 0 (requests/s) or inf"),
+    ("--request-rate", "0", "a number > 0 (requests/s) or inf"),
+    ("--request-rate", "nan", "a number > 0 (requests/s) or inf"),
+    # Without a scheme httpx raised UnsupportedProtocol as a traceback.
+    ("--base-url", "localhost:8000", "an http:// or https:// URL"),
+])
+def test_bench_serve_flags_refused_at_parse(capsys, flag, value, expected):
+    with pytest.raises(SystemExit) as exc:
+        _parser().parse_args(["bench", "serve", f"{flag}={value}"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}: expected {expected}, got '{value}'" in err, err
+    args = _parser().parse_args(["bench", "serve", "--request-rate", "inf", "--request-rate",
+                                 "2.5", "--base-url", "https://h:1/"])
+    assert (args.request_rate, args.base_url) == (2.5, "https://h:1/")
+
+
+def test_bench_serve_against_no_server_fails(capsys):
+    # Every request failing (nothing listens) printed nan figures and exited 0; with no
+    # --model the model lookup raised httpx.ConnectError as a traceback.
+    import socket
+
+    from pagedllm.entrypoints.cli import main
+
+    with socket.socket() as s:      # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base = ["bench", "serve", "--base-url", f"http://127.0.0.1:{port}", "--num-prompts", "2",
+            "--input-len", "4", "--output-len", "2", "--vocab-size", "50"]
+    assert main([*base, "--model", "m"]) == 1
+    err = capsys.readouterr().err
+    assert "error: all 2 requests failed" in err and "ConnectError" in err, err
+    assert main(base) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: cannot reach the server at http://127.0.0.1:{port}"), err

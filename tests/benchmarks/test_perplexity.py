@@ -97,3 +97,18 @@ def test_perplexity_compare_llamacpp_scores_the_same_windows(tiny_llama: Path, t
     assert theirs["num_tokens"] == ours["num_tokens"] and theirs["num_windows"] == MAX_WINDOWS
     assert theirs["perplexity"] == pytest.approx(ours["perplexity"], rel=1e-2)
     assert theirs["perplexity_ratio"] == pytest.approx(ours["perplexity"] / theirs["perplexity"])
+
+
+def test_a_bad_input_file_is_refused_naming_it_before_the_model_loads(tmp_path: Path, capsys):
+    # A folder was an IsADirectoryError traceback, a non-UTF-8 file a bare codec error; both
+    # only after the model had loaded. The model here does not exist: the file is checked first.
+    from pagedllm.entrypoints.cli import main
+
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes(b"caf\xe9 au lait\n")
+    for path, want in ((tmp_path, f"--input-file {tmp_path}: "),
+                       (latin1, f"--input-file {latin1} is not UTF-8 text"),
+                       (tmp_path / "gone.txt", f"--input-file {tmp_path / 'gone.txt'}: ")):
+        assert main(["bench", "perplexity", "--model", str(tmp_path / "no-model"),
+                     "--input-file", str(path)]) == 1
+        assert capsys.readouterr().err.startswith(f"error: {want}")

@@ -72,6 +72,9 @@ def test_valid_flags_parse():
     (["--model", "./no/such/dir"], FileNotFoundError, "--model ./no/such/dir: no such folder"),
     (["--model", "/no/such/dir"], FileNotFoundError, "--model /no/such/dir: no such folder"),
     (["--tokenizer", "../nowhere"], FileNotFoundError, "--tokenizer ../nowhere: no such folder"),
+    # Accepted, so every file: image URL later failed as "outside --allowed-local-media-path".
+    (["--allowed-local-media-path", "/no/such/dir"], FileNotFoundError,
+     "--allowed-local-media-path /no/such/dir: no such folder"),
     (["--host", "no-such-host.invalid"], ValueError,
      "cannot listen on no-such-host.invalid:8000: host 'no-such-host.invalid' does not resolve"),
     (["--host", "192.0.2.1", "--port", "0"], ValueError,
@@ -90,6 +93,12 @@ def test_model_file_is_not_a_folder(tiny_llama):
 
 def test_check_serve_args_accepts_a_folder_and_a_hub_id(tiny_llama):
     check_serve_args(_serve_args("--model", str(tiny_llama), "--port", "0"))
+    check_serve_args(_serve_args("--model", str(tiny_llama), "--port", "0",
+                                 "--allowed-local-media-path", str(tiny_llama)))
+    with pytest.raises(FileNotFoundError, match="is a file, not a folder"):
+        check_serve_args(_serve_args("--model", str(tiny_llama), "--port", "0",
+                                     "--allowed-local-media-path",
+                                     str(tiny_llama / "config.json")))
     # A hub id is the engine's to resolve (it may download): not checked here.
     check_serve_args(_serve_args("--model", "org/name", "--port", "0"))
 

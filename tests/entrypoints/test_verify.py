@@ -110,6 +110,29 @@ def test_usage_errors_exit_2(argv, capsys):
     assert capsys.readouterr().err.startswith("error: ")
 
 
+def test_bad_prompts_file_or_reference_names_the_flag(tmp_path, capsys):
+    # A prompts file that is not UTF-8 said only "'utf-8' codec can't decode byte 0xff ...",
+    # a missing --reference folder transformers' "Repo id must be in the form ...".
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes(b"caf\xe9\n")
+    for argv, want in ((["--prompts-file", str(latin1)], f"--prompts-file {latin1} is not UTF-8"),
+                       (["--prompts-file", str(tmp_path)], f"--prompts-file {tmp_path}: "),
+                       (["--reference", str(tmp_path / "gone")],
+                        f"--reference {tmp_path / 'gone'}: no such file or folder")):
+        assert main(["verify", "MODEL", *argv]) == 2
+        assert capsys.readouterr().err.startswith(f"error: {want}")
+
+
+def test_a_vision_language_checkpoint_is_refused_in_one_line(tmp_path, capsys):
+    # transformers' refusal listed every causal-LM config class it knows (~250 names).
+    from pagedllm.entrypoints.verify import load_reference_model
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "idefics3"}))
+    with pytest.raises(ValueError, match="no causal language model .* text-only") as info:
+        load_reference_model(str(tmp_path))
+    assert "LlamaConfig" not in str(info.value)
+
+
 def test_unknown_flag_exits_2():
     with pytest.raises(SystemExit) as e:
         main(["verify", "MODEL", "--no-such-flag"])

@@ -124,6 +124,43 @@ def test_adapter_may_not_take_a_served_model_name(adapters):
     assert modules.adapters == {}
 
 
+def test_empty_adapter_name_or_path_is_a_400_naming_the_field():
+    # The load route took {"lora_name": ""} to LoRARequest's own check, a ValueError that
+    # left the route as a 500 "internal error": refused as a bad request instead.
+    modules = LoRAModules(None, "base")
+    for name, path, field in (("", "/p", "lora_name"), ("  ", "/p", "lora_name"),
+                              ("x", "", "lora_path")):
+        with pytest.raises(OpenAIServingError, match=f"{field} must be a non-empty") as info:
+            modules.load(name, path)
+        assert info.value.status_code == 400 and info.value.param == field
+    assert modules.adapters == {}
+
+
+def test_lone_surrogate_in_lora_routes_is_a_400(tiny_llama, adapters):
+    # A lone UTF-16 surrogate is valid JSON; as a LoRA name it was listed (the adapter loaded)
+    # and the answer naming it could not be encoded: a 500 "internal error:
+    # UnicodeEncodeError" for a call that had changed the server's adapters.
+    from fastapi.testclient import TestClient
+
+    from pagedllm.entrypoints.openai.api_server import build_app
+
+    engine = AsyncLLM.from_engine_args(str(tiny_llama), dtype="float32",
+                                       kv_cache_memory_bytes=2 << 20, enable_lora=True,
+                                       max_lora_rank=8)
+    bad = '"a\\ud800b"'
+    with TestClient(build_app(engine, ["base"], allow_runtime_lora_updating=True)) as client:
+        for path, body, field in (
+                ("/v1/load_lora_adapter",
+                 '{"lora_name": %s, "lora_path": "%s"}' % (bad, adapters["alpha"]), "lora_name"),
+                ("/v1/load_lora_adapter", '{"lora_name": "x", "lora_path": %s}' % bad,
+                 "lora_path"),
+                ("/v1/unload_lora_adapter", '{"lora_name": %s}' % bad, "lora_name")):
+            r = client.post(path, content=body, headers={"Content-Type": "application/json"})
+            assert r.status_code == 400, (path, r.text)
+            assert r.json()["error"]["param"] == field, (path, r.text)
+        assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["base"]
+
+
 def test_serve_flags():
     import argparse
 

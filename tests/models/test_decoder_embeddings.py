@@ -43,3 +43,18 @@ def test_mean_and_last_unnormalized_match_hf(llm: LLM, hf_hidden) -> None:
     for h, m, l in zip(hf_hidden, mean, last):
         np.testing.assert_allclose(m.outputs.embedding, h.mean(0).numpy(), atol=5e-5)
         np.testing.assert_allclose(l.outputs.embedding, h[-1].numpy(), atol=5e-5)
+
+
+@pytest.mark.parametrize("kwargs, named", [
+    ({"enable_lora": True}, "enable_lora"),
+    ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
+     "speculative_config"),
+    ({"kv_offloading_size": 0.01}, "kv_transfer_config"),
+    ({"enable_sleep_mode": True}, "enable_sleep_mode"),
+])
+def test_generation_only_features_are_refused_by_the_pooling_runner(tiny_llama: Path, kwargs,
+                                                                    named) -> None:
+    # They were accepted and silently unused: `serve --runner pooling --enable-lora
+    # --lora-modules a=...` started and served no adapter `a`.
+    with pytest.raises(ValueError, match=f"{named} .*runner='pooling'"):
+        LLM(str(tiny_llama), runner="pooling", dtype="float32", max_model_len=64, **kwargs)

@@ -207,7 +207,8 @@ def check_serve_args(args: argparse.Namespace) -> None:
         ValueError: a pooling-only flag without --runner pooling, --data-parallel-size > 1
             or --multiprocess-mode with --runner pooling, --data-parallel-size > 1 with the
             P2pShmConnector, or a --host/--port the server cannot listen on.
-        FileNotFoundError: --model or --tokenizer is a path but not a folder.
+        FileNotFoundError: --model or --tokenizer is a path but not a folder, or
+            --allowed-local-media-path is not a folder.
     """
     for key in ("pooling_type", "normalize"):
         if getattr(args, key) is not None and args.runner != "pooling":
@@ -241,6 +242,10 @@ def check_serve_args(args: argparse.Namespace) -> None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     _check_local_folder("--model", args.model)
     _check_local_folder("--tokenizer", args.tokenizer)
+    media_root = args.allowed_local_media_path
+    if media_root is not None and not os.path.isdir(os.path.expanduser(media_root)):
+        what = "is a file, not a folder" if os.path.exists(media_root) else "no such folder"
+        raise FileNotFoundError(f"--allowed-local-media-path {media_root}: {what}")
     check_can_listen(args.host, args.port)
 
 

@@ -19,20 +19,20 @@ from typing import Any
 
 from fastapi import FastAPI, Query
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict
 
 from pagedllm.engine.async_llm import PAUSE_MODES
 from pagedllm.engine.sleep_mode import EngineSleepingError
+from pagedllm.entrypoints.openai.protocol import _StrictModel
 from pagedllm.entrypoints.openai.serving_engine import OpenAIServingError
 
 
-class UpdateWeightsRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+# Strict bodies as on the generation routes: a path or method name with a lone surrogate is a
+# 400 naming the field, not an error message that cannot be encoded (500).
+class UpdateWeightsRequest(_StrictModel):
     model_path: str
 
 
-class CollectiveRpcRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class CollectiveRpcRequest(_StrictModel):
     method: str
     args: list[Any] = []
 

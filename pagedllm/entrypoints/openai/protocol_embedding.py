@@ -8,15 +8,18 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
-from pagedllm.entrypoints.openai.protocol import UsageInfo, now_s, random_id
+from pagedllm.entrypoints.openai.protocol import UsageInfo, _StrictModel, now_s, random_id
 
 
-class EmbeddingRequest(BaseModel):
-    """OpenAI's fields, plus vLLM's `truncate_prompt_tokens` and `normalize` extras."""
+class EmbeddingRequest(_StrictModel):
+    """OpenAI's fields, plus vLLM's `truncate_prompt_tokens` and `normalize` extras.
 
-    model_config = ConfigDict(extra="ignore")
+    Checked as the completion routes check their bodies (a 400 naming the field): unknown
+    fields, values of the wrong JSON type (`true` is no token id, `"5"` no int), and text that
+    is not valid Unicode (a lone surrogate, which no tokenizer takes) are refused.
+    """
 
     model: str | None = None
     input: list[int] | list[list[int]] | str | list[str]

@@ -16,21 +16,20 @@ from collections.abc import Sequence
 
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
-from pydantic import BaseModel, ConfigDict
 
-from pagedllm.entrypoints.openai.protocol import ModelCard
+from pagedllm.entrypoints.openai.protocol import ModelCard, _StrictModel
 from pagedllm.entrypoints.openai.serving_engine import OpenAIServingError
 from pagedllm.lora.request import LoRARequest
 
 
-class LoadLoRAAdapterRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+# Strict bodies (unknown fields, wrong JSON types and lone surrogates are 400s naming the
+# field): a name is echoed in answers and listed in /v1/models, which must encode as UTF-8.
+class LoadLoRAAdapterRequest(_StrictModel):
     lora_name: str
     lora_path: str
 
 
-class UnloadLoRAAdapterRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class UnloadLoRAAdapterRequest(_StrictModel):
     lora_name: str
     lora_int_id: int | None = None
 
@@ -60,8 +59,9 @@ class LoRAModules:
         """Check and list an adapter under `name`.
 
         Raises:
-            OpenAIServingError: 400 naming `lora_name` (already in use, or a name of the base
-                model) or `lora_path` (the engine refused the adapter: its reason).
+            OpenAIServingError: 400 naming `lora_name` (empty, already in use, or a name of the
+                base model) or `lora_path` (empty, or the engine refused the adapter: its
+                reason).
         """
         if name in self.served_model_names:
             raise OpenAIServingError(f"The LoRA adapter name '{name}' is a served name of the "
@@ -69,7 +69,11 @@ class LoRAModules:
         if name in self.adapters:
             raise OpenAIServingError(f"The LoRA adapter '{name}' has already been loaded.",
                                      400, param="lora_name")
-        lora = LoRARequest(name, next(self._ids), path)
+        try:
+            lora = LoRARequest(name, next(self._ids), path)
+        except ValueError as e:  # an empty name or path: the request's fault, not a 500
+            field = "lora_name" if str(e).startswith("lora_name") else "lora_path"
+            raise OpenAIServingError(str(e), 400, param=field) from None
         try:
             self.async_llm.check_lora_request(lora)
         except ValueError as e:

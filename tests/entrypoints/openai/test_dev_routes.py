@@ -135,3 +135,18 @@ def test_update_weights_and_collective_rpc(server):
     rpc = client.post("/collective_rpc", json={"method": "kv_cache_windows"})
     assert rpc.status_code == 200 and rpc.json() == {"results": [[None]]}
     assert client.post("/collective_rpc", json={"method": "__init__"}).status_code == 400
+
+
+
+def test_lone_surrogates_in_bodies_are_400s(server):
+    # A lone UTF-16 surrogate is valid JSON; in a model path or a method name it reached code
+    # that echoes or encodes it. Refused as every generation route refuses it (400 naming the
+    # field), and the server goes on.
+    client, *_ = server
+    bad = '"a\\ud800b"'
+    for path, body, field in (("/update_weights", '{"model_path": %s}' % bad, "model_path"),
+                              ("/collective_rpc", '{"method": %s}' % bad, "method")):
+        r = client.post(path, content=body, headers={"Content-Type": "application/json"})
+        assert r.status_code == 400, (path, r.text)
+        assert r.json()["error"]["param"] == field, (path, r.text)
+    assert _token_ids(_complete(client))
