@@ -18,7 +18,6 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 # A built-in English passage for runs without --input-file (written for this benchmark).
@@ -127,13 +126,9 @@ def read_text(path: str | None) -> str:
     """
     if path is None:
         return BUILTIN_TEXT
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"--input-file {path} is not UTF-8 text ({e.reason} at byte "
-                         f"{e.start})") from None
-    except OSError as e:
-        raise ValueError(f"--input-file {path}: {e.strerror or e}") from None
+    from pagedllm.engine.arg_utils import read_text_file
+
+    text = read_text_file(path, "--input-file")
     if not text.strip():
         raise ValueError(f"{path} is empty")
     return text

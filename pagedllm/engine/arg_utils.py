@@ -6,6 +6,7 @@ import argparse
 import json
 import math
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from pagedllm.config import MAX_NUM_SCHEDULER_STEPS, SCHEDULING_POLICIES
@@ -60,6 +61,22 @@ def non_empty(text: str) -> str:
     if not text.strip():
         raise argparse.ArgumentTypeError("must not be empty")
     return text
+
+
+def read_text_file(path: str, flag: str) -> str:
+    """The UTF-8 text of the file a command-line `flag` names.
+
+    Raises:
+        ValueError: naming `flag` and `path`: no such file, a folder or another OS error, or
+            bytes that are not UTF-8.
+    """
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{flag} {path} is not UTF-8 text ({e.reason} at byte {e.start})") \
+            from None
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: {e.strerror or e}") from None
 
 
 def _json_object(text: str) -> dict[str, Any]:

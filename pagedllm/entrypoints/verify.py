@@ -157,13 +157,9 @@ def read_prompts(path: str | None) -> list[VerifyPrompt]:
     if path is None:
         lines = list(BUILTIN_PROMPTS)
     else:
-        try:
-            text = Path(path).read_text(encoding="utf-8")
-        except UnicodeDecodeError as e:
-            raise ValueError(f"--prompts-file {path} is not UTF-8 text ({e.reason} at byte "
-                             f"{e.start})") from None
-        except OSError as e:
-            raise ValueError(f"--prompts-file {path}: {e.strerror or e}") from None
+        from pagedllm.engine.arg_utils import read_text_file
+
+        text = read_text_file(path, "--prompts-file")
         lines = [line.replace("\\n", "\n") for line in text.splitlines() if line.strip()]
         if not lines:
             raise ValueError(f"no prompts in {path}")
