@@ -44,6 +44,7 @@ from pagedllm.distributed.parallel_state import (get_expert_parallel_layout,
 from pagedllm.native.kernels import cpu_kernels
 from pagedllm.native.kernels.ops import cpu_fused_moe, fused_moe_supported
 from pagedllm.layers.activation import SiluAndMul
+from pagedllm.layers.linear import shard_of
 from pagedllm.layers.routed_experts import RoutedExpertsCapture
 from pagedllm.platforms import current_platform
 
@@ -267,13 +268,8 @@ class FusedMoE(nn.Module):
     def _load_expert(self, target: torch.Tensor, loaded, shard_id: str) -> None:
         """One expert's w1/w3 [I, H] or w2 [H, I] into its slot `target` (this rank's shard)."""
         inter = self.intermediate_size_per_partition
-        dim = 1 if shard_id == "w2" else 0
-        if loaded.shape[dim] != inter * self.moe_tp_size:
-            raise ValueError(f"shape mismatch: expert {shard_id} checkpoint "
-                             f"{tuple(loaded.shape)} has {loaded.shape[dim]} along dim {dim}, "
-                             f"the model config's intermediate size is "
-                             f"{inter * self.moe_tp_size}")
-        part = _narrow(loaded, dim, self.moe_tp_rank * inter, inter)
+        part = shard_of(loaded, 1 if shard_id == "w2" else 0, inter * self.moe_tp_size,
+                        self.moe_tp_rank, inter)
         if shard_id == "w2":
             _copy(target, part)
             return

@@ -28,7 +28,7 @@ from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import default_weight_loader
 from pagedllm.layers.pipeline import PPMissingLayer
 from pagedllm.models.llama import LlamaDecoderLayer, LlamaMLP, LlamaModel
-from pagedllm.models.utils import load_causal_lm_weights, make_lm_head
+from pagedllm.models.utils import call_weight_loader, load_causal_lm_weights, make_lm_head
 from pagedllm.platforms import current_platform
 
 # Checkpoint name of one expert's tensor ("model.layers.3.mlp.experts.7.gate_proj.weight") and
@@ -239,12 +239,7 @@ def _load_expert_tensor(params: dict[str, nn.Parameter], name: str, tensor,
     param = params.get(target)
     if param is None:
         raise ValueError(f"checkpoint tensor {name} has no matching parameter")
-    try:
-        param.weight_loader(param, tensor, shard_id, expert_id)
-    except ValueError as e:
-        if type(e) is not ValueError:   # GGUFLayoutUnsupported: the loader falls back on it
-            raise
-        raise ValueError(f"checkpoint tensor {name}: {e}") from e
+    call_weight_loader(name, param.weight_loader, param, tensor, shard_id, expert_id)
     if seen is not None:
         seen.setdefault(target, set()).add(shard_id if expert_id is None
                                            else (expert_id, shard_id))

@@ -41,19 +41,19 @@ def load_named_weight(params: dict[str, nn.Parameter], name: str, tensor,
             param = params.get(target)
             if param is None:
                 raise ValueError(f"checkpoint tensor {name} has no matching parameter")
-            _call_loader(name, param.weight_loader, param, tensor, shard_id)
+            call_weight_loader(name, param.weight_loader, param, tensor, shard_id)
             return target
     param = params.get(name)
     if param is None:
         raise ValueError(f"checkpoint tensor {name} has no matching parameter")
-    _call_loader(name, getattr(param, "weight_loader", default_weight_loader), param, tensor)
+    call_weight_loader(name, getattr(param, "weight_loader", default_weight_loader), param, tensor)
     return name
 
 
-def _call_loader(name: str, loader, *args) -> None:
-    """`loader(*args)`, its ValueError (a shape mismatch) prefixed with the tensor's name;
-    subclasses (`GGUFLayoutUnsupported`, which the loader catches to fall back) pass as they
-    are."""
+def call_weight_loader(name: str, loader, *args) -> None:
+    """`loader(*args)` for checkpoint tensor `name`, its ValueError (a shape mismatch)
+    prefixed with the name; subclasses (`GGUFLayoutUnsupported`, which the loader catches to
+    fall back) pass as they are."""
     try:
         loader(*args)
     except ValueError as e:
