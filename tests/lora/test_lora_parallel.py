@@ -106,7 +106,7 @@ def test_runtime_load_and_unload_reach_every_rank(references):
                                        distributed_executor_backend="mp")
 
     async def scenario():    # one event loop: the engine binds to the first one it serves
-        modules = LoRAModules(engine, "base")
+        modules = LoRAModules(engine, ["base"])
         lora = modules.load("custom", first.lora_path)
         _assert_same([await _complete(engine, prompts[1], lora, "a")], [want[1]], [lora])
         modules.unload("custom")

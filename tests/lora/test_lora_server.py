@@ -98,7 +98,7 @@ def test_unload_refused_while_in_use(tiny_llama, adapters):
                                        kv_cache_memory_bytes=2 << 20, enable_lora=True,
                                        max_lora_rank=8)
     try:
-        modules = LoRAModules(engine, "base")
+        modules = LoRAModules(engine, ["base"])
         first = modules.load("alpha", str(adapters["alpha"]))
         assert modules.acquire("alpha") == first and modules.acquire("base") is None
         with pytest.raises(OpenAIServingError, match="in use by 1 requests") as info:
@@ -116,7 +116,7 @@ def test_unload_refused_while_in_use(tiny_llama, adapters):
 def test_adapter_may_not_take_a_served_model_name(adapters):
     # Listed under the base model's name, an adapter would take the base model's requests
     # (`model` selects adapters first): refused before the engine is asked about the adapter.
-    modules = LoRAModules(None, "base", ["base", "alias"])
+    modules = LoRAModules(None, ["base", "alias"])
     for name in ("base", "alias"):
         with pytest.raises(OpenAIServingError, match=f"'{name}' is a served name") as info:
             modules.load(name, str(adapters["alpha"]))
@@ -127,7 +127,7 @@ def test_adapter_may_not_take_a_served_model_name(adapters):
 def test_empty_adapter_name_or_path_is_a_400_naming_the_field():
     # The load route took {"lora_name": ""} to LoRARequest's own check, a ValueError that
     # left the route as a 500 "internal error": refused as a bad request instead.
-    modules = LoRAModules(None, "base")
+    modules = LoRAModules(None, ["base"])
     for name, path, field in (("", "/p", "lora_name"), ("  ", "/p", "lora_name"),
                               ("x", "", "lora_path")):
         with pytest.raises(OpenAIServingError, match=f"{field} must be a non-empty") as info:

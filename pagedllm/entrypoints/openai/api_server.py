@@ -278,8 +278,7 @@ def build_app(async_llm: AsyncLLM | DataParallelAsyncLLM, served_model_names: Se
     """
     serving = OpenAIServing(async_llm, served_model_names)
     if lora_modules or allow_runtime_lora_updating:
-        serving.lora_modules = LoRAModules(async_llm, served_model_names[0],
-                                           served_model_names)
+        serving.lora_modules = LoRAModules(async_llm, served_model_names)
         for module in lora_modules:
             try:
                 serving.lora_modules.load(module.name, module.path, module.base_model_name)

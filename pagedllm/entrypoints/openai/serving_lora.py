@@ -39,17 +39,15 @@ class LoRAModules:
 
     Args:
         async_llm: the engine (its `check_lora_request` checks an adapter before it is listed).
-        base_model_name: the served model's first name (the adapters' default `parent`).
-        served_model_names: every name of the base model (`--served-model-name`); no adapter
-            may take one, since a request's `model` would then select the adapter instead of
-            the base model.
+        served_model_names: every name of the base model (`--served-model-name`; the first is
+            the adapters' default `parent`); no adapter may take one, since a request's `model`
+            would then select the adapter instead of the base model.
     """
 
-    def __init__(self, async_llm, base_model_name: str,
-                 served_model_names: Sequence[str] = ()) -> None:
+    def __init__(self, async_llm, served_model_names: Sequence[str]) -> None:
         self.async_llm = async_llm
-        self.base_model_name = base_model_name
-        self.served_model_names = frozenset((base_model_name, *served_model_names))
+        self.base_model_name = served_model_names[0]
+        self.served_model_names = frozenset(served_model_names)
         self.adapters: dict[str, LoRARequest] = {}
         self.parents: dict[str, str] = {}
         self.in_use: Counter[str] = Counter()
